@@ -1,0 +1,21 @@
+"""hf_megatrain: train decoder LLMs larger than the GPU, at full precision, from the HF stack."""
+
+from .core.host_store import InsufficientHostMemoryError
+from .hf.arguments import MegaTrainArguments
+from .hf.checkpoint import save_streamed_pretrained
+from .hf.loading import load_streamed_model
+from .hf.model import SUPPORTED_MODEL_TYPES, UnsupportedModelError, prepare_streamed_model
+from .hf.trainer import HFMegaTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HFMegaTrainer",
+    "InsufficientHostMemoryError",
+    "MegaTrainArguments",
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError",
+    "load_streamed_model",
+    "prepare_streamed_model",
+    "save_streamed_pretrained",
+]

@@ -1,0 +1,14 @@
+"""Systems core: host store, streaming engine, host optimizer. No ``transformers`` imports."""
+
+from .host_store import HostStore, InsufficientHostMemoryError, LayerStore
+from .optimizer import HostAdamW
+from .streaming import StreamedLayer, StreamingEngine
+
+__all__ = [
+    "HostAdamW",
+    "HostStore",
+    "InsufficientHostMemoryError",
+    "LayerStore",
+    "StreamedLayer",
+    "StreamingEngine",
+]

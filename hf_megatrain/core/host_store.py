@@ -1,0 +1,220 @@
+"""Host-resident parameter store: per decoder layer, page-aligned flat buffers.
+
+Each streamed layer owns one anonymous ``mmap`` region (page aligned by construction) laid out as
+
+    [ stream copy (compute dtype) | grad (fp32) | master (fp32) | exp_avg (fp32) | exp_avg_sq (fp32) ]
+
+The first two parts are what crosses PCIe (weights H2D, gradients D2H), so only they are registered
+with ``cudaHostRegister`` when CUDA is present: registering an existing page-aligned buffer is ~10x
+cheaper than ``torch.empty(pin_memory=True)`` and avoids the caching host allocator's power-of-two
+rounding. In fp32 runs the master itself is what streams, so no separate stream copy exists.
+
+Within a layer, parameters that get weight decay are laid out first, then the ones that do not, so
+the optimizer updates each group with one fused call over a contiguous slice.
+
+This module is deliberately free of ``transformers`` imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+_FP32 = 4
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class InsufficientHostMemoryError(MemoryError):
+    """Raised before any allocation when the host store would not fit in host RAM."""
+
+
+def available_host_bytes() -> int:
+    """Bytes of host RAM this process can still take: MemAvailable, capped by a cgroup limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+            if raw.isdigit():
+                limit = int(raw)
+                used_path = path.replace("memory.max", "memory.current").replace(
+                    "limit_in_bytes", "usage_in_bytes"
+                )
+                with open(used_path) as f:
+                    used = int(f.read().strip())
+                avail = min(avail, max(limit - used, 0))
+        except (OSError, ValueError):
+            continue
+    return avail
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one named parameter lives inside its layer's flat buffers."""
+
+    name: str  # name relative to the layer module, e.g. "self_attn.q_proj.weight"
+    shape: tuple[int, ...]
+    offset: int  # in elements
+    numel: int
+    decay: bool
+
+
+def layout_slots(
+    named_shapes: Iterable[tuple[str, tuple[int, ...], bool]],
+) -> tuple[list[TensorSlot], int, int]:
+    """Lay out ``(name, shape, decay)`` entries: decay parameters first, then no-decay ones.
+
+    Returns ``(slots, total_numel, decay_numel)``. Offsets are aligned to 16 elements (64 bytes
+    in fp32) so every parameter view starts on a cache line and vectorized kernels stay aligned.
+    """
+    entries = list(named_shapes)
+    ordered = [e for e in entries if e[2]] + [e for e in entries if not e[2]]
+    slots: list[TensorSlot] = []
+    offset = 0
+    decay_numel = 0
+    for name, shape, decay in ordered:
+        numel = 1
+        for d in shape:
+            numel *= d
+        slots.append(TensorSlot(name, tuple(shape), offset, numel, decay))
+        offset = _round_up(offset + numel, 16)
+        if decay:
+            decay_numel = offset
+    return slots, offset, decay_numel
+
+
+def layer_store_bytes(numel: int, stream_dtype: torch.dtype) -> int:
+    """Host bytes one layer of ``numel`` parameters takes (what ``LayerStore`` allocates)."""
+    stream = 0 if stream_dtype == torch.float32 else _round_up(numel * stream_dtype.itemsize, PAGE)
+    fp32 = _round_up(numel * _FP32, PAGE)
+    return stream + 4 * fp32
+
+
+def _cuda_register(ptr: int, nbytes: int) -> bool:
+    if not torch.cuda.is_available() or nbytes == 0:
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    code = int(err.value) if hasattr(err, "value") else int(err)
+    if code != 0:
+        logger.warning("cudaHostRegister failed (error %s); streaming from pageable memory", code)
+        return False
+    return True
+
+
+def _cuda_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class LayerStore:
+    """Flat host buffers of one streamed layer: stream copy, fp32 grad, master and AdamW moments."""
+
+    def __init__(
+        self,
+        slots: list[TensorSlot],
+        numel: int,
+        decay_numel: int,
+        stream_dtype: torch.dtype,
+        pin: bool,
+    ) -> None:
+        self.slots = slots
+        self.numel = numel
+        self.decay_numel = decay_numel
+        self.stream_dtype = stream_dtype
+        separate_stream = stream_dtype != torch.float32
+        stream_bytes = _round_up(numel * stream_dtype.itemsize, PAGE) if separate_stream else 0
+        fp32_bytes = _round_up(numel * _FP32, PAGE)
+        total = stream_bytes + 4 * fp32_bytes
+        self._mmap = mmap.mmap(-1, max(total, PAGE))
+        raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total) if total else None
+
+        def view(start: int, dtype: torch.dtype) -> torch.Tensor:
+            nbytes = numel * dtype.itemsize
+            return raw[start : start + nbytes].view(dtype)
+
+        cursor = 0
+        if separate_stream:
+            self.stream = view(0, stream_dtype)
+            cursor = stream_bytes
+        self.grad = view(cursor, torch.float32)
+        self.master = view(cursor + fp32_bytes, torch.float32)
+        self.exp_avg = view(cursor + 2 * fp32_bytes, torch.float32)
+        self.exp_avg_sq = view(cursor + 3 * fp32_bytes, torch.float32)
+        if not separate_stream:
+            self.stream = self.master
+        # The PCIe-facing prefix: stream copy and grad (the master too when it is the stream copy).
+        pinned_bytes = stream_bytes + fp32_bytes * (1 if separate_stream else 2)
+        self._pinned_ptr = raw.data_ptr() if raw is not None else 0
+        self.pinned = pin and _cuda_register(self._pinned_ptr, pinned_bytes)
+        self.nbytes = total
+
+    # --- views -----------------------------------------------------------------------------
+    def param_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Name -> shaped view of ``flat`` (any of this layer's flat buffers)."""
+        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
+
+    def segments(self) -> list[tuple[bool, int, int]]:
+        """``(decay, start, end)`` of the contiguous decay and no-decay ranges (empty ones dropped)."""
+        segs = [(True, 0, self.decay_numel), (False, self.decay_numel, self.numel)]
+        return [s for s in segs if s[2] > s[1]]
+
+    def refresh_stream_copy(self) -> None:
+        """Re-derive the compute-dtype copy from the fp32 master (no-op in fp32 runs)."""
+        if self.stream is not self.master:
+            self.stream.copy_(self.master)
+
+    def close(self) -> None:
+        if self.pinned:
+            _cuda_unregister(self._pinned_ptr)
+            self.pinned = False
+
+
+class HostStore:
+    """All streamed layers' host state, plus the accounting needed to refuse early."""
+
+    def __init__(self, layers: list[LayerStore]) -> None:
+        self.layers = layers
+
+    @staticmethod
+    def check_fits(needed_bytes: int, limit_bytes: int | None = None) -> None:
+        """Raise ``InsufficientHostMemoryError`` before anything is allocated if RAM is short."""
+        avail = available_host_bytes() if limit_bytes is None else limit_bytes
+        if needed_bytes > avail:
+            raise InsufficientHostMemoryError(
+                f"hf_megatrain: the host store needs {needed_bytes / 2**30:.2f} GiB of host RAM "
+                f"(fp32 master + 2 AdamW moments + fp32 grad + stream copy), but only "
+                f"{avail / 2**30:.2f} GiB is available. Use a machine with more RAM, a smaller "
+                f"model, or freeze part of the model."
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def numel(self) -> int:
+        return sum(layer.numel for layer in self.layers)
+
+    def close(self) -> None:
+        for layer in self.layers:
+            layer.close()

@@ -1,0 +1,230 @@
+"""AdamW over the host store (streamed layers) and over resident parameters.
+
+Semantics are those of ``torch.optim.AdamW`` as the HF Trainer builds it: two param groups (decay,
+no-decay), ``lr``/``betas``/``eps``/``weight_decay`` read from ``param_groups`` at every step (so any
+LR scheduler drives it), global-norm clipping over every gradient. Streamed layers update on the CPU
+with torch's fused AdamW kernel over contiguous flat slices of the host store; resident parameters
+(embeddings, final norm, LM head) update with the fused kernel on their own device.
+
+Clipping: ``clip_grad_norm_`` computes the global norm once; the coefficient reaches the host update
+as the fused kernel's ``grad_scale`` (grad / (1/coef)), which saves a full pass over the host
+gradients. It differs from an in-place ``grad *= coef`` by at most one rounding of the scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.optim.adam import adam as _adam_functional
+
+from .host_store import LayerStore
+from .streaming import StreamingEngine
+
+
+@dataclass
+class _Segment:
+    layer: int
+    store: LayerStore
+    start: int
+    end: int
+    step: torch.Tensor  # fp32 scalar, what the fused kernel increments
+
+
+class HostAdamW(torch.optim.Optimizer):
+    """AdamW whose streamed-layer state lives in the host store.
+
+    Args:
+        engine: the streaming engine whose stores hold masters, moments and gradients.
+        resident: ``(name, parameter, decay)`` for parameters that live as real ``nn.Parameter``s.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+    """
+
+    def __init__(
+        self,
+        engine: StreamingEngine,
+        resident: Iterable[tuple[str, torch.nn.Parameter, bool]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        self.engine = engine
+        resident = list(resident)
+        self.resident_names = {id(p): n for n, p, _ in resident}
+        decay_params: list[torch.Tensor] = [p for _, p, d in resident if d]
+        no_decay_params: list[torch.Tensor] = [p for _, p, d in resident if not d]
+        self._segments: list[list[_Segment]] = [[], []]
+        self._streamed_ids: set[int] = set()
+        for idx, store in enumerate(engine.stores):
+            for decay, start, end in store.segments():
+                view = store.master[start:end]
+                (decay_params if decay else no_decay_params).append(view)
+                self._streamed_ids.add(id(view))
+                seg = _Segment(idx, store, start, end, torch.zeros((), dtype=torch.float32))
+                self._segments[0 if decay else 1].append(seg)
+        groups = [
+            {"params": decay_params, "weight_decay": weight_decay},
+            {"params": no_decay_params, "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        if len(groups) == 1 and not decay_params:
+            self._segments = [self._segments[1]]
+        elif len(groups) == 1:
+            self._segments = [self._segments[0]]
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._clip_coef: torch.Tensor | None = None
+        self._last_norm: torch.Tensor | None = None
+        # What accelerate's AcceleratedOptimizer would provide; the Trainer reads these.
+        self._is_accelerate_prepared = True
+        self.step_was_skipped = False
+
+    # ---- gradient norm and clipping -----------------------------------------------------------
+    def _resident_with_grad(self) -> list[torch.Tensor]:
+        return [
+            p
+            for group in self.param_groups
+            for p in group["params"]
+            if id(p) not in self._streamed_ids and p.grad is not None
+        ]
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of every gradient of this step (streamed and resident)."""
+        self.engine.finish_grads()
+        total_sq = self.engine.grad_sq_sum().to(torch.float32)
+        resident = self._resident_with_grad()
+        if resident:
+            norms = torch.stack(
+                [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in resident]
+            )
+            total_sq = total_sq.to(norms.device) + norms.square().sum()
+        self._last_norm = total_sq.sqrt()
+        return self._last_norm
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Same contract as ``torch.nn.utils.clip_grad_norm_``: returns the pre-clip norm."""
+        norm = self.grad_norm()
+        # torch.nn.utils.clip_grad_norm_ uses exactly this coefficient.
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self._resident_with_grad():
+            p.grad.mul_(coef.to(p.grad.device))
+        self._clip_coef = coef
+        return norm
+
+    # ---- the update ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 - same contract as torch.optim.Optimizer.step
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine.finish_grads()
+        self.engine.wait_weight_copies()
+        grad_scale = None
+        if self._clip_coef is not None:
+            grad_scale = (1.0 / self._clip_coef.double()).float().cpu()
+        touched: set[int] = set()
+        for group, segments in zip(self.param_groups, self._segments):
+            kw = self._hyper(group)
+            for seg in segments:
+                if not self.engine.layer_has_grad(seg.layer):
+                    continue
+                s, e = seg.start, seg.end
+                _adam_functional(
+                    [seg.store.master[s:e]],
+                    [seg.store.grad[s:e]],
+                    [seg.store.exp_avg[s:e]],
+                    [seg.store.exp_avg_sq[s:e]],
+                    [],
+                    [seg.step],
+                    fused=True,
+                    grad_scale=None if grad_scale is None else grad_scale.clone(),
+                    **kw,
+                )
+                touched.add(seg.layer)
+            self._step_resident(group, kw)
+        for idx in touched:
+            self.engine.stores[idx].refresh_stream_copy()
+        self.engine.reset_grads()
+        self.engine.invalidate_weights()
+        self._clip_coef = None
+        return loss
+
+    @staticmethod
+    def _hyper(group: dict) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+            decoupled_weight_decay=True,
+        )
+
+    def _step_resident(self, group: dict, kw: dict) -> None:
+        params, grads, m, v, steps = [], [], [], [], []
+        for p in group["params"]:
+            if id(p) in self._streamed_ids or p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            m.append(state["exp_avg"])
+            v.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if params:
+            _adam_functional(params, grads, m, v, [], steps, fused=True, **kw)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self.engine.reset_grads()
+
+    # ---- state ----------------------------------------------------------------------------------
+    def streamed_state(self) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+        """Step counts per layer and resident moments by name (streamed moments live in the store)."""
+        steps = {}
+        for segments in self._segments:
+            for seg in segments:
+                steps[seg.layer] = float(seg.step.item())
+        tensors = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in self._streamed_ids or not self.state.get(p):
+                    continue
+                name = self.resident_names[id(p)]
+                st = self.state[p]
+                tensors[f"{name}.exp_avg"] = st["exp_avg"]
+                tensors[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
+                tensors[f"{name}.step"] = st["step"].reshape(1)
+        return steps, tensors
+
+    def load_streamed_state(
+        self, steps: dict[int, float], tensors: dict[str, torch.Tensor]
+    ) -> None:
+        for segments in self._segments:
+            for seg in segments:
+                seg.step.fill_(steps.get(seg.layer, 0.0))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in self._streamed_ids:
+                    continue
+                name = self.resident_names[id(p)]
+                if f"{name}.exp_avg" not in tensors:
+                    continue
+                self.state[p] = {
+                    "step": tensors[f"{name}.step"]
+                    .reshape(())
+                    .to(torch.float32)
+                    .to(p.device)
+                    .clone(),
+                    "exp_avg": tensors[f"{name}.exp_avg"].to(p.device, torch.float32).clone(),
+                    "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(p.device, torch.float32).clone(),
+                }

@@ -1,0 +1,375 @@
+"""Streaming execution of weightless layer skeletons.
+
+``StreamingEngine`` moves each layer's compute-dtype weights from the host store to one of two GPU
+buffers on its own H2D stream (prefetching the next layer while the current one computes), and
+drains fp32 gradients back to the host store on a D2H stream. CUDA events, never a device-wide
+synchronize, order the streams in the steady state. On CPU the very same code path runs: the
+"device buffer" is the host stream copy itself and copies vanish.
+
+``StreamedLayer`` replaces a layer's ``forward``. It runs the layer's own class ``forward`` with the
+streamed weights bound as plain tensors (``_reparametrize_module``: never ``param.data =``), inside a
+custom autograd ``Function`` that saves only the layer inputs. Backward re-binds the weights,
+recomputes the layer and takes gradients with ``torch.autograd.grad``.
+
+No ``transformers`` import here: model-specific output capture comes in through ``OutputCapture``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .host_store import LayerStore
+
+
+class OutputCapture(Protocol):
+    """Hook for outputs a model records from inside a layer (e.g. MoE router logits).
+
+    Recorded tensors made while the layer runs under ``no_grad`` would carry no gradient, so they
+    are diverted: ``active_keys()`` names what the model currently records, ``capturing(keys)``
+    yields a list that fills with ``(key, tensor)`` pairs while the layer runs, and
+    ``publish(keys, tensors)`` hands the autograd-connected versions to the model's recorder.
+    """
+
+    def active_keys(self) -> tuple[str, ...]: ...
+
+    def capturing(
+        self, keys: tuple[str, ...]
+    ) -> contextlib.AbstractContextManager[list[tuple[str, torch.Tensor]]]: ...
+
+    def publish(self, keys: list[str], tensors: list[torch.Tensor]) -> None: ...
+
+
+class StreamingEngine:
+    """Double-buffered layer weights on the compute device, gradients back to the host store."""
+
+    def __init__(
+        self,
+        stores: list[LayerStore],
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        preserve_rng: bool = False,
+    ) -> None:
+        self.stores = stores
+        self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
+        self.preserve_rng = preserve_rng
+        self.is_cuda = self.device.type == "cuda"
+        self.autocast = compute_dtype != torch.float32
+        # Gradient accumulation: with ``sync_grads`` False (a non-final micro-batch) gradients stay
+        # in fp32 device accumulators; the final micro-batch drains them to the host store.
+        self.sync_grads = True
+        self._grad_acc: dict[int, torch.Tensor] = {}
+        self._grad_on_host = [False] * len(stores)
+        self._grad_sq: torch.Tensor | None = None
+        self._d2h_events: list[torch.cuda.Event] = []
+        if self.is_cuda:
+            max_numel = max((s.numel for s in stores), default=0)
+            self._buffers = [
+                torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)
+            ]
+            self._h2d = torch.cuda.Stream(self.device)
+            self._d2h = torch.cuda.Stream(self.device)
+            self._slot_layer: list[int | None] = [None, None]
+            self._slot_ready: list[torch.cuda.Event | None] = [None, None]
+            self._slot_free: list[torch.cuda.Event | None] = [None, None]
+            self._active_slot: int | None = None
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+
+    # ---- weights ----------------------------------------------------------------------------
+    def _slot_of(self, idx: int) -> int | None:
+        for s in (0, 1):
+            if self._slot_layer[s] == idx:
+                return s
+        return None
+
+    def _load(self, idx: int) -> int:
+        """Make sure layer ``idx`` is (being) copied into a device slot; return the slot."""
+        slot = self._slot_of(idx)
+        if slot is not None:
+            return slot
+        slot = 0 if self._active_slot is None else 1 - self._active_slot
+        store = self.stores[idx]
+        free = self._slot_free[slot]
+        with torch.cuda.stream(self._h2d):
+            if free is not None:
+                self._h2d.wait_event(free)
+            self._buffers[slot][: store.numel].copy_(store.stream, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._h2d)
+        self.h2d_bytes += store.numel * store.stream.element_size()
+        self._slot_layer[slot] = idx
+        self._slot_ready[slot] = ready
+        return slot
+
+    def acquire(self, idx: int, next_idx: int | None) -> torch.Tensor:
+        """Flat compute-dtype weights of layer ``idx`` usable on the current stream.
+
+        Also starts the copy of ``next_idx`` (the layer that runs after this one) into the other
+        buffer, so it overlaps this layer's compute.
+        """
+        store = self.stores[idx]
+        if not self.is_cuda:
+            return store.stream
+        slot = self._load(idx)
+        self._active_slot = slot
+        torch.cuda.current_stream(self.device).wait_event(self._slot_ready[slot])
+        if next_idx is not None and 0 <= next_idx < len(self.stores):
+            self._load(next_idx)
+        return self._buffers[slot][: store.numel]
+
+    def release(self, idx: int) -> None:
+        """Mark the end of the work that reads layer ``idx``'s device buffer."""
+        if not self.is_cuda:
+            return
+        slot = self._slot_of(idx)
+        if slot is None:
+            return
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._slot_free[slot] = ev
+        if self._active_slot == slot:
+            self._active_slot = None
+
+    def invalidate_weights(self) -> None:
+        """The host copies changed (optimizer step, load): forget what the device buffers hold."""
+        if self.is_cuda:
+            self._h2d.synchronize()  # no copy from the old host copy may still be in flight
+            self._slot_layer = [None, None]
+
+    def wait_weight_copies(self) -> None:
+        """Block until no H2D copy reads the host stream copies (before the optimizer rewrites them)."""
+        if self.is_cuda:
+            self._h2d.synchronize()
+
+    # ---- gradients --------------------------------------------------------------------------
+    def add_grads(self, idx: int, grads: list[torch.Tensor | None]) -> None:
+        """Accumulate layer ``idx``'s parameter gradients (one per slot, any float dtype)."""
+        store = self.stores[idx]
+        if not self.is_cuda:
+            if not self._grad_on_host[idx]:
+                store.grad.zero_()
+                self._grad_on_host[idx] = True
+            self._scatter_add(store, store.grad, grads)
+            return
+        acc = self._grad_acc.pop(idx, None)
+        if acc is None:
+            acc = torch.zeros(store.numel, dtype=torch.float32, device=self.device)
+        self._scatter_add(store, acc, grads)
+        if self.sync_grads:
+            self._drain(idx, acc)
+        else:
+            self._grad_acc[idx] = acc
+
+    @staticmethod
+    def _scatter_add(
+        store: LayerStore, flat: torch.Tensor, grads: list[torch.Tensor | None]
+    ) -> None:
+        for slot, g in zip(store.slots, grads):
+            if g is not None:
+                flat[slot.offset : slot.offset + slot.numel].add_(g.reshape(-1))
+
+    def _drain(self, idx: int, acc: torch.Tensor) -> None:
+        store = self.stores[idx]
+        sq = acc.square().sum()
+        self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
+        compute = torch.cuda.current_stream(self.device)
+        if self._grad_on_host[idx]:
+            # A second drain in one optimizer step (backward without the trainer's sync flag):
+            # add on the host. Correct, not fast; the trainer never takes this path.
+            self._grad_sq = None
+            store.grad.add_(acc.to("cpu"))
+            return
+        self._d2h.wait_stream(compute)
+        with torch.cuda.stream(self._d2h):
+            store.grad.copy_(acc, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._d2h)
+        acc.record_stream(self._d2h)
+        self._d2h_events.append(ev)
+        self.d2h_bytes += acc.numel() * 4
+        self._grad_on_host[idx] = True
+
+    def finish_grads(self) -> None:
+        """Drain leftover accumulators and wait for every D2H copy: host grads are then final."""
+        for idx in sorted(self._grad_acc):
+            self._drain(idx, self._grad_acc.pop(idx))
+        for ev in self._d2h_events:
+            ev.synchronize()
+        self._d2h_events.clear()
+
+    def layer_has_grad(self, idx: int) -> bool:
+        """Whether layer ``idx`` received a gradient this step (else the optimizer skips it)."""
+        return self._grad_on_host[idx]
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        """Sum of squares of all streamed-layer gradients (call after ``finish_grads``)."""
+        if self._grad_sq is not None and self.is_cuda:
+            return self._grad_sq
+        total = torch.zeros((), dtype=torch.float32)
+        for idx, store in enumerate(self.stores):
+            if self._grad_on_host[idx]:
+                total += store.grad.square().sum()
+        return total.to(self.device)
+
+    def has_grads(self) -> bool:
+        return any(self._grad_on_host) or bool(self._grad_acc)
+
+    def reset_grads(self) -> None:
+        self._grad_acc.clear()
+        self._grad_on_host = [False] * len(self.stores)
+        self._grad_sq = None
+
+    # ---- rng ----------------------------------------------------------------------------------
+    def rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if not self.preserve_rng:
+            return None
+        cuda_state = torch.cuda.get_rng_state(self.device) if self.is_cuda else None
+        return torch.get_rng_state(), cuda_state
+
+    @contextlib.contextmanager
+    def restored_rng(self, state) -> Iterator[None]:
+        if state is None:
+            yield
+            return
+        devices = [self.device] if self.is_cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(state[0])
+            if state[1] is not None:
+                torch.cuda.set_rng_state(state[1], self.device)
+            yield
+
+    def compute_context(self) -> contextlib.AbstractContextManager:
+        if self.autocast:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+
+class StreamedLayer:
+    """Callable installed as a decoder layer's ``forward``: streams its weights in, runs it."""
+
+    def __init__(
+        self,
+        engine: StreamingEngine,
+        index: int,
+        module: torch.nn.Module,
+        capture: OutputCapture | None = None,
+        trainable: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.index = index
+        self.module = module
+        self.capture = capture
+        self.trainable = trainable
+        self.forward_impl: Callable[..., Any] = type(module).forward
+
+    def run(self, flat_weights: torch.Tensor, flat_args: list, spec, leaves: bool, keys=()):
+        """Run the layer with ``flat_weights`` bound.
+
+        Returns ``(output, captured (key, tensor) pairs, weight leaves)``.
+        """
+        store = self.engine.stores[self.index]
+        params = store.param_views(flat_weights)
+        weight_leaves: list[torch.Tensor] = []
+        if leaves:
+            params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+            weight_leaves = list(params.values())
+        args, kwargs = tree_unflatten(flat_args, spec)
+        capture_ctx = self.capture.capturing(keys) if keys else contextlib.nullcontext([])
+        with _reparametrize_module(self.module, params), capture_ctx as captured:
+            with self.engine.compute_context():
+                out = self.forward_impl(self.module, *args, **kwargs)
+        return out, list(captured), weight_leaves
+
+    def next_index(self, backward: bool) -> int:
+        return self.index - 1 if backward else self.index + 1
+
+    def __call__(self, *args, **kwargs):
+        flat_args, spec = tree_flatten((args, kwargs))
+        tensor_pos = [i for i, x in enumerate(flat_args) if isinstance(x, torch.Tensor)]
+        keys = self.capture.active_keys() if self.capture is not None else ()
+        if not torch.is_grad_enabled():
+            weights = self.engine.acquire(self.index, self.next_index(False))
+            out, captured, _ = self.run(weights, flat_args, spec, leaves=False, keys=keys)
+            self.engine.release(self.index)
+            if captured:
+                self.capture.publish([k for k, _ in captured], [t for _, t in captured])
+            return out
+        tensors = [flat_args[i] for i in tensor_pos]
+        box: dict[str, Any] = {"keys": keys}
+        results = _StreamedLayerFunction.apply(self, flat_args, spec, tensor_pos, box, *tensors)
+        n_out = box["n_out"]
+        out_flat = box["out_flat"]
+        for pos, t in zip(box["out_tensor_pos"], results[:n_out]):
+            out_flat[pos] = t
+        if len(results) > n_out:
+            self.capture.publish(box["captured_keys"], list(results[n_out:]))
+        return tree_unflatten(out_flat, box["out_spec"])
+
+
+class _StreamedLayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer: StreamedLayer, flat_args, spec, tensor_pos, box, *tensors):
+        engine = layer.engine
+        ctx.layer = layer
+        # Tensors are kept only through save_for_backward (version-checked); drop other refs.
+        ctx.flat_args = [None if i in set(tensor_pos) else x for i, x in enumerate(flat_args)]
+        ctx.spec = spec
+        ctx.tensor_pos = tensor_pos
+        ctx.rng = engine.rng_state()
+        ctx.keys = box["keys"]
+        weights = engine.acquire(layer.index, layer.next_index(False))
+        out, captured, _ = layer.run(weights, flat_args, spec, leaves=False, keys=ctx.keys)
+        engine.release(layer.index)
+        out_flat, out_spec = tree_flatten(out)
+        out_tensor_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
+        box["n_out"] = len(out_tensor_pos)
+        box["out_flat"] = out_flat
+        box["out_spec"] = out_spec
+        box["out_tensor_pos"] = out_tensor_pos
+        box["captured_keys"] = [k for k, _ in captured]
+        ctx.save_for_backward(*tensors)
+        return tuple(out_flat[i] for i in out_tensor_pos) + tuple(t for _, t in captured)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        layer: StreamedLayer = ctx.layer
+        engine = layer.engine
+        saved = ctx.saved_tensors
+        flat_args = list(ctx.flat_args)
+        inputs = []
+        for pos, t in zip(ctx.tensor_pos, saved):
+            d = t.detach()
+            if t.requires_grad:
+                d.requires_grad_(True)
+                inputs.append(d)
+            flat_args[pos] = d
+        weights = engine.acquire(layer.index, layer.next_index(True))
+        with torch.enable_grad(), engine.restored_rng(ctx.rng):
+            out, captured, weight_leaves = layer.run(
+                weights, flat_args, ctx.spec, leaves=layer.trainable, keys=ctx.keys
+            )
+        out_flat, _ = tree_flatten(out)
+        produced = [x for x in out_flat if isinstance(x, torch.Tensor)] + [t for _, t in captured]
+        outs, grads = [], []
+        for o, g in zip(produced, grad_outputs):
+            if g is not None and o.requires_grad:
+                outs.append(o)
+                grads.append(g)
+        wrt = weight_leaves + inputs
+        if outs and wrt:
+            computed = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+        else:
+            computed = [None] * len(wrt)
+        engine.release(layer.index)
+        if layer.trainable:
+            engine.add_grads(layer.index, list(computed[: len(weight_leaves)]))
+        input_grads = iter(computed[len(weight_leaves) :])
+        result = [next(input_grads) if t.requires_grad else None for t in saved]
+        return (None, None, None, None, None, *result)

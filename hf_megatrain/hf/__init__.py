@@ -1,0 +1,1 @@
+"""Hugging Face integration: Trainer subclass, arguments, model streaming, checkpoints."""

@@ -1,0 +1,44 @@
+"""``MegaTrainArguments``: ``TrainingArguments`` plus the streaming engine's knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class MegaTrainArguments(TrainingArguments):
+    """Training arguments for :class:`HFMegaTrainer`.
+
+    Precision: ``bf16=True`` streams bf16 weights and computes under bf16 autocast with fp32 master
+    weights and fp32 AdamW states; without it everything is fp32. ``fp16`` is refused.
+    """
+
+    megatrain_pin_memory: bool = field(
+        default=True,
+        metadata={
+            "help": "Register the host store's PCIe-facing buffers (stream copy, gradients) as "
+            "pinned memory when CUDA is present, so copies run at full PCIe bandwidth and "
+            "overlap compute. Turn off only to debug."
+        },
+    )
+    megatrain_host_memory_limit_gb: float | None = field(
+        default=None,
+        metadata={
+            "help": "Host RAM (GiB) the host store may use. Default: what the OS reports as "
+            "available (MemAvailable, capped by a cgroup limit). The run is refused before any "
+            "allocation when the store does not fit."
+        },
+    )
+    megatrain_max_shard_size: str = field(
+        default="2GB",
+        metadata={
+            "help": "Largest safetensors shard written by save_model and checkpoints. Shards are "
+            "serialized one at a time, so this also bounds the extra host RAM a save needs."
+        },
+    )
+    megatrain_log_throughput: bool = field(
+        default=True,
+        metadata={"help": "Add tokens/s (training tokens per second) to the Trainer logs."},
+    )

@@ -1,0 +1,238 @@
+"""HF-format checkpoints straight from and into the host store.
+
+Saving builds a state dict of views into the host store (no copy of the streamed weights) and
+hands it to the model's own ``save_pretrained``, which splits it into safetensors shards, reverts
+transformers' weight conversions (e.g. fused MoE experts back to per-expert tensors) and writes
+shard by shard. Masters are fp32, so a saved run resumes bit-exactly.
+
+Loading reads safetensors tensor by tensor into the store, so peak host RAM stays close to the
+store's own size. Keys are matched to the model's parameter names directly, or through the one
+conversion transformers applies to the supported MoE models (per-expert ``gate/up/down`` or
+``w1/w3/w2`` tensors into fused ``gate_up_proj`` / ``down_proj`` expert tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .model import StreamedModelState, streamed_state
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_STATE_DIR = "megatrain_optimizer"
+
+
+def _require_state(model) -> StreamedModelState:
+    state = streamed_state(model)
+    if state is None:
+        raise ValueError("hf_megatrain: this model is not streamed (prepare it first).")
+    return state
+
+
+# ---- saving ---------------------------------------------------------------------------------
+def host_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's full state dict on the CPU, streamed weights as views of the fp32 masters."""
+    state = _require_state(model)
+    out: dict[str, torch.Tensor] = {}
+    layer_keys = {}
+    for i, store in enumerate(state.store.layers):
+        for rel, view in store.param_views(store.master).items():
+            layer_keys[state.full_name(i, rel)] = view
+    for key, value in model.state_dict(keep_vars=False).items():
+        if key in layer_keys:
+            out[key] = layer_keys[key]
+        elif value.device.type == "meta":
+            raise RuntimeError(f"hf_megatrain: {key} has no data (meta) and is not streamed")
+        else:
+            out[key] = value.detach().to("cpu")
+    return out
+
+
+def save_streamed_pretrained(model, output_dir: str, max_shard_size: str | int = "2GB") -> None:
+    """Write ``model`` as sharded HF safetensors (loadable by ``from_pretrained``).
+
+    Files go to a staging folder first and are moved into ``output_dir`` one by one, the index and
+    config last, so a reader never sees a complete-looking set that is half written.
+    """
+    os.makedirs(output_dir, exist_ok=True)
+    staging = os.path.join(output_dir, f".megatrain-staging-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        model.save_pretrained(
+            staging, state_dict=host_state_dict(model), max_shard_size=max_shard_size
+        )
+        # Remove weight files of an older save that the new one would not overwrite.
+        for name in os.listdir(output_dir):
+            if name.startswith("model") and name.endswith(
+                (".safetensors", ".safetensors.index.json")
+            ):
+                if not os.path.exists(os.path.join(staging, name)):
+                    os.remove(os.path.join(output_dir, name))
+        files = sorted(os.listdir(staging), key=lambda n: (n.endswith(".json"), n))
+        for name in files:
+            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+# ---- loading --------------------------------------------------------------------------------
+def _checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(
+        f"hf_megatrain: no model.safetensors or model.safetensors.index.json in {path} "
+        f"(only safetensors checkpoints are supported)"
+    )
+
+
+def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, tensor)`` one at a time from a safetensors checkpoint folder."""
+    for file in _checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+_EXPERT_RE = re.compile(
+    r"^(?P<base>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+# (fused target, row-block index within the fused tensor, number of row blocks)
+_EXPERT_TARGET = {
+    "gate_proj": ("gate_up_proj", 0, 2),
+    "w1": ("gate_up_proj", 0, 2),
+    "up_proj": ("gate_up_proj", 1, 2),
+    "w3": ("gate_up_proj", 1, 2),
+    "down_proj": ("down_proj", 0, 1),
+    "w2": ("down_proj", 0, 1),
+}
+
+
+def _resolve_target(key: str, targets: dict[str, torch.Tensor]):
+    """Map a checkpoint key to ``(destination tensor, index expression)`` or None."""
+    if key in targets:
+        return targets[key], None
+    for alt in (f"model.{key}", key.removeprefix("model.")):
+        if alt in targets:
+            return targets[alt], None
+    m = _EXPERT_RE.match(key)
+    if m:
+        fused, block, blocks = _EXPERT_TARGET[m["proj"]]
+        name = f"{m['base']}.{fused}"
+        if name in targets:
+            dest = targets[name]
+            e = int(m["e"])
+            rows = dest.shape[1] // blocks
+            return dest, (e, slice(block * rows, (block + 1) * rows))
+    return None
+
+
+def load_weights_into_store(model, path: str) -> None:
+    """Read a safetensors checkpoint tensor by tensor into the host store and resident params."""
+    state = _require_state(model)
+    targets: dict[str, torch.Tensor] = {}
+    for i, store in enumerate(state.store.layers):
+        for rel, view in store.param_views(store.master).items():
+            targets[state.full_name(i, rel)] = view
+    resident_ids = {id(p) for _, p, _ in state.resident}
+    # Every name of a resident parameter, tied aliases included (lm_head.weight -> embed_tokens).
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in resident_ids:
+            targets[name] = p
+    filled: set[int] = set()
+    unknown: list[str] = []
+    with torch.no_grad():
+        for key, tensor in iter_checkpoint_tensors(path):
+            hit = _resolve_target(key, targets)
+            if hit is None:
+                unknown.append(key)
+                continue
+            dest, index = hit
+            dst = dest if index is None else dest[index]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"hf_megatrain: checkpoint tensor {key} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor.to(torch.float32))
+            filled.add(id(dest))
+    missing = [n for n, t in targets.items() if id(t) not in filled]
+    if unknown:
+        raise ValueError(
+            f"hf_megatrain: {len(unknown)} checkpoint tensors do not match the model, e.g. "
+            f"{unknown[:5]}"
+        )
+    if missing:
+        raise ValueError(
+            f"hf_megatrain: the checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:5]}"
+        )
+    for store in state.store.layers:
+        store.refresh_stream_copy()
+    state.engine.invalidate_weights()
+
+
+# ---- optimizer state ------------------------------------------------------------------------
+def save_optimizer_state(optimizer, output_dir: str) -> None:
+    """AdamW moments of every streamed layer (one safetensors file per layer) and residents."""
+    state = optimizer.engine
+    folder = os.path.join(output_dir, OPTIMIZER_STATE_DIR)
+    os.makedirs(folder, exist_ok=True)
+    steps, resident = optimizer.streamed_state()
+    for i, store in enumerate(state.stores):
+        tensors = {"exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq}
+        save_file(tensors, os.path.join(folder, f"layer_{i:05d}.safetensors"))
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in resident.items()},
+        os.path.join(folder, "resident.safetensors"),
+    )
+    meta = {
+        "steps": {str(k): v for k, v in steps.items()},
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+        ],
+        "num_layers": len(state.stores),
+    }
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def has_optimizer_state(checkpoint: str) -> bool:
+    return os.path.isfile(os.path.join(checkpoint, OPTIMIZER_STATE_DIR, "meta.json"))
+
+
+def load_optimizer_state(optimizer, checkpoint: str) -> None:
+    folder = os.path.join(checkpoint, OPTIMIZER_STATE_DIR)
+    with open(os.path.join(folder, "meta.json")) as f:
+        meta = json.load(f)
+    stores = optimizer.engine.stores
+    if meta["num_layers"] != len(stores):
+        raise ValueError(
+            f"hf_megatrain: optimizer state in {checkpoint} has {meta['num_layers']} layers, "
+            f"the model has {len(stores)}"
+        )
+    for i, store in enumerate(stores):
+        with safe_open(os.path.join(folder, f"layer_{i:05d}.safetensors"), "pt") as f:
+            store.exp_avg.copy_(f.get_tensor("exp_avg"))
+            store.exp_avg_sq.copy_(f.get_tensor("exp_avg_sq"))
+    resident = {}
+    with safe_open(os.path.join(folder, "resident.safetensors"), "pt") as f:
+        for k in f.keys():
+            resident[k] = f.get_tensor(k)
+    optimizer.load_streamed_state({int(k): v for k, v in meta["steps"].items()}, resident)
+    for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+        for k, v in saved.items():
+            group[k] = tuple(v) if isinstance(v, list) else v

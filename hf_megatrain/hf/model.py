@@ -1,0 +1,255 @@
+"""Turn a Hugging Face decoder model into its streamed form.
+
+The model object stays the user's own ``PreTrainedModel``: its forward (embedding scale, masks,
+rotary, soft-capping, MoE routing, loss) runs untouched. Only the decoder layers change: their
+parameters move into the host store and are replaced by ``meta`` placeholders, and their
+``forward`` becomes a ``StreamedLayer``. Everything outside the layers (embeddings, final norm,
+LM head, buffers) stays resident on the compute device as fp32 masters.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..core.host_store import HostStore, LayerStore, layer_store_bytes, layout_slots
+from ..core.streaming import StreamedLayer, StreamingEngine
+from .capture import RecorderCapture, recorder_capture_available
+
+logger = logging.getLogger(__name__)
+
+#: model_type -> short description; each has a tiny-config equivalence test.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+    "gemma3_text": "Gemma3 (text, sliding + full attention layers)",
+    "phi3": "Phi3",
+    "qwen3_moe": "Qwen3-MoE (router aux loss keeps its gradient)",
+    "mixtral": "Mixtral (router aux loss keeps its gradient)",
+}
+_MOE_TYPES = {"qwen3_moe", "mixtral"}
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be streamed; the message names what is unsupported."""
+
+
+@dataclass
+class StreamedModelState:
+    """What hf_megatrain attaches to a streamed model (``model._megatrain``)."""
+
+    engine: StreamingEngine
+    store: HostStore
+    layers_prefix: str  # e.g. "model.layers"
+    layer_param_names: list[list[str]]  # per layer, names relative to the layer
+    resident: list[tuple[str, nn.Parameter, bool]] = field(default_factory=list)
+
+    def full_name(self, layer: int, rel: str) -> str:
+        return f"{self.layers_prefix}.{layer}.{rel}"
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """Locate the decoder layer list (``<base>.layers``) of a causal LM."""
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList) and name.count(".") <= 1:
+            return name, module
+    raise UnsupportedModelError(
+        f"hf_megatrain: could not find the decoder layers (a ModuleList named '*.layers') in "
+        f"{type(model).__name__}."
+    )
+
+
+def check_supported(model: nn.Module) -> str:
+    """Raise ``UnsupportedModelError`` naming the problem, before anything is allocated."""
+    try:
+        from peft import PeftModel  # noqa: PLC0415 - optional dependency
+
+        if isinstance(model, PeftModel):
+            raise UnsupportedModelError(
+                "hf_megatrain: PEFT/LoRA models are not supported yet; pass the base model."
+            )
+    except ImportError:
+        pass
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+        raise UnsupportedModelError(
+            f"hf_megatrain: model_type '{model_type}' ({type(model).__name__}) is not supported. "
+            f"Supported decoder architectures: {supported}."
+        )
+    if not type(model).__name__.endswith("ForCausalLM"):
+        raise UnsupportedModelError(
+            f"hf_megatrain: {type(model).__name__} is not a *ForCausalLM model; "
+            f"load it with AutoModelForCausalLM."
+        )
+    if model_type in _MOE_TYPES and not recorder_capture_available():
+        raise UnsupportedModelError(
+            f"hf_megatrain: {model_type} needs transformers' output recorder to keep the router "
+            f"aux-loss gradient, and this transformers version does not have it."
+        )
+    if getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False):
+        raise UnsupportedModelError("hf_megatrain: quantized (8/4-bit) models are not supported.")
+    return model_type
+
+
+def _has_dropout(config) -> bool:
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout"):
+        if float(getattr(config, key, 0.0) or 0.0) > 0.0:
+            return True
+    return False
+
+
+def plan_layers(
+    layers: nn.ModuleList, decay_names: set[str], prefix: str
+) -> list[tuple[list, int, int]]:
+    """Per layer: ``(slots, numel, decay_numel)`` from the layer's parameters."""
+    plans = []
+    seen: dict[int, str] = {}
+    for i, layer in enumerate(layers):
+        entries = []
+        for rel, p in layer.named_parameters():
+            full = f"{prefix}.{i}.{rel}"
+            if id(p) in seen:
+                raise UnsupportedModelError(
+                    f"hf_megatrain: parameter {full} is shared with {seen[id(p)]}; weights shared "
+                    f"across decoder layers cannot be streamed."
+                )
+            seen[id(p)] = full
+            entries.append((rel, tuple(p.shape), full in decay_names))
+        plans.append(layout_slots(entries))
+    return plans
+
+
+def streamed_state(model: nn.Module) -> StreamedModelState | None:
+    return getattr(model, "_megatrain", None)
+
+
+def prepare_streamed_model(
+    model: nn.Module,
+    device: torch.device | str,
+    compute_dtype: torch.dtype,
+    decay_names: set[str] | None = None,
+    pin_memory: bool = True,
+    host_memory_limit_bytes: int | None = None,
+) -> nn.Module:
+    """Move ``model``'s decoder layers into a host store and stream them from now on.
+
+    Works on a materialized model (parameters on CPU) and on a skeleton whose layer parameters
+    are on ``meta`` (then the weights are filled by ``load_weights_into_store``). Idempotent.
+    """
+    existing = streamed_state(model)
+    if existing is not None:
+        return model
+    check_supported(model)
+    device = torch.device(device)
+    if compute_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"hf_megatrain: compute dtype {compute_dtype} is not supported; use bf16 or fp32."
+        )
+    config = model.config
+    config.use_cache = (
+        False  # a cache would be written through shared templates: never train with it
+    )
+    prefix, layers = find_decoder_layers(model)
+    decay_names = decay_names if decay_names is not None else set()
+    plans = plan_layers(layers, decay_names, prefix)
+
+    # Refuse before allocating anything if host RAM cannot hold the store.
+    needed = sum(layer_store_bytes(numel, compute_dtype) for _, numel, _ in plans)
+    HostStore.check_fits(needed, host_memory_limit_bytes)
+
+    pin = pin_memory and device.type == "cuda"
+    stores: list[LayerStore] = []
+    names: list[list[str]] = []
+    for layer, (slots, numel, decay_numel) in zip(layers, plans):
+        store = LayerStore(slots, numel, decay_numel, compute_dtype, pin)
+        named = dict(layer.named_parameters())
+        views = store.param_views(store.master)
+        for rel, p in named.items():
+            if p.device.type != "meta":
+                views[rel].copy_(p.detach().to(torch.float32))
+        store.refresh_stream_copy()
+        trainable = any(p.requires_grad for p in named.values())
+        _replace_with_meta(layer)
+        stores.append(store)
+        names.append(list(named))
+        layer._megatrain_trainable = trainable
+
+    engine = StreamingEngine(
+        stores, device, compute_dtype, preserve_rng=_has_dropout(config) and model.training
+    )
+    capture = RecorderCapture()
+    for i, layer in enumerate(layers):
+        layer.forward = StreamedLayer(
+            engine, i, layer, capture=capture, trainable=layer._megatrain_trainable
+        )
+
+    layer_prefixes = tuple(f"{prefix}.{i}." for i in range(len(layers)))
+    _place_resident(model, device, layer_prefixes)
+    resident = list(_named_resident(model, layer_prefixes, decay_names))
+    model._megatrain = StreamedModelState(
+        engine=engine,
+        store=HostStore(stores),
+        layers_prefix=prefix,
+        layer_param_names=names,
+        resident=resident,
+    )
+    logger.info(
+        "hf_megatrain: %d layers streamed (%.2f GiB host store, %s); %d resident tensors on %s",
+        len(stores),
+        model._megatrain.store.nbytes / 2**30,
+        "pinned" if any(s.pinned for s in stores) else "pageable",
+        len(resident),
+        device,
+    )
+    return model
+
+
+def _named_resident(model: nn.Module, layer_prefixes: tuple[str, ...], decay_names: set[str]):
+    for name, p in model.named_parameters():
+        if not name.startswith(layer_prefixes):
+            yield name, p, name in decay_names
+
+
+def _replace_with_meta(layer: nn.Module) -> None:
+    """Swap every parameter of ``layer`` for a ``meta`` placeholder, releasing its storage."""
+    for module in layer.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            placeholder = nn.Parameter(
+                torch.empty(p.shape, dtype=torch.float32, device="meta"),
+                requires_grad=p.requires_grad,
+            )
+            module._parameters[pname] = placeholder
+
+
+def _place_resident(
+    model: nn.Module, device: torch.device, layer_prefixes: tuple[str, ...]
+) -> None:
+    """fp32 masters of non-layer parameters, and all buffers, on the compute device.
+
+    Parameters shared between modules (tied input/output embeddings) stay shared.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    for mod_name, module in model.named_modules():
+        in_layer = (mod_name + ".").startswith(layer_prefixes)
+        for pname, p in list(module._parameters.items()):
+            if p is None or in_layer:
+                continue
+            if id(p) not in replaced:
+                if p.device.type == "meta":
+                    data = torch.empty(p.shape, dtype=torch.float32, device=device)
+                else:
+                    data = p.detach().to(device=device, dtype=torch.float32)
+                replaced[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+            module._parameters[pname] = replaced[id(p)]
+        for bname, b in list(module._buffers.items()):
+            if b is not None and b.device.type != "meta":
+                module._buffers[bname] = b.to(device)

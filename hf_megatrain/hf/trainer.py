@@ -1,0 +1,244 @@
+"""``HFMegaTrainer``: a ``transformers.Trainer`` that streams decoder layers from host RAM.
+
+The override set is deliberately small. The training loop, ``compute_loss`` (with its
+``num_items_in_batch`` semantics), ``evaluate``, callbacks, schedulers and dataloaders are the
+Trainer's own. What changes: where the model lives (``_move_model_to_device``, ``_wrap_model``),
+the optimizer (``create_optimizer``), gradient norm and clipping, and how weights and optimizer
+state are saved and restored (through the host store, as HF safetensors).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+from ..core.host_store import InsufficientHostMemoryError
+from .arguments import MegaTrainArguments
+from .checkpoint import (
+    has_optimizer_state,
+    load_optimizer_state,
+    load_weights_into_store,
+    save_optimizer_state,
+    save_streamed_pretrained,
+)
+from .model import prepare_streamed_model, streamed_state
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED_OPTIMS = {"adamw_torch", "adamw_torch_fused"}
+_SCHEDULER_NAME = "scheduler.pt"
+
+
+class StreamedModelWrapper(nn.Module):
+    """What the Trainer calls: the HF model under the run's autocast, never with a KV cache.
+
+    Returning this from ``_wrap_model`` keeps ``accelerator.prepare`` (and DDP/DataParallel) off
+    the model, while ``Trainer.model`` stays the user's own HF model.
+    """
+
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.module = model
+        self.compute_dtype = compute_dtype
+        self.device_type = torch.device(device).type
+
+    def forward(self, *args, **kwargs):
+        kwargs["use_cache"] = False
+        if self.compute_dtype == torch.float32:
+            return self.module(*args, **kwargs)
+        with torch.autocast(self.device_type, dtype=self.compute_dtype):
+            return self.module(*args, **kwargs)
+
+
+def _validate_args(args: TrainingArguments) -> None:
+    if args.fp16 or getattr(args, "fp16_full_eval", False):
+        raise ValueError(
+            "hf_megatrain: fp16 is not supported (it needs a loss scaler the streamed engine does "
+            "not run). Use bf16=True (bf16 compute, fp32 master weights and AdamW states) or fp32."
+        )
+    if getattr(args, "bf16_full_eval", False):
+        raise ValueError(
+            "hf_megatrain: bf16_full_eval would cast the fp32 masters to bf16; evaluation already "
+            "computes in bf16 when bf16=True. Leave bf16_full_eval off."
+        )
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in _SUPPORTED_OPTIMS:
+        raise ValueError(
+            f"hf_megatrain: optim='{optim}' is not supported; the host optimizer implements "
+            f"AdamW exactly ({', '.join(sorted(_SUPPORTED_OPTIMS))})."
+        )
+
+
+class HFMegaTrainer(Trainer):
+    """Drop-in ``Trainer`` for decoder LLMs larger than the GPU.
+
+    ``model`` is a ``*ForCausalLM`` model of a supported architecture, either materialized (its
+    decoder layers are moved into the host store here) or already streamed, e.g. loaded with
+    :func:`hf_megatrain.load_streamed_model`. ``args`` may be a :class:`MegaTrainArguments` or a
+    plain ``TrainingArguments``.
+    """
+
+    def __init__(
+        self, model: nn.Module | None = None, args: TrainingArguments | None = None, *a, **kw
+    ):
+        if model is None:
+            raise ValueError("hf_megatrain: HFMegaTrainer needs a model")
+        if args is None:
+            args = MegaTrainArguments(output_dir="tmp_trainer")
+        _validate_args(args)
+        if args.gradient_checkpointing:
+            logger.info(
+                "hf_megatrain: gradient_checkpointing ignored; streamed layers always recompute"
+            )
+            args.gradient_checkpointing = False
+        # One process drives one GPU; the Trainer would otherwise scale batches by n_gpu and
+        # wrap the model in DataParallel.
+        args._n_gpu = 1
+        compute_dtype = torch.bfloat16 if args.bf16 else torch.float32
+        device = args.device
+        limit_gb = getattr(args, "megatrain_host_memory_limit_gb", None)
+        prepare_streamed_model(
+            model,
+            device=device,
+            compute_dtype=compute_dtype,
+            decay_names=set(Trainer.get_decay_parameter_names(None, model)),
+            pin_memory=getattr(args, "megatrain_pin_memory", True),
+            host_memory_limit_bytes=None if limit_gb is None else int(limit_gb * 2**30),
+        )
+        self.megatrain = streamed_state(model)
+        self._wrapper = StreamedModelWrapper(model, compute_dtype, device)
+        self._tokens_since_log = 0
+        self._time_of_log = time.perf_counter()
+        super().__init__(model, args, *a, **kw)
+
+    # ---- placement and wrapping ---------------------------------------------------------------
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        # Resident parts were placed when the model was streamed; layers never move as a whole.
+        return None
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        return self._wrapper
+
+    # ---- optimizer ---------------------------------------------------------------------------
+    def create_optimizer(self, model: nn.Module | None = None):
+        if self.optimizer is None:
+            from ..core.optimizer import HostAdamW  # noqa: PLC0415
+
+            args = self.args
+            self.optimizer = HostAdamW(
+                self.megatrain.engine,
+                self.megatrain.resident,
+                lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+                weight_decay=args.weight_decay,
+            )
+        return self.optimizer
+
+    def _clip_grad_norm(self, model):
+        return self.optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            grad_norm = self.optimizer.grad_norm()
+        return grad_norm
+
+    # ---- the step -----------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # Non-final micro-batches keep layer gradients on the device; the final one drains them.
+        self.megatrain.engine.sync_grads = bool(self.accelerator.sync_gradients)
+        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        if ids is not None:
+            self._tokens_since_log += ids.numel()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if getattr(self.args, "megatrain_log_throughput", True) and "loss" in logs:
+            now = time.perf_counter()
+            elapsed = now - self._time_of_log
+            if elapsed > 0 and self._tokens_since_log:
+                logs["tokens_per_s"] = round(self._tokens_since_log / elapsed, 1)
+            self._tokens_since_log = 0
+            self._time_of_log = now
+        super().log(logs, *args, **kwargs)
+
+    # ---- saving --------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        logger.info("hf_megatrain: saving model to %s", output_dir)
+        save_streamed_pretrained(
+            self.model, output_dir, getattr(self.args, "megatrain_max_shard_size", "2GB")
+        )
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write the checkpoint under a staging name and rename it when complete.
+
+        ``get_last_checkpoint`` (and resume) only ever see ``checkpoint-N`` folders that hold
+        every file: weights, optimizer state, scheduler, RNG and trainer state.
+        """
+        real_get_output_dir = self._get_output_dir
+        run_dir = real_get_output_dir(trial=trial)
+        staging_root = os.path.join(run_dir, ".megatrain-staging")
+        name = f"checkpoint-{self.state.global_step}"
+        shutil.rmtree(os.path.join(staging_root, name), ignore_errors=True)
+        self._get_output_dir = lambda trial=None: staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+        final = os.path.join(run_dir, name)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(os.path.join(staging_root, name), final)
+        shutil.rmtree(staging_root, ignore_errors=True)
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"checkpoint-{self.state.best_global_step}")
+            if os.path.isdir(best):
+                self.state.best_model_checkpoint = best
+        # The trainer_state.json written in staging named the staging folder: rewrite it.
+        if self.args.should_save:
+            self.state.save_to_json(os.path.join(final, "trainer_state.json"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.args.should_save:
+            return
+        save_optimizer_state(self.optimizer, output_dir)
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+    # ---- loading -------------------------------------------------------------------------------
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        logger.info("hf_megatrain: loading weights from %s", resume_from_checkpoint)
+        load_weights_into_store(self.model, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        if not has_optimizer_state(checkpoint):
+            logger.warning(
+                "hf_megatrain: no optimizer state in %s; moments start at zero", checkpoint
+            )
+            return
+        load_optimizer_state(self.optimizer, checkpoint)
+        sched = os.path.join(checkpoint, _SCHEDULER_NAME)
+        if os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        logger.info("hf_megatrain: loading best model from %s", best)
+        load_weights_into_store(self.model, best)
+
+
+__all__ = ["HFMegaTrainer", "InsufficientHostMemoryError", "StreamedModelWrapper"]
