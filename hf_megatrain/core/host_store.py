@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -111,19 +112,40 @@ def layer_store_bytes(numel: int, stream_dtype: torch.dtype) -> int:
     return stream + 4 * fp32
 
 
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last-error slot after a failed (non-sticky) runtime call.
+
+    torch checks ``cudaGetLastError`` after kernel launches, so a failed ``cudaHostRegister``
+    would otherwise surface later as an unrelated error. torch does not bind that function, so
+    call it from the already-loaded libcudart.
+    """
+    import ctypes  # noqa: PLC0415
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
+
+
 def _cuda_register(ptr: int, nbytes: int) -> bool:
     if not torch.cuda.is_available() or nbytes == 0:
         return False
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     code = int(err.value) if hasattr(err, "value") else int(err)
     if code != 0:
+        _clear_cuda_error()
         logger.warning("cudaHostRegister failed (error %s); streaming from pageable memory", code)
         return False
     return True
 
 
 def _cuda_unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    err = torch.cuda.cudart().cudaHostUnregister(ptr)
+    if (int(err.value) if hasattr(err, "value") else int(err)) != 0:
+        _clear_cuda_error()
 
 
 class LayerStore:
@@ -167,6 +189,11 @@ class LayerStore:
         self._pinned_ptr = raw.data_ptr() if raw is not None else 0
         self.pinned = pin and _cuda_register(self._pinned_ptr, pinned_bytes)
         self.nbytes = total
+        # Unregister before the mapping can be unmapped and its address reused: a reused address
+        # that is still registered makes the next cudaHostRegister fail.
+        self._finalizer = (
+            weakref.finalize(self, _cuda_unregister, self._pinned_ptr) if self.pinned else None
+        )
 
     # --- views -----------------------------------------------------------------------------
     def param_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -184,8 +211,8 @@ class LayerStore:
             self.stream.copy_(self.master)
 
     def close(self) -> None:
-        if self.pinned:
-            _cuda_unregister(self._pinned_ptr)
+        if self._finalizer is not None:
+            self._finalizer()
             self.pinned = False
 
 
