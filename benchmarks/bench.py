@@ -1,0 +1,941 @@
+#!/usr/bin/env python3
+"""Side-by-side training throughput: hf_megatrain vs DeepSpeed ZeRO-3 offload vs stock Trainer.
+
+Every run trains a random-init model built from a real config (same seed), on the same random
+tokens (fixed seed), with bf16 compute, fp32 master weights and fp32 AdamW states, through the HF
+``Trainer`` loop:
+
+* ``megatrain``: ``HFMegaTrainer`` + ``MegaTrainArguments(bf16=True)``.
+* ``deepspeed``: stock ``Trainer`` with a ZeRO-3 config offloading parameters and optimizer to
+  pinned CPU memory (DeepSpeedCPUAdam), bf16, activation checkpointing.
+* ``stock``: stock ``Trainer``, fp32 model on the GPU, bf16 autocast, gradient checkpointing,
+  ``adamw_torch_fused``.
+
+Each run is its own subprocess (``--worker``), one after another, so one run's memory cannot
+affect the next and an OOM, a kill by the host's OOM killer or a timeout becomes a result row
+instead of ending the sweep. Rows are appended to ``results/results.csv`` after every run (a sweep
+cut short keeps what it measured) and a markdown summary of the sweep is rewritten each time.
+
+Examples::
+
+    python3 benchmarks/bench.py --system megatrain --model qwen2.5-1.5b --seq-len 4096 \\
+        --tokens-per-step 16384 --steps 5 --warmup 2
+    python3 benchmarks/bench.py --tag h200 --run qwen2.5-1.5b:16384:megatrain,deepspeed,stock \\
+        --run qwen2.5-7b:8192:stock
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+CONFIG_DIR = BENCH_DIR / "configs"
+RESULTS_DIR = BENCH_DIR / "results"
+
+# Run from a plain checkout (``python3 benchmarks/bench.py``) without installing the package.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+SYSTEMS = ("megatrain", "deepspeed", "stock")
+# H200 (and H100 SXM) dense bf16 datasheet peak; the MFU denominator the issue fixes.
+PEAK_BF16_FLOPS = 989e12
+GIB = 2**30
+
+REQUIRED_COLUMNS = [
+    "date",
+    "commit",
+    "gpu",
+    "system",
+    "model",
+    "params_b",
+    "seq_len",
+    "tokens_per_step",
+    "tokens_per_s",
+    "model_tflops",
+    "mfu",
+    "peak_hbm_gib",
+    "peak_host_gib",
+    "status",
+]
+EXTRA_COLUMNS = [
+    "params",
+    "step_time_s",
+    "steps",
+    "warmup",
+    "micro_batch",
+    "grad_accum",
+    "train_loss",
+    "torch",
+    "transformers",
+    "accelerate",
+    "deepspeed",
+    "python",
+    "cuda",
+    "src_sha",
+    "tag",
+    "command",
+]
+CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
+
+
+# ---- formulas --------------------------------------------------------------------------------
+def model_tflops(params: int, tokens_per_s: float) -> float:
+    """Model TFLOP/s as the issue defines it: 6 * params * tokens/s (no attention, no recompute)."""
+    return 6 * params * tokens_per_s / 1e12
+
+
+def mfu(
+    params: int,
+    n_layers: int,
+    hidden: int,
+    seq_len: int,
+    tokens_per_s: float,
+    peak_flops: float = PEAK_BF16_FLOPS,
+) -> float:
+    """Model FLOPs utilization with causal attention: (6P + 6 L h s) per token over the peak.
+
+    Non-causal attention costs 12 L h s FLOPs per token (QK^T and AV, forward + backward); the
+    causal mask halves it. Recompute is not counted: MFU counts useful work only.
+    """
+    return (6 * params + 6 * n_layers * hidden * seq_len) * tokens_per_s / peak_flops
+
+
+def count_params(config: Any) -> int:
+    """Parameter count of a llama/qwen2-style decoder from its config (tied embeddings once).
+
+    Used for rows of runs that died before the model was built; runs that get that far report
+    the built model's own count.
+    """
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    qwen2 = config.model_type == "qwen2"
+    qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
+    o_bias = (not qwen2) and bool(getattr(config, "attention_bias", False))
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    inter = config.intermediate_size
+    q, k = heads * head_dim, kv * head_dim
+    attn = h * q + 2 * h * k + q * h + (q + 2 * k if qkv_bias else 0) + (h if o_bias else 0)
+    mlp = 3 * h * inter + ((2 * inter + h) if mlp_bias else 0)
+    layer = attn + mlp + 2 * h  # two RMSNorm weights
+    embed = config.vocab_size * h
+    head = 0 if config.tie_word_embeddings else config.vocab_size * h
+    return config.num_hidden_layers * layer + embed + head + h  # + final norm
+
+
+# ---- run configuration -----------------------------------------------------------------------
+@dataclass
+class RunConfig:
+    """One training run: a system on a model at a batch size."""
+
+    system: str
+    model: str
+    seq_len: int = 4096
+    tokens_per_step: int = 16384
+    micro_batch: int | None = None  # sequences per forward; None: the whole step in one
+    steps: int = 5  # timed optimizer steps
+    warmup: int = 2  # untimed optimizer steps first (allocator, autotuning, JIT, first-step setup)
+    seed: int = 0
+    device: str = "auto"
+    timeout_s: float = 900.0
+    learning_rate: float = 1e-5
+    host_memory_limit_gb: float | None = None  # megatrain only: cap the host store
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ValueError(f"unknown system {self.system!r}; choose from {SYSTEMS}")
+        if self.tokens_per_step % self.seq_len:
+            raise ValueError(
+                f"tokens_per_step {self.tokens_per_step} is not a multiple of seq_len "
+                f"{self.seq_len}"
+            )
+        if self.sequences_per_step % self.resolved_micro_batch:
+            raise ValueError(
+                f"{self.sequences_per_step} sequences per step do not split into micro-batches "
+                f"of {self.resolved_micro_batch}"
+            )
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError("need steps >= 1 and warmup >= 0")
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.tokens_per_step // self.seq_len
+
+    @property
+    def resolved_micro_batch(self) -> int:
+        return self.micro_batch or self.sequences_per_step
+
+    @property
+    def grad_accum(self) -> int:
+        return self.sequences_per_step // self.resolved_micro_batch
+
+    def cli_args(self) -> list[str]:
+        """Flags that reproduce exactly this run with bench.py."""
+        args = [
+            "--system", self.system,
+            "--model", self.model,
+            "--seq-len", str(self.seq_len),
+            "--tokens-per-step", str(self.tokens_per_step),
+            "--micro-batch", str(self.resolved_micro_batch),
+            "--steps", str(self.steps),
+            "--warmup", str(self.warmup),
+            "--seed", str(self.seed),
+            "--device", self.device,
+            "--timeout-s", f"{self.timeout_s:g}",
+            "--lr", f"{self.learning_rate:g}",
+        ]  # fmt: skip
+        if self.host_memory_limit_gb is not None:
+            args += ["--host-memory-limit-gb", f"{self.host_memory_limit_gb:g}"]
+        return args
+
+    def command(self) -> str:
+        return shlex.join(["python3", "benchmarks/bench.py", *self.cli_args()])
+
+
+def model_config_path(model: str) -> Path:
+    """A name under benchmarks/configs/ or a folder / config.json path."""
+    p = Path(model)
+    if p.is_file():
+        return p.parent
+    if p.is_dir():
+        return p
+    named = CONFIG_DIR / model
+    if (named / "config.json").is_file():
+        return named
+    known = sorted(d.name for d in CONFIG_DIR.iterdir() if (d / "config.json").is_file())
+    raise ValueError(f"unknown model {model!r}; known: {', '.join(known)}")
+
+
+def load_model_config(model: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_config_path(model)))
+
+
+# ---- worker: one run in this process ---------------------------------------------------------
+class RandomTokens:
+    """``n`` rows of uniform random token ids; row ``i`` depends only on (seed, i)."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int) -> None:
+        self.n, self.seq_len, self.vocab, self.seed = n, seq_len, vocab, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        ids = torch.randint(0, self.vocab, (self.seq_len,), generator=g)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _make_step_timer(use_cuda: bool):
+    import torch
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        """Wall time of each optimizer step, the device drained at every step boundary.
+
+        Step k's time runs from the end of step k-1 (or the start of training) to the end of
+        step k, so it covers everything the loop does: data, forward/backward, clipping, the
+        optimizer and any work a system defers into the next step.
+        """
+
+        def __init__(self) -> None:
+            self.marks: list[float] = []
+
+        def _now(self) -> float:
+            if use_cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.marks = [self._now()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.marks.append(self._now())
+
+        def durations(self) -> list[float]:
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    return StepTimer()
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda, but torch sees no CUDA device")
+    return name
+
+
+def deepspeed_config() -> dict:
+    """ZeRO-3 with parameters and optimizer states offloaded to pinned CPU memory.
+
+    ``auto`` values are filled by the Trainer from its arguments (batch sizes, lr, clipping, bf16)
+    and the model config (bucket sizes), as in HF's documented ZeRO-3 offload recipe. The
+    optimizer entry makes DeepSpeed run its CPUAdam (AdamW mode) over fp32 master partitions.
+    """
+    return {
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": False,
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _single_process_dist_env() -> None:
+    """DeepSpeed needs a process group; give it a one-rank one without the launcher."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+def build_model(config, seed: int):
+    """Random-init fp32 model on the CPU: the same weights for every system given the seed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config.use_cache = False  # training: a KV cache is never wanted
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def training_arguments(cfg: RunConfig, output_dir: str, device: str) -> dict:
+    """Arguments shared by all three systems: same loop, schedule, clipping and precision."""
+    return dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=cfg.resolved_micro_batch,
+        gradient_accumulation_steps=cfg.grad_accum,
+        max_steps=cfg.warmup + cfg.steps,
+        learning_rate=cfg.learning_rate,
+        weight_decay=0.1,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,  # clipping on, as in real training
+        bf16=True,
+        optim="adamw_torch_fused",
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        # No periodic logging: its .item() would add host syncs; the mean loss comes at the end.
+        logging_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=cfg.seed,
+        use_cpu=device == "cpu",
+    )
+
+
+def make_trainer(cfg: RunConfig, model, dataset, timer, output_dir: str, device: str):
+    common = training_arguments(cfg, output_dir, device)
+    if cfg.system == "megatrain":
+        from hf_megatrain import HFMegaTrainer, MegaTrainArguments
+
+        # Streamed layers always recompute in backward: checkpointing is built in.
+        common["gradient_checkpointing"] = False
+        args = MegaTrainArguments(**common, megatrain_host_memory_limit_gb=cfg.host_memory_limit_gb)
+        return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
+    from transformers import Trainer, TrainingArguments
+
+    if cfg.system == "deepspeed":
+        args = TrainingArguments(**common, deepspeed=deepspeed_config())
+    else:
+        args = TrainingArguments(**common)
+    return Trainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
+
+
+def peak_host_gib() -> float | None:
+    """Peak resident set of this process (VmHWM), pinned buffers included.
+
+    DeepSpeed here runs its CPU optimizer in-process (no aio or dataloader workers), so the
+    worker process is all there is; the JIT compiler's children are not training memory.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def peak_hbm_gib() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.max_memory_reserved() / GIB
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "accelerate", "deepspeed"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = ""
+    return out
+
+
+def train_once(cfg: RunConfig) -> dict:
+    """Build, train and measure one run in this process; raises on failure."""
+    import torch
+
+    device = resolve_device(cfg.device)
+    result: dict[str, Any] = {"device": device}
+    if device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(0)
+        result["cuda"] = torch.version.cuda or ""
+    if cfg.system == "deepspeed":
+        _single_process_dist_env()
+        import deepspeed  # noqa: F401  (fail early, as "skipped", when it is not installed)
+
+    config = load_model_config(cfg.model)
+    # Built before any TrainingArguments: with a DeepSpeed config registered, from_config would
+    # go through zero.Init and initialize different (partitioned, on-GPU) random weights.
+    model = build_model(config, cfg.seed)
+    result["params"] = sum(p.numel() for p in model.parameters())
+    n_rows = (cfg.warmup + cfg.steps) * cfg.sequences_per_step
+    dataset = RandomTokens(n_rows, cfg.seq_len, config.vocab_size, cfg.seed)
+    timer = _make_step_timer(device == "cuda")
+    output_dir = tempfile.mkdtemp(prefix=f"bench-{cfg.system}-")
+    try:
+        trainer = make_trainer(cfg, model, dataset, timer, output_dir, device)
+        del model  # the trainer holds it; nothing else should keep host copies alive
+        out = trainer.train()
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
+    durations = timer.durations()
+    if len(durations) != cfg.warmup + cfg.steps:
+        raise RuntimeError(f"timed {len(durations)} steps, expected {cfg.warmup + cfg.steps}")
+    timed = durations[cfg.warmup :]
+    step_time = statistics.median(timed)
+    tps = cfg.tokens_per_step / step_time
+    result.update(
+        status="ok",
+        step_times=durations,
+        step_time_s=step_time,
+        tokens_per_s=tps,
+        train_loss=float(out.training_loss),
+        model_tflops=model_tflops(result["params"], tps),
+        mfu=mfu(result["params"], config.num_hidden_layers, config.hidden_size, cfg.seq_len, tps),
+    )
+    return result
+
+
+def failure_status(exc: BaseException) -> str:
+    """The CSV status of a failed run: OOMs are results, named as such."""
+    from hf_megatrain import InsufficientHostMemoryError
+
+    text = str(exc)
+    if isinstance(exc, InsufficientHostMemoryError):
+        m = re.search(r"needs ([\d.]+) GiB.*?only ([\d.]+) GiB", text, re.S)
+        if m:
+            return f"oom-host (needs {m[1]} GiB, has {m[2]})"
+        return "oom-host"
+    name = type(exc).__name__
+    if name == "OutOfMemoryError" or re.search(r"CUDA (error: )?out of memory", text):
+        return "oom-gpu"
+    if isinstance(exc, MemoryError):
+        return f"oom-host ({name})"
+    if isinstance(exc, ImportError) and "deepspeed" in text:
+        return "skipped: deepspeed not installed"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"error: {name}: {first}"[:200]
+
+
+def run_worker(cfg: RunConfig, result_json: Path) -> int:
+    """Run one benchmark and write its result (or its failure) as JSON for the parent."""
+    result: dict[str, Any]
+    try:
+        result = train_once(cfg)
+        code = 0
+    except BaseException as exc:  # noqa: BLE001  (any failure is a row, never a crash)
+        traceback.print_exc()
+        result = {"status": failure_status(exc)}
+        code = 1
+    result.update(versions())
+    result["peak_host_gib"] = peak_host_gib()
+    try:
+        result["peak_hbm_gib"] = peak_hbm_gib()
+    except Exception:  # noqa: BLE001  (a broken CUDA context after a failure)
+        result["peak_hbm_gib"] = None
+    result_json.write_text(json.dumps(result))
+    print(f"bench worker: {cfg.system} {cfg.model}: {result['status']}", flush=True)
+    return code
+
+
+# ---- parent: run workers one after another ---------------------------------------------------
+def status_from_exit(rc: int, timed_out: bool, timeout_s: float, tail: list[str]) -> str:
+    """Status of a worker that wrote no result."""
+    if timed_out:
+        return f"timeout ({timeout_s:g} s)"
+    if rc == -signal.SIGKILL:
+        # SIGKILL from outside: on these machines the kernel's OOM killer (host RAM exhausted).
+        return f"killed (rc {rc})"
+    if rc < 0:
+        return f"killed (rc {rc}, {signal.Signals(-rc).name})"
+    last = next((line.strip() for line in reversed(tail) if line.strip()), "")
+    return f"failed (rc {rc}): {last}"[:200]
+
+
+def _pump(stream, sinks: list, tail: deque, prefix: str) -> None:
+    for line in iter(stream.readline, ""):
+        tail.append(line)
+        for sink in sinks:
+            sink.write(prefix + line)
+            sink.flush()
+
+
+def run_subprocess(cfg: RunConfig, log_file) -> dict:
+    """Run ``cfg`` in a fresh worker process; always return a result dict with a status."""
+    with tempfile.TemporaryDirectory(prefix="bench-result-") as tmp:
+        result_json = Path(tmp) / "result.json"
+        argv = [sys.executable, str(BENCH_DIR / "bench.py"), "--worker"]
+        argv += ["--result-json", str(result_json), *cfg.cli_args()]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        log_file.write(f"\n===== {cfg.command()}\n")
+        start = time.perf_counter()
+        # Own session: a timeout kills the whole group (DeepSpeed's JIT build children too).
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            env=env,
+            cwd=str(REPO_ROOT),
+        )
+        tail: deque = deque(maxlen=40)
+        prefix = f"[{cfg.system} {cfg.model} {cfg.tokens_per_step}] "
+        pump = threading.Thread(
+            target=_pump, args=(proc.stdout, [sys.stdout, log_file], tail, prefix), daemon=True
+        )
+        pump.start()
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=cfg.timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+        pump.join(timeout=10)
+        wall = time.perf_counter() - start
+        if result_json.is_file():
+            # A result written before a hang or crash at exit still stands: it was measured.
+            result = json.loads(result_json.read_text())
+        else:
+            result = {"status": status_from_exit(rc, timed_out, cfg.timeout_s, list(tail))}
+        result["returncode"] = rc
+        result["wall_s"] = wall
+        result["tail"] = list(tail)[-12:] if result["status"] != "ok" else []
+        return result
+
+
+def git_commit() -> str:
+    """Commit of the checkout (with -dirty), else $BENCH_COMMIT (the GPU copy has no .git)."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=10"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("BENCH_COMMIT", "unknown")
+
+
+def source_sha() -> str:
+    """Hash of the code under test, to tie a row to its source where git is not available."""
+    h = hashlib.sha256()
+    files = sorted((REPO_ROOT / "hf_megatrain").rglob("*.py")) + [BENCH_DIR / "bench.py"]
+    for f in files:
+        h.update(str(f.relative_to(REPO_ROOT)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def gpu_name_from_smi() -> str:
+    """GPU name without touching CUDA in the parent (a context here would take HBM)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "none"
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "none"
+
+
+def _fmt(value: Any, digits: int) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
+    params = result.get("params") or count_params(load_model_config(cfg.model))
+    return {
+        "date": sweep["date"],
+        "commit": sweep["commit"],
+        "gpu": result.get("gpu") or ("cpu" if result.get("device") == "cpu" else sweep["gpu"]),
+        "system": cfg.system,
+        "model": cfg.model,
+        "params_b": f"{params / 1e9:.4f}",
+        "seq_len": cfg.seq_len,
+        "tokens_per_step": cfg.tokens_per_step,
+        "tokens_per_s": _fmt(result.get("tokens_per_s"), 1),
+        "model_tflops": _fmt(result.get("model_tflops"), 2),
+        "mfu": _fmt(result.get("mfu"), 4),
+        "peak_hbm_gib": _fmt(result.get("peak_hbm_gib"), 2),
+        "peak_host_gib": _fmt(result.get("peak_host_gib"), 2),
+        "status": result["status"],
+        "params": params,
+        "step_time_s": _fmt(result.get("step_time_s"), 4),
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "micro_batch": cfg.resolved_micro_batch,
+        "grad_accum": cfg.grad_accum,
+        "train_loss": _fmt(result.get("train_loss"), 4),
+        "torch": result.get("torch") or sweep["versions"].get("torch", ""),
+        "transformers": result.get("transformers") or sweep["versions"].get("transformers", ""),
+        "accelerate": result.get("accelerate") or sweep["versions"].get("accelerate", ""),
+        "deepspeed": result.get("deepspeed") or sweep["versions"].get("deepspeed", ""),
+        "python": result.get("python") or sweep["versions"].get("python", ""),
+        "cuda": result.get("cuda", ""),
+        "src_sha": sweep["src_sha"],
+        "tag": sweep["tag"],
+        "command": cfg.command(),
+    }
+
+
+def append_csv(path: Path, rows: list[dict]) -> None:
+    """Append rows; if the file's header lacks a column, rewrite it with the union (long format)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    existing: list[dict] = []
+    header: list[str] = []
+    if path.is_file() and path.stat().st_size:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            if any(c not in header for c in CSV_COLUMNS):
+                existing = list(reader)
+    if header and not existing and all(c in header for c in CSV_COLUMNS):
+        with path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=header, extrasaction="ignore").writerows(rows)
+        return
+    columns = CSV_COLUMNS + [c for c in header if c not in CSV_COLUMNS]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(existing + rows)
+
+
+def _model_summary(model: str) -> str:
+    c = load_model_config(model)
+    return (
+        f"| {model} | {c.model_type} | {c.num_hidden_layers} | {c.hidden_size} | "
+        f"{c.intermediate_size} | {c.num_attention_heads} | {c.num_key_value_heads} | "
+        f"{c.vocab_size} | {c.tie_word_embeddings} | {count_params(c) / 1e9:.3f} |"
+    )
+
+
+def host_summary() -> str:
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = next(line.split(":")[1].strip() for line in f if line.startswith("MemTotal"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} CPUs, MemTotal {mem}"
+
+
+def write_markdown(path: Path, sweep: dict, runs: list[tuple[RunConfig, dict, dict]]) -> None:
+    lines = [
+        f"# Benchmark sweep `{sweep['tag']}`, {sweep['date']}",
+        "",
+        "Command:",
+        "",
+        "```",
+        sweep["argv"],
+        "```",
+        "",
+        f"- commit: `{sweep['commit']}` (source sha `{sweep['src_sha']}`)",
+        f"- GPU: {sweep['gpu']}; host: {sweep['host']}",
+        "- versions: "
+        + ", ".join(f"{k} {v or 'not installed'}" for k, v in sweep["versions"].items()),
+        "- precision: bf16 compute, fp32 master weights, fp32 AdamW states (all systems)",
+        "- data: uniform random token ids, labels = inputs, same rows for every system",
+        "- timing: wall time per optimizer step (CUDA synchronized at step ends), warm-up steps "
+        "excluded, median of the timed steps; tokens/s = tokens per step / median step time",
+        "- model TFLOP/s = 6 * params * tokens/s; MFU = (6 * params + 6 * layers * hidden * seq) "
+        f"* tokens/s / {PEAK_BF16_FLOPS / 1e12:g} TFLOP/s",
+        "- peak HBM = torch.cuda.max_memory_reserved; peak host = VmHWM of the run's process",
+        "",
+        "## Systems",
+        "",
+        "- megatrain: HFMegaTrainer, MegaTrainArguments(bf16=True), host AdamW",
+        "- deepspeed: Trainer + ZeRO-3, params and optimizer offloaded to pinned CPU memory, "
+        "DeepSpeedCPUAdam, gradient checkpointing; config:",
+        "",
+        "```json",
+        json.dumps(deepspeed_config(), indent=1),
+        "```",
+        "",
+        "- stock: Trainer, fp32 model on the GPU, bf16 autocast, gradient checkpointing "
+        "(non-reentrant), adamw_torch_fused",
+        "- all: lr 1e-5 constant, weight decay 0.1, max_grad_norm 1.0, sdpa attention, "
+        "no logging, no saving",
+        "",
+        "## Models (configs in benchmarks/configs/)",
+        "",
+        "| model | type | layers | hidden | intermediate | heads | kv heads | vocab | tied | "
+        "params (B) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_model_summary(m) for m in dict.fromkeys(cfg.model for cfg, _, _ in runs)]
+    lines += [
+        "",
+        "## Results",
+        "",
+        "| system | model | seq | tokens/step | micro-batch x accum | tokens/s | model TFLOP/s | "
+        "MFU | peak HBM GiB | peak host GiB | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cfg, _, row in runs:
+        lines.append(
+            f"| {cfg.system} | {cfg.model} | {cfg.seq_len} | {cfg.tokens_per_step} | "
+            f"{row['micro_batch']} x {row['grad_accum']} | {row['tokens_per_s']} | "
+            f"{row['model_tflops']} | {row['mfu']} | {row['peak_hbm_gib']} | "
+            f"{row['peak_host_gib']} | {row['status']} |"
+        )
+    lines += ["", "## Per-run details", ""]
+    for cfg, result, _ in runs:
+        lines.append(f"- `{cfg.command()}`: {result['status']}, wall {result['wall_s']:.1f} s")
+        if result.get("step_times"):
+            times = ", ".join(f"{t:.3f}" for t in result["step_times"])
+            lines.append(f"  - step times (s, first {cfg.warmup} warm-up): {times}")
+        if result.get("tail"):
+            lines.append("  - last output:")
+            lines.append("")
+            lines.append("    ```")
+            lines += [f"    {line.rstrip()}" for line in result["tail"]]
+            lines.append("    ```")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def unique_path(directory: Path, stem: str, suffix: str) -> Path:
+    path = directory / f"{stem}{suffix}"
+    n = 2
+    while path.exists():
+        path = directory / f"{stem}-{n}{suffix}"
+        n += 1
+    return path
+
+
+def run_sweep(
+    cfgs: list[RunConfig],
+    tag: str,
+    results_dir: Path,
+    mirror_dirs: list[Path],
+    argv: str,
+) -> list[dict]:
+    """Run each config in its own worker, one after another; record every outcome."""
+    now = dt.datetime.now(dt.timezone.utc)
+    sweep = {
+        "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": git_commit(),
+        "src_sha": source_sha(),
+        "gpu": gpu_name_from_smi(),
+        "host": host_summary(),
+        "versions": versions(),
+        "tag": tag,
+        "argv": argv,
+    }
+    results_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = results_dir / "results.csv"
+    md_path = unique_path(results_dir, f"{now:%Y-%m-%d}-{tag}", ".md")
+    log_dir = results_dir / "logs"
+    log_dir.mkdir(exist_ok=True)
+    log_path = unique_path(log_dir, f"{now:%Y-%m-%d}-{tag}", ".log")
+    runs: list[tuple[RunConfig, dict, dict]] = []
+    with log_path.open("w") as log_file:
+        for cfg in cfgs:
+            result = run_subprocess(cfg, log_file)
+            row = make_row(cfg, result, sweep)
+            runs.append((cfg, result, row))
+            append_csv(csv_path, [row])
+            write_markdown(md_path, sweep, runs)
+            print(
+                f"bench: {cfg.system} {cfg.model} {cfg.tokens_per_step} tok/step: "
+                f"{row['status']}, {row['tokens_per_s'] or '-'} tok/s, "
+                f"{row['model_tflops'] or '-'} TFLOP/s, HBM {row['peak_hbm_gib'] or '-'} GiB, "
+                f"host {row['peak_host_gib'] or '-'} GiB",
+                flush=True,
+            )
+            log_file.flush()
+            # Copy after every run: a device call cut short still returns what was measured.
+            for d in mirror_dirs:
+                d.mkdir(parents=True, exist_ok=True)
+                for f in (csv_path, md_path, log_path):
+                    shutil.copy2(f, d / f.name)
+    print(f"bench: wrote {csv_path}, {md_path}, {log_path}", flush=True)
+    return [row for _, _, row in runs]
+
+
+# ---- command line ----------------------------------------------------------------------------
+def _csv_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--system", help="one of " + ", ".join(SYSTEMS))
+    p.add_argument("--systems", help="comma list, run one after another (separate processes)")
+    p.add_argument("--model", help="config name under benchmarks/configs/ (comma list allowed)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--tokens-per-step", default="16384", help="tokens per optimizer step; list ok")
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="MODEL:TOKENS_PER_STEP:SYSTEMS",
+        help="one sweep entry, e.g. qwen2.5-1.5b:16384:megatrain,deepspeed,stock (repeatable; "
+        "replaces --model/--tokens-per-step/--system(s))",
+    )
+    p.add_argument("--micro-batch", type=int, default=None, help="default: whole step at once")
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="wall-clock limit per run")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--host-memory-limit-gb", type=float, default=None, help="megatrain only")
+    p.add_argument("--tag", default="sweep", help="names the markdown summary")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--mirror-dir", type=Path, action="append", default=[], help="copy outputs")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result-json", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def configs_from_args(a: argparse.Namespace) -> list[RunConfig]:
+    common = dict(
+        seq_len=a.seq_len,
+        micro_batch=a.micro_batch,
+        steps=a.steps,
+        warmup=a.warmup,
+        seed=a.seed,
+        device=a.device,
+        timeout_s=a.timeout_s,
+        learning_rate=a.lr,
+        host_memory_limit_gb=a.host_memory_limit_gb,
+    )
+    entries: list[tuple[str, int, list[str]]] = []
+    for spec in a.run:
+        try:
+            model, tps, systems = spec.split(":")
+            entries.append((model, int(tps), _csv_list(systems)))
+        except ValueError as exc:
+            raise SystemExit(f"bad --run {spec!r}: want MODEL:TOKENS_PER_STEP:SYSTEMS") from exc
+    if not a.run:
+        if not a.model or not (a.system or a.systems):
+            raise SystemExit("give --model and --system/--systems, or --run entries")
+        systems = _csv_list(a.systems or a.system)
+        for model in _csv_list(a.model):
+            for tps in _csv_list(a.tokens_per_step):
+                entries.append((model, int(tps), systems))
+    cfgs = []
+    for model, tps, systems in entries:
+        model_config_path(model)  # fail before the sweep starts, not in the middle
+        for system in systems:
+            cfgs.append(RunConfig(system=system, model=model, tokens_per_step=tps, **common))
+    return cfgs
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = build_parser().parse_args(argv)
+    cfgs = configs_from_args(a)
+    if a.worker:
+        if len(cfgs) != 1 or a.result_json is None:
+            raise SystemExit("--worker runs exactly one config and needs --result-json")
+        code = run_worker(cfgs[0], a.result_json)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: process-group and CUDA teardown can hang after the result
+        # is safely written, and the parent would then record a timeout.
+        os._exit(code)
+    command = shlex.join(["python3", "benchmarks/bench.py", *argv])
+    rows = run_sweep(cfgs, a.tag, a.results_dir, a.mirror_dir, command)
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
