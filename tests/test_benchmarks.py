@@ -1,0 +1,150 @@
+"""CPU tests of benchmarks/bench.py: formulas, a real tiny sweep, and failures recorded as rows."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from benchmarks import bench
+
+TINY = "tiny-qwen2"
+
+
+def test_model_tflops_and_mfu_formulas():
+    # 1e9 params at 1000 tokens/s: 6e12 FLOP/s of model work.
+    assert bench.model_tflops(10**9, 1000.0) == pytest.approx(6.0)
+    # Attention adds 6 * L * h * s per token: 6 * 28 * 1536 * 4096 = 1.0569e9.
+    flops_per_token = 6 * 1_543_714_304 + 6 * 28 * 1536 * 4096
+    expected = flops_per_token * 28_300 / 989e12
+    assert bench.mfu(1_543_714_304, 28, 1536, 4096, 28_300.0) == pytest.approx(expected)
+    # DESIGN.md's stock reference: 28.3k tok/s on Qwen2.5-1.5B is 262 model TFLOP/s.
+    assert bench.model_tflops(1_543_714_304, 28_300) == pytest.approx(262, abs=0.5)
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        # Published totals (tied embeddings counted once).
+        ("qwen2.5-1.5b", 1_543_714_304),
+        ("qwen2.5-3b", 3_085_938_688),
+        ("qwen2.5-7b", 7_615_616_512),
+        ("llama-3.1-8b", 8_030_261_248),
+    ],
+)
+def test_count_params_of_real_configs(model, expected):
+    assert bench.count_params(bench.load_model_config(model)) == expected
+
+
+def test_count_params_matches_built_model():
+    config = bench.load_model_config(TINY)
+    model = AutoModelForCausalLM.from_config(config)
+    assert bench.count_params(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_run_config_batching():
+    cfg = bench.RunConfig(system="stock", model=TINY, seq_len=4096, tokens_per_step=65536)
+    assert (cfg.resolved_micro_batch, cfg.grad_accum) == (16, 1)
+    cfg = bench.RunConfig(
+        system="stock", model=TINY, seq_len=4096, tokens_per_step=65536, micro_batch=4
+    )
+    assert (cfg.resolved_micro_batch, cfg.grad_accum) == (4, 4)
+    with pytest.raises(ValueError):
+        bench.RunConfig(system="stock", model=TINY, seq_len=4096, tokens_per_step=5000)
+    with pytest.raises(ValueError):
+        bench.RunConfig(system="nope", model=TINY)
+
+
+def test_status_from_exit():
+    assert bench.status_from_exit(-signal.SIGKILL, False, 60, []) == "killed (rc -9)"
+    assert bench.status_from_exit(-9, True, 60, []) == "timeout (60 s)"
+    assert bench.status_from_exit(1, False, 60, ["boom\n", "\n"]) == "failed (rc 1): boom"
+
+
+def _read_csv(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def test_cpu_sweep_writes_rows(tmp_path):
+    """megatrain and stock on the tiny config, one subprocess each, as the GPU sweep runs."""
+    cmd = [
+        sys.executable, "benchmarks/bench.py",
+        "--systems", "megatrain,stock", "--model", TINY,
+        "--seq-len", "16", "--tokens-per-step", "64", "--micro-batch", "2",
+        "--steps", "1", "--warmup", "1", "--device", "cpu",
+        "--results-dir", str(tmp_path), "--tag", "cpu-test",
+        "--mirror-dir", str(tmp_path / "mirror"),
+    ]  # fmt: skip
+    # One thread per worker: tiny matmuls gain nothing from more, and a shared CI box loses.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(cmd, cwd=bench.REPO_ROOT, check=True, timeout=120, capture_output=True, env=env)
+    header, rows = _read_csv(tmp_path / "results.csv")
+    assert header[: len(bench.REQUIRED_COLUMNS)] == bench.REQUIRED_COLUMNS
+    assert [r["system"] for r in rows] == ["megatrain", "stock"]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["gpu"] == "cpu" and r["peak_hbm_gib"] == ""
+        assert int(r["params"]) == bench.count_params(bench.load_model_config(TINY))
+        assert (r["micro_batch"], r["grad_accum"]) == ("2", "2")
+        tps, step = float(r["tokens_per_s"]), float(r["step_time_s"])
+        assert tps > 0 and tps == pytest.approx(64 / step, rel=1e-2)
+        assert float(r["peak_host_gib"]) > 0
+        assert "--system " + r["system"] in r["command"]
+    # Same seed, same tokens, fp32-accurate host optimizer: both train the same model.
+    assert float(rows[0]["train_loss"]) == pytest.approx(float(rows[1]["train_loss"]), rel=1e-2)
+    md = list(tmp_path.glob("*-cpu-test.md"))
+    assert len(md) == 1 and "| megatrain | tiny-qwen2 |" in md[0].read_text()
+    assert (tmp_path / "mirror" / "results.csv").is_file()
+
+
+def test_timeout_records_a_row(tmp_path):
+    """A run killed from outside (here: its wall-clock limit) is a row, not a crash."""
+    bench.run_sweep(
+        [bench.RunConfig(system="stock", model=TINY, seq_len=16, tokens_per_step=32,
+                         device="cpu", timeout_s=0.5)],
+        tag="timeout", results_dir=tmp_path, mirror_dirs=[], argv="test",
+    )  # fmt: skip
+    _, rows = _read_csv(tmp_path / "results.csv")
+    assert len(rows) == 1
+    assert rows[0]["status"] == "timeout (0.5 s)"
+    assert rows[0]["tokens_per_s"] == "" and rows[0]["mfu"] == ""
+
+
+def test_host_memory_refusal_is_a_status(tmp_path):
+    """hf_megatrain's InsufficientHostMemoryError (a real refusal, forced by a tiny limit)."""
+    cfg = bench.RunConfig(
+        system="megatrain", model=TINY, seq_len=16, tokens_per_step=32, device="cpu",
+        host_memory_limit_gb=1e-6,
+    )  # fmt: skip
+    out = tmp_path / "result.json"
+    assert bench.run_worker(cfg, out) == 1
+    result = json.loads(out.read_text())
+    assert result["status"].startswith("oom-host (needs "), result["status"]
+    assert "tokens_per_s" not in result
+
+
+def test_failure_status_names_gpu_oom():
+    assert bench.failure_status(torch.OutOfMemoryError("CUDA out of memory.")) == "oom-gpu"
+    assert bench.failure_status(ValueError("bad\nmore")) == "error: ValueError: bad"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_tiny_run_measures_hbm(tmp_path):
+    cfg = bench.RunConfig(
+        system="stock", model=TINY, seq_len=16, tokens_per_step=32, steps=2, warmup=1,
+        device="cuda",
+    )  # fmt: skip
+    out = tmp_path / "result.json"
+    assert bench.run_worker(cfg, out) == 0
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok" and result["peak_hbm_gib"] > 0
