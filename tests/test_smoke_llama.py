@@ -1,10 +1,13 @@
+import copy
+
 import pytest
 from transformers import LlamaConfig
 
-from .helpers import VOCAB, tiny_model, train_both
+from .helpers import VOCAB, run_trainer, tiny_model
 
 
-def test_llama_matches_stock_trainer(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync-update", "threaded-update"])
+def test_llama_matches_stock_trainer(tmp_path, overlap):
     cfg = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -14,7 +17,14 @@ def test_llama_matches_stock_trainer(tmp_path):
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
-    (stock, _), (mega, _) = train_both(tiny_model(cfg), tmp_path, steps=5)
+    # threaded-update: the host AdamW runs on a background thread overlapping the next forward
+    # (the CUDA default); it must not change a single number.
+    model = tiny_model(cfg)
+    stock, _ = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, max_steps=5)
+    mega, trainer = run_trainer(
+        model, tmp_path, "mega", mega=True, max_steps=5, megatrain_overlap_optimizer=overlap
+    )
+    assert trainer.optimizer.overlap_update is overlap
     assert len(stock) == len(mega) == 5
     for a, b in zip(stock, mega):
         # fp32 on CPU, same kernels: the only differences are summation order in the global

@@ -39,6 +39,9 @@ class HostAdamW(torch.optim.Optimizer):
         engine: the streaming engine whose stores hold masters, moments and gradients.
         resident: ``(name, parameter, decay)`` for parameters that live as real ``nn.Parameter``s.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        overlap_update: run the streamed layers' update on a CPU thread that overlaps the next
+            forward pass (layer i is streamed in once its update is done). ``None``: on CUDA
+            only (on CPU the thread would compete with compute for the same cores).
     """
 
     def __init__(
@@ -49,8 +52,10 @@ class HostAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        overlap_update: bool | None = None,
     ) -> None:
         self.engine = engine
+        self.overlap_update = overlap_update
         resident = list(resident)
         self.resident_names = {id(p): n for n, p, _ in resident}
         decay_params: list[torch.Tensor] = [p for _, p, d in resident if d]
@@ -120,16 +125,22 @@ class HostAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.finish_grads()
+        self.engine.wait_updates()
         self.engine.wait_weight_copies()
         grad_scale = None
         if self._clip_coef is not None:
             grad_scale = (1.0 / self._clip_coef.double()).float().cpu()
-        touched: set[int] = set()
+        # Hyper-parameters are read now: the scheduler changes lr right after this call.
+        jobs: dict[int, list[tuple[_Segment, dict]]] = {}
         for group, segments in zip(self.param_groups, self._segments):
             kw = self._hyper(group)
             for seg in segments:
-                if not self.engine.layer_has_grad(seg.layer):
-                    continue
+                if self.engine.layer_has_grad(seg.layer):
+                    jobs.setdefault(seg.layer, []).append((seg, kw))
+            self._step_resident(group, kw)
+
+        def update_layer(idx: int) -> None:
+            for seg, kw in jobs[idx]:
                 s, e = seg.start, seg.end
                 _adam_functional(
                     [seg.store.master[s:e]],
@@ -142,14 +153,24 @@ class HostAdamW(torch.optim.Optimizer):
                     grad_scale=None if grad_scale is None else grad_scale.clone(),
                     **kw,
                 )
-                touched.add(seg.layer)
-            self._step_resident(group, kw)
-        for idx in touched:
             self.engine.stores[idx].refresh_stream_copy()
+
+        layers = sorted(jobs)
         self.engine.reset_grads()
         self.engine.invalidate_weights()
+        overlap = self.engine.is_cuda if self.overlap_update is None else self.overlap_update
+        if overlap:
+            # Layer i's update finishes before layer i streams in for the next forward.
+            self.engine.start_updates(update_layer, layers)
+        else:
+            for idx in layers:
+                update_layer(idx)
         self._clip_coef = None
         return loss
+
+    def wait(self) -> None:
+        """Block until a background update has finished (before reading or saving weights)."""
+        self.engine.wait_updates()
 
     @staticmethod
     def _hyper(group: dict) -> dict:
@@ -190,6 +211,7 @@ class HostAdamW(torch.optim.Optimizer):
     # ---- state ----------------------------------------------------------------------------------
     def streamed_state(self) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
         """Step counts per layer and resident moments by name (streamed moments live in the store)."""
+        self.wait()
         steps = {}
         for segments in self._segments:
             for seg in segments:

@@ -17,6 +17,7 @@ No ``transformers`` import here: model-specific output capture comes in through 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -81,6 +82,56 @@ class StreamingEngine:
             self._active_slot: int | None = None
         self.h2d_bytes = 0
         self.d2h_bytes = 0
+        # Host-side readiness of each layer's stream copy while a background optimizer update
+        # runs (see ``HostAdamW``): a layer is copied to the device only once it is updated.
+        self._update_ready: list[threading.Event] | None = None
+        self._update_thread: threading.Thread | None = None
+        self._update_error: BaseException | None = None
+
+    # ---- background host updates ------------------------------------------------------------
+    def start_updates(self, update_layer: Callable[[int], None], layers: list[int]) -> None:
+        """Run ``update_layer(i)`` for ``layers`` in order on a CPU thread.
+
+        Layers not listed are ready at once. The next forward pass streams layer ``i`` in as soon
+        as its update is done, so the CPU AdamW step overlaps the next step's GPU work.
+        """
+        self.wait_updates()
+        ready = [threading.Event() for _ in self.stores]
+        pending = set(layers)
+        for i, ev in enumerate(ready):
+            if i not in pending:
+                ev.set()
+
+        def work() -> None:
+            try:
+                for i in layers:
+                    update_layer(i)
+                    ready[i].set()
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
+                self._update_error = exc
+            finally:
+                for ev in ready:
+                    ev.set()
+
+        self._update_ready = ready
+        self._update_thread = threading.Thread(target=work, name="megatrain-adamw", daemon=True)
+        self._update_thread.start()
+
+    def _wait_update(self, idx: int) -> None:
+        if self._update_ready is not None:
+            self._update_ready[idx].wait()
+            if self._update_error is not None:
+                self.wait_updates()
+
+    def wait_updates(self) -> None:
+        """Block until the background update (if any) is done; re-raise its error."""
+        if self._update_thread is not None:
+            self._update_thread.join()
+            self._update_thread = None
+            self._update_ready = None
+        if self._update_error is not None:
+            err, self._update_error = self._update_error, None
+            raise RuntimeError("hf_megatrain: the host optimizer update failed") from err
 
     # ---- weights ----------------------------------------------------------------------------
     def _slot_of(self, idx: int) -> int | None:
@@ -96,6 +147,7 @@ class StreamingEngine:
             return slot
         slot = 0 if self._active_slot is None else 1 - self._active_slot
         store = self.stores[idx]
+        self._wait_update(idx)
         free = self._slot_free[slot]
         with torch.cuda.stream(self._h2d):
             if free is not None:
@@ -116,6 +168,7 @@ class StreamingEngine:
         """
         store = self.stores[idx]
         if not self.is_cuda:
+            self._wait_update(idx)
             return store.stream
         slot = self._load(idx)
         self._active_slot = slot
@@ -177,7 +230,7 @@ class StreamingEngine:
 
     def _drain(self, idx: int, acc: torch.Tensor) -> None:
         store = self.stores[idx]
-        sq = acc.square().sum()
+        sq = torch.linalg.vector_norm(acc).square()
         self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
         compute = torch.cuda.current_stream(self.device)
         if self._grad_on_host[idx]:
@@ -215,7 +268,7 @@ class StreamingEngine:
         total = torch.zeros((), dtype=torch.float32)
         for idx, store in enumerate(self.stores):
             if self._grad_on_host[idx]:
-                total += store.grad.square().sum()
+                total += torch.linalg.vector_norm(store.grad).square()
         return total.to(self.device)
 
     def has_grads(self) -> bool:

@@ -38,6 +38,14 @@ class MegaTrainArguments(TrainingArguments):
             "serialized one at a time, so this also bounds the extra host RAM a save needs."
         },
     )
+    megatrain_overlap_optimizer: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Run the host AdamW update of step t on a CPU thread while step t+1's forward "
+            "runs; layer i streams in as soon as its update is done. Exact (same arithmetic, "
+            "same order per layer). Default: on with CUDA, off on CPU."
+        },
+    )
     megatrain_log_throughput: bool = field(
         default=True,
         metadata={"help": "Add tokens/s (training tokens per second) to the Trainer logs."},

@@ -35,6 +35,7 @@ def _require_state(model) -> StreamedModelState:
     state = streamed_state(model)
     if state is None:
         raise ValueError("hf_megatrain: this model is not streamed (prepare it first).")
+    state.engine.wait_updates()  # a background optimizer update may still be writing the store
     return state
 
 
@@ -141,9 +142,27 @@ def _resolve_target(key: str, targets: dict[str, torch.Tensor]):
     return None
 
 
+def _checkpoint_renamings(model) -> list:
+    """transformers' own key renamings for ``model`` (e.g. Mixtral's ``block_sparse_moe`` ->
+    ``mlp``), as used by ``from_pretrained``. Empty on versions without the conversion mapping."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
+        from transformers.core_model_loading import WeightRenaming  # noqa: PLC0415
+    except ImportError:
+        return []
+    return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+
+
+def _rename(key: str, renamings: list) -> str:
+    for renaming in renamings:
+        key, _ = renaming.rename_source_key(key)
+    return key
+
+
 def load_weights_into_store(model, path: str) -> None:
     """Read a safetensors checkpoint tensor by tensor into the host store and resident params."""
     state = _require_state(model)
+    renamings = _checkpoint_renamings(model)
     targets: dict[str, torch.Tensor] = {}
     for i, store in enumerate(state.store.layers):
         for rel, view in store.param_views(store.master).items():
@@ -157,7 +176,9 @@ def load_weights_into_store(model, path: str) -> None:
     unknown: list[str] = []
     with torch.no_grad():
         for key, tensor in iter_checkpoint_tensors(path):
-            hit = _resolve_target(key, targets)
+            # Checkpoint names may predate the module names (renamed by transformers on load and
+            # reverted on save); the expert merge itself is handled in _resolve_target.
+            hit = _resolve_target(_rename(key, renamings), targets) or _resolve_target(key, targets)
             if hit is None:
                 unknown.append(key)
                 continue
@@ -188,6 +209,7 @@ def load_weights_into_store(model, path: str) -> None:
 # ---- optimizer state ------------------------------------------------------------------------
 def save_optimizer_state(optimizer, output_dir: str) -> None:
     """AdamW moments of every streamed layer (one safetensors file per layer) and residents."""
+    optimizer.wait()
     state = optimizer.engine
     folder = os.path.join(output_dir, OPTIMIZER_STATE_DIR)
     os.makedirs(folder, exist_ok=True)
@@ -215,6 +237,7 @@ def has_optimizer_state(checkpoint: str) -> bool:
 
 
 def load_optimizer_state(optimizer, checkpoint: str) -> None:
+    optimizer.wait()
     folder = os.path.join(checkpoint, OPTIMIZER_STATE_DIR)
     with open(os.path.join(folder, "meta.json")) as f:
         meta = json.load(f)

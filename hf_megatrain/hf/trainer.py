@@ -139,6 +139,7 @@ class HFMegaTrainer(Trainer):
                 betas=(args.adam_beta1, args.adam_beta2),
                 eps=args.adam_epsilon,
                 weight_decay=args.weight_decay,
+                overlap_update=getattr(args, "megatrain_overlap_optimizer", None),
             )
         return self.optimizer
 
