@@ -140,14 +140,16 @@ def common_args(**overrides) -> dict:
     return args
 
 
-def run_trainer(model, tmp_path, name: str, mega: bool, data=None, **arg_overrides):
+def run_trainer(
+    model, tmp_path, name: str, mega: bool, data=None, resume: str | None = None, **arg_overrides
+):
     """Train ``model`` (not copied) with one trainer class; return ``(logs, trainer)``."""
     data = data if data is not None else make_data()
     cls, argcls = (HFMegaTrainer, MegaTrainArguments) if mega else (Trainer, TrainingArguments)
     rec = LogRecorder()
     args = argcls(output_dir=str(tmp_path / name), **common_args(**arg_overrides))
     trainer = cls(model=model, args=args, train_dataset=data, callbacks=[rec])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return rec.logs, trainer
 
 

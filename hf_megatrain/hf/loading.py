@@ -41,6 +41,9 @@ def load_streamed_model(
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attn, dtype=torch.float32
         )
+    # Under init_empty_weights the LM head is not tied to the embedding yet; tie it now, or a
+    # tied checkpoint (which stores only the embedding) would leave the head without weights.
+    model.tie_weights()
     prepare_streamed_model(
         model,
         device=device,
