@@ -547,6 +547,27 @@ def _pump(stream, sinks: list, tail: deque, prefix: str) -> None:
             sink.flush()
 
 
+def kill_session(sid: int) -> int:
+    """SIGKILL every process left in the worker's session; returns how many were signalled.
+
+    ``killpg`` alone is not enough: ninja (DeepSpeed's JIT build) puts each compile job in a
+    process group of its own, and those jobs would outlive a timed-out worker.
+    """
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Fields after the command name: state, ppid, pgrp, session.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError, IndexError):
+            continue
+    return killed
+
+
 def run_subprocess(cfg: RunConfig, log_file) -> dict:
     """Run ``cfg`` in a fresh worker process; always return a result dict with a status."""
     with tempfile.TemporaryDirectory(prefix="bench-result-") as tmp:
@@ -581,6 +602,10 @@ def run_subprocess(cfg: RunConfig, log_file) -> dict:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
+        # Nothing of this run may hold memory or the GPU while the next one runs.
+        leftovers = kill_session(proc.pid)
+        if leftovers:
+            log_file.write(f"bench: killed {leftovers} leftover processes of the run\n")
         pump.join(timeout=10)
         wall = time.perf_counter() - start
         if result_json.is_file():

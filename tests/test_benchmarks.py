@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -148,3 +149,23 @@ def test_gpu_tiny_run_measures_hbm(tmp_path):
     assert bench.run_worker(cfg, out) == 0
     result = json.loads(out.read_text())
     assert result["status"] == "ok" and result["peak_hbm_gib"] > 0
+
+
+def test_kill_session_reaches_other_process_groups():
+    """Like ninja's compile jobs: a grandchild in its own process group dies with the run."""
+    script = (
+        "import os, subprocess, sys, time\n"
+        "c = subprocess.Popen(['sleep', '60'], preexec_fn=os.setpgrp)\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    grandchild = int(proc.stdout.readline())
+    assert bench.kill_session(proc.pid) == 2
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):  # the grandchild is reparented; wait until it is reaped
+            os.kill(grandchild, 0)
+            time.sleep(0.05)
