@@ -890,9 +890,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--run",
         action="append",
         default=[],
-        metavar="MODEL:TOKENS_PER_STEP:SYSTEMS",
-        help="one sweep entry, e.g. qwen2.5-1.5b:16384:megatrain,deepspeed,stock (repeatable; "
-        "replaces --model/--tokens-per-step/--system(s))",
+        metavar="MODEL:TOKENS_PER_STEP:SYSTEMS[:MICRO_BATCH]",
+        help="one sweep entry, e.g. qwen2.5-1.5b:16384:megatrain,deepspeed,stock or "
+        "qwen2.5-1.5b:65536:stock:4 (repeatable; replaces --model/--tokens-per-step/--system(s))",
     )
     p.add_argument("--micro-batch", type=int, default=None, help="default: whole step at once")
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
@@ -913,7 +913,6 @@ def build_parser() -> argparse.ArgumentParser:
 def configs_from_args(a: argparse.Namespace) -> list[RunConfig]:
     common = dict(
         seq_len=a.seq_len,
-        micro_batch=a.micro_batch,
         steps=a.steps,
         warmup=a.warmup,
         seed=a.seed,
@@ -922,25 +921,34 @@ def configs_from_args(a: argparse.Namespace) -> list[RunConfig]:
         learning_rate=a.lr,
         host_memory_limit_gb=a.host_memory_limit_gb,
     )
-    entries: list[tuple[str, int, list[str]]] = []
+    entries: list[tuple[str, int, list[str], int | None]] = []
     for spec in a.run:
         try:
-            model, tps, systems = spec.split(":")
-            entries.append((model, int(tps), _csv_list(systems)))
+            model, tps, systems, *mb = spec.split(":")
+            if len(mb) > 1:
+                raise ValueError(spec)
+            micro = int(mb[0]) if mb else a.micro_batch
+            entries.append((model, int(tps), _csv_list(systems), micro))
         except ValueError as exc:
-            raise SystemExit(f"bad --run {spec!r}: want MODEL:TOKENS_PER_STEP:SYSTEMS") from exc
+            raise SystemExit(
+                f"bad --run {spec!r}: want MODEL:TOKENS_PER_STEP:SYSTEMS[:MICRO_BATCH]"
+            ) from exc
     if not a.run:
         if not a.model or not (a.system or a.systems):
             raise SystemExit("give --model and --system/--systems, or --run entries")
         systems = _csv_list(a.systems or a.system)
         for model in _csv_list(a.model):
             for tps in _csv_list(a.tokens_per_step):
-                entries.append((model, int(tps), systems))
+                entries.append((model, int(tps), systems, a.micro_batch))
     cfgs = []
-    for model, tps, systems in entries:
+    for model, tps, systems, micro in entries:
         model_config_path(model)  # fail before the sweep starts, not in the middle
         for system in systems:
-            cfgs.append(RunConfig(system=system, model=model, tokens_per_step=tps, **common))
+            cfgs.append(
+                RunConfig(
+                    system=system, model=model, tokens_per_step=tps, micro_batch=micro, **common
+                )
+            )
     return cfgs
 
 

@@ -169,3 +169,30 @@ def test_kill_session_reaches_other_process_groups():
         for _ in range(100):  # the grandchild is reparented; wait until it is reaped
             os.kill(grandchild, 0)
             time.sleep(0.05)
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import plot
+
+    rows = [
+        {"date": "2026-01-01T00:00:00Z", "gpu": "cpu", "system": s, "model": TINY,
+         "seq_len": "16", "tokens_per_step": "64", "tokens_per_s": t, "status": st}
+        for s, t, st in (("megatrain", "100.0", "ok"), ("stock", "", "oom-gpu"))
+    ]  # fmt: skip
+    path = tmp_path / "r.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    assert plot.main(["--csv", str(path), "--out", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_run_specs_expand_in_order():
+    args = bench.build_parser().parse_args(
+        ["--run", f"{TINY}:64:megatrain,stock", "--run", f"{TINY}:128:stock:2", "--seq-len", "16"]
+    )
+    cfgs = bench.configs_from_args(args)
+    got = [(c.system, c.tokens_per_step, c.resolved_micro_batch, c.grad_accum) for c in cfgs]
+    assert got == [("megatrain", 64, 4, 1), ("stock", 64, 4, 1), ("stock", 128, 2, 4)]
