@@ -114,7 +114,8 @@ class StreamingEngine:
                     ev.set()
 
         self._update_ready = ready
-        self._update_thread = threading.Thread(target=work, name="megatrain-adamw", daemon=True)
+        # Not a daemon: interpreter exit waits for it instead of killing it inside a torch op.
+        self._update_thread = threading.Thread(target=work, name="megatrain-adamw")
         self._update_thread.start()
 
     def _wait_update(self, idx: int) -> None:

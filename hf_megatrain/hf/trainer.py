@@ -118,6 +118,14 @@ class HFMegaTrainer(Trainer):
         self._time_of_log = time.perf_counter()
         super().__init__(model, args, *a, **kw)
 
+    def train(self, *args: Any, **kwargs: Any):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            # The last optimizer step may still be updating the host store on its thread:
+            # finish it so weights are final (and no thread outlives the run).
+            self.megatrain.engine.wait_updates()
+
     # ---- placement and wrapping ---------------------------------------------------------------
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         # Resident parts were placed when the model was streamed; layers never move as a whole.
