@@ -1,0 +1,7 @@
+"""``python3 -m hf_megatrain train ...``: the same as the ``hf-megatrain`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""The ``hf-megatrain`` CLI: tiny end-to-end runs (seconds) and clean errors for user mistakes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_megatrain.cli import (
+    DEFAULT_CONFIG,
+    _load_recipe,
+    build_parser,
+    main,
+    resolve_options,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = (
+    "Streaming decoder layers through the accelerator keeps the master weights in host memory. "
+    "Each layer is copied in, used, and its gradient copied back out.\n\n"
+) * 40
+
+
+def _tiny_config(path: Path, model_type: str = "llama") -> Path:
+    cfg = json.loads(DEFAULT_CONFIG.read_text())
+    cfg.update(
+        model_type=model_type,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _fast_flags(out: Path) -> list[str]:
+    return [
+        "--max-steps", "2", "--seq-len", "16", "--batch-size", "2", "--logging-steps", "1",
+        "--max-new-tokens", "4", "--no-progress-bar", "--output-dir", str(out),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
+    """One tiny random-init run (sharded save) shared by the tests that inspect its output."""
+    root = tmp_path_factory.mktemp("cli")
+    data = root / "text.txt"
+    data.write_text(TEXT)
+    out = root / "out"
+    cfg = _tiny_config(root / "config.json")
+    rc = main(
+        ["train", "--config", str(cfg), "--data", str(data), "--max-shard-size", "100KB"]
+        + _fast_flags(out)
+    )
+    assert rc == 0
+    return out, data
+
+
+def test_train_saves_a_loadable_sharded_checkpoint(tiny_run):
+    out, _ = tiny_run
+    assert (out / "model.safetensors.index.json").is_file()
+    assert len(list(out.glob("*.safetensors"))) > 1
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("host memory", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    assert math.isfinite(loss.item())
+
+
+def test_continue_from_model_path(tiny_run, tmp_path):
+    # The checkpoint written by the CLI is a Hub-format folder: load_streamed_model reads it back.
+    ckpt, data = tiny_run
+    out = tmp_path / "continued"
+    assert main(["train", "--model-path", str(ckpt), "--data", str(data)] + _fast_flags(out)) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 2
+
+
+def test_default_model_and_data_smoke(tmp_path, capsys):
+    # The embedded default (bundled config, corpus, tokenizer), cut to two tiny steps.
+    assert main(["train", "--eval-fraction", "0.01", "--max-eval-chunks", "2"] + _fast_flags(tmp_path)) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "from_pretrained loaded the checkpoint" in printed
+    assert "Greedy sample" in printed
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.config.vocab_size == 4096
+
+
+def test_recipe_then_flags_precedence(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("seq_len: 64\nmax_steps: 7\nlr: 3e-4\nbf16: true\neval-fraction: 0.1\n")
+    ns = build_parser().parse_args(["train", "--recipe", str(recipe), "--max-steps", "3"])
+    opts = resolve_options(ns)
+    assert (opts.seq_len, opts.max_steps, opts.lr) == (64, 3, 3e-4)
+    assert opts.precision == "bf16" and opts.eval_fraction == 0.1
+    ns = build_parser().parse_args(["train", "--recipe", str(recipe), "--fp32"])
+    assert resolve_options(ns).precision == "fp32"
+
+
+@pytest.mark.parametrize("name", ["default_cpu.yaml", "continued_pretraining.yaml"])
+def test_shipped_recipes_parse(name):
+    keys = _load_recipe(str(REPO / "recipes" / name))
+    assert "seq_len" in keys
+
+
+def _error(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert isinstance(e.value.code, str), e.value.code  # a message, not a bare status
+    assert e.value.code.startswith("hf-megatrain: error:")
+    return e.value.code
+
+
+def test_bad_input_errors_are_clean(tmp_path):
+    txt = tmp_path / "t.txt"
+    txt.write_text(TEXT)
+    assert "fp16 is not supported" in _error(["train", "--fp16"])
+    assert "data not found" in _error(["train", "--data", str(tmp_path / "nope.txt")])
+    assert "model path not found" in _error(["train", "--model-path", str(tmp_path / "nope")])
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    assert "no *.safetensors" in _error(["train", "--model-path", str(tmp_path / "ckpt")])
+    assert "config file not found" in _error(["train", "--config", str(tmp_path / "c.json")])
+    assert "recipe file not found" in _error(["train", "--recipe", str(tmp_path / "r.yaml")])
+    assert "seq-len must be" in _error(["train", "--seq-len", "0"])
+    assert "eval-fraction" in _error(["train", "--eval-fraction", "0.9"])
+    bad_recipe = tmp_path / "bad.yaml"
+    bad_recipe.write_text("fp16: true\n")
+    assert "fp16 is not supported" in _error(["train", "--recipe", str(bad_recipe)])
+    bad_recipe.write_text("learning_rate: 1e-4\n")
+    assert "unknown key 'learning_rate'" in _error(["train", "--recipe", str(bad_recipe)])
+    bad_recipe.write_text("max_steps: many\n")
+    assert "max_steps: invalid value" in _error(["train", "--recipe", str(bad_recipe)])
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 4096}))
+    assert "not supported" in _error(["train", "--config", str(gpt2), "--data", str(txt)])
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    assert "not enough data" in _error(["train", "--data", str(short), "--seq-len", "512"])
+    (tmp_path / "empty").mkdir()
+    assert "no text files" in _error(["train", "--data", str(tmp_path / "empty")])
+
+
+def test_multi_process_launch_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "2 processes" in _error(["train", "--max-steps", "1"])
+
+
+def test_module_entry_point_prints_one_line_error():
+    # `python3 -m hf_megatrain` goes through __main__.py; a user mistake gives no traceback.
+    r = subprocess.run(
+        [sys.executable, "-m", "hf_megatrain", "train", "--fp16"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("hf-megatrain: error: fp16 is not supported")
