@@ -101,9 +101,13 @@ class LogRecorder(TrainerCallback):
     def __init__(self) -> None:
         self.logs: list[dict] = []
 
+        self.eval_logs: list[dict] = []
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.logs.append(dict(logs))
+        if logs and "eval_loss" in logs:
+            self.eval_logs.append(dict(logs))
 
 
 def make_data(n: int = 32, seq: int = SEQ, seed: int = 1) -> list[dict]:
