@@ -489,9 +489,9 @@ def failure_status(exc: BaseException) -> str:
 
     text = str(exc)
     if isinstance(exc, InsufficientHostMemoryError):
-        m = re.search(r"needs ([\d.]+) GiB.*?only ([\d.]+) GiB", text, re.S)
+        m = re.search(r"needs ([\d.]+ [KMGT]iB).*?only ([\d.]+ [KMGT]iB)", text, re.S)
         if m:
-            return f"oom-host (needs {m[1]} GiB, has {m[2]})"
+            return f"oom-host (needs {m[1]}, has {m[2]})"
         return "oom-host"
     name = type(exc).__name__
     if name == "OutOfMemoryError" or re.search(r"CUDA (error: )?out of memory", text):

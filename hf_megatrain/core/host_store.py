@@ -36,6 +36,15 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (a fixed GiB would print a
+    small store as "0.00 GiB", hiding how far apart needed and available are)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
 class InsufficientHostMemoryError(MemoryError):
     """Raised before any allocation when the host store would not fit in host RAM."""
 
@@ -148,8 +157,76 @@ def _cuda_unregister(ptr: int) -> None:
         _clear_cuda_error()
 
 
-class LayerStore:
+class _FlatLayerState:
+    """Views over one layer's flat buffers (shared by the host and the device tier)."""
+
+    slots: list[TensorSlot]
+    numel: int
+    decay_numel: int
+    master: torch.Tensor
+    stream: torch.Tensor
+
+    def param_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Name -> shaped view of ``flat`` (any of this layer's flat buffers)."""
+        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
+
+    def segments(self) -> list[tuple[bool, int, int]]:
+        """``(decay, start, end)`` of the contiguous decay and no-decay ranges (empty ones dropped)."""
+        segs = [(True, 0, self.decay_numel), (False, self.decay_numel, self.numel)]
+        return [s for s in segs if s[2] > s[1]]
+
+    def refresh_stream_copy(self) -> None:
+        """Re-derive the compute-dtype copy from the fp32 master (no-op in fp32 runs)."""
+        if self.stream is not self.master:
+            self.stream.copy_(self.master)
+
+
+class DeviceLayerStore(_FlatLayerState):
+    """A layer whose whole state lives on the compute device (the HBM tier).
+
+    Same layout and views as ``LayerStore``: fp32 master, moments and grad, plus the compute-dtype
+    copy the layer runs with. Nothing crosses PCIe for it and its AdamW update runs on the device.
+    """
+
+    resident = True
+    pinned = False
+    nbytes = 0  # host bytes
+
+    def __init__(
+        self,
+        slots: list[TensorSlot],
+        numel: int,
+        decay_numel: int,
+        stream_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.slots = slots
+        self.numel = numel
+        self.decay_numel = decay_numel
+        self.stream_dtype = stream_dtype
+        self.master = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
+        separate = stream_dtype != torch.float32
+        self.stream = (
+            torch.zeros(numel, dtype=stream_dtype, device=device) if separate else self.master
+        )
+        self.device_nbytes = numel * (16 + (stream_dtype.itemsize if separate else 0))
+
+    def close(self) -> None:
+        pass
+
+
+def device_layer_bytes(numel: int, stream_dtype: torch.dtype) -> int:
+    """Device bytes one ``DeviceLayerStore`` takes."""
+    return numel * (16 + (0 if stream_dtype == torch.float32 else stream_dtype.itemsize))
+
+
+class LayerStore(_FlatLayerState):
     """Flat host buffers of one streamed layer: stream copy, fp32 grad, master and AdamW moments."""
+
+    resident = False
 
     def __init__(
         self,
@@ -195,21 +272,6 @@ class LayerStore:
             weakref.finalize(self, _cuda_unregister, self._pinned_ptr) if self.pinned else None
         )
 
-    # --- views -----------------------------------------------------------------------------
-    def param_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Name -> shaped view of ``flat`` (any of this layer's flat buffers)."""
-        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
-
-    def segments(self) -> list[tuple[bool, int, int]]:
-        """``(decay, start, end)`` of the contiguous decay and no-decay ranges (empty ones dropped)."""
-        segs = [(True, 0, self.decay_numel), (False, self.decay_numel, self.numel)]
-        return [s for s in segs if s[2] > s[1]]
-
-    def refresh_stream_copy(self) -> None:
-        """Re-derive the compute-dtype copy from the fp32 master (no-op in fp32 runs)."""
-        if self.stream is not self.master:
-            self.stream.copy_(self.master)
-
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
@@ -219,7 +281,7 @@ class LayerStore:
 class HostStore:
     """All streamed layers' host state, plus the accounting needed to refuse early."""
 
-    def __init__(self, layers: list[LayerStore]) -> None:
+    def __init__(self, layers: list[LayerStore | DeviceLayerStore]) -> None:
         self.layers = layers
 
     @staticmethod
@@ -228,9 +290,9 @@ class HostStore:
         avail = available_host_bytes() if limit_bytes is None else limit_bytes
         if needed_bytes > avail:
             raise InsufficientHostMemoryError(
-                f"hf_megatrain: the host store needs {needed_bytes / 2**30:.2f} GiB of host RAM "
+                f"hf_megatrain: the host store needs {format_bytes(needed_bytes)} of host RAM "
                 f"(fp32 master + 2 AdamW moments + fp32 grad + stream copy), but only "
-                f"{avail / 2**30:.2f} GiB is available. Use a machine with more RAM, a smaller "
+                f"{format_bytes(avail)} is available. Use a machine with more RAM, a smaller "
                 f"model, or freeze part of the model."
             )
 

@@ -67,7 +67,8 @@ class HostAdamW(torch.optim.Optimizer):
                 view = store.master[start:end]
                 (decay_params if decay else no_decay_params).append(view)
                 self._streamed_ids.add(id(view))
-                seg = _Segment(idx, store, start, end, torch.zeros((), dtype=torch.float32))
+                step = torch.zeros((), dtype=torch.float32, device=store.master.device)
+                seg = _Segment(idx, store, start, end, step)
                 self._segments[0 if decay else 1].append(seg)
         groups = [
             {"params": decay_params, "weight_decay": weight_decay},
@@ -129,7 +130,9 @@ class HostAdamW(torch.optim.Optimizer):
         self.engine.wait_weight_copies()
         grad_scale = None
         if self._clip_coef is not None:
-            grad_scale = (1.0 / self._clip_coef.double()).float().cpu()
+            grad_scale = (1.0 / self._clip_coef.double()).float()
+            # One device->host read here, not one per layer on the update thread.
+            scale_by_device = {"cpu": grad_scale.cpu(), grad_scale.device.type: grad_scale}
         # Hyper-parameters are read now: the scheduler changes lr right after this call.
         jobs: dict[int, list[tuple[_Segment, dict]]] = {}
         for group, segments in zip(self.param_groups, self._segments):
@@ -142,6 +145,9 @@ class HostAdamW(torch.optim.Optimizer):
         def update_layer(idx: int) -> None:
             for seg, kw in jobs[idx]:
                 s, e = seg.start, seg.end
+                scale = None
+                if grad_scale is not None:
+                    scale = scale_by_device[seg.store.master.device.type].clone()
                 _adam_functional(
                     [seg.store.master[s:e]],
                     [seg.store.grad[s:e]],
@@ -150,12 +156,16 @@ class HostAdamW(torch.optim.Optimizer):
                     [],
                     [seg.step],
                     fused=True,
-                    grad_scale=None if grad_scale is None else grad_scale.clone(),
+                    grad_scale=scale,
                     **kw,
                 )
             self.engine.stores[idx].refresh_stream_copy()
 
-        layers = sorted(jobs)
+        # The device tier updates right here on the GPU (fast); host layers go to the CPU.
+        for idx in sorted(jobs):
+            if self.engine.stores[idx].resident:
+                update_layer(idx)
+        layers = [i for i in sorted(jobs) if not self.engine.stores[i].resident]
         self.engine.reset_grads()
         self.engine.invalidate_weights()
         overlap = self.engine.is_cuda if self.overlap_update is None else self.overlap_update

@@ -69,8 +69,9 @@ class StreamingEngine:
         self._grad_on_host = [False] * len(stores)
         self._grad_sq: torch.Tensor | None = None
         self._d2h_events: list[torch.cuda.Event] = []
+        self._resident_sq_done = False
         if self.is_cuda:
-            max_numel = max((s.numel for s in stores), default=0)
+            max_numel = max((s.numel for s in stores if not s.resident), default=0)
             self._buffers = [
                 torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)
             ]
@@ -171,11 +172,18 @@ class StreamingEngine:
         if not self.is_cuda:
             self._wait_update(idx)
             return store.stream
+        if store.resident:
+            # HBM tier: already on the device and updated there; still prefetch the next one.
+            if next_idx is not None and 0 <= next_idx < len(self.stores):
+                if not self.stores[next_idx].resident:
+                    self._load(next_idx)
+            return store.stream
         slot = self._load(idx)
         self._active_slot = slot
         torch.cuda.current_stream(self.device).wait_event(self._slot_ready[slot])
         if next_idx is not None and 0 <= next_idx < len(self.stores):
-            self._load(next_idx)
+            if not self.stores[next_idx].resident:
+                self._load(next_idx)
         return self._buffers[slot][: store.numel]
 
     def release(self, idx: int) -> None:
@@ -206,7 +214,9 @@ class StreamingEngine:
     def add_grads(self, idx: int, grads: list[torch.Tensor | None]) -> None:
         """Accumulate layer ``idx``'s parameter gradients (one per slot, any float dtype)."""
         store = self.stores[idx]
-        if not self.is_cuda:
+        if not self.is_cuda or store.resident:
+            # Gradients accumulate in place where the store keeps them (host RAM on CPU runs,
+            # HBM for the device tier); nothing to drain.
             if not self._grad_on_host[idx]:
                 store.grad.zero_()
                 self._grad_on_host[idx] = True
@@ -257,6 +267,12 @@ class StreamingEngine:
         for ev in self._d2h_events:
             ev.synchronize()
         self._d2h_events.clear()
+        if self.is_cuda and not self._resident_sq_done:
+            for idx, store in enumerate(self.stores):
+                if store.resident and self._grad_on_host[idx]:
+                    sq = torch.linalg.vector_norm(store.grad).square()
+                    self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
+            self._resident_sq_done = True
 
     def layer_has_grad(self, idx: int) -> bool:
         """Whether layer ``idx`` received a gradient this step (else the optimizer skips it)."""
@@ -269,7 +285,7 @@ class StreamingEngine:
         total = torch.zeros((), dtype=torch.float32)
         for idx, store in enumerate(self.stores):
             if self._grad_on_host[idx]:
-                total += torch.linalg.vector_norm(store.grad).square()
+                total += torch.linalg.vector_norm(store.grad).square().cpu()
         return total.to(self.device)
 
     def has_grads(self) -> bool:
@@ -279,6 +295,7 @@ class StreamingEngine:
         self._grad_acc.clear()
         self._grad_on_host = [False] * len(self.stores)
         self._grad_sq = None
+        self._resident_sq_done = False
 
     # ---- rng ----------------------------------------------------------------------------------
     def rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -46,6 +46,22 @@ class MegaTrainArguments(TrainingArguments):
             "same order per layer). Default: on with CUDA, off on CPU."
         },
     )
+    megatrain_resident_layers: str = field(
+        default="0",
+        metadata={
+            "help": "Decoder layers whose whole state (fp32 master, AdamW moments, grad, compute "
+            "copy: 18 bytes/param in bf16 runs) lives in HBM instead of host RAM; they never "
+            "cross PCIe and update with the fused GPU AdamW. An integer, or 'auto' for as many "
+            "as fit in free HBM minus megatrain_hbm_reserve_gb."
+        },
+    )
+    megatrain_hbm_reserve_gb: float = field(
+        default=48.0,
+        metadata={
+            "help": "HBM (GiB) kept free for activations, logits and resident embeddings when "
+            "megatrain_resident_layers='auto'."
+        },
+    )
     megatrain_log_throughput: bool = field(
         default=True,
         metadata={"help": "Add tokens/s (training tokens per second) to the Trainer logs."},

@@ -46,7 +46,8 @@ def host_state_dict(model) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     layer_keys = {}
     for i, store in enumerate(state.store.layers):
-        for rel, view in store.param_views(store.master).items():
+        # HBM-tier layers are copied to the CPU; host-store layers are views (no copy).
+        for rel, view in store.param_views(store.master.cpu()).items():
             layer_keys[state.full_name(i, rel)] = view
     for key, value in model.state_dict(keep_vars=False).items():
         if key in layer_keys:
@@ -215,7 +216,7 @@ def save_optimizer_state(optimizer, output_dir: str) -> None:
     os.makedirs(folder, exist_ok=True)
     steps, resident = optimizer.streamed_state()
     for i, store in enumerate(state.stores):
-        tensors = {"exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq}
+        tensors = {"exp_avg": store.exp_avg.cpu(), "exp_avg_sq": store.exp_avg_sq.cpu()}
         save_file(tensors, os.path.join(folder, f"layer_{i:05d}.safetensors"))
     save_file(
         {k: v.detach().cpu().contiguous() for k, v in resident.items()},

@@ -21,6 +21,7 @@ def load_streamed_model(
     bf16: bool = True,
     pin_memory: bool = True,
     host_memory_limit_gb: float | None = None,
+    resident_layers: int | str = 0,
     **config_overrides,
 ):
     """Build ``AutoModelForCausalLM`` for ``path`` in streamed form and load its weights.
@@ -31,6 +32,8 @@ def load_streamed_model(
         bf16: stream bf16 weights (fp32 masters and moments either way); ``False`` for fp32.
         pin_memory: register the PCIe-facing host buffers as pinned memory on CUDA.
         host_memory_limit_gb: refuse (before allocating) if the store needs more host RAM.
+        resident_layers: leading layers kept wholly in HBM (int or "auto"); see
+            ``MegaTrainArguments.megatrain_resident_layers``.
         config_overrides: set on the config before the model is built (e.g. attn_implementation).
     """
     if device is None:
@@ -53,6 +56,7 @@ def load_streamed_model(
         host_memory_limit_bytes=None
         if host_memory_limit_gb is None
         else int(host_memory_limit_gb * 2**30),
+        resident_layers=resident_layers,
     )
     load_weights_into_store(model, path)
     return model

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..core.host_store import HostStore, LayerStore, layer_store_bytes, layout_slots
+from ..core.host_store import (
+    DeviceLayerStore,
+    HostStore,
+    LayerStore,
+    device_layer_bytes,
+    layer_store_bytes,
+    layout_slots,
+)
 from ..core.streaming import StreamedLayer, StreamingEngine
 from .capture import RecorderCapture, recorder_capture_available
 
@@ -137,6 +144,8 @@ def prepare_streamed_model(
     decay_names: set[str] | None = None,
     pin_memory: bool = True,
     host_memory_limit_bytes: int | None = None,
+    resident_layers: int | str = 0,
+    hbm_reserve_bytes: int = 48 * 2**30,
 ) -> nn.Module:
     """Move ``model``'s decoder layers into a host store and stream them from now on.
 
@@ -160,15 +169,23 @@ def prepare_streamed_model(
     decay_names = decay_names if decay_names is not None else set()
     plans = plan_layers(layers, decay_names, prefix)
 
+    n_resident = _resident_layer_count(
+        resident_layers, plans, device, compute_dtype, hbm_reserve_bytes
+    )
     # Refuse before allocating anything if host RAM cannot hold the store.
-    needed = sum(layer_store_bytes(numel, compute_dtype) for _, numel, _ in plans)
+    needed = sum(layer_store_bytes(numel, compute_dtype) for _, numel, _ in plans[n_resident:])
     HostStore.check_fits(needed, host_memory_limit_bytes)
 
     pin = pin_memory and device.type == "cuda"
-    stores: list[LayerStore] = []
+    stores: list[LayerStore | DeviceLayerStore] = []
     names: list[list[str]] = []
-    for layer, (slots, numel, decay_numel) in zip(layers, plans):
-        store = LayerStore(slots, numel, decay_numel, compute_dtype, pin)
+    for i, (layer, (slots, numel, decay_numel)) in enumerate(zip(layers, plans)):
+        if i < n_resident:
+            # The first layers go to the HBM tier: the forward runs them while the CPU is still
+            # updating the streamed ones.
+            store = DeviceLayerStore(slots, numel, decay_numel, compute_dtype, device)
+        else:
+            store = LayerStore(slots, numel, decay_numel, compute_dtype, pin)
         named = dict(layer.named_parameters())
         views = store.param_views(store.master)
         for rel, p in named.items():
@@ -201,14 +218,49 @@ def prepare_streamed_model(
         resident=resident,
     )
     logger.info(
-        "hf_megatrain: %d layers streamed (%.2f GiB host store, %s); %d resident tensors on %s",
-        len(stores),
+        "hf_megatrain: %d layers in HBM, %d streamed (%.2f GiB host store, %s); "
+        "%d resident tensors on %s",
+        n_resident,
+        len(stores) - n_resident,
         model._megatrain.store.nbytes / 2**30,
         "pinned" if any(s.pinned for s in stores) else "pageable",
         len(resident),
         device,
     )
     return model
+
+
+def _resident_layer_count(
+    resident_layers: int | str,
+    plans: list,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    hbm_reserve_bytes: int,
+) -> int:
+    """How many leading layers keep their whole state in HBM.
+
+    ``"auto"``: as many as fit in the free device memory minus ``hbm_reserve_bytes`` (left for
+    activations, logits and the resident embeddings); an int asks for exactly that many.
+    """
+    n = len(plans)
+    if resident_layers in (0, "0", None):
+        return 0
+    if resident_layers == "auto":
+        if device.type != "cuda":
+            return 0
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free - hbm_reserve_bytes
+        count = 0
+        for _, numel, _ in plans:
+            budget -= device_layer_bytes(numel, compute_dtype)
+            if budget < 0:
+                break
+            count += 1
+        return count
+    count = int(resident_layers)
+    if not 0 <= count <= n:
+        raise ValueError(f"hf_megatrain: resident_layers={count} but the model has {n} layers")
+    return count
 
 
 def _named_resident(model: nn.Module, layer_prefixes: tuple[str, ...], decay_names: set[str]):

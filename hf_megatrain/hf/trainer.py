@@ -111,6 +111,8 @@ class HFMegaTrainer(Trainer):
             decay_names=set(Trainer.get_decay_parameter_names(None, model)),
             pin_memory=getattr(args, "megatrain_pin_memory", True),
             host_memory_limit_bytes=None if limit_gb is None else int(limit_gb * 2**30),
+            resident_layers=getattr(args, "megatrain_resident_layers", 0),
+            hbm_reserve_bytes=int(getattr(args, "megatrain_hbm_reserve_gb", 48.0) * 2**30),
         )
         self.megatrain = streamed_state(model)
         self._wrapper = StreamedModelWrapper(model, compute_dtype, device)
