@@ -1,0 +1,117 @@
+"""Bad input is refused with a clear error, before anything is allocated or written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaForSequenceClassification,
+)
+
+from hf_megatrain import (
+    HFMegaTrainer,
+    InsufficientHostMemoryError,
+    MegaTrainArguments,
+    UnsupportedModelError,
+    load_streamed_model,
+)
+
+from .helpers import common_args, make_data, tiny_config, tiny_model
+
+
+def _args(tmp_path, **kw) -> MegaTrainArguments:
+    return MegaTrainArguments(output_dir=str(tmp_path / "out"), **common_args(**kw))
+
+
+def _assert_untouched(model, tmp_path) -> None:
+    """Nothing was streamed (no parameter moved to meta) and no output was written."""
+    assert getattr(model, "_megatrain", None) is None
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "model_type,build",
+    [
+        (
+            "gpt2",
+            lambda: GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4)),
+        ),
+        (
+            "bert",
+            lambda: BertForMaskedLM(
+                BertConfig(
+                    vocab_size=128,
+                    hidden_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    intermediate_size=64,
+                )
+            ),
+        ),
+    ],
+)
+def test_unsupported_architecture(model_type, build, tmp_path):
+    model = build()
+    with pytest.raises(UnsupportedModelError, match=f"model_type '{model_type}'") as err:
+        HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4))
+    assert "llama" in str(err.value)  # lists what is supported
+    _assert_untouched(model, tmp_path)
+
+
+def test_supported_family_but_not_causal_lm(tmp_path):
+    cfg = tiny_config("llama")
+    cfg.num_labels = 2
+    model = LlamaForSequenceClassification(cfg)
+    with pytest.raises(UnsupportedModelError, match="ForCausalLM"):
+        HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4))
+    _assert_untouched(model, tmp_path)
+
+
+def test_fp16_refused(tmp_path):
+    model = tiny_model(tiny_config("llama"))
+    args = _args(tmp_path)
+    args.fp16 = True  # set after construction: TrainingArguments itself may refuse fp16 on CPU
+    with pytest.raises(ValueError, match="fp16"):
+        HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
+    _assert_untouched(model, tmp_path)
+
+
+def test_unsupported_optimizer_refused(tmp_path):
+    model = tiny_model(tiny_config("llama"))
+    with pytest.raises(ValueError, match="optim='sgd'"):
+        HFMegaTrainer(model=model, args=_args(tmp_path, optim="sgd"), train_dataset=make_data(4))
+    _assert_untouched(model, tmp_path)
+
+
+def test_insufficient_host_memory(tmp_path):
+    model = tiny_model(tiny_config("llama"))
+    args = _args(tmp_path, megatrain_host_memory_limit_gb=1e-6)  # ~1 KiB
+    with pytest.raises(InsufficientHostMemoryError) as err:
+        HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
+    msg = str(err.value)
+    # Both figures, in units that show the gap (the store of this model is ~100 KiB).
+    assert "needs" in msg and "KiB" in msg and "1.05 KiB is available" in msg
+    _assert_untouched(model, tmp_path)
+
+
+def test_insufficient_host_memory_when_loading(tmp_path):
+    model = tiny_model(tiny_config("llama"))
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    with pytest.raises(InsufficientHostMemoryError, match="needs .* of host RAM"):
+        load_streamed_model(str(tmp_path / "ckpt"), device="cpu", host_memory_limit_gb=1e-6)
+
+
+def test_no_grad_forward_leaves_no_gradients(tmp_path):
+    """A streamed forward under no_grad must not leave gradients behind for the next step."""
+    from hf_megatrain import prepare_streamed_model
+
+    model = prepare_streamed_model(tiny_model(tiny_config("llama")), "cpu", torch.float32)
+    ids = make_data(2)[0]["input_ids"][None]
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)
+    assert not model._megatrain.engine.has_grads()
