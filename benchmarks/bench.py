@@ -59,7 +59,9 @@ RESULTS_DIR = BENCH_DIR / "results"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-SYSTEMS = ("megatrain", "deepspeed", "stock")
+# megatrain: every decoder layer streamed from host RAM; megatrain-hbm: the HBM tier holds as
+# many layers' full state as fit (megatrain_resident_layers="auto"), the rest streams.
+SYSTEMS = ("megatrain", "megatrain-hbm", "deepspeed", "stock")
 # H200 (and H100 SXM) dense bf16 datasheet peak; the MFU denominator the issue fixes.
 PEAK_BF16_FLOPS = 989e12
 GIB = 2**30
@@ -385,12 +387,16 @@ def training_arguments(cfg: RunConfig, output_dir: str, device: str) -> dict:
 
 def make_trainer(cfg: RunConfig, model, dataset, timer, output_dir: str, device: str):
     common = training_arguments(cfg, output_dir, device)
-    if cfg.system == "megatrain":
+    if cfg.system.startswith("megatrain"):
         from hf_megatrain import HFMegaTrainer, MegaTrainArguments
 
         # Streamed layers always recompute in backward: checkpointing is built in.
         common["gradient_checkpointing"] = False
-        args = MegaTrainArguments(**common, megatrain_host_memory_limit_gb=cfg.host_memory_limit_gb)
+        args = MegaTrainArguments(
+            **common,
+            megatrain_host_memory_limit_gb=cfg.host_memory_limit_gb,
+            megatrain_resident_layers="auto" if cfg.system == "megatrain-hbm" else "0",
+        )
         return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
     from transformers import Trainer, TrainingArguments
 
