@@ -57,6 +57,21 @@ class StreamedModelWrapper(nn.Module):
             return self.module(*args, **kwargs)
 
 
+def _rotate_checkpoints(trainer: Trainer, run_dir: str) -> None:
+    """``save_total_limit`` rotation of ``run_dir`` (the best checkpoint is always kept)."""
+    try:
+        from transformers.trainer_utils import rotate_checkpoints  # noqa: PLC0415
+    except ImportError:  # transformers < 5.2x: a Trainer method
+        trainer._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
+        return
+    rotate_checkpoints(
+        output_dir=run_dir,
+        save_total_limit=trainer.args.save_total_limit,
+        best_model_checkpoint=trainer.state.best_model_checkpoint,
+        use_mtime=True,
+    )
+
+
 def _validate_args(args: TrainingArguments) -> None:
     if args.fp16 or getattr(args, "fp16_full_eval", False):
         raise ValueError(
@@ -221,6 +236,9 @@ class HFMegaTrainer(Trainer):
         # The trainer_state.json written in staging named the staging folder: rewrite it.
         if self.args.should_save:
             self.state.save_to_json(os.path.join(final, "trainer_state.json"))
+            # The Trainer rotated checkpoints inside the staging root, where there are none:
+            # apply save_total_limit to the real run directory now that the new one is there.
+            _rotate_checkpoints(self, run_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.args.should_save:
