@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from hf_megatrain import prepare_streamed_model
 
@@ -102,3 +103,22 @@ def test_trainer_matches_stock(arch, tmp_path):
         # 5 AdamW steps at lr 1e-2 amplify per-step ulp differences in the gradients by at most
         # lr * few steps; 1e-5 absolute is ~100x above what we observe and 100x below an update.
         torch.testing.assert_close(final[name], p, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [("llama", {"attention_dropout": 0.2}), ("mixtral", {"router_jitter_noise": 0.2})],
+)
+def test_random_layers_replay_rng(arch, overrides, tmp_path):
+    """Dropout and router jitter draw random numbers inside layers; the recompute in backward
+    must replay the forward's draws. The model comes from from_pretrained, i.e. in eval mode when
+    it is streamed (the Trainer switches to train mode later)."""
+    cfg = tiny_config(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    tiny_model(cfg).save_pretrained(str(tmp_path / "init"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"), dtype=torch.float32)
+    assert not model.training
+    (stock, _), (mega, _) = train_both(model, tmp_path, steps=3)
+    # Identical random draws make this the same computation as the deterministic case.
+    assert_logs_match(stock, mega)

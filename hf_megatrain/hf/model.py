@@ -105,9 +105,19 @@ def check_supported(model: nn.Module) -> str:
     return model_type
 
 
+_RANDOM_CONFIG_KEYS = ("dropout", "pdrop", "jitter")  # e.g. attention_dropout, router_jitter_noise
+
+
 def _has_dropout(config) -> bool:
-    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout"):
-        if float(getattr(config, key, 0.0) or 0.0) > 0.0:
+    """Whether a layer's forward draws random numbers (dropout, MoE router jitter) in training.
+
+    Then the recompute in backward must replay the forward's RNG state, or it would use other
+    dropout masks / routes than the forward and the gradients would be wrong.
+    """
+    for key, value in config.to_dict().items():
+        if not any(part in key for part in _RANDOM_CONFIG_KEYS):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             return True
     return False
 
@@ -198,9 +208,9 @@ def prepare_streamed_model(
         names.append(list(named))
         layer._megatrain_trainable = trainable
 
-    engine = StreamingEngine(
-        stores, device, compute_dtype, preserve_rng=_has_dropout(config) and model.training
-    )
+    # Not gated on model.training: from_pretrained returns the model in eval mode and the Trainer
+    # switches it to train mode only later, so the flag here says nothing about training.
+    engine = StreamingEngine(stores, device, compute_dtype, preserve_rng=_has_dropout(config))
     capture = RecorderCapture()
     for i, layer in enumerate(layers):
         layer.forward = StreamedLayer(
