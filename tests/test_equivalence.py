@@ -141,3 +141,22 @@ def test_bf16_autocast_close_to_stock(arch, tmp_path):
         # fp32 masters, and the streamed bf16 copy re-derived from them after the last step.
         assert store.master.dtype == torch.float32 and store.stream.dtype == torch.bfloat16
         assert torch.equal(store.stream, store.master.to(torch.bfloat16))
+
+
+def test_frozen_embeddings_and_first_layer(tmp_path):
+    """With the embedding and layer 0 frozen, no input of layer 1 requires grad; layer 1 must
+    still get its weight gradients (and the frozen parts must not move)."""
+    model = tiny_model(tiny_config("llama"))
+    frozen = ("model.embed_tokens.", "model.layers.0.")
+    for name, p in model.named_parameters():
+        if name.startswith(frozen):
+            p.requires_grad_(False)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    (stock, st), (mega, mt) = train_both(model, tmp_path, steps=3)
+    assert_logs_match(stock, mega)
+    final = mega_params(mt)
+    for name in start:
+        if name.startswith(frozen):
+            assert torch.equal(final[name], start[name]), name
+        elif name.startswith("model.layers.1."):
+            assert not torch.equal(final[name], start[name]), f"{name} was not trained"

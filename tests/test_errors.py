@@ -115,3 +115,11 @@ def test_no_grad_forward_leaves_no_gradients(tmp_path):
     with torch.no_grad():
         model(input_ids=ids, labels=ids)
     assert not model._megatrain.engine.has_grads()
+
+
+def test_partially_frozen_layer_refused(tmp_path):
+    model = tiny_model(tiny_config("llama"))
+    model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    with pytest.raises(UnsupportedModelError, match="mixes trainable and frozen"):
+        HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4))
+    _assert_untouched(model, tmp_path)

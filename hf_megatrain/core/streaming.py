@@ -361,6 +361,12 @@ class StreamedLayer:
     def next_index(self, backward: bool) -> int:
         return self.index - 1 if backward else self.index + 1
 
+    def _grad_anchor(self) -> torch.Tensor:
+        anchor = getattr(self, "_anchor", None)
+        if anchor is None:
+            anchor = self._anchor = torch.empty(0, device=self.engine.device, requires_grad=True)
+        return anchor
+
     def __call__(self, *args, **kwargs):
         flat_args, spec = tree_flatten((args, kwargs))
         tensor_pos = [i for i, x in enumerate(flat_args) if isinstance(x, torch.Tensor)]
@@ -373,6 +379,12 @@ class StreamedLayer:
                 self.capture.publish([k for k, _ in captured], [t for _, t in captured])
             return out
         tensors = [flat_args[i] for i in tensor_pos]
+        if self.trainable:
+            # The streamed weights are not Function inputs: when no input needs a gradient (frozen
+            # embeddings, or a frozen layer before this one), autograd would never call backward
+            # and this layer would get no weight gradient. A grad-requiring empty anchor input
+            # keeps the node in the graph; it receives no gradient itself.
+            tensors.append(self._grad_anchor())
         box: dict[str, Any] = {"keys": keys}
         results = _StreamedLayerFunction.apply(self, flat_args, spec, tensor_pos, box, *tensors)
         n_out = box["n_out"]
@@ -405,7 +417,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
         box["out_spec"] = out_spec
         box["out_tensor_pos"] = out_tensor_pos
         box["captured_keys"] = [k for k, _ in captured]
-        ctx.save_for_backward(*tensors)
+        ctx.n_anchor = len(tensors) - len(tensor_pos)  # 1 when StreamedLayer added its anchor
+        ctx.save_for_backward(*tensors[: len(tensor_pos)])
         return tuple(out_flat[i] for i in out_tensor_pos) + tuple(t for _, t in captured)
 
     @staticmethod
@@ -443,4 +456,4 @@ class _StreamedLayerFunction(torch.autograd.Function):
             engine.add_grads(layer.index, list(computed[: len(weight_leaves)]))
         input_grads = iter(computed[len(weight_leaves) :])
         result = [next(input_grads) if t.requires_grad else None for t in saved]
-        return (None, None, None, None, None, *result)
+        return (None, None, None, None, None, *result, *([None] * ctx.n_anchor))

@@ -178,6 +178,16 @@ def prepare_streamed_model(
     prefix, layers = find_decoder_layers(model)
     decay_names = decay_names if decay_names is not None else set()
     plans = plan_layers(layers, decay_names, prefix)
+    for i, layer in enumerate(layers):
+        flags = {n: p.requires_grad for n, p in layer.named_parameters()}
+        if any(flags.values()) and not all(flags.values()):
+            # The optimizer updates a layer's flat buffers as a whole: a frozen tensor inside a
+            # trainable layer would get weight decay and moment updates.
+            frozen = [n for n, f in flags.items() if not f]
+            raise UnsupportedModelError(
+                f"hf_megatrain: decoder layer {prefix}.{i} mixes trainable and frozen parameters "
+                f"(frozen: {frozen[:3]}); freeze whole decoder layers or none."
+            )
 
     n_resident = _resident_layer_count(
         resident_layers, plans, device, compute_dtype, hbm_reserve_bytes
