@@ -1,6 +1,6 @@
 """``hf-megatrain``: the command line.
 
-``hf-megatrain train`` with no argument trains the embedded default (a ~5M-parameter Llama-style
+``hf-megatrain train`` with no argument trains the embedded default (a ~3M-parameter Llama-style
 model on bundled English text, with a bundled BPE tokenizer) through :class:`HFMegaTrainer`, saves
 a Hugging Face checkpoint, reloads it with ``AutoModelForCausalLM.from_pretrained`` and prints its
 eval loss and a greedy sample. Every setting can come from a recipe YAML (``--recipe``) and be
@@ -48,9 +48,9 @@ class TrainOptions:
     seq_len: int = 128
     batch_size: int = 8
     grad_accum: int = 1
-    max_steps: int = 120
+    max_steps: int = 500
     lr: float = 3e-3
-    warmup_steps: int = 10
+    warmup_steps: int = 20
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
     lr_scheduler: str = "cosine"
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a model (no argument: the embedded CPU-sized default)",
         description="Train with HFMegaTrainer. Precedence: flags > --recipe YAML > defaults. "
-        "With no argument: a ~5M-parameter Llama-style model on bundled text, a few minutes "
+        "With no argument: a ~3M-parameter Llama-style model on bundled text, a few minutes "
         "on a laptop CPU.",
     )
     # Every default is None so that only flags the user typed override the recipe.
