@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -180,7 +181,8 @@ class HFMegaTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         # Non-final micro-batches keep layer gradients on the device; the final one drains them.
         self.megatrain.engine.sync_grads = bool(self.accelerator.sync_gradients)
-        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        # A Mapping, not just a dict: collators return BatchEncoding.
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if ids is not None:
             self._tokens_since_log += ids.numel()
         return super().training_step(model, inputs, num_items_in_batch)
