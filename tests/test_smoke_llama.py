@@ -25,6 +25,8 @@ def test_llama_matches_stock_trainer(tmp_path, overlap):
         model, tmp_path, "mega", mega=True, max_steps=5, megatrain_overlap_optimizer=overlap
     )
     assert trainer.optimizer.overlap_update is overlap
+    # The dense path trains through the fused chunked LM-head loss (logits never built).
+    assert trainer._wrapper.fused_loss
     assert len(stock) == len(mega) == 5
     for a, b in zip(stock, mega):
         # fp32 on CPU, same kernels: the only differences are summation order in the global

@@ -62,6 +62,22 @@ class MegaTrainArguments(TrainingArguments):
             "megatrain_resident_layers='auto'."
         },
     )
+    megatrain_fused_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "In training, fuse the LM head with the cross-entropy and process tokens in "
+            "chunks so full logits never exist (exact loss and gradients, HF's "
+            "num_items_in_batch semantics). Applies to dense architectures; MoE models and "
+            "evaluation use the model's own forward."
+        },
+    )
+    megatrain_loss_chunk_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tokens per chunk of the fused loss. Default: about 2 GiB of fp32 logits "
+            "per chunk (3.5k tokens at a 152k vocabulary)."
+        },
+    )
     megatrain_log_throughput: bool = field(
         default=True,
         metadata={"help": "Add tokens/s (training tokens per second) to the Trainer logs."},

@@ -29,6 +29,7 @@ from .checkpoint import (
     save_optimizer_state,
     save_streamed_pretrained,
 )
+from .loss import fused_causal_lm_forward, supports_fused_loss
 from .model import prepare_streamed_model, streamed_state
 
 logger = logging.getLogger(__name__)
@@ -44,18 +45,41 @@ class StreamedModelWrapper(nn.Module):
     the model, while ``Trainer.model`` stays the user's own HF model.
     """
 
-    def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        fused_loss: bool = True,
+        loss_chunk_tokens: int | None = None,
+    ) -> None:
         super().__init__()
         self.module = model
         self.compute_dtype = compute_dtype
         self.device_type = torch.device(device).type
+        self.fused_loss = fused_loss and supports_fused_loss(model)
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def _call(self, *args, **kwargs):
+        if (
+            self.fused_loss
+            and not args
+            and self.module.training
+            and torch.is_grad_enabled()
+            and kwargs.get("labels") is not None
+        ):
+            # Training with labels: full logits never exist (see hf/loss.py).
+            return fused_causal_lm_forward(
+                self.module, self.compute_dtype, self.loss_chunk_tokens, **kwargs
+            )
+        return self.module(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
         kwargs["use_cache"] = False
         if self.compute_dtype == torch.float32:
-            return self.module(*args, **kwargs)
+            return self._call(*args, **kwargs)
         with torch.autocast(self.device_type, dtype=self.compute_dtype):
-            return self.module(*args, **kwargs)
+            return self._call(*args, **kwargs)
 
 
 def _rotate_checkpoints(trainer: Trainer, run_dir: str) -> None:
@@ -131,7 +155,13 @@ class HFMegaTrainer(Trainer):
             hbm_reserve_bytes=int(getattr(args, "megatrain_hbm_reserve_gb", 48.0) * 2**30),
         )
         self.megatrain = streamed_state(model)
-        self._wrapper = StreamedModelWrapper(model, compute_dtype, device)
+        self._wrapper = StreamedModelWrapper(
+            model,
+            compute_dtype,
+            device,
+            fused_loss=getattr(args, "megatrain_fused_loss", True),
+            loss_chunk_tokens=getattr(args, "megatrain_loss_chunk_tokens", None),
+        )
         self._tokens_since_log = 0
         self._time_of_log = time.perf_counter()
         super().__init__(model, args, *a, **kw)

@@ -1,0 +1,118 @@
+"""Fused, chunked LM head + cross-entropy: full logits never exist.
+
+For N tokens and a vocabulary V the logits take N*V floats (152k x 512k tokens would be 159 GB in
+bf16, twice that once upcast for the loss). Here the tokens are processed in chunks: for each
+chunk the logits are computed, turned into the loss contribution and, in the same pass, into the
+gradients for the hidden states and the LM-head weight, then freed. Backward only scales the
+stored gradients by the incoming scalar. Peak memory is one chunk of logits.
+
+Numerics follow HF training under autocast: the head matmul runs in the compute dtype (its output
+rounded to it), the loss in fp32, the logit gradient is rounded to the compute dtype before the
+two backward matmuls, and the weight gradient accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def default_chunk_tokens(vocab_size: int, budget_bytes: int = 2 * 2**30) -> int:
+    """Tokens per chunk so one chunk of fp32 logits takes about ``budget_bytes``."""
+    return max(256, budget_bytes // (4 * max(vocab_size, 1)))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, divisor, softcap, chunk, compute_dtype):
+        n = hidden.shape[0]
+        cd = compute_dtype or hidden.dtype
+        w = weight.to(cd)
+        need_h = hidden.requires_grad
+        need_w = weight.requires_grad
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        )
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            h = hidden[start:end].to(cd)
+            t = targets[start:end]
+            logits = (h @ w.t()).float()
+            if softcap is not None:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            valid = t != IGNORE_INDEX
+            safe_t = torch.where(valid, t, 0)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe_t[:, None]).squeeze(1)
+            loss_sum += torch.where(valid, lse - picked, 0.0).sum()
+            if not (need_h or need_w):
+                continue
+            # d(sum of token losses)/d logits = softmax - onehot on valid rows, in place.
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad[torch.arange(end - start, device=grad.device), safe_t] -= 1.0
+            grad.mul_(valid[:, None])
+            if softcap is not None:
+                grad.mul_(1.0 - capped * capped)
+            g = grad.to(cd)
+            del grad, logits
+            if need_h:
+                grad_hidden[start:end] = (g @ w).to(hidden.dtype)
+            if need_w:
+                grad_weight += (g.t() @ h).float()
+        if divisor is None:
+            divisor = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        divisor = torch.as_tensor(divisor, device=hidden.device).to(torch.float32)
+        ctx.save_for_backward(*(x for x in (grad_hidden, grad_weight) if x is not None), divisor)
+        ctx.need = (need_h, need_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss_sum / divisor
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = list(ctx.saved_tensors)
+        divisor = saved.pop()
+        scale = grad_out / divisor
+        need_h, need_w = ctx.need
+        gh = (saved.pop(0) * scale).to(ctx.dtypes[0]) if need_h else None
+        gw = (saved.pop(0) * scale).to(ctx.dtypes[1]) if need_w else None
+        return gh, gw, None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    divisor: torch.Tensor | float | None = None,
+    softcap: float | None = None,
+    chunk_tokens: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``targets`` without materializing logits.
+
+    Args:
+        hidden: ``(N, H)`` final hidden states.
+        weight: ``(V, H)`` LM-head weight.
+        targets: ``(N,)`` token ids, ``-100`` ignored (already shifted for causal LM).
+        divisor: the loss is ``sum / divisor``; ``None`` means the number of non-ignored targets
+            (a mean), an explicit value reproduces the Trainer's ``num_items_in_batch`` scaling.
+        softcap: if set, logits become ``softcap * tanh(logits / softcap)`` (Gemma-style).
+        chunk_tokens: tokens per chunk (default: about 2 GiB of fp32 logits).
+        compute_dtype: dtype of the head matmuls (bf16 under mixed precision).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
+        raise ValueError(
+            "chunked_linear_cross_entropy wants hidden (N, H), weight (V, H), targets (N,)"
+        )
+    if hidden.shape[0] != targets.shape[0] or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+            f"targets {tuple(targets.shape)}"
+        )
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, targets, divisor, softcap, chunk, compute_dtype
+    )
