@@ -64,7 +64,7 @@ def main():
     tokens = a.micro * a.ga * a.seq
     med = sorted(times[1:])[len(times[1:]) // 2]
     tps = tokens / med
-    res = dict(opt_times=opt_times, params_b=n_params / 1e9, tokens_per_step=tokens, step_times=times, median=med,
+    res = dict(threads=torch.get_num_threads(), omp=os.environ.get('OMP_NUM_THREADS'), opt_times=opt_times, params_b=n_params / 1e9, tokens_per_step=tokens, step_times=times, median=med,
                tokens_per_s=tps, model_tflops=6 * n_params * tps / 1e12,
                peak_hbm_gib=torch.cuda.max_memory_reserved() / 2**30,
                peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,

@@ -103,7 +103,13 @@ class StreamingEngine:
             if i not in pending:
                 ev.set()
 
+        # A new thread does not inherit the intra-op thread count set on the main thread (an
+        # OpenMP runtime gives a fresh native thread its default team size): set it explicitly,
+        # or the fused CPU AdamW may run on far fewer cores than the synchronous path.
+        n_threads = torch.get_num_threads()
+
         def work() -> None:
+            torch.set_num_threads(n_threads)
             try:
                 for i in layers:
                     update_layer(i)
