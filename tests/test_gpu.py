@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config, Trainer, TrainingArguments
 
+from benchmarks.trace_overlap import analyze, load_events
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments
 
 from .helpers import LogRecorder, tiny_model
@@ -121,14 +121,6 @@ def test_bf16_streamed_matches_in_gpu_autocast(tmp_path, config):
         print(f"{i:4d}  {la:.5f}  {lb:.5f}  {ga:.4f}  {gb:.4f}")
 
 
-def _intervals(events, pred):
-    out = []
-    for e in events:
-        if e.get("ph") == "X" and pred(e):
-            out.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("tid")))
-    return out
-
-
 def test_h2d_copies_overlap_compute(tmp_path):
     """Profile streamed steps of a mid-size model; H2D copies must run concurrently with compute."""
     config = LlamaConfig(
@@ -175,36 +167,17 @@ def test_h2d_copies_overlap_compute(tmp_path):
     out_dir = os.environ.get("OUT", str(tmp_path))
     trace = os.path.join(out_dir, "streamed_step_trace.json")
     cb.prof.export_chrome_trace(trace)
-    with open(trace) as f:
-        events = json.load(f)["traceEvents"]
-    h2d = _intervals(events, lambda e: "Memcpy HtoD" in e.get("name", ""))
-    kernels = _intervals(events, lambda e: e.get("cat") == "kernel")
-    assert h2d, "no H2D copies recorded"
-    assert kernels, "no kernels recorded"
-    copy_streams = {t for _, _, t in h2d}
-    kernel_streams = {t for _, _, t in kernels}
-    # Weights travel on their own stream, not the compute stream.
-    big = [iv for iv in h2d if iv[1] - iv[0] > 50]  # layer-sized copies (> 50 us)
-    assert big, "no layer-sized H2D copies"
-    assert {t for _, _, t in big}.isdisjoint(kernel_streams)
-    # Overlap: time during which a layer copy and a compute kernel run at the same moment.
-    kernels.sort()
-    overlap = 0.0
-    copy_time = 0.0
-    for s, e, _ in big:
-        copy_time += e - s
-        for ks, ke, _ in kernels:
-            if ks >= e:
-                break
-            if ke > s:
-                overlap += min(e, ke) - max(s, ks)
-    frac = overlap / copy_time
-    print(
-        f"\nH2D layer copies: {len(big)}, copy time {copy_time / 1e3:.2f} ms, overlapped with "
-        f"compute {overlap / 1e3:.2f} ms ({100 * frac:.1f}%); copy streams {copy_streams}, "
-        f"kernel streams {kernel_streams}; trace: {trace}"
-    )
-    assert frac > 0.5, f"only {100 * frac:.1f}% of H2D copy time overlaps compute"
+    report = analyze(load_events(trace))
+    print(f"\noverlap report ({trace}): {report}")
+    assert report["h2d_backward"].copies and report["d2h"].copies, "no layer-sized copies"
+    # Weights and gradients travel on their own streams, never on the compute stream.
+    assert set(report["copy_streams"]).isdisjoint(report["kernel_streams"])
+    # Backward: layer i-1's weights arrive and layer i's gradients leave while layer i
+    # recomputes. (Forward copies are gated by the overlapped host AdamW update of the same
+    # layer, so their overlap measures the CPU update, not the pipeline.) Recorded H200 traces
+    # show 63-90% (H2D) and 68-84% (D2H): require at least half.
+    assert report["h2d_backward"].fraction > 0.5, report["h2d_backward"]
+    assert report["d2h"].fraction > 0.5, report["d2h"]
 
 
 def _tiny_gpu_config():

@@ -1,0 +1,95 @@
+"""How much of the PCIe copy time of a streamed step overlaps compute kernels (chrome trace).
+
+    python3 benchmarks/trace_overlap.py trace.json[.gz]
+
+Layer-sized copies (> 50 us) are split into phases at the first gradient D2H copy: before it,
+the forward (whose H2D copies wait for the host AdamW update of the same layer when the update
+overlaps the forward), from it on, the backward (prefetch of layer i-1 while layer i recomputes,
+gradients of layer i draining while layer i-1 computes).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class PhaseOverlap:
+    copies: int
+    copy_ms: float
+    overlapped_ms: float
+
+    @property
+    def fraction(self) -> float:
+        return self.overlapped_ms / self.copy_ms if self.copy_ms else 0.0
+
+
+def load_events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def _spans(events, pred, min_us: float = 0.0) -> list[tuple[float, float, object]]:
+    out = []
+    for e in events:
+        if e.get("ph") == "X" and pred(e) and float(e.get("dur", 0)) > min_us:
+            start = float(e["ts"])
+            out.append((start, start + float(e["dur"]), e.get("tid")))
+    return sorted(out, key=lambda x: x[0])
+
+
+def _overlap(span, kernels) -> float:
+    s, e, _ = span
+    total = 0.0
+    for ks, ke, _ in kernels:
+        if ks >= e:
+            break
+        if ke > s:
+            total += min(e, ke) - max(s, ks)
+    return total
+
+
+def analyze(events: list[dict]) -> dict:
+    kernels = _spans(events, lambda e: e.get("cat") == "kernel")
+    h2d = _spans(events, lambda e: "Memcpy HtoD" in e.get("name", ""), 50)
+    d2h = _spans(events, lambda e: "Memcpy DtoH" in e.get("name", ""), 50)
+    backward_start = d2h[0][0] if d2h else float("inf")
+
+    def phase(spans) -> PhaseOverlap:
+        return PhaseOverlap(
+            len(spans),
+            sum(e - s for s, e, _ in spans) / 1e3,
+            sum(_overlap(x, kernels) for x in spans) / 1e3,
+        )
+
+    return {
+        "kernel_streams": sorted({t for _, _, t in kernels}, key=str),
+        "copy_streams": sorted({t for _, _, t in h2d + d2h}, key=str),
+        "h2d_forward": phase([x for x in h2d if x[0] < backward_start]),
+        "h2d_backward": phase([x for x in h2d if x[0] >= backward_start]),
+        "d2h": phase(d2h),
+        "kernel_busy_ms": sum(e - s for s, e, _ in kernels) / 1e3,
+        "span_ms": (max(e for _, e, _ in kernels) - kernels[0][0]) / 1e3 if kernels else 0.0,
+    }
+
+
+def main(argv: list[str]) -> None:
+    for path in argv:
+        r = analyze(load_events(path))
+        print(path)
+        print(f"  kernel streams {r['kernel_streams']}, copy streams {r['copy_streams']}")
+        print(f"  GPU span {r['span_ms']:.1f} ms, kernels busy {r['kernel_busy_ms']:.1f} ms")
+        for key in ("h2d_forward", "h2d_backward", "d2h"):
+            p = r[key]
+            print(
+                f"  {key:13s} {p.copies:3d} copies, {p.copy_ms:7.2f} ms, "
+                f"{100 * p.fraction:5.1f}% overlapped with compute"
+            )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
