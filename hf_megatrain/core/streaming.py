@@ -70,6 +70,7 @@ class StreamingEngine:
         self._grad_sq: torch.Tensor | None = None
         self._d2h_events: list[torch.cuda.Event] = []
         self._resident_sq_done = False
+        self._grad_sq_exact = True
         if self.is_cuda:
             max_numel = max((s.numel for s in stores if not s.resident), default=0)
             self._buffers = [
@@ -252,8 +253,12 @@ class StreamingEngine:
         compute = torch.cuda.current_stream(self.device)
         if self._grad_on_host[idx]:
             # A second drain in one optimizer step (backward without the trainer's sync flag):
-            # add on the host. Correct, not fast; the trainer never takes this path.
-            self._grad_sq = None
+            # add on the host, after the first drain's copy has landed. Correct, not fast; the
+            # trainer never takes this path. The running norm no longer matches: recompute it.
+            self._grad_sq_exact = False
+            for ev in self._d2h_events:
+                ev.synchronize()
+            self._d2h_events.clear()
             store.grad.add_(acc.to("cpu"))
             return
         self._d2h.wait_stream(compute)
@@ -286,7 +291,7 @@ class StreamingEngine:
 
     def grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of all streamed-layer gradients (call after ``finish_grads``)."""
-        if self._grad_sq is not None and self.is_cuda:
+        if self._grad_sq is not None and self.is_cuda and self._grad_sq_exact:
             return self._grad_sq
         total = torch.zeros((), dtype=torch.float32)
         for idx, store in enumerate(self.stores):
@@ -301,6 +306,7 @@ class StreamingEngine:
         self._grad_acc.clear()
         self._grad_on_host = [False] * len(self.stores)
         self._grad_sq = None
+        self._grad_sq_exact = True
         self._resident_sq_done = False
 
     # ---- rng ----------------------------------------------------------------------------------
