@@ -27,6 +27,14 @@ def test_llama_matches_stock_trainer(tmp_path, overlap):
     assert trainer.optimizer.overlap_update is overlap
     # The dense path trains through the fused chunked LM-head loss (logits never built).
     assert trainer._wrapper.fused_loss
+    # Throughput and memory reach the Trainer's logs (so TensorBoard / W&B callbacks see them).
+    last = mega[-1]
+    assert last["tokens_per_s"] > 0 and last["model_tflops"] > 0
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    assert last["model_tflops"] == pytest.approx(
+        6 * n_params * last["tokens_per_s"] / 1e12, rel=1e-2
+    )
+    assert 0 < last["host_rss_gib"] <= last["host_peak_gib"]
     assert len(stock) == len(mega) == 5
     for a, b in zip(stock, mega):
         # fp32 on CPU, same kernels: the only differences are summation order in the global

@@ -80,5 +80,16 @@ class MegaTrainArguments(TrainingArguments):
     )
     megatrain_log_throughput: bool = field(
         default=True,
-        metadata={"help": "Add tokens/s (training tokens per second) to the Trainer logs."},
+        metadata={
+            "help": "Add tokens_per_s, model_tflops (6 * params * tokens/s), mfu (with causal "
+            "attention FLOPs, on CUDA), host_rss_gib / host_peak_gib and hbm_peak_gib to the "
+            "Trainer logs, so TensorBoard / W&B callbacks show them."
+        },
+    )
+    megatrain_peak_tflops: float = field(
+        default=989.0,
+        metadata={
+            "help": "Dense bf16 peak of the GPU in TFLOP/s, the denominator of the logged MFU "
+            "(989 = H100/H200 SXM datasheet)."
+        },
     )

@@ -97,6 +97,18 @@ def _rotate_checkpoints(trainer: Trainer, run_dir: str) -> None:
     )
 
 
+def _host_memory_gib() -> tuple[float | None, float | None]:
+    """(current RSS, peak RSS) of this process in GiB, from /proc (None where unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        rss = int(fields["VmRSS"].split()[0]) / 2**20
+        hwm = int(fields["VmHWM"].split()[0]) / 2**20
+        return round(rss, 2), round(hwm, 2)
+    except (OSError, KeyError, ValueError):
+        return None, None
+
+
 def _validate_args(args: TrainingArguments) -> None:
     if args.fp16 or getattr(args, "fp16_full_eval", False):
         raise ValueError(
@@ -215,17 +227,48 @@ class HFMegaTrainer(Trainer):
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if ids is not None:
             self._tokens_since_log += ids.numel()
+            self._last_seq_len = ids.shape[-1]
         return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if getattr(self.args, "megatrain_log_throughput", True) and "loss" in logs:
-            now = time.perf_counter()
-            elapsed = now - self._time_of_log
-            if elapsed > 0 and self._tokens_since_log:
-                logs["tokens_per_s"] = round(self._tokens_since_log / elapsed, 1)
-            self._tokens_since_log = 0
-            self._time_of_log = now
+            logs.update(self._throughput_logs())
         super().log(logs, *args, **kwargs)
+
+    def _throughput_logs(self) -> dict[str, float]:
+        """tokens/s, model TFLOP/s, MFU and memory since the last log, for the Trainer's logs."""
+        out: dict[str, float] = {}
+        now = time.perf_counter()
+        elapsed = now - self._time_of_log
+        if elapsed > 0 and self._tokens_since_log:
+            tps = self._tokens_since_log / elapsed
+            out["tokens_per_s"] = round(tps, 1)
+            # Model FLOPs as in the benchmarks: 6 * params per token, plus causal attention
+            # 6 * layers * hidden * seq for MFU (recompute not counted: it is overhead).
+            n_params = self._num_params()
+            out["model_tflops"] = float(f"{6 * n_params * tps / 1e12:.4g}")
+            peak = getattr(self.args, "megatrain_peak_tflops", 989.0)
+            if self.megatrain.engine.is_cuda and peak:
+                cfg = self.model.config
+                attn = (
+                    6 * cfg.num_hidden_layers * cfg.hidden_size * getattr(self, "_last_seq_len", 0)
+                )
+                out["mfu"] = round((6 * n_params + attn) * tps / (peak * 1e12), 4)
+        self._tokens_since_log = 0
+        self._time_of_log = now
+        rss, hwm = _host_memory_gib()
+        if rss is not None:
+            out["host_rss_gib"] = rss
+            out["host_peak_gib"] = hwm
+        if self.megatrain.engine.is_cuda:
+            out["hbm_peak_gib"] = round(torch.cuda.max_memory_reserved(self.args.device) / 2**30, 2)
+        return out
+
+    def _num_params(self) -> int:
+        if not hasattr(self, "_n_params"):
+            # Meta placeholders count too: the streamed layers' parameters.
+            self._n_params = sum(p.numel() for p in self.model.parameters())
+        return self._n_params
 
     # ---- saving --------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
