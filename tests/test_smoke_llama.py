@@ -65,3 +65,32 @@ def test_hbm_tier_layers_match_stock_trainer(tmp_path):
         # Same kernels and order as the streamed path; tolerance as in the test above.
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+def test_plain_training_arguments_are_accepted(tmp_path):
+    """A plain TrainingArguments (no megatrain_* fields) runs with the engine's defaults."""
+    from transformers import TrainingArguments
+
+    from hf_megatrain import HFMegaTrainer
+
+    from .helpers import LogRecorder, common_args, make_data
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = tiny_model(cfg)
+    stock, _ = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, max_steps=3)
+    rec = LogRecorder()
+    args = TrainingArguments(output_dir=str(tmp_path / "plain"), **common_args(max_steps=3))
+    HFMegaTrainer(model=model, args=args, train_dataset=make_data(), callbacks=[rec]).train()
+    for a, b in zip(stock, rec.logs):
+        # As in the tests above: fp32, same kernels, norm summation order differs.
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["learning_rate"] == a["learning_rate"]
+    assert len(rec.logs) == 3
