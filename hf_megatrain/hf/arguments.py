@@ -78,6 +78,14 @@ class MegaTrainArguments(TrainingArguments):
             "per chunk (3.5k tokens at a 152k vocabulary)."
         },
     )
+    megatrain_mlp_tile_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "Run each decoder layer's dense MLP in tiles of this many tokens along the "
+            "sequence (forward and backward recompute), so its (tokens x intermediate) "
+            "intermediates exist for one tile at a time: for very long sequences. 0 = off."
+        },
+    )
     megatrain_log_throughput: bool = field(
         default=True,
         metadata={

@@ -29,6 +29,7 @@ from .checkpoint import (
     save_optimizer_state,
     save_streamed_pretrained,
 )
+from .long_context import install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss
 from .model import prepare_streamed_model, streamed_state
 
@@ -167,6 +168,7 @@ class HFMegaTrainer(Trainer):
             hbm_reserve_bytes=int(getattr(args, "megatrain_hbm_reserve_gb", 48.0) * 2**30),
         )
         self.megatrain = streamed_state(model)
+        install_mlp_tiling(model, getattr(args, "megatrain_mlp_tile_tokens", 0))
         self._wrapper = StreamedModelWrapper(
             model,
             compute_dtype,

@@ -1,0 +1,90 @@
+"""Sequence tiling of token-wise sub-modules (MLPs): working memory bounded by the tile.
+
+A decoder layer's MLP at 512k tokens materializes (tokens x intermediate) tensors several times
+over (gate, up, activation, their gradients): tens of GB. ``TiledTokenwise`` runs the module tile
+by tile along the sequence under ``no_grad`` in forward and, in backward, recomputes one tile at a
+time and takes its gradients, so only one tile's intermediates ever exist. The module must be
+token-wise (each output position depends only on the same input position), which holds for MLPs
+and norms, never for attention.
+
+The module's parameters are explicit inputs of the autograd Function: inside a streamed layer they
+are the bound streamed tensors, and by the time backward runs the layer's binding is gone, so the
+recompute re-binds them itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+
+def _run(module: nn.Module, forward, names: list[str], params, x: torch.Tensor) -> torch.Tensor:
+    with _reparametrize_module(module, dict(zip(names, params))):
+        return forward(module, x)
+
+
+class _TiledFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module, forward, names, tile, x, *params):
+        ctx.module, ctx.forward_fn, ctx.names, ctx.tile = module, forward, names, tile
+        ctx.save_for_backward(x, *params)
+        with torch.no_grad():
+            outs = [_run(module, forward, names, params, xs) for xs in x.split(tile, dim=-2)]
+        return torch.cat(outs, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *params = ctx.saved_tensors
+        leaves = [p.detach().requires_grad_(p.requires_grad) for p in params]
+        trainable = [p for p in leaves if p.requires_grad]
+        grad_x = torch.empty_like(x) if x.requires_grad else None
+        grad_params: list[torch.Tensor | None] = [None] * len(trainable)
+        offset = 0
+        for xs, gs in zip(x.split(ctx.tile, dim=-2), grad_out.split(ctx.tile, dim=-2)):
+            xs = xs.detach().requires_grad_(x.requires_grad)
+            with torch.enable_grad():
+                out = _run(ctx.module, ctx.forward_fn, ctx.names, leaves, xs)
+            wrt = ([xs] if x.requires_grad else []) + trainable
+            if not wrt:
+                break
+            grads = torch.autograd.grad(out, wrt, gs, allow_unused=True)
+            if x.requires_grad:
+                n = xs.shape[-2]
+                grad_x.narrow(-2, offset, n).copy_(grads[0])
+                offset += n
+                grads = grads[1:]
+            for i, g in enumerate(grads):
+                if g is not None:
+                    grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
+        it = iter(grad_params)
+        param_grads = [next(it) if p.requires_grad else None for p in leaves]
+        return (None, None, None, None, grad_x, *param_grads)
+
+
+class TiledTokenwise:
+    """Callable installed as a token-wise module's ``forward``: tiles long sequences.
+
+    Sequences up to ``tile_tokens`` long (dim -2) run the module's own forward unchanged.
+    """
+
+    def __init__(self, module: nn.Module, tile_tokens: int) -> None:
+        if tile_tokens <= 0:
+            raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
+        self.module = module
+        self.tile_tokens = tile_tokens
+        self.forward_impl = type(module).forward
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[-2] <= self.tile_tokens:
+            return self.forward_impl(self.module, x)
+        # Inside a streamed layer these are the bound streamed tensors, not meta placeholders.
+        named = list(self.module.named_parameters())
+        names = [n for n, _ in named]
+        params = [p for _, p in named]
+        if not torch.is_grad_enabled():
+            outs = [self.forward_impl(self.module, xs) for xs in x.split(self.tile_tokens, dim=-2)]
+            return torch.cat(outs, dim=-2)
+        return _TiledFunction.apply(
+            self.module, self.forward_impl, names, self.tile_tokens, x, *params
+        )
