@@ -344,16 +344,29 @@ class StreamedLayer:
         module: torch.nn.Module,
         capture: OutputCapture | None = None,
         trainable: bool = True,
+        resident: list[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
         self.engine = engine
         self.index = index
         self.module = module
         self.capture = capture
         self.trainable = trainable
+        # Parameters of this layer that live on the device instead of the store (e.g. LoRA
+        # adapters over a streamed frozen base): ``(name relative to the layer, tensor)``. They
+        # enter the autograd Function as inputs, which is how they get their gradients.
+        self.resident = list(resident or [])
         self.forward_impl: Callable[..., Any] = type(module).forward
 
-    def run(self, flat_weights: torch.Tensor, flat_args: list, spec, leaves: bool, keys=()):
-        """Run the layer with ``flat_weights`` bound.
+    def run(
+        self,
+        flat_weights: torch.Tensor,
+        flat_args: list,
+        spec,
+        leaves: bool,
+        keys=(),
+        resident: list[torch.Tensor] | None = None,
+    ):
+        """Run the layer with ``flat_weights`` (and the resident tensors) bound.
 
         Returns ``(output, captured (key, tensor) pairs, weight leaves)``.
         """
@@ -363,6 +376,8 @@ class StreamedLayer:
         if leaves:
             params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
             weight_leaves = list(params.values())
+        resident = resident if resident is not None else [t for _, t in self.resident]
+        params.update({name: t for (name, _), t in zip(self.resident, resident)})
         args, kwargs = tree_unflatten(flat_args, spec)
         capture_ctx = self.capture.capturing(keys) if keys else contextlib.nullcontext([])
         with _reparametrize_module(self.module, params), capture_ctx as captured:
@@ -391,13 +406,15 @@ class StreamedLayer:
                 self.capture.publish([k for k, _ in captured], [t for _, t in captured])
             return out
         tensors = [flat_args[i] for i in tensor_pos]
+        box: dict[str, Any] = {"keys": keys}
         if self.trainable:
             # The streamed weights are not Function inputs: when no input needs a gradient (frozen
             # embeddings, or a frozen layer before this one), autograd would never call backward
             # and this layer would get no weight gradient. A grad-requiring empty anchor input
             # keeps the node in the graph; it receives no gradient itself.
             tensors.append(self._grad_anchor())
-        box: dict[str, Any] = {"keys": keys}
+        box["n_anchor"] = len(tensors) - len(tensor_pos)
+        tensors.extend(t for _, t in self.resident)
         results = _StreamedLayerFunction.apply(self, flat_args, spec, tensor_pos, box, *tensors)
         n_out = box["n_out"]
         out_flat = box["out_flat"]
@@ -429,17 +446,23 @@ class _StreamedLayerFunction(torch.autograd.Function):
         box["out_spec"] = out_spec
         box["out_tensor_pos"] = out_tensor_pos
         box["captured_keys"] = [k for k, _ in captured]
-        ctx.n_anchor = len(tensors) - len(tensor_pos)  # 1 when StreamedLayer added its anchor
-        ctx.save_for_backward(*tensors[: len(tensor_pos)])
+        n_args = len(tensor_pos)
+        ctx.n_anchor = box["n_anchor"]  # 1 when StreamedLayer added its anchor
+        ctx.n_args = n_args
+        # Saved: the layer's tensor inputs and its resident parameters (never its weights).
+        ctx.save_for_backward(*tensors[:n_args], *tensors[n_args + ctx.n_anchor :])
         return tuple(out_flat[i] for i in out_tensor_pos) + tuple(t for _, t in captured)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         layer: StreamedLayer = ctx.layer
         engine = layer.engine
-        saved = ctx.saved_tensors
+        saved_all = ctx.saved_tensors
+        saved, saved_res = saved_all[: ctx.n_args], saved_all[ctx.n_args :]
         flat_args = list(ctx.flat_args)
         inputs = []
+        res_leaves = [t.detach().requires_grad_(t.requires_grad) for t in saved_res]
+        res_trainable = [t for t in res_leaves if t.requires_grad]
         for pos, t in zip(ctx.tensor_pos, saved):
             d = t.detach()
             if t.requires_grad:
@@ -449,7 +472,12 @@ class _StreamedLayerFunction(torch.autograd.Function):
         weights = engine.acquire(layer.index, layer.next_index(True))
         with torch.enable_grad(), engine.restored_rng(ctx.rng):
             out, captured, weight_leaves = layer.run(
-                weights, flat_args, ctx.spec, leaves=layer.trainable, keys=ctx.keys
+                weights,
+                flat_args,
+                ctx.spec,
+                leaves=layer.trainable,
+                keys=ctx.keys,
+                resident=res_leaves,
             )
         out_flat, _ = tree_flatten(out)
         produced = [x for x in out_flat if isinstance(x, torch.Tensor)] + [t for _, t in captured]
@@ -458,7 +486,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
             if g is not None and o.requires_grad:
                 outs.append(o)
                 grads.append(g)
-        wrt = weight_leaves + inputs
+        wrt = weight_leaves + inputs + res_trainable
         if outs and wrt:
             computed = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
         else:
@@ -466,6 +494,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
         engine.release(layer.index)
         if layer.trainable:
             engine.add_grads(layer.index, list(computed[: len(weight_leaves)]))
-        input_grads = iter(computed[len(weight_leaves) :])
-        result = [next(input_grads) if t.requires_grad else None for t in saved]
-        return (None, None, None, None, None, *result, *([None] * ctx.n_anchor))
+        rest = iter(computed[len(weight_leaves) :])
+        result = [next(rest) if t.requires_grad else None for t in saved]
+        res_grads = [next(rest) if t.requires_grad else None for t in res_leaves]
+        return (None, None, None, None, None, *result, *([None] * ctx.n_anchor), *res_grads)
