@@ -114,11 +114,11 @@ def layout_slots(
     return slots, offset, decay_numel
 
 
-def layer_store_bytes(numel: int, stream_dtype: torch.dtype) -> int:
+def layer_store_bytes(numel: int, stream_dtype: torch.dtype, trainable: bool = True) -> int:
     """Host bytes one layer of ``numel`` parameters takes (what ``LayerStore`` allocates)."""
     stream = 0 if stream_dtype == torch.float32 else _round_up(numel * stream_dtype.itemsize, PAGE)
     fp32 = _round_up(numel * _FP32, PAGE)
-    return stream + 4 * fp32
+    return stream + (4 if trainable else 1) * fp32
 
 
 def _clear_cuda_error() -> None:
@@ -235,15 +235,18 @@ class LayerStore(_FlatLayerState):
         decay_numel: int,
         stream_dtype: torch.dtype,
         pin: bool,
+        trainable: bool = True,
     ) -> None:
         self.slots = slots
         self.numel = numel
         self.decay_numel = decay_numel
         self.stream_dtype = stream_dtype
+        self.trainable = trainable
         separate_stream = stream_dtype != torch.float32
         stream_bytes = _round_up(numel * stream_dtype.itemsize, PAGE) if separate_stream else 0
         fp32_bytes = _round_up(numel * _FP32, PAGE)
-        total = stream_bytes + 4 * fp32_bytes
+        # A frozen layer (e.g. the base under LoRA adapters) needs no grad and no moments.
+        total = stream_bytes + (4 if trainable else 1) * fp32_bytes
         self._mmap = mmap.mmap(-1, max(total, PAGE))
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total) if total else None
 
@@ -255,14 +258,21 @@ class LayerStore(_FlatLayerState):
         if separate_stream:
             self.stream = view(0, stream_dtype)
             cursor = stream_bytes
-        self.grad = view(cursor, torch.float32)
-        self.master = view(cursor + fp32_bytes, torch.float32)
-        self.exp_avg = view(cursor + 2 * fp32_bytes, torch.float32)
-        self.exp_avg_sq = view(cursor + 3 * fp32_bytes, torch.float32)
+        self.grad: torch.Tensor | None = None
+        self.exp_avg: torch.Tensor | None = None
+        self.exp_avg_sq: torch.Tensor | None = None
+        if trainable:
+            self.grad = view(cursor, torch.float32)
+            self.master = view(cursor + fp32_bytes, torch.float32)
+            self.exp_avg = view(cursor + 2 * fp32_bytes, torch.float32)
+            self.exp_avg_sq = view(cursor + 3 * fp32_bytes, torch.float32)
+            # The PCIe-facing prefix: stream copy and grad (+ the master when it is the stream).
+            pinned_bytes = stream_bytes + fp32_bytes * (1 if separate_stream else 2)
+        else:
+            self.master = view(cursor, torch.float32)
+            pinned_bytes = stream_bytes if separate_stream else fp32_bytes
         if not separate_stream:
             self.stream = self.master
-        # The PCIe-facing prefix: stream copy and grad (the master too when it is the stream copy).
-        pinned_bytes = stream_bytes + fp32_bytes * (1 if separate_stream else 2)
         self._pinned_ptr = raw.data_ptr() if raw is not None else 0
         self.pinned = pin and _cuda_register(self._pinned_ptr, pinned_bytes)
         self.nbytes = total

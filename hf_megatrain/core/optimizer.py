@@ -63,6 +63,8 @@ class HostAdamW(torch.optim.Optimizer):
         self._segments: list[list[_Segment]] = [[], []]
         self._streamed_ids: set[int] = set()
         for idx, store in enumerate(engine.stores):
+            if not getattr(store, "trainable", True):
+                continue  # frozen: no moments, never updated
             for decay, start, end in store.segments():
                 view = store.master[start:end]
                 (decay_params if decay else no_decay_params).append(view)

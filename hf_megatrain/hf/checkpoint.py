@@ -216,6 +216,8 @@ def save_optimizer_state(optimizer, output_dir: str) -> None:
     os.makedirs(folder, exist_ok=True)
     steps, resident = optimizer.streamed_state()
     for i, store in enumerate(state.stores):
+        if store.exp_avg is None:
+            continue  # frozen layer: no optimizer state
         tensors = {"exp_avg": store.exp_avg.cpu(), "exp_avg_sq": store.exp_avg_sq.cpu()}
         save_file(tensors, os.path.join(folder, f"layer_{i:05d}.safetensors"))
     save_file(
@@ -249,6 +251,8 @@ def load_optimizer_state(optimizer, checkpoint: str) -> None:
             f"the model has {len(stores)}"
         )
     for i, store in enumerate(stores):
+        if store.exp_avg is None:
+            continue
         with safe_open(os.path.join(folder, f"layer_{i:05d}.safetensors"), "pt") as f:
             store.exp_avg.copy_(f.get_tensor("exp_avg"))
             store.exp_avg_sq.copy_(f.get_tensor("exp_avg_sq"))
