@@ -132,7 +132,34 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: on below 2B parameters)",
     )
     o.add_argument("--no-progress-bar", dest="progress_bar", action="store_const", const=False)
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub) -> None:
+    pl = sub.add_parser(
+        "plan",
+        help="print the memory plan (HBM/host tiers, PCIe traffic) without building the model",
+        description="Plan where each decoder layer's weights and optimizer state live (GPU or "
+        "host RAM) for a step of --tokens-per-step tokens, and the largest sequence, step and "
+        "model of this shape that fit. Nothing is allocated: parameters are counted on the "
+        "meta device.",
+    )
+    pl.add_argument("model", help="a config.json, or a folder holding one (checkpoint folder)")
+    pl.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    pl.add_argument("--tokens-per-step", type=int, required=True, help="tokens per optimizer step")
+    pl.add_argument(
+        "--micro-batch-tokens", type=int, help="tokens per forward (default: the whole step)"
+    )
+    pl.add_argument("--grad-accum", type=int, help="micro-batches per step (default: 1)")
+    pl.add_argument(
+        "--hbm-gib", type=float, help="free GPU memory (default: measured, else 139 = one H200)"
+    )
+    pl.add_argument("--host-gib", type=float, help="host RAM (default: MemAvailable)")
+    pl.add_argument("--fp32", action="store_true", help="fp32 compute (default: bf16)")
+    pl.add_argument(
+        "--no-search", dest="search", action="store_false", help="skip the what-fits search"
+    )
 
 
 def _load_recipe(path: str) -> dict[str, Any]:
@@ -625,14 +652,167 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     return result
 
 
+# ---- plan ---------------------------------------------------------------------------------------
+def _plan_config(path: str):
+    """The model config of ``hf-megatrain plan``'s argument: a config.json or a folder with one."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from . import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
+
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise CLIError(f"{p} has no config.json")
+        try:
+            cfg = AutoConfig.from_pretrained(str(p), local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:
+            raise CLIError(f"{p}: could not read config.json: {e}") from None
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise CLIError(
+                f"{p}: model_type {cfg.model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        return cfg
+    if not p.is_file():
+        raise CLIError(f"config not found: {path} (give a config.json or a folder with one)")
+    return _config_from_json(str(p))
+
+
+def model_shape_from_config(cfg, name: str = "model"):
+    """Parameter counts per layer and outside the layers, from a model built on ``meta``."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from .core.planner import ModelShape  # noqa: PLC0415
+    from .hf.loss import FUSED_LOSS_MODEL_TYPES  # noqa: PLC0415
+    from .hf.model import find_decoder_layers  # noqa: PLC0415
+
+    try:
+        # Built on the meta device: shapes only, no weight is allocated (a 70B config is fine).
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CLIError(f"could not build {cfg.model_type} from this config: {e}") from None
+    _, layers = find_decoder_layers(model)
+    layer_numels = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    # named_parameters() yields a shared (tied) tensor once, so a tied head is counted once.
+    total = sum(p.numel() for p in model.parameters())
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    inter = getattr(text_cfg, "intermediate_size", 0) or 0
+    experts = getattr(text_cfg, "num_experts_per_tok", None)
+    moe_inter = getattr(text_cfg, "moe_intermediate_size", None)
+    if experts and moe_inter:  # MoE: the active experts' width drives the working set
+        inter = experts * moe_inter
+    elif experts:
+        inter = experts * inter
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    return ModelShape(
+        layer_numels=layer_numels,
+        non_layer_numel=total - sum(layer_numels),
+        hidden_size=text_cfg.hidden_size,
+        vocab_size=text_cfg.vocab_size,
+        intermediate_size=inter,
+        tied_embeddings=tied,
+        fused_loss=cfg.model_type in FUSED_LOSS_MODEL_TYPES,
+        name=name,
+    )
+
+
+def _detected_memory(hbm_gib: float | None, host_gib: float | None) -> tuple[int, int, list[str]]:
+    """(HBM bytes, host bytes, lines saying where each figure came from)."""
+    import torch  # noqa: PLC0415
+
+    from .core.host_store import available_host_bytes  # noqa: PLC0415
+    from .core.planner import GIB, H200_HBM_BYTES  # noqa: PLC0415
+
+    said = []
+    for label, value in (("hbm-gib", hbm_gib), ("host-gib", host_gib)):
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise CLIError(f"--{label} must be a positive number of GiB")
+    if hbm_gib is not None:
+        hbm = int(hbm_gib * GIB)
+        said.append(f"GPU memory: {hbm_gib:g} GiB (--hbm-gib)")
+    elif torch.cuda.is_available():
+        hbm, _ = torch.cuda.mem_get_info()
+        said.append(f"GPU memory: {hbm / GIB:.2f} GiB free on {torch.cuda.get_device_name()}")
+    else:
+        hbm = H200_HBM_BYTES
+        said.append("GPU memory: no CUDA GPU here; assuming one H200 (139 GiB, --hbm-gib to set)")
+    if host_gib is not None:
+        host = int(host_gib * GIB)
+        said.append(f"host RAM: {host_gib:g} GiB (--host-gib)")
+    else:
+        host = available_host_bytes()
+        said.append(f"host RAM: {host / GIB:.2f} GiB available on this machine (MemAvailable)")
+    return hbm, host, said
+
+
+def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
+    """``hf-megatrain plan``: print the plan and what fits; return them for tests."""
+    import torch  # noqa: PLC0415
+
+    from .core.planner import (  # noqa: PLC0415
+        Workload,
+        max_micro_batch_sequences,
+        max_num_layers,
+        max_seq_len,
+        plan_memory,
+    )
+
+    try:
+        wl = Workload.from_step(
+            ns.seq_len, ns.tokens_per_step, ns.micro_batch_tokens, ns.grad_accum
+        )
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    hbm, host, said = _detected_memory(ns.hbm_gib, ns.host_gib)
+    cfg = _plan_config(ns.model)
+    src = Path(ns.model).resolve()
+    label = src.parent.name if src.is_file() else src.name
+    _setup_logging()
+    shape = model_shape_from_config(cfg, f"{label} [{cfg.model_type}]")
+    dtype = torch.float32 if ns.fp32 else torch.bfloat16
+    plan = plan_memory(shape, wl, dtype, hbm, host)
+    _say("\n".join(said))
+    _say(plan.table())
+    result: dict[str, Any] = {"plan": plan}
+    if ns.search:
+        seqs = max_micro_batch_sequences(shape, wl.seq_len, wl.grad_accum, dtype, hbm, host)
+        longest = max_seq_len(shape, wl.grad_accum, dtype, hbm, host)
+        n_layers = max_num_layers(shape, wl, dtype, hbm, host)
+        result.update(max_sequences=seqs, max_seq_len=longest, max_layers=n_layers)
+        big = shape.with_num_layers(n_layers)
+        _say(
+            "\nwhat fits on this memory (same plan rules):\n"
+            f"  tokens per step at seq {wl.seq_len}, grad-accum {wl.grad_accum}: "
+            + (
+                f"{seqs * wl.seq_len * wl.grad_accum} ({seqs} sequence(s) per micro-batch)"
+                if seqs
+                else "none"
+            )
+            + f"\n  longest sequence (one per micro-batch, grad-accum {wl.grad_accum}): "
+            + (f"{longest} tokens" if longest else "none (below 1024)")
+            + f"\n  most layers of this shape at this step: {n_layers} "
+            f"({big.total_numel / 1e9:.2f}B params; the config has {shape.num_layers})"
+        )
+    if not plan.fits:
+        raise CLIError(str(plan.problems[0]).removeprefix("hf_megatrain: "))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hf-megatrain`` and ``python3 -m hf_megatrain``."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.command != "train":
+    if ns.command not in ("train", "plan"):
         parser.print_help()
         return 2
     try:
+        if ns.command == "plan":
+            run_plan(ns)
+            return 0
         opts = resolve_options(ns)
         from . import InsufficientHostMemoryError, UnsupportedModelError  # noqa: PLC0415
 

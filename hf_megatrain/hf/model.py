@@ -19,10 +19,11 @@ from ..core.host_store import (
     DeviceLayerStore,
     HostStore,
     LayerStore,
-    device_layer_bytes,
+    available_host_bytes,
     layer_store_bytes,
     layout_slots,
 )
+from ..core.planner import ModelShape, Workload, plan_memory
 from ..core.streaming import StreamedLayer, StreamingEngine
 from .capture import RecorderCapture, recorder_capture_available
 
@@ -256,11 +257,17 @@ def _resident_layer_count(
     device: torch.device,
     compute_dtype: torch.dtype,
     hbm_reserve_bytes: int,
+    *,
+    shape: ModelShape | None = None,
+    workload: Workload | None = None,
 ) -> int:
     """How many leading layers keep their whole state in HBM.
 
-    ``"auto"``: as many as fit in the free device memory minus ``hbm_reserve_bytes`` (left for
-    activations, logits and the resident embeddings); an int asks for exactly that many.
+    An int asks for exactly that many. ``"auto"``: the memory planner's choice from the free
+    device memory and available host RAM. Without a ``workload`` (the batch is not known yet when
+    the model is prepared) ``hbm_reserve_bytes`` stands for activations, logits and the resident
+    embeddings; with ``shape`` and ``workload`` those are planned line by line. The plan's table
+    is logged either way.
     """
     n = len(plans)
     if resident_layers in (0, "0", None):
@@ -269,14 +276,28 @@ def _resident_layer_count(
         if device.type != "cuda":
             return 0
         free, _ = torch.cuda.mem_get_info(device)
-        budget = free - hbm_reserve_bytes
-        count = 0
-        for _, numel, _ in plans:
-            budget -= device_layer_bytes(numel, compute_dtype)
-            if budget < 0:
-                break
-            count += 1
-        return count
+        if shape is None:
+            # Only the layer sizes are known here; the reserve covers everything else.
+            shape = ModelShape(
+                layer_numels=tuple(numel for _, numel, _ in plans),
+                non_layer_numel=0,
+                hidden_size=0,
+                vocab_size=0,
+                intermediate_size=0,
+                name="streamed model",
+            )
+        plan = plan_memory(
+            shape,
+            workload,
+            compute_dtype,
+            hbm_bytes=free,
+            host_bytes=available_host_bytes(),
+            reserve_bytes=hbm_reserve_bytes if workload is None else 0,
+        )
+        logger.info("hf_megatrain: memory plan (resident_layers='auto')\n%s", plan.table())
+        # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the
+        # user's host limit); a GPU shortfall only means no layer goes to HBM, as before.
+        return plan.n_hbm
     count = int(resident_layers)
     if not 0 <= count <= n:
         raise ValueError(f"hf_megatrain: resident_layers={count} but the model has {n} layers")

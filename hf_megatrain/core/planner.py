@@ -1,0 +1,604 @@
+"""Memory planner: decide, before anything is allocated, where each decoder layer's state lives.
+
+Two tiers per layer:
+
+* ``hbm``: the layer's whole state on the GPU (fp32 master, grad, two AdamW moments = 16 B/param,
+  plus the compute-dtype copy, 2 B/param in bf16 runs); it never crosses PCIe and updates with
+  the GPU AdamW. The engine requires these to be the *leading* layers.
+* ``host``: the layer's state in the host store (``layer_store_bytes``); on the GPU it only
+  occupies the shared double buffer while it streams through.
+
+The planner is pure arithmetic on a :class:`ModelShape` (no ``transformers`` import, no
+allocation) so the CLI can plan a 70B model on a laptop and the trainer can plan before it
+allocates. Every GPU and host cost is a named line of the plan, so the printed table says where
+the bytes go. Lines marked "estimate" model framework temporaries, not buffers this library owns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .chunked_loss import default_chunk_tokens
+from .host_store import device_layer_bytes, format_bytes, layer_store_bytes
+
+GIB = 2**30
+#: Measured pinned PCIe Gen5 x16 copy rate on the target H200 machine (one direction).
+PCIE_BYTES_PER_S = 55e9
+#: HBM of the target H200, used when no GPU is present to measure.
+H200_HBM_BYTES = 139 * GIB
+#: Host RAM kept free for the Python process, CUDA context, dataloader and page cache churn.
+DEFAULT_HOST_MARGIN = 4 * GIB
+#: GPU slack for the caching allocator's fragmentation and temporaries the lines do not model:
+#: measured peaks (1.5B HBM tier at 16k/64k tokens) ran 10-20% above the modelled lines.
+GPU_SLACK_FRACTION = 0.10
+GPU_SLACK_MIN = 1 * GIB
+
+HBM = "hbm"
+HOST = "host"
+
+
+class MemoryPlanError(MemoryError):
+    """The model/workload does not fit; raised before any allocation.
+
+    ``tier`` is ``"gpu"`` or ``"host"``; ``needed`` / ``available`` are bytes.
+    """
+
+    def __init__(self, message: str, tier: str, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.tier = tier
+        self.needed = needed
+        self.available = available
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a decoder model (parameter counts, not weights)."""
+
+    layer_numels: tuple[int, ...]  # parameters per decoder layer, in layer order
+    non_layer_numel: int  # embeddings, final norm, LM head (a tied head counted once)
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int  # MLP width (for MoE: the active experts' total width)
+    tied_embeddings: bool = False
+    fused_loss: bool = True  # whether training uses the chunked LM head + loss
+    name: str = "model"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_numels)
+
+    @property
+    def layer_numel(self) -> int:
+        return sum(self.layer_numels)
+
+    @property
+    def total_numel(self) -> int:
+        return self.layer_numel + self.non_layer_numel
+
+    def with_num_layers(self, n: int) -> ModelShape:
+        """The same family shape with ``n`` layers (each like the largest current one)."""
+        big = max(self.layer_numels, default=0)
+        return replace(self, layer_numels=(big,) * n, name=f"{self.name} x{n} layers")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step: ``grad_accum`` micro-batches of ``micro_batch_tokens`` tokens."""
+
+    seq_len: int
+    micro_batch_tokens: int
+    grad_accum: int = 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_tokens * self.grad_accum
+
+    @classmethod
+    def from_step(
+        cls,
+        seq_len: int,
+        tokens_per_step: int,
+        micro_batch_tokens: int | None = None,
+        grad_accum: int | None = None,
+    ) -> Workload:
+        """Resolve the split of a step; by default the whole step is one micro-batch."""
+        if seq_len < 1 or tokens_per_step < 1:
+            raise ValueError("seq-len and tokens-per-step must be at least 1")
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ValueError("micro-batch-tokens must be at least 1")
+        if grad_accum is not None and grad_accum < 1:
+            raise ValueError("grad-accum must be at least 1")
+        if micro_batch_tokens is None:
+            ga = grad_accum or 1
+            if tokens_per_step % ga:
+                raise ValueError(
+                    f"tokens-per-step {tokens_per_step} does not split into {ga} micro-batches"
+                )
+            micro_batch_tokens = tokens_per_step // ga
+        if tokens_per_step % micro_batch_tokens:
+            raise ValueError(
+                f"tokens-per-step {tokens_per_step} is not a multiple of micro-batch-tokens "
+                f"{micro_batch_tokens}"
+            )
+        ga = tokens_per_step // micro_batch_tokens
+        if grad_accum is not None and grad_accum != ga:
+            raise ValueError(
+                f"grad-accum {grad_accum} x micro-batch-tokens {micro_batch_tokens} != "
+                f"tokens-per-step {tokens_per_step}"
+            )
+        if micro_batch_tokens % seq_len:
+            raise ValueError(
+                f"a micro-batch of {micro_batch_tokens} tokens (tokens-per-step / grad-accum) "
+                f"is not a whole number of sequences of seq-len {seq_len}"
+            )
+        return cls(seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, grad_accum=ga)
+
+
+@dataclass(frozen=True)
+class MemoryLine:
+    """One named cost of the plan."""
+
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    index: int
+    numel: int
+    tier: str  # HBM or HOST
+    gpu_bytes: int  # persistent GPU bytes of this layer's own state (0 for host layers)
+    host_bytes: int
+
+
+@dataclass
+class MemoryPlan:
+    shape: ModelShape
+    workload: Workload | None  # None: only a fixed HBM reserve stands for activations
+    compute_dtype: torch.dtype
+    hbm_available: int
+    host_available: int
+    layers: list[LayerPlacement]
+    gpu_lines: list[MemoryLine]
+    host_lines: list[MemoryLine]
+    h2d_bytes_per_step: int
+    d2h_bytes_per_step: int
+    notes: list[str] = field(default_factory=list)
+    problems: list[MemoryPlanError] = field(default_factory=list)
+
+    @property
+    def n_hbm(self) -> int:
+        return sum(1 for p in self.layers if p.tier == HBM)
+
+    @property
+    def n_host(self) -> int:
+        return len(self.layers) - self.n_hbm
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(line.nbytes for line in self.gpu_lines)
+
+    @property
+    def host_total(self) -> int:
+        return sum(line.nbytes for line in self.host_lines)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def check(self) -> MemoryPlan:
+        """Raise the first problem (GPU before host) as a ``MemoryPlanError``; else return self."""
+        if self.problems:
+            raise self.problems[0]
+        return self
+
+    def table(self) -> str:
+        return _render_table(self)
+
+
+# ---- the arithmetic -------------------------------------------------------------------------------
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _gpu_lines(
+    shape: ModelShape,
+    workload: Workload | None,
+    dtype: torch.dtype,
+    n_hbm: int,
+    reserve_bytes: int,
+) -> list[MemoryLine]:
+    """GPU costs with the first ``n_hbm`` layers in the HBM tier."""
+    isz = _itemsize(dtype)
+    dt = "bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch.")
+    hbm = shape.layer_numels[:n_hbm]
+    host = shape.layer_numels[n_hbm:]
+    max_host = max(host, default=0)
+    lines = [
+        MemoryLine(
+            "non-layer params (embed/norm/head): fp32 param+grad+2 moments, 16 B/param",
+            16 * shape.non_layer_numel,
+        ),
+        MemoryLine(
+            f"HBM-tier layers ({len(hbm)}): fp32 master+grad+2 moments + {dt} copy",
+            sum(device_layer_bytes(n, dtype) for n in hbm),
+        ),
+        MemoryLine(f"stream double buffer: 2 x largest host layer x {isz} B", 2 * max_host * isz),
+    ]
+    ga = workload.grad_accum if workload is not None else 1
+    if ga > 1:
+        # Non-final micro-batches keep every host layer's gradient on the GPU (one D2H per step).
+        lines.append(
+            MemoryLine(
+                f"fp32 grad accumulators of host layers (grad-accum {ga} > 1), 4 B/param",
+                4 * sum(host),
+            )
+        )
+    else:
+        # Each layer's gradient leaves on the D2H stream right away; ~2 can be in flight.
+        lines.append(
+            MemoryLine("fp32 grads draining to host (~2 layers in flight)", 2 * max_host * 4)
+        )
+    if workload is None:
+        lines.append(
+            MemoryLine("reserve for activations, logits, resident params (fixed)", reserve_bytes)
+        )
+        return lines
+    lines += _activation_lines(shape, workload, dtype)
+    modelled = sum(line.nbytes for line in lines)
+    lines.append(
+        MemoryLine(
+            f"allocator slack + unmodelled temporaries ({GPU_SLACK_FRACTION:.0%}, min 1 GiB)",
+            max(GPU_SLACK_MIN, int(modelled * GPU_SLACK_FRACTION)),
+        )
+    )
+    return lines
+
+
+def _activation_lines(
+    shape: ModelShape, workload: Workload, dtype: torch.dtype
+) -> list[MemoryLine]:
+    """Per-micro-batch activation costs (micro-batches run one after another)."""
+    isz = _itemsize(dtype)
+    t, h, v = workload.micro_batch_tokens, shape.hidden_size, shape.vocab_size
+    lines = [
+        MemoryLine(
+            f"boundary activations: {t} tokens x hidden x 4 B x {shape.num_layers} layers",
+            t * h * 4 * shape.num_layers,
+        ),
+        MemoryLine(
+            "one layer's recompute working set (estimate: tokens x (4h + 3i) x 2 B)",
+            t * (4 * h + 3 * shape.intermediate_size) * 2,
+        ),
+    ]
+    if shape.fused_loss:
+        chunk = min(default_chunk_tokens(v), t)
+        lines.append(
+            MemoryLine(
+                f"fused loss chunk: {chunk} tokens x vocab fp32 logits + softmax grad",
+                chunk * v * (4 + isz),
+            )
+        )
+        head_copy = 0 if dtype == torch.float32 else v * h * isz
+        lines.append(
+            MemoryLine(
+                "LM head compute copy + fp32 weight grad + hidden-state grad",
+                head_copy + v * h * 4 + t * h * 4,
+            )
+        )
+    else:
+        # The model's own forward materializes the logits and upcasts them for the loss.
+        lines.append(
+            MemoryLine(
+                "full logits (no fused loss for this architecture; estimate)",
+                t * v * (isz + 4 + 4),
+            )
+        )
+    return lines
+
+
+def _host_lines(shape: ModelShape, dtype: torch.dtype, n_hbm: int, margin: int) -> list[MemoryLine]:
+    host = shape.layer_numels[n_hbm:]
+    return [
+        MemoryLine(
+            f"host-tier layers ({len(host)}): stream copy + fp32 grad/master/2 moments",
+            sum(layer_store_bytes(n, dtype) for n in host),
+        ),
+        MemoryLine("process + safety margin", margin),
+    ]
+
+
+def _pcie_bytes(
+    shape: ModelShape, workload: Workload | None, dtype: torch.dtype, n_hbm: int
+) -> tuple[int, int]:
+    """(H2D, D2H) bytes per optimizer step.
+
+    Host layers stream in for the forward and again for the backward recompute of every
+    micro-batch. The double buffer still holds the last two host layers when backward starts,
+    and after a backward the first two host layers for the next micro-batch's forward (the first
+    forward of a step must reload: the optimizer changed the weights). Gradients leave once per step.
+    """
+    isz = _itemsize(dtype)
+    host = list(shape.layer_numels[n_hbm:])
+    if not host:
+        return 0, 0
+    ga = workload.grad_accum if workload is not None else 1
+    kept = min(2, len(host))
+    saved_backward = sum(host[-kept:]) * isz
+    saved_forward = sum(host[:kept]) * isz
+    h2d = ga * 2 * sum(host) * isz - ga * saved_backward - (ga - 1) * saved_forward
+    return h2d, 4 * sum(host)
+
+
+def _layer_placements(shape: ModelShape, dtype: torch.dtype, n_hbm: int) -> list[LayerPlacement]:
+    return [
+        LayerPlacement(i, n, HBM, device_layer_bytes(n, dtype), 0)
+        if i < n_hbm
+        else LayerPlacement(i, n, HOST, 0, layer_store_bytes(n, dtype))
+        for i, n in enumerate(shape.layer_numels)
+    ]
+
+
+def _total(lines: list[MemoryLine]) -> int:
+    return sum(line.nbytes for line in lines)
+
+
+def plan_memory(
+    shape: ModelShape,
+    workload: Workload | None,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    *,
+    hbm_layers: int | None = None,
+    reserve_bytes: int = 0,
+    host_margin_bytes: int = DEFAULT_HOST_MARGIN,
+) -> MemoryPlan:
+    """Plan the tiers. Never raises for lack of memory: check ``plan.fits`` or call ``check()``.
+
+    Args:
+        shape: the model's parameter counts and widths.
+        workload: the step's token split; ``None`` when unknown (the trainer's "auto" before it
+            knows the batch): then ``reserve_bytes`` stands for activations, logits and the
+            resident non-layer params.
+        compute_dtype: ``torch.bfloat16`` or ``torch.float32``.
+        hbm_bytes: free GPU memory to plan into; host_bytes: available host RAM.
+        hbm_layers: force this many leading layers into HBM (default: as many as fit).
+    """
+    if compute_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"compute dtype {compute_dtype} is not supported; use bf16 or fp32")
+    n = shape.num_layers
+
+    def gpu(k: int) -> list[MemoryLine]:
+        return _gpu_lines(shape, workload, compute_dtype, k, reserve_bytes)
+
+    if hbm_layers is not None:
+        if not 0 <= hbm_layers <= n:
+            raise ValueError(f"hbm_layers={hbm_layers} but the model has {n} layers")
+        n_hbm = hbm_layers
+    else:
+        # Largest prefix that fits. Not monotone in k (an all-HBM plan drops the stream buffers),
+        # so try every count instead of stopping at the first miss.
+        n_hbm = next((k for k in range(n, -1, -1) if _total(gpu(k)) <= hbm_bytes), 0)
+    gpu_lines = gpu(n_hbm)
+    host_lines = _host_lines(shape, compute_dtype, n_hbm, host_margin_bytes)
+    h2d, d2h = _pcie_bytes(shape, workload, compute_dtype, n_hbm)
+    plan = MemoryPlan(
+        shape=shape,
+        workload=workload,
+        compute_dtype=compute_dtype,
+        hbm_available=hbm_bytes,
+        host_available=host_bytes,
+        layers=_layer_placements(shape, compute_dtype, n_hbm),
+        gpu_lines=gpu_lines,
+        host_lines=host_lines,
+        h2d_bytes_per_step=h2d,
+        d2h_bytes_per_step=d2h,
+    )
+    _add_problems(plan, gpu(0) if hbm_layers is None else gpu_lines)
+    _add_notes(plan)
+    return plan
+
+
+def _add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
+    gpu_needed = plan.gpu_total
+    if gpu_needed > plan.hbm_available:
+        what = (
+            "even with every layer streamed from host, the GPU part"
+            if plan.n_hbm == 0
+            else f"with {plan.n_hbm} layers in HBM, the GPU part"
+        )
+        big = max(fixed_gpu_lines, key=lambda line: line.nbytes)
+        advice = (
+            "Use fewer tokens per micro-batch (more gradient accumulation) or a shorter sequence."
+            if plan.workload is not None
+            else "Lower the HBM reserve (megatrain_hbm_reserve_gb) or stream every layer."
+        )
+        plan.problems.append(
+            MemoryPlanError(
+                f"hf_megatrain: {what} needs {format_bytes(gpu_needed)} of GPU memory but only "
+                f"{format_bytes(plan.hbm_available)} is free (largest item: {big.name}, "
+                f"{format_bytes(big.nbytes)}). {advice}",
+                "gpu",
+                gpu_needed,
+                plan.hbm_available,
+            )
+        )
+    host_needed = plan.host_total
+    if host_needed > plan.host_available:
+        plan.problems.append(
+            MemoryPlanError(
+                f"hf_megatrain: the host store needs {format_bytes(host_needed)} of host RAM "
+                f"({plan.n_host} streamed layers + {format_bytes(plan.host_lines[-1].nbytes)} "
+                f"margin; {plan.n_hbm} layers already moved to HBM, which is full) but only "
+                f"{format_bytes(plan.host_available)} is available. Use a machine with more RAM "
+                f"or GPU memory, fewer tokens per micro-batch (frees HBM for layers), or a "
+                f"smaller model.",
+                "host",
+                host_needed,
+                plan.host_available,
+            )
+        )
+
+
+def _add_notes(plan: MemoryPlan) -> None:
+    wl = plan.workload
+    if wl is not None and wl.grad_accum > 1 and plan.n_host:
+        plan.notes.append(
+            f"grad-accum {wl.grad_accum} > 1 keeps an fp32 gradient accumulator of every host "
+            "layer on the GPU (4 B/param) until the step's last micro-batch."
+        )
+    if wl is not None:
+        plan.notes.append(
+            "recompute working set, loss temporaries and slack are estimates; parameter, "
+            "buffer and optimizer-state lines are exact."
+        )
+    else:
+        plan.notes.append(
+            "workload unknown: a fixed reserve stands for activations, logits and the resident "
+            "non-layer params."
+        )
+    if plan.n_host and plan.n_hbm == 0 and plan.fits:
+        plan.notes.append("no layer fits in HBM next to the activations; all layers stream.")
+
+
+# ---- what fits ----------------------------------------------------------------------------------
+def _largest(fits: Callable[[int], bool], limit: int) -> int:
+    """Largest ``m`` in ``[1, limit]`` with ``fits(m)`` (monotone: fits for all smaller), else 0."""
+    if limit < 1 or not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):  # doubling keeps the number of plans logarithmic
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _fits(shape: ModelShape, wl: Workload, dtype: torch.dtype, hbm: int, host: int, **kw) -> bool:
+    return plan_memory(shape, wl, dtype, hbm, host, **kw).fits
+
+
+def max_micro_batch_sequences(
+    shape: ModelShape,
+    seq_len: int,
+    grad_accum: int,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    limit: int = 1 << 20,
+    **kw,
+) -> int:
+    """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one)."""
+    return _largest(
+        lambda m: _fits(
+            shape, Workload(seq_len, m * seq_len, grad_accum), compute_dtype, hbm_bytes,
+            host_bytes, **kw,
+        ),
+        limit,
+    )  # fmt: skip
+
+
+def max_seq_len(
+    shape: ModelShape,
+    grad_accum: int,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    multiple: int = 1024,
+    limit: int = 1 << 26,
+    **kw,
+) -> int:
+    """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none."""
+    m = _largest(
+        lambda k: _fits(
+            shape, Workload(k * multiple, k * multiple, grad_accum), compute_dtype, hbm_bytes,
+            host_bytes, **kw,
+        ),
+        limit // multiple,
+    )  # fmt: skip
+    return m * multiple
+
+
+def max_num_layers(
+    shape: ModelShape,
+    workload: Workload,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    limit: int = 4096,
+    **kw,
+) -> int:
+    """Most layers of this family's layer shape that fit (same widths, vocab, workload)."""
+    return _largest(
+        lambda n: _fits(
+            shape.with_num_layers(n), workload, compute_dtype, hbm_bytes, host_bytes, **kw
+        ),
+        limit,
+    )
+
+
+# ---- rendering --------------------------------------------------------------------------------
+def _gib(n: int) -> str:
+    return f"{n / GIB:9.2f}"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _ranges(indices: list[int]) -> str:
+    if not indices:
+        return "none"
+    return f"{indices[0]}-{indices[-1]}" if len(indices) > 1 else str(indices[0])
+
+
+def _render_table(plan: MemoryPlan) -> str:
+    s, wl = plan.shape, plan.workload
+    dt = "bf16" if plan.compute_dtype == torch.bfloat16 else "fp32"
+    width = 84
+    widths = f", hidden {s.hidden_size}, vocab {s.vocab_size}" if s.hidden_size else ""
+    out = [
+        f"hf-megatrain memory plan: {s.name} ({_params(s.total_numel)} params, "
+        f"{s.num_layers} layers{widths}), {dt} compute",
+    ]
+    if wl is not None:
+        out.append(
+            f"step: {wl.tokens_per_step} tokens = {wl.grad_accum} micro-batch(es) of "
+            f"{wl.micro_batch_tokens} tokens (seq {wl.seq_len})"
+        )
+    hbm_idx = [p.index for p in plan.layers if p.tier == HBM]
+    host_idx = [p.index for p in plan.layers if p.tier == HOST]
+    out.append(
+        f"layers: {plan.n_hbm} in HBM ({_ranges(hbm_idx)}), "
+        f"{plan.n_host} streamed from host ({_ranges(host_idx)})"
+    )
+    for title, lines, total, avail in (
+        ("GPU (HBM)", plan.gpu_lines, plan.gpu_total, plan.hbm_available),
+        ("host RAM", plan.host_lines, plan.host_total, plan.host_available),
+    ):
+        out.append("")
+        out.append(f"{title:<{width - 9}}{'GiB':>9}")
+        for line in lines:
+            out.append(f"  {line.name:<{width - 11}}{_gib(line.nbytes)}")
+        gap = abs(avail - total) / GIB
+        status = f"fits, {gap:.2f} GiB left" if total <= avail else f"DOES NOT FIT: {gap:.2f} short"
+        out.append(f"  {'total':<{width - 11}}{_gib(total)}")
+        out.append(f"  {'available (' + status + ')':<{width - 11}}{_gib(avail)}")
+    secs = max(plan.h2d_bytes_per_step, plan.d2h_bytes_per_step) / PCIE_BYTES_PER_S
+    out.append("")
+    out.append(
+        f"PCIe per optimizer step: H2D {plan.h2d_bytes_per_step / 1e9:.2f} GB (weights), "
+        f"D2H {plan.d2h_bytes_per_step / 1e9:.2f} GB (fp32 grads); "
+        f"~{secs:.2f} s at {PCIE_BYTES_PER_S / 1e9:.0f} GB/s per direction"
+    )
+    for note in plan.notes:
+        out.append(f"note: {note}")
+    for problem in plan.problems:
+        out.append(f"PROBLEM: {str(problem).removeprefix('hf_megatrain: ')}")
+    return "\n".join(out)

@@ -1,0 +1,229 @@
+"""Memory planner: tier arithmetic on real model shapes, refusals, the ``plan`` CLI, "auto"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_megatrain.cli import DEFAULT_CONFIG, _plan_config, main, model_shape_from_config
+from hf_megatrain.core.host_store import device_layer_bytes, layer_store_bytes
+from hf_megatrain.core.planner import (
+    GIB,
+    HBM,
+    HOST,
+    MemoryPlanError,
+    ModelShape,
+    Workload,
+    max_micro_batch_sequences,
+    max_num_layers,
+    plan_memory,
+)
+from hf_megatrain.hf.model import _resident_layer_count
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "benchmarks" / "configs"
+BF16 = torch.bfloat16
+
+
+def _shape(name: str) -> ModelShape:
+    return model_shape_from_config(_plan_config(str(CONFIGS / name)), name)
+
+
+def _qwen2_layer_numel(h: int, kv: int, inter: int) -> int:
+    # q/k/v carry biases in Qwen2; o_proj does not; gate/up/down MLP; two RMSNorm weights.
+    return (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * inter + 2 * h
+
+
+@pytest.fixture(scope="module")
+def qwen7b() -> ModelShape:
+    return _shape("qwen2.5-7b")
+
+
+@pytest.fixture(scope="module")
+def qwen1_5b() -> ModelShape:
+    return _shape("qwen2.5-1.5b")
+
+
+def test_parameter_counts_from_meta_build(qwen7b, qwen1_5b):
+    cfg = json.loads((CONFIGS / "qwen2.5-7b" / "config.json").read_text())
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    assert qwen7b.layer_numels == (_qwen2_layer_numel(h, kv, inter),) * 28
+    # Untied embedding + LM head + final norm.
+    assert qwen7b.non_layer_numel == 2 * v * h + h
+    assert not qwen7b.tied_embeddings and qwen7b.fused_loss
+    assert 7.6e9 < qwen7b.total_numel < 7.65e9  # Qwen2.5-7B: 7.62B
+    # 1.5B ties the head to the embedding: counted once.
+    assert qwen1_5b.tied_embeddings
+    assert qwen1_5b.non_layer_numel == 151936 * 1536 + 1536
+    assert 1.54e9 < qwen1_5b.total_numel < 1.55e9
+
+
+def test_1_5b_fits_wholly_in_hbm(qwen1_5b):
+    wl = Workload.from_step(4096, 16384)
+    plan = plan_memory(qwen1_5b, wl, BF16, 139 * GIB, 128 * GIB).check()
+    assert plan.n_hbm == 28 and plan.n_host == 0
+    assert all(p.tier == HBM for p in plan.layers)
+    # Nothing streams: no buffers, no PCIe traffic, only the margin on the host.
+    assert plan.h2d_bytes_per_step == plan.d2h_bytes_per_step == 0
+    assert plan.host_total == plan.host_lines[-1].nbytes
+    layers = sum(device_layer_bytes(n, BF16) for n in qwen1_5b.layer_numels)
+    assert (
+        dict((line.name.split(" (")[0], line.nbytes) for line in plan.gpu_lines)["HBM-tier layers"]
+        == layers
+    )
+
+
+def test_7b_partially_on_host(qwen7b):
+    wl = Workload.from_step(4096, 65536)
+    plan = plan_memory(qwen7b, wl, BF16, 139 * GIB, 128 * GIB).check()
+    assert 0 < plan.n_hbm < 28
+    tiers = [p.tier for p in plan.layers]
+    # The HBM tier is a prefix: the engine needs the leading layers resident.
+    assert tiers == [HBM] * plan.n_hbm + [HOST] * plan.n_host
+    assert plan.gpu_total <= 139 * GIB and plan.host_total <= 128 * GIB
+    # One more layer in HBM would not fit.
+    more = plan_memory(qwen7b, wl, BF16, 139 * GIB, 128 * GIB, hbm_layers=plan.n_hbm + 1)
+    assert more.gpu_total > 139 * GIB
+    host_store = sum(layer_store_bytes(n, BF16) for n in qwen7b.layer_numels[plan.n_hbm :])
+    assert plan.host_lines[0].nbytes == host_store
+    table = plan.table()
+    for text in ("GPU (HBM)", "host RAM", "boundary activations", "estimate", "PCIe", "GiB"):
+        assert text in table
+    assert f"{plan.n_hbm} in HBM" in table
+
+
+def test_refuses_when_host_too_small(qwen7b):
+    wl = Workload.from_step(4096, 65536)
+    plan = plan_memory(qwen7b, wl, BF16, 139 * GIB, 8 * GIB)
+    assert not plan.fits
+    with pytest.raises(MemoryPlanError, match=r"host RAM.*but only 8.00 GiB") as e:
+        plan.check()
+    assert e.value.tier == "host" and e.value.needed > e.value.available == 8 * GIB
+    assert "DOES NOT FIT" in plan.table()
+
+
+def test_refuses_when_fixed_gpu_part_too_large(qwen7b):
+    wl = Workload.from_step(4096, 1 << 20)  # 1M tokens in one micro-batch
+    with pytest.raises(MemoryPlanError, match="every layer streamed.*boundary activations") as e:
+        plan_memory(qwen7b, wl, BF16, 139 * GIB, 1024 * GIB).check()
+    assert e.value.tier == "gpu"
+
+
+def test_grad_accum_holds_host_layer_accumulators(qwen7b):
+    one = plan_memory(qwen7b, Workload(4096, 16384, 1), BF16, 60 * GIB, 512 * GIB)
+    four = plan_memory(qwen7b, Workload(4096, 16384, 4), BF16, 60 * GIB, 512 * GIB)
+    line = next(x for x in four.gpu_lines if "accumulators" in x.name)
+    assert line.nbytes == 4 * sum(qwen7b.layer_numels[four.n_hbm :])
+    assert four.n_hbm <= one.n_hbm
+    assert any("grad-accum 4" in n for n in four.notes)
+
+
+def test_pcie_bytes_arithmetic():
+    shape = ModelShape((100,) * 4, 0, 8, 16, 32)
+    one = plan_memory(shape, Workload(8, 8, 1), BF16, 1 << 40, 1 << 40, hbm_layers=0)
+    # Forward 4 layers + backward 4 minus the 2 still in the double buffer, 2 B/param.
+    assert one.h2d_bytes_per_step == (4 + 2) * 100 * 2
+    assert one.d2h_bytes_per_step == 4 * 100 * 4
+    two = plan_memory(shape, Workload(8, 8, 2), BF16, 1 << 40, 1 << 40, hbm_layers=0)
+    # Second micro-batch's forward also finds the first two host layers still resident.
+    assert two.h2d_bytes_per_step == (6 + 4) * 100 * 2
+    hbm1 = plan_memory(shape, Workload(8, 8, 1), torch.float32, 1 << 40, 1 << 40, hbm_layers=1)
+    assert hbm1.h2d_bytes_per_step == (3 + 1) * 100 * 4
+
+
+def test_workload_validation():
+    assert Workload.from_step(4096, 65536) == Workload(4096, 65536, 1)
+    assert Workload.from_step(4096, 65536, grad_accum=4) == Workload(4096, 16384, 4)
+    assert Workload.from_step(4096, 65536, micro_batch_tokens=8192).grad_accum == 8
+    for kw in (
+        dict(micro_batch_tokens=5000),
+        dict(grad_accum=3),
+        dict(micro_batch_tokens=8192, grad_accum=2),
+    ):
+        with pytest.raises(ValueError):
+            Workload.from_step(4096, 65536, **kw)
+
+
+def test_what_fits_searches_are_tight(qwen7b):
+    hbm, host = 139 * GIB, 128 * GIB
+    m = max_micro_batch_sequences(qwen7b, 4096, 1, BF16, hbm, host)
+    assert plan_memory(qwen7b, Workload(4096, m * 4096), BF16, hbm, host).fits
+    assert not plan_memory(qwen7b, Workload(4096, (m + 1) * 4096), BF16, hbm, host).fits
+    wl = Workload(4096, 65536)
+    n = max_num_layers(qwen7b, wl, BF16, hbm, host)
+    assert n > 28
+    assert not plan_memory(qwen7b.with_num_layers(n + 1), wl, BF16, hbm, host).fits
+
+
+def test_cli_plan_bundled_config(capsys):
+    assert main(["plan", str(DEFAULT_CONFIG), "--seq-len", "128", "--tokens-per-step", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan" in out and "4 in HBM" in out and "what fits" in out
+
+
+def test_cli_plan_qwen7b(capsys):
+    argv = ["plan", str(CONFIGS / "qwen2.5-7b"), "--seq-len", "4096", "--tokens-per-step", "65536"]
+    assert main([*argv, "--hbm-gib", "139", "--host-gib", "128", "--no-search"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2.5-7b" in out and "streamed from host" in out and "PCIe" in out
+    with pytest.raises(SystemExit, match=r"^hf-megatrain: error: the host store needs"):
+        main([*argv, "--hbm-gib", "139", "--host-gib", "8", "--no-search"])
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["nope/config.json", "--seq-len", "8", "--tokens-per-step", "8"], "config not found"),
+        ([str(DEFAULT_CONFIG), "--seq-len", "8", "--tokens-per-step", "12"], "whole number"),
+        ([str(DEFAULT_CONFIG), "--seq-len", "0", "--tokens-per-step", "8"], "at least 1"),
+        (
+            [str(DEFAULT_CONFIG), "--seq-len", "8", "--tokens-per-step", "8", "--hbm-gib", "-1"],
+            "positive",
+        ),
+    ],
+)
+def test_cli_plan_bad_input(argv, match, tmp_path):
+    with pytest.raises(SystemExit, match=rf"^hf-megatrain: error: .*{match}"):
+        main(["plan", *argv])
+
+
+def test_cli_plan_unsupported_model_type(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    with pytest.raises(SystemExit, match="not supported"):
+        main(["plan", str(cfg), "--seq-len", "8", "--tokens-per-step", "8"])
+
+
+def _plans(n: int, numel: int) -> list:
+    return [([], numel, numel)] * n
+
+
+def test_resident_layer_count_auto_is_zero_on_cpu():
+    assert _resident_layer_count("auto", _plans(4, 1000), torch.device("cpu"), BF16, 0) == 0
+    assert _resident_layer_count(3, _plans(4, 1000), torch.device("cpu"), BF16, 0) == 3
+    assert _resident_layer_count("2", _plans(4, 1000), torch.device("cpu"), BF16, 0) == 2
+    with pytest.raises(ValueError, match="has 4 layers"):
+        _resident_layer_count(5, _plans(4, 1000), torch.device("cpu"), BF16, 0)
+
+
+def test_resident_layer_count_auto_uses_planner(monkeypatch):
+    """On CUDA, "auto" takes the planner's count from free HBM (simulated here)."""
+    import hf_megatrain.hf.model as model_mod
+
+    numel = 10_000_000
+    free = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 0))
+    monkeypatch.setattr(model_mod, "available_host_bytes", lambda: 1 << 40)
+    cuda = torch.device("cuda")
+    reserve = 1 << 30
+    free["bytes"] = reserve + 100 * numel * 18  # plenty: every layer in HBM
+    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve) == 6
+    free["bytes"] = reserve // 2  # less than the reserve: everything streams
+    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve) == 0
+    # Room for 3 layers' state next to the stream buffers and grad drain (2 layers each).
+    free["bytes"] = reserve + 3 * numel * 18 + 2 * numel * 2 + 2 * numel * 4
+    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve) == 3
