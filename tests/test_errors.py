@@ -117,9 +117,19 @@ def test_no_grad_forward_leaves_no_gradients(tmp_path):
     assert not model._megatrain.engine.has_grads()
 
 
-def test_partially_frozen_layer_refused(tmp_path):
+def test_partially_frozen_layer_trains_like_stock(tmp_path):
+    """A layer mixing frozen and trainable tensors: the frozen ones stream from a frozen store,
+    the trainable ones stay resident (as LoRA adapters do), and training matches stock."""
+    import copy  # noqa: PLC0415
+
+    from .helpers import assert_logs_match, run_trainer  # noqa: PLC0415
+
     model = tiny_model(tiny_config("llama"))
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
-    with pytest.raises(UnsupportedModelError, match="mixes trainable and frozen"):
-        HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4))
-    _assert_untouched(model, tmp_path)
+    frozen_before = model.model.layers[1].mlp.up_proj.weight.detach().clone()
+    stock, _ = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False)
+    mega, trainer = run_trainer(model, tmp_path, "mega", mega=True)
+    assert_logs_match(stock, mega)
+    store = trainer.megatrain.store.layers[1]
+    assert not store.trainable and [s.name for s in store.slots] == ["mlp.up_proj.weight"]
+    torch.testing.assert_close(store.master.view(frozen_before.shape), frozen_before)

@@ -18,7 +18,14 @@ from ..core.chunked_loss import IGNORE_INDEX, chunked_linear_cross_entropy
 FUSED_LOSS_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3"}
 
 
+def _unwrap(model):
+    """The transformers model under a PEFT wrapper (LoRA modules live inside it)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 def supports_fused_loss(model) -> bool:
+    model = _unwrap(model)
     config = model.config
     return (
         config.model_type in FUSED_LOSS_MODEL_TYPES
@@ -35,6 +42,7 @@ def fused_causal_lm_forward(
     chunk_tokens: int | None = None,
     **kwargs,
 ) -> CausalLMOutputWithPast:
+    model = _unwrap(model)
     labels = kwargs.pop("labels")
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)

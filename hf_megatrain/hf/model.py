@@ -62,10 +62,17 @@ class StreamedModelState:
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """Locate the decoder layer list (``<base>.layers``) of a causal LM."""
-    for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, nn.ModuleList) and name.count(".") <= 1:
-            return name, module
+    """Locate the decoder layer list (``<base>.layers``) of a causal LM (PEFT-wrapped too)."""
+    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    candidates = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name.endswith("layers")
+        and isinstance(module, nn.ModuleList)
+        and (n_layers is None or len(module) == n_layers)
+    ]
+    if candidates:
+        return min(candidates, key=lambda c: c[0].count("."))
     raise UnsupportedModelError(
         f"hf_megatrain: could not find the decoder layers (a ModuleList named '*.layers') in "
         f"{type(model).__name__}."
@@ -74,15 +81,16 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def check_supported(model: nn.Module) -> str:
     """Raise ``UnsupportedModelError`` naming the problem, before anything is allocated."""
-    try:
-        from peft import PeftModel  # noqa: PLC0415 - optional dependency
-
-        if isinstance(model, PeftModel):
+    if _is_peft(model):
+        # LoRA: adapters stay resident and trainable, the frozen base streams.
+        peft_types = {
+            str(getattr(c.peft_type, "value", c.peft_type)) for c in model.peft_config.values()
+        }
+        if peft_types != {"LORA"}:
             raise UnsupportedModelError(
-                "hf_megatrain: PEFT/LoRA models are not supported yet; pass the base model."
+                f"hf_megatrain: PEFT method(s) {sorted(peft_types)} are not supported; LoRA is."
             )
-    except ImportError:
-        pass
+        model = model.get_base_model()
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -106,6 +114,14 @@ def check_supported(model: nn.Module) -> str:
     return model_type
 
 
+def _is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
 _RANDOM_CONFIG_KEYS = ("dropout", "pdrop", "jitter")  # e.g. attention_dropout, router_jitter_noise
 
 
@@ -123,15 +139,31 @@ def _has_dropout(config) -> bool:
     return False
 
 
+def streamed_names(layer: nn.Module) -> set[str]:
+    """The parameters of ``layer`` that go to the host store.
+
+    A layer whose parameters are all trainable or all frozen streams them all. A layer that mixes
+    both (LoRA adapters over a frozen base) streams the frozen ones from a frozen store, and its
+    trainable ones stay resident on the device with their own optimizer state.
+    """
+    flags = {n: p.requires_grad for n, p in layer.named_parameters()}
+    if all(flags.values()) or not any(flags.values()):
+        return set(flags)
+    return {n for n, f in flags.items() if not f}
+
+
 def plan_layers(
     layers: nn.ModuleList, decay_names: set[str], prefix: str
 ) -> list[tuple[list, int, int]]:
-    """Per layer: ``(slots, numel, decay_numel)`` from the layer's parameters."""
+    """Per layer: ``(slots, numel, decay_numel)`` from the layer's streamed parameters."""
     plans = []
     seen: dict[int, str] = {}
     for i, layer in enumerate(layers):
         entries = []
+        streamed = streamed_names(layer)
         for rel, p in layer.named_parameters():
+            if rel not in streamed:
+                continue
             full = f"{prefix}.{i}.{rel}"
             if id(p) in seen:
                 raise UnsupportedModelError(
@@ -179,22 +211,22 @@ def prepare_streamed_model(
     prefix, layers = find_decoder_layers(model)
     decay_names = decay_names if decay_names is not None else set()
     plans = plan_layers(layers, decay_names, prefix)
-    for i, layer in enumerate(layers):
-        flags = {n: p.requires_grad for n, p in layer.named_parameters()}
-        if any(flags.values()) and not all(flags.values()):
-            # The optimizer updates a layer's flat buffers as a whole: a frozen tensor inside a
-            # trainable layer would get weight decay and moment updates.
-            frozen = [n for n, f in flags.items() if not f]
-            raise UnsupportedModelError(
-                f"hf_megatrain: decoder layer {prefix}.{i} mixes trainable and frozen parameters "
-                f"(frozen: {frozen[:3]}); freeze whole decoder layers or none."
-            )
+    streamed = [streamed_names(layer) for layer in layers]
+    trainable_store = [
+        all(p.requires_grad for n, p in layer.named_parameters() if n in names)
+        for layer, names in zip(layers, streamed)
+    ]
 
     n_resident = _resident_layer_count(
         resident_layers, plans, device, compute_dtype, hbm_reserve_bytes
     )
+    # The HBM tier holds optimizer state: only leading fully trainable layers qualify.
+    n_resident = next((i for i, t in enumerate(trainable_store[:n_resident]) if not t), n_resident)
     # Refuse before allocating anything if host RAM cannot hold the store.
-    needed = sum(layer_store_bytes(numel, compute_dtype) for _, numel, _ in plans[n_resident:])
+    needed = sum(
+        layer_store_bytes(numel, compute_dtype, trainable)
+        for (_, numel, _), trainable in zip(plans[n_resident:], trainable_store[n_resident:])
+    )
     HostStore.check_fits(needed, host_memory_limit_bytes)
 
     pin = pin_memory and device.type == "cuda"
@@ -206,31 +238,37 @@ def prepare_streamed_model(
             # updating the streamed ones.
             store = DeviceLayerStore(slots, numel, decay_numel, compute_dtype, device)
         else:
-            store = LayerStore(slots, numel, decay_numel, compute_dtype, pin)
-        named = dict(layer.named_parameters())
+            store = LayerStore(
+                slots, numel, decay_numel, compute_dtype, pin, trainable=trainable_store[i]
+            )
+        named = {n: p for n, p in layer.named_parameters() if n in streamed[i]}
         views = store.param_views(store.master)
         for rel, p in named.items():
             if p.device.type != "meta":
                 views[rel].copy_(p.detach().to(torch.float32))
         store.refresh_stream_copy()
-        trainable = any(p.requires_grad for p in named.values())
-        _replace_with_meta(layer)
+        _replace_with_meta(layer, streamed[i])
         stores.append(store)
         names.append(list(named))
-        layer._megatrain_trainable = trainable
 
     # Not gated on model.training: from_pretrained returns the model in eval mode and the Trainer
     # switches it to train mode only later, so the flag here says nothing about training.
     engine = StreamingEngine(stores, device, compute_dtype, preserve_rng=_has_dropout(config))
-    capture = RecorderCapture()
-    for i, layer in enumerate(layers):
-        layer.forward = StreamedLayer(
-            engine, i, layer, capture=capture, trainable=layer._megatrain_trainable
-        )
-
     layer_prefixes = tuple(f"{prefix}.{i}." for i in range(len(layers)))
     _place_resident(model, device, layer_prefixes)
-    resident = list(_named_resident(model, layer_prefixes, decay_names))
+    capture = RecorderCapture()
+    for i, layer in enumerate(layers):
+        # After _place_resident: the resident tensors are the final device parameters.
+        layer_resident = [(n, p) for n, p in layer.named_parameters() if n not in streamed[i]]
+        layer.forward = StreamedLayer(
+            engine,
+            i,
+            layer,
+            capture=capture,
+            trainable=trainable_store[i] and bool(streamed[i]),
+            resident=layer_resident,
+        )
+    resident = list(_named_resident(model, decay_names))
     model._megatrain = StreamedModelState(
         engine=engine,
         store=HostStore(stores),
@@ -304,17 +342,19 @@ def _resident_layer_count(
     return count
 
 
-def _named_resident(model: nn.Module, layer_prefixes: tuple[str, ...], decay_names: set[str]):
+def _named_resident(model: nn.Module, decay_names: set[str]):
+    """Parameters that live on the device (streamed ones are ``meta`` placeholders)."""
     for name, p in model.named_parameters():
-        if not name.startswith(layer_prefixes):
+        if p.device.type != "meta":
             yield name, p, name in decay_names
 
 
-def _replace_with_meta(layer: nn.Module) -> None:
-    """Swap every parameter of ``layer`` for a ``meta`` placeholder, releasing its storage."""
-    for module in layer.modules():
+def _replace_with_meta(layer: nn.Module, names: set[str]) -> None:
+    """Swap the named parameters of ``layer`` for ``meta`` placeholders, releasing storage."""
+    for mod_name, module in layer.named_modules():
         for pname, p in list(module._parameters.items()):
-            if p is None:
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            if p is None or full not in names:
                 continue
             placeholder = nn.Parameter(
                 torch.empty(p.shape, dtype=torch.float32, device="meta"),
@@ -326,15 +366,17 @@ def _replace_with_meta(layer: nn.Module) -> None:
 def _place_resident(
     model: nn.Module, device: torch.device, layer_prefixes: tuple[str, ...]
 ) -> None:
-    """fp32 masters of non-layer parameters, and all buffers, on the compute device.
+    """fp32 masters of the non-streamed parameters, and all buffers, on the compute device.
 
-    Parameters shared between modules (tied input/output embeddings) stay shared.
+    Inside decoder layers, ``meta`` parameters are the streamed placeholders and stay so; real
+    ones there (LoRA adapters) become resident like the embeddings. Parameters shared between
+    modules (tied input/output embeddings) stay shared.
     """
     replaced: dict[int, nn.Parameter] = {}
     for mod_name, module in model.named_modules():
         in_layer = (mod_name + ".").startswith(layer_prefixes)
         for pname, p in list(module._parameters.items()):
-            if p is None or in_layer:
+            if p is None or (in_layer and p.device.type == "meta"):
                 continue
             if id(p) not in replaced:
                 if p.device.type == "meta":

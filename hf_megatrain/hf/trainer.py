@@ -31,7 +31,7 @@ from .checkpoint import (
 )
 from .long_context import install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss
-from .model import prepare_streamed_model, streamed_state
+from .model import _is_peft, prepare_streamed_model, streamed_state
 
 logger = logging.getLogger(__name__)
 
@@ -325,6 +325,10 @@ class HFMegaTrainer(Trainer):
 
     # ---- loading -------------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if _is_peft(self.model):
+            # Adapter checkpoints: the adapters are ordinary resident parameters, loaded by
+            # the Trainer's own PEFT path; the frozen base in the store is unchanged.
+            return super()._load_from_checkpoint(resume_from_checkpoint, self.model)
         logger.info("hf_megatrain: loading weights from %s", resume_from_checkpoint)
         load_weights_into_store(self.model, resume_from_checkpoint)
 
@@ -344,6 +348,8 @@ class HFMegaTrainer(Trainer):
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         logger.info("hf_megatrain: loading best model from %s", best)
+        if _is_peft(self.model):
+            return super()._load_from_checkpoint(best, self.model)
         load_weights_into_store(self.model, best)
 
 
