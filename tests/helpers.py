@@ -145,14 +145,27 @@ def common_args(**overrides) -> dict:
 
 
 def run_trainer(
-    model, tmp_path, name: str, mega: bool, data=None, resume: str | None = None, **arg_overrides
+    model,
+    tmp_path,
+    name: str,
+    mega: bool,
+    data=None,
+    resume: str | None = None,
+    data_collator=None,
+    **arg_overrides,
 ):
     """Train ``model`` (not copied) with one trainer class; return ``(logs, trainer)``."""
     data = data if data is not None else make_data()
     cls, argcls = (HFMegaTrainer, MegaTrainArguments) if mega else (Trainer, TrainingArguments)
     rec = LogRecorder()
     args = argcls(output_dir=str(tmp_path / name), **common_args(**arg_overrides))
-    trainer = cls(model=model, args=args, train_dataset=data, callbacks=[rec])
+    trainer = cls(
+        model=model,
+        args=args,
+        train_dataset=data,
+        callbacks=[rec],
+        data_collator=data_collator,
+    )
     trainer.train(resume_from_checkpoint=resume)
     return rec.logs, trainer
 
