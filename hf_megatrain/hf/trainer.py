@@ -1,10 +1,12 @@
 """``HFMegaTrainer``: a ``transformers.Trainer`` that streams decoder layers from host RAM.
 
-The override set is deliberately small. The training loop, ``compute_loss`` (with its
-``num_items_in_batch`` semantics), ``evaluate``, callbacks, schedulers and dataloaders are the
-Trainer's own. What changes: where the model lives (``_move_model_to_device``, ``_wrap_model``),
-the optimizer (``create_optimizer``), gradient norm and clipping, and how weights and optimizer
-state are saved and restored (through the host store, as HF safetensors).
+The overrides live in ``MegaTrainerMixin`` so they compose with other ``Trainer`` subclasses
+(TRL's ``SFTTrainer``: ``hf_megatrain.integrations.trl``). The override set is deliberately
+small. The training loop, ``compute_loss`` (with its ``num_items_in_batch`` semantics),
+``evaluate``, callbacks, schedulers and dataloaders are the Trainer's own. What changes: where the
+model lives (``_move_model_to_device``, ``_wrap_model``), the optimizer (``create_optimizer``),
+gradient norm and clipping, and how weights and optimizer state are saved and restored (through
+the host store, as HF safetensors).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class StreamedModelWrapper(nn.Module):
         if (
             self.fused_loss
             and not args
+            # TRL's SFTTrainer asks the model for its own fused LM head (per-token log-probs,
+            # no full logits either): its forward must receive that call unchanged.
+            and "fused_lm_head" not in kwargs
             and self.module.training
             and torch.is_grad_enabled()
             and kwargs.get("labels") is not None
@@ -110,6 +115,24 @@ def _host_memory_gib() -> tuple[float | None, float | None]:
         return None, None
 
 
+def _setup_args(args: TrainingArguments) -> None:
+    """Refuse what the engine cannot run and adjust what it replaces (idempotent)."""
+    _validate_args(args)
+    # Newer transformers renamed the flag to activation_checkpointing and keep
+    # gradient_checkpointing as a mirror set once in __post_init__: turn both off (TRL's configs
+    # default it on).
+    names = [n for n in ("gradient_checkpointing", "activation_checkpointing") if hasattr(args, n)]
+    if any(getattr(args, n) for n in names):
+        logger.info(
+            "hf_megatrain: gradient_checkpointing ignored; streamed layers always recompute"
+        )
+        for n in names:
+            setattr(args, n, False)
+    # One process drives one GPU; the Trainer would otherwise scale batches by n_gpu and
+    # wrap the model in DataParallel.
+    args._n_gpu = 1
+
+
 def _validate_args(args: TrainingArguments) -> None:
     if args.fp16 or getattr(args, "fp16_full_eval", False):
         raise ValueError(
@@ -129,31 +152,54 @@ def _validate_args(args: TrainingArguments) -> None:
         )
 
 
-class HFMegaTrainer(Trainer):
-    """Drop-in ``Trainer`` for decoder LLMs larger than the GPU.
+class MegaTrainerMixin:
+    """Every ``HFMegaTrainer`` override, for composing with other ``Trainer`` subclasses.
 
-    ``model`` is a ``*ForCausalLM`` model of a supported architecture, either materialized (its
-    decoder layers are moved into the host store here) or already streamed, e.g. loaded with
-    :func:`hf_megatrain.load_streamed_model`. ``args`` may be a :class:`MegaTrainArguments` or a
-    plain ``TrainingArguments``.
+    Put it first among the bases, before a ``transformers.Trainer`` subclass:
+    ``class MyTrainer(MegaTrainerMixin, SomeTrainer)`` (``HFMegaTrainer`` is
+    ``(MegaTrainerMixin, Trainer)``; :class:`hf_megatrain.integrations.trl.MegaSFTTrainer` is
+    ``(MegaTrainerMixin, SFTTrainer)``).
+
+    The model is streamed (decoder layers into the host store) before the next class's
+    ``__init__`` runs, so it never sees a materialized model it could place on the GPU. When the
+    next class still transforms the model itself (it gets a ``peft_config`` to wrap it with
+    adapters, or a model name to load, or the class sets ``_megatrain_prepare_late``), streaming
+    waits for the final model instead: it happens at the start of ``Trainer.__init__``, the first
+    point where the mixin sees that model, before the Trainer places or inspects it.
     """
 
+    #: Stream the model only once ``Trainer.__init__`` receives it (see the class docstring).
+    _megatrain_prepare_late: bool = False
+
     def __init__(
-        self, model: nn.Module | None = None, args: TrainingArguments | None = None, *a, **kw
+        self, model: nn.Module | str | None = None, args: TrainingArguments | None = None, *a, **kw
     ):
         if model is None:
-            raise ValueError("hf_megatrain: HFMegaTrainer needs a model")
+            raise ValueError(f"hf_megatrain: {type(self).__name__} needs a model")
         if args is None:
-            args = MegaTrainArguments(output_dir="tmp_trainer")
-        _validate_args(args)
-        if args.gradient_checkpointing:
-            logger.info(
-                "hf_megatrain: gradient_checkpointing ignored; streamed layers always recompute"
+            args = self._megatrain_default_args(model)
+        _setup_args(args)
+        if kw.get("peft_config") is not None and streamed_state(model) is not None:
+            # The adapters would be built over the meta placeholders of the streamed layers.
+            raise ValueError(
+                "hf_megatrain: with peft_config, pass a materialized model (e.g. "
+                "AutoModelForCausalLM.from_pretrained), not an already streamed one: the adapters "
+                "are added first and the model is streamed afterwards."
             )
-            args.gradient_checkpointing = False
-        # One process drives one GPU; the Trainer would otherwise scale batches by n_gpu and
-        # wrap the model in DataParallel.
-        args._n_gpu = 1
+        self._megatrain_pending = (
+            self._megatrain_prepare_late
+            or kw.get("peft_config") is not None
+            or not isinstance(model, nn.Module)
+        )
+        if not self._megatrain_pending:
+            self._megatrain_prepare(model, args)
+        super().__init__(model, args, *a, **kw)
+
+    def _megatrain_default_args(self, model: nn.Module | str) -> TrainingArguments:
+        return MegaTrainArguments(output_dir="tmp_trainer")
+
+    def _megatrain_prepare(self, model: nn.Module, args: TrainingArguments) -> None:
+        """Stream ``model`` and build what the Trainer will call (``StreamedModelWrapper``)."""
         compute_dtype = torch.bfloat16 if args.bf16 else torch.float32
         device = args.device
         limit_gb = getattr(args, "megatrain_host_memory_limit_gb", None)
@@ -178,7 +224,18 @@ class HFMegaTrainer(Trainer):
         )
         self._tokens_since_log = 0
         self._time_of_log = time.perf_counter()
-        super().__init__(model, args, *a, **kw)
+        self._megatrain_pending = False
+
+    def create_accelerator_and_postprocess(self) -> None:
+        # Trainer.__init__ calls this first, with ``self.model`` / ``self.args`` the final ones
+        # (after e.g. SFTTrainer's PEFT wrapping or args conversion) and before it places,
+        # inspects or wraps the model: the point to stream a model whose preparation waited.
+        if getattr(self, "_megatrain_pending", False):
+            if not isinstance(self.model, nn.Module):
+                raise ValueError(f"hf_megatrain: {type(self).__name__} needs a model")
+            _setup_args(self.args)
+            self._megatrain_prepare(self.model, self.args)
+        super().create_accelerator_and_postprocess()
 
     def train(self, *args: Any, **kwargs: Any):
         try:
@@ -353,4 +410,19 @@ class HFMegaTrainer(Trainer):
         load_weights_into_store(self.model, best)
 
 
-__all__ = ["HFMegaTrainer", "InsufficientHostMemoryError", "StreamedModelWrapper"]
+class HFMegaTrainer(MegaTrainerMixin, Trainer):
+    """Drop-in ``Trainer`` for decoder LLMs larger than the GPU.
+
+    ``model`` is a ``*ForCausalLM`` model of a supported architecture, either materialized (its
+    decoder layers are moved into the host store here) or already streamed, e.g. loaded with
+    :func:`hf_megatrain.load_streamed_model`. ``args`` may be a :class:`MegaTrainArguments` or a
+    plain ``TrainingArguments``.
+    """
+
+
+__all__ = [
+    "HFMegaTrainer",
+    "InsufficientHostMemoryError",
+    "MegaTrainerMixin",
+    "StreamedModelWrapper",
+]
