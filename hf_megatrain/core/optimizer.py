@@ -60,7 +60,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.resident_names = {id(p): n for n, p, _ in resident}
         decay_params: list[torch.Tensor] = [p for _, p, d in resident if d]
         no_decay_params: list[torch.Tensor] = [p for _, p, d in resident if not d]
-        self._segments: list[list[_Segment]] = [[], []]
+        segments: list[list[_Segment]] = [[], []]  # decay, no-decay
         self._streamed_ids: set[int] = set()
         for idx, store in enumerate(engine.stores):
             if not getattr(store, "trainable", True):
@@ -70,20 +70,19 @@ class HostAdamW(torch.optim.Optimizer):
                 (decay_params if decay else no_decay_params).append(view)
                 self._streamed_ids.add(id(view))
                 step = torch.zeros((), dtype=torch.float32, device=store.master.device)
-                seg = _Segment(idx, store, start, end, step)
-                self._segments[0 if decay else 1].append(seg)
-        groups = [
-            {"params": decay_params, "weight_decay": weight_decay},
-            {"params": no_decay_params, "weight_decay": 0.0},
+                segments[0 if decay else 1].append(_Segment(idx, store, start, end, step))
+        pairs = [
+            ({"params": decay_params, "weight_decay": weight_decay}, segments[0]),
+            ({"params": no_decay_params, "weight_decay": 0.0}, segments[1]),
         ]
-        groups = [g for g in groups if g["params"]]
-        if len(groups) == 1 and not decay_params:
-            self._segments = [self._segments[1]]
-        elif len(groups) == 1:
-            self._segments = [self._segments[0]]
-        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        pairs = [(group, segs) for group, segs in pairs if group["params"]]
+        # self._segments[i] holds the host-store slices of param_groups[i].
+        self._segments = [segs for _, segs in pairs]
+        super().__init__(
+            [group for group, _ in pairs],
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+        )
         self._clip_coef: torch.Tensor | None = None
-        self._last_norm: torch.Tensor | None = None
         # What accelerate's AcceleratedOptimizer would provide; the Trainer reads these.
         self._is_accelerate_prepared = True
         self.step_was_skipped = False
@@ -107,8 +106,7 @@ class HostAdamW(torch.optim.Optimizer):
                 [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in resident]
             )
             total_sq = total_sq.to(norms.device) + norms.square().sum()
-        self._last_norm = total_sq.sqrt()
-        return self._last_norm
+        return total_sq.sqrt()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Same contract as ``torch.nn.utils.clip_grad_norm_``: returns the pre-clip norm."""
