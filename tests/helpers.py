@@ -26,7 +26,7 @@ VOCAB = 128
 SEQ = 16
 
 # Shared tiny shape: 2 decoder layers, hidden 32, GQA (4 query heads, 2 kv heads).
-_BASE = dict(
+_SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=64,
@@ -37,8 +37,12 @@ _BASE = dict(
 )
 
 
-def tiny_config(arch: str):
-    """A tiny fp32 config of ``arch`` that still exercises the family's special paths."""
+def tiny_config(arch: str, **overrides):
+    """A tiny fp32 config of ``arch`` that still exercises the family's special paths.
+
+    ``overrides`` replace entries of the shared tiny shape (e.g. ``num_hidden_layers=3``).
+    """
+    _BASE = {**_SHAPE, **overrides}  # noqa: N806 - reads as the shared shape below
     if arch == "llama":
         return LlamaConfig(**_BASE)
     if arch == "qwen2":

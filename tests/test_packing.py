@@ -10,7 +10,7 @@ from transformers import DataCollatorWithFlattening, LlamaConfig
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments
 
-from .helpers import VOCAB, common_args, run_trainer, tiny_model
+from .helpers import VOCAB, common_args, run_trainer, tiny_config, tiny_model
 
 _CUDA = torch.cuda.is_available()
 # sdpa: HF builds a block-diagonal causal mask from the restarting position_ids (dense, fine for
@@ -29,15 +29,7 @@ IMPLS = [
 
 
 def _config(impl: str) -> LlamaConfig:
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = tiny_config("llama")
     cfg._attn_implementation = impl
     return cfg
 

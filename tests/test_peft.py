@@ -5,25 +5,14 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
-from .helpers import VOCAB, make_data, run_trainer, tiny_model
+from .helpers import make_data, run_trainer, tiny_config, tiny_model
 
 peft = pytest.importorskip("peft")
 
 
 def _lora_model():
-    base = tiny_model(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    )
+    base = tiny_model(tiny_config("llama"))
     cfg = peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj"]
     )

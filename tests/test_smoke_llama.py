@@ -1,22 +1,13 @@
 import copy
 
 import pytest
-from transformers import LlamaConfig
 
-from .helpers import VOCAB, run_trainer, tiny_model
+from .helpers import run_trainer, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync-update", "threaded-update"])
 def test_llama_matches_stock_trainer(tmp_path, overlap):
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = tiny_config("llama", num_hidden_layers=3)
     # threaded-update: the host AdamW runs on a background thread overlapping the next forward
     # (the CUDA default); it must not change a single number.
     model = tiny_model(cfg)
@@ -46,15 +37,7 @@ def test_llama_matches_stock_trainer(tmp_path, overlap):
 
 def test_hbm_tier_layers_match_stock_trainer(tmp_path):
     """Layers kept whole on the compute device (the HBM tier) train exactly like streamed ones."""
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = tiny_config("llama", num_hidden_layers=3)
     model = tiny_model(cfg)
     stock, _ = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, max_steps=5)
     mega, trainer = run_trainer(
@@ -75,15 +58,7 @@ def test_plain_training_arguments_are_accepted(tmp_path):
 
     from .helpers import LogRecorder, common_args, make_data
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = tiny_config("llama")
     model = tiny_model(cfg)
     stock, _ = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, max_steps=3)
     rec = LogRecorder()

@@ -4,12 +4,11 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config
 
 from hf_megatrain.core.tiling import TiledTokenwise
 from hf_megatrain.hf.long_context import install_mlp_tiling
 
-from .helpers import VOCAB, run_trainer, tiny_model
+from .helpers import run_trainer, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize("tile", [1, 5, 16, 64])
@@ -35,24 +34,8 @@ def test_tiled_module_equals_untiled(tile):
 @pytest.mark.parametrize(
     "config",
     [
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        ),
-        Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        ),
+        tiny_config("llama"),
+        tiny_config("qwen2"),
     ],
     ids=["llama", "qwen2"],
 )
@@ -72,16 +55,7 @@ def test_streamed_training_with_tiled_mlp_matches_stock(tmp_path, config):
 
 
 def test_install_skips_nothing_dense_and_is_idempotent():
-    model = tiny_model(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    model = tiny_model(tiny_config("llama", num_hidden_layers=3))
     assert install_mlp_tiling(model, 8) == 3
     assert install_mlp_tiling(model, 8) == 0
     assert install_mlp_tiling(model, 0) == 0
