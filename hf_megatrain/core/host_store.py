@@ -160,11 +160,16 @@ def _cuda_unregister(ptr: int) -> None:
 class _FlatLayerState:
     """Views over one layer's flat buffers (shared by the host and the device tier)."""
 
-    slots: list[TensorSlot]
-    numel: int
-    decay_numel: int
     master: torch.Tensor
     stream: torch.Tensor
+
+    def __init__(
+        self, slots: list[TensorSlot], numel: int, decay_numel: int, stream_dtype: torch.dtype
+    ) -> None:
+        self.slots = slots
+        self.numel = numel
+        self.decay_numel = decay_numel
+        self.stream_dtype = stream_dtype
 
     def param_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Name -> shaped view of ``flat`` (any of this layer's flat buffers)."""
@@ -189,6 +194,7 @@ class DeviceLayerStore(_FlatLayerState):
     """
 
     resident = True
+    trainable = True  # frozen layers always stream (their state is small on the host)
     pinned = False
     nbytes = 0  # host bytes
 
@@ -200,10 +206,7 @@ class DeviceLayerStore(_FlatLayerState):
         stream_dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.slots = slots
-        self.numel = numel
-        self.decay_numel = decay_numel
-        self.stream_dtype = stream_dtype
+        super().__init__(slots, numel, decay_numel, stream_dtype)
         self.master = torch.zeros(numel, dtype=torch.float32, device=device)
         self.grad = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
@@ -237,10 +240,7 @@ class LayerStore(_FlatLayerState):
         pin: bool,
         trainable: bool = True,
     ) -> None:
-        self.slots = slots
-        self.numel = numel
-        self.decay_numel = decay_numel
-        self.stream_dtype = stream_dtype
+        super().__init__(slots, numel, decay_numel, stream_dtype)
         self.trainable = trainable
         separate_stream = stream_dtype != torch.float32
         stream_bytes = _round_up(numel * stream_dtype.itemsize, PAGE) if separate_stream else 0
