@@ -3,7 +3,7 @@
 from .core.host_store import InsufficientHostMemoryError
 from .hf.arguments import MegaTrainArguments
 from .hf.checkpoint import save_streamed_pretrained
-from .hf.loading import load_streamed_model
+from .hf.loading import init_streamed_model, load_streamed_model
 from .hf.model import SUPPORTED_MODEL_TYPES, UnsupportedModelError, prepare_streamed_model
 from .hf.trainer import HFMegaTrainer
 
@@ -15,6 +15,7 @@ __all__ = [
     "MegaTrainArguments",
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",
+    "init_streamed_model",
     "load_streamed_model",
     "prepare_streamed_model",
     "save_streamed_pretrained",

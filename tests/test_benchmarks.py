@@ -196,3 +196,17 @@ def test_run_specs_expand_in_order():
     cfgs = bench.configs_from_args(args)
     got = [(c.system, c.tokens_per_step, c.resolved_micro_batch, c.grad_accum) for c in cfgs]
     assert got == [("megatrain", 64, 4, 1), ("stock", 64, 4, 1), ("stock", 128, 2, 4)]
+
+
+def test_streamed_init_run(tmp_path):
+    """--streamed-init: megatrain starts from init_streamed_model (no materialized fp32 model)."""
+    cfg = bench.RunConfig(
+        system="megatrain", model=TINY, seq_len=16, tokens_per_step=32, device="cpu",
+        steps=1, warmup=1, streamed_init=True,
+    )  # fmt: skip
+    assert "--streamed-init" in cfg.cli_args()
+    out = tmp_path / "result.json"
+    assert bench.run_worker(cfg, out) == 0
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok" and result["tokens_per_s"] > 0
+    assert result["params"] == bench.count_params(bench.load_model_config(TINY))

@@ -15,6 +15,39 @@ from .checkpoint import load_weights_into_store
 from .model import prepare_streamed_model
 
 
+def _streamed_skeleton(
+    config,
+    device,
+    bf16: bool,
+    pin_memory: bool,
+    host_memory_limit_gb: float | None,
+    resident_layers: int | str,
+    attn_implementation: str,
+):
+    """``AutoModelForCausalLM`` for ``config`` built on meta, its layers given host-store buffers."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32
+        )
+    # Under init_empty_weights the LM head is not tied to the embedding yet; tie it now, or a
+    # tied checkpoint (which stores only the embedding) would leave the head without weights.
+    model.tie_weights()
+    prepare_streamed_model(
+        model,
+        device=device,
+        compute_dtype=torch.bfloat16 if bf16 else torch.float32,
+        decay_names=set(Trainer.get_decay_parameter_names(None, model)),
+        pin_memory=pin_memory,
+        host_memory_limit_bytes=None
+        if host_memory_limit_gb is None
+        else int(host_memory_limit_gb * 2**30),
+        resident_layers=resident_layers,
+    )
+    return model
+
+
 def load_streamed_model(
     path: str,
     device: torch.device | str | None = None,
@@ -36,27 +69,58 @@ def load_streamed_model(
             ``MegaTrainArguments.megatrain_resident_layers``.
         config_overrides: set on the config before the model is built (e.g. attn_implementation).
     """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     attn = config_overrides.pop("attn_implementation", "sdpa")
     config = AutoConfig.from_pretrained(path, **config_overrides)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn, dtype=torch.float32
-        )
-    # Under init_empty_weights the LM head is not tied to the embedding yet; tie it now, or a
-    # tied checkpoint (which stores only the embedding) would leave the head without weights.
-    model.tie_weights()
-    prepare_streamed_model(
-        model,
-        device=device,
-        compute_dtype=torch.bfloat16 if bf16 else torch.float32,
-        decay_names=set(Trainer.get_decay_parameter_names(None, model)),
-        pin_memory=pin_memory,
-        host_memory_limit_bytes=None
-        if host_memory_limit_gb is None
-        else int(host_memory_limit_gb * 2**30),
-        resident_layers=resident_layers,
+    model = _streamed_skeleton(
+        config, device, bf16, pin_memory, host_memory_limit_gb, resident_layers, attn
     )
     load_weights_into_store(model, path)
+    return model
+
+
+def init_streamed_model(
+    config,
+    device: torch.device | str | None = None,
+    bf16: bool = True,
+    seed: int = 0,
+    pin_memory: bool = True,
+    host_memory_limit_gb: float | None = None,
+    resident_layers: int | str = 0,
+    attn_implementation: str = "sdpa",
+):
+    """A randomly initialized streamed model for ``config``, never materialized as a whole.
+
+    The model's own ``_init_weights`` writes each decoder layer's initial values straight into
+    its fp32 master in the host store (the layer is bound to those buffers while it runs), and
+    the resident parts' values on the device. Peak host RAM is the store itself, so a model whose
+    fp32 copy would not fit next to the store can still start from scratch. Arguments as in
+    :func:`load_streamed_model`.
+    """
+    from torch.nn.utils.stateless import _reparametrize_module  # noqa: PLC0415
+
+    from .model import find_decoder_layers, streamed_state  # noqa: PLC0415
+
+    model = _streamed_skeleton(
+        config,
+        device,
+        bf16,
+        pin_memory,
+        host_memory_limit_gb,
+        resident_layers,
+        attn_implementation,
+    )
+    state = streamed_state(model)
+    _, layers = find_decoder_layers(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for layer, store in zip(layers, state.store.layers):
+            with _reparametrize_module(layer, store.param_views(store.master)):
+                for module in layer.modules():
+                    model._init_weights(module)
+            store.refresh_stream_copy()
+        in_layers = {id(m) for layer in layers for m in layer.modules()}
+        for module in model.modules():
+            if id(module) not in in_layers:
+                model._init_weights(module)
+    state.engine.invalidate_weights()
     return model
