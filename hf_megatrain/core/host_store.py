@@ -157,6 +157,28 @@ def _cuda_unregister(ptr: int) -> None:
         _clear_cuda_error()
 
 
+class PinnedBuffer:
+    """A page-aligned host buffer, registered as pinned memory when CUDA is present.
+
+    For data that crosses PCIe outside the layer stores (offloaded activations). Registered
+    memory makes ``non_blocking`` copies real DMA transfers that overlap compute.
+    """
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.nbytes = _round_up(max(nbytes, 1), PAGE)
+        self._mmap = mmap.mmap(-1, self.nbytes)
+        self.raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)
+        ptr = self.raw.data_ptr()
+        self.pinned = pin and _cuda_register(ptr, self.nbytes)
+        self._finalizer = weakref.finalize(self, _cuda_unregister, ptr) if self.pinned else None
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        return self.raw[: numel * dtype.itemsize].view(dtype).view(shape)
+
+
 class _FlatLayerState:
     """Views over one layer's flat buffers (shared by the host and the device tier)."""
 

@@ -25,7 +25,7 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .host_store import LayerStore
+from .host_store import LayerStore, PinnedBuffer
 
 
 class OutputCapture(Protocol):
@@ -89,6 +89,13 @@ class StreamingEngine:
         self._update_ready: list[threading.Event] | None = None
         self._update_thread: threading.Thread | None = None
         self._update_error: BaseException | None = None
+        # Boundary activation offload: layer inputs of at least ``offload_min_numel`` elements go
+        # to host buffers (one per layer and input, reused every step) instead of staying on the
+        # device until backward; backward prefetches layer i-1's while layer i recomputes.
+        self.offload_activations = False
+        self.offload_min_numel = 1 << 20
+        self._act_host: dict[tuple[int, int], PinnedBuffer] = {}
+        self._act_handles: dict[tuple[int, int], dict] = {}
 
     # ---- background host updates ------------------------------------------------------------
     def start_updates(self, update_layer: Callable[[int], None], layers: list[int]) -> None:
@@ -141,6 +148,66 @@ class StreamingEngine:
         if self._update_error is not None:
             err, self._update_error = self._update_error, None
             raise RuntimeError("hf_megatrain: the host optimizer update failed") from err
+
+    # ---- boundary activations ----------------------------------------------------------------
+    def should_offload(self, t: torch.Tensor) -> bool:
+        return (
+            self.offload_activations
+            and t.is_floating_point()
+            and t.numel() >= self.offload_min_numel
+        )
+
+    def offload_activation(self, idx: int, k: int, t: torch.Tensor) -> dict:
+        """Copy input ``k`` of layer ``idx`` to its host buffer; return the handle for backward."""
+        nbytes = t.numel() * t.element_size()
+        buf = self._act_host.get((idx, k))
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._act_host[(idx, k)] = PinnedBuffer(nbytes, pin=self.is_cuda)
+        host = buf.view(tuple(t.shape), t.dtype)
+        event = None
+        if self.is_cuda:
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._d2h):
+                host.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._d2h)
+            t.record_stream(self._d2h)  # the device tensor lives until the copy is done
+        else:
+            host.copy_(t)
+        handle = {"layer": idx, "host": host, "event": event, "device": None, "ready": None}
+        self._act_handles[(idx, k)] = handle
+        return handle
+
+    def _start_fetch(self, handle: dict) -> None:
+        if handle["device"] is not None:
+            return
+        host = handle["host"]
+        if not self.is_cuda:
+            handle["device"] = host.clone()
+            return
+        with torch.cuda.stream(self._h2d):
+            if handle["event"] is not None:
+                self._h2d.wait_event(handle["event"])
+            dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            dev.copy_(host, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._h2d)
+        handle["device"], handle["ready"] = dev, ready
+
+    def fetch_activation(self, handle: dict) -> torch.Tensor:
+        """The offloaded tensor back on the device; starts prefetching the previous layer's."""
+        self._start_fetch(handle)
+        dev = handle["device"]
+        if self.is_cuda:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(handle["ready"])
+            dev.record_stream(compute)
+        handle["device"] = None
+        prev = handle["layer"] - 1
+        for (layer, _), other in list(self._act_handles.items()):
+            if layer == prev:
+                self._start_fetch(other)
+        return dev
 
     # ---- weights ----------------------------------------------------------------------------
     def _slot_of(self, idx: int) -> int | None:
@@ -450,7 +517,17 @@ class _StreamedLayerFunction(torch.autograd.Function):
         ctx.n_anchor = box["n_anchor"]  # 1 when StreamedLayer added its anchor
         ctx.n_args = n_args
         # Saved: the layer's tensor inputs and its resident parameters (never its weights).
-        ctx.save_for_backward(*tensors[:n_args], *tensors[n_args + ctx.n_anchor :])
+        # Large inputs (the hidden states) may go to host memory instead (offload).
+        ctx.offloaded = {}
+        ctx.input_requires_grad = [t.requires_grad for t in tensors[:n_args]]
+        keep = []
+        for k, t in enumerate(tensors[:n_args]):
+            if engine.should_offload(t):
+                ctx.offloaded[k] = engine.offload_activation(layer.index, k, t)
+            else:
+                keep.append(t)
+        ctx.n_keep = len(keep)
+        ctx.save_for_backward(*keep, *tensors[n_args + ctx.n_anchor :])
         return tuple(out_flat[i] for i in out_tensor_pos) + tuple(t for _, t in captured)
 
     @staticmethod
@@ -458,14 +535,19 @@ class _StreamedLayerFunction(torch.autograd.Function):
         layer: StreamedLayer = ctx.layer
         engine = layer.engine
         saved_all = ctx.saved_tensors
-        saved, saved_res = saved_all[: ctx.n_args], saved_all[ctx.n_args :]
+        kept, saved_res = iter(saved_all[: ctx.n_keep]), saved_all[ctx.n_keep :]
+        saved = [
+            engine.fetch_activation(ctx.offloaded[k]) if k in ctx.offloaded else next(kept)
+            for k in range(ctx.n_args)
+        ]
+        needs_grad = ctx.input_requires_grad
         flat_args = list(ctx.flat_args)
         inputs = []
         res_leaves = [t.detach().requires_grad_(t.requires_grad) for t in saved_res]
         res_trainable = [t for t in res_leaves if t.requires_grad]
-        for pos, t in zip(ctx.tensor_pos, saved):
+        for pos, t, req in zip(ctx.tensor_pos, saved, needs_grad):
             d = t.detach()
-            if t.requires_grad:
+            if req:
                 d.requires_grad_(True)
                 inputs.append(d)
             flat_args[pos] = d
@@ -495,6 +577,6 @@ class _StreamedLayerFunction(torch.autograd.Function):
         if layer.trainable:
             engine.add_grads(layer.index, list(computed[: len(weight_leaves)]))
         rest = iter(computed[len(weight_leaves) :])
-        result = [next(rest) if t.requires_grad else None for t in saved]
+        result = [next(rest) if req else None for req in needs_grad]
         res_grads = [next(rest) if t.requires_grad else None for t in res_leaves]
         return (None, None, None, None, None, *result, *([None] * ctx.n_anchor), *res_grads)

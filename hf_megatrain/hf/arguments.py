@@ -86,6 +86,15 @@ class MegaTrainArguments(TrainingArguments):
             "intermediates exist for one tile at a time: for very long sequences. 0 = off."
         },
     )
+    megatrain_offload_activations: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep each decoder layer's saved input (the boundary hidden states, >= 1M "
+            "elements) in pinned host memory instead of HBM between forward and backward; "
+            "backward prefetches layer i-1's input while layer i recomputes. For sequences whose "
+            "boundary activations do not fit in HBM."
+        },
+    )
     megatrain_log_throughput: bool = field(
         default=True,
         metadata={

@@ -215,6 +215,9 @@ class MegaTrainerMixin:
         )
         self.megatrain = streamed_state(model)
         install_mlp_tiling(model, getattr(args, "megatrain_mlp_tile_tokens", 0))
+        self.megatrain.engine.offload_activations = bool(
+            getattr(args, "megatrain_offload_activations", False)
+        )
         self._wrapper = StreamedModelWrapper(
             model,
             compute_dtype,
