@@ -133,3 +133,13 @@ def test_partially_frozen_layer_trains_like_stock(tmp_path):
     store = trainer.megatrain.store.layers[1]
     assert not store.trainable and [s.name for s in store.slots] == ["mlp.up_proj.weight"]
     torch.testing.assert_close(store.master.view(frozen_before.shape), frozen_before)
+
+
+def test_multi_process_launch_refused(tmp_path, monkeypatch):
+    """Several ranks would train diverging copies (no gradient reduction yet): refused."""
+    model = tiny_model(tiny_config("llama"))
+    args = _args(tmp_path)
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))
+    with pytest.raises(NotImplementedError, match="data parallel"):
+        HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
+    _assert_untouched(model, tmp_path)

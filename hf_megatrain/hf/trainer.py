@@ -134,6 +134,15 @@ def _setup_args(args: TrainingArguments) -> None:
 
 
 def _validate_args(args: TrainingArguments) -> None:
+    world = args.world_size
+    if world > 1:
+        # Each rank would stream and update its own copy with no gradient reduction: refuse
+        # rather than silently train diverging replicas.
+        raise NotImplementedError(
+            f"hf_megatrain: {world} training processes were launched, but data parallel training "
+            "(per-layer gradient all-reduce, host optimizer state sharded across ranks) is not "
+            "implemented yet; launch one process per run (accelerate launch --num_processes 1)."
+        )
     if args.fp16 or getattr(args, "fp16_full_eval", False):
         raise ValueError(
             "hf_megatrain: fp16 is not supported (it needs a loss scaler the streamed engine does "
