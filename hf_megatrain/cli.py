@@ -65,6 +65,11 @@ class TrainOptions:
     max_new_tokens: int = 40
     verify: bool | None = None  # None: reload and check unless the model is very large
     progress_bar: bool = True
+    # Engine (MegaTrainArguments' megatrain_* knobs) and attention backend.
+    attn: str = "sdpa"  # sdpa | flex_attention | eager
+    resident_layers: str = "0"  # layers whose whole state stays in HBM: an int or "auto"
+    mlp_tile_tokens: int = 0  # tile dense MLPs along the sequence (0: off)
+    offload_activations: bool = False  # layer inputs to pinned host memory until backward
     # Filled in by the CLI (not recipe keys).
     source: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -132,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: on below 2B parameters)",
     )
     o.add_argument("--no-progress-bar", dest="progress_bar", action="store_const", const=False)
+    e = t.add_argument_group("engine (long sequences, memory tiers)")
+    e.add_argument("--attn", help="attention: sdpa (default), flex_attention, eager")
+    e.add_argument("--resident-layers", help="decoder layers kept whole in HBM: an int or 'auto'")
+    e.add_argument("--mlp-tile-tokens", type=int, help="tile dense MLPs by this many tokens")
+    e.add_argument(
+        "--offload-activations",
+        action="store_const",
+        const=True,
+        help="keep layer inputs in pinned host memory between forward and backward",
+    )
     _add_plan_parser(sub)
     return parser
 
@@ -234,6 +249,14 @@ def resolve_options(ns: argparse.Namespace) -> TrainOptions:
 
 
 def _validate(opts: TrainOptions) -> None:
+    if opts.attn not in ("sdpa", "flex_attention", "eager"):
+        raise CLIError(f"attn: {opts.attn!r} is not one of sdpa, flex_attention, eager")
+    if opts.resident_layers != "auto" and not opts.resident_layers.isdigit():
+        raise CLIError(
+            f"resident_layers: {opts.resident_layers!r} is neither an integer nor 'auto'"
+        )
+    if opts.mlp_tile_tokens < 0:
+        raise CLIError("mlp_tile_tokens must be >= 0")
     prec = opts.precision.lower()
     if prec == "fp16":
         raise CLIError(
@@ -426,13 +449,17 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
             )
         _check_vocab(cfg, tokenizer)
         return load_streamed_model(
-            opts.model_path, bf16=bf16, host_memory_limit_gb=opts.host_memory_limit_gb
+            opts.model_path,
+            bf16=bf16,
+            host_memory_limit_gb=opts.host_memory_limit_gb,
+            resident_layers=opts.resident_layers,
+            attn_implementation=opts.attn,
         )
     cfg = _config_from_json(opts.config or str(DEFAULT_CONFIG))
     _check_vocab(cfg, tokenizer)
     torch.manual_seed(opts.seed)
     # Materialized on CPU in fp32, then HFMegaTrainer moves its decoder layers into the store.
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=opts.attn)
 
 
 def _check_vocab(cfg, tokenizer) -> None:
@@ -563,6 +590,9 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
             disable_tqdm=not opts.progress_bar,
             megatrain_max_shard_size=opts.max_shard_size,
             megatrain_host_memory_limit_gb=opts.host_memory_limit_gb,
+            megatrain_resident_layers=opts.resident_layers,
+            megatrain_mlp_tile_tokens=opts.mlp_tile_tokens,
+            megatrain_offload_activations=opts.offload_activations,
         )
     except ValueError as e:
         raise CLIError(f"invalid training setting: {e}") from None
