@@ -13,6 +13,8 @@ gradients. It differs from an in-place ``grad *= coef`` by at most one rounding 
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -83,6 +85,12 @@ class HostAdamW(torch.optim.Optimizer):
             dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
         )
         self._clip_coef: torch.Tensor | None = None
+        self.eager = False
+        self.eager_updates = 0
+        self._eager_done: set[int] = set()
+        self._eager_thread: threading.Thread | None = None
+        self._eager_queue: queue.Queue | None = None
+        self._eager_error: BaseException | None = None
         # What accelerate's AcceleratedOptimizer would provide; the Trainer reads these.
         self._is_accelerate_prepared = True
         self.step_was_skipped = False
@@ -126,39 +134,21 @@ class HostAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.finish_grads()
+        self._finish_eager()
         self.engine.wait_updates()
         self.engine.wait_weight_copies()
-        grad_scale = None
+        scale_by_device = None
         if self._clip_coef is not None:
             grad_scale = (1.0 / self._clip_coef.double()).float()
             # One device->host read here, not one per layer on the update thread.
             scale_by_device = {"cpu": grad_scale.cpu(), grad_scale.device.type: grad_scale}
         # Hyper-parameters are read now: the scheduler changes lr right after this call.
-        jobs: dict[int, list[tuple[_Segment, dict]]] = {}
-        for group, segments in zip(self.param_groups, self._segments):
-            kw = self._hyper(group)
-            for seg in segments:
-                if self.engine.layer_has_grad(seg.layer):
-                    jobs.setdefault(seg.layer, []).append((seg, kw))
-            self._step_resident(group, kw)
+        jobs = self._layer_jobs(skip=self._eager_done)
+        for group in self.param_groups:
+            self._step_resident(group, self._hyper(group))
 
         def update_layer(idx: int) -> None:
-            for seg, kw in jobs[idx]:
-                s, e = seg.start, seg.end
-                scale = None
-                if grad_scale is not None:
-                    scale = scale_by_device[seg.store.master.device.type].clone()
-                _adam_functional(
-                    [seg.store.master[s:e]],
-                    [seg.store.grad[s:e]],
-                    [seg.store.exp_avg[s:e]],
-                    [seg.store.exp_avg_sq[s:e]],
-                    [],
-                    [seg.step],
-                    fused=True,
-                    grad_scale=scale,
-                    **kw,
-                )
+            self._update_layer(jobs[idx], scale_by_device)
             self.engine.stores[idx].refresh_stream_copy()
 
         # The device tier updates right here on the GPU (fast); host layers go to the CPU.
@@ -168,6 +158,7 @@ class HostAdamW(torch.optim.Optimizer):
         layers = [i for i in sorted(jobs) if not self.engine.stores[i].resident]
         self.engine.reset_grads()
         self.engine.invalidate_weights()
+        self._eager_done = set()
         overlap = self.engine.is_cuda if self.overlap_update is None else self.overlap_update
         if overlap:
             # Layer i's update finishes before layer i streams in for the next forward.
@@ -178,8 +169,106 @@ class HostAdamW(torch.optim.Optimizer):
         self._clip_coef = None
         return loss
 
+    def _layer_jobs(
+        self, only: int | None = None, skip: set[int] = frozenset()
+    ) -> dict[int, list[tuple[_Segment, dict]]]:
+        """Per streamed layer with a gradient: its slices and the hyper-parameters to use."""
+        jobs: dict[int, list[tuple[_Segment, dict]]] = {}
+        for group, segments in zip(self.param_groups, self._segments):
+            kw = self._hyper(group)
+            for seg in segments:
+                if (only is None or seg.layer == only) and seg.layer not in skip:
+                    if self.engine.layer_has_grad(seg.layer):
+                        jobs.setdefault(seg.layer, []).append((seg, kw))
+        return jobs
+
+    @staticmethod
+    def _update_layer(jobs: list[tuple[_Segment, dict]], scale_by_device: dict | None) -> None:
+        for seg, kw in jobs:
+            s, e = seg.start, seg.end
+            scale = None
+            if scale_by_device is not None:
+                scale = scale_by_device[seg.store.master.device.type].clone()
+            _adam_functional(
+                [seg.store.master[s:e]],
+                [seg.store.grad[s:e]],
+                [seg.store.exp_avg[s:e]],
+                [seg.store.exp_avg_sq[s:e]],
+                [],
+                [seg.step],
+                fused=True,
+                grad_scale=scale,
+                **kw,
+            )
+
+    # ---- eager updates (no clipping) ----------------------------------------------------------
+    def enable_eager_updates(self) -> None:
+        """Update each layer as soon as its gradient of the step is final, during backward.
+
+        Only valid without gradient clipping: with clipping, no update may start before the
+        global norm is known. A streamed layer's update then runs on a CPU thread while the
+        backward of the layers below it continues; HBM-tier layers update on the GPU in place.
+        """
+        self.eager = True
+        self.engine.on_grad_final = self._on_grad_final
+
+    def _on_grad_final(self, idx: int, event) -> None:
+        if self._clip_coef is not None:
+            raise RuntimeError("hf_megatrain: eager updates cannot be combined with clipping")
+        if idx in self._eager_done:
+            raise RuntimeError(
+                f"hf_megatrain: layer {idx} got a second gradient after its eager update; "
+                "eager updates need the trainer's gradient-accumulation flags"
+            )
+        self._eager_done.add(idx)
+        store = self.engine.stores[idx]
+        if not self.engine.is_cuda or store.resident:
+            self._eager_update(idx)
+            return
+        if self._eager_thread is None:
+            self._eager_queue = queue.Queue()
+            n_threads = torch.get_num_threads()
+            self._eager_thread = threading.Thread(
+                target=self._eager_worker,
+                args=(self._eager_queue, n_threads),
+                name="megatrain-eager",
+            )
+            self._eager_thread.start()
+        self._eager_queue.put((idx, event))
+
+    def _eager_update(self, idx: int) -> None:
+        jobs = self._layer_jobs(only=idx)
+        if idx in jobs:
+            self._update_layer(jobs[idx], None)
+            self.engine.stores[idx].refresh_stream_copy()
+            self.eager_updates += 1
+
+    def _eager_worker(self, q: queue.Queue, n_threads: int) -> None:
+        torch.set_num_threads(n_threads)
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            idx, event = item
+            try:
+                if event is not None:
+                    event.synchronize()  # the gradient has reached the host store
+                self._eager_update(idx)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in step()
+                self._eager_error = exc
+
+    def _finish_eager(self) -> None:
+        if self._eager_thread is not None:
+            self._eager_queue.put(None)
+            self._eager_thread.join()
+            self._eager_thread = None
+        if self._eager_error is not None:
+            err, self._eager_error = self._eager_error, None
+            raise RuntimeError("hf_megatrain: an eager layer update failed") from err
+
     def wait(self) -> None:
-        """Block until a background update has finished (before reading or saving weights)."""
+        """Block until background updates have finished (before reading or saving weights)."""
+        self._finish_eager()
         self.engine.wait_updates()
 
     @staticmethod

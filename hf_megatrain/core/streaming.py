@@ -92,6 +92,9 @@ class StreamingEngine:
         # Boundary activation offload: layer inputs of at least ``offload_min_numel`` elements go
         # to host buffers (one per layer and input, reused every step) instead of staying on the
         # device until backward; backward prefetches layer i-1's while layer i recomputes.
+        # Set by HostAdamW.enable_eager_updates: called with (layer, D2H event or None) when a
+        # layer's gradient of the step is final (last micro-batch), still inside backward.
+        self.on_grad_final: Callable[[int, Any], None] | None = None
         self.offload_activations = False
         self.offload_min_numel = 1 << 20
         self._act_host: dict[tuple[int, int], PinnedBuffer] = {}
@@ -295,6 +298,8 @@ class StreamingEngine:
                 store.grad.zero_()
                 self._grad_on_host[idx] = True
             self._scatter_add(store, store.grad, grads)
+            if self.sync_grads and self.on_grad_final is not None:
+                self.on_grad_final(idx, None)
             return
         acc = self._grad_acc.pop(idx, None)
         if acc is None:
@@ -322,6 +327,11 @@ class StreamingEngine:
             # A second drain in one optimizer step (backward without the trainer's sync flag):
             # add on the host, after the first drain's copy has landed. Correct, not fast; the
             # trainer never takes this path. The running norm no longer matches: recompute it.
+            if self.on_grad_final is not None:
+                raise RuntimeError(
+                    f"hf_megatrain: layer {idx} got a second gradient in one step with eager "
+                    "updates on; they need the trainer's gradient-accumulation flags"
+                )
             self._grad_sq_exact = False
             for ev in self._d2h_events:
                 ev.synchronize()
@@ -337,6 +347,8 @@ class StreamingEngine:
         self._d2h_events.append(ev)
         self.d2h_bytes += acc.numel() * 4
         self._grad_on_host[idx] = True
+        if self.on_grad_final is not None:
+            self.on_grad_final(idx, ev)
 
     def finish_grads(self) -> None:
         """Drain leftover accumulators and wait for every D2H copy: host grads are then final."""

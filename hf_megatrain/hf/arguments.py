@@ -95,6 +95,14 @@ class MegaTrainArguments(TrainingArguments):
             "boundary activations do not fit in HBM."
         },
     )
+    megatrain_eager_update: bool = field(
+        default=True,
+        metadata={
+            "help": "With gradient clipping off (max_grad_norm <= 0), update each layer as soon "
+            "as its gradient of the step is final, during the backward of the layers below it "
+            "(nothing waits for a global norm). Same arithmetic as the update after backward."
+        },
+    )
     megatrain_log_throughput: bool = field(
         default=True,
         metadata={

@@ -280,6 +280,11 @@ class MegaTrainerMixin:
                 weight_decay=args.weight_decay,
                 overlap_update=getattr(args, "megatrain_overlap_optimizer", None),
             )
+            clipping = args.max_grad_norm is not None and args.max_grad_norm > 0
+            if not clipping and getattr(args, "megatrain_eager_update", True):
+                # No global norm to wait for: each layer updates as soon as its gradient of
+                # the step is final, overlapping the rest of the backward.
+                self.optimizer.enable_eager_updates()
         return self.optimizer
 
     def _clip_grad_norm(self, model):
