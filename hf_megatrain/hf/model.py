@@ -54,7 +54,6 @@ class StreamedModelState:
     engine: StreamingEngine
     store: HostStore
     layers_prefix: str  # e.g. "model.layers"
-    layer_param_names: list[list[str]]  # per layer, names relative to the layer
     resident: list[tuple[str, nn.Parameter, bool]] = field(default_factory=list)
 
     def full_name(self, layer: int, rel: str) -> str:
@@ -231,7 +230,6 @@ def prepare_streamed_model(
 
     pin = pin_memory and device.type == "cuda"
     stores: list[LayerStore | DeviceLayerStore] = []
-    names: list[list[str]] = []
     for i, (layer, (slots, numel, decay_numel)) in enumerate(zip(layers, plans)):
         if i < n_resident:
             # The first layers go to the HBM tier: the forward runs them while the CPU is still
@@ -249,7 +247,6 @@ def prepare_streamed_model(
         store.refresh_stream_copy()
         _replace_with_meta(layer, streamed[i])
         stores.append(store)
-        names.append(list(named))
 
     # Not gated on model.training: from_pretrained returns the model in eval mode and the Trainer
     # switches it to train mode only later, so the flag here says nothing about training.
@@ -273,7 +270,6 @@ def prepare_streamed_model(
         engine=engine,
         store=HostStore(stores),
         layers_prefix=prefix,
-        layer_param_names=names,
         resident=resident,
     )
     logger.info(
