@@ -156,17 +156,23 @@ def run_trainer(
     data=None,
     resume: str | None = None,
     data_collator=None,
+    eval_dataset=None,
+    recorder: LogRecorder | None = None,
     **arg_overrides,
 ):
-    """Train ``model`` (not copied) with one trainer class; return ``(logs, trainer)``."""
+    """Train ``model`` (not copied) with one trainer class; return ``(logs, trainer)``.
+
+    ``recorder``: a ``LogRecorder`` to fill (for its eval logs too); a new one by default.
+    """
     data = data if data is not None else make_data()
     cls, argcls = (HFMegaTrainer, MegaTrainArguments) if mega else (Trainer, TrainingArguments)
-    rec = LogRecorder()
+    rec = recorder if recorder is not None else LogRecorder()
     args = argcls(output_dir=str(tmp_path / name), **common_args(**arg_overrides))
     trainer = cls(
         model=model,
         args=args,
         train_dataset=data,
+        eval_dataset=eval_dataset,
         callbacks=[rec],
         data_collator=data_collator,
     )

@@ -7,15 +7,14 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_megatrain import HFMegaTrainer, MegaTrainArguments, load_streamed_model
+from hf_megatrain import load_streamed_model
 
 from .helpers import (
     LogRecorder,
     assert_logs_match,
-    common_args,
     make_data,
     mega_params,
     run_trainer,
@@ -134,31 +133,25 @@ def test_save_total_limit_and_load_best_model_at_end(tmp_path):
     model = tiny_model(tiny_config("llama"))
     results = {}
     for name, mega in (("stock", False), ("mega", True)):
-        cls, argcls = (HFMegaTrainer, MegaTrainArguments) if mega else (Trainer, TrainingArguments)
         rec = LogRecorder()
-        args = argcls(
-            output_dir=str(tmp_path / name),
-            **common_args(
-                max_steps=6,
-                # lr high enough that eval loss goes up again, so "best" is not simply the last.
-                learning_rate=5e-2,
-                save_strategy="steps",
-                save_steps=1,
-                eval_strategy="steps",
-                eval_steps=1,
-                save_total_limit=2,
-                load_best_model_at_end=True,
-                metric_for_best_model="eval_loss",
-            ),
-        )
-        trainer = cls(
-            model=copy.deepcopy(model),
-            args=args,
-            train_dataset=make_data(),
+        _, trainer = run_trainer(
+            copy.deepcopy(model),
+            tmp_path,
+            name,
+            mega,
             eval_dataset=eval_data,
-            callbacks=[rec],
+            recorder=rec,
+            max_steps=6,
+            # lr high enough that eval loss goes up again, so "best" is not simply the last.
+            learning_rate=5e-2,
+            save_strategy="steps",
+            save_steps=1,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_total_limit=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
         )
-        trainer.train()
         final_eval = trainer.evaluate()["eval_loss"]
         results[name] = (_checkpoints(tmp_path / name), trainer.state, rec, final_eval)
     (s_ckpts, s_state, s_rec, s_eval), (m_ckpts, m_state, m_rec, m_eval) = results.values()

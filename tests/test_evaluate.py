@@ -52,20 +52,19 @@ def test_evaluation_during_training(tmp_path):
     model = tiny_model(tiny_config("llama"))
     runs = []
     for name, mega in (("stock", False), ("mega", True)):
-        cls, argcls = (HFMegaTrainer, MegaTrainArguments) if mega else (Trainer, TrainingArguments)
         rec = LogRecorder()
-        args = argcls(
-            output_dir=str(tmp_path / name),
-            per_device_eval_batch_size=4,
-            **common_args(max_steps=4, eval_strategy="steps", eval_steps=2),
-        )
-        cls(
-            model=copy.deepcopy(model),
-            args=args,
-            train_dataset=make_data(),
+        run_trainer(
+            copy.deepcopy(model),
+            tmp_path,
+            name,
+            mega,
             eval_dataset=EVAL,
-            callbacks=[rec],
-        ).train()
+            recorder=rec,
+            per_device_eval_batch_size=4,
+            max_steps=4,
+            eval_strategy="steps",
+            eval_steps=2,
+        )
         runs.append(rec)
     stock, mega = runs
     assert len(mega.eval_logs) == len(stock.eval_logs) == 2

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from hf_megatrain import MegaTrainArguments
 from hf_megatrain.cli import DEFAULT_TOKENIZER
 
-from .helpers import LogRecorder, assert_logs_match, common_args, tiny_model
+from .helpers import LogRecorder, assert_logs_match, common_args, tiny_config, tiny_model
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -30,14 +30,9 @@ def _tokenizer() -> PreTrainedTokenizerFast:
 
 def _model():
     tok = _tokenizer()
-    config = LlamaConfig(
+    config = tiny_config(
+        "llama",
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         bos_token_id=None,
