@@ -65,6 +65,7 @@ SYSTEMS = ("megatrain", "megatrain-hbm", "deepspeed", "stock")
 # H200 (and H100 SXM) dense bf16 datasheet peak; the MFU denominator the issue fixes.
 PEAK_BF16_FLOPS = 989e12
 GIB = 2**30
+LAUNCHED_AT = time.perf_counter()  # start-up time is measured from here
 
 REQUIRED_COLUMNS = [
     "date",
@@ -99,6 +100,12 @@ EXTRA_COLUMNS = [
     "src_sha",
     "tag",
     "command",
+    "hbm_layers",
+    "plan_hbm_gib",
+    "plan_host_gib",
+    "startup_s",
+    "mlp_tile_tokens",
+    "offload_activations",
 ]
 CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
 
@@ -171,6 +178,10 @@ class RunConfig:
     # not fit next to the store (7B/8B on 128 GiB). Same init distribution, other draws: the
     # throughput does not depend on the values, the final loss is not comparable across systems.
     streamed_init: bool = False
+    # megatrain only, long context: MLP sequence tiling (tokens per tile; 0 = off) and boundary
+    # activation offload to pinned host memory.
+    mlp_tile_tokens: int = 0
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -219,6 +230,10 @@ class RunConfig:
             args += ["--host-memory-limit-gb", f"{self.host_memory_limit_gb:g}"]
         if self.streamed_init:
             args.append("--streamed-init")
+        if self.mlp_tile_tokens:
+            args += ["--mlp-tile-tokens", str(self.mlp_tile_tokens)]
+        if self.offload_activations:
+            args.append("--offload-activations")
         return args
 
     def command(self) -> str:
@@ -403,6 +418,9 @@ def make_trainer(cfg: RunConfig, model, dataset, timer, output_dir: str, device:
             **common,
             megatrain_host_memory_limit_gb=cfg.host_memory_limit_gb,
             megatrain_resident_layers="auto" if cfg.system == "megatrain-hbm" else "0",
+            megatrain_plan_seq_len=cfg.seq_len,
+            megatrain_mlp_tile_tokens=cfg.mlp_tile_tokens,
+            megatrain_offload_activations=cfg.offload_activations,
         )
         return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
     from transformers import Trainer, TrainingArguments
@@ -468,6 +486,7 @@ def train_once(cfg: RunConfig) -> dict:
     # go through zero.Init and initialize different (partitioned, on-GPU) random weights.
     if cfg.streamed_init and cfg.system.startswith("megatrain"):
         from hf_megatrain import init_streamed_model
+        from hf_megatrain.core.planner import Workload
 
         config.use_cache = False
         model = init_streamed_model(
@@ -477,6 +496,11 @@ def train_once(cfg: RunConfig) -> dict:
             seed=cfg.seed,
             host_memory_limit_gb=cfg.host_memory_limit_gb,
             resident_layers="auto" if cfg.system == "megatrain-hbm" else 0,
+            plan_workload=Workload(
+                seq_len=cfg.seq_len,
+                micro_batch_tokens=cfg.resolved_micro_batch * cfg.seq_len,
+                grad_accum=cfg.grad_accum,
+            ),
         )
     else:
         model = build_model(config, cfg.seed)
@@ -488,9 +512,12 @@ def train_once(cfg: RunConfig) -> dict:
     try:
         trainer = make_trainer(cfg, model, dataset, timer, output_dir, device)
         del model  # the trainer holds it; nothing else should keep host copies alive
+        result.update(_megatrain_plan(trainer))
         out = trainer.train()
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
+    # Launch (this module's import) to the start of the first step: build, load, pin, plan.
+    result["startup_s"] = timer.marks[0] - LAUNCHED_AT
     durations = timer.durations()
     if len(durations) != cfg.warmup + cfg.steps:
         raise RuntimeError(f"timed {len(durations)} steps, expected {cfg.warmup + cfg.steps}")
@@ -507,6 +534,18 @@ def train_once(cfg: RunConfig) -> dict:
         mfu=mfu(result["params"], config.num_hidden_layers, config.hidden_size, cfg.seq_len, tps),
     )
     return result
+
+
+def _megatrain_plan(trainer) -> dict:
+    """The placement the run used and, for "auto", the planner's predicted peaks."""
+    state = getattr(trainer, "megatrain", None)
+    if state is None:
+        return {}
+    out = {"hbm_layers": sum(1 for s in state.store.layers if s.resident)}
+    if state.plan is not None:
+        out["plan_hbm_gib"] = state.plan.gpu_total / GIB
+        out["plan_host_gib"] = state.plan.host_total / GIB
+    return out
 
 
 def failure_status(exc: BaseException) -> str:
@@ -723,6 +762,12 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "src_sha": sweep["src_sha"],
         "tag": sweep["tag"],
         "command": cfg.command(),
+        "hbm_layers": result.get("hbm_layers", ""),
+        "plan_hbm_gib": _fmt(result.get("plan_hbm_gib"), 2),
+        "plan_host_gib": _fmt(result.get("plan_host_gib"), 2),
+        "startup_s": _fmt(result.get("startup_s"), 1),
+        "mlp_tile_tokens": cfg.mlp_tile_tokens or "",
+        "offload_activations": int(cfg.offload_activations),
     }
 
 
@@ -934,6 +979,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="megatrain only: random init straight into the host store (for models whose fp32 "
         "copy does not fit next to the store)",
     )
+    p.add_argument(
+        "--mlp-tile-tokens",
+        type=int,
+        default=0,
+        help="megatrain only: run MLPs in sequence tiles of this many tokens (0: off)",
+    )
+    p.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="megatrain only: layer-boundary activations to pinned host memory",
+    )
     p.add_argument("--tag", default="sweep", help="names the markdown summary")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--mirror-dir", type=Path, action="append", default=[], help="copy outputs")
@@ -953,6 +1009,8 @@ def configs_from_args(a: argparse.Namespace) -> list[RunConfig]:
         learning_rate=a.lr,
         host_memory_limit_gb=a.host_memory_limit_gb,
         streamed_init=a.streamed_init,
+        mlp_tile_tokens=a.mlp_tile_tokens,
+        offload_activations=a.offload_activations,
     )
     entries: list[tuple[str, int, list[str], int | None]] = []
     for spec in a.run:

@@ -713,9 +713,7 @@ def model_shape_from_config(cfg, name: str = "model"):
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from .core.planner import ModelShape  # noqa: PLC0415
-    from .hf.loss import FUSED_LOSS_MODEL_TYPES  # noqa: PLC0415
-    from .hf.model import find_decoder_layers  # noqa: PLC0415
+    from .hf.model import model_shape  # noqa: PLC0415
 
     try:
         # Built on the meta device: shapes only, no weight is allocated (a 70B config is fine).
@@ -723,31 +721,7 @@ def model_shape_from_config(cfg, name: str = "model"):
             model = AutoModelForCausalLM.from_config(cfg)
     except (TypeError, ValueError, RuntimeError) as e:
         raise CLIError(f"could not build {cfg.model_type} from this config: {e}") from None
-    _, layers = find_decoder_layers(model)
-    layer_numels = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
-    # named_parameters() yields a shared (tied) tensor once, so a tied head is counted once.
-    total = sum(p.numel() for p in model.parameters())
-    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    inter = getattr(text_cfg, "intermediate_size", 0) or 0
-    experts = getattr(text_cfg, "num_experts_per_tok", None)
-    moe_inter = getattr(text_cfg, "moe_intermediate_size", None)
-    if experts and moe_inter:  # MoE: the active experts' width drives the working set
-        inter = experts * moe_inter
-    elif experts:
-        inter = experts * inter
-    head = model.get_output_embeddings()
-    embed = model.get_input_embeddings()
-    tied = head is not None and embed is not None and head.weight is embed.weight
-    return ModelShape(
-        layer_numels=layer_numels,
-        non_layer_numel=total - sum(layer_numels),
-        hidden_size=text_cfg.hidden_size,
-        vocab_size=text_cfg.vocab_size,
-        intermediate_size=inter,
-        tied_embeddings=tied,
-        fused_loss=cfg.model_type in FUSED_LOSS_MODEL_TYPES,
-        name=name,
-    )
+    return model_shape(model, name)
 
 
 def _detected_memory(hbm_gib: float | None, host_gib: float | None) -> tuple[int, int, list[str]]:

@@ -29,7 +29,8 @@ IMPLS = [
 
 
 def _config(impl: str) -> LlamaConfig:
-    cfg = tiny_config("llama")
+    # FlexAttention's Triton kernels need a head dim of at least 16 (the tiny shape has 8).
+    cfg = tiny_config("llama", num_attention_heads=2, num_key_value_heads=1)
     cfg._attn_implementation = impl
     return cfg
 

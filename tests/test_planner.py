@@ -203,9 +203,10 @@ def _plans(n: int, numel: int) -> list:
 
 
 def test_resident_layer_count_auto_is_zero_on_cpu():
-    assert _resident_layer_count("auto", _plans(4, 1000), torch.device("cpu"), BF16, 0) == 0
-    assert _resident_layer_count(3, _plans(4, 1000), torch.device("cpu"), BF16, 0) == 3
-    assert _resident_layer_count("2", _plans(4, 1000), torch.device("cpu"), BF16, 0) == 2
+    cpu = torch.device("cpu")
+    assert _resident_layer_count("auto", _plans(4, 1000), cpu, BF16, 0) == (0, None)
+    assert _resident_layer_count(3, _plans(4, 1000), cpu, BF16, 0) == (3, None)
+    assert _resident_layer_count("2", _plans(4, 1000), cpu, BF16, 0) == (2, None)
     with pytest.raises(ValueError, match="has 4 layers"):
         _resident_layer_count(5, _plans(4, 1000), torch.device("cpu"), BF16, 0)
 
@@ -221,9 +222,9 @@ def test_resident_layer_count_auto_uses_planner(monkeypatch):
     cuda = torch.device("cuda")
     reserve = 1 << 30
     free["bytes"] = reserve + 100 * numel * 18  # plenty: every layer in HBM
-    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve) == 6
+    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve)[0] == 6
     free["bytes"] = reserve // 2  # less than the reserve: everything streams
-    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve) == 0
+    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve)[0] == 0
     # Room for 3 layers' state next to the stream buffers and grad drain (2 layers each).
     free["bytes"] = reserve + 3 * numel * 18 + 2 * numel * 2 + 2 * numel * 4
-    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve) == 3
+    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve)[0] == 3

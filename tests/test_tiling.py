@@ -31,6 +31,29 @@ def test_tiled_module_equals_untiled(tile):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_tiled_backward_recomputes_under_the_forward_autocast():
+    """On CUDA the backward runs on the autograd engine's device thread, where the forward's
+    autocast is not active; the recompute must restore it (bf16 weights, fp32 activations)."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.SiLU(), torch.nn.Linear(24, 8))
+    mlp.to(torch.bfloat16)
+    ref = copy.deepcopy(mlp)
+    mlp.forward = TiledTokenwise(mlp, 5)
+    x = torch.randn(2, 37, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, out_ref = mlp(x), ref(x_ref)
+    # Backward outside the autocast context, as the CUDA device thread sees it.
+    out.float().sum().backward()
+    out_ref.float().sum().backward()
+    # bf16 compute in both (a missing autocast would raise a dtype error instead). Input grads
+    # go through the same per-token ops, but a kernel may differ with the tile's shape: one bf16
+    # rounding (2**-8 relative); weight grads also sum over tiles in another order.
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-2, atol=1e-2)
+    for p, q in zip(mlp.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize(
     "config",
     [

@@ -28,6 +28,10 @@ class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, forward, names, tile, x, *params):
         ctx.module, ctx.forward_fn, ctx.names, ctx.tile = module, forward, names, tile
+        # Autocast is thread-local and CUDA backward runs on the autograd engine's device thread:
+        # record the forward's state so the recompute casts exactly as the forward did.
+        dev = x.device.type
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.save_for_backward(x, *params)
         with torch.no_grad():
             outs = [_run(module, forward, names, params, xs) for xs in x.split(tile, dim=-2)]
@@ -43,7 +47,8 @@ class _TiledFunction(torch.autograd.Function):
         offset = 0
         for xs, gs in zip(x.split(ctx.tile, dim=-2), grad_out.split(ctx.tile, dim=-2)):
             xs = xs.detach().requires_grad_(x.requires_grad)
-            with torch.enable_grad():
+            dev, enabled, dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
                 out = _run(ctx.module, ctx.forward_fn, ctx.names, leaves, xs)
             wrt = ([xs] if x.requires_grad else []) + trainable
             if not wrt:

@@ -52,14 +52,25 @@ class MegaTrainArguments(TrainingArguments):
             "help": "Decoder layers whose whole state (fp32 master, AdamW moments, grad, compute "
             "copy: 18 bytes/param in bf16 runs) lives in HBM instead of host RAM; they never "
             "cross PCIe and update with the fused GPU AdamW. An integer, or 'auto' for as many "
-            "as fit in free HBM minus megatrain_hbm_reserve_gb."
+            "as fit: the memory planner sizes activations, loss and resident embeddings for "
+            "per_device_train_batch_size x megatrain_plan_seq_len tokens per micro-batch, or, "
+            "when that length is unknown, reserves megatrain_hbm_reserve_gb for them."
+        },
+    )
+    megatrain_plan_seq_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tokens per training row that resident_layers='auto' plans HBM for. Default: "
+            "the length of the first training example (its input_ids) when the dataset is "
+            "indexable; otherwise the fixed megatrain_hbm_reserve_gb is used."
         },
     )
     megatrain_hbm_reserve_gb: float = field(
         default=48.0,
         metadata={
             "help": "HBM (GiB) kept free for activations, logits and resident embeddings when "
-            "megatrain_resident_layers='auto'."
+            "megatrain_resident_layers='auto' and the row length is unknown (see "
+            "megatrain_plan_seq_len)."
         },
     )
     megatrain_fused_loss: bool = field(

@@ -11,6 +11,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 
+from ..core.planner import Workload
 from .checkpoint import load_weights_into_store
 from .model import prepare_streamed_model
 
@@ -23,6 +24,7 @@ def _streamed_skeleton(
     host_memory_limit_gb: float | None,
     resident_layers: int | str,
     attn_implementation: str,
+    plan_workload: Workload | None = None,
 ):
     """``AutoModelForCausalLM`` for ``config`` built on meta, its layers given host-store buffers."""
     if device is None:
@@ -44,6 +46,7 @@ def _streamed_skeleton(
         if host_memory_limit_gb is None
         else int(host_memory_limit_gb * 2**30),
         resident_layers=resident_layers,
+        plan_workload=plan_workload,
     )
     return model
 
@@ -55,6 +58,7 @@ def load_streamed_model(
     pin_memory: bool = True,
     host_memory_limit_gb: float | None = None,
     resident_layers: int | str = 0,
+    plan_workload: Workload | None = None,
     **config_overrides,
 ):
     """Build ``AutoModelForCausalLM`` for ``path`` in streamed form and load its weights.
@@ -67,12 +71,14 @@ def load_streamed_model(
         host_memory_limit_gb: refuse (before allocating) if the store needs more host RAM.
         resident_layers: leading layers kept wholly in HBM (int or "auto"); see
             ``MegaTrainArguments.megatrain_resident_layers``.
+        plan_workload: with ``resident_layers="auto"``, the micro-batch split to plan HBM for
+            (``Workload(seq_len, micro_batch_tokens, grad_accum)``); default: a fixed reserve.
         config_overrides: set on the config before the model is built (e.g. attn_implementation).
     """
     attn = config_overrides.pop("attn_implementation", "sdpa")
     config = AutoConfig.from_pretrained(path, **config_overrides)
     model = _streamed_skeleton(
-        config, device, bf16, pin_memory, host_memory_limit_gb, resident_layers, attn
+        config, device, bf16, pin_memory, host_memory_limit_gb, resident_layers, attn, plan_workload
     )
     load_weights_into_store(model, path)
     return model
@@ -87,6 +93,7 @@ def init_streamed_model(
     host_memory_limit_gb: float | None = None,
     resident_layers: int | str = 0,
     attn_implementation: str = "sdpa",
+    plan_workload: Workload | None = None,
 ):
     """A randomly initialized streamed model for ``config``, never materialized as a whole.
 
@@ -108,6 +115,7 @@ def init_streamed_model(
         host_memory_limit_gb,
         resident_layers,
         attn_implementation,
+        plan_workload,
     )
     state = streamed_state(model)
     _, layers = find_decoder_layers(model)

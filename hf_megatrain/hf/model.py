@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..core.allocator import prefer_expandable_segments
 from ..core.host_store import (
     DeviceLayerStore,
     HostStore,
@@ -23,7 +24,7 @@ from ..core.host_store import (
     layer_store_bytes,
     layout_slots,
 )
-from ..core.planner import ModelShape, Workload, plan_memory
+from ..core.planner import MemoryPlan, ModelShape, Workload, plan_memory
 from ..core.streaming import StreamedLayer, StreamingEngine
 from .capture import RecorderCapture, recorder_capture_available
 
@@ -55,9 +56,48 @@ class StreamedModelState:
     store: HostStore
     layers_prefix: str  # e.g. "model.layers"
     resident: list[tuple[str, nn.Parameter, bool]] = field(default_factory=list)
+    # The memory plan behind resident_layers="auto" (None for an explicit count): what the run
+    # expected to need, for logs and for comparison with the measured peaks.
+    plan: MemoryPlan | None = None
 
     def full_name(self, layer: int, rel: str) -> str:
         return f"{self.layers_prefix}.{layer}.{rel}"
+
+
+def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
+    """Parameter counts per decoder layer and outside them, for the memory planner.
+
+    Works on a materialized model, on a ``meta`` skeleton and on a streamed model (whose layer
+    parameters are ``meta`` placeholders of the right shapes).
+    """
+    from .loss import FUSED_LOSS_MODEL_TYPES  # noqa: PLC0415 - loss imports this module
+
+    _, layers = find_decoder_layers(model)
+    layer_numels = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    # parameters() yields a shared (tied) tensor once, so a tied head is counted once.
+    total = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    inter = getattr(text_cfg, "intermediate_size", 0) or 0
+    experts = getattr(text_cfg, "num_experts_per_tok", None)
+    moe_inter = getattr(text_cfg, "moe_intermediate_size", None)
+    if experts and moe_inter:  # MoE: the active experts' width drives the working set
+        inter = experts * moe_inter
+    elif experts:
+        inter = experts * inter
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    return ModelShape(
+        layer_numels=layer_numels,
+        non_layer_numel=total - sum(layer_numels),
+        hidden_size=text_cfg.hidden_size,
+        vocab_size=text_cfg.vocab_size,
+        intermediate_size=inter,
+        tied_embeddings=tied,
+        fused_loss=cfg.model_type in FUSED_LOSS_MODEL_TYPES,
+        name=name,
+    )
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -188,17 +228,23 @@ def prepare_streamed_model(
     host_memory_limit_bytes: int | None = None,
     resident_layers: int | str = 0,
     hbm_reserve_bytes: int = 48 * 2**30,
+    plan_workload: Workload | None = None,
 ) -> nn.Module:
     """Move ``model``'s decoder layers into a host store and stream them from now on.
 
     Works on a materialized model (parameters on CPU) and on a skeleton whose layer parameters
     are on ``meta`` (then the weights are filled by ``load_weights_into_store``). Idempotent.
+    With ``resident_layers="auto"``, ``plan_workload`` (the step's micro-batch split) lets the
+    planner size activations and the loss line by line instead of reserving
+    ``hbm_reserve_bytes`` for them.
     """
     existing = streamed_state(model)
     if existing is not None:
         return model
     check_supported(model)
     device = torch.device(device)
+    if device.type == "cuda":
+        prefer_expandable_segments()  # before the HBM tier and the stream buffers are allocated
     if compute_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
             f"hf_megatrain: compute dtype {compute_dtype} is not supported; use bf16 or fp32."
@@ -216,8 +262,15 @@ def prepare_streamed_model(
         for layer, names in zip(layers, streamed)
     ]
 
-    n_resident = _resident_layer_count(
-        resident_layers, plans, device, compute_dtype, hbm_reserve_bytes
+    shape = model_shape(model) if plan_workload is not None else None
+    n_resident, plan = _resident_layer_count(
+        resident_layers,
+        plans,
+        device,
+        compute_dtype,
+        hbm_reserve_bytes,
+        shape=shape,
+        workload=plan_workload,
     )
     # The HBM tier holds optimizer state: only leading fully trainable layers qualify.
     n_resident = next((i for i, t in enumerate(trainable_store[:n_resident]) if not t), n_resident)
@@ -271,6 +324,7 @@ def prepare_streamed_model(
         store=HostStore(stores),
         layers_prefix=prefix,
         resident=resident,
+        plan=plan,
     )
     logger.info(
         "hf_megatrain: %d layers in HBM, %d streamed (%.2f GiB host store, %s); "
@@ -294,8 +348,8 @@ def _resident_layer_count(
     *,
     shape: ModelShape | None = None,
     workload: Workload | None = None,
-) -> int:
-    """How many leading layers keep their whole state in HBM.
+) -> tuple[int, MemoryPlan | None]:
+    """How many leading layers keep their whole state in HBM, and the plan that decided it.
 
     An int asks for exactly that many. ``"auto"``: the memory planner's choice from the free
     device memory and available host RAM. Without a ``workload`` (the batch is not known yet when
@@ -305,10 +359,10 @@ def _resident_layer_count(
     """
     n = len(plans)
     if resident_layers in (0, "0", None):
-        return 0
+        return 0, None
     if resident_layers == "auto":
         if device.type != "cuda":
-            return 0
+            return 0, None
         free, _ = torch.cuda.mem_get_info(device)
         if shape is None:
             # Only the layer sizes are known here; the reserve covers everything else.
@@ -331,11 +385,11 @@ def _resident_layer_count(
         logger.info("hf_megatrain: memory plan (resident_layers='auto')\n%s", plan.table())
         # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the
         # user's host limit); a GPU shortfall only means no layer goes to HBM, as before.
-        return plan.n_hbm
+        return plan.n_hbm, plan
     count = int(resident_layers)
     if not 0 <= count <= n:
         raise ValueError(f"hf_megatrain: resident_layers={count} but the model has {n} layers")
-    return count
+    return count, None
 
 
 def _named_resident(model: nn.Module, decay_names: set[str]):

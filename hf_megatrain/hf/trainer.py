@@ -23,6 +23,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from ..core.host_store import InsufficientHostMemoryError
+from ..core.planner import Workload
 from .arguments import MegaTrainArguments
 from .checkpoint import (
     has_optimizer_state,
@@ -161,6 +162,32 @@ def _validate_args(args: TrainingArguments) -> None:
         )
 
 
+def _first_row_length(dataset: Any) -> int | None:
+    """Tokens in the dataset's first row, when it is indexable and has ``input_ids``."""
+    if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        return None
+    try:
+        if len(dataset) == 0:
+            return None
+        ids = dataset[0]["input_ids"]
+        return int(ids.shape[-1]) if hasattr(ids, "shape") else len(ids)
+    except Exception:  # any dataset shape we cannot read: plan with the fixed reserve
+        return None
+
+
+def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
+    """The micro-batch split resident_layers='auto' plans HBM for (None: use the reserve)."""
+    if str(getattr(args, "megatrain_resident_layers", "0")) != "auto":
+        return None
+    seq_len = getattr(args, "megatrain_plan_seq_len", None) or _first_row_length(dataset)
+    if not seq_len:
+        return None
+    micro = args.per_device_train_batch_size * seq_len
+    return Workload(
+        seq_len=seq_len, micro_batch_tokens=micro, grad_accum=args.gradient_accumulation_steps
+    )
+
+
 class MegaTrainerMixin:
     """Every ``HFMegaTrainer`` override, for composing with other ``Trainer`` subclasses.
 
@@ -200,6 +227,8 @@ class MegaTrainerMixin:
             or kw.get("peft_config") is not None
             or not isinstance(model, nn.Module)
         )
+        # Trainer(model, args, data_collator, train_dataset, ...): the dataset sizes the plan.
+        self._megatrain_dataset = kw.get("train_dataset", a[1] if len(a) > 1 else None)
         if not self._megatrain_pending:
             self._megatrain_prepare(model, args)
         super().__init__(model, args, *a, **kw)
@@ -221,6 +250,7 @@ class MegaTrainerMixin:
             host_memory_limit_bytes=None if limit_gb is None else int(limit_gb * 2**30),
             resident_layers=getattr(args, "megatrain_resident_layers", 0),
             hbm_reserve_bytes=int(getattr(args, "megatrain_hbm_reserve_gb", 48.0) * 2**30),
+            plan_workload=_plan_workload(args, getattr(self, "_megatrain_dataset", None)),
         )
         self.megatrain = streamed_state(model)
         install_mlp_tiling(model, getattr(args, "megatrain_mlp_tile_tokens", 0))
