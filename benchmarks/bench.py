@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import gzip
 import hashlib
 import json
 import os
@@ -106,6 +107,7 @@ EXTRA_COLUMNS = [
     "startup_s",
     "mlp_tile_tokens",
     "offload_activations",
+    "gpu_busy",
 ]
 CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
 
@@ -182,6 +184,9 @@ class RunConfig:
     # activation offload to pinned host memory.
     mlp_tile_tokens: int = 0
     offload_activations: bool = False
+    # Record a CUDA kernel trace of the last warm-up step (steady state, outside the timed steps)
+    # and report the fraction of it the GPU was busy.
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -234,6 +239,8 @@ class RunConfig:
             args += ["--mlp-tile-tokens", str(self.mlp_tile_tokens)]
         if self.offload_activations:
             args.append("--offload-activations")
+        if self.profile:
+            args.append("--profile")
         return args
 
     def command(self) -> str:
@@ -308,6 +315,37 @@ def _make_step_timer(use_cuda: bool):
             return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
     return StepTimer()
+
+
+def _make_profiler(step: int, trace_path: Path):
+    """Callback tracing CUDA kernels and copies of optimizer step ``step`` (1-based)."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepProfiler(TrainerCallback):
+        def __init__(self) -> None:
+            self.prof = None
+            self.path: Path | None = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == step:
+                torch.cuda.synchronize()
+                acts = [torch.profiler.ProfilerActivity.CUDA]
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.prof is not None and state.global_step == step:
+                torch.cuda.synchronize()
+                self.prof.__exit__(None, None, None)
+                raw = trace_path.with_suffix("")  # .json
+                self.prof.export_chrome_trace(str(raw))
+                with open(raw, "rb") as src, gzip.open(trace_path, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                raw.unlink()
+                self.path, self.prof = trace_path, None
+
+    return StepProfiler()
 
 
 def resolve_device(name: str) -> str:
@@ -407,7 +445,7 @@ def training_arguments(cfg: RunConfig, output_dir: str, device: str) -> dict:
     )
 
 
-def make_trainer(cfg: RunConfig, model, dataset, timer, output_dir: str, device: str):
+def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, device: str):
     common = training_arguments(cfg, output_dir, device)
     if cfg.system.startswith("megatrain"):
         from hf_megatrain import HFMegaTrainer, MegaTrainArguments
@@ -422,14 +460,14 @@ def make_trainer(cfg: RunConfig, model, dataset, timer, output_dir: str, device:
             megatrain_mlp_tile_tokens=cfg.mlp_tile_tokens,
             megatrain_offload_activations=cfg.offload_activations,
         )
-        return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
+        return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     from transformers import Trainer, TrainingArguments
 
     if cfg.system == "deepspeed":
         args = TrainingArguments(**common, deepspeed=deepspeed_config())
     else:
         args = TrainingArguments(**common)
-    return Trainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
+    return Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
 
 
 def peak_host_gib() -> float | None:
@@ -500,6 +538,7 @@ def train_once(cfg: RunConfig) -> dict:
                 seq_len=cfg.seq_len,
                 micro_batch_tokens=cfg.resolved_micro_batch * cfg.seq_len,
                 grad_accum=cfg.grad_accum,
+                mlp_tile_tokens=cfg.mlp_tile_tokens,
             ),
         )
     else:
@@ -508,9 +547,18 @@ def train_once(cfg: RunConfig) -> dict:
     n_rows = (cfg.warmup + cfg.steps) * cfg.sequences_per_step
     dataset = RandomTokens(n_rows, cfg.seq_len, config.vocab_size, cfg.seed)
     timer = _make_step_timer(device == "cuda")
+    callbacks = [timer]
+    profiler = None
+    if cfg.profile and device == "cuda":
+        if cfg.warmup < 2:
+            raise ValueError("--profile traces the last warm-up step: use --warmup 2 or more")
+        name = f"{dt.date.today()}-{cfg.system}-{cfg.model}-{cfg.tokens_per_step}.json.gz"
+        profiler = _make_profiler(cfg.warmup, RESULTS_DIR / "traces" / name)
+        (RESULTS_DIR / "traces").mkdir(parents=True, exist_ok=True)
+        callbacks.append(profiler)
     output_dir = tempfile.mkdtemp(prefix=f"bench-{cfg.system}-")
     try:
-        trainer = make_trainer(cfg, model, dataset, timer, output_dir, device)
+        trainer = make_trainer(cfg, model, dataset, callbacks, output_dir, device)
         del model  # the trainer holds it; nothing else should keep host copies alive
         result.update(_megatrain_plan(trainer))
         out = trainer.train()
@@ -518,6 +566,14 @@ def train_once(cfg: RunConfig) -> dict:
         shutil.rmtree(output_dir, ignore_errors=True)
     # Launch (this module's import) to the start of the first step: build, load, pin, plan.
     result["startup_s"] = timer.marks[0] - LAUNCHED_AT
+    if profiler is not None and profiler.path is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from trace_overlap import analyze, load_events
+
+        trace = analyze(load_events(str(profiler.path)))
+        result["gpu_busy"] = trace["gpu_busy_fraction"]
+        result["trace"] = str(profiler.path.relative_to(REPO_ROOT))
+        print(f"bench worker: trace {result['trace']}: {json.dumps(trace, default=str)}")
     durations = timer.durations()
     if len(durations) != cfg.warmup + cfg.steps:
         raise RuntimeError(f"timed {len(durations)} steps, expected {cfg.warmup + cfg.steps}")
@@ -768,6 +824,7 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "startup_s": _fmt(result.get("startup_s"), 1),
         "mlp_tile_tokens": cfg.mlp_tile_tokens or "",
         "offload_activations": int(cfg.offload_activations),
+        "gpu_busy": _fmt(result.get("gpu_busy"), 4),
     }
 
 
@@ -990,6 +1047,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="megatrain only: layer-boundary activations to pinned host memory",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace the last warm-up step's CUDA kernels (results/traces/) and record the GPU "
+        "busy fraction",
+    )
     p.add_argument("--tag", default="sweep", help="names the markdown summary")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--mirror-dir", type=Path, action="append", default=[], help="copy outputs")
@@ -1011,6 +1074,7 @@ def configs_from_args(a: argparse.Namespace) -> list[RunConfig]:
         streamed_init=a.streamed_init,
         mlp_tile_tokens=a.mlp_tile_tokens,
         offload_activations=a.offload_activations,
+        profile=a.profile,
     )
     entries: list[tuple[str, int, list[str], int | None]] = []
     for spec in a.run:

@@ -53,6 +53,27 @@ def _overlap(span, kernels) -> float:
     return total
 
 
+def _busy_and_gaps(kernels, top: int = 5) -> tuple[float, list[tuple[float, float]]]:
+    """Fraction of the kernel span with some kernel running (any stream), and the largest idle
+    gaps as (start offset ms, length ms)."""
+    if not kernels:
+        return 0.0, []
+    t0 = kernels[0][0]
+    busy, gaps = 0.0, []
+    cur_s, cur_e = kernels[0][0], kernels[0][1]
+    for s, e, _ in kernels[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(((cur_e - t0) / 1e3, (s - cur_e) / 1e3))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = cur_e - t0
+    gaps.sort(key=lambda g: -g[1])
+    return busy / span, gaps[:top]
+
+
 def analyze(events: list[dict]) -> dict:
     kernels = _spans(events, lambda e: e.get("cat") == "kernel")
     h2d = _spans(events, lambda e: "Memcpy HtoD" in e.get("name", ""), 50)
@@ -66,7 +87,10 @@ def analyze(events: list[dict]) -> dict:
             sum(_overlap(x, kernels) for x in spans) / 1e3,
         )
 
+    busy, gaps = _busy_and_gaps(kernels)
     return {
+        "gpu_busy_fraction": busy,
+        "largest_gaps_ms": gaps,
         "kernel_streams": sorted({t for _, _, t in kernels}, key=str),
         "copy_streams": sorted({t for _, _, t in h2d + d2h}, key=str),
         "h2d_forward": phase([x for x in h2d if x[0] < backward_start]),
@@ -83,6 +107,9 @@ def main(argv: list[str]) -> None:
         print(path)
         print(f"  kernel streams {r['kernel_streams']}, copy streams {r['copy_streams']}")
         print(f"  GPU span {r['span_ms']:.1f} ms, kernels busy {r['kernel_busy_ms']:.1f} ms")
+        print(f"  GPU busy (any kernel running) {100 * r['gpu_busy_fraction']:.1f}% of the span")
+        for at, length in r["largest_gaps_ms"]:
+            print(f"    idle gap {length:8.2f} ms at +{at:.1f} ms")
         for key in ("h2d_forward", "h2d_backward", "d2h"):
             p = r[key]
             print(

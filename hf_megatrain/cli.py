@@ -10,6 +10,7 @@ overridden by a flag; user mistakes end in one ``hf-megatrain: error: ...`` line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -167,6 +168,12 @@ def _add_plan_parser(sub) -> None:
         "--micro-batch-tokens", type=int, help="tokens per forward (default: the whole step)"
     )
     pl.add_argument("--grad-accum", type=int, help="micro-batches per step (default: 1)")
+    pl.add_argument(
+        "--mlp-tile-tokens",
+        type=int,
+        default=0,
+        help="plan for MLP sequence tiling with tiles of this many tokens (default: off)",
+    )
     pl.add_argument(
         "--hbm-gib", type=float, help="free GPU memory (default: measured, else 139 = one H200)"
     )
@@ -769,6 +776,8 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         wl = Workload.from_step(
             ns.seq_len, ns.tokens_per_step, ns.micro_batch_tokens, ns.grad_accum
         )
+        if getattr(ns, "mlp_tile_tokens", 0):
+            wl = dataclasses.replace(wl, mlp_tile_tokens=ns.mlp_tile_tokens)
     except ValueError as e:
         raise CLIError(str(e)) from None
     hbm, host, said = _detected_memory(ns.hbm_gib, ns.host_gib)
@@ -783,8 +792,11 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     _say(plan.table())
     result: dict[str, Any] = {"plan": plan}
     if ns.search:
-        seqs = max_micro_batch_sequences(shape, wl.seq_len, wl.grad_accum, dtype, hbm, host)
-        longest = max_seq_len(shape, wl.grad_accum, dtype, hbm, host)
+        tile = wl.mlp_tile_tokens
+        seqs = max_micro_batch_sequences(
+            shape, wl.seq_len, wl.grad_accum, dtype, hbm, host, mlp_tile_tokens=tile
+        )
+        longest = max_seq_len(shape, wl.grad_accum, dtype, hbm, host, mlp_tile_tokens=tile)
         n_layers = max_num_layers(shape, wl, dtype, hbm, host)
         result.update(max_sequences=seqs, max_seq_len=longest, max_layers=n_layers)
         big = shape.with_num_layers(n_layers)

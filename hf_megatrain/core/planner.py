@@ -31,9 +31,10 @@ PCIE_BYTES_PER_S = 55e9
 H200_HBM_BYTES = 139 * GIB
 #: Host RAM kept free for the Python process, CUDA context, dataloader and page cache churn.
 DEFAULT_HOST_MARGIN = 4 * GIB
-#: GPU slack for the caching allocator's fragmentation and temporaries the lines do not model:
-#: measured peaks (1.5B HBM tier at 16k/64k tokens) ran 10-20% above the modelled lines.
-GPU_SLACK_FRACTION = 0.10
+#: GPU slack for the caching allocator and temporaries the lines do not model. With expandable
+#: segments (core/allocator.py) measured H200 peaks (max_memory_reserved) came out 0-4% under
+#: the modelled lines plus 5% (7B and 8B at 64k tokens, 1.5B at a 128k sequence).
+GPU_SLACK_FRACTION = 0.05
 GPU_SLACK_MIN = 1 * GIB
 
 HBM = "hbm"
@@ -91,6 +92,9 @@ class Workload:
     seq_len: int
     micro_batch_tokens: int
     grad_accum: int = 1
+    # Engine option: MLPs run in sequence tiles of this many tokens (0: whole micro-batch),
+    # which bounds the MLP part of a layer's recompute working set.
+    mlp_tile_tokens: int = 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -258,6 +262,17 @@ def _gpu_lines(
     return lines
 
 
+def _working_set_line(t: int, h: int, inter: int, tile: int) -> MemoryLine:
+    """A layer's recompute working set: attention-side tensors scale with the micro-batch, the
+    MLP's (tokens x intermediate) ones with the tile when MLP tiling is on."""
+    mlp_t = min(t, tile) if tile > 0 else t
+    what = f"MLP in tiles of {mlp_t} tokens" if mlp_t < t else "untiled MLP"
+    return MemoryLine(
+        f"one layer's recompute working set (estimate, {what}: (tokens x 4h + tile x 3i) x 2 B)",
+        (t * 4 * h + mlp_t * 3 * inter) * 2,
+    )
+
+
 def _activation_lines(
     shape: ModelShape, workload: Workload, dtype: torch.dtype
 ) -> list[MemoryLine]:
@@ -269,10 +284,7 @@ def _activation_lines(
             f"boundary activations: {t} tokens x hidden x 4 B x {shape.num_layers} layers",
             t * h * 4 * shape.num_layers,
         ),
-        MemoryLine(
-            "one layer's recompute working set (estimate: tokens x (4h + 3i) x 2 B)",
-            t * (4 * h + 3 * shape.intermediate_size) * 2,
-        ),
+        _working_set_line(t, h, shape.intermediate_size, workload.mlp_tile_tokens),
     ]
     if shape.fused_loss:
         chunk = min(default_chunk_tokens(v), t)
@@ -492,12 +504,14 @@ def max_micro_batch_sequences(
     hbm_bytes: int,
     host_bytes: int,
     limit: int = 1 << 20,
+    mlp_tile_tokens: int = 0,
     **kw,
 ) -> int:
     """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one)."""
     return _largest(
         lambda m: _fits(
-            shape, Workload(seq_len, m * seq_len, grad_accum), compute_dtype, hbm_bytes,
+            shape, Workload(seq_len, m * seq_len, grad_accum, mlp_tile_tokens), compute_dtype,
+            hbm_bytes,
             host_bytes, **kw,
         ),
         limit,
@@ -512,12 +526,14 @@ def max_seq_len(
     host_bytes: int,
     multiple: int = 1024,
     limit: int = 1 << 26,
+    mlp_tile_tokens: int = 0,
     **kw,
 ) -> int:
     """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none."""
     m = _largest(
         lambda k: _fits(
-            shape, Workload(k * multiple, k * multiple, grad_accum), compute_dtype, hbm_bytes,
+            shape, Workload(k * multiple, k * multiple, grad_accum, mlp_tile_tokens),
+            compute_dtype, hbm_bytes,
             host_bytes, **kw,
         ),
         limit // multiple,

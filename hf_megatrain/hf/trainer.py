@@ -184,7 +184,10 @@ def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
         return None
     micro = args.per_device_train_batch_size * seq_len
     return Workload(
-        seq_len=seq_len, micro_batch_tokens=micro, grad_accum=args.gradient_accumulation_steps
+        seq_len=seq_len,
+        micro_batch_tokens=micro,
+        grad_accum=args.gradient_accumulation_steps,
+        mlp_tile_tokens=getattr(args, "megatrain_mlp_tile_tokens", 0) or 0,
     )
 
 
