@@ -490,21 +490,36 @@ def _setup_logging() -> None:
     log.setLevel(logging.INFO)
 
 
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _say(msg: str) -> None:
-    print(msg, flush=True)
+    # Under a data-parallel launch every rank runs this code: one report, from rank 0.
+    if _is_main_process():
+        print(msg, flush=True)
 
 
-def _check_single_process() -> None:
-    import hf_megatrain  # noqa: PLC0415
+def _end_process_group() -> None:
+    """Tear down a data-parallel launch's process group before interpreter exit.
 
+    Left to interpreter shutdown, the collective library's threads may be destroyed while still
+    joinable, aborting a finished run ("terminate called without an active exception").
+    """
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _check_launch() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    # Until the library averages gradients across processes, N processes would train N diverging
-    # copies on different data shards without any error: refuse instead.
-    if world > 1 and not getattr(hf_megatrain, "SUPPORTS_MULTI_PROCESS", False):
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    # Data parallel shares the host store between the ranks through host shared memory.
+    if world > 1 and local != world:
         raise CLIError(
-            f"launched with {world} processes, but this version of hf_megatrain trains with one "
-            "process (one GPU): gradients are not yet averaged across processes. Use "
-            "recipes/accelerate/single_gpu.yaml or plain `hf-megatrain train`."
+            f"launched with {world} processes, {local} on this host: data parallel runs on one "
+            "host only (use --num_machines 1, one process per GPU)."
         )
 
 
@@ -545,7 +560,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     from . import HFMegaTrainer, MegaTrainArguments  # noqa: PLC0415
 
     t_start = time.perf_counter()
-    _check_single_process()
+    _check_launch()
     _setup_logging()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -560,14 +575,17 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     cfg = model.config
     what = opts.model_path or ("random init from " + (opts.config or "the bundled config"))
-    tokens_per_step = opts.seq_len * opts.batch_size * opts.grad_accum
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # data-parallel processes, one per GPU
+    tokens_per_step = opts.seq_len * opts.batch_size * opts.grad_accum * world
     _say(
         f"hf-megatrain: {cfg.model_type} {n_params / 1e6:.1f}M params, "
         f"{cfg.num_hidden_layers} layers ({what})\n"
         f"  data: {len(docs)} file(s) -> {len(train_rows)} train / {len(eval_rows)} eval "
         f"sequences of {opts.seq_len} tokens ({opts.data or 'bundled corpus'})\n"
         f"  {opts.max_steps} steps x {tokens_per_step} tokens "
-        f"(batch {opts.batch_size} x grad-accum {opts.grad_accum}), lr {opts.lr:g}, "
+        f"(batch {opts.batch_size} x grad-accum {opts.grad_accum}"
+        + (f" x {world} processes" if world > 1 else "")
+        + f"), lr {opts.lr:g}, "
         f"{'bf16 compute, fp32 masters' if bf16 else 'fp32'} on {device.type}"
     )
     if opts.max_steps * opts.batch_size * opts.grad_accum > 20 * len(train_rows):
@@ -619,6 +637,10 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     eval_loss = trainer.evaluate()["eval_loss"] if eval_rows else None
     trainer.save_model(opts.output_dir)
+    trainer.accelerator.wait_for_everyone()  # rank 0 wrote the checkpoint
+    if not _is_main_process():
+        # Data parallel: the report and the reload check are rank 0's.
+        return {"output_dir": os.path.abspath(opts.output_dir), "n_params": n_params}
     n_shards, mb = _dir_size_mb(opts.output_dir, ".safetensors")
     out = os.path.abspath(opts.output_dir)
     _say(
@@ -836,6 +858,8 @@ def main(argv: list[str] | None = None) -> int:
             run_train(opts)
         except (UnsupportedModelError, InsufficientHostMemoryError) as e:
             raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
+        finally:
+            _end_process_group()
     except CLIError as e:
         # A string SystemExit prints one line on stderr and exits with status 1.
         raise SystemExit(f"hf-megatrain: error: {e}") from None

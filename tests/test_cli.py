@@ -170,9 +170,11 @@ def test_bad_input_errors_are_clean(tmp_path):
     assert "no text files" in _error(["train", "--data", str(tmp_path / "empty")])
 
 
-def test_multi_process_launch_is_refused(monkeypatch):
+def test_multi_node_launch_is_refused(monkeypatch):
+    # Data parallel shares the host store between the ranks of one host.
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert "2 processes" in _error(["train", "--max-steps", "1"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert "one host only" in _error(["train", "--max-steps", "1"])
 
 
 def test_module_entry_point_prints_one_line_error():

@@ -19,6 +19,7 @@ from hf_megatrain import (
     UnsupportedModelError,
     load_streamed_model,
 )
+from hf_megatrain.core.distributed import DataParallelError
 
 from .helpers import common_args, make_data, tiny_config, tiny_model
 
@@ -135,11 +136,12 @@ def test_partially_frozen_layer_trains_like_stock(tmp_path):
     torch.testing.assert_close(store.master.view(frozen_before.shape), frozen_before)
 
 
-def test_multi_process_launch_refused(tmp_path, monkeypatch):
-    """Several ranks would train diverging copies (no gradient reduction yet): refused."""
+def test_multi_node_launch_refused(tmp_path, monkeypatch):
+    """Data parallel shares the host store between ranks of one host: several hosts refused."""
     model = tiny_model(tiny_config("llama"))
     args = _args(tmp_path)
     monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))
-    with pytest.raises(NotImplementedError, match="data parallel"):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(DataParallelError, match="one host only"):
         HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
     _assert_untouched(model, tmp_path)

@@ -217,8 +217,10 @@ class DeviceLayerStore(_FlatLayerState):
 
     resident = True
     trainable = True  # frozen layers always stream (their state is small on the host)
+    owned = True  # under data parallel every rank keeps (and updates) its own replica
     pinned = False
     nbytes = 0  # host bytes
+    shared_nbytes = 0
 
     def __init__(
         self,
@@ -248,8 +250,26 @@ def device_layer_bytes(numel: int, stream_dtype: torch.dtype) -> int:
     return numel * (16 + (0 if stream_dtype == torch.float32 else stream_dtype.itemsize))
 
 
+def shared_layer_bytes(numel: int, stream_dtype: torch.dtype) -> int:
+    """Bytes of one layer in a data-parallel shared region: stream copy (bf16 runs) + fp32 master."""
+    stream = 0 if stream_dtype == torch.float32 else _round_up(numel * stream_dtype.itemsize, PAGE)
+    return stream + _round_up(numel * _FP32, PAGE)
+
+
+def owned_layer_bytes(numel: int, trainable: bool = True) -> int:
+    """Private host bytes of a layer's owner under data parallel: fp32 grad and two moments."""
+    return 3 * _round_up(numel * _FP32, PAGE) if trainable else 0
+
+
 class LayerStore(_FlatLayerState):
-    """Flat host buffers of one streamed layer: stream copy, fp32 grad, master and AdamW moments."""
+    """Flat host buffers of one streamed layer: stream copy, fp32 grad, master and AdamW moments.
+
+    By default the layer owns one private buffer holding everything. Under data parallel
+    (``shared`` given) the stream copy and the fp32 master are views of ``shared``, a buffer in
+    memory shared by every rank of the host, and only the layer's owner (``owned``) allocates
+    the private fp32 gradient and moments; other ranks hold no optimizer state for it
+    (``grad`` / ``exp_avg`` / ``exp_avg_sq`` are ``None``).
+    """
 
     resident = False
 
@@ -261,12 +281,25 @@ class LayerStore(_FlatLayerState):
         stream_dtype: torch.dtype,
         pin: bool,
         trainable: bool = True,
+        shared: torch.Tensor | None = None,
+        owned: bool = True,
     ) -> None:
         super().__init__(slots, numel, decay_numel, stream_dtype)
         self.trainable = trainable
+        self.owned = owned
+        self.shared_nbytes = 0
         separate_stream = stream_dtype != torch.float32
         stream_bytes = _round_up(numel * stream_dtype.itemsize, PAGE) if separate_stream else 0
         fp32_bytes = _round_up(numel * _FP32, PAGE)
+        self.grad: torch.Tensor | None = None
+        self.exp_avg: torch.Tensor | None = None
+        self.exp_avg_sq: torch.Tensor | None = None
+        self._finalizers: list[weakref.finalize] = []
+        if shared is not None:
+            self._init_shared(shared, numel, stream_bytes, fp32_bytes, pin)
+            return
+        if not owned:
+            raise ValueError("hf_megatrain: a layer store without a shared buffer must be owned")
         # A frozen layer (e.g. the base under LoRA adapters) needs no grad and no moments.
         total = stream_bytes + (4 if trainable else 1) * fp32_bytes
         self._mmap = mmap.mmap(-1, max(total, PAGE))
@@ -280,9 +313,6 @@ class LayerStore(_FlatLayerState):
         if separate_stream:
             self.stream = view(0, stream_dtype)
             cursor = stream_bytes
-        self.grad: torch.Tensor | None = None
-        self.exp_avg: torch.Tensor | None = None
-        self.exp_avg_sq: torch.Tensor | None = None
         if trainable:
             self.grad = view(cursor, torch.float32)
             self.master = view(cursor + fp32_bytes, torch.float32)
@@ -295,19 +325,48 @@ class LayerStore(_FlatLayerState):
             pinned_bytes = stream_bytes if separate_stream else fp32_bytes
         if not separate_stream:
             self.stream = self.master
-        self._pinned_ptr = raw.data_ptr() if raw is not None else 0
-        self.pinned = pin and _cuda_register(self._pinned_ptr, pinned_bytes)
+        self.pinned = pin and self._register(raw.data_ptr() if raw is not None else 0, pinned_bytes)
         self.nbytes = total
+
+    def _init_shared(
+        self, shared: torch.Tensor, numel: int, stream_bytes: int, fp32_bytes: int, pin: bool
+    ) -> None:
+        needed = stream_bytes + fp32_bytes
+        if shared.numel() < needed:
+            raise ValueError(f"hf_megatrain: shared layer buffer of {shared.numel()} < {needed} B")
+        self.shared_nbytes = needed
+        if stream_bytes:
+            self.stream = shared[: numel * self.stream_dtype.itemsize].view(self.stream_dtype)
+        self.master = shared[stream_bytes : stream_bytes + numel * _FP32].view(torch.float32)
+        if not stream_bytes:
+            self.stream = self.master
+        # Each process registers the shared stream copy in its own address space.
+        self.pinned = pin and self._register(shared.data_ptr(), stream_bytes or fp32_bytes)
+        self.nbytes = 0
+        if not (self.trainable and self.owned):
+            return
+        total = 3 * fp32_bytes
+        self._mmap = mmap.mmap(-1, total)
+        raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total)
+        self.grad = raw[: numel * _FP32].view(torch.float32)
+        self.exp_avg = raw[fp32_bytes : fp32_bytes + numel * _FP32].view(torch.float32)
+        self.exp_avg_sq = raw[2 * fp32_bytes : 2 * fp32_bytes + numel * _FP32].view(torch.float32)
+        if pin:  # the gradient crosses PCIe (D2H)
+            self._register(raw.data_ptr(), fp32_bytes)
+        self.nbytes = total
+
+    def _register(self, ptr: int, nbytes: int) -> bool:
+        if not _cuda_register(ptr, nbytes):
+            return False
         # Unregister before the mapping can be unmapped and its address reused: a reused address
         # that is still registered makes the next cudaHostRegister fail.
-        self._finalizer = (
-            weakref.finalize(self, _cuda_unregister, self._pinned_ptr) if self.pinned else None
-        )
+        self._finalizers.append(weakref.finalize(self, _cuda_unregister, ptr))
+        return True
 
     def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-            self.pinned = False
+        for fin in self._finalizers:
+            fin()
+        self.pinned = False
 
 
 class HostStore:
@@ -330,7 +389,13 @@ class HostStore:
 
     @property
     def nbytes(self) -> int:
+        """Host bytes this process allocated for the layers (its private part under DP)."""
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def shared_nbytes(self) -> int:
+        """Bytes of the layers in host memory shared by the data-parallel ranks (0 otherwise)."""
+        return sum(getattr(layer, "shared_nbytes", 0) for layer in self.layers)
 
     @property
     def numel(self) -> int:

@@ -67,6 +67,8 @@ class HostAdamW(torch.optim.Optimizer):
         for idx, store in enumerate(engine.stores):
             if not getattr(store, "trainable", True):
                 continue  # frozen: no moments, never updated
+            if not getattr(store, "owned", True):
+                continue  # data parallel: another rank owns and updates this layer
             for decay, start, end in store.segments():
                 view = store.master[start:end]
                 (decay_params if decay else no_decay_params).append(view)
@@ -85,6 +87,16 @@ class HostAdamW(torch.optim.Optimizer):
             dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
         )
         self._clip_coef: torch.Tensor | None = None
+        # Data parallel: the streamed layers this rank updates (it publishes each one's new
+        # version), and whether the replicated parameters' gradients are averaged this step.
+        self._owned_layers = [
+            idx
+            for idx, store in enumerate(engine.stores)
+            if getattr(store, "trainable", True)
+            and getattr(store, "owned", True)
+            and not store.resident
+        ]
+        self._resident_synced = False
         self.eager = False
         self.eager_updates = 0
         self._eager_done: set[int] = set()
@@ -104,9 +116,22 @@ class HostAdamW(torch.optim.Optimizer):
             if id(p) not in self._streamed_ids and p.grad is not None
         ]
 
+    def _sync_resident_grads(self) -> None:
+        """Data parallel: average the replicated parameters' gradients over the ranks (once)."""
+        if self.engine.dp is None or self._resident_synced:
+            return
+        self._resident_synced = True
+        grads = [p.grad for p in self._resident_with_grad()]
+        if grads:
+            self.engine.dp.all_reduce_mean_(grads)
+
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of every gradient of this step (streamed and resident)."""
+        """Global L2 norm of every gradient of this step (streamed and resident).
+
+        Under data parallel a collective (every rank calls it and gets the same norm).
+        """
         self.engine.finish_grads()
+        self._sync_resident_grads()
         total_sq = self.engine.grad_sq_sum().to(torch.float32)
         resident = self._resident_with_grad()
         if resident:
@@ -134,9 +159,12 @@ class HostAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.finish_grads()
+        self._sync_resident_grads()
         self._finish_eager()
         self.engine.wait_updates()
         self.engine.wait_weight_copies()
+        # The weights' version after this step (data parallel: published per owned layer).
+        version = self.engine.weights_version + 1
         scale_by_device = None
         if self._clip_coef is not None:
             grad_scale = (1.0 / self._clip_coef.double()).float()
@@ -150,6 +178,11 @@ class HostAdamW(torch.optim.Optimizer):
         def update_layer(idx: int) -> None:
             self._update_layer(jobs[idx], scale_by_device)
             self.engine.stores[idx].refresh_stream_copy()
+            self.engine.publish_update(idx, version)
+
+        for idx in self._owned_layers:
+            if idx not in jobs:  # no gradient, or already updated eagerly: final now
+                self.engine.publish_update(idx, version)
 
         # The device tier updates right here on the GPU (fast); host layers go to the CPU.
         for idx in sorted(jobs):
@@ -158,6 +191,8 @@ class HostAdamW(torch.optim.Optimizer):
         layers = [i for i in sorted(jobs) if not self.engine.stores[i].resident]
         self.engine.reset_grads()
         self.engine.invalidate_weights()
+        self.engine.weights_version = version
+        self._resident_synced = False
         self._eager_done = set()
         overlap = self.engine.is_cuda if self.overlap_update is None else self.overlap_update
         if overlap:
@@ -241,6 +276,7 @@ class HostAdamW(torch.optim.Optimizer):
         if idx in jobs:
             self._update_layer(jobs[idx], None)
             self.engine.stores[idx].refresh_stream_copy()
+            self.engine.publish_update(idx, self.engine.weights_version + 1)
             self.eager_updates += 1
 
     def _eager_worker(self, q: queue.Queue, n_threads: int) -> None:
@@ -306,6 +342,7 @@ class HostAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self.engine.reset_grads()
+        self._resident_synced = False
 
     # ---- state ----------------------------------------------------------------------------------
     def streamed_state(self) -> tuple[dict[int, float], dict[str, torch.Tensor]]:

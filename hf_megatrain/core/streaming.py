@@ -25,6 +25,7 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .distributed import DataParallel
 from .host_store import LayerStore, PinnedBuffer
 
 
@@ -55,8 +56,17 @@ class StreamingEngine:
         device: torch.device,
         compute_dtype: torch.dtype,
         preserve_rng: bool = False,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         self.stores = stores
+        # Data parallel (see core/distributed.py): streamed layers' gradients are reduced to
+        # their owner, replicated (HBM-tier) ones all-reduced; weights of layers another rank
+        # owns are streamed once that rank has published their update.
+        self.dp = data_parallel
+        # Optimizer steps this rank has taken: the version a layer's shared weights must reach
+        # before it streams in (data parallel only).
+        self.weights_version = 0
+        self._pending_reduces: list[tuple[Any, torch.Tensor]] = []
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
         self.preserve_rng = preserve_rng
@@ -69,7 +79,6 @@ class StreamingEngine:
         self._grad_on_host = [False] * len(stores)
         self._grad_sq: torch.Tensor | None = None
         self._d2h_events: list[torch.cuda.Event] = []
-        self._resident_sq_done = False
         self._grad_sq_exact = True
         if self.is_cuda:
             max_numel = max((s.numel for s in stores if not s.resident), default=0)
@@ -141,6 +150,27 @@ class StreamingEngine:
             self._update_ready[idx].wait()
             if self._update_error is not None:
                 self.wait_updates()
+        if self._owned_elsewhere(idx):
+            self.dp.wait_published(idx, self.weights_version)
+
+    def _owned_elsewhere(self, idx: int) -> bool:
+        """Whether another data-parallel rank updates layer ``idx``'s shared weights."""
+        store = self.stores[idx]
+        return (
+            self.dp is not None and not store.resident and store.trainable and not self.dp.owns(idx)
+        )
+
+    def publish_update(self, idx: int, version: int) -> None:
+        """Owner side: layer ``idx``'s shared weights hold optimizer step ``version``."""
+        if self.dp is not None and not self.stores[idx].resident:
+            self.dp.publish(idx, version)
+
+    def wait_all_weights(self) -> None:
+        """Block until every layer's weights are final: local and (under DP) remote updates."""
+        self.wait_updates()
+        for idx in range(len(self.stores)):
+            if self._owned_elsewhere(idx):
+                self.dp.wait_published(idx, self.weights_version)
 
     def wait_updates(self) -> None:
         """Block until the background update (if any) is done; re-raise its error."""
@@ -291,6 +321,9 @@ class StreamingEngine:
     def add_grads(self, idx: int, grads: list[torch.Tensor | None]) -> None:
         """Accumulate layer ``idx``'s parameter gradients (one per slot, any float dtype)."""
         store = self.stores[idx]
+        if self.dp is not None:
+            self._add_grads_dp(idx, store, grads)
+            return
         if not self.is_cuda or store.resident:
             # Gradients accumulate in place where the store keeps them (host RAM on CPU runs,
             # HBM for the device tier); nothing to drain.
@@ -309,6 +342,75 @@ class StreamingEngine:
             self._drain(idx, acc)
         else:
             self._grad_acc[idx] = acc
+
+    def _add_grads_dp(self, idx: int, store: LayerStore, grads: list[torch.Tensor | None]) -> None:
+        """Data parallel: accumulate locally, reduce once the step's last micro-batch is done."""
+        if self._grad_on_host[idx]:
+            raise RuntimeError(
+                f"hf_megatrain: layer {idx} got a second gradient in one optimizer step; data "
+                "parallel reduces each layer once per step and needs the trainer's "
+                "gradient-accumulation flags"
+            )
+        if store.resident:
+            # Replicated (HBM tier): accumulate in place, all-reduce (average) at the last
+            # micro-batch; every rank then updates its replica identically.
+            if idx not in self._grad_acc:
+                store.grad.zero_()
+                self._grad_acc[idx] = store.grad
+            self._scatter_add(store, store.grad, grads)
+            if self.sync_grads:
+                del self._grad_acc[idx]
+                self.dp.all_reduce_mean_([store.grad])
+                self._grad_on_host[idx] = True
+                if self.on_grad_final is not None:
+                    self.on_grad_final(idx, None)
+            return
+        acc = self._grad_acc.pop(idx, None)
+        if acc is None:
+            acc = torch.zeros(store.numel, dtype=torch.float32, device=self.device)
+        self._scatter_add(store, acc, grads)
+        if self.sync_grads:
+            self._reduce_to_owner(idx, acc)
+        else:
+            self._grad_acc[idx] = acc
+
+    def _reduce_to_owner(self, idx: int, acc: torch.Tensor) -> None:
+        """Sum ``acc`` over the ranks into the owner, who averages it into its host gradient.
+
+        On CUDA the reduction runs on the collective library's stream (issued after this
+        layer's backward, it overlaps the backward of the layers below); only the owner's D2H
+        stream waits for it, and only the owner copies the gradient to the host.
+        """
+        store = self.stores[idx]
+        dp = self.dp
+        mine = dp.owns(idx)
+        inv = 1.0 / dp.world_size
+        self._grad_on_host[idx] = True
+        if not self.is_cuda:
+            dp.reduce_to_owner(acc, idx, async_op=False)
+            if mine:
+                torch.mul(acc, inv, out=store.grad)
+                if self.on_grad_final is not None:
+                    self.on_grad_final(idx, None)
+            return
+        work = dp.reduce_to_owner(acc, idx, async_op=True)
+        if not mine:
+            # Keep the buffer alive until the reduction has read it (finish_grads waits).
+            self._pending_reduces.append((work, acc))
+            return
+        with torch.cuda.stream(self._d2h):
+            work.wait()  # the D2H stream (current here) waits for the reduction, not the host
+            acc.mul_(inv)
+            sq = torch.linalg.vector_norm(acc).square()
+            store.grad.copy_(acc, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._d2h)
+        acc.record_stream(self._d2h)
+        self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
+        self._d2h_events.append(ev)
+        self.d2h_bytes += acc.numel() * 4
+        if self.on_grad_final is not None:
+            self.on_grad_final(idx, ev)
 
     @staticmethod
     def _scatter_add(
@@ -353,30 +455,47 @@ class StreamingEngine:
     def finish_grads(self) -> None:
         """Drain leftover accumulators and wait for every D2H copy: host grads are then final."""
         for idx in sorted(self._grad_acc):
-            self._drain(idx, self._grad_acc.pop(idx))
+            acc = self._grad_acc.pop(idx)
+            if self.dp is None:
+                self._drain(idx, acc)
+            elif self.stores[idx].resident:
+                self.dp.all_reduce_mean_([acc])
+                self._grad_on_host[idx] = True
+            else:
+                self._reduce_to_owner(idx, acc)
+        for work, _ in self._pending_reduces:
+            work.wait()
+        self._pending_reduces.clear()
         for ev in self._d2h_events:
             ev.synchronize()
         self._d2h_events.clear()
-        if self.is_cuda and not self._resident_sq_done:
-            for idx, store in enumerate(self.stores):
-                if store.resident and self._grad_on_host[idx]:
-                    sq = torch.linalg.vector_norm(store.grad).square()
-                    self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
-            self._resident_sq_done = True
 
     def layer_has_grad(self, idx: int) -> bool:
         """Whether layer ``idx`` received a gradient this step (else the optimizer skips it)."""
         return self._grad_on_host[idx]
 
     def grad_sq_sum(self) -> torch.Tensor:
-        """Sum of squares of all streamed-layer gradients (call after ``finish_grads``)."""
-        if self._grad_sq is not None and self.is_cuda and self._grad_sq_exact:
-            return self._grad_sq
-        total = torch.zeros((), dtype=torch.float32)
+        """Sum of squares of all layer gradients (call after ``finish_grads``).
+
+        Under data parallel, every rank gets the same global sum: each rank's owned layers
+        are summed over the ranks, the replicated (HBM-tier) layers are counted once. So it is
+        a collective: every rank must call it.
+        """
+        running = self._grad_sq is not None and self.is_cuda and self._grad_sq_exact
+        streamed = torch.zeros((), dtype=torch.float32)
+        replicated = torch.zeros((), dtype=torch.float32, device=self.device)
         for idx, store in enumerate(self.stores):
-            if self._grad_on_host[idx]:
-                total += torch.linalg.vector_norm(store.grad).square().cpu()
-        return total.to(self.device)
+            if not self._grad_on_host[idx] or store.grad is None:
+                continue
+            if store.resident:
+                replicated += torch.linalg.vector_norm(store.grad).square()
+            elif not running:
+                streamed += torch.linalg.vector_norm(store.grad).square().cpu()
+        streamed = self._grad_sq if running else streamed.to(self.device)
+        if self.dp is not None:
+            streamed = streamed.clone()
+            self.dp.all_reduce_sum(streamed)
+        return streamed + replicated
 
     def has_grads(self) -> bool:
         return any(self._grad_on_host) or bool(self._grad_acc)
@@ -386,7 +505,7 @@ class StreamingEngine:
         self._grad_on_host = [False] * len(self.stores)
         self._grad_sq = None
         self._grad_sq_exact = True
-        self._resident_sq_done = False
+        self._pending_reduces.clear()
 
     # ---- rng ----------------------------------------------------------------------------------
     def rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:

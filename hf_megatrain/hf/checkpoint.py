@@ -35,7 +35,9 @@ def _require_state(model) -> StreamedModelState:
     state = streamed_state(model)
     if state is None:
         raise ValueError("hf_megatrain: this model is not streamed (prepare it first).")
-    state.engine.wait_updates()  # a background optimizer update may still be writing the store
+    # A background optimizer update (this rank's, or under data parallel another rank's, of
+    # the shared weights) may still be writing the store.
+    state.engine.wait_all_weights()
     return state
 
 
@@ -165,9 +167,14 @@ def load_weights_into_store(model, path: str) -> None:
     state = _require_state(model)
     renamings = _checkpoint_renamings(model)
     targets: dict[str, torch.Tensor] = {}
+    # Data parallel: a layer's shared weights are written by its owner only (every rank still
+    # reads and checks the whole checkpoint, so a mismatch fails on every rank alike).
+    not_mine: set[int] = set()
     for i, store in enumerate(state.store.layers):
         for rel, view in store.param_views(store.master).items():
             targets[state.full_name(i, rel)] = view
+            if not store.owned:
+                not_mine.add(id(view))
     resident_ids = {id(p) for _, p, _ in state.resident}
     # Every name of a resident parameter, tied aliases included (lm_head.weight -> embed_tokens).
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -190,7 +197,8 @@ def load_weights_into_store(model, path: str) -> None:
                     f"hf_megatrain: checkpoint tensor {key} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(dst.shape)}"
                 )
-            dst.copy_(tensor.to(torch.float32))
+            if id(dest) not in not_mine:
+                dst.copy_(tensor.to(torch.float32))
             filled.add(id(dest))
     missing = [n for n, t in targets.items() if id(t) not in filled]
     if unknown:
@@ -203,13 +211,20 @@ def load_weights_into_store(model, path: str) -> None:
             f"hf_megatrain: the checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:5]}"
         )
     for store in state.store.layers:
-        store.refresh_stream_copy()
+        if store.owned:
+            store.refresh_stream_copy()
     state.engine.invalidate_weights()
+    if state.engine.dp is not None:
+        state.engine.dp.barrier()  # every owner has written its layers
 
 
 # ---- optimizer state ------------------------------------------------------------------------
 def save_optimizer_state(optimizer, output_dir: str) -> None:
-    """AdamW moments of every streamed layer (one safetensors file per layer) and residents."""
+    """AdamW moments of every streamed layer (one safetensors file per layer) and residents.
+
+    Under data parallel every rank calls it: each writes the layers it owns, rank 0 the
+    replicated (resident) state and the metadata. The files are those of a single-process run.
+    """
     optimizer.wait()
     state = optimizer.engine
     folder = os.path.join(output_dir, OPTIMIZER_STATE_DIR)
@@ -217,9 +232,15 @@ def save_optimizer_state(optimizer, output_dir: str) -> None:
     steps, resident = optimizer.streamed_state()
     for i, store in enumerate(state.stores):
         if store.exp_avg is None:
-            continue  # frozen layer: no optimizer state
+            continue  # frozen layer, or (data parallel) a layer another rank owns
         tensors = {"exp_avg": store.exp_avg.cpu(), "exp_avg_sq": store.exp_avg_sq.cpu()}
+        if i in steps:
+            # The step count travels with the moments: under data parallel only the owner
+            # knows it (meta.json comes from rank 0).
+            tensors["step"] = torch.tensor([steps[i]], dtype=torch.float32)
         save_file(tensors, os.path.join(folder, f"layer_{i:05d}.safetensors"))
+    if state.dp is not None and state.dp.rank != 0:
+        return
     save_file(
         {k: v.detach().cpu().contiguous() for k, v in resident.items()},
         os.path.join(folder, "resident.safetensors"),
@@ -250,17 +271,20 @@ def load_optimizer_state(optimizer, checkpoint: str) -> None:
             f"hf_megatrain: optimizer state in {checkpoint} has {meta['num_layers']} layers, "
             f"the model has {len(stores)}"
         )
+    steps = {int(k): v for k, v in meta["steps"].items()}
     for i, store in enumerate(stores):
         if store.exp_avg is None:
             continue
         with safe_open(os.path.join(folder, f"layer_{i:05d}.safetensors"), "pt") as f:
             store.exp_avg.copy_(f.get_tensor("exp_avg"))
             store.exp_avg_sq.copy_(f.get_tensor("exp_avg_sq"))
+            if "step" in f.keys():
+                steps[i] = float(f.get_tensor("step")[0])
     resident = {}
     with safe_open(os.path.join(folder, "resident.safetensors"), "pt") as f:
         for k in f.keys():
             resident[k] = f.get_tensor(k)
-    optimizer.load_streamed_state({int(k): v for k, v in meta["steps"].items()}, resident)
+    optimizer.load_streamed_state(steps, resident)
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(v, list) else v

@@ -122,13 +122,19 @@ def init_streamed_model(
     torch.manual_seed(seed)
     with torch.no_grad():
         for layer, store in zip(layers, state.store.layers):
-            with _reparametrize_module(layer, store.param_views(store.master)):
+            # Data parallel: every rank draws every layer's values (the RNG stream of one
+            # process), only the layer's owner writes them into the shared master.
+            master = store.master if store.owned else torch.empty_like(store.master)
+            with _reparametrize_module(layer, store.param_views(master)):
                 for module in layer.modules():
                     model._init_weights(module)
-            store.refresh_stream_copy()
+            if store.owned:
+                store.refresh_stream_copy()
         in_layers = {id(m) for layer in layers for m in layer.modules()}
         for module in model.modules():
             if id(module) not in in_layers:
                 model._init_weights(module)
     state.engine.invalidate_weights()
+    if state.engine.dp is not None:
+        state.engine.dp.barrier()  # every owner has written its layers
     return model

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..core.allocator import prefer_expandable_segments
+from ..core.distributed import DataParallel
 from ..core.host_store import (
     DeviceLayerStore,
     HostStore,
@@ -279,7 +280,20 @@ def prepare_streamed_model(
         layer_store_bytes(numel, compute_dtype, trainable)
         for (_, numel, _), trainable in zip(plans[n_resident:], trainable_store[n_resident:])
     )
+    # Data parallel (several processes launched): layer weights in host memory shared by the
+    # ranks, each layer's gradient and moments only on its owner (core/distributed.py).
+    dp = DataParallel.from_environment(device)
+    shared: list = [None] * len(plans)
+    if dp is not None:
+        dp.assign_owners([None if i < n_resident else n for i, (_, n, _) in enumerate(plans)])
+        streamed_numels = [numel for _, numel, _ in plans[n_resident:]]
+        needed = dp.host_bytes(streamed_numels, trainable_store[n_resident:], compute_dtype)
     HostStore.check_fits(needed, host_memory_limit_bytes)
+    if dp is not None:
+        shared = dp.allocate_layer_buffers(
+            [None if i < n_resident else numel for i, (_, numel, _) in enumerate(plans)],
+            compute_dtype,
+        )
 
     pin = pin_memory and device.type == "cuda"
     stores: list[LayerStore | DeviceLayerStore] = []
@@ -290,20 +304,32 @@ def prepare_streamed_model(
             store = DeviceLayerStore(slots, numel, decay_numel, compute_dtype, device)
         else:
             store = LayerStore(
-                slots, numel, decay_numel, compute_dtype, pin, trainable=trainable_store[i]
+                slots,
+                numel,
+                decay_numel,
+                compute_dtype,
+                pin,
+                trainable=trainable_store[i],
+                shared=shared[i],
+                owned=dp is None or dp.owns(i),
             )
         named = {n: p for n, p in layer.named_parameters() if n in streamed[i]}
         views = store.param_views(store.master)
         for rel, p in named.items():
-            if p.device.type != "meta":
+            if p.device.type != "meta" and store.owned:  # shared weights: the owner writes
                 views[rel].copy_(p.detach().to(torch.float32))
-        store.refresh_stream_copy()
+        if store.owned:
+            store.refresh_stream_copy()
         _replace_with_meta(layer, streamed[i])
         stores.append(store)
 
     # Not gated on model.training: from_pretrained returns the model in eval mode and the Trainer
     # switches it to train mode only later, so the flag here says nothing about training.
-    engine = StreamingEngine(stores, device, compute_dtype, preserve_rng=_has_dropout(config))
+    if dp is not None:
+        dp.barrier()  # every owner has written its layers' initial weights
+    engine = StreamingEngine(
+        stores, device, compute_dtype, preserve_rng=_has_dropout(config), data_parallel=dp
+    )
     layer_prefixes = tuple(f"{prefix}.{i}." for i in range(len(layers)))
     _place_resident(model, device, layer_prefixes)
     capture = RecorderCapture()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
+from ..core.distributed import DataParallelError
 from ..core.host_store import InsufficientHostMemoryError
 from ..core.planner import Workload
 from .arguments import MegaTrainArguments
@@ -136,13 +137,12 @@ def _setup_args(args: TrainingArguments) -> None:
 
 def _validate_args(args: TrainingArguments) -> None:
     world = args.world_size
-    if world > 1:
-        # Each rank would stream and update its own copy with no gradient reduction: refuse
-        # rather than silently train diverging replicas.
-        raise NotImplementedError(
-            f"hf_megatrain: {world} training processes were launched, but data parallel training "
-            "(per-layer gradient all-reduce, host optimizer state sharded across ranks) is not "
-            "implemented yet; launch one process per run (accelerate launch --num_processes 1)."
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world > 1 and local_world != world:
+        # The ranks share the host store through shared memory (core/distributed.py).
+        raise DataParallelError(
+            f"hf_megatrain: data parallel runs on one host only, but {world} processes were "
+            f"launched with {local_world} on this host; launch with --num_machines 1."
         )
     if args.fp16 or getattr(args, "fp16_full_eval", False):
         raise ValueError(
@@ -189,6 +189,18 @@ def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
         grad_accum=args.gradient_accumulation_steps,
         mlp_tile_tokens=getattr(args, "megatrain_mlp_tile_tokens", 0) or 0,
     )
+
+
+def _check_data_parallel(state, args: TrainingArguments) -> None:
+    """The streamed model must have been prepared for this launch's number of processes."""
+    dp = state.engine.dp
+    have = 1 if dp is None else dp.world_size
+    if have != args.world_size:
+        raise DataParallelError(
+            f"hf_megatrain: the model was streamed for {have} process(es) but the trainer runs "
+            f"{args.world_size}; stream it inside the launched processes (load_streamed_model / "
+            "init_streamed_model / HFMegaTrainer after `accelerate launch` started them)."
+        )
 
 
 class MegaTrainerMixin:
@@ -256,6 +268,7 @@ class MegaTrainerMixin:
             plan_workload=_plan_workload(args, getattr(self, "_megatrain_dataset", None)),
         )
         self.megatrain = streamed_state(model)
+        _check_data_parallel(self.megatrain, args)
         install_mlp_tiling(model, getattr(args, "megatrain_mlp_tile_tokens", 0))
         self.megatrain.engine.offload_activations = bool(
             getattr(args, "megatrain_offload_activations", False)
@@ -350,7 +363,10 @@ class MegaTrainerMixin:
         now = time.perf_counter()
         elapsed = now - self._time_of_log
         if elapsed > 0 and self._tokens_since_log:
-            tps = self._tokens_since_log / elapsed
+            # Every data-parallel rank processes as many tokens: report the whole job's rate
+            # (and MFU per GPU below).
+            world = max(int(self.args.world_size), 1)
+            tps = self._tokens_since_log * world / elapsed
             out["tokens_per_s"] = round(tps, 1)
             # Model FLOPs as in the benchmarks: 6 * params per token, plus causal attention
             # 6 * layers * hidden * seq for MFU (recompute not counted: it is overhead).
@@ -362,7 +378,7 @@ class MegaTrainerMixin:
                 attn = (
                     6 * cfg.num_hidden_layers * cfg.hidden_size * getattr(self, "_last_seq_len", 0)
                 )
-                out["mfu"] = round((6 * n_params + attn) * tps / (peak * 1e12), 4)
+                out["mfu"] = round((6 * n_params + attn) * tps / (world * peak * 1e12), 4)
         self._tokens_since_log = 0
         self._time_of_log = now
         rss, hwm = _host_memory_gib()
@@ -402,17 +418,28 @@ class MegaTrainerMixin:
         run_dir = real_get_output_dir(trial=trial)
         staging_root = os.path.join(run_dir, ".megatrain-staging")
         name = f"checkpoint-{self.state.global_step}"
-        shutil.rmtree(os.path.join(staging_root, name), ignore_errors=True)
+        dp = self.megatrain.engine.dp
+        # Data parallel: every rank writes into the staging folder (its owned layers' optimizer
+        # state, its RNG state); rank 0 alone clears it before and publishes it after.
+        if dp is None or dp.rank == 0:
+            shutil.rmtree(os.path.join(staging_root, name), ignore_errors=True)
+        if dp is not None:
+            dp.barrier()
         self._get_output_dir = lambda trial=None: staging_root
         try:
             super()._save_checkpoint(model, trial)
         finally:
             del self._get_output_dir
         final = os.path.join(run_dir, name)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(os.path.join(staging_root, name), final)
-        shutil.rmtree(staging_root, ignore_errors=True)
+        if dp is not None:
+            dp.barrier()  # every rank's files are in staging
+        if dp is None or dp.rank == 0:
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(os.path.join(staging_root, name), final)
+            shutil.rmtree(staging_root, ignore_errors=True)
+        if dp is not None:
+            dp.barrier()  # rank 0 has published the checkpoint
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"checkpoint-{self.state.best_global_step}")
             if os.path.isdir(best):
@@ -425,9 +452,13 @@ class MegaTrainerMixin:
             _rotate_checkpoints(self, run_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.megatrain.engine.dp is not None:
+            # Each rank writes the optimizer state of the layers it owns.
+            save_optimizer_state(self.optimizer, output_dir)
         if not self.args.should_save:
             return
-        save_optimizer_state(self.optimizer, output_dir)
+        if self.megatrain.engine.dp is None:
+            save_optimizer_state(self.optimizer, output_dir)
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 
     # ---- loading -------------------------------------------------------------------------------

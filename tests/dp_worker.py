@@ -1,0 +1,86 @@
+"""One training run for the data-parallel tests, single process or one rank of a torchrun launch.
+
+``python3 tests/dp_worker.py --out DIR ...`` (single process) or
+``torchrun --nproc_per_node 2 tests/dp_worker.py --out DIR ...`` (data parallel). Each rank
+writes ``DIR/rank{r}.json`` (its logs and host-store bytes); ``trainer.save_model`` writes
+``DIR/final``. ``--per-device-batch`` is per rank: pass world x it to the single run for the same
+global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+# Run as a script by torchrun: make the repository importable (tests.helpers, hf_megatrain).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from hf_megatrain import HFMegaTrainer, MegaTrainArguments  # noqa: E402
+from tests.helpers import LogRecorder, common_args, make_data, tiny_config, tiny_model  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--per-device-batch", type=int, default=2)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--max-grad-norm", type=float, default=0.5)
+    p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: none)")
+    p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
+    p.add_argument("--resident-layers", default="0")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--cuda", action="store_true")
+    a = p.parse_args()
+
+    model = tiny_model(tiny_config(a.arch, num_hidden_layers=a.layers))
+    save = dict(save_strategy="steps", save_steps=a.save_steps) if a.save_steps else {}
+    args = MegaTrainArguments(
+        output_dir=os.path.join(a.out, "run"),
+        **common_args(
+            per_device_train_batch_size=a.per_device_batch,
+            gradient_accumulation_steps=a.grad_accum,
+            max_steps=a.steps,
+            max_grad_norm=a.max_grad_norm,
+            use_cpu=not a.cuda,
+            bf16=a.bf16,
+            megatrain_resident_layers=a.resident_layers,
+            **save,
+        ),
+    )
+    rec = LogRecorder()
+    trainer = HFMegaTrainer(model=model, args=args, train_dataset=make_data(64), callbacks=[rec])
+    trainer.train(resume_from_checkpoint=a.resume)
+    trainer.save_model(os.path.join(a.out, "final"))
+    state = trainer.megatrain
+    dp = state.engine.dp
+    rank = 0 if dp is None else dp.rank
+    layers = state.store.layers
+    report = {
+        "world_size": 1 if dp is None else dp.world_size,
+        "logs": rec.logs,
+        "private_bytes": state.store.nbytes,
+        "shared_bytes": state.store.shared_nbytes,
+        # Bytes of AdamW moments this rank holds in host RAM (HBM-tier layers not counted).
+        "moment_bytes": sum(
+            2 * s.exp_avg.numel() * 4 for s in layers if not s.resident and s.exp_avg is not None
+        ),
+        "owners": None if dp is None else dp.owners,
+        "threads": torch.get_num_threads(),
+    }
+    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    if torch.distributed.is_initialized():
+        # Left to interpreter exit, gloo's threads may be torn down while still joinable
+        # ("terminate called without an active exception", SIGABRT).
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
