@@ -539,6 +539,7 @@ def train_once(cfg: RunConfig) -> dict:
                 micro_batch_tokens=cfg.resolved_micro_batch * cfg.seq_len,
                 grad_accum=cfg.grad_accum,
                 mlp_tile_tokens=cfg.mlp_tile_tokens,
+                offload_activations=cfg.offload_activations,
             ),
         )
     else:

@@ -175,6 +175,11 @@ def _add_plan_parser(sub) -> None:
         help="plan for MLP sequence tiling with tiles of this many tokens (default: off)",
     )
     pl.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="plan for layer-boundary activations in pinned host memory",
+    )
+    pl.add_argument(
         "--hbm-gib", type=float, help="free GPU memory (default: measured, else 139 = one H200)"
     )
     pl.add_argument("--host-gib", type=float, help="host RAM (default: MemAvailable)")
@@ -798,8 +803,11 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         wl = Workload.from_step(
             ns.seq_len, ns.tokens_per_step, ns.micro_batch_tokens, ns.grad_accum
         )
-        if getattr(ns, "mlp_tile_tokens", 0):
-            wl = dataclasses.replace(wl, mlp_tile_tokens=ns.mlp_tile_tokens)
+        wl = dataclasses.replace(
+            wl,
+            mlp_tile_tokens=getattr(ns, "mlp_tile_tokens", 0) or 0,
+            offload_activations=bool(getattr(ns, "offload_activations", False)),
+        )
     except ValueError as e:
         raise CLIError(str(e)) from None
     hbm, host, said = _detected_memory(ns.hbm_gib, ns.host_gib)
@@ -814,11 +822,13 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     _say(plan.table())
     result: dict[str, Any] = {"plan": plan}
     if ns.search:
-        tile = wl.mlp_tile_tokens
-        seqs = max_micro_batch_sequences(
-            shape, wl.seq_len, wl.grad_accum, dtype, hbm, host, mlp_tile_tokens=tile
+        engine = dict(
+            mlp_tile_tokens=wl.mlp_tile_tokens, offload_activations=wl.offload_activations
         )
-        longest = max_seq_len(shape, wl.grad_accum, dtype, hbm, host, mlp_tile_tokens=tile)
+        seqs = max_micro_batch_sequences(
+            shape, wl.seq_len, wl.grad_accum, dtype, hbm, host, **engine
+        )
+        longest = max_seq_len(shape, wl.grad_accum, dtype, hbm, host, **engine)
         n_layers = max_num_layers(shape, wl, dtype, hbm, host)
         result.update(max_sequences=seqs, max_seq_len=longest, max_layers=n_layers)
         big = shape.with_num_layers(n_layers)

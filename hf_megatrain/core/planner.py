@@ -95,6 +95,8 @@ class Workload:
     # Engine option: MLPs run in sequence tiles of this many tokens (0: whole micro-batch),
     # which bounds the MLP part of a layer's recompute working set.
     mlp_tile_tokens: int = 0
+    # Engine option: layer-boundary activations live in pinned host memory instead of HBM.
+    offload_activations: bool = False
 
     @property
     def tokens_per_step(self) -> int:
@@ -262,15 +264,28 @@ def _gpu_lines(
     return lines
 
 
+#: Bytes per token x hidden of a layer's backward on top of its saved input: the recomputed
+#: attention half (bf16 norm output, q, attention output, o-proj output, post-norm output; fp32
+#: mid-layer residual and post-norm input) and the fp32 gradients flowing in and out. A 1.5B
+#: layer at a 512k-token sequence went out of memory with 8 B (the earlier estimate) planned.
+ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN = 26
+
+
 def _working_set_line(t: int, h: int, inter: int, tile: int) -> MemoryLine:
     """A layer's recompute working set: attention-side tensors scale with the micro-batch, the
     MLP's (tokens x intermediate) ones with the tile when MLP tiling is on."""
     mlp_t = min(t, tile) if tile > 0 else t
     what = f"MLP in tiles of {mlp_t} tokens" if mlp_t < t else "untiled MLP"
+    k = ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN
     return MemoryLine(
-        f"one layer's recompute working set (estimate, {what}: (tokens x 4h + tile x 3i) x 2 B)",
-        (t * 4 * h + mlp_t * 3 * inter) * 2,
+        f"one layer's backward working set (estimate, {what}: tokens x {k}h + tile x 6i B)",
+        t * k * h + mlp_t * 3 * inter * 2,
     )
+
+
+def boundary_activation_bytes(shape: ModelShape, workload: Workload) -> int:
+    """Every layer's saved fp32 input (the residual stream) for one micro-batch."""
+    return workload.micro_batch_tokens * shape.hidden_size * 4 * shape.num_layers
 
 
 def _activation_lines(
@@ -279,13 +294,23 @@ def _activation_lines(
     """Per-micro-batch activation costs (micro-batches run one after another)."""
     isz = _itemsize(dtype)
     t, h, v = workload.micro_batch_tokens, shape.hidden_size, shape.vocab_size
-    lines = [
-        MemoryLine(
-            f"boundary activations: {t} tokens x hidden x 4 B x {shape.num_layers} layers",
-            t * h * 4 * shape.num_layers,
-        ),
-        _working_set_line(t, h, shape.intermediate_size, workload.mlp_tile_tokens),
-    ]
+    lines = []
+    if not workload.offload_activations:
+        lines.append(
+            MemoryLine(
+                f"boundary activations: {t} tokens x hidden x 4 B x {shape.num_layers} layers",
+                boundary_activation_bytes(shape, workload),
+            )
+        )
+    else:
+        # Offloaded: the current layer's input and the next one prefetched for backward.
+        lines.append(
+            MemoryLine(
+                "boundary activations offloaded to host; 2 in HBM (in use + prefetched)",
+                2 * t * h * 4,
+            )
+        )
+    lines.append(_working_set_line(t, h, shape.intermediate_size, workload.mlp_tile_tokens))
     if shape.fused_loss:
         chunk = min(default_chunk_tokens(v), t)
         lines.append(
@@ -312,9 +337,19 @@ def _activation_lines(
     return lines
 
 
-def _host_lines(shape: ModelShape, dtype: torch.dtype, n_hbm: int, margin: int) -> list[MemoryLine]:
+def _host_lines(
+    shape: ModelShape, workload: Workload | None, dtype: torch.dtype, n_hbm: int, margin: int
+) -> list[MemoryLine]:
     host = shape.layer_numels[n_hbm:]
-    return [
+    offload = []
+    if workload is not None and workload.offload_activations:
+        offload.append(
+            MemoryLine(
+                "offloaded boundary activations (pinned): tokens x hidden x 4 B x layers",
+                boundary_activation_bytes(shape, workload),
+            )
+        )
+    return offload + [
         MemoryLine(
             f"host-tier layers ({len(host)}): stream copy + fp32 grad/master/2 moments",
             sum(layer_store_bytes(n, dtype) for n in host),
@@ -396,7 +431,7 @@ def plan_memory(
         # so try every count instead of stopping at the first miss.
         n_hbm = next((k for k in range(n, -1, -1) if _total(gpu(k)) <= hbm_bytes), 0)
     gpu_lines = gpu(n_hbm)
-    host_lines = _host_lines(shape, compute_dtype, n_hbm, host_margin_bytes)
+    host_lines = _host_lines(shape, workload, compute_dtype, n_hbm, host_margin_bytes)
     h2d, d2h = _pcie_bytes(shape, workload, compute_dtype, n_hbm)
     plan = MemoryPlan(
         shape=shape,
@@ -505,12 +540,13 @@ def max_micro_batch_sequences(
     host_bytes: int,
     limit: int = 1 << 20,
     mlp_tile_tokens: int = 0,
+    offload_activations: bool = False,
     **kw,
 ) -> int:
     """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one)."""
     return _largest(
         lambda m: _fits(
-            shape, Workload(seq_len, m * seq_len, grad_accum, mlp_tile_tokens), compute_dtype,
+            shape, Workload(seq_len, m * seq_len, grad_accum, mlp_tile_tokens, offload_activations), compute_dtype,
             hbm_bytes,
             host_bytes, **kw,
         ),
@@ -527,12 +563,15 @@ def max_seq_len(
     multiple: int = 1024,
     limit: int = 1 << 26,
     mlp_tile_tokens: int = 0,
+    offload_activations: bool = False,
     **kw,
 ) -> int:
     """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none."""
     m = _largest(
         lambda k: _fits(
-            shape, Workload(k * multiple, k * multiple, grad_accum, mlp_tile_tokens),
+            shape, Workload(
+                k * multiple, k * multiple, grad_accum, mlp_tile_tokens, offload_activations
+            ),
             compute_dtype, hbm_bytes,
             host_bytes, **kw,
         ),

@@ -188,6 +188,7 @@ def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
         micro_batch_tokens=micro,
         grad_accum=args.gradient_accumulation_steps,
         mlp_tile_tokens=getattr(args, "megatrain_mlp_tile_tokens", 0) or 0,
+        offload_activations=bool(getattr(args, "megatrain_offload_activations", False)),
     )
 
 
