@@ -401,12 +401,14 @@ class StreamingEngine:
         with torch.cuda.stream(self._d2h):
             work.wait()  # the D2H stream (current here) waits for the reduction, not the host
             acc.mul_(inv)
+            # The running norm is summed on this stream too: on the compute stream it would
+            # read ``sq`` before this stream has written it.
             sq = torch.linalg.vector_norm(acc).square()
+            self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
             store.grad.copy_(acc, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._d2h)
         acc.record_stream(self._d2h)
-        self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
         self._d2h_events.append(ev)
         self.d2h_bytes += acc.numel() * 4
         if self.on_grad_final is not None:

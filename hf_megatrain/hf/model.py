@@ -244,6 +244,12 @@ def prepare_streamed_model(
         return model
     check_supported(model)
     device = torch.device(device)
+    # Data parallel (several processes launched): layer weights in host memory shared by the
+    # ranks, each layer's gradient and moments only on its owner (core/distributed.py). Set up
+    # first, so that "cuda" means this rank's GPU before anything (the planner) touches one.
+    dp = DataParallel.from_environment(device)
+    if dp is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         prefer_expandable_segments()  # before the HBM tier and the stream buffers are allocated
     if compute_dtype not in (torch.float32, torch.bfloat16):
@@ -280,9 +286,6 @@ def prepare_streamed_model(
         layer_store_bytes(numel, compute_dtype, trainable)
         for (_, numel, _), trainable in zip(plans[n_resident:], trainable_store[n_resident:])
     )
-    # Data parallel (several processes launched): layer weights in host memory shared by the
-    # ranks, each layer's gradient and moments only on its owner (core/distributed.py).
-    dp = DataParallel.from_environment(device)
     shared: list = [None] * len(plans)
     if dp is not None:
         dp.assign_owners([None if i < n_resident else n for i, (_, n, _) in enumerate(plans)])

@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Data-parallel hf_megatrain throughput: one process per GPU of one host, a row in results.csv.
+
+The run is ``bench.py``'s megatrain run (same model build, random tokens, arguments, step timer
+and measurements: ``bench.train_once``), launched with ``torchrun --nproc_per_node N``. Each rank
+trains ``--tokens-per-gpu`` tokens per optimizer step, so the global step is N times that; the
+row records the global tokens per step and tokens/s of the whole job, the MFU per GPU, rank 0's
+peak HBM, and the host's peak RAM of all ranks together (private memory of each rank plus the
+shared host store once). Its ``system`` is ``megatrain-dpN`` (``megatrain-hbm-dpN`` with the HBM
+tier). Compare with a single-GPU ``bench.py`` row at ``--tokens-per-step`` = ``--tokens-per-gpu``
+(same work per GPU) or = N x it (same global batch).
+
+Example (7B-class, 64k tokens per step per GPU, 2 GPUs)::
+
+    python3 benchmarks/bench_dp.py --nproc 2 --model qwen2.5-7b --seq-len 4096 \\
+        --tokens-per-gpu 65536 --micro-batch 4 --streamed-init --steps 5 --warmup 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import bench  # noqa: E402  (bench.py beside this file)
+
+
+def _run_config(a: argparse.Namespace) -> bench.RunConfig:
+    """The per-rank run (what bench.py would run on one GPU)."""
+    return bench.RunConfig(
+        system=a.system,
+        model=a.model,
+        seq_len=a.seq_len,
+        tokens_per_step=a.tokens_per_gpu,
+        micro_batch=a.micro_batch,
+        steps=a.steps,
+        warmup=a.warmup,
+        seed=a.seed,
+        device="cuda" if not a.cpu else "cpu",
+        timeout_s=a.timeout_s,
+        learning_rate=a.lr,
+        host_memory_limit_gb=a.host_memory_limit_gb,
+        streamed_init=a.streamed_init,
+        mlp_tile_tokens=a.mlp_tile_tokens,
+        offload_activations=a.offload_activations,
+    )
+
+
+def _host_memory() -> tuple[float, float]:
+    """(peak RSS, current shared-memory RSS) of this process in bytes, from /proc."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    return float(fields.get("VmHWM", 0)), float(fields.get("RssShmem", 0))
+
+
+def run_worker(a: argparse.Namespace) -> int:
+    """One rank (under torchrun): train, then rank 0 writes the job's result."""
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not a.cpu:
+        torch.cuda.set_device(local_rank)  # before anything touches a GPU
+    cfg = _run_config(a)
+    try:
+        result = bench.train_once(cfg)
+        code = 0
+    except BaseException as exc:  # noqa: BLE001  (a failure is a row, never a crash)
+        import traceback
+
+        traceback.print_exc()
+        result = {"status": bench.failure_status(exc)}
+        code = 1
+    if code == 0:
+        world = dist.get_world_size()
+        # train_once measured this rank's tokens; every rank processes as many.
+        for key in ("tokens_per_s", "model_tflops"):
+            result[key] *= world
+        result["world_size"] = world
+        hwm, shm = _host_memory()
+        both = [None] * world
+        dist.all_gather_object(both, (hwm, shm))
+        # Shared host-store pages appear in every rank's RSS: count them once.
+        peak_host = sum(h - s for h, s in both) + max(s for _, s in both)
+        result["peak_host_gib"] = peak_host / bench.GIB
+    result.update(bench.versions())
+    result.setdefault("peak_host_gib", bench.peak_host_gib())
+    try:
+        result["peak_hbm_gib"] = bench.peak_hbm_gib()
+    except Exception:  # noqa: BLE001  (a broken CUDA context after a failure)
+        result["peak_hbm_gib"] = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(a.result_json).write_text(json.dumps(result))
+    print(f"bench_dp rank {os.environ.get('RANK')}: {result['status']}", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # As bench.py's worker: skip interpreter teardown (process-group / CUDA teardown can hang
+    # after the result is written).
+    os._exit(code)
+
+
+def _launch(a: argparse.Namespace, argv: list[str], log_file) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-dp-") as tmp:
+        result_json = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc_per_node", str(a.nproc), str(BENCH_DIR / "bench_dp.py"), *argv]
+        cmd += ["--worker", "--result-json", str(result_json)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(bench.REPO_ROOT), env.get("PYTHONPATH")])
+        )
+        log_file.write(f"\n===== {shlex.join(cmd)}\n")
+        log_file.flush()
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            cwd=str(bench.REPO_ROOT),
+        )
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=a.timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+        bench.kill_session(proc.pid)  # no rank may outlive the run
+        if result_json.is_file():
+            result = json.loads(result_json.read_text())
+        else:
+            tail = Path(log_file.name).read_text().splitlines()[-40:]
+            result = {"status": bench.status_from_exit(rc, timed_out, a.timeout_s, tail)}
+        result["wall_s"] = time.perf_counter() - start
+        return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) on this host")
+    p.add_argument("--system", choices=("megatrain", "megatrain-hbm"), default="megatrain")
+    p.add_argument("--model", required=True, help="config name under benchmarks/configs/")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--tokens-per-gpu", type=int, default=65536, help="per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--host-memory-limit-gb", type=float, default=None)
+    p.add_argument("--streamed-init", action="store_true")
+    p.add_argument("--mlp-tile-tokens", type=int, default=0)
+    p.add_argument("--offload-activations", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU (a smoke test of the script)")
+    p.add_argument("--tag", default="dp")
+    p.add_argument("--results-dir", type=Path, default=bench.RESULTS_DIR)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result-json", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = build_parser().parse_args(argv)
+    if a.worker:
+        return run_worker(a)
+    cfg = _run_config(a)  # validates the split before anything starts
+    a.results_dir.mkdir(parents=True, exist_ok=True)
+    log_path = bench.unique_path(a.results_dir, f"{dt.date.today()}-{a.tag}", ".log")
+    with log_path.open("w") as log_file:
+        result = _launch(a, argv, log_file)
+    sweep = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": bench.git_commit(),
+        "gpu": bench.gpu_name_from_smi(),
+        "versions": bench.versions(),
+        "src_sha": bench.source_sha(),
+        "tag": a.tag,
+    }
+    row = bench.make_row(cfg, result, sweep)
+    row["system"] = f"{a.system}-dp{a.nproc}"
+    row["tokens_per_step"] = a.tokens_per_gpu * a.nproc
+    row["command"] = shlex.join(["python3", "benchmarks/bench_dp.py", *argv])
+    bench.append_csv(a.results_dir / "results.csv", [row])
+    print(
+        json.dumps(
+            {
+                k: row[k]
+                for k in (
+                    "system",
+                    "model",
+                    "tokens_per_step",
+                    "tokens_per_s",
+                    "mfu",
+                    "peak_hbm_gib",
+                    "peak_host_gib",
+                    "status",
+                )
+            }
+        )
+    )
+    print(f"bench_dp: log {log_path}")
+    return 0 if result.get("status") == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
