@@ -114,12 +114,34 @@ def run_worker(a: argparse.Namespace) -> int:
     os._exit(code)
 
 
+def _worker_argv(argv: list[str]) -> list[str]:
+    """The workers' arguments: ours minus ``--nproc``.
+
+    torchrun's argparse classifies every argument, the script's too, and rejects ``--nproc`` as
+    an ambiguous abbreviation of its own ``--nproc-per-node``/``--nproc_per_node`` (found on the
+    2-GPU machine); the workers do not need it anyway.
+    """
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def torchrun_command(a: argparse.Namespace, argv: list[str], result_json: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc_per_node", str(a.nproc), str(BENCH_DIR / "bench_dp.py")]
+    return cmd + _worker_argv(argv) + ["--worker", "--result-json", str(result_json)]
+
+
 def _launch(a: argparse.Namespace, argv: list[str], log_file) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-dp-") as tmp:
         result_json = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc_per_node", str(a.nproc), str(BENCH_DIR / "bench_dp.py"), *argv]
-        cmd += ["--worker", "--result-json", str(result_json)]
+        cmd = torchrun_command(a, argv, result_json)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(bench.REPO_ROOT), env.get("PYTHONPATH")])

@@ -210,3 +210,18 @@ def test_streamed_init_run(tmp_path):
     result = json.loads(out.read_text())
     assert result["status"] == "ok" and result["tokens_per_s"] > 0
     assert result["params"] == bench.count_params(bench.load_model_config(TINY))
+
+
+def test_bench_dp_command_parses_under_torchrun(tmp_path):
+    """torchrun's parser sees the script's arguments too: none may clash with its options."""
+    from torch.distributed.run import get_args_parser
+
+    import benchmarks.bench_dp as bench_dp
+
+    argv = ["--nproc", "2", "--model", "tiny-qwen2", "--seq-len", "16", "--tokens-per-gpu", "32"]
+    a = bench_dp.build_parser().parse_args(argv)
+    cmd = bench_dp.torchrun_command(a, argv, tmp_path / "r.json")
+    ns = get_args_parser().parse_args(cmd[3:])  # after `python -m torch.distributed.run`
+    assert ns.nproc_per_node == "2"
+    assert "--nproc" not in ns.training_script_args
+    assert ns.training_script_args[-3:] == ["--worker", "--result-json", str(tmp_path / "r.json")]

@@ -18,8 +18,12 @@ def prefer_expandable_segments() -> bool:
     """
     if any(os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
         return False  # the user's allocator settings win
+    # torch >= 2.10 has the device-generic setter (the CUDA one warns there as deprecated).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
     try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        setter("expandable_segments:True")
     except (AttributeError, RuntimeError):  # an allocator backend without the option
         return False
     return True
