@@ -108,6 +108,7 @@ EXTRA_COLUMNS = [
     "mlp_tile_tokens",
     "offload_activations",
     "gpu_busy",
+    "note",  # provenance remarks (e.g. a row restored from its sweep's markdown summary)
 ]
 CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
 
