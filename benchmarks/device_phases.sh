@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU-machine work of a session as named phases, each sized to fit one device command
+# (10 minutes), every output packed into ONE file, $OUT/results-<phase>.tgz (the device tool
+# returns only a few files per call: a sweep's CSV, markdown, logs and traces otherwise get
+# dropped). Run from the repo root there, `.whl` carried, BENCH_COMMIT set:
+#
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh tests      # nvidia-h200 or -x2
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh capacity   # nvidia-h200
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long       # nvidia-h200
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh dp         # nvidia-h200-x2
+#
+# Then, here: tar xzf <files_at>/results-<phase>.tgz -C /tmp/x and merge its
+# benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:?phase: tests | capacity | long | dp}
+out=${OUT:-/tmp/out}
+mkdir -p "$out" benchmarks/results/logs
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+log="benchmarks/results/logs/$(date -u +%F)-phase-$phase.log"
+pack() { tar czf "$out/results-$phase.tgz" benchmarks/results; }
+trap pack EXIT
+bench() { bash benchmarks/run_device.sh "$@" >>"$log" 2>&1; grep "^bench:" "$log" | tail -3; pack; }
+
+case "$phase" in
+  tests)
+    # Every GPU-marked test; the 2-GPU data-parallel ones skip on one GPU.
+    timeout 420 python3 -m pytest tests/test_gpu.py tests/test_packing.py tests/test_gpu_dp.py \
+      -o addopts="" -p no:cacheprovider -rA -q 2>&1 | grep -v '^DEBUG' >"$log"
+    tail -30 "$log"
+    ;;
+  capacity)
+    # Llama-3.1-8B and Qwen2.5-14B with the planned HBM tier, planned vs measured peaks.
+    bench --tag "cap-$(date -u +%H%M)" --streamed-init --steps 2 --warmup 1 --timeout-s 270 \
+      --run llama-3.1-8b:65536:megatrain-hbm:16 --run qwen2.5-14b:16384:megatrain-hbm:4
+    ;;
+  long)
+    # One 524,288-token sequence of Qwen2.5-1.5B: MLP tiles, boundary activations on the host.
+    bench --tag "long-$(date -u +%H%M)" --seq-len 524288 --mlp-tile-tokens 16384 \
+      --offload-activations --steps 1 --warmup 0 --timeout-s 540 \
+      --run qwen2.5-1.5b:524288:megatrain-hbm:1
+    ;;
+  dp)
+    # Qwen2.5-7B, 64k tokens per GPU: one GPU, then two (same work per GPU).
+    python3 benchmarks/bench.py --tag "dp-$(date -u +%H%M)" --system megatrain \
+      --model qwen2.5-7b --seq-len 4096 --tokens-per-step 65536 --micro-batch 16 \
+      --streamed-init --steps 2 --warmup 1 --timeout-s 240 >>"$log" 2>&1
+    pack
+    python3 benchmarks/bench_dp.py --tag "dp-$(date -u +%H%M)" --nproc 2 --model qwen2.5-7b \
+      --seq-len 4096 --tokens-per-gpu 65536 --micro-batch 16 --streamed-init --steps 2 \
+      --warmup 1 --timeout-s 300 >>"$log" 2>&1
+    grep -E '^bench|"status"' "$log" | tail -4
+    ;;
+  *)
+    echo "unknown phase $phase" >&2
+    exit 2
+    ;;
+esac
