@@ -185,6 +185,11 @@ class RunConfig:
     # activation offload to pinned host memory.
     mlp_tile_tokens: int = 0
     offload_activations: bool = False
+    # Training without gradient clipping (max_grad_norm 0, every system); megatrain then updates
+    # layers eagerly and its host store keeps no fp32 gradient slot (14 instead of 18 B/param).
+    no_clip: bool = False
+    # megatrain only: no bf16 copy in host RAM; fp32 masters stream and are cast on the GPU.
+    stream_fp32_master: bool = False
     # Record a CUDA kernel trace of the last warm-up step (steady state, outside the timed steps)
     # and report the fraction of it the GPU was busy.
     profile: bool = False
@@ -240,6 +245,10 @@ class RunConfig:
             args += ["--mlp-tile-tokens", str(self.mlp_tile_tokens)]
         if self.offload_activations:
             args.append("--offload-activations")
+        if self.no_clip:
+            args.append("--no-clip")
+        if self.stream_fp32_master:
+            args.append("--stream-fp32-master")
         if self.profile:
             args.append("--profile")
         return args
@@ -430,7 +439,7 @@ def training_arguments(cfg: RunConfig, output_dir: str, device: str) -> dict:
         learning_rate=cfg.learning_rate,
         weight_decay=0.1,
         lr_scheduler_type="constant",
-        max_grad_norm=1.0,  # clipping on, as in real training
+        max_grad_norm=0.0 if cfg.no_clip else 1.0,  # clipping on unless --no-clip
         bf16=True,
         optim="adamw_torch_fused",
         gradient_checkpointing=True,
@@ -460,6 +469,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
             megatrain_plan_seq_len=cfg.seq_len,
             megatrain_mlp_tile_tokens=cfg.mlp_tile_tokens,
             megatrain_offload_activations=cfg.offload_activations,
+            megatrain_stream_fp32_master=cfg.stream_fp32_master,
         )
         return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     from transformers import Trainer, TrainingArguments
@@ -542,6 +552,9 @@ def train_once(cfg: RunConfig) -> dict:
                 mlp_tile_tokens=cfg.mlp_tile_tokens,
                 offload_activations=cfg.offload_activations,
             ),
+            # The store is built here, before the trainer: give it the run's layout.
+            host_grads=not cfg.no_clip,
+            stream_fp32_master=cfg.stream_fp32_master,
         )
     else:
         model = build_model(config, cfg.seed)
@@ -905,7 +918,8 @@ def write_markdown(path: Path, sweep: dict, runs: list[tuple[RunConfig, dict, di
         "",
         "- stock: Trainer, fp32 model on the GPU, bf16 autocast, gradient checkpointing "
         "(non-reentrant), adamw_torch_fused",
-        "- all: lr 1e-5 constant, weight decay 0.1, max_grad_norm 1.0, sdpa attention, "
+        "- all: lr 1e-5 constant, weight decay 0.1, max_grad_norm 1.0 (0 where the run's "
+        "command has --no-clip), sdpa attention, "
         "no logging, no saving",
         "",
         "## Models (configs in benchmarks/configs/)",
@@ -1050,6 +1064,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="megatrain only: layer-boundary activations to pinned host memory",
     )
     p.add_argument(
+        "--no-clip",
+        action="store_true",
+        help="max_grad_norm 0 for every system; megatrain updates layers eagerly and keeps no "
+        "host gradient slot",
+    )
+    p.add_argument(
+        "--stream-fp32-master",
+        action="store_true",
+        help="megatrain only: stream fp32 masters (cast on the GPU) instead of a host bf16 copy",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="trace the last warm-up step's CUDA kernels (results/traces/) and record the GPU "
@@ -1076,6 +1101,8 @@ def configs_from_args(a: argparse.Namespace) -> list[RunConfig]:
         streamed_init=a.streamed_init,
         mlp_tile_tokens=a.mlp_tile_tokens,
         offload_activations=a.offload_activations,
+        no_clip=a.no_clip,
+        stream_fp32_master=a.stream_fp32_master,
         profile=a.profile,
     )
     entries: list[tuple[str, int, list[str], int | None]] = []

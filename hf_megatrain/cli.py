@@ -180,6 +180,18 @@ def _add_plan_parser(sub) -> None:
         help="plan for layer-boundary activations in pinned host memory",
     )
     pl.add_argument(
+        "--no-clip",
+        action="store_true",
+        help="plan for training without gradient clipping (max_grad_norm 0): layers update "
+        "eagerly during backward and host layers keep no fp32 gradient slot (4 B/param less)",
+    )
+    pl.add_argument(
+        "--stream-fp32-master",
+        action="store_true",
+        help="plan for megatrain_stream_fp32_master: no bf16 copy in host RAM (2 B/param less), "
+        "the fp32 master streams (twice the H2D bytes) and is cast on the GPU",
+    )
+    pl.add_argument(
         "--hbm-gib", type=float, help="free GPU memory (default: measured, else 139 = one H200)"
     )
     pl.add_argument("--host-gib", type=float, help="host RAM (default: MemAvailable)")
@@ -817,7 +829,11 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     _setup_logging()
     shape = model_shape_from_config(cfg, f"{label} [{cfg.model_type}]")
     dtype = torch.float32 if ns.fp32 else torch.bfloat16
-    plan = plan_memory(shape, wl, dtype, hbm, host)
+    store = dict(
+        hold_grads=not getattr(ns, "no_clip", False),
+        stream_fp32_master=bool(getattr(ns, "stream_fp32_master", False)),
+    )
+    plan = plan_memory(shape, wl, dtype, hbm, host, **store)
     _say("\n".join(said))
     _say(plan.table())
     result: dict[str, Any] = {"plan": plan}
@@ -826,10 +842,10 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             mlp_tile_tokens=wl.mlp_tile_tokens, offload_activations=wl.offload_activations
         )
         seqs = max_micro_batch_sequences(
-            shape, wl.seq_len, wl.grad_accum, dtype, hbm, host, **engine
+            shape, wl.seq_len, wl.grad_accum, dtype, hbm, host, **engine, **store
         )
-        longest = max_seq_len(shape, wl.grad_accum, dtype, hbm, host, **engine)
-        n_layers = max_num_layers(shape, wl, dtype, hbm, host)
+        longest = max_seq_len(shape, wl.grad_accum, dtype, hbm, host, **engine, **store)
+        n_layers = max_num_layers(shape, wl, dtype, hbm, host, **store)
         result.update(max_sequences=seqs, max_seq_len=longest, max_layers=n_layers)
         big = shape.with_num_layers(n_layers)
         _say(

@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--resident-layers", default="0")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--cuda", action="store_true")
+    p.add_argument("--stream-fp32-master", action="store_true")
     a = p.parse_args()
 
     model = tiny_model(tiny_config(a.arch, num_hidden_layers=a.layers))
@@ -51,6 +52,7 @@ def main() -> None:
             use_cpu=not a.cuda,
             bf16=a.bf16,
             megatrain_resident_layers=a.resident_layers,
+            megatrain_stream_fp32_master=a.stream_fp32_master,
             **save,
         ),
     )
@@ -72,6 +74,9 @@ def main() -> None:
             2 * s.exp_avg.numel() * 4 for s in layers if not s.resident and s.exp_avg is not None
         ),
         "owners": None if dp is None else dp.owners,
+        # Host layers without a gradient slot (eager updates) / streaming their fp32 master.
+        "grad_slots": [s.grad is not None for s in layers if not s.resident and s.owned],
+        "streams_fp32_master": state.engine.streams_fp32_master,
         "threads": torch.get_num_threads(),
     }
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:

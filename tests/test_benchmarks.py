@@ -212,6 +212,21 @@ def test_streamed_init_run(tmp_path):
     assert result["params"] == bench.count_params(bench.load_model_config(TINY))
 
 
+def test_no_clip_slim_store_run(tmp_path):
+    """--no-clip --stream-fp32-master --streamed-init: the 12 B/param host store, recorded."""
+    argv = ["--run", f"{TINY}:32:megatrain", "--seq-len", "16", "--device", "cpu"]
+    argv += ["--steps", "1", "--warmup", "1", "--streamed-init", "--no-clip"]
+    (cfg,) = bench.configs_from_args(
+        bench.build_parser().parse_args([*argv, "--stream-fp32-master"])
+    )
+    assert cfg.no_clip and cfg.stream_fp32_master
+    assert "--no-clip" in cfg.command() and "--stream-fp32-master" in cfg.command()
+    assert bench.training_arguments(cfg, str(tmp_path), "cpu")["max_grad_norm"] == 0.0
+    out = tmp_path / "result.json"
+    assert bench.run_worker(cfg, out) == 0
+    assert json.loads(out.read_text())["status"] == "ok"
+
+
 def test_bench_dp_command_parses_under_torchrun(tmp_path):
     """torchrun's parser sees the script's arguments too: none may clash with its options."""
     from torch.distributed.run import get_args_parser

@@ -138,6 +138,35 @@ def test_dp_eager_updates_and_hbm_tier(tmp_path):
     # host moments are split 2 + 1 over the ranks, none held twice.
     assert dp[0]["owners"] == [-1, 0, 1, 0]
     assert sum(r["moment_bytes"] for r in dp) == single[0]["moment_bytes"]
+    # Clipping off: no host gradient slot anywhere; the owners' reduced gradients went through
+    # the staging path into their eager updates. fp32 run: master (shared) + 2 moments (owned)
+    # per streamed layer, the single process's store exactly.
+    assert not any(slot for r in [*single, *dp] for slot in r["grad_slots"])
+    per_layer = single[0]["private_bytes"] // 3  # 3 streamed layers: master + 2 moments
+    assert [r["private_bytes"] for r in dp] == [2 * 2 * per_layer // 3, 2 * per_layer // 3]
+    assert dp[0]["shared_bytes"] == 3 * per_layer // 3
+
+
+def test_dp_bf16_fp32_master_streaming_no_clip(tmp_path):
+    """12 B/param stores under data parallel: shared fp32 masters (no bf16 copy), owned moments.
+
+    Compared with the same 2-rank bf16 run on the default store (shared bf16 copies): the ranks
+    cast the shared fp32 master at acquire exactly as the owner's refresh rounds it into the
+    copy, so losses and weights are bitwise equal (a stale or unpublished master would not be).
+    """
+    extra = ("--grad-accum", "2", "--steps", "3", "--max-grad-norm", "0", "--bf16")
+    base = _run(tmp_path / "base", 2, *extra)
+    dp = _run(tmp_path / "dp", 2, *extra, "--stream-fp32-master")
+    assert all(r["streams_fp32_master"] for r in dp) and not base[0]["streams_fp32_master"]
+    assert [x["loss"] for x in dp[0]["logs"]] == [x["loss"] for x in base[0]["logs"]]
+    a, b = _weights(tmp_path / "base" / "final"), _weights(tmp_path / "dp" / "final")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # Shared region: the 4 fp32 masters and nothing else (the default run adds 4 bf16 copies);
+    # each rank's private part: the 2 moments of its 2 layers, no gradient slot.
+    f32 = dp[0]["private_bytes"] // 4  # one layer's page-rounded fp32 buffer
+    assert [r["private_bytes"] for r in dp] == [4 * f32, 4 * f32]
+    assert dp[0]["shared_bytes"] == 4 * f32 < base[0]["shared_bytes"]
 
 
 def test_refuses_multi_node_and_too_many_ranks():

@@ -156,7 +156,12 @@ class DataParallel:
         self.owners = owners
 
     def host_bytes(
-        self, numels: Sequence[int], trainable: Sequence[bool], stream_dtype: torch.dtype
+        self,
+        numels: Sequence[int],
+        trainable: Sequence[bool],
+        stream_dtype: torch.dtype,
+        hold_grad: bool = True,
+        stream_master: bool = False,
     ) -> int:
         """Host RAM all ranks together take for these streamed layers (shared + owned parts).
 
@@ -167,12 +172,12 @@ class DataParallel:
 
         header = _round_up(max(len(self.owners), 1) * 8, PAGE)
         return header + sum(
-            shared_layer_bytes(n, stream_dtype) + owned_layer_bytes(n, t)
+            shared_layer_bytes(n, stream_dtype, stream_master) + owned_layer_bytes(n, t, hold_grad)
             for n, t in zip(numels, trainable)
         )
 
     def allocate_layer_buffers(
-        self, numels: Sequence[int | None], stream_dtype: torch.dtype
+        self, numels: Sequence[int | None], stream_dtype: torch.dtype, stream_master: bool = False
     ) -> list[torch.Tensor | None]:
         """Shared buffers for the layers' stream copies and masters (``None`` numel: none).
 
@@ -181,7 +186,7 @@ class DataParallel:
         from .host_store import shared_layer_bytes  # noqa: PLC0415
 
         return self.allocate_shared(
-            [0 if n is None else shared_layer_bytes(n, stream_dtype) for n in numels]
+            [0 if n is None else shared_layer_bytes(n, stream_dtype, stream_master) for n in numels]
         )
 
     def owner(self, layer: int) -> int:

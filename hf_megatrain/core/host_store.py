@@ -9,6 +9,14 @@ with ``cudaHostRegister`` when CUDA is present: registering an existing page-ali
 cheaper than ``torch.empty(pin_memory=True)`` and avoids the caching host allocator's power-of-two
 rounding. In fp32 runs the master itself is what streams, so no separate stream copy exists.
 
+Two options shrink a trainable layer (bf16 runs: 18 B/param by default):
+
+* ``hold_grad=False`` (eager updates, no clipping): no fp32 grad slot. Each layer's final gradient
+  passes through a small ring of pinned staging buffers owned by the streaming engine and is
+  consumed by the layer's update right away; nothing waits for a global norm. 14 B/param.
+* ``stream_master=True``: no compute-dtype copy; the fp32 master itself crosses PCIe (twice the
+  H2D bytes) and is cast on the GPU. 16 B/param, 12 B/param together with ``hold_grad=False``.
+
 Within a layer, parameters that get weight decay are laid out first, then the ones that do not, so
 the optimizer updates each group with one fused call over a contiguous slice.
 
@@ -114,11 +122,25 @@ def layout_slots(
     return slots, offset, decay_numel
 
 
-def layer_store_bytes(numel: int, stream_dtype: torch.dtype, trainable: bool = True) -> int:
+def _stream_copy_bytes(numel: int, stream_dtype: torch.dtype, stream_master: bool) -> int:
+    """Bytes of a separate compute-dtype copy (none in fp32 runs or when the master streams)."""
+    if stream_dtype == torch.float32 or stream_master:
+        return 0
+    return _round_up(numel * stream_dtype.itemsize, PAGE)
+
+
+def layer_store_bytes(
+    numel: int,
+    stream_dtype: torch.dtype,
+    trainable: bool = True,
+    hold_grad: bool = True,
+    stream_master: bool = False,
+) -> int:
     """Host bytes one layer of ``numel`` parameters takes (what ``LayerStore`` allocates)."""
-    stream = 0 if stream_dtype == torch.float32 else _round_up(numel * stream_dtype.itemsize, PAGE)
+    stream = _stream_copy_bytes(numel, stream_dtype, stream_master)
     fp32 = _round_up(numel * _FP32, PAGE)
-    return stream + (4 if trainable else 1) * fp32
+    n_fp32 = (3 + (1 if hold_grad else 0)) if trainable else 1
+    return stream + n_fp32 * fp32
 
 
 def _clear_cuda_error() -> None:
@@ -217,6 +239,7 @@ class DeviceLayerStore(_FlatLayerState):
 
     resident = True
     trainable = True  # frozen layers always stream (their state is small on the host)
+    holds_grad = True  # the GPU AdamW reads the gradient accumulated in place
     owned = True  # under data parallel every rank keeps (and updates) its own replica
     pinned = False
     nbytes = 0  # host bytes
@@ -250,15 +273,14 @@ def device_layer_bytes(numel: int, stream_dtype: torch.dtype) -> int:
     return numel * (16 + (0 if stream_dtype == torch.float32 else stream_dtype.itemsize))
 
 
-def shared_layer_bytes(numel: int, stream_dtype: torch.dtype) -> int:
+def shared_layer_bytes(numel: int, stream_dtype: torch.dtype, stream_master: bool = False) -> int:
     """Bytes of one layer in a data-parallel shared region: stream copy (bf16 runs) + fp32 master."""
-    stream = 0 if stream_dtype == torch.float32 else _round_up(numel * stream_dtype.itemsize, PAGE)
-    return stream + _round_up(numel * _FP32, PAGE)
+    return _stream_copy_bytes(numel, stream_dtype, stream_master) + _round_up(numel * _FP32, PAGE)
 
 
-def owned_layer_bytes(numel: int, trainable: bool = True) -> int:
+def owned_layer_bytes(numel: int, trainable: bool = True, hold_grad: bool = True) -> int:
     """Private host bytes of a layer's owner under data parallel: fp32 grad and two moments."""
-    return 3 * _round_up(numel * _FP32, PAGE) if trainable else 0
+    return (2 + (1 if hold_grad else 0)) * _round_up(numel * _FP32, PAGE) if trainable else 0
 
 
 class LayerStore(_FlatLayerState):
@@ -269,6 +291,10 @@ class LayerStore(_FlatLayerState):
     memory shared by every rank of the host, and only the layer's owner (``owned``) allocates
     the private fp32 gradient and moments; other ranks hold no optimizer state for it
     (``grad`` / ``exp_avg`` / ``exp_avg_sq`` are ``None``).
+
+    ``hold_grad=False``: no gradient slot (``grad`` is ``None`` and ``holds_grad`` False); the
+    engine stages the layer's final gradient for an eager update instead. ``stream_master=True``:
+    no compute-dtype copy; ``stream`` is the fp32 master, cast to the compute dtype on the device.
     """
 
     resident = False
@@ -283,13 +309,18 @@ class LayerStore(_FlatLayerState):
         trainable: bool = True,
         shared: torch.Tensor | None = None,
         owned: bool = True,
+        hold_grad: bool = True,
+        stream_master: bool = False,
     ) -> None:
         super().__init__(slots, numel, decay_numel, stream_dtype)
         self.trainable = trainable
         self.owned = owned
         self.shared_nbytes = 0
-        separate_stream = stream_dtype != torch.float32
-        stream_bytes = _round_up(numel * stream_dtype.itemsize, PAGE) if separate_stream else 0
+        # Whether this layer's optimizer state includes a gradient slot (only meaningful for a
+        # trainable layer this rank owns).
+        self.holds_grad = hold_grad
+        stream_bytes = _stream_copy_bytes(numel, stream_dtype, stream_master)
+        separate_stream = stream_bytes > 0
         fp32_bytes = _round_up(numel * _FP32, PAGE)
         self.grad: torch.Tensor | None = None
         self.exp_avg: torch.Tensor | None = None
@@ -301,7 +332,7 @@ class LayerStore(_FlatLayerState):
         if not owned:
             raise ValueError("hf_megatrain: a layer store without a shared buffer must be owned")
         # A frozen layer (e.g. the base under LoRA adapters) needs no grad and no moments.
-        total = stream_bytes + (4 if trainable else 1) * fp32_bytes
+        total = layer_store_bytes(numel, stream_dtype, trainable, hold_grad, stream_master)
         self._mmap = mmap.mmap(-1, max(total, PAGE))
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total) if total else None
 
@@ -313,13 +344,19 @@ class LayerStore(_FlatLayerState):
         if separate_stream:
             self.stream = view(0, stream_dtype)
             cursor = stream_bytes
-        if trainable:
+        if trainable and hold_grad:
             self.grad = view(cursor, torch.float32)
             self.master = view(cursor + fp32_bytes, torch.float32)
             self.exp_avg = view(cursor + 2 * fp32_bytes, torch.float32)
             self.exp_avg_sq = view(cursor + 3 * fp32_bytes, torch.float32)
             # The PCIe-facing prefix: stream copy and grad (+ the master when it is the stream).
             pinned_bytes = stream_bytes + fp32_bytes * (1 if separate_stream else 2)
+        elif trainable:
+            # No grad slot: the gradient never lands here (the engine stages it).
+            self.master = view(cursor, torch.float32)
+            self.exp_avg = view(cursor + fp32_bytes, torch.float32)
+            self.exp_avg_sq = view(cursor + 2 * fp32_bytes, torch.float32)
+            pinned_bytes = stream_bytes if separate_stream else fp32_bytes
         else:
             self.master = view(cursor, torch.float32)
             pinned_bytes = stream_bytes if separate_stream else fp32_bytes
@@ -345,14 +382,18 @@ class LayerStore(_FlatLayerState):
         self.nbytes = 0
         if not (self.trainable and self.owned):
             return
-        total = 3 * fp32_bytes
+        total = owned_layer_bytes(numel, True, self.holds_grad)
         self._mmap = mmap.mmap(-1, total)
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total)
-        self.grad = raw[: numel * _FP32].view(torch.float32)
-        self.exp_avg = raw[fp32_bytes : fp32_bytes + numel * _FP32].view(torch.float32)
-        self.exp_avg_sq = raw[2 * fp32_bytes : 2 * fp32_bytes + numel * _FP32].view(torch.float32)
-        if pin:  # the gradient crosses PCIe (D2H)
-            self._register(raw.data_ptr(), fp32_bytes)
+        cursor = 0
+        if self.holds_grad:
+            self.grad = raw[: numel * _FP32].view(torch.float32)
+            cursor = fp32_bytes
+            if pin:  # the gradient crosses PCIe (D2H)
+                self._register(raw.data_ptr(), fp32_bytes)
+        self.exp_avg = raw[cursor : cursor + numel * _FP32].view(torch.float32)
+        cursor += fp32_bytes
+        self.exp_avg_sq = raw[cursor : cursor + numel * _FP32].view(torch.float32)
         self.nbytes = total
 
     def _register(self, ptr: int, nbytes: int) -> bool:
@@ -382,7 +423,8 @@ class HostStore:
         if needed_bytes > avail:
             raise InsufficientHostMemoryError(
                 f"hf_megatrain: the host store needs {format_bytes(needed_bytes)} of host RAM "
-                f"(fp32 master + 2 AdamW moments + fp32 grad + stream copy), but only "
+                f"(fp32 master + 2 AdamW moments, fp32 grad and stream copy unless "
+                f"eager updates / fp32-master streaming leave them out), but only "
                 f"{format_bytes(avail)} is available. Use a machine with more RAM, a smaller "
                 f"model, or freeze part of the model."
             )

@@ -143,6 +143,14 @@ class HostAdamW(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Same contract as ``torch.nn.utils.clip_grad_norm_``: returns the pre-clip norm."""
+        if self.eager:
+            # The layers updated during backward, before any norm existed: clipping now would
+            # scale only the resident parameters' update.
+            raise RuntimeError(
+                "hf_megatrain: gradient clipping cannot be combined with eager layer updates "
+                "(each layer already updated during backward); set max_grad_norm=0 or turn "
+                "megatrain_eager_update off (with host gradient slots, megatrain_host_grads)."
+            )
         norm = self.grad_norm()
         # torch.nn.utils.clip_grad_norm_ uses exactly this coefficient.
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -176,7 +184,7 @@ class HostAdamW(torch.optim.Optimizer):
             self._step_resident(group, self._hyper(group))
 
         def update_layer(idx: int) -> None:
-            self._update_layer(jobs[idx], scale_by_device)
+            self._update_layer(jobs[idx], scale_by_device, self.engine.final_grad(idx))
             self.engine.stores[idx].refresh_stream_copy()
             self.engine.publish_update(idx, version)
 
@@ -218,7 +226,10 @@ class HostAdamW(torch.optim.Optimizer):
         return jobs
 
     @staticmethod
-    def _update_layer(jobs: list[tuple[_Segment, dict]], scale_by_device: dict | None) -> None:
+    def _update_layer(
+        jobs: list[tuple[_Segment, dict]], scale_by_device: dict | None, grad: torch.Tensor
+    ) -> None:
+        """AdamW on one layer's slices; ``grad`` is its flat fp32 gradient (store or staging)."""
         for seg, kw in jobs:
             s, e = seg.start, seg.end
             scale = None
@@ -226,7 +237,7 @@ class HostAdamW(torch.optim.Optimizer):
                 scale = scale_by_device[seg.store.master.device.type].clone()
             _adam_functional(
                 [seg.store.master[s:e]],
-                [seg.store.grad[s:e]],
+                [grad[s:e]],
                 [seg.store.exp_avg[s:e]],
                 [seg.store.exp_avg_sq[s:e]],
                 [],
@@ -272,12 +283,16 @@ class HostAdamW(torch.optim.Optimizer):
         self._eager_queue.put((idx, event))
 
     def _eager_update(self, idx: int) -> None:
-        jobs = self._layer_jobs(only=idx)
-        if idx in jobs:
-            self._update_layer(jobs[idx], None)
-            self.engine.stores[idx].refresh_stream_copy()
-            self.engine.publish_update(idx, self.engine.weights_version + 1)
-            self.eager_updates += 1
+        try:
+            jobs = self._layer_jobs(only=idx)
+            if idx in jobs:
+                self._update_layer(jobs[idx], None, self.engine.final_grad(idx))
+                self.engine.stores[idx].refresh_stream_copy()
+                self.engine.publish_update(idx, self.engine.weights_version + 1)
+                self.eager_updates += 1
+        finally:
+            # Also after a failure: a staging buffer never freed would stall the backward.
+            self.engine.grad_consumed(idx)
 
     def _eager_worker(self, q: queue.Queue, n_threads: int) -> None:
         torch.set_num_threads(n_threads)
@@ -292,6 +307,8 @@ class HostAdamW(torch.optim.Optimizer):
                 self._eager_update(idx)
             except BaseException as exc:  # noqa: BLE001 - re-raised in step()
                 self._eager_error = exc
+            finally:
+                self.engine.grad_consumed(idx)  # idempotent; frees a staging buffer
 
     def _finish_eager(self) -> None:
         if self._eager_thread is not None:

@@ -8,6 +8,17 @@ Two tiers per layer:
 * ``host``: the layer's state in the host store (``layer_store_bytes``); on the GPU it only
   occupies the shared double buffer while it streams through.
 
+Two run settings change the host tier's bytes per parameter (bf16 runs; fp32 runs have no
+separate stream copy either way):
+
+* gradients: with clipping on (or eager updates off) every host layer keeps an fp32 gradient
+  slot until the step's global norm is known (18 B/param); with eager updates (no clipping)
+  no slot exists and final gradients pass through a pinned staging ring of
+  ``GRAD_STAGING_SLOTS`` layers (14 B/param). HBM-tier layers keep their gradient either way
+  (the GPU AdamW reads it in place: 18 B/param).
+* ``stream_fp32_master``: no bf16 copy in the store (2 B/param less); the fp32 master crosses
+  PCIe (4 instead of 2 B/param H2D) into one fp32 device staging buffer and is cast there.
+
 The planner is pure arithmetic on a :class:`ModelShape` (no ``transformers`` import, no
 allocation) so the CLI can plan a 70B model on a laptop and the trainer can plan before it
 allocates. Every GPU and host cost is a named line of the plan, so the printed table says where
@@ -23,6 +34,7 @@ import torch
 
 from .chunked_loss import default_chunk_tokens
 from .host_store import device_layer_bytes, format_bytes, layer_store_bytes
+from .streaming import GRAD_STAGING_SLOTS
 
 GIB = 2**30
 #: Measured pinned PCIe Gen5 x16 copy rate on the target H200 machine (one direction).
@@ -174,6 +186,15 @@ class MemoryPlan:
     d2h_bytes_per_step: int
     notes: list[str] = field(default_factory=list)
     problems: list[MemoryPlanError] = field(default_factory=list)
+    # Host-store mode: gradient slots held until step end (clipping) or eager updates without
+    # them; fp32 masters streamed instead of a compute-dtype copy.
+    hold_grads: bool = True
+    stream_fp32_master: bool = False
+
+    @property
+    def host_bytes_per_param(self) -> int:
+        """Host-store bytes per parameter of a trainable host-tier layer (page rounding aside)."""
+        return host_bytes_per_param(self.compute_dtype, self.hold_grads, self.stream_fp32_master)
 
     @property
     def n_hbm(self) -> int:
@@ -210,12 +231,44 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def host_bytes_per_param(
+    dtype: torch.dtype, hold_grads: bool = True, stream_fp32_master: bool = False
+) -> int:
+    """Host-store bytes per parameter of a trainable host-tier layer: fp32 master + 2 moments,
+    the fp32 gradient slot when held, the compute-dtype copy unless the master streams."""
+    copy = 0 if dtype == torch.float32 or stream_fp32_master else _itemsize(dtype)
+    return 12 + (4 if hold_grads else 0) + copy
+
+
+def h2d_bytes_per_param(dtype: torch.dtype, stream_fp32_master: bool = False) -> int:
+    """Bytes per parameter a host layer moves H2D each time it streams in."""
+    return 4 if stream_fp32_master else _itemsize(dtype)
+
+
+def _mode_line(dtype: torch.dtype, hold_grads: bool, stream_fp32_master: bool) -> str:
+    grads = (
+        "fp32 grad slot held until the step's norm is known (clipping on)"
+        if hold_grads
+        else f"eager updates, no grad slot (grads pass a {GRAD_STAGING_SLOTS}-layer staging ring)"
+    )
+    weights = (
+        "fp32 masters stream (cast on GPU)"
+        if stream_fp32_master and dtype != torch.float32
+        else "fp32 masters stream"
+        if dtype == torch.float32
+        else "bf16 stream copy"
+    )
+    b = host_bytes_per_param(dtype, hold_grads, stream_fp32_master)
+    return f"host tier {b} B/param: {grads}; {weights}"
+
+
 def _gpu_lines(
     shape: ModelShape,
     workload: Workload | None,
     dtype: torch.dtype,
     n_hbm: int,
     reserve_bytes: int,
+    stream_fp32_master: bool = False,
 ) -> list[MemoryLine]:
     """GPU costs with the first ``n_hbm`` layers in the HBM tier."""
     isz = _itemsize(dtype)
@@ -234,6 +287,12 @@ def _gpu_lines(
         ),
         MemoryLine(f"stream double buffer: 2 x largest host layer x {isz} B", 2 * max_host * isz),
     ]
+    if stream_fp32_master and dtype != torch.float32 and max_host:
+        lines.append(
+            MemoryLine(
+                "fp32 master H2D staging (cast to the stream buffer on the GPU)", 4 * max_host
+            )
+        )
     ga = workload.grad_accum if workload is not None else 1
     if ga > 1:
         # Non-final micro-batches keep every host layer's gradient on the GPU (one D2H per step).
@@ -338,7 +397,13 @@ def _activation_lines(
 
 
 def _host_lines(
-    shape: ModelShape, workload: Workload | None, dtype: torch.dtype, n_hbm: int, margin: int
+    shape: ModelShape,
+    workload: Workload | None,
+    dtype: torch.dtype,
+    n_hbm: int,
+    margin: int,
+    hold_grads: bool = True,
+    stream_fp32_master: bool = False,
 ) -> list[MemoryLine]:
     host = shape.layer_numels[n_hbm:]
     offload = []
@@ -349,17 +414,34 @@ def _host_lines(
                 boundary_activation_bytes(shape, workload),
             )
         )
-    return offload + [
+    parts = ["fp32 master/2 moments"]
+    if hold_grads:
+        parts.append("fp32 grad")
+    if dtype != torch.float32 and not stream_fp32_master:
+        parts.append("bf16 copy" if dtype == torch.bfloat16 else "stream copy")
+    b = host_bytes_per_param(dtype, hold_grads, stream_fp32_master)
+    lines = offload + [
         MemoryLine(
-            f"host-tier layers ({len(host)}): stream copy + fp32 grad/master/2 moments",
-            sum(layer_store_bytes(n, dtype) for n in host),
-        ),
-        MemoryLine("process + safety margin", margin),
+            f"host-tier layers ({len(host)}): {' + '.join(parts)}, {b} B/param",
+            sum(layer_store_bytes(n, dtype, True, hold_grads, stream_fp32_master) for n in host),
+        )
     ]
+    if not hold_grads and host:
+        lines.append(
+            MemoryLine(
+                f"pinned grad staging ring: {GRAD_STAGING_SLOTS} x largest host layer x 4 B",
+                GRAD_STAGING_SLOTS * 4 * max(host),
+            )
+        )
+    return lines + [MemoryLine("process + safety margin", margin)]
 
 
 def _pcie_bytes(
-    shape: ModelShape, workload: Workload | None, dtype: torch.dtype, n_hbm: int
+    shape: ModelShape,
+    workload: Workload | None,
+    dtype: torch.dtype,
+    n_hbm: int,
+    stream_fp32_master: bool = False,
 ) -> tuple[int, int]:
     """(H2D, D2H) bytes per optimizer step.
 
@@ -368,7 +450,7 @@ def _pcie_bytes(
     and after a backward the first two host layers for the next micro-batch's forward (the first
     forward of a step must reload: the optimizer changed the weights). Gradients leave once per step.
     """
-    isz = _itemsize(dtype)
+    isz = h2d_bytes_per_param(dtype, stream_fp32_master)
     host = list(shape.layer_numels[n_hbm:])
     if not host:
         return 0, 0
@@ -380,11 +462,13 @@ def _pcie_bytes(
     return h2d, 4 * sum(host)
 
 
-def _layer_placements(shape: ModelShape, dtype: torch.dtype, n_hbm: int) -> list[LayerPlacement]:
+def _layer_placements(
+    shape: ModelShape, dtype: torch.dtype, n_hbm: int, **store_kw: bool
+) -> list[LayerPlacement]:
     return [
         LayerPlacement(i, n, HBM, device_layer_bytes(n, dtype), 0)
         if i < n_hbm
-        else LayerPlacement(i, n, HOST, 0, layer_store_bytes(n, dtype))
+        else LayerPlacement(i, n, HOST, 0, layer_store_bytes(n, dtype, True, **store_kw))
         for i, n in enumerate(shape.layer_numels)
     ]
 
@@ -403,6 +487,8 @@ def plan_memory(
     hbm_layers: int | None = None,
     reserve_bytes: int = 0,
     host_margin_bytes: int = DEFAULT_HOST_MARGIN,
+    hold_grads: bool = True,
+    stream_fp32_master: bool = False,
 ) -> MemoryPlan:
     """Plan the tiers. Never raises for lack of memory: check ``plan.fits`` or call ``check()``.
 
@@ -414,13 +500,16 @@ def plan_memory(
         compute_dtype: ``torch.bfloat16`` or ``torch.float32``.
         hbm_bytes: free GPU memory to plan into; host_bytes: available host RAM.
         hbm_layers: force this many leading layers into HBM (default: as many as fit).
+        hold_grads: host layers keep an fp32 gradient slot (clipping on, or eager updates off);
+            ``False``: eager updates without it (see the module docstring).
+        stream_fp32_master: host layers keep no compute-dtype copy; the fp32 master streams.
     """
     if compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"compute dtype {compute_dtype} is not supported; use bf16 or fp32")
     n = shape.num_layers
 
     def gpu(k: int) -> list[MemoryLine]:
-        return _gpu_lines(shape, workload, compute_dtype, k, reserve_bytes)
+        return _gpu_lines(shape, workload, compute_dtype, k, reserve_bytes, stream_fp32_master)
 
     if hbm_layers is not None:
         if not 0 <= hbm_layers <= n:
@@ -431,19 +520,24 @@ def plan_memory(
         # so try every count instead of stopping at the first miss.
         n_hbm = next((k for k in range(n, -1, -1) if _total(gpu(k)) <= hbm_bytes), 0)
     gpu_lines = gpu(n_hbm)
-    host_lines = _host_lines(shape, workload, compute_dtype, n_hbm, host_margin_bytes)
-    h2d, d2h = _pcie_bytes(shape, workload, compute_dtype, n_hbm)
+    store_kw = dict(hold_grad=hold_grads, stream_master=stream_fp32_master)
+    host_lines = _host_lines(
+        shape, workload, compute_dtype, n_hbm, host_margin_bytes, hold_grads, stream_fp32_master
+    )
+    h2d, d2h = _pcie_bytes(shape, workload, compute_dtype, n_hbm, stream_fp32_master)
     plan = MemoryPlan(
         shape=shape,
         workload=workload,
         compute_dtype=compute_dtype,
         hbm_available=hbm_bytes,
         host_available=host_bytes,
-        layers=_layer_placements(shape, compute_dtype, n_hbm),
+        layers=_layer_placements(shape, compute_dtype, n_hbm, **store_kw),
         gpu_lines=gpu_lines,
         host_lines=host_lines,
         h2d_bytes_per_step=h2d,
         d2h_bytes_per_step=d2h,
+        hold_grads=hold_grads,
+        stream_fp32_master=stream_fp32_master,
     )
     _add_problems(plan, gpu(0) if hbm_layers is None else gpu_lines)
     _add_notes(plan)
@@ -482,13 +576,23 @@ def _add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
                 f"({plan.n_host} streamed layers + {format_bytes(plan.host_lines[-1].nbytes)} "
                 f"margin; {plan.n_hbm} layers already moved to HBM, which is full) but only "
                 f"{format_bytes(plan.host_available)} is available. Use a machine with more RAM "
-                f"or GPU memory, fewer tokens per micro-batch (frees HBM for layers), or a "
-                f"smaller model.",
+                f"or GPU memory, fewer tokens per micro-batch (frees HBM for layers), "
+                f"{_slimmer_store_advice(plan)}or a smaller model.",
                 "host",
                 host_needed,
                 plan.host_available,
             )
         )
+
+
+def _slimmer_store_advice(plan: MemoryPlan) -> str:
+    """The host-store options this plan does not use yet, as advice."""
+    out = ""
+    if plan.hold_grads:
+        out += "no clipping (eager updates keep no host gradient: 4 B/param less), "
+    if not plan.stream_fp32_master and plan.compute_dtype != torch.float32:
+        out += "fp32-master streaming (no bf16 copy: 2 B/param less, 2x H2D bytes), "
+    return out
 
 
 def _add_notes(plan: MemoryPlan) -> None:
@@ -633,6 +737,7 @@ def _render_table(plan: MemoryPlan) -> str:
         f"layers: {plan.n_hbm} in HBM ({_ranges(hbm_idx)}), "
         f"{plan.n_host} streamed from host ({_ranges(host_idx)})"
     )
+    out.append(_mode_line(plan.compute_dtype, plan.hold_grads, plan.stream_fp32_master))
     for title, lines, total, avail in (
         ("GPU (HBM)", plan.gpu_lines, plan.gpu_total, plan.hbm_available),
         ("host RAM", plan.host_lines, plan.host_total, plan.host_available),
@@ -648,7 +753,8 @@ def _render_table(plan: MemoryPlan) -> str:
     secs = max(plan.h2d_bytes_per_step, plan.d2h_bytes_per_step) / PCIE_BYTES_PER_S
     out.append("")
     out.append(
-        f"PCIe per optimizer step: H2D {plan.h2d_bytes_per_step / 1e9:.2f} GB (weights), "
+        f"PCIe per optimizer step: H2D {plan.h2d_bytes_per_step / 1e9:.2f} GB "
+        f"({'fp32 masters' if plan.stream_fp32_master else 'weights'}), "
         f"D2H {plan.d2h_bytes_per_step / 1e9:.2f} GB (fp32 grads); "
         f"~{secs:.2f} s at {PCIE_BYTES_PER_S / 1e9:.0f} GB/s per direction"
     )

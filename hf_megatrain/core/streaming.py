@@ -28,6 +28,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .distributed import DataParallel
 from .host_store import LayerStore, PinnedBuffer
 
+#: Pinned host buffers (each the size of the largest host layer's fp32 gradient) through which
+#: final gradients reach the eager CPU update when the stores hold no gradient slot. Two let one
+#: layer's D2H copy land while the previous layer's update reads the other; more would only let
+#: the backward run further ahead of a CPU update that bounds the step anyway.
+GRAD_STAGING_SLOTS = 2
+
 
 class OutputCapture(Protocol):
     """Hook for outputs a model records from inside a layer (e.g. MoE router logits).
@@ -80,11 +86,39 @@ class StreamingEngine:
         self._grad_sq: torch.Tensor | None = None
         self._d2h_events: list[torch.cuda.Event] = []
         self._grad_sq_exact = True
+        # Host layers stored without a gradient slot (eager updates, no clipping): their final
+        # gradient is handed to the update in a staging buffer (see ``final_grad``).
+        staged = [s for s in stores if self._needs_staging(s)]
+        self.grad_staging = bool(staged)
+        self._staged: dict[int, tuple[int | None, torch.Tensor]] = {}
+        # Host layers whose fp32 master is what streams (no compute-dtype copy in the store).
+        cast = [s for s in stores if not s.resident and s.stream.dtype != compute_dtype]
+        self.streams_fp32_master = bool(cast)
         if self.is_cuda:
             max_numel = max((s.numel for s in stores if not s.resident), default=0)
             self._buffers = [
                 torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)
             ]
+            # fp32-master streaming: the master lands here (H2D stream) and is cast into a
+            # compute-dtype buffer on the same stream, so the copies stay ordered.
+            self._h2d_stage = (
+                torch.empty(max(s.numel for s in cast), dtype=torch.float32, device=self.device)
+                if cast
+                else None
+            )
+            self._grad_ring: list[torch.Tensor] = []
+            self._ring_free: list[threading.Event] = []
+            self._ring_next = 0
+            if staged:
+                numel = max(s.numel for s in staged)
+                pin = any(getattr(s, "pinned", False) for s in stores)
+                self._ring_buffers = [
+                    PinnedBuffer(numel * 4, pin=pin) for _ in range(GRAD_STAGING_SLOTS)
+                ]
+                self._grad_ring = [b.view((numel,), torch.float32) for b in self._ring_buffers]
+                self._ring_free = [threading.Event() for _ in self._grad_ring]
+                for ev in self._ring_free:
+                    ev.set()
             self._h2d = torch.cuda.Stream(self.device)
             self._d2h = torch.cuda.Stream(self.device)
             self._slot_layer: list[int | None] = [None, None]
@@ -261,7 +295,15 @@ class StreamingEngine:
         with torch.cuda.stream(self._h2d):
             if free is not None:
                 self._h2d.wait_event(free)
-            self._buffers[slot][: store.numel].copy_(store.stream, non_blocking=True)
+            dst = self._buffers[slot][: store.numel]
+            if store.stream.dtype != dst.dtype:
+                # fp32-master streaming: the master crosses PCIe and is cast here, on the copy
+                # stream (the single staging buffer is reused in this stream's order).
+                stage = self._h2d_stage[: store.numel]
+                stage.copy_(store.stream, non_blocking=True)
+                dst.copy_(stage)
+            else:
+                dst.copy_(store.stream, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._h2d)
         self.h2d_bytes += store.numel * store.stream.element_size()
@@ -278,6 +320,9 @@ class StreamingEngine:
         store = self.stores[idx]
         if not self.is_cuda:
             self._wait_update(idx)
+            if store.stream.dtype != self.compute_dtype:
+                # fp32-master streaming on the CPU: the same cast the GPU does after its copy.
+                return store.stream.to(self.compute_dtype)
             return store.stream
         if store.resident:
             # HBM tier: already on the device and updated there; still prefetch the next one.
@@ -324,7 +369,7 @@ class StreamingEngine:
         if self.dp is not None:
             self._add_grads_dp(idx, store, grads)
             return
-        if not self.is_cuda or store.resident:
+        if store.resident or (not self.is_cuda and store.grad is not None):
             # Gradients accumulate in place where the store keeps them (host RAM on CPU runs,
             # HBM for the device tier); nothing to drain.
             if not self._grad_on_host[idx]:
@@ -389,6 +434,10 @@ class StreamingEngine:
         if not self.is_cuda:
             dp.reduce_to_owner(acc, idx, async_op=False)
             if mine:
+                if store.grad is None:
+                    acc.mul_(inv)
+                    self._stage_cpu(idx, acc)
+                    return
                 torch.mul(acc, inv, out=store.grad)
                 if self.on_grad_final is not None:
                     self.on_grad_final(idx, None)
@@ -398,6 +447,9 @@ class StreamingEngine:
             # Keep the buffer alive until the reduction has read it (finish_grads waits).
             self._pending_reduces.append((work, acc))
             return
+        # No grad slot: the reduced gradient goes to a staging buffer. Taken after the
+        # reduction was issued, so waiting for a free one never holds up the other ranks.
+        dest = store.grad if store.grad is not None else self._take_staging(idx, store.numel)
         with torch.cuda.stream(self._d2h):
             work.wait()  # the D2H stream (current here) waits for the reduction, not the host
             acc.mul_(inv)
@@ -405,7 +457,7 @@ class StreamingEngine:
             # read ``sq`` before this stream has written it.
             sq = torch.linalg.vector_norm(acc).square()
             self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
-            store.grad.copy_(acc, non_blocking=True)
+            dest.copy_(acc, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._d2h)
         acc.record_stream(self._d2h)
@@ -422,12 +474,93 @@ class StreamingEngine:
             if g is not None:
                 flat[slot.offset : slot.offset + slot.numel].add_(g.reshape(-1))
 
+    # ---- gradient staging (host stores without a grad slot) ----------------------------------
+    @staticmethod
+    def _needs_staging(store) -> bool:
+        return (
+            not store.resident
+            and store.trainable
+            and store.owned
+            and not getattr(store, "holds_grad", True)
+        )
+
+    def _no_slot_check(self, idx: int) -> None:
+        # (Data parallel marks the layer's gradient as arrived before staging it; a second one
+        # is refused earlier there, in ``_add_grads_dp``.)
+        if self.on_grad_final is None:
+            raise RuntimeError(
+                f"hf_megatrain: layer {idx}'s host store has no gradient slot (built for eager "
+                "updates), so its gradient must be consumed as soon as it is final, but no eager "
+                "optimizer is attached (HostAdamW.enable_eager_updates). Build the model with "
+                "host_grads=True to hold gradients until step()."
+            )
+        if self.dp is None and self._grad_on_host[idx]:
+            raise RuntimeError(
+                f"hf_megatrain: layer {idx} got a second gradient in one step, but its host "
+                "store has no gradient slot to add it to (eager updates need the trainer's "
+                "gradient-accumulation flags)"
+            )
+
+    def _stage_cpu(self, idx: int, grad: torch.Tensor) -> None:
+        """CPU: the final gradient already is in host memory; the update reads it in place."""
+        self._no_slot_check(idx)
+        sq = torch.linalg.vector_norm(grad).square()
+        self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
+        self._grad_on_host[idx] = True
+        self._staged[idx] = (None, grad)
+        self.on_grad_final(idx, None)
+
+    def _take_staging(self, idx: int, numel: int) -> torch.Tensor:
+        """The next staging buffer, once the update that read it last has finished.
+
+        A host-side wait (a ``threading.Event`` set by ``grad_consumed``), never a device
+        synchronization: the GPU keeps running the work already queued.
+        """
+        self._no_slot_check(idx)
+        slot = self._ring_next
+        self._ring_next = (slot + 1) % len(self._grad_ring)
+        self._ring_free[slot].wait()
+        self._ring_free[slot].clear()
+        view = self._grad_ring[slot][:numel]
+        self._staged[idx] = (slot, view)
+        return view
+
+    def final_grad(self, idx: int) -> torch.Tensor:
+        """Layer ``idx``'s final fp32 gradient of the step on the host (flat).
+
+        The store's slot, or, without one, the staging buffer it was copied to (read it after
+        the event ``on_grad_final`` passed, then call ``grad_consumed``).
+        """
+        store = self.stores[idx]
+        if store.grad is not None:
+            return store.grad
+        staged = self._staged.get(idx)
+        if staged is None:
+            raise RuntimeError(
+                f"hf_megatrain: layer {idx} holds no gradient: its host store has no gradient "
+                "slot (eager updates), and the staged gradient was already consumed. Clipping, "
+                "a second optimizer step or reading gradients after the update need "
+                "host_grads=True (megatrain_host_grads)."
+            )
+        return staged[1]
+
+    def grad_consumed(self, idx: int) -> None:
+        """The update has read layer ``idx``'s staged gradient: its buffer may be reused."""
+        staged = self._staged.pop(idx, None)
+        if staged is not None and staged[0] is not None:
+            self._ring_free[staged[0]].set()
+
     def _drain(self, idx: int, acc: torch.Tensor) -> None:
         store = self.stores[idx]
+        if not self.is_cuda:  # only host stores without a grad slot drain on the CPU
+            self._stage_cpu(idx, acc)
+            return
         sq = torch.linalg.vector_norm(acc).square()
         self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
         compute = torch.cuda.current_stream(self.device)
-        if self._grad_on_host[idx]:
+        if store.grad is None:
+            dest = self._take_staging(idx, store.numel)
+        elif self._grad_on_host[idx]:
             # A second drain in one optimizer step (backward without the trainer's sync flag):
             # add on the host, after the first drain's copy has landed. Correct, not fast; the
             # trainer never takes this path. The running norm no longer matches: recompute it.
@@ -442,9 +575,11 @@ class StreamingEngine:
             self._d2h_events.clear()
             store.grad.add_(acc.to("cpu"))
             return
+        else:
+            dest = store.grad
         self._d2h.wait_stream(compute)
         with torch.cuda.stream(self._d2h):
-            store.grad.copy_(acc, non_blocking=True)
+            dest.copy_(acc, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._d2h)
         acc.record_stream(self._d2h)
@@ -483,7 +618,13 @@ class StreamingEngine:
         are summed over the ranks, the replicated (HBM-tier) layers are counted once. So it is
         a collective: every rank must call it.
         """
-        running = self._grad_sq is not None and self.is_cuda and self._grad_sq_exact
+        # The running sum covers every streamed layer on CUDA, and on the CPU when the stores
+        # hold no gradient slot (it is the only record of those gradients once consumed).
+        running = (
+            self._grad_sq is not None
+            and (self.is_cuda or self.grad_staging)
+            and self._grad_sq_exact
+        )
         streamed = torch.zeros((), dtype=torch.float32)
         replicated = torch.zeros((), dtype=torch.float32, device=self.device)
         for idx, store in enumerate(self.stores):
@@ -503,6 +644,8 @@ class StreamingEngine:
         return any(self._grad_on_host) or bool(self._grad_acc)
 
     def reset_grads(self) -> None:
+        for idx in list(self._staged):
+            self.grad_consumed(idx)  # e.g. after a failed update: its buffer is free again
         self._grad_acc.clear()
         self._grad_on_host = [False] * len(self.stores)
         self._grad_sq = None

@@ -114,6 +114,28 @@ class MegaTrainArguments(TrainingArguments):
             "(nothing waits for a global norm). Same arithmetic as the update after backward."
         },
     )
+    megatrain_host_grads: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Keep an fp32 gradient slot (4 bytes/param) in every host-tier layer store. "
+            "Default (None): only when the update needs the step's gradients held, i.e. with "
+            "clipping on (max_grad_norm > 0) or megatrain_eager_update off; with eager updates "
+            "each layer's final gradient passes through a ring of "
+            "2 pinned staging buffers (the size of one layer) into its CPU update instead, so "
+            "the store takes 14 instead of 18 bytes/param in bf16 runs. True: always keep it. "
+            "False: never (refused with clipping on or eager updates off)."
+        },
+    )
+    megatrain_stream_fp32_master: bool = field(
+        default=False,
+        metadata={
+            "help": "bf16 runs: keep no bf16 copy of host-tier layers in host RAM; stream the "
+            "fp32 master (twice the H2D bytes) into an fp32 GPU staging buffer and cast it to "
+            "bf16 on the GPU's copy stream. 2 bytes/param less host RAM (12 bytes/param with "
+            "eager updates), for when host RAM, not PCIe, is the limit. Same weights: the cast "
+            "rounds exactly as the host copy does. No effect in fp32 runs."
+        },
+    )
     megatrain_log_throughput: bool = field(
         default=True,
         metadata={

@@ -25,6 +25,8 @@ def _streamed_skeleton(
     resident_layers: int | str,
     attn_implementation: str,
     plan_workload: Workload | None = None,
+    host_grads: bool = True,
+    stream_fp32_master: bool = False,
 ):
     """``AutoModelForCausalLM`` for ``config`` built on meta, its layers given host-store buffers."""
     if device is None:
@@ -47,6 +49,8 @@ def _streamed_skeleton(
         else int(host_memory_limit_gb * 2**30),
         resident_layers=resident_layers,
         plan_workload=plan_workload,
+        host_grads=host_grads,
+        stream_fp32_master=stream_fp32_master,
     )
     return model
 
@@ -59,6 +63,8 @@ def load_streamed_model(
     host_memory_limit_gb: float | None = None,
     resident_layers: int | str = 0,
     plan_workload: Workload | None = None,
+    host_grads: bool = True,
+    stream_fp32_master: bool = False,
     **config_overrides,
 ):
     """Build ``AutoModelForCausalLM`` for ``path`` in streamed form and load its weights.
@@ -73,13 +79,18 @@ def load_streamed_model(
             ``MegaTrainArguments.megatrain_resident_layers``.
         plan_workload: with ``resident_layers="auto"``, the micro-batch split to plan HBM for
             (``Workload(seq_len, micro_batch_tokens, grad_accum)``); default: a fixed reserve.
+        host_grads: give host-tier layers an fp32 gradient slot. ``False`` (4 B/param less)
+            only for training without clipping, with eager updates (``max_grad_norm=0``).
+        stream_fp32_master: keep no bf16 copy in host RAM (2 B/param less); the fp32 master
+            streams and is cast on the GPU (twice the H2D bytes).
         config_overrides: set on the config before the model is built (e.g. attn_implementation).
     """
     attn = config_overrides.pop("attn_implementation", "sdpa")
     config = AutoConfig.from_pretrained(path, **config_overrides)
     model = _streamed_skeleton(
-        config, device, bf16, pin_memory, host_memory_limit_gb, resident_layers, attn, plan_workload
-    )
+        config, device, bf16, pin_memory, host_memory_limit_gb, resident_layers, attn,
+        plan_workload, host_grads, stream_fp32_master,
+    )  # fmt: skip
     load_weights_into_store(model, path)
     return model
 
@@ -94,6 +105,8 @@ def init_streamed_model(
     resident_layers: int | str = 0,
     attn_implementation: str = "sdpa",
     plan_workload: Workload | None = None,
+    host_grads: bool = True,
+    stream_fp32_master: bool = False,
 ):
     """A randomly initialized streamed model for ``config``, never materialized as a whole.
 
@@ -116,6 +129,8 @@ def init_streamed_model(
         resident_layers,
         attn_implementation,
         plan_workload,
+        host_grads,
+        stream_fp32_master,
     )
     state = streamed_state(model)
     _, layers = find_decoder_layers(model)

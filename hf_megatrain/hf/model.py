@@ -26,7 +26,7 @@ from ..core.host_store import (
     layout_slots,
 )
 from ..core.planner import MemoryPlan, ModelShape, Workload, plan_memory
-from ..core.streaming import StreamedLayer, StreamingEngine
+from ..core.streaming import GRAD_STAGING_SLOTS, StreamedLayer, StreamingEngine
 from .capture import RecorderCapture, recorder_capture_available
 
 logger = logging.getLogger(__name__)
@@ -230,6 +230,8 @@ def prepare_streamed_model(
     resident_layers: int | str = 0,
     hbm_reserve_bytes: int = 48 * 2**30,
     plan_workload: Workload | None = None,
+    host_grads: bool = True,
+    stream_fp32_master: bool = False,
 ) -> nn.Module:
     """Move ``model``'s decoder layers into a host store and stream them from now on.
 
@@ -238,6 +240,12 @@ def prepare_streamed_model(
     With ``resident_layers="auto"``, ``plan_workload`` (the step's micro-batch split) lets the
     planner size activations and the loss line by line instead of reserving
     ``hbm_reserve_bytes`` for them.
+
+    ``host_grads=False`` builds host-tier layers without an fp32 gradient slot (4 B/param less):
+    only for training with eager layer updates (no clipping; ``HFMegaTrainer`` checks it), whose
+    gradients pass through a small staging ring instead. ``stream_fp32_master=True`` keeps no
+    compute-dtype copy in the host store (2 B/param less in bf16 runs): the fp32 master crosses
+    PCIe (twice the bytes) and is cast on the device.
     """
     existing = streamed_state(model)
     if existing is not None:
@@ -278,24 +286,35 @@ def prepare_streamed_model(
         hbm_reserve_bytes,
         shape=shape,
         workload=plan_workload,
+        hold_grads=host_grads,
+        stream_fp32_master=stream_fp32_master,
     )
     # The HBM tier holds optimizer state: only leading fully trainable layers qualify.
     n_resident = next((i for i, t in enumerate(trainable_store[:n_resident]) if not t), n_resident)
     # Refuse before allocating anything if host RAM cannot hold the store.
+    store_kw = dict(hold_grad=host_grads, stream_master=stream_fp32_master)
     needed = sum(
-        layer_store_bytes(numel, compute_dtype, trainable)
+        layer_store_bytes(numel, compute_dtype, trainable, **store_kw)
         for (_, numel, _), trainable in zip(plans[n_resident:], trainable_store[n_resident:])
     )
     shared: list = [None] * len(plans)
     if dp is not None:
         dp.assign_owners([None if i < n_resident else n for i, (_, n, _) in enumerate(plans)])
         streamed_numels = [numel for _, numel, _ in plans[n_resident:]]
-        needed = dp.host_bytes(streamed_numels, trainable_store[n_resident:], compute_dtype)
+        needed = dp.host_bytes(
+            streamed_numels, trainable_store[n_resident:], compute_dtype, host_grads,
+            stream_fp32_master,
+        )  # fmt: skip
+    if not host_grads and device.type == "cuda":
+        # The engine's pinned gradient staging ring (per process).
+        staged = [n for (_, n, _), t in zip(plans[n_resident:], trainable_store[n_resident:]) if t]
+        needed += GRAD_STAGING_SLOTS * 4 * max(staged, default=0)
     HostStore.check_fits(needed, host_memory_limit_bytes)
     if dp is not None:
         shared = dp.allocate_layer_buffers(
             [None if i < n_resident else numel for i, (_, numel, _) in enumerate(plans)],
             compute_dtype,
+            stream_fp32_master,
         )
 
     pin = pin_memory and device.type == "cuda"
@@ -315,6 +334,7 @@ def prepare_streamed_model(
                 trainable=trainable_store[i],
                 shared=shared[i],
                 owned=dp is None or dp.owns(i),
+                **store_kw,
             )
         named = {n: p for n, p in layer.named_parameters() if n in streamed[i]}
         views = store.param_views(store.master)
@@ -356,12 +376,14 @@ def prepare_streamed_model(
         plan=plan,
     )
     logger.info(
-        "hf_megatrain: %d layers in HBM, %d streamed (%.2f GiB host store, %s); "
+        "hf_megatrain: %d layers in HBM, %d streamed (%.2f GiB host store, %s%s%s); "
         "%d resident tensors on %s",
         n_resident,
         len(stores) - n_resident,
         model._megatrain.store.nbytes / 2**30,
         "pinned" if any(s.pinned for s in stores) else "pageable",
+        "" if host_grads else ", no grad slots (eager updates)",
+        ", fp32 masters stream" if stream_fp32_master else "",
         len(resident),
         device,
     )
@@ -377,6 +399,8 @@ def _resident_layer_count(
     *,
     shape: ModelShape | None = None,
     workload: Workload | None = None,
+    hold_grads: bool = True,
+    stream_fp32_master: bool = False,
 ) -> tuple[int, MemoryPlan | None]:
     """How many leading layers keep their whole state in HBM, and the plan that decided it.
 
@@ -410,6 +434,8 @@ def _resident_layer_count(
             hbm_bytes=free,
             host_bytes=available_host_bytes(),
             reserve_bytes=hbm_reserve_bytes if workload is None else 0,
+            hold_grads=hold_grads,
+            stream_fp32_master=stream_fp32_master,
         )
         logger.info("hf_megatrain: memory plan (resident_layers='auto')\n%s", plan.table())
         # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the

@@ -160,6 +160,57 @@ def _validate_args(args: TrainingArguments) -> None:
             f"hf_megatrain: optim='{optim}' is not supported; the host optimizer implements "
             f"AdamW exactly ({', '.join(sorted(_SUPPORTED_OPTIMS))})."
         )
+    _host_grads(args)  # refuses megatrain_host_grads=False where the update needs the grads
+
+
+def _eager_updates(args: TrainingArguments) -> bool:
+    """Whether layers update during backward: no clipping (no global norm to wait for)."""
+    clipping = args.max_grad_norm is not None and args.max_grad_norm > 0
+    return not clipping and bool(getattr(args, "megatrain_eager_update", True))
+
+
+def _host_grads(args: TrainingArguments) -> bool:
+    """Whether host-tier layer stores get an fp32 gradient slot (megatrain_host_grads)."""
+    want = getattr(args, "megatrain_host_grads", None)
+    eager = _eager_updates(args)
+    if want is None:
+        return not eager
+    if not want and not eager:
+        raise ValueError(
+            "hf_megatrain: megatrain_host_grads=False needs eager layer updates, but this run "
+            + (
+                f"clips gradients (max_grad_norm={args.max_grad_norm}): every layer's gradient "
+                "must be held until the global norm is known"
+                if args.max_grad_norm is not None and args.max_grad_norm > 0
+                else "has megatrain_eager_update=False: the update after backward reads every "
+                "layer's held gradient"
+            )
+            + ". Set max_grad_norm=0 with megatrain_eager_update=True, or leave "
+            "megatrain_host_grads at None."
+        )
+    return bool(want)
+
+
+def _check_grad_mode(state, args: TrainingArguments) -> None:
+    """A model streamed before the trainer (load/init_streamed_model) must suit its settings."""
+    engine = state.engine
+    if engine.grad_staging and not _eager_updates(args):
+        why = (
+            f"max_grad_norm={args.max_grad_norm} clips gradients"
+            if args.max_grad_norm is not None and args.max_grad_norm > 0
+            else "megatrain_eager_update=False"
+        )
+        raise ValueError(
+            "hf_megatrain: the model's host store was built without gradient slots "
+            f"(host_grads=False, for eager updates), but {why}, which needs every layer's "
+            "gradient held until step(). Stream the model with host_grads=True, or train with "
+            "max_grad_norm=0 and megatrain_eager_update=True."
+        )
+    if getattr(args, "megatrain_stream_fp32_master", False) and not engine.streams_fp32_master:
+        logger.warning(
+            "hf_megatrain: megatrain_stream_fp32_master is set but the model was streamed "
+            "with a compute-dtype copy (stream_fp32_master=False when it was loaded); it keeps it"
+        )
 
 
 def _first_row_length(dataset: Any) -> int | None:
@@ -267,9 +318,12 @@ class MegaTrainerMixin:
             resident_layers=getattr(args, "megatrain_resident_layers", 0),
             hbm_reserve_bytes=int(getattr(args, "megatrain_hbm_reserve_gb", 48.0) * 2**30),
             plan_workload=_plan_workload(args, getattr(self, "_megatrain_dataset", None)),
+            host_grads=_host_grads(args),
+            stream_fp32_master=bool(getattr(args, "megatrain_stream_fp32_master", False)),
         )
         self.megatrain = streamed_state(model)
         _check_data_parallel(self.megatrain, args)
+        _check_grad_mode(self.megatrain, args)
         install_mlp_tiling(model, getattr(args, "megatrain_mlp_tile_tokens", 0))
         self.megatrain.engine.offload_activations = bool(
             getattr(args, "megatrain_offload_activations", False)
@@ -327,8 +381,7 @@ class MegaTrainerMixin:
                 weight_decay=args.weight_decay,
                 overlap_update=getattr(args, "megatrain_overlap_optimizer", None),
             )
-            clipping = args.max_grad_norm is not None and args.max_grad_norm > 0
-            if not clipping and getattr(args, "megatrain_eager_update", True):
+            if _eager_updates(args):
                 # No global norm to wait for: each layer updates as soon as its gradient of
                 # the step is final, overlapping the rest of the backward.
                 self.optimizer.enable_eager_updates()
