@@ -228,3 +228,21 @@ def test_resident_layer_count_auto_uses_planner(monkeypatch):
     # Room for 3 layers' state next to the stream buffers and grad drain (2 layers each).
     free["bytes"] = reserve + 3 * numel * 18 + 2 * numel * 2 + 2 * numel * 4
     assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve)[0] == 3
+
+
+def test_resident_layer_count_auto_plans_the_run_store_mode(monkeypatch):
+    """The trainer's "auto" plan gets the run's store mode: its table and host lines show it."""
+    import hf_megatrain.hf.model as model_mod
+
+    numel = 10_000_000
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 0))
+    monkeypatch.setattr(model_mod, "available_host_bytes", lambda: 1 << 40)
+    cuda = torch.device("cuda")
+    _, held = _resident_layer_count("auto", _plans(6, numel), cuda, BF16, 1 << 29)
+    _, slim = _resident_layer_count(
+        "auto", _plans(6, numel), cuda, BF16, 1 << 29, hold_grads=False, stream_fp32_master=True
+    )
+    assert held.hold_grads and not held.stream_fp32_master
+    assert not slim.hold_grads and slim.stream_fp32_master
+    assert slim.host_bytes_per_param == 12 and held.host_bytes_per_param == 18
+    assert "12 B/param" in slim.table() and "staging ring" in slim.table()
