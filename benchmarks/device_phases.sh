@@ -30,9 +30,13 @@ case "$phase" in
     tail -30 "$log"
     ;;
   capacity)
-    # Llama-3.1-8B and Qwen2.5-14B with the planned HBM tier, planned vs measured peaks.
-    bench --tag "cap-$(date -u +%H%M)" --streamed-init --steps 2 --warmup 1 --timeout-s 270 \
-      --run llama-3.1-8b:65536:megatrain-hbm:16 --run qwen2.5-14b:16384:megatrain-hbm:4
+    # Qwen2.5-14B with the planned HBM tier: host layers without a gradient slot (clipping off,
+    # eager updates: 14 B/param), then also streaming the fp32 master (12 B/param); planned vs
+    # measured peaks in the rows.
+    bench --tag "cap-$(date -u +%H%M)" --streamed-init --no-clip --steps 2 --warmup 1 \
+      --timeout-s 270 --run qwen2.5-14b:16384:megatrain-hbm:4
+    bench --tag "cap12-$(date -u +%H%M)" --streamed-init --no-clip --stream-fp32-master \
+      --steps 2 --warmup 1 --timeout-s 270 --run qwen2.5-14b:16384:megatrain-hbm:4
     ;;
   long)
     # One 524,288-token sequence of Qwen2.5-1.5B: MLP tiles, boundary activations on the host.
