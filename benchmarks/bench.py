@@ -615,7 +615,7 @@ def _megatrain_plan(trainer) -> dict:
     out = {"hbm_layers": sum(1 for s in state.store.layers if s.resident)}
     if state.plan is not None:
         out["plan_hbm_gib"] = state.plan.gpu_total / GIB
-        out["plan_host_gib"] = state.plan.host_total / GIB
+        out["plan_host_gib"] = state.plan.host_peak_estimate / GIB
     return out
 
 

@@ -240,3 +240,17 @@ def test_bench_dp_command_parses_under_torchrun(tmp_path):
     assert ns.nproc_per_node == "2"
     assert "--nproc" not in ns.training_script_args
     assert ns.training_script_args[-3:] == ["--worker", "--result-json", str(tmp_path / "r.json")]
+
+
+def test_planner_peaks_within_10_percent_of_recorded_h200_runs():
+    """Regression guard on the planner's calibration: the committed H200 rows that recorded their
+    own plan (workload-aware placement, expandable segments) must stay within the issue's 10%
+    for both the HBM and the host peak when re-planned with the current planner."""
+    import benchmarks.plan_vs_measured as pvm
+
+    rows = [r for r in pvm.compare(bench.RESULTS_DIR / "results.csv") if r["planned_run"]]
+    assert len(rows) >= 3  # 7B and 8B at 64k tokens, 1.5B at a 128k sequence
+    for r in rows:
+        assert abs(r["hbm_err"]) <= 0.10, r
+        assert abs(r["host_err"]) <= 0.10, r
+    assert "| d822e80 |" in pvm.markdown(rows)

@@ -11,9 +11,11 @@ import torch
 from hf_megatrain.cli import DEFAULT_CONFIG, _plan_config, main, model_shape_from_config
 from hf_megatrain.core.host_store import device_layer_bytes, layer_store_bytes
 from hf_megatrain.core.planner import (
+    DEFAULT_HOST_MARGIN,
     GIB,
     HBM,
     HOST,
+    PROCESS_BASELINE,
     MemoryPlanError,
     ModelShape,
     Workload,
@@ -67,9 +69,11 @@ def test_1_5b_fits_wholly_in_hbm(qwen1_5b):
     plan = plan_memory(qwen1_5b, wl, BF16, 139 * GIB, 128 * GIB).check()
     assert plan.n_hbm == 28 and plan.n_host == 0
     assert all(p.tier == HBM for p in plan.layers)
-    # Nothing streams: no buffers, no PCIe traffic, only the margin on the host.
+    # Nothing streams: no buffers, no PCIe traffic, only the margin on the host (the measured
+    # process baseline is its expected part, the rest headroom).
     assert plan.h2d_bytes_per_step == plan.d2h_bytes_per_step == 0
-    assert plan.host_total == plan.host_lines[-1].nbytes
+    assert plan.host_total == DEFAULT_HOST_MARGIN
+    assert plan.host_peak_estimate == PROCESS_BASELINE
     layers = sum(device_layer_bytes(n, BF16) for n in qwen1_5b.layer_numels)
     assert (
         dict((line.name.split(" (")[0], line.nbytes) for line in plan.gpu_lines)["HBM-tier layers"]
@@ -246,3 +250,19 @@ def test_resident_layer_count_auto_plans_the_run_store_mode(monkeypatch):
     assert not slim.hold_grads and slim.stream_fp32_master
     assert slim.host_bytes_per_param == 12 and held.host_bytes_per_param == 18
     assert "12 B/param" in slim.table() and "staging ring" in slim.table()
+
+
+def test_materialized_input_model_counts_on_the_host(qwen1_5b, qwen7b):
+    """A model handed over in host RAM: the host peaks at the larger of the whole input model
+    and the store plus the input's non-layer tensors (the layers move one by one)."""
+    wl = Workload.from_step(4096, 16384)
+    # 1.5B, all layers in HBM: the peak is the fp32 input model itself.
+    fp32 = 4 * qwen1_5b.total_numel
+    plan = plan_memory(qwen1_5b, wl, BF16, 139 * GIB, 128 * GIB, input_model_bytes=fp32)
+    assert plan.n_hbm == 28
+    assert plan.host_peak_estimate == PROCESS_BASELINE + fp32
+    # 7B, everything on the host: the store outgrows the input; its non-layer part remains.
+    fp32 = 4 * qwen7b.total_numel
+    plan = plan_memory(qwen7b, wl, BF16, 139 * GIB, 1 << 50, hbm_layers=0, input_model_bytes=fp32)
+    meta = plan_memory(qwen7b, wl, BF16, 139 * GIB, 1 << 50, hbm_layers=0)
+    assert plan.host_peak_estimate - meta.host_peak_estimate == 4 * qwen7b.non_layer_numel

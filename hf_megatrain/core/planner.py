@@ -43,6 +43,12 @@ PCIE_BYTES_PER_S = 55e9
 H200_HBM_BYTES = 139 * GIB
 #: Host RAM kept free for the Python process, CUDA context, dataloader and page cache churn.
 DEFAULT_HOST_MARGIN = 4 * GIB
+#: Resident memory of a training process before any model memory: Python, torch, transformers,
+#: the CUDA context. Measured on the H200 runs as peak RSS minus the host store: 1.8 GiB (7B) and
+#: 1.7 GiB (8B). Part of DEFAULT_HOST_MARGIN; the rest of the margin is headroom, not a prediction.
+PROCESS_BASELINE = 1792 * 2**20
+#: Name prefix of the host line that is headroom rather than expected use.
+SAFETY_MARGIN_LINE = "safety margin"
 #: GPU slack for the caching allocator and temporaries the lines do not model. With expandable
 #: segments (core/allocator.py) measured H200 peaks (max_memory_reserved) came out 0-4% under
 #: the modelled lines plus 5% (7B and 8B at 64k tokens, 1.5B at a 128k sequence).
@@ -211,6 +217,13 @@ class MemoryPlan:
     @property
     def host_total(self) -> int:
         return sum(line.nbytes for line in self.host_lines)
+
+    @property
+    def host_peak_estimate(self) -> int:
+        """The host peak the run should reach: every host line but the safety margin."""
+        return sum(
+            ln.nbytes for ln in self.host_lines if not ln.name.startswith(SAFETY_MARGIN_LINE)
+        )
 
     @property
     def fits(self) -> bool:
@@ -404,6 +417,7 @@ def _host_lines(
     margin: int,
     hold_grads: bool = True,
     stream_fp32_master: bool = False,
+    input_model_bytes: int = 0,
 ) -> list[MemoryLine]:
     host = shape.layer_numels[n_hbm:]
     offload = []
@@ -433,7 +447,24 @@ def _host_lines(
                 GRAD_STAGING_SLOTS * 4 * max(host),
             )
         )
-    return lines + [MemoryLine("process + safety margin", margin)]
+    if input_model_bytes:
+        # A model handed over materialized on the host is moved into the store layer by layer,
+        # each layer's own tensors freed once copied: the host peaks either before the move
+        # (the whole model) or after it (the store plus the not-yet-placed non-layer tensors).
+        store = sum(line.nbytes for line in lines)
+        total = max(shape.total_numel, 1)
+        non_layer = input_model_bytes * shape.non_layer_numel // total
+        lines.append(
+            MemoryLine(
+                "model passed in on the host (moved into the store layer by layer)",
+                max(non_layer, input_model_bytes - store),
+            )
+        )
+    baseline = min(PROCESS_BASELINE, margin)
+    return lines + [
+        MemoryLine("process baseline (Python, torch, CUDA context; measured)", baseline),
+        MemoryLine(f"{SAFETY_MARGIN_LINE} (headroom, not expected use)", margin - baseline),
+    ]
 
 
 def _pcie_bytes(
@@ -489,6 +520,7 @@ def plan_memory(
     host_margin_bytes: int = DEFAULT_HOST_MARGIN,
     hold_grads: bool = True,
     stream_fp32_master: bool = False,
+    input_model_bytes: int = 0,
 ) -> MemoryPlan:
     """Plan the tiers. Never raises for lack of memory: check ``plan.fits`` or call ``check()``.
 
@@ -503,6 +535,8 @@ def plan_memory(
         hold_grads: host layers keep an fp32 gradient slot (clipping on, or eager updates off);
             ``False``: eager updates without it (see the module docstring).
         stream_fp32_master: host layers keep no compute-dtype copy; the fp32 master streams.
+        input_model_bytes: bytes of a model handed over materialized on the host (0 for a meta
+            skeleton that is loaded or initialized straight into the store).
     """
     if compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"compute dtype {compute_dtype} is not supported; use bf16 or fp32")
@@ -522,7 +556,14 @@ def plan_memory(
     gpu_lines = gpu(n_hbm)
     store_kw = dict(hold_grad=hold_grads, stream_master=stream_fp32_master)
     host_lines = _host_lines(
-        shape, workload, compute_dtype, n_hbm, host_margin_bytes, hold_grads, stream_fp32_master
+        shape,
+        workload,
+        compute_dtype,
+        n_hbm,
+        host_margin_bytes,
+        hold_grads,
+        stream_fp32_master,
+        input_model_bytes,
     )
     h2d, d2h = _pcie_bytes(shape, workload, compute_dtype, n_hbm, stream_fp32_master)
     plan = MemoryPlan(

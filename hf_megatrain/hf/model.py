@@ -288,6 +288,10 @@ def prepare_streamed_model(
         workload=plan_workload,
         hold_grads=host_grads,
         stream_fp32_master=stream_fp32_master,
+        # What the caller hands over already materialized in host RAM (not meta, not on a GPU).
+        input_model_bytes=sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu"
+        ),
     )
     # The HBM tier holds optimizer state: only leading fully trainable layers qualify.
     n_resident = next((i for i, t in enumerate(trainable_store[:n_resident]) if not t), n_resident)
@@ -401,6 +405,7 @@ def _resident_layer_count(
     workload: Workload | None = None,
     hold_grads: bool = True,
     stream_fp32_master: bool = False,
+    input_model_bytes: int = 0,
 ) -> tuple[int, MemoryPlan | None]:
     """How many leading layers keep their whole state in HBM, and the plan that decided it.
 
@@ -436,6 +441,7 @@ def _resident_layer_count(
             reserve_bytes=hbm_reserve_bytes if workload is None else 0,
             hold_grads=hold_grads,
             stream_fp32_master=stream_fp32_master,
+            input_model_bytes=input_model_bytes,
         )
         logger.info("hf_megatrain: memory plan (resident_layers='auto')\n%s", plan.table())
         # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the
