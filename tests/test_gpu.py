@@ -299,8 +299,18 @@ def test_activation_offload_moves_hidden_states_to_pinned_host(tmp_path):
 def test_init_streamed_model_on_gpu(tmp_path):
     from hf_megatrain import init_streamed_model
 
-    model = init_streamed_model(_tiny_gpu_config(), device="cuda", bf16=True, seed=0)
-    assert all(s.pinned for s in model._megatrain.store.layers)
+    cfg = _tiny_gpu_config()
+    model = init_streamed_model(cfg, device="cuda", bf16=True, seed=0)
+    stores = model._megatrain.store.layers
+    assert all(s.pinned for s in stores)
+    # Host layers are drawn on the GPU and copied into the host masters: HF's init statistics.
+    for store in stores:
+        for name, view in store.param_views(store.master).items():
+            if view.dim() >= 2:
+                assert view.std().item() == pytest.approx(cfg.initializer_range, rel=0.15), name
+            elif "norm" in name:
+                assert torch.all(view == 1.0), name
+        assert torch.equal(store.stream, store.master.to(store.stream.dtype))
     _, losses = _mega_losses(tmp_path, "init", model, _data(32, 64))
     assert all(math.isfinite(x) for x in losses)
 

@@ -135,15 +135,33 @@ def init_streamed_model(
     state = streamed_state(model)
     _, layers = find_decoder_layers(model)
     torch.manual_seed(seed)
+    engine_device = state.engine.device
+    # On CUDA the host layers' values are drawn on the GPU (into one scratch buffer, then copied
+    # into the host master): the CPU's normal_ draws ~0.1-0.2 G values/s on one core, a minute
+    # or more of start-up for a 7B-14B model; the GPU takes milliseconds and PCIe seconds.
+    # Same distributions, other draws than a CPU init (seeded and reproducible either way).
+    scratch = None
+    if engine_device.type == "cuda":
+        host_numels = [s.numel for s in state.store.layers if s.master.device.type == "cpu"]
+        if host_numels:
+            scratch = torch.empty(max(host_numels), dtype=torch.float32, device=engine_device)
     with torch.no_grad():
         for layer, store in zip(layers, state.store.layers):
+            on_host = store.master.device.type == "cpu"
+            if scratch is not None and on_host:
+                target = scratch[: store.numel]
+            elif store.owned:
+                target = store.master
+            else:
+                target = torch.empty_like(store.master)
             # Data parallel: every rank draws every layer's values (the RNG stream of one
             # process), only the layer's owner writes them into the shared master.
-            master = store.master if store.owned else torch.empty_like(store.master)
-            with _reparametrize_module(layer, store.param_views(master)):
+            with _reparametrize_module(layer, store.param_views(target)):
                 for module in layer.modules():
                     model._init_weights(module)
             if store.owned:
+                if target is not store.master:
+                    store.master.copy_(target)  # synchronous: the scratch is reused next
                 store.refresh_stream_copy()
         in_layers = {id(m) for layer in layers for m in layer.modules()}
         for module in model.modules():
