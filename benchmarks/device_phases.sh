@@ -5,6 +5,7 @@
 # dropped). Run from the repo root there, `.whl` carried, BENCH_COMMIT set:
 #
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh tests      # nvidia-h200 or -x2
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed      # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh capacity   # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long       # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh dp         # nvidia-h200-x2
@@ -13,7 +14,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | capacity | long | dp}
+phase=${1:?phase: tests | speed | capacity | long | dp}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -28,6 +29,16 @@ case "$phase" in
     timeout 420 python3 -m pytest tests/test_gpu.py tests/test_packing.py tests/test_gpu_dp.py \
       -o addopts="" -p no:cacheprovider -rA -q 2>&1 | grep -v '^DEBUG' >"$log"
     tail -30 "$log"
+    ;;
+  speed)
+    # Issue 3's same-run comparisons: 1.5B at 64k (DeepSpeed target 1.3x), stock where it fits
+    # (1.5B at 32k, 7B at 8k) against the HBM tier, and the all-streamed path with eager updates
+    # (no clipping: each layer's CPU update overlaps the backward) against clipping.
+    bench --tag "speed-$(date -u +%H%M)" --steps 3 --warmup 2 --timeout-s 150 \
+      --run qwen2.5-1.5b:65536:megatrain-hbm,deepspeed:16 --run qwen2.5-1.5b:32768:megatrain-hbm,stock:8 \
+      --run qwen2.5-7b:8192:megatrain-hbm,stock:2
+    bench --tag "eager-$(date -u +%H%M)" --no-clip --steps 3 --warmup 2 --timeout-s 90 \
+      --run qwen2.5-1.5b:16384:megatrain:4
     ;;
   capacity)
     # Qwen2.5-14B with the planned HBM tier: host layers without a gradient slot (clipping off,
