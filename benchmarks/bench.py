@@ -683,6 +683,17 @@ def _pump(stream, sinks: list, tail: deque, prefix: str) -> None:
             sink.flush()
 
 
+def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> tuple[int, bool]:
+    """Wait for a run started in its own session; past ``timeout_s`` kill its whole group.
+
+    Returns (exit code, whether it timed out)."""
+    try:
+        return proc.wait(timeout=timeout_s), False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(), True
+
+
 def kill_session(sid: int) -> int:
     """SIGKILL every process left in the worker's session; returns how many were signalled.
 
@@ -731,13 +742,7 @@ def run_subprocess(cfg: RunConfig, log_file) -> dict:
             target=_pump, args=(proc.stdout, [sys.stdout, log_file], tail, prefix), daemon=True
         )
         pump.start()
-        timed_out = False
-        try:
-            rc = proc.wait(timeout=cfg.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+        rc, timed_out = wait_or_kill(proc, cfg.timeout_s)
         # Nothing of this run may hold memory or the GPU while the next one runs.
         leftovers = kill_session(proc.pid)
         if leftovers:

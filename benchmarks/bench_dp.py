@@ -23,7 +23,6 @@ import datetime as dt
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -157,13 +156,7 @@ def _launch(a: argparse.Namespace, argv: list[str], log_file) -> dict:
             env=env,
             cwd=str(bench.REPO_ROOT),
         )
-        timed_out = False
-        try:
-            rc = proc.wait(timeout=a.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+        rc, timed_out = bench.wait_or_kill(proc, a.timeout_s)
         bench.kill_session(proc.pid)  # no rank may outlive the run
         if result_json.is_file():
             result = json.loads(result_json.read_text())

@@ -379,14 +379,26 @@ class StreamingEngine:
             if self.sync_grads and self.on_grad_final is not None:
                 self.on_grad_final(idx, None)
             return
+        acc = self._accumulate(idx, store, grads)
+        if acc is not None:
+            self._drain(idx, acc)
+
+    def _accumulate(
+        self, idx: int, store: LayerStore, grads: list[torch.Tensor | None]
+    ) -> torch.Tensor | None:
+        """Add a micro-batch's gradient to the layer's fp32 device accumulator.
+
+        Returns the accumulator once the step's last micro-batch is in (``sync_grads``), for the
+        caller to drain or reduce; before that it stays in ``_grad_acc`` and None is returned.
+        """
         acc = self._grad_acc.pop(idx, None)
         if acc is None:
             acc = torch.zeros(store.numel, dtype=torch.float32, device=self.device)
         self._scatter_add(store, acc, grads)
         if self.sync_grads:
-            self._drain(idx, acc)
-        else:
-            self._grad_acc[idx] = acc
+            return acc
+        self._grad_acc[idx] = acc
+        return None
 
     def _add_grads_dp(self, idx: int, store: LayerStore, grads: list[torch.Tensor | None]) -> None:
         """Data parallel: accumulate locally, reduce once the step's last micro-batch is done."""
@@ -410,14 +422,9 @@ class StreamingEngine:
                 if self.on_grad_final is not None:
                     self.on_grad_final(idx, None)
             return
-        acc = self._grad_acc.pop(idx, None)
-        if acc is None:
-            acc = torch.zeros(store.numel, dtype=torch.float32, device=self.device)
-        self._scatter_add(store, acc, grads)
-        if self.sync_grads:
+        acc = self._accumulate(idx, store, grads)
+        if acc is not None:
             self._reduce_to_owner(idx, acc)
-        else:
-            self._grad_acc[idx] = acc
 
     def _reduce_to_owner(self, idx: int, acc: torch.Tensor) -> None:
         """Sum ``acc`` over the ranks into the owner, who averages it into its host gradient.
