@@ -315,6 +315,33 @@ def test_init_streamed_model_on_gpu(tmp_path):
     assert all(math.isfinite(x) for x in losses)
 
 
+def test_init_streamed_model_untouched_params_are_zero_on_gpu(monkeypatch):
+    """A parameter the model's _init_weights skips stays zero (as on the CPU path), not the
+    previous layer's values left in the reused GPU scratch buffer."""
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    from hf_megatrain import init_streamed_model
+
+    orig = LlamaPreTrainedModel._init_weights
+
+    def skip_layer1_linears(self, module):
+        # (Also called while the model is still being built, by LlamaModel on itself.)
+        layers = getattr(getattr(self, "model", self), "layers", [])
+        if isinstance(module, torch.nn.Linear) and len(layers) > 1:
+            if any(module is m for m in layers[1].modules()):
+                return
+        orig(self, module)
+
+    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", skip_layer1_linears)
+    model = init_streamed_model(_tiny_gpu_config(), device="cuda", bf16=True, seed=0)
+    stores = model._megatrain.store.layers
+    for name, view in stores[1].param_views(stores[1].master).items():
+        if view.dim() >= 2:
+            assert torch.all(view == 0), name
+    views0 = stores[0].param_views(stores[0].master)
+    assert all(v.std().item() > 0 for v in views0.values() if v.dim() >= 2)
+
+
 def test_lora_on_gpu(tmp_path):
     peft = pytest.importorskip("peft")
     base = tiny_model(_tiny_gpu_config())

@@ -149,7 +149,9 @@ def init_streamed_model(
         for layer, store in zip(layers, state.store.layers):
             on_host = store.master.device.type == "cpu"
             if scratch is not None and on_host:
-                target = scratch[: store.numel]
+                # Zeroed: a parameter the model's _init_weights leaves alone must come out as
+                # on the CPU path (the fresh, zero master), not as the previous layer's values.
+                target = scratch[: store.numel].zero_()
             elif store.owned:
                 target = store.master
             else:
