@@ -278,6 +278,10 @@ class HostAdamW(torch.optim.Optimizer):
                 target=self._eager_worker,
                 args=(self._eager_queue, n_threads),
                 name="megatrain-eager",
+                # It only ends on step()'s sentinel: were it not a daemon, a run that raises
+                # between a layer's eager update and step() would hang at interpreter exit,
+                # the main thread's exception printed but the process never returning.
+                daemon=True,
             )
             self._eager_thread.start()
         self._eager_queue.put((idx, event))
