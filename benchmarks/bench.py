@@ -1028,28 +1028,8 @@ def _csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--system", help="one of " + ", ".join(SYSTEMS))
-    p.add_argument("--systems", help="comma list, run one after another (separate processes)")
-    p.add_argument("--model", help="config name under benchmarks/configs/ (comma list allowed)")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--tokens-per-step", default="16384", help="tokens per optimizer step; list ok")
-    p.add_argument(
-        "--run",
-        action="append",
-        default=[],
-        metavar="MODEL:TOKENS_PER_STEP:SYSTEMS[:MICRO_BATCH]",
-        help="one sweep entry, e.g. qwen2.5-1.5b:16384:megatrain,deepspeed,stock or "
-        "qwen2.5-1.5b:65536:stock:4 (repeatable; replaces --model/--tokens-per-step/--system(s))",
-    )
-    p.add_argument("--micro-batch", type=int, default=None, help="default: whole step at once")
-    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--timeout-s", type=float, default=900.0, help="wall-clock limit per run")
-    p.add_argument("--lr", type=float, default=1e-5)
+def add_megatrain_options(p: argparse.ArgumentParser) -> None:
+    """hf_megatrain engine and store options, shared with bench_dp.py (see ``megatrain_options``)."""
     p.add_argument("--host-memory-limit-gb", type=float, default=None, help="megatrain only")
     p.add_argument(
         "--streamed-init",
@@ -1079,6 +1059,43 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="megatrain only: stream fp32 masters (cast on the GPU) instead of a host bf16 copy",
     )
+
+
+def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The ``RunConfig`` fields set by ``add_megatrain_options``' flags."""
+    return dict(
+        host_memory_limit_gb=a.host_memory_limit_gb,
+        streamed_init=a.streamed_init,
+        mlp_tile_tokens=a.mlp_tile_tokens,
+        offload_activations=a.offload_activations,
+        no_clip=a.no_clip,
+        stream_fp32_master=a.stream_fp32_master,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--system", help="one of " + ", ".join(SYSTEMS))
+    p.add_argument("--systems", help="comma list, run one after another (separate processes)")
+    p.add_argument("--model", help="config name under benchmarks/configs/ (comma list allowed)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--tokens-per-step", default="16384", help="tokens per optimizer step; list ok")
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="MODEL:TOKENS_PER_STEP:SYSTEMS[:MICRO_BATCH]",
+        help="one sweep entry, e.g. qwen2.5-1.5b:16384:megatrain,deepspeed,stock or "
+        "qwen2.5-1.5b:65536:stock:4 (repeatable; replaces --model/--tokens-per-step/--system(s))",
+    )
+    p.add_argument("--micro-batch", type=int, default=None, help="default: whole step at once")
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="wall-clock limit per run")
+    p.add_argument("--lr", type=float, default=1e-5)
+    add_megatrain_options(p)
     p.add_argument(
         "--profile",
         action="store_true",
@@ -1102,13 +1119,8 @@ def configs_from_args(a: argparse.Namespace) -> list[RunConfig]:
         device=a.device,
         timeout_s=a.timeout_s,
         learning_rate=a.lr,
-        host_memory_limit_gb=a.host_memory_limit_gb,
-        streamed_init=a.streamed_init,
-        mlp_tile_tokens=a.mlp_tile_tokens,
-        offload_activations=a.offload_activations,
-        no_clip=a.no_clip,
-        stream_fp32_master=a.stream_fp32_master,
         profile=a.profile,
+        **megatrain_options(a),
     )
     entries: list[tuple[str, int, list[str], int | None]] = []
     for spec in a.run:

@@ -49,10 +49,7 @@ def _run_config(a: argparse.Namespace) -> bench.RunConfig:
         device="cuda" if not a.cpu else "cpu",
         timeout_s=a.timeout_s,
         learning_rate=a.lr,
-        host_memory_limit_gb=a.host_memory_limit_gb,
-        streamed_init=a.streamed_init,
-        mlp_tile_tokens=a.mlp_tile_tokens,
-        offload_activations=a.offload_activations,
+        **bench.megatrain_options(a),
     )
 
 
@@ -180,10 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--timeout-s", type=float, default=900.0)
-    p.add_argument("--host-memory-limit-gb", type=float, default=None)
-    p.add_argument("--streamed-init", action="store_true")
-    p.add_argument("--mlp-tile-tokens", type=int, default=0)
-    p.add_argument("--offload-activations", action="store_true")
+    bench.add_megatrain_options(p)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (a smoke test of the script)")
     p.add_argument("--tag", default="dp")
     p.add_argument("--results-dir", type=Path, default=bench.RESULTS_DIR)
