@@ -45,9 +45,9 @@ case "$phase" in
     # eager updates: 14 B/param), then also streaming the fp32 master (12 B/param); planned vs
     # measured peaks in the rows.
     bench --tag "cap-$(date -u +%H%M)" --streamed-init --no-clip --steps 2 --warmup 1 \
-      --timeout-s 270 --run qwen2.5-14b:16384:megatrain-hbm:4
+      --timeout-s 200 --run qwen2.5-14b:16384:megatrain-hbm:4
     bench --tag "cap12-$(date -u +%H%M)" --streamed-init --no-clip --stream-fp32-master \
-      --steps 2 --warmup 1 --timeout-s 270 --run qwen2.5-14b:16384:megatrain-hbm:4
+      --steps 2 --warmup 1 --timeout-s 200 --run qwen2.5-14b:16384:megatrain-hbm:4
     ;;
   long)
     # One 524,288-token sequence of Qwen2.5-1.5B: MLP tiles, boundary activations on the host.
