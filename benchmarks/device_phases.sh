@@ -9,12 +9,17 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh capacity   # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long       # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh dp         # nvidia-h200-x2
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes    # nvidia-h200 (~125 s)
+#
+# The recipes phase needs TRL and datasets, which the GPU image lacks: carry their wheels in .whl
+# (bash ../shared/tools/device-wheels.sh trl==1.16.0 datasets==5.2.0 'dill<0.4.2'
+# 'multiprocess<0.70.20').
 #
 # Then, here: tar xzf <files_at>/results-<phase>.tgz -C /tmp/x and merge its
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | capacity | long | dp}
+phase=${1:?phase: tests | speed | capacity | long | dp | recipes}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -65,6 +70,38 @@ case "$phase" in
       --seq-len 4096 --tokens-per-gpu 65536 --micro-batch 16 --streamed-init --steps 2 \
       --warmup 1 --timeout-s 300 >>"$log" 2>&1
     grep -E '^bench|"status"' "$log" | tail -4
+    ;;
+  recipes)
+    # Issue 6: the Python recipes at real size on one H200, without weights to download:
+    # Qwen2.5-7B from its config at random init (streamed init, bundled tokenizer), bf16 compute
+    # (automatic on the GPU). SFT: full fine-tuning through TRL, every layer streamed (host store
+    # 18 B/param, ~110 GiB), 3 packed rows of <= 4096 tokens, ~4.2k tokens per step, no 30 GB
+    # save. LoRA: frozen base stores (6 B/param), 2 x 4096 tokens per step, the stock reload check
+    # skipped (a 7B random base exists only in the host store). Estimate: sft ~80 s (imports 15,
+    # init 35-40, 4 steps ~20), lora ~45 s.
+    whls=$(compgen -G ".whl/trl-*.whl"; compgen -G ".whl/datasets-*.whl"; compgen -G ".whl/dill-*.whl"
+      compgen -G ".whl/multiprocess-*.whl")
+    if [ -n "$whls" ]; then
+      # shellcheck disable=SC2086
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site $whls >>"$log" 2>&1
+      export PYTHONPATH=/tmp/site:$PYTHONPATH
+    fi
+    if ! python3 -c "import trl, datasets, peft" >>"$log" 2>&1; then
+      echo "recipes: trl / datasets / peft missing; carry their wheels in .whl (header)" | tee -a "$log"
+      exit 1
+    fi
+    # The recipe's own lines, the Trainer's log dicts (loss, tokens_per_s, memory peaks), errors.
+    show() { tr '\r' '\n' <"$log" | grep -aE "^($1):|\{'loss'|Error|error:|Killed" | tail -n "$2"; }
+    { timeout 100 python3 recipes/sft.py --config benchmarks/configs/qwen2.5-7b --max-length 4096 \
+        --batch-size 2 --max-steps 4 --lr 1e-5 --no-save --output-dir /tmp/recipes-sft
+      echo "sft: exit status $?"; } >>"$log" 2>&1
+    show sft 9
+    pack
+    { timeout 60 python3 recipes/lora.py --config benchmarks/configs/qwen2.5-7b --seq-len 4096 \
+        --batch-size 2 --max-steps 4 --lr 2e-4 --eval-chunks 2 --output-dir /tmp/recipes-lora
+      echo "lora: exit status $?"; } >>"$log" 2>&1
+    show lora 11
     ;;
   *)
     echo "unknown phase $phase" >&2

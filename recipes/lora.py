@@ -7,37 +7,209 @@ layer, while the LoRA adapters stay resident on the device with their own AdamW 
 is causal LM on a text corpus (documents joined with EOS, cut into ``--seq-len`` blocks).
 ``save_model`` writes ordinary ``adapter_model.safetensors`` / ``adapter_config.json``.
 
-Afterwards (``--verify``, default on) the recipe reloads the adapters the stock way,
+Afterwards (``--verify``) the recipe reloads the adapters the stock way,
 ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), output_dir)``, and
 compares its held-out loss with the streamed model's. That reload is a second copy of the base
 (host RAM, then the device); ``--no-verify`` skips it.
 
-Without ``--model-path`` the base is the bundled ~3M-parameter config at random init, written to
-``<output-dir>/base`` so that the adapters have a base folder to load onto.
+Without ``--model-path`` or ``--config`` the base is the bundled ~3M-parameter config at random
+init, written to ``<output-dir>/base`` so that the adapters have a base folder to load onto.
+
+``--config`` (a config.json, or a folder with one) builds a real-size base at random init without
+downloading weights and without ever materializing it: the model is built on ``meta``, the LoRA
+adapters are added and initialized on the CPU, the frozen base's decoder layers get frozen host
+stores, and the model's own ``_init_weights`` writes each layer's values straight into its store
+(as ``hf_megatrain.init_streamed_model`` does for a model without adapters). The bundled
+tokenizer is used. The stock reload check then needs the base written to disk first
+(``<output-dir>/base``, fp32 from the host store): by default it runs up to 2B base parameters
+and is skipped, with a note, above (a 7B base would be 30 GB of files plus a second, materialized
+copy next to the host store); ``--verify`` forces it, ``--no-verify`` skips it.
 
     python3 recipes/lora.py                                         # bundled data, CPU, ~1 min
     accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/lora.py \
-        --model-path /models/Qwen2.5-7B --data /data/corpus/ --bf16 \
+        --model-path /models/Qwen2.5-7B --data /data/corpus/ \
         --seq-len 4096 --batch-size 4 --lr 2e-4 --max-steps 500 --rank 16
+    python3 recipes/lora.py --config benchmarks/configs/qwen2.5-7b --seq-len 4096 \
+        --batch-size 2 --max-steps 4 --eval-chunks 2                # 7B base at random init
+
+Precision: bf16 compute (fp32 masters and AdamW states) when a bf16-capable GPU is there, fp32 on
+the CPU; ``--bf16`` / ``--fp32`` choose.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import time
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, default_data_collator
 
-from hf_megatrain import HFMegaTrainer, MegaTrainArguments
+from hf_megatrain import (
+    SUPPORTED_MODEL_TYPES,
+    HFMegaTrainer,
+    MegaTrainArguments,
+    prepare_streamed_model,
+)
 from hf_megatrain.cli import DEFAULT_CONFIG, TrainOptions, build_chunks, load_tokenizer, read_texts
 
+# Above this many parameters a --config base (random init, never on disk) is not written out and
+# reloaded for the stock peft check unless --verify asks (as `hf-megatrain train` decides).
+VERIFY_MAX_PARAMS = 2_000_000_000
 
-def base_model(a) -> tuple[torch.nn.Module, str]:
+
+def model_config(path: str, parser: argparse.ArgumentParser):
+    """The config of ``--config`` (a config.json, or a folder holding one); usage errors exit."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        parser.error(
+            f"--config {path}: "
+            + ("the folder has no config.json" if p.is_dir() else "no such file or folder")
+        )
+    try:
+        # A folder as given: peft then finds its config.json when it saves the adapters.
+        cfg = AutoConfig.from_pretrained(str(p if p.is_dir() else file))
+    except (OSError, ValueError) as e:
+        parser.error(f"--config {path}: not a model config ({e})")
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        parser.error(
+            f"--config {path}: model_type {cfg.model_type!r} is not supported; supported: "
+            + ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+        )
+    return cfg
+
+
+def check_vocab(cfg, tokenizer, what: str) -> None:
+    """Every token id of ``tokenizer`` must index the model's embedding."""
+    # The bundled tokenizer has 4096 tokens, ids 0..4095: below the vocab of every real-size
+    # config (Qwen2.5: 152064, Llama 3: 128256), so a random-init model of that shape trains on
+    # it; only its first 4096 embedding rows are ever looked up. A smaller vocab cannot.
+    if len(tokenizer) > cfg.vocab_size:
+        raise SystemExit(
+            f"{what}: the bundled tokenizer has {len(tokenizer)} tokens (ids up to "
+            f"{len(tokenizer) - 1}) but the config's vocab_size is {cfg.vocab_size}: its "
+            "embedding cannot look them up. Use a config with vocab_size >= "
+            f"{len(tokenizer)}."
+        )
+
+
+def use_bf16(precision: str | None) -> bool:
+    """bf16 compute on a bf16-capable GPU unless --fp32; fp32 on the CPU unless --bf16."""
+    if precision is None:
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return precision == "bf16"
+
+
+def _is_adapter(name: str) -> bool:
+    return any(part.startswith("lora_") for part in name.split("."))
+
+
+def streamed_lora_model(
+    cfg, lora: LoraConfig, bf16: bool, seed: int = 0, attn: str = "sdpa", device=None
+) -> PeftModel:
+    """LoRA adapters over a random-init frozen base of ``cfg`` that is never materialized.
+
+    The base is built on ``meta``; ``get_peft_model`` adds the adapters (on ``meta`` too, as their
+    base layers), which are then allocated on the CPU and initialized the peft way (A random, B
+    zero). ``prepare_streamed_model`` gives the frozen base weights of each decoder layer a
+    frozen host store (fp32 master + stream copy, no gradient or moments) and keeps the adapters
+    resident; finally the base model's own ``_init_weights`` writes each layer's values straight
+    into its store, as ``hf_megatrain.init_streamed_model`` does for a model without adapters.
+    """
+    from accelerate import init_empty_weights  # noqa: PLC0415
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+    from torch.nn.utils.stateless import _reparametrize_module  # noqa: PLC0415
+
+    from hf_megatrain.hf.model import find_decoder_layers, streamed_state  # noqa: PLC0415
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with init_empty_weights(include_buffers=False):
+        base = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
+    base.tie_weights()  # not tied yet under init_empty_weights
+    torch.manual_seed(seed)
+    model = get_peft_model(base, lora)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for name in module.lora_A:
+                module.lora_A[name].to_empty(device="cpu")
+                module.lora_B[name].to_empty(device="cpu")
+                module.reset_lora_parameters(name, lora.init_lora_weights)
+    left = [n for n, q in model.named_parameters() if q.requires_grad and q.is_meta]
+    if left:
+        raise SystemExit(
+            f"lora: adapters of this kind cannot be built on a --config base: {left[0]}"
+        )
+    prepare_streamed_model(
+        model,
+        device=device,
+        compute_dtype=torch.bfloat16 if bf16 else torch.float32,
+        decay_names=set(Trainer.get_decay_parameter_names(None, model)),
+    )
+    state = streamed_state(model)
+    hf_model = model.get_base_model()
+    _, layers = find_decoder_layers(model)
+    engine_device = state.engine.device
+    # On CUDA the values are drawn on the GPU into one scratch buffer, then copied to the host
+    # master (the CPU draws ~0.1-0.2 G values/s: a minute or more for a 7B base).
+    scratch = None
+    if engine_device.type == "cuda":
+        numels = [s.numel for s in state.store.layers if s.master.device.type == "cpu"]
+        if numels:
+            scratch = torch.empty(max(numels), dtype=torch.float32, device=engine_device)
+    with torch.no_grad():
+        for layer, store in zip(layers, state.store.layers):
+            if scratch is not None and store.master.device.type == "cpu":
+                target = scratch[: store.numel].zero_()
+            elif store.owned:
+                target = store.master
+            else:
+                target = torch.empty_like(store.master)
+            # The store holds the layer's frozen base tensors; its adapters (resident, already
+            # initialized) are left alone.
+            with _reparametrize_module(layer, store.param_views(target)):
+                for name, module in layer.named_modules():
+                    if not _is_adapter(name):
+                        hf_model._init_weights(module)
+            if store.owned:
+                if target is not store.master:
+                    store.master.copy_(target)  # synchronous: the scratch is reused next
+                store.refresh_stream_copy()
+        in_layers = {id(m) for layer in layers for m in layer.modules()}
+        for name, module in hf_model.named_modules():
+            if id(module) not in in_layers and not _is_adapter(name):
+                hf_model._init_weights(module)  # embeddings, final norm, LM head (resident)
+    state.engine.invalidate_weights()
+    if state.engine.dp is not None:
+        state.engine.dp.barrier()  # every owner has written its layers
+    return model
+
+
+def write_base(model: PeftModel, cfg, path: str) -> None:
+    """The frozen base of a streamed LoRA model as a Hub-format folder (fp32, from the store)."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from hf_megatrain.hf.checkpoint import host_state_dict  # noqa: PLC0415
+
+    tensors = {}
+    for key, value in host_state_dict(model).items():
+        if _is_adapter(key):
+            continue
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        tensors[name] = value.detach().to("cpu", torch.float32).clone()  # no shared storage
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # from_pretrained ties it to the embedding
+    Path(path).mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+    save_file(tensors, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+
+
+def base_model(a, bf16: bool) -> tuple[torch.nn.Module, str]:
     """The materialized base on the CPU, and the folder it loads from (for the stock reload)."""
-    dtype = torch.bfloat16 if a.bf16 else torch.float32
+    dtype = torch.bfloat16 if bf16 else torch.float32
     base_path = a.model_path
     if base_path is None:
         base_path = str(Path(a.output_dir) / "base")
@@ -75,7 +247,13 @@ def mean_loss(model, rows: list[dict], device) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", help="Hub-format checkpoint folder (default: bundled config)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model-path", help="Hub-format checkpoint folder (default: bundled config)")
+    src.add_argument(
+        "--config",
+        help="config.json, or a folder with one (e.g. benchmarks/configs/qwen2.5-7b): a "
+        "random-init frozen base at that size, never materialized, with the bundled tokenizer",
+    )
     p.add_argument("--data", help="text file or folder (default: bundled corpus)")
     p.add_argument("--output-dir", default="outputs/lora")
     p.add_argument("--seq-len", type=int, default=128)
@@ -92,17 +270,34 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--eval-chunks", type=int, default=8, help="held-out blocks for the loss check")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention"])
-    p.add_argument("--bf16", action="store_true")
+    prec = p.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                      help="bf16 compute, fp32 masters (default on a bf16-capable GPU)")  # fmt: skip
+    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
+                      help="fp32 compute (default on the CPU)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reload the adapters with stock peft and compare the held-out loss (default: on, "
+        f"except for a --config base above {VERIFY_MAX_PARAMS / 1e9:g}B parameters)",
+    )
     a = p.parse_args(argv)
+    cfg = model_config(a.config, p) if a.config else None
+    bf16 = use_bf16(a.precision)
 
+    # --config: the bundled tokenizer (TrainOptions() without a model path names it).
     tokenizer = load_tokenizer(TrainOptions(model_path=a.model_path))
     chunks = build_chunks(tokenizer, read_texts(a.data), a.seq_len)
     rows = [{"input_ids": c, "labels": c} for c in chunks]
+    if len(rows) <= a.eval_chunks:
+        raise SystemExit(
+            f"lora: the data give {len(rows)} blocks of {a.seq_len} tokens, not more than "
+            f"--eval-chunks {a.eval_chunks}: lower --seq-len or --eval-chunks"
+        )
     train_rows, eval_rows = rows[: -a.eval_chunks], rows[-a.eval_chunks :]
 
-    base, base_path = base_model(a)
     targets = a.target_modules if a.target_modules == "all-linear" else a.target_modules.split(",")
     lora = LoraConfig(
         r=a.rank,
@@ -111,7 +306,21 @@ def main(argv: list[str] | None = None) -> dict:
         target_modules=targets,
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(base, lora)
+    if cfg is not None:
+        check_vocab(cfg, tokenizer, "lora")
+        print(
+            f"lora: random-init {cfg.model_type} base from {a.config} ({cfg.num_hidden_layers} "
+            f"layers, hidden {cfg.hidden_size}), built on meta; LoRA r={a.rank} adapters; each "
+            "frozen decoder layer initialized straight into its host store ...",
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        model = streamed_lora_model(cfg, lora, bf16, a.seed, a.attn)
+        base_path = None  # written below only for the stock reload check
+        print(f"lora: built in {time.perf_counter() - t0:.1f} s", flush=True)
+    else:
+        base, base_path = base_model(a, bf16)
+        model = get_peft_model(base, lora)
     model.print_trainable_parameters()
     args = MegaTrainArguments(
         output_dir=a.output_dir,
@@ -122,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
         lr_scheduler_type="cosine",
         warmup_steps=min(10, a.max_steps // 5),
         logging_steps=max(1, a.max_steps // 10),
-        bf16=a.bf16,
+        bf16=bf16,
         use_cpu=not torch.cuda.is_available(),
         seed=a.seed,
         save_strategy="no",
@@ -133,15 +342,27 @@ def main(argv: list[str] | None = None) -> dict:
     )
     device = trainer.args.device
     loss_before = mean_loss(trainer.model, eval_rows, device)
-    print(f"lora: {len(train_rows)} blocks of {a.seq_len} tokens, held-out loss {loss_before:.4f}")
+    print(
+        f"lora: {len(train_rows)} blocks of {a.seq_len} tokens, held-out loss {loss_before:.4f}; "
+        f"{'bf16 compute, fp32 masters' if bf16 else 'fp32'} on {device.type}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
     trainer.train()
+    train_s = time.perf_counter() - t0
     loss_after = mean_loss(trainer.model, eval_rows, device)
     trainer.save_model(a.output_dir)  # adapter_model.safetensors + adapter_config.json
     tokenizer.save_pretrained(a.output_dir)
     logs = [h for h in trainer.state.log_history if "loss" in h]
+    # tokens_per_s: HFMegaTrainer's rate over the last logging interval (the first interval
+    # also carries the warm-up).
+    tps = logs[-1].get("tokens_per_s") if logs else None
     print(
-        f"lora: held-out loss {loss_before:.4f} -> {loss_after:.4f}; adapters saved to "
-        f"{a.output_dir} (base: {base_path})"
+        f"lora: {a.max_steps} steps in {train_s:.1f} s"
+        + (f", {tps:,.0f} tokens/s (last logged interval)" if tps else "")
+        + f"; held-out loss {loss_before:.4f} -> {loss_after:.4f}; adapters saved to "
+        f"{a.output_dir} (base: {base_path or 'random init from ' + a.config})",
+        flush=True,
     )
     result = {
         "logs": logs,
@@ -151,14 +372,36 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_loss_before": loss_before,
         "eval_loss_after": loss_after,
         "output_dir": a.output_dir,
+        "bf16": bf16,
+        "train_seconds": train_s,
     }
-    if a.verify:
-        stock = stock_peft_model(base_path, a.output_dir, a.bf16, a.attn, device)
+    verify = a.verify
+    if cfg is not None:
+        n_params = sum(q.numel() for q in trainer.model.parameters())  # meta views counted
+        if verify is None:
+            verify = n_params <= VERIFY_MAX_PARAMS
+            if not verify:
+                print(
+                    f"lora: skipped the stock peft reload check: the {n_params / 1e9:.1f}B-"
+                    "parameter base is a random init that exists only in the host store; the "
+                    f"check would write it to disk ({4 * n_params / 1e9:.0f} GB in fp32) and "
+                    "load a second, materialized copy next to the store (--verify forces it)."
+                )
+        if verify:
+            # The base is frozen: the store still holds its initial values.
+            base_path = str(Path(a.output_dir) / "base")
+            write_base(trainer.model, cfg, base_path)
+            result["base_path"] = base_path
+            print(f"lora: wrote the random-init base to {base_path} for the stock reload")
+    if verify is None:
+        verify = True
+    if verify:
+        stock = stock_peft_model(base_path, a.output_dir, bf16, a.attn, device)
         stock_loss = mean_loss(stock, eval_rows, device)
         print(f"lora: stock peft reload of the adapters: held-out loss {stock_loss:.4f}")
         # fp32: the same weights and kernels, only summation order may differ; bf16 runs keep
         # the base in bf16 either way, but the adapter path's rounding can differ slightly.
-        if not math.isclose(stock_loss, loss_after, rel_tol=1e-2 if a.bf16 else 1e-4):
+        if not math.isclose(stock_loss, loss_after, rel_tol=1e-2 if bf16 else 1e-4):
             raise SystemExit(
                 f"lora: the reloaded adapters give loss {stock_loss} != streamed {loss_after}"
             )

@@ -12,23 +12,35 @@ conversation attends to another (``--attn flex_attention`` keeps the mask sparse
 A tokenizer without a chat template (the bundled one) gets ``CHAT_TEMPLATE`` below; one with a
 template that TRL knows (Qwen2.5, Llama 3, ...) gets TRL's training variant with the markers.
 
+``--config`` trains a real-size architecture without downloading weights: the model is built
+from a config.json at random init with ``init_streamed_model`` (each decoder layer's initial
+values are written straight into its host-store master, so a 7B config never exists as a whole
+torch model) and trained with the bundled tokenizer. The loss is then that of a random model, the
+steps, memory and throughput are those of the real size.
+
     python3 recipes/sft.py                                          # bundled data, CPU, ~1 min
     accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/sft.py \
-        --model-path /models/Qwen2.5-7B --data /data/chat.jsonl --bf16 \
+        --model-path /models/Qwen2.5-7B --data /data/chat.jsonl \
         --max-length 4096 --batch-size 4 --lr 1e-5 --max-steps 500
+    python3 recipes/sft.py --config benchmarks/configs/qwen2.5-7b --max-length 4096 \
+        --max-steps 4 --no-save                                     # 7B from random init, 1 GPU
+
+Precision: bf16 compute (fp32 masters and AdamW states) when a bf16-capable GPU is there, fp32 on
+the CPU; ``--bf16`` / ``--fp32`` choose.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
 from datasets import Dataset, load_dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_megatrain import load_streamed_model
+from hf_megatrain import SUPPORTED_MODEL_TYPES, init_streamed_model, load_streamed_model
 from hf_megatrain.cli import DATA_DIR, DEFAULT_CONFIG, TrainOptions, load_tokenizer
 from hf_megatrain.integrations.trl import MegaSFTConfig, MegaSFTTrainer
 
@@ -62,9 +74,58 @@ def load_conversations(path: str | None) -> Dataset:
     return load_dataset(builder, data_files=path, split="train")
 
 
+def model_config(path: str, parser: argparse.ArgumentParser):
+    """The config of ``--config`` (a config.json, or a folder holding one); usage errors exit."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        parser.error(
+            f"--config {path}: "
+            + ("the folder has no config.json" if p.is_dir() else "no such file or folder")
+        )
+    try:
+        # A folder as given: peft then finds its config.json when it saves the adapters.
+        cfg = AutoConfig.from_pretrained(str(p if p.is_dir() else file))
+    except (OSError, ValueError) as e:
+        parser.error(f"--config {path}: not a model config ({e})")
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        parser.error(
+            f"--config {path}: model_type {cfg.model_type!r} is not supported; supported: "
+            + ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+        )
+    return cfg
+
+
+def check_vocab(cfg, tokenizer, what: str) -> None:
+    """Every token id of ``tokenizer`` must index the model's embedding."""
+    # The bundled tokenizer has 4096 tokens, ids 0..4095: below the vocab of every real-size
+    # config (Qwen2.5: 152064, Llama 3: 128256), so a random-init model of that shape trains on
+    # it; only its first 4096 embedding rows are ever looked up. A smaller vocab cannot.
+    if len(tokenizer) > cfg.vocab_size:
+        raise SystemExit(
+            f"{what}: the bundled tokenizer has {len(tokenizer)} tokens (ids up to "
+            f"{len(tokenizer) - 1}) but the config's vocab_size is {cfg.vocab_size}: its "
+            "embedding cannot look them up. Use a config with vocab_size >= "
+            f"{len(tokenizer)}."
+        )
+
+
+def use_bf16(precision: str | None) -> bool:
+    """bf16 compute on a bf16-capable GPU unless --fp32; fp32 on the CPU unless --bf16."""
+    if precision is None:
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return precision == "bf16"
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", help="Hub-format checkpoint folder (default: bundled config)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model-path", help="Hub-format checkpoint folder (default: bundled config)")
+    src.add_argument(
+        "--config",
+        help="config.json, or a folder with one (e.g. benchmarks/configs/qwen2.5-7b): random "
+        "init at that size through init_streamed_model, with the bundled tokenizer",
+    )
     p.add_argument("--data", help="JSON/JSONL/Parquet of 'messages' rows (default: bundled chat)")
     p.add_argument("--output-dir", default="outputs/sft")
     p.add_argument("--max-length", type=int, default=512, help="tokens per packed row")
@@ -73,16 +134,45 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention"])
-    p.add_argument("--bf16", action="store_true")
+    prec = p.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                      help="bf16 compute, fp32 masters (default on a bf16-capable GPU)")  # fmt: skip
+    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
+                      help="fp32 compute (default on the CPU)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--save",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the model and tokenizer to --output-dir at the end (--no-save: a 7B "
+        "model is 30 GB of fp32 safetensors)",
+    )
     a = p.parse_args(argv)
+    cfg = model_config(a.config, p) if a.config else None
+    bf16 = use_bf16(a.precision)
 
+    # --config: the bundled tokenizer (TrainOptions() without a model path names it).
     tokenizer = load_tokenizer(TrainOptions(model_path=a.model_path))
     if tokenizer.chat_template is None:
         tokenizer.chat_template = CHAT_TEMPLATE
     conversations = load_conversations(a.data)
     if a.model_path:
-        model = load_streamed_model(a.model_path, bf16=a.bf16, attn_implementation=a.attn)
+        model = load_streamed_model(a.model_path, bf16=bf16, attn_implementation=a.attn)
+    elif cfg is not None:
+        check_vocab(cfg, tokenizer, "sft")
+        print(
+            f"sft: random init of a {cfg.model_type} model from {a.config} "
+            f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}): each decoder layer "
+            "initialized straight into its host-store master ...",
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        model = init_streamed_model(cfg, bf16=bf16, seed=a.seed, attn_implementation=a.attn)
+        n_params = sum(q.numel() for q in model.parameters())  # streamed ones: meta views
+        print(
+            f"sft: {n_params / 1e6:,.1f}M parameters built in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
     else:
         # Random init of the bundled ~3M-parameter Llama: the loss falls within a minute on CPU.
         cfg = AutoConfig.from_pretrained(DEFAULT_CONFIG)
@@ -102,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         lr_scheduler_type="cosine",
         warmup_steps=min(10, a.max_steps // 5),
         logging_steps=max(1, a.max_steps // 10),
-        bf16=a.bf16,  # SFTConfig defaults bf16 on; CPU runs need fp32
+        bf16=bf16,  # SFTConfig defaults bf16 on; CPU runs need fp32
         # Streamed layers always recompute in backward; HF checkpointing would only add work.
         gradient_checkpointing=False,
         use_cpu=not torch.cuda.is_available(),
@@ -118,15 +208,31 @@ def main(argv: list[str] | None = None) -> dict:
     all_tokens = sum(len(row) for row in packed["input_ids"])
     print(
         f"sft: {len(conversations)} conversations packed into {len(packed)} rows of <= "
-        f"{a.max_length} tokens; {loss_tokens}/{all_tokens} tokens are assistant tokens (in the loss)"
+        f"{a.max_length} tokens; {loss_tokens}/{all_tokens} tokens are assistant tokens (in the "
+        f"loss); {'bf16 compute, fp32 masters' if bf16 else 'fp32'} on {trainer.args.device.type}",
+        flush=True,
     )
+    t0 = time.perf_counter()
     trainer.train()
-    trainer.save_model(a.output_dir)
-    tokenizer.save_pretrained(a.output_dir)  # with the chat template, for inference
+    train_s = time.perf_counter() - t0
+    if a.save:
+        trainer.save_model(a.output_dir)
+        tokenizer.save_pretrained(a.output_dir)  # with the chat template, for inference
     logs = [h for h in trainer.state.log_history if "loss" in h]
+    # num_tokens: TRL's running count of the tokens trained on (padding-free rows: all real).
+    # tokens_per_s: HFMegaTrainer's rate over the last logging interval.
+    tokens = int(logs[-1].get("num_tokens", 0))
+    tps = logs[-1].get("tokens_per_s")
     print(
         f"sft: loss {logs[0]['loss']:.4f} -> {logs[-1]['loss']:.4f} over {a.max_steps} steps, "
-        f"saved to {a.output_dir}"
+        + (
+            f"{tokens:,} tokens in {train_s:.1f} s = {tokens / train_s:,.0f} tokens/s "
+            "(first step's warm-up included)"
+            if tokens
+            else f"{train_s:.1f} s"
+        )  # fmt: skip
+        + (f", last logged interval {tps:,.0f} tokens/s" if tps else "")
+        + (f"; saved to {a.output_dir}" if a.save else "; not saved (--no-save)")
     )
     return {
         "conversations": len(conversations),
@@ -134,6 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
         "logs": logs,
         "trainer": trainer,
         "output_dir": a.output_dir,
+        "bf16": bf16,
+        "train_seconds": train_s,
+        "train_tokens": tokens,
     }
 
 

@@ -148,6 +148,106 @@ def test_lora_recipe_trains_adapters_on_a_frozen_streamed_base(tmp_path):
     assert result["stock_eval_loss"] == pytest.approx(result["eval_loss_after"], rel=1e-5)
 
 
+REPO = RECIPES.parent
+TINY_QWEN2 = REPO / "benchmarks" / "configs" / "tiny-qwen2"  # vocab 128: below the tokenizer's
+
+
+def _tiny_qwen2_config(folder: Path) -> Path:
+    """benchmarks/configs/tiny-qwen2 with the bundled tokenizer's vocab (4096), as a folder."""
+    cfg = json.loads((TINY_QWEN2 / "config.json").read_text())
+    cfg.update(vocab_size=4096, max_position_embeddings=1024)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_sft_recipe_trains_a_config_at_random_init(tmp_path):
+    # --config: a real-size run's path (random init through init_streamed_model, bundled
+    # tokenizer) at a tiny shape: the model is streamed from the start, trains, and saves.
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    sft = _recipe("sft")
+    out = tmp_path / "sft"
+    cfg = _tiny_qwen2_config(tmp_path / "tiny-qwen2-4096")
+    argv = ["--config", str(cfg), "--max-steps", "4", "--max-length", "256", "--batch-size", "2"]
+    result = sft.main([*argv, "--output-dir", str(out)])
+    losses = _losses(result["logs"])
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert result["bf16"] is torch.cuda.is_available()  # automatic: bf16 only on a GPU
+    trainer = result["trainer"]
+    assert trainer.model.config.model_type == "qwen2"
+    assert all(s.trainable for s in trainer.megatrain.store.layers)  # full fine-tuning
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.config.model_type == "qwen2" and reloaded.config.vocab_size == 4096
+
+
+def test_lora_recipe_on_a_config_base(tmp_path):
+    # --config: adapters over a frozen random-init base that is never materialized; the base
+    # is small, so the recipe writes it from the host store and reloads with stock peft.
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    lora = _recipe("lora")
+    out = tmp_path / "lora"
+    cfg = _tiny_qwen2_config(tmp_path / "tiny-qwen2-4096")  # tied embeddings, q/k/v biases
+    argv = ["--config", str(cfg), "--max-steps", "3", "--seq-len", "64", "--batch-size", "4"]
+    result = lora.main([*argv, "--eval-chunks", "2", "--output-dir", str(out)])
+    trainer = result["trainer"]
+    _losses(result["logs"])
+    assert result["eval_loss_after"] < result["eval_loss_before"]
+    assert all(not s.trainable and s.exp_avg is None for s in trainer.megatrain.store.layers)
+    adapters = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    assert all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_B" in n)
+    # The base written for the check is the model's own init: normal(0, initializer_range)
+    # projections, zero biases, unit norms.
+    base = load_file(str(Path(result["base_path"]) / "model.safetensors"))
+    q = base["model.layers.1.self_attn.q_proj.weight"]
+    assert abs(q.std().item() - 0.02) < 0.004 and q.abs().max() > 0
+    assert torch.all(base["model.layers.1.self_attn.q_proj.bias"] == 0)
+    assert torch.all(base["model.layers.0.input_layernorm.weight"] == 1)
+    assert "lm_head.weight" not in base  # tied: from_pretrained ties it to the embedding
+    assert result["stock_eval_loss"] == pytest.approx(result["eval_loss_after"], rel=1e-5)
+
+
+def test_lora_recipe_skips_the_reload_check_of_a_large_config_base(tmp_path, capsys):
+    lora = _recipe("lora")
+    lora.VERIFY_MAX_PARAMS = 0  # every --config base counts as too large to write and reload
+    out = tmp_path / "lora"
+    argv = ["--config", str(REPO / "hf_megatrain" / "data" / "config.json")]
+    argv += ["--max-steps", "1", "--seq-len", "32", "--batch-size", "2", "--eval-chunks", "1"]
+    result = lora.main([*argv, "--output-dir", str(out)])
+    assert "stock_eval_loss" not in result and not (out / "base").exists()
+    assert "skipped the stock peft reload check" in capsys.readouterr().out
+    assert (out / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", ["sft", "lora"])
+def test_recipes_refuse_bad_config_arguments(name, tmp_path, capsys):
+    recipe = _recipe(name)
+    out = ["--output-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as e:
+        recipe.main(["--config", str(TINY_QWEN2), "--model-path", str(tmp_path), *out])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "not allowed with argument" in err and "--config" in err and "--model-path" in err
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as e:
+        recipe.main(["--config", str(tmp_path / "empty"), *out])
+    assert e.value.code == 2 and "has no config.json" in capsys.readouterr().err
+
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(SystemExit) as e:
+        recipe.main(["--config", str(tmp_path / "gpt2"), *out])
+    assert e.value.code == 2 and "'gpt2' is not supported" in capsys.readouterr().err
+
+    # tiny-qwen2's vocab (128) cannot index the bundled tokenizer's 4096 ids.
+    with pytest.raises(SystemExit, match="vocab_size is 128"):
+        recipe.main(["--config", str(TINY_QWEN2), *out])
+    assert not (tmp_path / "out").exists()
+
+
 def test_bundled_chat_is_what_build_chat_writes():
     # chat.jsonl is committed; it must stay the deterministic function of corpus.txt that its
     # README row and build_chat.py describe.
