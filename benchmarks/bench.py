@@ -108,6 +108,7 @@ EXTRA_COLUMNS = [
     "mlp_tile_tokens",
     "offload_activations",
     "gpu_busy",
+    "kept_layers",
     "note",  # provenance remarks (e.g. a row restored from its sweep's markdown summary)
 ]
 CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
@@ -190,6 +191,9 @@ class RunConfig:
     no_clip: bool = False
     # megatrain only: no bf16 copy in host RAM; fp32 masters stream and are cast on the GPU.
     stream_fp32_master: bool = False
+    # megatrain only: HBM-tier layers that keep activations instead of recomputing ("auto":
+    # the planner's count for megatrain-hbm, "off", or a count).
+    keep_activations: str = "auto"
     # Record a CUDA kernel trace of the last warm-up step (steady state, outside the timed steps)
     # and report the fraction of it the GPU was busy.
     profile: bool = False
@@ -249,6 +253,8 @@ class RunConfig:
             args.append("--no-clip")
         if self.stream_fp32_master:
             args.append("--stream-fp32-master")
+        if self.keep_activations != "auto":
+            args += ["--keep-activations", self.keep_activations]
         if self.profile:
             args.append("--profile")
         return args
@@ -470,6 +476,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
             megatrain_mlp_tile_tokens=cfg.mlp_tile_tokens,
             megatrain_offload_activations=cfg.offload_activations,
             megatrain_stream_fp32_master=cfg.stream_fp32_master,
+            megatrain_keep_activations=cfg.keep_activations,
         )
         return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     from transformers import Trainer, TrainingArguments
@@ -609,10 +616,17 @@ def train_once(cfg: RunConfig) -> dict:
 
 def _megatrain_plan(trainer) -> dict:
     """The placement the run used and, for "auto", the planner's predicted peaks."""
+    from hf_megatrain.hf.model import find_decoder_layers
+
     state = getattr(trainer, "megatrain", None)
     if state is None:
         return {}
-    out = {"hbm_layers": sum(1 for s in state.store.layers if s.resident)}
+    out = {
+        "hbm_layers": sum(1 for s in state.store.layers if s.resident),
+        "kept_layers": sum(
+            1 for layer in find_decoder_layers(trainer.model)[1] if layer.forward.keep_graph
+        ),
+    }
     if state.plan is not None:
         out["plan_hbm_gib"] = state.plan.gpu_total / GIB
         out["plan_host_gib"] = state.plan.host_peak_estimate / GIB
@@ -845,6 +859,7 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "mlp_tile_tokens": cfg.mlp_tile_tokens or "",
         "offload_activations": int(cfg.offload_activations),
         "gpu_busy": _fmt(result.get("gpu_busy"), 4),
+        "kept_layers": result.get("kept_layers", ""),
     }
 
 
@@ -1059,6 +1074,12 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="megatrain only: stream fp32 masters (cast on the GPU) instead of a host bf16 copy",
     )
+    p.add_argument(
+        "--keep-activations",
+        default="auto",
+        help="megatrain only: HBM-tier layers that keep activations instead of recomputing "
+        "('auto': the planner's count with megatrain-hbm; 'off'; or a count)",
+    )
 
 
 def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
@@ -1070,6 +1091,7 @@ def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
         offload_activations=a.offload_activations,
         no_clip=a.no_clip,
         stream_fp32_master=a.stream_fp32_master,
+        keep_activations=a.keep_activations,
     )
 
 

@@ -69,7 +69,10 @@ def plan_row(row: dict):
         n_hbm = plan_memory(
             shape, None, torch.bfloat16, hbm, host, reserve_bytes=int(OLD_AUTO_RESERVE_GIB * GIB)
         ).n_hbm
-    return plan_memory(shape, wl, torch.bfloat16, hbm, host, hbm_layers=n_hbm, **kw)
+    kept = int(row.get("kept_layers") or 0)  # rows before the column kept none
+    return plan_memory(
+        shape, wl, torch.bfloat16, hbm, host, hbm_layers=n_hbm, keep_activation_layers=kept, **kw
+    )
 
 
 def compare(csv_path: Path) -> list[dict]:

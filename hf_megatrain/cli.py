@@ -192,6 +192,12 @@ def _add_plan_parser(sub) -> None:
         "the fp32 master streams (twice the H2D bytes) and is cast on the GPU",
     )
     pl.add_argument(
+        "--keep-activations",
+        default="auto",
+        help="HBM-tier layers that keep their activations instead of recomputing in backward "
+        "(megatrain_keep_activations): 'auto' (as many as the HBM left fits), 'off', or a count",
+    )
+    pl.add_argument(
         "--hbm-gib", type=float, help="free GPU memory (default: measured, else 139 = one H200)"
     )
     pl.add_argument("--host-gib", type=float, help="host RAM (default: MemAvailable)")
@@ -810,6 +816,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         max_seq_len,
         plan_memory,
     )
+    from .hf.model import _kept_count  # noqa: PLC0415
 
     try:
         wl = Workload.from_step(
@@ -833,7 +840,12 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         hold_grads=not getattr(ns, "no_clip", False),
         stream_fp32_master=bool(getattr(ns, "stream_fp32_master", False)),
     )
-    plan = plan_memory(shape, wl, dtype, hbm, host, **store)
+    keep = str(getattr(ns, "keep_activations", "off"))
+    try:
+        kept = None if keep == "auto" else _kept_count(keep)
+        plan = plan_memory(shape, wl, dtype, hbm, host, keep_activation_layers=kept, **store)
+    except ValueError as e:
+        raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
     _say("\n".join(said))
     _say(plan.table())
     result: dict[str, Any] = {"plan": plan}

@@ -260,8 +260,9 @@ def _mega_losses(tmp_path, name, model, data, setup=None, **kw):
         {"megatrain_fused_loss": False},
         {"megatrain_overlap_optimizer": False},
         {"megatrain_resident_layers": "auto"},
+        {"megatrain_resident_layers": "2", "megatrain_keep_activations": "2"},
     ],
-    ids=["offload", "mlp-tiling", "unfused-loss", "sync-optimizer", "hbm-auto"],
+    ids=["offload", "mlp-tiling", "unfused-loss", "sync-optimizer", "hbm-auto", "kept-activations"],
 )
 def test_engine_options_do_not_change_training(tmp_path, feature):
     """Each long-context / capacity option on the CUDA path trains like the default streamed run.
@@ -280,6 +281,42 @@ def test_engine_options_do_not_change_training(tmp_path, feature):
     _, got = _mega_losses(tmp_path, "feature", model, data, setup=setup, **feature)
     assert len(got) == len(base) == 4
     assert got == pytest.approx(base, rel=1e-2)
+
+
+def test_kept_activation_memory_matches_planner(tmp_path):
+    """What a kept layer's graph holds per token on the GPU, against the planner's estimate.
+
+    A Qwen2.5-1.5B-wide layer (bf16 autocast, fp32 residual, SDPA), two layers in the HBM tier;
+    the forward's allocation growth with both layers kept minus with none, per layer and token.
+    The estimate must not undershoot (a plan that keeps too many layers would go out of memory)
+    and should not overshoot by more than a quarter (it would waste the HBM it is for)."""
+    from hf_megatrain.core.planner import kept_activation_bytes_per_token
+    from hf_megatrain.hf.model import keep_activations, model_shape
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    model = tiny_model(cfg)
+    args = _args(MegaTrainArguments, tmp_path, max_steps=1, megatrain_resident_layers="2")
+    trainer = HFMegaTrainer(model=model, args=args, train_dataset=_data(4, 4096))
+    ids = torch.randint(0, VOCAB, (2, 4096), device="cuda")
+
+    def forward_growth(keep: str) -> int:
+        assert keep_activations(trainer.model, keep) == (0 if keep == "off" else 2)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = trainer.model.model(input_ids=ids).last_hidden_state
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - before
+        out.float().square().mean().backward()  # runs (and frees) the graph
+        trainer.megatrain.engine.reset_grads()
+        return grown
+
+    forward_growth("off")  # warm-up: cuDNN plans, workspace
+    per_token = (forward_growth("2") - forward_growth("off")) / (2 * ids.numel())
+    planned = kept_activation_bytes_per_token(model_shape(trainer.model))
+    assert 0.75 * planned <= per_token <= planned, (per_token, planned)
 
 
 def test_activation_offload_moves_hidden_states_to_pinned_host(tmp_path):

@@ -50,9 +50,11 @@ PROCESS_BASELINE = 1792 * 2**20
 #: Name prefix of the host line that is headroom rather than expected use.
 SAFETY_MARGIN_LINE = "safety margin"
 #: GPU slack for the caching allocator and temporaries the lines do not model. With expandable
-#: segments (core/allocator.py) measured H200 peaks (max_memory_reserved) came out 0-4% under
-#: the modelled lines plus 5% (7B and 8B at 64k tokens, 1.5B at a 128k sequence).
-GPU_SLACK_FRACTION = 0.05
+#: segments (core/allocator.py) the measured H200 peaks (max_memory_reserved) of five runs (7B
+#: and 8B at 64k tokens, 1.5B at a 128k sequence, 14B at 16k in two store layouts) came out
+#: 0.5-7.5% under the modelled lines alone; 5% slack put the 14B plans 10.5% over the measured
+#: peak, 3% keeps every run over its measurement (by 3.4-8.4%).
+GPU_SLACK_FRACTION = 0.03
 GPU_SLACK_MIN = 1 * GIB
 
 HBM = "hbm"
@@ -84,6 +86,9 @@ class ModelShape:
     tied_embeddings: bool = False
     fused_loss: bool = True  # whether training uses the chunked LM head + loss
     name: str = "model"
+    # Width of one of k/v (kv heads x head dim); 0 when unknown: taken as hidden_size (an upper
+    # bound, so kept-activation estimates err high).
+    kv_size: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -196,6 +201,13 @@ class MemoryPlan:
     # them; fp32 masters streamed instead of a compute-dtype copy.
     hold_grads: bool = True
     stream_fp32_master: bool = False
+    # The last ``kept_layers`` HBM-tier layers keep their forward activations for backward
+    # instead of recomputing the layer (see ``kept_activation_bytes_per_token``).
+    kept_layers: int = 0
+
+    @property
+    def kept_layer_indices(self) -> list[int]:
+        return list(range(self.n_hbm - self.kept_layers, self.n_hbm))
 
     @property
     def host_bytes_per_param(self) -> int:
@@ -282,8 +294,10 @@ def _gpu_lines(
     n_hbm: int,
     reserve_bytes: int,
     stream_fp32_master: bool = False,
+    kept: int = 0,
 ) -> list[MemoryLine]:
-    """GPU costs with the first ``n_hbm`` layers in the HBM tier."""
+    """GPU costs with the first ``n_hbm`` layers in the HBM tier, ``kept`` of them keeping
+    their activations (no recompute)."""
     isz = _itemsize(dtype)
     dt = "bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch.")
     hbm = shape.layer_numels[:n_hbm]
@@ -326,6 +340,15 @@ def _gpu_lines(
         )
         return lines
     lines += _activation_lines(shape, workload, dtype)
+    if kept:
+        per_token = kept_activation_bytes_per_token(shape)
+        lines.append(
+            MemoryLine(
+                f"kept activations of {kept} HBM-tier layers (no recompute): "
+                f"{workload.micro_batch_tokens} tokens x {per_token} B each (estimate)",
+                kept * workload.micro_batch_tokens * per_token,
+            )
+        )
     modelled = sum(line.nbytes for line in lines)
     lines.append(
         MemoryLine(
@@ -353,6 +376,23 @@ def _working_set_line(t: int, h: int, inter: int, tile: int) -> MemoryLine:
         f"one layer's backward working set (estimate, {what}: tokens x {k}h + tile x 6i B)",
         t * k * h + mlp_t * 3 * inter * 2,
     )
+
+
+def kept_activation_bytes_per_token(shape: ModelShape) -> int:
+    """Bytes a decoder layer's autograd graph saves per token when it is not recomputed.
+
+    Counted for a pre-norm attention + gated-MLP layer (Llama/Qwen2 family) under bf16 autocast
+    with an fp32 residual stream, on top of the saved layer input (a boundary activation,
+    counted there): two RMSNorms save their fp32 normalized input (2 x 4h) and the fp32
+    mid-layer residual (4h); the q/k/v and gate/up projections each save their own bf16 cast of
+    the input (5 x 2h); RoPE saves q, k and their rotated halves (2 x (2h + 2kv)); attention
+    (cuDNN/flash SDPA) its bf16 q, k, v and output (2h + 4kv + 2h); o_proj its contiguous input
+    (2h); the MLP its gate and up outputs, the SiLU output and the product (4 x 2i). The SDPA
+    log-sum-exp and RoPE tables are per head/position, not per width: left to the slack line.
+    """
+    h, i = shape.hidden_size, shape.intermediate_size
+    kv = shape.kv_size or h
+    return 32 * h + 8 * kv + 8 * i
 
 
 def boundary_activation_bytes(shape: ModelShape, workload: Workload) -> int:
@@ -521,6 +561,7 @@ def plan_memory(
     hold_grads: bool = True,
     stream_fp32_master: bool = False,
     input_model_bytes: int = 0,
+    keep_activation_layers: int | None = 0,
 ) -> MemoryPlan:
     """Plan the tiers. Never raises for lack of memory: check ``plan.fits`` or call ``check()``.
 
@@ -537,13 +578,18 @@ def plan_memory(
         stream_fp32_master: host layers keep no compute-dtype copy; the fp32 master streams.
         input_model_bytes: bytes of a model handed over materialized on the host (0 for a meta
             skeleton that is loaded or initialized straight into the store).
+        keep_activation_layers: how many HBM-tier layers keep their activations instead of
+            recomputing in backward; ``None``: as many as the HBM left after the tier holds
+            (needs a ``workload``). Layer state comes first: the tier is sized before this.
     """
     if compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"compute dtype {compute_dtype} is not supported; use bf16 or fp32")
     n = shape.num_layers
 
-    def gpu(k: int) -> list[MemoryLine]:
-        return _gpu_lines(shape, workload, compute_dtype, k, reserve_bytes, stream_fp32_master)
+    def gpu(k: int, kept: int = 0) -> list[MemoryLine]:
+        return _gpu_lines(
+            shape, workload, compute_dtype, k, reserve_bytes, stream_fp32_master, kept
+        )
 
     if hbm_layers is not None:
         if not 0 <= hbm_layers <= n:
@@ -553,7 +599,18 @@ def plan_memory(
         # Largest prefix that fits. Not monotone in k (an all-HBM plan drops the stream buffers),
         # so try every count instead of stopping at the first miss.
         n_hbm = next((k for k in range(n, -1, -1) if _total(gpu(k)) <= hbm_bytes), 0)
-    gpu_lines = gpu(n_hbm)
+    if workload is None or (keep_activation_layers is None and workload.offload_activations):
+        kept = 0  # (offload is for runs whose activations do not fit: nothing to keep)
+    elif keep_activation_layers is None:
+        kept = next((k for k in range(n_hbm, 0, -1) if _total(gpu(n_hbm, k)) <= hbm_bytes), 0)
+    else:
+        if not 0 <= keep_activation_layers <= n_hbm:
+            raise ValueError(
+                f"keep_activation_layers={keep_activation_layers}: only the {n_hbm} HBM-tier "
+                "layers can keep their activations"
+            )
+        kept = keep_activation_layers
+    gpu_lines = gpu(n_hbm, kept)
     store_kw = dict(hold_grad=hold_grads, stream_master=stream_fp32_master)
     host_lines = _host_lines(
         shape,
@@ -579,6 +636,7 @@ def plan_memory(
         d2h_bytes_per_step=d2h,
         hold_grads=hold_grads,
         stream_fp32_master=stream_fp32_master,
+        kept_layers=kept,
     )
     _add_problems(plan, gpu(0) if hbm_layers is None else gpu_lines)
     _add_notes(plan)
@@ -778,6 +836,11 @@ def _render_table(plan: MemoryPlan) -> str:
         f"layers: {plan.n_hbm} in HBM ({_ranges(hbm_idx)}), "
         f"{plan.n_host} streamed from host ({_ranges(host_idx)})"
     )
+    if plan.kept_layers:
+        out.append(
+            f"activations kept, no recompute: layers {_ranges(plan.kept_layer_indices)}; "
+            "the others recompute in backward"
+        )
     out.append(_mode_line(plan.compute_dtype, plan.hold_grads, plan.stream_fp32_master))
     for title, lines, total, avail in (
         ("GPU (HBM)", plan.gpu_lines, plan.gpu_total, plan.hbm_available),

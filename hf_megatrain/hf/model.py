@@ -89,7 +89,13 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
+    heads = getattr(text_cfg, "num_attention_heads", 0) or 0
+    head_dim = getattr(text_cfg, "head_dim", None) or (
+        text_cfg.hidden_size // heads if heads else 0
+    )
+    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
     return ModelShape(
+        kv_size=kv_heads * head_dim,
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
         hidden_size=text_cfg.hidden_size,
@@ -232,6 +238,7 @@ def prepare_streamed_model(
     plan_workload: Workload | None = None,
     host_grads: bool = True,
     stream_fp32_master: bool = False,
+    keep_activations: int | str = "off",
 ) -> nn.Module:
     """Move ``model``'s decoder layers into a host store and stream them from now on.
 
@@ -245,7 +252,8 @@ def prepare_streamed_model(
     only for training with eager layer updates (no clipping; ``HFMegaTrainer`` checks it), whose
     gradients pass through a small staging ring instead. ``stream_fp32_master=True`` keeps no
     compute-dtype copy in the host store (2 B/param less in bf16 runs): the fp32 master crosses
-    PCIe (twice the bytes) and is cast on the device.
+    PCIe (twice the bytes) and is cast on the device. ``keep_activations`` is what the
+    memory plan assumes for :func:`keep_activations` ("auto": the planner sizes it).
     """
     existing = streamed_state(model)
     if existing is not None:
@@ -288,6 +296,9 @@ def prepare_streamed_model(
         workload=plan_workload,
         hold_grads=host_grads,
         stream_fp32_master=stream_fp32_master,
+        keep_activation_layers=None
+        if keep_activations == "auto"
+        else _kept_count(keep_activations),
         # What the caller hands over already materialized in host RAM (not meta, not on a GPU).
         input_model_bytes=sum(
             p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu"
@@ -406,6 +417,7 @@ def _resident_layer_count(
     hold_grads: bool = True,
     stream_fp32_master: bool = False,
     input_model_bytes: int = 0,
+    keep_activation_layers: int | None = 0,
 ) -> tuple[int, MemoryPlan | None]:
     """How many leading layers keep their whole state in HBM, and the plan that decided it.
 
@@ -442,6 +454,7 @@ def _resident_layer_count(
             hold_grads=hold_grads,
             stream_fp32_master=stream_fp32_master,
             input_model_bytes=input_model_bytes,
+            keep_activation_layers=keep_activation_layers,
         )
         logger.info("hf_megatrain: memory plan (resident_layers='auto')\n%s", plan.table())
         # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the
@@ -451,6 +464,55 @@ def _resident_layer_count(
     if not 0 <= count <= n:
         raise ValueError(f"hf_megatrain: resident_layers={count} but the model has {n} layers")
     return count, None
+
+
+def _kept_count(value: int | str) -> int:
+    """An explicit ``keep_activations`` value ("off" or an integer) as a layer count."""
+    if str(value).lower() in ("off", "none", "false", ""):
+        return 0
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(
+            f"hf_megatrain: keep_activations={value!r}: use 'auto', 'off' or a layer count"
+        ) from None
+    if count < 0:
+        raise ValueError(f"hf_megatrain: keep_activations={count} must be >= 0")
+    return count
+
+
+def keep_activations(model: nn.Module, value: int | str) -> int:
+    """Let the last HBM-tier layers keep their forward activations (no recompute in backward).
+
+    ``value``: "auto" (the memory plan's count when the model was streamed with a planned
+    workload, else 0), "off", or a count of HBM-tier layers. Returns how many keep them. The
+    choice can change between steps (it takes effect at the next forward).
+    """
+    state = streamed_state(model)
+    if state is None:
+        raise ValueError("hf_megatrain: keep_activations needs a streamed model")
+    layers = [layer.forward for layer in find_decoder_layers(model)[1]]
+    tier = [i for i, store in enumerate(state.engine.stores) if store.resident]
+    if value == "auto":
+        count = state.plan.kept_layers if state.plan is not None else 0
+    else:
+        count = _kept_count(value)
+    if count > len(tier):
+        raise ValueError(
+            f"hf_megatrain: keep_activations={count} but only {len(tier)} layers are in the HBM "
+            "tier (megatrain_resident_layers); streamed layers must recompute, their GPU buffer "
+            "is reused by the next layer"
+        )
+    kept = set(tier[len(tier) - count :]) if count else set()
+    for i, layer in enumerate(layers):
+        layer.keep_graph = i in kept
+    if count:
+        logger.info(
+            "hf_megatrain: layers %d-%d keep their activations (no recompute)",
+            min(kept),
+            max(kept),
+        )
+    return count
 
 
 def _named_resident(model: nn.Module, decay_names: set[str]):

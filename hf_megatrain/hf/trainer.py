@@ -35,7 +35,7 @@ from .checkpoint import (
 )
 from .long_context import install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss
-from .model import _is_peft, prepare_streamed_model, streamed_state
+from .model import _is_peft, keep_activations, prepare_streamed_model, streamed_state
 
 logger = logging.getLogger(__name__)
 
@@ -320,11 +320,13 @@ class MegaTrainerMixin:
             plan_workload=_plan_workload(args, getattr(self, "_megatrain_dataset", None)),
             host_grads=_host_grads(args),
             stream_fp32_master=bool(getattr(args, "megatrain_stream_fp32_master", False)),
+            keep_activations=getattr(args, "megatrain_keep_activations", "off"),
         )
         self.megatrain = streamed_state(model)
         _check_data_parallel(self.megatrain, args)
         _check_grad_mode(self.megatrain, args)
         install_mlp_tiling(model, getattr(args, "megatrain_mlp_tile_tokens", 0))
+        keep_activations(model, getattr(args, "megatrain_keep_activations", "off"))
         self.megatrain.engine.offload_activations = bool(
             getattr(args, "megatrain_offload_activations", False)
         )

@@ -1,0 +1,140 @@
+"""HBM-tier layers that keep their forward activations instead of recomputing in backward.
+
+Keeping changes when a layer's forward runs (once instead of twice per step), not what it
+computes: on the CPU in fp32 the same kernels see the same inputs, so losses, gradient norms and
+weights must be bitwise equal to the recompute path, and close to the stock Trainer.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_megatrain.core.planner import ModelShape, Workload, plan_memory
+from hf_megatrain.hf.model import keep_activations
+
+from .helpers import (
+    assert_logs_match,
+    make_data,
+    mega_params,
+    run_trainer,
+    stock_params,
+    tiny_config,
+    tiny_model,
+)
+
+
+def _count_layer_forwards(model) -> dict[int, int]:
+    """Wrap every streamed layer's forward implementation with a call counter."""
+    from hf_megatrain.hf.model import find_decoder_layers  # noqa: PLC0415
+
+    counts: dict[int, int] = {}
+    for i, layer in enumerate(find_decoder_layers(model)[1]):
+        streamed = layer.forward
+        impl = streamed.forward_impl
+
+        def counted(module, *a, _i=i, _impl=impl, **kw):
+            counts[_i] = counts.get(_i, 0) + 1
+            return _impl(module, *a, **kw)
+
+        streamed.forward_impl = counted
+    return counts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("ga", [1, 2], ids=["ga1", "ga2"])
+def test_kept_activations_equal_recompute(tmp_path, arch, ga):
+    model = tiny_model(tiny_config(arch, num_hidden_layers=3))
+    steps = 3
+    kw = dict(max_steps=steps, gradient_accumulation_steps=ga)
+    tier = dict(megatrain_resident_layers="2")
+    stock, stock_trainer = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, **kw)
+    recomputed, base = run_trainer(
+        copy.deepcopy(model), tmp_path, "recompute", mega=True, megatrain_keep_activations="off",
+        **tier, **kw,
+    )  # fmt: skip
+    kept, trainer = run_trainer(
+        model, tmp_path, "kept", mega=True, megatrain_keep_activations="2", **tier, **kw
+    )
+    layers = [layer.forward for layer in trainer.model.model.layers]
+    assert [s.keep_graph for s in layers] == [True, True, False]
+    assert not any(layer.forward.keep_graph for layer in base.model.model.layers)
+    # Same kernels, same inputs: bitwise equal, not merely close.
+    assert [r["loss"] for r in kept] == [r["loss"] for r in recomputed]
+    assert [r["grad_norm"] for r in kept] == [r["grad_norm"] for r in recomputed]
+    got, ref = mega_params(trainer), mega_params(base)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    assert_logs_match(stock, kept)
+    for k, v in stock_params(stock_trainer.model).items():
+        # As test_equivalence's trainer check: absolute, since Adam's normalized update turns
+        # fp32 summation-order noise of near-zero gradients (Qwen2's k_proj bias: attention is
+        # invariant to it) into O(1e-6) weight differences whatever their magnitude.
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-5, msg=k)
+
+
+def test_kept_layers_run_forward_once(tmp_path):
+    """The point of keeping: a kept layer's forward runs once per micro-batch, not twice."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=3))
+    _, trainer = run_trainer(
+        model, tmp_path, "warm", mega=True, max_steps=1, megatrain_resident_layers="2",
+        megatrain_keep_activations="1",
+    )  # fmt: skip
+    counts = _count_layer_forwards(trainer.model)
+    trainer.args.max_steps = 2
+    trainer.train(resume_from_checkpoint=None)
+    n_micro = 2  # two fresh steps of one micro-batch each (train() restarts from step 0)
+    assert counts == {0: 2 * n_micro, 1: n_micro, 2: 2 * n_micro}
+
+
+def test_keep_activations_refuses_streamed_layers(tmp_path):
+    model = tiny_model(tiny_config("llama", num_hidden_layers=3))
+    with pytest.raises(ValueError, match="only 1 layers are in the HBM tier"):
+        run_trainer(
+            model, tmp_path, "bad", mega=True, max_steps=1, megatrain_resident_layers="1",
+            megatrain_keep_activations="2",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="use 'auto', 'off' or a layer count"):
+        keep_activations(model, "many")
+
+
+def test_planner_keeps_what_hbm_leaves():
+    h, i, kv = 1536, 8960, 256
+    shape = ModelShape((50_000_000,) * 28, 200_000_000, h, 151_936, i, kv_size=kv)
+    wl = Workload(seq_len=4096, micro_batch_tokens=32768)
+    per_layer = 32768 * (32 * h + 8 * kv + 8 * i)
+    roomy = plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 200 * 2**30,
+                        keep_activation_layers=None)  # fmt: skip
+    assert roomy.n_hbm == 28 and roomy.kept_layers > 0
+    assert roomy.kept_layer_indices == list(range(28 - roomy.kept_layers, 28))
+    line = next(ln for ln in roomy.gpu_lines if ln.name.startswith("kept activations"))
+    assert line.nbytes == roomy.kept_layers * per_layer
+    assert roomy.gpu_total <= 139 * 2**30
+    # One more kept layer would not fit: auto takes as many as fit, not fewer.
+    assert roomy.kept_layers < 28  # (the shape is chosen so that not every layer fits)
+    more = plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 200 * 2**30,
+                       keep_activation_layers=roomy.kept_layers + 1)  # fmt: skip
+    assert more.gpu_total > 139 * 2**30
+    # Off, and offload (activations that do not fit) keep none; explicit counts are honoured.
+    assert plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 200 * 2**30).kept_layers == 0
+    off = Workload(seq_len=4096, micro_batch_tokens=32768, offload_activations=True)
+    assert plan_memory(shape, off, torch.bfloat16, 139 * 2**30, 200 * 2**30,
+                       keep_activation_layers=None).kept_layers == 0  # fmt: skip
+    with pytest.raises(ValueError, match="HBM-tier"):
+        plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 200 * 2**30, hbm_layers=3,
+                    keep_activation_layers=4)  # fmt: skip
+    assert "activations kept, no recompute" in roomy.table()
+
+
+def test_keep_activations_data_path_defaults(tmp_path):
+    """'auto' without a plan (explicit resident count) keeps nothing; the run still trains."""
+    model = tiny_model(tiny_config("qwen2", num_hidden_layers=2))
+    logs, trainer = run_trainer(
+        model, tmp_path, "auto", mega=True, max_steps=2, megatrain_resident_layers="2",
+        data=make_data(8),
+    )  # fmt: skip
+    assert trainer.args.megatrain_keep_activations == "auto"
+    assert not any(layer.forward.keep_graph for layer in trainer.model.model.layers)
+    assert len(logs) == 2
