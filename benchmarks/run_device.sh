@@ -11,10 +11,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 whl_dir=${WHL_DIR:-.whl}
 
-if compgen -G "$whl_dir/*.whl" >/dev/null; then
-  # DeepSpeed and its pure-Python deps the image lacks (fill with shared/tools/device-wheels.sh).
+# DeepSpeed and its pure-Python deps the image lacks (fill with shared/tools/device-wheels.sh).
+# Not the recipes' trl / datasets wheels: a datasets that fails to import against the image's
+# pyarrow would break every transformers Trainer import (device_phases.sh recipes installs them
+# apart, in /tmp/site-recipes).
+mapfile -t wheels < <(compgen -G "$whl_dir/*.whl" | grep -vE '/(trl|datasets|dill|multiprocess)-')
+if [ "${#wheels[@]}" -gt 0 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$whl_dir"/*.whl || exit 1
+    --target /tmp/site "${wheels[@]}" || exit 1
 else
   echo "run_device: no wheels in $whl_dir; DeepSpeed runs will be recorded as skipped" >&2
 fi

@@ -42,6 +42,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_megatrain import SUPPORTED_MODEL_TYPES, init_streamed_model, load_streamed_model
 from hf_megatrain.cli import DATA_DIR, DEFAULT_CONFIG, TrainOptions, load_tokenizer
+from hf_megatrain.core.planner import Workload
 from hf_megatrain.integrations.trl import MegaSFTConfig, MegaSFTTrainer
 
 DEFAULT_CHAT = DATA_DIR / "chat.jsonl"
@@ -167,7 +168,21 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
         t0 = time.perf_counter()
-        model = init_streamed_model(cfg, bf16=bf16, seed=a.seed, attn_implementation=a.attn)
+        cuda = torch.cuda.is_available()
+        model = init_streamed_model(
+            cfg,
+            bf16=bf16,
+            seed=a.seed,
+            attn_implementation=a.attn,
+            # On a GPU the memory planner puts as many layers into HBM as the step leaves room
+            # for (a packed step is batch-size rows of max-length tokens); the rest stream.
+            resident_layers="auto" if cuda else 0,
+            plan_workload=Workload(
+                seq_len=a.max_length, micro_batch_tokens=a.batch_size * a.max_length
+            )
+            if cuda
+            else None,
+        )
         n_params = sum(q.numel() for q in model.parameters())  # streamed ones: meta views
         print(
             f"sft: {n_params / 1e6:,.1f}M parameters built in {time.perf_counter() - t0:.1f} s",

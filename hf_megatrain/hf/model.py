@@ -238,7 +238,7 @@ def prepare_streamed_model(
     plan_workload: Workload | None = None,
     host_grads: bool = True,
     stream_fp32_master: bool = False,
-    keep_activations: int | str = "off",
+    keep_activations: int | str = "auto",
 ) -> nn.Module:
     """Move ``model``'s decoder layers into a host store and stream them from now on.
 
