@@ -5,8 +5,8 @@ The run is ``bench.py``'s megatrain run (same model build, random tokens, argume
 and measurements: ``bench.train_once``), launched with ``torchrun --nproc_per_node N``. Each rank
 trains ``--tokens-per-gpu`` tokens per optimizer step, so the global step is N times that; the
 row records the global tokens per step and tokens/s of the whole job, the MFU per GPU, rank 0's
-peak HBM, and the host's peak RAM of all ranks together (private memory of each rank plus the
-shared host store once). Its ``system`` is ``megatrain-dpN`` (``megatrain-hbm-dpN`` with the HBM
+peak HBM, and the host's peak RAM of all ranks together (the sum of each rank's sampled peak
+proportional set size: shared host-store pages once). Its ``system`` is ``megatrain-dpN`` (``megatrain-hbm-dpN`` with the HBM
 tier). Compare with a single-GPU ``bench.py`` row at ``--tokens-per-step`` = ``--tokens-per-gpu``
 (same work per GPU) or = N x it (same global batch).
 
@@ -53,15 +53,42 @@ def _run_config(a: argparse.Namespace) -> bench.RunConfig:
     )
 
 
-def _host_memory() -> tuple[float, float]:
-    """(peak RSS, current shared-memory RSS) of this process in bytes, from /proc."""
-    fields = {}
-    with open("/proc/self/status") as f:
+def _pss_bytes() -> int:
+    """This process's proportional set size: private pages plus its share of shared ones."""
+    with open("/proc/self/smaps_rollup") as f:
         for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "RssShmem"):
-                fields[key] = int(value.split()[0]) * 1024
-    return float(fields.get("VmHWM", 0)), float(fields.get("RssShmem", 0))
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PssPeak:
+    """Peak proportional set size of this process, sampled on a thread.
+
+    Each shared page counts 1/N in each of the N ranks that map it, so the ranks' Pss add up to
+    the host memory of the job with shared pages once, whichever rank allocated them (the
+    per-layer moments of a rank's owned layers live in shared memory too, so "RSS minus shared
+    RSS" per rank would drop them). Summing each rank's peak bounds the job's peak from above.
+    """
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        import threading
+
+        self.peak = _pss_bytes()
+        self._stop = threading.Event()
+        self._every = every_s
+        self._thread = threading.Thread(target=self._run, name="pss-peak", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            self.peak = max(self.peak, _pss_bytes())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _pss_bytes())
+        return self.peak
 
 
 def run_worker(a: argparse.Namespace) -> int:
@@ -73,6 +100,7 @@ def run_worker(a: argparse.Namespace) -> int:
     if not a.cpu:
         torch.cuda.set_device(local_rank)  # before anything touches a GPU
     cfg = _run_config(a)
+    pss = PssPeak()
     try:
         result = bench.train_once(cfg)
         code = 0
@@ -88,12 +116,9 @@ def run_worker(a: argparse.Namespace) -> int:
         for key in ("tokens_per_s", "model_tflops"):
             result[key] *= world
         result["world_size"] = world
-        hwm, shm = _host_memory()
-        both = [None] * world
-        dist.all_gather_object(both, (hwm, shm))
-        # Shared host-store pages appear in every rank's RSS: count them once.
-        peak_host = sum(h - s for h, s in both) + max(s for _, s in both)
-        result["peak_host_gib"] = peak_host / bench.GIB
+        peaks = [None] * world
+        dist.all_gather_object(peaks, pss.stop())
+        result["peak_host_gib"] = sum(peaks) / bench.GIB
     result.update(bench.versions())
     result.setdefault("peak_host_gib", bench.peak_host_gib())
     try:
