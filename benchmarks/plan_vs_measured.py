@@ -107,6 +107,8 @@ def compare(csv_path: Path) -> list[dict]:
                 # The run recorded its own plan: workload-aware placement and expandable
                 # segments (both from commit d822e80 on), the configuration the planner models.
                 planned_run=bool(row.get("plan_hbm_gib")),
+                # A measurement known to be wrong (the row's note says so): shown, not judged.
+                bad_measurement="undercounted" in row.get("note", ""),
             )
         )
     return out
@@ -118,7 +120,10 @@ def markdown(results: list[dict]) -> str:
         "the CUDA allocator used expandable segments and before HBM placement was planned from "
         "the batch, so their HBM peaks include cached, unusable segments the planner does not "
         "model; h200-h (c8a4bff) did run with both but its row was restored from its markdown "
-        "summary. Placement for old rows: the fixed-reserve 'auto' of their time.",
+        "summary. Placement for old rows: the fixed-reserve 'auto' of their time. Rows marked "
+        "** have a host peak known to be undercounted (first data-parallel rows: per-rank RSS "
+        "minus shared RSS dropped the other rank's shared-memory moments; re-measured as the "
+        "ranks' summed Pss in the dphost rows).",
         "",
         "| commit | tag | system | model | seq | tokens/step | HBM layers | HBM GiB meas. | planned "
         "| err | host GiB meas. | planned | err |",
@@ -126,7 +131,7 @@ def markdown(results: list[dict]) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {r['commit']}{'' if r['planned_run'] else ' *'} | {r['tag']} | {r['system']} | {r['model']} | {r['seq_len']} | "
+            f"| {r['commit']}{'' if r['planned_run'] else ' *'}{' **' if r['bad_measurement'] else ''} | {r['tag']} | {r['system']} | {r['model']} | {r['seq_len']} | "
             f"{r['tokens_per_step']} | {r['hbm_layers']} | {r['hbm_gib']:.2f} | "
             f"{r['plan_hbm_gib']:.2f} | {100 * r['hbm_err']:+.1f}% | {r['host_gib']:.2f} | "
             f"{r['plan_host_gib']:.2f} | {100 * r['host_err']:+.1f}% |"
