@@ -180,6 +180,12 @@ def _add_plan_parser(sub) -> None:
         help="plan for layer-boundary activations in pinned host memory",
     )
     pl.add_argument(
+        "--bf16-boundaries",
+        action="store_true",
+        help="plan for megatrain_boundary_dtype='bfloat16': each layer's saved input rounded to "
+        "bf16 (2 instead of 4 B per token x hidden per layer, in HBM or offloaded)",
+    )
+    pl.add_argument(
         "--no-clip",
         action="store_true",
         help="plan for training without gradient clipping (max_grad_norm 0): layers update "
@@ -819,6 +825,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             wl,
             mlp_tile_tokens=getattr(ns, "mlp_tile_tokens", 0) or 0,
             offload_activations=bool(getattr(ns, "offload_activations", False)),
+            boundary_bytes_per_element=2 if getattr(ns, "bf16_boundaries", False) else 4,
         )
     except ValueError as e:
         raise CLIError(str(e)) from None
@@ -839,7 +846,9 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"plan": plan}
     if ns.search:
         engine = dict(
-            mlp_tile_tokens=wl.mlp_tile_tokens, offload_activations=wl.offload_activations
+            mlp_tile_tokens=wl.mlp_tile_tokens,
+            offload_activations=wl.offload_activations,
+            boundary_bytes_per_element=wl.boundary_bytes_per_element,
         )
         seqs = max_micro_batch_sequences(
             shape, wl.seq_len, wl.grad_accum, dtype, hbm, host, **engine, **store
