@@ -71,6 +71,7 @@ class TrainOptions:
     resident_layers: str = "0"  # layers whose whole state stays in HBM: an int or "auto"
     mlp_tile_tokens: int = 0  # tile dense MLPs along the sequence (0: off)
     offload_activations: bool = False  # layer inputs to pinned host memory until backward
+    bf16_boundaries: bool = False  # save layer inputs rounded to bf16 (approximate gradients)
     # Filled in by the CLI (not recipe keys).
     source: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -147,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_const",
         const=True,
         help="keep layer inputs in pinned host memory between forward and backward",
+    )
+    e.add_argument(
+        "--bf16-boundaries",
+        action="store_const",
+        const=True,
+        help="save each layer's input for the backward recompute rounded to bf16 (half the "
+        "boundary-activation bytes; same forward, slightly approximate gradients)",
     )
     _add_plan_parser(sub)
     return parser
@@ -641,6 +649,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
             megatrain_resident_layers=opts.resident_layers,
             megatrain_mlp_tile_tokens=opts.mlp_tile_tokens,
             megatrain_offload_activations=opts.offload_activations,
+            megatrain_boundary_dtype="bfloat16" if opts.bf16_boundaries else "input",
         )
     except ValueError as e:
         raise CLIError(f"invalid training setting: {e}") from None
