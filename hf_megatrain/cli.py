@@ -71,6 +71,7 @@ class TrainOptions:
     resident_layers: str = "0"  # layers whose whole state stays in HBM: an int or "auto"
     mlp_tile_tokens: int = 0  # tile dense MLPs along the sequence (0: off)
     offload_activations: bool = False  # layer inputs to pinned host memory until backward
+    bf16_boundaries: bool = False  # save layer inputs rounded to bf16 (approximate gradients)
     # Filled in by the CLI (not recipe keys).
     source: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -148,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         help="keep layer inputs in pinned host memory between forward and backward",
     )
+    e.add_argument(
+        "--bf16-boundaries",
+        action="store_const",
+        const=True,
+        help="save each layer's input for the backward recompute rounded to bf16 (half the "
+        "boundary-activation bytes; same forward, slightly approximate gradients)",
+    )
     _add_plan_parser(sub)
     return parser
 
@@ -178,6 +186,12 @@ def _add_plan_parser(sub) -> None:
         "--offload-activations",
         action="store_true",
         help="plan for layer-boundary activations in pinned host memory",
+    )
+    pl.add_argument(
+        "--bf16-boundaries",
+        action="store_true",
+        help="plan for megatrain_boundary_dtype='bfloat16': each layer's saved input rounded to "
+        "bf16 (2 instead of 4 B per token x hidden per layer, in HBM or offloaded)",
     )
     pl.add_argument(
         "--no-clip",
@@ -641,6 +655,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
             megatrain_resident_layers=opts.resident_layers,
             megatrain_mlp_tile_tokens=opts.mlp_tile_tokens,
             megatrain_offload_activations=opts.offload_activations,
+            megatrain_boundary_dtype="bfloat16" if opts.bf16_boundaries else "input",
         )
     except ValueError as e:
         raise CLIError(f"invalid training setting: {e}") from None
@@ -826,6 +841,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             wl,
             mlp_tile_tokens=getattr(ns, "mlp_tile_tokens", 0) or 0,
             offload_activations=bool(getattr(ns, "offload_activations", False)),
+            boundary_bytes_per_element=2 if getattr(ns, "bf16_boundaries", False) else 4,
         )
     except ValueError as e:
         raise CLIError(str(e)) from None
@@ -851,7 +867,9 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"plan": plan}
     if ns.search:
         engine = dict(
-            mlp_tile_tokens=wl.mlp_tile_tokens, offload_activations=wl.offload_activations
+            mlp_tile_tokens=wl.mlp_tile_tokens,
+            offload_activations=wl.offload_activations,
+            boundary_bytes_per_element=wl.boundary_bytes_per_element,
         )
         seqs = max_micro_batch_sequences(
             shape, wl.seq_len, wl.grad_accum, dtype, hbm, host, **engine, **store

@@ -119,11 +119,14 @@ def test_shipped_recipes_parse(name):
 
 
 def test_engine_options_reach_the_trainer(tmp_path):
-    """--mlp-tile-tokens / --offload-activations / --resident-layers / --attn end to end."""
+    """--mlp-tile-tokens / --offload-activations / --bf16-boundaries / --resident-layers /
+    --attn end to end."""
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     cfg = _tiny_config(tmp_path / "config.json")
     flags = ["--mlp-tile-tokens", "8", "--offload-activations", "--resident-layers", "1"]
+    flags.append("--bf16-boundaries")
+    assert resolve_options(build_parser().parse_args(["train", *flags])).bf16_boundaries
     rc = main(["train", "--config", str(cfg), "--data", str(data), "--attn", "eager"] + flags + _fast_flags(tmp_path / "out"))  # fmt: skip
     assert rc == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from hf_megatrain.cli import DEFAULT_CONFIG, _plan_config, main, model_shape_from_config
 from hf_megatrain.core.host_store import device_layer_bytes, layer_store_bytes
 from hf_megatrain.core.planner import (
+    BF16_BOUNDARIES_ADVICE,
     DEFAULT_HOST_MARGIN,
     GIB,
     HBM,
@@ -19,8 +21,10 @@ from hf_megatrain.core.planner import (
     MemoryPlanError,
     ModelShape,
     Workload,
+    boundary_activation_bytes,
     max_micro_batch_sequences,
     max_num_layers,
+    max_seq_len,
     plan_memory,
 )
 from hf_megatrain.hf.model import _resident_layer_count
@@ -266,3 +270,71 @@ def test_materialized_input_model_counts_on_the_host(qwen1_5b, qwen7b):
     plan = plan_memory(qwen7b, wl, BF16, 139 * GIB, 1 << 50, hbm_layers=0, input_model_bytes=fp32)
     meta = plan_memory(qwen7b, wl, BF16, 139 * GIB, 1 << 50, hbm_layers=0)
     assert plan.host_peak_estimate - meta.host_peak_estimate == 4 * qwen7b.non_layer_numel
+
+
+def _line(lines, prefix: str) -> int:
+    (hit,) = [x.nbytes for x in lines if x.name.startswith(prefix)]
+    return hit
+
+
+def test_bf16_boundaries_halve_boundary_bytes(qwen1_5b):
+    t, h, n = 131072, qwen1_5b.hidden_size, qwen1_5b.num_layers
+    fp32 = Workload.from_step(t, t)
+    bf16 = replace(fp32, boundary_bytes_per_element=2)
+    assert boundary_activation_bytes(qwen1_5b, fp32) == t * h * 4 * n
+    assert boundary_activation_bytes(qwen1_5b, bf16) == t * h * 2 * n
+    big = dict(hbm_bytes=1 << 50, host_bytes=1 << 50)
+    # Kept in HBM: every layer's input at 2 B, plus the recomputing layer's fp32 cast-back.
+    a, b = (plan_memory(qwen1_5b, wl, BF16, **big) for wl in (fp32, bf16))
+    assert _line(a.gpu_lines, "boundary activations (fp32)") == t * h * 4 * n
+    assert _line(b.gpu_lines, "boundary activations (bf16)") == t * h * 2 * n
+    assert _line(b.gpu_lines, "boundary activation of the recomputing layer") == t * h * 4
+    assert not [x for x in a.gpu_lines if "cast back" in x.name]
+    # Offloaded: the pinned host copies halve; in HBM the fetched bf16 pair plus the fp32 cast
+    # of the one in use (2 x 2 + 4 B) replace the fp32 pair (2 x 4 B).
+    off = [replace(wl, offload_activations=True) for wl in (fp32, bf16)]
+    a, b = (plan_memory(qwen1_5b, wl, BF16, **big) for wl in off)
+    assert _line(a.host_lines, "offloaded boundary activations (pinned, fp32)") == t * h * 4 * n
+    assert _line(b.host_lines, "offloaded boundary activations (pinned, bf16)") == t * h * 2 * n
+    assert b.host_total == a.host_total - t * h * 2 * n
+    assert _line(b.gpu_lines, "boundary activations offloaded") == 2 * t * h * 2 + t * h * 4
+    assert b.gpu_total == a.gpu_total
+    # The what-fits search takes the option: a longer sequence fits (HBM-bound here).
+    hbm, host = 139 * GIB, 124 * GIB
+    assert max_seq_len(qwen1_5b, 1, BF16, hbm, host, boundary_bytes_per_element=2) > max_seq_len(
+        qwen1_5b, 1, BF16, hbm, host
+    )
+
+
+def test_bf16_boundaries_advice_and_plan_cli(qwen7b, capsys):
+    """Qwen2.5-1.5B at a 1M-token sequence with offloaded activations: 168 GiB of fp32
+    boundaries do not fit 124 GiB of host RAM, 84 GiB of bf16 ones do; the advice says so."""
+    argv = [
+        "plan", str(CONFIGS / "qwen2.5-1.5b"), "--seq-len", "1048576",
+        "--tokens-per-step", "1048576", "--mlp-tile-tokens", "16384", "--offload-activations",
+        "--no-clip", "--stream-fp32-master", "--hbm-gib", "139", "--host-gib", "124",
+        "--no-search",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="megatrain_boundary_dtype='bfloat16'.*this plan fits"):
+        main(argv)
+    assert main([*argv, "--bf16-boundaries"]) == 0
+    out = capsys.readouterr().out
+    assert "offloaded boundary activations (pinned, bf16)" in out
+    # Qwen2.5-7B at 512k: halving the 196 GiB is not enough; bf16 boundaries are only listed
+    # among the options, with what they save.
+    wl = replace(
+        Workload.from_step(524288, 524288), mlp_tile_tokens=16384, offload_activations=True
+    )
+    plan = plan_memory(qwen7b, wl, BF16, 139 * GIB, 124 * GIB, hold_grads=False)
+    assert not plan.fits and not plan.bf16_boundaries_fit
+    msg = str(plan.problems[-1])
+    assert BF16_BOUNDARIES_ADVICE not in msg
+    assert "bf16 boundary activations (megatrain_boundary_dtype='bfloat16': 98.00 GiB less" in msg
+    # A plan that fits, or already uses bf16 boundaries, gets no such advice.
+    fits = plan_memory(qwen7b, wl, BF16, 139 * GIB, 1024 * GIB, hold_grads=False)
+    assert fits.fits and not fits.bf16_boundaries_fit
+    bf16 = plan_memory(
+        qwen7b, replace(wl, boundary_bytes_per_element=2), BF16, 139 * GIB, 124 * GIB,
+        hold_grads=False,
+    )  # fmt: skip
+    assert not bf16.fits and "boundary_dtype" not in str(bf16.problems[-1])

@@ -120,6 +120,9 @@ class Workload:
     mlp_tile_tokens: int = 0
     # Engine option: layer-boundary activations live in pinned host memory instead of HBM.
     offload_activations: bool = False
+    # Bytes per element of a saved layer-boundary activation (the residual stream): 4 keeps it
+    # fp32; 2 is engine option boundary_dtype=bfloat16 (a rounded copy saved for the recompute).
+    boundary_bytes_per_element: int = 4
 
     @property
     def tokens_per_step(self) -> int:
@@ -208,6 +211,9 @@ class MemoryPlan:
     @property
     def kept_layer_indices(self) -> list[int]:
         return list(range(self.n_hbm - self.kept_layers, self.n_hbm))
+
+    # Set when the plan does not fit: whether it would with bf16 boundary activations.
+    bf16_boundaries_fit: bool = False
 
     @property
     def host_bytes_per_param(self) -> int:
@@ -341,7 +347,12 @@ def _gpu_lines(
         return lines
     lines += _activation_lines(shape, workload, dtype)
     if kept:
-        per_token = kept_activation_bytes_per_token(shape)
+        # A kept layer's graph holds its fp32 input itself, also where the boundary line
+        # counts it rounded to bf16.
+        per_token = (
+            kept_activation_bytes_per_token(shape)
+            + (4 - workload.boundary_bytes_per_element) * shape.hidden_size
+        )
         lines.append(
             MemoryLine(
                 f"kept activations of {kept} HBM-tier layers (no recompute): "
@@ -396,8 +407,15 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
 
 
 def boundary_activation_bytes(shape: ModelShape, workload: Workload) -> int:
-    """Every layer's saved fp32 input (the residual stream) for one micro-batch."""
-    return workload.micro_batch_tokens * shape.hidden_size * 4 * shape.num_layers
+    """Every layer's saved input (the residual stream: fp32, or its bf16-rounded copy) for one
+    micro-batch."""
+    b = workload.boundary_bytes_per_element
+    return workload.micro_batch_tokens * shape.hidden_size * b * shape.num_layers
+
+
+def _boundary_dt(workload: Workload) -> str:
+    b = workload.boundary_bytes_per_element
+    return {4: "fp32", 2: "bf16"}.get(b, f"{b} B")
 
 
 def _activation_lines(
@@ -407,19 +425,37 @@ def _activation_lines(
     isz = _itemsize(dtype)
     t, h, v = workload.micro_batch_tokens, shape.hidden_size, shape.vocab_size
     lines = []
+    b = workload.boundary_bytes_per_element
+    # Saved narrower than the fp32 residual stream: backward recomputes each layer from its
+    # saved input cast back to fp32, one more tokens x hidden x 4 B tensor while it runs.
+    cast_back = 4 if b < 4 else 0
     if not workload.offload_activations:
         lines.append(
             MemoryLine(
-                f"boundary activations: {t} tokens x hidden x 4 B x {shape.num_layers} layers",
+                f"boundary activations ({_boundary_dt(workload)}): {t} tokens x hidden x {b} B "
+                f"x {shape.num_layers} layers",
                 boundary_activation_bytes(shape, workload),
             )
         )
+        if cast_back:
+            lines.append(
+                MemoryLine(
+                    "boundary activation of the recomputing layer cast back to fp32",
+                    t * h * cast_back,
+                )
+            )
     else:
-        # Offloaded: the current layer's input and the next one prefetched for backward.
+        # Offloaded: the current layer's input and the next one prefetched for backward (and
+        # the current one cast back to fp32 when saved narrower).
+        what = (
+            f"2 {_boundary_dt(workload)} (in use + prefetched) + the one in use in fp32"
+            if cast_back
+            else "2 (in use + prefetched)"
+        )
         lines.append(
             MemoryLine(
-                "boundary activations offloaded to host; 2 in HBM (in use + prefetched)",
-                2 * t * h * 4,
+                f"boundary activations offloaded to host; in HBM: {what}",
+                2 * t * h * b + t * h * cast_back,
             )
         )
     lines.append(_working_set_line(t, h, shape.intermediate_size, workload.mlp_tile_tokens))
@@ -462,9 +498,11 @@ def _host_lines(
     host = shape.layer_numels[n_hbm:]
     offload = []
     if workload is not None and workload.offload_activations:
+        b = workload.boundary_bytes_per_element
         offload.append(
             MemoryLine(
-                "offloaded boundary activations (pinned): tokens x hidden x 4 B x layers",
+                f"offloaded boundary activations (pinned, {_boundary_dt(workload)}): "
+                f"tokens x hidden x {b} B x layers",
                 boundary_activation_bytes(shape, workload),
             )
         )
@@ -638,9 +676,38 @@ def plan_memory(
         stream_fp32_master=stream_fp32_master,
         kept_layers=kept,
     )
-    _add_problems(plan, gpu(0) if hbm_layers is None else gpu_lines)
+    fixed_gpu_lines = gpu(0) if hbm_layers is None else gpu_lines
+    _add_problems(plan, fixed_gpu_lines)
+    if plan.problems and workload is not None and workload.boundary_bytes_per_element > 2:
+        # Would bf16 boundary activations (half the bytes) make it fit? Then the advice says so.
+        bf16 = replace(workload, boundary_bytes_per_element=2)
+        plan.bf16_boundaries_fit = plan_memory(
+            shape,
+            bf16,
+            compute_dtype,
+            hbm_bytes,
+            host_bytes,
+            hbm_layers=hbm_layers,
+            reserve_bytes=reserve_bytes,
+            host_margin_bytes=host_margin_bytes,
+            hold_grads=hold_grads,
+            stream_fp32_master=stream_fp32_master,
+            input_model_bytes=input_model_bytes,
+        ).fits
+        if plan.bf16_boundaries_fit:
+            plan.problems.clear()
+            _add_problems(plan, fixed_gpu_lines)
     _add_notes(plan)
     return plan
+
+
+#: Problem advice when only the boundary activations' precision stands between a plan and a fit.
+BF16_BOUNDARIES_ADVICE = (
+    "With bf16 boundary activations (megatrain_boundary_dtype='bfloat16', plan "
+    "--bf16-boundaries: each layer's saved input rounded to bf16, half the bytes) this plan "
+    "fits; the forward is unchanged, but backward recomputes each layer from the rounded input "
+    "(relative error <= 2^-9 per element), so gradients are slightly approximate."
+)
 
 
 def _add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
@@ -661,7 +728,7 @@ def _add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
             MemoryPlanError(
                 f"hf_megatrain: {what} needs {format_bytes(gpu_needed)} of GPU memory but only "
                 f"{format_bytes(plan.hbm_available)} is free (largest item: {big.name}, "
-                f"{format_bytes(big.nbytes)}). {advice}",
+                f"{format_bytes(big.nbytes)}). {advice}{_boundary_advice(plan)}",
                 "gpu",
                 gpu_needed,
                 plan.hbm_available,
@@ -676,12 +743,32 @@ def _add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
                 f"margin; {plan.n_hbm} layers already moved to HBM, which is full) but only "
                 f"{format_bytes(plan.host_available)} is available. Use a machine with more RAM "
                 f"or GPU memory, fewer tokens per micro-batch (frees HBM for layers), "
-                f"{_slimmer_store_advice(plan)}or a smaller model.",
+                f"{_slimmer_store_advice(plan)}{_boundary_option(plan)}or a smaller model."
+                f"{_boundary_advice(plan)}",
                 "host",
                 host_needed,
                 plan.host_available,
             )
         )
+
+
+def _boundary_advice(plan: MemoryPlan) -> str:
+    return f" {BF16_BOUNDARIES_ADVICE}" if plan.bf16_boundaries_fit else ""
+
+
+def _boundary_option(plan: MemoryPlan) -> str:
+    """bf16 boundaries as one more host-RAM option, when the activations are offloaded there
+    and halving them alone is not enough (else ``_boundary_advice`` says it fits)."""
+    wl = plan.workload
+    if plan.bf16_boundaries_fit or wl is None or not wl.offload_activations:
+        return ""
+    if wl.boundary_bytes_per_element <= 2:
+        return ""
+    saved = boundary_activation_bytes(plan.shape, wl) // 2
+    return (
+        f"bf16 boundary activations (megatrain_boundary_dtype='bfloat16': "
+        f"{format_bytes(saved)} less, slightly approximate gradients), "
+    )
 
 
 def _slimmer_store_advice(plan: MemoryPlan) -> str:
@@ -744,13 +831,17 @@ def max_micro_batch_sequences(
     limit: int = 1 << 20,
     mlp_tile_tokens: int = 0,
     offload_activations: bool = False,
+    boundary_bytes_per_element: int = 4,
     **kw,
 ) -> int:
     """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one)."""
     return _largest(
         lambda m: _fits(
-            shape, Workload(seq_len, m * seq_len, grad_accum, mlp_tile_tokens, offload_activations), compute_dtype,
-            hbm_bytes,
+            shape, Workload(
+                seq_len, m * seq_len, grad_accum, mlp_tile_tokens, offload_activations,
+                boundary_bytes_per_element,
+            ),
+            compute_dtype, hbm_bytes,
             host_bytes, **kw,
         ),
         limit,
@@ -767,13 +858,15 @@ def max_seq_len(
     limit: int = 1 << 26,
     mlp_tile_tokens: int = 0,
     offload_activations: bool = False,
+    boundary_bytes_per_element: int = 4,
     **kw,
 ) -> int:
     """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none."""
     m = _largest(
         lambda k: _fits(
             shape, Workload(
-                k * multiple, k * multiple, grad_accum, mlp_tile_tokens, offload_activations
+                k * multiple, k * multiple, grad_accum, mlp_tile_tokens, offload_activations,
+                boundary_bytes_per_element,
             ),
             compute_dtype, hbm_bytes,
             host_bytes, **kw,

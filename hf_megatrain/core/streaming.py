@@ -35,6 +35,33 @@ from .host_store import LayerStore, PinnedBuffer
 GRAD_STAGING_SLOTS = 2
 
 
+#: ``boundary_dtype`` names: the saved layer input kept as is, or rounded to bf16.
+BOUNDARY_DTYPES: dict[str, torch.dtype | None] = {
+    "input": None,
+    "float32": None,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_boundary_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """``StreamingEngine.boundary_dtype`` from a name (``BOUNDARY_DTYPES``) or a dtype."""
+    if name is None or name == torch.float32:
+        return None
+    if name == torch.bfloat16:
+        return name
+    if isinstance(name, str) and name.lower() in BOUNDARY_DTYPES:
+        return BOUNDARY_DTYPES[name.lower()]
+    raise ValueError(
+        f"hf_megatrain: boundary dtype {name!r} is not one of {', '.join(BOUNDARY_DTYPES)} "
+        "('input' and 'float32' keep the saved layer inputs as they are, 'bfloat16' rounds them)"
+    )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 class OutputCapture(Protocol):
     """Hook for outputs a model records from inside a layer (e.g. MoE router logits).
 
@@ -139,7 +166,15 @@ class StreamingEngine:
         # layer's gradient of the step is final (last micro-batch), still inside backward.
         self.on_grad_final: Callable[[int, Any], None] | None = None
         self.offload_activations = False
+        # Size from which a floating layer input counts as a large activation (the hidden
+        # states at training sizes, not ids or small masks): what offload moves and what
+        # ``boundary_dtype`` may round.
         self.offload_min_numel = 1 << 20
+        # Precision of the saved residual-stream input (see ``boundary_save_dtype``): None keeps
+        # its dtype; torch.bfloat16 saves it rounded (half the bytes in HBM, or on the host and
+        # over PCIe when offloaded) and backward recomputes the layer from it cast back. The
+        # forward is unchanged; the gradients become an approximation.
+        self.boundary_dtype: torch.dtype | None = None
         self._act_host: dict[tuple[int, int], PinnedBuffer] = {}
         self._act_handles: dict[tuple[int, int], dict] = {}
 
@@ -217,12 +252,26 @@ class StreamingEngine:
             raise RuntimeError("hf_megatrain: the host optimizer update failed") from err
 
     # ---- boundary activations ----------------------------------------------------------------
+    def is_large_activation(self, t: torch.Tensor) -> bool:
+        """A floating layer input of at least ``offload_min_numel`` elements (not ids/masks)."""
+        return t.is_floating_point() and t.numel() >= self.offload_min_numel
+
     def should_offload(self, t: torch.Tensor) -> bool:
-        return (
-            self.offload_activations
-            and t.is_floating_point()
-            and t.numel() >= self.offload_min_numel
-        )
+        return self.offload_activations and self.is_large_activation(t)
+
+    def boundary_save_dtype(
+        self, t: torch.Tensor, residual_shapes: set[tuple[int, ...]]
+    ) -> torch.dtype | None:
+        """The narrower dtype to save layer input ``t`` in for the recompute, or None (as is).
+
+        Only the residual stream is rounded: a large activation (as offload decides) of the
+        shape of one of the layer's floating outputs (``residual_shapes``), so that rope cos/sin
+        (tokens x head_dim, over the size threshold at long context) and masks stay exact.
+        """
+        bd = self.boundary_dtype
+        if bd is None or tuple(t.shape) not in residual_shapes or not self.is_large_activation(t):
+            return None
+        return bd if t.element_size() > _itemsize(bd) else None
 
     def offload_activation(self, idx: int, k: int, t: torch.Tensor) -> dict:
         """Copy input ``k`` of layer ``idx`` to its host buffer; return the handle for backward."""
@@ -844,12 +893,28 @@ class _StreamedLayerFunction(torch.autograd.Function):
         box["out_tensor_pos"] = out_tensor_pos
         box["captured_keys"] = [k for k, _ in captured]
         # Saved: the layer's tensor inputs and its resident parameters (never its weights).
-        # Large inputs (the hidden states) may go to host memory instead (offload). A kept
-        # graph holds what it needs itself.
+        # Large inputs (the hidden states) may go to host memory instead (offload), and the
+        # residual-stream input may be saved rounded to ``engine.boundary_dtype`` (a copy: the
+        # forward above used the input as it is; backward casts it back to ``ctx.cast_back``).
+        # A kept graph holds what it needs itself.
         ctx.offloaded = {}
+        ctx.cast_back = {}
         if ctx.graph is None:
+            residual_shapes = (
+                {
+                    tuple(x.shape)
+                    for x in out_flat
+                    if isinstance(x, torch.Tensor) and x.is_floating_point()
+                }
+                if engine.boundary_dtype is not None
+                else set()
+            )
             keep = []
             for k, t in enumerate(tensors[:n_args]):
+                narrow = engine.boundary_save_dtype(t, residual_shapes)
+                if narrow is not None:
+                    ctx.cast_back[k] = t.dtype
+                    t = t.to(narrow)
                 if engine.should_offload(t):
                     ctx.offloaded[k] = engine.offload_activation(layer.index, k, t)
                 else:
@@ -873,6 +938,11 @@ class _StreamedLayerFunction(torch.autograd.Function):
             saved = [
                 engine.fetch_activation(ctx.offloaded[k]) if k in ctx.offloaded else next(kept)
                 for k in range(ctx.n_args)
+            ]
+            # Inputs saved rounded: recompute from them in their original dtype, so the gradient
+            # returned for the input has the input's dtype (the narrow copy is dropped here).
+            saved = [
+                t.to(ctx.cast_back[k]) if k in ctx.cast_back else t for k, t in enumerate(saved)
             ]
             flat_args, inputs, res_leaves = _detached_leaves(ctx, ctx.flat_args, saved, saved_res)
             weights = engine.acquire(layer.index, layer.next_index(True))

@@ -118,6 +118,22 @@ class MegaTrainArguments(TrainingArguments):
             "boundary activations do not fit in HBM."
         },
     )
+    megatrain_boundary_dtype: str = field(
+        default="input",
+        metadata={
+            "help": "Precision of each decoder layer's saved input (the fp32 residual stream "
+            "kept from forward to the backward recompute: tokens x hidden x 4 bytes per layer, "
+            "the largest activation cost of long sequences). 'input' (default) or 'float32': "
+            "kept as is, exact. 'bfloat16': saved rounded to bf16 (half the bytes in HBM, or in "
+            "pinned host RAM and over PCIe with megatrain_offload_activations). The forward and "
+            "the loss are unchanged (the layers still compute from the fp32 stream), but "
+            "backward recomputes each layer from its rounded input (relative error <= 2^-9 "
+            "per element), so gradients are approximate (1e-3 to 3e-3 relative error of the "
+            "layer gradients on the small test models). Use it when the boundary activations "
+            "are what does not fit (`hf-megatrain plan --bf16-boundaries` shows the effect). "
+            "No effect on inputs already in bf16."
+        },
+    )
     megatrain_eager_update: bool = field(
         default=True,
         metadata={

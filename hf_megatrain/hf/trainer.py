@@ -25,6 +25,7 @@ from transformers import Trainer, TrainingArguments
 from ..core.distributed import DataParallelError
 from ..core.host_store import InsufficientHostMemoryError
 from ..core.planner import Workload
+from ..core.streaming import parse_boundary_dtype
 from .arguments import MegaTrainArguments
 from .checkpoint import (
     has_optimizer_state,
@@ -161,6 +162,12 @@ def _validate_args(args: TrainingArguments) -> None:
             f"AdamW exactly ({', '.join(sorted(_SUPPORTED_OPTIMS))})."
         )
     _host_grads(args)  # refuses megatrain_host_grads=False where the update needs the grads
+    _boundary_dtype(args)  # refuses an unknown megatrain_boundary_dtype
+
+
+def _boundary_dtype(args: TrainingArguments) -> torch.dtype | None:
+    """``StreamingEngine.boundary_dtype`` from megatrain_boundary_dtype (None: keep as is)."""
+    return parse_boundary_dtype(getattr(args, "megatrain_boundary_dtype", None))
 
 
 def _eager_updates(args: TrainingArguments) -> bool:
@@ -240,6 +247,7 @@ def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
         grad_accum=args.gradient_accumulation_steps,
         mlp_tile_tokens=getattr(args, "megatrain_mlp_tile_tokens", 0) or 0,
         offload_activations=bool(getattr(args, "megatrain_offload_activations", False)),
+        boundary_bytes_per_element=2 if _boundary_dtype(args) == torch.bfloat16 else 4,
     )
 
 
@@ -330,6 +338,7 @@ class MegaTrainerMixin:
         self.megatrain.engine.offload_activations = bool(
             getattr(args, "megatrain_offload_activations", False)
         )
+        self.megatrain.engine.boundary_dtype = _boundary_dtype(args)
         self._wrapper = StreamedModelWrapper(
             model,
             compute_dtype,
