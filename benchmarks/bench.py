@@ -194,6 +194,8 @@ class RunConfig:
     # megatrain only: HBM-tier layers that keep activations instead of recomputing ("auto":
     # the planner's count for megatrain-hbm, "off", or a count).
     keep_activations: str = "auto"
+    # megatrain only: save layer-boundary activations rounded to bf16 (long context).
+    bf16_boundaries: bool = False
     # Record a CUDA kernel trace of the last warm-up step (steady state, outside the timed steps)
     # and report the fraction of it the GPU was busy.
     profile: bool = False
@@ -253,6 +255,8 @@ class RunConfig:
             args.append("--no-clip")
         if self.stream_fp32_master:
             args.append("--stream-fp32-master")
+        if self.bf16_boundaries:
+            args.append("--bf16-boundaries")
         if self.keep_activations != "auto":
             args += ["--keep-activations", self.keep_activations]
         if self.profile:
@@ -477,6 +481,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
             megatrain_offload_activations=cfg.offload_activations,
             megatrain_stream_fp32_master=cfg.stream_fp32_master,
             megatrain_keep_activations=cfg.keep_activations,
+            megatrain_boundary_dtype="bfloat16" if cfg.bf16_boundaries else "input",
         )
         return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     from transformers import Trainer, TrainingArguments
@@ -1075,6 +1080,11 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         help="megatrain only: stream fp32 masters (cast on the GPU) instead of a host bf16 copy",
     )
     p.add_argument(
+        "--bf16-boundaries",
+        action="store_true",
+        help="megatrain only: save layer-boundary activations rounded to bf16 (long context)",
+    )
+    p.add_argument(
         "--keep-activations",
         default="auto",
         help="megatrain only: HBM-tier layers that keep activations instead of recomputing "
@@ -1092,6 +1102,7 @@ def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
         no_clip=a.no_clip,
         stream_fp32_master=a.stream_fp32_master,
         keep_activations=a.keep_activations,
+        bf16_boundaries=a.bf16_boundaries,
     )
 
 
