@@ -8,7 +8,9 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed      # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh capacity   # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long       # nvidia-h200
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long1m     # nvidia-h200, then long-wait
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh dp         # nvidia-h200-x2
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes    # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes    # nvidia-h200 (~125 s)
 #
 # The recipes phase needs TRL and datasets, which the GPU image lacks: carry their wheels in .whl
@@ -62,6 +64,26 @@ case "$phase" in
     bench --tag "long-$(date -u +%H%M)" --seq-len 524288 --mlp-tile-tokens 16384 \
       --offload-activations --steps 1 --warmup 0 --timeout-s 540 \
       --run qwen2.5-1.5b:524288:megatrain-hbm:1
+    ;;
+  long1m)
+    # One 1,048,576-token sequence of Qwen2.5-1.5B (bf16 boundaries offloaded: 84 GiB host): about
+    # 17 minutes, longer than one device command. Started in its own session (setsid), which the
+    # device tool leaves running while the machine is held; this call then waits ~9.5 minutes,
+    # and `long-wait` (called again within the machine's idle window) waits for it and packs.
+    setsid nohup bash benchmarks/run_device.sh --tag "long1m-$(date -u +%H%M)" \
+      --seq-len 1048576 --mlp-tile-tokens 16384 --offload-activations --bf16-boundaries \
+      --steps 1 --warmup 0 --timeout-s 1500 --run qwen2.5-1.5b:1048576:megatrain-hbm:1 \
+      >>"$log" 2>&1 </dev/null &
+    sleep 560
+    tail -5 "$log"
+    ;;
+  long-wait)
+    waited=0
+    while pgrep -f "benchmarks/bench.py" >/dev/null && [ "$waited" -lt 560 ]; do
+      sleep 10
+      waited=$((waited + 10))
+    done
+    tail -5 benchmarks/results/logs/*-phase-long1m.log
     ;;
   dp)
     # Issue 6 on nvidia-h200-x2: Qwen2.5-7B at 64k tokens per GPU on one GPU, then on two (same
