@@ -11,7 +11,9 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long1m     # nvidia-h200, then long-wait
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh dp         # nvidia-h200-x2
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes    # nvidia-h200
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes    # nvidia-h200 (~125 s)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes-cli  # nvidia-h200
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes    # nvidia-h200
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes-cli  # nvidia-h200 (~125 s)
 #
 # The recipes phase needs TRL and datasets, which the GPU image lacks: carry their wheels in .whl
 # (bash ../shared/tools/device-wheels.sh trl==1.16.0 datasets==5.2.0 'dill<0.4.2'
@@ -21,7 +23,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | capacity | long | long1m | long-wait | dp | recipes}
+phase=${1:?phase: tests | speed | capacity | long | long1m | long-wait | dp | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -138,6 +140,27 @@ case "$phase" in
         --batch-size 2 --max-steps 4 --lr 2e-4 --eval-chunks 2 --output-dir /tmp/recipes-lora
       echo "lora: exit status $?"; } >>"$log" 2>&1
     show lora 11
+    ;;
+  recipes-cli)
+    # Issue 6: the YAML recipes of `hf-megatrain train` at real size on one H200 (Qwen2.5-3B, so
+    # that two fp32 checkpoints fit the 64 GiB disk), on the bundled corpus repeated 8x (~590k
+    # tokens): (1) random init from the config, 2 steps, saved Hub-format; (2) the
+    # continued-pretraining recipe from that checkpoint (64k tokens per step in 16 micro-batches);
+    # (3) the long-context recipe at a 65,536-token sequence (MLP tiles, offload, HBM tier).
+    data=/tmp/cli-data
+    mkdir -p "$data"
+    for _ in 1 2 3 4 5 6 7 8; do cat hf_megatrain/data/corpus.txt; done >"$data/corpus.txt"
+    cli() { timeout "$1" python3 -m hf_megatrain train "${@:2}" >>"$log" 2>&1; echo "exit $? ($2 ...)" | tee -a "$log"; }
+    cli 200 --config benchmarks/configs/qwen2.5-3b/config.json --data "$data" --seq-len 4096 \
+      --batch-size 4 --max-steps 2 --resident-layers auto --no-verify --eval-fraction 0 \
+      --output-dir /tmp/ckpt3b
+    pack
+    cli 200 --recipe recipes/continued_pretraining.yaml --model-path /tmp/ckpt3b --data "$data" \
+      --max-steps 3 --resident-layers auto --no-verify --output-dir /tmp/cpt3b
+    pack
+    cli 150 --recipe recipes/long_context.yaml --config benchmarks/configs/qwen2.5-3b/config.json \
+      --data "$data" --seq-len 65536 --max-steps 2 --output-dir /tmp/long3b
+    tr '\r' '\n' <"$log" | grep -aE "^exit|\{'loss'|error" | tail -12
     ;;
   *)
     echo "unknown phase $phase" >&2
