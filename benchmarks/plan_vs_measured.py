@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import sys
 from pathlib import Path
 
@@ -70,8 +71,17 @@ def plan_row(row: dict):
             shape, None, torch.bfloat16, hbm, host, reserve_bytes=int(OLD_AUTO_RESERVE_GIB * GIB)
         ).n_hbm
     kept = int(row.get("kept_layers") or 0)  # rows before the column kept none
+    dp = re.search(r"-dp(\d+)$", row["system"])  # bench_dp rows: the host total of N ranks
     return plan_memory(
-        shape, wl, torch.bfloat16, hbm, host, hbm_layers=n_hbm, keep_activation_layers=kept, **kw
+        shape,
+        wl,
+        torch.bfloat16,
+        hbm,
+        host,
+        hbm_layers=n_hbm,
+        keep_activation_layers=kept,
+        ranks=int(dp[1]) if dp else 1,
+        **kw,
     )
 
 

@@ -206,6 +206,13 @@ def _add_plan_parser(sub) -> None:
         "the fp32 master streams (twice the H2D bytes) and is cast on the GPU",
     )
     pl.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel processes (one GPU each) on this host: they share one host store; "
+        "--hbm-gib is per GPU, --host-gib the host's",
+    )
+    pl.add_argument(
         "--keep-activations",
         default="auto",
         help="HBM-tier layers that keep their activations instead of recomputing in backward "
@@ -852,9 +859,14 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     _setup_logging()
     shape = model_shape_from_config(cfg, f"{label} [{cfg.model_type}]")
     dtype = torch.float32 if ns.fp32 else torch.bfloat16
+    nproc = getattr(ns, "nproc", None)
+    nproc = 1 if nproc is None else int(nproc)
+    if nproc < 1:
+        raise CLIError(f"--nproc {nproc}: need at least 1 process")
     store = dict(
         hold_grads=not getattr(ns, "no_clip", False),
         stream_fp32_master=bool(getattr(ns, "stream_fp32_master", False)),
+        ranks=nproc,
     )
     keep = str(getattr(ns, "keep_activations", "off"))
     try:

@@ -338,3 +338,32 @@ def test_bf16_boundaries_advice_and_plan_cli(qwen7b, capsys):
         hold_grads=False,
     )  # fmt: skip
     assert not bf16.fits and "boundary_dtype" not in str(bf16.problems[-1])
+
+
+def test_data_parallel_plan_counts_the_shared_store_once():
+    """N ranks of one host: the same store (shared), N processes, N staging rings; GPU per GPU."""
+    from hf_megatrain.core.planner import PROCESS_BASELINE, ModelShape, Workload, plan_memory
+
+    shape = ModelShape((300_000_000,) * 40, 1_500_000_000, 5120, 152_064, 13_824, kv_size=1024)
+    wl = Workload(seq_len=4096, micro_batch_tokens=16384)
+    kw = dict(hold_grads=False, stream_fp32_master=True)
+    one = plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 400 * 2**30, **kw)
+    two = plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 400 * 2**30, ranks=2, **kw)
+    assert two.n_hbm == one.n_hbm and two.gpu_total == one.gpu_total
+    ring = 2 * 4 * 300_000_000  # GRAD_STAGING_SLOTS x largest host layer x 4 B, per rank
+    assert two.host_total - one.host_total == PROCESS_BASELINE + ring
+    assert "data parallel: 2 ranks" in two.table()
+    with pytest.raises(ValueError, match="ranks"):
+        plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 400 * 2**30, ranks=0)
+
+
+def test_plan_cli_nproc(capsys):
+    from hf_megatrain.cli import main
+
+    argv = ["plan", "benchmarks/configs/qwen2.5-14b", "--seq-len", "4096", "--tokens-per-step",
+            "16384", "--hbm-gib", "139", "--host-gib", "250", "--no-clip", "--no-search"]  # fmt: skip
+    assert main(argv + ["--nproc", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "x 2 ranks" in out and "data parallel: 2 ranks" in out
+    with pytest.raises(SystemExit, match="need at least 1 process"):
+        main(argv + ["--nproc", "0"])

@@ -207,6 +207,8 @@ class MemoryPlan:
     # The last ``kept_layers`` HBM-tier layers keep their forward activations for backward
     # instead of recomputing the layer (see ``kept_activation_bytes_per_token``).
     kept_layers: int = 0
+    # Data-parallel processes of one host the host lines are for (GPU lines: per GPU).
+    ranks: int = 1
 
     @property
     def kept_layer_indices(self) -> list[int]:
@@ -494,16 +496,21 @@ def _host_lines(
     hold_grads: bool = True,
     stream_fp32_master: bool = False,
     input_model_bytes: int = 0,
+    ranks: int = 1,
 ) -> list[MemoryLine]:
+    """Host costs. ``ranks`` data-parallel processes of one host share the layer store (masters
+    and stream copies in shared memory, each gradient and moment on one owner rank: one store in
+    all) but each has its own process, staging ring and offloaded activations."""
     host = shape.layer_numels[n_hbm:]
+    per_rank = f" x {ranks} ranks" if ranks > 1 else ""
     offload = []
     if workload is not None and workload.offload_activations:
         b = workload.boundary_bytes_per_element
         offload.append(
             MemoryLine(
                 f"offloaded boundary activations (pinned, {_boundary_dt(workload)}): "
-                f"tokens x hidden x {b} B x layers",
-                boundary_activation_bytes(shape, workload),
+                f"tokens x hidden x {b} B x layers{per_rank}",
+                ranks * boundary_activation_bytes(shape, workload),
             )
         )
     parts = ["fp32 master/2 moments"]
@@ -521,8 +528,9 @@ def _host_lines(
     if not hold_grads and host:
         lines.append(
             MemoryLine(
-                f"pinned grad staging ring: {GRAD_STAGING_SLOTS} x largest host layer x 4 B",
-                GRAD_STAGING_SLOTS * 4 * max(host),
+                f"pinned grad staging ring: {GRAD_STAGING_SLOTS} x largest host layer x 4 B"
+                f"{per_rank}",
+                ranks * GRAD_STAGING_SLOTS * 4 * max(host),
             )
         )
     if input_model_bytes:
@@ -534,13 +542,16 @@ def _host_lines(
         non_layer = input_model_bytes * shape.non_layer_numel // total
         lines.append(
             MemoryLine(
-                "model passed in on the host (moved into the store layer by layer)",
-                max(non_layer, input_model_bytes - store),
+                f"model passed in on the host (moved into the store layer by layer){per_rank}",
+                ranks * max(non_layer, input_model_bytes - store),
             )
         )
     baseline = min(PROCESS_BASELINE, margin)
     return lines + [
-        MemoryLine("process baseline (Python, torch, CUDA context; measured)", baseline),
+        MemoryLine(
+            f"process baseline (Python, torch, CUDA context; measured){per_rank}",
+            ranks * baseline,
+        ),
         MemoryLine(f"{SAFETY_MARGIN_LINE} (headroom, not expected use)", margin - baseline),
     ]
 
@@ -600,6 +611,7 @@ def plan_memory(
     stream_fp32_master: bool = False,
     input_model_bytes: int = 0,
     keep_activation_layers: int | None = 0,
+    ranks: int = 1,
 ) -> MemoryPlan:
     """Plan the tiers. Never raises for lack of memory: check ``plan.fits`` or call ``check()``.
 
@@ -619,7 +631,12 @@ def plan_memory(
         keep_activation_layers: how many HBM-tier layers keep their activations instead of
             recomputing in backward; ``None``: as many as the HBM left after the tier holds
             (needs a ``workload``). Layer state comes first: the tier is sized before this.
+        ranks: data-parallel processes on this host (one GPU each): the GPU plan is per GPU
+            (HBM-tier layers are replicated), the host plan holds the shared store once and
+            each rank's own process, staging ring and offloaded activations.
     """
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks} must be >= 1")
     if compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"compute dtype {compute_dtype} is not supported; use bf16 or fp32")
     n = shape.num_layers
@@ -659,6 +676,7 @@ def plan_memory(
         hold_grads,
         stream_fp32_master,
         input_model_bytes,
+        ranks,
     )
     h2d, d2h = _pcie_bytes(shape, workload, compute_dtype, n_hbm, stream_fp32_master)
     plan = MemoryPlan(
@@ -675,6 +693,7 @@ def plan_memory(
         hold_grads=hold_grads,
         stream_fp32_master=stream_fp32_master,
         kept_layers=kept,
+        ranks=ranks,
     )
     fixed_gpu_lines = gpu(0) if hbm_layers is None else gpu_lines
     _add_problems(plan, fixed_gpu_lines)
@@ -693,6 +712,7 @@ def plan_memory(
             hold_grads=hold_grads,
             stream_fp32_master=stream_fp32_master,
             input_model_bytes=input_model_bytes,
+            ranks=ranks,
         ).fits
         if plan.bf16_boundaries_fit:
             plan.problems.clear()
@@ -929,6 +949,11 @@ def _render_table(plan: MemoryPlan) -> str:
         f"layers: {plan.n_hbm} in HBM ({_ranges(hbm_idx)}), "
         f"{plan.n_host} streamed from host ({_ranges(host_idx)})"
     )
+    if plan.ranks > 1:
+        out.append(
+            f"data parallel: {plan.ranks} ranks, one GPU each; GPU lines are per GPU (HBM-tier "
+            "layers replicated), host lines for the whole host (one shared store)"
+        )
     if plan.kept_layers:
         out.append(
             f"activations kept, no recompute: layers {_ranges(plan.kept_layer_indices)}; "

@@ -299,6 +299,7 @@ def prepare_streamed_model(
         keep_activation_layers=None
         if keep_activations == "auto"
         else _kept_count(keep_activations),
+        ranks=1 if dp is None else dp.world_size,
         # What the caller hands over already materialized in host RAM (not meta, not on a GPU).
         input_model_bytes=sum(
             p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu"
@@ -418,6 +419,7 @@ def _resident_layer_count(
     stream_fp32_master: bool = False,
     input_model_bytes: int = 0,
     keep_activation_layers: int | None = 0,
+    ranks: int = 1,
 ) -> tuple[int, MemoryPlan | None]:
     """How many leading layers keep their whole state in HBM, and the plan that decided it.
 
@@ -455,6 +457,7 @@ def _resident_layer_count(
             stream_fp32_master=stream_fp32_master,
             input_model_bytes=input_model_bytes,
             keep_activation_layers=keep_activation_layers,
+            ranks=ranks,
         )
         logger.info("hf_megatrain: memory plan (resident_layers='auto')\n%s", plan.table())
         # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the
