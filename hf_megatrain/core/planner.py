@@ -123,6 +123,9 @@ class Workload:
     # Bytes per element of a saved layer-boundary activation (the residual stream): 4 keeps it
     # fp32; 2 is engine option boundary_dtype=bfloat16 (a rounded copy saved for the recompute).
     boundary_bytes_per_element: int = 4
+    # Engine option checkpoint_every: only every k-th layer saves its input (a segment leader);
+    # a segment's backward recomputes the others' and holds up to k - 1 of them (fp32) in HBM.
+    checkpoint_every: int = 1
 
     @property
     def tokens_per_step(self) -> int:
@@ -212,6 +215,9 @@ class MemoryPlan:
     def kept_layer_indices(self) -> list[int]:
         return list(range(self.n_hbm - self.kept_layers, self.n_hbm))
 
+    # Set when the plan does not fit: the shortest checkpoint segment length that would make it
+    # fit (None: none tried does, or bf16 boundaries already would).
+    checkpoint_every_fit: int | None = None
     # Set when the plan does not fit: whether it would with bf16 boundary activations.
     bf16_boundaries_fit: bool = False
 
@@ -406,11 +412,34 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     return 32 * h + 8 * kv + 8 * i
 
 
+def saved_boundary_layers(shape: ModelShape, workload: Workload) -> int:
+    """How many layers save their input: all, or with checkpoint segments of k layers one per
+    segment, ceil(layers / k). (Layers that keep their graph end a segment early; at the
+    offload sizes segments are for, the planner keeps none.)"""
+    k = max(1, workload.checkpoint_every)
+    return -(-shape.num_layers // k)
+
+
+def segment_cache_layers(shape: ModelShape, workload: Workload) -> int:
+    """fp32 layer inputs a checkpoint segment's backward holds at most: the chain re-made from
+    the leader's input caches the followers' (k - 1, the one in use included)."""
+    return max(0, min(workload.checkpoint_every, shape.num_layers) - 1)
+
+
 def boundary_activation_bytes(shape: ModelShape, workload: Workload) -> int:
-    """Every layer's saved input (the residual stream: fp32, or its bf16-rounded copy) for one
-    micro-batch."""
+    """Every saved layer input (the residual stream: fp32, or its bf16-rounded copy) for one
+    micro-batch: one per layer, or one per checkpoint segment."""
     b = workload.boundary_bytes_per_element
-    return workload.micro_batch_tokens * shape.hidden_size * b * shape.num_layers
+    return (
+        workload.micro_batch_tokens * shape.hidden_size * b * saved_boundary_layers(shape, workload)
+    )
+
+
+def _saved_what(shape: ModelShape, workload: Workload) -> str:
+    n = saved_boundary_layers(shape, workload)
+    if n == shape.num_layers:
+        return f"{n} layers"
+    return f"{n} saved (1 per {workload.checkpoint_every} of {shape.num_layers} layers)"
 
 
 def _boundary_dt(workload: Workload) -> str:
@@ -433,7 +462,7 @@ def _activation_lines(
         lines.append(
             MemoryLine(
                 f"boundary activations ({_boundary_dt(workload)}): {t} tokens x hidden x {b} B "
-                f"x {shape.num_layers} layers",
+                f"x {_saved_what(shape, workload)}",
                 boundary_activation_bytes(shape, workload),
             )
         )
@@ -456,6 +485,15 @@ def _activation_lines(
             MemoryLine(
                 f"boundary activations offloaded to host; in HBM: {what}",
                 2 * t * h * b + t * h * cast_back,
+            )
+        )
+    cached = segment_cache_layers(shape, workload)
+    if cached:
+        lines.append(
+            MemoryLine(
+                f"checkpoint segment backward: up to {cached} recomputed layer inputs "
+                f"(fp32, {t} tokens x hidden x 4 B) cached",
+                cached * t * h * 4,
             )
         )
     lines.append(_working_set_line(t, h, shape.intermediate_size, workload.mlp_tile_tokens))
@@ -502,7 +540,7 @@ def _host_lines(
         offload.append(
             MemoryLine(
                 f"offloaded boundary activations (pinned, {_boundary_dt(workload)}): "
-                f"tokens x hidden x {b} B x layers",
+                f"tokens x hidden x {b} B x {_saved_what(shape, workload)}",
                 boundary_activation_bytes(shape, workload),
             )
         )
@@ -600,6 +638,7 @@ def plan_memory(
     stream_fp32_master: bool = False,
     input_model_bytes: int = 0,
     keep_activation_layers: int | None = 0,
+    _advise: bool = True,
 ) -> MemoryPlan:
     """Plan the tiers. Never raises for lack of memory: check ``plan.fits`` or call ``check()``.
 
@@ -693,12 +732,49 @@ def plan_memory(
             hold_grads=hold_grads,
             stream_fp32_master=stream_fp32_master,
             input_model_bytes=input_model_bytes,
+            _advise=False,
         ).fits
         if plan.bf16_boundaries_fit:
             plan.problems.clear()
             _add_problems(plan, fixed_gpu_lines)
+    if plan.problems and _advise and workload is not None and not plan.bf16_boundaries_fit:
+        # Would checkpoint segments (fewer saved layer inputs) make it fit? The advice says so.
+        for k in SEGMENT_ADVICE_LENGTHS:
+            if k <= workload.checkpoint_every or k >= n:
+                continue
+            if plan_memory(
+                shape,
+                replace(workload, checkpoint_every=k),
+                compute_dtype,
+                hbm_bytes,
+                host_bytes,
+                hbm_layers=hbm_layers,
+                reserve_bytes=reserve_bytes,
+                host_margin_bytes=host_margin_bytes,
+                hold_grads=hold_grads,
+                stream_fp32_master=stream_fp32_master,
+                input_model_bytes=input_model_bytes,
+                _advise=False,
+            ).fits:
+                plan.checkpoint_every_fit = k
+                for problem in plan.problems:
+                    problem.args = (f"{problem.args[0]} {_segment_advice(k)}",)
+                break
     _add_notes(plan)
     return plan
+
+
+#: Segment lengths the advice tries when a plan does not fit (the shortest that fits is named).
+SEGMENT_ADVICE_LENGTHS = (2, 3, 4, 6, 8)
+
+
+def _segment_advice(k: int) -> str:
+    return (
+        f"With checkpoint segments of {k} layers (megatrain_checkpoint_every={k}, plan "
+        f"--checkpoint-every {k}: one layer in {k} saves its input, the others are recomputed "
+        f"from it in backward, {k - 1}/{k} of a layer forward more per layer, exact) "
+        "this plan fits."
+    )
 
 
 #: Problem advice when only the boundary activations' precision stands between a plan and a fit.
@@ -818,7 +894,7 @@ def _largest(fits: Callable[[int], bool], limit: int) -> int:
 
 
 def _fits(shape: ModelShape, wl: Workload, dtype: torch.dtype, hbm: int, host: int, **kw) -> bool:
-    return plan_memory(shape, wl, dtype, hbm, host, **kw).fits
+    return plan_memory(shape, wl, dtype, hbm, host, _advise=False, **kw).fits
 
 
 def max_micro_batch_sequences(
@@ -832,6 +908,7 @@ def max_micro_batch_sequences(
     mlp_tile_tokens: int = 0,
     offload_activations: bool = False,
     boundary_bytes_per_element: int = 4,
+    checkpoint_every: int = 1,
     **kw,
 ) -> int:
     """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one)."""
@@ -839,7 +916,7 @@ def max_micro_batch_sequences(
         lambda m: _fits(
             shape, Workload(
                 seq_len, m * seq_len, grad_accum, mlp_tile_tokens, offload_activations,
-                boundary_bytes_per_element,
+                boundary_bytes_per_element, checkpoint_every,
             ),
             compute_dtype, hbm_bytes,
             host_bytes, **kw,
@@ -859,6 +936,7 @@ def max_seq_len(
     mlp_tile_tokens: int = 0,
     offload_activations: bool = False,
     boundary_bytes_per_element: int = 4,
+    checkpoint_every: int = 1,
     **kw,
 ) -> int:
     """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none."""
@@ -866,7 +944,7 @@ def max_seq_len(
         lambda k: _fits(
             shape, Workload(
                 k * multiple, k * multiple, grad_accum, mlp_tile_tokens, offload_activations,
-                boundary_bytes_per_element,
+                boundary_bytes_per_element, checkpoint_every,
             ),
             compute_dtype, hbm_bytes,
             host_bytes, **kw,
