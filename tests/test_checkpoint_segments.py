@@ -263,6 +263,15 @@ def test_only_leaders_save_the_hidden_state(monkeypatch):
         return x
 
     monkeypatch.setattr(streaming, "_segment_input", segment_input)
+    segments = []
+    real_add = engine._segment_add
+
+    def segment_add(entry, follow):
+        seg, pos = real_add(entry, follow)
+        segments.append(seg)
+        return seg, pos
+
+    monkeypatch.setattr(engine, "_segment_add", segment_add)
 
     def pack(t):
         saved.append((tuple(t.shape), t.dtype))
@@ -272,8 +281,11 @@ def test_only_leaders_save_the_hidden_state(monkeypatch):
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     hidden = (2, ids.shape[1], model.config.hidden_size)
     assert saved.count((hidden, BF16)) == 2
+    assert len({id(seg) for seg in segments}) == 2 and engine._open_segment is None
     loss.backward()
     assert made == [(1, torch.float32, hidden), (1, torch.float32, hidden)]
+    # Each leader's backward dropped its segment's record (no tensor outlives the backward).
+    assert all(seg.done and not seg.entries and not seg.cache for seg in segments)
 
 
 def test_backward_twice_is_refused():
@@ -336,3 +348,27 @@ def test_planner_counts_saved_inputs_and_segment_cache():
                        hbm, host, **store)  # fmt: skip
     line = next(ln for ln in dev4.gpu_lines if ln.name.startswith("boundary activations"))
     assert line.nbytes == t * h * 4 * 7
+
+
+def test_segments_with_lora_on_a_frozen_base(tmp_path):
+    """Resident adapters over a frozen streamed base: the chain binds the adapters as the
+    forward did; the adapters train bitwise as with k=1."""
+    peft = pytest.importorskip("peft")
+    base = tiny_model(tiny_config("llama", num_hidden_layers=4))
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ref_logs, ref = _train(copy.deepcopy(model), tmp_path, "k1", 1)
+    logs, trainer = _train(model, tmp_path, "k2", 2, megatrain_offload_activations=True)
+    assert _track(logs) == _track(ref_logs)
+    hidden = (2, make_data(1)[0]["input_ids"].numel(), base.config.hidden_size)
+    handles = trainer.megatrain.engine._act_handles
+    assert {layer for (layer, _), h in handles.items() if h["host"].shape == hidden} == {0, 2}
+    want = {n: p for n, p in ref.model.named_parameters() if p.requires_grad}
+    got = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and got
+    for n, p in got.items():
+        assert torch.equal(p.detach(), want[n].detach()), n

@@ -393,6 +393,8 @@ class StreamingEngine:
             self._backward_next.pop(idx, None)
             self._backward_next[idx + 1] = seg.entries[0].layer.index
         seg.entries.append(entry)
+        if (idx + 1) % self.checkpoint_every == 0 or idx + 1 >= len(self.stores):
+            self._open_segment = None  # complete: nothing else attaches to it
         return seg, len(seg.entries) - 1
 
     def break_segment(self) -> None:
