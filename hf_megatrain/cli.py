@@ -857,12 +857,13 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         wl = Workload.from_step(
             ns.seq_len, ns.tokens_per_step, ns.micro_batch_tokens, ns.grad_accum
         )
+        segment = getattr(ns, "checkpoint_every", None)
         wl = dataclasses.replace(
             wl,
             mlp_tile_tokens=getattr(ns, "mlp_tile_tokens", 0) or 0,
             offload_activations=bool(getattr(ns, "offload_activations", False)),
             boundary_bytes_per_element=2 if getattr(ns, "bf16_boundaries", False) else 4,
-            checkpoint_every=getattr(ns, "checkpoint_every", 1) or 1,
+            checkpoint_every=1 if segment is None else segment,
         )
         if wl.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every {wl.checkpoint_every} must be at least 1")

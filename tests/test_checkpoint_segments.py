@@ -372,3 +372,27 @@ def test_segments_with_lora_on_a_frozen_base(tmp_path):
     assert got.keys() == want.keys() and got
     for n, p in got.items():
         assert torch.equal(p.detach(), want[n].detach()), n
+
+
+def test_plan_cli_checkpoint_every(capsys):
+    """Qwen2.5-7B on one 512k-token sequence, activations offloaded: bf16 boundaries alone
+    leave the host ~27 GiB short; with segments of 2 the plan fits."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from hf_megatrain.cli import main  # noqa: PLC0415
+
+    cfg = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "qwen2.5-7b"
+    argv = [
+        "plan", str(cfg), "--seq-len", "524288", "--tokens-per-step", "524288",
+        "--mlp-tile-tokens", "16384", "--offload-activations", "--no-clip",
+        "--stream-fp32-master", "--hbm-gib", "139", "--host-gib", "124", "--no-search",
+        "--bf16-boundaries",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="megatrain_checkpoint_every=2.*this plan fits"):
+        main(argv)
+    assert main([*argv, "--checkpoint-every", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "x 14 saved (1 per 2 of 28 layers)" in out
+    assert "checkpoint segment backward: up to 1 recomputed layer inputs" in out
+    with pytest.raises(SystemExit, match="--checkpoint-every 0 must be at least 1"):
+        main([*argv, "--checkpoint-every", "0"])
