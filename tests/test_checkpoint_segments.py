@@ -81,6 +81,22 @@ def test_segments_train_bitwise_like_every_layer(tmp_path, arch, k, ga, offload)
     _assert_same_training(logs, trainer, ref_logs, ref)
 
 
+@pytest.mark.parametrize(
+    "cfg_kw,kw",
+    [({"attention_dropout": 0.1}, {}), ({}, {"megatrain_mlp_tile_tokens": 8})],
+    ids=["dropout", "mlp-tiling"],
+)
+def test_segments_with_dropout_and_mlp_tiles(tmp_path, cfg_kw, kw):
+    """Dropout: the chain re-runs each layer with that layer's forward RNG state (the engine
+    preserves it when the config has dropout), so the recomputed masks are the forward's.
+    MLP tiling: the chain runs the tiled MLP as the forward did."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=4, **cfg_kw))
+    ref_logs, ref = _train(copy.deepcopy(model), tmp_path, "k1", 1, **kw)
+    logs, trainer = _train(model, tmp_path, "k3", 3, **kw)
+    assert trainer.megatrain.engine.preserve_rng == bool(cfg_kw)
+    _assert_same_training(logs, trainer, ref_logs, ref)
+
+
 def test_segments_with_clipping_off_and_eager_updates(tmp_path):
     """Eager per-layer updates during backward (no clipping, no host grad slot) still see the
     same gradients: the chain streams layer weights that are not updated until their own
