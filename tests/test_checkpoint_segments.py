@@ -359,6 +359,16 @@ def test_planner_counts_saved_inputs_and_segment_cache():
         shape, replace(off, checkpoint_every=p1.checkpoint_every_fit),
         BF16, hbm, host, **store,
     ).fits  # fmt: skip
+    # PCIe: with k=4, layers 0-1 of each segment stream in a second time in backward (chain
+    # then own backward; layers 2-3 are still in the double buffer); k=2 streams nothing more.
+    n_host = p4.n_host
+    again = [i for s in range(0, n, 4) for i in (s, s + 1) if i >= n - n_host]
+    p4_as_1 = plan_memory(shape, off, BF16, hbm, host, hbm_layers=p4.n_hbm, **store)
+    assert p4.h2d_bytes_per_step - p4_as_1.h2d_bytes_per_step == len(again) * 233_000_000 * 4
+    off2 = replace(off, checkpoint_every=2)
+    p2 = plan_memory(shape, off2, BF16, hbm, host, **store)
+    p2_as_1 = plan_memory(shape, off, BF16, hbm, host, hbm_layers=p2.n_hbm, **store)
+    assert p2.h2d_bytes_per_step == p2_as_1.h2d_bytes_per_step
     # On the device (no offload): the boundary line shrinks the same way.
     dev4 = plan_memory(shape, replace(base, checkpoint_every=4), BF16,
                        hbm, host, **store)  # fmt: skip

@@ -596,6 +596,10 @@ def _pcie_bytes(
     micro-batch. The double buffer still holds the last two host layers when backward starts,
     and after a backward the first two host layers for the next micro-batch's forward (the first
     forward of a step must reload: the optimizer changed the weights). Gradients leave once per step.
+
+    Checkpoint segments of k layers: a segment's backward streams its layers but the last for
+    the chain, then each layer for its own backward; the last two chain layers are still in the
+    double buffer then, so layers 0..k-3 of each segment stream in once more.
     """
     isz = h2d_bytes_per_param(dtype, stream_fp32_master)
     host = list(shape.layer_numels[n_hbm:])
@@ -606,6 +610,10 @@ def _pcie_bytes(
     saved_backward = sum(host[-kept:]) * isz
     saved_forward = sum(host[:kept]) * isz
     h2d = ga * 2 * sum(host) * isz - ga * saved_backward - (ga - 1) * saved_forward
+    k = workload.checkpoint_every if workload is not None else 1
+    n = shape.num_layers
+    again = [i for s in range(0, n, k) for i in range(s, min(s + k, n) - 2) if i >= n_hbm]
+    h2d += ga * sum(shape.layer_numels[i] for i in again) * isz
     return h2d, 4 * sum(host)
 
 
@@ -859,6 +867,14 @@ def _slimmer_store_advice(plan: MemoryPlan) -> str:
 
 def _add_notes(plan: MemoryPlan) -> None:
     wl = plan.workload
+    if wl is not None and wl.checkpoint_every > 1:
+        k = wl.checkpoint_every
+        plan.notes.append(
+            f"checkpoint segments of {k} layers: {saved_boundary_layers(plan.shape, wl)} of "
+            f"{plan.shape.num_layers} layer inputs saved; the others are recomputed in backward "
+            f"({k - 1} extra layer forwards per segment, {k - 1}/{k} of a layer forward per "
+            "layer)."
+        )
     if wl is not None and wl.grad_accum > 1 and plan.n_host:
         plan.notes.append(
             f"grad-accum {wl.grad_accum} > 1 keeps an fp32 gradient accumulator of every host "
