@@ -196,6 +196,8 @@ class RunConfig:
     keep_activations: str = "auto"
     # megatrain only: save layer-boundary activations rounded to bf16 (long context).
     bf16_boundaries: bool = False
+    # megatrain only: checkpoint segments, only every k-th layer saves its input (long context).
+    checkpoint_every: int = 1
     # Record a CUDA kernel trace of the last warm-up step (steady state, outside the timed steps)
     # and report the fraction of it the GPU was busy.
     profile: bool = False
@@ -257,6 +259,8 @@ class RunConfig:
             args.append("--stream-fp32-master")
         if self.bf16_boundaries:
             args.append("--bf16-boundaries")
+        if self.checkpoint_every != 1:
+            args += ["--checkpoint-every", str(self.checkpoint_every)]
         if self.keep_activations != "auto":
             args += ["--keep-activations", self.keep_activations]
         if self.profile:
@@ -482,6 +486,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
             megatrain_stream_fp32_master=cfg.stream_fp32_master,
             megatrain_keep_activations=cfg.keep_activations,
             megatrain_boundary_dtype="bfloat16" if cfg.bf16_boundaries else "input",
+            megatrain_checkpoint_every=cfg.checkpoint_every,
         )
         return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     from transformers import Trainer, TrainingArguments
@@ -563,6 +568,8 @@ def train_once(cfg: RunConfig) -> dict:
                 grad_accum=cfg.grad_accum,
                 mlp_tile_tokens=cfg.mlp_tile_tokens,
                 offload_activations=cfg.offload_activations,
+                boundary_bytes_per_element=2 if cfg.bf16_boundaries else 4,
+                checkpoint_every=cfg.checkpoint_every,
             ),
             # The store is built here, before the trainer: give it the run's layout.
             host_grads=not cfg.no_clip,
@@ -1085,6 +1092,13 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         help="megatrain only: save layer-boundary activations rounded to bf16 (long context)",
     )
     p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        help="megatrain only: checkpoint segments; only every k-th layer saves its input, the "
+        "others are recomputed from it in backward (long context; default 1: every layer)",
+    )
+    p.add_argument(
         "--keep-activations",
         default="auto",
         help="megatrain only: HBM-tier layers that keep activations instead of recomputing "
@@ -1103,6 +1117,7 @@ def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
         stream_fp32_master=a.stream_fp32_master,
         keep_activations=a.keep_activations,
         bf16_boundaries=a.bf16_boundaries,
+        checkpoint_every=a.checkpoint_every,
     )
 
 

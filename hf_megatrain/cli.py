@@ -72,6 +72,7 @@ class TrainOptions:
     mlp_tile_tokens: int = 0  # tile dense MLPs along the sequence (0: off)
     offload_activations: bool = False  # layer inputs to pinned host memory until backward
     bf16_boundaries: bool = False  # save layer inputs rounded to bf16 (approximate gradients)
+    checkpoint_every: int = 1  # save every k-th layer's input, recompute the rest (exact)
     # Filled in by the CLI (not recipe keys).
     source: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -156,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="save each layer's input for the backward recompute rounded to bf16 (half the "
         "boundary-activation bytes; same forward, slightly approximate gradients)",
     )
+    e.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help="checkpoint segments: only every k-th decoder layer saves its input, the others "
+        "are recomputed from it in backward (k-fold fewer boundary activations, (k-1)/k of a "
+        "layer forward more per layer; exact). Default 1",
+    )
     _add_plan_parser(sub)
     return parser
 
@@ -192,6 +200,15 @@ def _add_plan_parser(sub) -> None:
         action="store_true",
         help="plan for megatrain_boundary_dtype='bfloat16': each layer's saved input rounded to "
         "bf16 (2 instead of 4 B per token x hidden per layer, in HBM or offloaded)",
+    )
+    pl.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        metavar="K",
+        help="plan for megatrain_checkpoint_every=K: only every K-th layer saves its input "
+        "(ceil(layers / K) boundary activations, in HBM or offloaded), plus up to K-1 fp32 "
+        "layer inputs in HBM during a segment's backward (default: 1, every layer)",
     )
     pl.add_argument(
         "--no-clip",
@@ -308,6 +325,8 @@ def _validate(opts: TrainOptions) -> None:
         )
     if opts.mlp_tile_tokens < 0:
         raise CLIError("mlp_tile_tokens must be >= 0")
+    if opts.checkpoint_every < 1:
+        raise CLIError("checkpoint_every must be >= 1")
     prec = opts.precision.lower()
     if prec == "fp16":
         raise CLIError(
@@ -663,6 +682,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
             megatrain_mlp_tile_tokens=opts.mlp_tile_tokens,
             megatrain_offload_activations=opts.offload_activations,
             megatrain_boundary_dtype="bfloat16" if opts.bf16_boundaries else "input",
+            megatrain_checkpoint_every=opts.checkpoint_every,
         )
     except ValueError as e:
         raise CLIError(f"invalid training setting: {e}") from None
@@ -844,12 +864,16 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         wl = Workload.from_step(
             ns.seq_len, ns.tokens_per_step, ns.micro_batch_tokens, ns.grad_accum
         )
+        segment = getattr(ns, "checkpoint_every", None)
         wl = dataclasses.replace(
             wl,
             mlp_tile_tokens=getattr(ns, "mlp_tile_tokens", 0) or 0,
             offload_activations=bool(getattr(ns, "offload_activations", False)),
             boundary_bytes_per_element=2 if getattr(ns, "bf16_boundaries", False) else 4,
+            checkpoint_every=1 if segment is None else segment,
         )
+        if wl.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every {wl.checkpoint_every} must be at least 1")
     except ValueError as e:
         raise CLIError(str(e)) from None
     hbm, host, said = _detected_memory(ns.hbm_gib, ns.host_gib)
@@ -882,6 +906,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             mlp_tile_tokens=wl.mlp_tile_tokens,
             offload_activations=wl.offload_activations,
             boundary_bytes_per_element=wl.boundary_bytes_per_element,
+            checkpoint_every=wl.checkpoint_every,
         )
         seqs = max_micro_batch_sequences(
             shape, wl.seq_len, wl.grad_accum, dtype, hbm, host, **engine, **store

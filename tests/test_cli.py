@@ -125,8 +125,9 @@ def test_engine_options_reach_the_trainer(tmp_path):
     data.write_text(TEXT)
     cfg = _tiny_config(tmp_path / "config.json")
     flags = ["--mlp-tile-tokens", "8", "--offload-activations", "--resident-layers", "1"]
-    flags.append("--bf16-boundaries")
-    assert resolve_options(build_parser().parse_args(["train", *flags])).bf16_boundaries
+    flags += ["--bf16-boundaries", "--checkpoint-every", "2"]
+    opts = resolve_options(build_parser().parse_args(["train", *flags]))
+    assert opts.bf16_boundaries and opts.checkpoint_every == 2
     rc = main(["train", "--config", str(cfg), "--data", str(data), "--attn", "eager"] + flags + _fast_flags(tmp_path / "out"))  # fmt: skip
     assert rc == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")

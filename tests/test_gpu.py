@@ -261,11 +261,24 @@ def _mega_losses(tmp_path, name, model, data, setup=None, **kw):
         {"megatrain_overlap_optimizer": False},
         {"megatrain_resident_layers": "auto"},
         {"megatrain_resident_layers": "2", "megatrain_keep_activations": "2"},
+        {"megatrain_checkpoint_every": 2},
+        {"megatrain_checkpoint_every": 3, "megatrain_offload_activations": True},
+        {
+            "megatrain_checkpoint_every": 2,
+            "megatrain_resident_layers": "2",
+            "megatrain_keep_activations": "1",
+        },
     ],
-    ids=["offload", "mlp-tiling", "unfused-loss", "sync-optimizer", "hbm-auto", "kept-activations"],
-)
+    ids=[
+        "offload", "mlp-tiling", "unfused-loss", "sync-optimizer", "hbm-auto", "kept-activations",
+        "segments-2", "segments-3-offload", "segments-2-kept",
+    ],
+)  # fmt: skip
 def test_engine_options_do_not_change_training(tmp_path, feature):
     """Each long-context / capacity option on the CUDA path trains like the default streamed run.
+
+    Checkpoint segments recompute followers' inputs with the same bf16 kernels (bitwise on the
+    CPU in fp32; on the GPU the same arithmetic, so within the same bf16 tolerance).
 
     Offload, tiling and the synchronous optimizer move or split the same bf16 arithmetic; the
     unfused loss and the HBM tier change only the order of sums: bf16-level agreement (1e-2 rel

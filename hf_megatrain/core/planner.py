@@ -123,6 +123,9 @@ class Workload:
     # Bytes per element of a saved layer-boundary activation (the residual stream): 4 keeps it
     # fp32; 2 is engine option boundary_dtype=bfloat16 (a rounded copy saved for the recompute).
     boundary_bytes_per_element: int = 4
+    # Engine option checkpoint_every: only every k-th layer saves its input (a segment leader);
+    # a segment's backward recomputes the others' and holds up to k - 1 of them (fp32) in HBM.
+    checkpoint_every: int = 1
 
     @property
     def tokens_per_step(self) -> int:
@@ -214,6 +217,9 @@ class MemoryPlan:
     def kept_layer_indices(self) -> list[int]:
         return list(range(self.n_hbm - self.kept_layers, self.n_hbm))
 
+    # Set when the plan does not fit: the shortest checkpoint segment length that would make it
+    # fit (None: none tried does, or bf16 boundaries already would).
+    checkpoint_every_fit: int | None = None
     # Set when the plan does not fit: whether it would with bf16 boundary activations.
     bf16_boundaries_fit: bool = False
 
@@ -408,11 +414,34 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     return 32 * h + 8 * kv + 8 * i
 
 
+def saved_boundary_layers(shape: ModelShape, workload: Workload) -> int:
+    """How many layers save their input: all, or with checkpoint segments of k layers one per
+    segment, ceil(layers / k). (Layers that keep their graph end a segment early; at the
+    offload sizes segments are for, the planner keeps none.)"""
+    k = max(1, workload.checkpoint_every)
+    return -(-shape.num_layers // k)
+
+
+def segment_cache_layers(shape: ModelShape, workload: Workload) -> int:
+    """fp32 layer inputs a checkpoint segment's backward holds at most: the chain re-made from
+    the leader's input caches the followers' (k - 1, the one in use included)."""
+    return max(0, min(workload.checkpoint_every, shape.num_layers) - 1)
+
+
 def boundary_activation_bytes(shape: ModelShape, workload: Workload) -> int:
-    """Every layer's saved input (the residual stream: fp32, or its bf16-rounded copy) for one
-    micro-batch."""
+    """Every saved layer input (the residual stream: fp32, or its bf16-rounded copy) for one
+    micro-batch: one per layer, or one per checkpoint segment."""
     b = workload.boundary_bytes_per_element
-    return workload.micro_batch_tokens * shape.hidden_size * b * shape.num_layers
+    return (
+        workload.micro_batch_tokens * shape.hidden_size * b * saved_boundary_layers(shape, workload)
+    )
+
+
+def _saved_what(shape: ModelShape, workload: Workload) -> str:
+    n = saved_boundary_layers(shape, workload)
+    if n == shape.num_layers:
+        return f"{n} layers"
+    return f"{n} saved (1 per {workload.checkpoint_every} of {shape.num_layers} layers)"
 
 
 def _boundary_dt(workload: Workload) -> str:
@@ -435,7 +464,7 @@ def _activation_lines(
         lines.append(
             MemoryLine(
                 f"boundary activations ({_boundary_dt(workload)}): {t} tokens x hidden x {b} B "
-                f"x {shape.num_layers} layers",
+                f"x {_saved_what(shape, workload)}",
                 boundary_activation_bytes(shape, workload),
             )
         )
@@ -458,6 +487,15 @@ def _activation_lines(
             MemoryLine(
                 f"boundary activations offloaded to host; in HBM: {what}",
                 2 * t * h * b + t * h * cast_back,
+            )
+        )
+    cached = segment_cache_layers(shape, workload)
+    if cached:
+        lines.append(
+            MemoryLine(
+                f"checkpoint segment backward: up to {cached} recomputed layer inputs "
+                f"(fp32, {t} tokens x hidden x 4 B) cached",
+                cached * t * h * 4,
             )
         )
     lines.append(_working_set_line(t, h, shape.intermediate_size, workload.mlp_tile_tokens))
@@ -509,7 +547,7 @@ def _host_lines(
         offload.append(
             MemoryLine(
                 f"offloaded boundary activations (pinned, {_boundary_dt(workload)}): "
-                f"tokens x hidden x {b} B x layers{per_rank}",
+                f"tokens x hidden x {b} B x {_saved_what(shape, workload)}{per_rank}",
                 ranks * boundary_activation_bytes(shape, workload),
             )
         )
@@ -569,6 +607,10 @@ def _pcie_bytes(
     micro-batch. The double buffer still holds the last two host layers when backward starts,
     and after a backward the first two host layers for the next micro-batch's forward (the first
     forward of a step must reload: the optimizer changed the weights). Gradients leave once per step.
+
+    Checkpoint segments of k layers: a segment's backward streams its layers but the last for
+    the chain, then each layer for its own backward; the last two chain layers are still in the
+    double buffer then, so layers 0..k-3 of each segment stream in once more.
     """
     isz = h2d_bytes_per_param(dtype, stream_fp32_master)
     host = list(shape.layer_numels[n_hbm:])
@@ -579,6 +621,10 @@ def _pcie_bytes(
     saved_backward = sum(host[-kept:]) * isz
     saved_forward = sum(host[:kept]) * isz
     h2d = ga * 2 * sum(host) * isz - ga * saved_backward - (ga - 1) * saved_forward
+    k = workload.checkpoint_every if workload is not None else 1
+    n = shape.num_layers
+    again = [i for s in range(0, n, k) for i in range(s, min(s + k, n) - 2) if i >= n_hbm]
+    h2d += ga * sum(shape.layer_numels[i] for i in again) * isz
     return h2d, 4 * sum(host)
 
 
@@ -612,6 +658,7 @@ def plan_memory(
     input_model_bytes: int = 0,
     keep_activation_layers: int | None = 0,
     ranks: int = 1,
+    _advise: bool = True,
 ) -> MemoryPlan:
     """Plan the tiers. Never raises for lack of memory: check ``plan.fits`` or call ``check()``.
 
@@ -713,12 +760,50 @@ def plan_memory(
             stream_fp32_master=stream_fp32_master,
             input_model_bytes=input_model_bytes,
             ranks=ranks,
+            _advise=False,
         ).fits
         if plan.bf16_boundaries_fit:
             plan.problems.clear()
             _add_problems(plan, fixed_gpu_lines)
+    if plan.problems and _advise and workload is not None and not plan.bf16_boundaries_fit:
+        # Would checkpoint segments (fewer saved layer inputs) make it fit? The advice says so.
+        for k in SEGMENT_ADVICE_LENGTHS:
+            if k <= workload.checkpoint_every or k >= n:
+                continue
+            if plan_memory(
+                shape,
+                replace(workload, checkpoint_every=k),
+                compute_dtype,
+                hbm_bytes,
+                host_bytes,
+                hbm_layers=hbm_layers,
+                reserve_bytes=reserve_bytes,
+                host_margin_bytes=host_margin_bytes,
+                hold_grads=hold_grads,
+                stream_fp32_master=stream_fp32_master,
+                input_model_bytes=input_model_bytes,
+                ranks=ranks,
+                _advise=False,
+            ).fits:
+                plan.checkpoint_every_fit = k
+                for problem in plan.problems:
+                    problem.args = (f"{problem.args[0]} {_segment_advice(k)}",)
+                break
     _add_notes(plan)
     return plan
+
+
+#: Segment lengths the advice tries when a plan does not fit (the shortest that fits is named).
+SEGMENT_ADVICE_LENGTHS = (2, 3, 4, 6, 8)
+
+
+def _segment_advice(k: int) -> str:
+    return (
+        f"With checkpoint segments of {k} layers (megatrain_checkpoint_every={k}, plan "
+        f"--checkpoint-every {k}: one layer in {k} saves its input, the others are recomputed "
+        f"from it in backward, {k - 1}/{k} of a layer forward more per layer, exact) "
+        "this plan fits."
+    )
 
 
 #: Problem advice when only the boundary activations' precision stands between a plan and a fit.
@@ -803,6 +888,14 @@ def _slimmer_store_advice(plan: MemoryPlan) -> str:
 
 def _add_notes(plan: MemoryPlan) -> None:
     wl = plan.workload
+    if wl is not None and wl.checkpoint_every > 1:
+        k = wl.checkpoint_every
+        plan.notes.append(
+            f"checkpoint segments of {k} layers: {saved_boundary_layers(plan.shape, wl)} of "
+            f"{plan.shape.num_layers} layer inputs saved; the others are recomputed in backward "
+            f"({k - 1} extra layer forwards per segment, {k - 1}/{k} of a layer forward per "
+            "layer)."
+        )
     if wl is not None and wl.grad_accum > 1 and plan.n_host:
         plan.notes.append(
             f"grad-accum {wl.grad_accum} > 1 keeps an fp32 gradient accumulator of every host "
@@ -838,7 +931,7 @@ def _largest(fits: Callable[[int], bool], limit: int) -> int:
 
 
 def _fits(shape: ModelShape, wl: Workload, dtype: torch.dtype, hbm: int, host: int, **kw) -> bool:
-    return plan_memory(shape, wl, dtype, hbm, host, **kw).fits
+    return plan_memory(shape, wl, dtype, hbm, host, _advise=False, **kw).fits
 
 
 def max_micro_batch_sequences(
@@ -852,6 +945,7 @@ def max_micro_batch_sequences(
     mlp_tile_tokens: int = 0,
     offload_activations: bool = False,
     boundary_bytes_per_element: int = 4,
+    checkpoint_every: int = 1,
     **kw,
 ) -> int:
     """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one)."""
@@ -859,7 +953,7 @@ def max_micro_batch_sequences(
         lambda m: _fits(
             shape, Workload(
                 seq_len, m * seq_len, grad_accum, mlp_tile_tokens, offload_activations,
-                boundary_bytes_per_element,
+                boundary_bytes_per_element, checkpoint_every,
             ),
             compute_dtype, hbm_bytes,
             host_bytes, **kw,
@@ -879,6 +973,7 @@ def max_seq_len(
     mlp_tile_tokens: int = 0,
     offload_activations: bool = False,
     boundary_bytes_per_element: int = 4,
+    checkpoint_every: int = 1,
     **kw,
 ) -> int:
     """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none."""
@@ -886,7 +981,7 @@ def max_seq_len(
         lambda k: _fits(
             shape, Workload(
                 k * multiple, k * multiple, grad_accum, mlp_tile_tokens, offload_activations,
-                boundary_bytes_per_element,
+                boundary_bytes_per_element, checkpoint_every,
             ),
             compute_dtype, hbm_bytes,
             host_bytes, **kw,

@@ -11,6 +11,12 @@ streamed weights bound as plain tensors (``_reparametrize_module``: never ``para
 custom autograd ``Function`` that saves only the layer inputs. Backward re-binds the weights,
 recomputes the layer and takes gradients with ``torch.autograd.grad``.
 
+Checkpoint segments (``StreamingEngine.checkpoint_every = k > 1``): only the first layer of each
+run of k (the leader) saves its residual-stream input; the backward of the segment's last layer
+re-runs the leader..second-to-last layers under no_grad from the leader's saved input and caches
+the inputs they make for the followers' backward (``_segment_input``). Bitwise the same inputs
+as saving them, for k - 1 extra layer forwards per segment.
+
 No ``transformers`` import here: model-specific output capture comes in through ``OutputCapture``.
 """
 
@@ -177,6 +183,15 @@ class StreamingEngine:
         self.boundary_dtype: torch.dtype | None = None
         self._act_host: dict[tuple[int, int], PinnedBuffer] = {}
         self._act_handles: dict[tuple[int, int], dict] = {}
+        # Checkpoint segments: with ``checkpoint_every = k > 1`` only the first layer (leader)
+        # of each run of k decoder layers saves its residual-stream input; the others
+        # (followers) get theirs in backward by re-running the segment's forward from the
+        # leader's (``_segment_input``). ``_open_segment`` is the segment the forward is filling;
+        # ``_backward_next[i]`` the layer whose weights layer i's backward should prefetch when
+        # it is not i - 1 (the leader of the segment below, whose chain runs next).
+        self.checkpoint_every = 1
+        self._open_segment: _Segment | None = None
+        self._backward_next: dict[int, int] = {}
 
     # ---- background host updates ------------------------------------------------------------
     def start_updates(self, update_layer: Callable[[int], None], layers: list[int]) -> None:
@@ -310,8 +325,13 @@ class StreamingEngine:
             ready.record(self._h2d)
         handle["device"], handle["ready"] = dev, ready
 
-    def fetch_activation(self, handle: dict) -> torch.Tensor:
-        """The offloaded tensor back on the device; starts prefetching the previous layer's."""
+    def fetch_activation(self, handle: dict, prefetch: bool = True) -> torch.Tensor:
+        """The offloaded tensor back on the device; starts prefetching the previous layer's
+        (and, with checkpoint segments, those of the segment leader whose chain runs next).
+
+        The host copy stays: a segment's chain fetches its leader's input, and the leader's
+        own backward fetches it again.
+        """
         self._start_fetch(handle)
         dev = handle["device"]
         if self.is_cuda:
@@ -319,11 +339,72 @@ class StreamingEngine:
             compute.wait_event(handle["ready"])
             dev.record_stream(compute)
         handle["device"] = None
-        prev = handle["layer"] - 1
-        for (layer, _), other in list(self._act_handles.items()):
-            if layer == prev:
-                self._start_fetch(other)
+        if prefetch:
+            self.prefetch_activations(handle["layer"] - 1)
+            hint = self._backward_next.get(handle["layer"])
+            if hint is not None:
+                self.prefetch_activations(hint)
         return dev
+
+    def prefetch_activations(self, idx: int) -> None:
+        """Start copying layer ``idx``'s offloaded inputs back to the device."""
+        for (layer, _), other in list(self._act_handles.items()):
+            if layer == idx:
+                self._start_fetch(other)
+
+    # ---- checkpoint segments -----------------------------------------------------------------
+    def _segment_follow(
+        self, idx: int, inputs: list[torch.Tensor], residual_shapes: set[tuple[int, ...]]
+    ) -> tuple[_Segment, int, int] | None:
+        """Whether layer ``idx`` may skip saving its residual-stream input (a follower).
+
+        It may when it is not at a segment start (``idx % checkpoint_every``), the segment being
+        filled ends with layer ``idx - 1``, and one of its inputs is a large activation of the
+        shape of one of its outputs that is, unmodified, an output of layer ``idx - 1`` (so that
+        re-running ``idx - 1`` reproduces it). Returns ``(segment, input index, output index of
+        the previous layer)``, or None: the layer saves its inputs and starts a segment.
+        """
+        k = self.checkpoint_every
+        seg = self._open_segment
+        if k <= 1 or idx % k == 0 or seg is None or seg.done or not seg.entries:
+            return None
+        last = seg.entries[-1]
+        if last.layer.index != idx - 1:
+            return None
+        for pos, t in enumerate(inputs):
+            if tuple(t.shape) not in residual_shapes or not self.is_large_activation(t):
+                continue
+            sig = _tensor_sig(t)
+            for o, out_sig in enumerate(last.out_sigs):
+                if out_sig == sig:
+                    return seg, pos, o
+        return None
+
+    def _segment_add(self, entry: _SegmentEntry, follow) -> tuple[_Segment, int]:
+        """Register a layer's forward in its segment; returns ``(segment, position in it)``."""
+        idx = entry.layer.index
+        self._backward_next.pop(idx + 1, None)
+        if follow is None:
+            seg = self._open_segment = _Segment()
+        else:
+            seg, _, entry.link_out = follow
+            # Layer idx - 1 is no longer its segment's last layer; layer idx + 1's backward
+            # (if it is a leader) runs before this segment's chain, which starts at the leader.
+            self._backward_next.pop(idx, None)
+            self._backward_next[idx + 1] = seg.entries[0].layer.index
+        seg.entries.append(entry)
+        if (idx + 1) % self.checkpoint_every == 0 or idx + 1 >= len(self.stores):
+            self._open_segment = None  # complete: nothing else attaches to it
+        return seg, len(seg.entries) - 1
+
+    def break_segment(self) -> None:
+        """The next layer starts a new segment (e.g. after a layer that keeps its graph)."""
+        self._open_segment = None
+
+    def reset_segments(self) -> None:
+        """Forget the segment being filled and the backward prefetch hints."""
+        self._open_segment = None
+        self._backward_next.clear()
 
     # ---- weights ----------------------------------------------------------------------------
     def _slot_of(self, idx: int) -> int | None:
@@ -700,6 +781,7 @@ class StreamingEngine:
         return any(self._grad_on_host) or bool(self._grad_acc)
 
     def reset_grads(self) -> None:
+        self.reset_segments()
         for idx in list(self._staged):
             self.grad_consumed(idx)  # e.g. after a failed update: its buffer is free again
         self._grad_acc.clear()
@@ -830,6 +912,103 @@ class StreamedLayer:
         return tree_unflatten(out_flat, box["out_spec"])
 
 
+def _tensor_sig(t: torch.Tensor) -> tuple:
+    """What identifies a tensor handed from one layer to the next, unmodified."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+
+
+class _SegmentEntry:
+    """What re-running one layer of a checkpoint segment (under no_grad) needs: its non-tensor
+    arguments, autograd-Function spec, RNG state, and for each tensor input where it comes from:
+    ``("link", None)`` the previous layer's output ``link_out`` (a follower's residual input),
+    ``("handle", h)`` an offload handle (the host copy), ``("tensor", t)`` a detached alias of
+    what the layer's ctx saved. No ctx and no graph-connected tensor: no reference cycles."""
+
+    __slots__ = (
+        "layer", "flat_args", "spec", "tensor_pos", "rng", "keys", "sources", "cast_back",
+        "out_sigs", "link_out",
+    )  # fmt: skip
+
+    def __init__(self, layer, ctx, sources: list, out_sigs: list) -> None:
+        self.layer = layer
+        self.flat_args = ctx.flat_args
+        self.spec = ctx.spec
+        self.tensor_pos = ctx.tensor_pos
+        self.rng = ctx.rng
+        self.keys = ctx.keys
+        self.sources = sources
+        self.cast_back = dict(ctx.cast_back)
+        self.out_sigs = out_sigs
+        self.link_out: int | None = None
+
+
+class _Segment:
+    """A checkpoint segment's layers (leader first) and, during its backward, the cached
+    inputs of followers that the chain recomputed (position -> tensor)."""
+
+    __slots__ = ("entries", "cache", "done")
+
+    def __init__(self) -> None:
+        self.entries: list[_SegmentEntry] = []
+        self.cache: dict[int, torch.Tensor] = {}
+        self.done = False
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.cache.clear()
+        self.done = True
+
+
+def _segment_input(seg: _Segment | None, pos: int) -> torch.Tensor:
+    """The residual-stream input of the follower at ``pos`` of ``seg``, for its backward.
+
+    From the cache when an earlier chain made it; otherwise re-runs the segment's layers from
+    the leader to ``pos - 1`` under no_grad, from the leader's saved input (cast back from the
+    boundary dtype, as its own recompute does), each layer with its own weights (streamed
+    through the engine), small inputs, arguments and RNG state: the forward's computation
+    again, so the result is the forward's tensor bit for bit. The inputs of the followers in
+    between are cached for their backward (each takes its own and drops it).
+    """
+    x = None if seg is None else seg.cache.pop(pos, None)
+    if x is not None:
+        return x
+    if seg is None or seg.done or pos >= len(seg.entries):
+        raise RuntimeError(
+            "hf_megatrain: a checkpoint segment's saved state is gone (its leader's backward "
+            "already ran): backward twice through the same graph (retain_graph) is not "
+            "supported with megatrain_checkpoint_every > 1"
+        )
+    entries = seg.entries
+    engine = entries[0].layer.engine
+    prev = None
+    with torch.no_grad():
+        for q in range(pos):
+            e = entries[q]
+            args, t = list(e.flat_args), None
+            for k, (kind, val) in enumerate(e.sources):
+                if kind == "link":
+                    t = prev
+                elif kind == "handle":
+                    t = engine.fetch_activation(val, prefetch=False)
+                else:
+                    t = val
+                if k in e.cast_back:
+                    t = t.to(e.cast_back[k])
+                args[e.tensor_pos[k]] = t
+            prev = None
+            weights = engine.acquire(e.layer.index, entries[q + 1].layer.index)
+            with engine.restored_rng(e.rng):
+                out, _, _ = e.layer.run(weights, args, e.spec, leaves=False, keys=e.keys)
+            engine.release(e.layer.index)
+            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+            prev = outs[entries[q + 1].link_out]
+            del out, outs
+            args = t = None  # (the leader's fetched or cast-back input goes here)
+            if q + 1 < pos:
+                seg.cache[q + 1] = prev
+    return prev
+
+
 def _detached_leaves(ctx, flat_args: list, saved: list, saved_res) -> tuple[list, list, list]:
     """Graph leaves for (re)running a layer: its tensor inputs detached (requiring grad where the
     original did) in place in a copy of ``flat_args``, and its resident parameters likewise.
@@ -899,6 +1078,14 @@ class _StreamedLayerFunction(torch.autograd.Function):
         # A kept graph holds what it needs itself.
         ctx.offloaded = {}
         ctx.cast_back = {}
+        # Checkpoint segments (engine.checkpoint_every > 1): a follower saves no residual-stream
+        # input (``ctx.from_chain`` is its index); backward gets it from ``_segment_input``.
+        ctx.segment = None
+        ctx.seg_pos = 0
+        ctx.from_chain = None
+        segments = engine.checkpoint_every > 1
+        if ctx.graph is not None and segments:
+            engine.break_segment()  # a kept layer's output is not recomputed by a chain
         if ctx.graph is None:
             residual_shapes = (
                 {
@@ -906,21 +1093,37 @@ class _StreamedLayerFunction(torch.autograd.Function):
                     for x in out_flat
                     if isinstance(x, torch.Tensor) and x.is_floating_point()
                 }
-                if engine.boundary_dtype is not None
+                if engine.boundary_dtype is not None or segments
                 else set()
             )
+            follow = (
+                engine._segment_follow(layer.index, list(tensors[:n_args]), residual_shapes)
+                if segments
+                else None
+            )
             keep = []
+            sources = []
             for k, t in enumerate(tensors[:n_args]):
+                if follow is not None and k == follow[1]:
+                    ctx.from_chain = k
+                    sources.append(("link", None))
+                    continue
                 narrow = engine.boundary_save_dtype(t, residual_shapes)
                 if narrow is not None:
                     ctx.cast_back[k] = t.dtype
                     t = t.to(narrow)
                 if engine.should_offload(t):
                     ctx.offloaded[k] = engine.offload_activation(layer.index, k, t)
+                    sources.append(("handle", ctx.offloaded[k]))
                 else:
                     keep.append(t)
+                    sources.append(("tensor", t.detach()))
             ctx.n_keep = len(keep)
             ctx.save_for_backward(*keep, *tensors[n_args + ctx.n_anchor :])
+            if segments:
+                outs = [out_flat[i] for i in out_tensor_pos]
+                entry = _SegmentEntry(layer, ctx, sources, [_tensor_sig(o) for o in outs])
+                ctx.segment, ctx.seg_pos = engine._segment_add(entry, follow)
         return tuple(out_flat[i] for i in out_tensor_pos) + tuple(t for _, t in captured)
 
     @staticmethod
@@ -928,24 +1131,42 @@ class _StreamedLayerFunction(torch.autograd.Function):
         layer: StreamedLayer = ctx.layer
         engine = layer.engine
         needs_grad = ctx.input_requires_grad
+        # The layer whose weights to prefetch: the one whose backward runs next, or the leader
+        # of the segment below when that backward starts with a chain.
+        next_idx = engine._backward_next.get(layer.index, layer.next_index(True))
         if ctx.graph is not None:
             out, captured, weight_leaves, inputs, res_leaves = ctx.graph
             ctx.graph = None  # the activations go as soon as this layer's backward is done
-            engine.acquire(layer.index, layer.next_index(True))  # prefetches the next layer
+            engine.acquire(layer.index, next_idx)  # prefetches the next layer
         else:
+            seg, chained = ctx.segment, None
+            if ctx.from_chain is not None:
+                # A follower: its input is re-made from the segment leader's (see above).
+                chained = _segment_input(seg, ctx.seg_pos)
+                if ctx.seg_pos == 1:  # the leader's backward is next: bring its input back
+                    engine.prefetch_activations(seg.entries[0].layer.index)
             saved_all = ctx.saved_tensors
             kept, saved_res = iter(saved_all[: ctx.n_keep]), saved_all[ctx.n_keep :]
             saved = [
-                engine.fetch_activation(ctx.offloaded[k]) if k in ctx.offloaded else next(kept)
+                chained
+                if k == ctx.from_chain
+                else engine.fetch_activation(ctx.offloaded[k])
+                if k in ctx.offloaded
+                else next(kept)
                 for k in range(ctx.n_args)
             ]
+            del chained
+            if seg is not None:
+                ctx.segment = None
+                if ctx.seg_pos == 0:
+                    seg.clear()  # the leader's backward is its segment's last: drop the record
             # Inputs saved rounded: recompute from them in their original dtype, so the gradient
             # returned for the input has the input's dtype (the narrow copy is dropped here).
             saved = [
                 t.to(ctx.cast_back[k]) if k in ctx.cast_back else t for k, t in enumerate(saved)
             ]
             flat_args, inputs, res_leaves = _detached_leaves(ctx, ctx.flat_args, saved, saved_res)
-            weights = engine.acquire(layer.index, layer.next_index(True))
+            weights = engine.acquire(layer.index, next_idx)
             with torch.enable_grad(), engine.restored_rng(ctx.rng):
                 out, captured, weight_leaves = layer.run(
                     weights,

@@ -163,6 +163,20 @@ def _validate_args(args: TrainingArguments) -> None:
         )
     _host_grads(args)  # refuses megatrain_host_grads=False where the update needs the grads
     _boundary_dtype(args)  # refuses an unknown megatrain_boundary_dtype
+    _checkpoint_every(args)  # refuses a segment length below 1
+
+
+def _checkpoint_every(args: TrainingArguments) -> int:
+    """``StreamingEngine.checkpoint_every`` from megatrain_checkpoint_every (1: every layer)."""
+    k = getattr(args, "megatrain_checkpoint_every", 1)
+    if k is None:
+        return 1
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(
+            f"hf_megatrain: megatrain_checkpoint_every={k!r} must be an integer >= 1 (1 saves "
+            "every decoder layer's input; k > 1 saves every k-th and recomputes the rest)"
+        )
+    return k
 
 
 def _boundary_dtype(args: TrainingArguments) -> torch.dtype | None:
@@ -248,6 +262,7 @@ def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
         mlp_tile_tokens=getattr(args, "megatrain_mlp_tile_tokens", 0) or 0,
         offload_activations=bool(getattr(args, "megatrain_offload_activations", False)),
         boundary_bytes_per_element=2 if _boundary_dtype(args) == torch.bfloat16 else 4,
+        checkpoint_every=_checkpoint_every(args),
     )
 
 
@@ -339,6 +354,7 @@ class MegaTrainerMixin:
             getattr(args, "megatrain_offload_activations", False)
         )
         self.megatrain.engine.boundary_dtype = _boundary_dtype(args)
+        self.megatrain.engine.checkpoint_every = _checkpoint_every(args)
         self._wrapper = StreamedModelWrapper(
             model,
             compute_dtype,

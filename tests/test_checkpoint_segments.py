@@ -1,0 +1,424 @@
+"""Checkpoint segments: only every k-th decoder layer saves its residual-stream input.
+
+The other layers (followers) get theirs in backward by re-running the segment's forward from
+the leader's saved input. That re-run is the forward's computation again (same kernels, same
+inputs, same weights), so on the CPU in fp32 losses, gradient norms and weights must be bitwise
+those of saving every layer's input (k=1).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hf_megatrain import HFMegaTrainer, MegaTrainArguments, prepare_streamed_model
+from hf_megatrain.core.planner import (
+    ModelShape,
+    Workload,
+    boundary_activation_bytes,
+    plan_memory,
+    saved_boundary_layers,
+)
+from hf_megatrain.hf.trainer import _plan_workload
+
+from .helpers import (
+    ARCHS,
+    LogRecorder,
+    common_args,
+    make_data,
+    mega_params,
+    tiny_config,
+    tiny_model,
+)
+from .test_keep_activations import _count_layer_forwards
+
+BF16 = torch.bfloat16
+
+
+def _train(model, tmp_path, name: str, k: int, steps: int = 3, setup=None, **kw):
+    """Train ``model`` with HFMegaTrainer and ``megatrain_checkpoint_every=k``."""
+    rec = LogRecorder()
+    args = MegaTrainArguments(
+        output_dir=str(tmp_path / name),
+        **common_args(max_steps=steps, megatrain_checkpoint_every=k, **kw),
+    )
+    trainer = HFMegaTrainer(model=model, args=args, train_dataset=make_data(), callbacks=[rec])
+    # Tiny shapes: every float layer input counts as a large activation (default: >= 1M
+    # elements), so the hidden states are left unsaved (and offloaded) as at real sizes.
+    trainer.megatrain.engine.offload_min_numel = 1
+    if setup is not None:
+        setup(trainer)
+    trainer.train()
+    return rec.logs, trainer
+
+
+def _track(logs):
+    return [(r["loss"], r["grad_norm"]) for r in logs]
+
+
+def _assert_same_training(logs, trainer, ref_logs, ref):
+    assert len(logs) == len(ref_logs) > 0
+    assert _track(logs) == _track(ref_logs)  # bitwise, not approx
+    got, want = mega_params(trainer), mega_params(ref)
+    assert got.keys() == want.keys()
+    for name, v in want.items():
+        assert torch.equal(got[name], v), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("ga,offload", [(1, False), (2, True)], ids=["ga1-device", "ga2-offload"])
+def test_segments_train_bitwise_like_every_layer(tmp_path, arch, k, ga, offload):
+    model = tiny_model(tiny_config(arch, num_hidden_layers=4))
+    kw = dict(gradient_accumulation_steps=ga, megatrain_offload_activations=offload)
+    ref_logs, ref = _train(copy.deepcopy(model), tmp_path, "k1", 1, **kw)
+    logs, trainer = _train(model, tmp_path, f"k{k}", k, **kw)
+    assert trainer.megatrain.engine.checkpoint_every == k
+    _assert_same_training(logs, trainer, ref_logs, ref)
+
+
+@pytest.mark.parametrize(
+    "cfg_kw,kw",
+    [({"attention_dropout": 0.1}, {}), ({}, {"megatrain_mlp_tile_tokens": 8})],
+    ids=["dropout", "mlp-tiling"],
+)
+def test_segments_with_dropout_and_mlp_tiles(tmp_path, cfg_kw, kw):
+    """Dropout: the chain re-runs each layer with that layer's forward RNG state (the engine
+    preserves it when the config has dropout), so the recomputed masks are the forward's.
+    MLP tiling: the chain runs the tiled MLP as the forward did."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=4, **cfg_kw))
+    ref_logs, ref = _train(copy.deepcopy(model), tmp_path, "k1", 1, **kw)
+    logs, trainer = _train(model, tmp_path, "k3", 3, **kw)
+    assert trainer.megatrain.engine.preserve_rng == bool(cfg_kw)
+    _assert_same_training(logs, trainer, ref_logs, ref)
+
+
+def test_segments_with_clipping_off_and_eager_updates(tmp_path):
+    """Eager per-layer updates during backward (no clipping, no host grad slot) still see the
+    same gradients: the chain streams layer weights that are not updated until their own
+    gradient is final (the leader's backward comes last in its segment)."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=3))
+    kw = dict(max_grad_norm=0.0, megatrain_offload_activations=True)
+    ref_logs, ref = _train(copy.deepcopy(model), tmp_path, "k1", 1, **kw)
+    logs, trainer = _train(model, tmp_path, "k2", 2, **kw)
+    _assert_same_training(logs, trainer, ref_logs, ref)
+
+
+def test_segments_with_bf16_boundaries(tmp_path):
+    """Only the leaders' inputs are saved (rounded to bf16, offloaded); followers recompute
+    from the rounded leader input in fp32. The forward is untouched (step 1's loss bitwise the
+    default); the gradients are as approximate as with bf16 boundaries on every layer."""
+    model = tiny_model(tiny_config("qwen2", num_hidden_layers=4, hidden_size=128))
+    kw = dict(megatrain_offload_activations=True)
+    exact, _ = _train(copy.deepcopy(model), tmp_path, "fp32", 1, **kw)
+    every, _ = _train(
+        copy.deepcopy(model), tmp_path, "bf16-k1", 1, megatrain_boundary_dtype="bfloat16", **kw
+    )
+    logs, trainer = _train(model, tmp_path, "bf16-k2", 2, megatrain_boundary_dtype="bf16", **kw)
+    engine = trainer.megatrain.engine
+    assert engine.boundary_dtype == BF16 and engine.checkpoint_every == 2
+    hidden = (2, make_data(1)[0]["input_ids"].numel(), model.config.hidden_size)
+    residual = {
+        key: h["host"] for key, h in engine._act_handles.items() if h["host"].shape == hidden
+    }
+    assert {layer for layer, _ in residual} == {0, 2}  # leaders only
+    assert all(h.dtype == BF16 for h in residual.values())
+    assert logs[0]["loss"] == every[0]["loss"] == exact[0]["loss"]
+    assert logs[0]["grad_norm"] != exact[0]["grad_norm"]  # the rounding happened
+    for ref in (every, exact):
+        for a, b in zip(ref, logs):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-2)
+
+
+def _expected_forwards(n_layers: int, k: int, kept: frozenset[int] = frozenset()) -> dict:
+    """Forward runs of each layer per micro-batch: the forward, the backward recompute (none for
+    a kept layer), and one chain run for every layer of a segment but its last (the chain that
+    the segment's last layer starts re-makes the inputs of all the others' successors)."""
+    counts, segment = {}, []
+
+    def close():
+        for i in segment:
+            counts[i] = 2 + (i != segment[-1])
+        segment.clear()
+
+    for i in range(n_layers):
+        if i in kept:
+            close()
+            counts[i] = 1
+            continue
+        if i % k == 0:
+            close()
+        segment.append(i)
+    close()
+    return counts
+
+
+def test_expected_forwards_formula():
+    assert _expected_forwards(4, 1) == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert _expected_forwards(4, 2) == {0: 3, 1: 2, 2: 3, 3: 2}
+    assert _expected_forwards(4, 3) == {0: 3, 1: 3, 2: 2, 3: 2}
+    assert _expected_forwards(4, 2, frozenset({1})) == {0: 2, 1: 1, 2: 3, 3: 2}
+    # Extra forwards per segment of k layers: k - 1, i.e. (k - 1) / k per layer.
+    for k in (2, 4, 8):
+        extra = sum(_expected_forwards(8 * k, k).values()) - 2 * 8 * k
+        assert extra == 8 * (k - 1)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_followers_recomputed_from_chain(tmp_path, k):
+    """Followers run their forward from the chain, not from a saved input: count the layer
+    forwards, and check that only leaders have an offloaded hidden-state buffer."""
+    n_layers, ga = 4, 2
+    model = tiny_model(tiny_config("llama", num_hidden_layers=n_layers))
+    kw = dict(gradient_accumulation_steps=ga, megatrain_offload_activations=True)
+    _, trainer = _train(model, tmp_path, "warm", k, steps=1, **kw)
+    counts = _count_layer_forwards(trainer.model)
+    trainer.args.max_steps = 2
+    trainer.train()
+    n_micro = 2 * ga
+    assert counts == {i: n * n_micro for i, n in _expected_forwards(n_layers, k).items()}
+    engine = trainer.megatrain.engine
+    hidden = (2, make_data(1)[0]["input_ids"].numel(), model.config.hidden_size)
+    leaders = set(range(0, n_layers, k))
+    residual = {layer for (layer, _), h in engine._act_handles.items() if h["host"].shape == hidden}
+    assert residual == leaders
+    # The small inputs (rope cos/sin) are saved (here: offloaded) by every layer as before.
+    small = {layer for (layer, _), h in engine._act_handles.items() if h["host"].shape != hidden}
+    assert small == set(range(n_layers))
+    # Evaluation (no_grad) runs each layer once and builds no segment.
+    counts.clear()
+    engine.reset_segments()
+    trainer.model.eval()
+    ids = torch.stack([r["input_ids"] for r in make_data(2)])
+    with torch.no_grad():
+        trainer.model(input_ids=ids)
+    assert counts == dict.fromkeys(range(n_layers), 1)
+    assert engine._open_segment is None
+
+
+def test_segments_with_kept_layers(tmp_path):
+    """A layer that keeps its graph is never a follower and ends its segment: the next layer
+    saves its input (here layer 1 is kept, so layer 0 is a segment of one)."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=4))
+    tier = dict(megatrain_resident_layers="2", megatrain_keep_activations="1")
+    ref_logs, ref = _train(copy.deepcopy(model), tmp_path, "k1", 1, **tier)
+    logs, trainer = _train(model, tmp_path, "k2", 2, **tier)
+    assert [layer.forward.keep_graph for layer in trainer.model.model.layers] == [
+        False, True, False, False,
+    ]  # fmt: skip
+    _assert_same_training(logs, trainer, ref_logs, ref)
+    counts = _count_layer_forwards(trainer.model)
+    trainer.args.max_steps = 1
+    trainer.train()
+    assert counts == _expected_forwards(4, 2, frozenset({1}))
+
+
+def _stream(model, k: int):
+    prepare_streamed_model(model, "cpu", torch.float32)
+    engine = model._megatrain.engine
+    engine.checkpoint_every = k
+    engine.offload_min_numel = 1
+    model.train()
+    ids = torch.stack([r["input_ids"] for r in make_data(2)])
+    return engine, ids
+
+
+def _one_step(model, k: int, offload: bool = False):
+    """One forward/backward on the streamed ``model``: loss, layer grads, resident grads."""
+    engine, ids = _stream(model, k)
+    engine.offload_activations = offload
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    state = model._megatrain
+    grads = torch.cat([store.grad.clone() for store in state.store.layers])
+    resident = [p.grad.clone() for _, p, _ in state.resident if p.grad is not None]
+    return loss.detach(), grads, resident
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_segments_bitwise_every_arch(arch, monkeypatch):
+    """Per-layer masks (Gemma3's sliding/full layers), MoE router outputs, fused projections:
+    one step with k=2 is bitwise k=1, and every follower's input did come from a chain."""
+    from hf_megatrain.core import streaming  # noqa: PLC0415
+
+    n_layers = 2 if arch == "gemma3_text" else 4  # (Gemma3's config lists 2 layer types)
+    model = tiny_model(tiny_config(arch, num_hidden_layers=n_layers))
+    ref = _one_step(copy.deepcopy(model), 1)
+    chains = []
+    real = streaming._segment_input
+    monkeypatch.setattr(
+        streaming, "_segment_input", lambda seg, pos: chains.append(pos) or real(seg, pos)
+    )
+    got = _one_step(model, 2, offload=True)
+    assert chains == [1] * (n_layers // 2)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert len(got[2]) == len(ref[2]) and all(map(torch.equal, got[2], ref[2]))
+
+
+def test_only_leaders_save_the_hidden_state(monkeypatch):
+    """What the layers' Functions save: with bf16 boundaries the saved hidden states are the
+    only bf16 tensors saved, one per leader (4 layers, k=2: 2), none kept for followers; and
+    the chain's recomputed inputs are fp32, the original input dtype."""
+    from hf_megatrain.core import streaming  # noqa: PLC0415
+
+    model = tiny_model(tiny_config("llama", num_hidden_layers=4))
+    engine, ids = _stream(model, 2)
+    engine.boundary_dtype = BF16
+    saved = []
+    made = []
+    real = streaming._segment_input
+
+    def segment_input(seg, pos):
+        x = real(seg, pos)
+        made.append((pos, x.dtype, tuple(x.shape)))
+        return x
+
+    monkeypatch.setattr(streaming, "_segment_input", segment_input)
+    segments = []
+    real_add = engine._segment_add
+
+    def segment_add(entry, follow):
+        seg, pos = real_add(entry, follow)
+        segments.append(seg)
+        return seg, pos
+
+    monkeypatch.setattr(engine, "_segment_add", segment_add)
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    hidden = (2, ids.shape[1], model.config.hidden_size)
+    assert saved.count((hidden, BF16)) == 2
+    assert len({id(seg) for seg in segments}) == 2 and engine._open_segment is None
+    loss.backward()
+    assert made == [(1, torch.float32, hidden), (1, torch.float32, hidden)]
+    # Each leader's backward dropped its segment's record (no tensor outlives the backward).
+    assert all(seg.done and not seg.entries and not seg.cache for seg in segments)
+
+
+def test_backward_twice_is_refused():
+    model = tiny_model(tiny_config("llama", num_hidden_layers=2))
+    _, ids = _stream(model, 2)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
+def test_checkpoint_every_validation_and_plumbing(tmp_path):
+    for bad in (0, -1, 1.5):
+        args = MegaTrainArguments(
+            output_dir=str(tmp_path / "bad"), megatrain_checkpoint_every=bad, **common_args()
+        )
+        with pytest.raises(ValueError, match="megatrain_checkpoint_every"):
+            HFMegaTrainer(model=tiny_model(tiny_config("llama")), args=args)
+    args = MegaTrainArguments(
+        output_dir=str(tmp_path / "plan"),
+        megatrain_resident_layers="auto",
+        megatrain_plan_seq_len=16,
+        megatrain_checkpoint_every=4,
+        **common_args(),
+    )
+    assert _plan_workload(args, None).checkpoint_every == 4
+
+
+def test_planner_counts_saved_inputs_and_segment_cache():
+    h, i, kv, t, n = 3584, 18944, 512, 524288, 28
+    shape = ModelShape((233_000_000,) * n, 1_090_000_000, h, 152_064, i, kv_size=kv)
+    base = Workload(seq_len=t, micro_batch_tokens=t, mlp_tile_tokens=16384)
+    for k in (1, 2, 3, 4, 28, 40):
+        wl = Workload(seq_len=t, micro_batch_tokens=t, checkpoint_every=k)
+        assert saved_boundary_layers(shape, wl) == math.ceil(n / k)
+        assert boundary_activation_bytes(shape, wl) == t * h * 4 * math.ceil(n / k)
+    hbm, host = 139 * 2**30, 124 * 2**30
+    store = dict(hold_grads=False, stream_fp32_master=True)
+    off = Workload(seq_len=t, micro_batch_tokens=t, mlp_tile_tokens=16384, offload_activations=True)
+    p1 = plan_memory(shape, off, BF16, hbm, host, **store)
+    off4 = replace(off, checkpoint_every=4)
+    p4 = plan_memory(shape, off4, BF16, hbm, host, **store)
+    # Host: the offloaded line counts one saved input per segment.
+    host_line = next(ln for ln in p4.host_lines if ln.name.startswith("offloaded boundary"))
+    assert host_line.nbytes == t * h * 4 * 7
+    assert "7 saved (1 per 4 of 28 layers)" in host_line.name
+    # GPU: up to k - 1 recomputed fp32 inputs cached during a segment's backward.
+    cache = next(ln for ln in p4.gpu_lines if ln.name.startswith("checkpoint segment"))
+    assert cache.nbytes == 3 * t * h * 4
+    assert not any(ln.name.startswith("checkpoint segment") for ln in p1.gpu_lines)
+    # Not fitting in host RAM with every layer saved, a segment length that fits is advised.
+    assert not p1.fits and p1.checkpoint_every_fit is not None
+    assert f"megatrain_checkpoint_every={p1.checkpoint_every_fit}" in str(p1.problems[-1])
+    assert plan_memory(
+        shape, replace(off, checkpoint_every=p1.checkpoint_every_fit),
+        BF16, hbm, host, **store,
+    ).fits  # fmt: skip
+    # PCIe: with k=4, layers 0-1 of each segment stream in a second time in backward (chain
+    # then own backward; layers 2-3 are still in the double buffer); k=2 streams nothing more.
+    n_host = p4.n_host
+    again = [i for s in range(0, n, 4) for i in (s, s + 1) if i >= n - n_host]
+    p4_as_1 = plan_memory(shape, off, BF16, hbm, host, hbm_layers=p4.n_hbm, **store)
+    assert p4.h2d_bytes_per_step - p4_as_1.h2d_bytes_per_step == len(again) * 233_000_000 * 4
+    off2 = replace(off, checkpoint_every=2)
+    p2 = plan_memory(shape, off2, BF16, hbm, host, **store)
+    p2_as_1 = plan_memory(shape, off, BF16, hbm, host, hbm_layers=p2.n_hbm, **store)
+    assert p2.h2d_bytes_per_step == p2_as_1.h2d_bytes_per_step
+    # On the device (no offload): the boundary line shrinks the same way.
+    dev4 = plan_memory(shape, replace(base, checkpoint_every=4), BF16,
+                       hbm, host, **store)  # fmt: skip
+    line = next(ln for ln in dev4.gpu_lines if ln.name.startswith("boundary activations"))
+    assert line.nbytes == t * h * 4 * 7
+
+
+def test_segments_with_lora_on_a_frozen_base(tmp_path):
+    """Resident adapters over a frozen streamed base: the chain binds the adapters as the
+    forward did; the adapters train bitwise as with k=1."""
+    peft = pytest.importorskip("peft")
+    base = tiny_model(tiny_config("llama", num_hidden_layers=4))
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ref_logs, ref = _train(copy.deepcopy(model), tmp_path, "k1", 1)
+    logs, trainer = _train(model, tmp_path, "k2", 2, megatrain_offload_activations=True)
+    assert _track(logs) == _track(ref_logs)
+    hidden = (2, make_data(1)[0]["input_ids"].numel(), base.config.hidden_size)
+    handles = trainer.megatrain.engine._act_handles
+    assert {layer for (layer, _), h in handles.items() if h["host"].shape == hidden} == {0, 2}
+    want = {n: p for n, p in ref.model.named_parameters() if p.requires_grad}
+    got = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and got
+    for n, p in got.items():
+        assert torch.equal(p.detach(), want[n].detach()), n
+
+
+def test_plan_cli_checkpoint_every(capsys):
+    """Qwen2.5-7B on one 512k-token sequence, activations offloaded: bf16 boundaries alone
+    leave the host ~27 GiB short; with segments of 2 the plan fits."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from hf_megatrain.cli import main  # noqa: PLC0415
+
+    cfg = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "qwen2.5-7b"
+    argv = [
+        "plan", str(cfg), "--seq-len", "524288", "--tokens-per-step", "524288",
+        "--mlp-tile-tokens", "16384", "--offload-activations", "--no-clip",
+        "--stream-fp32-master", "--hbm-gib", "139", "--host-gib", "124", "--no-search",
+        "--bf16-boundaries",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="megatrain_checkpoint_every=2.*this plan fits"):
+        main(argv)
+    assert main([*argv, "--checkpoint-every", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "x 14 saved (1 per 2 of 28 layers)" in out
+    assert "checkpoint segment backward: up to 1 recomputed layer inputs" in out
+    with pytest.raises(SystemExit, match="--checkpoint-every 0 must be at least 1"):
+        main([*argv, "--checkpoint-every", "0"])
