@@ -109,6 +109,8 @@ EXTRA_COLUMNS = [
     "offload_activations",
     "gpu_busy",
     "kept_layers",
+    "layer_busy",
+    "layer_gaps",
     "note",  # provenance remarks (e.g. a row restored from its sweep's markdown summary)
 ]
 CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
@@ -198,6 +200,9 @@ class RunConfig:
     bf16_boundaries: bool = False
     # megatrain only: checkpoint segments, only every k-th layer saves its input (long context).
     checkpoint_every: int = 1
+    # megatrain only: CUDA events around every layer pass of the timed steps; the row gets the
+    # fraction of the step in layer compute and in gaps between layers (no CUPTI overhead).
+    layer_timing: bool = False
     # Record a CUDA kernel trace of the last warm-up step (steady state, outside the timed steps)
     # and report the fraction of it the GPU was busy.
     profile: bool = False
@@ -263,6 +268,8 @@ class RunConfig:
             args += ["--checkpoint-every", str(self.checkpoint_every)]
         if self.keep_activations != "auto":
             args += ["--keep-activations", self.keep_activations]
+        if self.layer_timing:
+            args.append("--layer-timing")
         if self.profile:
             args.append("--profile")
         return args
@@ -339,6 +346,34 @@ def _make_step_timer(use_cuda: bool):
             return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
     return StepTimer()
+
+
+def _make_layer_timer(first_timed_step: int):
+    """Callback giving the engine a fresh ``LayerTimeline`` for each timed step (1-based steps
+    from ``first_timed_step`` on) and keeping each step's summary."""
+    import torch
+    from transformers import TrainerCallback
+
+    from hf_megatrain.core.layer_timing import LayerTimeline
+
+    class LayerTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.engine = None  # set once the trainer has streamed the model
+            self.steps: list[dict] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.engine is not None and state.global_step + 1 >= first_timed_step:
+                self.engine.timeline = LayerTimeline()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            timeline = getattr(self.engine, "timeline", None)
+            if timeline is not None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.steps.append(timeline.summary())
+                self.engine.timeline = None
+
+    return LayerTimer()
 
 
 def _make_profiler(step: int, trace_path: Path):
@@ -590,9 +625,15 @@ def train_once(cfg: RunConfig) -> dict:
         profiler = _make_profiler(cfg.warmup, RESULTS_DIR / "traces" / name)
         (RESULTS_DIR / "traces").mkdir(parents=True, exist_ok=True)
         callbacks.append(profiler)
+    layer_timer = None
+    if cfg.layer_timing and cfg.system.startswith("megatrain"):
+        layer_timer = _make_layer_timer(cfg.warmup + 1)
+        callbacks.append(layer_timer)
     output_dir = tempfile.mkdtemp(prefix=f"bench-{cfg.system}-")
     try:
         trainer = make_trainer(cfg, model, dataset, callbacks, output_dir, device)
+        if layer_timer is not None:
+            layer_timer.engine = trainer.megatrain.engine
         del model  # the trainer holds it; nothing else should keep host copies alive
         result.update(_megatrain_plan(trainer))
         out = trainer.train()
@@ -613,6 +654,12 @@ def train_once(cfg: RunConfig) -> dict:
         raise RuntimeError(f"timed {len(durations)} steps, expected {cfg.warmup + cfg.steps}")
     timed = durations[cfg.warmup :]
     step_time = statistics.median(timed)
+    if layer_timer is not None and layer_timer.steps:
+        # Per timed step: layer compute and inter-layer gaps as fractions of that step's time.
+        pairs = list(zip(layer_timer.steps, timed))
+        result["layer_busy"] = statistics.median(s["layer_ms"] / 1e3 / t for s, t in pairs)
+        result["layer_gaps"] = statistics.median(s["gap_ms"] / 1e3 / t for s, t in pairs)
+        print(f"bench worker: layer timeline per timed step: {json.dumps(layer_timer.steps)}")
     tps = cfg.tokens_per_step / step_time
     result.update(
         status="ok",
@@ -872,6 +919,8 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "offload_activations": int(cfg.offload_activations),
         "gpu_busy": _fmt(result.get("gpu_busy"), 4),
         "kept_layers": result.get("kept_layers", ""),
+        "layer_busy": _fmt(result.get("layer_busy"), 4),
+        "layer_gaps": _fmt(result.get("layer_gaps"), 4),
     }
 
 
@@ -1087,6 +1136,12 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         help="megatrain only: stream fp32 masters (cast on the GPU) instead of a host bf16 copy",
     )
     p.add_argument(
+        "--layer-timing",
+        action="store_true",
+        help="megatrain only: time every layer pass of the timed steps with CUDA events; the row "
+        "gets layer_busy / layer_gaps (fractions of the step in layer compute / between layers)",
+    )
+    p.add_argument(
         "--bf16-boundaries",
         action="store_true",
         help="megatrain only: save layer-boundary activations rounded to bf16 (long context)",
@@ -1118,6 +1173,7 @@ def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
         keep_activations=a.keep_activations,
         bf16_boundaries=a.bf16_boundaries,
         checkpoint_every=a.checkpoint_every,
+        layer_timing=a.layer_timing,
     )
 
 

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .distributed import DataParallel
 from .host_store import LayerStore, PinnedBuffer
+from .layer_timing import LayerTimeline
 
 #: Pinned host buffers (each the size of the largest host layer's fp32 gradient) through which
 #: final gradients reach the eager CPU update when the stores hold no gradient slot. Two let one
@@ -172,6 +173,8 @@ class StreamingEngine:
         # layer's gradient of the step is final (last micro-batch), still inside backward.
         self.on_grad_final: Callable[[int, Any], None] | None = None
         self.offload_activations = False
+        # Set to a ``LayerTimeline`` (CUDA) to record each layer pass's compute interval.
+        self.timeline: LayerTimeline | None = None
         # Size from which a floating layer input counts as a large activation (the hidden
         # states at training sizes, not ids or small masks): what offload moves and what
         # ``boundary_dtype`` may round.
@@ -1044,6 +1047,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
         ctx.input_requires_grad = [t.requires_grad for t in tensors[:n_args]]
         ctx.graph = None
         weights = engine.acquire(layer.index, layer.next_index(False))
+        tick = engine.timeline.start("forward", layer.index) if engine.timeline else None
         if layer.keep_graph:
             # Build the layer's graph on detached leaves now; backward differentiates it as is.
             leaves = _detached_leaves(
@@ -1063,6 +1067,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
             captured = [(k, t.detach()) for k, t in captured]
         else:
             out, captured, _ = layer.run(weights, flat_args, spec, leaves=False, keys=ctx.keys)
+        if tick is not None:
+            engine.timeline.end(tick)
         engine.release(layer.index)
         out_flat, out_spec = tree_flatten(out)
         out_tensor_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
@@ -1138,6 +1144,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
             out, captured, weight_leaves, inputs, res_leaves = ctx.graph
             ctx.graph = None  # the activations go as soon as this layer's backward is done
             engine.acquire(layer.index, next_idx)  # prefetches the next layer
+            tick = engine.timeline.start("backward", layer.index) if engine.timeline else None
         else:
             seg, chained = ctx.segment, None
             if ctx.from_chain is not None:
@@ -1167,6 +1174,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
             ]
             flat_args, inputs, res_leaves = _detached_leaves(ctx, ctx.flat_args, saved, saved_res)
             weights = engine.acquire(layer.index, next_idx)
+            tick = engine.timeline.start("backward", layer.index) if engine.timeline else None
             with torch.enable_grad(), engine.restored_rng(ctx.rng):
                 out, captured, weight_leaves = layer.run(
                     weights,
@@ -1192,6 +1200,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
         engine.release(layer.index)
         if layer.trainable:
             engine.add_grads(layer.index, list(computed[: len(weight_leaves)]))
+        if tick is not None:
+            engine.timeline.end(tick)
         rest = iter(computed[len(weight_leaves) :])
         result = [next(rest) if req else None for req in needs_grad]
         res_grads = [next(rest) if t.requires_grad else None for t in res_leaves]

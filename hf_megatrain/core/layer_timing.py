@@ -1,0 +1,77 @@
+"""Per-layer compute intervals of a training step, from CUDA events on the compute stream.
+
+A CUPTI kernel trace (``torch.profiler``) slows the host side of a streamed step enough to open
+gaps that an unprofiled step does not have. Two CUDA events per layer pass cost microseconds, so
+the step they time is the step being measured. An interval starts once the compute stream may
+run the layer (after it waited for the layer's weights, see ``StreamingEngine.acquire``) and ends
+after its last kernel (backward: after its gradient accumulation), so the time between one
+layer's end and the next one's start, within a forward or a backward pass, is time the compute
+stream sat without layer work: waiting for weights, for the host (Python, CPU updates) or
+running something else (between passes: the loss, the optimizer).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class _HostMark:
+    """A host clock reading with ``torch.cuda.Event``'s ``elapsed_time`` (CPU runs: no stream)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other: _HostMark) -> float:
+        return (other.t - self.t) * 1e3
+
+
+def _mark():
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return _HostMark()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+@dataclass
+class LayerTimeline:
+    """Collects ``(phase, layer, start, end)`` events; read with ``summary`` after a sync."""
+
+    spans: list[tuple[str, int, object, object]] = field(default_factory=list)
+
+    def start(self, phase: str, layer: int) -> tuple[str, int, object]:
+        return phase, layer, _mark()
+
+    def end(self, token: tuple[str, int, object]) -> None:
+        self.spans.append((*token, _mark()))
+
+    def summary(self) -> dict:
+        """Milliseconds of layer compute and of the gaps between consecutive layers of a pass.
+
+        Call after the device is synchronized. ``gap_ms`` sums, over consecutive intervals of the
+        same phase (forward after forward, backward after backward), the idle time between them;
+        the switch between passes (the loss, the next micro-batch) is not a gap between layers.
+        """
+        if not self.spans:
+            return {"layer_ms": 0.0, "gap_ms": 0.0, "largest_gap_ms": 0.0, "passes": 0}
+        layer_ms = sum(s.elapsed_time(e) for _, _, s, e in self.spans)
+        gap_ms, largest, where = 0.0, 0.0, None
+        for prev, cur in zip(self.spans, self.spans[1:]):
+            if prev[0] != cur[0]:
+                continue
+            gap = max(0.0, prev[3].elapsed_time(cur[2]))
+            gap_ms += gap
+            if gap > largest:
+                largest, where = gap, f"{cur[0]} layer {cur[1]}"
+        first, last = self.spans[0][2], self.spans[-1][3]
+        return {
+            "layer_ms": layer_ms,
+            "gap_ms": gap_ms,
+            "largest_gap_ms": largest,
+            "largest_gap_before": where,
+            "span_ms": first.elapsed_time(last),
+            "passes": len(self.spans),
+        }
