@@ -7,6 +7,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh tests      # nvidia-h200 or -x2
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed      # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed2     # nvidia-h200
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh longest    # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long       # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long1m     # nvidia-h200, then long-wait
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long7b     # nvidia-h200, then long-wait
@@ -24,7 +25,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | long | long1m | long7b | long-wait | dp | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | longest | long | long1m | long7b | long-wait | dp | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -63,6 +64,20 @@ case "$phase" in
       --run qwen2.5-1.5b:16384:megatrain-hbm,deepspeed --run qwen2.5-3b:16384:megatrain-hbm,deepspeed
     bench --tag "gaps-$(date -u +%H%M)" --streamed-init --layer-timing --steps 3 --warmup 2 \
       --timeout-s 150 --run qwen2.5-7b:65536:megatrain-hbm:16 --run qwen2.5-7b:8192:megatrain-hbm:2
+    ;;
+  longest)
+    # Issue 4's table, the stock and DeepSpeed side: one sequence per step at growing lengths
+    # until each runs out of memory (an OOM row is the result). hf_megatrain's side: long,
+    # long1m, long7b (3B: `plan --seq-len ... --bf16-boundaries --checkpoint-every 2
+    # --offload-activations --mlp-tile-tokens 16384` puts it at 1.39M tokens).
+    for spec in "32768 qwen2.5-1.5b:32768:stock,deepspeed qwen2.5-3b:32768:stock,deepspeed" \
+      "65536 qwen2.5-1.5b:65536:deepspeed" "16384 qwen2.5-3b:16384:stock qwen2.5-7b:16384:stock" \
+      "8192 qwen2.5-7b:8192:deepspeed"; do
+      read -r len runs <<<"$spec"
+      # shellcheck disable=SC2046
+      bench --tag "longest-$(date -u +%H%M)" --seq-len "$len" --steps 1 --warmup 1 \
+        --timeout-s 150 $(printf -- '--run %s ' $runs)
+    done
     ;;
   long)
     # One 524,288-token sequence of Qwen2.5-1.5B: MLP tiles, boundary activations on the host.
