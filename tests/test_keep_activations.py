@@ -138,3 +138,23 @@ def test_keep_activations_data_path_defaults(tmp_path):
     assert trainer.args.megatrain_keep_activations == "auto"
     assert not any(layer.forward.keep_graph for layer in trainer.model.model.layers)
     assert len(logs) == 2
+
+
+def test_micro_batch_larger_than_planned_recomputes(tmp_path):
+    """A micro-batch above the planned size recomputes every layer; the next that fits keeps."""
+    from types import SimpleNamespace
+
+    model = tiny_model(tiny_config("llama", num_hidden_layers=3))
+    _, trainer = run_trainer(
+        model, tmp_path, "t", mega=True, max_steps=1, megatrain_resident_layers="2",
+        megatrain_keep_activations="2",
+    )  # fmt: skip
+    layers = [layer.forward for layer in trainer.model.model.layers]
+    # The CPU run has no plan (the planner runs for CUDA); stand in one sized for 32 tokens.
+    trainer.megatrain.plan = SimpleNamespace(
+        workload=SimpleNamespace(micro_batch_tokens=32), kept_layers=2
+    )
+    trainer._megatrain_fit_kept_activations(33)
+    assert [s.keep_graph for s in layers] == [False, False, False]
+    trainer._megatrain_fit_kept_activations(32)
+    assert [s.keep_graph for s in layers] == [True, True, False]

@@ -36,7 +36,13 @@ from .checkpoint import (
 )
 from .long_context import install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss
-from .model import _is_peft, keep_activations, prepare_streamed_model, streamed_state
+from .model import (
+    _is_peft,
+    find_decoder_layers,
+    keep_activations,
+    prepare_streamed_model,
+    streamed_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -431,7 +437,36 @@ class MegaTrainerMixin:
         if ids is not None:
             self._tokens_since_log += ids.numel()
             self._last_seq_len = ids.shape[-1]
+            self._megatrain_fit_kept_activations(ids.numel())
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _megatrain_fit_kept_activations(self, tokens: int) -> None:
+        """Recompute every layer for a micro-batch larger than the plan sized kept activations for.
+
+        "auto" keeps activations of as many HBM-tier layers as the planned micro-batch leaves room
+        for (its row length is the first example's unless megatrain_plan_seq_len says); a longer
+        batch would need more than the plan holds free. Such a micro-batch recomputes like a
+        streamed layer (same results), and the next one that fits keeps them again.
+        """
+        plan = self.megatrain.plan
+        if plan is None or plan.workload is None or not plan.kept_layers:
+            return
+        layers = [layer.forward for layer in find_decoder_layers(self.model)[1]]
+        kept = getattr(self, "_megatrain_kept", None)
+        if kept is None:
+            kept = self._megatrain_kept = [i for i, layer in enumerate(layers) if layer.keep_graph]
+        over = tokens > plan.workload.micro_batch_tokens
+        if over and not getattr(self, "_megatrain_warned_kept", False):
+            self._megatrain_warned_kept = True
+            logger.warning(
+                "hf_megatrain: a micro-batch of %d tokens is larger than the %d the memory plan "
+                "sized kept activations for; such micro-batches recompute every layer (set "
+                "megatrain_plan_seq_len to the longest row to plan for it)",
+                tokens,
+                plan.workload.micro_batch_tokens,
+            )
+        for i in kept:
+            layers[i].keep_graph = not over
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if getattr(self.args, "megatrain_log_throughput", True) and "loss" in logs:
