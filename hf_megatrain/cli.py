@@ -527,9 +527,49 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
         )
     cfg = _config_from_json(opts.config or str(DEFAULT_CONFIG))
     _check_vocab(cfg, tokenizer)
-    torch.manual_seed(opts.seed)
-    # Materialized on CPU in fp32, then HFMegaTrainer moves its decoder layers into the store.
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=opts.attn)
+    if not _init_in_store():
+        torch.manual_seed(opts.seed)
+        # Materialized on CPU in fp32, then HFMegaTrainer moves its decoder layers into the store.
+        return AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.float32, attn_implementation=opts.attn
+        )
+    # On a GPU: each decoder layer is initialized straight into its host-store master (on the
+    # GPU, then copied), so a config whose fp32 copy would not fit next to the store still
+    # starts, and fast; with resident_layers "auto" the plan sizes the HBM tier for this run.
+    from .core.planner import Workload  # noqa: PLC0415
+    from .hf.loading import init_streamed_model  # noqa: PLC0415
+
+    workload = None
+    if opts.resident_layers == "auto":
+        workload = Workload(
+            seq_len=opts.seq_len,
+            micro_batch_tokens=opts.batch_size * opts.seq_len,
+            grad_accum=opts.grad_accum,
+            mlp_tile_tokens=opts.mlp_tile_tokens,
+            offload_activations=opts.offload_activations,
+            boundary_bytes_per_element=2 if opts.bf16_boundaries else 4,
+            checkpoint_every=opts.checkpoint_every,
+        )
+    return init_streamed_model(
+        cfg,
+        bf16=bf16,
+        seed=opts.seed,
+        host_memory_limit_gb=opts.host_memory_limit_gb,
+        resident_layers=opts.resident_layers,
+        attn_implementation=opts.attn,
+        plan_workload=workload,
+        # Clipping needs every layer's gradient held until the norm is known; without it the
+        # layers update eagerly and the store keeps no gradient slot (as the trainer would).
+        host_grads=opts.max_grad_norm > 0,
+    )
+
+
+def _init_in_store() -> bool:
+    """Random init straight into the host store (``init_streamed_model``): on a GPU, where
+    the layers are initialized on the device, fast, and the model never exists as a whole."""
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
 
 
 def _check_vocab(cfg, tokenizer) -> None:

@@ -193,3 +193,23 @@ def test_module_entry_point_prints_one_line_error():
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().startswith("hf-megatrain: error: fp16 is not supported")
+
+
+def test_random_init_straight_into_the_store(tmp_path, monkeypatch, capsys):
+    """The GPU path of random init (init_streamed_model), run on the CPU: it trains and saves."""
+    import hf_megatrain.cli as cli
+    from hf_megatrain.hf.model import streamed_state
+
+    monkeypatch.setattr(cli, "_init_in_store", lambda: True)
+    built = []
+    real = cli.build_model
+
+    def spy(opts, tokenizer, bf16):
+        model = real(opts, tokenizer, bf16)
+        built.append(streamed_state(model) is not None)
+        return model
+
+    monkeypatch.setattr(cli, "build_model", spy)
+    assert main(["train"] + _fast_flags(tmp_path)) == 0
+    assert built == [True]  # streamed before the trainer saw it
+    assert (tmp_path / "model.safetensors").is_file() or list(tmp_path.glob("*.safetensors"))
