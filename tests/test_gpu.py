@@ -492,3 +492,25 @@ def test_bf16_boundaries_on_gpu(tmp_path, monkeypatch):
     # Offload only moves the bf16 copy's bytes; bf16 GPU kernels are not bitwise deterministic
     # run to run (SDPA backward atomics): 1e-3 relative, as for the eager-update comparison.
     assert got_off == pytest.approx(got, rel=1e-3)
+
+
+def test_layer_timeline_on_gpu(tmp_path):
+    """CUDA-event intervals of every layer pass of a streamed step, and consistent sums."""
+    from hf_megatrain.core.layer_timing import LayerTimeline
+
+    model = tiny_model(_tiny_gpu_config())
+    n_layers = model.config.num_hidden_layers
+    trainer = HFMegaTrainer(
+        model=model,
+        args=_args(MegaTrainArguments, tmp_path, max_steps=1),
+        train_dataset=_data(8, 128),
+    )
+    trainer.megatrain.engine.timeline = LayerTimeline()
+    trainer.train()
+    torch.cuda.synchronize()
+    timeline = trainer.megatrain.engine.timeline
+    s = timeline.summary()
+    assert s["passes"] == 2 * n_layers
+    assert all(isinstance(start, torch.cuda.Event) for _, _, start, _ in timeline.spans)
+    assert s["layer_ms"] > 0 and s["gap_ms"] >= 0
+    assert s["span_ms"] >= 0.99 * (s["layer_ms"] + s["gap_ms"])
