@@ -158,3 +158,26 @@ def test_micro_batch_larger_than_planned_recomputes(tmp_path):
     assert [s.keep_graph for s in layers] == [False, False, False]
     trainer._megatrain_fit_kept_activations(32)
     assert [s.keep_graph for s in layers] == [True, True, False]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"megatrain_mlp_tile_tokens": 4}, {"max_grad_norm": 0.0}],
+    ids=["mlp-tiles", "eager-updates"],
+)
+def test_kept_activations_with_other_engine_options(tmp_path, extra):
+    """MLP tiles (their own per-tile recompute inside the kept graph) and eager layer updates
+    (an HBM-tier layer updated as soon as its gradient is final) leave results bitwise equal."""
+    model = tiny_model(tiny_config("qwen2", num_hidden_layers=3))
+    kw = dict(max_steps=2, megatrain_resident_layers="2", **extra)
+    ref, base = run_trainer(
+        copy.deepcopy(model), tmp_path, "ref", mega=True, megatrain_keep_activations="off", **kw
+    )
+    got, trainer = run_trainer(
+        model, tmp_path, "kept", mega=True, **kw, megatrain_keep_activations="2"
+    )
+    assert [layer.forward.keep_graph for layer in trainer.model.model.layers] == [True, True, False]
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref]
+    a, b = mega_params(trainer), mega_params(base)
+    for k, v in b.items():
+        assert torch.equal(a[k], v), k
