@@ -250,9 +250,9 @@ def test_segments_bitwise_every_arch(arch, monkeypatch):
     model = tiny_model(tiny_config(arch, num_hidden_layers=n_layers))
     ref = _one_step(copy.deepcopy(model), 1)
     chains = []
-    real = streaming._segment_input
+    real = streaming.segment_input
     monkeypatch.setattr(
-        streaming, "_segment_input", lambda seg, pos: chains.append(pos) or real(seg, pos)
+        streaming, "segment_input", lambda seg, pos: chains.append(pos) or real(seg, pos)
     )
     got = _one_step(model, 2, offload=True)
     assert chains == [1] * (n_layers // 2)
@@ -271,14 +271,14 @@ def test_only_leaders_save_the_hidden_state(monkeypatch):
     engine.boundary_dtype = BF16
     saved = []
     made = []
-    real = streaming._segment_input
+    real = streaming.segment_input
 
     def segment_input(seg, pos):
         x = real(seg, pos)
         made.append((pos, x.dtype, tuple(x.shape)))
         return x
 
-    monkeypatch.setattr(streaming, "_segment_input", segment_input)
+    monkeypatch.setattr(streaming, "segment_input", segment_input)
     segments = []
     real_add = engine._segment_add
 

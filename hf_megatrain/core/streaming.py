@@ -14,7 +14,7 @@ recomputes the layer and takes gradients with ``torch.autograd.grad``.
 Checkpoint segments (``StreamingEngine.checkpoint_every = k > 1``): only the first layer of each
 run of k (the leader) saves its residual-stream input; the backward of the segment's last layer
 re-runs the leader..second-to-last layers under no_grad from the leader's saved input and caches
-the inputs they make for the followers' backward (``_segment_input``). Bitwise the same inputs
+the inputs they make for the followers' backward (``segments.segment_input``). Bitwise the same inputs
 as saving them, for k - 1 extra layer forwards per segment.
 
 No ``transformers`` import here: model-specific output capture comes in through ``OutputCapture``.
@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from .distributed import DataParallel
 from .host_store import LayerStore, PinnedBuffer
 from .layer_timing import LayerTimeline
+from .segments import Segment, SegmentEntry, segment_input, tensor_sig
 
 #: Pinned host buffers (each the size of the largest host layer's fp32 gradient) through which
 #: final gradients reach the eager CPU update when the stores hold no gradient slot. Two let one
@@ -189,11 +190,11 @@ class StreamingEngine:
         # Checkpoint segments: with ``checkpoint_every = k > 1`` only the first layer (leader)
         # of each run of k decoder layers saves its residual-stream input; the others
         # (followers) get theirs in backward by re-running the segment's forward from the
-        # leader's (``_segment_input``). ``_open_segment`` is the segment the forward is filling;
+        # leader's (``segments.segment_input``). ``_open_segment`` is the segment the forward is filling;
         # ``_backward_next[i]`` the layer whose weights layer i's backward should prefetch when
         # it is not i - 1 (the leader of the segment below, whose chain runs next).
         self.checkpoint_every = 1
-        self._open_segment: _Segment | None = None
+        self._open_segment: Segment | None = None
         self._backward_next: dict[int, int] = {}
 
     # ---- background host updates ------------------------------------------------------------
@@ -358,7 +359,7 @@ class StreamingEngine:
     # ---- checkpoint segments -----------------------------------------------------------------
     def _segment_follow(
         self, idx: int, inputs: list[torch.Tensor], residual_shapes: set[tuple[int, ...]]
-    ) -> tuple[_Segment, int, int] | None:
+    ) -> tuple[Segment, int, int] | None:
         """Whether layer ``idx`` may skip saving its residual-stream input (a follower).
 
         It may when it is not at a segment start (``idx % checkpoint_every``), the segment being
@@ -377,18 +378,18 @@ class StreamingEngine:
         for pos, t in enumerate(inputs):
             if tuple(t.shape) not in residual_shapes or not self.is_large_activation(t):
                 continue
-            sig = _tensor_sig(t)
+            sig = tensor_sig(t)
             for o, out_sig in enumerate(last.out_sigs):
                 if out_sig == sig:
                     return seg, pos, o
         return None
 
-    def _segment_add(self, entry: _SegmentEntry, follow) -> tuple[_Segment, int]:
+    def _segment_add(self, entry: SegmentEntry, follow) -> tuple[Segment, int]:
         """Register a layer's forward in its segment; returns ``(segment, position in it)``."""
         idx = entry.layer.index
         self._backward_next.pop(idx + 1, None)
         if follow is None:
-            seg = self._open_segment = _Segment()
+            seg = self._open_segment = Segment()
         else:
             seg, _, entry.link_out = follow
             # Layer idx - 1 is no longer its segment's last layer; layer idx + 1's backward
@@ -915,103 +916,6 @@ class StreamedLayer:
         return tree_unflatten(out_flat, box["out_spec"])
 
 
-def _tensor_sig(t: torch.Tensor) -> tuple:
-    """What identifies a tensor handed from one layer to the next, unmodified."""
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
-
-
-class _SegmentEntry:
-    """What re-running one layer of a checkpoint segment (under no_grad) needs: its non-tensor
-    arguments, autograd-Function spec, RNG state, and for each tensor input where it comes from:
-    ``("link", None)`` the previous layer's output ``link_out`` (a follower's residual input),
-    ``("handle", h)`` an offload handle (the host copy), ``("tensor", t)`` a detached alias of
-    what the layer's ctx saved. No ctx and no graph-connected tensor: no reference cycles."""
-
-    __slots__ = (
-        "layer", "flat_args", "spec", "tensor_pos", "rng", "keys", "sources", "cast_back",
-        "out_sigs", "link_out",
-    )  # fmt: skip
-
-    def __init__(self, layer, ctx, sources: list, out_sigs: list) -> None:
-        self.layer = layer
-        self.flat_args = ctx.flat_args
-        self.spec = ctx.spec
-        self.tensor_pos = ctx.tensor_pos
-        self.rng = ctx.rng
-        self.keys = ctx.keys
-        self.sources = sources
-        self.cast_back = dict(ctx.cast_back)
-        self.out_sigs = out_sigs
-        self.link_out: int | None = None
-
-
-class _Segment:
-    """A checkpoint segment's layers (leader first) and, during its backward, the cached
-    inputs of followers that the chain recomputed (position -> tensor)."""
-
-    __slots__ = ("entries", "cache", "done")
-
-    def __init__(self) -> None:
-        self.entries: list[_SegmentEntry] = []
-        self.cache: dict[int, torch.Tensor] = {}
-        self.done = False
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.cache.clear()
-        self.done = True
-
-
-def _segment_input(seg: _Segment | None, pos: int) -> torch.Tensor:
-    """The residual-stream input of the follower at ``pos`` of ``seg``, for its backward.
-
-    From the cache when an earlier chain made it; otherwise re-runs the segment's layers from
-    the leader to ``pos - 1`` under no_grad, from the leader's saved input (cast back from the
-    boundary dtype, as its own recompute does), each layer with its own weights (streamed
-    through the engine), small inputs, arguments and RNG state: the forward's computation
-    again, so the result is the forward's tensor bit for bit. The inputs of the followers in
-    between are cached for their backward (each takes its own and drops it).
-    """
-    x = None if seg is None else seg.cache.pop(pos, None)
-    if x is not None:
-        return x
-    if seg is None or seg.done or pos >= len(seg.entries):
-        raise RuntimeError(
-            "hf_megatrain: a checkpoint segment's saved state is gone (its leader's backward "
-            "already ran): backward twice through the same graph (retain_graph) is not "
-            "supported with megatrain_checkpoint_every > 1"
-        )
-    entries = seg.entries
-    engine = entries[0].layer.engine
-    prev = None
-    with torch.no_grad():
-        for q in range(pos):
-            e = entries[q]
-            args, t = list(e.flat_args), None
-            for k, (kind, val) in enumerate(e.sources):
-                if kind == "link":
-                    t = prev
-                elif kind == "handle":
-                    t = engine.fetch_activation(val, prefetch=False)
-                else:
-                    t = val
-                if k in e.cast_back:
-                    t = t.to(e.cast_back[k])
-                args[e.tensor_pos[k]] = t
-            prev = None
-            weights = engine.acquire(e.layer.index, entries[q + 1].layer.index)
-            with engine.restored_rng(e.rng):
-                out, _, _ = e.layer.run(weights, args, e.spec, leaves=False, keys=e.keys)
-            engine.release(e.layer.index)
-            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-            prev = outs[entries[q + 1].link_out]
-            del out, outs
-            args = t = None  # (the leader's fetched or cast-back input goes here)
-            if q + 1 < pos:
-                seg.cache[q + 1] = prev
-    return prev
-
-
 def _detached_leaves(ctx, flat_args: list, saved: list, saved_res) -> tuple[list, list, list]:
     """Graph leaves for (re)running a layer: its tensor inputs detached (requiring grad where the
     original did) in place in a copy of ``flat_args``, and its resident parameters likewise.
@@ -1085,7 +989,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
         ctx.offloaded = {}
         ctx.cast_back = {}
         # Checkpoint segments (engine.checkpoint_every > 1): a follower saves no residual-stream
-        # input (``ctx.from_chain`` is its index); backward gets it from ``_segment_input``.
+        # input (``ctx.from_chain`` is its index); backward gets it from ``segments.segment_input``.
         ctx.segment = None
         ctx.seg_pos = 0
         ctx.from_chain = None
@@ -1128,7 +1032,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
             ctx.save_for_backward(*keep, *tensors[n_args + ctx.n_anchor :])
             if segments:
                 outs = [out_flat[i] for i in out_tensor_pos]
-                entry = _SegmentEntry(layer, ctx, sources, [_tensor_sig(o) for o in outs])
+                entry = SegmentEntry(layer, ctx, sources, [tensor_sig(o) for o in outs])
                 ctx.segment, ctx.seg_pos = engine._segment_add(entry, follow)
         return tuple(out_flat[i] for i in out_tensor_pos) + tuple(t for _, t in captured)
 
@@ -1149,7 +1053,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
             seg, chained = ctx.segment, None
             if ctx.from_chain is not None:
                 # A follower: its input is re-made from the segment leader's (see above).
-                chained = _segment_input(seg, ctx.seg_pos)
+                chained = segment_input(seg, ctx.seg_pos)
                 if ctx.seg_pos == 1:  # the leader's backward is next: bring its input back
                     engine.prefetch_activations(seg.entries[0].layer.index)
             saved_all = ctx.saved_tensors

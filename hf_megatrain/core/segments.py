@@ -1,0 +1,110 @@
+"""Checkpoint segments: the records that let a segment's followers get their inputs back.
+
+With ``StreamingEngine.checkpoint_every = k > 1`` only the first layer of each run of k (the
+leader) saves its residual-stream input; the backward of the segment's last layer re-runs the
+segment's forward from the leader's input (``segment_input``), and the inputs it produces feed
+the followers' backward one by one. The engine decides which layers follow
+(``StreamingEngine._segment_follow``); this module holds what a re-run needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+def tensor_sig(t: torch.Tensor) -> tuple:
+    """What identifies a tensor handed from one layer to the next, unmodified."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+
+
+class SegmentEntry:
+    """What re-running one layer of a checkpoint segment (under no_grad) needs: its non-tensor
+    arguments, autograd-Function spec, RNG state, and for each tensor input where it comes from:
+    ``("link", None)`` the previous layer's output ``link_out`` (a follower's residual input),
+    ``("handle", h)`` an offload handle (the host copy), ``("tensor", t)`` a detached alias of
+    what the layer's ctx saved. No ctx and no graph-connected tensor: no reference cycles."""
+
+    __slots__ = (
+        "layer", "flat_args", "spec", "tensor_pos", "rng", "keys", "sources", "cast_back",
+        "out_sigs", "link_out",
+    )  # fmt: skip
+
+    def __init__(self, layer, ctx, sources: list, out_sigs: list) -> None:
+        self.layer = layer
+        self.flat_args = ctx.flat_args
+        self.spec = ctx.spec
+        self.tensor_pos = ctx.tensor_pos
+        self.rng = ctx.rng
+        self.keys = ctx.keys
+        self.sources = sources
+        self.cast_back = dict(ctx.cast_back)
+        self.out_sigs = out_sigs
+        self.link_out: int | None = None
+
+
+class Segment:
+    """A checkpoint segment's layers (leader first) and, during its backward, the cached
+    inputs of followers that the chain recomputed (position -> tensor)."""
+
+    __slots__ = ("entries", "cache", "done")
+
+    def __init__(self) -> None:
+        self.entries: list[SegmentEntry] = []
+        self.cache: dict[int, torch.Tensor] = {}
+        self.done = False
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.cache.clear()
+        self.done = True
+
+
+def segment_input(seg: Segment | None, pos: int) -> torch.Tensor:
+    """The residual-stream input of the follower at ``pos`` of ``seg``, for its backward.
+
+    From the cache when an earlier chain made it; otherwise re-runs the segment's layers from
+    the leader to ``pos - 1`` under no_grad, from the leader's saved input (cast back from the
+    boundary dtype, as its own recompute does), each layer with its own weights (streamed
+    through the engine), small inputs, arguments and RNG state: the forward's computation
+    again, so the result is the forward's tensor bit for bit. The inputs of the followers in
+    between are cached for their backward (each takes its own and drops it).
+    """
+    x = None if seg is None else seg.cache.pop(pos, None)
+    if x is not None:
+        return x
+    if seg is None or seg.done or pos >= len(seg.entries):
+        raise RuntimeError(
+            "hf_megatrain: a checkpoint segment's saved state is gone (its leader's backward "
+            "already ran): backward twice through the same graph (retain_graph) is not "
+            "supported with megatrain_checkpoint_every > 1"
+        )
+    entries = seg.entries
+    engine = entries[0].layer.engine
+    prev = None
+    with torch.no_grad():
+        for q in range(pos):
+            e = entries[q]
+            args, t = list(e.flat_args), None
+            for k, (kind, val) in enumerate(e.sources):
+                if kind == "link":
+                    t = prev
+                elif kind == "handle":
+                    t = engine.fetch_activation(val, prefetch=False)
+                else:
+                    t = val
+                if k in e.cast_back:
+                    t = t.to(e.cast_back[k])
+                args[e.tensor_pos[k]] = t
+            prev = None
+            weights = engine.acquire(e.layer.index, entries[q + 1].layer.index)
+            with engine.restored_rng(e.rng):
+                out, _, _ = e.layer.run(weights, args, e.spec, leaves=False, keys=e.keys)
+            engine.release(e.layer.index)
+            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+            prev = outs[entries[q + 1].link_out]
+            del out, outs
+            args = t = None  # (the leader's fetched or cast-back input goes here)
+            if q + 1 < pos:
+                seg.cache[q + 1] = prev
+    return prev
