@@ -48,59 +48,16 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, default_data_collator
 
 from hf_megatrain import (
-    SUPPORTED_MODEL_TYPES,
     HFMegaTrainer,
     MegaTrainArguments,
     prepare_streamed_model,
 )
 from hf_megatrain.cli import DEFAULT_CONFIG, TrainOptions, build_chunks, load_tokenizer, read_texts
+from hf_megatrain.recipe_helpers import add_model_args, check_vocab, model_config, use_bf16
 
 # Above this many parameters a --config base (random init, never on disk) is not written out and
 # reloaded for the stock peft check unless --verify asks (as `hf-megatrain train` decides).
 VERIFY_MAX_PARAMS = 2_000_000_000
-
-
-def model_config(path: str, parser: argparse.ArgumentParser):
-    """The config of ``--config`` (a config.json, or a folder holding one); usage errors exit."""
-    p = Path(path)
-    file = p / "config.json" if p.is_dir() else p
-    if not file.is_file():
-        parser.error(
-            f"--config {path}: "
-            + ("the folder has no config.json" if p.is_dir() else "no such file or folder")
-        )
-    try:
-        # A folder as given: peft then finds its config.json when it saves the adapters.
-        cfg = AutoConfig.from_pretrained(str(p if p.is_dir() else file))
-    except (OSError, ValueError) as e:
-        parser.error(f"--config {path}: not a model config ({e})")
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        parser.error(
-            f"--config {path}: model_type {cfg.model_type!r} is not supported; supported: "
-            + ", ".join(sorted(SUPPORTED_MODEL_TYPES))
-        )
-    return cfg
-
-
-def check_vocab(cfg, tokenizer, what: str) -> None:
-    """Every token id of ``tokenizer`` must index the model's embedding."""
-    # The bundled tokenizer has 4096 tokens, ids 0..4095: below the vocab of every real-size
-    # config (Qwen2.5: 152064, Llama 3: 128256), so a random-init model of that shape trains on
-    # it; only its first 4096 embedding rows are ever looked up. A smaller vocab cannot.
-    if len(tokenizer) > cfg.vocab_size:
-        raise SystemExit(
-            f"{what}: the bundled tokenizer has {len(tokenizer)} tokens (ids up to "
-            f"{len(tokenizer) - 1}) but the config's vocab_size is {cfg.vocab_size}: its "
-            "embedding cannot look them up. Use a config with vocab_size >= "
-            f"{len(tokenizer)}."
-        )
-
-
-def use_bf16(precision: str | None) -> bool:
-    """bf16 compute on a bf16-capable GPU unless --fp32; fp32 on the CPU unless --bf16."""
-    if precision is None:
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return precision == "bf16"
 
 
 def _is_adapter(name: str) -> bool:
@@ -121,9 +78,8 @@ def streamed_lora_model(
     """
     from accelerate import init_empty_weights  # noqa: PLC0415
     from peft.tuners.lora import LoraLayer  # noqa: PLC0415
-    from torch.nn.utils.stateless import _reparametrize_module  # noqa: PLC0415
 
-    from hf_megatrain.hf.model import find_decoder_layers, streamed_state  # noqa: PLC0415
+    from hf_megatrain.hf.loading import init_streamed_weights  # noqa: PLC0415
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,42 +105,9 @@ def streamed_lora_model(
         compute_dtype=torch.bfloat16 if bf16 else torch.float32,
         decay_names=set(Trainer.get_decay_parameter_names(None, model)),
     )
-    state = streamed_state(model)
-    hf_model = model.get_base_model()
-    _, layers = find_decoder_layers(model)
-    engine_device = state.engine.device
-    # On CUDA the values are drawn on the GPU into one scratch buffer, then copied to the host
-    # master (the CPU draws ~0.1-0.2 G values/s: a minute or more for a 7B base).
-    scratch = None
-    if engine_device.type == "cuda":
-        numels = [s.numel for s in state.store.layers if s.master.device.type == "cpu"]
-        if numels:
-            scratch = torch.empty(max(numels), dtype=torch.float32, device=engine_device)
-    with torch.no_grad():
-        for layer, store in zip(layers, state.store.layers):
-            if scratch is not None and store.master.device.type == "cpu":
-                target = scratch[: store.numel].zero_()
-            elif store.owned:
-                target = store.master
-            else:
-                target = torch.empty_like(store.master)
-            # The store holds the layer's frozen base tensors; its adapters (resident, already
-            # initialized) are left alone.
-            with _reparametrize_module(layer, store.param_views(target)):
-                for name, module in layer.named_modules():
-                    if not _is_adapter(name):
-                        hf_model._init_weights(module)
-            if store.owned:
-                if target is not store.master:
-                    store.master.copy_(target)  # synchronous: the scratch is reused next
-                store.refresh_stream_copy()
-        in_layers = {id(m) for layer in layers for m in layer.modules()}
-        for name, module in hf_model.named_modules():
-            if id(module) not in in_layers and not _is_adapter(name):
-                hf_model._init_weights(module)  # embeddings, final norm, LM head (resident)
-    state.engine.invalidate_weights()
-    if state.engine.dp is not None:
-        state.engine.dp.barrier()  # every owner has written its layers
+    # The stores hold the layers' frozen base tensors; the adapters (resident, initialized above)
+    # are left alone.
+    init_streamed_weights(model, model.get_base_model()._init_weights, skip=_is_adapter)
     return model
 
 
@@ -247,11 +170,9 @@ def mean_loss(model, rows: list[dict], device) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model-path", help="Hub-format checkpoint folder (default: bundled config)")
-    src.add_argument(
-        "--config",
-        help="config.json, or a folder with one (e.g. benchmarks/configs/qwen2.5-7b): a "
+    add_model_args(
+        p,
+        config_help="config.json, or a folder with one (e.g. benchmarks/configs/qwen2.5-7b): a "
         "random-init frozen base at that size, never materialized, with the bundled tokenizer",
     )
     p.add_argument("--data", help="text file or folder (default: bundled corpus)")
@@ -269,13 +190,6 @@ def main(argv: list[str] | None = None) -> dict:
         help="comma-separated module names, or all-linear (every linear layer but the LM head)",
     )
     p.add_argument("--eval-chunks", type=int, default=8, help="held-out blocks for the loss check")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention"])
-    prec = p.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
-                      help="bf16 compute, fp32 masters (default on a bf16-capable GPU)")  # fmt: skip
-    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
-                      help="fp32 compute (default on the CPU)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,

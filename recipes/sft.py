@@ -40,10 +40,11 @@ import torch
 from datasets import Dataset, load_dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_megatrain import SUPPORTED_MODEL_TYPES, init_streamed_model, load_streamed_model
+from hf_megatrain import init_streamed_model, load_streamed_model
 from hf_megatrain.cli import DATA_DIR, DEFAULT_CONFIG, TrainOptions, load_tokenizer
 from hf_megatrain.core.planner import Workload
 from hf_megatrain.integrations.trl import MegaSFTConfig, MegaSFTTrainer
+from hf_megatrain.recipe_helpers import add_model_args, check_vocab, model_config, use_bf16
 
 DEFAULT_CHAT = DATA_DIR / "chat.jsonl"
 
@@ -75,56 +76,11 @@ def load_conversations(path: str | None) -> Dataset:
     return load_dataset(builder, data_files=path, split="train")
 
 
-def model_config(path: str, parser: argparse.ArgumentParser):
-    """The config of ``--config`` (a config.json, or a folder holding one); usage errors exit."""
-    p = Path(path)
-    file = p / "config.json" if p.is_dir() else p
-    if not file.is_file():
-        parser.error(
-            f"--config {path}: "
-            + ("the folder has no config.json" if p.is_dir() else "no such file or folder")
-        )
-    try:
-        # A folder as given: peft then finds its config.json when it saves the adapters.
-        cfg = AutoConfig.from_pretrained(str(p if p.is_dir() else file))
-    except (OSError, ValueError) as e:
-        parser.error(f"--config {path}: not a model config ({e})")
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        parser.error(
-            f"--config {path}: model_type {cfg.model_type!r} is not supported; supported: "
-            + ", ".join(sorted(SUPPORTED_MODEL_TYPES))
-        )
-    return cfg
-
-
-def check_vocab(cfg, tokenizer, what: str) -> None:
-    """Every token id of ``tokenizer`` must index the model's embedding."""
-    # The bundled tokenizer has 4096 tokens, ids 0..4095: below the vocab of every real-size
-    # config (Qwen2.5: 152064, Llama 3: 128256), so a random-init model of that shape trains on
-    # it; only its first 4096 embedding rows are ever looked up. A smaller vocab cannot.
-    if len(tokenizer) > cfg.vocab_size:
-        raise SystemExit(
-            f"{what}: the bundled tokenizer has {len(tokenizer)} tokens (ids up to "
-            f"{len(tokenizer) - 1}) but the config's vocab_size is {cfg.vocab_size}: its "
-            "embedding cannot look them up. Use a config with vocab_size >= "
-            f"{len(tokenizer)}."
-        )
-
-
-def use_bf16(precision: str | None) -> bool:
-    """bf16 compute on a bf16-capable GPU unless --fp32; fp32 on the CPU unless --bf16."""
-    if precision is None:
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return precision == "bf16"
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model-path", help="Hub-format checkpoint folder (default: bundled config)")
-    src.add_argument(
-        "--config",
-        help="config.json, or a folder with one (e.g. benchmarks/configs/qwen2.5-7b): random "
+    add_model_args(
+        p,
+        config_help="config.json, or a folder with one (e.g. benchmarks/configs/qwen2.5-7b): random "
         "init at that size through init_streamed_model, with the bundled tokenizer",
     )
     p.add_argument("--data", help="JSON/JSONL/Parquet of 'messages' rows (default: bundled chat)")
@@ -134,13 +90,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention"])
-    prec = p.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
-                      help="bf16 compute, fp32 masters (default on a bf16-capable GPU)")  # fmt: skip
-    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
-                      help="fp32 compute (default on the CPU)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--save",
         action=argparse.BooleanOptionalAction,

@@ -7,6 +7,8 @@ stays close to the store's own size, never store + full model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer
@@ -116,10 +118,6 @@ def init_streamed_model(
     fp32 copy would not fit next to the store can still start from scratch. Arguments as in
     :func:`load_streamed_model`.
     """
-    from torch.nn.utils.stateless import _reparametrize_module  # noqa: PLC0415
-
-    from .model import find_decoder_layers, streamed_state  # noqa: PLC0415
-
     model = _streamed_skeleton(
         config,
         device,
@@ -132,9 +130,28 @@ def init_streamed_model(
         host_grads,
         stream_fp32_master,
     )
+    torch.manual_seed(seed)
+    init_streamed_weights(model, model._init_weights)
+    return model
+
+
+def init_streamed_weights(
+    model: torch.nn.Module,
+    init_weights: Callable[[torch.nn.Module], None],
+    skip: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Run ``init_weights`` (a model's ``_init_weights``) on every module of a streamed model.
+
+    Each decoder layer runs bound to its store's fp32 master, so the values land straight in the
+    host store (or the HBM tier); the other modules are initialized in place. Modules whose
+    dotted name ``skip`` accepts are left alone (e.g. LoRA adapters already initialized).
+    """
+    from torch.nn.utils.stateless import _reparametrize_module  # noqa: PLC0415
+
+    from .model import find_decoder_layers, streamed_state  # noqa: PLC0415
+
     state = streamed_state(model)
     _, layers = find_decoder_layers(model)
-    torch.manual_seed(seed)
     engine_device = state.engine.device
     # On CUDA the host layers' values are drawn on the GPU (into one scratch buffer, then copied
     # into the host master): the CPU's normal_ draws ~0.1-0.2 G values/s on one core, a minute
@@ -159,17 +176,17 @@ def init_streamed_model(
             # Data parallel: every rank draws every layer's values (the RNG stream of one
             # process), only the layer's owner writes them into the shared master.
             with _reparametrize_module(layer, store.param_views(target)):
-                for module in layer.modules():
-                    model._init_weights(module)
+                for name, module in layer.named_modules():
+                    if not skip(name):
+                        init_weights(module)
             if store.owned:
                 if target is not store.master:
                     store.master.copy_(target)  # synchronous: the scratch is reused next
                 store.refresh_stream_copy()
         in_layers = {id(m) for layer in layers for m in layer.modules()}
-        for module in model.modules():
-            if id(module) not in in_layers:
-                model._init_weights(module)
+        for name, module in model.named_modules():
+            if id(module) not in in_layers and not skip(name):
+                init_weights(module)
     state.engine.invalidate_weights()
     if state.engine.dp is not None:
         state.engine.dp.barrier()  # every owner has written its layers
-    return model

@@ -1,0 +1,72 @@
+"""Argument handling the Python recipes (``recipes/sft.py``, ``recipes/lora.py``) share.
+
+Both take a model from a Hub checkpoint (``--model-path``) or, at a real size without weights,
+from a config with random init (``--config``, bundled tokenizer); both choose the precision the
+same way as ``hf-megatrain train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_model_args(parser: argparse.ArgumentParser, config_help: str) -> None:
+    """``--model-path`` | ``--config``, ``--attn``, ``--bf16`` | ``--fp32``, ``--seed``."""
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--model-path", help="Hub-format checkpoint folder (default: bundled config)")
+    src.add_argument("--config", help=config_help)
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention"])
+    prec = parser.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                      help="bf16 compute, fp32 masters (default on a bf16-capable GPU)")  # fmt: skip
+    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
+                      help="fp32 compute (default on the CPU)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def model_config(path: str, parser: argparse.ArgumentParser):
+    """The config of ``--config`` (a config.json, or a folder holding one); usage errors exit."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from . import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
+
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        parser.error(
+            f"--config {path}: "
+            + ("the folder has no config.json" if p.is_dir() else "no such file or folder")
+        )
+    try:
+        # A folder as given: peft then finds its config.json when it saves the adapters.
+        cfg = AutoConfig.from_pretrained(str(p if p.is_dir() else file))
+    except (OSError, ValueError) as e:
+        parser.error(f"--config {path}: not a model config ({e})")
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        parser.error(
+            f"--config {path}: model_type {cfg.model_type!r} is not supported; supported: "
+            + ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+        )
+    return cfg
+
+
+def check_vocab(cfg, tokenizer, what: str) -> None:
+    """Every token id of ``tokenizer`` must index the model's embedding."""
+    # The bundled tokenizer has 4096 tokens, ids 0..4095: below the vocab of every real-size
+    # config (Qwen2.5: 152064, Llama 3: 128256), so a random-init model of that shape trains on
+    # it; only its first 4096 embedding rows are ever looked up. A smaller vocab cannot.
+    if len(tokenizer) > cfg.vocab_size:
+        raise SystemExit(
+            f"{what}: the bundled tokenizer has {len(tokenizer)} tokens (ids up to "
+            f"{len(tokenizer) - 1}) but the config's vocab_size is {cfg.vocab_size}: its "
+            "embedding cannot look them up. Use a config with vocab_size >= "
+            f"{len(tokenizer)}."
+        )
+
+
+def use_bf16(precision: str | None) -> bool:
+    """bf16 compute on a bf16-capable GPU unless --fp32; fp32 on the CPU unless --bf16."""
+    from .cli import _use_bf16  # noqa: PLC0415
+
+    return _use_bf16(precision or "auto")
