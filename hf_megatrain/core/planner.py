@@ -744,12 +744,12 @@ def plan_memory(
     )
     fixed_gpu_lines = gpu(0) if hbm_layers is None else gpu_lines
     _add_problems(plan, fixed_gpu_lines)
-    if plan.problems and workload is not None and workload.boundary_bytes_per_element > 2:
-        # Would bf16 boundary activations (half the bytes) make it fit? Then the advice says so.
-        bf16 = replace(workload, boundary_bytes_per_element=2)
-        plan.bf16_boundaries_fit = plan_memory(
+
+    def fits_with(other: Workload) -> bool:
+        """Whether the same run fits with another workload (for the advice)."""
+        return plan_memory(
             shape,
-            bf16,
+            other,
             compute_dtype,
             hbm_bytes,
             host_bytes,
@@ -762,6 +762,11 @@ def plan_memory(
             ranks=ranks,
             _advise=False,
         ).fits
+
+    if plan.problems and workload is not None and workload.boundary_bytes_per_element > 2:
+        # Would bf16 boundary activations (half the bytes) make it fit? Then the advice says so.
+        bf16 = replace(workload, boundary_bytes_per_element=2)
+        plan.bf16_boundaries_fit = fits_with(bf16)
         if plan.bf16_boundaries_fit:
             plan.problems.clear()
             _add_problems(plan, fixed_gpu_lines)
@@ -770,21 +775,7 @@ def plan_memory(
         for k in SEGMENT_ADVICE_LENGTHS:
             if k <= workload.checkpoint_every or k >= n:
                 continue
-            if plan_memory(
-                shape,
-                replace(workload, checkpoint_every=k),
-                compute_dtype,
-                hbm_bytes,
-                host_bytes,
-                hbm_layers=hbm_layers,
-                reserve_bytes=reserve_bytes,
-                host_margin_bytes=host_margin_bytes,
-                hold_grads=hold_grads,
-                stream_fp32_master=stream_fp32_master,
-                input_model_bytes=input_model_bytes,
-                ranks=ranks,
-                _advise=False,
-            ).fits:
+            if fits_with(replace(workload, checkpoint_every=k)):
                 plan.checkpoint_every_fit = k
                 for problem in plan.problems:
                     problem.args = (f"{problem.args[0]} {_segment_advice(k)}",)
