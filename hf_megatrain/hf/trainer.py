@@ -451,10 +451,10 @@ class MegaTrainerMixin:
         plan = self.megatrain.plan
         if plan is None or plan.workload is None or not plan.kept_layers:
             return
-        layers = [layer.forward for layer in find_decoder_layers(self.model)[1]]
         kept = getattr(self, "_megatrain_kept", None)
-        if kept is None:
-            kept = self._megatrain_kept = [i for i, layer in enumerate(layers) if layer.keep_graph]
+        if kept is None:  # the layers that keep activations, found once
+            layers = [layer.forward for layer in find_decoder_layers(self.model)[1]]
+            kept = self._megatrain_kept = [layer for layer in layers if layer.keep_graph]
         over = tokens > plan.workload.micro_batch_tokens
         if over and not getattr(self, "_megatrain_warned_kept", False):
             self._megatrain_warned_kept = True
@@ -465,8 +465,8 @@ class MegaTrainerMixin:
                 tokens,
                 plan.workload.micro_batch_tokens,
             )
-        for i in kept:
-            layers[i].keep_graph = not over
+        for layer in kept:
+            layer.keep_graph = not over
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if getattr(self.args, "megatrain_log_throughput", True) and "loss" in logs:
