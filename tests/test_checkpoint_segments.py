@@ -187,9 +187,9 @@ def test_followers_recomputed_from_chain(tmp_path, k):
     leaders = set(range(0, n_layers, k))
     residual = {layer for (layer, _), h in engine._act_handles.items() if h["host"].shape == hidden}
     assert residual == leaders
-    # The small inputs (rope cos/sin) are saved (here: offloaded) by every layer as before.
-    small = {layer for (layer, _), h in engine._act_handles.items() if h["host"].shape != hidden}
-    assert small == set(range(n_layers))
+    # Only the residual stream is offloaded: the other inputs (RoPE cos/sin, one tensor shared
+    # by every layer) stay on the device, saved by reference.
+    assert all(h["host"].shape == hidden for h in engine._act_handles.values())
     # Evaluation (no_grad) runs each layer once and builds no segment.
     counts.clear()
     engine.reset_segments()

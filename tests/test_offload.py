@@ -26,8 +26,12 @@ def test_offloaded_activations_match_stock(tmp_path, arch):
     assert engine.offload_activations
     engine.offload_min_numel = 1  # tiny shapes: offload every float input of every layer
     trainer.train()
-    # Every layer's hidden-state input went through a host buffer.
+    # Every layer's hidden-state input went through a host buffer, and nothing else did: the
+    # RoPE cos/sin (same tensor for every layer) stay on the device, shared by reference.
     assert {layer for layer, _ in engine._act_host} == set(range(len(engine.stores)))
+    hidden = model.config.hidden_size
+    assert all(h["host"].shape[-1] == hidden for h in engine._act_handles.values())
+    assert len({k for _, k in engine._act_host}) == 1, sorted(engine._act_host)
     for a, b in zip(stock, rec.logs):
         # Offloading copies bytes; the arithmetic is that of the streamed path (fp32, rel 1e-5
         # as in the equivalence tests).
@@ -41,6 +45,10 @@ def test_offload_skips_small_inputs():
 
     engine = StreamingEngine([], torch.device("cpu"), torch.float32)
     engine.offload_activations = True
-    assert not engine.should_offload(torch.zeros(10))  # below offload_min_numel (1M)
-    assert engine.should_offload(torch.zeros(1 << 20))
-    assert not engine.should_offload(torch.zeros(1 << 20, dtype=torch.long))  # ids, masks
+    residual = {(1 << 20,), (10,)}  # the shapes of the layer's floating outputs
+    assert not engine.should_offload(torch.zeros(10), residual)  # below offload_min_numel (1M)
+    assert engine.should_offload(torch.zeros(1 << 20), residual)
+    big_ids = torch.zeros(1 << 20, dtype=torch.long)
+    assert not engine.should_offload(big_ids, residual)  # ids, masks
+    # Large but not the residual stream (RoPE tables): kept on the device by reference.
+    assert not engine.should_offload(torch.zeros(1 << 21), residual)

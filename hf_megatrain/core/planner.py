@@ -89,6 +89,8 @@ class ModelShape:
     # Width of one of k/v (kv heads x head dim); 0 when unknown: taken as hidden_size (an upper
     # bound, so kept-activation estimates err high).
     kv_size: int = 0
+    # Width of one attention head; 0 when unknown (then the RoPE tables go uncounted).
+    head_dim: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -402,16 +404,18 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
 
     Counted for a pre-norm attention + gated-MLP layer (Llama/Qwen2 family) under bf16 autocast
     with an fp32 residual stream, on top of the saved layer input (a boundary activation,
-    counted there): two RMSNorms save their fp32 normalized input (2 x 4h) and the fp32
-    mid-layer residual (4h); the q/k/v and gate/up projections each save their own bf16 cast of
-    the input (5 x 2h); RoPE saves q, k and their rotated halves (2 x (2h + 2kv)); attention
-    (cuDNN/flash SDPA) its bf16 q, k, v and output (2h + 4kv + 2h); o_proj its contiguous input
-    (2h); the MLP its gate and up outputs, the SiLU output and the product (4 x 2i). The SDPA
-    log-sum-exp and RoPE tables are per head/position, not per width: left to the slack line.
+    counted there), as audited with ``saved_tensors_hooks`` (tests/test_keep_activations.py):
+    each RMSNorm saves its fp32 normalized product (2 x 4h) and the second one its fp32 input,
+    the mid-layer residual (4h); the q/k/v and gate/up projections each save their own bf16 cast
+    of the normalized input (5 x 2h); attention saves its bf16 q (2h), rotated k and v (4kv)
+    and output, which o_proj saves as its input (2h: the same storage); the MLP saves the gate
+    and up outputs, the SiLU output and their product (4 x 2i). RoPE saves nothing per layer:
+    its products are with cos/sin, which need no gradient, so only the (shared) tables are
+    kept. The attention log-sum-exp and norm scales are per head/token: left to the slack line.
     """
     h, i = shape.hidden_size, shape.intermediate_size
     kv = shape.kv_size or h
-    return 32 * h + 8 * kv + 8 * i
+    return 26 * h + 4 * kv + 8 * i
 
 
 def saved_boundary_layers(shape: ModelShape, workload: Workload) -> int:
@@ -487,6 +491,16 @@ def _activation_lines(
             MemoryLine(
                 f"boundary activations offloaded to host; in HBM: {what}",
                 2 * t * h * b + t * h * cast_back,
+            )
+        )
+    if shape.head_dim:
+        # The rotary embedding's cos and sin for the micro-batch, in the dtype of the embedding
+        # output (fp32: the non-layer parameters are fp32): one tensor pair that every layer
+        # saves by reference (never offloaded), alive from the embedding to the last backward.
+        lines.append(
+            MemoryLine(
+                f"RoPE cos/sin tables (fp32): {t} tokens x head_dim {shape.head_dim} x 2 x 4 B",
+                t * shape.head_dim * 2 * 4,
             )
         )
     cached = segment_cache_layers(shape, workload)

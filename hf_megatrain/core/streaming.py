@@ -275,8 +275,17 @@ class StreamingEngine:
         """A floating layer input of at least ``offload_min_numel`` elements (not ids/masks)."""
         return t.is_floating_point() and t.numel() >= self.offload_min_numel
 
-    def should_offload(self, t: torch.Tensor) -> bool:
-        return self.offload_activations and self.is_large_activation(t)
+    def should_offload(self, t: torch.Tensor, residual_shapes: set[tuple[int, ...]]) -> bool:
+        """Whether layer input ``t`` goes to host memory: a large activation of the residual
+        stream (the shape of one of the layer's floating outputs). Other large inputs are the
+        same tensor for every layer (RoPE cos/sin, tokens x head_dim, fp32: 512 MiB at 512k
+        tokens): each saved reference shares one device copy, where offloading would store a
+        host copy per layer (14 GiB over the plan in a 7B run at 524,288 tokens)."""
+        return (
+            self.offload_activations
+            and tuple(t.shape) in residual_shapes
+            and self.is_large_activation(t)
+        )
 
     def boundary_save_dtype(
         self, t: torch.Tensor, residual_shapes: set[tuple[int, ...]]
@@ -1003,7 +1012,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
                     for x in out_flat
                     if isinstance(x, torch.Tensor) and x.is_floating_point()
                 }
-                if engine.boundary_dtype is not None or segments
+                if engine.boundary_dtype is not None or segments or engine.offload_activations
                 else set()
             )
             follow = (
@@ -1022,7 +1031,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 if narrow is not None:
                     ctx.cast_back[k] = t.dtype
                     t = t.to(narrow)
-                if engine.should_offload(t):
+                if engine.should_offload(t, residual_shapes):
                     ctx.offloaded[k] = engine.offload_activation(layer.index, k, t)
                     sources.append(("handle", ctx.offloaded[k]))
                 else:

@@ -96,6 +96,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
     return ModelShape(
         kv_size=kv_heads * head_dim,
+        head_dim=head_dim,
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
         hidden_size=text_cfg.hidden_size,
