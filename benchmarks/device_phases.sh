@@ -7,13 +7,12 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh tests      # nvidia-h200 or -x2
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed      # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed2     # nvidia-h200
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~2.5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh longest    # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long       # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long1m     # nvidia-h200, then long-wait
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long7b     # nvidia-h200, then long-wait
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh dp         # nvidia-h200-x2
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes    # nvidia-h200
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes-cli  # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes    # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes-cli  # nvidia-h200 (~125 s)
 #
@@ -25,7 +24,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | longest | long | long1m | long7b | long-wait | dp | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | profile8k | longest | long | long1m | long7b | long-wait | dp | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -65,14 +64,23 @@ case "$phase" in
     bench --tag "gaps-$(date -u +%H%M)" --streamed-init --layer-timing --steps 3 --warmup 2 \
       --timeout-s 150 --run qwen2.5-7b:65536:megatrain-hbm:16 --run qwen2.5-7b:8192:megatrain-hbm:2
     ;;
+  profile8k)
+    # Issue 3's one stock comparison below 1.0x (Qwen2.5-7B at 8k tokens/step: 7,298 vs 7,732
+    # tok/s at 710d066; layer passes 85% of the step, no inter-layer gaps, at 21c5b8e): a kernel
+    # trace of one step of each, GPU time by kernel family (trace_overlap), side by side.
+    bench --tag "profile8k-$(date -u +%H%M)" --streamed-init --profile --steps 2 --warmup 2 \
+      --timeout-s 170 --run qwen2.5-7b:8192:megatrain-hbm,stock
+    grep -a "bench worker: trace" "$log" | tail -2 | cut -c1-900
+    ;;
   longest)
     # Issue 4's table, the stock and DeepSpeed side: one sequence per step at growing lengths
     # until each runs out of memory (an OOM row is the result). hf_megatrain's side: long,
     # long1m, long7b (3B: `plan --seq-len ... --bf16-boundaries --checkpoint-every 2
     # --offload-activations --mlp-tile-tokens 16384` puts it at 1.39M tokens).
-    for spec in "32768 qwen2.5-1.5b:32768:stock,deepspeed qwen2.5-3b:32768:stock,deepspeed" \
-      "65536 qwen2.5-1.5b:65536:deepspeed" "16384 qwen2.5-3b:16384:stock qwen2.5-7b:16384:stock" \
-      "8192 qwen2.5-7b:8192:deepspeed"; do
+    # Stock at 32k (1.5B, 3B) ran in longest-0822; stock 1.5B at 64k ran out of HBM (h200-j).
+    for spec in "32768 qwen2.5-1.5b:32768:deepspeed qwen2.5-3b:32768:deepspeed" \
+      "65536 qwen2.5-1.5b:65536:deepspeed qwen2.5-3b:65536:stock" \
+      "16384 qwen2.5-7b:16384:stock" "8192 qwen2.5-7b:8192:stock,deepspeed"; do
       read -r len runs <<<"$spec"
       # shellcheck disable=SC2046
       bench --tag "longest-$(date -u +%H%M)" --seq-len "$len" --steps 1 --warmup 1 \

@@ -1,4 +1,5 @@
-"""How much of the PCIe copy time of a streamed step overlaps compute kernels (chrome trace).
+"""How much of the PCIe copy time of a streamed step overlaps compute kernels, and where the
+GPU time goes by kernel family (chrome trace).
 
     python3 benchmarks/trace_overlap.py trace.json[.gz]
 
@@ -74,6 +75,38 @@ def _busy_and_gaps(kernels, top: int = 5) -> tuple[float, list[tuple[float, floa
     return busy / span, gaps[:top]
 
 
+# Kernel families by name, first match wins (cuDNN's SDPA kernels also carry "sm90", so
+# attention is tested before the GEMMs). Used to set two systems' steps side by side: where the
+# GPU time of each goes, not only how busy it is.
+KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_")),
+    ("loss", ("cross_entropy", "softmax", "nll_loss")),
+    ("copy/cast", ("copy", "catarray", "fill")),
+    ("reduce/norm", ("reduce_kernel", "norm")),
+    ("elementwise", ("elementwise",)),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, keys in KERNEL_CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def kernel_ms_by_category(events: list[dict]) -> dict[str, float]:
+    """Summed kernel time (ms) per family, largest first (overlapping kernels both count)."""
+    out: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            c = kernel_category(e.get("name", ""))
+            out[c] = out.get(c, 0.0) + float(e.get("dur", 0)) / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def analyze(events: list[dict]) -> dict:
     kernels = _spans(events, lambda e: e.get("cat") == "kernel")
     h2d = _spans(events, lambda e: "Memcpy HtoD" in e.get("name", ""), 50)
@@ -97,6 +130,7 @@ def analyze(events: list[dict]) -> dict:
         "h2d_backward": phase([x for x in h2d if x[0] >= backward_start]),
         "d2h": phase(d2h),
         "kernel_busy_ms": sum(e - s for s, e, _ in kernels) / 1e3,
+        "kernel_ms_by_category": {k: round(v, 2) for k, v in kernel_ms_by_category(events).items()},
         "span_ms": (max(e for _, e, _ in kernels) - kernels[0][0]) / 1e3 if kernels else 0.0,
     }
 
@@ -108,6 +142,8 @@ def main(argv: list[str]) -> None:
         print(f"  kernel streams {r['kernel_streams']}, copy streams {r['copy_streams']}")
         print(f"  GPU span {r['span_ms']:.1f} ms, kernels busy {r['kernel_busy_ms']:.1f} ms")
         print(f"  GPU busy (any kernel running) {100 * r['gpu_busy_fraction']:.1f}% of the span")
+        cats = ", ".join(f"{k} {v:.1f}" for k, v in r["kernel_ms_by_category"].items())
+        print(f"  kernel ms by family: {cats}")
         for at, length in r["largest_gaps_ms"]:
             print(f"    idle gap {length:8.2f} ms at +{at:.1f} ms")
         for key in ("h2d_forward", "h2d_backward", "d2h"):

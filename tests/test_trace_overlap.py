@@ -60,3 +60,24 @@ def test_analyze_on_synthetic_events():
     assert r["h2d_forward"].copies == 1 and r["h2d_forward"].fraction == pytest.approx(0.5)
     assert r["h2d_backward"].copies == 1 and r["h2d_backward"].fraction == pytest.approx(0.5)
     assert r["d2h"].fraction == pytest.approx(0.6)
+
+
+def test_kernel_families():
+    from benchmarks.trace_overlap import kernel_category, kernel_ms_by_category
+
+    assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention"
+    assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert kernel_category("multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert kernel_category("vectorized_elementwise_kernel<8, bfloat16_copy_kernel_cuda>") == (
+        "copy/cast"
+    )
+    assert kernel_category("reduce_kernel<512, 1, ReduceOp<float, NormTwoOps>>") == "reduce/norm"
+    assert kernel_category("elementwise_kernel<128, 4, BinaryFunctor<float>>") == "elementwise"
+    assert kernel_category("some_new_kernel") == "other"
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_a", "ts": 0, "dur": 2000},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_b", "ts": 5000, "dur": 1000},
+        {"ph": "X", "cat": "kernel", "name": "fused_adam", "ts": 9000, "dur": 500},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 0, "dur": 9000},
+    ]
+    assert kernel_ms_by_category(events) == {"gemm": 3.0, "optimizer": 0.5}
