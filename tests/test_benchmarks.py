@@ -258,3 +258,32 @@ def test_planner_peaks_within_10_percent_of_recorded_h200_runs():
         assert abs(r["hbm_err"]) <= 0.10, r
         assert abs(r["host_err"]) <= 0.10, r
     assert "| d822e80 |" in pvm.markdown(rows)
+
+
+def test_longest_table_bounds():
+    """Longest ok and shortest out-of-memory one-sequence run per (model, system); multi-sequence
+    steps, timeouts and hf_megatrain runs without its long-context options are no bounds."""
+    from benchmarks.longest_table import longest, markdown
+
+    def row(system, seq, status, tag, tokens=None, command="--offload-activations"):
+        return dict(model="m", system=system, seq_len=seq, tokens_per_step=tokens or seq,
+                    micro_batch=1, grad_accum=1, status=status, tag=tag, command=command)  # fmt: skip
+
+    rows = [
+        row("stock", 32768, "ok", "a"),
+        row("stock", 16384, "ok", "b"),
+        row("stock", 65536, "oom-gpu", "c"),
+        row("stock", 131072, "oom-gpu", "d"),
+        row("stock", 65536, "ok", "e", tokens=131072),  # two sequences per step
+        row("megatrain-hbm", 131072, "ok", "f"),
+        row("megatrain-hbm", 262144, "timeout (110 s)", "g"),
+        row("megatrain-hbm", 524288, "oom-gpu", "h", command=""),
+    ]
+    t = longest(rows)
+    assert t[("m", "stock")] == {"ok": 32768, "ok_tag": "a", "failed": 65536,
+                                 "fail": "oom-gpu (c)"}  # fmt: skip
+    assert t[("m", "megatrain-hbm")]["ok"] == 131072
+    assert t[("m", "megatrain-hbm")]["failed"] is None
+    text = markdown(t, {"m": 1 << 20, "other": 4096})
+    assert "| m | hf_megatrain | 131,072 | f |  |  | 1,048,576 |" in text
+    assert "| other | hf_megatrain | none |" in text
