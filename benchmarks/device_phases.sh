@@ -7,7 +7,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh tests      # nvidia-h200 or -x2
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed      # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed2     # nvidia-h200
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~2.5 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh longest    # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long       # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long1m     # nvidia-h200, then long-wait
@@ -69,9 +69,13 @@ case "$phase" in
     # Issue 3's one stock comparison below 1.0x (Qwen2.5-7B at 8k tokens/step: 7,298 vs 7,732
     # tok/s at 710d066; layer passes 85% of the step, no inter-layer gaps, at 21c5b8e): a kernel
     # trace of one step of each, GPU time by kernel family (trace_overlap), side by side.
+    # Then the 7B at 64k tokens (385 model TFLOP/s at d822e80, 450 targeted): where its kernel
+    # time goes beyond the GEMMs (fp32 RMSNorm/RoPE and SwiGLU elementwise passes, recompute).
     bench --tag "profile8k-$(date -u +%H%M)" --streamed-init --profile --steps 2 --warmup 2 \
       --timeout-s 170 --run qwen2.5-7b:8192:megatrain-hbm,stock
-    grep -a "bench worker: trace" "$log" | tail -2 | cut -c1-900
+    bench --tag "profile64k-$(date -u +%H%M)" --streamed-init --profile --steps 1 --warmup 2 \
+      --timeout-s 170 --run qwen2.5-7b:65536:megatrain-hbm:16
+    grep -a "bench worker: trace" "$log" | tail -3 | cut -c1-900
     ;;
   longest)
     # Issue 4's table, the stock and DeepSpeed side: one sequence per step at growing lengths
