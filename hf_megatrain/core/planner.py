@@ -34,6 +34,7 @@ import torch
 
 from .chunked_loss import default_chunk_tokens
 from .host_store import device_layer_bytes, format_bytes, layer_store_bytes
+from .memory_options import MemoryOptions, lightest_fit
 from .streaming import GRAD_STAGING_SLOTS
 
 GIB = 2**30
@@ -224,6 +225,9 @@ class MemoryPlan:
     checkpoint_every_fit: int | None = None
     # Set when the plan does not fit: whether it would with bf16 boundary activations.
     bf16_boundaries_fit: bool = False
+    # Set when the plan does not fit: the lightest set of memory options not used yet that would
+    # make it fit (``memory_options.lightest_fit``), when neither of the two above is advised.
+    options_fit: MemoryOptions | None = None
 
     @property
     def host_bytes_per_param(self) -> int:
@@ -759,8 +763,8 @@ def plan_memory(
     fixed_gpu_lines = gpu(0) if hbm_layers is None else gpu_lines
     _add_problems(plan, fixed_gpu_lines)
 
-    def fits_with(other: Workload) -> bool:
-        """Whether the same run fits with another workload (for the advice)."""
+    def fits_with(other: Workload, **store: bool) -> bool:
+        """Whether the same run fits with another workload / host-store mode (for the advice)."""
         return plan_memory(
             shape,
             other,
@@ -770,12 +774,36 @@ def plan_memory(
             hbm_layers=hbm_layers,
             reserve_bytes=reserve_bytes,
             host_margin_bytes=host_margin_bytes,
-            hold_grads=hold_grads,
-            stream_fp32_master=stream_fp32_master,
+            hold_grads=store.get("hold_grads", hold_grads),
+            stream_fp32_master=store.get("stream_fp32_master", stream_fp32_master),
             input_model_bytes=input_model_bytes,
             ranks=ranks,
             _advise=False,
         ).fits
+
+    base = (
+        _current_options(workload, hold_grads, stream_fp32_master) if workload is not None else None
+    )
+
+    def fits_options(o: MemoryOptions) -> bool:
+        return fits_with(_options_workload(workload, o), **_options_store(o))
+
+    if plan.problems and _advise and base is not None:
+        # Exact, cheap options first: when MLP tiles, activation offload or fp32-master
+        # streaming (alone or together) make it fit, that is the advice, before anything
+        # approximate (bf16 boundaries) or slower (checkpoint segments) is considered.
+        def cheap(o: MemoryOptions) -> bool:
+            return (o.checkpoint_every, o.bf16_boundaries, o.no_clip) == (
+                base.checkpoint_every, base.bf16_boundaries, base.no_clip,
+            )  # fmt: skip
+
+        exact = lightest_fit(
+            lambda o: cheap(o) and fits_options(o), base, workload.micro_batch_tokens
+        )
+        if exact is not None:
+            _advise_options(plan, exact, base)
+            _add_notes(plan)
+            return plan
 
     if plan.problems and workload is not None and workload.boundary_bytes_per_element > 2:
         # Would bf16 boundary activations (half the bytes) make it fit? Then the advice says so.
@@ -794,8 +822,51 @@ def plan_memory(
                 for problem in plan.problems:
                     problem.args = (f"{problem.args[0]} {_segment_advice(k)}",)
                 break
+    if (
+        plan.problems
+        and _advise
+        and base is not None
+        and not plan.bf16_boundaries_fit
+        and plan.checkpoint_every_fit is None
+    ):
+        # No single option is enough: the lightest combination of those not used yet.
+        found = lightest_fit(fits_options, base, workload.micro_batch_tokens)
+        if found is not None:
+            _advise_options(plan, found, base)
     _add_notes(plan)
     return plan
+
+
+def _current_options(workload: Workload, hold_grads: bool, stream_fp32_master: bool):
+    return MemoryOptions(
+        mlp_tile_tokens=workload.mlp_tile_tokens,
+        offload_activations=workload.offload_activations,
+        stream_fp32_master=stream_fp32_master,
+        checkpoint_every=workload.checkpoint_every,
+        bf16_boundaries=workload.boundary_bytes_per_element <= 2,
+        no_clip=not hold_grads,
+    )
+
+
+def _options_workload(workload: Workload, o: MemoryOptions) -> Workload:
+    return replace(
+        workload,
+        mlp_tile_tokens=o.mlp_tile_tokens,
+        offload_activations=o.offload_activations,
+        checkpoint_every=o.checkpoint_every,
+        boundary_bytes_per_element=2 if o.bf16_boundaries else workload.boundary_bytes_per_element,
+    )
+
+
+def _options_store(o: MemoryOptions) -> dict[str, bool]:
+    return {"hold_grads": not o.no_clip, "stream_fp32_master": o.stream_fp32_master}
+
+
+def _advise_options(plan: MemoryPlan, found: MemoryOptions, base: MemoryOptions) -> None:
+    plan.options_fit = found
+    advice = f"With {found.describe(base)} this plan fits."
+    for problem in plan.problems:
+        problem.args = (f"{problem.args[0]} {advice}",)
 
 
 #: Segment lengths the advice tries when a plan does not fit (the shortest that fits is named).

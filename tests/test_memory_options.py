@@ -1,0 +1,105 @@
+"""The planner's advice when a run does not fit: the lightest set of memory options not used
+yet that makes it fit, exact options before approximate ones."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_megatrain.cli import model_shape_from_config
+from hf_megatrain.core.memory_options import (
+    ADVICE_TILE_TOKENS,
+    MemoryOptions,
+    candidates,
+    lightest_fit,
+)
+from hf_megatrain.core.planner import GIB, Workload, plan_memory
+
+CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+BF16 = torch.bfloat16
+HBM, HOST = int(139.3 * GIB), 124 * GIB
+
+
+def _shape(name: str):
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    return model_shape_from_config(AutoConfig.from_pretrained(CONFIGS / name), name)
+
+
+def test_candidates_keep_base_and_go_lightest_first():
+    base = MemoryOptions(offload_activations=True, checkpoint_every=2)
+    cands = candidates(base, micro_batch_tokens=1 << 20)
+    assert cands and all(c.offload_activations and c.checkpoint_every >= 2 for c in cands)
+    assert all(c != base for c in cands)
+    costs = [c.cost(base) for c in cands]
+    assert costs == sorted(costs)
+    # Exact and cheap first; approximate (bf16) and semantic (no clipping) options come late.
+    assert cands[0] == replace(base, mlp_tile_tokens=ADVICE_TILE_TOKENS)
+    first_bf16 = next(i for i, c in enumerate(cands) if c.bf16_boundaries)
+    assert all(not c.bf16_boundaries and not c.no_clip for c in cands[:first_bf16])
+    assert cands[-1].no_clip and cands[-1].bf16_boundaries
+    # Tiles are no option for micro-batches no longer than a tile.
+    assert all(not c.mlp_tile_tokens for c in candidates(MemoryOptions(), 4096))
+
+
+def test_lightest_fit_and_describe():
+    base = MemoryOptions()
+    found = lightest_fit(lambda o: o.offload_activations and o.checkpoint_every >= 3, base, 1 << 19)
+    # segments of 3 plus offload beats segments of 4 plus offload; tiles are not needed.
+    assert found == MemoryOptions(offload_activations=True, checkpoint_every=3)
+    text = found.describe(base)
+    assert "megatrain_offload_activations=True" in text and "megatrain_checkpoint_every=3" in text
+    assert "(plan --offload-activations --checkpoint-every 3)" in text
+    assert lightest_fit(lambda o: False, base, 1 << 19) is None
+
+
+@pytest.mark.parametrize(
+    ("model", "seq", "wanted"),
+    [
+        # 84 GiB of fp32 boundaries stay in HBM once the MLP works in tiles: exact, one option.
+        ("qwen2.5-1.5b", 524288, MemoryOptions(mlp_tile_tokens=ADVICE_TILE_TOKENS)),
+        # 196 GiB of boundaries: offload, fp32-master streaming, segments of 2 and bf16 (the
+        # combination the 524,288-token run used, with clipping kept).
+        (
+            "qwen2.5-7b",
+            524288,
+            MemoryOptions(ADVICE_TILE_TOKENS, True, True, 2, True, False),
+        ),
+    ],
+)
+def test_long_sequence_advice_names_options_that_fit(model, seq, wanted):
+    shape = _shape(model)
+    wl = Workload(seq_len=seq, micro_batch_tokens=seq)
+    plan = plan_memory(shape, wl, BF16, HBM, HOST)
+    assert not plan.fits and plan.options_fit == wanted
+    assert wanted.describe(MemoryOptions()) in str(plan.problems[0])
+    advised = replace(
+        wl,
+        mlp_tile_tokens=wanted.mlp_tile_tokens,
+        offload_activations=wanted.offload_activations,
+        checkpoint_every=wanted.checkpoint_every,
+        boundary_bytes_per_element=2 if wanted.bf16_boundaries else 4,
+    )
+    assert plan_memory(
+        shape, advised, BF16, HBM, HOST, hold_grads=not wanted.no_clip,
+        stream_fp32_master=wanted.stream_fp32_master,
+    ).fits  # fmt: skip
+
+
+def test_host_bound_advice_and_a_plan_that_fits_gets_none():
+    """Qwen2.5-14B at 16k tokens/step: the 18 B/param host store does not fit 124 GiB; the
+    advice names options that make it fit. A plan that fits carries no advice."""
+    shape = _shape("qwen2.5-14b")
+    wl = Workload.from_step(4096, 16384)
+    plan = plan_memory(shape, wl, BF16, HBM, HOST)
+    assert not plan.fits and plan.options_fit is not None
+    o = plan.options_fit
+    assert plan_memory(
+        shape, replace(wl, checkpoint_every=o.checkpoint_every), BF16, HBM, HOST,
+        hold_grads=not o.no_clip, stream_fp32_master=o.stream_fp32_master,
+    ).fits  # fmt: skip
+    ok = plan_memory(shape, wl, BF16, HBM, 1024 * GIB)
+    assert ok.fits and ok.options_fit is None
