@@ -56,26 +56,28 @@ class MemoryOptions:
 
     def describe(self, base: MemoryOptions) -> str:
         """The options turned on over ``base``, as trainer arguments and ``plan`` flags."""
-        args, flags = [], []
-        if self.mlp_tile_tokens != base.mlp_tile_tokens:
-            args.append(f"megatrain_mlp_tile_tokens={self.mlp_tile_tokens}")
-            flags.append(f"--mlp-tile-tokens {self.mlp_tile_tokens}")
-        if self.offload_activations != base.offload_activations:
-            args.append("megatrain_offload_activations=True")
-            flags.append("--offload-activations")
-        if self.stream_fp32_master != base.stream_fp32_master:
-            args.append("megatrain_stream_fp32_master=True")
-            flags.append("--stream-fp32-master")
-        if self.checkpoint_every != base.checkpoint_every:
-            args.append(f"megatrain_checkpoint_every={self.checkpoint_every}")
-            flags.append(f"--checkpoint-every {self.checkpoint_every}")
-        if self.bf16_boundaries != base.bf16_boundaries:
-            args.append("megatrain_boundary_dtype='bfloat16' (approximate gradients)")
-            flags.append("--bf16-boundaries")
-        if self.no_clip != base.no_clip:
-            args.append("max_grad_norm=0 (no gradient clipping)")
-            flags.append("--no-clip")
-        return f"{', '.join(args)} (plan {' '.join(flags)})"
+        changed = [
+            (arg.format(v=getattr(self, name)), flag.format(v=getattr(self, name)))
+            for name, arg, flag in _DESCRIPTIONS
+            if getattr(self, name) != getattr(base, name)
+        ]
+        args = ", ".join(a for a, _ in changed)
+        return f"{args} (plan {' '.join(f for _, f in changed)})"
+
+
+# (field, trainer argument, ``plan`` flag), in the order the advice lists them.
+_DESCRIPTIONS = (
+    ("mlp_tile_tokens", "megatrain_mlp_tile_tokens={v}", "--mlp-tile-tokens {v}"),
+    ("offload_activations", "megatrain_offload_activations=True", "--offload-activations"),
+    ("stream_fp32_master", "megatrain_stream_fp32_master=True", "--stream-fp32-master"),
+    ("checkpoint_every", "megatrain_checkpoint_every={v}", "--checkpoint-every {v}"),
+    (
+        "bf16_boundaries",
+        "megatrain_boundary_dtype='bfloat16' (approximate gradients)",
+        "--bf16-boundaries",
+    ),
+    ("no_clip", "max_grad_norm=0 (no gradient clipping)", "--no-clip"),
+)
 
 
 def candidates(base: MemoryOptions, micro_batch_tokens: int) -> list[MemoryOptions]:
