@@ -103,3 +103,29 @@ def test_host_bound_advice_and_a_plan_that_fits_gets_none():
     ).fits  # fmt: skip
     ok = plan_memory(shape, wl, BF16, HBM, 1024 * GIB)
     assert ok.fits and ok.options_fit is None
+
+
+def test_trainer_plan_warns_with_the_advice_when_activations_do_not_fit(monkeypatch, caplog):
+    """resident_layers='auto' with the step known: a GPU shortfall (the 7B's 196 GiB of
+    boundary activations at 512k tokens) is logged with the options that would fit, before
+    anything is allocated, instead of surfacing as an out-of-memory in the first step."""
+    import logging  # noqa: PLC0415
+
+    from hf_megatrain.hf import model as hf_model  # noqa: PLC0415
+
+    shape = _shape("qwen2.5-7b")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (HBM, HBM))
+    monkeypatch.setattr(hf_model, "available_host_bytes", lambda: HOST)
+    plans = [([], n, n) for n in shape.layer_numels]
+    wl = Workload(seq_len=524288, micro_batch_tokens=524288)
+    with caplog.at_level(logging.WARNING, logger=hf_model.logger.name):
+        n_hbm, plan = hf_model._resident_layer_count(
+            "auto", plans, torch.device("cuda"), BF16, 0, shape=shape, workload=wl
+        )
+    assert n_hbm == 0 and not plan.fits
+    assert "--offload-activations" in caplog.text and "may run out of GPU memory" in caplog.text
+    # Without the step's workload (fixed reserve), nothing is claimed about activations.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=hf_model.logger.name):
+        hf_model._resident_layer_count("auto", plans, torch.device("cuda"), BF16, 48 * GIB)
+    assert "may run out of GPU memory" not in caplog.text

@@ -462,7 +462,15 @@ def _resident_layer_count(
         )
         logger.info("hf_megatrain: memory plan (resident_layers='auto')\n%s", plan.table())
         # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the
-        # user's host limit); a GPU shortfall only means no layer goes to HBM, as before.
+        # user's host limit); a GPU shortfall means no layer goes to HBM. With the step's
+        # workload known, the plan says the activations themselves do not fit: warn now, with
+        # the options that would make it fit, instead of letting the first step run out of
+        # memory (not an error: the plan's estimates run a few percent high).
+        if workload is not None:
+            for problem in plan.problems:
+                if problem.tier == "gpu":
+                    logger.warning("%s (planned before training; it may run out of GPU memory)",
+                                   problem)  # fmt: skip
         return plan.n_hbm, plan
     count = int(resident_layers)
     if not 0 <= count <= n:
