@@ -73,12 +73,17 @@ class TiledTokenwise:
     Sequences up to ``tile_tokens`` long (dim -2) run the module's own forward unchanged.
     """
 
-    def __init__(self, module: nn.Module, tile_tokens: int) -> None:
+    def __init__(self, module: nn.Module, tile_tokens: int, forward_impl=None) -> None:
+        """``forward_impl(module, x)`` is the forward to tile: by default the one the module has
+        (a forward patched onto the instance, e.g. a fused kernel's, else its class's)."""
         if tile_tokens <= 0:
             raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
         self.module = module
         self.tile_tokens = tile_tokens
-        self.forward_impl = type(module).forward
+        if forward_impl is None:
+            patched = module.__dict__.get("forward")
+            forward_impl = getattr(patched, "__func__", None) or type(module).forward
+        self.forward_impl = forward_impl
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.shape[-2] <= self.tile_tokens:

@@ -1,4 +1,5 @@
-"""Long-context switches for a streamed HF model: sequence tiling of the decoder layers' MLPs."""
+"""Long-context and kernel switches for a streamed HF model: sequence tiling of the decoder
+layers' MLPs, and Liger-Kernel's fused Triton kernels (the Trainer's ``use_liger_kernel``)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,16 @@ def install_mlp_tiling(model: nn.Module, tile_tokens: int) -> int:
                 count += 1
     logger.info("hf_megatrain: MLPs of %d layers tiled by %d tokens", count, tile_tokens)
     return count
+
+
+def apply_liger_kernels(model: nn.Module, kernel_config: dict | None) -> None:
+    """Liger-Kernel's fused RMSNorm / RoPE / SwiGLU for the streamed model, as the Trainer's
+    ``use_liger_kernel=True`` applies them (``transformers.integrations.liger``), but at
+    preparation time: the Trainer patches in ``train()``, which would replace the MLP tiling's
+    forward installed before it (tiling then wraps the Liger forward instead). Training batches
+    with labels keep hf_megatrain's own chunked loss; Liger's fused linear cross-entropy, when
+    configured, only serves the model's own forward (evaluation)."""
+    from transformers.integrations.liger import apply_liger_kernel  # noqa: PLC0415
+
+    apply_liger_kernel(model, kernel_config)
+    logger.info("hf_megatrain: Liger kernels applied (%s)", kernel_config or "defaults")

@@ -34,7 +34,7 @@ from .checkpoint import (
     save_optimizer_state,
     save_streamed_pretrained,
 )
-from .long_context import install_mlp_tiling
+from .long_context import apply_liger_kernels, install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss
 from .model import (
     _is_peft,
@@ -354,6 +354,8 @@ class MegaTrainerMixin:
         self.megatrain = streamed_state(model)
         _check_data_parallel(self.megatrain, args)
         _check_grad_mode(self.megatrain, args)
+        if getattr(args, "use_liger_kernel", False):
+            apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
         install_mlp_tiling(model, getattr(args, "megatrain_mlp_tile_tokens", 0))
         keep_activations(model, getattr(args, "megatrain_keep_activations", "off"))
         self.megatrain.engine.offload_activations = bool(
@@ -384,9 +386,16 @@ class MegaTrainerMixin:
         super().create_accelerator_and_postprocess()
 
     def train(self, *args: Any, **kwargs: Any):
+        # Liger kernels went in when the model was streamed (before the MLP tiling); the
+        # Trainer's own application at the start of train() would undo the tiling.
+        liger = getattr(self.args, "use_liger_kernel", False)
+        if liger:
+            self.args.use_liger_kernel = False
         try:
             return super().train(*args, **kwargs)
         finally:
+            if liger:
+                self.args.use_liger_kernel = True
             # The last optimizer step may still be updating the host store on its thread:
             # finish it so weights are final (and no thread outlives the run).
             self.megatrain.engine.wait_updates()

@@ -1,0 +1,56 @@
+"""The Trainer's ``use_liger_kernel`` with a streamed model.
+
+Liger's Triton kernels need CUDA (tests/test_gpu.py runs them for real). Here a stand-in for
+``transformers.integrations.liger.apply_liger_kernel`` patches every MLP's forward on the
+instance as Liger does (same arithmetic, counted), to check the integration itself: kernels go
+in when the model is streamed, before MLP tiling (which then tiles the patched forward), and
+the Trainer does not patch again in ``train()`` (that would replace the tiling).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import transformers.integrations.liger as hf_liger
+
+from hf_megatrain.core.tiling import TiledTokenwise
+
+from .helpers import run_trainer, tiny_config, tiny_model
+
+
+def _fake_liger(calls: list, used: list):
+    def apply(model, config):
+        calls.append(config)
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            orig = type(mlp).forward
+
+            def fused(self, x, _orig=orig):
+                used.append(x.shape[-2])
+                return _orig(self, x)
+
+            mlp.__dict__["forward"] = fused.__get__(mlp, type(mlp))  # as Liger binds it
+
+    return apply
+
+
+def test_liger_kernels_go_in_before_tiling_and_once(tmp_path, monkeypatch):
+    calls: list = []
+    used: list = []
+    monkeypatch.setattr(hf_liger, "apply_liger_kernel", _fake_liger(calls, used))
+    model = tiny_model(tiny_config("llama"))
+    tile = dict(megatrain_mlp_tile_tokens=4)
+    ref, _ = run_trainer(copy.deepcopy(model), tmp_path, "ref", mega=True, **tile)
+    config = {"rope": False, "fused_linear_cross_entropy": False}
+    logs, trainer = run_trainer(
+        model, tmp_path, "liger", mega=True, use_liger_kernel=True, liger_kernel_config=config,
+        **tile,
+    )  # fmt: skip
+    assert calls == [config]  # applied once, when the model was streamed
+    assert trainer.args.use_liger_kernel  # the flag is the user's again after train()
+    mlp = trainer.model.model.layers[0].mlp
+    assert isinstance(mlp.forward, TiledTokenwise)
+    assert mlp.forward.forward_impl.__name__ == "fused"  # the tiles run the patched forward
+    assert used and set(used) == {4}  # ... tile by tile (16-token rows, tiles of 4)
+    # The stand-in computes what the MLP does: training is bitwise the reference run's.
+    assert [(r["loss"], r["grad_norm"]) for r in logs] == [(r["loss"], r["grad_norm"]) for r in ref]
