@@ -203,6 +203,9 @@ class RunConfig:
     # megatrain only: CUDA events around every layer pass of the timed steps; the row gets the
     # fraction of the step in layer compute and in gaps between layers (no CUPTI overhead).
     layer_timing: bool = False
+    # megatrain only: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU Triton kernels through the
+    # Trainer's use_liger_kernel (the loss stays hf_megatrain's chunked one).
+    liger: bool = False
     # Record a CUDA kernel trace of the last warm-up step (steady state, outside the timed steps)
     # and report the fraction of it the GPU was busy.
     profile: bool = False
@@ -270,6 +273,8 @@ class RunConfig:
             args += ["--keep-activations", self.keep_activations]
         if self.layer_timing:
             args.append("--layer-timing")
+        if self.liger:
+            args.append("--liger")
         if self.profile:
             args.append("--profile")
         return args
@@ -504,6 +509,16 @@ def training_arguments(cfg: RunConfig, output_dir: str, device: str) -> dict:
     )
 
 
+# The layer kernels only: training batches with labels use hf_megatrain's own chunked loss.
+LIGER_KERNELS = {
+    "rope": True,
+    "rms_norm": True,
+    "swiglu": True,
+    "cross_entropy": False,
+    "fused_linear_cross_entropy": False,
+}
+
+
 def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, device: str):
     common = training_arguments(cfg, output_dir, device)
     if cfg.system.startswith("megatrain"):
@@ -522,6 +537,8 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
             megatrain_keep_activations=cfg.keep_activations,
             megatrain_boundary_dtype="bfloat16" if cfg.bf16_boundaries else "input",
             megatrain_checkpoint_every=cfg.checkpoint_every,
+            use_liger_kernel=cfg.liger,
+            liger_kernel_config=LIGER_KERNELS if cfg.liger else None,
         )
         return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     from transformers import Trainer, TrainingArguments
@@ -1142,6 +1159,12 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         "gets layer_busy / layer_gaps (fractions of the step in layer compute / between layers)",
     )
     p.add_argument(
+        "--liger",
+        action="store_true",
+        help="megatrain only: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (use_liger_kernel; "
+        "needs liger-kernel installed)",
+    )
+    p.add_argument(
         "--bf16-boundaries",
         action="store_true",
         help="megatrain only: save layer-boundary activations rounded to bf16 (long context)",
@@ -1174,6 +1197,7 @@ def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
         bf16_boundaries=a.bf16_boundaries,
         checkpoint_every=a.checkpoint_every,
         layer_timing=a.layer_timing,
+        liger=a.liger,
     )
 
 
