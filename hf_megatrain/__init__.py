@@ -1,6 +1,7 @@
 """hf_megatrain: train decoder LLMs larger than the GPU, at full precision, from the HF stack."""
 
 from .core.host_store import InsufficientHostMemoryError
+from .core.planner import MemoryPlanError, Workload
 from .hf.arguments import MegaTrainArguments
 from .hf.checkpoint import save_streamed_pretrained
 from .hf.loading import init_streamed_model, load_streamed_model
@@ -16,8 +17,10 @@ __all__ = [
     "HFMegaTrainer",
     "InsufficientHostMemoryError",
     "MegaTrainArguments",
+    "MemoryPlanError",
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",
+    "Workload",
     "init_streamed_model",
     "load_streamed_model",
     "prepare_streamed_model",

@@ -129,3 +129,12 @@ def test_trainer_plan_warns_with_the_advice_when_activations_do_not_fit(monkeypa
     with caplog.at_level(logging.WARNING, logger=hf_model.logger.name):
         hf_model._resident_layer_count("auto", plans, torch.device("cuda"), BF16, 48 * GIB)
     assert "may run out of GPU memory" not in caplog.text
+
+
+def test_public_names():
+    """What the README's examples import from the package itself."""
+    import hf_megatrain  # noqa: PLC0415
+    from hf_megatrain.core.planner import MemoryPlanError  # noqa: PLC0415
+
+    assert hf_megatrain.Workload is Workload and hf_megatrain.MemoryPlanError is MemoryPlanError
+    assert {"Workload", "MemoryPlanError"} <= set(hf_megatrain.__all__)
