@@ -287,3 +287,37 @@ def test_longest_table_bounds():
     text = markdown(t, {"m": 1 << 20, "other": 4096})
     assert "| m | hf_megatrain | 131,072 | f |  |  | 1,048,576 |" in text
     assert "| other | hf_megatrain | none |" in text
+
+
+def test_merge_results_adds_only_what_is_new(tmp_path):
+    import tarfile
+
+    from benchmarks.merge_results import main as merge_main
+
+    def row(tag, status="ok"):
+        return dict(tag=tag, system="megatrain-hbm", model="m", tokens_per_step="4096",
+                    seq_len="4096", status=status)  # fmt: skip
+
+    ours = tmp_path / "ours"
+    bench.append_csv(ours / "results.csv", [row("old")])
+    (ours / "old.md").write_text("ours")
+    src = tmp_path / "src" / "benchmarks" / "results"
+    (src / "logs").mkdir(parents=True)
+    bench.append_csv(src / "results.csv", [row("old"), row("new", "oom-gpu")])
+    (src / "old.md").write_text("theirs")
+    (src / "2026-11-30-new.md").write_text("new sweep")
+    (src / "logs" / "2026-11-30-new.log").write_text("log")
+    (src / "logs" / "2026-11-30-phase-x.log").write_text("phase log")
+    archive = tmp_path / "results-x.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "src" / "benchmarks", arcname="benchmarks")
+    assert merge_main([str(archive), "--into", str(ours)]) == 0
+    with (ours / "results.csv").open() as f:
+        assert [r["tag"] for r in csv.DictReader(f)] == ["old", "new"]
+    assert (ours / "old.md").read_text() == "ours"  # never overwritten
+    assert (ours / "2026-11-30-new.md").read_text() == "new sweep"
+    assert (ours / "2026-11-30-new.log").is_file()
+    assert (ours / "logs" / "2026-11-30-phase-x.log").is_file()
+    assert merge_main([str(archive), "--into", str(ours)]) == 0  # idempotent
+    with (ours / "results.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2
