@@ -13,12 +13,8 @@ import pytest
 import torch
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, prepare_streamed_model
-from hf_megatrain.core.streaming import (
-    StreamedLayer,
-    StreamingEngine,
-    _StreamedLayerFunction,
-    parse_boundary_dtype,
-)
+from hf_megatrain.core.streamed_layer import StreamedLayer, _StreamedLayerFunction
+from hf_megatrain.core.streaming import StreamingEngine, parse_boundary_dtype
 from hf_megatrain.hf.trainer import _plan_workload
 
 from .helpers import LogRecorder, common_args, make_data, tiny_config, tiny_model

@@ -244,15 +244,15 @@ def _one_step(model, k: int, offload: bool = False):
 def test_segments_bitwise_every_arch(arch, monkeypatch):
     """Per-layer masks (Gemma3's sliding/full layers), MoE router outputs, fused projections:
     one step with k=2 is bitwise k=1, and every follower's input did come from a chain."""
-    from hf_megatrain.core import streaming  # noqa: PLC0415
+    from hf_megatrain.core import streamed_layer  # noqa: PLC0415
 
     n_layers = 2 if arch == "gemma3_text" else 4  # (Gemma3's config lists 2 layer types)
     model = tiny_model(tiny_config(arch, num_hidden_layers=n_layers))
     ref = _one_step(copy.deepcopy(model), 1)
     chains = []
-    real = streaming.segment_input
+    real = streamed_layer.segment_input
     monkeypatch.setattr(
-        streaming, "segment_input", lambda seg, pos: chains.append(pos) or real(seg, pos)
+        streamed_layer, "segment_input", lambda seg, pos: chains.append(pos) or real(seg, pos)
     )
     got = _one_step(model, 2, offload=True)
     assert chains == [1] * (n_layers // 2)
@@ -264,21 +264,21 @@ def test_only_leaders_save_the_hidden_state(monkeypatch):
     """What the layers' Functions save: with bf16 boundaries the saved hidden states are the
     only bf16 tensors saved, one per leader (4 layers, k=2: 2), none kept for followers; and
     the chain's recomputed inputs are fp32, the original input dtype."""
-    from hf_megatrain.core import streaming  # noqa: PLC0415
+    from hf_megatrain.core import streamed_layer  # noqa: PLC0415
 
     model = tiny_model(tiny_config("llama", num_hidden_layers=4))
     engine, ids = _stream(model, 2)
     engine.boundary_dtype = BF16
     saved = []
     made = []
-    real = streaming.segment_input
+    real = streamed_layer.segment_input
 
     def segment_input(seg, pos):
         x = real(seg, pos)
         made.append((pos, x.dtype, tuple(x.shape)))
         return x
 
-    monkeypatch.setattr(streaming, "segment_input", segment_input)
+    monkeypatch.setattr(streamed_layer, "segment_input", segment_input)
     segments = []
     real_add = engine._segment_add
 

@@ -479,7 +479,7 @@ def test_slim_host_stores_on_gpu(tmp_path, ga):
 def test_bf16_boundaries_on_gpu(tmp_path, monkeypatch):
     """bf16 boundary activations on CUDA, kept in HBM and offloaded to pinned host buffers,
     against the default streamed run."""
-    from hf_megatrain.core.streaming import _StreamedLayerFunction
+    from hf_megatrain.core.streamed_layer import _StreamedLayerFunction
 
     returned = []
     real_backward = _StreamedLayerFunction.backward

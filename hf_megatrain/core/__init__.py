@@ -2,7 +2,8 @@
 
 from .host_store import HostStore, InsufficientHostMemoryError, LayerStore
 from .optimizer import HostAdamW
-from .streaming import StreamedLayer, StreamingEngine
+from .streamed_layer import StreamedLayer
+from .streaming import StreamingEngine
 
 __all__ = [
     "HostAdamW",

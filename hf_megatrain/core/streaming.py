@@ -6,10 +6,9 @@ drains fp32 gradients back to the host store on a D2H stream. CUDA events, never
 synchronize, order the streams in the steady state. On CPU the very same code path runs: the
 "device buffer" is the host stream copy itself and copies vanish.
 
-``StreamedLayer`` replaces a layer's ``forward``. It runs the layer's own class ``forward`` with the
-streamed weights bound as plain tensors (``_reparametrize_module``: never ``param.data =``), inside a
-custom autograd ``Function`` that saves only the layer inputs. Backward re-binds the weights,
-recomputes the layer and takes gradients with ``torch.autograd.grad``.
+The layers that drive it (``StreamedLayer`` and its autograd ``Function``) are in
+``streamed_layer.py``; this module holds the engine: weight buffers and streams, boundary
+activations (offload, bf16 rounding), checkpoint-segment bookkeeping, gradients, RNG.
 
 Checkpoint segments (``StreamingEngine.checkpoint_every = k > 1``): only the first layer of each
 run of k (the leader) saves its residual-stream input; the backward of the segment's last layer
@@ -17,7 +16,7 @@ re-runs the leader..second-to-last layers under no_grad from the leader's saved 
 the inputs they make for the followers' backward (``segments.segment_input``). Bitwise the same inputs
 as saving them, for k - 1 extra layer forwards per segment.
 
-No ``transformers`` import here: model-specific output capture comes in through ``OutputCapture``.
+No ``transformers`` import here.
 """
 
 from __future__ import annotations
@@ -25,16 +24,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .distributed import DataParallel
 from .host_store import LayerStore, PinnedBuffer
 from .layer_timing import LayerTimeline
-from .segments import Segment, SegmentEntry, segment_input, tensor_sig
+from .segments import Segment, SegmentEntry, tensor_sig
 
 #: Pinned host buffers (each the size of the largest host layer's fp32 gradient) through which
 #: final gradients reach the eager CPU update when the stores hold no gradient slot. Two let one
@@ -68,24 +65,6 @@ def parse_boundary_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-class OutputCapture(Protocol):
-    """Hook for outputs a model records from inside a layer (e.g. MoE router logits).
-
-    Recorded tensors made while the layer runs under ``no_grad`` would carry no gradient, so they
-    are diverted: ``active_keys()`` names what the model currently records, ``capturing(keys)``
-    yields a list that fills with ``(key, tensor)`` pairs while the layer runs, and
-    ``publish(keys, tensors)`` hands the autograd-connected versions to the model's recorder.
-    """
-
-    def active_keys(self) -> tuple[str, ...]: ...
-
-    def capturing(
-        self, keys: tuple[str, ...]
-    ) -> contextlib.AbstractContextManager[list[tuple[str, torch.Tensor]]]: ...
-
-    def publish(self, keys: list[str], tensors: list[torch.Tensor]) -> None: ...
 
 
 class StreamingEngine:
@@ -826,296 +805,3 @@ class StreamingEngine:
         if self.autocast:
             return torch.autocast(self.device.type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
-
-
-class StreamedLayer:
-    """Callable installed as a decoder layer's ``forward``: streams its weights in, runs it."""
-
-    def __init__(
-        self,
-        engine: StreamingEngine,
-        index: int,
-        module: torch.nn.Module,
-        capture: OutputCapture | None = None,
-        trainable: bool = True,
-        resident: list[tuple[str, torch.Tensor]] | None = None,
-    ) -> None:
-        self.engine = engine
-        self.index = index
-        self.module = module
-        self.capture = capture
-        self.trainable = trainable
-        # Parameters of this layer that live on the device instead of the store (e.g. LoRA
-        # adapters over a streamed frozen base): ``(name relative to the layer, tensor)``. They
-        # enter the autograd Function as inputs, which is how they get their gradients.
-        self.resident = list(resident or [])
-        self.forward_impl: Callable[..., Any] = type(module).forward
-        # Keep the forward's autograd graph (its saved activations) for backward instead of
-        # saving only the inputs and recomputing: 8 instead of 6 FLOPs per parameter and token
-        # become 6, for the activation memory (planner: kept_activation_bytes_per_token). Only
-        # for layers whose weights stay put until backward: the HBM tier (a streamed layer's
-        # device buffer is overwritten by the next layer).
-        self.keep_graph = False
-
-    def run(
-        self,
-        flat_weights: torch.Tensor,
-        flat_args: list,
-        spec,
-        leaves: bool,
-        keys=(),
-        resident: list[torch.Tensor] | None = None,
-    ):
-        """Run the layer with ``flat_weights`` (and the resident tensors) bound.
-
-        Returns ``(output, captured (key, tensor) pairs, weight leaves)``.
-        """
-        store = self.engine.stores[self.index]
-        params = store.param_views(flat_weights)
-        weight_leaves: list[torch.Tensor] = []
-        if leaves:
-            params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-            weight_leaves = list(params.values())
-        resident = resident if resident is not None else [t for _, t in self.resident]
-        params.update({name: t for (name, _), t in zip(self.resident, resident)})
-        args, kwargs = tree_unflatten(flat_args, spec)
-        capture_ctx = self.capture.capturing(keys) if keys else contextlib.nullcontext([])
-        with _reparametrize_module(self.module, params), capture_ctx as captured:
-            with self.engine.compute_context():
-                out = self.forward_impl(self.module, *args, **kwargs)
-        return out, list(captured), weight_leaves
-
-    def next_index(self, backward: bool) -> int:
-        return self.index - 1 if backward else self.index + 1
-
-    def _grad_anchor(self) -> torch.Tensor:
-        anchor = getattr(self, "_anchor", None)
-        if anchor is None:
-            anchor = self._anchor = torch.empty(0, device=self.engine.device, requires_grad=True)
-        return anchor
-
-    def __call__(self, *args, **kwargs):
-        flat_args, spec = tree_flatten((args, kwargs))
-        tensor_pos = [i for i, x in enumerate(flat_args) if isinstance(x, torch.Tensor)]
-        keys = self.capture.active_keys() if self.capture is not None else ()
-        if not torch.is_grad_enabled():
-            weights = self.engine.acquire(self.index, self.next_index(False))
-            out, captured, _ = self.run(weights, flat_args, spec, leaves=False, keys=keys)
-            self.engine.release(self.index)
-            if captured:
-                self.capture.publish([k for k, _ in captured], [t for _, t in captured])
-            return out
-        tensors = [flat_args[i] for i in tensor_pos]
-        box: dict[str, Any] = {"keys": keys}
-        if self.trainable:
-            # The streamed weights are not Function inputs: when no input needs a gradient (frozen
-            # embeddings, or a frozen layer before this one), autograd would never call backward
-            # and this layer would get no weight gradient. A grad-requiring empty anchor input
-            # keeps the node in the graph; it receives no gradient itself.
-            tensors.append(self._grad_anchor())
-        box["n_anchor"] = len(tensors) - len(tensor_pos)
-        tensors.extend(t for _, t in self.resident)
-        results = _StreamedLayerFunction.apply(self, flat_args, spec, tensor_pos, box, *tensors)
-        n_out = box["n_out"]
-        out_flat = box["out_flat"]
-        for pos, t in zip(box["out_tensor_pos"], results[:n_out]):
-            out_flat[pos] = t
-        if len(results) > n_out:
-            self.capture.publish(box["captured_keys"], list(results[n_out:]))
-        return tree_unflatten(out_flat, box["out_spec"])
-
-
-def _detached_leaves(ctx, flat_args: list, saved: list, saved_res) -> tuple[list, list, list]:
-    """Graph leaves for (re)running a layer: its tensor inputs detached (requiring grad where the
-    original did) in place in a copy of ``flat_args``, and its resident parameters likewise.
-
-    Returns ``(flat_args, grad-requiring inputs, resident leaves)``.
-    """
-    flat_args = list(flat_args)
-    inputs = []
-    for pos, t, req in zip(ctx.tensor_pos, saved, ctx.input_requires_grad):
-        d = t.detach()
-        if req:
-            d.requires_grad_(True)
-            inputs.append(d)
-        flat_args[pos] = d
-    res_leaves = [t.detach().requires_grad_(t.requires_grad) for t in saved_res]
-    return flat_args, inputs, res_leaves
-
-
-class _StreamedLayerFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, layer: StreamedLayer, flat_args, spec, tensor_pos, box, *tensors):
-        engine = layer.engine
-        ctx.layer = layer
-        # Tensors are kept only through save_for_backward (version-checked); drop other refs.
-        ctx.flat_args = [None if i in set(tensor_pos) else x for i, x in enumerate(flat_args)]
-        ctx.spec = spec
-        ctx.tensor_pos = tensor_pos
-        ctx.rng = engine.rng_state()
-        ctx.keys = box["keys"]
-        n_args = len(tensor_pos)
-        ctx.n_anchor = box["n_anchor"]  # 1 when StreamedLayer added its anchor
-        ctx.n_args = n_args
-        ctx.input_requires_grad = [t.requires_grad for t in tensors[:n_args]]
-        ctx.graph = None
-        weights = engine.acquire(layer.index, layer.next_index(False))
-        tick = engine.timeline.start("forward", layer.index) if engine.timeline else None
-        if layer.keep_graph:
-            # Build the layer's graph on detached leaves now; backward differentiates it as is.
-            leaves = _detached_leaves(
-                ctx, flat_args, tensors[:n_args], tensors[n_args + ctx.n_anchor :]
-            )
-            with torch.enable_grad():
-                out, captured, weight_leaves = layer.run(
-                    weights,
-                    leaves[0],
-                    spec,
-                    leaves=layer.trainable,
-                    keys=ctx.keys,
-                    resident=leaves[2],
-                )
-            ctx.graph = (out, captured, weight_leaves, leaves[1], leaves[2])
-            out = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
-            captured = [(k, t.detach()) for k, t in captured]
-        else:
-            out, captured, _ = layer.run(weights, flat_args, spec, leaves=False, keys=ctx.keys)
-        if tick is not None:
-            engine.timeline.end(tick)
-        engine.release(layer.index)
-        out_flat, out_spec = tree_flatten(out)
-        out_tensor_pos = [i for i, x in enumerate(out_flat) if isinstance(x, torch.Tensor)]
-        box["n_out"] = len(out_tensor_pos)
-        box["out_flat"] = out_flat
-        box["out_spec"] = out_spec
-        box["out_tensor_pos"] = out_tensor_pos
-        box["captured_keys"] = [k for k, _ in captured]
-        # Saved: the layer's tensor inputs and its resident parameters (never its weights).
-        # Large inputs (the hidden states) may go to host memory instead (offload), and the
-        # residual-stream input may be saved rounded to ``engine.boundary_dtype`` (a copy: the
-        # forward above used the input as it is; backward casts it back to ``ctx.cast_back``).
-        # A kept graph holds what it needs itself.
-        ctx.offloaded = {}
-        ctx.cast_back = {}
-        # Checkpoint segments (engine.checkpoint_every > 1): a follower saves no residual-stream
-        # input (``ctx.from_chain`` is its index); backward gets it from ``segments.segment_input``.
-        ctx.segment = None
-        ctx.seg_pos = 0
-        ctx.from_chain = None
-        segments = engine.checkpoint_every > 1
-        if ctx.graph is not None and segments:
-            engine.break_segment()  # a kept layer's output is not recomputed by a chain
-        if ctx.graph is None:
-            residual_shapes = (
-                {
-                    tuple(x.shape)
-                    for x in out_flat
-                    if isinstance(x, torch.Tensor) and x.is_floating_point()
-                }
-                if engine.boundary_dtype is not None or segments or engine.offload_activations
-                else set()
-            )
-            follow = (
-                engine._segment_follow(layer.index, list(tensors[:n_args]), residual_shapes)
-                if segments
-                else None
-            )
-            keep = []
-            sources = []
-            for k, t in enumerate(tensors[:n_args]):
-                if follow is not None and k == follow[1]:
-                    ctx.from_chain = k
-                    sources.append(("link", None))
-                    continue
-                narrow = engine.boundary_save_dtype(t, residual_shapes)
-                if narrow is not None:
-                    ctx.cast_back[k] = t.dtype
-                    t = t.to(narrow)
-                if engine.should_offload(t, residual_shapes):
-                    ctx.offloaded[k] = engine.offload_activation(layer.index, k, t)
-                    sources.append(("handle", ctx.offloaded[k]))
-                else:
-                    keep.append(t)
-                    sources.append(("tensor", t.detach()))
-            ctx.n_keep = len(keep)
-            ctx.save_for_backward(*keep, *tensors[n_args + ctx.n_anchor :])
-            if segments:
-                outs = [out_flat[i] for i in out_tensor_pos]
-                entry = SegmentEntry(layer, ctx, sources, [tensor_sig(o) for o in outs])
-                ctx.segment, ctx.seg_pos = engine._segment_add(entry, follow)
-        return tuple(out_flat[i] for i in out_tensor_pos) + tuple(t for _, t in captured)
-
-    @staticmethod
-    def backward(ctx, *grad_outputs):
-        layer: StreamedLayer = ctx.layer
-        engine = layer.engine
-        needs_grad = ctx.input_requires_grad
-        # The layer whose weights to prefetch: the one whose backward runs next, or the leader
-        # of the segment below when that backward starts with a chain.
-        next_idx = engine._backward_next.get(layer.index, layer.next_index(True))
-        if ctx.graph is not None:
-            out, captured, weight_leaves, inputs, res_leaves = ctx.graph
-            ctx.graph = None  # the activations go as soon as this layer's backward is done
-            engine.acquire(layer.index, next_idx)  # prefetches the next layer
-            tick = engine.timeline.start("backward", layer.index) if engine.timeline else None
-        else:
-            seg, chained = ctx.segment, None
-            if ctx.from_chain is not None:
-                # A follower: its input is re-made from the segment leader's (see above).
-                chained = segment_input(seg, ctx.seg_pos)
-                if ctx.seg_pos == 1:  # the leader's backward is next: bring its input back
-                    engine.prefetch_activations(seg.entries[0].layer.index)
-            saved_all = ctx.saved_tensors
-            kept, saved_res = iter(saved_all[: ctx.n_keep]), saved_all[ctx.n_keep :]
-            saved = [
-                chained
-                if k == ctx.from_chain
-                else engine.fetch_activation(ctx.offloaded[k])
-                if k in ctx.offloaded
-                else next(kept)
-                for k in range(ctx.n_args)
-            ]
-            del chained
-            if seg is not None:
-                ctx.segment = None
-                if ctx.seg_pos == 0:
-                    seg.clear()  # the leader's backward is its segment's last: drop the record
-            # Inputs saved rounded: recompute from them in their original dtype, so the gradient
-            # returned for the input has the input's dtype (the narrow copy is dropped here).
-            saved = [
-                t.to(ctx.cast_back[k]) if k in ctx.cast_back else t for k, t in enumerate(saved)
-            ]
-            flat_args, inputs, res_leaves = _detached_leaves(ctx, ctx.flat_args, saved, saved_res)
-            weights = engine.acquire(layer.index, next_idx)
-            tick = engine.timeline.start("backward", layer.index) if engine.timeline else None
-            with torch.enable_grad(), engine.restored_rng(ctx.rng):
-                out, captured, weight_leaves = layer.run(
-                    weights,
-                    flat_args,
-                    ctx.spec,
-                    leaves=layer.trainable,
-                    keys=ctx.keys,
-                    resident=res_leaves,
-                )
-        res_trainable = [t for t in res_leaves if t.requires_grad]
-        out_flat, _ = tree_flatten(out)
-        produced = [x for x in out_flat if isinstance(x, torch.Tensor)] + [t for _, t in captured]
-        outs, grads = [], []
-        for o, g in zip(produced, grad_outputs):
-            if g is not None and o.requires_grad:
-                outs.append(o)
-                grads.append(g)
-        wrt = weight_leaves + inputs + res_trainable
-        if outs and wrt:
-            computed = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-        else:
-            computed = [None] * len(wrt)
-        engine.release(layer.index)
-        if layer.trainable:
-            engine.add_grads(layer.index, list(computed[: len(weight_leaves)]))
-        if tick is not None:
-            engine.timeline.end(tick)
-        rest = iter(computed[len(weight_leaves) :])
-        result = [next(rest) if req else None for req in needs_grad]
-        res_grads = [next(rest) if t.requires_grad else None for t in res_leaves]
-        return (None, None, None, None, None, *result, *([None] * ctx.n_anchor), *res_grads)

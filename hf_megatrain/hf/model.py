@@ -26,7 +26,8 @@ from ..core.host_store import (
     layout_slots,
 )
 from ..core.planner import MemoryPlan, ModelShape, Workload, plan_memory
-from ..core.streaming import GRAD_STAGING_SLOTS, StreamedLayer, StreamingEngine
+from ..core.streamed_layer import StreamedLayer
+from ..core.streaming import GRAD_STAGING_SLOTS, StreamingEngine
 from .capture import RecorderCapture, recorder_capture_available
 
 logger = logging.getLogger(__name__)
