@@ -415,11 +415,13 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     and output, which o_proj saves as its input (2h: the same storage); the MLP saves the gate
     and up outputs, the SiLU output and their product (4 x 2i). RoPE saves nothing per layer:
     its products are with cos/sin, which need no gradient, so only the (shared) tables are
-    kept. The attention log-sum-exp and norm scales are per head/token: left to the slack line.
+    kept. Per token besides: attention's fp32 log-sum-exp per head and the two norms' fp32
+    scales (4 x heads + 8).
     """
     h, i = shape.hidden_size, shape.intermediate_size
     kv = shape.kv_size or h
-    return 26 * h + 4 * kv + 8 * i
+    heads = h // shape.head_dim if shape.head_dim else 0
+    return 26 * h + 4 * kv + 8 * i + 4 * heads + 8
 
 
 def saved_boundary_layers(shape: ModelShape, workload: Workload) -> int:
