@@ -467,11 +467,9 @@ def _resident_layer_count(
         # workload known, the plan says the activations themselves do not fit: warn now, with
         # the options that would make it fit, instead of letting the first step run out of
         # memory (not an error: the plan's estimates run a few percent high).
-        if workload is not None:
-            for problem in plan.problems:
-                if problem.tier == "gpu":
-                    logger.warning("%s (planned before training; it may run out of GPU memory)",
-                                   problem)  # fmt: skip
+        gpu_short = [p for p in plan.problems if p.tier == "gpu"] if workload is not None else []
+        for problem in gpu_short:
+            logger.warning("%s (planned before training: it may run out of GPU memory)", problem)
         return plan.n_hbm, plan
     count = int(resident_layers)
     if not 0 <= count <= n:
