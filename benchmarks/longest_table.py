@@ -4,8 +4,8 @@
 
 A row counts when it trained one sequence per optimizer step (``seq_len == tokens_per_step``,
 micro-batch 1, no accumulation). Per (model, system): the longest sequence that trained
-(status ok) and the shortest that ran out of GPU or host memory (timeouts say nothing about
-memory), each with its sweep tag, so the table says how tight the measured bound is. For hf_megatrain it also gives
+(status ok) and the shortest that ran out of GPU or host memory (``oom-*``, or ``killed``
+by the host's OOM killer; timeouts say nothing about memory), each with its sweep tag, so the table says how tight the measured bound is. For hf_megatrain it also gives
 the memory planner's ceiling on the H200 (139.3 GiB free HBM, 124 GiB host RAM) with every
 long-context option on (MLP tiles of 16k, bf16 boundaries offloaded to host, checkpoint
 segments of 2, no clipping, fp32 masters streamed): a plan, labelled as one, not a run.
@@ -55,8 +55,8 @@ def longest(rows: list[dict]) -> dict[tuple[str, str], dict]:
         if row["status"] == "ok":
             if entry["ok"] is None or seq > entry["ok"]:
                 entry.update(ok=seq, ok_tag=row.get("tag", ""))
-        elif not row["status"].startswith("oom"):
-            continue  # a timeout or a crash says nothing about memory
+        elif not row["status"].startswith(("oom", "killed")):
+            continue  # a timeout or an error says nothing about memory (killed: host OOM killer)
         elif row["system"].startswith("megatrain") and "--offload-activations" not in row.get(
             "command", ""
         ):

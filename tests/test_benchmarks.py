@@ -278,12 +278,14 @@ def test_longest_table_bounds():
         row("megatrain-hbm", 131072, "ok", "f"),
         row("megatrain-hbm", 262144, "timeout (110 s)", "g"),
         row("megatrain-hbm", 524288, "oom-gpu", "h", command=""),
+        row("deepspeed", 8192, "killed (rc -9)", "k"),
     ]
     t = longest(rows)
     assert t[("m", "stock")] == {"ok": 32768, "ok_tag": "a", "failed": 65536,
                                  "fail": "oom-gpu (c)"}  # fmt: skip
     assert t[("m", "megatrain-hbm")]["ok"] == 131072
     assert t[("m", "megatrain-hbm")]["failed"] is None
+    assert t[("m", "deepspeed")]["ok"] is None and t[("m", "deepspeed")]["failed"] == 8192
     text = markdown(t, {"m": 1 << 20, "other": 4096})
     assert "| m | hf_megatrain | 131,072 | f |  |  | 1,048,576 |" in text
     assert "| other | hf_megatrain | none |" in text
