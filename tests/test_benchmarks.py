@@ -323,3 +323,18 @@ def test_merge_results_adds_only_what_is_new(tmp_path):
     assert merge_main([str(archive), "--into", str(ours)]) == 0  # idempotent
     with (ours / "results.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 2
+
+
+def test_device_scripts_parse_and_every_phase_has_a_branch():
+    """A broken phase script costs device time: every shell script parses, and each phase the
+    usage line lists has its own case branch (and each branch is listed)."""
+    import re
+
+    root = bench.REPO_ROOT
+    for script in [*sorted((root / "benchmarks").glob("*.sh")), root / ".ci" / "run"]:
+        subprocess.run(["bash", "-n", str(script)], check=True)
+    text = (root / "benchmarks" / "device_phases.sh").read_text()
+    usage = re.search(r"phase=\$\{1:\?phase: ([^}]*)\}", text).group(1)
+    listed = {p.strip() for p in usage.split("|")}
+    branches = set(re.findall(r"^  ([a-z0-9-]+)\)$", text, flags=re.M))
+    assert listed == branches, listed ^ branches
