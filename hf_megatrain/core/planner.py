@@ -92,6 +92,10 @@ class ModelShape:
     kv_size: int = 0
     # Width of one attention head; 0 when unknown (then the RoPE tables go uncounted).
     head_dim: int = 0
+    # Query heads; 0 when unknown (then taken as hidden_size / head_dim).
+    num_heads: int = 0
+    # Whether attention normalizes q and k per head (Qwen3's q_norm / k_norm).
+    qk_norm: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -411,17 +415,23 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     counted there), as audited with ``saved_tensors_hooks`` (tests/test_keep_activations.py):
     each RMSNorm saves its fp32 normalized product (2 x 4h) and the second one its fp32 input,
     the mid-layer residual (4h); the q/k/v and gate/up projections each save their own bf16 cast
-    of the normalized input (5 x 2h); attention saves its bf16 q (2h), rotated k and v (4kv)
-    and output, which o_proj saves as its input (2h: the same storage); the MLP saves the gate
-    and up outputs, the SiLU output and their product (4 x 2i). RoPE saves nothing per layer:
-    its products are with cos/sin, which need no gradient, so only the (shared) tables are
-    kept. Per token besides: attention's fp32 log-sum-exp per head and the two norms' fp32
-    scales (4 x heads + 8).
+    of the normalized input (5 x 2h); attention saves its bf16 q (2q, q = heads x head_dim,
+    usually h), rotated k and v (4kv) and output, which o_proj saves as its input (2q: the same
+    storage); the MLP saves the gate and up outputs, the SiLU output and their product (4 x 2i).
+    RoPE saves nothing per layer: its products are with cos/sin, which need no gradient, so only
+    the (shared) tables are kept. Per token besides: attention's fp32 log-sum-exp per head and
+    the two norms' fp32 scales (4 x heads + 8). With per-head q/k norms (Qwen3), each saves its
+    input cast to fp32, its bf16 output and a scale per head: 6q + 6kv + 4 x (heads + kv heads).
     """
     h, i = shape.hidden_size, shape.intermediate_size
     kv = shape.kv_size or h
-    heads = h // shape.head_dim if shape.head_dim else 0
-    return 26 * h + 4 * kv + 8 * i + 4 * heads + 8
+    heads = shape.num_heads or (h // shape.head_dim if shape.head_dim else 0)
+    q = heads * shape.head_dim if heads and shape.head_dim else h
+    total = 22 * h + 4 * q + 4 * kv + 8 * i + 4 * heads + 8
+    if shape.qk_norm:
+        kv_heads = kv // shape.head_dim if shape.head_dim else 0
+        total += 6 * q + 6 * kv + 4 * (heads + kv_heads)
+    return total
 
 
 def saved_boundary_layers(shape: ModelShape, workload: Workload) -> int:

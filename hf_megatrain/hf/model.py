@@ -98,6 +98,8 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     return ModelShape(
         kv_size=kv_heads * head_dim,
         head_dim=head_dim,
+        num_heads=heads,
+        qk_norm=any(hasattr(getattr(layer, "self_attn", None), "q_norm") for layer in layers[:1]),
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
         hidden_size=text_cfg.hidden_size,
