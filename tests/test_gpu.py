@@ -325,7 +325,8 @@ def test_liger_kernels_on_gpu(tmp_path, monkeypatch, tile):
     assert got == pytest.approx(base, rel=1e-2)
 
 
-def test_kept_activation_memory_matches_planner(tmp_path):
+@pytest.mark.parametrize("kernels", ["default", "liger"])
+def test_kept_activation_memory_matches_planner(tmp_path, monkeypatch, kernels):
     """What a kept layer's graph holds per token on the GPU, against the planner's estimate.
 
     A Qwen2.5-1.5B-wide layer (bf16 autocast, fp32 residual, SDPA), two layers in the HBM tier;
@@ -333,16 +334,29 @@ def test_kept_activation_memory_matches_planner(tmp_path):
     The estimate must not undershoot (a plan that keeps too many layers would go out of memory)
     and should not overshoot by more than a quarter (it would waste the HBM it is for). It counts
     every saved tensor (audited exactly on the CPU, tests/test_keep_activations.py); 2% above it
-    is left for the CUDA allocator's rounding of each block (512 B) and backend extras."""
+    is left for the CUDA allocator's rounding of each block (512 B) and backend extras. With
+    Liger's fused kernels (use_liger_kernel) the planner counts their smaller saved set."""
     from hf_megatrain.core.planner import kept_activation_bytes_per_token
     from hf_megatrain.hf.model import keep_activations, model_shape
 
+    extra = {}
+    if kernels == "liger":
+        pytest.importorskip("liger_kernel")
+        from transformers.models.qwen2 import modeling_qwen2
+
+        for name in ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP"):
+            monkeypatch.setattr(modeling_qwen2, name, getattr(modeling_qwen2, name))
+        extra = dict(
+            use_liger_kernel=True,
+            liger_kernel_config={"rope": True, "rms_norm": True, "swiglu": True,
+                                 "fused_linear_cross_entropy": False},
+        )  # fmt: skip
     cfg = Qwen2Config(
         vocab_size=VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
     )  # fmt: skip
     model = tiny_model(cfg)
-    args = _args(MegaTrainArguments, tmp_path, max_steps=1, megatrain_resident_layers="2")
+    args = _args(MegaTrainArguments, tmp_path, max_steps=1, megatrain_resident_layers="2", **extra)
     trainer = HFMegaTrainer(model=model, args=args, train_dataset=_data(4, 4096))
     ids = torch.randint(0, VOCAB, (2, 4096), device="cuda")
 
@@ -359,8 +373,10 @@ def test_kept_activation_memory_matches_planner(tmp_path):
 
     forward_growth("off")  # warm-up: cuDNN plans, workspace
     per_token = (forward_growth("2") - forward_growth("off")) / (2 * ids.numel())
-    planned = kept_activation_bytes_per_token(model_shape(trainer.model))
-    print(f"kept bytes per token: measured {per_token:.0f}, planned {planned}")  # (in the log)
+    shape = model_shape(trainer.model)
+    assert shape.fused_layer_kernels == (kernels == "liger")
+    planned = kept_activation_bytes_per_token(shape)
+    print(f"kept bytes per token ({kernels}): measured {per_token:.0f}, planned {planned}")
     assert 0.75 * planned <= per_token <= 1.02 * planned, (per_token, planned)
 
 

@@ -54,3 +54,42 @@ def test_liger_kernels_go_in_before_tiling_and_once(tmp_path, monkeypatch):
     assert used and set(used) == {4}  # ... tile by tile (16-token rows, tiles of 4)
     # The stand-in computes what the MLP does: training is bitwise the reference run's.
     assert [(r["loss"], r["grad_norm"]) for r in logs] == [(r["loss"], r["grad_norm"]) for r in ref]
+
+
+def test_planner_counts_the_fused_kernels_smaller_activations():
+    """A Liger-patched MLP (seen through MLP tiling too) makes the planner count what Liger's
+    kernels save: RMSNorm its input and scale (not the 2 fp32 normalized products, 8h), SwiGLU
+    gate and up (not the SiLU output and product, 4i). The GPU test measures it on the H200."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from hf_megatrain.core.planner import kept_activation_bytes_per_token  # noqa: PLC0415
+    from hf_megatrain.hf.long_context import install_mlp_tiling  # noqa: PLC0415
+    from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
+
+    model = tiny_model(tiny_config("qwen2"))
+    plain = model_shape(model)
+    assert not plain.fused_layer_kernels
+
+    def forward(self, x):
+        return type(self).forward(self, x)
+
+    forward.__module__ = "liger_kernel.transformers.swiglu"  # where Liger's SwiGLU forward lives
+    for layer in model.model.layers:
+        layer.mlp.__dict__["forward"] = forward.__get__(layer.mlp, type(layer.mlp))
+    fused = model_shape(model)
+    assert fused.fused_layer_kernels
+    h, i = plain.hidden_size, plain.intermediate_size
+    assert kept_activation_bytes_per_token(fused) == (
+        kept_activation_bytes_per_token(plain) - 8 * h - 4 * i
+    )
+    install_mlp_tiling(model, 4)
+    assert model_shape(model).fused_layer_kernels
+    qk = replace(fused, qk_norm=True)
+    q, kv = fused.num_heads * fused.head_dim, fused.kv_size
+    assert kept_activation_bytes_per_token(qk) == (
+        kept_activation_bytes_per_token(replace(plain, qk_norm=True))
+        - 8 * h
+        - 4 * i
+        - 4 * q
+        - 4 * kv
+    )

@@ -96,6 +96,9 @@ class ModelShape:
     num_heads: int = 0
     # Whether attention normalizes q and k per head (Qwen3's q_norm / k_norm).
     qk_norm: bool = False
+    # Whether RMSNorm and the gated MLP run as fused kernels (Liger-Kernel) that save their
+    # inputs only, not their intermediate products (fewer kept-activation bytes).
+    fused_layer_kernels: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -431,6 +434,12 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     if shape.qk_norm:
         kv_heads = kv // shape.head_dim if shape.head_dim else 0
         total += 6 * q + 6 * kv + 4 * (heads + kv_heads)
+    if shape.fused_layer_kernels:
+        # Liger's RMSNorm saves its input and scale, not the fp32 normalized product (8h for
+        # the two layer norms; per-head q/k norms keep their bf16 input instead of an fp32 copy
+        # and a bf16 output: 4q + 4kv); its SwiGLU saves gate and up, not the SiLU output and
+        # the product (4i).
+        total -= 8 * h + 4 * i + (4 * q + 4 * kv if shape.qk_norm else 0)
     return total
 
 

@@ -66,6 +66,15 @@ class StreamedModelState:
         return f"{self.layers_prefix}.{layer}.{rel}"
 
 
+def _liger_patched(module: nn.Module | None) -> bool:
+    """Whether ``module``'s forward was replaced on the instance by a Liger-Kernel one (directly,
+    or under MLP tiling, which keeps the forward it tiles)."""
+    forward = None if module is None else module.__dict__.get("forward")
+    forward = getattr(forward, "forward_impl", forward)  # TiledTokenwise
+    func = getattr(forward, "__func__", forward)
+    return str(getattr(func, "__module__", "")).startswith("liger_kernel")
+
+
 def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     """Parameter counts per decoder layer and outside them, for the memory planner.
 
@@ -100,6 +109,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         head_dim=head_dim,
         num_heads=heads,
         qk_norm=any(hasattr(getattr(layer, "self_attn", None), "q_norm") for layer in layers[:1]),
+        fused_layer_kernels=any(
+            _liger_patched(getattr(layer, "mlp", None)) for layer in layers[:1]
+        ),
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
         hidden_size=text_cfg.hidden_size,

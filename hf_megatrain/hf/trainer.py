@@ -337,6 +337,9 @@ class MegaTrainerMixin:
         compute_dtype = torch.bfloat16 if args.bf16 else torch.float32
         device = args.device
         limit_gb = getattr(args, "megatrain_host_memory_limit_gb", None)
+        if getattr(args, "use_liger_kernel", False):
+            # Before streaming: the memory plan counts the fused kernels' smaller activations.
+            apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
         prepare_streamed_model(
             model,
             device=device,
@@ -354,8 +357,6 @@ class MegaTrainerMixin:
         self.megatrain = streamed_state(model)
         _check_data_parallel(self.megatrain, args)
         _check_grad_mode(self.megatrain, args)
-        if getattr(args, "use_liger_kernel", False):
-            apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
         install_mlp_tiling(model, getattr(args, "megatrain_mlp_tile_tokens", 0))
         keep_activations(model, getattr(args, "megatrain_keep_activations", "off"))
         self.megatrain.engine.offload_activations = bool(
