@@ -93,3 +93,25 @@ def test_planner_counts_the_fused_kernels_smaller_activations():
         - 4 * q
         - 4 * kv
     )
+
+
+def test_plan_cli_liger_keeps_more_layers(capsys):
+    """`plan --liger`: the smaller saved set of the fused kernels leaves room to keep more
+    layers' activations (Qwen2.5-1.5B at one 64k-token micro-batch on an H200)."""
+    import re  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from hf_megatrain.cli import main  # noqa: PLC0415
+
+    cfg = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "qwen2.5-1.5b"
+    argv = ["plan", str(cfg), "--seq-len", "4096", "--tokens-per-step", "65536",
+            "--keep-activations", "auto", "--hbm-gib", "139.3", "--host-gib", "124",
+            "--no-search"]  # fmt: skip
+
+    def kept(extra: list[str]) -> int:
+        assert main(argv + extra) == 0
+        first, last = re.search(r"activations kept, no recompute: layers (\d+)-(\d+)",
+                                capsys.readouterr().out).groups()  # fmt: skip
+        return int(last) - int(first) + 1
+
+    assert kept(["--liger"]) > kept([]) > 0
