@@ -84,6 +84,12 @@ def test_planner_counts_the_fused_kernels_smaller_activations():
     )
     install_mlp_tiling(model, 4)
     assert model_shape(model).fused_layer_kernels
+    # A class swapped before the model was built (apply_liger_kernel_to_qwen2()) counts too.
+    other = tiny_model(tiny_config("qwen2"))
+    fused_cls = type("LigerSwiGLUMLP", (type(other.model.layers[0].mlp),), {"forward": forward})
+    for layer in other.model.layers:
+        layer.mlp.__class__ = fused_cls
+    assert model_shape(other).fused_layer_kernels
     qk = replace(fused, qk_norm=True)
     q, kv = fused.num_heads * fused.head_dim, fused.kv_size
     assert kept_activation_bytes_per_token(qk) == (

@@ -67,9 +67,12 @@ class StreamedModelState:
 
 
 def _liger_patched(module: nn.Module | None) -> bool:
-    """Whether ``module``'s forward was replaced on the instance by a Liger-Kernel one (directly,
-    or under MLP tiling, which keeps the forward it tiles)."""
-    forward = None if module is None else module.__dict__.get("forward")
+    """Whether ``module`` runs a Liger-Kernel forward: patched onto the instance (the Trainer's
+    use_liger_kernel; also under MLP tiling, which keeps the forward it tiles) or its class
+    swapped before the model was built (``apply_liger_kernel_to_*()``)."""
+    if module is None:
+        return False
+    forward = module.__dict__.get("forward") or type(module).forward
     forward = getattr(forward, "forward_impl", forward)  # TiledTokenwise
     func = getattr(forward, "__func__", forward)
     return str(getattr(func, "__module__", "")).startswith("liger_kernel")
