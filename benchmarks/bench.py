@@ -203,8 +203,8 @@ class RunConfig:
     # megatrain only: CUDA events around every layer pass of the timed steps; the row gets the
     # fraction of the step in layer compute and in gaps between layers (no CUPTI overhead).
     layer_timing: bool = False
-    # megatrain only: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU Triton kernels through the
-    # Trainer's use_liger_kernel (the loss stays hf_megatrain's chunked one).
+    # megatrain and stock: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU Triton kernels through
+    # the Trainer's use_liger_kernel (losses unchanged: hf_megatrain's chunked one, stock's own).
     liger: bool = False
     # Record a CUDA kernel trace of the last warm-up step (steady state, outside the timed steps)
     # and report the fraction of it the GPU was busy.
@@ -546,7 +546,9 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
     if cfg.system == "deepspeed":
         args = TrainingArguments(**common, deepspeed=deepspeed_config())
     else:
-        args = TrainingArguments(**common)
+        # --liger: the same layer kernels for stock, so the comparison stays like for like.
+        liger = dict(use_liger_kernel=True, liger_kernel_config=LIGER_KERNELS) if cfg.liger else {}
+        args = TrainingArguments(**common, **liger)
     return Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
 
 
@@ -1161,8 +1163,8 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--liger",
         action="store_true",
-        help="megatrain only: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (use_liger_kernel; "
-        "needs liger-kernel installed)",
+        help="megatrain and stock: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU "
+        "(use_liger_kernel; needs liger-kernel installed)",
     )
     p.add_argument(
         "--bf16-boundaries",
