@@ -17,6 +17,7 @@ import argparse
 import csv
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -45,6 +46,8 @@ def plan_row(row: dict):
     cfg = bench.load_model_config(row["model"])
     shape = model_shape_from_config(cfg, row["model"])
     command = row.get("command", "")
+    if "--liger" in command.split():  # the fused kernels' smaller kept activations
+        shape = replace(shape, fused_layer_kernels=True)
     seq = int(row["seq_len"])
     micro = int(row["micro_batch"])
     tile = int(_flag(command, "--mlp-tile-tokens") or 0)

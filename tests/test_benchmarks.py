@@ -338,3 +338,25 @@ def test_device_scripts_parse_and_every_phase_has_a_branch():
     listed = {p.strip() for p in usage.split("|")}
     branches = set(re.findall(r"^  ([a-z0-9-]+)\)$", text, flags=re.M))
     assert listed == branches, listed ^ branches
+
+
+def test_plan_vs_measured_replans_liger_rows_with_the_fused_kernels():
+    import benchmarks.plan_vs_measured as pvm
+
+    with (bench.RESULTS_DIR / "results.csv").open() as f:
+        row = next(
+            r
+            for r in csv.DictReader(f)
+            if r.get("tag") == "ds-0810" and r.get("kept_layers") == "11"
+        )
+    liger = dict(row, command=row["command"] + " --liger")
+    default, fused = pvm.plan_row(row), pvm.plan_row(liger)
+    assert fused.shape.fused_layer_kernels and not default.shape.fused_layer_kernels
+    # 11 kept layers x 65,536 tokens x (8 hidden + 4 intermediate) bytes less.
+    h, i = default.shape.hidden_size, default.shape.intermediate_size
+
+    def kept(plan):
+        return next(ln.nbytes for ln in plan.gpu_lines if ln.name.startswith("kept activations"))
+
+    assert kept(default) - kept(fused) == 11 * 65536 * (8 * h + 4 * i)
+    assert fused.gpu_total < default.gpu_total
