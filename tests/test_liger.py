@@ -121,3 +121,30 @@ def test_plan_cli_liger_keeps_more_layers(capsys):
         return int(last) - int(first) + 1
 
     assert kept(["--liger"]) > kept([]) > 0
+
+
+def test_liger_without_the_transformers_integration_module(monkeypatch):
+    """transformers versions that apply Liger inline in the Trainer have no
+    ``transformers.integrations.liger``: the same instance patching is called directly (the
+    model under PEFT adapters), and a missing liger-kernel is a clear ImportError."""
+    import sys  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    import pytest  # noqa: PLC0415
+    from torch import nn  # noqa: PLC0415
+
+    from hf_megatrain.hf.long_context import apply_liger_kernels  # noqa: PLC0415
+
+    monkeypatch.setitem(sys.modules, "transformers.integrations.liger", None)
+    calls = []
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake._apply_liger_kernel_to_instance = lambda model, **kw: calls.append((model, kw))
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    base = nn.Linear(2, 2)
+    wrapped = types.SimpleNamespace(get_base_model=lambda: base)
+    apply_liger_kernels(wrapped, {"rope": False})
+    assert calls == [(base, {"rope": False})]
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
+    with pytest.raises(ImportError, match="needs liger-kernel"):
+        apply_liger_kernels(base, None)

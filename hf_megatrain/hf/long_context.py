@@ -43,7 +43,22 @@ def apply_liger_kernels(model: nn.Module, kernel_config: dict | None) -> None:
     forward installed before it (tiling then wraps the Liger forward instead). Training batches
     with labels keep hf_megatrain's own chunked loss; Liger's fused linear cross-entropy, when
     configured, only serves the model's own forward (evaluation)."""
-    from transformers.integrations.liger import apply_liger_kernel  # noqa: PLC0415
-
+    try:
+        from transformers.integrations.liger import apply_liger_kernel  # noqa: PLC0415
+    except ImportError:  # transformers that applies Liger inline in Trainer: the same calls
+        apply_liger_kernel = _apply_liger_kernel
     apply_liger_kernel(model, kernel_config)
     logger.info("hf_megatrain: Liger kernels applied (%s)", kernel_config or "defaults")
+
+
+def _apply_liger_kernel(model: nn.Module, kernel_config: dict | None) -> None:
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance  # noqa: PLC0415
+    except ImportError:
+        raise ImportError(
+            "hf_megatrain: use_liger_kernel=True needs liger-kernel (pip install "
+            "'hf_megatrain[liger]')"
+        ) from None
+    get_base = getattr(model, "get_base_model", None)  # PEFT: patch the model under the adapters
+    _apply_liger_kernel_to_instance(model=get_base() if callable(get_base) else model,
+                                    **(kernel_config or {}))  # fmt: skip
