@@ -148,3 +148,31 @@ def test_liger_without_the_transformers_integration_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
     with pytest.raises(ImportError, match="needs liger-kernel"):
         apply_liger_kernels(base, None)
+
+
+def test_tiling_survives_a_trainer_that_patches_liger_in_init(tmp_path, monkeypatch):
+    """Older transformers apply Liger inside Trainer.__init__, after hf_megatrain tiled the
+    MLPs: the tiling is installed again over the (fused) forward."""
+    import transformers  # noqa: PLC0415
+
+    calls: list = []
+    used: list = []
+    fake = _fake_liger(calls, used)
+    monkeypatch.setattr(hf_liger, "apply_liger_kernel", fake)
+    original_init = transformers.Trainer.__init__
+
+    def init_that_patches(self, *a, **kw):
+        original_init(self, *a, **kw)
+        if self.args.use_liger_kernel:
+            fake(self.model, self.args.liger_kernel_config)
+
+    monkeypatch.setattr(transformers.Trainer, "__init__", init_that_patches)
+    _, trainer = run_trainer(
+        tiny_model(tiny_config("llama")), tmp_path, "old", mega=True, use_liger_kernel=True,
+        megatrain_mlp_tile_tokens=4,
+    )  # fmt: skip
+    assert len(calls) == 2  # hf_megatrain's, then the Trainer's own
+    mlp = trainer.model.model.layers[0].mlp
+    assert isinstance(mlp.forward, TiledTokenwise)
+    assert mlp.forward.forward_impl.__name__ == "fused"
+    assert used and set(used) == {4}

@@ -32,7 +32,8 @@ def install_mlp_tiling(model: nn.Module, tile_tokens: int) -> int:
             if not isinstance(mlp.forward, TiledTokenwise):
                 mlp.forward = TiledTokenwise(mlp, tile_tokens)
                 count += 1
-    logger.info("hf_megatrain: MLPs of %d layers tiled by %d tokens", count, tile_tokens)
+    if count:
+        logger.info("hf_megatrain: MLPs of %d layers tiled by %d tokens", count, tile_tokens)
     return count
 
 

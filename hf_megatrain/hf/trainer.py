@@ -328,6 +328,10 @@ class MegaTrainerMixin:
         if not self._megatrain_pending:
             self._megatrain_prepare(model, args)
         super().__init__(model, args, *a, **kw)
+        if getattr(self.args, "use_liger_kernel", False):
+            # Trainers that patch Liger in __init__ (older transformers) replaced the MLP
+            # tiling's forward: tile the (fused) forward again.
+            install_mlp_tiling(self.model, getattr(self.args, "megatrain_mlp_tile_tokens", 0))
 
     def _megatrain_default_args(self, model: nn.Module | str) -> TrainingArguments:
         return MegaTrainArguments(output_dir="tmp_trainer")
