@@ -509,20 +509,11 @@ def training_arguments(cfg: RunConfig, output_dir: str, device: str) -> dict:
     )
 
 
-# The layer kernels only: training batches with labels use hf_megatrain's own chunked loss.
-LIGER_KERNELS = {
-    "rope": True,
-    "rms_norm": True,
-    "swiglu": True,
-    "cross_entropy": False,
-    "fused_linear_cross_entropy": False,
-}
-
-
 def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, device: str):
     common = training_arguments(cfg, output_dir, device)
     if cfg.system.startswith("megatrain"):
         from hf_megatrain import HFMegaTrainer, MegaTrainArguments
+        from hf_megatrain.hf.long_context import LIGER_LAYER_KERNELS
 
         # Streamed layers always recompute in backward: checkpointing is built in.
         common["gradient_checkpointing"] = False
@@ -538,7 +529,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
             megatrain_boundary_dtype="bfloat16" if cfg.bf16_boundaries else "input",
             megatrain_checkpoint_every=cfg.checkpoint_every,
             use_liger_kernel=cfg.liger,
-            liger_kernel_config=LIGER_KERNELS if cfg.liger else None,
+            liger_kernel_config=dict(LIGER_LAYER_KERNELS) if cfg.liger else None,
         )
         return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     from transformers import Trainer, TrainingArguments
@@ -547,7 +538,13 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
         args = TrainingArguments(**common, deepspeed=deepspeed_config())
     else:
         # --liger: the same layer kernels for stock, so the comparison stays like for like.
-        liger = dict(use_liger_kernel=True, liger_kernel_config=LIGER_KERNELS) if cfg.liger else {}
+        from hf_megatrain.hf.long_context import LIGER_LAYER_KERNELS
+
+        liger = (
+            dict(use_liger_kernel=True, liger_kernel_config=dict(LIGER_LAYER_KERNELS))
+            if cfg.liger
+            else {}
+        )
         args = TrainingArguments(**common, **liger)
     return Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
 

@@ -73,6 +73,7 @@ class TrainOptions:
     offload_activations: bool = False  # layer inputs to pinned host memory until backward
     bf16_boundaries: bool = False  # save layer inputs rounded to bf16 (approximate gradients)
     checkpoint_every: int = 1  # save every k-th layer's input, recompute the rest (exact)
+    liger: bool = False  # Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (CUDA; use_liger_kernel)
     # Filled in by the CLI (not recipe keys).
     source: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -163,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint segments: only every k-th decoder layer saves its input, the others "
         "are recomputed from it in backward (k-fold fewer boundary activations, (k-1)/k of a "
         "layer forward more per layer; exact). Default 1",
+    )
+    e.add_argument(
+        "--liger",
+        action="store_const",
+        const=True,
+        help="Liger-Kernel's fused RMSNorm / RoPE / SwiGLU Triton kernels (the Trainer's "
+        "use_liger_kernel; CUDA, pip install 'hf_megatrain[liger]')",
     )
     _add_plan_parser(sub)
     return parser
@@ -667,6 +675,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, default_data_collator  # noqa: PLC0415
 
     from . import HFMegaTrainer, MegaTrainArguments  # noqa: PLC0415
+    from .hf.long_context import LIGER_LAYER_KERNELS  # noqa: PLC0415
 
     t_start = time.perf_counter()
     _check_launch()
@@ -674,6 +683,8 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     bf16 = _use_bf16(opts.precision)
+    if opts.liger and not cuda:
+        raise CLIError("liger: Liger-Kernel's Triton kernels need a CUDA GPU; drop --liger here")
 
     tokenizer = load_tokenizer(opts)
     docs = read_texts(opts.data)
@@ -729,6 +740,9 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
             megatrain_offload_activations=opts.offload_activations,
             megatrain_boundary_dtype="bfloat16" if opts.bf16_boundaries else "input",
             megatrain_checkpoint_every=opts.checkpoint_every,
+            use_liger_kernel=opts.liger,
+            # The layer kernels: training batches use hf_megatrain's chunked loss.
+            liger_kernel_config=dict(LIGER_LAYER_KERNELS) if opts.liger else None,
         )
     except ValueError as e:
         raise CLIError(f"invalid training setting: {e}") from None

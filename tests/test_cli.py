@@ -172,6 +172,8 @@ def test_bad_input_errors_are_clean(tmp_path):
     assert "not enough data" in _error(["train", "--data", str(short), "--seq-len", "512"])
     (tmp_path / "empty").mkdir()
     assert "no text files" in _error(["train", "--data", str(tmp_path / "empty")])
+    if not torch.cuda.is_available():
+        assert "need a CUDA GPU" in _error(["train", "--liger"])
 
 
 def test_multi_node_launch_is_refused(monkeypatch):

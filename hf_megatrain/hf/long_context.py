@@ -12,6 +12,16 @@ from .model import find_decoder_layers
 
 logger = logging.getLogger(__name__)
 
+#: A ``liger_kernel_config`` of Liger's layer kernels only (fused RMSNorm, RoPE, SwiGLU), not its
+#: losses: training batches with labels use hf_megatrain's chunked loss anyway.
+LIGER_LAYER_KERNELS = {
+    "rope": True,
+    "rms_norm": True,
+    "swiglu": True,
+    "cross_entropy": False,
+    "fused_linear_cross_entropy": False,
+}
+
 # Token-wise feed-forward sub-modules by attribute name (MoE blocks route per token too, but
 # their router outputs are recorded for the aux loss: left untiled).
 _MLP_ATTRS = ("mlp",)
