@@ -138,3 +138,14 @@ def test_public_names():
 
     assert hf_megatrain.Workload is Workload and hf_megatrain.MemoryPlanError is MemoryPlanError
     assert {"Workload", "MemoryPlanError"} <= set(hf_megatrain.__all__)
+
+
+def test_advice_when_nothing_fits():
+    """Qwen2.5-7B at 4M tokens in one sequence fits with no combination of options: said so."""
+    from hf_megatrain.core.planner import NOTHING_FITS_ADVICE  # noqa: PLC0415
+
+    seq = 1 << 22
+    plan = plan_memory(_shape("qwen2.5-7b"), Workload(seq_len=seq, micro_batch_tokens=seq), BF16,
+                       HBM, HOST)  # fmt: skip
+    assert not plan.fits and plan.options_fit is None
+    assert NOTHING_FITS_ADVICE in str(plan.problems[0])

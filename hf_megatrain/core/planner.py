@@ -854,6 +854,9 @@ def plan_memory(
         found = lightest_fit(fits_options, base, workload.micro_batch_tokens)
         if found is not None:
             _advise_options(plan, found, base)
+        else:
+            for problem in plan.problems:
+                problem.args = (f"{problem.args[0]} {NOTHING_FITS_ADVICE}",)
     _add_notes(plan)
     return plan
 
@@ -889,6 +892,13 @@ def _advise_options(plan: MemoryPlan, found: MemoryOptions, base: MemoryOptions)
     for problem in plan.problems:
         problem.args = (f"{problem.args[0]} {advice}",)
 
+
+#: When not even every memory option together makes a plan fit.
+NOTHING_FITS_ADVICE = (
+    "No combination of the memory options (MLP tiles, activation offload, fp32-master "
+    "streaming, checkpoint segments of up to 8 layers, bf16 boundaries, no clipping) makes it "
+    "fit on this machine."
+)
 
 #: Segment lengths the advice tries when a plan does not fit (the shortest that fits is named).
 SEGMENT_ADVICE_LENGTHS = (2, 3, 4, 6, 8)
