@@ -48,12 +48,13 @@ def install_mlp_tiling(model: nn.Module, tile_tokens: int) -> int:
 
 
 def apply_liger_kernels(model: nn.Module, kernel_config: dict | None) -> None:
-    """Liger-Kernel's fused RMSNorm / RoPE / SwiGLU for the streamed model, as the Trainer's
-    ``use_liger_kernel=True`` applies them (``transformers.integrations.liger``), but at
-    preparation time: the Trainer patches in ``train()``, which would replace the MLP tiling's
-    forward installed before it (tiling then wraps the Liger forward instead). Training batches
-    with labels keep hf_megatrain's own chunked loss; Liger's fused linear cross-entropy, when
-    configured, only serves the model's own forward (evaluation)."""
+    """Liger-Kernel's fused RMSNorm / RoPE / SwiGLU for the model, as the Trainer's
+    ``use_liger_kernel=True`` applies them (``transformers.integrations.liger``), but before the
+    model is streamed: the memory plan then counts the fused kernels' smaller saved activations,
+    and MLP tiling, installed after, wraps the fused forward (the Trainer's own patching in
+    ``train()`` would replace the tiling; HFMegaTrainer skips it). Training batches with labels
+    keep hf_megatrain's chunked loss; Liger's fused linear cross-entropy, when configured, only
+    serves the model's own forward (evaluation)."""
     try:
         from transformers.integrations.liger import apply_liger_kernel  # noqa: PLC0415
     except ImportError:  # transformers that applies Liger inline in Trainer: the same calls
