@@ -257,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     )
+    if result.get("step_times"):
+        # Every step's time, so a first step that waited for something (e.g. the host AdamW's
+        # first write of fresh moment pages) shows beside the steady ones.
+        times = ", ".join(f"{t:.3f}" for t in result["step_times"])
+        print(f"bench_dp: step times (s, first {a.warmup} warm-up): {times}")
     print(f"bench_dp: log {log_path}")
     return 0 if result.get("status") == "ok" else 1
 
