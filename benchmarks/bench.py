@@ -510,10 +510,11 @@ def training_arguments(cfg: RunConfig, output_dir: str, device: str) -> dict:
 
 
 def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, device: str):
+    from hf_megatrain.hf.long_context import LIGER_LAYER_KERNELS
+
     common = training_arguments(cfg, output_dir, device)
     if cfg.system.startswith("megatrain"):
         from hf_megatrain import HFMegaTrainer, MegaTrainArguments
-        from hf_megatrain.hf.long_context import LIGER_LAYER_KERNELS
 
         # Streamed layers always recompute in backward: checkpointing is built in.
         common["gradient_checkpointing"] = False
@@ -538,8 +539,6 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
         args = TrainingArguments(**common, deepspeed=deepspeed_config())
     else:
         # --liger: the same layer kernels for stock, so the comparison stays like for like.
-        from hf_megatrain.hf.long_context import LIGER_LAYER_KERNELS
-
         liger = (
             dict(use_liger_kernel=True, liger_kernel_config=dict(LIGER_LAYER_KERNELS))
             if cfg.liger

@@ -35,6 +35,15 @@ log="benchmarks/results/logs/$(date -u +%F)-phase-$phase.log"
 pack() { tar czf "$out/results-$phase.tgz" benchmarks/results; }
 trap pack EXIT
 bench() { bash benchmarks/run_device.sh "$@" >>"$log" 2>&1; grep "^bench:" "$log" | tail -3; pack; }
+# A run longer than one device command: started in its own session (setsid), which the device
+# tool leaves running while the machine is held; this call waits LONG_SLEEP seconds (shorter
+# when the call ran another phase first) and `long-wait`, called again within the machine's
+# idle window, waits for the rest and packs.
+start_long() {
+  setsid nohup bash benchmarks/run_device.sh --steps 1 --warmup 0 "$@" >>"$log" 2>&1 </dev/null &
+  sleep "${LONG_SLEEP:-560}"
+  tail -5 "$log"
+}
 
 case "$phase" in
   tests)
@@ -135,28 +144,20 @@ case "$phase" in
     ;;
   long1m)
     # One 1,048,576-token sequence of Qwen2.5-1.5B (bf16 boundaries offloaded: 84 GiB host): about
-    # 17 minutes, longer than one device command. Started in its own session (setsid), which the
-    # device tool leaves running while the machine is held; this call then waits ~9.5 minutes,
-    # and `long-wait` (called again within the machine's idle window) waits for it and packs.
-    setsid nohup bash benchmarks/run_device.sh --tag "long1m-$(date -u +%H%M)" \
-      --seq-len 1048576 --mlp-tile-tokens 16384 --offload-activations --bf16-boundaries \
-      --steps 1 --warmup 0 --timeout-s 1500 --run qwen2.5-1.5b:1048576:megatrain-hbm:1 \
-      >>"$log" 2>&1 </dev/null &
-    sleep "${LONG_SLEEP:-560}"  # shorter when this call ran another phase first
-    tail -5 "$log"
+    # 17 minutes, longer than one device command: start_long, then `long-wait`.
+    start_long --tag "long1m-$(date -u +%H%M)" --seq-len 1048576 --mlp-tile-tokens 16384 \
+      --offload-activations --bf16-boundaries --timeout-s 1500 \
+      --run qwen2.5-1.5b:1048576:megatrain-hbm:1
     ;;
   long7b)
     # One 524,288-token sequence of Qwen2.5-7B (issue 4's target): bf16 boundaries saved every
     # 2nd layer and offloaded (`plan ... --bf16-boundaries --checkpoint-every 2`: 136 GiB HBM,
     # 107 GiB host), no clipping, fp32 masters streamed. About 11 minutes (attention at 512k
     # dominates): started under setsid like long1m, then `long-wait`.
-    setsid nohup bash benchmarks/run_device.sh --tag "long7b-$(date -u +%H%M)" \
-      --seq-len 524288 --mlp-tile-tokens 16384 --offload-activations --bf16-boundaries \
-      --checkpoint-every 2 --no-clip --stream-fp32-master --streamed-init \
-      --steps 1 --warmup 0 --timeout-s 1500 --run qwen2.5-7b:524288:megatrain-hbm:1 \
-      >>"$log" 2>&1 </dev/null &
-    sleep "${LONG_SLEEP:-560}"  # shorter when this call ran another phase first
-    tail -5 "$log"
+    start_long --tag "long7b-$(date -u +%H%M)" --seq-len 524288 --mlp-tile-tokens 16384 \
+      --offload-activations --bf16-boundaries --checkpoint-every 2 --no-clip \
+      --stream-fp32-master --streamed-init --timeout-s 1500 \
+      --run qwen2.5-7b:524288:megatrain-hbm:1
     ;;
   long3b)
     # Issue 4's table, hf_megatrain's 3B row: one 524,288-token sequence of Qwen2.5-3B (the
@@ -164,13 +165,9 @@ case "$phase" in
     # layers fit in HBM: bf16 boundaries offloaded (76 GiB host), no segments (no extra
     # recompute). About 8 minutes: setsid like long7b, then `long-wait`. On nvidia-h200-x2 too
     # (one GPU; every memory option is explicit, so the run is the one-GPU kind's).
-    setsid nohup bash benchmarks/run_device.sh --tag "long3b-$(date -u +%H%M)" \
-      --seq-len 524288 --mlp-tile-tokens 16384 --offload-activations --bf16-boundaries \
-      --no-clip --streamed-init \
-      --steps 1 --warmup 0 --timeout-s 1200 --run qwen2.5-3b:524288:megatrain-hbm:1 \
-      >>"$log" 2>&1 </dev/null &
-    sleep "${LONG_SLEEP:-560}"
-    tail -5 "$log"
+    start_long --tag "long3b-$(date -u +%H%M)" --seq-len 524288 --mlp-tile-tokens 16384 \
+      --offload-activations --bf16-boundaries --no-clip --streamed-init --timeout-s 1200 \
+      --run qwen2.5-3b:524288:megatrain-hbm:1
     ;;
   long-wait)
     waited=0

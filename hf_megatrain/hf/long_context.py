@@ -8,6 +8,7 @@ import logging
 from torch import nn
 
 from ..core.tiling import TiledTokenwise
+from .loss import _unwrap
 from .model import find_decoder_layers
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,5 @@ def _apply_liger_kernel(model: nn.Module, kernel_config: dict | None) -> None:
             "hf_megatrain: use_liger_kernel=True needs liger-kernel (pip install "
             "'hf_megatrain[liger]')"
         ) from None
-    get_base = getattr(model, "get_base_model", None)  # PEFT: patch the model under the adapters
-    _apply_liger_kernel_to_instance(model=get_base() if callable(get_base) else model,
-                                    **(kernel_config or {}))  # fmt: skip
+    # PEFT: patch the model under the adapters.
+    _apply_liger_kernel_to_instance(model=_unwrap(model), **(kernel_config or {}))

@@ -111,10 +111,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         kv_size=kv_heads * head_dim,
         head_dim=head_dim,
         num_heads=heads,
-        qk_norm=any(hasattr(getattr(layer, "self_attn", None), "q_norm") for layer in layers[:1]),
-        fused_layer_kernels=any(
-            _liger_patched(getattr(layer, "mlp", None)) for layer in layers[:1]
-        ),
+        # Every decoder layer of these families is alike: the first one says.
+        qk_norm=bool(layers) and hasattr(getattr(layers[0], "self_attn", None), "q_norm"),
+        fused_layer_kernels=bool(layers) and _liger_patched(getattr(layers[0], "mlp", None)),
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
         hidden_size=text_cfg.hidden_size,
