@@ -184,9 +184,12 @@ case "$phase" in
     # (26.3B) at 12 B/param across both GPUs and the 256 GiB host (`plan --nproc 2 --host-gib 249
     # --no-clip --stream-fp32-master`: 91 layers at most; 80 layers trained at 710d066 with
     # 207.7 GiB host measured vs 207.6 planned). 7B on 1 vs 2 GPUs ran at 710d066 (2.20x).
-    timeout 180 python3 -m pytest tests/test_gpu_dp.py -o addopts="" -p no:cacheprovider -rA -q \
-      2>&1 | grep -v '^DEBUG' >>"$log"
-    grep -E "passed|failed" "$log" | tail -2
+    # DP_TESTS=0 when the `tests` phase already ran them on this 2-GPU machine.
+    if [ "${DP_TESTS:-1}" = 1 ]; then
+      timeout 180 python3 -m pytest tests/test_gpu_dp.py -o addopts="" -p no:cacheprovider -rA \
+        -q 2>&1 | grep -v '^DEBUG' >>"$log"
+      grep -E "passed|failed" "$log" | tail -2
+    fi
     pack
     python3 benchmarks/bench_dp.py --tag "dp-$(date -u +%H%M)" --nproc 2 --system megatrain-hbm \
       --model qwen2.5-14b-l90 --seq-len 4096 --tokens-per-gpu 16384 --micro-batch 4 \
