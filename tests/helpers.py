@@ -148,6 +148,14 @@ def common_args(**overrides) -> dict:
     return args
 
 
+def one_gpu(args: TrainingArguments) -> TrainingArguments:
+    """Pin a stock run to one GPU, as HFMegaTrainer is: on a machine with several, the stock
+    Trainer would wrap the model in DataParallel and scale the batch by the GPU count."""
+    if args.n_gpu > 1:
+        args._n_gpu = 1
+    return args
+
+
 def run_trainer(
     model,
     tmp_path,
@@ -167,7 +175,7 @@ def run_trainer(
     data = data if data is not None else make_data()
     cls, argcls = (HFMegaTrainer, MegaTrainArguments) if mega else (Trainer, TrainingArguments)
     rec = recorder if recorder is not None else LogRecorder()
-    args = argcls(output_dir=str(tmp_path / name), **common_args(**arg_overrides))
+    args = one_gpu(argcls(output_dir=str(tmp_path / name), **common_args(**arg_overrides)))
     trainer = cls(
         model=model,
         args=args,

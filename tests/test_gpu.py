@@ -18,7 +18,7 @@ from transformers import LlamaConfig, Qwen2Config, Trainer, TrainingArguments
 from benchmarks.trace_overlap import analyze, load_events
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments
 
-from .helpers import LogRecorder, tiny_model
+from .helpers import LogRecorder, one_gpu, tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,7 +56,7 @@ def _args(cls, out, **kw):
         lr_scheduler_type="constant",
     )
     common.update(kw)
-    return cls(**common)
+    return one_gpu(cls(**common))
 
 
 @pytest.mark.parametrize(

@@ -341,15 +341,33 @@ def test_bf16_boundaries_advice_and_plan_cli(qwen7b, capsys):
 
 
 def test_data_parallel_plan_counts_the_shared_store_once():
-    """N ranks of one host: the same store (shared), N processes, N staging rings; GPU per GPU."""
-    from hf_megatrain.core.planner import PROCESS_BASELINE, ModelShape, Workload, plan_memory
+    """N ranks of one host: the same store (shared), N processes, N staging rings; GPU per GPU,
+    with the gradients a rank holds until their owner has them and NCCL's own buffers."""
+    from hf_megatrain.core.planner import (
+        NCCL_BUFFER_BYTES,
+        PROCESS_BASELINE,
+        ModelShape,
+        Workload,
+        plan_memory,
+    )
 
     shape = ModelShape((300_000_000,) * 40, 1_500_000_000, 5120, 152_064, 13_824, kv_size=1024)
     wl = Workload(seq_len=4096, micro_batch_tokens=16384)
     kw = dict(hold_grads=False, stream_fp32_master=True)
     one = plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 400 * 2**30, **kw)
     two = plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 400 * 2**30, ranks=2, **kw)
-    assert two.n_hbm == one.n_hbm and two.gpu_total == one.gpu_total
+    assert two.n_hbm <= one.n_hbm
+    one, two = (
+        plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 400 * 2**30, ranks=r,
+                    hbm_layers=one.n_hbm, **kw)
+        for r in (1, 2)
+    )  # fmt: skip
+
+    def modelled(plan):
+        return sum(ln.nbytes for ln in plan.gpu_lines if not ln.name.startswith("allocator"))
+
+    # 2 more fp32 layer gradients in flight (reductions to the other rank) and NCCL's buffers.
+    assert modelled(two) - modelled(one) == 2 * 4 * 300_000_000 + NCCL_BUFFER_BYTES
     ring = 2 * 4 * 300_000_000  # GRAD_STAGING_SLOTS x largest host layer x 4 B, per rank
     assert two.host_total - one.host_total == PROCESS_BASELINE + ring
     assert "data parallel: 2 ranks" in two.table()

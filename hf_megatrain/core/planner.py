@@ -56,6 +56,10 @@ SAFETY_MARGIN_LINE = "safety margin"
 #: 0.5-7.5% under the modelled lines alone; 5% slack put the 14B plans 10.5% over the measured
 #: peak, 3% keeps every run over its measurement (by 3.4-8.4%).
 GPU_SLACK_FRACTION = 0.03
+#: GPU memory NCCL takes outside PyTorch's allocator once a data-parallel rank's communicator is
+#: up (after the plan measured the free HBM): the 2-GPU H200 run's out-of-memory report showed
+#: 1.57 GiB held outside PyTorch, the CUDA context's ~0.5 GiB of it already gone before the plan.
+NCCL_BUFFER_BYTES = 1 * GIB
 GPU_SLACK_MIN = 1 * GIB
 
 HBM = "hbm"
@@ -322,9 +326,10 @@ def _gpu_lines(
     reserve_bytes: int,
     stream_fp32_master: bool = False,
     kept: int = 0,
+    ranks: int = 1,
 ) -> list[MemoryLine]:
     """GPU costs with the first ``n_hbm`` layers in the HBM tier, ``kept`` of them keeping
-    their activations (no recompute)."""
+    their activations (no recompute); per GPU when ``ranks`` > 1 (data parallel)."""
     isz = _itemsize(dtype)
     dt = "bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch.")
     hbm = shape.layer_numels[:n_hbm]
@@ -356,11 +361,23 @@ def _gpu_lines(
                 4 * sum(host),
             )
         )
+    elif ranks > 1:
+        # Each layer's gradient is reduced to its owner rank: the owner's drain to the host
+        # (~2 in flight) and the other ranks' buffers until the reduction has read them
+        # (REDUCES_IN_FLIGHT in core/streaming.py).
+        lines.append(
+            MemoryLine(
+                "fp32 grads reducing to their owner rank / draining to host (~4 layers)",
+                4 * max_host * 4,
+            )
+        )
     else:
         # Each layer's gradient leaves on the D2H stream right away; ~2 can be in flight.
         lines.append(
             MemoryLine("fp32 grads draining to host (~2 layers in flight)", 2 * max_host * 4)
         )
+    if ranks > 1:
+        lines.append(MemoryLine("NCCL communicator buffers (estimate)", NCCL_BUFFER_BYTES))
     if workload is None:
         lines.append(
             MemoryLine("reserve for activations, logits, resident params (fixed)", reserve_bytes)
@@ -437,9 +454,10 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     if shape.fused_layer_kernels:
         # Liger's RMSNorm saves its input and scale, not the fp32 normalized product (8h for
         # the two layer norms; per-head q/k norms keep their bf16 input instead of an fp32 copy
-        # and a bf16 output: 4q + 4kv); its SwiGLU saves gate and up, not the SiLU output and
-        # the product (4i).
-        total -= 8 * h + 4 * i + (4 * q + 4 * kv if shape.qk_norm else 0)
+        # and a bf16 output: 4q + 4kv); its SwiGLU saves gate and up but not the SiLU output
+        # (2i; down_proj still saves the product as its input). Measured on the H200 for a
+        # Qwen2.5-1.5B-wide layer: 82,486 B/token against 82,488 counted here.
+        total -= 8 * h + 2 * i + (4 * q + 4 * kv if shape.qk_norm else 0)
     return total
 
 
@@ -729,7 +747,7 @@ def plan_memory(
 
     def gpu(k: int, kept: int = 0) -> list[MemoryLine]:
         return _gpu_lines(
-            shape, workload, compute_dtype, k, reserve_bytes, stream_fp32_master, kept
+            shape, workload, compute_dtype, k, reserve_bytes, stream_fp32_master, kept, ranks
         )
 
     if hbm_layers is not None:

@@ -38,6 +38,9 @@ from .segments import Segment, SegmentEntry, tensor_sig
 #: layer's D2H copy land while the previous layer's update reads the other; more would only let
 #: the backward run further ahead of a CPU update that bounds the step anyway.
 GRAD_STAGING_SLOTS = 2
+#: Data parallel: gradient reductions a rank that does not own their layers keeps buffers for
+#: (the planner counts them beside the owner's draining ones).
+REDUCES_IN_FLIGHT = 2
 
 
 #: ``boundary_dtype`` names: the saved layer input kept as is, or rounded to bf16.
@@ -573,8 +576,14 @@ class StreamingEngine:
             return
         work = dp.reduce_to_owner(acc, idx, async_op=True)
         if not mine:
-            # Keep the buffer alive until the reduction has read it (finish_grads waits).
+            # Keep the buffer alive until the reduction has read it, but no longer: held until
+            # backward ends, every rank would keep the fp32 gradients of the layers the others
+            # own in HBM (half the streamed layers on 2 GPUs; 26.3B ran out of memory so).
+            # Waiting on an older reduction makes the compute stream, not the host, wait for
+            # it; issued layers ago, it is done in practice.
             self._pending_reduces.append((work, acc))
+            while len(self._pending_reduces) > REDUCES_IN_FLIGHT:
+                self._pending_reduces.pop(0)[0].wait()
             return
         # No grad slot: the reduced gradient goes to a staging buffer. Taken after the
         # reduction was issued, so waiting for a free one never holds up the other ranks.
