@@ -6,7 +6,9 @@ For each successful ``megatrain`` / ``megatrain-hbm`` row, the current planner p
 (model config, step split, engine options and the row's layer placement: its ``hbm_layers``
 column, 0 for all-streamed runs, or what the fixed-reserve "auto" of older commits chose) and
 its GPU total and host peak estimate are set beside the measured ``peak_hbm_gib``
-(``torch.cuda.max_memory_reserved``) and ``peak_host_gib`` (VmHWM). Rows measured before the
+(``torch.cuda.max_memory_reserved``) and ``peak_host_gib`` (VmHWM). The GPU total leaves out
+what the plan puts outside PyTorch's allocator (data parallel's NCCL buffers), which
+max_memory_reserved cannot see. Rows measured before the
 planner was calibrated on them are calibration points, later ones tests of it: the ``commit``
 column says which is which.
 """
@@ -91,7 +93,7 @@ def plan_row(row: dict):
 
 
 def compare(csv_path: Path) -> list[dict]:
-    from hf_megatrain.core.planner import GIB
+    from hf_megatrain.core.planner import GIB, NCCL_LINE
 
     out = []
     with csv_path.open(newline="") as f:
@@ -103,7 +105,8 @@ def compare(csv_path: Path) -> list[dict]:
             continue
         plan = plan_row(row)
         hbm, host = float(row["peak_hbm_gib"]), float(row["peak_host_gib"])
-        p_hbm, p_host = plan.gpu_total / GIB, plan.host_peak_estimate / GIB
+        outside = sum(ln.nbytes for ln in plan.gpu_lines if ln.name == NCCL_LINE)
+        p_hbm, p_host = (plan.gpu_total - outside) / GIB, plan.host_peak_estimate / GIB
         out.append(
             dict(
                 commit=row["commit"],

@@ -60,6 +60,8 @@ GPU_SLACK_FRACTION = 0.03
 #: up (after the plan measured the free HBM): the 2-GPU H200 run's out-of-memory report showed
 #: 1.57 GiB held outside PyTorch, the CUDA context's ~0.5 GiB of it already gone before the plan.
 NCCL_BUFFER_BYTES = 1 * GIB
+#: Name of that line: memory outside PyTorch's allocator, so not in max_memory_reserved.
+NCCL_LINE = "NCCL communicator buffers (estimate, outside PyTorch's allocator)"
 GPU_SLACK_MIN = 1 * GIB
 
 HBM = "hbm"
@@ -377,7 +379,7 @@ def _gpu_lines(
             MemoryLine("fp32 grads draining to host (~2 layers in flight)", 2 * max_host * 4)
         )
     if ranks > 1:
-        lines.append(MemoryLine("NCCL communicator buffers (estimate)", NCCL_BUFFER_BYTES))
+        lines.append(MemoryLine(NCCL_LINE, NCCL_BUFFER_BYTES))
     if workload is None:
         lines.append(
             MemoryLine("reserve for activations, logits, resident params (fixed)", reserve_bytes)
