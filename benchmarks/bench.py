@@ -193,6 +193,8 @@ class RunConfig:
     no_clip: bool = False
     # megatrain only: no bf16 copy in host RAM; fp32 masters stream and are cast on the GPU.
     stream_fp32_master: bool = False
+    # megatrain only: HBM-tier layers keep no bf16 copy (cast from the fp32 master on use).
+    hbm_cast_weights: bool = False
     # megatrain only: HBM-tier layers that keep activations instead of recomputing ("auto":
     # the planner's count for megatrain-hbm, "off", or a count).
     keep_activations: str = "auto"
@@ -265,6 +267,8 @@ class RunConfig:
             args.append("--no-clip")
         if self.stream_fp32_master:
             args.append("--stream-fp32-master")
+        if self.hbm_cast_weights:
+            args.append("--hbm-cast-weights")
         if self.bf16_boundaries:
             args.append("--bf16-boundaries")
         if self.checkpoint_every != 1:
@@ -526,6 +530,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
             megatrain_mlp_tile_tokens=cfg.mlp_tile_tokens,
             megatrain_offload_activations=cfg.offload_activations,
             megatrain_stream_fp32_master=cfg.stream_fp32_master,
+            megatrain_hbm_cast_weights=cfg.hbm_cast_weights,
             megatrain_keep_activations=cfg.keep_activations,
             megatrain_boundary_dtype="bfloat16" if cfg.bf16_boundaries else "input",
             megatrain_checkpoint_every=cfg.checkpoint_every,
@@ -624,6 +629,7 @@ def train_once(cfg: RunConfig) -> dict:
             # The store is built here, before the trainer: give it the run's layout.
             host_grads=not cfg.no_clip,
             stream_fp32_master=cfg.stream_fp32_master,
+            hbm_cast_weights=cfg.hbm_cast_weights,
         )
     else:
         model = build_model(config, cfg.seed)
@@ -1151,6 +1157,12 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         help="megatrain only: stream fp32 masters (cast on the GPU) instead of a host bf16 copy",
     )
     p.add_argument(
+        "--hbm-cast-weights",
+        action="store_true",
+        help="megatrain only: HBM-tier layers keep no bf16 copy (16 B/param, more fit in HBM); "
+        "each is cast from its fp32 master on the GPU when it runs",
+    )
+    p.add_argument(
         "--layer-timing",
         action="store_true",
         help="megatrain only: time every layer pass of the timed steps with CUDA events; the row "
@@ -1191,6 +1203,7 @@ def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
         offload_activations=a.offload_activations,
         no_clip=a.no_clip,
         stream_fp32_master=a.stream_fp32_master,
+        hbm_cast_weights=a.hbm_cast_weights,
         keep_activations=a.keep_activations,
         bf16_boundaries=a.bf16_boundaries,
         checkpoint_every=a.checkpoint_every,

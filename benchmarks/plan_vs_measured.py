@@ -65,6 +65,7 @@ def plan_row(row: dict):
     kw = dict(
         hold_grads="--no-clip" not in command,
         stream_fp32_master="--stream-fp32-master" in command,
+        hbm_cast_weights="--hbm-cast-weights" in command,
         # Without --streamed-init the benchmark builds the fp32 model on the host first.
         input_model_bytes=0 if "--streamed-init" in command else 4 * shape.total_numel,
     )

@@ -74,6 +74,7 @@ class TrainOptions:
     bf16_boundaries: bool = False  # save layer inputs rounded to bf16 (approximate gradients)
     checkpoint_every: int = 1  # save every k-th layer's input, recompute the rest (exact)
     liger: bool = False  # Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (CUDA; use_liger_kernel)
+    hbm_cast_weights: bool = False  # HBM-tier layers keep no bf16 copy (16 B/param, more fit)
     # Filled in by the CLI (not recipe keys).
     source: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -172,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Liger-Kernel's fused RMSNorm / RoPE / SwiGLU Triton kernels (the Trainer's "
         "use_liger_kernel; CUDA, pip install 'hf_megatrain[liger]')",
     )
+    e.add_argument(
+        "--hbm-cast-weights",
+        action="store_const",
+        const=True,
+        help="HBM-tier layers keep no bf16 copy (16 instead of 18 B/param: more layers fit in "
+        "HBM); each is cast from its fp32 master when it runs (megatrain_hbm_cast_weights)",
+    )
     _add_plan_parser(sub)
     return parser
 
@@ -229,6 +237,12 @@ def _add_plan_parser(sub) -> None:
         action="store_true",
         help="plan for megatrain_stream_fp32_master: no bf16 copy in host RAM (2 B/param less), "
         "the fp32 master streams (twice the H2D bytes) and is cast on the GPU",
+    )
+    pl.add_argument(
+        "--hbm-cast-weights",
+        action="store_true",
+        help="plan for megatrain_hbm_cast_weights: HBM-tier layers keep no bf16 copy (16 "
+        "instead of 18 B/param) and recompute in backward",
     )
     pl.add_argument(
         "--nproc",
@@ -538,6 +552,7 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
             host_memory_limit_gb=opts.host_memory_limit_gb,
             resident_layers=opts.resident_layers,
             attn_implementation=opts.attn,
+            hbm_cast_weights=opts.hbm_cast_weights,
         )
     cfg = _config_from_json(opts.config or str(DEFAULT_CONFIG))
     _check_vocab(cfg, tokenizer)
@@ -575,6 +590,7 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
         # Clipping needs every layer's gradient held until the norm is known; without it the
         # layers update eagerly and the store keeps no gradient slot (as the trainer would).
         host_grads=opts.max_grad_norm > 0,
+        hbm_cast_weights=opts.hbm_cast_weights,
     )
 
 
@@ -740,6 +756,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
             megatrain_offload_activations=opts.offload_activations,
             megatrain_boundary_dtype="bfloat16" if opts.bf16_boundaries else "input",
             megatrain_checkpoint_every=opts.checkpoint_every,
+            megatrain_hbm_cast_weights=opts.hbm_cast_weights,
             use_liger_kernel=opts.liger,
             # The layer kernels: training batches use hf_megatrain's chunked loss.
             liger_kernel_config=dict(LIGER_LAYER_KERNELS) if opts.liger else None,
@@ -953,6 +970,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         hold_grads=not getattr(ns, "no_clip", False),
         stream_fp32_master=bool(getattr(ns, "stream_fp32_master", False)),
         ranks=nproc,
+        hbm_cast_weights=bool(getattr(ns, "hbm_cast_weights", False)),
     )
     keep = str(getattr(ns, "keep_activations", "off"))
     try:

@@ -296,6 +296,31 @@ def test_engine_options_do_not_change_training(tmp_path, feature):
     assert got == pytest.approx(base, rel=1e-2)
 
 
+@pytest.mark.parametrize("resident", ["2", "4"], ids=["tier-2-of-4", "all-4"])
+def test_hbm_cast_weights_on_gpu(tmp_path, resident):
+    """HBM-tier layers cast from their fp32 master into a stream buffer on the copy stream (no
+    bf16 copy) train exactly like the same tier with bf16 copies: the same rounding of the same
+    master, the same kernels; so bitwise equal losses and weights. With all 4 layers in the tier
+    no layer streams and the buffers exist for the casts alone."""
+    from .helpers import mega_params
+
+    model = tiny_model(_tiny_gpu_config())
+    data = _data(32, 128)
+    kw = dict(megatrain_resident_layers=resident, megatrain_keep_activations="off")
+    base_trainer, base = _mega_losses(tmp_path, "copy", copy.deepcopy(model), data, **kw)
+    trainer, got = _mega_losses(
+        tmp_path, "cast", model, data, megatrain_hbm_cast_weights=True, **kw
+    )
+    tier = [s for s in trainer.megatrain.engine.stores if s.resident]
+    assert len(tier) == int(resident) and all(s.casts_on_use for s in tier)
+    assert trainer.megatrain.engine.h2d_bytes == base_trainer.megatrain.engine.h2d_bytes
+    assert len(got) == len(base) == 4
+    assert got == base
+    a, b = mega_params(trainer), mega_params(base_trainer)
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+
+
 @pytest.mark.parametrize("tile", [0, 32], ids=["untiled", "mlp-tiles"])
 def test_liger_kernels_on_gpu(tmp_path, monkeypatch, tile):
     """The Trainer's use_liger_kernel on a streamed model: Liger's fused RMSNorm, RoPE and SwiGLU

@@ -385,3 +385,46 @@ def test_plan_cli_nproc(capsys):
     assert "x 2 ranks" in out and "data parallel: 2 ranks" in out
     with pytest.raises(SystemExit, match="need at least 1 process"):
         main(argv + ["--nproc", "0"])
+
+
+def test_hbm_cast_weights_fit_more_layers_and_keep_none():
+    """HBM-tier layers without a bf16 copy take 16 instead of 18 B/param: more fit; the stream
+    buffers are sized for them even when no layer streams; they keep no activations."""
+    from hf_megatrain.core.planner import ModelShape, Workload, plan_memory
+
+    # Qwen2.5-7B's shape at one 8k-token micro-batch on an H200 (139.3 GiB free).
+    shape = ModelShape((233_057_792,) * 28, 1_089_994_240, 3584, 152_064, 18_944, kv_size=512)
+    wl = Workload(seq_len=4096, micro_batch_tokens=8192)
+    hbm, host = int(139.3 * 2**30), 120 * 2**30
+    copy = plan_memory(shape, wl, torch.bfloat16, hbm, host, keep_activation_layers=None)
+    cast = plan_memory(
+        shape, wl, torch.bfloat16, hbm, host, keep_activation_layers=None, hbm_cast_weights=True
+    )
+    assert copy.n_hbm == 27 and cast.n_hbm == 28, (copy.n_hbm, cast.n_hbm)
+    assert cast.hbm_cast_weights and cast.kept_layers == 0
+    assert all(p.gpu_bytes == 16 * p.numel for p in cast.layers)
+    assert all(p.gpu_bytes == 18 * p.numel for p in copy.layers if p.tier == "hbm")
+    buffers = next(ln for ln in cast.gpu_lines if ln.name.startswith("stream double buffer"))
+    assert buffers.nbytes == 2 * 233_057_792 * 2
+    assert "cast to bf16 on use" in cast.table()
+    # fp32 runs: there is no bf16 copy to drop.
+    fp32 = plan_memory(shape, wl, torch.float32, hbm, host, hbm_cast_weights=True)
+    assert not fp32.hbm_cast_weights
+    with pytest.raises(ValueError, match="cannot keep their activations"):
+        plan_memory(
+            shape, wl, torch.bfloat16, hbm, host, keep_activation_layers=2, hbm_cast_weights=True
+        )
+
+
+def test_plan_cli_hbm_cast_weights(capsys):
+    from hf_megatrain.cli import main
+
+    argv = ["plan", "benchmarks/configs/qwen2.5-7b", "--seq-len", "4096", "--tokens-per-step",
+            "8192", "--hbm-gib", "139.3", "--host-gib", "120", "--no-search"]  # fmt: skip
+    assert main(argv) == 0
+    assert "layers: 27 in HBM" in capsys.readouterr().out
+    assert main(argv + ["--hbm-cast-weights"]) == 0
+    out = capsys.readouterr().out
+    assert "layers: 28 in HBM" in out and "cast to bf16 on use" in out
+    with pytest.raises(SystemExit, match="cannot keep their activations"):
+        main(argv + ["--hbm-cast-weights", "--keep-activations", "2"])

@@ -252,3 +252,59 @@ def test_planner_qwen14b_fits_without_clipping():
     # Same GPU side for the gradient mode (the HBM tier keeps its gradients either way).
     assert eager.n_hbm == clip.n_hbm and eager.gpu_total == clip.gpu_total
     assert both.host_total < eager.host_total < clip.host_total
+
+
+def _tier(trainer):
+    return [s for s in trainer.megatrain.engine.stores if s.resident]
+
+
+@pytest.mark.parametrize("ga", [1, 2], ids=["ga1", "ga2"])
+def test_hbm_cast_weights_match_compute_copies(tmp_path, ga):
+    """bf16 on CPU, 2 of 3 layers in the HBM tier: casting their fp32 master when they run
+    equals running their refreshed bf16 copy (the same rounding of the same master), bitwise."""
+    model = tiny_model(tiny_config("qwen2", num_hidden_layers=3))
+    kw = dict(bf16=True, gradient_accumulation_steps=ga, megatrain_resident_layers="2")
+    base, base_trainer = run_trainer(
+        copy.deepcopy(model), tmp_path, "copy", mega=True, megatrain_keep_activations="off", **kw
+    )
+    got, trainer = run_trainer(
+        model, tmp_path, "cast", mega=True, megatrain_hbm_cast_weights=True, **kw
+    )
+    tier = _tier(trainer)
+    assert len(tier) == 2 and all(s.casts_on_use and s.stream is s.master for s in tier)
+    assert not any(s.casts_on_use for s in _tier(base_trainer))
+    # No bf16 copy: 16 instead of 18 bytes per parameter.
+    assert all(s.device_nbytes == 16 * s.numel for s in tier)
+    assert all(s.device_nbytes == 18 * s.numel for s in _tier(base_trainer))
+    # A cast layer recomputes in backward: "auto" keeps no graph for it.
+    assert not any(layer.forward.keep_graph for layer in trainer.model.model.layers)
+    assert [r["loss"] for r in got] == [r["loss"] for r in base]
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in base]
+    a, b = mega_params(trainer), mega_params(base_trainer)
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_hbm_cast_weights_cannot_keep_activations(tmp_path):
+    from hf_megatrain.hf.model import keep_activations  # noqa: PLC0415
+
+    args = MegaTrainArguments(
+        output_dir=str(tmp_path / "o"),
+        **common_args(bf16=True, megatrain_resident_layers="2", megatrain_hbm_cast_weights=True),
+    )
+    trainer = HFMegaTrainer(
+        model=tiny_model(tiny_config("llama", num_hidden_layers=3)), args=args,
+        train_dataset=make_data(4),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="megatrain_hbm_cast_weights off"):
+        keep_activations(trainer.model, "1")
+    # fp32 runs have no compute-dtype copy to drop: the option changes nothing there.
+    fp32 = HFMegaTrainer(
+        model=tiny_model(tiny_config("llama", num_hidden_layers=3)),
+        args=MegaTrainArguments(
+            output_dir=str(tmp_path / "f"),
+            **common_args(megatrain_resident_layers="2", megatrain_hbm_cast_weights=True),
+        ),
+        train_dataset=make_data(4),
+    )
+    assert not any(s.casts_on_use for s in _tier(fp32))

@@ -235,6 +235,10 @@ class DeviceLayerStore(_FlatLayerState):
 
     Same layout and views as ``LayerStore``: fp32 master, moments and grad, plus the compute-dtype
     copy the layer runs with. Nothing crosses PCIe for it and its AdamW update runs on the device.
+
+    ``compute_copy=False`` (bf16 runs): no persistent compute-dtype copy (16 instead of 18 B/param,
+    as stock training keeps); ``stream`` is the fp32 master, which the engine casts into its stream
+    buffer each time the layer runs, as autocast casts fp32 weights in stock training.
     """
 
     resident = True
@@ -252,25 +256,32 @@ class DeviceLayerStore(_FlatLayerState):
         decay_numel: int,
         stream_dtype: torch.dtype,
         device: torch.device,
+        compute_copy: bool = True,
     ) -> None:
         super().__init__(slots, numel, decay_numel, stream_dtype)
         self.master = torch.zeros(numel, dtype=torch.float32, device=device)
         self.grad = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
-        separate = stream_dtype != torch.float32
+        separate = stream_dtype != torch.float32 and compute_copy
         self.stream = (
             torch.zeros(numel, dtype=stream_dtype, device=device) if separate else self.master
         )
-        self.device_nbytes = numel * (16 + (stream_dtype.itemsize if separate else 0))
+        self.device_nbytes = device_layer_bytes(numel, stream_dtype, compute_copy)
+
+    @property
+    def casts_on_use(self) -> bool:
+        """Whether the layer runs from a cast of its fp32 master (no compute-dtype copy)."""
+        return self.stream is self.master and self.stream_dtype != torch.float32
 
     def close(self) -> None:
         pass
 
 
-def device_layer_bytes(numel: int, stream_dtype: torch.dtype) -> int:
+def device_layer_bytes(numel: int, stream_dtype: torch.dtype, compute_copy: bool = True) -> int:
     """Device bytes one ``DeviceLayerStore`` takes."""
-    return numel * (16 + (0 if stream_dtype == torch.float32 else stream_dtype.itemsize))
+    copy = compute_copy and stream_dtype != torch.float32
+    return numel * (16 + (stream_dtype.itemsize if copy else 0))
 
 
 def shared_layer_bytes(numel: int, stream_dtype: torch.dtype, stream_master: bool = False) -> int:

@@ -228,6 +228,10 @@ class MemoryPlan:
     kept_layers: int = 0
     # Data-parallel processes of one host the host lines are for (GPU lines: per GPU).
     ranks: int = 1
+    # HBM-tier layers keep no compute-dtype copy and are cast from their fp32 master into a
+    # stream buffer when they run (16 instead of 18 B/param in bf16 runs; they cannot keep
+    # activations).
+    hbm_cast_weights: bool = False
 
     @property
     def kept_layer_indices(self) -> list[int]:
@@ -329,6 +333,7 @@ def _gpu_lines(
     stream_fp32_master: bool = False,
     kept: int = 0,
     ranks: int = 1,
+    hbm_cast_weights: bool = False,
 ) -> list[MemoryLine]:
     """GPU costs with the first ``n_hbm`` layers in the HBM tier, ``kept`` of them keeping
     their activations (no recompute); per GPU when ``ranks`` > 1 (data parallel)."""
@@ -337,16 +342,24 @@ def _gpu_lines(
     hbm = shape.layer_numels[:n_hbm]
     host = shape.layer_numels[n_hbm:]
     max_host = max(host, default=0)
+    cast = hbm_cast_weights and dtype != torch.float32
+    # Layers that run from a stream buffer: streamed ones, and HBM-tier ones cast on use.
+    max_slot = max(max_host, max(hbm, default=0) if cast else 0)
+    tier_copy = "cast to bf16 on use" if cast else f"{dt} copy"
     lines = [
         MemoryLine(
             "non-layer params (embed/norm/head): fp32 param+grad+2 moments, 16 B/param",
             16 * shape.non_layer_numel,
         ),
         MemoryLine(
-            f"HBM-tier layers ({len(hbm)}): fp32 master+grad+2 moments + {dt} copy",
-            sum(device_layer_bytes(n, dtype) for n in hbm),
+            f"HBM-tier layers ({len(hbm)}): fp32 master+grad+2 moments, {tier_copy}",
+            sum(device_layer_bytes(n, dtype, not cast) for n in hbm),
         ),
-        MemoryLine(f"stream double buffer: 2 x largest host layer x {isz} B", 2 * max_host * isz),
+        MemoryLine(
+            f"stream double buffer: 2 x largest {'streamed or cast' if cast else 'host'} layer "
+            f"x {isz} B",
+            2 * max_slot * isz,
+        ),
     ]
     if stream_fp32_master and dtype != torch.float32 and max_host:
         lines.append(
@@ -688,10 +701,10 @@ def _pcie_bytes(
 
 
 def _layer_placements(
-    shape: ModelShape, dtype: torch.dtype, n_hbm: int, **store_kw: bool
+    shape: ModelShape, dtype: torch.dtype, n_hbm: int, hbm_cast_weights: bool, **store_kw: bool
 ) -> list[LayerPlacement]:
     return [
-        LayerPlacement(i, n, HBM, device_layer_bytes(n, dtype), 0)
+        LayerPlacement(i, n, HBM, device_layer_bytes(n, dtype, not hbm_cast_weights), 0)
         if i < n_hbm
         else LayerPlacement(i, n, HOST, 0, layer_store_bytes(n, dtype, True, **store_kw))
         for i, n in enumerate(shape.layer_numels)
@@ -717,6 +730,7 @@ def plan_memory(
     input_model_bytes: int = 0,
     keep_activation_layers: int | None = 0,
     ranks: int = 1,
+    hbm_cast_weights: bool = False,
     _advise: bool = True,
 ) -> MemoryPlan:
     """Plan the tiers. Never raises for lack of memory: check ``plan.fits`` or call ``check()``.
@@ -740,6 +754,9 @@ def plan_memory(
         ranks: data-parallel processes on this host (one GPU each): the GPU plan is per GPU
             (HBM-tier layers are replicated), the host plan holds the shared store once and
             each rank's own process, staging ring and offloaded activations.
+        hbm_cast_weights: HBM-tier layers keep no compute-dtype copy (bf16 runs: 16 instead of
+            18 B/param, as stock training); each is cast into a stream buffer when it runs. Such
+            layers cannot keep activations.
     """
     if ranks < 1:
         raise ValueError(f"ranks={ranks} must be >= 1")
@@ -749,8 +766,9 @@ def plan_memory(
 
     def gpu(k: int, kept: int = 0) -> list[MemoryLine]:
         return _gpu_lines(
-            shape, workload, compute_dtype, k, reserve_bytes, stream_fp32_master, kept, ranks
-        )
+            shape, workload, compute_dtype, k, reserve_bytes, stream_fp32_master, kept, ranks,
+            hbm_cast_weights,
+        )  # fmt: skip
 
     if hbm_layers is not None:
         if not 0 <= hbm_layers <= n:
@@ -760,7 +778,17 @@ def plan_memory(
         # Largest prefix that fits. Not monotone in k (an all-HBM plan drops the stream buffers),
         # so try every count instead of stopping at the first miss.
         n_hbm = next((k for k in range(n, -1, -1) if _total(gpu(k)) <= hbm_bytes), 0)
-    if workload is None or (keep_activation_layers is None and workload.offload_activations):
+    cast = hbm_cast_weights and compute_dtype != torch.float32
+    if cast and keep_activation_layers:
+        raise ValueError(
+            "keep_activation_layers: HBM-tier layers cast on use (hbm_cast_weights) recompute "
+            "in backward; they cannot keep their activations"
+        )
+    if (
+        workload is None
+        or cast
+        or (keep_activation_layers is None and workload.offload_activations)
+    ):
         kept = 0  # (offload is for runs whose activations do not fit: nothing to keep)
     elif keep_activation_layers is None:
         kept = next((k for k in range(n_hbm, 0, -1) if _total(gpu(n_hbm, k)) <= hbm_bytes), 0)
@@ -791,7 +819,7 @@ def plan_memory(
         compute_dtype=compute_dtype,
         hbm_available=hbm_bytes,
         host_available=host_bytes,
-        layers=_layer_placements(shape, compute_dtype, n_hbm, **store_kw),
+        layers=_layer_placements(shape, compute_dtype, n_hbm, cast, **store_kw),
         gpu_lines=gpu_lines,
         host_lines=host_lines,
         h2d_bytes_per_step=h2d,
@@ -800,6 +828,7 @@ def plan_memory(
         stream_fp32_master=stream_fp32_master,
         kept_layers=kept,
         ranks=ranks,
+        hbm_cast_weights=cast,
     )
     fixed_gpu_lines = gpu(0) if hbm_layers is None else gpu_lines
     _add_problems(plan, fixed_gpu_lines)
@@ -819,6 +848,7 @@ def plan_memory(
             stream_fp32_master=store.get("stream_fp32_master", stream_fp32_master),
             input_model_bytes=input_model_bytes,
             ranks=ranks,
+            hbm_cast_weights=hbm_cast_weights,
             _advise=False,
         ).fits
 

@@ -66,6 +66,12 @@ def parse_boundary_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     )
 
 
+def _uses_slot(store) -> bool:
+    """Whether a layer runs from a stream buffer slot: streamed layers, and HBM-tier layers that
+    keep no compute-dtype copy (cast into the slot from their fp32 master)."""
+    return not store.resident or getattr(store, "casts_on_use", False)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -112,7 +118,7 @@ class StreamingEngine:
         cast = [s for s in stores if not s.resident and s.stream.dtype != compute_dtype]
         self.streams_fp32_master = bool(cast)
         if self.is_cuda:
-            max_numel = max((s.numel for s in stores if not s.resident), default=0)
+            max_numel = max((s.numel for s in stores if _uses_slot(s)), default=0)
             self._buffers = [
                 torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)
             ]
@@ -142,6 +148,11 @@ class StreamingEngine:
             self._slot_ready: list[torch.cuda.Event | None] = [None, None]
             self._slot_free: list[torch.cuda.Event | None] = [None, None]
             self._active_slot: int | None = None
+            # HBM-tier layers without a compute-dtype copy are cast from their fp32 master on
+            # the copy stream, after this event: the masters' last write (construction, the
+            # optimizer step's GPU AdamW, a checkpoint load) on the compute stream.
+            self._masters_written = torch.cuda.Event()
+            self._masters_written.record(torch.cuda.current_stream(self.device))
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         # Host-side readiness of each layer's stream copy while a background optimizer update
@@ -421,7 +432,11 @@ class StreamingEngine:
             if free is not None:
                 self._h2d.wait_event(free)
             dst = self._buffers[slot][: store.numel]
-            if store.stream.dtype != dst.dtype:
+            if store.resident:
+                # HBM tier without a compute-dtype copy: a device-side cast, no PCIe.
+                self._h2d.wait_event(self._masters_written)
+                dst.copy_(store.master)
+            elif store.stream.dtype != dst.dtype:
                 # fp32-master streaming: the master crosses PCIe and is cast here, on the copy
                 # stream (the single staging buffer is reused in this stream's order).
                 stage = self._h2d_stage[: store.numel]
@@ -431,7 +446,8 @@ class StreamingEngine:
                 dst.copy_(store.stream, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._h2d)
-        self.h2d_bytes += store.numel * store.stream.element_size()
+        if not store.resident:
+            self.h2d_bytes += store.numel * store.stream.element_size()
         self._slot_layer[slot] = idx
         self._slot_ready[slot] = ready
         return slot
@@ -449,17 +465,17 @@ class StreamingEngine:
                 # fp32-master streaming on the CPU: the same cast the GPU does after its copy.
                 return store.stream.to(self.compute_dtype)
             return store.stream
-        if store.resident:
+        if not _uses_slot(store):
             # HBM tier: already on the device and updated there; still prefetch the next one.
             if next_idx is not None and 0 <= next_idx < len(self.stores):
-                if not self.stores[next_idx].resident:
+                if _uses_slot(self.stores[next_idx]):
                     self._load(next_idx)
             return store.stream
         slot = self._load(idx)
         self._active_slot = slot
         torch.cuda.current_stream(self.device).wait_event(self._slot_ready[slot])
         if next_idx is not None and 0 <= next_idx < len(self.stores):
-            if not self.stores[next_idx].resident:
+            if _uses_slot(self.stores[next_idx]):
                 self._load(next_idx)
         return self._buffers[slot][: store.numel]
 
@@ -481,6 +497,7 @@ class StreamingEngine:
         if self.is_cuda:
             self._h2d.synchronize()  # no copy from the old host copy may still be in flight
             self._slot_layer = [None, None]
+            self._masters_written.record(torch.cuda.current_stream(self.device))
 
     def wait_weight_copies(self) -> None:
         """Block until no H2D copy reads the host stream copies (before the optimizer rewrites them)."""

@@ -183,6 +183,17 @@ class MegaTrainArguments(TrainingArguments):
             "rounds exactly as the host copy does. No effect in fp32 runs."
         },
     )
+    megatrain_hbm_cast_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "bf16 runs: HBM-tier layers keep no bf16 copy of their weights, only the fp32 "
+            "master, gradient and moments (16 instead of 18 bytes/param, what stock training "
+            "keeps), so more layers fit in HBM; each is cast from its master into a stream "
+            "buffer on the GPU's copy stream when it runs, as autocast casts fp32 weights in "
+            "stock training. Same weights (the same rounding of the same master); such layers "
+            "recompute in backward (they cannot keep activations). No effect in fp32 runs."
+        },
+    )
     megatrain_log_throughput: bool = field(
         default=True,
         metadata={

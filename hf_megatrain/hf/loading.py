@@ -29,6 +29,7 @@ def _streamed_skeleton(
     plan_workload: Workload | None = None,
     host_grads: bool = True,
     stream_fp32_master: bool = False,
+    hbm_cast_weights: bool = False,
 ):
     """``AutoModelForCausalLM`` for ``config`` built on meta, its layers given host-store buffers."""
     if device is None:
@@ -53,6 +54,7 @@ def _streamed_skeleton(
         plan_workload=plan_workload,
         host_grads=host_grads,
         stream_fp32_master=stream_fp32_master,
+        hbm_cast_weights=hbm_cast_weights,
     )
     return model
 
@@ -67,6 +69,7 @@ def load_streamed_model(
     plan_workload: Workload | None = None,
     host_grads: bool = True,
     stream_fp32_master: bool = False,
+    hbm_cast_weights: bool = False,
     **config_overrides,
 ):
     """Build ``AutoModelForCausalLM`` for ``path`` in streamed form and load its weights.
@@ -85,13 +88,16 @@ def load_streamed_model(
             only for training without clipping, with eager updates (``max_grad_norm=0``).
         stream_fp32_master: keep no bf16 copy in host RAM (2 B/param less); the fp32 master
             streams and is cast on the GPU (twice the H2D bytes).
+        hbm_cast_weights: HBM-tier layers keep no bf16 copy (16 instead of 18 B/param, more
+            layers fit); each is cast from its fp32 master when it runs and recomputes in
+            backward (see ``MegaTrainArguments.megatrain_hbm_cast_weights``).
         config_overrides: set on the config before the model is built (e.g. attn_implementation).
     """
     attn = config_overrides.pop("attn_implementation", "sdpa")
     config = AutoConfig.from_pretrained(path, **config_overrides)
     model = _streamed_skeleton(
         config, device, bf16, pin_memory, host_memory_limit_gb, resident_layers, attn,
-        plan_workload, host_grads, stream_fp32_master,
+        plan_workload, host_grads, stream_fp32_master, hbm_cast_weights,
     )  # fmt: skip
     load_weights_into_store(model, path)
     return model
@@ -109,6 +115,7 @@ def init_streamed_model(
     plan_workload: Workload | None = None,
     host_grads: bool = True,
     stream_fp32_master: bool = False,
+    hbm_cast_weights: bool = False,
 ):
     """A randomly initialized streamed model for ``config``, never materialized as a whole.
 
@@ -129,6 +136,7 @@ def init_streamed_model(
         plan_workload,
         host_grads,
         stream_fp32_master,
+        hbm_cast_weights,
     )
     torch.manual_seed(seed)
     init_streamed_weights(model, model._init_weights)

@@ -257,6 +257,7 @@ def prepare_streamed_model(
     host_grads: bool = True,
     stream_fp32_master: bool = False,
     keep_activations: int | str = "auto",
+    hbm_cast_weights: bool = False,
 ) -> nn.Module:
     """Move ``model``'s decoder layers into a host store and stream them from now on.
 
@@ -272,6 +273,9 @@ def prepare_streamed_model(
     compute-dtype copy in the host store (2 B/param less in bf16 runs): the fp32 master crosses
     PCIe (twice the bytes) and is cast on the device. ``keep_activations`` is what the
     memory plan assumes for :func:`keep_activations` ("auto": the planner sizes it).
+    ``hbm_cast_weights=True`` gives HBM-tier layers no compute-dtype copy (bf16 runs: 16 instead
+    of 18 B/param, what stock training keeps, so more layers fit): each is cast from its fp32
+    master into a stream buffer when it runs, and recomputes in backward.
     """
     existing = streamed_state(model)
     if existing is not None:
@@ -318,6 +322,7 @@ def prepare_streamed_model(
         if keep_activations == "auto"
         else _kept_count(keep_activations),
         ranks=1 if dp is None else dp.world_size,
+        hbm_cast_weights=hbm_cast_weights,
         # What the caller hands over already materialized in host RAM (not meta, not on a GPU).
         input_model_bytes=sum(
             p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu"
@@ -357,7 +362,10 @@ def prepare_streamed_model(
         if i < n_resident:
             # The first layers go to the HBM tier: the forward runs them while the CPU is still
             # updating the streamed ones.
-            store = DeviceLayerStore(slots, numel, decay_numel, compute_dtype, device)
+            store = DeviceLayerStore(
+                slots, numel, decay_numel, compute_dtype, device,
+                compute_copy=not hbm_cast_weights,
+            )  # fmt: skip
         else:
             store = LayerStore(
                 slots,
@@ -438,6 +446,7 @@ def _resident_layer_count(
     input_model_bytes: int = 0,
     keep_activation_layers: int | None = 0,
     ranks: int = 1,
+    hbm_cast_weights: bool = False,
 ) -> tuple[int, MemoryPlan | None]:
     """How many leading layers keep their whole state in HBM, and the plan that decided it.
 
@@ -476,6 +485,7 @@ def _resident_layer_count(
             input_model_bytes=input_model_bytes,
             keep_activation_layers=keep_activation_layers,
             ranks=ranks,
+            hbm_cast_weights=hbm_cast_weights,
         )
         logger.info("hf_megatrain: memory plan (resident_layers='auto')\n%s", plan.table())
         # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the
@@ -519,7 +529,13 @@ def keep_activations(model: nn.Module, value: int | str) -> int:
     if state is None:
         raise ValueError("hf_megatrain: keep_activations needs a streamed model")
     layers = [layer.forward for layer in find_decoder_layers(model)[1]]
-    tier = [i for i, store in enumerate(state.engine.stores) if store.resident]
+    # Layers cast from their fp32 master into a reused stream buffer cannot keep a graph over
+    # their weights, like streamed layers.
+    tier = [
+        i
+        for i, store in enumerate(state.engine.stores)
+        if store.resident and not getattr(store, "casts_on_use", False)
+    ]
     if value == "auto":
         count = state.plan.kept_layers if state.plan is not None else 0
     else:
@@ -527,7 +543,8 @@ def keep_activations(model: nn.Module, value: int | str) -> int:
     if count > len(tier):
         raise ValueError(
             f"hf_megatrain: keep_activations={count} but only {len(tier)} layers are in the HBM "
-            "tier (megatrain_resident_layers); streamed layers must recompute, their GPU buffer "
+            "tier with their own compute-dtype copy (megatrain_resident_layers, "
+            "megatrain_hbm_cast_weights off); streamed layers must recompute, their GPU buffer "
             "is reused by the next layer"
         )
     kept = set(tier[len(tier) - count :]) if count else set()

@@ -240,6 +240,12 @@ def _check_grad_mode(state, args: TrainingArguments) -> None:
             "gradient held until step(). Stream the model with host_grads=True, or train with "
             "max_grad_norm=0 and megatrain_eager_update=True."
         )
+    casting = any(getattr(s, "casts_on_use", False) for s in engine.stores)
+    if getattr(args, "megatrain_hbm_cast_weights", False) and not casting:
+        logger.warning(
+            "hf_megatrain: megatrain_hbm_cast_weights is set but the model's HBM tier was built "
+            "with bf16 copies (or has no layers, or the run is fp32); it keeps them"
+        )
     if getattr(args, "megatrain_stream_fp32_master", False) and not engine.streams_fp32_master:
         logger.warning(
             "hf_megatrain: megatrain_stream_fp32_master is set but the model was streamed "
@@ -364,6 +370,7 @@ class MegaTrainerMixin:
             host_grads=_host_grads(args),
             stream_fp32_master=bool(getattr(args, "megatrain_stream_fp32_master", False)),
             keep_activations=getattr(args, "megatrain_keep_activations", "off"),
+            hbm_cast_weights=bool(getattr(args, "megatrain_hbm_cast_weights", False)),
         )
         self.megatrain = streamed_state(model)
         _check_data_parallel(self.megatrain, args)
