@@ -19,6 +19,10 @@ TRACES = sorted(
 @pytest.mark.parametrize("path", TRACES, ids=os.path.basename)
 def test_recorded_traces_show_overlap(path):
     report = analyze(load_events(path))
+    if report["h2d_forward"].copies < 4:
+        # Stock runs copy nothing; a run with one streamed layer (7B at 8k) has no stream of
+        # copies to overlap. The overlap claim is about runs that stream several layers.
+        pytest.skip(f"{report['h2d_forward'].copies} weight copies in the forward")
     # Copies ran on their own streams, concurrently with compute kernels in backward.
     assert report["copy_streams"] and set(report["copy_streams"]).isdisjoint(
         report["kernel_streams"]

@@ -514,10 +514,9 @@ class StreamingEngine:
         if store.resident or (not self.is_cuda and store.grad is not None):
             # Gradients accumulate in place where the store keeps them (host RAM on CPU runs,
             # HBM for the device tier); nothing to drain.
-            if not self._grad_on_host[idx]:
-                store.grad.zero_()
-                self._grad_on_host[idx] = True
-            self._scatter_add(store, store.grad, grads)
+            first = not self._grad_on_host[idx]
+            self._grad_on_host[idx] = True
+            self._scatter_add(store, store.grad, grads, first)
             if self.sync_grads and self.on_grad_final is not None:
                 self.on_grad_final(idx, None)
             return
@@ -534,9 +533,10 @@ class StreamingEngine:
         caller to drain or reduce; before that it stays in ``_grad_acc`` and None is returned.
         """
         acc = self._grad_acc.pop(idx, None)
-        if acc is None:
+        first = acc is None
+        if first:
             acc = torch.zeros(store.numel, dtype=torch.float32, device=self.device)
-        self._scatter_add(store, acc, grads)
+        self._scatter_add(store, acc, grads, first)
         if self.sync_grads:
             return acc
         self._grad_acc[idx] = acc
@@ -553,10 +553,9 @@ class StreamingEngine:
         if store.resident:
             # Replicated (HBM tier): accumulate in place, all-reduce (average) at the last
             # micro-batch; every rank then updates its replica identically.
-            if idx not in self._grad_acc:
-                store.grad.zero_()
-                self._grad_acc[idx] = store.grad
-            self._scatter_add(store, store.grad, grads)
+            first = idx not in self._grad_acc
+            self._grad_acc[idx] = store.grad
+            self._scatter_add(store, store.grad, grads, first)
             if self.sync_grads:
                 del self._grad_acc[idx]
                 self.dp.all_reduce_mean_([store.grad])
@@ -623,11 +622,23 @@ class StreamingEngine:
 
     @staticmethod
     def _scatter_add(
-        store: LayerStore, flat: torch.Tensor, grads: list[torch.Tensor | None]
+        store: LayerStore, flat: torch.Tensor, grads: list[torch.Tensor | None], first: bool
     ) -> None:
+        """Add each slot's gradient into ``flat``; ``first``: the step's first, so write it.
+
+        Writing (a converting copy: 6 bytes per bf16 element) instead of zeroing and adding (4 +
+        10) cuts the pass's memory traffic by more than half. The alignment gaps between slots
+        are never written: zero from allocation, they stay zero.
+        """
         for slot, g in zip(store.slots, grads):
-            if g is not None:
-                flat[slot.offset : slot.offset + slot.numel].add_(g.reshape(-1))
+            dst = flat[slot.offset : slot.offset + slot.numel]
+            if g is None:
+                if first:
+                    dst.zero_()
+            elif first:
+                dst.copy_(g.reshape(-1))
+            else:
+                dst.add_(g.reshape(-1))
 
     # ---- gradient staging (host stores without a grad slot) ----------------------------------
     @staticmethod
