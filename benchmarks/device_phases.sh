@@ -15,6 +15,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long1m     # nvidia-h200, then long-wait
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long7b     # nvidia-h200, then long-wait
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long3b     # nvidia-h200(-x2), long-wait
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh long-pair  # nvidia-h200-x2, long-wait
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh dp         # nvidia-h200-x2
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh dpsteady   # nvidia-h200-x2 (~5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh recipes    # nvidia-h200
@@ -28,7 +29,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | speed8k | profile8k | liger | longest | long | long1m | long7b | long3b | long-wait | dp | dpsteady | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | speed8k | profile8k | liger | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -41,9 +42,10 @@ bench() { bash benchmarks/run_device.sh "$@" >>"$log" 2>&1; grep "^bench:" "$log
 # when the call ran another phase first) and `long-wait`, called again within the machine's
 # idle window, waits for the rest and packs.
 start_long() {
-  setsid nohup bash benchmarks/run_device.sh --steps 1 --warmup 0 "$@" >>"$log" 2>&1 </dev/null &
+  local out=${LONG_LOG:-$log}
+  setsid nohup bash benchmarks/run_device.sh --steps 1 --warmup 0 "$@" >>"$out" 2>&1 </dev/null &
   sleep "${LONG_SLEEP:-560}"
-  tail -5 "$log"
+  tail -5 "$out"
 }
 
 case "$phase" in
@@ -183,6 +185,14 @@ case "$phase" in
     start_long --tag "long3b-$(date -u +%H%M)" --seq-len 524288 --mlp-tile-tokens 16384 \
       --offload-activations --bf16-boundaries --no-clip --streamed-init --timeout-s 1200 \
       --run qwen2.5-3b:524288:megatrain-hbm:1
+    ;;
+  long-pair)
+    # nvidia-h200-x2: long1m on GPU 0 and long3b on GPU 1 at the same time (each run one GPU;
+    # planned host peaks 88 + 76 GiB of the host's 256; each row's host peak is its own
+    # process's). Saves one long run's device time; the two share host memory bandwidth and
+    # CPU cores, so their step times may be a little longer than alone. Then `long-wait`.
+    CUDA_VISIBLE_DEVICES=0 LONG_SLEEP=5 LONG_LOG="${log%.log}-1m.log" bash "$0" long1m
+    CUDA_VISIBLE_DEVICES=1 LONG_LOG="${log%.log}-3b.log" bash "$0" long3b
     ;;
   long-wait)
     waited=0
