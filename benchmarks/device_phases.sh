@@ -93,7 +93,8 @@ case "$phase" in
     # Issue 3's 7B at 8k tokens/step (0.94x of stock): the profile8k traces put the difference in
     # the layers' own kernels, 39 ms of it the bf16->fp32 gradient adds, since replaced by a
     # converting copy for the step's first micro-batch. Stock, the bf16-copy HBM tier (27
-    # layers) and the cast-on-use tier (all 28), and the 64k row with either tier. About 6
+    # layers) and the cast-on-use tier (all 28, the last 4 keeping activations with their bf16
+    # copies), and the 64k row with either tier. About 6
     # minutes.
     at=$(date -u +%H%M)
     bench --tag "speed8k-$at" --streamed-init --layer-timing --steps 3 --warmup 2 \

@@ -296,23 +296,29 @@ def test_engine_options_do_not_change_training(tmp_path, feature):
     assert got == pytest.approx(base, rel=1e-2)
 
 
-@pytest.mark.parametrize("resident", ["2", "4"], ids=["tier-2-of-4", "all-4"])
-def test_hbm_cast_weights_on_gpu(tmp_path, resident):
+@pytest.mark.parametrize(
+    ("resident", "keep"), [("2", "off"), ("4", "off"), ("4", "2")],
+    ids=["tier-2-of-4", "all-4", "all-4-keep-2"],
+)  # fmt: skip
+def test_hbm_cast_weights_on_gpu(tmp_path, resident, keep):
     """HBM-tier layers cast from their fp32 master into a stream buffer on the copy stream (no
     bf16 copy) train exactly like the same tier with bf16 copies: the same rounding of the same
     master, the same kernels; so bitwise equal losses and weights. With all 4 layers in the tier
-    no layer streams and the buffers exist for the casts alone."""
+    no layer streams and the buffers exist for the casts alone; layers that keep activations
+    keep their copy."""
     from .helpers import mega_params
 
     model = tiny_model(_tiny_gpu_config())
     data = _data(32, 128)
-    kw = dict(megatrain_resident_layers=resident, megatrain_keep_activations="off")
+    kw = dict(megatrain_resident_layers=resident, megatrain_keep_activations=keep)
     base_trainer, base = _mega_losses(tmp_path, "copy", copy.deepcopy(model), data, **kw)
     trainer, got = _mega_losses(
         tmp_path, "cast", model, data, megatrain_hbm_cast_weights=True, **kw
     )
     tier = [s for s in trainer.megatrain.engine.stores if s.resident]
-    assert len(tier) == int(resident) and all(s.casts_on_use for s in tier)
+    kept = 0 if keep == "off" else int(keep)
+    assert [s.casts_on_use for s in tier] == [True] * (len(tier) - kept) + [False] * kept
+    assert len(tier) == int(resident)
     assert trainer.megatrain.engine.h2d_bytes == base_trainer.megatrain.engine.h2d_bytes
     assert len(got) == len(base) == 4
     assert got == base

@@ -276,7 +276,7 @@ def test_hbm_cast_weights_match_compute_copies(tmp_path, ga):
     # No bf16 copy: 16 instead of 18 bytes per parameter.
     assert all(s.device_nbytes == 16 * s.numel for s in tier)
     assert all(s.device_nbytes == 18 * s.numel for s in _tier(base_trainer))
-    # A cast layer recomputes in backward: "auto" keeps no graph for it.
+    # Off the GPU "auto" keeps no graph (no plan): every tier layer is cast on use.
     assert not any(layer.forward.keep_graph for layer in trainer.model.model.layers)
     assert [r["loss"] for r in got] == [r["loss"] for r in base]
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in base]
@@ -285,19 +285,28 @@ def test_hbm_cast_weights_match_compute_copies(tmp_path, ga):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_hbm_cast_weights_cannot_keep_activations(tmp_path):
+def test_hbm_cast_weights_keep_copies_for_kept_layers(tmp_path):
+    """The tier's layers that keep their activations keep their bf16 copy (the kept graph holds
+    the weights); the others are cast on use. Training is the same as the bf16-copy tier's."""
     from hf_megatrain.hf.model import keep_activations  # noqa: PLC0415
 
-    args = MegaTrainArguments(
-        output_dir=str(tmp_path / "o"),
-        **common_args(bf16=True, megatrain_resident_layers="2", megatrain_hbm_cast_weights=True),
+    model = tiny_model(tiny_config("llama", num_hidden_layers=3))
+    kw = dict(bf16=True, megatrain_resident_layers="2", megatrain_keep_activations="1")
+    base, base_trainer = run_trainer(copy.deepcopy(model), tmp_path, "copy", mega=True, **kw)
+    got, trainer = run_trainer(
+        model, tmp_path, "cast", mega=True, megatrain_hbm_cast_weights=True, **kw
     )
-    trainer = HFMegaTrainer(
-        model=tiny_model(tiny_config("llama", num_hidden_layers=3)), args=args,
-        train_dataset=make_data(4),
-    )  # fmt: skip
+    assert [s.casts_on_use for s in _tier(trainer)] == [True, False]
+    assert [layer.forward.keep_graph for layer in trainer.model.model.layers] == [
+        False, True, False,
+    ]  # fmt: skip
+    assert [r["loss"] for r in got] == [r["loss"] for r in base]
+    a, b = mega_params(trainer), mega_params(base_trainer)
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+    # Only the layer with a copy can keep: asking for both is refused, clearly.
     with pytest.raises(ValueError, match="megatrain_hbm_cast_weights off"):
-        keep_activations(trainer.model, "1")
+        keep_activations(trainer.model, "2")
     # fp32 runs have no compute-dtype copy to drop: the option changes nothing there.
     fp32 = HFMegaTrainer(
         model=tiny_model(tiny_config("llama", num_hidden_layers=3)),

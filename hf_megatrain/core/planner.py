@@ -228,9 +228,9 @@ class MemoryPlan:
     kept_layers: int = 0
     # Data-parallel processes of one host the host lines are for (GPU lines: per GPU).
     ranks: int = 1
-    # HBM-tier layers keep no compute-dtype copy and are cast from their fp32 master into a
-    # stream buffer when they run (16 instead of 18 B/param in bf16 runs; they cannot keep
-    # activations).
+    # HBM-tier layers that do not keep their activations keep no compute-dtype copy either and
+    # are cast from their fp32 master into a stream buffer when they run (16 instead of 18
+    # B/param in bf16 runs); the kept ones keep theirs (their graph holds the weights).
     hbm_cast_weights: bool = False
 
     @property
@@ -343,9 +343,17 @@ def _gpu_lines(
     host = shape.layer_numels[n_hbm:]
     max_host = max(host, default=0)
     cast = hbm_cast_weights and dtype != torch.float32
+    # Cast on use: the tier's layers that do not keep activations (the first n_hbm - kept).
+    n_cast = n_hbm - kept if cast else 0
     # Layers that run from a stream buffer: streamed ones, and HBM-tier ones cast on use.
-    max_slot = max(max_host, max(hbm, default=0) if cast else 0)
-    tier_copy = "cast to bf16 on use" if cast else f"{dt} copy"
+    max_slot = max(max_host, max(hbm[:n_cast], default=0))
+    tier_copy = (
+        f"{dt} copy"
+        if not n_cast
+        else "cast to bf16 on use"
+        if n_cast == n_hbm
+        else f"cast to bf16 on use but the {kept} keeping activations ({dt} copy)"
+    )
     lines = [
         MemoryLine(
             "non-layer params (embed/norm/head): fp32 param+grad+2 moments, 16 B/param",
@@ -353,10 +361,10 @@ def _gpu_lines(
         ),
         MemoryLine(
             f"HBM-tier layers ({len(hbm)}): fp32 master+grad+2 moments, {tier_copy}",
-            sum(device_layer_bytes(n, dtype, not cast) for n in hbm),
+            sum(device_layer_bytes(n, dtype, i >= n_cast) for i, n in enumerate(hbm)),
         ),
         MemoryLine(
-            f"stream double buffer: 2 x largest {'streamed or cast' if cast else 'host'} layer "
+            f"stream double buffer: 2 x largest {'streamed or cast' if n_cast else 'host'} layer "
             f"x {isz} B",
             2 * max_slot * isz,
         ),
@@ -701,10 +709,11 @@ def _pcie_bytes(
 
 
 def _layer_placements(
-    shape: ModelShape, dtype: torch.dtype, n_hbm: int, hbm_cast_weights: bool, **store_kw: bool
+    shape: ModelShape, dtype: torch.dtype, n_hbm: int, n_cast: int, **store_kw: bool
 ) -> list[LayerPlacement]:
+    """``n_cast``: how many leading HBM-tier layers keep no compute-dtype copy."""
     return [
-        LayerPlacement(i, n, HBM, device_layer_bytes(n, dtype, not hbm_cast_weights), 0)
+        LayerPlacement(i, n, HBM, device_layer_bytes(n, dtype, i >= n_cast), 0)
         if i < n_hbm
         else LayerPlacement(i, n, HOST, 0, layer_store_bytes(n, dtype, True, **store_kw))
         for i, n in enumerate(shape.layer_numels)
@@ -754,9 +763,9 @@ def plan_memory(
         ranks: data-parallel processes on this host (one GPU each): the GPU plan is per GPU
             (HBM-tier layers are replicated), the host plan holds the shared store once and
             each rank's own process, staging ring and offloaded activations.
-        hbm_cast_weights: HBM-tier layers keep no compute-dtype copy (bf16 runs: 16 instead of
-            18 B/param, as stock training); each is cast into a stream buffer when it runs. Such
-            layers cannot keep activations.
+        hbm_cast_weights: HBM-tier layers that do not keep their activations keep no
+            compute-dtype copy either (bf16 runs: 16 instead of 18 B/param, as stock training);
+            each is cast into a stream buffer when it runs. The kept ones keep their copy.
     """
     if ranks < 1:
         raise ValueError(f"ranks={ranks} must be >= 1")
@@ -779,16 +788,7 @@ def plan_memory(
         # so try every count instead of stopping at the first miss.
         n_hbm = next((k for k in range(n, -1, -1) if _total(gpu(k)) <= hbm_bytes), 0)
     cast = hbm_cast_weights and compute_dtype != torch.float32
-    if cast and keep_activation_layers:
-        raise ValueError(
-            "keep_activation_layers: HBM-tier layers cast on use (hbm_cast_weights) recompute "
-            "in backward; they cannot keep their activations"
-        )
-    if (
-        workload is None
-        or cast
-        or (keep_activation_layers is None and workload.offload_activations)
-    ):
+    if workload is None or (keep_activation_layers is None and workload.offload_activations):
         kept = 0  # (offload is for runs whose activations do not fit: nothing to keep)
     elif keep_activation_layers is None:
         kept = next((k for k in range(n_hbm, 0, -1) if _total(gpu(n_hbm, k)) <= hbm_bytes), 0)
@@ -819,7 +819,9 @@ def plan_memory(
         compute_dtype=compute_dtype,
         hbm_available=hbm_bytes,
         host_available=host_bytes,
-        layers=_layer_placements(shape, compute_dtype, n_hbm, cast, **store_kw),
+        layers=_layer_placements(
+            shape, compute_dtype, n_hbm, n_hbm - kept if cast else 0, **store_kw
+        ),
         gpu_lines=gpu_lines,
         host_lines=host_lines,
         h2d_bytes_per_step=h2d,

@@ -190,8 +190,9 @@ class MegaTrainArguments(TrainingArguments):
             "master, gradient and moments (16 instead of 18 bytes/param, what stock training "
             "keeps), so more layers fit in HBM; each is cast from its master into a stream "
             "buffer on the GPU's copy stream when it runs, as autocast casts fp32 weights in "
-            "stock training. Same weights (the same rounding of the same master); such layers "
-            "recompute in backward (they cannot keep activations). No effect in fp32 runs."
+            "stock training. Same weights (the same rounding of the same master). The tier's "
+            "layers that keep their activations (megatrain_keep_activations) keep their bf16 "
+            "copy: their kept graph holds it. No effect in fp32 runs."
         },
     )
     megatrain_log_throughput: bool = field(

@@ -273,9 +273,9 @@ def prepare_streamed_model(
     compute-dtype copy in the host store (2 B/param less in bf16 runs): the fp32 master crosses
     PCIe (twice the bytes) and is cast on the device. ``keep_activations`` is what the
     memory plan assumes for :func:`keep_activations` ("auto": the planner sizes it).
-    ``hbm_cast_weights=True`` gives HBM-tier layers no compute-dtype copy (bf16 runs: 16 instead
-    of 18 B/param, what stock training keeps, so more layers fit): each is cast from its fp32
-    master into a stream buffer when it runs, and recomputes in backward.
+    ``hbm_cast_weights=True`` gives HBM-tier layers that will not keep their activations no
+    compute-dtype copy (bf16 runs: 16 instead of 18 B/param, what stock training keeps, so more
+    layers fit): each is cast from its fp32 master into a stream buffer when it runs.
     """
     existing = streamed_state(model)
     if existing is not None:
@@ -357,6 +357,13 @@ def prepare_streamed_model(
         )
 
     pin = pin_memory and device.type == "cuda"
+    # With hbm_cast_weights only the tier's layers that will keep their activations keep a
+    # compute-dtype copy (their kept graph holds the weights); the others are cast on use.
+    if keep_activations == "auto":
+        n_kept = plan.kept_layers if plan is not None else 0
+    else:
+        n_kept = _kept_count(keep_activations)
+    first_kept = n_resident - min(n_kept, n_resident)
     stores: list[LayerStore | DeviceLayerStore] = []
     for i, (layer, (slots, numel, decay_numel)) in enumerate(zip(layers, plans)):
         if i < n_resident:
@@ -364,7 +371,7 @@ def prepare_streamed_model(
             # updating the streamed ones.
             store = DeviceLayerStore(
                 slots, numel, decay_numel, compute_dtype, device,
-                compute_copy=not hbm_cast_weights,
+                compute_copy=not hbm_cast_weights or i >= first_kept,
             )  # fmt: skip
         else:
             store = LayerStore(
