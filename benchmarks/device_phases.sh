@@ -94,8 +94,7 @@ case "$phase" in
     # the layers' own kernels, 39 ms of it the bf16->fp32 gradient adds, since replaced by a
     # converting copy for the step's first micro-batch. Stock, the bf16-copy HBM tier (27
     # layers) and the cast-on-use tier (all 28, the last 4 keeping activations with their bf16
-    # copies), and the 64k row with either tier. About 6
-    # minutes.
+    # copies), and the 64k row with either tier. About 6 minutes.
     at=$(date -u +%H%M)
     bench --tag "speed8k-$at" --streamed-init --layer-timing --steps 3 --warmup 2 \
       --timeout-s 150 --run qwen2.5-7b:8192:megatrain-hbm,stock:2 \
