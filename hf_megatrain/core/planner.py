@@ -105,6 +105,10 @@ class ModelShape:
     # Whether RMSNorm and the gated MLP run as fused kernels (Liger-Kernel) that save their
     # inputs only, not their intermediate products (fewer kept-activation bytes).
     fused_layer_kernels: bool = False
+    # Whether ``kept_activation_bytes_per_token`` is audited for this layer family (exact or
+    # above autograd's saved tensors, tests/test_keep_activations.py). When not (Gemma3, the
+    # MoE families) "auto" plans no kept activations rather than risk running out of memory.
+    kept_bytes_audited: bool = True
 
     @property
     def num_layers(self) -> int:
@@ -790,6 +794,8 @@ def plan_memory(
     cast = hbm_cast_weights and compute_dtype != torch.float32
     if workload is None or (keep_activation_layers is None and workload.offload_activations):
         kept = 0  # (offload is for runs whose activations do not fit: nothing to keep)
+    elif keep_activation_layers is None and not shape.kept_bytes_audited:
+        kept = 0
     elif keep_activation_layers is None:
         kept = next((k for k in range(n_hbm, 0, -1) if _total(gpu(n_hbm, k)) <= hbm_bytes), 0)
     else:
@@ -1072,6 +1078,11 @@ def _add_notes(plan: MemoryPlan) -> None:
         )
     if plan.n_host and plan.n_hbm == 0 and plan.fits:
         plan.notes.append("no layer fits in HBM next to the activations; all layers stream.")
+    if wl is not None and not plan.shape.kept_bytes_audited and not plan.kept_layers:
+        plan.notes.append(
+            "kept activations not planned: what this layer family saves for backward is not "
+            "audited; a layer count in megatrain_keep_activations keeps some on an estimate."
+        )
 
 
 # ---- what fits ----------------------------------------------------------------------------------
