@@ -32,10 +32,40 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .chunked_loss import default_chunk_tokens
+from .activation_memory import (
+    ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN,
+    _activation_lines,
+    _boundary_dt,
+    _saved_what,
+    boundary_activation_bytes,
+    kept_activation_bytes_per_token,
+    saved_boundary_layers,
+    segment_cache_layers,
+)
 from .host_store import device_layer_bytes, format_bytes, layer_store_bytes
 from .memory_options import MemoryOptions, lightest_fit
+from .plan_types import MemoryLine, ModelShape, Workload
+from .plan_types import itemsize as _itemsize
 from .streaming import GRAD_STAGING_SLOTS
+
+__all__ = [
+    "ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN",
+    "GIB",
+    "LayerPlacement",
+    "MemoryLine",
+    "MemoryPlan",
+    "MemoryPlanError",
+    "ModelShape",
+    "Workload",
+    "boundary_activation_bytes",
+    "kept_activation_bytes_per_token",
+    "max_micro_batch_sequences",
+    "max_num_layers",
+    "max_seq_len",
+    "plan_memory",
+    "saved_boundary_layers",
+    "segment_cache_layers",
+]
 
 GIB = 2**30
 #: Measured pinned PCIe Gen5 x16 copy rate on the target H200 machine (one direction).
@@ -79,125 +109,6 @@ class MemoryPlanError(MemoryError):
         self.tier = tier
         self.needed = needed
         self.available = available
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the planner needs to know about a decoder model (parameter counts, not weights)."""
-
-    layer_numels: tuple[int, ...]  # parameters per decoder layer, in layer order
-    non_layer_numel: int  # embeddings, final norm, LM head (a tied head counted once)
-    hidden_size: int
-    vocab_size: int
-    intermediate_size: int  # MLP width (for MoE: the active experts' total width)
-    tied_embeddings: bool = False
-    fused_loss: bool = True  # whether training uses the chunked LM head + loss
-    name: str = "model"
-    # Width of one of k/v (kv heads x head dim); 0 when unknown: taken as hidden_size (an upper
-    # bound, so kept-activation estimates err high).
-    kv_size: int = 0
-    # Width of one attention head; 0 when unknown (then the RoPE tables go uncounted).
-    head_dim: int = 0
-    # Query heads; 0 when unknown (then taken as hidden_size / head_dim).
-    num_heads: int = 0
-    # Whether attention normalizes q and k per head (Qwen3's q_norm / k_norm).
-    qk_norm: bool = False
-    # Whether RMSNorm and the gated MLP run as fused kernels (Liger-Kernel) that save their
-    # inputs only, not their intermediate products (fewer kept-activation bytes).
-    fused_layer_kernels: bool = False
-    # Whether ``kept_activation_bytes_per_token`` is audited for this layer family (exact or
-    # above autograd's saved tensors, tests/test_keep_activations.py). When not (Gemma3, the
-    # MoE families) "auto" plans no kept activations rather than risk running out of memory.
-    kept_bytes_audited: bool = True
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_numels)
-
-    @property
-    def layer_numel(self) -> int:
-        return sum(self.layer_numels)
-
-    @property
-    def total_numel(self) -> int:
-        return self.layer_numel + self.non_layer_numel
-
-    def with_num_layers(self, n: int) -> ModelShape:
-        """The same family shape with ``n`` layers (each like the largest current one)."""
-        big = max(self.layer_numels, default=0)
-        return replace(self, layer_numels=(big,) * n, name=f"{self.name} x{n} layers")
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One optimizer step: ``grad_accum`` micro-batches of ``micro_batch_tokens`` tokens."""
-
-    seq_len: int
-    micro_batch_tokens: int
-    grad_accum: int = 1
-    # Engine option: MLPs run in sequence tiles of this many tokens (0: whole micro-batch),
-    # which bounds the MLP part of a layer's recompute working set.
-    mlp_tile_tokens: int = 0
-    # Engine option: layer-boundary activations live in pinned host memory instead of HBM.
-    offload_activations: bool = False
-    # Bytes per element of a saved layer-boundary activation (the residual stream): 4 keeps it
-    # fp32; 2 is engine option boundary_dtype=bfloat16 (a rounded copy saved for the recompute).
-    boundary_bytes_per_element: int = 4
-    # Engine option checkpoint_every: only every k-th layer saves its input (a segment leader);
-    # a segment's backward recomputes the others' and holds up to k - 1 of them (fp32) in HBM.
-    checkpoint_every: int = 1
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.micro_batch_tokens * self.grad_accum
-
-    @classmethod
-    def from_step(
-        cls,
-        seq_len: int,
-        tokens_per_step: int,
-        micro_batch_tokens: int | None = None,
-        grad_accum: int | None = None,
-    ) -> Workload:
-        """Resolve the split of a step; by default the whole step is one micro-batch."""
-        if seq_len < 1 or tokens_per_step < 1:
-            raise ValueError("seq-len and tokens-per-step must be at least 1")
-        if micro_batch_tokens is not None and micro_batch_tokens < 1:
-            raise ValueError("micro-batch-tokens must be at least 1")
-        if grad_accum is not None and grad_accum < 1:
-            raise ValueError("grad-accum must be at least 1")
-        if micro_batch_tokens is None:
-            ga = grad_accum or 1
-            if tokens_per_step % ga:
-                raise ValueError(
-                    f"tokens-per-step {tokens_per_step} does not split into {ga} micro-batches"
-                )
-            micro_batch_tokens = tokens_per_step // ga
-        if tokens_per_step % micro_batch_tokens:
-            raise ValueError(
-                f"tokens-per-step {tokens_per_step} is not a multiple of micro-batch-tokens "
-                f"{micro_batch_tokens}"
-            )
-        ga = tokens_per_step // micro_batch_tokens
-        if grad_accum is not None and grad_accum != ga:
-            raise ValueError(
-                f"grad-accum {grad_accum} x micro-batch-tokens {micro_batch_tokens} != "
-                f"tokens-per-step {tokens_per_step}"
-            )
-        if micro_batch_tokens % seq_len:
-            raise ValueError(
-                f"a micro-batch of {micro_batch_tokens} tokens (tokens-per-step / grad-accum) "
-                f"is not a whole number of sequences of seq-len {seq_len}"
-            )
-        return cls(seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, grad_accum=ga)
-
-
-@dataclass(frozen=True)
-class MemoryLine:
-    """One named cost of the plan."""
-
-    name: str
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -293,10 +204,6 @@ class MemoryPlan:
 
 
 # ---- the arithmetic -------------------------------------------------------------------------------
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def host_bytes_per_param(
     dtype: torch.dtype, hold_grads: bool = True, stream_fp32_master: bool = False
 ) -> int:
@@ -432,180 +339,6 @@ def _gpu_lines(
             max(GPU_SLACK_MIN, int(modelled * GPU_SLACK_FRACTION)),
         )
     )
-    return lines
-
-
-#: Bytes per token x hidden of a layer's backward on top of its saved input: the recomputed
-#: attention half (bf16 norm output, q, attention output, o-proj output, post-norm output; fp32
-#: mid-layer residual and post-norm input) and the fp32 gradients flowing in and out. A 1.5B
-#: layer at a 512k-token sequence went out of memory with 8 B (the earlier estimate) planned.
-ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN = 26
-
-
-def _working_set_line(t: int, h: int, inter: int, tile: int) -> MemoryLine:
-    """A layer's recompute working set: attention-side tensors scale with the micro-batch, the
-    MLP's (tokens x intermediate) ones with the tile when MLP tiling is on."""
-    mlp_t = min(t, tile) if tile > 0 else t
-    what = f"MLP in tiles of {mlp_t} tokens" if mlp_t < t else "untiled MLP"
-    k = ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN
-    return MemoryLine(
-        f"one layer's backward working set (estimate, {what}: tokens x {k}h + tile x 6i B)",
-        t * k * h + mlp_t * 3 * inter * 2,
-    )
-
-
-def kept_activation_bytes_per_token(shape: ModelShape) -> int:
-    """Bytes a decoder layer's autograd graph saves per token when it is not recomputed.
-
-    Counted for a pre-norm attention + gated-MLP layer (Llama/Qwen2 family) under bf16 autocast
-    with an fp32 residual stream, on top of the saved layer input (a boundary activation,
-    counted there), as audited with ``saved_tensors_hooks`` (tests/test_keep_activations.py):
-    each RMSNorm saves its fp32 normalized product (2 x 4h) and the second one its fp32 input,
-    the mid-layer residual (4h); the q/k/v and gate/up projections each save their own bf16 cast
-    of the normalized input (5 x 2h); attention saves its bf16 q (2q, q = heads x head_dim,
-    usually h), rotated k and v (4kv) and output, which o_proj saves as its input (2q: the same
-    storage); the MLP saves the gate and up outputs, the SiLU output and their product (4 x 2i).
-    RoPE saves nothing per layer: its products are with cos/sin, which need no gradient, so only
-    the (shared) tables are kept. Per token besides: attention's fp32 log-sum-exp per head and
-    the two norms' fp32 scales (4 x heads + 8). With per-head q/k norms (Qwen3), each saves its
-    input cast to fp32, its bf16 output and a scale per head: 6q + 6kv + 4 x (heads + kv heads).
-    """
-    h, i = shape.hidden_size, shape.intermediate_size
-    kv = shape.kv_size or h
-    heads = shape.num_heads or (h // shape.head_dim if shape.head_dim else 0)
-    q = heads * shape.head_dim if heads and shape.head_dim else h
-    total = 22 * h + 4 * q + 4 * kv + 8 * i + 4 * heads + 8
-    if shape.qk_norm:
-        kv_heads = kv // shape.head_dim if shape.head_dim else 0
-        total += 6 * q + 6 * kv + 4 * (heads + kv_heads)
-    if shape.fused_layer_kernels:
-        # Liger's RMSNorm saves its input and scale, not the fp32 normalized product (8h for
-        # the two layer norms; per-head q/k norms keep their bf16 input instead of an fp32 copy
-        # and a bf16 output: 4q + 4kv); its SwiGLU saves gate and up but not the SiLU output
-        # (2i; down_proj still saves the product as its input). Measured on the H200 for a
-        # Qwen2.5-1.5B-wide layer: 82,486 B/token against 82,488 counted here.
-        total -= 8 * h + 2 * i + (4 * q + 4 * kv if shape.qk_norm else 0)
-    return total
-
-
-def saved_boundary_layers(shape: ModelShape, workload: Workload) -> int:
-    """How many layers save their input: all, or with checkpoint segments of k layers one per
-    segment, ceil(layers / k). (Layers that keep their graph end a segment early; at the
-    offload sizes segments are for, the planner keeps none.)"""
-    k = max(1, workload.checkpoint_every)
-    return -(-shape.num_layers // k)
-
-
-def segment_cache_layers(shape: ModelShape, workload: Workload) -> int:
-    """fp32 layer inputs a checkpoint segment's backward holds at most: the chain re-made from
-    the leader's input caches the followers' (k - 1, the one in use included)."""
-    return max(0, min(workload.checkpoint_every, shape.num_layers) - 1)
-
-
-def boundary_activation_bytes(shape: ModelShape, workload: Workload) -> int:
-    """Every saved layer input (the residual stream: fp32, or its bf16-rounded copy) for one
-    micro-batch: one per layer, or one per checkpoint segment."""
-    b = workload.boundary_bytes_per_element
-    return (
-        workload.micro_batch_tokens * shape.hidden_size * b * saved_boundary_layers(shape, workload)
-    )
-
-
-def _saved_what(shape: ModelShape, workload: Workload) -> str:
-    n = saved_boundary_layers(shape, workload)
-    if n == shape.num_layers:
-        return f"{n} layers"
-    return f"{n} saved (1 per {workload.checkpoint_every} of {shape.num_layers} layers)"
-
-
-def _boundary_dt(workload: Workload) -> str:
-    b = workload.boundary_bytes_per_element
-    return {4: "fp32", 2: "bf16"}.get(b, f"{b} B")
-
-
-def _activation_lines(
-    shape: ModelShape, workload: Workload, dtype: torch.dtype
-) -> list[MemoryLine]:
-    """Per-micro-batch activation costs (micro-batches run one after another)."""
-    isz = _itemsize(dtype)
-    t, h, v = workload.micro_batch_tokens, shape.hidden_size, shape.vocab_size
-    lines = []
-    b = workload.boundary_bytes_per_element
-    # Saved narrower than the fp32 residual stream: backward recomputes each layer from its
-    # saved input cast back to fp32, one more tokens x hidden x 4 B tensor while it runs.
-    cast_back = 4 if b < 4 else 0
-    if not workload.offload_activations:
-        lines.append(
-            MemoryLine(
-                f"boundary activations ({_boundary_dt(workload)}): {t} tokens x hidden x {b} B "
-                f"x {_saved_what(shape, workload)}",
-                boundary_activation_bytes(shape, workload),
-            )
-        )
-        if cast_back:
-            lines.append(
-                MemoryLine(
-                    "boundary activation of the recomputing layer cast back to fp32",
-                    t * h * cast_back,
-                )
-            )
-    else:
-        # Offloaded: the current layer's input and the next one prefetched for backward (and
-        # the current one cast back to fp32 when saved narrower).
-        what = (
-            f"2 {_boundary_dt(workload)} (in use + prefetched) + the one in use in fp32"
-            if cast_back
-            else "2 (in use + prefetched)"
-        )
-        lines.append(
-            MemoryLine(
-                f"boundary activations offloaded to host; in HBM: {what}",
-                2 * t * h * b + t * h * cast_back,
-            )
-        )
-    if shape.head_dim:
-        # The rotary embedding's cos and sin for the micro-batch, in the dtype of the embedding
-        # output (fp32: the non-layer parameters are fp32): one tensor pair that every layer
-        # saves by reference (never offloaded), alive from the embedding to the last backward.
-        lines.append(
-            MemoryLine(
-                f"RoPE cos/sin tables (fp32): {t} tokens x head_dim {shape.head_dim} x 2 x 4 B",
-                t * shape.head_dim * 2 * 4,
-            )
-        )
-    cached = segment_cache_layers(shape, workload)
-    if cached:
-        lines.append(
-            MemoryLine(
-                f"checkpoint segment backward: up to {cached} recomputed layer inputs "
-                f"(fp32, {t} tokens x hidden x 4 B) cached",
-                cached * t * h * 4,
-            )
-        )
-    lines.append(_working_set_line(t, h, shape.intermediate_size, workload.mlp_tile_tokens))
-    if shape.fused_loss:
-        chunk = min(default_chunk_tokens(v), t)
-        lines.append(
-            MemoryLine(
-                f"fused loss chunk: {chunk} tokens x vocab fp32 logits + softmax grad",
-                chunk * v * (4 + isz),
-            )
-        )
-        head_copy = 0 if dtype == torch.float32 else v * h * isz
-        lines.append(
-            MemoryLine(
-                "LM head compute copy + fp32 weight grad + hidden-state grad",
-                head_copy + v * h * 4 + t * h * 4,
-            )
-        )
-    else:
-        # The model's own forward materializes the logits and upcasts them for the loss.
-        lines.append(
-            MemoryLine(
-                "full logits (no fused loss for this architecture; estimate)",
-                t * v * (isz + 4 + 4),
-            )
-        )
     return lines
 
 

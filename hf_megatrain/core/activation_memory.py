@@ -1,0 +1,186 @@
+"""Activation memory of a training step: what each decoder layer saves for backward.
+
+Boundary activations (the saved residual-stream inputs, in HBM or offloaded), what a layer that
+keeps its graph saves per token (audited against autograd's saved tensors), the recompute working
+set and the loss/LM-head temporaries: the per-micro-batch lines of the memory plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunked_loss import default_chunk_tokens
+from .plan_types import MemoryLine, ModelShape, Workload, itemsize
+
+#: Bytes per token x hidden of a layer's backward on top of its saved input: the recomputed
+#: attention half (bf16 norm output, q, attention output, o-proj output, post-norm output; fp32
+#: mid-layer residual and post-norm input) and the fp32 gradients flowing in and out. A 1.5B
+#: layer at a 512k-token sequence went out of memory with 8 B (the earlier estimate) planned.
+ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN = 26
+
+
+def _working_set_line(t: int, h: int, inter: int, tile: int) -> MemoryLine:
+    """A layer's recompute working set: attention-side tensors scale with the micro-batch, the
+    MLP's (tokens x intermediate) ones with the tile when MLP tiling is on."""
+    mlp_t = min(t, tile) if tile > 0 else t
+    what = f"MLP in tiles of {mlp_t} tokens" if mlp_t < t else "untiled MLP"
+    k = ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN
+    return MemoryLine(
+        f"one layer's backward working set (estimate, {what}: tokens x {k}h + tile x 6i B)",
+        t * k * h + mlp_t * 3 * inter * 2,
+    )
+
+
+def kept_activation_bytes_per_token(shape: ModelShape) -> int:
+    """Bytes a decoder layer's autograd graph saves per token when it is not recomputed.
+
+    Counted for a pre-norm attention + gated-MLP layer (Llama/Qwen2 family) under bf16 autocast
+    with an fp32 residual stream, on top of the saved layer input (a boundary activation,
+    counted there), as audited with ``saved_tensors_hooks`` (tests/test_keep_activations.py):
+    each RMSNorm saves its fp32 normalized product (2 x 4h) and the second one its fp32 input,
+    the mid-layer residual (4h); the q/k/v and gate/up projections each save their own bf16 cast
+    of the normalized input (5 x 2h); attention saves its bf16 q (2q, q = heads x head_dim,
+    usually h), rotated k and v (4kv) and output, which o_proj saves as its input (2q: the same
+    storage); the MLP saves the gate and up outputs, the SiLU output and their product (4 x 2i).
+    RoPE saves nothing per layer: its products are with cos/sin, which need no gradient, so only
+    the (shared) tables are kept. Per token besides: attention's fp32 log-sum-exp per head and
+    the two norms' fp32 scales (4 x heads + 8). With per-head q/k norms (Qwen3), each saves its
+    input cast to fp32, its bf16 output and a scale per head: 6q + 6kv + 4 x (heads + kv heads).
+    """
+    h, i = shape.hidden_size, shape.intermediate_size
+    kv = shape.kv_size or h
+    heads = shape.num_heads or (h // shape.head_dim if shape.head_dim else 0)
+    q = heads * shape.head_dim if heads and shape.head_dim else h
+    total = 22 * h + 4 * q + 4 * kv + 8 * i + 4 * heads + 8
+    if shape.qk_norm:
+        kv_heads = kv // shape.head_dim if shape.head_dim else 0
+        total += 6 * q + 6 * kv + 4 * (heads + kv_heads)
+    if shape.fused_layer_kernels:
+        # Liger's RMSNorm saves its input and scale, not the fp32 normalized product (8h for
+        # the two layer norms; per-head q/k norms keep their bf16 input instead of an fp32 copy
+        # and a bf16 output: 4q + 4kv); its SwiGLU saves gate and up but not the SiLU output
+        # (2i; down_proj still saves the product as its input). Measured on the H200 for a
+        # Qwen2.5-1.5B-wide layer: 82,486 B/token against 82,488 counted here.
+        total -= 8 * h + 2 * i + (4 * q + 4 * kv if shape.qk_norm else 0)
+    return total
+
+
+def saved_boundary_layers(shape: ModelShape, workload: Workload) -> int:
+    """How many layers save their input: all, or with checkpoint segments of k layers one per
+    segment, ceil(layers / k). (Layers that keep their graph end a segment early; at the
+    offload sizes segments are for, the planner keeps none.)"""
+    k = max(1, workload.checkpoint_every)
+    return -(-shape.num_layers // k)
+
+
+def segment_cache_layers(shape: ModelShape, workload: Workload) -> int:
+    """fp32 layer inputs a checkpoint segment's backward holds at most: the chain re-made from
+    the leader's input caches the followers' (k - 1, the one in use included)."""
+    return max(0, min(workload.checkpoint_every, shape.num_layers) - 1)
+
+
+def boundary_activation_bytes(shape: ModelShape, workload: Workload) -> int:
+    """Every saved layer input (the residual stream: fp32, or its bf16-rounded copy) for one
+    micro-batch: one per layer, or one per checkpoint segment."""
+    b = workload.boundary_bytes_per_element
+    return (
+        workload.micro_batch_tokens * shape.hidden_size * b * saved_boundary_layers(shape, workload)
+    )
+
+
+def _saved_what(shape: ModelShape, workload: Workload) -> str:
+    n = saved_boundary_layers(shape, workload)
+    if n == shape.num_layers:
+        return f"{n} layers"
+    return f"{n} saved (1 per {workload.checkpoint_every} of {shape.num_layers} layers)"
+
+
+def _boundary_dt(workload: Workload) -> str:
+    b = workload.boundary_bytes_per_element
+    return {4: "fp32", 2: "bf16"}.get(b, f"{b} B")
+
+
+def _activation_lines(
+    shape: ModelShape, workload: Workload, dtype: torch.dtype
+) -> list[MemoryLine]:
+    """Per-micro-batch activation costs (micro-batches run one after another)."""
+    isz = itemsize(dtype)
+    t, h, v = workload.micro_batch_tokens, shape.hidden_size, shape.vocab_size
+    lines = []
+    b = workload.boundary_bytes_per_element
+    # Saved narrower than the fp32 residual stream: backward recomputes each layer from its
+    # saved input cast back to fp32, one more tokens x hidden x 4 B tensor while it runs.
+    cast_back = 4 if b < 4 else 0
+    if not workload.offload_activations:
+        lines.append(
+            MemoryLine(
+                f"boundary activations ({_boundary_dt(workload)}): {t} tokens x hidden x {b} B "
+                f"x {_saved_what(shape, workload)}",
+                boundary_activation_bytes(shape, workload),
+            )
+        )
+        if cast_back:
+            lines.append(
+                MemoryLine(
+                    "boundary activation of the recomputing layer cast back to fp32",
+                    t * h * cast_back,
+                )
+            )
+    else:
+        # Offloaded: the current layer's input and the next one prefetched for backward (and
+        # the current one cast back to fp32 when saved narrower).
+        what = (
+            f"2 {_boundary_dt(workload)} (in use + prefetched) + the one in use in fp32"
+            if cast_back
+            else "2 (in use + prefetched)"
+        )
+        lines.append(
+            MemoryLine(
+                f"boundary activations offloaded to host; in HBM: {what}",
+                2 * t * h * b + t * h * cast_back,
+            )
+        )
+    if shape.head_dim:
+        # The rotary embedding's cos and sin for the micro-batch, in the dtype of the embedding
+        # output (fp32: the non-layer parameters are fp32): one tensor pair that every layer
+        # saves by reference (never offloaded), alive from the embedding to the last backward.
+        lines.append(
+            MemoryLine(
+                f"RoPE cos/sin tables (fp32): {t} tokens x head_dim {shape.head_dim} x 2 x 4 B",
+                t * shape.head_dim * 2 * 4,
+            )
+        )
+    cached = segment_cache_layers(shape, workload)
+    if cached:
+        lines.append(
+            MemoryLine(
+                f"checkpoint segment backward: up to {cached} recomputed layer inputs "
+                f"(fp32, {t} tokens x hidden x 4 B) cached",
+                cached * t * h * 4,
+            )
+        )
+    lines.append(_working_set_line(t, h, shape.intermediate_size, workload.mlp_tile_tokens))
+    if shape.fused_loss:
+        chunk = min(default_chunk_tokens(v), t)
+        lines.append(
+            MemoryLine(
+                f"fused loss chunk: {chunk} tokens x vocab fp32 logits + softmax grad",
+                chunk * v * (4 + isz),
+            )
+        )
+        head_copy = 0 if dtype == torch.float32 else v * h * isz
+        lines.append(
+            MemoryLine(
+                "LM head compute copy + fp32 weight grad + hidden-state grad",
+                head_copy + v * h * 4 + t * h * 4,
+            )
+        )
+    else:
+        # The model's own forward materializes the logits and upcasts them for the loss.
+        lines.append(
+            MemoryLine(
+                "full logits (no fused loss for this architecture; estimate)",
+                t * v * (isz + 4 + 4),
+            )
+        )
+    return lines
