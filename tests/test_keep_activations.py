@@ -191,9 +191,9 @@ def test_kept_bytes_per_token_match_saved_tensors(arch):
     saved for backward counted once per storage, minus the layer input, the weights and the
     shared RoPE tables: exactly the planner's count for the Llama family (Qwen3's tiny config
     has head_dim 8, so its query width, 4 x 8, is not the hidden size, and it normalizes q and k
-    per head); Phi-3's fused projections save a little less. The other families save more than
-    the count (Gemma3's extra norms, the MoE router and expert dispatch): they must not be
-    marked audited, and "auto" then plans no kept activations for them."""
+    per head); Gemma3's four fp32 norms have terms of their own; Phi-3's fused projections save a
+    little less. The MoE families save more than the count (router, expert dispatch): they must
+    not be marked audited, and "auto" then plans no kept activations for them."""
     from hf_megatrain.core.planner import kept_activation_bytes_per_token  # noqa: PLC0415
     from hf_megatrain.hf.model import find_decoder_layers, model_shape  # noqa: PLC0415
 
@@ -230,6 +230,12 @@ def test_kept_bytes_per_token_match_saved_tensors(arch):
     elif arch in ("llama", "qwen2", "qwen3", "mistral"):
         assert shape.kept_bytes_audited
         assert per_token == planned, (per_token, planned)
+    elif arch == "gemma3_text":
+        # Besides the per-token count, per layer: each of its 4 norms' and 2 q/k norms' fp32
+        # (1 + weight), which a 64-token audit spreads over the tokens.
+        assert shape.kept_bytes_audited
+        per_layer = 4 * 4 * cfg.hidden_size + 2 * 4 * cfg.head_dim
+        assert per_token * tokens == planned * tokens + per_layer, (per_token, planned)
     else:
         assert per_token > planned and not shape.kept_bytes_audited, (per_token, planned)
         wl = Workload(seq_len=tokens, micro_batch_tokens=tokens)

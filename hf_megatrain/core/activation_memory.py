@@ -55,6 +55,12 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     if shape.qk_norm:
         kv_heads = kv // shape.head_dim if shape.head_dim else 0
         total += 6 * q + 6 * kv + 4 * (heads + kv_heads)
+    if shape.gemma_norms:
+        # Gemma3 (audited like the others): the post-attention and post-MLP norms each save
+        # their input cast to fp32 and their fp32 product (2 x 8h) and a scale (2 x 4); its
+        # per-head q/k norms keep their input in fp32 and their product in fp32 (2q + 2kv more
+        # than Qwen3's). Per layer besides, not per token: each norm's fp32 (1 + weight).
+        total += 16 * h + 2 * q + 2 * kv + 8
     if shape.fused_layer_kernels:
         # Liger's RMSNorm saves its input and scale, not the fp32 normalized product (8h for
         # the two layer norms; per-head q/k norms keep their bf16 input instead of an fp32 copy

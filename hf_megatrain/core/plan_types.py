@@ -43,6 +43,10 @@ class ModelShape:
     # above autograd's saved tensors, tests/test_keep_activations.py). When not (Gemma3, the
     # MoE families) "auto" plans no kept activations rather than risk running out of memory.
     kept_bytes_audited: bool = True
+    # Gemma3's layer: four RMSNorms (pre and post attention and MLP) computing in fp32, and
+    # per-head q/k norms that keep an fp32 input and product (see
+    # ``kept_activation_bytes_per_token``).
+    gemma_norms: bool = False
 
     @property
     def num_layers(self) -> int:

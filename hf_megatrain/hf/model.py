@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 
 #: model_type -> short description; each has a tiny-config equivalence test.
 #: Families whose kept-activation bytes the planner counts exactly (or, Phi-3, 2% high), checked
-#: against autograd's saved tensors (tests/test_keep_activations.py). Gemma3 (two more norms per
-#: layer, GELU) saves 42% more, Qwen3-MoE 25% and Mixtral 11% (router and expert dispatch): for
-#: those "auto" keeps none.
+#: against autograd's saved tensors (tests/test_keep_activations.py); Gemma3 too, with its own
+#: terms, unless Liger's kernels replace its layers'. Qwen3-MoE saves 25% more and Mixtral 11%
+#: (router and expert dispatch, data-dependent): for those "auto" keeps none.
 KEPT_BYTES_AUDITED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3"})
 
 SUPPORTED_MODEL_TYPES = {
@@ -113,13 +113,14 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         text_cfg.hidden_size // heads if heads else 0
     )
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
+    fused = bool(layers) and _liger_patched(getattr(layers[0], "mlp", None))
     return ModelShape(
         kv_size=kv_heads * head_dim,
         head_dim=head_dim,
         num_heads=heads,
         # Every decoder layer of these families is alike: the first one says.
         qk_norm=bool(layers) and hasattr(getattr(layers[0], "self_attn", None), "q_norm"),
-        fused_layer_kernels=bool(layers) and _liger_patched(getattr(layers[0], "mlp", None)),
+        fused_layer_kernels=fused,
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
         hidden_size=text_cfg.hidden_size,
@@ -127,7 +128,10 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         intermediate_size=inter,
         tied_embeddings=tied,
         fused_loss=cfg.model_type in FUSED_LOSS_MODEL_TYPES,
-        kept_bytes_audited=cfg.model_type in KEPT_BYTES_AUDITED_MODEL_TYPES,
+        kept_bytes_audited=cfg.model_type in KEPT_BYTES_AUDITED_MODEL_TYPES
+        # (Liger's Gemma kernels are not audited: the fused count is the Llama family's.)
+        or (cfg.model_type == "gemma3_text" and not fused),
+        gemma_norms=cfg.model_type == "gemma3_text",
         name=name,
     )
 
