@@ -206,6 +206,9 @@ class _FlatLayerState:
 
     master: torch.Tensor
     stream: torch.Tensor
+    # Whether the layer runs from a device-side cast of its fp32 master (HBM tier without a
+    # compute-dtype copy); host stores stream instead.
+    casts_on_use = False
 
     def __init__(
         self, slots: list[TensorSlot], numel: int, decay_numel: int, stream_dtype: torch.dtype

@@ -69,7 +69,7 @@ def parse_boundary_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 def _uses_slot(store) -> bool:
     """Whether a layer runs from a stream buffer slot: streamed layers, and HBM-tier layers that
     keep no compute-dtype copy (cast into the slot from their fp32 master)."""
-    return not store.resident or getattr(store, "casts_on_use", False)
+    return not store.resident or store.casts_on_use
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -552,7 +552,7 @@ def keep_activations(model: nn.Module, value: int | str) -> int:
     tier = [
         i
         for i, store in enumerate(state.engine.stores)
-        if store.resident and not getattr(store, "casts_on_use", False)
+        if store.resident and not store.casts_on_use
     ]
     if value == "auto":
         count = state.plan.kept_layers if state.plan is not None else 0

@@ -240,7 +240,7 @@ def _check_grad_mode(state, args: TrainingArguments) -> None:
             "gradient held until step(). Stream the model with host_grads=True, or train with "
             "max_grad_norm=0 and megatrain_eager_update=True."
         )
-    casting = any(getattr(s, "casts_on_use", False) for s in engine.stores)
+    casting = any(s.casts_on_use for s in engine.stores)
     if getattr(args, "megatrain_hbm_cast_weights", False) and not casting:
         logger.warning(
             "hf_megatrain: megatrain_hbm_cast_weights is set but the model's HBM tier was built "
