@@ -630,6 +630,7 @@ def train_once(cfg: RunConfig) -> dict:
             host_grads=not cfg.no_clip,
             stream_fp32_master=cfg.stream_fp32_master,
             hbm_cast_weights=cfg.hbm_cast_weights,
+            keep_activations=cfg.keep_activations,
         )
     else:
         model = build_model(config, cfg.seed)

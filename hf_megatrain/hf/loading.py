@@ -30,6 +30,7 @@ def _streamed_skeleton(
     host_grads: bool = True,
     stream_fp32_master: bool = False,
     hbm_cast_weights: bool = False,
+    keep_activations: int | str = "auto",
 ):
     """``AutoModelForCausalLM`` for ``config`` built on meta, its layers given host-store buffers."""
     if device is None:
@@ -55,6 +56,7 @@ def _streamed_skeleton(
         host_grads=host_grads,
         stream_fp32_master=stream_fp32_master,
         hbm_cast_weights=hbm_cast_weights,
+        keep_activations=keep_activations,
     )
     return model
 
@@ -70,6 +72,7 @@ def load_streamed_model(
     host_grads: bool = True,
     stream_fp32_master: bool = False,
     hbm_cast_weights: bool = False,
+    keep_activations: int | str = "auto",
     **config_overrides,
 ):
     """Build ``AutoModelForCausalLM`` for ``path`` in streamed form and load its weights.
@@ -91,13 +94,16 @@ def load_streamed_model(
         hbm_cast_weights: HBM-tier layers keep no bf16 copy (16 instead of 18 B/param, more
             layers fit); each is cast from its fp32 master when it runs and recomputes in
             backward (see ``MegaTrainArguments.megatrain_hbm_cast_weights``).
+        keep_activations: what the memory plan assumes for kept activations, as
+            ``MegaTrainArguments.megatrain_keep_activations`` (pass the same value); with
+            ``hbm_cast_weights`` the layers that will keep them keep their bf16 copy.
         config_overrides: set on the config before the model is built (e.g. attn_implementation).
     """
     attn = config_overrides.pop("attn_implementation", "sdpa")
     config = AutoConfig.from_pretrained(path, **config_overrides)
     model = _streamed_skeleton(
         config, device, bf16, pin_memory, host_memory_limit_gb, resident_layers, attn,
-        plan_workload, host_grads, stream_fp32_master, hbm_cast_weights,
+        plan_workload, host_grads, stream_fp32_master, hbm_cast_weights, keep_activations,
     )  # fmt: skip
     load_weights_into_store(model, path)
     return model
@@ -116,6 +122,7 @@ def init_streamed_model(
     host_grads: bool = True,
     stream_fp32_master: bool = False,
     hbm_cast_weights: bool = False,
+    keep_activations: int | str = "auto",
 ):
     """A randomly initialized streamed model for ``config``, never materialized as a whole.
 
@@ -137,6 +144,7 @@ def init_streamed_model(
         host_grads,
         stream_fp32_master,
         hbm_cast_weights,
+        keep_activations,
     )
     torch.manual_seed(seed)
     init_streamed_weights(model, model._init_weights)
