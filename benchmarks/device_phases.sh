@@ -58,7 +58,7 @@ case "$phase" in
       export PYTHONPATH=/tmp/site-liger:$PYTHONPATH
     fi
     timeout 420 python3 -m pytest tests/test_gpu.py tests/test_packing.py tests/test_gpu_dp.py \
-      -k "not liger" -o addopts="" -p no:cacheprovider -rA -q 2>&1 | grep -v '^DEBUG' >>"$log"
+      -k "not liger" -o addopts="" -p no:cacheprovider -rA -q --durations=12 2>&1 | grep -v '^DEBUG' >>"$log"
     # Liger patches module-level names of transformers' model files (the tests put them back):
     # its tests run in a process of their own all the same.
     timeout 240 python3 -m pytest tests/test_gpu.py -k liger -o addopts="" -p no:cacheprovider \
