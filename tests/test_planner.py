@@ -425,7 +425,9 @@ def test_plan_cli_hbm_cast_weights(capsys):
     argv = ["plan", "benchmarks/configs/qwen2.5-7b", "--seq-len", "4096", "--tokens-per-step",
             "8192", "--hbm-gib", "139.3", "--host-gib", "120", "--no-search"]  # fmt: skip
     assert main(argv) == 0
-    assert "layers: 27 in HBM" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "layers: 27 in HBM" in out
+    assert "with megatrain_hbm_cast_weights" in out and "28 layers fit in HBM instead of 27" in out
     assert main(argv + ["--hbm-cast-weights"]) == 0
     out = capsys.readouterr().out
     assert "layers: 28 in HBM" in out and "cast to bf16 on use" in out

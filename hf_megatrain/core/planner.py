@@ -649,6 +649,28 @@ def plan_memory(
             for problem in plan.problems:
                 problem.args = (f"{problem.args[0]} {NOTHING_FITS_ADVICE}",)
     _add_notes(plan)
+    if (
+        _advise
+        and plan.fits
+        and not cast
+        and compute_dtype != torch.float32
+        and hbm_layers is None
+        and plan.n_host
+    ):
+        # The HBM tier without bf16 copies (16 instead of 18 B/param): say when it holds more.
+        alt = plan_memory(
+            shape, workload, compute_dtype, hbm_bytes, host_bytes, reserve_bytes=reserve_bytes,
+            host_margin_bytes=host_margin_bytes, hold_grads=hold_grads,
+            stream_fp32_master=stream_fp32_master, input_model_bytes=input_model_bytes,
+            keep_activation_layers=keep_activation_layers, ranks=ranks, hbm_cast_weights=True,
+            _advise=False,
+        )  # fmt: skip
+        if alt.fits and alt.n_hbm > plan.n_hbm:
+            plan.notes.append(
+                f"with megatrain_hbm_cast_weights (plan --hbm-cast-weights: HBM-tier layers "
+                f"without bf16 copies, 16 B/param) {alt.n_hbm} layers fit in HBM instead of "
+                f"{plan.n_hbm}."
+            )
     return plan
 
 
