@@ -40,29 +40,35 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk, n)
             h = hidden[start:end].to(cd)
             t = targets[start:end]
-            logits = (h @ w.t()).float()
+            logits = h @ w.t()
+            capped = None
             if softcap is not None:
-                capped = torch.tanh(logits / softcap)
+                capped = torch.tanh(logits.float() / softcap)
                 logits = capped * softcap
+            # log-softmax in fp32 straight from the compute-dtype logits (one fused kernel on
+            # CUDA, no separate fp32 copy), as the stock loss computes it.
+            logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            del logits
             valid = t != IGNORE_INDEX
             safe_t = torch.where(valid, t, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe_t[:, None]).squeeze(1)
-            loss_sum += torch.where(valid, lse - picked, 0.0).sum()
+            picked = logp.gather(1, safe_t[:, None]).squeeze(1)
+            loss_sum -= torch.where(valid, picked, 0.0).sum()
             if not (need_h or need_w):
                 continue
-            # d(sum of token losses)/d logits = softmax - onehot on valid rows, in place.
-            grad = logits.sub_(lse[:, None]).exp_()
+            # d(sum of token losses)/d logits = softmax - onehot, in place. Ignored rows are
+            # left in it and masked out of the two (tokens x hidden) products instead: no
+            # extra pass over the (tokens x vocab) gradient.
+            grad = logp.exp_()
             grad[torch.arange(end - start, device=grad.device), safe_t] -= 1.0
-            grad.mul_(valid[:, None])
-            if softcap is not None:
+            if capped is not None:
                 grad.mul_(1.0 - capped * capped)
             g = grad.to(cd)
-            del grad, logits
+            del grad, logp, capped
+            keep = valid[:, None].to(cd)
             if need_h:
-                grad_hidden[start:end] = (g @ w).to(hidden.dtype)
+                grad_hidden[start:end] = ((g @ w) * keep).to(hidden.dtype)
             if need_w:
-                grad_weight += (g.t() @ h).float()
+                grad_weight += (g.t() @ (h * keep)).float()
         if divisor is None:
             divisor = (targets != IGNORE_INDEX).sum().clamp(min=1)
         divisor = torch.as_tensor(divisor, device=hidden.device).to(torch.float32)
