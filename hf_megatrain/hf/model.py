@@ -32,13 +32,13 @@ from .capture import RecorderCapture, recorder_capture_available
 
 logger = logging.getLogger(__name__)
 
-#: model_type -> short description; each has a tiny-config equivalence test.
 #: Families whose kept-activation bytes the planner counts exactly (or, Phi-3, 2% high), checked
 #: against autograd's saved tensors (tests/test_keep_activations.py); Gemma3 too, with its own
 #: terms, unless Liger's kernels replace its layers'. Qwen3-MoE saves 25% more and Mixtral 11%
 #: (router and expert dispatch, data-dependent): for those "auto" keeps none.
 KEPT_BYTES_AUDITED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3"})
 
+#: model_type -> short description; each has a tiny-config equivalence test.
 SUPPORTED_MODEL_TYPES = {
     "llama": "Llama",
     "qwen2": "Qwen2",

@@ -142,7 +142,8 @@ def _setup_args(args: TrainingArguments) -> None:
     if args.n_gpu > 1 and args.world_size == 1:
         logger.warning(
             "hf_megatrain: %d GPUs visible, training uses one; for data parallel over all of "
-            "them launch with `accelerate launch --num_processes %d` (recipes/accelerate/multi_gpu.yaml)",
+            "them launch with `accelerate launch --num_processes %d` "
+            "(recipes/accelerate/multi_gpu.yaml)",
             args.n_gpu,
             args.n_gpu,
         )
