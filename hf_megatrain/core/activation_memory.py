@@ -94,21 +94,19 @@ def boundary_activation_bytes(shape: ModelShape, workload: Workload) -> int:
     )
 
 
-def _saved_what(shape: ModelShape, workload: Workload) -> str:
+def saved_layers_label(shape: ModelShape, workload: Workload) -> str:
     n = saved_boundary_layers(shape, workload)
     if n == shape.num_layers:
         return f"{n} layers"
     return f"{n} saved (1 per {workload.checkpoint_every} of {shape.num_layers} layers)"
 
 
-def _boundary_dt(workload: Workload) -> str:
+def boundary_dtype_label(workload: Workload) -> str:
     b = workload.boundary_bytes_per_element
     return {4: "fp32", 2: "bf16"}.get(b, f"{b} B")
 
 
-def _activation_lines(
-    shape: ModelShape, workload: Workload, dtype: torch.dtype
-) -> list[MemoryLine]:
+def activation_lines(shape: ModelShape, workload: Workload, dtype: torch.dtype) -> list[MemoryLine]:
     """Per-micro-batch activation costs (micro-batches run one after another)."""
     isz = itemsize(dtype)
     t, h, v = workload.micro_batch_tokens, shape.hidden_size, shape.vocab_size
@@ -120,8 +118,8 @@ def _activation_lines(
     if not workload.offload_activations:
         lines.append(
             MemoryLine(
-                f"boundary activations ({_boundary_dt(workload)}): {t} tokens x hidden x {b} B "
-                f"x {_saved_what(shape, workload)}",
+                f"boundary activations ({boundary_dtype_label(workload)}): {t} tokens x hidden x {b} B "
+                f"x {saved_layers_label(shape, workload)}",
                 boundary_activation_bytes(shape, workload),
             )
         )
@@ -136,7 +134,7 @@ def _activation_lines(
         # Offloaded: the current layer's input and the next one prefetched for backward (and
         # the current one cast back to fp32 when saved narrower).
         what = (
-            f"2 {_boundary_dt(workload)} (in use + prefetched) + the one in use in fp32"
+            f"2 {boundary_dtype_label(workload)} (in use + prefetched) + the one in use in fp32"
             if cast_back
             else "2 (in use + prefetched)"
         )

@@ -34,12 +34,12 @@ import torch
 
 from .activation_memory import (
     ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN,
-    _activation_lines,
-    _boundary_dt,
-    _saved_what,
+    activation_lines,
     boundary_activation_bytes,
+    boundary_dtype_label,
     kept_activation_bytes_per_token,
     saved_boundary_layers,
+    saved_layers_label,
     segment_cache_layers,
 )
 from .host_store import device_layer_bytes, format_bytes, layer_store_bytes
@@ -317,7 +317,7 @@ def _gpu_lines(
             MemoryLine("reserve for activations, logits, resident params (fixed)", reserve_bytes)
         )
         return lines
-    lines += _activation_lines(shape, workload, dtype)
+    lines += activation_lines(shape, workload, dtype)
     if kept:
         # A kept layer's graph holds its fp32 input itself, also where the boundary line
         # counts it rounded to bf16.
@@ -363,8 +363,8 @@ def _host_lines(
         b = workload.boundary_bytes_per_element
         offload.append(
             MemoryLine(
-                f"offloaded boundary activations (pinned, {_boundary_dt(workload)}): "
-                f"tokens x hidden x {b} B x {_saved_what(shape, workload)}{per_rank}",
+                f"offloaded boundary activations (pinned, {boundary_dtype_label(workload)}): "
+                f"tokens x hidden x {b} B x {saved_layers_label(shape, workload)}{per_rank}",
                 ranks * boundary_activation_bytes(shape, workload),
             )
         )
