@@ -41,8 +41,9 @@ def test_bad_shapes_are_refused():
         )
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("chunk", [8, 64])
-def test_chunked_bf16_compute_equals_reference(chunk):
+def test_chunked_bf16_compute_equals_reference(chunk, softcap):
     """Under mixed precision: the head matmuls in bf16, the loss in fp32 from the bf16 logits.
     Ignored rows (masked out of the two hidden-width products, not of the logit gradient) get
     exactly zero hidden-state gradient."""
@@ -52,10 +53,14 @@ def test_chunked_bf16_compute_equals_reference(chunk):
     w = torch.randn(vocab, h_dim, requires_grad=True)
     t = torch.randint(0, vocab, (n,))
     t[::7] = -100
-    loss = chunked_linear_cross_entropy(h, w, t, chunk_tokens=chunk, compute_dtype=torch.bfloat16)
+    loss = chunked_linear_cross_entropy(
+        h, w, t, softcap=softcap, chunk_tokens=chunk, compute_dtype=torch.bfloat16
+    )
     gh, gw = torch.autograd.grad(loss, [h, w])
 
     logits = (h.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     ref = F.cross_entropy(logits, t, ignore_index=-100)
     rh, rw = torch.autograd.grad(ref, [h, w])
     # The same bf16 logits: the fp32 loss agrees to fp32 summation order.
