@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_megatrain.cli import DEFAULT_CONFIG, _plan_config, main, model_shape_from_config
+from hf_megatrain.cli import DEFAULT_CONFIG, main, model_shape_from_config
+from hf_megatrain.cli_plan import plan_config
 from hf_megatrain.core.host_store import device_layer_bytes, layer_store_bytes
 from hf_megatrain.core.planner import (
     BF16_BOUNDARIES_ADVICE,
@@ -35,7 +36,7 @@ BF16 = torch.bfloat16
 
 
 def _shape(name: str) -> ModelShape:
-    return model_shape_from_config(_plan_config(str(CONFIGS / name)), name)
+    return model_shape_from_config(plan_config(str(CONFIGS / name)), name)
 
 
 def _qwen2_layer_numel(h: int, kv: int, inter: int) -> int:

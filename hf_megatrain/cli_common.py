@@ -1,0 +1,57 @@
+"""What both ``hf-megatrain`` commands share: the one-line user error, logging, output on the
+main process, and reading a bare config.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+class CLIError(Exception):
+    """A user mistake: reported as one line on stderr, exit status 1."""
+
+
+def setup_logging() -> None:
+    import transformers  # noqa: PLC0415
+
+    transformers.logging.set_verbosity_warning()
+    log = logging.getLogger("hf_megatrain")
+    if not log.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def say(msg: str) -> None:
+    # Under a data-parallel launch every rank runs this code: one report, from rank 0.
+    if is_main_process():
+        print(msg, flush=True)
+
+
+def config_from_json(path: str):
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from . import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
+
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{path} is not valid JSON: {e}") from None
+    model_type = d.pop("model_type", None) if isinstance(d, dict) else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CLIError(
+            f"{path}: model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except (TypeError, ValueError) as e:
+        raise CLIError(f"{path}: invalid config: {e}") from None
