@@ -13,7 +13,6 @@ segments of 2, no clipping, fp32 masters streamed): a plan, labelled as one, not
 
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 from pathlib import Path
@@ -22,13 +21,14 @@ BENCH_DIR = Path(__file__).resolve().parent
 if str(BENCH_DIR.parent) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR.parent))
 
+from benchmarks.report import H200_FREE_HBM_GIB, table_main  # noqa: E402
+
 SYSTEM_NAMES = {
     "megatrain-hbm": "hf_megatrain",
     "megatrain": "hf_megatrain (all streamed)",
     "stock": "stock in-GPU",
     "deepspeed": "DeepSpeed ZeRO-3 offload",
 }
-H200_FREE_HBM_GIB = 139.3
 H200_HOST_GIB = 124.0
 
 
@@ -127,18 +127,12 @@ def markdown(table: dict[tuple[str, str], dict], plans: dict[str, int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("csv", nargs="?", type=Path, default=BENCH_DIR / "results" / "results.csv")
-    p.add_argument("--markdown", type=Path, help="also write the table here")
-    a = p.parse_args(argv)
-    with a.csv.open(newline="") as f:
-        table = longest(list(csv.DictReader(f)))
-    models = sorted({m for m, _ in table})
-    text = markdown(table, {m: planned_ceiling(m) for m in models})
-    print(text, end="")
-    if a.markdown:
-        a.markdown.write_text(text)
-    return 0
+    def render(path: Path) -> str:
+        with path.open(newline="") as f:
+            table = longest(list(csv.DictReader(f)))
+        return markdown(table, {m: planned_ceiling(m) for m in sorted({m for m, _ in table})})
+
+    return table_main(__doc__, render, argv)
 
 
 if __name__ == "__main__":

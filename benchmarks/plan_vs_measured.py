@@ -15,7 +15,6 @@ column says which is which.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import re
 import sys
@@ -26,8 +25,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 if str(BENCH_DIR.parent) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR.parent))
 
-# Free HBM of the H200 at the start of a run (139.8 GiB total, the CUDA context takes the rest).
-H200_FREE_HBM_GIB = 139.3
+from benchmarks.report import H200_FREE_HBM_GIB, table_main  # noqa: E402
+
 # Reserve of the fixed-reserve "auto" placement used before plan_workload (commits <= 208ecd8).
 OLD_AUTO_RESERVE_GIB = 48.0
 
@@ -166,15 +165,7 @@ def markdown(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("csv", nargs="?", type=Path, default=BENCH_DIR / "results" / "results.csv")
-    p.add_argument("--markdown", type=Path, help="also write the table here")
-    a = p.parse_args(argv)
-    table = markdown(compare(a.csv))
-    print(table, end="")
-    if a.markdown:
-        a.markdown.write_text(table)
-    return 0
+    return table_main(__doc__, lambda path: markdown(compare(path)), argv)
 
 
 if __name__ == "__main__":

@@ -91,9 +91,9 @@ def load_streamed_model(
             only for training without clipping, with eager updates (``max_grad_norm=0``).
         stream_fp32_master: keep no bf16 copy in host RAM (2 B/param less); the fp32 master
             streams and is cast on the GPU (twice the H2D bytes).
-        hbm_cast_weights: HBM-tier layers keep no bf16 copy (16 instead of 18 B/param, more
-            layers fit); each is cast from its fp32 master when it runs and recomputes in
-            backward (see ``MegaTrainArguments.megatrain_hbm_cast_weights``).
+        hbm_cast_weights: HBM-tier layers that will not keep their activations keep no bf16
+            copy (16 instead of 18 B/param, more layers fit); each is cast from its fp32 master
+            when it runs (see ``MegaTrainArguments.megatrain_hbm_cast_weights``).
         keep_activations: what the memory plan assumes for kept activations, as
             ``MegaTrainArguments.megatrain_keep_activations`` (pass the same value); with
             ``hbm_cast_weights`` the layers that will keep them keep their bf16 copy.
