@@ -17,8 +17,14 @@ whl_dir=${WHL_DIR:-.whl}
 # apart, in /tmp/site-recipes).
 mapfile -t wheels < <(compgen -G "$whl_dir/*.whl" | grep -vE '/(trl|datasets|dill|multiprocess)-')
 if [ "${#wheels[@]}" -gt 0 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "${wheels[@]}" || exit 1
+  # Once per machine, under a lock: runs started side by side (device_phases.sh long-pair) must
+  # not upgrade the same --target directory at once, nor one while the other imports from it.
+  stamp=/tmp/site/.wheels-$(printf '%s\n' "${wheels[@]##*/}" | md5sum | cut -c1-12)
+  (
+    flock 9
+    [ -e "$stamp" ] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" && touch "$stamp"; }
+  ) 9>/tmp/site.lock || exit 1
 else
   echo "run_device: no wheels in $whl_dir; DeepSpeed runs will be recorded as skipped" >&2
 fi
