@@ -16,18 +16,39 @@ from .plan_types import MemoryLine, ModelShape, Workload, itemsize
 #: attention half (bf16 norm output, q, attention output, o-proj output, post-norm output; fp32
 #: mid-layer residual and post-norm input) and the fp32 gradients flowing in and out. A 1.5B
 #: layer at a 512k-token sequence went out of memory with 8 B (the earlier estimate) planned.
+#: Calibrated on untiled runs (4k-token sequences: 21 H200 runs planned 0.5-9.9% above measured).
 ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN = 26
 
+#: The same with the MLP in tiles (long sequences), where a layer's backward peaks inside the
+#: MLP's tile loop with every per-token tensor of the attention half alive. Itemized from the
+#: CPU allocator's live blocks at that peak (torch.profiler memory events, bf16 autocast,
+#: Qwen2.5-1.5B's layer at 2k and 4k tokens: 43.4 B/token/h, the saved input's fp32 cast-back
+#: included, which the boundary line counts): the layer-output gradient (fp32, 4h); the saves
+#: re-made for backward: the first norm's fp32 product (4h), q/k/v's own bf16 casts of its
+#: output (3 x 2h), q after RoPE cast for attention (2h), the attention output (2h), the fp32
+#: mid-layer residual (4h), the second norm's fp32 product (4h) and its output, the tiled MLP's
+#: saved input (4h); the MLP output's gradient in bf16 (2h) and the input gradient the tiles fill
+#: (fp32, 4h). Plus k and v after RoPE (2 x 2kv). With 26h the H200 runs at 1,048,576 tokens
+#: (1.5B) and 524,288 (3B) peaked 19.8% and 10.5% above their plans.
+TILED_BYTES_PER_TOKEN_HIDDEN = 36
+TILED_BYTES_PER_TOKEN_KV = 4
 
-def _working_set_line(t: int, h: int, inter: int, tile: int) -> MemoryLine:
+
+def _working_set_line(t: int, h: int, kv: int, inter: int, tile: int) -> MemoryLine:
     """A layer's recompute working set: attention-side tensors scale with the micro-batch, the
     MLP's (tokens x intermediate) ones with the tile when MLP tiling is on."""
     mlp_t = min(t, tile) if tile > 0 else t
-    what = f"MLP in tiles of {mlp_t} tokens" if mlp_t < t else "untiled MLP"
-    k = ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN
+    if mlp_t < t:
+        what = f"MLP in tiles of {mlp_t} tokens"
+        k, per_token = TILED_BYTES_PER_TOKEN_HIDDEN, f"{TILED_BYTES_PER_TOKEN_HIDDEN}h + 4kv"
+        attn_side = t * (k * h + TILED_BYTES_PER_TOKEN_KV * kv)
+    else:
+        what = "untiled MLP"
+        k = ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN
+        per_token, attn_side = f"{k}h", t * k * h
     return MemoryLine(
-        f"one layer's backward working set (estimate, {what}: tokens x {k}h + tile x 6i B)",
-        t * k * h + mlp_t * 3 * inter * 2,
+        f"one layer's backward working set (estimate, {what}: tokens x {per_token} + tile x 6i B)",
+        attn_side + mlp_t * 3 * inter * 2,
     )
 
 
@@ -80,9 +101,15 @@ def saved_boundary_layers(shape: ModelShape, workload: Workload) -> int:
 
 
 def segment_cache_layers(shape: ModelShape, workload: Workload) -> int:
-    """fp32 layer inputs a checkpoint segment's backward holds at most: the chain re-made from
-    the leader's input caches the followers' (k - 1, the one in use included)."""
-    return max(0, min(workload.checkpoint_every, shape.num_layers) - 1)
+    """fp32 layer inputs a checkpoint segment's backward holds at most beyond the boundary
+    lines: the chain re-made from the leader's input caches the followers' (k - 1, the one in
+    use included). With boundaries saved narrower the boundary lines already count one fp32
+    input in use (a leader's cast back; a follower in backward has none of its own, only its
+    re-made input, and ``segment_input`` frees the leader's fp32 input once the chain has run):
+    k - 2 more."""
+    k = min(workload.checkpoint_every, shape.num_layers)
+    in_use_counted = 1 if workload.boundary_bytes_per_element < 4 else 0
+    return max(0, k - 1 - in_use_counted)
 
 
 def boundary_activation_bytes(shape: ModelShape, workload: Workload) -> int:
@@ -163,7 +190,11 @@ def activation_lines(shape: ModelShape, workload: Workload, dtype: torch.dtype) 
                 cached * t * h * 4,
             )
         )
-    lines.append(_working_set_line(t, h, shape.intermediate_size, workload.mlp_tile_tokens))
+    lines.append(
+        _working_set_line(
+            t, h, shape.kv_size or h, shape.intermediate_size, workload.mlp_tile_tokens
+        )
+    )
     if shape.fused_loss:
         chunk = min(default_chunk_tokens(v), t)
         lines.append(
