@@ -3,9 +3,12 @@
 
 ``StreamedLayer`` runs the layer's own class ``forward`` with the streamed weights bound as plain
 tensors (``_reparametrize_module``: never ``param.data =``), inside a custom autograd ``Function``
-that saves only the layer inputs (or, for HBM-tier layers with ``keep_graph``, the forward's own
-graph). Backward re-binds the weights, recomputes the layer and takes gradients with
-``torch.autograd.grad``. Checkpoint-segment followers get their input from
+that saves only the layer inputs (or, for HBM-tier layers with ``keep_graph``, the forward's
+graph with its activations). Forward builds the layer's graph either way; without
+``keep_graph`` its saved tensors are placeholders (``recompute.PlaceholderSaves``). Backward
+re-binds the weights, re-runs the layer until the last saved tensor is re-made (the MLP's down
+projection and the residual add are not run again) and takes gradients through the forward's
+graph with ``torch.autograd.grad``. Checkpoint-segment followers get their input from
 ``segments.segment_input`` instead of a saved one. The engine that moves weights, activations
 and gradients is ``streaming.StreamingEngine``.
 
@@ -19,9 +22,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from .recompute import PlaceholderSaves, release_storage
 from .segments import SegmentEntry, segment_input, tensor_sig
 
 if TYPE_CHECKING:
@@ -69,8 +74,8 @@ class StreamedLayer:
         self.resident = list(resident or [])
         self.forward_impl: Callable[..., Any] = type(module).forward
         # Keep the forward's autograd graph (its saved activations) for backward instead of
-        # saving only the inputs and recomputing: 8 instead of 6 FLOPs per parameter and token
-        # become 6, for the activation memory (planner: kept_activation_bytes_per_token). Only
+        # saving only the inputs and recomputing: about 7.5 FLOPs per parameter and token (8
+        # less the down projection the recompute skips) become 6, for the activation memory (planner: kept_activation_bytes_per_token). Only
         # for layers whose weights stay put until backward: the HBM tier (a streamed layer's
         # device buffer is overwritten by the next layer).
         self.keep_graph = False
@@ -143,6 +148,16 @@ class StreamedLayer:
         return tree_unflatten(out_flat, box["out_spec"])
 
 
+def _roots(out, captured, edges: bool) -> list:
+    """What backward differentiates from, one per Function output (None where no gradient
+    flows): the tensors themselves, or their gradient edges (which hold no memory)."""
+    produced = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+    produced += [t for _, t in captured]
+    if edges:
+        return [get_gradient_edge(t) if t.requires_grad else None for t in produced]
+    return [t if t.requires_grad else None for t in produced]
+
+
 def _detached_leaves(ctx, flat_args: list, saved: list, saved_res) -> tuple[list, list, list]:
     """Graph leaves for (re)running a layer: its tensor inputs detached (requiring grad where the
     original did) in place in a copy of ``flat_args``, and its resident parameters likewise.
@@ -179,25 +194,29 @@ class _StreamedLayerFunction(torch.autograd.Function):
         ctx.graph = None
         weights = engine.acquire(layer.index, layer.next_index(False))
         tick = engine.timeline.start("forward", layer.index) if engine.timeline else None
-        if layer.keep_graph:
-            # Build the layer's graph on detached leaves now; backward differentiates it as is.
-            leaves = _detached_leaves(
-                ctx, flat_args, tensors[:n_args], tensors[n_args + ctx.n_anchor :]
+        # Build the layer's graph on detached leaves now; backward differentiates it. With
+        # keep_graph it holds its activations; otherwise placeholders for what it saves
+        # (recompute.py), which backward re-makes, stopping after the last, and the graph is
+        # held by its gradient edges and leaves, never by a tensor's memory.
+        leaves = _detached_leaves(
+            ctx, flat_args, tensors[:n_args], tensors[n_args + ctx.n_anchor :]
+        )
+        saves = None if layer.keep_graph else PlaceholderSaves()
+        with (
+            torch.enable_grad(),
+            saves.recording() if saves is not None else contextlib.nullcontext(),
+        ):
+            out, captured, weight_leaves = layer.run(
+                weights, leaves[0], spec, leaves=layer.trainable, keys=ctx.keys, resident=leaves[2]
             )
-            with torch.enable_grad():
-                out, captured, weight_leaves = layer.run(
-                    weights,
-                    leaves[0],
-                    spec,
-                    leaves=layer.trainable,
-                    keys=ctx.keys,
-                    resident=leaves[2],
-                )
+        if saves is None:
             ctx.graph = (out, captured, weight_leaves, leaves[1], leaves[2])
-            out = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
-            captured = [(k, t.detach()) for k, t in captured]
         else:
-            out, captured, _ = layer.run(weights, flat_args, spec, leaves=False, keys=ctx.keys)
+            ctx.recompute = (saves, _roots(out, captured, edges=True), *leaves[1:])
+            ctx.recompute_weights = weight_leaves
+            release_storage(weight_leaves + leaves[1])
+        out = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        captured = [(k, t.detach()) for k, t in captured]
         if tick is not None:
             engine.timeline.end(tick)
         engine.release(layer.index)
@@ -276,6 +295,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
             ctx.graph = None  # the activations go as soon as this layer's backward is done
             engine.acquire(layer.index, next_idx)  # prefetches the next layer
             tick = engine.timeline.start("backward", layer.index) if engine.timeline else None
+            roots = _roots(out, captured, edges=False)
         else:
             seg, chained = ctx.segment, None
             if ctx.from_chain is not None:
@@ -303,25 +323,30 @@ class _StreamedLayerFunction(torch.autograd.Function):
             saved = [
                 t.to(ctx.cast_back[k]) if k in ctx.cast_back else t for k, t in enumerate(saved)
             ]
-            flat_args, inputs, res_leaves = _detached_leaves(ctx, ctx.flat_args, saved, saved_res)
+            flat_args, _, rerun_res = _detached_leaves(ctx, ctx.flat_args, saved, saved_res)
+            del saved
+            saves, roots, inputs, res_leaves = ctx.recompute
+            weight_leaves = ctx.recompute_weights
+            ctx.recompute = ctx.recompute_weights = None
             weights = engine.acquire(layer.index, next_idx)
             tick = engine.timeline.start("backward", layer.index) if engine.timeline else None
             with torch.enable_grad(), engine.restored_rng(ctx.rng):
-                out, captured, weight_leaves = layer.run(
-                    weights,
-                    flat_args,
-                    ctx.spec,
-                    leaves=layer.trainable,
-                    keys=ctx.keys,
-                    resident=res_leaves,
+                saves.refill(
+                    lambda: layer.run(
+                        weights,
+                        flat_args,
+                        ctx.spec,
+                        leaves=layer.trainable,
+                        keys=ctx.keys,
+                        resident=rerun_res,
+                    )
                 )
+            del flat_args, rerun_res
         res_trainable = [t for t in res_leaves if t.requires_grad]
-        out_flat, _ = tree_flatten(out)
-        produced = [x for x in out_flat if isinstance(x, torch.Tensor)] + [t for _, t in captured]
         outs, grads = [], []
-        for o, g in zip(produced, grad_outputs):
-            if g is not None and o.requires_grad:
-                outs.append(o)
+        for root, g in zip(roots, grad_outputs):
+            if g is not None and root is not None:
+                outs.append(root)
                 grads.append(g)
         wrt = weight_leaves + inputs + res_trainable
         if outs and wrt:

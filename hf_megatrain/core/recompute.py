@@ -1,0 +1,122 @@
+"""Recompute into the forward's own graph, stopping once the last saved tensor is re-made.
+
+A streamed layer that does not keep its activations builds its autograd graph in forward, but
+every tensor autograd saves for backward becomes a placeholder (``PlaceholderSaves.recording``):
+no activation memory is held. Backward re-runs the layer only until the last saved tensor has
+been re-made (``PlaceholderSaves.refill``) and stops there: in a decoder layer the MLP's down
+projection (a third of its MLP FLOPs: autograd saves that GEMM's inputs before it runs) and the
+residual add never run a second time. The forward's graph is then differentiated as it is.
+
+This is what ``torch.utils.checkpoint`` (non-reentrant, early stop) does for the stock Trainer's
+gradient checkpointing; the engine keeps its own version because a streamed layer's recompute
+inputs are its own (offloaded to the host, rounded to bf16, re-made from a segment's chain) and
+its weights are bound again as they arrive. The pairing of saved tensors is by order, as in
+torch, and checked: the recompute must save the same shapes and dtypes in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+
+class _StopRecompute(Exception):
+    """Raised from the pack hook once the recompute has re-made every saved tensor."""
+
+
+class _Slot:
+    """Placeholder autograd keeps in place of one saved tensor (weakly referenced)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class PlaceholderSaves:
+    """The tensors one layer's forward graph saves: placeholders in forward, refilled in backward."""
+
+    def __init__(self) -> None:
+        self._slots: list[weakref.ref[_Slot]] = []
+        self._meta: list[tuple[torch.Size, torch.dtype]] = []
+        # Keyed weakly by placeholder: a value goes as soon as autograd has used (and released)
+        # the saved variable that holds its placeholder, as during any backward.
+        self._values: weakref.WeakKeyDictionary[_Slot, torch.Tensor] = weakref.WeakKeyDictionary()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def _unpack(self, slot: _Slot) -> torch.Tensor:
+        try:
+            return self._values[slot]
+        except KeyError:
+            raise RuntimeError(
+                "hf_megatrain: a streamed layer's saved tensor was read before the layer was "
+                "recomputed (or read twice): its backward must run once, through the layer's "
+                "autograd Function"
+            ) from None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Ops run inside save placeholders instead of tensors (run the layer's forward in it)."""
+
+        def pack(t: torch.Tensor) -> _Slot:
+            slot = _Slot()
+            self._slots.append(weakref.ref(slot))
+            self._meta.append((t.shape, t.dtype))
+            return slot
+
+        with saved_tensors_hooks(pack, self._unpack):
+            yield
+
+    def refill(self, run: Callable[[], object]) -> None:
+        """Call ``run`` (the layer's forward again, with grad enabled) until it has re-made every
+        tensor the forward saved, in the same order; the rest of it does not run."""
+        n = len(self._slots)
+        if n == 0:
+            return
+        count = 0
+
+        def pack(t: torch.Tensor) -> None:
+            nonlocal count
+            k = count
+            count += 1
+            shape, dtype = self._meta[k]
+            if t.shape != shape or t.dtype != dtype:
+                raise RuntimeError(
+                    f"hf_megatrain: a streamed layer's recompute differs from its forward: saved "
+                    f"tensor {k} is {tuple(t.shape)} {t.dtype}, forward saved {tuple(shape)} "
+                    f"{dtype} (the layer must run the same ops for the same inputs)"
+                )
+            slot = self._slots[k]()
+            if slot is not None:
+                self._values[slot] = t
+            if count == n:
+                raise _StopRecompute
+            # The recompute's own graph is never differentiated: its saves hold nothing.
+
+        def unpack(_: None) -> torch.Tensor:
+            raise RuntimeError("hf_megatrain: the recompute graph is not differentiable")
+
+        try:
+            with saved_tensors_hooks(pack, unpack):
+                run()
+        except _StopRecompute:
+            return
+        raise RuntimeError(
+            f"hf_megatrain: a streamed layer's recompute saved {count} tensors, its forward {n} "
+            "(the layer must run the same ops for the same inputs)"
+        )
+
+
+def release_storage(tensors: list[torch.Tensor]) -> None:
+    """Point graph leaves at a one-element stand-in of the same shape: the graph keeps the leaf
+    objects (gradients are taken with respect to them) but not their memory: a layer input kept
+    alive until backward would undo its offload or bf16 rounding, a weight the stream buffer."""
+    stand_ins: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    for t in tensors:
+        key = (t.dtype, t.device)
+        if key not in stand_ins:
+            stand_ins[key] = torch.empty((), dtype=t.dtype, device=t.device)
+        t.data = stand_ins[key].expand(t.shape)
