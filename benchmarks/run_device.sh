@@ -45,6 +45,8 @@ if [[ " $* " == *deepspeed* ]] && python3 -c "import deepspeed" 2>/dev/null; the
   echo "run_device: CPUAdam ready in $(( $(date +%s) - start )) s"
 fi
 
+# Each run's CSV, summary and log also go to $OUT as files, unless the caller packs them itself
+# (device_phases.sh sets BENCH_MIRROR=0: the device tool returns only so many files per call).
 mirror=()
-if [ -n "${OUT:-}" ]; then mirror=(--mirror-dir "$OUT"); fi
+if [ -n "${OUT:-}" ] && [ "${BENCH_MIRROR:-1}" = 1 ]; then mirror=(--mirror-dir "$OUT"); fi
 python3 benchmarks/bench.py "$@" "${mirror[@]}"
