@@ -27,14 +27,19 @@ def _one_step(model, boundary_dtype, monkeypatch):
     gradient by name, and what the layers' backward saw, as (shape, dtype) pairs: the tensors
     they saved, the tensor inputs of their recompute, the input gradients they returned."""
     seen = {"saved": [], "recompute": [], "returned": []}
+    in_backward = []
 
     def run(self, flat_weights, flat_args, spec, leaves, *a, **kw):
-        if torch.is_grad_enabled():  # the backward recompute (the forward runs under no_grad)
+        if in_backward:  # the backward recompute
             seen["recompute"] += [_sig(x) for x in flat_args if isinstance(x, torch.Tensor)]
         return real_run(self, flat_weights, flat_args, spec, leaves, *a, **kw)
 
     def backward(ctx, *grad_outputs):
-        grads = real_backward(ctx, *grad_outputs)
+        in_backward.append(True)
+        try:
+            grads = real_backward(ctx, *grad_outputs)
+        finally:
+            in_backward.pop()
         seen["returned"] += [_sig(g) for g in grads if isinstance(g, torch.Tensor)]
         return grads
 

@@ -84,3 +84,17 @@ def test_streamed_layers_do_not_rerun_the_down_projection(tmp_path, monkeypatch)
     # One forward per layer and step (the trainer's log-only eval passes none here).
     assert sorted(calls) == sorted(list(range(3)) * steps)
     assert len(refilled) == 3 * steps and min(refilled) > 10
+
+
+def test_rounded_inputs_recompute_the_whole_layer(tmp_path, monkeypatch):
+    """With layer inputs saved rounded to bf16 the recompute does not see the forward's exact
+    input (MoE routing could differ), so it builds its own graph from the whole layer."""
+    model = tiny_model(tiny_config("qwen2", num_hidden_layers=2))
+    calls: list[int] = []
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.down_proj.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
+    monkeypatch.setattr(PlaceholderSaves, "refill", lambda self, run: pytest.fail("refill"))
+    logs, _ = run_trainer(
+        model, tmp_path, "mega", mega=True, max_steps=1, megatrain_boundary_dtype="bfloat16"
+    )
+    assert sorted(calls) == [0, 0, 1, 1] and logs[0]["grad_norm"] > 0

@@ -194,29 +194,37 @@ class _StreamedLayerFunction(torch.autograd.Function):
         ctx.graph = None
         weights = engine.acquire(layer.index, layer.next_index(False))
         tick = engine.timeline.start("forward", layer.index) if engine.timeline else None
-        # Build the layer's graph on detached leaves now; backward differentiates it. With
-        # keep_graph it holds its activations; otherwise placeholders for what it saves
-        # (recompute.py), which backward re-makes, stopping after the last, and the graph is
-        # held by its gradient edges and leaves, never by a tensor's memory.
-        leaves = _detached_leaves(
-            ctx, flat_args, tensors[:n_args], tensors[n_args + ctx.n_anchor :]
-        )
-        saves = None if layer.keep_graph else PlaceholderSaves()
-        with (
-            torch.enable_grad(),
-            saves.recording() if saves is not None else contextlib.nullcontext(),
-        ):
-            out, captured, weight_leaves = layer.run(
-                weights, leaves[0], spec, leaves=layer.trainable, keys=ctx.keys, resident=leaves[2]
+        ctx.recompute = None
+        if layer.keep_graph or engine.boundary_dtype is None:
+            # Build the layer's graph on detached leaves now; backward differentiates it. With
+            # keep_graph it holds its activations; otherwise placeholders for what it saves
+            # (recompute.py), which backward re-makes, stopping after the last, and the graph
+            # is held by its gradient edges and leaves, never by a tensor's memory.
+            leaves = _detached_leaves(
+                ctx, flat_args, tensors[:n_args], tensors[n_args + ctx.n_anchor :]
             )
-        if saves is None:
-            ctx.graph = (out, captured, weight_leaves, leaves[1], leaves[2])
+            saves = None if layer.keep_graph else PlaceholderSaves()
+            with (
+                torch.enable_grad(),
+                saves.recording() if saves is not None else contextlib.nullcontext(),
+            ):
+                out, captured, weight_leaves = layer.run(
+                    weights, leaves[0], spec, leaves=layer.trainable, keys=ctx.keys,
+                    resident=leaves[2],
+                )  # fmt: skip
+            if saves is None:
+                ctx.graph = (out, captured, weight_leaves, leaves[1], leaves[2])
+            else:
+                ctx.recompute = (saves, _roots(out, captured, edges=True), *leaves[1:])
+                ctx.recompute_weights = weight_leaves
+                release_storage(weight_leaves + leaves[1])
+            out = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+            captured = [(k, t.detach()) for k, t in captured]
         else:
-            ctx.recompute = (saves, _roots(out, captured, edges=True), *leaves[1:])
-            ctx.recompute_weights = weight_leaves
-            release_storage(weight_leaves + leaves[1])
-        out = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
-        captured = [(k, t.detach()) for k, t in captured]
+            # Inputs saved rounded (boundary_dtype): the recompute does not see the forward's
+            # exact input, so its ops may differ where they depend on values (MoE routing) and
+            # could not fill this graph's saves. No graph here; backward builds its own.
+            out, captured, _ = layer.run(weights, flat_args, spec, leaves=False, keys=ctx.keys)
         if tick is not None:
             engine.timeline.end(tick)
         engine.release(layer.index)
@@ -323,25 +331,31 @@ class _StreamedLayerFunction(torch.autograd.Function):
             saved = [
                 t.to(ctx.cast_back[k]) if k in ctx.cast_back else t for k, t in enumerate(saved)
             ]
-            flat_args, _, rerun_res = _detached_leaves(ctx, ctx.flat_args, saved, saved_res)
+            flat_args, fresh_inputs, rerun_res = _detached_leaves(
+                ctx, ctx.flat_args, saved, saved_res
+            )
             del saved
-            saves, roots, inputs, res_leaves = ctx.recompute
-            weight_leaves = ctx.recompute_weights
-            ctx.recompute = ctx.recompute_weights = None
             weights = engine.acquire(layer.index, next_idx)
             tick = engine.timeline.start("backward", layer.index) if engine.timeline else None
+
+            def rerun():
+                return layer.run(
+                    weights, flat_args, ctx.spec, leaves=layer.trainable, keys=ctx.keys,
+                    resident=rerun_res,
+                )  # fmt: skip
+
             with torch.enable_grad(), engine.restored_rng(ctx.rng):
-                saves.refill(
-                    lambda: layer.run(
-                        weights,
-                        flat_args,
-                        ctx.spec,
-                        leaves=layer.trainable,
-                        keys=ctx.keys,
-                        resident=rerun_res,
-                    )
-                )
-            del flat_args, rerun_res
+                if ctx.recompute is not None:
+                    saves, roots, inputs, res_leaves = ctx.recompute
+                    weight_leaves = ctx.recompute_weights
+                    ctx.recompute = ctx.recompute_weights = None
+                    saves.refill(rerun)
+                else:  # a graph of its own, from the whole layer again
+                    out, captured, weight_leaves = rerun()
+                    roots = _roots(out, captured, edges=False)
+                    inputs, res_leaves = fresh_inputs, rerun_res
+                    del out, captured
+            del flat_args, fresh_inputs, rerun_res, rerun
         res_trainable = [t for t in res_leaves if t.requires_grad]
         outs, grads = [], []
         for root, g in zip(roots, grad_outputs):
