@@ -202,6 +202,8 @@ class RunConfig:
     bf16_boundaries: bool = False
     # megatrain only: checkpoint segments, only every k-th layer saves its input (long context).
     checkpoint_every: int = 1
+    # megatrain only: False re-runs whole layers in the backward recompute (no early stop).
+    recompute_early_stop: bool = True
     # megatrain only: CUDA events around every layer pass of the timed steps; the row gets the
     # fraction of the step in layer compute and in gaps between layers (no CUPTI overhead).
     layer_timing: bool = False
@@ -273,6 +275,8 @@ class RunConfig:
             args.append("--bf16-boundaries")
         if self.checkpoint_every != 1:
             args += ["--checkpoint-every", str(self.checkpoint_every)]
+        if not self.recompute_early_stop:
+            args.append("--no-recompute-early-stop")
         if self.keep_activations != "auto":
             args += ["--keep-activations", self.keep_activations]
         if self.layer_timing:
@@ -534,6 +538,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
             megatrain_keep_activations=cfg.keep_activations,
             megatrain_boundary_dtype="bfloat16" if cfg.bf16_boundaries else "input",
             megatrain_checkpoint_every=cfg.checkpoint_every,
+            megatrain_recompute_early_stop=cfg.recompute_early_stop,
             use_liger_kernel=cfg.liger,
             liger_kernel_config=dict(LIGER_LAYER_KERNELS) if cfg.liger else None,
         )
@@ -1188,6 +1193,12 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         "others are recomputed from it in backward (long context; default 1: every layer)",
     )
     p.add_argument(
+        "--no-recompute-early-stop",
+        action="store_true",
+        help="megatrain only: the backward recompute re-runs whole layers (the MLP's down "
+        "projection included) instead of stopping after the last saved tensor",
+    )
+    p.add_argument(
         "--keep-activations",
         default="auto",
         help="megatrain only: HBM-tier layers that keep activations instead of recomputing "
@@ -1208,6 +1219,7 @@ def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
         keep_activations=a.keep_activations,
         bf16_boundaries=a.bf16_boundaries,
         checkpoint_every=a.checkpoint_every,
+        recompute_early_stop=not a.no_recompute_early_stop,
         layer_timing=a.layer_timing,
         liger=a.liger,
     )

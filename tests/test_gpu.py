@@ -268,17 +268,22 @@ def _mega_losses(tmp_path, name, model, data, setup=None, **kw):
             "megatrain_resident_layers": "2",
             "megatrain_keep_activations": "1",
         },
+        {"megatrain_recompute_early_stop": False},
+        {"megatrain_recompute_early_stop": False, "megatrain_resident_layers": "2"},
     ],
     ids=[
         "offload", "mlp-tiling", "unfused-loss", "sync-optimizer", "hbm-auto", "kept-activations",
-        "segments-2", "segments-3-offload", "segments-2-kept",
+        "segments-2", "segments-3-offload", "segments-2-kept", "whole-recompute",
+        "whole-recompute-hbm-2",
     ],
 )  # fmt: skip
 def test_engine_options_do_not_change_training(tmp_path, feature):
     """Each long-context / capacity option on the CUDA path trains like the default streamed run.
 
     Checkpoint segments recompute followers' inputs with the same bf16 kernels (bitwise on the
-    CPU in fp32; on the GPU the same arithmetic, so within the same bf16 tolerance).
+    CPU in fp32; on the GPU the same arithmetic, so within the same bf16 tolerance). The whole-layer
+    recompute (early stop off) runs the forward without a graph, where SDPA may pick another
+    backend: bf16-level agreement too.
 
     Offload, tiling and the synchronous optimizer move or split the same bf16 arithmetic; the
     unfused loss and the HBM tier change only the order of sums: bf16-level agreement (1e-2 rel

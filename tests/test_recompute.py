@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from hf_megatrain.core.recompute import PlaceholderSaves, release_storage
 
-from .helpers import run_trainer, tiny_config, tiny_model
+from .helpers import mega_params, run_trainer, tiny_config, tiny_model
 
 
 def _block(x, w1, w2, calls):
@@ -98,3 +100,29 @@ def test_rounded_inputs_recompute_the_whole_layer(tmp_path, monkeypatch):
         model, tmp_path, "mega", mega=True, max_steps=1, megatrain_boundary_dtype="bfloat16"
     )
     assert sorted(calls) == [0, 0, 1, 1] and logs[0]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_early_stop_switch_trains_identically(tmp_path, arch):
+    """megatrain_recompute_early_stop=False re-runs whole layers (the before/after switch of the
+    benchmark): the same ops on the same values, so bitwise the same training (fp32 on the CPU);
+    MoE routing included."""
+    model = tiny_model(tiny_config(arch, num_hidden_layers=2))
+    runs = {}
+    for early in (True, False):
+        calls: list[int] = []
+        m = copy.deepcopy(model)
+        for layer in m.model.layers:
+            mlp = layer.mlp
+            hooked = mlp.down_proj if hasattr(mlp, "down_proj") else mlp
+            hooked.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        logs, trainer = run_trainer(
+            m, tmp_path, f"early-{early}", mega=True, max_steps=2,
+            megatrain_recompute_early_stop=early,
+        )  # fmt: skip
+        runs[early] = ([r["loss"] for r in logs], mega_params(trainer), len(calls))
+    assert runs[True][0] == runs[False][0]
+    for k, v in runs[False][1].items():
+        assert torch.equal(runs[True][1][k], v), k
+    if arch == "qwen2":  # one down projection per layer and step, twice without early stop
+        assert (runs[True][2], runs[False][2]) == (4, 8)

@@ -195,7 +195,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
         weights = engine.acquire(layer.index, layer.next_index(False))
         tick = engine.timeline.start("forward", layer.index) if engine.timeline else None
         ctx.recompute = None
-        if layer.keep_graph or engine.boundary_dtype is None:
+        if layer.keep_graph or (engine.boundary_dtype is None and engine.recompute_early_stop):
             # Build the layer's graph on detached leaves now; backward differentiates it. With
             # keep_graph it holds its activations; otherwise placeholders for what it saves
             # (recompute.py), which backward re-makes, stopping after the last, and the graph
@@ -223,7 +223,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
         else:
             # Inputs saved rounded (boundary_dtype): the recompute does not see the forward's
             # exact input, so its ops may differ where they depend on values (MoE routing) and
-            # could not fill this graph's saves. No graph here; backward builds its own.
+            # could not fill this graph's saves. No graph here; backward builds its own (also
+            # with recompute_early_stop off).
             out, captured, _ = layer.run(weights, flat_args, spec, leaves=False, keys=ctx.keys)
         if tick is not None:
             engine.timeline.end(tick)

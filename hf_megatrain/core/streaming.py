@@ -187,6 +187,9 @@ class StreamingEngine:
         # ``_backward_next[i]`` the layer whose weights layer i's backward should prefetch when
         # it is not i - 1 (the leader of the segment below, whose chain runs next).
         self.checkpoint_every = 1
+        # Recompute into the forward's graph and stop after the last saved tensor (recompute.py);
+        # False re-runs the whole layer into a graph of its own (the before/after switch).
+        self.recompute_early_stop = True
         self._open_segment: Segment | None = None
         self._backward_next: dict[int, int] = {}
 

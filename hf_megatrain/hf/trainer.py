@@ -383,6 +383,9 @@ class MegaTrainerMixin:
         )
         self.megatrain.engine.boundary_dtype = _boundary_dtype(args)
         self.megatrain.engine.checkpoint_every = _checkpoint_every(args)
+        self.megatrain.engine.recompute_early_stop = bool(
+            getattr(args, "megatrain_recompute_early_stop", True)
+        )
         self._wrapper = StreamedModelWrapper(
             model,
             compute_dtype,
