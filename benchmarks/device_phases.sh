@@ -8,7 +8,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed      # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed2     # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed8k    # nvidia-h200 (~5 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed-pair # nvidia-h200-x2 (~6 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed-pair # nvidia-h200-x2 (~7 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger64k   # nvidia-h200 (~4 min)
@@ -107,26 +107,34 @@ case "$phase" in
     ;;
   speed-pair)
     # nvidia-h200-x2, after `tests`: issue 3's two open targets side by side, one per GPU (each
-    # sweep compares within itself, on its own GPU). GPU 0: Qwen2.5-7B at 8k tokens/step, stock
-    # and both HBM tiers (0.96x / 0.988x of stock at be61ad9, before the recompute stopped
-    # early). GPU 1: 7B and Llama-3.1-8B at 64k tokens/step with Liger-Kernel's RMSNorm / RoPE /
-    # SwiGLU and 7B without (436 / 425 / 381 model TFLOP/s at be61ad9; 450 targeted). ~6 minutes.
+    # sweep compares within itself, on its own GPU), with the early-stop recompute against the
+    # whole-layer one (--no-recompute-early-stop: the engine before 20233b4). GPU 0: Qwen2.5-7B
+    # at 8k tokens/step, stock and both HBM tiers (0.96x / 0.988x of stock at be61ad9). GPU 1:
+    # 7B and Llama-3.1-8B at 64k tokens/step with Liger-Kernel's RMSNorm / RoPE / SwiGLU (436 /
+    # 425 model TFLOP/s at be61ad9; 450 targeted). ~7 minutes.
     at=$(date -u +%H%M)
     (
       export CUDA_VISIBLE_DEVICES=0
       bench --tag "pair8k-$at" --streamed-init --layer-timing --steps 3 --warmup 2 \
         --timeout-s 150 --run qwen2.5-7b:8192:megatrain-hbm,stock:2
-      bench --tag "pair8k-cast-$at" --streamed-init --hbm-cast-weights --layer-timing --steps 3 \
-        --warmup 2 --timeout-s 120 --run qwen2.5-7b:8192:megatrain-hbm:2
+      for stop in on off; do
+        flag=$([ "$stop" = off ] && echo --no-recompute-early-stop)
+        # shellcheck disable=SC2086
+        bench --tag "pair8k-cast-$stop-$at" --streamed-init --hbm-cast-weights --layer-timing \
+          --steps 3 --warmup 2 --timeout-s 120 $flag --run qwen2.5-7b:8192:megatrain-hbm:2
+      done
     ) &
     (
       export CUDA_VISIBLE_DEVICES=1
       log="${log%.log}-gpu1.log"
-      bench --tag "pair64k-liger-$at" --streamed-init --liger --layer-timing --steps 3 \
-        --warmup 2 --timeout-s 150 --run qwen2.5-7b:65536:megatrain-hbm:16 \
-        --run llama-3.1-8b:65536:megatrain-hbm:16
-      bench --tag "pair64k-$at" --streamed-init --layer-timing --steps 3 --warmup 2 \
-        --timeout-s 150 --run qwen2.5-7b:65536:megatrain-hbm:16
+      for stop in on off; do
+        flag=$([ "$stop" = off ] && echo --no-recompute-early-stop)
+        # shellcheck disable=SC2086
+        bench --tag "pair64k-liger-$stop-$at" --streamed-init --liger --layer-timing --steps 3 \
+          --warmup 2 --timeout-s 150 $flag --run qwen2.5-7b:65536:megatrain-hbm:16
+      done
+      bench --tag "pair64k-liger8b-$at" --streamed-init --liger --layer-timing --steps 3 \
+        --warmup 2 --timeout-s 170 --run llama-3.1-8b:65536:megatrain-hbm:16
     ) &
     wait
     grep -ah "^bench:.*tok/step" "$log" "${log%.log}-gpu1.log"
