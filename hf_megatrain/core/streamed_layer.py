@@ -62,6 +62,7 @@ class StreamedLayer:
         capture: OutputCapture | None = None,
         trainable: bool = True,
         resident: list[tuple[str, torch.Tensor]] | None = None,
+        fp32_params: list[str] | None = None,
     ) -> None:
         self.engine = engine
         self.index = index
@@ -72,6 +73,9 @@ class StreamedLayer:
         # adapters over a streamed frozen base): ``(name relative to the layer, tensor)``. They
         # enter the autograd Function as inputs, which is how they get their gradients.
         self.resident = list(resident or [])
+        # Streamed parameters bound as fp32 copies of their compute-dtype values (the HF side
+        # names the residual-stream norm weights): same values, kernels without dtype casts.
+        self.fp32_params = list(fp32_params or [])
         self.forward_impl: Callable[..., Any] = type(module).forward
         # Keep the forward's autograd graph (its saved activations) for backward instead of
         # saving only the inputs and recomputing: about 7.5 FLOPs per parameter and token (8
@@ -99,6 +103,8 @@ class StreamedLayer:
         if leaves:
             params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
             weight_leaves = list(params.values())
+        for name in self.fp32_params:
+            params[name] = params[name].float()  # differentiable: the gradient comes back cast
         resident = resident if resident is not None else [t for _, t in self.resident]
         params.update({name: t for (name, _), t in zip(self.resident, resident)})
         args, kwargs = tree_unflatten(flat_args, spec)

@@ -200,6 +200,25 @@ def _is_peft(model: nn.Module) -> bool:
 _RANDOM_CONFIG_KEYS = ("dropout", "pdrop", "jitter")  # e.g. attention_dropout, router_jitter_noise
 
 
+def _residual_norm_weights(layer: nn.Module, streamed: set[str], hidden: int | None) -> list[str]:
+    """The layer's residual-stream RMSNorm weights (shape (hidden,), the model's own norm class,
+    not a fused kernel's), to be bound in fp32: the stock Trainer keeps them fp32, so
+    ``weight * normalized`` on the fp32 stream runs as one fp32 kernel there; with the stream
+    copy's bf16 weight it needs a casting kernel (6 such per layer and step, measured in the
+    7B kernel trace). The values stay the bf16-rounded ones: the products are bitwise the same.
+    Norms of bf16 tensors (per-head q/k norms) are left as they are."""
+    names = []
+    for mod_name, module in layer.named_modules():
+        cls = type(module).__name__
+        if not cls.endswith("RMSNorm") or cls.startswith("Liger") or "forward" in module.__dict__:
+            continue
+        w = getattr(module, "weight", None)
+        name = f"{mod_name}.weight" if mod_name else "weight"
+        if isinstance(w, nn.Parameter) and tuple(w.shape) == (hidden,) and name in streamed:
+            names.append(name)
+    return names
+
+
 def _has_dropout(config) -> bool:
     """Whether a layer's forward draws random numbers (dropout, MoE router jitter) in training.
 
@@ -416,6 +435,8 @@ def prepare_streamed_model(
     layer_prefixes = tuple(f"{prefix}.{i}." for i in range(len(layers)))
     _place_resident(model, device, layer_prefixes)
     capture = RecorderCapture()
+    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text_cfg, "hidden_size", None)
     for i, layer in enumerate(layers):
         # After _place_resident: the resident tensors are the final device parameters.
         layer_resident = [(n, p) for n, p in layer.named_parameters() if n not in streamed[i]]
@@ -426,6 +447,7 @@ def prepare_streamed_model(
             capture=capture,
             trainable=trainable_store[i] and bool(streamed[i]),
             resident=layer_resident,
+            fp32_params=_residual_norm_weights(layer, streamed[i], hidden),
         )
     resident = list(_named_resident(model, decay_names))
     model._megatrain = StreamedModelState(
