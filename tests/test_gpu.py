@@ -598,3 +598,32 @@ def test_layer_timeline_on_gpu(tmp_path):
     assert all(isinstance(start, torch.cuda.Event) for _, _, start, _ in timeline.spans)
     assert s["layer_ms"] > 0 and s["gap_ms"] >= 0
     assert s["span_ms"] >= 0.99 * (s["layer_ms"] + s["gap_ms"])
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_chunked_loss_bf16_on_gpu(chunk):
+    """The LM-head weight gradient on CUDA accumulates in an fp32 GEMM output (``out_dtype``,
+    where torch has it) instead of bf16 products added to an fp32 sum: the same bf16-level
+    agreement with the unchunked reference as the CPU path (tests/test_chunked_loss.py)."""
+    import torch.nn.functional as F
+
+    from hf_megatrain.core import chunked_loss
+
+    torch.manual_seed(0)
+    n, h_dim, vocab = 50, 16, 37
+    h = torch.randn(n, h_dim, device="cuda", requires_grad=True)
+    w = torch.randn(vocab, h_dim, device="cuda", requires_grad=True)
+    t = torch.randint(0, vocab, (n,), device="cuda")
+    t[::7] = -100
+    loss = chunked_loss.chunked_linear_cross_entropy(
+        h, w, t, chunk_tokens=chunk, compute_dtype=torch.bfloat16
+    )
+    gh, gw = torch.autograd.grad(loss, [h, w])
+    logits = (h.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()
+    ref = F.cross_entropy(logits, t, ignore_index=-100)
+    rh, rw = torch.autograd.grad(ref, [h, w])
+    print(f"fp32-output GEMMs: {chunked_loss._OUT_DTYPE_OK}")
+    assert "mm" in chunked_loss._OUT_DTYPE_OK or "addmm" in chunked_loss._OUT_DTYPE_OK
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gh, rh, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-3)

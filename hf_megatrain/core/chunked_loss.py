@@ -23,6 +23,47 @@ def default_chunk_tokens(vocab_size: int, budget_bytes: int = 2 * 2**30) -> int:
     return max(256, budget_bytes // (4 * max(vocab_size, 1)))
 
 
+#: Whether ``torch.mm`` / ``torch.addmm`` take ``out_dtype`` for these operands (CUDA, torch >=
+#: 2.8), per op; found on first use.
+_OUT_DTYPE_OK: dict[str, bool] = {}
+
+
+def _fp32_gemm(op: str, *args: torch.Tensor) -> torch.Tensor | None:
+    """``torch.<op>(*args, out_dtype=float32)``, or None where that is not supported."""
+    if _OUT_DTYPE_OK.get(op) is False:
+        return None
+    try:
+        out = getattr(torch, op)(*args, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        if _OUT_DTYPE_OK.get(op):  # it worked before: a real error
+            raise
+        _OUT_DTYPE_OK[op] = False
+        return None
+    _OUT_DTYPE_OK[op] = True
+    return out
+
+
+def _add_product_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` in fp32 (``a @ b`` alone when ``acc`` is None).
+
+    On CUDA with compute-dtype operands the GEMM writes fp32 itself (``out_dtype``), and
+    accumulates into the fp32 sum where ``addmm`` allows: one read and one write of the
+    (vocab x hidden) sum per chunk instead of a compute-dtype product, its fp32 copy and the
+    add (about 2.5x the traffic, per chunk). The chunk's product is then not rounded to the
+    compute dtype first (closer to fp32; not bitwise the product-then-add path the CPU keeps).
+    """
+    if a.is_cuda and a.dtype != torch.float32:
+        if acc is not None:
+            out = _fp32_gemm("addmm", acc, a, b)
+            if out is not None:
+                return out
+        product = _fp32_gemm("mm", a, b)
+        if product is not None:
+            return product if acc is None else acc.add_(product)
+    product = (a @ b).float()
+    return product if acc is None else acc.add_(product)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, divisor, softcap, chunk, compute_dtype):
@@ -32,9 +73,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         need_h = hidden.requires_grad
         need_w = weight.requires_grad
         grad_hidden = torch.empty_like(hidden) if need_h else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        )
+        grad_weight = None  # fp32, made by the first chunk's product
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
@@ -68,10 +107,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if need_h:
                 grad_hidden[start:end] = ((g @ w) * keep).to(hidden.dtype)
             if need_w:
-                grad_weight += (g.t() @ (h * keep)).float()
+                grad_weight = _add_product_fp32(grad_weight, g.t(), h * keep)
         if divisor is None:
             divisor = (targets != IGNORE_INDEX).sum().clamp(min=1)
         divisor = torch.as_tensor(divisor, device=hidden.device).to(torch.float32)
+        if need_w and grad_weight is None:  # no tokens
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         ctx.save_for_backward(*(x for x in (grad_hidden, grad_weight) if x is not None), divisor)
         ctx.need = (need_h, need_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
