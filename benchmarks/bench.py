@@ -204,6 +204,9 @@ class RunConfig:
     checkpoint_every: int = 1
     # megatrain only: False re-runs whole layers in the backward recompute (no early stop).
     recompute_early_stop: bool = True
+    # megatrain-hbm only: HBM-tier layer count ("auto": the planner's, as many as fit); fewer
+    # leave room for layers that keep activations (megatrain_keep_activations "auto").
+    resident_layers: str = "auto"
     # megatrain only: CUDA events around every layer pass of the timed steps; the row gets the
     # fraction of the step in layer compute and in gaps between layers (no CUPTI overhead).
     layer_timing: bool = False
@@ -277,6 +280,8 @@ class RunConfig:
             args += ["--checkpoint-every", str(self.checkpoint_every)]
         if not self.recompute_early_stop:
             args.append("--no-recompute-early-stop")
+        if self.resident_layers != "auto":
+            args += ["--resident-layers", self.resident_layers]
         if self.keep_activations != "auto":
             args += ["--keep-activations", self.keep_activations]
         if self.layer_timing:
@@ -529,7 +534,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
         args = MegaTrainArguments(
             **common,
             megatrain_host_memory_limit_gb=cfg.host_memory_limit_gb,
-            megatrain_resident_layers="auto" if cfg.system == "megatrain-hbm" else "0",
+            megatrain_resident_layers=cfg.resident_layers if cfg.system == "megatrain-hbm" else "0",
             megatrain_plan_seq_len=cfg.seq_len,
             megatrain_mlp_tile_tokens=cfg.mlp_tile_tokens,
             megatrain_offload_activations=cfg.offload_activations,
@@ -621,7 +626,13 @@ def train_once(cfg: RunConfig) -> dict:
             bf16=True,
             seed=cfg.seed,
             host_memory_limit_gb=cfg.host_memory_limit_gb,
-            resident_layers="auto" if cfg.system == "megatrain-hbm" else 0,
+            resident_layers=(
+                "auto"
+                if cfg.system == "megatrain-hbm" and cfg.resident_layers == "auto"
+                else int(cfg.resident_layers)
+                if cfg.system == "megatrain-hbm"
+                else 0
+            ),
             plan_workload=Workload(
                 seq_len=cfg.seq_len,
                 micro_batch_tokens=cfg.resolved_micro_batch * cfg.seq_len,
@@ -1193,6 +1204,12 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         "others are recomputed from it in backward (long context; default 1: every layer)",
     )
     p.add_argument(
+        "--resident-layers",
+        default="auto",
+        help="megatrain-hbm only: HBM-tier layers ('auto': as many as the plan fits, or a "
+        "count; fewer leave HBM for layers that keep their activations)",
+    )
+    p.add_argument(
         "--no-recompute-early-stop",
         action="store_true",
         help="megatrain only: the backward recompute re-runs whole layers (the MLP's down "
@@ -1220,6 +1237,7 @@ def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
         bf16_boundaries=a.bf16_boundaries,
         checkpoint_every=a.checkpoint_every,
         recompute_early_stop=not a.no_recompute_early_stop,
+        resident_layers=a.resident_layers,
         layer_timing=a.layer_timing,
         liger=a.liger,
     )

@@ -8,7 +8,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed      # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed2     # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed8k    # nvidia-h200 (~5 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed-pair # nvidia-h200-x2 (~7 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed-pair # nvidia-h200-x2 (~8 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger64k   # nvidia-h200 (~4 min)
@@ -109,9 +109,11 @@ case "$phase" in
     # nvidia-h200-x2, after `tests`: issue 3's two open targets side by side, one per GPU (each
     # sweep compares within itself, on its own GPU), with the early-stop recompute against the
     # whole-layer one (--no-recompute-early-stop: the engine before 20233b4). GPU 0: Qwen2.5-7B
-    # at 8k tokens/step, stock and both HBM tiers (0.96x / 0.988x of stock at be61ad9). GPU 1:
-    # 7B and Llama-3.1-8B at 64k tokens/step with Liger-Kernel's RMSNorm / RoPE / SwiGLU (436 /
-    # 425 model TFLOP/s at be61ad9; 450 targeted). ~7 minutes.
+    # at 8k tokens/step, stock and both HBM tiers (0.96x / 0.988x of stock at be61ad9), then 7B
+    # at 64k in 4 micro-batches of 16k with 18 HBM-tier layers (the plan then keeps 8 layers'
+    # activations; "auto" would put 25 in HBM and keep none). GPU 1: 7B and Llama-3.1-8B at 64k
+    # tokens/step with Liger-Kernel's RMSNorm / RoPE / SwiGLU (436 / 425 model TFLOP/s at
+    # be61ad9; 450 targeted). About 8 minutes.
     at=$(date -u +%H%M)
     (
       export CUDA_VISIBLE_DEVICES=0
@@ -123,6 +125,9 @@ case "$phase" in
         bench --tag "pair8k-cast-$stop-$at" --streamed-init --hbm-cast-weights --layer-timing \
           --steps 3 --warmup 2 --timeout-s 120 $flag --run qwen2.5-7b:8192:megatrain-hbm:2
       done
+      bench --tag "pair64k-liger-mb4-$at" --streamed-init --liger --resident-layers 18 \
+        --layer-timing --steps 3 --warmup 2 --timeout-s 150 \
+        --run qwen2.5-7b:65536:megatrain-hbm:4
     ) &
     (
       export CUDA_VISIBLE_DEVICES=1

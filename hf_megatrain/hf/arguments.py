@@ -77,10 +77,11 @@ class MegaTrainArguments(TrainingArguments):
         default="auto",
         metadata={
             "help": "HBM-tier layers that keep their forward activations for backward instead "
-            "of saving only their input and recomputing the layer (6 instead of 8 FLOPs per "
-            "parameter and token; identical results). 'auto': as many as the HBM left after "
-            "the memory plan's layer tier holds (needs megatrain_resident_layers='auto' and a "
-            "known row length; the last layers of the tier are chosen), else none. An integer: "
+            "of saving only their input and recomputing the layer (6 instead of about 7.5 "
+            "FLOPs per parameter and token; identical results). 'auto': as many as the HBM left "
+            "after the layer tier holds (the planned tier of megatrain_resident_layers='auto', "
+            "or a count there, which leaves more room; needs a known row length and a GPU; the "
+            "last layers of the tier are chosen), else none. An integer: "
             "that many (at most the HBM-tier layer count). 'off' or 0: recompute every layer. "
             "Streamed layers always recompute: their GPU buffer is reused by the next layer."
         },

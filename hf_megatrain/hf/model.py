@@ -540,7 +540,27 @@ def _resident_layer_count(
     count = int(resident_layers)
     if not 0 <= count <= n:
         raise ValueError(f"hf_megatrain: resident_layers={count} but the model has {n} layers")
-    return count, None
+    if shape is None or workload is None or device.type != "cuda":
+        return count, None
+    # A count with the step's workload known: plan around it, so that keep_activations="auto"
+    # fills the HBM the count leaves (fewer HBM-tier layers, more that keep activations).
+    free, _ = torch.cuda.mem_get_info(device)
+    plan = plan_memory(
+        shape,
+        workload,
+        compute_dtype,
+        hbm_bytes=free,
+        host_bytes=available_host_bytes(),
+        hbm_layers=count,
+        hold_grads=hold_grads,
+        stream_fp32_master=stream_fp32_master,
+        input_model_bytes=input_model_bytes,
+        keep_activation_layers=keep_activation_layers,
+        ranks=ranks,
+        hbm_cast_weights=hbm_cast_weights,
+    )
+    logger.info("hf_megatrain: memory plan (resident_layers=%d)\n%s", count, plan.table())
+    return count, plan
 
 
 def _kept_count(value: int | str) -> int:

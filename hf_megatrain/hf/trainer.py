@@ -268,8 +268,9 @@ def _first_row_length(dataset: Any) -> int | None:
 
 
 def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
-    """The micro-batch split resident_layers='auto' plans HBM for (None: use the reserve)."""
-    if str(getattr(args, "megatrain_resident_layers", "0")) != "auto":
+    """The micro-batch split the HBM tier is planned for (None: use the reserve): for
+    resident_layers='auto', and for a count, whose plan sizes keep_activations='auto'."""
+    if str(getattr(args, "megatrain_resident_layers", "0")) == "0":
         return None
     seq_len = getattr(args, "megatrain_plan_seq_len", None) or _first_row_length(dataset)
     if not seq_len:
