@@ -499,52 +499,29 @@ def _resident_layer_count(
     n = len(plans)
     if resident_layers in (0, "0", None):
         return 0, None
-    if resident_layers == "auto":
-        if device.type != "cuda":
-            return 0, None
-        free, _ = torch.cuda.mem_get_info(device)
-        if shape is None:
-            # Only the layer sizes are known here; the reserve covers everything else.
-            shape = ModelShape(
-                layer_numels=tuple(numel for _, numel, _ in plans),
-                non_layer_numel=0,
-                hidden_size=0,
-                vocab_size=0,
-                intermediate_size=0,
-                name="streamed model",
-            )
-        plan = plan_memory(
-            shape,
-            workload,
-            compute_dtype,
-            hbm_bytes=free,
-            host_bytes=available_host_bytes(),
-            reserve_bytes=hbm_reserve_bytes if workload is None else 0,
-            hold_grads=hold_grads,
-            stream_fp32_master=stream_fp32_master,
-            input_model_bytes=input_model_bytes,
-            keep_activation_layers=keep_activation_layers,
-            ranks=ranks,
-            hbm_cast_weights=hbm_cast_weights,
-        )
-        logger.info("hf_megatrain: memory plan (resident_layers='auto')\n%s", plan.table())
-        # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the
-        # user's host limit); a GPU shortfall means no layer goes to HBM. With the step's
-        # workload known, the plan says the activations themselves do not fit: warn now, with
-        # the options that would make it fit, instead of letting the first step run out of
-        # memory (not an error: the plan's estimates run a few percent high).
-        gpu_short = [p for p in plan.problems if p.tier == "gpu"] if workload is not None else []
-        for problem in gpu_short:
-            logger.warning("%s (planned before training: it may run out of GPU memory)", problem)
-        return plan.n_hbm, plan
-    count = int(resident_layers)
-    if not 0 <= count <= n:
-        raise ValueError(f"hf_megatrain: resident_layers={count} but the model has {n} layers")
-    if shape is None or workload is None or device.type != "cuda":
-        return count, None
-    # A count with the step's workload known: plan around it, so that keep_activations="auto"
-    # fills the HBM the count leaves (fewer HBM-tier layers, more that keep activations).
+    auto = resident_layers == "auto"
+    count = None
+    if not auto:
+        count = int(resident_layers)
+        if not 0 <= count <= n:
+            raise ValueError(f"hf_megatrain: resident_layers={count} but the model has {n} layers")
+        if shape is None or workload is None or device.type != "cuda":
+            return count, None
+        # A count with the step's workload known: planned around, so that
+        # keep_activations="auto" fills the HBM the count leaves.
+    elif device.type != "cuda":
+        return 0, None
     free, _ = torch.cuda.mem_get_info(device)
+    if shape is None:
+        # Only the layer sizes are known here; the reserve covers everything else.
+        shape = ModelShape(
+            layer_numels=tuple(numel for _, numel, _ in plans),
+            non_layer_numel=0,
+            hidden_size=0,
+            vocab_size=0,
+            intermediate_size=0,
+            name="streamed model",
+        )
     plan = plan_memory(
         shape,
         workload,
@@ -552,6 +529,7 @@ def _resident_layer_count(
         hbm_bytes=free,
         host_bytes=available_host_bytes(),
         hbm_layers=count,
+        reserve_bytes=hbm_reserve_bytes if workload is None else 0,
         hold_grads=hold_grads,
         stream_fp32_master=stream_fp32_master,
         input_model_bytes=input_model_bytes,
@@ -559,8 +537,16 @@ def _resident_layer_count(
         ranks=ranks,
         hbm_cast_weights=hbm_cast_weights,
     )
-    logger.info("hf_megatrain: memory plan (resident_layers=%d)\n%s", count, plan.table())
-    return count, plan
+    logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", resident_layers, plan.table())
+    # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the
+    # user's host limit); a GPU shortfall means no layer goes to HBM. With the step's
+    # workload known, the plan says the activations themselves do not fit: warn now, with
+    # the options that would make it fit, instead of letting the first step run out of
+    # memory (not an error: the plan's estimates run a few percent high).
+    gpu_short = [p for p in plan.problems if p.tier == "gpu"] if workload is not None else []
+    for problem in gpu_short:
+        logger.warning("%s (planned before training: it may run out of GPU memory)", problem)
+    return plan.n_hbm, plan
 
 
 def _kept_count(value: int | str) -> int:
