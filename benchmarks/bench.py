@@ -626,13 +626,7 @@ def train_once(cfg: RunConfig) -> dict:
             bf16=True,
             seed=cfg.seed,
             host_memory_limit_gb=cfg.host_memory_limit_gb,
-            resident_layers=(
-                "auto"
-                if cfg.system == "megatrain-hbm" and cfg.resident_layers == "auto"
-                else int(cfg.resident_layers)
-                if cfg.system == "megatrain-hbm"
-                else 0
-            ),
+            resident_layers=cfg.resident_layers if cfg.system == "megatrain-hbm" else 0,
             plan_workload=Workload(
                 seq_len=cfg.seq_len,
                 micro_batch_tokens=cfg.resolved_micro_batch * cfg.seq_len,

@@ -317,3 +317,26 @@ def test_hbm_cast_weights_keep_copies_for_kept_layers(tmp_path):
         train_dataset=make_data(4),
     )
     assert not any(s.casts_on_use for s in _tier(fp32))
+
+
+def test_fresh_gradient_accumulator_has_zero_gaps():
+    """A layer's first gradient is written, not added, into an uninitialized fp32 accumulator:
+    every slot is covered by the write and the alignment gaps and tail are zeroed, so the flat
+    buffer (its norm, its AdamW update) sees exactly zeros outside the parameters."""
+    from types import SimpleNamespace
+
+    from hf_megatrain.core.streaming import StreamingEngine
+
+    slots, numel, _ = layout_slots([("a", (3, 5), True), ("b", (7,), False), ("c", (2, 2), True)])
+    store = SimpleNamespace(slots=slots)
+    flat = torch.full((numel + 9,), float("nan"))
+    StreamingEngine._zero_gaps(store, flat)
+    by_name = {"a": torch.ones(3, 5, dtype=torch.bfloat16), "b": None, "c": torch.full((2, 2), 2.0)}
+    grads = [by_name[s.name] for s in slots]
+    StreamingEngine._scatter_add(store, flat, grads, first=True)
+    want = torch.zeros(numel + 9)
+    for slot, g in zip(slots, grads):
+        if g is not None:
+            want[slot.offset : slot.offset + slot.numel] = g.reshape(-1).float()
+    assert torch.equal(flat, want)
+    assert sum(s.numel for s in slots) < numel  # the layout has gaps to zero

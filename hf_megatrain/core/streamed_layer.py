@@ -79,9 +79,10 @@ class StreamedLayer:
         self.forward_impl: Callable[..., Any] = type(module).forward
         # Keep the forward's autograd graph (its saved activations) for backward instead of
         # saving only the inputs and recomputing: about 7.5 FLOPs per parameter and token (8
-        # less the down projection the recompute skips) become 6, for the activation memory (planner: kept_activation_bytes_per_token). Only
-        # for layers whose weights stay put until backward: the HBM tier (a streamed layer's
-        # device buffer is overwritten by the next layer).
+        # less the down projection the recompute skips) become 6, for the activation memory
+        # (planner: kept_activation_bytes_per_token). Only for layers whose weights stay put
+        # until backward: the HBM tier (a streamed layer's device buffer is overwritten by the
+        # next layer).
         self.keep_graph = False
 
     def run(
@@ -221,8 +222,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
             if saves is None:
                 ctx.graph = (out, captured, weight_leaves, leaves[1], leaves[2])
             else:
-                ctx.recompute = (saves, _roots(out, captured, edges=True), *leaves[1:])
-                ctx.recompute_weights = weight_leaves
+                roots = _roots(out, captured, edges=True)
+                ctx.recompute = (saves, roots, weight_leaves, leaves[1], leaves[2])
                 release_storage(weight_leaves + leaves[1])
             out = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
             captured = [(k, t.detach()) for k, t in captured]
@@ -353,9 +354,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
 
             with torch.enable_grad(), engine.restored_rng(ctx.rng):
                 if ctx.recompute is not None:
-                    saves, roots, inputs, res_leaves = ctx.recompute
-                    weight_leaves = ctx.recompute_weights
-                    ctx.recompute = ctx.recompute_weights = None
+                    saves, roots, weight_leaves, inputs, res_leaves = ctx.recompute
+                    ctx.recompute = None
                     saves.refill(rerun)
                 else:  # a graph of its own, from the whole layer again
                     out, captured, weight_leaves = rerun()

@@ -538,7 +538,9 @@ class StreamingEngine:
         acc = self._grad_acc.pop(idx, None)
         first = acc is None
         if first:
-            acc = torch.zeros(store.numel, dtype=torch.float32, device=self.device)
+            # The first write covers every slot: only the alignment gaps need zeros.
+            acc = torch.empty(store.numel, dtype=torch.float32, device=self.device)
+            self._zero_gaps(store, acc)
         self._scatter_add(store, acc, grads, first)
         if self.sync_grads:
             return acc
@@ -622,6 +624,17 @@ class StreamingEngine:
         self.d2h_bytes += acc.numel() * 4
         if self.on_grad_final is not None:
             self.on_grad_final(idx, ev)
+
+    @staticmethod
+    def _zero_gaps(store: LayerStore, flat: torch.Tensor) -> None:
+        """Zero what no slot covers in ``flat`` (alignment gaps, the tail)."""
+        end = 0
+        for slot in sorted(store.slots, key=lambda s: s.offset):
+            if slot.offset > end:
+                flat[end : slot.offset].zero_()
+            end = max(end, slot.offset + slot.numel)
+        if end < flat.numel():
+            flat[end:].zero_()
 
     @staticmethod
     def _scatter_add(

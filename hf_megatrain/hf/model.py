@@ -97,7 +97,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     # parameters() yields a shared (tied) tensor once, so a tied head is counted once.
     total = sum(p.numel() for p in model.parameters())
     cfg = model.config
-    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text_cfg = _text_config(cfg)
     inter = getattr(text_cfg, "intermediate_size", 0) or 0
     experts = getattr(text_cfg, "num_experts_per_tok", None)
     moe_inter = getattr(text_cfg, "moe_intermediate_size", None)
@@ -198,6 +198,11 @@ def _is_peft(model: nn.Module) -> bool:
 
 
 _RANDOM_CONFIG_KEYS = ("dropout", "pdrop", "jitter")  # e.g. attention_dropout, router_jitter_noise
+
+
+def _text_config(config):
+    """The text model's config (the config itself for text-only models)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _residual_norm_weights(layer: nn.Module, streamed: set[str], hidden: int | None) -> list[str]:
@@ -338,6 +343,8 @@ def prepare_streamed_model(
     ]
 
     shape = model_shape(model) if plan_workload is not None else None
+    # An explicit keep count, or None: "auto", the plan's.
+    keep_count = None if keep_activations == "auto" else _kept_count(keep_activations)
     n_resident, plan = _resident_layer_count(
         resident_layers,
         plans,
@@ -348,9 +355,7 @@ def prepare_streamed_model(
         workload=plan_workload,
         hold_grads=host_grads,
         stream_fp32_master=stream_fp32_master,
-        keep_activation_layers=None
-        if keep_activations == "auto"
-        else _kept_count(keep_activations),
+        keep_activation_layers=keep_count,
         ranks=1 if dp is None else dp.world_size,
         hbm_cast_weights=hbm_cast_weights,
         # What the caller hands over already materialized in host RAM (not meta, not on a GPU).
@@ -389,10 +394,7 @@ def prepare_streamed_model(
     pin = pin_memory and device.type == "cuda"
     # With hbm_cast_weights only the tier's layers that will keep their activations keep a
     # compute-dtype copy (their kept graph holds the weights); the others are cast on use.
-    if keep_activations == "auto":
-        n_kept = plan.kept_layers if plan is not None else 0
-    else:
-        n_kept = _kept_count(keep_activations)
+    n_kept = keep_count if keep_count is not None else (plan.kept_layers if plan is not None else 0)
     first_kept = n_resident - min(n_kept, n_resident)
     stores: list[LayerStore | DeviceLayerStore] = []
     for i, (layer, (slots, numel, decay_numel)) in enumerate(zip(layers, plans)):
@@ -435,8 +437,7 @@ def prepare_streamed_model(
     layer_prefixes = tuple(f"{prefix}.{i}." for i in range(len(layers)))
     _place_resident(model, device, layer_prefixes)
     capture = RecorderCapture()
-    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = getattr(text_cfg, "hidden_size", None)
+    hidden = getattr(_text_config(config), "hidden_size", None)
     for i, layer in enumerate(layers):
         # After _place_resident: the resident tensors are the final device parameters.
         layer_resident = [(n, p) for n, p in layer.named_parameters() if n not in streamed[i]]
