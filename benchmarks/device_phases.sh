@@ -9,6 +9,8 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed2     # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed8k    # nvidia-h200 (~5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed-pair # nvidia-h200-x2 (~8 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed8b    # nvidia-h200(-x2) (~6 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh longest-ds # nvidia-h200(-x2) (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger64k   # nvidia-h200 (~4 min)
@@ -31,7 +33,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | longest-ds | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_MIRROR=0
@@ -143,6 +145,29 @@ case "$phase" in
     ) &
     wait
     grep -ah "^bench:.*tok/step" "$log" "${log%.log}-gpu1.log"
+    ;;
+  speed8b)
+    # Issue 3's one target left: Llama-3.1-8B at 64k tokens/step or more, 450 model TFLOP/s
+    # (445 at 8f64357, pair64k-liger8b-1336, beside another sweep on the 2-GPU machine). Alone
+    # on a GPU: 64k in one micro-batch; 128k in two (weights cross PCIe once per step, the
+    # step's fixed costs, ~60 ms outside the layer passes, amortized over twice the tokens);
+    # 64k with 12 HBM-tier layers instead of 18 (the plan then keeps 2 layers' activations:
+    # two recomputes less, ~1.3% of the step; 6 more layers' AdamW on the host). About 6 min.
+    at=$(date -u +%H%M)
+    bench --tag "speed8b-$at" --streamed-init --liger --layer-timing --steps 3 --warmup 2 \
+      --timeout-s 200 --run llama-3.1-8b:65536:megatrain-hbm:16 \
+      --run llama-3.1-8b:131072:megatrain-hbm:16
+    bench --tag "speed8b-keep-$at" --streamed-init --liger --resident-layers 12 --layer-timing \
+      --steps 3 --warmup 2 --timeout-s 170 --run llama-3.1-8b:65536:megatrain-hbm:16
+    ;;
+  longest-ds)
+    # Issue 4's table: DeepSpeed ZeRO-3 offload trained one sequence of 65,536 tokens (1.5B,
+    # 124.5 GiB HBM) and 32,768 (3B, 83.6 GiB) in `longest`, nothing longer was run: the next
+    # lengths, where an out-of-memory result bounds the table's entry. About 4 minutes.
+    bench --tag "longest-ds-$(date -u +%H%M)" --seq-len 131072 --steps 1 --warmup 1 \
+      --timeout-s 200 --run qwen2.5-1.5b:131072:deepspeed
+    bench --tag "longest-ds-$(date -u +%H%M)" --seq-len 65536 --steps 1 --warmup 1 \
+      --timeout-s 200 --run qwen2.5-3b:65536:deepspeed
     ;;
   profile8k)
     # Issue 3's one stock comparison below 1.0x (Qwen2.5-7B at 8k tokens/step: 7,298 vs 7,732

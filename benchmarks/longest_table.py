@@ -50,11 +50,13 @@ def longest(rows: list[dict]) -> dict[tuple[str, str], dict]:
         if not _one_sequence(row) or not row.get("status"):
             continue
         key = (row["model"], row["system"])
-        entry = out.setdefault(key, {"ok": None, "ok_tag": "", "failed": None, "fail": ""})
+        entry = out.setdefault(
+            key, {"ok": None, "ok_tag": "", "ok_hbm": "", "failed": None, "fail": ""}
+        )
         seq = int(row["seq_len"])
         if row["status"] == "ok":
             if entry["ok"] is None or seq > entry["ok"]:
-                entry.update(ok=seq, ok_tag=row.get("tag", ""))
+                entry.update(ok=seq, ok_tag=row.get("tag", ""), ok_hbm=row.get("peak_hbm_gib", ""))
         elif not row["status"].startswith(("oom", "killed")):
             continue  # a timeout or an error says nothing about memory (killed: host OOM killer)
         elif row["system"].startswith("megatrain") and "--offload-activations" not in row.get(
@@ -115,13 +117,17 @@ def markdown(table: dict[tuple[str, str], dict], plans: dict[str, int]) -> str:
     ]
     rows = dict(table)
     for model in plans:  # a model with no hf_megatrain run still gets its planned ceiling
-        rows.setdefault((model, "megatrain-hbm"), {"ok": None, "ok_tag": "", "failed": None,
-                                                   "fail": ""})  # fmt: skip
+        rows.setdefault((model, "megatrain-hbm"), {"ok": None, "ok_tag": "", "ok_hbm": "",
+                                                   "failed": None, "fail": ""})  # fmt: skip
     for (model, system), e in sorted(rows.items()):
         plan = _k(plans.get(model)) if system == "megatrain-hbm" else ""
+        how = e["fail"]
+        if e["failed"] is None and e["ok"] is not None:
+            # No longer run failed: the longest trained one is a lower bound, said as such.
+            how = f"none longer run (peak HBM {e['ok_hbm'] or '?'} GiB at the longest)"
         lines.append(
             f"| {model} | {SYSTEM_NAMES.get(system, system)} | {_k(e['ok']) or 'none'} | "
-            f"{e['ok_tag']} | {_k(e['failed'])} | {e['fail']} | {plan} |"
+            f"{e['ok_tag']} | {_k(e['failed'])} | {how} | {plan} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -280,14 +280,20 @@ def test_longest_table_bounds():
         row("megatrain-hbm", 524288, "oom-gpu", "h", command=""),
         row("deepspeed", 8192, "killed (rc -9)", "k"),
     ]
+    rows[5]["peak_hbm_gib"] = "101.5"
     t = longest(rows)
-    assert t[("m", "stock")] == {"ok": 32768, "ok_tag": "a", "failed": 65536,
+    assert t[("m", "stock")] == {"ok": 32768, "ok_tag": "a", "ok_hbm": "", "failed": 65536,
                                  "fail": "oom-gpu (c)"}  # fmt: skip
     assert t[("m", "megatrain-hbm")]["ok"] == 131072
     assert t[("m", "megatrain-hbm")]["failed"] is None
     assert t[("m", "deepspeed")]["ok"] is None and t[("m", "deepspeed")]["failed"] == 8192
     text = markdown(t, {"m": 1 << 20, "other": 4096})
-    assert "| m | hf_megatrain | 131,072 | f |  |  | 1,048,576 |" in text
+    # No longer run failed: the longest ok one is marked as a lower bound, with its HBM peak.
+    assert (
+        "| m | hf_megatrain | 131,072 | f |  | none longer run (peak HBM 101.5 GiB at the "
+        "longest) | 1,048,576 |" in text
+    )
+    assert "| m | stock in-GPU | 32,768 | a | 65,536 | oom-gpu (c) |  |" in text
     assert "| other | hf_megatrain | none |" in text
 
 

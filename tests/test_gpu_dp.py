@@ -71,5 +71,14 @@ def test_dp_bf16_matches_single_gpu(tmp_path, monkeypatch, variant):
     a, b = _weights(tmp_path / "single" / "final"), _weights(tmp_path / "dp" / "final")
     for name in a:
         # bf16 rounding moves individual AdamW updates (lr 1e-2) by a fraction of a step:
-        # observed 1.5e-3 on CPU; a layer without its update is >= 1e-2 off.
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=5e-3, msg=name)
+        # observed <= 1.5e-3 on the CPU and on the GPU, except single elements. AdamW's first
+        # steps move every element by about lr whatever its gradient's size, so an element
+        # whose gradient is near 0 can step the other way when the half-batch sums round
+        # differently (seen on the H200 at 8f64357: 1 of the embedding's 4,096 elements 8.5e-3
+        # off, the rest <= 1.6e-3). A layer or rank without its update moves most elements by
+        # >= 1e-2: at most 0.1% of a tensor (and one element) may exceed 5e-3, none 4 steps of
+        # 2 lr (8e-2).
+        diff = (b[name].float() - a[name].float()).abs()
+        outliers = int((diff > 5e-3).sum())
+        assert outliers <= max(1, diff.numel() // 1000), (name, outliers, float(diff.max()))
+        assert float(diff.max()) <= 8e-2, (name, float(diff.max()))
