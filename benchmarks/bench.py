@@ -204,6 +204,9 @@ class RunConfig:
     checkpoint_every: int = 1
     # megatrain only: False re-runs whole layers in the backward recompute (no early stop).
     recompute_early_stop: bool = True
+    # megatrain only: recomputed layers keep the fused attention kernel's outputs from forward
+    # (the recompute skips attention's forward kernel).
+    keep_attention_outputs: bool = False
     # megatrain-hbm only: HBM-tier layer count ("auto": the planner's, as many as fit); fewer
     # leave room for layers that keep activations (megatrain_keep_activations "auto").
     resident_layers: str = "auto"
@@ -280,6 +283,8 @@ class RunConfig:
             args += ["--checkpoint-every", str(self.checkpoint_every)]
         if not self.recompute_early_stop:
             args.append("--no-recompute-early-stop")
+        if self.keep_attention_outputs:
+            args.append("--keep-attention-outputs")
         if self.resident_layers != "auto":
             args += ["--resident-layers", self.resident_layers]
         if self.keep_activations != "auto":
@@ -544,6 +549,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
             megatrain_boundary_dtype="bfloat16" if cfg.bf16_boundaries else "input",
             megatrain_checkpoint_every=cfg.checkpoint_every,
             megatrain_recompute_early_stop=cfg.recompute_early_stop,
+            megatrain_keep_attention_outputs=cfg.keep_attention_outputs,
             use_liger_kernel=cfg.liger,
             liger_kernel_config=dict(LIGER_LAYER_KERNELS) if cfg.liger else None,
         )
@@ -635,6 +641,9 @@ def train_once(cfg: RunConfig) -> dict:
                 offload_activations=cfg.offload_activations,
                 boundary_bytes_per_element=2 if cfg.bf16_boundaries else 4,
                 checkpoint_every=cfg.checkpoint_every,
+                keep_attention_outputs=cfg.keep_attention_outputs
+                and cfg.recompute_early_stop
+                and not cfg.bf16_boundaries,
             ),
             # The store is built here, before the trainer: give it the run's layout.
             host_grads=not cfg.no_clip,
@@ -1210,6 +1219,13 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         "projection included) instead of stopping after the last saved tensor",
     )
     p.add_argument(
+        "--keep-attention-outputs",
+        action="store_true",
+        help="megatrain only: recomputed layers keep the fused attention kernel's outputs "
+        "from forward, so the backward recompute does not run attention's forward again "
+        "(megatrain_keep_attention_outputs)",
+    )
+    p.add_argument(
         "--keep-activations",
         default="auto",
         help="megatrain only: HBM-tier layers that keep activations instead of recomputing "
@@ -1231,6 +1247,7 @@ def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
         bf16_boundaries=a.bf16_boundaries,
         checkpoint_every=a.checkpoint_every,
         recompute_early_stop=not a.no_recompute_early_stop,
+        keep_attention_outputs=a.keep_attention_outputs,
         resident_layers=a.resident_layers,
         layer_timing=a.layer_timing,
         liger=a.liger,

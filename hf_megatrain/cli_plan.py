@@ -54,6 +54,13 @@ def add_plan_parser(sub) -> None:
         "layer inputs in HBM during a segment's backward (default: 1, every layer)",
     )
     pl.add_argument(
+        "--keep-attention-outputs",
+        action="store_true",
+        help="plan for megatrain_keep_attention_outputs: recomputed layers keep the fused "
+        "attention kernel's output and log-sum-exp in HBM (heads x head_dim x 2 B + 4 B per "
+        "head per token and layer) and the recompute skips attention's forward",
+    )
+    pl.add_argument(
         "--no-clip",
         action="store_true",
         help="plan for training without gradient clipping (max_grad_norm 0): layers update "
@@ -194,6 +201,9 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             offload_activations=bool(getattr(ns, "offload_activations", False)),
             boundary_bytes_per_element=2 if getattr(ns, "bf16_boundaries", False) else 4,
             checkpoint_every=1 if segment is None else segment,
+            # Only the early-stop recompute uses them; rounded boundaries re-run whole layers.
+            keep_attention_outputs=bool(getattr(ns, "keep_attention_outputs", False))
+            and not getattr(ns, "bf16_boundaries", False),
         )
         if wl.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every {wl.checkpoint_every} must be at least 1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -21,6 +22,7 @@ from transformers import (
 )
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments
+from hf_megatrain.core.recompute import _sdpa_kernels
 
 VOCAB = 128
 SEQ = 16
@@ -221,3 +223,18 @@ def assert_logs_match(stock: list[dict], mega: list[dict], rel: float = 1e-5) ->
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel), f"grad_norm at {step}"
         # The LR comes from the same scheduler reading the same step count: exactly equal.
         assert b["learning_rate"] == a["learning_rate"], f"learning_rate at step {step}"
+
+
+class CountAttentionKernels(TorchDispatchMode):
+    """Counts the fused SDPA kernels that actually run while it is active (outputs that the
+    recompute's cache hands back, megatrain_keep_attention_outputs, never reach a mode below
+    it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.kernels = set(_sdpa_kernels())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in self.kernels
+        return func(*args, **(kwargs or {}))

@@ -628,3 +628,32 @@ def test_chunked_loss_bf16_on_gpu(chunk):
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gh, rh, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("resident", ["0", "2"], ids=["streamed", "hbm-tier-2"])
+def test_keep_attention_outputs_on_gpu(tmp_path, resident):
+    """megatrain_keep_attention_outputs on the CUDA path: the recompute gets the fused SDPA
+    kernel's outputs (attention output, log-sum-exp) from forward instead of running the kernel
+    again. Those are the values the same kernel makes again from the same inputs (the forward
+    kernels are deterministic), so losses and weights are bitwise those of the default run, and
+    the kernel runs once per layer and step instead of twice."""
+    from .helpers import CountAttentionKernels, mega_params
+
+    model = tiny_model(_tiny_gpu_config())
+    data = _data(32, 128)
+    runs = {}
+    for keep in (False, True):
+        counter = CountAttentionKernels()
+        with counter:
+            trainer, losses = _mega_losses(
+                tmp_path, f"keep-{keep}", copy.deepcopy(model), data,
+                megatrain_resident_layers=resident, megatrain_keep_activations="off",
+                megatrain_keep_attention_outputs=keep,
+            )  # fmt: skip
+        runs[keep] = (losses, mega_params(trainer), counter.calls)
+    assert runs[True][0] == runs[False][0]
+    for name, value in runs[False][1].items():
+        assert torch.equal(runs[True][1][name], value), name
+    # 4 layers x 4 steps, each layer's attention forward in forward and in the recompute (or
+    # not); the trainer's log-only evaluation runs none.
+    assert (runs[False][2], runs[True][2]) == (32, 16)

@@ -10,7 +10,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from hf_megatrain.core.recompute import PlaceholderSaves, release_storage
 
-from .helpers import mega_params, run_trainer, tiny_config, tiny_model
+from .helpers import CountAttentionKernels, mega_params, run_trainer, tiny_config, tiny_model
 
 
 def _block(x, w1, w2, calls):
@@ -126,3 +126,52 @@ def test_early_stop_switch_trains_identically(tmp_path, arch):
         assert torch.equal(runs[True][1][k], v), k
     if arch == "qwen2":  # one down projection per layer and step, twice without early stop
         assert (runs[True][2], runs[False][2]) == (4, 8)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_kept_attention_outputs_train_identically_without_rerunning_attention(tmp_path, arch):
+    """megatrain_keep_attention_outputs: the recompute gets the attention kernel's outputs from
+    the forward instead of running it again. The values are the ones the kernel would make
+    again (deterministic on the CPU), so training is bitwise the same (fp32); the kernel runs
+    once per layer and step instead of twice."""
+    model = tiny_model(tiny_config(arch, num_hidden_layers=2))
+    runs = {}
+    for keep in (False, True):
+        counter = CountAttentionKernels()
+        with counter:
+            logs, trainer = run_trainer(
+                copy.deepcopy(model), tmp_path, f"attn-{keep}", mega=True, max_steps=2,
+                megatrain_keep_attention_outputs=keep,
+            )  # fmt: skip
+        assert trainer.megatrain.engine.keep_attention_outputs is keep
+        runs[keep] = ([r["loss"] for r in logs], mega_params(trainer), counter.calls)
+    assert runs[True][0] == runs[False][0]
+    for k, v in runs[False][1].items():
+        assert torch.equal(runs[True][1][k], v), k
+    # 2 layers x 2 steps: forward and recompute each run the kernel, or forward only.
+    assert (runs[False][2], runs[True][2]) == (8, 4)
+
+
+def test_kept_attention_outputs_are_planned():
+    """The plan counts the kept outputs for every recomputed layer (not for layers that keep
+    their whole graph, which hold them already): heads x head_dim bf16 + 4 B per head."""
+    from hf_megatrain.core.activation_memory import attention_output_bytes_per_token
+    from hf_megatrain.core.planner import GIB, ModelShape, Workload, plan_memory
+
+    shape = ModelShape(
+        layer_numels=(1000,) * 4, non_layer_numel=1000, hidden_size=64, vocab_size=100,
+        intermediate_size=128, kv_size=32, head_dim=16, num_heads=4,
+    )  # fmt: skip
+    assert attention_output_bytes_per_token(shape, torch.bfloat16) == 4 * 16 * 2 + 4 * 4
+    wl = Workload(seq_len=256, micro_batch_tokens=512)
+
+    def total(keep_attention: bool, kept: int) -> int:
+        w = Workload(**{**wl.__dict__, "keep_attention_outputs": keep_attention})
+        plan = plan_memory(
+            shape, w, torch.bfloat16, 8 * GIB, 8 * GIB, hbm_layers=4, keep_activation_layers=kept
+        )
+        return sum(line.nbytes for line in plan.gpu_lines if "attention outputs" in line.name)
+
+    assert total(False, 0) == 0
+    assert total(True, 0) == 4 * 512 * 144
+    assert total(True, 1) == 3 * 512 * 144

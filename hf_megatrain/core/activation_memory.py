@@ -52,6 +52,32 @@ def _working_set_line(t: int, h: int, kv: int, inter: int, tile: int) -> MemoryL
     )
 
 
+def _query_width(shape: ModelShape) -> tuple[int, int]:
+    """``(query heads, heads x head_dim)``; unknown widths taken as the hidden size."""
+    h = shape.hidden_size
+    heads = shape.num_heads or (h // shape.head_dim if shape.head_dim else 0)
+    return heads, heads * shape.head_dim if heads and shape.head_dim else h
+
+
+def attention_output_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
+    """What engine option keep_attention_outputs keeps per token for one recomputed layer: the
+    fused SDPA kernel's output (heads x head_dim in the compute dtype; o_proj's saved input is a
+    view of it) and its fp32 log-sum-exp per head."""
+    heads, q = _query_width(shape)
+    return q * itemsize(dtype) + 4 * max(heads, 1)
+
+
+def attention_output_line(
+    shape: ModelShape, workload: Workload, dtype: torch.dtype, layers: int
+) -> MemoryLine:
+    per_token = attention_output_bytes_per_token(shape, dtype)
+    return MemoryLine(
+        f"attention outputs kept for the recompute of {layers} layers: "
+        f"{workload.micro_batch_tokens} tokens x {per_token} B each",
+        layers * workload.micro_batch_tokens * per_token,
+    )
+
+
 def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     """Bytes a decoder layer's autograd graph saves per token when it is not recomputed.
 
@@ -70,8 +96,7 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     """
     h, i = shape.hidden_size, shape.intermediate_size
     kv = shape.kv_size or h
-    heads = shape.num_heads or (h // shape.head_dim if shape.head_dim else 0)
-    q = heads * shape.head_dim if heads and shape.head_dim else h
+    heads, q = _query_width(shape)
     total = 22 * h + 4 * q + 4 * kv + 8 * i + 4 * heads + 8
     if shape.qk_norm:
         kv_heads = kv // shape.head_dim if shape.head_dim else 0

@@ -84,6 +84,10 @@ class Workload:
     # Engine option checkpoint_every: only every k-th layer saves its input (a segment leader);
     # a segment's backward recomputes the others' and holds up to k - 1 of them (fp32) in HBM.
     checkpoint_every: int = 1
+    # Engine option keep_attention_outputs: every recomputed layer keeps its fused attention
+    # kernel's output and log-sum-exp in HBM from forward to backward (no attention forward in
+    # the recompute).
+    keep_attention_outputs: bool = False
 
     @property
     def tokens_per_step(self) -> int:

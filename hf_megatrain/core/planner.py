@@ -35,6 +35,7 @@ import torch
 from .activation_memory import (
     ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN,
     activation_lines,
+    attention_output_line,
     boundary_activation_bytes,
     boundary_dtype_label,
     kept_activation_bytes_per_token,
@@ -318,6 +319,8 @@ def _gpu_lines(
         )
         return lines
     lines += activation_lines(shape, workload, dtype)
+    if workload.keep_attention_outputs and shape.num_layers > kept:
+        lines.append(attention_output_line(shape, workload, dtype, shape.num_layers - kept))
     if kept:
         # A kept layer's graph holds its fp32 input itself, also where the boundary line
         # counts it rounded to bf16.

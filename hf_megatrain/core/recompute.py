@@ -12,6 +12,13 @@ gradient checkpointing; the engine keeps its own version because a streamed laye
 inputs are its own (offloaded to the host, rounded to bf16, re-made from a segment's chain) and
 its weights are bound again as they arrive. The pairing of saved tensors is by order, as in
 torch, and checked: the recompute must save the same shapes and dtypes in the same order.
+
+``attention_output_cache`` (engine option ``keep_attention_outputs``) goes one step further for
+attention: the fused SDPA kernel's outputs (the attention output and its log-sum-exp) are kept
+from the forward and handed back in the recompute instead of running the kernel again, through
+torch's selective-checkpoint dispatch modes. The attention node is still re-created in the
+recompute, so its saves pair with the forward's placeholders as before; only the kernel is
+skipped. Memory: per layer and token, heads x head_dim in the compute dtype and 4 B per head.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 
 class _StopRecompute(Exception):
@@ -122,3 +130,25 @@ def release_storage(tensors: list[torch.Tensor]) -> None:
         if key not in stand_ins:
             stand_ins[key] = torch.empty((), dtype=t.dtype, device=t.device)
         t.data = stand_ins[key].expand(t.shape)
+
+
+def _sdpa_kernels() -> list:
+    """The fused attention kernels ``F.scaled_dot_product_attention`` dispatches to (those this
+    torch build has): CUDA flash / memory-efficient / cuDNN, the CPU flash kernel."""
+    names = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    return [getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)]
+
+
+def attention_output_cache() -> tuple[
+    contextlib.AbstractContextManager, contextlib.AbstractContextManager
+]:
+    """``(forward, recompute)`` contexts for one layer call: run its forward in the first and its
+    recompute (``PlaceholderSaves.refill``) in the second; the fused attention kernels then run
+    once. An attention that does not go through these kernels (math fallback with an explicit
+    mask on some backends, flex attention, flash-attn) is recomputed as before."""
+    return create_selective_checkpoint_contexts(_sdpa_kernels())

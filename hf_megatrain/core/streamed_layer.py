@@ -26,7 +26,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from .recompute import PlaceholderSaves, release_storage
+from .recompute import PlaceholderSaves, attention_output_cache, release_storage
 from .segments import SegmentEntry, segment_input, tensor_sig
 
 if TYPE_CHECKING:
@@ -211,9 +211,17 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 ctx, flat_args, tensors[:n_args], tensors[n_args + ctx.n_anchor :]
             )
             saves = None if layer.keep_graph else PlaceholderSaves()
+            # keep_attention_outputs: the attention kernel's outputs stay from here to the
+            # recompute, which then skips that kernel (recompute.attention_output_cache).
+            cache = (
+                attention_output_cache()
+                if saves is not None and engine.keep_attention_outputs
+                else (contextlib.nullcontext(), None)
+            )
             with (
                 torch.enable_grad(),
                 saves.recording() if saves is not None else contextlib.nullcontext(),
+                cache[0],
             ):
                 out, captured, weight_leaves = layer.run(
                     weights, leaves[0], spec, leaves=layer.trainable, keys=ctx.keys,
@@ -223,7 +231,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 ctx.graph = (out, captured, weight_leaves, leaves[1], leaves[2])
             else:
                 roots = _roots(out, captured, edges=True)
-                ctx.recompute = (saves, roots, weight_leaves, leaves[1], leaves[2])
+                ctx.recompute = (saves, roots, weight_leaves, leaves[1], leaves[2], cache[1])
                 release_storage(weight_leaves + leaves[1])
             out = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
             captured = [(k, t.detach()) for k, t in captured]
@@ -354,9 +362,11 @@ class _StreamedLayerFunction(torch.autograd.Function):
 
             with torch.enable_grad(), engine.restored_rng(ctx.rng):
                 if ctx.recompute is not None:
-                    saves, roots, weight_leaves, inputs, res_leaves = ctx.recompute
+                    saves, roots, weight_leaves, inputs, res_leaves, cached = ctx.recompute
                     ctx.recompute = None
-                    saves.refill(rerun)
+                    with cached if cached is not None else contextlib.nullcontext():
+                        saves.refill(rerun)
+                    del cached
                 else:  # a graph of its own, from the whole layer again
                     out, captured, weight_leaves = rerun()
                     roots = _roots(out, captured, edges=False)

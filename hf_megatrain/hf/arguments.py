@@ -147,6 +147,20 @@ class MegaTrainArguments(TrainingArguments):
             "whole."
         },
     )
+    megatrain_keep_attention_outputs: bool = field(
+        default=False,
+        metadata={
+            "help": "Layers recomputed in backward keep the fused attention kernel's outputs "
+            "(SDPA's attention output and log-sum-exp) from forward, so the recompute does not "
+            "run attention's forward again (torch's selective checkpointing applied to the "
+            "SDPA kernels): identical gradients, one attention forward less per recomputed "
+            "layer (the costliest part of a long sequence's recompute), for heads x head_dim "
+            "compute-dtype values plus 4 B per head per token and layer in HBM, which the "
+            "memory plan counts. Needs megatrain_recompute_early_stop; attention that does not "
+            "run through PyTorch SDPA's fused kernels (flex attention, flash-attn) is "
+            "recomputed as before."
+        },
+    )
     megatrain_checkpoint_every: int = field(
         default=1,
         metadata={
