@@ -151,21 +151,21 @@ case "$phase" in
     # (445 at 8f64357, pair64k-liger8b-1336, beside another sweep on the 2-GPU machine). Alone
     # on a GPU: 64k in one micro-batch; 128k in two (weights cross PCIe once per step, the
     # step's fixed costs, ~60 ms outside the layer passes, amortized over twice the tokens);
-    # 64k with 12 HBM-tier layers instead of 18 (the plan then keeps 2 layers' activations:
-    # two recomputes less, ~1.3% of the step; 6 more layers' AdamW on the host); then the 8B
-    # and the 7B at 64k with the attention kernel's outputs kept for the recompute
+    # the 8B and the 7B at 64k with the attention kernel's outputs kept for the recompute
     # (--keep-attention-outputs: no attention forward in the recompute, ~2% of the step by
     # profile64k-1015's attention time; 16 GiB of HBM for the 8B, so the plan streams 19 layers
-    # instead of 14). About 8 minutes.
+    # instead of 14); 64k with 12 HBM-tier layers instead of 18 (the plan then keeps 2 layers'
+    # activations: two recomputes less, ~1.3% of the step; 6 more layers' AdamW on the host).
+    # About 8 minutes.
     at=$(date -u +%H%M)
     bench --tag "speed8b-$at" --streamed-init --liger --layer-timing --steps 3 --warmup 2 \
       --timeout-s 200 --run llama-3.1-8b:65536:megatrain-hbm:16 \
       --run llama-3.1-8b:131072:megatrain-hbm:16
-    bench --tag "speed8b-keep-$at" --streamed-init --liger --resident-layers 12 --layer-timing \
-      --steps 3 --warmup 2 --timeout-s 170 --run llama-3.1-8b:65536:megatrain-hbm:16
     bench --tag "speed8b-attn-$at" --streamed-init --liger --keep-attention-outputs \
       --layer-timing --steps 3 --warmup 2 --timeout-s 170 \
       --run llama-3.1-8b:65536:megatrain-hbm:16 --run qwen2.5-7b:65536:megatrain-hbm:16
+    bench --tag "speed8b-keep-$at" --streamed-init --liger --resident-layers 12 --layer-timing \
+      --steps 3 --warmup 2 --timeout-s 170 --run llama-3.1-8b:65536:megatrain-hbm:16
     ;;
   longest-ds)
     # Issue 4's table: DeepSpeed ZeRO-3 offload trained one sequence of 65,536 tokens (1.5B,
