@@ -243,6 +243,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             offload_activations=wl.offload_activations,
             boundary_bytes_per_element=wl.boundary_bytes_per_element,
             checkpoint_every=wl.checkpoint_every,
+            keep_attention_outputs=wl.keep_attention_outputs,
         )
         seqs = max_micro_batch_sequences(
             shape, wl.seq_len, wl.grad_accum, dtype, hbm, host, **engine, **store

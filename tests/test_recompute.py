@@ -156,7 +156,7 @@ def test_kept_attention_outputs_are_planned():
     """The plan counts the kept outputs for every recomputed layer (not for layers that keep
     their whole graph, which hold them already): heads x head_dim bf16 + 4 B per head."""
     from hf_megatrain.core.activation_memory import attention_output_bytes_per_token
-    from hf_megatrain.core.planner import GIB, ModelShape, Workload, plan_memory
+    from hf_megatrain.core.planner import GIB, ModelShape, Workload, max_seq_len, plan_memory
 
     shape = ModelShape(
         layer_numels=(1000,) * 4, non_layer_numel=1000, hidden_size=64, vocab_size=100,
@@ -175,3 +175,11 @@ def test_kept_attention_outputs_are_planned():
     assert total(False, 0) == 0
     assert total(True, 0) == 4 * 512 * 144
     assert total(True, 1) == 3 * 512 * 144
+    # The "what fits" searches plan with them too: a shorter longest sequence.
+    longest = {
+        keep: max_seq_len(
+            shape, 1, torch.bfloat16, 2 * GIB, 8 * GIB, multiple=1024, keep_attention_outputs=keep
+        )
+        for keep in (False, True)
+    }
+    assert 0 < longest[True] < longest[False]

@@ -874,6 +874,7 @@ def max_micro_batch_sequences(
     offload_activations: bool = False,
     boundary_bytes_per_element: int = 4,
     checkpoint_every: int = 1,
+    keep_attention_outputs: bool = False,
     **kw,
 ) -> int:
     """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one)."""
@@ -881,7 +882,7 @@ def max_micro_batch_sequences(
         lambda m: _fits(
             shape, Workload(
                 seq_len, m * seq_len, grad_accum, mlp_tile_tokens, offload_activations,
-                boundary_bytes_per_element, checkpoint_every,
+                boundary_bytes_per_element, checkpoint_every, keep_attention_outputs,
             ),
             compute_dtype, hbm_bytes,
             host_bytes, **kw,
@@ -902,6 +903,7 @@ def max_seq_len(
     offload_activations: bool = False,
     boundary_bytes_per_element: int = 4,
     checkpoint_every: int = 1,
+    keep_attention_outputs: bool = False,
     **kw,
 ) -> int:
     """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none."""
@@ -909,7 +911,7 @@ def max_seq_len(
         lambda k: _fits(
             shape, Workload(
                 k * multiple, k * multiple, grad_accum, mlp_tile_tokens, offload_activations,
-                boundary_bytes_per_element, checkpoint_every,
+                boundary_bytes_per_element, checkpoint_every, keep_attention_outputs,
             ),
             compute_dtype, hbm_bytes,
             host_bytes, **kw,
