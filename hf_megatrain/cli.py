@@ -77,6 +77,7 @@ class TrainOptions:
     checkpoint_every: int = 1  # save every k-th layer's input, recompute the rest (exact)
     liger: bool = False  # Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (CUDA; use_liger_kernel)
     hbm_cast_weights: bool = False  # HBM-tier layers keep no bf16 copy (16 B/param, more fit)
+    keep_attention_outputs: bool = False  # the recompute skips attention's forward kernel
     # Filled in by the CLI (not recipe keys).
     source: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -181,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         help="HBM-tier layers keep no bf16 copy (16 instead of 18 B/param: more layers fit in "
         "HBM); each is cast from its fp32 master when it runs (megatrain_hbm_cast_weights)",
+    )
+    e.add_argument(
+        "--keep-attention-outputs",
+        action="store_const",
+        const=True,
+        help="recomputed layers keep the fused attention kernel's outputs from forward, so the "
+        "backward recompute does not run attention's forward again (identical training; HBM: "
+        "heads x head_dim x 2 B + 4 B per head per token and layer; "
+        "megatrain_keep_attention_outputs)",
     )
     _add_plan_parser(sub)
     return parser
@@ -470,6 +480,7 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
             offload_activations=opts.offload_activations,
             boundary_bytes_per_element=2 if opts.bf16_boundaries else 4,
             checkpoint_every=opts.checkpoint_every,
+            keep_attention_outputs=opts.keep_attention_outputs and not opts.bf16_boundaries,
         )
     return init_streamed_model(
         cfg,
@@ -627,6 +638,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
             megatrain_boundary_dtype="bfloat16" if opts.bf16_boundaries else "input",
             megatrain_checkpoint_every=opts.checkpoint_every,
             megatrain_hbm_cast_weights=opts.hbm_cast_weights,
+            megatrain_keep_attention_outputs=opts.keep_attention_outputs,
             use_liger_kernel=opts.liger,
             # The layer kernels: training batches use hf_megatrain's chunked loss.
             liger_kernel_config=dict(LIGER_LAYER_KERNELS) if opts.liger else None,

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_megatrain import HFMegaTrainer
 from hf_megatrain.cli import (
     DEFAULT_CONFIG,
     _load_recipe,
@@ -132,6 +133,19 @@ def test_engine_options_reach_the_trainer(tmp_path):
     assert rc == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.num_hidden_layers == 2
+    # --keep-attention-outputs reaches MegaTrainArguments (SDPA: the kernels it keeps).
+    seen = []
+    init = HFMegaTrainer.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw["args"].megatrain_keep_attention_outputs)
+        init(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(HFMegaTrainer, "__init__", spy)
+        flags = ["--keep-attention-outputs"] + _fast_flags(tmp_path / "attn")
+        assert main(["train", "--config", str(cfg), "--data", str(data)] + flags) == 0
+    assert seen == [True]
     assert "attn: 'x' is not one of" in _error(["train", "--attn", "x"])
     assert "neither an integer nor 'auto'" in _error(["train", "--resident-layers", "some"])
 
