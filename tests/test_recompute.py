@@ -128,7 +128,7 @@ def test_early_stop_switch_trains_identically(tmp_path, arch):
         assert (runs[True][2], runs[False][2]) == (4, 8)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3_text", "qwen3_moe"])
 def test_kept_attention_outputs_train_identically_without_rerunning_attention(tmp_path, arch):
     """megatrain_keep_attention_outputs: the recompute gets the attention kernel's outputs from
     the forward instead of running it again. The values are the ones the kernel would make
