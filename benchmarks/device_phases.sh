@@ -9,7 +9,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed2     # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed8k    # nvidia-h200 (~5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed-pair # nvidia-h200-x2 (~8 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed8b    # nvidia-h200(-x2) (~8 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed8b    # nvidia-h200(-x2) (~11 min, background)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh longest-ds # nvidia-h200(-x2) (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
@@ -154,9 +154,11 @@ case "$phase" in
     # the 8B and the 7B at 64k with the attention kernel's outputs kept for the recompute
     # (--keep-attention-outputs: no attention forward in the recompute, ~2% of the step by
     # profile64k-1015's attention time; 16 GiB of HBM for the 8B, so the plan streams 19 layers
-    # instead of 14); 64k with 12 HBM-tier layers instead of 18 (the plan then keeps 2 layers'
-    # activations: two recomputes less, ~1.3% of the step; 6 more layers' AdamW on the host).
-    # About 8 minutes.
+    # instead of 14, whose host AdamW the next forward may wait for: the layer timeline's gaps
+    # say); the same with 16 HBM-tier layers (beyond the plan, which runs ~8% above the
+    # measured peak with Liger-Kernel: it warns, 136 GiB expected); 64k with 12 HBM-tier
+    # layers (the plan then keeps 2 layers' activations: two recomputes less, ~1.3% of the
+    # step). About 11 minutes: start it in the background (setsid) and wait in two calls.
     at=$(date -u +%H%M)
     bench --tag "speed8b-$at" --streamed-init --liger --layer-timing --steps 3 --warmup 2 \
       --timeout-s 200 --run llama-3.1-8b:65536:megatrain-hbm:16 \
@@ -164,6 +166,9 @@ case "$phase" in
     bench --tag "speed8b-attn-$at" --streamed-init --liger --keep-attention-outputs \
       --layer-timing --steps 3 --warmup 2 --timeout-s 170 \
       --run llama-3.1-8b:65536:megatrain-hbm:16 --run qwen2.5-7b:65536:megatrain-hbm:16
+    bench --tag "speed8b-attn16-$at" --streamed-init --liger --keep-attention-outputs \
+      --resident-layers 16 --layer-timing --steps 3 --warmup 2 --timeout-s 170 \
+      --run llama-3.1-8b:65536:megatrain-hbm:16
     bench --tag "speed8b-keep-$at" --streamed-init --liger --resident-layers 12 --layer-timing \
       --steps 3 --warmup 2 --timeout-s 170 --run llama-3.1-8b:65536:megatrain-hbm:16
     ;;
