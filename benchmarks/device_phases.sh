@@ -9,7 +9,8 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed2     # nvidia-h200
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed8k    # nvidia-h200 (~5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed-pair # nvidia-h200-x2 (~8 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed8b    # nvidia-h200(-x2) (~11 min, background)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg speed8b # nvidia-h200(-x2) (~11 min),
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg-wait    # then this within 30 s
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh longest-ds # nvidia-h200(-x2) (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
@@ -33,7 +34,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | longest-ds | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_MIRROR=0
@@ -282,6 +283,27 @@ case "$phase" in
     # CPU cores, so their step times may be a little longer than alone. Then `long-wait`.
     CUDA_VISIBLE_DEVICES=0 LONG_SLEEP=5 LONG_LOG="${log%.log}-1m.log" bash "$0" long1m
     CUDA_VISIBLE_DEVICES=1 LONG_LOG="${log%.log}-3b.log" bash "$0" long3b
+    ;;
+  bg)
+    # A phase longer than one device command (speed8b): `bg PHASE` starts it in its own session
+    # (setsid; the device tool leaves it running while the machine is held) and waits up to
+    # 550 s; `bg-wait`, called again within the machine's idle window, waits up to 550 s more.
+    # Each call returns what the phase has packed so far (results-PHASE.tgz) and its output.
+    sub=${2:?bg PHASE}
+    rm -rf /tmp/bg-out && mkdir -p /tmp/bg-out
+    OUT=/tmp/bg-out setsid nohup bash "$0" "$sub" >/tmp/bg-out/phase.out 2>&1 </dev/null &
+    echo $! >/tmp/bg-out/pid
+    ;&
+  bg-wait)
+    waited=0
+    while kill -0 "$(cat /tmp/bg-out/pid)" 2>/dev/null && [ "$waited" -lt 550 ]; do
+      sleep 5
+      waited=$((waited + 5))
+    done
+    kill -0 "$(cat /tmp/bg-out/pid)" 2>/dev/null && echo "still running after ${waited}s: bg-wait"
+    cp /tmp/bg-out/results-*.tgz /tmp/bg-out/phase.out "$out/" 2>/dev/null
+    grep -a "^bench:.*tok/step" /tmp/bg-out/phase.out | tail -12
+    trap - EXIT  # the phase packs its own results
     ;;
   long-wait)
     waited=0
