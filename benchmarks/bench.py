@@ -641,9 +641,7 @@ def train_once(cfg: RunConfig) -> dict:
                 offload_activations=cfg.offload_activations,
                 boundary_bytes_per_element=2 if cfg.bf16_boundaries else 4,
                 checkpoint_every=cfg.checkpoint_every,
-                keep_attention_outputs=cfg.keep_attention_outputs
-                and cfg.recompute_early_stop
-                and not cfg.bf16_boundaries,
+                keep_attention_outputs=cfg.keep_attention_outputs and cfg.recompute_early_stop,
             ),
             # The store is built here, before the trainer: give it the run's layout.
             host_grads=not cfg.no_clip,

@@ -61,8 +61,7 @@ def plan_row(row: dict):
         boundary_bytes_per_element=2 if "--bf16-boundaries" in command else 4,
         checkpoint_every=int(_flag(command, "--checkpoint-every") or 1),
         keep_attention_outputs="--keep-attention-outputs" in command
-        and "--no-recompute-early-stop" not in command
-        and "--bf16-boundaries" not in command,
+        and "--no-recompute-early-stop" not in command,
     )
     kw = dict(
         hold_grads="--no-clip" not in command,

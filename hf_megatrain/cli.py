@@ -480,7 +480,7 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
             offload_activations=opts.offload_activations,
             boundary_bytes_per_element=2 if opts.bf16_boundaries else 4,
             checkpoint_every=opts.checkpoint_every,
-            keep_attention_outputs=opts.keep_attention_outputs and not opts.bf16_boundaries,
+            keep_attention_outputs=opts.keep_attention_outputs,
         )
     return init_streamed_model(
         cfg,

@@ -201,9 +201,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             offload_activations=bool(getattr(ns, "offload_activations", False)),
             boundary_bytes_per_element=2 if getattr(ns, "bf16_boundaries", False) else 4,
             checkpoint_every=1 if segment is None else segment,
-            # Only the early-stop recompute uses them; rounded boundaries re-run whole layers.
-            keep_attention_outputs=bool(getattr(ns, "keep_attention_outputs", False))
-            and not getattr(ns, "bf16_boundaries", False),
+            keep_attention_outputs=bool(getattr(ns, "keep_attention_outputs", False)),
         )
         if wl.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every {wl.checkpoint_every} must be at least 1")

@@ -165,8 +165,14 @@ def test_kept_attention_outputs_are_planned():
     assert attention_output_bytes_per_token(shape, torch.bfloat16) == 4 * 16 * 2 + 4 * 4
     wl = Workload(seq_len=256, micro_batch_tokens=512)
 
-    def total(keep_attention: bool, kept: int) -> int:
-        w = Workload(**{**wl.__dict__, "keep_attention_outputs": keep_attention})
+    def total(keep_attention: bool, kept: int, boundary_bytes: int = 4) -> int:
+        w = Workload(
+            **{
+                **wl.__dict__,
+                "keep_attention_outputs": keep_attention,
+                "boundary_bytes_per_element": boundary_bytes,
+            }
+        )
         plan = plan_memory(
             shape, w, torch.bfloat16, 8 * GIB, 8 * GIB, hbm_layers=4, keep_activation_layers=kept
         )
@@ -175,6 +181,8 @@ def test_kept_attention_outputs_are_planned():
     assert total(False, 0) == 0
     assert total(True, 0) == 4 * 512 * 144
     assert total(True, 1) == 3 * 512 * 144
+    # Inputs saved rounded to bf16: layers re-run whole and keep nothing of the kind.
+    assert total(True, 0, boundary_bytes=2) == 0
     # The "what fits" searches plan with them too: a shorter longest sequence.
     longest = {
         keep: max_seq_len(

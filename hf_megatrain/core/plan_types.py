@@ -86,8 +86,13 @@ class Workload:
     checkpoint_every: int = 1
     # Engine option keep_attention_outputs: every recomputed layer keeps its fused attention
     # kernel's output and log-sum-exp in HBM from forward to backward (no attention forward in
-    # the recompute).
+    # the recompute). Without effect where layers re-run whole (boundaries saved narrower).
     keep_attention_outputs: bool = False
+
+    @property
+    def keeps_attention_outputs(self) -> bool:
+        """Whether the engine keeps them: only its early-stop recompute (fp32 boundaries)."""
+        return self.keep_attention_outputs and self.boundary_bytes_per_element == 4
 
     @property
     def tokens_per_step(self) -> int:

@@ -319,7 +319,7 @@ def _gpu_lines(
         )
         return lines
     lines += activation_lines(shape, workload, dtype)
-    if workload.keep_attention_outputs and shape.num_layers > kept:
+    if workload.keeps_attention_outputs and shape.num_layers > kept:
         lines.append(attention_output_line(shape, workload, dtype, shape.num_layers - kept))
     if kept:
         # A kept layer's graph holds its fp32 input itself, also where the boundary line

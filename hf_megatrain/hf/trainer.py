@@ -284,17 +284,9 @@ def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
         offload_activations=bool(getattr(args, "megatrain_offload_activations", False)),
         boundary_bytes_per_element=2 if _boundary_dtype(args) == torch.bfloat16 else 4,
         checkpoint_every=_checkpoint_every(args),
-        keep_attention_outputs=_keep_attention_outputs(args),
-    )
-
-
-def _keep_attention_outputs(args: TrainingArguments) -> bool:
-    """Whether recomputed layers keep attention's kernel outputs: asked for, and taking effect
-    (only the early-stop recompute uses them; layers with rounded inputs re-run whole)."""
-    return (
-        bool(getattr(args, "megatrain_keep_attention_outputs", False))
-        and bool(getattr(args, "megatrain_recompute_early_stop", True))
-        and _boundary_dtype(args) is None
+        # Only the early-stop recompute uses them (the plan knows about rounded boundaries).
+        keep_attention_outputs=bool(getattr(args, "megatrain_keep_attention_outputs", False))
+        and bool(getattr(args, "megatrain_recompute_early_stop", True)),
     )
 
 
@@ -398,7 +390,9 @@ class MegaTrainerMixin:
         self.megatrain.engine.recompute_early_stop = bool(
             getattr(args, "megatrain_recompute_early_stop", True)
         )
-        self.megatrain.engine.keep_attention_outputs = _keep_attention_outputs(args)
+        self.megatrain.engine.keep_attention_outputs = bool(
+            getattr(args, "megatrain_keep_attention_outputs", False)
+        )
         self._wrapper = StreamedModelWrapper(
             model,
             compute_dtype,
