@@ -113,7 +113,7 @@ case "$phase" in
     # sweep compares within itself, on its own GPU), with the early-stop recompute against the
     # whole-layer one (--no-recompute-early-stop: the engine before 20233b4). GPU 0: Qwen2.5-7B
     # at 8k tokens/step, stock and both HBM tiers (0.96x / 0.988x of stock at be61ad9), then 7B
-    # at 64k in 4 micro-batches of 16k with 18 HBM-tier layers (the plan then keeps 8 layers'
+    # at 64k in 4 micro-batches of 16k with 18 HBM-tier layers (the plan then keeps 6 layers'
     # activations; "auto" would put 25 in HBM and keep none). GPU 1: 7B and Llama-3.1-8B at 64k
     # tokens/step with Liger-Kernel's RMSNorm / RoPE / SwiGLU (436 / 425 model TFLOP/s at
     # be61ad9; 450 targeted). About 8 minutes.
