@@ -128,12 +128,23 @@ def test_early_stop_switch_trains_identically(tmp_path, arch):
         assert (runs[True][2], runs[False][2]) == (4, 8)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3_text", "qwen3_moe"])
-def test_kept_attention_outputs_train_identically_without_rerunning_attention(tmp_path, arch):
+@pytest.mark.parametrize(
+    ("arch", "extra"),
+    [
+        ("qwen2", {}), ("llama", {}), ("gemma3_text", {}), ("qwen3_moe", {}),
+        # bf16 autocast, one layer in the device tier (recomputing: keep_activations off).
+        ("qwen2", {"bf16": True, "megatrain_resident_layers": "1",
+                   "megatrain_keep_activations": "off"}),
+    ],
+    ids=["qwen2", "llama", "gemma3", "qwen3_moe", "qwen2-bf16-tier"],
+)  # fmt: skip
+def test_kept_attention_outputs_train_identically_without_rerunning_attention(
+    tmp_path, arch, extra
+):
     """megatrain_keep_attention_outputs: the recompute gets the attention kernel's outputs from
     the forward instead of running it again. The values are the ones the kernel would make
-    again (deterministic on the CPU), so training is bitwise the same (fp32); the kernel runs
-    once per layer and step instead of twice."""
+    again (deterministic on the CPU), so training is bitwise the same (fp32, and bf16 under
+    autocast); the kernel runs once per layer and step instead of twice."""
     model = tiny_model(tiny_config(arch, num_hidden_layers=2))
     runs = {}
     for keep in (False, True):
@@ -141,7 +152,7 @@ def test_kept_attention_outputs_train_identically_without_rerunning_attention(tm
         with counter:
             logs, trainer = run_trainer(
                 copy.deepcopy(model), tmp_path, f"attn-{keep}", mega=True, max_steps=2,
-                megatrain_keep_attention_outputs=keep,
+                megatrain_keep_attention_outputs=keep, **extra,
             )  # fmt: skip
         assert trainer.megatrain.engine.keep_attention_outputs is keep
         runs[keep] = ([r["loss"] for r in logs], mega_params(trainer), counter.calls)
