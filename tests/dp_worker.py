@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--stream-fp32-master", action="store_true")
+    p.add_argument("--keep-attention-outputs", action="store_true")
     a = p.parse_args()
 
     model = tiny_model(tiny_config(a.arch, num_hidden_layers=a.layers))
@@ -53,6 +54,7 @@ def main() -> None:
             bf16=a.bf16,
             megatrain_resident_layers=a.resident_layers,
             megatrain_stream_fp32_master=a.stream_fp32_master,
+            megatrain_keep_attention_outputs=a.keep_attention_outputs,
             **save,
         ),
     )

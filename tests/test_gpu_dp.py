@@ -50,12 +50,15 @@ def test_dp_fp32_equals_single_gpu(tmp_path, monkeypatch):
     _assert_same_training(dp[0]["logs"][2:], resumed[0]["logs"], rel=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["clip", "eager+hbm"])
+@pytest.mark.parametrize("variant", ["clip", "eager+hbm", "keep-attention"])
 def test_dp_bf16_matches_single_gpu(tmp_path, monkeypatch, variant):
     extra = ["--cuda", "--bf16", "--grad-accum", "2", "--steps", "4"]
     if variant == "eager+hbm":
         # No clipping (layers update during backward) and a replicated HBM-tier layer.
         extra += ["--max-grad-norm", "0", "--resident-layers", "1"]
+    if variant == "keep-attention":
+        # The recompute reuses each rank's own attention kernel outputs (both runs do).
+        extra += ["--keep-attention-outputs"]
     dp = _run(tmp_path / "dp", 2, *extra)
     with monkeypatch.context() as m:
         _single_gpu_env(m)
