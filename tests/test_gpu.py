@@ -271,11 +271,15 @@ def _mega_losses(tmp_path, name, model, data, setup=None, **kw):
         {"megatrain_recompute_early_stop": False},
         {"megatrain_recompute_early_stop": False, "megatrain_resident_layers": "2"},
         {"megatrain_resident_layers": "2", "megatrain_keep_activations": "auto"},
+        {"megatrain_keep_attention_outputs": True, "megatrain_checkpoint_every": 2},
+        {"megatrain_keep_attention_outputs": True, "megatrain_offload_activations": True,
+         "megatrain_mlp_tile_tokens": 32},
     ],
     ids=[
         "offload", "mlp-tiling", "unfused-loss", "sync-optimizer", "hbm-auto", "kept-activations",
         "segments-2", "segments-3-offload", "segments-2-kept", "whole-recompute",
-        "whole-recompute-hbm-2", "hbm-2-keep-auto",
+        "whole-recompute-hbm-2", "hbm-2-keep-auto", "keep-attention-segments-2",
+        "keep-attention-offload-tiles",
     ],
 )  # fmt: skip
 def test_engine_options_do_not_change_training(tmp_path, feature):
