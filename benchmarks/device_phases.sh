@@ -68,7 +68,7 @@ case "$phase" in
     # its tests run in a process of their own all the same.
     timeout 240 python3 -m pytest tests/test_gpu.py -k liger -o addopts="" -p no:cacheprovider \
       -rA -q 2>&1 | grep -v '^DEBUG' >>"$log"
-    grep -aE "^(FAILED|ERROR)|kept bytes per token|fp32-output GEMMs|[0-9]+ (passed|failed|skipped)" "$log" | tail -30
+    grep -aE "^(FAILED|ERROR)|kept (attention )?bytes per token|fp32-output GEMMs|[0-9]+ (passed|failed|skipped)" "$log" | tail -30
     ;;
   speed)
     # Issue 3's stock comparisons where stock fits (1.5B at 16k and 32k, 3B at 16k, 7B at 8k),

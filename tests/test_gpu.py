@@ -421,6 +421,46 @@ def test_kept_activation_memory_matches_planner(tmp_path, monkeypatch, kernels):
     assert 0.75 * planned <= per_token <= 1.02 * planned, (per_token, planned)
 
 
+def test_kept_attention_output_memory_matches_planner(tmp_path):
+    """What megatrain_keep_attention_outputs holds per recomputed layer and token on the GPU,
+    against the planner's line: two streamed Qwen2.5-1.5B-wide layers (bf16 autocast, SDPA's
+    cuDNN or flash kernel), the forward's allocation growth with the outputs kept minus without,
+    per layer and token. The plan counts the attention output (heads x head_dim bf16) and the fp32
+    log-sum-exp per head; it must not undershoot (2% for the allocator's block rounding and the
+    kernels' small extra outputs) and should be close (within 10%)."""
+    from hf_megatrain.core.activation_memory import attention_output_bytes_per_token
+    from hf_megatrain.hf.model import model_shape
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    trainer = HFMegaTrainer(
+        model=tiny_model(cfg),
+        args=_args(MegaTrainArguments, tmp_path, max_steps=1),
+        train_dataset=_data(4, 4096),
+    )
+    ids = torch.randint(0, VOCAB, (2, 4096), device="cuda")
+    engine = trainer.megatrain.engine
+
+    def forward_growth(keep: bool) -> int:
+        engine.keep_attention_outputs = keep
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = trainer.model.model(input_ids=ids).last_hidden_state
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - before
+        out.float().square().mean().backward()  # runs (and frees) the graph
+        engine.reset_grads()
+        return grown
+
+    forward_growth(False)  # warm-up: cuDNN plans, workspace
+    per_token = (forward_growth(True) - forward_growth(False)) / (2 * ids.numel())
+    planned = attention_output_bytes_per_token(model_shape(trainer.model), torch.bfloat16)
+    print(f"kept attention bytes per token: measured {per_token:.0f}, planned {planned}")
+    assert 0.9 * planned <= per_token <= 1.02 * planned, (per_token, planned)
+
+
 def test_activation_offload_moves_hidden_states_to_pinned_host(tmp_path):
     model = tiny_model(_tiny_gpu_config())
     data = _data(16, 256)
