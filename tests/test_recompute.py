@@ -202,3 +202,26 @@ def test_kept_attention_outputs_are_planned():
         for keep in (False, True)
     }
     assert 0 < longest[True] < longest[False]
+
+
+def test_kept_attention_outputs_warn_where_they_do_nothing(tmp_path, caplog):
+    """Only PyTorch SDPA's fused kernels are kept, and only by the early-stop recompute: other
+    attention implementations and whole-layer recomputes get a warning, not a silent no-op."""
+    import logging
+
+    cases = [
+        ({"attn_implementation": "eager"}, {}, "attn_implementation='eager'"),
+        ({}, {"megatrain_recompute_early_stop": False}, "megatrain_recompute_early_stop=False"),
+        ({}, {"megatrain_boundary_dtype": "bfloat16"}, "megatrain_boundary_dtype"),
+        ({}, {}, None),
+    ]
+    for i, (model_kw, args_kw, expected) in enumerate(cases):
+        model = tiny_model(tiny_config("llama", num_hidden_layers=1, **model_kw))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_megatrain.hf.trainer"):
+            run_trainer(
+                model, tmp_path, f"warn-{i}", mega=True, max_steps=1,
+                megatrain_keep_attention_outputs=True, **args_kw,
+            )  # fmt: skip
+        said = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+        assert (said and expected in said[0]) if expected else not said, (expected, said)

@@ -290,6 +290,27 @@ def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
     )
 
 
+def _warn_attention_outputs_unused(model: nn.Module, args: TrainingArguments) -> None:
+    """megatrain_keep_attention_outputs keeps PyTorch SDPA's fused kernel outputs only: say so
+    when the model's attention does not run through them or no layer uses the early stop."""
+    if not getattr(args, "megatrain_keep_attention_outputs", False):
+        return
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    why = None
+    if attn != "sdpa":
+        why = f"attn_implementation={attn!r} does not run PyTorch SDPA's fused kernels"
+    elif not getattr(args, "megatrain_recompute_early_stop", True):
+        why = "megatrain_recompute_early_stop=False re-runs whole layers"
+    elif _boundary_dtype(args) is not None:
+        why = "layers whose inputs are saved rounded (megatrain_boundary_dtype) re-run whole"
+    if why:
+        logger.warning(
+            "hf_megatrain: megatrain_keep_attention_outputs has no effect here: %s (the "
+            "recompute runs attention again)",
+            why,
+        )
+
+
 def _check_data_parallel(state, args: TrainingArguments) -> None:
     """The streamed model must have been prepared for this launch's number of processes."""
     dp = state.engine.dp
@@ -393,6 +414,7 @@ class MegaTrainerMixin:
         self.megatrain.engine.keep_attention_outputs = bool(
             getattr(args, "megatrain_keep_attention_outputs", False)
         )
+        _warn_attention_outputs_unused(model, args)
         self._wrapper = StreamedModelWrapper(
             model,
             compute_dtype,
