@@ -204,9 +204,9 @@ class RunConfig:
     checkpoint_every: int = 1
     # megatrain only: False re-runs whole layers in the backward recompute (no early stop).
     recompute_early_stop: bool = True
-    # megatrain only: recomputed layers keep the fused attention kernel's outputs from forward
-    # (the recompute skips attention's forward kernel).
-    keep_attention_outputs: bool = False
+    # megatrain only: recomputed layers that keep the fused attention kernel's outputs from
+    # forward (their recompute skips attention's forward kernel): off | all | auto | N.
+    keep_attention_outputs: str = "off"
     # megatrain-hbm only: HBM-tier layer count ("auto": the planner's, as many as fit); fewer
     # leave room for layers that keep activations (megatrain_keep_activations "auto").
     resident_layers: str = "auto"
@@ -283,8 +283,8 @@ class RunConfig:
             args += ["--checkpoint-every", str(self.checkpoint_every)]
         if not self.recompute_early_stop:
             args.append("--no-recompute-early-stop")
-        if self.keep_attention_outputs:
-            args.append("--keep-attention-outputs")
+        if self.keep_attention_outputs != "off":
+            args += ["--keep-attention-outputs", self.keep_attention_outputs]
         if self.resident_layers != "auto":
             args += ["--resident-layers", self.resident_layers]
         if self.keep_activations != "auto":
@@ -623,7 +623,7 @@ def train_once(cfg: RunConfig) -> dict:
     # go through zero.Init and initialize different (partitioned, on-GPU) random weights.
     if cfg.streamed_init and cfg.system.startswith("megatrain"):
         from hf_megatrain import init_streamed_model
-        from hf_megatrain.core.planner import Workload
+        from hf_megatrain.core.planner import Workload, parse_attention_layers
 
         config.use_cache = False
         model = init_streamed_model(
@@ -641,7 +641,9 @@ def train_once(cfg: RunConfig) -> dict:
                 offload_activations=cfg.offload_activations,
                 boundary_bytes_per_element=2 if cfg.bf16_boundaries else 4,
                 checkpoint_every=cfg.checkpoint_every,
-                keep_attention_outputs=cfg.keep_attention_outputs and cfg.recompute_early_stop,
+                attention_output_layers=parse_attention_layers(cfg.keep_attention_outputs)
+                if cfg.recompute_early_stop
+                else 0,
             ),
             # The store is built here, before the trainer: give it the run's layout.
             host_grads=not cfg.no_clip,
@@ -1218,10 +1220,14 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--keep-attention-outputs",
-        action="store_true",
-        help="megatrain only: recomputed layers keep the fused attention kernel's outputs "
-        "from forward, so the backward recompute does not run attention's forward again "
-        "(megatrain_keep_attention_outputs)",
+        nargs="?",
+        const="all",
+        default="off",
+        metavar="off|all|auto|N",
+        help="megatrain only: recomputed layers that keep the fused attention kernel's outputs "
+        "from forward, so that their backward recompute does not run attention's forward "
+        "again: all (the flag alone), auto (what the memory plan leaves room for) or the last "
+        "N (megatrain_keep_attention_outputs)",
     )
     p.add_argument(
         "--keep-activations",

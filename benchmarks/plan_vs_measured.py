@@ -42,7 +42,7 @@ def plan_row(row: dict):
 
     from benchmarks import bench
     from hf_megatrain.cli import model_shape_from_config
-    from hf_megatrain.core.planner import GIB, Workload, plan_memory
+    from hf_megatrain.core.planner import GIB, Workload, parse_attention_layers, plan_memory
 
     cfg = bench.load_model_config(row["model"])
     shape = model_shape_from_config(cfg, row["model"])
@@ -60,8 +60,9 @@ def plan_row(row: dict):
         offload_activations="--offload-activations" in command,
         boundary_bytes_per_element=2 if "--bf16-boundaries" in command else 4,
         checkpoint_every=int(_flag(command, "--checkpoint-every") or 1),
-        keep_attention_outputs="--keep-attention-outputs" in command
-        and "--no-recompute-early-stop" not in command,
+        attention_output_layers=0
+        if "--no-recompute-early-stop" in command
+        else parse_attention_layers(_flag(command, "--keep-attention-outputs") or "off"),
     )
     kw = dict(
         hold_grads="--no-clip" not in command,

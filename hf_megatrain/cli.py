@@ -77,7 +77,7 @@ class TrainOptions:
     checkpoint_every: int = 1  # save every k-th layer's input, recompute the rest (exact)
     liger: bool = False  # Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (CUDA; use_liger_kernel)
     hbm_cast_weights: bool = False  # HBM-tier layers keep no bf16 copy (16 B/param, more fit)
-    keep_attention_outputs: bool = False  # the recompute skips attention's forward kernel
+    keep_attention_outputs: str = "off"  # off | all | auto | N: recomputes skip attention fwd
     # Filled in by the CLI (not recipe keys).
     source: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -185,12 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--keep-attention-outputs",
-        action="store_const",
-        const=True,
-        help="recomputed layers keep the fused attention kernel's outputs from forward, so the "
-        "backward recompute does not run attention's forward again (identical training; HBM: "
-        "heads x head_dim x 2 B + 4 B per head per token and layer; "
-        "megatrain_keep_attention_outputs)",
+        nargs="?",
+        const="all",
+        metavar="off|all|auto|N",
+        help="recomputed layers that keep the fused attention kernel's outputs from forward, so "
+        "their backward recompute does not run attention's forward again (identical training; "
+        "HBM: heads x head_dim x 2 B + 4 B per head per token and layer): all (the flag "
+        "alone), auto (what the memory plan leaves room for), or the last N "
+        "(megatrain_keep_attention_outputs)",
     )
     _add_plan_parser(sub)
     return parser
@@ -276,6 +278,12 @@ def _validate(opts: TrainOptions) -> None:
         )
     if opts.mlp_tile_tokens < 0:
         raise CLIError("mlp_tile_tokens must be >= 0")
+    from .core.plan_types import parse_attention_layers  # noqa: PLC0415
+
+    try:
+        parse_attention_layers(opts.keep_attention_outputs)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     if opts.checkpoint_every < 1:
         raise CLIError("checkpoint_every must be >= 1")
     prec = opts.precision.lower()
@@ -467,7 +475,7 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
     # On a GPU: each decoder layer is initialized straight into its host-store master (on the
     # GPU, then copied), so a config whose fp32 copy would not fit next to the store still
     # starts, and fast; with resident_layers "auto" the plan sizes the HBM tier for this run.
-    from .core.planner import Workload  # noqa: PLC0415
+    from .core.planner import Workload, parse_attention_layers  # noqa: PLC0415
     from .hf.loading import init_streamed_model  # noqa: PLC0415
 
     workload = None
@@ -480,7 +488,7 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
             offload_activations=opts.offload_activations,
             boundary_bytes_per_element=2 if opts.bf16_boundaries else 4,
             checkpoint_every=opts.checkpoint_every,
-            keep_attention_outputs=opts.keep_attention_outputs,
+            attention_output_layers=parse_attention_layers(opts.keep_attention_outputs),
         )
     return init_streamed_model(
         cfg,

@@ -55,10 +55,14 @@ def add_plan_parser(sub) -> None:
     )
     pl.add_argument(
         "--keep-attention-outputs",
-        action="store_true",
-        help="plan for megatrain_keep_attention_outputs: recomputed layers keep the fused "
+        nargs="?",
+        const="all",
+        default="off",
+        metavar="off|all|auto|N",
+        help="plan for megatrain_keep_attention_outputs: recomputed layers that keep the fused "
         "attention kernel's output and log-sum-exp in HBM (heads x head_dim x 2 B + 4 B per "
-        "head per token and layer) and the recompute skips attention's forward",
+        "head per token and layer; their recompute skips attention's forward): all (the flag "
+        "alone), auto (as many as the HBM left fits) or the last N",
     )
     pl.add_argument(
         "--no-clip",
@@ -186,6 +190,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         max_micro_batch_sequences,
         max_num_layers,
         max_seq_len,
+        parse_attention_layers,
         plan_memory,
     )
     from .hf.model import _kept_count  # noqa: PLC0415
@@ -201,7 +206,9 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             offload_activations=bool(getattr(ns, "offload_activations", False)),
             boundary_bytes_per_element=2 if getattr(ns, "bf16_boundaries", False) else 4,
             checkpoint_every=1 if segment is None else segment,
-            keep_attention_outputs=bool(getattr(ns, "keep_attention_outputs", False)),
+            attention_output_layers=parse_attention_layers(
+                getattr(ns, "keep_attention_outputs", "off")
+            ),
         )
         if wl.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every {wl.checkpoint_every} must be at least 1")
@@ -241,7 +248,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             offload_activations=wl.offload_activations,
             boundary_bytes_per_element=wl.boundary_bytes_per_element,
             checkpoint_every=wl.checkpoint_every,
-            keep_attention_outputs=wl.keep_attention_outputs,
+            attention_output_layers=wl.attention_output_layers,
         )
         seqs = max_micro_batch_sequences(
             shape, wl.seq_len, wl.grad_accum, dtype, hbm, host, **engine, **store

@@ -145,7 +145,7 @@ def test_engine_options_reach_the_trainer(tmp_path):
         m.setattr(HFMegaTrainer, "__init__", spy)
         flags = ["--keep-attention-outputs"] + _fast_flags(tmp_path / "attn")
         assert main(["train", "--config", str(cfg), "--data", str(data)] + flags) == 0
-    assert seen == [True]
+    assert seen == ["all"]
     assert "attn: 'x' is not one of" in _error(["train", "--attn", "x"])
     assert "neither an integer nor 'auto'" in _error(["train", "--resident-layers", "some"])
 

@@ -429,7 +429,7 @@ def test_kept_attention_output_memory_matches_planner(tmp_path):
     log-sum-exp per head; it must not undershoot (2% for the allocator's block rounding and the
     kernels' small extra outputs) and should be close (within 10%)."""
     from hf_megatrain.core.activation_memory import attention_output_bytes_per_token
-    from hf_megatrain.hf.model import model_shape
+    from hf_megatrain.hf.model import keep_attention_outputs, model_shape
 
     cfg = Qwen2Config(
         vocab_size=VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
@@ -444,7 +444,7 @@ def test_kept_attention_output_memory_matches_planner(tmp_path):
     engine = trainer.megatrain.engine
 
     def forward_growth(keep: bool) -> int:
-        engine.keep_attention_outputs = keep
+        assert keep_attention_outputs(trainer.model, keep) == (2 if keep else 0)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         out = trainer.model.model(input_ids=ids).last_hidden_state

@@ -154,7 +154,6 @@ def test_kept_attention_outputs_train_identically_without_rerunning_attention(
                 copy.deepcopy(model), tmp_path, f"attn-{keep}", mega=True, max_steps=2,
                 megatrain_keep_attention_outputs=keep, **extra,
             )  # fmt: skip
-        assert trainer.megatrain.engine.keep_attention_outputs is keep
         runs[keep] = ([r["loss"] for r in logs], mega_params(trainer), counter.calls)
     assert runs[True][0] == runs[False][0]
     for k, v in runs[False][1].items():
@@ -163,11 +162,40 @@ def test_kept_attention_outputs_train_identically_without_rerunning_attention(
     assert (runs[False][2], runs[True][2]) == (8, 4)
 
 
+def test_kept_attention_outputs_for_a_count_of_layers(tmp_path):
+    """A count keeps them for the last N recomputed layers only: with 1 of 3, the kernel runs
+    in 3 forwards and 2 recomputes per step; 'off' and 0 keep none; nonsense is refused."""
+    from hf_megatrain.hf.model import find_decoder_layers, keep_attention_outputs
+
+    model = tiny_model(tiny_config("qwen2", num_hidden_layers=3))
+    counter = CountAttentionKernels()
+    with counter:
+        _, trainer = run_trainer(
+            model, tmp_path, "one", mega=True, max_steps=2, megatrain_keep_attention_outputs="1"
+        )
+    layers = [layer.forward for layer in find_decoder_layers(model)[1]]
+    assert [layer.keep_attention for layer in layers] == [False, False, True]
+    assert counter.calls == 2 * (3 + 2)
+    assert keep_attention_outputs(model, "off") == keep_attention_outputs(model, 0) == 0
+    assert keep_attention_outputs(model, "all") == keep_attention_outputs(model, 7) == 3
+    # "auto" is the memory plan's count; on the CPU there is no plan of the step: none.
+    assert keep_attention_outputs(model, "auto") == 0
+    with pytest.raises(ValueError, match="use 'off', 'all', 'auto' or a layer count"):
+        keep_attention_outputs(model, "most")
+
+
 def test_kept_attention_outputs_are_planned():
     """The plan counts the kept outputs for every recomputed layer (not for layers that keep
     their whole graph, which hold them already): heads x head_dim bf16 + 4 B per head."""
     from hf_megatrain.core.activation_memory import attention_output_bytes_per_token
-    from hf_megatrain.core.planner import GIB, ModelShape, Workload, max_seq_len, plan_memory
+    from hf_megatrain.core.planner import (
+        ALL_LAYERS,
+        GIB,
+        ModelShape,
+        Workload,
+        max_seq_len,
+        plan_memory,
+    )
 
     shape = ModelShape(
         layer_numels=(1000,) * 4, non_layer_numel=1000, hidden_size=64, vocab_size=100,
@@ -176,11 +204,11 @@ def test_kept_attention_outputs_are_planned():
     assert attention_output_bytes_per_token(shape, torch.bfloat16) == 4 * 16 * 2 + 4 * 4
     wl = Workload(seq_len=256, micro_batch_tokens=512)
 
-    def total(keep_attention: bool, kept: int, boundary_bytes: int = 4) -> int:
+    def total(layers: int | None, kept: int, boundary_bytes: int = 4) -> int:
         w = Workload(
             **{
                 **wl.__dict__,
-                "keep_attention_outputs": keep_attention,
+                "attention_output_layers": layers,
                 "boundary_bytes_per_element": boundary_bytes,
             }
         )
@@ -189,16 +217,31 @@ def test_kept_attention_outputs_are_planned():
         )
         return sum(line.nbytes for line in plan.gpu_lines if "attention outputs" in line.name)
 
-    assert total(False, 0) == 0
-    assert total(True, 0) == 4 * 512 * 144
-    assert total(True, 1) == 3 * 512 * 144
+    per_layer = 512 * 144
+    assert total(0, 0) == 0
+    assert total(ALL_LAYERS, 0) == 4 * per_layer
+    assert total(ALL_LAYERS, 1) == 3 * per_layer  # the kept layer holds them already
+    assert total(2, 0) == 2 * per_layer
     # Inputs saved rounded to bf16: layers re-run whole and keep nothing of the kind.
-    assert total(True, 0, boundary_bytes=2) == 0
+    assert total(ALL_LAYERS, 0, boundary_bytes=2) == 0
+    # "auto" (None): as many as the HBM left by the tier fits. With room for about 2.5 layers'
+    # worth beyond a plan without them, 2.
+    base = plan_memory(shape, wl, torch.bfloat16, 8 * GIB, 8 * GIB, hbm_layers=4)
+    room = base.gpu_total + int(2.5 * per_layer * 1.03)  # the slack line grows 3% with them
+    w = Workload(**{**wl.__dict__, "attention_output_layers": None})
+    auto = plan_memory(shape, w, torch.bfloat16, room, 8 * GIB, hbm_layers=4)
+    assert auto.attention_layers == 2 and auto.attention_layer_indices == [2, 3]
     # The "what fits" searches plan with them too: a shorter longest sequence.
     longest = {
         keep: max_seq_len(
-            shape, 1, torch.bfloat16, 2 * GIB, 8 * GIB, multiple=1024, keep_attention_outputs=keep
-        )
+            shape,
+            1,
+            torch.bfloat16,
+            2 * GIB,
+            8 * GIB,
+            multiple=1024,
+            attention_output_layers=ALL_LAYERS if keep else 0,
+        )  # fmt: skip
         for keep in (False, True)
     }
     assert 0 < longest[True] < longest[False]

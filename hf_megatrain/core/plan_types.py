@@ -66,6 +66,37 @@ class ModelShape:
         return replace(self, layer_numels=(big,) * n, name=f"{self.name} x{n} layers")
 
 
+#: ``Workload.attention_output_layers``: every recomputed layer.
+ALL_LAYERS = -1
+
+
+def parse_attention_layers(value: object) -> int | None:
+    """``megatrain_keep_attention_outputs`` as ``Workload.attention_output_layers``: "off"
+    (or False) 0, "all" (or True) ``ALL_LAYERS``, "auto" None, or a count of layers."""
+    text = str(value).strip().lower()
+    if text in ("off", "false", "none", "0", ""):
+        return 0
+    if text in ("all", "true"):
+        return ALL_LAYERS
+    if text == "auto":
+        return None
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(
+            f"keep_attention_outputs={value!r}: use 'off', 'all', 'auto' or a layer count"
+        )
+    return count
+
+
+def last_recomputed(recomputed: list[int], count: int) -> list[int]:
+    """The layers (of those recomputed in backward, in order) that keep their attention
+    kernel's outputs: the last ``count``."""
+    return recomputed[len(recomputed) - count :] if count > 0 else []
+
+
 @dataclass(frozen=True)
 class Workload:
     """One optimizer step: ``grad_accum`` micro-batches of ``micro_batch_tokens`` tokens."""
@@ -84,15 +115,12 @@ class Workload:
     # Engine option checkpoint_every: only every k-th layer saves its input (a segment leader);
     # a segment's backward recomputes the others' and holds up to k - 1 of them (fp32) in HBM.
     checkpoint_every: int = 1
-    # Engine option keep_attention_outputs: every recomputed layer keeps its fused attention
+    # Engine option keep_attention_outputs: recomputed layers that keep their fused attention
     # kernel's output and log-sum-exp in HBM from forward to backward (no attention forward in
-    # the recompute). Without effect where layers re-run whole (boundaries saved narrower).
-    keep_attention_outputs: bool = False
-
-    @property
-    def keeps_attention_outputs(self) -> bool:
-        """Whether the engine keeps them: only its early-stop recompute (fp32 boundaries)."""
-        return self.keep_attention_outputs and self.boundary_bytes_per_element == 4
+    # the recompute): 0 none, a count, ALL_LAYERS every recomputed layer, None as many as the
+    # HBM left after the tier and kept activations fits. Without effect where layers re-run
+    # whole (boundaries saved narrower). ``parse_attention_layers`` reads the option.
+    attention_output_layers: int | None = 0
 
     @property
     def tokens_per_step(self) -> int:

@@ -45,11 +45,19 @@ from .activation_memory import (
 )
 from .host_store import device_layer_bytes, format_bytes, layer_store_bytes
 from .memory_options import MemoryOptions, lightest_fit
-from .plan_types import MemoryLine, ModelShape, Workload
+from .plan_types import (
+    ALL_LAYERS,
+    MemoryLine,
+    ModelShape,
+    Workload,
+    last_recomputed,
+    parse_attention_layers,
+)
 from .plan_types import itemsize as _itemsize
 from .streaming import GRAD_STAGING_SLOTS
 
 __all__ = [
+    "ALL_LAYERS",
     "ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN",
     "GIB",
     "LayerPlacement",
@@ -63,6 +71,7 @@ __all__ = [
     "max_micro_batch_sequences",
     "max_num_layers",
     "max_seq_len",
+    "parse_attention_layers",
     "plan_memory",
     "saved_boundary_layers",
     "segment_cache_layers",
@@ -148,10 +157,18 @@ class MemoryPlan:
     # are cast from their fp32 master into a stream buffer when they run (16 instead of 18
     # B/param in bf16 runs); the kept ones keep theirs (their graph holds the weights).
     hbm_cast_weights: bool = False
+    # Recomputed layers (the last ones) that keep their attention kernel's outputs.
+    attention_layers: int = 0
 
     @property
     def kept_layer_indices(self) -> list[int]:
         return list(range(self.n_hbm - self.kept_layers, self.n_hbm))
+
+    @property
+    def attention_layer_indices(self) -> list[int]:
+        kept = set(self.kept_layer_indices)
+        recomputed = [p.index for p in self.layers if p.index not in kept]
+        return last_recomputed(recomputed, self.attention_layers)
 
     # Set when the plan does not fit: the shortest checkpoint segment length that would make it
     # fit (None: none tried does, or bf16 boundaries already would).
@@ -246,9 +263,11 @@ def _gpu_lines(
     kept: int = 0,
     ranks: int = 1,
     hbm_cast_weights: bool = False,
+    attention_layers: int = 0,
 ) -> list[MemoryLine]:
     """GPU costs with the first ``n_hbm`` layers in the HBM tier, ``kept`` of them keeping
-    their activations (no recompute); per GPU when ``ranks`` > 1 (data parallel)."""
+    their activations (no recompute) and ``attention_layers`` recomputed ones their attention
+    kernel's outputs; per GPU when ``ranks`` > 1 (data parallel)."""
     isz = _itemsize(dtype)
     dt = "bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch.")
     hbm = shape.layer_numels[:n_hbm]
@@ -319,8 +338,8 @@ def _gpu_lines(
         )
         return lines
     lines += activation_lines(shape, workload, dtype)
-    if workload.keeps_attention_outputs and shape.num_layers > kept:
-        lines.append(attention_output_line(shape, workload, dtype, shape.num_layers - kept))
+    if attention_layers:
+        lines.append(attention_output_line(shape, workload, dtype, attention_layers))
     if kept:
         # A kept layer's graph holds its fp32 input itself, also where the boundary line
         # counts it rounded to bf16.
@@ -513,10 +532,21 @@ def plan_memory(
         raise ValueError(f"compute dtype {compute_dtype} is not supported; use bf16 or fp32")
     n = shape.num_layers
 
-    def gpu(k: int, kept: int = 0) -> list[MemoryLine]:
+    # Recomputed layers keeping their attention kernel's outputs: asked for as a count (or all),
+    # part of sizing the tier; "auto" (None) fills what the tier and kept activations leave.
+    attn_ask = workload.attention_output_layers if workload is not None else 0
+    if workload is not None and workload.boundary_bytes_per_element != 4:
+        attn_ask = 0  # layers with rounded inputs re-run whole: nothing kept
+
+    def attn_fixed(kept: int) -> int:
+        if attn_ask is None:
+            return 0
+        return n - kept if attn_ask == ALL_LAYERS else min(attn_ask, n - kept)
+
+    def gpu(k: int, kept: int = 0, attn: int | None = None) -> list[MemoryLine]:
         return _gpu_lines(
             shape, workload, compute_dtype, k, reserve_bytes, stream_fp32_master, kept, ranks,
-            hbm_cast_weights,
+            hbm_cast_weights, attn_fixed(kept) if attn is None else attn,
         )  # fmt: skip
 
     if hbm_layers is not None:
@@ -541,7 +571,13 @@ def plan_memory(
                 "layers can keep their activations"
             )
         kept = keep_activation_layers
-    gpu_lines = gpu(n_hbm, kept)
+    if attn_ask is None:
+        attn = next(
+            (a for a in range(n - kept, 0, -1) if _total(gpu(n_hbm, kept, a)) <= hbm_bytes), 0
+        )
+    else:
+        attn = attn_fixed(kept)
+    gpu_lines = gpu(n_hbm, kept, attn)
     store_kw = dict(hold_grad=hold_grads, stream_master=stream_fp32_master)
     host_lines = _host_lines(
         shape,
@@ -573,6 +609,7 @@ def plan_memory(
         kept_layers=kept,
         ranks=ranks,
         hbm_cast_weights=cast,
+        attention_layers=attn,
     )
     fixed_gpu_lines = gpu(0) if hbm_layers is None else gpu_lines
     _add_problems(plan, fixed_gpu_lines)
@@ -874,7 +911,7 @@ def max_micro_batch_sequences(
     offload_activations: bool = False,
     boundary_bytes_per_element: int = 4,
     checkpoint_every: int = 1,
-    keep_attention_outputs: bool = False,
+    attention_output_layers: int | None = 0,
     **kw,
 ) -> int:
     """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one)."""
@@ -882,7 +919,7 @@ def max_micro_batch_sequences(
         lambda m: _fits(
             shape, Workload(
                 seq_len, m * seq_len, grad_accum, mlp_tile_tokens, offload_activations,
-                boundary_bytes_per_element, checkpoint_every, keep_attention_outputs,
+                boundary_bytes_per_element, checkpoint_every, attention_output_layers,
             ),
             compute_dtype, hbm_bytes,
             host_bytes, **kw,
@@ -903,7 +940,7 @@ def max_seq_len(
     offload_activations: bool = False,
     boundary_bytes_per_element: int = 4,
     checkpoint_every: int = 1,
-    keep_attention_outputs: bool = False,
+    attention_output_layers: int | None = 0,
     **kw,
 ) -> int:
     """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none."""
@@ -911,7 +948,7 @@ def max_seq_len(
         lambda k: _fits(
             shape, Workload(
                 k * multiple, k * multiple, grad_accum, mlp_tile_tokens, offload_activations,
-                boundary_bytes_per_element, checkpoint_every, keep_attention_outputs,
+                boundary_bytes_per_element, checkpoint_every, attention_output_layers,
             ),
             compute_dtype, hbm_bytes,
             host_bytes, **kw,
@@ -983,6 +1020,11 @@ def _render_table(plan: MemoryPlan) -> str:
         out.append(
             f"activations kept, no recompute: layers {_ranges(plan.kept_layer_indices)}; "
             "the others recompute in backward"
+        )
+    if plan.attention_layers:
+        out.append(
+            f"attention outputs kept for the recompute: layers "
+            f"{_ranges(plan.attention_layer_indices)}"
         )
     out.append(_mode_line(plan.compute_dtype, plan.hold_grads, plan.stream_fp32_master))
     for title, lines, total, avail in (

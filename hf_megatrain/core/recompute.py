@@ -13,7 +13,7 @@ inputs are its own (offloaded to the host, rounded to bf16, re-made from a segme
 its weights are bound again as they arrive. The pairing of saved tensors is by order, as in
 torch, and checked: the recompute must save the same shapes and dtypes in the same order.
 
-``attention_output_cache`` (engine option ``keep_attention_outputs``) goes one step further for
+``attention_output_cache`` (a layer's ``keep_attention``, option ``keep_attention_outputs``) goes one step further for
 attention: the fused SDPA kernel's outputs (the attention output and its log-sum-exp) are kept
 from the forward and handed back in the recompute instead of running the kernel again, through
 torch's selective-checkpoint dispatch modes. The attention node is still re-created in the

@@ -84,6 +84,10 @@ class StreamedLayer:
         # until backward: the HBM tier (a streamed layer's device buffer is overwritten by the
         # next layer).
         self.keep_graph = False
+        # Recomputed with the early stop, keep the fused attention kernel's outputs (attention
+        # output, log-sum-exp) from forward to backward: the recompute does not run that kernel
+        # again (recompute.attention_output_cache; planned per layer and token).
+        self.keep_attention = False
 
     def run(
         self,
@@ -211,11 +215,11 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 ctx, flat_args, tensors[:n_args], tensors[n_args + ctx.n_anchor :]
             )
             saves = None if layer.keep_graph else PlaceholderSaves()
-            # keep_attention_outputs: the attention kernel's outputs stay from here to the
-            # recompute, which then skips that kernel (recompute.attention_output_cache).
+            # keep_attention: the attention kernel's outputs stay from here to the recompute,
+            # which then skips that kernel (recompute.attention_output_cache).
             cache = (
                 attention_output_cache()
-                if saves is not None and engine.keep_attention_outputs
+                if saves is not None and layer.keep_attention
                 else (contextlib.nullcontext(), None)
             )
             with (

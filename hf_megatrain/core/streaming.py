@@ -190,11 +190,6 @@ class StreamingEngine:
         # Recompute into the forward's graph and stop after the last saved tensor (recompute.py);
         # False re-runs the whole layer into a graph of its own (the before/after switch).
         self.recompute_early_stop = True
-        # Layers recomputed with the early stop keep the fused attention kernel's outputs (the
-        # attention output and its log-sum-exp) from forward to backward, so the recompute does
-        # not run that kernel again (recompute.attention_output_cache); planned as
-        # Workload.keep_attention_outputs.
-        self.keep_attention_outputs = False
         self._open_segment: Segment | None = None
         self._backward_next: dict[int, int] = {}
 

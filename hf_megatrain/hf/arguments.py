@@ -147,16 +147,20 @@ class MegaTrainArguments(TrainingArguments):
             "whole."
         },
     )
-    megatrain_keep_attention_outputs: bool = field(
-        default=False,
+    megatrain_keep_attention_outputs: str = field(
+        default="off",
         metadata={
-            "help": "Layers recomputed in backward keep the fused attention kernel's outputs "
-            "(SDPA's attention output and log-sum-exp) from forward, so the recompute does not "
-            "run attention's forward again (torch's selective checkpointing applied to the "
-            "SDPA kernels): identical gradients, one attention forward less per recomputed "
-            "layer (the costliest part of a long sequence's recompute), for heads x head_dim "
-            "compute-dtype values plus 4 B per head per token and layer in HBM, which the "
-            "memory plan counts. Needs megatrain_recompute_early_stop; attention that does not "
+            "help": "Layers recomputed in backward that keep the fused attention kernel's "
+            "outputs (SDPA's attention output and log-sum-exp) from forward, so that their "
+            "recompute does not run attention's forward again (torch's selective "
+            "checkpointing applied to the SDPA kernels): identical gradients, one attention "
+            "forward less per such layer (the costliest part of a long sequence's recompute), "
+            "for heads x head_dim compute-dtype values plus 4 B per head per token and layer "
+            "in HBM. 'off'; 'all' (or True: every recomputed layer, counted when the plan "
+            "sizes the HBM tier); 'auto' (as many of the last recomputed layers as the memory "
+            "plan leaves HBM for after the HBM tier and kept activations; needs the plan: "
+            "megatrain_resident_layers 'auto' or a count, on a GPU); or a count (the last N "
+            "recomputed layers). Needs megatrain_recompute_early_stop; attention that does not "
             "run through PyTorch SDPA's fused kernels (flex attention, flash-attn) is "
             "recomputed as before."
         },

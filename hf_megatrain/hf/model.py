@@ -25,7 +25,15 @@ from ..core.host_store import (
     layer_store_bytes,
     layout_slots,
 )
-from ..core.planner import MemoryPlan, ModelShape, Workload, plan_memory
+from ..core.plan_types import last_recomputed
+from ..core.planner import (
+    ALL_LAYERS,
+    MemoryPlan,
+    ModelShape,
+    Workload,
+    parse_attention_layers,
+    plan_memory,
+)
 from ..core.streamed_layer import StreamedLayer
 from ..core.streaming import GRAD_STAGING_SLOTS, StreamingEngine
 from .capture import RecorderCapture, recorder_capture_available
@@ -604,6 +612,42 @@ def keep_activations(model: nn.Module, value: int | str) -> int:
             max(kept),
         )
     return count
+
+
+def keep_attention_outputs(model: nn.Module, value: object) -> int:
+    """Let the last recomputed layers keep their attention kernel's outputs for the recompute.
+
+    ``value``: "off" (or False), "all" (or True: every recomputed layer), "auto" (the memory
+    plan's count when the model was streamed with a planned workload, else 0) or a count
+    (capped at the recomputed layers). Call after :func:`keep_activations` (layers that keep
+    their whole graph do not recompute). Returns how many keep them; takes effect at the next
+    forward.
+    """
+    state = streamed_state(model)
+    if state is None:
+        raise ValueError("hf_megatrain: keep_attention_outputs needs a streamed model")
+    layers = [layer.forward for layer in find_decoder_layers(model)[1]]
+    ask = parse_attention_layers(value)
+    recomputed = [i for i, layer in enumerate(layers) if not layer.keep_graph]
+    if ask is None:
+        if state.plan is None or state.plan.workload is None:
+            logger.warning(
+                "hf_megatrain: keep_attention_outputs='auto' needs the memory plan of the step "
+                "(megatrain_resident_layers 'auto' or a count, on a GPU): no layer keeps them"
+            )
+        count = state.plan.attention_layers if state.plan is not None else 0
+    else:
+        count = len(recomputed) if ask == ALL_LAYERS else ask
+    keep = set(last_recomputed(recomputed, min(count, len(recomputed))))
+    for i, layer in enumerate(layers):
+        layer.keep_attention = i in keep
+    if keep:
+        logger.info(
+            "hf_megatrain: layers %d-%d keep their attention outputs for the recompute",
+            min(keep),
+            max(keep),
+        )
+    return len(keep)
 
 
 def _named_resident(model: nn.Module, decay_names: set[str]):

@@ -24,7 +24,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..core.distributed import DataParallelError
 from ..core.host_store import InsufficientHostMemoryError
-from ..core.planner import Workload
+from ..core.planner import Workload, parse_attention_layers
 from ..core.streaming import parse_boundary_dtype
 from .arguments import MegaTrainArguments
 from .checkpoint import (
@@ -40,6 +40,7 @@ from .model import (
     _is_peft,
     find_decoder_layers,
     keep_activations,
+    keep_attention_outputs,
     prepare_streamed_model,
     streamed_state,
 )
@@ -285,15 +286,21 @@ def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
         boundary_bytes_per_element=2 if _boundary_dtype(args) == torch.bfloat16 else 4,
         checkpoint_every=_checkpoint_every(args),
         # Only the early-stop recompute uses them (the plan knows about rounded boundaries).
-        keep_attention_outputs=bool(getattr(args, "megatrain_keep_attention_outputs", False))
-        and bool(getattr(args, "megatrain_recompute_early_stop", True)),
+        attention_output_layers=_attention_ask(args)
+        if getattr(args, "megatrain_recompute_early_stop", True)
+        else 0,
     )
+
+
+def _attention_ask(args: TrainingArguments) -> int | None:
+    """megatrain_keep_attention_outputs as ``Workload.attention_output_layers``."""
+    return parse_attention_layers(getattr(args, "megatrain_keep_attention_outputs", "off"))
 
 
 def _warn_attention_outputs_unused(model: nn.Module, args: TrainingArguments) -> None:
     """megatrain_keep_attention_outputs keeps PyTorch SDPA's fused kernel outputs only: say so
     when the model's attention does not run through them or no layer uses the early stop."""
-    if not getattr(args, "megatrain_keep_attention_outputs", False):
+    if _attention_ask(args) == 0:
         return
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     why = None
@@ -411,9 +418,7 @@ class MegaTrainerMixin:
         self.megatrain.engine.recompute_early_stop = bool(
             getattr(args, "megatrain_recompute_early_stop", True)
         )
-        self.megatrain.engine.keep_attention_outputs = bool(
-            getattr(args, "megatrain_keep_attention_outputs", False)
-        )
+        keep_attention_outputs(model, getattr(args, "megatrain_keep_attention_outputs", "off"))
         _warn_attention_outputs_unused(model, args)
         self._wrapper = StreamedModelWrapper(
             model,
