@@ -603,15 +603,16 @@ def keep_activations(model: nn.Module, value: int | str) -> int:
             "is reused by the next layer"
         )
     kept = set(tier[len(tier) - count :]) if count else set()
-    for i, layer in enumerate(layers):
-        layer.keep_graph = i in kept
-    if count:
-        logger.info(
-            "hf_megatrain: layers %d-%d keep their activations (no recompute)",
-            min(kept),
-            max(kept),
-        )
+    _flag_layers(layers, "keep_graph", kept, "their activations (no recompute)")
     return count
+
+
+def _flag_layers(layers: list, attr: str, chosen: set[int], what: str) -> None:
+    """Set ``attr`` on the chosen streamed layers (and clear it on the others); say which."""
+    for i, layer in enumerate(layers):
+        setattr(layer, attr, i in chosen)
+    if chosen:
+        logger.info("hf_megatrain: layers %d-%d keep %s", min(chosen), max(chosen), what)
 
 
 def keep_attention_outputs(model: nn.Module, value: object) -> int:
@@ -639,14 +640,7 @@ def keep_attention_outputs(model: nn.Module, value: object) -> int:
     else:
         count = len(recomputed) if ask == ALL_LAYERS else ask
     keep = set(last_recomputed(recomputed, min(count, len(recomputed))))
-    for i, layer in enumerate(layers):
-        layer.keep_attention = i in keep
-    if keep:
-        logger.info(
-            "hf_megatrain: layers %d-%d keep their attention outputs for the recompute",
-            min(keep),
-            max(keep),
-        )
+    _flag_layers(layers, "keep_attention", keep, "their attention outputs for the recompute")
     return len(keep)
 
 
