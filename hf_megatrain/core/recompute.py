@@ -150,5 +150,11 @@ def attention_output_cache() -> tuple[
     """``(forward, recompute)`` contexts for one layer call: run its forward in the first and its
     recompute (``PlaceholderSaves.refill``) in the second; the fused attention kernels then run
     once. An attention that does not go through these kernels (math fallback with an explicit
-    mask on some backends, flex attention, flash-attn) is recomputed as before."""
+    mask on some backends, flex attention, flash-attn) is recomputed as before.
+
+    The cache hands back what the forward's kernel returned whatever the recompute's arguments:
+    both must make the same call. The early-stop path does (the same ops on leaves with the
+    same ``requires_grad``, both under grad). A forward without grad would not: the cuDNN and
+    memory-efficient kernels compute the log-sum-exp only when an input requires grad, so the
+    whole-layer recompute (forward without a graph) does not use this."""
     return create_selective_checkpoint_contexts(_sdpa_kernels())
