@@ -701,3 +701,24 @@ def test_keep_attention_outputs_on_gpu(tmp_path, resident):
     # 4 layers x 4 steps, each layer's attention forward in forward and in the recompute (or
     # not); the trainer's log-only evaluation runs none.
     assert (runs[False][2], runs[True][2]) == (32, 16)
+
+
+def test_keep_attention_outputs_auto_on_gpu(tmp_path):
+    """'auto' takes the memory plan's count (a GPU plan of the step: resident_layers 'auto'):
+    with a tiny model every recomputed layer fits, so all 4 keep them (kept activations off,
+    so that all 4 recompute) and the kernel runs once per layer and step."""
+    from hf_megatrain.hf.model import find_decoder_layers
+
+    from .helpers import CountAttentionKernels
+
+    model = tiny_model(_tiny_gpu_config())
+    counter = CountAttentionKernels()
+    with counter:
+        trainer, losses = _mega_losses(
+            tmp_path, "auto", model, _data(32, 128), megatrain_resident_layers="auto",
+            megatrain_keep_activations="off", megatrain_keep_attention_outputs="auto",
+        )  # fmt: skip
+    assert trainer.megatrain.plan is not None and trainer.megatrain.plan.attention_layers == 4
+    assert [layer.forward.keep_attention for layer in find_decoder_layers(model)[1]] == [True] * 4
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert counter.calls == 4 * 4
