@@ -641,9 +641,9 @@ def train_once(cfg: RunConfig) -> dict:
                 offload_activations=cfg.offload_activations,
                 boundary_bytes_per_element=2 if cfg.bf16_boundaries else 4,
                 checkpoint_every=cfg.checkpoint_every,
-                attention_output_layers=parse_attention_layers(cfg.keep_attention_outputs)
-                if cfg.recompute_early_stop
-                else 0,
+                attention_output_layers=parse_attention_layers(
+                    cfg.keep_attention_outputs, cfg.recompute_early_stop
+                ),
             ),
             # The store is built here, before the trainer: give it the run's layout.
             host_grads=not cfg.no_clip,

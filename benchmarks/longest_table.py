@@ -43,6 +43,11 @@ def _one_sequence(row: dict) -> bool:
         return False
 
 
+def _no_runs() -> dict:
+    """A (model, system) entry before any row: no longest ok, no shortest failed."""
+    return {"ok": None, "ok_tag": "", "ok_hbm": "", "failed": None, "fail": ""}
+
+
 def longest(rows: list[dict]) -> dict[tuple[str, str], dict]:
     """Per (model, system): longest ok sequence and shortest failed one, with their tags."""
     out: dict[tuple[str, str], dict] = {}
@@ -50,9 +55,7 @@ def longest(rows: list[dict]) -> dict[tuple[str, str], dict]:
         if not _one_sequence(row) or not row.get("status"):
             continue
         key = (row["model"], row["system"])
-        entry = out.setdefault(
-            key, {"ok": None, "ok_tag": "", "ok_hbm": "", "failed": None, "fail": ""}
-        )
+        entry = out.setdefault(key, _no_runs())
         seq = int(row["seq_len"])
         if row["status"] == "ok":
             if entry["ok"] is None or seq > entry["ok"]:
@@ -117,8 +120,7 @@ def markdown(table: dict[tuple[str, str], dict], plans: dict[str, int]) -> str:
     ]
     rows = dict(table)
     for model in plans:  # a model with no hf_megatrain run still gets its planned ceiling
-        rows.setdefault((model, "megatrain-hbm"), {"ok": None, "ok_tag": "", "ok_hbm": "",
-                                                   "failed": None, "fail": ""})  # fmt: skip
+        rows.setdefault((model, "megatrain-hbm"), _no_runs())
     for (model, system), e in sorted(rows.items()):
         plan = _k(plans.get(model)) if system == "megatrain-hbm" else ""
         how = e["fail"]

@@ -60,9 +60,10 @@ def plan_row(row: dict):
         offload_activations="--offload-activations" in command,
         boundary_bytes_per_element=2 if "--bf16-boundaries" in command else 4,
         checkpoint_every=int(_flag(command, "--checkpoint-every") or 1),
-        attention_output_layers=0
-        if "--no-recompute-early-stop" in command
-        else parse_attention_layers(_flag(command, "--keep-attention-outputs") or "off"),
+        attention_output_layers=parse_attention_layers(
+            _flag(command, "--keep-attention-outputs") or "off",
+            "--no-recompute-early-stop" not in command,
+        ),
     )
     kw = dict(
         hold_grads="--no-clip" not in command,

@@ -366,6 +366,37 @@ def test_liger_kernels_on_gpu(tmp_path, monkeypatch, tile):
     assert got == pytest.approx(base, rel=1e-2)
 
 
+def _wide_two_layer_trainer(tmp_path, **kw) -> HFMegaTrainer:
+    """Two Qwen2.5-1.5B-wide layers (bf16 autocast, fp32 residual, SDPA) for memory audits."""
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    args = _args(MegaTrainArguments, tmp_path, max_steps=1, **kw)
+    return HFMegaTrainer(model=tiny_model(cfg), args=args, train_dataset=_data(4, 4096))
+
+
+def _kept_bytes_per_layer_token(trainer: HFMegaTrainer, choose) -> float:
+    """Forward allocation growth of the 2 layers with ``choose(True)`` minus with
+    ``choose(False)``, per layer and token (2 x 4096 tokens; a warm-up pass first: cuDNN plans,
+    workspace)."""
+    ids = torch.randint(0, VOCAB, (2, 4096), device="cuda")
+
+    def forward_growth(on: bool) -> int:
+        choose(on)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = trainer.model.model(input_ids=ids).last_hidden_state
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - before
+        out.float().square().mean().backward()  # runs (and frees) the graph
+        trainer.megatrain.engine.reset_grads()
+        return grown
+
+    forward_growth(False)
+    return (forward_growth(True) - forward_growth(False)) / (2 * ids.numel())
+
+
 @pytest.mark.parametrize("kernels", ["default", "liger"])
 def test_kept_activation_memory_matches_planner(tmp_path, monkeypatch, kernels):
     """What a kept layer's graph holds per token on the GPU, against the planner's estimate.
@@ -392,28 +423,12 @@ def test_kept_activation_memory_matches_planner(tmp_path, monkeypatch, kernels):
             liger_kernel_config={"rope": True, "rms_norm": True, "swiglu": True,
                                  "fused_linear_cross_entropy": False},
         )  # fmt: skip
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
-    )  # fmt: skip
-    model = tiny_model(cfg)
-    args = _args(MegaTrainArguments, tmp_path, max_steps=1, megatrain_resident_layers="2", **extra)
-    trainer = HFMegaTrainer(model=model, args=args, train_dataset=_data(4, 4096))
-    ids = torch.randint(0, VOCAB, (2, 4096), device="cuda")
+    trainer = _wide_two_layer_trainer(tmp_path, megatrain_resident_layers="2", **extra)
 
-    def forward_growth(keep: str) -> int:
-        assert keep_activations(trainer.model, keep) == (0 if keep == "off" else 2)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        out = trainer.model.model(input_ids=ids).last_hidden_state
-        torch.cuda.synchronize()
-        grown = torch.cuda.memory_allocated() - before
-        out.float().square().mean().backward()  # runs (and frees) the graph
-        trainer.megatrain.engine.reset_grads()
-        return grown
+    def choose(keep: bool) -> None:
+        assert keep_activations(trainer.model, "2" if keep else "off") == (2 if keep else 0)
 
-    forward_growth("off")  # warm-up: cuDNN plans, workspace
-    per_token = (forward_growth("2") - forward_growth("off")) / (2 * ids.numel())
+    per_token = _kept_bytes_per_layer_token(trainer, choose)
     shape = model_shape(trainer.model)
     assert shape.fused_layer_kernels == (kernels == "liger")
     planned = kept_activation_bytes_per_token(shape)
@@ -431,31 +446,12 @@ def test_kept_attention_output_memory_matches_planner(tmp_path):
     from hf_megatrain.core.activation_memory import attention_output_bytes_per_token
     from hf_megatrain.hf.model import keep_attention_outputs, model_shape
 
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
-    )  # fmt: skip
-    trainer = HFMegaTrainer(
-        model=tiny_model(cfg),
-        args=_args(MegaTrainArguments, tmp_path, max_steps=1),
-        train_dataset=_data(4, 4096),
-    )
-    ids = torch.randint(0, VOCAB, (2, 4096), device="cuda")
-    engine = trainer.megatrain.engine
+    trainer = _wide_two_layer_trainer(tmp_path)
 
-    def forward_growth(keep: bool) -> int:
+    def choose(keep: bool) -> None:
         assert keep_attention_outputs(trainer.model, keep) == (2 if keep else 0)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        out = trainer.model.model(input_ids=ids).last_hidden_state
-        torch.cuda.synchronize()
-        grown = torch.cuda.memory_allocated() - before
-        out.float().square().mean().backward()  # runs (and frees) the graph
-        engine.reset_grads()
-        return grown
 
-    forward_growth(False)  # warm-up: cuDNN plans, workspace
-    per_token = (forward_growth(True) - forward_growth(False)) / (2 * ids.numel())
+    per_token = _kept_bytes_per_layer_token(trainer, choose)
     planned = attention_output_bytes_per_token(model_shape(trainer.model), torch.bfloat16)
     print(f"kept attention bytes per token: measured {per_token:.0f}, planned {planned}")
     assert 0.9 * planned <= per_token <= 1.02 * planned, (per_token, planned)

@@ -70,25 +70,23 @@ class ModelShape:
 ALL_LAYERS = -1
 
 
-def parse_attention_layers(value: object) -> int | None:
+def parse_attention_layers(value: object, recompute_early_stop: bool = True) -> int | None:
     """``megatrain_keep_attention_outputs`` as ``Workload.attention_output_layers``: "off"
-    (or False) 0, "all" (or True) ``ALL_LAYERS``, "auto" None, or a count of layers."""
+    (or False) 0, "all" (or True) ``ALL_LAYERS``, "auto" None, or a count of layers; 0 without
+    the early-stop recompute (whole layers re-run: nothing is kept)."""
     text = str(value).strip().lower()
-    if text in ("off", "false", "none", "0", ""):
-        return 0
-    if text in ("all", "true"):
-        return ALL_LAYERS
+    named = {"off": 0, "false": 0, "none": 0, "": 0, "all": ALL_LAYERS, "true": ALL_LAYERS}
     if text == "auto":
-        return None
-    try:
-        count = int(text)
-    except ValueError:
-        count = -1
-    if count < 0:
+        ask = None
+    elif text in named:
+        ask = named[text]
+    elif text.isdigit():
+        ask = int(text)
+    else:
         raise ValueError(
             f"keep_attention_outputs={value!r}: use 'off', 'all', 'auto' or a layer count"
         )
-    return count
+    return ask if recompute_early_stop else 0
 
 
 def last_recomputed(recomputed: list[int], count: int) -> list[int]:

@@ -285,22 +285,23 @@ def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
         offload_activations=bool(getattr(args, "megatrain_offload_activations", False)),
         boundary_bytes_per_element=2 if _boundary_dtype(args) == torch.bfloat16 else 4,
         checkpoint_every=_checkpoint_every(args),
-        # Only the early-stop recompute uses them (the plan knows about rounded boundaries).
-        attention_output_layers=_attention_ask(args)
-        if getattr(args, "megatrain_recompute_early_stop", True)
-        else 0,
+        attention_output_layers=_attention_ask(args),
     )
 
 
 def _attention_ask(args: TrainingArguments) -> int | None:
-    """megatrain_keep_attention_outputs as ``Workload.attention_output_layers``."""
-    return parse_attention_layers(getattr(args, "megatrain_keep_attention_outputs", "off"))
+    """megatrain_keep_attention_outputs as ``Workload.attention_output_layers`` (0 without the
+    early-stop recompute; the plan knows about rounded boundaries)."""
+    return parse_attention_layers(
+        getattr(args, "megatrain_keep_attention_outputs", "off"),
+        bool(getattr(args, "megatrain_recompute_early_stop", True)),
+    )
 
 
 def _warn_attention_outputs_unused(model: nn.Module, args: TrainingArguments) -> None:
     """megatrain_keep_attention_outputs keeps PyTorch SDPA's fused kernel outputs only: say so
     when the model's attention does not run through them or no layer uses the early stop."""
-    if _attention_ask(args) == 0:
+    if parse_attention_layers(getattr(args, "megatrain_keep_attention_outputs", "off")) == 0:
         return
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     why = None
