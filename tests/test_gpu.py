@@ -134,10 +134,15 @@ def test_h2d_copies_overlap_compute(tmp_path):
         max_position_embeddings=4096,
     )
     model = tiny_model(config)
-    # 4 x 2048 tokens per layer visit: each layer computes for longer than its weights take to
-    # cross PCIe, so a working pipeline hides nearly all copy time behind compute.
-    data = _data(16, 2048, vocab=8192)
-    args = _args(MegaTrainArguments, tmp_path / "prof", per_device_train_batch_size=4, max_steps=3)
+    # 8 x 2048 tokens per layer visit: each layer computes for longer than its weights take to
+    # cross PCIe (~17 ms vs ~2 ms) AND than the host takes to launch the layer's recompute and
+    # backward (~9.5 ms of Python and kernel launches, a fixed cost per layer). The GPU must be
+    # the bottleneck for the check to mean anything: at 4 x 2048 tokens (~8.4 ms per layer) the
+    # host paced the backward in run 12 (2026-11-30-gpu-tests-run12.log), the GPU idled ~1 ms at
+    # every layer boundary, and the prefetch, issued before the layer's kernels as it should be,
+    # found an idle GPU for part of its 2 ms: 39% overlapped, for a pipeline without fault.
+    data = _data(32, 2048, vocab=8192)
+    args = _args(MegaTrainArguments, tmp_path / "prof", per_device_train_batch_size=8, max_steps=3)
     trainer = HFMegaTrainer(model=model, args=args, train_dataset=data)
     assert all(s.pinned for s in trainer.megatrain.store.layers), "host buffers must be pinned"
 
