@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import transformers.integrations.liger as hf_liger
 
 from hf_megatrain.core.tiling import TiledTokenwise
@@ -100,6 +101,35 @@ def test_planner_counts_the_fused_kernels_smaller_activations():
         - 4 * q
         - 4 * kv
     )
+
+
+@pytest.mark.parametrize("tile", [0, 64], ids=["untiled", "mlp-tiles"])
+def test_fused_swiglu_shrinks_the_recompute_working_set(tile):
+    """With Liger's SwiGLU the recomputing layer holds no SiLU output: the plan's working set is
+    2 B x intermediate per MLP token smaller (the whole micro-batch, or one tile), nothing else."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from hf_megatrain.core.activation_memory import activation_lines  # noqa: PLC0415
+    from hf_megatrain.core.planner import Workload  # noqa: PLC0415
+    from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
+
+    plain = model_shape(tiny_model(tiny_config("qwen2")))
+    fused = replace(plain, fused_layer_kernels=True)
+    wl = Workload(seq_len=256, micro_batch_tokens=512, mlp_tile_tokens=tile)
+
+    def lines(shape):
+        return {
+            ln.name.split(" (")[0]: ln.nbytes for ln in activation_lines(shape, wl, torch.bfloat16)
+        }
+
+    a, b = lines(plain), lines(fused)
+    assert a.keys() == b.keys()
+    ws = "one layer's backward working set"
+    mlp_tokens = tile or wl.micro_batch_tokens
+    assert a[ws] - b[ws] == 2 * plain.intermediate_size * mlp_tokens
+    assert {k: v for k, v in a.items() if k != ws} == {k: v for k, v in b.items() if k != ws}
 
 
 def test_plan_cli_liger_keeps_more_layers(capsys):
