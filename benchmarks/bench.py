@@ -528,7 +528,7 @@ def training_arguments(cfg: RunConfig, output_dir: str, device: str) -> dict:
 
 
 def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, device: str):
-    from hf_megatrain.hf.long_context import LIGER_LAYER_KERNELS
+    from hf_megatrain.hf.long_context import liger_layer_kernel_arguments
 
     common = training_arguments(cfg, output_dir, device)
     if cfg.system.startswith("megatrain"):
@@ -550,8 +550,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
             megatrain_checkpoint_every=cfg.checkpoint_every,
             megatrain_recompute_early_stop=cfg.recompute_early_stop,
             megatrain_keep_attention_outputs=cfg.keep_attention_outputs,
-            use_liger_kernel=cfg.liger,
-            liger_kernel_config=dict(LIGER_LAYER_KERNELS) if cfg.liger else None,
+            **liger_layer_kernel_arguments(cfg.liger),
         )
         return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     from transformers import Trainer, TrainingArguments
@@ -560,12 +559,7 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
         args = TrainingArguments(**common, deepspeed=deepspeed_config())
     else:
         # --liger: the same layer kernels for stock, so the comparison stays like for like.
-        liger = (
-            dict(use_liger_kernel=True, liger_kernel_config=dict(LIGER_LAYER_KERNELS))
-            if cfg.liger
-            else {}
-        )
-        args = TrainingArguments(**common, **liger)
+        args = TrainingArguments(**common, **liger_layer_kernel_arguments(cfg.liger))
     return Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
 
 
@@ -624,6 +618,7 @@ def train_once(cfg: RunConfig) -> dict:
     if cfg.streamed_init and cfg.system.startswith("megatrain"):
         from hf_megatrain import init_streamed_model
         from hf_megatrain.core.planner import Workload, parse_attention_layers
+        from hf_megatrain.hf.long_context import liger_layer_kernel_arguments
 
         config.use_cache = False
         model = init_streamed_model(
@@ -650,6 +645,8 @@ def train_once(cfg: RunConfig) -> dict:
             stream_fp32_master=cfg.stream_fp32_master,
             hbm_cast_weights=cfg.hbm_cast_weights,
             keep_activations=cfg.keep_activations,
+            # The plan made here must count Liger's kernels, which the trainer applies later.
+            **liger_layer_kernel_arguments(cfg.liger),
         )
     else:
         model = build_model(config, cfg.seed)

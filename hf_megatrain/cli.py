@@ -447,6 +447,10 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
 
     from . import SUPPORTED_MODEL_TYPES, load_streamed_model  # noqa: PLC0415
+    from .hf.long_context import liger_layer_kernel_arguments  # noqa: PLC0415
+
+    # The loaders plan HBM: they must know about Liger's kernels as the trainer will.
+    liger = liger_layer_kernel_arguments(opts.liger)
 
     if opts.model_path is not None:
         cfg = AutoConfig.from_pretrained(opts.model_path, local_files_only=True)
@@ -463,6 +467,7 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
             resident_layers=opts.resident_layers,
             attn_implementation=opts.attn,
             hbm_cast_weights=opts.hbm_cast_weights,
+            **liger,
         )
     cfg = _config_from_json(opts.config or str(DEFAULT_CONFIG))
     _check_vocab(cfg, tokenizer)
@@ -502,6 +507,7 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
         # layers update eagerly and the store keeps no gradient slot (as the trainer would).
         host_grads=opts.max_grad_norm > 0,
         hbm_cast_weights=opts.hbm_cast_weights,
+        **liger,
     )
 
 
@@ -580,7 +586,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, default_data_collator  # noqa: PLC0415
 
     from . import HFMegaTrainer, MegaTrainArguments  # noqa: PLC0415
-    from .hf.long_context import LIGER_LAYER_KERNELS  # noqa: PLC0415
+    from .hf.long_context import liger_layer_kernel_arguments  # noqa: PLC0415
 
     t_start = time.perf_counter()
     _check_launch()
@@ -647,9 +653,8 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
             megatrain_checkpoint_every=opts.checkpoint_every,
             megatrain_hbm_cast_weights=opts.hbm_cast_weights,
             megatrain_keep_attention_outputs=opts.keep_attention_outputs,
-            use_liger_kernel=opts.liger,
             # The layer kernels: training batches use hf_megatrain's chunked loss.
-            liger_kernel_config=dict(LIGER_LAYER_KERNELS) if opts.liger else None,
+            **liger_layer_kernel_arguments(opts.liger),
         )
     except ValueError as e:
         raise CLIError(f"invalid training setting: {e}") from None

@@ -44,3 +44,37 @@ def test_init_streamed_model_is_seeded():
     b = init_streamed_model(cfg, device="cpu", bf16=False, seed=1)._megatrain.store.layers[0].master
     c = init_streamed_model(cfg, device="cpu", bf16=False, seed=2)._megatrain.store.layers[0].master
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_liger_kernels_go_in_before_the_loader_streams(monkeypatch):
+    """use_liger_kernel on a streamed loader: the kernels are applied to the skeleton before it
+    is streamed (the loader's memory plan then counts their smaller activations, as the
+    trainer's does for a model it streams itself), and the initial weights are unchanged.
+    Liger's Triton kernels need CUDA: a stand-in patches each MLP's forward as Liger does."""
+    import hf_megatrain.hf.loading as loading
+    from hf_megatrain.hf.model import model_shape, streamed_state
+
+    calls = []
+
+    def fake_apply(model, config):
+        calls.append((config, streamed_state(model) is None))
+
+        def forward(self, x):
+            return type(self).forward(self, x)
+
+        forward.__module__ = "liger_kernel.transformers.swiglu"  # where Liger's forward lives
+        for layer in model.model.layers:
+            layer.mlp.__dict__["forward"] = forward.__get__(layer.mlp, type(layer.mlp))
+
+    monkeypatch.setattr(loading, "apply_liger_kernels", fake_apply)
+    cfg = tiny_config("llama")
+    kernels = {"swiglu": True}
+    fused = init_streamed_model(
+        cfg, device="cpu", bf16=False, seed=3, use_liger_kernel=True, liger_kernel_config=kernels
+    )
+    assert calls == [(kernels, True)], "applied once, to the model before it was streamed"
+    assert model_shape(fused).fused_layer_kernels
+    plain = init_streamed_model(cfg, device="cpu", bf16=False, seed=3)
+    assert len(calls) == 1 and not model_shape(plain).fused_layer_kernels
+    for a, b in zip(fused._megatrain.store.layers, plain._megatrain.store.layers):
+        assert torch.equal(a.master, b.master)

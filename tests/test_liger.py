@@ -207,3 +207,35 @@ def test_tiling_survives_a_trainer_that_patches_liger_in_init(tmp_path, monkeypa
     assert isinstance(mlp.forward, TiledTokenwise)
     assert mlp.forward.forward_impl.__name__ == "fused"
     assert used and set(used) == {4}
+
+
+@pytest.mark.parametrize("loader_knew", [False, True], ids=["plan-without-liger", "plan-with-it"])
+def test_trainer_warns_when_a_loaders_plan_missed_liger(tmp_path, monkeypatch, caplog, loader_knew):
+    """A model streamed by a loader without use_liger_kernel carries a plan that over-counts the
+    fused kernels' activations: the trainer given use_liger_kernel=True says so, and how to fix
+    it. (On the CPU no plan is made: one is attached as the GPU loader would.)"""
+    from dataclasses import replace  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from hf_megatrain import HFMegaTrainer, MegaTrainArguments, init_streamed_model  # noqa: PLC0415
+    from hf_megatrain.core.planner import Workload, plan_memory  # noqa: PLC0415
+    from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
+
+    from .helpers import common_args, make_data  # noqa: PLC0415
+
+    monkeypatch.setattr(hf_liger, "apply_liger_kernel", _fake_liger([], []))
+    model = init_streamed_model(tiny_config("llama"), device="cpu", bf16=False)
+    shape = replace(model_shape(model), fused_layer_kernels=loader_knew)
+    model._megatrain.plan = plan_memory(
+        shape, Workload(seq_len=16, micro_batch_tokens=32), torch.bfloat16, 1 << 34, 1 << 34
+    )
+    args = MegaTrainArguments(
+        output_dir=str(tmp_path), use_liger_kernel=True, **common_args(max_steps=1)
+    )
+    with caplog.at_level("WARNING", logger="hf_megatrain.hf.trainer"):
+        HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
+    warned = [r.getMessage() for r in caplog.records if "made without Liger" in r.getMessage()]
+    assert bool(warned) != loader_knew
+    if warned:
+        assert "init_streamed_model / load_streamed_model" in warned[0]

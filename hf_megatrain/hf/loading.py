@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 
 from ..core.planner import Workload
 from .checkpoint import load_weights_into_store
+from .long_context import apply_liger_kernels
 from .model import prepare_streamed_model
 
 
@@ -31,6 +32,8 @@ def _streamed_skeleton(
     stream_fp32_master: bool = False,
     hbm_cast_weights: bool = False,
     keep_activations: int | str = "auto",
+    use_liger_kernel: bool = False,
+    liger_kernel_config: dict | None = None,
 ):
     """``AutoModelForCausalLM`` for ``config`` built on meta, its layers given host-store buffers."""
     if device is None:
@@ -42,6 +45,10 @@ def _streamed_skeleton(
     # Under init_empty_weights the LM head is not tied to the embedding yet; tie it now, or a
     # tied checkpoint (which stores only the embedding) would leave the head without weights.
     model.tie_weights()
+    if use_liger_kernel:
+        # Before streaming, as the trainer does for a model it streams itself: the memory plan
+        # made here counts the fused kernels' smaller activations and working set.
+        apply_liger_kernels(model, liger_kernel_config)
     prepare_streamed_model(
         model,
         device=device,
@@ -73,6 +80,8 @@ def load_streamed_model(
     stream_fp32_master: bool = False,
     hbm_cast_weights: bool = False,
     keep_activations: int | str = "auto",
+    use_liger_kernel: bool = False,
+    liger_kernel_config: dict | None = None,
     **config_overrides,
 ):
     """Build ``AutoModelForCausalLM`` for ``path`` in streamed form and load its weights.
@@ -97,6 +106,9 @@ def load_streamed_model(
         keep_activations: what the memory plan assumes for kept activations, as
             ``MegaTrainArguments.megatrain_keep_activations`` (pass the same value); with
             ``hbm_cast_weights`` the layers that will keep them keep their bf16 copy.
+        use_liger_kernel, liger_kernel_config: apply Liger-Kernel's fused kernels before the
+            memory plan is made, as ``TrainingArguments.use_liger_kernel`` would (pass the same
+            values as the trainer's arguments): the plan then counts their smaller activations.
         config_overrides: set on the config before the model is built (e.g. attn_implementation).
     """
     attn = config_overrides.pop("attn_implementation", "sdpa")
@@ -104,6 +116,7 @@ def load_streamed_model(
     model = _streamed_skeleton(
         config, device, bf16, pin_memory, host_memory_limit_gb, resident_layers, attn,
         plan_workload, host_grads, stream_fp32_master, hbm_cast_weights, keep_activations,
+        use_liger_kernel, liger_kernel_config,
     )  # fmt: skip
     load_weights_into_store(model, path)
     return model
@@ -123,6 +136,8 @@ def init_streamed_model(
     stream_fp32_master: bool = False,
     hbm_cast_weights: bool = False,
     keep_activations: int | str = "auto",
+    use_liger_kernel: bool = False,
+    liger_kernel_config: dict | None = None,
 ):
     """A randomly initialized streamed model for ``config``, never materialized as a whole.
 
@@ -145,6 +160,8 @@ def init_streamed_model(
         stream_fp32_master,
         hbm_cast_weights,
         keep_activations,
+        use_liger_kernel,
+        liger_kernel_config,
     )
     torch.manual_seed(seed)
     init_streamed_weights(model, model._init_weights)

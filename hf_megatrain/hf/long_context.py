@@ -23,6 +23,16 @@ LIGER_LAYER_KERNELS = {
     "fused_linear_cross_entropy": False,
 }
 
+
+def liger_layer_kernel_arguments(enabled: bool) -> dict:
+    """``use_liger_kernel`` / ``liger_kernel_config`` for Liger's layer kernels, or neither:
+    the same keywords for the trainer's arguments and for a streamed loader (whose memory plan
+    must know the kernels too)."""
+    if not enabled:
+        return {"use_liger_kernel": False, "liger_kernel_config": None}
+    return {"use_liger_kernel": True, "liger_kernel_config": dict(LIGER_LAYER_KERNELS)}
+
+
 # Token-wise feed-forward sub-modules by attribute name (MoE blocks route per token too, but
 # their router outputs are recorded for the aux loss: left untiled).
 _MLP_ATTRS = ("mlp",)

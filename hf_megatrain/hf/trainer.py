@@ -125,6 +125,19 @@ def _host_memory_gib() -> tuple[float | None, float | None]:
         return None, None
 
 
+def _warn_plan_without_liger(model: nn.Module) -> None:
+    """A model streamed by a loader whose memory plan did not know about Liger's kernels: the
+    plan over-counts their activations (safe, but fewer layers in HBM than would fit)."""
+    state = streamed_state(model)
+    if state is not None and state.plan is not None and not state.plan.shape.fused_layer_kernels:
+        logger.warning(
+            "hf_megatrain: use_liger_kernel=True, but the model was streamed with a memory plan "
+            "made without Liger-Kernel's fused kernels (it over-counts their activations: fewer "
+            "HBM-tier layers than would fit). Pass use_liger_kernel=True and the same "
+            "liger_kernel_config to init_streamed_model / load_streamed_model."
+        )
+
+
 def _setup_args(args: TrainingArguments) -> None:
     """Refuse what the engine cannot run and adjust what it replaces (idempotent)."""
     _validate_args(args)
@@ -389,6 +402,7 @@ class MegaTrainerMixin:
         device = args.device
         limit_gb = getattr(args, "megatrain_host_memory_limit_gb", None)
         if getattr(args, "use_liger_kernel", False):
+            _warn_plan_without_liger(model)
             # Before streaming: the memory plan counts the fused kernels' smaller activations.
             apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
         prepare_streamed_model(
