@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import math
 import os
 import sys
@@ -30,6 +31,9 @@ from .cli_plan import run_plan as run_plan
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_CONFIG = DATA_DIR / "config.json"
+#: ``--attn`` values: the model's ``attn_implementation``. flash_attention_2 only where the
+#: optional flash-attn package is installed (it cannot be built on every machine).
+ATTENTION_BACKENDS = ("sdpa", "flex_attention", "flash_attention_2", "eager")
 DEFAULT_CORPUS = DATA_DIR / "corpus.txt"
 DEFAULT_TOKENIZER = DATA_DIR / "tokenizer.json"
 
@@ -69,7 +73,7 @@ class TrainOptions:
     verify: bool | None = None  # None: reload and check unless the model is very large
     progress_bar: bool = True
     # Engine (MegaTrainArguments' megatrain_* knobs) and attention backend.
-    attn: str = "sdpa"  # sdpa | flex_attention | eager
+    attn: str = "sdpa"  # one of ATTENTION_BACKENDS
     resident_layers: str = "0"  # layers whose whole state stays in HBM: an int or "auto"
     mlp_tile_tokens: int = 0  # tile dense MLPs along the sequence (0: off)
     offload_activations: bool = False  # layer inputs to pinned host memory until backward
@@ -146,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--no-progress-bar", dest="progress_bar", action="store_const", const=False)
     e = t.add_argument_group("engine (long sequences, memory tiers)")
-    e.add_argument("--attn", help="attention: sdpa (default), flex_attention, eager")
+    e.add_argument(
+        "--attn",
+        help="attention: sdpa (default: cuDNN / flash kernels of PyTorch), flex_attention, "
+        "flash_attention_2 (needs flash-attn), eager",
+    )
     e.add_argument("--resident-layers", help="decoder layers kept whole in HBM: an int or 'auto'")
     e.add_argument("--mlp-tile-tokens", type=int, help="tile dense MLPs by this many tokens")
     e.add_argument(
@@ -270,8 +278,13 @@ def resolve_options(ns: argparse.Namespace) -> TrainOptions:
 
 
 def _validate(opts: TrainOptions) -> None:
-    if opts.attn not in ("sdpa", "flex_attention", "eager"):
-        raise CLIError(f"attn: {opts.attn!r} is not one of sdpa, flex_attention, eager")
+    if opts.attn not in ATTENTION_BACKENDS:
+        raise CLIError(f"attn: {opts.attn!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if opts.attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise CLIError(
+            "attn: flash_attention_2 needs the flash-attn package (CUDA; pip install "
+            "'hf_megatrain[flash-attn]'); sdpa, the default, runs PyTorch's fused kernels"
+        )
     if opts.resident_layers != "auto" and not opts.resident_layers.isdigit():
         raise CLIError(
             f"resident_layers: {opts.resident_layers!r} is neither an integer nor 'auto'"

@@ -229,3 +229,28 @@ def test_random_init_straight_into_the_store(tmp_path, monkeypatch, capsys):
     assert main(["train"] + _fast_flags(tmp_path)) == 0
     assert built == [True]  # streamed before the trainer saw it
     assert (tmp_path / "model.safetensors").is_file() or list(tmp_path.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["flash-attn-missing", "installed"])
+def test_attn_flash_attention_2_needs_flash_attn(monkeypatch, installed):
+    """--attn flash_attention_2 (the optional flash-attn extra): a clear error naming the extra
+    where the package is missing, accepted where it is installed (this machine cannot build it:
+    its presence is simulated for the check only)."""
+    import importlib.util
+
+    import hf_megatrain.cli as cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        cli.importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            (object() if installed else None) if name == "flash_attn" else real(name, *a)
+        ),
+    )
+    opts = cli.TrainOptions(attn="flash_attention_2")
+    if installed:
+        cli._validate(opts)
+    else:
+        with pytest.raises(cli.CLIError, match=r"hf_megatrain\[flash-attn\]"):
+            cli._validate(opts)
