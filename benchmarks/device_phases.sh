@@ -11,6 +11,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed-pair # nvidia-h200-x2 (~8 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg speed8b # nvidia-h200(-x2) (~11 min),
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg-wait    # then this within 30 s
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger-plan # nvidia-h200 (~2.5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh longest-ds # nvidia-h200(-x2) (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix  # nvidia-h200 (~14 min),
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg-wait    # then this within 30 s
@@ -36,7 +37,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_MIRROR=0
@@ -194,6 +195,15 @@ case "$phase" in
     bench --tag "matrixds-$at" --steps 2 --warmup 1 --timeout-s 300 \
       --run qwen2.5-3b:65536:deepspeed:8 --run qwen2.5-7b:16384:deepspeed:2 \
       --run llama-3.1-8b:16384:deepspeed:2
+    ;;
+  liger-plan)
+    # The streamed loaders' plan with Liger-Kernel (from eab3fc3; before it, bench
+    # --streamed-init planned as if unfused: plancheck-1554, 13 HBM-tier layers, 124.1 GiB peak
+    # against 136.6 planned): Llama-3.1-8B at 64k with kept attention outputs, now planned with
+    # the fused kernels' smaller working set (14 HBM-tier layers by `plan --liger
+    # --keep-attention-outputs all`). About 2.5 minutes, nvidia-h200.
+    bench --tag "liger-plan-$(date -u +%H%M)" --streamed-init --liger --keep-attention-outputs all \
+      --layer-timing --steps 3 --warmup 2 --timeout-s 200 --run llama-3.1-8b:65536:megatrain-hbm:16
     ;;
   longest-ds)
     # Issue 4's table: DeepSpeed ZeRO-3 offload trained one sequence of 65,536 tokens (1.5B,
