@@ -454,47 +454,12 @@ def load_tokenizer(opts: TrainOptions):
     return tok
 
 
-def build_model(opts: TrainOptions, tokenizer, bf16: bool):
-    """The model in streamed form: loaded into the host store, or random init then streamed."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
-
-    from . import SUPPORTED_MODEL_TYPES, load_streamed_model  # noqa: PLC0415
-    from .hf.long_context import liger_layer_kernel_arguments  # noqa: PLC0415
-
-    # The loaders plan HBM: they must know about Liger's kernels as the trainer will.
-    liger = liger_layer_kernel_arguments(opts.liger)
-
-    if opts.model_path is not None:
-        cfg = AutoConfig.from_pretrained(opts.model_path, local_files_only=True)
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise CLIError(
-                f"{opts.model_path}: model_type {cfg.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        _check_vocab(cfg, tokenizer)
-        return load_streamed_model(
-            opts.model_path,
-            bf16=bf16,
-            host_memory_limit_gb=opts.host_memory_limit_gb,
-            resident_layers=opts.resident_layers,
-            attn_implementation=opts.attn,
-            hbm_cast_weights=opts.hbm_cast_weights,
-            **liger,
-        )
-    cfg = _config_from_json(opts.config or str(DEFAULT_CONFIG))
-    _check_vocab(cfg, tokenizer)
-    if not _init_in_store():
-        torch.manual_seed(opts.seed)
-        # Materialized on CPU in fp32, then HFMegaTrainer moves its decoder layers into the store.
-        return AutoModelForCausalLM.from_config(
-            cfg, dtype=torch.float32, attn_implementation=opts.attn
-        )
-    # On a GPU: each decoder layer is initialized straight into its host-store master (on the
-    # GPU, then copied), so a config whose fp32 copy would not fit next to the store still
-    # starts, and fast; with resident_layers "auto" the plan sizes the HBM tier for this run.
+def _loader_arguments(opts: TrainOptions, bf16: bool) -> dict:
+    """What both streamed loaders take from the options: the store's layout and, with
+    resident_layers "auto", the run's workload, so the loader's memory plan sizes the HBM tier
+    for this run (the micro-batch, tiling, offload, kept attention outputs, Liger's kernels)."""
     from .core.planner import Workload, parse_attention_layers  # noqa: PLC0415
-    from .hf.loading import init_streamed_model  # noqa: PLC0415
+    from .hf.long_context import liger_layer_kernel_arguments  # noqa: PLC0415
 
     workload = None
     if opts.resident_layers == "auto":
@@ -508,10 +473,8 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
             checkpoint_every=opts.checkpoint_every,
             attention_output_layers=parse_attention_layers(opts.keep_attention_outputs),
         )
-    return init_streamed_model(
-        cfg,
+    return dict(
         bf16=bf16,
-        seed=opts.seed,
         host_memory_limit_gb=opts.host_memory_limit_gb,
         resident_layers=opts.resident_layers,
         attn_implementation=opts.attn,
@@ -520,8 +483,41 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
         # layers update eagerly and the store keeps no gradient slot (as the trainer would).
         host_grads=opts.max_grad_norm > 0,
         hbm_cast_weights=opts.hbm_cast_weights,
-        **liger,
+        # The plan must know about Liger's kernels as the trainer will.
+        **liger_layer_kernel_arguments(opts.liger),
     )
+
+
+def build_model(opts: TrainOptions, tokenizer, bf16: bool):
+    """The model in streamed form: loaded into the host store, or random init then streamed."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    from . import SUPPORTED_MODEL_TYPES, load_streamed_model  # noqa: PLC0415
+
+    if opts.model_path is not None:
+        cfg = AutoConfig.from_pretrained(opts.model_path, local_files_only=True)
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise CLIError(
+                f"{opts.model_path}: model_type {cfg.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        _check_vocab(cfg, tokenizer)
+        return load_streamed_model(opts.model_path, **_loader_arguments(opts, bf16))
+    cfg = _config_from_json(opts.config or str(DEFAULT_CONFIG))
+    _check_vocab(cfg, tokenizer)
+    if not _init_in_store():
+        torch.manual_seed(opts.seed)
+        # Materialized on CPU in fp32, then HFMegaTrainer moves its decoder layers into the store.
+        return AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.float32, attn_implementation=opts.attn
+        )
+    # On a GPU: each decoder layer is initialized straight into its host-store master (on the
+    # GPU, then copied), so a config whose fp32 copy would not fit next to the store still
+    # starts, and fast; with resident_layers "auto" the plan sizes the HBM tier for this run.
+    from .hf.loading import init_streamed_model  # noqa: PLC0415
+
+    return init_streamed_model(cfg, seed=opts.seed, **_loader_arguments(opts, bf16))
 
 
 def _init_in_store() -> bool:

@@ -78,11 +78,28 @@ def test_train_saves_a_loadable_sharded_checkpoint(tiny_run):
     assert math.isfinite(loss.item())
 
 
-def test_continue_from_model_path(tiny_run, tmp_path):
-    # The checkpoint written by the CLI is a Hub-format folder: load_streamed_model reads it back.
+@pytest.mark.parametrize("clip", ["1.0", "0"], ids=["clipping", "no-clipping"])
+def test_continue_from_model_path(tiny_run, tmp_path, monkeypatch, clip):
+    """The checkpoint written by the CLI is a Hub-format folder: load_streamed_model reads it
+    back, given what init_streamed_model gets too: the run's workload for the "auto" plan and
+    a store without gradient slots when nothing clips (eager updates)."""
+    import hf_megatrain
+
     ckpt, data = tiny_run
     out = tmp_path / "continued"
-    assert main(["train", "--model-path", str(ckpt), "--data", str(data)] + _fast_flags(out)) == 0
+    seen = []
+    load = hf_megatrain.load_streamed_model
+
+    def spy(path, **kw):
+        seen.append(kw)
+        return load(path, **kw)
+
+    monkeypatch.setattr(hf_megatrain, "load_streamed_model", spy)
+    flags = ["--resident-layers", "auto", "--max-grad-norm", clip] + _fast_flags(out)
+    assert main(["train", "--model-path", str(ckpt), "--data", str(data)] + flags) == 0
+    (kw,) = seen
+    assert kw["plan_workload"].micro_batch_tokens == 2 * 16  # --batch-size 2 x --seq-len 16
+    assert kw["host_grads"] == (clip != "0")
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 2
 
