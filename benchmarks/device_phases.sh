@@ -13,8 +13,9 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg-wait    # then this within 30 s
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger-plan # nvidia-h200 (~2.5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh longest-ds # nvidia-h200(-x2) (~4 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix  # nvidia-h200 (~14 min),
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix  # nvidia-h200 (~9 min),
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg-wait    # then this within 30 s
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix-ds  # nvidia-h200 (~10 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger64k   # nvidia-h200 (~4 min)
@@ -37,7 +38,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | matrix-ds | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_MIRROR=0
@@ -177,14 +178,12 @@ case "$phase" in
       --steps 3 --warmup 2 --timeout-s 170 --run llama-3.1-8b:65536:megatrain-hbm:16
     ;;
   matrix)
-    # Issue 3's configuration matrix where results.csv has no row yet: Qwen2.5-7B and
-    # Llama-3.1-8B at 16k tokens/step (hf_megatrain in one micro-batch; stock in micro-batches of
-    # 2 sequences, as its 7B at 8k, or 1 for the 8B, whose 16 B/param fill 120 GiB), Qwen2.5-3B
-    # at 64k (all three systems), stock 7B and 8B at 64k (gradient accumulation over the same
-    # micro-batches) and DeepSpeed for 7B and 8B (its host needs 16 B/param: expected to die
-    # before its first step on the 1-GPU machine's 128 GiB, as its 7B at 8k did, longest-1355,
-    # whatever the tokens per step: 16k only). nvidia-h200 (its 128 GiB host is part of the
-    # result). About 14 minutes: `bg matrix`, then `bg-wait`.
+    # Issue 3's configuration matrix where results.csv has no row yet (benchmarks/speed_matrix.py
+    # shows the gaps): Qwen2.5-7B and Llama-3.1-8B at 16k tokens/step (hf_megatrain in one
+    # micro-batch; stock in micro-batches of 2 sequences, as its 7B at 8k, or 1 for the 8B,
+    # whose 16 B/param fill 120 GiB), Qwen2.5-3B at 64k, stock 7B and 8B at 64k (gradient
+    # accumulation over the same micro-batches). nvidia-h200. About 9 minutes: `bg matrix`, then
+    # `bg-wait`; then `bg matrix-ds`.
     at=$(date -u +%H%M)
     bench --tag "matrix16k-$at" --streamed-init --steps 3 --warmup 2 --timeout-s 240 \
       --run qwen2.5-7b:16384:megatrain-hbm:4 --run qwen2.5-7b:16384:stock:2 \
@@ -192,9 +191,19 @@ case "$phase" in
     bench --tag "matrix64k-$at" --streamed-init --steps 3 --warmup 2 --timeout-s 240 \
       --run qwen2.5-3b:65536:megatrain-hbm:16 --run qwen2.5-3b:65536:stock:4 \
       --run qwen2.5-7b:65536:stock:2 --run llama-3.1-8b:65536:stock:1
+    ;;
+  matrix-ds)
+    # The matrix's DeepSpeed ZeRO-3 offload cells: Qwen2.5-3B at 64k (beside matrix64k's
+    # hf_megatrain row: one sweep each, the same machine and code), 7B and 8B at 16k and 64k.
+    # DeepSpeed holds 16 B/param on the host: on the 1-GPU machine's 128 GiB its 7B at 8k was
+    # killed before its first step (longest-1355), and that is the result to record if it
+    # recurs. nvidia-h200 (its host size is part of the result). About 10 minutes: `bg
+    # matrix-ds`, then `bg-wait`.
+    at=$(date -u +%H%M)
     bench --tag "matrixds-$at" --steps 2 --warmup 1 --timeout-s 300 \
-      --run qwen2.5-3b:65536:deepspeed:8 --run qwen2.5-7b:16384:deepspeed:2 \
-      --run llama-3.1-8b:16384:deepspeed:2
+      --run qwen2.5-3b:65536:megatrain-hbm,deepspeed:8 \
+      --run qwen2.5-7b:16384:deepspeed:2 --run qwen2.5-7b:65536:deepspeed:2 \
+      --run llama-3.1-8b:16384:deepspeed:2 --run llama-3.1-8b:65536:deepspeed:2
     ;;
   liger-plan)
     # The streamed loaders' plan with Liger-Kernel (from eab3fc3; before it, bench

@@ -366,3 +366,45 @@ def test_plan_vs_measured_replans_liger_rows_with_the_fused_kernels():
 
     assert kept(default) - kept(fused) == 11 * 65536 * (8 * h + 2 * i)
     assert fused.gpu_total < default.gpu_total
+
+
+def _speed_row(tag, date, system, tps, status="ok", model="qwen2.5-7b", tokens=16384):
+    return dict(
+        tag=tag, date=date, system=system, model=model, seq_len="4096",
+        tokens_per_step=str(tokens), tokens_per_s=str(tps) if tps else "",
+        model_tflops=str(tps / 20) if tps else "", status=status,
+    )  # fmt: skip
+
+
+def test_speed_matrix_ratios_come_from_one_sweep():
+    """Each cell is the system's fastest run, but hf_megatrain's ratio over another system comes
+    from ONE sweep (the latest holding both), never from the fastest rows of two sweeps."""
+    import benchmarks.speed_matrix as sm
+
+    rows = [
+        _speed_row("old", "2026-01-01", "megatrain-hbm", 10000),
+        _speed_row("old", "2026-01-01", "stock", 5000),
+        _speed_row("new", "2026-02-01", "megatrain-hbm", 9000),
+        _speed_row("new", "2026-02-01", "stock", 10000),
+        _speed_row("ds", "2026-01-15", "deepspeed", 0, status="killed (rc -9)"),
+    ]
+    assert sm.cell(rows, "qwen2.5-7b", 16384, "megatrain-hbm")["tag"] == "old"  # fastest
+    assert sm.same_sweep_ratio(rows, "qwen2.5-7b", 16384, "stock") == (0.9, "new")
+    assert sm.same_sweep_ratio(rows, "qwen2.5-7b", 16384, "deepspeed") == (0.0, "")
+    text = sm.markdown(rows)
+    line = next(ln for ln in text.splitlines() if ln.startswith("| qwen2.5-7b | 16k |"))
+    assert "10,000 tok/s, 500 TFLOP/s (old)" in line and "**0.90x** (new)" in line
+    assert "killed (rc -9) (ds)" in line  # a failure is a result
+    # The issue's configurations are listed even without rows: the gaps show.
+    for model in sm.MODELS:
+        for k in ("16k", "64k"):
+            assert f"| {model} | {k} |" in text
+    assert "| llama-3.1-8b | 64k | not run | not run | not run |  |  |" in text
+
+
+def test_speed_matrix_renders_the_committed_results():
+    import benchmarks.speed_matrix as sm
+
+    with (bench.RESULTS_DIR / "results.csv").open(newline="") as f:
+        text = sm.markdown(list(csv.DictReader(f)))
+    assert text.count("| qwen2.5-1.5b | 16k |") == 1 and "(ds-0810)" in text

@@ -1,0 +1,122 @@
+"""Issue 3's benchmark matrix from a results CSV: per model and tokens per optimizer step (seq
+4096), the fastest run of each system, and hf_megatrain's speed over stock and DeepSpeed.
+
+    python3 benchmarks/speed_matrix.py [results.csv] [--markdown OUT.md]
+
+A cell is the system's fastest ``ok`` row (tokens/s, model TFLOP/s, sweep tag); without one,
+the status of its latest failed row (out of memory, killed, timeout: a result too); without
+any row, "not run". The four models at 16k and 64k tokens/step are always listed, so a gap
+shows; other step sizes appear where rows exist. Ratios compare runs of ONE sweep (same tag:
+same command, machine and code), the latest sweep holding an ok row of both systems; never the
+fastest row of one sweep against another sweep's.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+if str(BENCH_DIR.parent) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR.parent))
+
+from benchmarks.report import table_main  # noqa: E402
+
+MODELS = ("qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "llama-3.1-8b")
+REQUIRED_TOKENS = (16384, 65536)
+SEQ_LEN = 4096
+OURS = "megatrain-hbm"
+OTHERS = ("stock", "deepspeed")
+
+
+def _rows(rows: list[dict]) -> list[dict]:
+    """The matrix's rows: the four models at seq 4096 (one-sequence long-context rows and other
+    models are other tables' business)."""
+    return [r for r in rows if r.get("model") in MODELS and r.get("seq_len") == str(SEQ_LEN)]
+
+
+def _tps(row: dict) -> float:
+    return float(row["tokens_per_s"]) if row.get("tokens_per_s") else 0.0
+
+
+def cell(rows: list[dict], model: str, tokens: int, system: str) -> dict | None:
+    """The fastest ok row of ``system`` for (model, tokens), else its latest failed row."""
+    mine = [
+        r
+        for r in rows
+        if r["model"] == model and int(r["tokens_per_step"]) == tokens and r["system"] == system
+    ]
+    ok = [r for r in mine if r["status"] == "ok" and _tps(r) > 0]
+    if ok:
+        return max(ok, key=_tps)
+    return max(mine, key=lambda r: r["date"]) if mine else None
+
+
+def same_sweep_ratio(rows: list[dict], model: str, tokens: int, other: str) -> tuple[float, str]:
+    """hf_megatrain's tokens/s over ``other``'s in the latest sweep with an ok row of each
+    (the fastest of each system within that sweep), and the sweep's tag; (0, "") if none."""
+    by_tag: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        if r["model"] != model or int(r["tokens_per_step"]) != tokens or r["status"] != "ok":
+            continue
+        if r["system"] not in (OURS, other) or _tps(r) <= 0:
+            continue
+        best = by_tag.setdefault(r.get("tag", ""), {})
+        if r["system"] not in best or _tps(r) > _tps(best[r["system"]]):
+            best[r["system"]] = r
+    pairs = [
+        (max(b[OURS]["date"], b[other]["date"]), t, b) for t, b in by_tag.items() if len(b) == 2
+    ]
+    if not pairs:
+        return 0.0, ""
+    _, tag, best = max(pairs)
+    return _tps(best[OURS]) / _tps(best[other]), tag
+
+
+def _show(row: dict | None) -> str:
+    if row is None:
+        return "not run"
+    if row["status"] != "ok":
+        return f"{row['status']} ({row.get('tag', '')})"
+    return (
+        f"{_tps(row):,.0f} tok/s, {float(row['model_tflops']):.0f} TFLOP/s ({row.get('tag', '')})"
+    )
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}k"
+
+
+def markdown(rows: list[dict]) -> str:
+    rows = _rows(rows)
+    keys = {(m, t) for m in MODELS for t in REQUIRED_TOKENS}
+    keys |= {(r["model"], int(r["tokens_per_step"])) for r in rows}
+    lines = [
+        f"Seq {SEQ_LEN}, bf16 compute, fp32 masters and AdamW states; each system's fastest run "
+        "(sweep tag), ratios within one sweep (the latest with both systems ok).",
+        "",
+        "| model | tokens/step | hf_megatrain | stock in-GPU | DeepSpeed ZeRO-3 offload "
+        "| vs stock | vs DeepSpeed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, tokens in sorted(keys, key=lambda k: (MODELS.index(k[0]), k[1])):
+        cells = [_show(cell(rows, model, tokens, s)) for s in (OURS, *OTHERS)]
+        ratios = []
+        for other in OTHERS:
+            ratio, tag = same_sweep_ratio(rows, model, tokens, other)
+            ratios.append(f"**{ratio:.2f}x** ({tag})" if ratio else "")
+        lines.append(f"| {model} | {_k(tokens)} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    def render(path: Path) -> str:
+        with path.open(newline="") as f:
+            return markdown(list(csv.DictReader(f)))
+
+    return table_main(__doc__, render, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
