@@ -209,8 +209,14 @@ def test_tiling_survives_a_trainer_that_patches_liger_in_init(tmp_path, monkeypa
     assert used and set(used) == {4}
 
 
-@pytest.mark.parametrize("loader_knew", [False, True], ids=["plan-without-liger", "plan-with-it"])
-def test_trainer_warns_when_a_loaders_plan_missed_liger(tmp_path, monkeypatch, caplog, loader_knew):
+@pytest.mark.parametrize(
+    "loader_knew, workload",
+    [(False, True), (True, True), (False, False)],
+    ids=["plan-without-liger", "plan-with-it", "fixed-reserve-plan"],
+)
+def test_trainer_warns_when_a_loaders_plan_missed_liger(
+    tmp_path, monkeypatch, caplog, loader_knew, workload
+):
     """A model streamed by a loader without use_liger_kernel carries a plan that over-counts the
     fused kernels' activations: the trainer given use_liger_kernel=True says so, and how to fix
     it. (On the CPU no plan is made: one is attached as the GPU loader would.)"""
@@ -227,8 +233,10 @@ def test_trainer_warns_when_a_loaders_plan_missed_liger(tmp_path, monkeypatch, c
     monkeypatch.setattr(hf_liger, "apply_liger_kernel", _fake_liger([], []))
     model = init_streamed_model(tiny_config("llama"), device="cpu", bf16=False)
     shape = replace(model_shape(model), fused_layer_kernels=loader_knew)
+    wl = Workload(seq_len=16, micro_batch_tokens=32) if workload else None
+    # Without a workload a fixed reserve stands for activations: nothing Liger changes.
     model._megatrain.plan = plan_memory(
-        shape, Workload(seq_len=16, micro_batch_tokens=32), torch.bfloat16, 1 << 34, 1 << 34
+        shape, wl, torch.bfloat16, 1 << 34, 1 << 34, reserve_bytes=0 if workload else 1 << 30
     )
     args = MegaTrainArguments(
         output_dir=str(tmp_path), use_liger_kernel=True, **common_args(max_steps=1)
@@ -236,6 +244,6 @@ def test_trainer_warns_when_a_loaders_plan_missed_liger(tmp_path, monkeypatch, c
     with caplog.at_level("WARNING", logger="hf_megatrain.hf.trainer"):
         HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
     warned = [r.getMessage() for r in caplog.records if "made without Liger" in r.getMessage()]
-    assert bool(warned) != loader_knew
+    assert bool(warned) == (workload and not loader_knew)
     if warned:
         assert "init_streamed_model / load_streamed_model" in warned[0]

@@ -127,9 +127,11 @@ def _host_memory_gib() -> tuple[float | None, float | None]:
 
 def _warn_plan_without_liger(model: nn.Module) -> None:
     """A model streamed by a loader whose memory plan did not know about Liger's kernels: the
-    plan over-counts their activations (safe, but fewer layers in HBM than would fit)."""
+    plan over-counts their activations (safe, but fewer layers in HBM than would fit). A plan
+    without a workload (a fixed reserve for activations) counts no activations at all."""
     state = streamed_state(model)
-    if state is not None and state.plan is not None and not state.plan.shape.fused_layer_kernels:
+    plan = state.plan if state is not None else None
+    if plan is not None and plan.workload is not None and not plan.shape.fused_layer_kernels:
         logger.warning(
             "hf_megatrain: use_liger_kernel=True, but the model was streamed with a memory plan "
             "made without Liger-Kernel's fused kernels (it over-counts their activations: fewer "
