@@ -13,7 +13,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg-wait    # then this within 30 s
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger-plan # nvidia-h200 (~2.5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh longest-ds # nvidia-h200(-x2) (~4 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix  # nvidia-h200 (~12 min),
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix  # nvidia-h200 (~15 min),
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg-wait    # then this within 30 s
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix-ds  # nvidia-h200 (~10 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
@@ -182,7 +182,8 @@ case "$phase" in
     # shows the gaps): Qwen2.5-7B and Llama-3.1-8B at 16k tokens/step (hf_megatrain in one
     # micro-batch; stock in micro-batches of 2 sequences, as its 7B at 8k, or 1 for the 8B,
     # whose 16 B/param fill 120 GiB), Qwen2.5-3B at 64k, stock 7B and 8B at 64k (gradient
-    # accumulation over the same micro-batches). nvidia-h200. About 12 minutes: `bg matrix`,
+    # accumulation over the same micro-batches, beside hf_megatrain's one 64k micro-batch in the
+    # same sweep: each system as it runs best). nvidia-h200. About 15 minutes: `bg matrix`,
     # then `bg-wait`; then `bg matrix-ds`.
     at=$(date -u +%H%M)
     bench --tag "matrix16k-$at" --streamed-init --steps 3 --warmup 2 --timeout-s 240 \
@@ -190,7 +191,8 @@ case "$phase" in
       --run llama-3.1-8b:16384:megatrain-hbm:4 --run llama-3.1-8b:16384:stock:1
     bench --tag "matrix64k-$at" --streamed-init --steps 3 --warmup 2 --timeout-s 240 \
       --run qwen2.5-3b:65536:megatrain-hbm:16 --run qwen2.5-3b:65536:stock:4 \
-      --run qwen2.5-7b:65536:stock:2 --run llama-3.1-8b:65536:stock:1
+      --run qwen2.5-7b:65536:megatrain-hbm:16 --run qwen2.5-7b:65536:stock:2 \
+      --run llama-3.1-8b:65536:megatrain-hbm:16 --run llama-3.1-8b:65536:stock:1
     # The 16k rows again with the cast tier (--hbm-cast-weights: 16 B/param in HBM, so the plan
     # puts all 28 of the 7B's layers and 30 of the 8B's 32 in HBM instead of 25 and 27; 1.029x
     # of stock at 8k, pair8k-cast-on-1336).
