@@ -423,3 +423,30 @@ def test_speed_matrix_renders_the_committed_results():
     with (bench.RESULTS_DIR / "results.csv").open(newline="") as f:
         text = sm.markdown(list(csv.DictReader(f)))
     assert text.count("| qwen2.5-1.5b | 16k |") == 1 and "(ds-0810)" in text
+
+
+def test_every_bench_command_of_the_device_phases_parses():
+    """Every `bench ...` line of device_phases.sh parses with bench.py's own parser and names
+    existing model configs: a bad --run spec found on the GPU machine costs a device session."""
+    import re
+    import shlex
+
+    text = (bench.REPO_ROOT / "benchmarks" / "device_phases.sh").read_text()
+    text = text.replace("\\\n", " ").replace("$(date -u +%H%M)", "0000")
+    # `longest` builds its --run list in a loop (its specs are plain words above it).
+    text = text.replace("$(printf -- '--run %s ' $runs)", "--run qwen2.5-7b:8192:stock")
+    commands = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("bench --")]
+    assert len(commands) > 20
+    # Whole-word shell variables and a value each takes in the script (None: may be empty, as
+    # an optional flag); inside a word (a tag) any text will do.
+    whole = {"flag": None, "len": "8192", "limit": "150"}
+    for line in commands:
+        words = []
+        for w in shlex.split(line)[1:]:
+            if m := re.fullmatch(r"\$\{?(\w+)\}?", w):
+                assert m[1] in whole, f"give ${m[1]} a value here: {line}"
+                words += [whole[m[1]]] if whole[m[1]] else []
+            else:
+                words.append(re.sub(r"\$\{?\w+\}?", "x", w))
+        cfgs = bench.configs_from_args(bench.build_parser().parse_args(words))
+        assert cfgs, line
