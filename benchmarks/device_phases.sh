@@ -11,11 +11,12 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh speed-pair # nvidia-h200-x2 (~8 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg speed8b # nvidia-h200(-x2) (~11 min),
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg-wait    # then this within 30 s
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger-plan # nvidia-h200 (~2.5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh longest-ds # nvidia-h200(-x2) (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix  # nvidia-h200 (~13 min),
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg-wait    # then this within 30 s
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix-ds  # nvidia-h200 (~10 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger-plan # nvidia-h200 (~2.5 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix-all  # the three above (~26 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger64k   # nvidia-h200 (~4 min)
@@ -38,7 +39,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | matrix-ds | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | matrix-ds | matrix-all | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_MIRROR=0
@@ -205,6 +206,12 @@ case "$phase" in
     bench --tag "matrixds-$at" --steps 2 --warmup 1 --timeout-s 300 \
       --run qwen2.5-3b:65536:megatrain-hbm,deepspeed:8 \
       --run qwen2.5-7b:16384:deepspeed:2 --run llama-3.1-8b:16384:deepspeed:2
+    ;;
+  matrix-all)
+    # matrix, matrix-ds and liger-plan one after another in one background run (~26 minutes
+    # of a session's 30): `bg matrix-all`, then `bg-wait` twice, each within the machine's idle
+    # window. Each phase packs its own results-PHASE.tgz.
+    for sub in matrix matrix-ds liger-plan; do bash "$0" "$sub"; done
     ;;
   liger-plan)
     # The streamed loaders' plan with Liger-Kernel (from eab3fc3; before it, bench
