@@ -238,3 +238,21 @@ class CountAttentionKernels(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls += func in self.kernels
         return func(*args, **(kwargs or {}))
+
+
+def liger_like_mlp_forward():
+    """An MLP forward that computes what the MLP's own does but is named as Liger-Kernel's
+    SwiGLU forward (its module), as ``model_shape`` recognizes Liger's kernels."""
+
+    def forward(self, x):
+        return type(self).forward(self, x)
+
+    forward.__module__ = "liger_kernel.transformers.swiglu"  # where Liger's forward lives
+    return forward
+
+
+def patch_mlps_as_liger(model) -> None:
+    """Bind :func:`liger_like_mlp_forward` on every decoder MLP instance, as Liger binds its own."""
+    forward = liger_like_mlp_forward()
+    for layer in model.model.layers:
+        layer.mlp.__dict__["forward"] = forward.__get__(layer.mlp, type(layer.mlp))

@@ -7,7 +7,7 @@ import torch
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, init_streamed_model
 
-from .helpers import common_args, make_data, tiny_config
+from .helpers import common_args, make_data, patch_mlps_as_liger, tiny_config
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -58,13 +58,7 @@ def test_liger_kernels_go_in_before_the_loader_streams(monkeypatch):
 
     def fake_apply(model, config):
         calls.append((config, streamed_state(model) is None))
-
-        def forward(self, x):
-            return type(self).forward(self, x)
-
-        forward.__module__ = "liger_kernel.transformers.swiglu"  # where Liger's forward lives
-        for layer in model.model.layers:
-            layer.mlp.__dict__["forward"] = forward.__get__(layer.mlp, type(layer.mlp))
+        patch_mlps_as_liger(model)
 
     monkeypatch.setattr(loading, "apply_liger_kernels", fake_apply)
     cfg = tiny_config("llama")

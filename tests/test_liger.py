@@ -16,7 +16,13 @@ import transformers.integrations.liger as hf_liger
 
 from hf_megatrain.core.tiling import TiledTokenwise
 
-from .helpers import run_trainer, tiny_config, tiny_model
+from .helpers import (
+    liger_like_mlp_forward,
+    patch_mlps_as_liger,
+    run_trainer,
+    tiny_config,
+    tiny_model,
+)
 
 
 def _fake_liger(calls: list, used: list):
@@ -72,12 +78,7 @@ def test_planner_counts_the_fused_kernels_smaller_activations():
     plain = model_shape(model)
     assert not plain.fused_layer_kernels
 
-    def forward(self, x):
-        return type(self).forward(self, x)
-
-    forward.__module__ = "liger_kernel.transformers.swiglu"  # where Liger's SwiGLU forward lives
-    for layer in model.model.layers:
-        layer.mlp.__dict__["forward"] = forward.__get__(layer.mlp, type(layer.mlp))
+    patch_mlps_as_liger(model)
     fused = model_shape(model)
     assert fused.fused_layer_kernels
     h, i = plain.hidden_size, plain.intermediate_size
@@ -88,7 +89,9 @@ def test_planner_counts_the_fused_kernels_smaller_activations():
     assert model_shape(model).fused_layer_kernels
     # A class swapped before the model was built (apply_liger_kernel_to_qwen2()) counts too.
     other = tiny_model(tiny_config("qwen2"))
-    fused_cls = type("LigerSwiGLUMLP", (type(other.model.layers[0].mlp),), {"forward": forward})
+    fused_cls = type(
+        "LigerSwiGLUMLP", (type(other.model.layers[0].mlp),), {"forward": liger_like_mlp_forward()}
+    )
     for layer in other.model.layers:
         layer.mlp.__class__ = fused_cls
     assert model_shape(other).fused_layer_kernels

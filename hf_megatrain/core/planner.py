@@ -572,9 +572,8 @@ def plan_memory(
             )
         kept = keep_activation_layers
     if attn_ask is None:
-        attn = next(
-            (a for a in range(n - kept, 0, -1) if _total(gpu(n_hbm, kept, a)) <= hbm_bytes), 0
-        )
+        # More layers keeping them only adds HBM: the largest count that fits.
+        attn = _largest(lambda a: _total(gpu(n_hbm, kept, a)) <= hbm_bytes, n - kept)
     else:
         attn = attn_fixed(kept)
     gpu_lines = gpu(n_hbm, kept, attn)
