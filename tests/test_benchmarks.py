@@ -302,9 +302,9 @@ def test_merge_results_adds_only_what_is_new(tmp_path):
 
     from benchmarks.merge_results import main as merge_main
 
-    def row(tag, status="ok"):
+    def row(tag, status="ok", micro_batch="1"):
         return dict(tag=tag, system="megatrain-hbm", model="m", tokens_per_step="4096",
-                    seq_len="4096", status=status)  # fmt: skip
+                    seq_len="4096", status=status, micro_batch=micro_batch)  # fmt: skip
 
     ours = tmp_path / "ours"
     bench.append_csv(ours / "results.csv", [row("old")])
@@ -329,6 +329,14 @@ def test_merge_results_adds_only_what_is_new(tmp_path):
     assert merge_main([str(archive), "--into", str(ours)]) == 0  # idempotent
     with (ours / "results.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 2
+    # A later pack of the same sweep holding the same system at a second micro-batch: that row
+    # is new (a key without the micro-batch would drop it as a duplicate).
+    bench.append_csv(src / "results.csv", [row("new", "ok", micro_batch="2")])
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "src" / "benchmarks", arcname="benchmarks")
+    assert merge_main([str(archive), "--into", str(ours)]) == 0
+    with (ours / "results.csv").open() as f:
+        assert [(r["tag"], r["micro_batch"]) for r in csv.DictReader(f)][-1] == ("new", "2")
 
 
 def test_device_scripts_parse_and_every_phase_has_a_branch():
@@ -368,11 +376,11 @@ def test_plan_vs_measured_replans_liger_rows_with_the_fused_kernels():
     assert fused.gpu_total < default.gpu_total
 
 
-def _speed_row(tag, date, system, tps, status="ok", model="qwen2.5-7b", tokens=16384):
+def _speed_row(tag, date, system, tps, status="ok", model="qwen2.5-7b", tokens=16384, micro=""):
     return dict(
         tag=tag, date=date, system=system, model=model, seq_len="4096",
         tokens_per_step=str(tokens), tokens_per_s=str(tps) if tps else "",
-        model_tflops=str(tps / 20) if tps else "", status=status,
+        model_tflops=str(tps / 20) if tps else "", status=status, micro_batch=micro,
     )  # fmt: skip
 
 
@@ -415,6 +423,19 @@ def test_speed_matrix_ratios_come_from_one_sweep():
     met = {t: (e, ok) for t, e, ok in sm.targets(rows + big)}
     assert met["qwen2.5-7b >= 64k: >= 450 model TFLOP/s"] == ("475.0 (g)", True)
     assert met[">= 64k: gaps between layer passes < 5% of the step"][1]
+    # Stock out of GPU memory above one sequence per micro-batch has not been shown not to fit:
+    # the target stays open (and the cell names the micro-batch) until micro-batch 1 runs.
+    oom = [
+        _speed_row("m", "2026-03-02", "megatrain-hbm", 9000, tokens=65536),
+        _speed_row("m", "2026-03-02", "stock", 0, status="oom-gpu", tokens=65536, micro="2"),
+    ]
+    target = "qwen2.5-7b 64k: >= 1.0x stock where it fits"
+    met = {t: (e, ok) for t, e, ok in sm.targets(rows + oom)}
+    assert met[target] == ("stock out of GPU memory at micro-batch 2 (m), micro-batch 1 not run",
+                           False)  # fmt: skip
+    assert "oom-gpu at micro-batch 2 (m)" in sm.markdown(rows + oom)
+    one = _speed_row("m1", "2026-03-03", "stock", 0, status="oom-gpu", tokens=65536, micro="1")
+    assert target not in {t for t, _, _ in sm.targets(rows + oom + [one])}  # does not fit
 
 
 def test_speed_matrix_renders_the_committed_results():
