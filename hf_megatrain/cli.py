@@ -338,8 +338,17 @@ def _validate(opts: TrainOptions) -> None:
         raise CLIError(f"tokenizer not found: {opts.tokenizer}")
     if opts.data is not None and not Path(opts.data).exists():
         raise CLIError(f"data not found: {opts.data}")
-    if Path(opts.output_dir).exists() and not Path(opts.output_dir).is_dir():
+    out = Path(opts.output_dir)
+    if out.exists() and not out.is_dir():
         raise CLIError(f"output-dir exists and is not a folder: {opts.output_dir}")
+    # Made now, not by the Trainer after the model is built (minutes for a large one), and
+    # checked writable: the run must not fail, or train for hours, with nowhere to save.
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"output-dir cannot be created: {opts.output_dir} ({e.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise CLIError(f"output-dir is not writable: {opts.output_dir}")
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -774,6 +783,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_train(opts)
         except (UnsupportedModelError, InsufficientHostMemoryError) as e:
+            raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
+        except ValueError as e:
+            # The library's own checks of a setting against the model (resident layers beyond
+            # the model's count, ...) say "hf_megatrain: ..."; anything else is a bug to show.
+            if not str(e).startswith("hf_megatrain: "):
+                raise
             raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
         finally:
             _end_process_group()

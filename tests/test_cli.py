@@ -205,6 +205,11 @@ def test_bad_input_errors_are_clean(tmp_path):
     assert "no text files" in _error(["train", "--data", str(tmp_path / "empty")])
     if not torch.cuda.is_available():
         assert "need a CUDA GPU" in _error(["train", "--liger"])
+    # Checked before the model is built (the Trainer would make the folder only after that).
+    assert "output-dir cannot be created" in _error(["train", "--output-dir", str(txt / "out")])
+    # A setting checked against the model once it is built: the library's message, no traceback.
+    msg = _error(["train", "--resident-layers", "99", "--output-dir", str(tmp_path / "o")])
+    assert "resident_layers=99 but the model has 4 layers" in msg
 
 
 def test_multi_node_launch_is_refused(monkeypatch):
