@@ -18,6 +18,8 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger-plan # nvidia-h200 (~2.5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix-all  # the three above (~26 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg stock-fit  # nvidia-h200 (~15 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh attn-auto  # nvidia-h200 (~8 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg next-all  # the two above (~23 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger64k   # nvidia-h200 (~4 min)
@@ -40,7 +42,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | matrix-ds | matrix-all | stock-fit | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | matrix-ds | matrix-all | stock-fit | attn-auto | next-all | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_MIRROR=0
@@ -228,6 +230,26 @@ case "$phase" in
       --run qwen2.5-3b:65536:megatrain-hbm:16 --run qwen2.5-3b:65536:stock:8
     bench --tag "stockfit-liger8k-$at" --streamed-init --liger --hbm-cast-weights --steps 3 \
       --warmup 2 --timeout-s 150 --run qwen2.5-7b:8192:megatrain-hbm,stock:2
+    ;;
+  attn-auto)
+    # Whether megatrain_keep_attention_outputs could default to "auto" (it keeps the attention
+    # kernel's outputs of as many recomputed layers as the plan leaves HBM for, never taking an
+    # HBM-tier layer; timed so far only as "all" at 64k with Liger-Kernel, +2.2%): Qwen2.5-7B
+    # without Liger-Kernel at 8k, 16k and 64k tokens/step, off against auto, the two sweeps back
+    # to back on one GPU (`plan --keep-attention-outputs auto` keeps them for 25 layers at 16k).
+    # nvidia-h200, about 8 minutes.
+    at=$(date -u +%H%M)
+    for attn in off auto; do
+      bench --tag "attn-$attn-$at" --streamed-init --keep-attention-outputs "$attn" \
+        --layer-timing --steps 3 --warmup 2 --timeout-s 170 \
+        --run qwen2.5-7b:8192:megatrain-hbm:2 --run qwen2.5-7b:16384:megatrain-hbm:4 \
+        --run qwen2.5-7b:65536:megatrain-hbm:16
+    done
+    ;;
+  next-all)
+    # The next session's device work in one background run (~23 minutes of its 30): stock-fit
+    # (issue 3's last cells), then attn-auto. `bg next-all`, then `bg-wait` twice.
+    for sub in stock-fit attn-auto; do bash "$0" "$sub"; done
     ;;
   matrix-all)
     # matrix, matrix-ds and liger-plan one after another in one background run (~26 minutes

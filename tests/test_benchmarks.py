@@ -460,7 +460,7 @@ def test_every_bench_command_of_the_device_phases_parses():
     assert len(commands) > 20
     # Whole-word shell variables and a value each takes in the script (None: may be empty, as
     # an optional flag); inside a word (a tag) any text will do.
-    whole = {"flag": None, "len": "8192", "limit": "150"}
+    whole = {"flag": None, "len": "8192", "limit": "150", "attn": "auto"}
     for line in commands:
         words = []
         for w in shlex.split(line)[1:]:
