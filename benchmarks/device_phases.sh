@@ -216,18 +216,19 @@ case "$phase" in
     # and 64k (micro-batch 2 under gradient accumulation, matrix16k/64k-1643: the fp32 gradients
     # stay allocated through the next micro-batch's forward), Qwen2.5-1.5B at 64k (micro-batch
     # 16, h200-c; its 32k micro-batch trained), Qwen2.5-3B at 64k at 8 sequences beside the 4
-    # that trained. Each beside hf_megatrain in the same sweep, both systems at the micro-batches
+    # that trained (hf_megatrain's fastest there was 8 too, matrixds-1656). Each beside hf_megatrain in the same sweep, both systems at the micro-batches
     # they may run best at. Then the 7B at 8k with Liger-Kernel for both systems at the current
     # engine (ligercast8k-1154, 0.988x, predates the early-stop recompute; the cast tier was
     # hf_megatrain's fastest at 8k, pair8k-cast-on-1336; stock ignores the flag). nvidia-h200.
-    # About 15 minutes: `bg stock-fit`, then `bg-wait`.
+    # About 16 minutes: `bg stock-fit`, then `bg-wait`.
     at=$(date -u +%H%M)
     bench --tag "stockfit-$at" --streamed-init --steps 3 --warmup 2 --timeout-s 240 \
       --run qwen2.5-7b:16384:megatrain-hbm:4 --run qwen2.5-7b:16384:stock:1 \
       --run qwen2.5-7b:65536:megatrain-hbm:16 --run qwen2.5-7b:65536:stock:1 \
       --run qwen2.5-1.5b:65536:megatrain-hbm:16 --run qwen2.5-1.5b:65536:megatrain-hbm:8 \
       --run qwen2.5-1.5b:65536:stock:8 --run qwen2.5-1.5b:65536:stock:4 \
-      --run qwen2.5-3b:65536:megatrain-hbm:16 --run qwen2.5-3b:65536:stock:8
+      --run qwen2.5-3b:65536:megatrain-hbm:16 --run qwen2.5-3b:65536:megatrain-hbm:8 \
+      --run qwen2.5-3b:65536:stock:8
     bench --tag "stockfit-liger8k-$at" --streamed-init --liger --hbm-cast-weights --steps 3 \
       --warmup 2 --timeout-s 150 --run qwen2.5-7b:8192:megatrain-hbm,stock:2
     ;;
