@@ -19,7 +19,8 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix-all  # the three above (~26 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg stock-fit  # nvidia-h200 (~15 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh attn-auto  # nvidia-h200 (~8 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg next-all  # the two above (~23 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh families   # nvidia-h200 (~3 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg next-all  # the three above (~27 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger64k   # nvidia-h200 (~4 min)
@@ -42,7 +43,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | matrix-ds | matrix-all | stock-fit | attn-auto | next-all | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | matrix-ds | matrix-all | families | stock-fit | attn-auto | next-all | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_MIRROR=0
@@ -77,6 +78,15 @@ case "$phase" in
     timeout 240 python3 -m pytest tests/test_gpu.py -k liger -o addopts="" -p no:cacheprovider \
       -rA -q 2>&1 | grep -v '^DEBUG' >>"$log"
     grep -aE "^(FAILED|ERROR)|kept (attention )?bytes per token|fp32-output GEMMs|[0-9]+ (passed|failed|skipped)" "$log" | tail -30
+    ;;
+  families)
+    # Every supported family through the GPU path against the stock Trainer's autocast (16 of
+    # them added after run 12, CPU-tested only), then the GPU tests of the code they touched:
+    # norm parameters bound in fp32 (LayerNorm now too), the loaders' SDPA fallback. ~3 min.
+    timeout 300 python3 -m pytest tests/test_gpu.py -k "every_family or bf16_streamed or \
+      init_streamed or save_resume" -o addopts="" -p no:cacheprovider -rA -q --durations=8 2>&1 \
+      | grep -v '^DEBUG' >>"$log"
+    grep -aE "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped)" "$log" | tail -30
     ;;
   speed)
     # Issue 3's stock comparisons where stock fits (1.5B at 16k and 32k, 3B at 16k, 7B at 8k),
@@ -248,9 +258,10 @@ case "$phase" in
     done
     ;;
   next-all)
-    # The next session's device work in one background run (~23 minutes of its 30): stock-fit
-    # (issue 3's last cells), then attn-auto. `bg next-all`, then `bg-wait` twice.
-    for sub in stock-fit attn-auto; do bash "$0" "$sub"; done
+    # The next session's device work in one background run (~27 minutes of its 30): families
+    # (the new architectures on the GPU), stock-fit (issue 3's last cells), then attn-auto.
+    # `bg next-all`, then `bg-wait` twice.
+    for sub in families stock-fit attn-auto; do bash "$0" "$sub"; done
     ;;
   matrix-all)
     # matrix, matrix-ds and liger-plan one after another in one background run (~26 minutes

@@ -8,14 +8,30 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     AutoModelForCausalLM,
+    CohereConfig,
+    Ernie4_5Config,
+    Exaone4Config,
+    Gemma2Config,
     Gemma3TextConfig,
+    Glm4Config,
+    GptOssConfig,
+    GraniteConfig,
+    HeliumConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
+    Olmo3Config,
+    OlmoeConfig,
     Phi3Config,
+    PhiConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SeedOssConfig,
+    SmolLM3Config,
+    Starcoder2Config,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -45,49 +61,82 @@ def tiny_config(arch: str, **overrides):
     ``overrides`` replace entries of the shared tiny shape (e.g. ``num_hidden_layers=3``).
     """
     _BASE = {**_SHAPE, **overrides}  # noqa: N806 - reads as the shared shape below
-    if arch == "llama":
-        return LlamaConfig(**_BASE)
-    if arch == "qwen2":
-        return Qwen2Config(**_BASE)
-    if arch == "qwen3":
-        return Qwen3Config(**_BASE, head_dim=8)
-    if arch == "mistral":
+    # Gemma-style attention: a window < SEQ (both mask paths run), soft-capped attention and
+    # final logits, the embedding scale (model-level: must survive streaming).
+    gemma = dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=6,
+                 final_logit_softcapping=30.0, attn_logit_softcapping=50.0)  # fmt: skip
+    # MoE routing with the router aux loss on: its gradient must reach the routers.
+    moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+    alternating = [("sliding_attention", "full_attention")[i % 2]
+                   for i in range(_BASE["num_hidden_layers"])]  # fmt: skip
+    # Token ids inside the tiny vocabulary where a family's defaults point beyond it.
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    builders = {
+        "llama": lambda: LlamaConfig(**_BASE),
+        "qwen2": lambda: Qwen2Config(**_BASE),
+        "qwen3": lambda: Qwen3Config(**_BASE, head_dim=8),
         # A window shorter than the sequence so the sliding-window mask really cuts attention.
-        return MistralConfig(**_BASE, sliding_window=6)
-    if arch == "gemma3_text":
-        # One sliding and one full attention layer, window < SEQ: both mask paths run; soft-capping
-        # and the embedding scale are model-level and must survive streaming.
-        return Gemma3TextConfig(
+        "mistral": lambda: MistralConfig(**_BASE, sliding_window=6),
+        # One sliding and one full attention layer.
+        "gemma3_text": lambda: Gemma3TextConfig(
+            **_BASE, **gemma, layer_types=["sliding_attention", "full_attention"]
+        ),
+        "phi3": lambda: Phi3Config(**_BASE, **ids),
+        "qwen3_moe": lambda: Qwen3MoeConfig(
+            **_BASE, **moe, head_dim=8, moe_intermediate_size=16, num_experts=4
+        ),
+        "mixtral": lambda: MixtralConfig(**_BASE, **moe, num_local_experts=4),
+        "gemma2": lambda: Gemma2Config(**_BASE, **gemma),
+        # Granite's multipliers scale embeddings, residuals, attention and logits in the
+        # model's own code: all must survive streaming.
+        "granite": lambda: GraniteConfig(
             **_BASE,
-            head_dim=8,
-            query_pre_attn_scalar=8,
-            sliding_window=6,
-            layer_types=["sliding_attention", "full_attention"],
-            final_logit_softcapping=30.0,
-            attn_logit_softcapping=50.0,
-        )
-    if arch == "phi3":
-        return Phi3Config(**_BASE, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if arch == "qwen3_moe":
-        return Qwen3MoeConfig(
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+            attention_multiplier=0.015,
+        ),  # fmt: skip
+        # Parallel attention and MLP on one LayerNorm, partial rotary, biases; multi-head only.
+        "phi": lambda: PhiConfig(**{k: v for k, v in _BASE.items() if k != "num_key_value_heads"}),
+        # Larger aux coefficient than the others': at 0.1 the aux term moves its router
+        # gradient by 8e-4, under test_router_aux_loss_reaches_router_gradients' 1e-3 floor.
+        "qwen2_moe": lambda: Qwen2MoeConfig(
             **_BASE,
-            head_dim=8,
+            **{**moe, "router_aux_loss_coef": 0.5},
             moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
             num_experts=4,
-            num_experts_per_tok=2,
-            output_router_logits=True,
-            # Large so the aux-loss gradient is far above the comparison tolerance.
-            router_aux_loss_coef=0.1,
-        )
-    if arch == "mixtral":
-        return MixtralConfig(
+        ),  # fmt: skip
+        "olmoe": lambda: OlmoeConfig(**_BASE, **moe, num_experts=4),
+        # Attention sinks, alternating sliding/full layers, a biased router over fused experts.
+        "gpt_oss": lambda: GptOssConfig(
             **_BASE,
+            **moe,
+            head_dim=8,
             num_local_experts=4,
-            num_experts_per_tok=2,
-            output_router_logits=True,
-            router_aux_loss_coef=0.1,
-        )
-    raise KeyError(arch)
+            sliding_window=6,
+            layer_types=alternating,
+        ),  # fmt: skip
+        # Families whose differences from Llama sit inside their layers (norm placement and
+        # kind, q/k norms, biases, parallel blocks, NoPE layers, sliding windows): defaults.
+        "olmo2": lambda: Olmo2Config(**_BASE, **ids),
+        "olmo3": lambda: Olmo3Config(**_BASE, **ids, sliding_window=6),
+        "smollm3": lambda: SmolLM3Config(**_BASE, **ids, no_rope_layer_interval=2),
+        "starcoder2": lambda: Starcoder2Config(**_BASE, **ids),
+        "cohere": lambda: CohereConfig(**_BASE, **ids),
+        "glm4": lambda: Glm4Config(**_BASE, **ids, head_dim=8),
+        "ernie4_5": lambda: Ernie4_5Config(**_BASE, **ids, head_dim=8),
+        "helium": lambda: HeliumConfig(**_BASE, **ids, head_dim=8),
+        "exaone4": lambda: Exaone4Config(**_BASE, **ids, sliding_window=6),
+        # Seed-OSS defaults to dropout 0.1 in attention and residuals: off, as every config
+        # here (test_random_layers_replay_rng covers dropout inside streamed layers).
+        "seed_oss": lambda: SeedOssConfig(
+            **_BASE, **ids, head_dim=8, attention_dropout=0.0, residual_dropout=0.0
+        ),
+    }
+    if arch not in builders:
+        raise KeyError(arch)
+    return builders[arch]()
 
 
 ARCHS = [
@@ -99,8 +148,24 @@ ARCHS = [
     "phi3",
     "qwen3_moe",
     "mixtral",
+    "gemma2",
+    "granite",
+    "phi",
+    "olmo2",
+    "olmo3",
+    "smollm3",
+    "starcoder2",
+    "cohere",
+    "glm4",
+    "ernie4_5",
+    "helium",
+    "exaone4",
+    "seed_oss",
+    "qwen2_moe",
+    "olmoe",
+    "gpt_oss",
 ]
-MOE_ARCHS = ["qwen3_moe", "mixtral"]
+MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"]
 
 
 class LogRecorder(TrainerCallback):

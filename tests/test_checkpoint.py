@@ -35,7 +35,9 @@ def _logits(model, ids) -> torch.Tensor:
 
 # gemma3_text ties the LM head to the embedding; the MoE models go through transformers' expert
 # conversion (fused 3D experts in memory, per-expert tensors on disk) when saving.
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "gemma3_text", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "phi"]
+)
 def test_save_model_then_from_pretrained(arch, tmp_path):
     model = tiny_model(tiny_config(arch))
     _, stock = run_trainer(copy.deepcopy(model), tmp_path, "stock", False, max_steps=3)
@@ -60,7 +62,7 @@ def test_save_model_then_from_pretrained(arch, tmp_path):
 
 # Both MoE families: resume reads back what save_pretrained wrote, i.e. per-expert tensors under
 # the checkpoint's own (pre-rename) module names.
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
 def test_resume_from_checkpoint(arch, tmp_path):
     model = tiny_model(tiny_config(arch))
     kw = dict(max_steps=6, save_strategy="steps", save_steps=3)
@@ -87,7 +89,16 @@ def test_resume_from_checkpoint(arch, tmp_path):
 
 @pytest.mark.parametrize(
     "arch,shard",
-    [("llama", "20KB"), ("gemma3_text", None), ("qwen3_moe", "20KB"), ("mixtral", None)],
+    [
+        ("llama", "20KB"),
+        ("gemma3_text", None),
+        ("qwen3_moe", "20KB"),
+        ("mixtral", None),
+        ("qwen2_moe", "20KB"),
+        ("olmoe", None),
+        ("gpt_oss", None),
+        ("phi", None),
+    ],
 )
 def test_load_streamed_model_matches_from_pretrained(arch, shard, tmp_path):
     model = tiny_model(tiny_config(arch))
@@ -103,6 +114,23 @@ def test_load_streamed_model_matches_from_pretrained(arch, shard, tmp_path):
     ids = _ids()
     # Same fp32 weights, same forward: identical logits.
     torch.testing.assert_close(_logits(streamed, ids), _logits(ref, ids), rtol=0, atol=0)
+
+
+def test_quantized_checkpoint_is_refused_before_loading(tmp_path, monkeypatch):
+    """gpt-oss ships MXFP4 experts: a quantized checkpoint is refused, naming the method, before
+    the host store is allocated or a tensor is read."""
+    import json
+
+    from hf_megatrain import UnsupportedModelError
+    from hf_megatrain.hf import loading
+
+    tiny_model(tiny_config("gpt_oss")).save_pretrained(str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(loading, "_streamed_skeleton", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(UnsupportedModelError, match=r"quantized checkpoint \(mxfp4\)"):
+        load_streamed_model(str(tmp_path), device="cpu", bf16=False)
 
 
 def test_checkpoint_not_visible_until_complete(tmp_path, monkeypatch):

@@ -71,3 +71,39 @@ def test_chunked_bf16_compute_equals_reference(chunk, softcap):
     torch.testing.assert_close(gh, rh, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-3)
     assert torch.equal(gh[t == -100], torch.zeros_like(gh[t == -100]))
+
+
+def _families():
+    from .helpers import ARCHS
+
+    return ARCHS
+
+
+@pytest.mark.parametrize("arch", _families())
+def test_fused_loss_is_each_familys_own_loss(arch):
+    """Every family the trainer gives the fused chunked loss computes the same loss with its own
+    forward (head bias, logit scales and soft-capping would show), and every supported family
+    outside the set keeps its own forward."""
+    from hf_megatrain import SUPPORTED_MODEL_TYPES
+    from hf_megatrain.hf.loss import (
+        FUSED_LOSS_MODEL_TYPES,
+        fused_causal_lm_forward,
+        supports_fused_loss,
+    )
+
+    from .helpers import make_data, tiny_config, tiny_model
+
+    assert FUSED_LOSS_MODEL_TYPES <= set(SUPPORTED_MODEL_TYPES)
+    model = tiny_model(tiny_config(arch)).eval()
+    model_type = model.config.model_type
+    assert supports_fused_loss(model) == (model_type in FUSED_LOSS_MODEL_TYPES)
+    if model_type not in FUSED_LOSS_MODEL_TYPES:
+        return
+    with torch.no_grad():  # zero-initialized biases or scales must not hide a term
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    ids = torch.stack([r["input_ids"] for r in make_data(4)])
+    ref = model(input_ids=ids, labels=ids, use_cache=False).loss
+    got = fused_causal_lm_forward(model, None, chunk_tokens=8, input_ids=ids, labels=ids)
+    # Same fp32 logits summed in chunks: fp32 summation order only.
+    torch.testing.assert_close(got.loss, ref, rtol=1e-5, atol=1e-6)

@@ -12,6 +12,7 @@ from hf_megatrain import prepare_streamed_model
 
 from .helpers import (
     ARCHS,
+    MOE_ARCHS,
     assert_logs_match,
     make_data,
     mega_params,
@@ -69,7 +70,7 @@ def test_forward_backward_matches_stock(arch):
         torch.testing.assert_close(gm[name], gs[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_router_aux_loss_reaches_router_gradients(arch):
     """The aux loss is computed from router logits made inside streamed layers: its gradient must
     reach the router weights, exactly as in the stock model."""
@@ -77,7 +78,7 @@ def test_router_aux_loss_reaches_router_gradients(arch):
     _, _, gs0, gm0 = _stock_and_streamed_grads(arch, router_aux_loss_coef=0.0)
     assert out_m.aux_loss is not None and out_m.aux_loss.requires_grad
     torch.testing.assert_close(out_m.aux_loss, out_s.aux_loss, rtol=0, atol=0)
-    routers = [n for n in gs if n.endswith("mlp.gate.weight")]
+    routers = [n for n in gs if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
     assert routers, "no router weights found"
     for name in routers:
         # The aux term must change the router gradient by far more than the tolerance below,
@@ -102,7 +103,15 @@ def test_trainer_matches_stock(arch, tmp_path):
     for name, p in st.model.state_dict().items():
         # 5 AdamW steps at lr 1e-2 amplify per-step ulp differences in the gradients by at most
         # lr * few steps; 1e-5 absolute is ~100x above what we observe and 100x below an update.
-        torch.testing.assert_close(final[name], p, rtol=0, atol=1e-5, msg=name)
+        # AdamW divides each element's gradient by that element's own RMS plus eps (1e-8): an
+        # element whose gradient is near eps turns ulp differences into update differences of a
+        # few % of lr. GLM-4's k_proj bias has a gradient that is zero but for rounding (softmax
+        # ignores a constant added to a query's logits; 4.9e-5 measured), and an EXAONE-4
+        # embedding element got 6.8e-8 (stock) vs 7.5e-8 (streamed) in one step, the rounding
+        # noise of a row summing to 1e-2 (1.3e-4 measured). 5e-4 for those two, 20x below an
+        # update of lr 1e-2.
+        atol = 5e-4 if arch in ("glm4", "exaone4") else 1e-5
+        torch.testing.assert_close(final[name], p, rtol=0, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize(
@@ -141,6 +150,23 @@ def test_bf16_autocast_close_to_stock(arch, tmp_path):
         # fp32 masters, and the streamed bf16 copy re-derived from them after the last step.
         assert store.master.dtype == torch.float32 and store.stream.dtype == torch.bfloat16
         assert torch.equal(store.stream, store.master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_every_family_close_to_stock(arch, tmp_path):
+    """bf16 on CPU for every family: what bf16 alone changes (weights bound as bf16, norm
+    parameters bound in fp32; a LayerNorm once refused its bf16 weight here, unseen in fp32)."""
+    (stock, _), (mega, _) = train_both(
+        tiny_model(tiny_config(arch)), tmp_path, steps=4, bf16=True, learning_rate=1e-3
+    )
+    assert len(stock) == len(mega) == 4
+    for a, b in zip(stock, mega):
+        # lr 1e-3, not the 1e-2 above: at 1e-2 some tiny families are chaotic (OLMo 2's stock
+        # bf16 grad norm drifts 9% from its own fp32 run by step 4). Observed here: loss within
+        # 8e-5, grad norm within 5.1e-3 (GLM-4); 1e-3 / 2e-2 leave margin, and a dropped term
+        # (aux loss, a multiplier, soft-capping) moves them far more.
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-2)
 
 
 def test_frozen_embeddings_and_first_layer(tmp_path):

@@ -7,16 +7,33 @@ stays close to the store's own size, never store + full model.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..core.planner import Workload
 from .checkpoint import load_weights_into_store
 from .long_context import apply_liger_kernels
-from .model import prepare_streamed_model
+from .model import UnsupportedModelError, prepare_streamed_model
+
+logger = logging.getLogger(__name__)
+
+
+def _attention_for(config, attn_implementation: str | None) -> str | None:
+    """The loaders' default, SDPA, where the model class has it; else transformers' own default
+    (eager), said once: gpt-oss's attention sinks, for one, have no SDPA path."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
+        logger.warning(
+            "hf_megatrain: %s has no SDPA attention; it runs transformers' default (eager)",
+            model_class.__name__,
+        )
+        return None
+    return attn_implementation
 
 
 def _streamed_skeleton(
@@ -40,7 +57,9 @@ def _streamed_skeleton(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation, dtype=torch.float32
+            config,
+            attn_implementation=_attention_for(config, attn_implementation),
+            dtype=torch.float32,
         )
     # Under init_empty_weights the LM head is not tied to the embedding yet; tie it now, or a
     # tied checkpoint (which stores only the embedding) would leave the head without weights.
@@ -113,6 +132,15 @@ def load_streamed_model(
     """
     attn = config_overrides.pop("attn_implementation", "sdpa")
     config = AutoConfig.from_pretrained(path, **config_overrides)
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        # Before the store is allocated and gigabytes are read: packed low-bit tensors (e.g.
+        # gpt-oss's MXFP4 experts) are no fp32 master weights.
+        method = quant.get("quant_method") if isinstance(quant, dict) else type(quant).__name__
+        raise UnsupportedModelError(
+            f"hf_megatrain: {path} is a quantized checkpoint ({method}); full-precision training "
+            "starts from bf16/fp16/fp32 weights: use the model's unquantized (e.g. BF16) release"
+        )
     model = _streamed_skeleton(
         config, device, bf16, pin_memory, host_memory_limit_gb, resident_layers, attn,
         plan_workload, host_grads, stream_fp32_master, hbm_cast_weights, keep_activations,

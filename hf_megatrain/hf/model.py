@@ -43,8 +43,11 @@ logger = logging.getLogger(__name__)
 #: Families whose kept-activation bytes the planner counts exactly (or, Phi-3, 2% high), checked
 #: against autograd's saved tensors (tests/test_keep_activations.py); Gemma3 too, with its own
 #: terms, unless Liger's kernels replace its layers'. Qwen3-MoE saves 25% more and Mixtral 11%
-#: (router and expert dispatch, data-dependent): for those "auto" keeps none.
-KEPT_BYTES_AUDITED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3"})
+#: (router and expert dispatch, data-dependent): for those "auto" keeps none, as for the families
+#: not measured (Gemma2, OLMo, StarCoder2, Cohere, GLM-4, ...).
+KEPT_BYTES_AUDITED_MODEL_TYPES = frozenset(
+    {"llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "seed_oss"}
+)
 
 #: model_type -> short description; each has a tiny-config equivalence test.
 SUPPORTED_MODEL_TYPES = {
@@ -56,8 +59,24 @@ SUPPORTED_MODEL_TYPES = {
     "phi3": "Phi3",
     "qwen3_moe": "Qwen3-MoE (router aux loss keeps its gradient)",
     "mixtral": "Mixtral (router aux loss keeps its gradient)",
+    "gemma2": "Gemma2 (sliding + full attention layers, soft-capping)",
+    "granite": "Granite (embedding, residual, attention and logit multipliers)",
+    "phi": "Phi (parallel attention and MLP, partial rotary)",
+    "olmo2": "OLMo 2",
+    "olmo3": "OLMo 3 (sliding + full attention layers)",
+    "smollm3": "SmolLM3 (NoPE layers)",
+    "starcoder2": "StarCoder2",
+    "cohere": "Cohere / Command R (parallel attention and MLP)",
+    "glm4": "GLM-4",
+    "ernie4_5": "ERNIE 4.5 (dense)",
+    "helium": "Helium",
+    "exaone4": "EXAONE 4",
+    "seed_oss": "Seed-OSS",
+    "qwen2_moe": "Qwen2-MoE (shared expert; router aux loss keeps its gradient)",
+    "olmoe": "OLMoE (router aux loss keeps its gradient)",
+    "gpt_oss": "gpt-oss (attention sinks; bf16 checkpoints, not MXFP4; router aux loss kept)",
 }
-_MOE_TYPES = {"qwen3_moe", "mixtral"}
+_MOE_TYPES = {"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"}
 
 
 class UnsupportedModelError(ValueError):
@@ -214,21 +233,28 @@ def _text_config(config):
 
 
 def _residual_norm_weights(layer: nn.Module, streamed: set[str], hidden: int | None) -> list[str]:
-    """The layer's residual-stream RMSNorm weights (shape (hidden,), the model's own norm class,
-    not a fused kernel's), to be bound in fp32: the stock Trainer keeps them fp32, so
-    ``weight * normalized`` on the fp32 stream runs as one fp32 kernel there; with the stream
-    copy's bf16 weight it needs a casting kernel (6 such per layer and step, measured in the
-    7B kernel trace). The values stay the bf16-rounded ones: the products are bitwise the same.
-    Norms of bf16 tensors (per-head q/k norms) are left as they are."""
+    """The layer's residual-stream norm parameters (RMSNorm weights, LayerNorm weights and
+    biases; shape (hidden,), the model's own norm class, not a fused kernel's), to be bound in
+    fp32: the stock Trainer keeps them fp32, so ``weight * normalized`` on the fp32 stream runs
+    as one fp32 kernel there; with the stream copy's bf16 weight it needs a casting kernel (6
+    such per layer and step, measured in the 7B kernel trace), and CPU autocast's layer_norm
+    refuses a bf16 weight on an fp32 input outright (Phi, StarCoder2). The values stay the
+    bf16-rounded ones: the products are bitwise the same. Norms of bf16 tensors (per-head q/k
+    norms) are left as they are."""
     names = []
     for mod_name, module in layer.named_modules():
         cls = type(module).__name__
-        if not cls.endswith("RMSNorm") or cls.startswith("Liger") or "forward" in module.__dict__:
+        if (
+            not cls.endswith(("RMSNorm", "LayerNorm"))
+            or cls.startswith("Liger")
+            or "forward" in module.__dict__
+        ):
             continue
-        w = getattr(module, "weight", None)
-        name = f"{mod_name}.weight" if mod_name else "weight"
-        if isinstance(w, nn.Parameter) and tuple(w.shape) == (hidden,) and name in streamed:
-            names.append(name)
+        for attr in ("weight", "bias"):
+            p = getattr(module, attr, None)
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            if isinstance(p, nn.Parameter) and tuple(p.shape) == (hidden,) and name in streamed:
+                names.append(name)
     return names
 
 
