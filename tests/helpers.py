@@ -7,21 +7,34 @@ import copy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
+    ApertusConfig,
+    ArceeConfig,
     AutoModelForCausalLM,
     CohereConfig,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    Dots1Config,
     Ernie4_5Config,
     Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
+    GemmaConfig,
     Glm4Config,
+    Glm4MoeConfig,
+    GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
+    GraniteMoeConfig,
     HeliumConfig,
+    HunYuanDenseV1Config,
+    Lfm2Config,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    NemotronConfig,
     Olmo2Config,
     Olmo3Config,
+    OlmoConfig,
     OlmoeConfig,
     Phi3Config,
     PhiConfig,
@@ -31,6 +44,7 @@ from transformers import (
     Qwen3MoeConfig,
     SeedOssConfig,
     SmolLM3Config,
+    StableLmConfig,
     Starcoder2Config,
     Trainer,
     TrainerCallback,
@@ -134,6 +148,34 @@ def tiny_config(arch: str, **overrides):
             **_BASE, **ids, head_dim=8, attention_dropout=0.0, residual_dropout=0.0
         ),
     }
+    # Multi-head latent attention (low-rank q/kv, split rope/nope heads) over MoE layers after
+    # a dense first one, shared experts, grouped routing; one kv head per query head.
+    mla = dict(
+        num_key_value_heads=_BASE["num_attention_heads"], kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1,
+        moe_intermediate_size=16, first_k_dense_replace=1, num_experts_per_tok=2, n_group=1,
+        topk_group=1,
+    )  # fmt: skip
+    mla_base = {**_BASE, **ids, **mla}
+    routed = dict(n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=16,
+                  first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1)  # fmt: skip
+    builders |= {
+        "gemma": lambda: GemmaConfig(**_BASE, **ids, head_dim=8),
+        "olmo": lambda: OlmoConfig(**_BASE, **ids),
+        "stablelm": lambda: StableLmConfig(**_BASE, **ids),
+        "gpt_neox": lambda: GPTNeoXConfig(**_BASE, **ids),
+        "nemotron": lambda: NemotronConfig(**_BASE, **ids, head_dim=8),
+        "arcee": lambda: ArceeConfig(**_BASE, **ids),
+        "apertus": lambda: ApertusConfig(**_BASE, **ids),
+        "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**_BASE, **ids, head_dim=8),
+        # Short gated convolutions in most layers, attention in the rest.
+        "lfm2": lambda: Lfm2Config(**_BASE, **ids),
+        "granitemoe": lambda: GraniteMoeConfig(**_BASE, **ids, **moe, num_local_experts=4),
+        "glm4_moe": lambda: Glm4MoeConfig(**_BASE, **ids, **routed, head_dim=8),
+        "dots1": lambda: Dots1Config(**_BASE, **ids, **routed),
+        "deepseek_v2": lambda: DeepseekV2Config(**{**mla_base, "q_lora_rank": None}),
+        "deepseek_v3": lambda: DeepseekV3Config(**{**mla_base, "q_lora_rank": 16}),
+    }
     if arch not in builders:
         raise KeyError(arch)
     return builders[arch]()
@@ -164,8 +206,25 @@ ARCHS = [
     "qwen2_moe",
     "olmoe",
     "gpt_oss",
+    "gemma",
+    "olmo",
+    "stablelm",
+    "gpt_neox",
+    "nemotron",
+    "arcee",
+    "apertus",
+    "hunyuan_v1_dense",
+    "lfm2",
+    "granitemoe",
+    "glm4_moe",
+    "dots1",
+    "deepseek_v2",
+    "deepseek_v3",
 ]
-MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"]
+#: The MoE families whose router aux loss is part of the training loss.
+MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"]
+#: MoE families balanced without an aux loss (DeepSeek-V3's bias-corrected routing).
+AUX_FREE_MOE_ARCHS = ["glm4_moe", "dots1", "deepseek_v2", "deepseek_v3"]
 
 
 class LogRecorder(TrainerCallback):

@@ -36,8 +36,10 @@ def _logits(model, ids) -> torch.Tensor:
 # gemma3_text ties the LM head to the embedding; the MoE models go through transformers' expert
 # conversion (fused 3D experts in memory, per-expert tensors on disk) when saving.
 @pytest.mark.parametrize(
-    "arch", ["llama", "gemma3_text", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "phi"]
-)
+    "arch",
+    ["llama", "gemma3_text", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "phi",
+     "granitemoe", "deepseek_v3", "glm4_moe", "lfm2"],
+)  # fmt: skip
 def test_save_model_then_from_pretrained(arch, tmp_path):
     model = tiny_model(tiny_config(arch))
     _, stock = run_trainer(copy.deepcopy(model), tmp_path, "stock", False, max_steps=3)
@@ -62,7 +64,10 @@ def test_save_model_then_from_pretrained(arch, tmp_path):
 
 # Both MoE families: resume reads back what save_pretrained wrote, i.e. per-expert tensors under
 # the checkpoint's own (pre-rename) module names.
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize(
+    "arch",
+    ["llama", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "deepseek_v3"],
+)
 def test_resume_from_checkpoint(arch, tmp_path):
     model = tiny_model(tiny_config(arch))
     kw = dict(max_steps=6, save_strategy="steps", save_steps=3)
@@ -98,6 +103,10 @@ def test_resume_from_checkpoint(arch, tmp_path):
         ("olmoe", None),
         ("gpt_oss", None),
         ("phi", None),
+        ("granitemoe", None),
+        ("deepseek_v3", "20KB"),
+        ("glm4_moe", None),
+        ("lfm2", None),
     ],
 )
 def test_load_streamed_model_matches_from_pretrained(arch, shard, tmp_path):

@@ -78,7 +78,7 @@ def test_router_aux_loss_reaches_router_gradients(arch):
     _, _, gs0, gm0 = _stock_and_streamed_grads(arch, router_aux_loss_coef=0.0)
     assert out_m.aux_loss is not None and out_m.aux_loss.requires_grad
     torch.testing.assert_close(out_m.aux_loss, out_s.aux_loss, rtol=0, atol=0)
-    routers = [n for n in gs if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
+    routers = [n for n in gs if n.endswith(("mlp.gate.weight", "router.weight"))]
     assert routers, "no router weights found"
     for name in routers:
         # The aux term must change the router gradient by far more than the tolerance below,
@@ -105,12 +105,12 @@ def test_trainer_matches_stock(arch, tmp_path):
         # lr * few steps; 1e-5 absolute is ~100x above what we observe and 100x below an update.
         # AdamW divides each element's gradient by that element's own RMS plus eps (1e-8): an
         # element whose gradient is near eps turns ulp differences into update differences of a
-        # few % of lr. GLM-4's k_proj bias has a gradient that is zero but for rounding (softmax
-        # ignores a constant added to a query's logits; 4.9e-5 measured), and an EXAONE-4
-        # embedding element got 6.8e-8 (stock) vs 7.5e-8 (streamed) in one step, the rounding
-        # noise of a row summing to 1e-2 (1.3e-4 measured). 5e-4 for those two, 20x below an
-        # update of lr 1e-2.
-        atol = 5e-4 if arch in ("glm4", "exaone4") else 1e-5
+        # few % of lr. A key bias has a gradient that is zero but for rounding (softmax ignores
+        # a constant added to a query's logits): GLM-4's k_proj bias 4.9e-5 measured, GPT-NeoX's
+        # fused QKV bias 1.6e-5; an EXAONE-4 embedding element got 6.8e-8 (stock) vs 7.5e-8
+        # (streamed) in one step, the rounding noise of a row summing to 1e-2 (1.3e-4). 5e-4
+        # for those three, 20x below an update of lr 1e-2.
+        atol = 5e-4 if arch in ("glm4", "exaone4", "gpt_neox") else 1e-5
         torch.testing.assert_close(final[name], p, rtol=0, atol=atol, msg=name)
 
 

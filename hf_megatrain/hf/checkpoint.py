@@ -180,6 +180,16 @@ def load_weights_into_store(model, path: str) -> None:
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in resident_ids:
             targets[name] = p
+    # Persistent buffers that checkpoints carry (DeepSeek-V3's router score-correction bias):
+    # read when present, not required (older checkpoints may predate a buffer).
+    optional: set[int] = set()
+    for mod_name, module in model.named_modules():
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if buf is None or buf_name in module._non_persistent_buffers_set:
+                continue
+            if buf.device.type != "meta":
+                targets.setdefault(f"{mod_name}.{buf_name}" if mod_name else buf_name, buf)
+                optional.add(id(buf))
     filled: set[int] = set()
     unknown: list[str] = []
     with torch.no_grad():
@@ -200,7 +210,7 @@ def load_weights_into_store(model, path: str) -> None:
             if id(dest) not in not_mine:
                 dst.copy_(tensor.to(torch.float32))
             filled.add(id(dest))
-    missing = [n for n, t in targets.items() if id(t) not in filled]
+    missing = [n for n, t in targets.items() if id(t) not in filled and id(t) not in optional]
     if unknown:
         raise ValueError(
             f"hf_megatrain: {len(unknown)} checkpoint tensors do not match the model, e.g. "

@@ -75,8 +75,22 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2_moe": "Qwen2-MoE (shared expert; router aux loss keeps its gradient)",
     "olmoe": "OLMoE (router aux loss keeps its gradient)",
     "gpt_oss": "gpt-oss (attention sinks; bf16 checkpoints, not MXFP4; router aux loss kept)",
+    "gemma": "Gemma",
+    "olmo": "OLMo",
+    "stablelm": "StableLM",
+    "gpt_neox": "GPT-NeoX / Pythia (parallel attention and MLP)",
+    "nemotron": "Nemotron",
+    "arcee": "Arcee (AFM)",
+    "apertus": "Apertus",
+    "hunyuan_v1_dense": "Hunyuan (dense)",
+    "lfm2": "LFM2 (short gated convolutions + attention)",
+    "granitemoe": "Granite-MoE (router aux loss keeps its gradient)",
+    "glm4_moe": "GLM-4.5 MoE (shared expert, grouped routing)",
+    "dots1": "dots.llm1 (MoE, shared expert)",
+    "deepseek_v2": "DeepSeek-V2 (multi-head latent attention, MoE)",
+    "deepseek_v3": "DeepSeek-V3 / Kimi K2 shape (multi-head latent attention, MoE)",
 }
-_MOE_TYPES = {"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"}
+_MOE_TYPES = {"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"}
 
 
 class UnsupportedModelError(ValueError):
@@ -245,7 +259,7 @@ def _residual_norm_weights(layer: nn.Module, streamed: set[str], hidden: int | N
     for mod_name, module in layer.named_modules():
         cls = type(module).__name__
         if (
-            not cls.endswith(("RMSNorm", "LayerNorm"))
+            not ("RMSNorm" in cls or "LayerNorm" in cls)  # (Nemotron's LayerNorm1P too)
             or cls.startswith("Liger")
             or "forward" in module.__dict__
         ):
