@@ -18,9 +18,9 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger-plan # nvidia-h200 (~2.5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix-all  # the three above (~26 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg stock-fit  # nvidia-h200 (~15 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh attn-auto  # nvidia-h200 (~8 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh families   # nvidia-h200 (~3 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg next-all  # the three above (~27 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh attn-auto  # nvidia-h200 (~5 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh families   # nvidia-h200 (~5 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg next-all  # the three above (~26 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger64k   # nvidia-h200 (~4 min)
@@ -82,8 +82,9 @@ case "$phase" in
   families)
     # Every supported family through the GPU path against the stock Trainer's autocast (16 of
     # them added after run 12, CPU-tested only), then the GPU tests of the code they touched:
-    # norm parameters bound in fp32 (LayerNorm now too), the loaders' SDPA fallback. ~3 min.
-    timeout 300 python3 -m pytest tests/test_gpu.py -k "every_family or bf16_streamed or \
+    # norm parameters bound in fp32 (LayerNorm now too), the loaders' SDPA fallback, the
+    # layer buffers' device. 38 families x 2 tiny trainings: ~5 min.
+    timeout 480 python3 -m pytest tests/test_gpu.py -k "every_family or bf16_streamed or \
       init_streamed or save_resume" -o addopts="" -p no:cacheprovider -rA -q --durations=8 2>&1 \
       | grep -v '^DEBUG' >>"$log"
     grep -aE "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped)" "$log" | tail -30
@@ -246,21 +247,20 @@ case "$phase" in
     # Whether megatrain_keep_attention_outputs could default to "auto" (it keeps the attention
     # kernel's outputs of as many recomputed layers as the plan leaves HBM for, never taking an
     # HBM-tier layer; timed so far only as "all" at 64k with Liger-Kernel, +2.2%): Qwen2.5-7B
-    # without Liger-Kernel at 8k, 16k and 64k tokens/step, off against auto, the two sweeps back
-    # to back on one GPU (`plan --keep-attention-outputs auto` keeps them for 25 layers at 16k).
-    # nvidia-h200, about 8 minutes.
+    # without Liger-Kernel at 8k and 16k tokens/step, off against auto, the two sweeps back to
+    # back on one GPU (`plan --keep-attention-outputs auto` keeps them for 27 layers at 8k, 25 at
+    # 16k, only 3 at 64k). nvidia-h200, about 5 minutes.
     at=$(date -u +%H%M)
     for attn in off auto; do
       bench --tag "attn-$attn-$at" --streamed-init --keep-attention-outputs "$attn" \
         --layer-timing --steps 3 --warmup 2 --timeout-s 170 \
-        --run qwen2.5-7b:8192:megatrain-hbm:2 --run qwen2.5-7b:16384:megatrain-hbm:4 \
-        --run qwen2.5-7b:65536:megatrain-hbm:16
+        --run qwen2.5-7b:8192:megatrain-hbm:2 --run qwen2.5-7b:16384:megatrain-hbm:4
     done
     ;;
   next-all)
-    # The next session's device work in one background run (~27 minutes of its 30): families
-    # (the new architectures on the GPU), stock-fit (issue 3's last cells), then attn-auto.
-    # `bg next-all`, then `bg-wait` twice.
+    # The next session's device work in one background run (~26 minutes of a session's 30;
+    # attn-auto, last, may not finish): families (the new architectures on the GPU),
+    # stock-fit (issue 3's last cells), then attn-auto. `bg next-all`, then `bg-wait` twice.
     for sub in families stock-fit attn-auto; do bash "$0" "$sub"; done
     ;;
   matrix-all)
