@@ -10,17 +10,21 @@ from transformers import (
     ApertusConfig,
     ArceeConfig,
     AutoModelForCausalLM,
+    BloomConfig,
     CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     Dots1Config,
     Ernie4_5Config,
     Exaone4Config,
+    FalconConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
     Glm4Config,
     Glm4MoeConfig,
+    GPTBigCodeConfig,
+    GPTJConfig,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
@@ -31,6 +35,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    MptConfig,
     NemotronConfig,
     Olmo2Config,
     Olmo3Config,
@@ -176,6 +181,33 @@ def tiny_config(arch: str, **overrides):
         "deepseek_v2": lambda: DeepseekV2Config(**{**mla_base, "q_lora_rank": None}),
         "deepseek_v3": lambda: DeepseekV3Config(**{**mla_base, "q_lora_rank": 16}),
     }
+    # GPT-style configs (layers under transformer.h / .blocks), by their own argument names.
+    h, n, heads = _BASE["hidden_size"], _BASE["num_hidden_layers"], _BASE["num_attention_heads"]
+    vocab, pos = _BASE["vocab_size"], _BASE["max_position_embeddings"]
+    gpt = dict(vocab_size=vocab, n_embd=h, n_layer=n, n_head=heads, n_positions=pos, **ids)
+    builders |= {
+        # The new decoder architecture: grouped kv heads, parallel attention and MLP.
+        "falcon": lambda: FalconConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_kv_heads=_BASE["num_key_value_heads"],
+            new_decoder_architecture=True,
+            **ids,
+        ),  # fmt: skip
+        "bloom": lambda: BloomConfig(
+            vocab_size=vocab, hidden_size=h, n_layer=n, n_head=heads, **ids
+        ),
+        "mpt": lambda: MptConfig(
+            vocab_size=vocab, d_model=h, n_layers=n, n_heads=heads, max_seq_len=pos, **ids
+        ),
+        "gptj": lambda: GPTJConfig(**gpt, rotary_dim=4),
+        # Multi-query attention; dropout off (its defaults are 0.1, see seed_oss).
+        "gpt_bigcode": lambda: GPTBigCodeConfig(
+            **gpt, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        ),
+    }
     if arch not in builders:
         raise KeyError(arch)
     return builders[arch]()
@@ -220,6 +252,11 @@ ARCHS = [
     "dots1",
     "deepseek_v2",
     "deepseek_v3",
+    "falcon",
+    "bloom",
+    "mpt",
+    "gptj",
+    "gpt_bigcode",
 ]
 #: The MoE families whose router aux loss is part of the training loss.
 MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"]

@@ -107,6 +107,8 @@ def test_resume_from_checkpoint(arch, tmp_path):
         ("deepseek_v3", "20KB"),
         ("glm4_moe", None),
         ("lfm2", None),
+        ("falcon", "20KB"),
+        ("bloom", None),
     ],
 )
 def test_load_streamed_model_matches_from_pretrained(arch, shard, tmp_path):

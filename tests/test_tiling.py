@@ -56,11 +56,13 @@ def test_tiled_backward_recomputes_under_the_forward_autocast():
 
 
 @pytest.mark.parametrize(
-    "arch", [a for a in ARCHS if a not in (*MOE_ARCHS, *AUX_FREE_MOE_ARCHS, "lfm2")]
+    "arch",
+    [a for a in ARCHS if a not in (*MOE_ARCHS, *AUX_FREE_MOE_ARCHS, "lfm2", "mpt", "bloom")],
 )
 def test_streamed_training_with_tiled_mlp_matches_stock(tmp_path, arch):
-    """Every dense family's MLP is token-wise (MoE blocks are left untiled; LFM2 calls its
-    block feed_forward, which is not tiled)."""
+    """Every dense family's MLP is token-wise (MoE blocks are left untiled; LFM2 and MPT call
+    theirs feed_forward / ffn, which are not tiled; BLOOM's takes the residual too: see
+    test_install_skips_mlps_with_a_second_input)."""
     model = tiny_model(tiny_config(arch))
     stock, _ = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, max_steps=4)
     mega, trainer = run_trainer(
@@ -79,3 +81,11 @@ def test_install_skips_nothing_dense_and_is_idempotent():
     assert install_mlp_tiling(model, 8) == 3
     assert install_mlp_tiling(model, 8) == 0
     assert install_mlp_tiling(model, 0) == 0
+
+
+def test_install_skips_mlps_with_a_second_input():
+    """BLOOM's MLP adds the residual inside (forward(hidden_states, residual)): a tile of one
+    input cannot stand in for it, so tiling leaves it alone and training still runs."""
+    model = tiny_model(tiny_config("bloom"))
+    assert install_mlp_tiling(model, 8) == 0
+    assert install_mlp_tiling(tiny_model(tiny_config("falcon")), 8) == 2

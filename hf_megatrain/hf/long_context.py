@@ -3,6 +3,7 @@ layers' MLPs, and Liger-Kernel's fused Triton kernels (the Trainer's ``use_liger
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 from torch import nn
@@ -39,6 +40,18 @@ _MLP_ATTRS = ("mlp",)
 _MOE_MARKERS = ("experts", "gate")
 
 
+def _takes_one_input(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes exactly one required input (what tiling splits)."""
+    params = inspect.signature(module.forward).parameters.values()
+    required = [
+        p
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(required) == 1
+
+
 def install_mlp_tiling(model: nn.Module, tile_tokens: int) -> int:
     """Tile every decoder layer's dense MLP along the sequence; returns how many were tiled."""
     if tile_tokens <= 0:
@@ -50,6 +63,8 @@ def install_mlp_tiling(model: nn.Module, tile_tokens: int) -> int:
             mlp = getattr(layer, attr, None)
             if mlp is None or any(hasattr(mlp, m) for m in _MOE_MARKERS):
                 continue
+            if not _takes_one_input(mlp):
+                continue  # e.g. BLOOM's MLP adds the residual itself: (hidden_states, residual)
             if not isinstance(mlp.forward, TiledTokenwise):
                 mlp.forward = TiledTokenwise(mlp, tile_tokens)
                 count += 1

@@ -17,14 +17,14 @@ from ..core.chunked_loss import IGNORE_INDEX, chunked_linear_cross_entropy
 
 #: Families whose causal-LM loss is plain cross-entropy over ``lm_head(hidden)`` (Gemma's
 #: final soft-capping included): the chunked loss computes the same. Not here: heads with a bias
-#: (Phi), logit scales (Granite, Cohere), MoE models whose loss adds the router aux loss (the
+#: (Phi, GPT-J), logit scales (Granite, Cohere), MoE models whose loss adds the router aux loss (the
 #: aux-free DeepSeek-style ones are in). tests/test_chunked_loss.py checks each against the
 #: model's own loss.
 FUSED_LOSS_MODEL_TYPES = {
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "gemma2", "olmo2", "olmo3",
     "smollm3", "starcoder2", "glm4", "ernie4_5", "helium", "exaone4", "seed_oss", "gemma",
     "olmo", "stablelm", "gpt_neox", "nemotron", "arcee", "apertus", "hunyuan_v1_dense", "lfm2",
-    "glm4_moe", "dots1", "deepseek_v2", "deepseek_v3",
+    "glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "falcon", "bloom", "mpt", "gpt_bigcode",
 }  # fmt: skip
 
 

@@ -89,6 +89,11 @@ SUPPORTED_MODEL_TYPES = {
     "dots1": "dots.llm1 (MoE, shared expert)",
     "deepseek_v2": "DeepSeek-V2 (multi-head latent attention, MoE)",
     "deepseek_v3": "DeepSeek-V3 / Kimi K2 shape (multi-head latent attention, MoE)",
+    "falcon": "Falcon (new and old decoder architectures)",
+    "bloom": "BLOOM (ALiBi)",
+    "mpt": "MPT (ALiBi)",
+    "gptj": "GPT-J (parallel attention and MLP)",
+    "gpt_bigcode": "GPTBigCode / StarCoder (multi-query attention)",
 }
 _MOE_TYPES = {"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"}
 
@@ -139,7 +144,13 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     total = sum(p.numel() for p in model.parameters())
     cfg = model.config
     text_cfg = _text_config(cfg)
-    inter = getattr(text_cfg, "intermediate_size", 0) or 0
+    # GPT-style configs name the MLP width otherwise or leave it at the 4 x hidden default.
+    inter = (
+        getattr(text_cfg, "intermediate_size", None)
+        or getattr(text_cfg, "n_inner", None)
+        or getattr(text_cfg, "ffn_hidden_size", None)
+        or 4 * text_cfg.hidden_size
+    )
     experts = getattr(text_cfg, "num_experts_per_tok", None)
     moe_inter = getattr(text_cfg, "moe_intermediate_size", None)
     if experts and moe_inter:  # MoE: the active experts' width drives the working set
@@ -177,21 +188,27 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     )
 
 
+#: Names of the decoder layer list: ``model.layers`` for most families, ``transformer.h`` for
+#: the GPT-style ones (Falcon, BLOOM, GPT-J, GPTBigCode), ``transformer.blocks`` for MPT.
+_LAYER_LIST_NAMES = ("h", "blocks")
+
+
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """Locate the decoder layer list (``<base>.layers``) of a causal LM (PEFT-wrapped too)."""
+    """Locate the decoder layer list (``<base>.layers``, ``.h``, ``.blocks``) of a causal LM
+    (PEFT-wrapped too): a ModuleList of ``num_hidden_layers`` modules, the outermost one."""
     n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     candidates = [
         (name, module)
         for name, module in model.named_modules()
-        if name.endswith("layers")
+        if (name.endswith("layers") or name.rpartition(".")[2] in _LAYER_LIST_NAMES)
         and isinstance(module, nn.ModuleList)
         and (n_layers is None or len(module) == n_layers)
     ]
     if candidates:
         return min(candidates, key=lambda c: c[0].count("."))
     raise UnsupportedModelError(
-        f"hf_megatrain: could not find the decoder layers (a ModuleList named '*.layers') in "
-        f"{type(model).__name__}."
+        f"hf_megatrain: could not find the decoder layers (a ModuleList of num_hidden_layers "
+        f"modules named '*.layers', '*.h' or '*.blocks') in {type(model).__name__}."
     )
 
 
