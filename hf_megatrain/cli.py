@@ -516,10 +516,12 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
     cfg = _config_from_json(opts.config or str(DEFAULT_CONFIG))
     _check_vocab(cfg, tokenizer)
     if not _init_in_store():
+        from .hf.loading import attention_for  # noqa: PLC0415
+
         torch.manual_seed(opts.seed)
         # Materialized on CPU in fp32, then HFMegaTrainer moves its decoder layers into the store.
         return AutoModelForCausalLM.from_config(
-            cfg, dtype=torch.float32, attn_implementation=opts.attn
+            cfg, dtype=torch.float32, attn_implementation=attention_for(cfg, opts.attn)
         )
     # On a GPU: each decoder layer is initialized straight into its host-store master (on the
     # GPU, then copied), so a config whose fp32 copy would not fit next to the store still

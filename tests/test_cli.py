@@ -114,6 +114,20 @@ def test_default_model_and_data_smoke(tmp_path, capsys):
     assert model.config.vocab_size == 4096
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "deepseek_v3", "falcon"])
+def test_train_other_families_from_a_config(tmp_path, capsys, arch):
+    """`train --config` for families off the Llama path: Gemma2 has no SDPA attention (eager,
+    said once), DeepSeek-V3's latent attention and router buffer, Falcon's transformer.h."""
+    from .helpers import tiny_config
+
+    vocab = json.loads(DEFAULT_CONFIG.read_text())["vocab_size"]
+    tiny_config(arch, vocab_size=vocab, max_position_embeddings=64).save_pretrained(tmp_path / "c")
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(tmp_path / "c")] + _fast_flags(out)) == 0
+    assert "from_pretrained loaded the checkpoint" in capsys.readouterr().out
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == arch
+
+
 def test_recipe_then_flags_precedence(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("seq_len: 64\nmax_steps: 7\nlr: 3e-4\nbf16: true\neval-fraction: 0.1\n")

@@ -23,7 +23,7 @@ from .model import UnsupportedModelError, prepare_streamed_model
 logger = logging.getLogger(__name__)
 
 
-def _attention_for(config, attn_implementation: str | None) -> str | None:
+def attention_for(config, attn_implementation: str | None) -> str | None:
     """The loaders' default, SDPA, where the model class has it; else transformers' own default
     (eager), said once: gpt-oss's attention sinks, for one, have no SDPA path."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
@@ -58,7 +58,7 @@ def _streamed_skeleton(
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
             config,
-            attn_implementation=_attention_for(config, attn_implementation),
+            attn_implementation=attention_for(config, attn_implementation),
             dtype=torch.float32,
         )
     # Under init_empty_weights the LM head is not tied to the embedding yet; tie it now, or a
