@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def attention_for(config, attn_implementation: str | None) -> str | None:
     """The loaders' default, SDPA, where the model class has it; else transformers' own default
-    (eager), said once: gpt-oss's attention sinks, for one, have no SDPA path."""
+    (eager), with a warning: gpt-oss's attention sinks, for one, have no SDPA path."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
         logger.warning(

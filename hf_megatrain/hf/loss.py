@@ -16,10 +16,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..core.chunked_loss import IGNORE_INDEX, chunked_linear_cross_entropy
 
 #: Families whose causal-LM loss is plain cross-entropy over ``lm_head(hidden)`` (Gemma's
-#: final soft-capping included): the chunked loss computes the same. Not here: heads with a bias
-#: (Phi, GPT-J), logit scales (Granite, Cohere), MoE models whose loss adds the router aux loss (the
-#: aux-free DeepSeek-style ones are in). tests/test_chunked_loss.py checks each against the
-#: model's own loss.
+#: final soft-capping included): the chunked loss computes the same. Not here: heads with a
+#: bias (Phi, GPT-J), logit scales (Granite, Cohere), MoE models whose loss adds the router aux
+#: loss (the aux-free DeepSeek-style ones are in). tests/test_chunked_loss.py checks each
+#: against the model's own loss.
 FUSED_LOSS_MODEL_TYPES = {
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "gemma2", "olmo2", "olmo3",
     "smollm3", "starcoder2", "glm4", "ernie4_5", "helium", "exaone4", "seed_oss", "gemma",
