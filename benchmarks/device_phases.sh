@@ -80,10 +80,10 @@ case "$phase" in
     grep -aE "^(FAILED|ERROR)|kept (attention )?bytes per token|fp32-output GEMMs|[0-9]+ (passed|failed|skipped)" "$log" | tail -30
     ;;
   families)
-    # Every supported family through the GPU path against the stock Trainer's autocast (35 of
-    # the 43 added after run 12, CPU-tested only), then the GPU tests of the code they touched:
+    # Every supported family through the GPU path against the stock Trainer's autocast (36 of
+    # the 44 came after run 12, CPU-tested only), then the GPU tests of the code they touched:
     # norm parameters bound in fp32 (LayerNorm now too), the loaders' SDPA fallback, the
-    # layer buffers' device. 43 families x 2 tiny trainings: ~5 min.
+    # layer buffers' device. 44 families x 2 tiny trainings: ~5 min.
     timeout 480 python3 -m pytest tests/test_gpu.py -k "every_family or bf16_streamed or \
       init_streamed or save_resume" -o addopts="" -p no:cacheprovider -rA -q --durations=8 2>&1 \
       | grep -v '^DEBUG' >>"$log"

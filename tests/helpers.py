@@ -47,6 +47,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     SeedOssConfig,
     SmolLM3Config,
     StableLmConfig,
@@ -203,6 +204,18 @@ def tiny_config(arch: str, **overrides):
             vocab_size=vocab, d_model=h, n_layers=n, n_heads=heads, max_seq_len=pos, **ids
         ),
         "gptj": lambda: GPTJConfig(**gpt, rotary_dim=4),
+        # Gated DeltaNet linear attention (causal convolution, recurrent state) and gated full
+        # attention, over MoE layers with a shared expert (no aux loss by default).
+        "qwen3_next": lambda: Qwen3NextConfig(
+            **_BASE,
+            **ids,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            layer_types=[("linear_attention", "full_attention")[i % 2] for i in range(n)],
+        ),  # fmt: skip
         # Multi-query attention; dropout off (its defaults are 0.1, see seed_oss).
         "gpt_bigcode": lambda: GPTBigCodeConfig(
             **gpt, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
@@ -257,11 +270,12 @@ ARCHS = [
     "mpt",
     "gptj",
     "gpt_bigcode",
+    "qwen3_next",
 ]
 #: The MoE families whose router aux loss is part of the training loss.
 MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"]
 #: MoE families balanced without an aux loss (DeepSeek-V3's bias-corrected routing).
-AUX_FREE_MOE_ARCHS = ["glm4_moe", "dots1", "deepseek_v2", "deepseek_v3"]
+AUX_FREE_MOE_ARCHS = ["glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "qwen3_next"]
 
 
 class LogRecorder(TrainerCallback):

@@ -107,3 +107,7 @@ def test_fused_loss_is_each_familys_own_loss(arch):
     got = fused_causal_lm_forward(model, None, chunk_tokens=8, input_ids=ids, labels=ids)
     # Same fp32 logits summed in chunks: fp32 summation order only.
     torch.testing.assert_close(got.loss, ref, rtol=1e-5, atol=1e-6)
+    if hasattr(model.config, "output_router_logits"):
+        # Turned on, the router aux loss joins the loss in the model's forward: not fused then.
+        model.config.output_router_logits = True
+        assert not supports_fused_loss(model)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as _adam_functional
 
+from .grad_norm import squared_norm
 from .host_store import LayerStore
 from .streaming import StreamingEngine
 
@@ -135,10 +136,8 @@ class HostAdamW(torch.optim.Optimizer):
         total_sq = self.engine.grad_sq_sum().to(torch.float32)
         resident = self._resident_with_grad()
         if resident:
-            norms = torch.stack(
-                [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in resident]
-            )
-            total_sq = total_sq.to(norms.device) + norms.square().sum()
+            squares = torch.stack([squared_norm(p.grad) for p in resident])
+            total_sq = total_sq.to(squares.device) + squares.sum()
         return total_sq.sqrt()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .distributed import DataParallel
+from .grad_norm import squared_norm
 from .host_store import LayerStore, PinnedBuffer
 from .layer_timing import LayerTimeline
 from .segments import Segment, SegmentEntry, tensor_sig
@@ -686,7 +687,7 @@ class StreamingEngine:
     def _stage_cpu(self, idx: int, grad: torch.Tensor) -> None:
         """CPU: the final gradient already is in host memory; the update reads it in place."""
         self._no_slot_check(idx)
-        sq = torch.linalg.vector_norm(grad).square()
+        sq = squared_norm(grad)
         self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
         self._grad_on_host[idx] = True
         self._staged[idx] = (None, grad)
@@ -813,9 +814,9 @@ class StreamingEngine:
             if not self._grad_on_host[idx] or store.grad is None:
                 continue
             if store.resident:
-                replicated += torch.linalg.vector_norm(store.grad).square()
+                replicated += squared_norm(store.grad)
             elif not running:
-                streamed += torch.linalg.vector_norm(store.grad).square().cpu()
+                streamed += squared_norm(store.grad).cpu()
         streamed = self._grad_sq if running else streamed.to(self.device)
         if self.dp is not None:
             streamed = streamed.clone()

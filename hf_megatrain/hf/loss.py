@@ -25,6 +25,7 @@ FUSED_LOSS_MODEL_TYPES = {
     "smollm3", "starcoder2", "glm4", "ernie4_5", "helium", "exaone4", "seed_oss", "gemma",
     "olmo", "stablelm", "gpt_neox", "nemotron", "arcee", "apertus", "hunyuan_v1_dense", "lfm2",
     "glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "falcon", "bloom", "mpt", "gpt_bigcode",
+    "qwen3_next",
 }  # fmt: skip
 
 
@@ -43,6 +44,9 @@ def supports_fused_loss(model) -> bool:
         and getattr(model, model.base_model_prefix, None) is not None
         # A model-specific loss (set by the user) is theirs to keep.
         and getattr(config, "loss_type", None) in (None, "ForCausalLM", "ForCausalLMLoss")
+        # An MoE family's router aux loss, when turned on (Qwen3-Next's is off by default), is
+        # added by the model's own forward.
+        and not getattr(config, "output_router_logits", False)
     )
 
 

@@ -94,6 +94,7 @@ SUPPORTED_MODEL_TYPES = {
     "mpt": "MPT (ALiBi)",
     "gptj": "GPT-J (parallel attention and MLP)",
     "gpt_bigcode": "GPTBigCode / StarCoder (multi-query attention)",
+    "qwen3_next": "Qwen3-Next (Gated DeltaNet linear + gated full attention, MoE)",
 }
 _MOE_TYPES = {"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"}
 
