@@ -784,12 +784,12 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             run_train(opts)
-        except (UnsupportedModelError, InsufficientHostMemoryError) as e:
-            raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
-        except ValueError as e:
-            # The library's own checks of a setting against the model (resident layers beyond
-            # the model's count, ...) say "hf_megatrain: ..."; anything else is a bug to show.
-            if not str(e).startswith("hf_megatrain: "):
+        except (InsufficientHostMemoryError, ValueError) as e:
+            # The library's refusals (unsupported model, host RAM, a setting checked against
+            # the model such as resident layers beyond its count) say "hf_megatrain: ..."; any
+            # other ValueError is a bug to show.
+            ours = not isinstance(e, ValueError) or isinstance(e, UnsupportedModelError)
+            if not ours and not str(e).startswith("hf_megatrain: "):
                 raise
             raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
         finally:
