@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,6 +74,22 @@ _SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
+
+
+@functools.cache
+def stock_aux_loss_trains(arch: str) -> bool:
+    """Whether the installed transformers' own ``arch`` model computes a loss with its router aux
+    loss on. transformers 5.17's GraniteMoE does not: its ``ForCausalLM.forward`` does not pass
+    ``output_router_logits`` to the decoder, gets no router logits back, and fails adding the
+    aux "loss" (an int 0) to the loss (``'int' object has no attribute 'to'``; 5.24 passes it).
+    The stock Trainer fails the same way, so there is nothing to compare against there."""
+    model = tiny_model(tiny_config(arch))
+    ids = torch.arange(8).unsqueeze(0) % model.config.vocab_size
+    try:
+        model(input_ids=ids, labels=ids)
+    except AttributeError:
+        return False
+    return True
 
 
 def tiny_config(arch: str, **overrides):

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from hf_megatrain import prepare_streamed_model
@@ -16,6 +17,7 @@ from .helpers import (
     assert_logs_match,
     make_data,
     mega_params,
+    stock_aux_loss_trains,
     tiny_config,
     tiny_model,
     train_both,
@@ -74,6 +76,8 @@ def test_forward_backward_matches_stock(arch):
 def test_router_aux_loss_reaches_router_gradients(arch):
     """The aux loss is computed from router logits made inside streamed layers: its gradient must
     reach the router weights, exactly as in the stock model."""
+    if not stock_aux_loss_trains(arch):
+        pytest.skip(f"transformers {transformers.__version__}'s own {arch} fails with its aux loss")
     out_s, out_m, gs, gm = _stock_and_streamed_grads(arch)
     _, _, gs0, gm0 = _stock_and_streamed_grads(arch, router_aux_loss_coef=0.0)
     assert out_m.aux_loss is not None and out_m.aux_loss.requires_grad
