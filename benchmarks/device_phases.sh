@@ -19,7 +19,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix-all  # the three above (~26 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh stock-fit  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger8k    # nvidia-h200 (~3 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh attn-auto  # nvidia-h200 (~5 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh attn-auto  # nvidia-h200 (~2 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh families   # nvidia-h200 (~2 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg next-all  # the four above (~15 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
@@ -229,6 +229,7 @@ case "$phase" in
     # stock at micro-batch 1, ran at a1763ff: stockfit7b-2318, stockfit7b64-2318.) nvidia-h200,
     # about 4 minutes, in the foreground: a background run dies with its machine when the next
     # call comes after the idle window (two were lost so on 2026-11-30).
+    # Ran at 069027f: stockfit15-0000 (stock fits at 8 and 4; hf_megatrain 1.26x).
     bench --tag "stockfit15-$(date -u +%H%M)" --streamed-init --steps 3 --warmup 2 --timeout-s 120 \
       --run qwen2.5-1.5b:65536:megatrain-hbm:16 --run qwen2.5-1.5b:65536:megatrain-hbm:8 \
       --run qwen2.5-1.5b:65536:stock:8 --run qwen2.5-1.5b:65536:stock:4
@@ -236,7 +237,8 @@ case "$phase" in
   liger8k)
     # Qwen2.5-7B at 8k with Liger-Kernel for both systems at the current engine (ligercast8k-1154,
     # 0.988x, predates the early-stop recompute; the cast tier was hf_megatrain's fastest at 8k,
-    # pair8k-cast-on-1336; stock ignores the flag). nvidia-h200, about 3 minutes.
+    # pair8k-cast-on-1336; stock ignores the flag). nvidia-h200, about 3 minutes. Ran at 069027f:
+    # stockfit-liger8k-0003, 1.04x.
     bench --tag "stockfit-liger8k-$(date -u +%H%M)" --streamed-init --liger --hbm-cast-weights \
       --steps 3 --warmup 2 --timeout-s 150 --run qwen2.5-7b:8192:megatrain-hbm,stock:2
     ;;
@@ -246,7 +248,8 @@ case "$phase" in
     # HBM-tier layer; timed so far only as "all" at 64k with Liger-Kernel, +2.2%): Qwen2.5-7B
     # without Liger-Kernel at 8k and 16k tokens/step, off against auto, the two sweeps back to
     # back on one GPU (`plan --keep-attention-outputs auto` keeps them for 27 layers at 8k, 25 at
-    # 16k, only 3 at 64k). nvidia-h200, about 5 minutes.
+    # 16k, only 3 at 64k). nvidia-h200, about 2 minutes. Ran at 069027f: attn-off/attn-auto-0006,
+    # +0.2% at 8k, +1.2% at 16k (within run-to-run spread; the default stays off).
     at=$(date -u +%H%M)
     for attn in off auto; do
       bench --tag "attn-$attn-$at" --streamed-init --keep-attention-outputs "$attn" \

@@ -436,6 +436,16 @@ def test_speed_matrix_ratios_come_from_one_sweep():
     assert "oom-gpu at micro-batch 2 (m)" in sm.markdown(rows + oom)
     one = _speed_row("m1", "2026-03-03", "stock", 0, status="oom-gpu", tokens=65536, micro="1")
     assert target not in {t for t, _, _ in sm.targets(rows + oom + [one])}  # does not fit
+    # A later sweep with Liger-Kernel for both shows in the matrix, marked, but the stock target
+    # is judged on plain stock (the definition): the latest sweep without it.
+    liger = [
+        dict(_speed_row("lg", "2026-04-01", s, t), command=f"bench.py --system {s} --liger")
+        for s, t in (("megatrain-hbm", 11000), ("stock", 10000))
+    ]
+    assert sm.same_sweep_ratio(rows + liger, "qwen2.5-7b", 16384, "stock") == (1.1, "lg")
+    assert "**1.10x** (lg, Liger)" in sm.markdown(rows + liger)
+    met = {t: (e, ok) for t, e, ok in sm.targets(rows + liger)}
+    assert met["qwen2.5-7b 16k: >= 1.0x stock"] == ("0.90x (new)", False)
 
 
 def test_speed_matrix_renders_the_committed_results():
