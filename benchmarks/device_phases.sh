@@ -18,6 +18,8 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger-plan # nvidia-h200 (~2.5 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix-all  # the three above (~26 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh stock-fit  # nvidia-h200 (~4 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh stock7b64  # nvidia-h200 (~4 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh stock7b8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger8k    # nvidia-h200 (~3 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh attn-auto  # nvidia-h200 (~2 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh families   # nvidia-h200 (~2 min)
@@ -44,7 +46,7 @@
 # benchmarks/results/results.csv rows into ours (bench.append_csv), logs and summaries as files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | matrix-ds | matrix-all | families | stock-fit | liger8k | attn-auto | next-all | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
+phase=${1:?phase: tests | speed | speed2 | speed8k | speed-pair | speed8b | bg | bg-wait | longest-ds | matrix | matrix-ds | matrix-all | families | stock-fit | stock7b64 | stock7b8k | liger8k | attn-auto | next-all | liger-plan | profile8k | liger | liger64k | longest | long | long1m | long7b | long3b | long-pair | long-wait | dp | dpsteady | recipes | recipes-cli}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" benchmarks/results/logs
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_MIRROR=0
@@ -241,6 +243,23 @@ case "$phase" in
     # stockfit-liger8k-0003, 1.04x.
     bench --tag "stockfit-liger8k-$(date -u +%H%M)" --streamed-init --liger --hbm-cast-weights \
       --steps 3 --warmup 2 --timeout-s 150 --run qwen2.5-7b:8192:megatrain-hbm,stock:2
+    ;;
+  stock7b64)
+    # The thinnest stock ratio, Qwen2.5-7B at 64k (1.01x at stockfit7b64-2318), timed again the
+    # way every other cell is: 3 timed steps after 2 warm-ups for both systems (that run had
+    # the device time for 2 after 1). Stock at one sequence per micro-batch (2 runs out of GPU
+    # memory), hf_megatrain as one micro-batch of 16. nvidia-h200, about 4 minutes.
+    bench --tag "stock7b64-$(date -u +%H%M)" --streamed-init --steps 3 --warmup 2 --timeout-s 240 \
+      --run qwen2.5-7b:65536:stock:1 --run qwen2.5-7b:65536:megatrain-hbm:16
+    ;;
+  stock7b8k)
+    # The other thin one, Qwen2.5-7B at 8k without Liger-Kernel (1.011x at pair8k-1336, commit
+    # 8f64357), at the current engine: stock beside hf_megatrain's copy tier and cast tier.
+    # nvidia-h200, about 4 minutes.
+    bench --tag "stock7b8k-$(date -u +%H%M)" --streamed-init --steps 3 --warmup 2 --timeout-s 200 \
+      --run qwen2.5-7b:8192:stock:2 --run qwen2.5-7b:8192:megatrain-hbm:2
+    bench --tag "stock7b8k-cast-$(date -u +%H%M)" --streamed-init --hbm-cast-weights --steps 3 \
+      --warmup 2 --timeout-s 120 --run qwen2.5-7b:8192:megatrain-hbm:2
     ;;
   attn-auto)
     # Whether megatrain_keep_attention_outputs could default to "auto" (it keeps the attention
