@@ -19,7 +19,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg matrix-all  # the three above (~26 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh stock-fit  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh stock7b64  # nvidia-h200 (~4 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh stock7b8k  # nvidia-h200 (~4 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh stock7b8k  # nvidia-h200 (~3 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger8k    # nvidia-h200 (~3 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh attn-auto  # nvidia-h200 (~2 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh families   # nvidia-h200 (~2 min)
@@ -249,13 +249,14 @@ case "$phase" in
     # way every other cell is: 3 timed steps after 2 warm-ups for both systems (that run had
     # the device time for 2 after 1). Stock at one sequence per micro-batch (2 runs out of GPU
     # memory), hf_megatrain as one micro-batch of 16. nvidia-h200, about 4 minutes.
+    # Ran at 7ad5709: stock7b64-0021, 1.17x.
     bench --tag "stock7b64-$(date -u +%H%M)" --streamed-init --steps 3 --warmup 2 --timeout-s 240 \
       --run qwen2.5-7b:65536:stock:1 --run qwen2.5-7b:65536:megatrain-hbm:16
     ;;
   stock7b8k)
     # The other thin one, Qwen2.5-7B at 8k without Liger-Kernel (1.011x at pair8k-1336, commit
     # 8f64357), at the current engine: stock beside hf_megatrain's copy tier and cast tier.
-    # nvidia-h200, about 4 minutes.
+    # nvidia-h200, about 3 minutes. Ran at 7ad5709: stock7b8k-0033 (1.02x), stock7b8k-cast-0035.
     bench --tag "stock7b8k-$(date -u +%H%M)" --streamed-init --steps 3 --warmup 2 --timeout-s 200 \
       --run qwen2.5-7b:8192:stock:2 --run qwen2.5-7b:8192:megatrain-hbm:2
     bench --tag "stock7b8k-cast-$(date -u +%H%M)" --streamed-init --hbm-cast-weights --steps 3 \
