@@ -23,7 +23,7 @@
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger8k    # nvidia-h200 (~3 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh attn-auto  # nvidia-h200 (~2 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh families   # nvidia-h200 (~2 min)
-#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg next-all  # the four above (~15 min)
+#   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh bg next-all  # families, stock-fit, liger8k, attn-auto (~15 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh profile8k  # nvidia-h200 (~4 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger      # nvidia-h200 or -x2 (~9 min)
 #   BENCH_COMMIT=<hash> bash benchmarks/device_phases.sh liger64k   # nvidia-h200 (~4 min)

@@ -144,7 +144,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
     """Issue 3's targets against the matrix's rows: (target, evidence, met). The stock target
     covers every cell where stock trained (where it fits), not only the issue's examples, and
     stays open where stock ran out of GPU memory only at micro-batches above 1: one sequence per
-    micro-batch might fit, so "stock does not fit" is not shown there. Ratios against stock come
+    micro-batch might fit, so "stock does not fit" is not shown there. Every ratio target comes
     from sweeps without Liger-Kernel: the issue defines stock as the plain Trainer."""
     rows = _rows(rows)
     out = []
