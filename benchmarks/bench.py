@@ -60,6 +60,13 @@ RESULTS_DIR = BENCH_DIR / "results"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from hf_megatrain.core.options import EngineOptions, StepShape  # noqa: E402
+from hf_megatrain.option_flags import (  # noqa: E402
+    add_option_arguments,
+    flag_text,
+    options_from_namespace,
+)
+
 # megatrain: every decoder layer streamed from host RAM; megatrain-hbm: the HBM tier holds as
 # many layers' full state as fit (megatrain_resident_layers="auto"), the rest streams.
 SYSTEMS = ("megatrain", "megatrain-hbm", "deepspeed", "stock")
@@ -163,9 +170,15 @@ def count_params(config: Any) -> int:
 
 
 # ---- run configuration -----------------------------------------------------------------------
+def default_engine(system: str) -> EngineOptions:
+    """The engine options a run of ``system`` starts from: megatrain-hbm's HBM tier holds as many
+    layers as the plan fits (``resident_layers`` "auto"); the others stream every layer."""
+    return EngineOptions(resident_layers="auto") if system == "megatrain-hbm" else EngineOptions()
+
+
 @dataclass
 class RunConfig:
-    """One training run: a system on a model at a batch size."""
+    """One training run: a system on a model at a batch size, and hf_megatrain's engine options."""
 
     system: str
     model: str
@@ -178,38 +191,14 @@ class RunConfig:
     device: str = "auto"
     timeout_s: float = 900.0
     learning_rate: float = 1e-5
-    host_memory_limit_gb: float | None = None  # megatrain only: cap the host store
     # megatrain only: random init written straight into the host store (init_streamed_model)
     # instead of a materialized fp32 model moved in. Needed where an fp32 copy of the model does
     # not fit next to the store (7B/8B on 128 GiB). Same init distribution, other draws: the
     # throughput does not depend on the values, the final loss is not comparable across systems.
     streamed_init: bool = False
-    # megatrain only, long context: MLP sequence tiling (tokens per tile; 0 = off) and boundary
-    # activation offload to pinned host memory.
-    mlp_tile_tokens: int = 0
-    offload_activations: bool = False
     # Training without gradient clipping (max_grad_norm 0, every system); megatrain then updates
     # layers eagerly and its host store keeps no fp32 gradient slot (14 instead of 18 B/param).
     no_clip: bool = False
-    # megatrain only: no bf16 copy in host RAM; fp32 masters stream and are cast on the GPU.
-    stream_fp32_master: bool = False
-    # megatrain only: HBM-tier layers keep no bf16 copy (cast from the fp32 master on use).
-    hbm_cast_weights: bool = False
-    # megatrain only: HBM-tier layers that keep activations instead of recomputing ("auto":
-    # the planner's count for megatrain-hbm, "off", or a count).
-    keep_activations: str = "auto"
-    # megatrain only: save layer-boundary activations rounded to bf16 (long context).
-    bf16_boundaries: bool = False
-    # megatrain only: checkpoint segments, only every k-th layer saves its input (long context).
-    checkpoint_every: int = 1
-    # megatrain only: False re-runs whole layers in the backward recompute (no early stop).
-    recompute_early_stop: bool = True
-    # megatrain only: recomputed layers that keep the fused attention kernel's outputs from
-    # forward (their recompute skips attention's forward kernel): off | all | auto | N.
-    keep_attention_outputs: str = "off"
-    # megatrain-hbm only: HBM-tier layer count ("auto": the planner's, as many as fit); fewer
-    # leave room for layers that keep activations (megatrain_keep_activations "auto").
-    resident_layers: str = "auto"
     # megatrain only: CUDA events around every layer pass of the timed steps; the row gets the
     # fraction of the step in layer compute and in gaps between layers (no CUPTI overhead).
     layer_timing: bool = False
@@ -219,6 +208,10 @@ class RunConfig:
     # Record a CUDA kernel trace of the last warm-up step (steady state, outside the timed steps)
     # and report the fraction of it the GPU was busy.
     profile: bool = False
+    # megatrain only: hf_megatrain's engine options (hf_megatrain.core.options.EngineOptions).
+    # None: ``default_engine(system)``. Systems other than megatrain-hbm always run with
+    # resident_layers "0" (every layer streamed).
+    engine: EngineOptions | None = None
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -235,6 +228,10 @@ class RunConfig:
             )
         if self.steps < 1 or self.warmup < 0:
             raise ValueError("need steps >= 1 and warmup >= 0")
+        if self.engine is None:
+            self.engine = default_engine(self.system)
+        elif self.system != "megatrain-hbm" and self.engine.resident_layers != "0":
+            self.engine = self.engine.with_(resident_layers="0")
 
     @property
     def sequences_per_step(self) -> int:
@@ -263,32 +260,11 @@ class RunConfig:
             "--timeout-s", f"{self.timeout_s:g}",
             "--lr", f"{self.learning_rate:g}",
         ]  # fmt: skip
-        if self.host_memory_limit_gb is not None:
-            args += ["--host-memory-limit-gb", f"{self.host_memory_limit_gb:g}"]
         if self.streamed_init:
             args.append("--streamed-init")
-        if self.mlp_tile_tokens:
-            args += ["--mlp-tile-tokens", str(self.mlp_tile_tokens)]
-        if self.offload_activations:
-            args.append("--offload-activations")
         if self.no_clip:
             args.append("--no-clip")
-        if self.stream_fp32_master:
-            args.append("--stream-fp32-master")
-        if self.hbm_cast_weights:
-            args.append("--hbm-cast-weights")
-        if self.bf16_boundaries:
-            args.append("--bf16-boundaries")
-        if self.checkpoint_every != 1:
-            args += ["--checkpoint-every", str(self.checkpoint_every)]
-        if not self.recompute_early_stop:
-            args.append("--no-recompute-early-stop")
-        if self.keep_attention_outputs != "off":
-            args += ["--keep-attention-outputs", self.keep_attention_outputs]
-        if self.resident_layers != "auto":
-            args += ["--resident-layers", self.resident_layers]
-        if self.keep_activations != "auto":
-            args += ["--keep-activations", self.keep_activations]
+        args += self.engine_args()
         if self.layer_timing:
             args.append("--layer-timing")
         if self.liger:
@@ -297,8 +273,32 @@ class RunConfig:
             args.append("--profile")
         return args
 
+    def engine_args(self) -> list[str]:
+        """The engine option flags of this run: each option that differs from the system's
+        starting point (``default_engine``), spelled as hf_megatrain's generated flag."""
+        args = []
+        for name, value in self.engine.changed(default_engine(self.system)).items():
+            if value is not None:  # None is every option's "unset": nothing to spell
+                args += flag_text(name, value).split(" ", 1)
+        return args
+
     def command(self) -> str:
         return shlex.join(["python3", "benchmarks/bench.py", *self.cli_args()])
+
+    def step_shape(self) -> StepShape:
+        """The optimizer step's shape, as hf_megatrain's memory plan takes it."""
+        return StepShape(
+            seq_len=self.seq_len,
+            micro_batch_tokens=self.resolved_micro_batch * self.seq_len,
+            grad_accum=self.grad_accum,
+        )
+
+    def megatrain_engine(self) -> EngineOptions:
+        """The engine options the megatrain run uses: the plan sizes activations for the run's
+        sequences unless ``plan_seq_len`` was given."""
+        if self.engine.plan_seq_len is None:
+            return self.engine.with_(plan_seq_len=self.seq_len)
+        return self.engine
 
 
 def model_config_path(model: str) -> Path:
@@ -533,23 +533,13 @@ def make_trainer(cfg: RunConfig, model, dataset, callbacks, output_dir: str, dev
     common = training_arguments(cfg, output_dir, device)
     if cfg.system.startswith("megatrain"):
         from hf_megatrain import HFMegaTrainer, MegaTrainArguments
+        from hf_megatrain.hf.arguments import as_arguments
 
         # Streamed layers always recompute in backward: checkpointing is built in.
         common["gradient_checkpointing"] = False
         args = MegaTrainArguments(
             **common,
-            megatrain_host_memory_limit_gb=cfg.host_memory_limit_gb,
-            megatrain_resident_layers=cfg.resident_layers if cfg.system == "megatrain-hbm" else "0",
-            megatrain_plan_seq_len=cfg.seq_len,
-            megatrain_mlp_tile_tokens=cfg.mlp_tile_tokens,
-            megatrain_offload_activations=cfg.offload_activations,
-            megatrain_stream_fp32_master=cfg.stream_fp32_master,
-            megatrain_hbm_cast_weights=cfg.hbm_cast_weights,
-            megatrain_keep_activations=cfg.keep_activations,
-            megatrain_boundary_dtype="bfloat16" if cfg.bf16_boundaries else "input",
-            megatrain_checkpoint_every=cfg.checkpoint_every,
-            megatrain_recompute_early_stop=cfg.recompute_early_stop,
-            megatrain_keep_attention_outputs=cfg.keep_attention_outputs,
+            **as_arguments(cfg.megatrain_engine()),
             **liger_layer_kernel_arguments(cfg.liger),
         )
         return HFMegaTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
@@ -617,34 +607,18 @@ def train_once(cfg: RunConfig) -> dict:
     # go through zero.Init and initialize different (partitioned, on-GPU) random weights.
     if cfg.streamed_init and cfg.system.startswith("megatrain"):
         from hf_megatrain import init_streamed_model
-        from hf_megatrain.core.planner import Workload, parse_attention_layers
         from hf_megatrain.hf.long_context import liger_layer_kernel_arguments
 
         config.use_cache = False
         model = init_streamed_model(
             config,
+            # The store is built here, before the trainer: give it the run's options and layout.
+            options=cfg.megatrain_engine(),
             device=device,
             bf16=True,
             seed=cfg.seed,
-            host_memory_limit_gb=cfg.host_memory_limit_gb,
-            resident_layers=cfg.resident_layers if cfg.system == "megatrain-hbm" else 0,
-            plan_workload=Workload(
-                seq_len=cfg.seq_len,
-                micro_batch_tokens=cfg.resolved_micro_batch * cfg.seq_len,
-                grad_accum=cfg.grad_accum,
-                mlp_tile_tokens=cfg.mlp_tile_tokens,
-                offload_activations=cfg.offload_activations,
-                boundary_bytes_per_element=2 if cfg.bf16_boundaries else 4,
-                checkpoint_every=cfg.checkpoint_every,
-                attention_output_layers=parse_attention_layers(
-                    cfg.keep_attention_outputs, cfg.recompute_early_stop
-                ),
-            ),
-            # The store is built here, before the trainer: give it the run's layout.
-            host_grads=not cfg.no_clip,
-            stream_fp32_master=cfg.stream_fp32_master,
-            hbm_cast_weights=cfg.hbm_cast_weights,
-            keep_activations=cfg.keep_activations,
+            step=cfg.step_shape(),
+            clipping=not cfg.no_clip,
             # The plan made here must count Liger's kernels, which the trainer applies later.
             **liger_layer_kernel_arguments(cfg.liger),
         )
@@ -953,8 +927,8 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "plan_hbm_gib": _fmt(result.get("plan_hbm_gib"), 2),
         "plan_host_gib": _fmt(result.get("plan_host_gib"), 2),
         "startup_s": _fmt(result.get("startup_s"), 1),
-        "mlp_tile_tokens": cfg.mlp_tile_tokens or "",
-        "offload_activations": int(cfg.offload_activations),
+        "mlp_tile_tokens": cfg.engine.mlp_tile_tokens or "",
+        "offload_activations": int(cfg.engine.offload_activations),
         "gpu_busy": _fmt(result.get("gpu_busy"), 4),
         "kept_layers": result.get("kept_layers", ""),
         "layer_busy": _fmt(result.get("layer_busy"), 4),
@@ -1143,8 +1117,8 @@ def _csv_list(text: str) -> list[str]:
 
 
 def add_megatrain_options(p: argparse.ArgumentParser) -> None:
-    """hf_megatrain engine and store options, shared with bench_dp.py (see ``megatrain_options``)."""
-    p.add_argument("--host-memory-limit-gb", type=float, default=None, help="megatrain only")
+    """The run flags shared with bench_dp.py, and one flag per hf_megatrain engine option
+    (generated from ``EngineOptions``; read back by ``megatrain_options``)."""
     p.add_argument(
         "--streamed-init",
         action="store_true",
@@ -1152,32 +1126,10 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         "copy does not fit next to the store)",
     )
     p.add_argument(
-        "--mlp-tile-tokens",
-        type=int,
-        default=0,
-        help="megatrain only: run MLPs in sequence tiles of this many tokens (0: off)",
-    )
-    p.add_argument(
-        "--offload-activations",
-        action="store_true",
-        help="megatrain only: layer-boundary activations to pinned host memory",
-    )
-    p.add_argument(
         "--no-clip",
         action="store_true",
         help="max_grad_norm 0 for every system; megatrain updates layers eagerly and keeps no "
         "host gradient slot",
-    )
-    p.add_argument(
-        "--stream-fp32-master",
-        action="store_true",
-        help="megatrain only: stream fp32 masters (cast on the GPU) instead of a host bf16 copy",
-    )
-    p.add_argument(
-        "--hbm-cast-weights",
-        action="store_true",
-        help="megatrain only: HBM-tier layers keep no bf16 copy (16 B/param, more fit in HBM); "
-        "each is cast from its fp32 master on the GPU when it runs",
     )
     p.add_argument(
         "--layer-timing",
@@ -1191,72 +1143,32 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         help="megatrain and stock: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU "
         "(use_liger_kernel; needs liger-kernel installed)",
     )
-    p.add_argument(
-        "--bf16-boundaries",
-        action="store_true",
-        help="megatrain only: save layer-boundary activations rounded to bf16 (long context)",
+    engine = p.add_argument_group(
+        "hf_megatrain engine options (megatrain systems only)",
+        "One flag per field of hf_megatrain.core.options.EngineOptions, as `hf-megatrain train`\n"
+        "takes them. A flag not given keeps the option's default, except --resident-layers\n"
+        "('auto' for megatrain-hbm; the other systems always stream every layer: 0) and\n"
+        "--plan-seq-len (--seq-len).",
     )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=1,
-        help="megatrain only: checkpoint segments; only every k-th layer saves its input, the "
-        "others are recomputed from it in backward (long context; default 1: every layer)",
-    )
-    p.add_argument(
-        "--resident-layers",
-        default="auto",
-        help="megatrain-hbm only: HBM-tier layers ('auto': as many as the plan fits, or a "
-        "count; fewer leave HBM for layers that keep their activations)",
-    )
-    p.add_argument(
-        "--no-recompute-early-stop",
-        action="store_true",
-        help="megatrain only: the backward recompute re-runs whole layers (the MLP's down "
-        "projection included) instead of stopping after the last saved tensor",
-    )
-    p.add_argument(
-        "--keep-attention-outputs",
-        nargs="?",
-        const="all",
-        default="off",
-        metavar="off|all|auto|N",
-        help="megatrain only: recomputed layers that keep the fused attention kernel's outputs "
-        "from forward, so that their backward recompute does not run attention's forward "
-        "again: all (the flag alone), auto (what the memory plan leaves room for) or the last "
-        "N (megatrain_keep_attention_outputs)",
-    )
-    p.add_argument(
-        "--keep-activations",
-        default="auto",
-        help="megatrain only: HBM-tier layers that keep activations instead of recomputing "
-        "('auto': the planner's count with megatrain-hbm; 'off'; or a count)",
-    )
+    add_option_arguments(engine)
 
 
-def megatrain_options(a: argparse.Namespace) -> dict[str, Any]:
-    """The ``RunConfig`` fields set by ``add_megatrain_options``' flags."""
+def megatrain_options(a: argparse.Namespace, system: str) -> dict[str, Any]:
+    """The ``RunConfig`` fields that ``add_megatrain_options``' flags set, for a run of
+    ``system`` (its engine options start from ``default_engine(system)``)."""
     return dict(
-        host_memory_limit_gb=a.host_memory_limit_gb,
         streamed_init=a.streamed_init,
-        mlp_tile_tokens=a.mlp_tile_tokens,
-        offload_activations=a.offload_activations,
         no_clip=a.no_clip,
-        stream_fp32_master=a.stream_fp32_master,
-        hbm_cast_weights=a.hbm_cast_weights,
-        keep_activations=a.keep_activations,
-        bf16_boundaries=a.bf16_boundaries,
-        checkpoint_every=a.checkpoint_every,
-        recompute_early_stop=not a.no_recompute_early_stop,
-        keep_attention_outputs=a.keep_attention_outputs,
-        resident_layers=a.resident_layers,
         layer_timing=a.layer_timing,
         liger=a.liger,
+        engine=options_from_namespace(a, default_engine(system)),
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--system", help="one of " + ", ".join(SYSTEMS))
     p.add_argument("--systems", help="comma list, run one after another (separate processes)")
     p.add_argument("--model", help="config name under benchmarks/configs/ (comma list allowed)")
@@ -1302,7 +1214,6 @@ def configs_from_args(a: argparse.Namespace) -> list[RunConfig]:
         timeout_s=a.timeout_s,
         learning_rate=a.lr,
         profile=a.profile,
-        **megatrain_options(a),
     )
     entries: list[tuple[str, int, list[str], int | None]] = []
     for spec in a.run:
@@ -1329,7 +1240,12 @@ def configs_from_args(a: argparse.Namespace) -> list[RunConfig]:
         for system in systems:
             cfgs.append(
                 RunConfig(
-                    system=system, model=model, tokens_per_step=tps, micro_batch=micro, **common
+                    system=system,
+                    model=model,
+                    tokens_per_step=tps,
+                    micro_batch=micro,
+                    **common,
+                    **megatrain_options(a, system),
                 )
             )
     return cfgs

@@ -49,7 +49,7 @@ def _run_config(a: argparse.Namespace) -> bench.RunConfig:
         device="cuda" if not a.cpu else "cpu",
         timeout_s=a.timeout_s,
         learning_rate=a.lr,
-        **bench.megatrain_options(a),
+        **bench.megatrain_options(a, a.system),
     )
 
 
@@ -196,7 +196,9 @@ def _launch(a: argparse.Namespace, argv: list[str], log_file) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) on this host")
     p.add_argument("--system", choices=("megatrain", "megatrain-hbm"), default="megatrain")
     p.add_argument("--model", required=True, help="config name under benchmarks/configs/")

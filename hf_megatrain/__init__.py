@@ -1,7 +1,8 @@
 """hf_megatrain: train decoder LLMs larger than the GPU, at full precision, from the HF stack."""
 
 from .core.host_store import InsufficientHostMemoryError
-from .core.planner import MemoryPlanError, Workload
+from .core.options import EngineOptions, StepShape
+from .core.planner import MemoryPlanError
 from .hf.arguments import MegaTrainArguments
 from .hf.checkpoint import save_streamed_pretrained
 from .hf.loading import init_streamed_model, load_streamed_model
@@ -14,13 +15,14 @@ __version__ = "0.1.0"
 SUPPORTS_MULTI_PROCESS = True
 
 __all__ = [
+    "EngineOptions",
     "HFMegaTrainer",
     "InsufficientHostMemoryError",
     "MegaTrainArguments",
     "MemoryPlanError",
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",
-    "Workload",
+    "StepShape",
     "init_streamed_model",
     "load_streamed_model",
     "prepare_streamed_model",

@@ -26,26 +26,29 @@ from .cli_common import is_main_process as _is_main_process
 from .cli_common import say as _say
 from .cli_common import setup_logging as _setup_logging
 from .cli_plan import add_plan_parser as _add_plan_parser
-from .cli_plan import model_shape_from_config as model_shape_from_config
 from .cli_plan import run_plan as run_plan
+from .core.options import EngineOptions, OptionError
+from .option_flags import add_option_arguments, options_from_mapping
+from .text import DATA_DIR as DATA_DIR
+from .text import DEFAULT_CONFIG as DEFAULT_CONFIG
+from .text import DEFAULT_CORPUS as DEFAULT_CORPUS
+from .text import DEFAULT_TOKENIZER as DEFAULT_TOKENIZER
+from .text import DataError, build_chunks, has_tokenizer_files, read_texts, split_chunks, use_bf16
+from .text import load_tokenizer as _load_tokenizer_file
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
-DEFAULT_CONFIG = DATA_DIR / "config.json"
 #: ``--attn`` values: the model's ``attn_implementation``. flash_attention_2 only where the
 #: optional flash-attn package is installed (it cannot be built on every machine).
 ATTENTION_BACKENDS = ("sdpa", "flex_attention", "flash_attention_2", "eager")
-DEFAULT_CORPUS = DATA_DIR / "corpus.txt"
-DEFAULT_TOKENIZER = DATA_DIR / "tokenizer.json"
 
 # Models above this size are not reloaded for the final check unless asked: a second full fp32
 # copy in host RAM next to the host store could exhaust it.
 _AUTO_VERIFY_MAX_PARAMS = 2_000_000_000
-_TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 
 
 @dataclass
 class TrainOptions:
-    """Every setting of ``hf-megatrain train``; recipe YAML keys are these field names."""
+    """Every setting of ``hf-megatrain train``; recipe YAML keys are these field names and the
+    engine option fields (:class:`~hf_megatrain.core.options.EngineOptions`)."""
 
     model_path: str | None = None  # Hub-format checkpoint folder (continued training)
     config: str | None = None  # a config.json: random init (default: the bundled one)
@@ -66,27 +69,20 @@ class TrainOptions:
     max_eval_chunks: int = 64
     logging_steps: int = 10
     seed: int = 0
-    max_shard_size: str = "2GB"
-    host_memory_limit_gb: float | None = None
     sample_prompt: str = 'The "if" statement'
     max_new_tokens: int = 40
     verify: bool | None = None  # None: reload and check unless the model is very large
     progress_bar: bool = True
-    # Engine (MegaTrainArguments' megatrain_* knobs) and attention backend.
     attn: str = "sdpa"  # one of ATTENTION_BACKENDS
-    resident_layers: str = "0"  # layers whose whole state stays in HBM: an int or "auto"
-    mlp_tile_tokens: int = 0  # tile dense MLPs along the sequence (0: off)
-    offload_activations: bool = False  # layer inputs to pinned host memory until backward
-    bf16_boundaries: bool = False  # save layer inputs rounded to bf16 (approximate gradients)
-    checkpoint_every: int = 1  # save every k-th layer's input, recompute the rest (exact)
     liger: bool = False  # Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (CUDA; use_liger_kernel)
-    hbm_cast_weights: bool = False  # HBM-tier layers keep no bf16 copy (16 B/param, more fit)
-    keep_attention_outputs: str = "off"  # off | all | auto | N: recomputes skip attention fwd
+    # The engine's options (``--<field-name>`` flags, recipe keys of the same names).
+    engine: EngineOptions = field(default_factory=EngineOptions)
     # Filled in by the CLI (not recipe keys).
     source: dict[str, str] = field(default_factory=dict, repr=False)
 
 
-_OPTION_NAMES = {f.name for f in fields(TrainOptions)} - {"source"}
+_OPTION_NAMES = {f.name for f in fields(TrainOptions)} - {"source", "engine"}
+_ENGINE_NAMES = set(EngineOptions.field_names())
 
 
 # ---- argument parsing ---------------------------------------------------------------------------
@@ -137,8 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = t.add_argument_group("output")
     o.add_argument("--logging-steps", type=int)
-    o.add_argument("--max-shard-size", help="largest safetensors shard, e.g. 2GB or 10MB")
-    o.add_argument("--host-memory-limit-gb", type=float, help="refuse if the store needs more")
     o.add_argument("--sample-prompt", help="prompt of the greedy sample printed at the end")
     o.add_argument("--max-new-tokens", type=int)
     o.add_argument(
@@ -149,33 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: on below 2B parameters)",
     )
     o.add_argument("--no-progress-bar", dest="progress_bar", action="store_const", const=False)
-    e = t.add_argument_group("engine (long sequences, memory tiers)")
+    e = t.add_argument_group("model")
     e.add_argument(
         "--attn",
         help="attention: sdpa (default: cuDNN / flash kernels of PyTorch), flex_attention, "
         "flash_attention_2 (needs flash-attn), eager",
-    )
-    e.add_argument("--resident-layers", help="decoder layers kept whole in HBM: an int or 'auto'")
-    e.add_argument("--mlp-tile-tokens", type=int, help="tile dense MLPs by this many tokens")
-    e.add_argument(
-        "--offload-activations",
-        action="store_const",
-        const=True,
-        help="keep layer inputs in pinned host memory between forward and backward",
-    )
-    e.add_argument(
-        "--bf16-boundaries",
-        action="store_const",
-        const=True,
-        help="save each layer's input for the backward recompute rounded to bf16 (half the "
-        "boundary-activation bytes; same forward, slightly approximate gradients)",
-    )
-    e.add_argument(
-        "--checkpoint-every",
-        type=int,
-        help="checkpoint segments: only every k-th decoder layer saves its input, the others "
-        "are recomputed from it in backward (k-fold fewer boundary activations, (k-1)/k of a "
-        "layer forward more per layer; exact). Default 1",
     )
     e.add_argument(
         "--liger",
@@ -184,24 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Liger-Kernel's fused RMSNorm / RoPE / SwiGLU Triton kernels (the Trainer's "
         "use_liger_kernel; CUDA, pip install 'hf_megatrain[liger]')",
     )
-    e.add_argument(
-        "--hbm-cast-weights",
-        action="store_const",
-        const=True,
-        help="HBM-tier layers keep no bf16 copy (16 instead of 18 B/param: more layers fit in "
-        "HBM); each is cast from its fp32 master when it runs (megatrain_hbm_cast_weights)",
-    )
-    e.add_argument(
-        "--keep-attention-outputs",
-        nargs="?",
-        const="all",
-        metavar="off|all|auto|N",
-        help="recomputed layers that keep the fused attention kernel's outputs from forward, so "
-        "their backward recompute does not run attention's forward again (identical training; "
-        "HBM: heads x head_dim x 2 B + 4 B per head per token and layer): all (the flag "
-        "alone), auto (what the memory plan leaves room for), or the last N "
-        "(megatrain_keep_attention_outputs)",
-    )
+    add_option_arguments(t.add_argument_group("engine options (memory tiers, long sequences)"))
     _add_plan_parser(sub)
     return parser
 
@@ -226,10 +181,9 @@ def _load_recipe(path: str) -> dict[str, Any]:
             if value:
                 out["precision"] = name
             continue
-        if name not in _OPTION_NAMES:
-            raise CLIError(
-                f"recipe {path}: unknown key '{key}'. Known keys: {', '.join(sorted(_OPTION_NAMES))}"
-            )
+        if name not in _OPTION_NAMES and name not in _ENGINE_NAMES:
+            known = ", ".join(sorted(_OPTION_NAMES | _ENGINE_NAMES))
+            raise CLIError(f"recipe {path}: unknown key '{key}'. Known keys: {known}")
         out[name] = value
     return out
 
@@ -243,7 +197,7 @@ def resolve_options(ns: argparse.Namespace) -> TrainOptions:
         for k, v in _load_recipe(ns.recipe).items():
             merged[k] = v
             source[k] = "recipe"
-    for name in _OPTION_NAMES:
+    for name in _OPTION_NAMES | _ENGINE_NAMES:
         v = getattr(ns, name, None)
         if v is not None:
             merged[name] = v
@@ -265,16 +219,27 @@ def resolve_options(ns: argparse.Namespace) -> TrainOptions:
                 if isinstance(value, bool) or float(value) != int(float(value)):
                     raise ValueError
                 value = int(float(value))
-            elif isinstance(default, float) or f.name == "host_memory_limit_gb":
+            elif isinstance(default, float):
                 value = float(value)  # YAML reads "3e-4" as a string
             else:
                 value = str(value)
         except (TypeError, ValueError):
             raise CLIError(f"{f.name}: invalid value {value!r}") from None
         setattr(opts, f.name, value)
+    try:
+        opts.engine = options_from_mapping(merged)
+    except OptionError as e:
+        raise CLIError(_flag_message(str(e))) from None
     opts.source = source
     _validate(opts)
     return opts
+
+
+def _flag_message(message: str) -> str:
+    """An options message with field names spelled as this command's flags."""
+    for name in sorted(_ENGINE_NAMES, key=len, reverse=True):
+        message = message.replace(f"{name}=", f"--{name.replace('_', '-')} ")
+    return message
 
 
 def _validate(opts: TrainOptions) -> None:
@@ -285,20 +250,6 @@ def _validate(opts: TrainOptions) -> None:
             "attn: flash_attention_2 needs the flash-attn package (CUDA; pip install "
             "'hf_megatrain[flash-attn]'); sdpa, the default, runs PyTorch's fused kernels"
         )
-    if opts.resident_layers != "auto" and not opts.resident_layers.isdigit():
-        raise CLIError(
-            f"resident_layers: {opts.resident_layers!r} is neither an integer nor 'auto'"
-        )
-    if opts.mlp_tile_tokens < 0:
-        raise CLIError("mlp_tile_tokens must be >= 0")
-    from .core.plan_types import parse_attention_layers  # noqa: PLC0415
-
-    try:
-        parse_attention_layers(opts.keep_attention_outputs)
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    if opts.checkpoint_every < 1:
-        raise CLIError("checkpoint_every must be >= 1")
     prec = opts.precision.lower()
     if prec == "fp16":
         raise CLIError(
@@ -351,147 +302,38 @@ def _validate(opts: TrainOptions) -> None:
         raise CLIError(f"output-dir is not writable: {opts.output_dir}")
 
 
-# ---- data ---------------------------------------------------------------------------------------
-def read_texts(path: str | None) -> list[tuple[str, str]]:
-    """(name, text) of every document: one file, or every text file under a folder."""
-    if path is None:
-        return [(DEFAULT_CORPUS.name, DEFAULT_CORPUS.read_text(encoding="utf-8"))]
-    p = Path(path)
-    files = (
-        [p]
-        if p.is_file()
-        else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in _TEXT_SUFFIXES)
-    )
-    if not files:
-        raise CLIError(f"no text files ({', '.join(_TEXT_SUFFIXES)}) under {path}")
-    docs = []
-    for f in files:
-        try:
-            text = f.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise CLIError(f"{f} is not UTF-8 text") from None
-        if text.strip():
-            docs.append((str(f), text))
-    if not docs:
-        raise CLIError(f"the data under {path} is empty")
-    return docs
-
-
-def build_chunks(tokenizer, docs: list[tuple[str, str]], seq_len: int) -> list[list[int]]:
-    """Tokenize, join documents with EOS, cut into ``seq_len`` blocks (the remainder dropped).
-
-    Packing without document masking lets attention cross document boundaries; for pretraining on
-    a text corpus that is the usual trade against padding waste.
-    """
-    eos = tokenizer.eos_token_id
-    stream: list[int] = []
-    for _, text in docs:
-        # Paragraph batches keep every call small (fast tokenizers parallelize over the batch).
-        paras = [p for p in text.split("\n\n")]
-        pieces = ["\n\n".join(paras[i : i + 64]) for i in range(0, len(paras), 64)]
-        pieces = [pc + "\n\n" for pc in pieces[:-1]] + pieces[-1:]
-        enc = tokenizer(pieces, add_special_tokens=False, verbose=False)["input_ids"]
-        for ids in enc:
-            stream.extend(ids)
-        if eos is not None:
-            stream.append(eos)
-    n = len(stream) // seq_len
-    return [stream[i * seq_len : (i + 1) * seq_len] for i in range(n)]
-
-
-def split_chunks(
-    chunks: list[list[int]], eval_fraction: float, seed: int
-) -> tuple[list[dict], list[dict]]:
-    import torch  # noqa: PLC0415
-
-    if len(chunks) < 2 and eval_fraction > 0:
-        raise CLIError(
-            f"not enough data: {len(chunks)} sequence(s) of this length; need at least 2 "
-            "(lower --seq-len, add data, or set --eval-fraction 0)"
-        )
-    if not chunks:
-        raise CLIError("not enough data for one sequence: lower --seq-len or add data")
-    order = torch.randperm(len(chunks), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_eval = 0 if eval_fraction == 0 else max(1, round(len(chunks) * eval_fraction))
-    n_eval = min(n_eval, len(chunks) - 1)
-
-    def rows(idx: list[int]) -> list[dict]:
-        out = []
-        for i in sorted(idx):
-            ids = torch.tensor(chunks[i], dtype=torch.long)
-            out.append({"input_ids": ids, "labels": ids.clone()})
-        return out
-
-    return rows(order[n_eval:]), rows(order[:n_eval])
-
-
 # ---- model and tokenizer ------------------------------------------------------------------------
 def load_tokenizer(opts: TrainOptions):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415
-
-    def bundled(path: Path):
-        tok = PreTrainedTokenizerFast(
-            tokenizer_file=str(path), eos_token="<|endoftext|>", pad_token="<|pad|>"
-        )
-        tok.model_max_length = 1 << 30  # packed chunks set the length, not the tokenizer
-        return tok
-
-    def from_dir(path: str):
-        try:
-            return AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise CLIError(f"could not load a tokenizer from {path}: {e}") from None
-
+    """The run's tokenizer: --tokenizer, else the model's own, else the bundled one."""
     if opts.tokenizer is not None:
-        p = Path(opts.tokenizer)
-        tok = bundled(p) if p.is_file() else from_dir(str(p))
-    elif opts.model_path is not None:
-        if not any((Path(opts.model_path) / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):  # fmt: skip
+        return _load_tokenizer_file(opts.tokenizer)
+    if opts.model_path is not None:
+        if not has_tokenizer_files(opts.model_path):
             raise CLIError(
                 f"{opts.model_path} has no tokenizer files: pass --tokenizer (the bundled one "
                 "does not match a pretrained model's vocabulary)"
             )
-        tok = from_dir(opts.model_path)
-    elif opts.config is not None and (Path(opts.config).parent / "tokenizer.json").is_file():
-        tok = from_dir(str(Path(opts.config).parent))
-    else:
-        tok = bundled(DEFAULT_TOKENIZER)
-    if tok.eos_token_id is None:
-        raise CLIError("the tokenizer has no EOS token (needed between documents)")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token  # generation needs one; training never pads
-    return tok
+        return _load_tokenizer_file(opts.model_path)
+    if opts.config is not None and (Path(opts.config).parent / "tokenizer.json").is_file():
+        return _load_tokenizer_file(Path(opts.config).parent)
+    return _load_tokenizer_file(None)
 
 
 def _loader_arguments(opts: TrainOptions, bf16: bool) -> dict:
-    """What both streamed loaders take from the options: the store's layout and, with
-    resident_layers "auto", the run's workload, so the loader's memory plan sizes the HBM tier
-    for this run (the micro-batch, tiling, offload, kept attention outputs, Liger's kernels)."""
-    from .core.planner import Workload, parse_attention_layers  # noqa: PLC0415
+    """What both streamed loaders take: the run's engine options and, for the memory plan, its
+    step (the micro-batch split) and clipping, as the trainer would pass them."""
+    from .core.options import StepShape  # noqa: PLC0415
     from .hf.long_context import liger_layer_kernel_arguments  # noqa: PLC0415
 
-    workload = None
-    if opts.resident_layers == "auto":
-        workload = Workload(
-            seq_len=opts.seq_len,
-            micro_batch_tokens=opts.batch_size * opts.seq_len,
-            grad_accum=opts.grad_accum,
-            mlp_tile_tokens=opts.mlp_tile_tokens,
-            offload_activations=opts.offload_activations,
-            boundary_bytes_per_element=2 if opts.bf16_boundaries else 4,
-            checkpoint_every=opts.checkpoint_every,
-            attention_output_layers=parse_attention_layers(opts.keep_attention_outputs),
-        )
+    step = None
+    if opts.engine.resident_layers != "0":
+        step = StepShape(opts.seq_len, opts.batch_size * opts.seq_len, opts.grad_accum)
     return dict(
+        options=opts.engine,
         bf16=bf16,
-        host_memory_limit_gb=opts.host_memory_limit_gb,
-        resident_layers=opts.resident_layers,
         attn_implementation=opts.attn,
-        plan_workload=workload,
-        # Clipping needs every layer's gradient held until the norm is known; without it the
-        # layers update eagerly and the store keeps no gradient slot (as the trainer would).
-        host_grads=opts.max_grad_norm > 0,
-        hbm_cast_weights=opts.hbm_cast_weights,
+        step=step,
+        clipping=opts.max_grad_norm > 0,
         # The plan must know about Liger's kernels as the trainer will.
         **liger_layer_kernel_arguments(opts.liger),
     )
@@ -571,15 +413,6 @@ def _check_launch() -> None:
         )
 
 
-def _use_bf16(precision: str) -> bool:
-    import torch  # noqa: PLC0415
-
-    if precision == "auto":
-        # CPU autocast to bf16 is slower than fp32 on most CPUs; on GPUs bf16 is the point.
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return precision == "bf16"
-
-
 def _mean_loss(model, rows: list[dict], batch_size: int, device) -> float:
     """Token-weighted mean next-token loss of ``model`` over ``rows`` (all the same length)."""
     import torch  # noqa: PLC0415
@@ -606,6 +439,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, default_data_collator  # noqa: PLC0415
 
     from . import HFMegaTrainer, MegaTrainArguments  # noqa: PLC0415
+    from .hf.arguments import as_arguments  # noqa: PLC0415
     from .hf.long_context import liger_layer_kernel_arguments  # noqa: PLC0415
 
     t_start = time.perf_counter()
@@ -613,7 +447,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     _setup_logging()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    bf16 = _use_bf16(opts.precision)
+    bf16 = use_bf16(opts.precision)
     if opts.liger and not cuda:
         raise CLIError("liger: Liger-Kernel's Triton kernels need a CUDA GPU; drop --liger here")
 
@@ -664,15 +498,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
             report_to="none",
             seed=opts.seed,
             disable_tqdm=not opts.progress_bar,
-            megatrain_max_shard_size=opts.max_shard_size,
-            megatrain_host_memory_limit_gb=opts.host_memory_limit_gb,
-            megatrain_resident_layers=opts.resident_layers,
-            megatrain_mlp_tile_tokens=opts.mlp_tile_tokens,
-            megatrain_offload_activations=opts.offload_activations,
-            megatrain_boundary_dtype="bfloat16" if opts.bf16_boundaries else "input",
-            megatrain_checkpoint_every=opts.checkpoint_every,
-            megatrain_hbm_cast_weights=opts.hbm_cast_weights,
-            megatrain_keep_attention_outputs=opts.keep_attention_outputs,
+            **as_arguments(opts.engine),
             # The layer kernels: training batches use hf_megatrain's chunked loss.
             **liger_layer_kernel_arguments(opts.liger),
         )
@@ -794,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
         finally:
             _end_process_group()
-    except CLIError as e:
+    except (CLIError, DataError) as e:
         # A string SystemExit prints one line on stderr and exits with status 1.
         raise SystemExit(f"hf-megatrain: error: {e}") from None
     except KeyboardInterrupt:

@@ -63,10 +63,3 @@ def check_vocab(cfg, tokenizer, what: str) -> None:
             "embedding cannot look them up. Use a config with vocab_size >= "
             f"{len(tokenizer)}."
         )
-
-
-def use_bf16(precision: str | None) -> bool:
-    """bf16 compute on a bf16-capable GPU unless --fp32; fp32 on the CPU unless --bf16."""
-    from .cli import _use_bf16  # noqa: PLC0415
-
-    return _use_bf16(precision or "auto")

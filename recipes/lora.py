@@ -48,12 +48,15 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, default_data_collator
 
 from hf_megatrain import (
+    EngineOptions,
     HFMegaTrainer,
     MegaTrainArguments,
     prepare_streamed_model,
 )
-from hf_megatrain.cli import DEFAULT_CONFIG, TrainOptions, build_chunks, load_tokenizer, read_texts
-from hf_megatrain.recipe_helpers import add_model_args, check_vocab, model_config, use_bf16
+from hf_megatrain.hf.arguments import as_arguments
+from hf_megatrain.option_flags import add_option_arguments, options_from_namespace
+from hf_megatrain.recipe_helpers import add_model_args, check_vocab, model_config
+from hf_megatrain.text import DEFAULT_CONFIG, build_chunks, load_tokenizer, read_texts, use_bf16
 
 # Above this many parameters a --config base (random init, never on disk) is not written out and
 # reloaded for the stock peft check unless --verify asks (as `hf-megatrain train` decides).
@@ -65,7 +68,13 @@ def _is_adapter(name: str) -> bool:
 
 
 def streamed_lora_model(
-    cfg, lora: LoraConfig, bf16: bool, seed: int = 0, attn: str = "sdpa", device=None
+    cfg,
+    lora: LoraConfig,
+    bf16: bool,
+    seed: int = 0,
+    attn: str = "sdpa",
+    device=None,
+    options: EngineOptions | None = None,
 ) -> PeftModel:
     """LoRA adapters over a random-init frozen base of ``cfg`` that is never materialized.
 
@@ -101,8 +110,9 @@ def streamed_lora_model(
         )
     prepare_streamed_model(
         model,
-        device=device,
-        compute_dtype=torch.bfloat16 if bf16 else torch.float32,
+        device,
+        torch.bfloat16 if bf16 else torch.float32,
+        options,
         decay_names=set(Trainer.get_decay_parameter_names(None, model)),
     )
     # The stores hold the layers' frozen base tensors; the adapters (resident, initialized above)
@@ -197,12 +207,14 @@ def main(argv: list[str] | None = None) -> dict:
         help="reload the adapters with stock peft and compare the held-out loss (default: on, "
         f"except for a --config base above {VERIFY_MAX_PARAMS / 1e9:g}B parameters)",
     )
+    add_option_arguments(p.add_argument_group("engine options"))
     a = p.parse_args(argv)
+    engine = options_from_namespace(a)
     cfg = model_config(a.config, p) if a.config else None
     bf16 = use_bf16(a.precision)
 
-    # --config: the bundled tokenizer (TrainOptions() without a model path names it).
-    tokenizer = load_tokenizer(TrainOptions(model_path=a.model_path))
+    # --config: the bundled tokenizer.
+    tokenizer = load_tokenizer(a.model_path)
     chunks = build_chunks(tokenizer, read_texts(a.data), a.seq_len)
     rows = [{"input_ids": c, "labels": c} for c in chunks]
     if len(rows) <= a.eval_chunks:
@@ -229,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
         t0 = time.perf_counter()
-        model = streamed_lora_model(cfg, lora, bf16, a.seed, a.attn)
+        model = streamed_lora_model(cfg, lora, bf16, a.seed, a.attn, options=engine)
         base_path = None  # written below only for the stock reload check
         print(f"lora: built in {time.perf_counter() - t0:.1f} s", flush=True)
     else:
@@ -250,6 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
         seed=a.seed,
         save_strategy="no",
         report_to="none",
+        **as_arguments(engine),
     )
     trainer = HFMegaTrainer(
         model=model, args=args, train_dataset=train_rows, data_collator=default_data_collator

@@ -21,7 +21,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorWithFlattening
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, load_streamed_model
-from hf_megatrain.cli import DEFAULT_CONFIG, TrainOptions, load_tokenizer, read_texts
+from hf_megatrain.hf.arguments import as_arguments
+from hf_megatrain.option_flags import add_option_arguments, options_from_namespace
+from hf_megatrain.text import DEFAULT_CONFIG, load_tokenizer, read_texts
 
 
 def documents(tokenizer, texts, max_doc_tokens: int, min_doc_tokens: int = 8) -> list[dict]:
@@ -48,12 +50,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention"])
     p.add_argument("--bf16", action="store_true")
+    add_option_arguments(p.add_argument_group("engine options"))
     a = p.parse_args(argv)
+    engine = options_from_namespace(a)
 
-    tokenizer = load_tokenizer(TrainOptions(model_path=a.model_path))
+    tokenizer = load_tokenizer(a.model_path)
     rows = documents(tokenizer, read_texts(a.data), a.max_doc_tokens)
     if a.model_path:
-        model = load_streamed_model(a.model_path, bf16=a.bf16, attn_implementation=a.attn)
+        model = load_streamed_model(
+            a.model_path, engine, bf16=a.bf16, attn_implementation=a.attn
+        )
     else:
         cfg = AutoConfig.from_pretrained(DEFAULT_CONFIG)
         torch.manual_seed(0)
@@ -71,6 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         use_cpu=not torch.cuda.is_available(),
         save_strategy="no",
         report_to="none",
+        **as_arguments(engine),
     )
     trainer = HFMegaTrainer(
         model=model,

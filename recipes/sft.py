@@ -40,11 +40,12 @@ import torch
 from datasets import Dataset, load_dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_megatrain import init_streamed_model, load_streamed_model
-from hf_megatrain.cli import DATA_DIR, DEFAULT_CONFIG, TrainOptions, load_tokenizer
-from hf_megatrain.core.planner import Workload
+from hf_megatrain import StepShape, init_streamed_model, load_streamed_model
+from hf_megatrain.hf.arguments import as_arguments
 from hf_megatrain.integrations.trl import MegaSFTConfig, MegaSFTTrainer
-from hf_megatrain.recipe_helpers import add_model_args, check_vocab, model_config, use_bf16
+from hf_megatrain.option_flags import add_option_arguments, options_from_namespace
+from hf_megatrain.recipe_helpers import add_model_args, check_vocab, model_config
+from hf_megatrain.text import DATA_DIR, DEFAULT_CONFIG, load_tokenizer, use_bf16
 
 DEFAULT_CHAT = DATA_DIR / "chat.jsonl"
 
@@ -97,17 +98,19 @@ def main(argv: list[str] | None = None) -> dict:
         help="write the model and tokenizer to --output-dir at the end (--no-save: a 7B "
         "model is 30 GB of fp32 safetensors)",
     )
+    add_option_arguments(p.add_argument_group("engine options"))
     a = p.parse_args(argv)
     cfg = model_config(a.config, p) if a.config else None
     bf16 = use_bf16(a.precision)
 
     # --config: the bundled tokenizer (TrainOptions() without a model path names it).
-    tokenizer = load_tokenizer(TrainOptions(model_path=a.model_path))
+    engine = options_from_namespace(a)
+    tokenizer = load_tokenizer(a.model_path)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = CHAT_TEMPLATE
     conversations = load_conversations(a.data)
     if a.model_path:
-        model = load_streamed_model(a.model_path, bf16=bf16, attn_implementation=a.attn)
+        model = load_streamed_model(a.model_path, engine, bf16=bf16, attn_implementation=a.attn)
     elif cfg is not None:
         check_vocab(cfg, tokenizer, "sft")
         print(
@@ -118,19 +121,17 @@ def main(argv: list[str] | None = None) -> dict:
         )
         t0 = time.perf_counter()
         cuda = torch.cuda.is_available()
+        if cuda and a.resident_layers is None:
+            # On a GPU the memory planner puts as many layers into HBM as the step leaves room
+            # for (a packed step is batch-size rows of max-length tokens); the rest stream.
+            engine = engine.with_(resident_layers="auto")
         model = init_streamed_model(
             cfg,
+            engine,
             bf16=bf16,
             seed=a.seed,
             attn_implementation=a.attn,
-            # On a GPU the memory planner puts as many layers into HBM as the step leaves room
-            # for (a packed step is batch-size rows of max-length tokens); the rest stream.
-            resident_layers="auto" if cuda else 0,
-            plan_workload=Workload(
-                seq_len=a.max_length, micro_batch_tokens=a.batch_size * a.max_length
-            )
-            if cuda
-            else None,
+            step=StepShape(a.max_length, a.batch_size * a.max_length) if cuda else None,
         )
         n_params = sum(q.numel() for q in model.parameters())  # streamed ones: meta views
         print(
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         seed=a.seed,
         save_strategy="no",
         report_to="none",
+        **as_arguments(engine),
     )
     trainer = MegaSFTTrainer(
         model=model, args=args, train_dataset=conversations, processing_class=tokenizer

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks import bench
+from hf_megatrain.core.options import EngineOptions
 
 TINY = "tiny-qwen2"
 
@@ -124,7 +125,7 @@ def test_host_memory_refusal_is_a_status(tmp_path):
     """hf_megatrain's InsufficientHostMemoryError (a real refusal, forced by a tiny limit)."""
     cfg = bench.RunConfig(
         system="megatrain", model=TINY, seq_len=16, tokens_per_step=32, device="cpu",
-        host_memory_limit_gb=1e-6,
+        engine=EngineOptions(host_memory_limit_gb=1e-6),
     )  # fmt: skip
     out = tmp_path / "result.json"
     assert bench.run_worker(cfg, out) == 1
@@ -198,6 +199,108 @@ def test_run_specs_expand_in_order():
     assert got == [("megatrain", 64, 4, 1), ("stock", 64, 4, 1), ("stock", 128, 2, 4)]
 
 
+def test_engine_flags_are_generated_from_the_engine_options():
+    """bench.py and bench_dp.py declare no engine option: each EngineOptions field is its
+    generated flag (same name, same default), and the flags land in RunConfig.engine."""
+    import argparse
+
+    import benchmarks.bench_dp as bench_dp
+    from hf_megatrain.option_flags import add_option_arguments, flag_name
+
+    generated = argparse.ArgumentParser()
+    add_option_arguments(generated)
+    want = {a.dest: a.option_strings for a in generated._actions if a.dest != "help"}
+    for parser in (bench.build_parser(), bench_dp.build_parser()):
+        got = {a.dest: a.option_strings for a in parser._actions}
+        for name in EngineOptions.field_names():
+            assert got[name] == want[name], name
+            assert flag_name(name) in want[name]
+    # Nothing typed: the defaults (megatrain-hbm: an HBM tier as large as the plan fits).
+    args = bench.build_parser().parse_args(
+        ["--run", f"{TINY}:64:megatrain,megatrain-hbm", "--seq-len", "16"]
+    )
+    plain, hbm = bench.configs_from_args(args)
+    assert plain.engine == EngineOptions()
+    assert hbm.engine == EngineOptions(resident_layers="auto")
+    # Spellings that changed (--bf16-boundaries) or stayed (--no-recompute-early-stop, a bare
+    # --keep-attention-outputs meaning every layer).
+    argv = ["--run", f"{TINY}:64:megatrain-hbm", "--seq-len", "16", "--boundary-dtype", "bfloat16",
+            "--no-recompute-early-stop", "--keep-attention-outputs", "--checkpoint-every", "2",
+            "--mlp-tile-tokens", "8", "--offload-activations"]  # fmt: skip
+    (cfg,) = bench.configs_from_args(bench.build_parser().parse_args(argv))
+    assert cfg.engine == EngineOptions(
+        resident_layers="auto", boundary_dtype="bfloat16", recompute_early_stop=False,
+        keep_attention_outputs="all", checkpoint_every=2, mlp_tile_tokens=8,
+        offload_activations=True,
+    )  # fmt: skip
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args([*argv, "--bf16-boundaries"])
+
+
+def test_resident_layers_per_system():
+    """megatrain-hbm: 'auto' unless --resident-layers is given; every other system streams
+    every layer (resident_layers 0) whatever was given."""
+    argv = ["--run", f"{TINY}:64:megatrain,megatrain-hbm,stock", "--seq-len", "16"]
+    argv += ["--resident-layers", "3"]
+    cfgs = bench.configs_from_args(bench.build_parser().parse_args(argv))
+    assert [c.engine.resident_layers for c in cfgs] == ["0", "3", "0"]
+    argv[-1] = "0"
+    cfgs = bench.configs_from_args(bench.build_parser().parse_args(argv))
+    assert [c.engine.resident_layers for c in cfgs] == ["0", "0", "0"]
+    assert "--resident-layers 0" in cfgs[1].command()  # not the system's "auto"
+    assert "--resident-layers" not in cfgs[0].command()
+    cfg = bench.RunConfig(system="megatrain", model=TINY, engine=EngineOptions(resident_layers="2"))
+    assert cfg.engine.resident_layers == "0"
+
+
+def test_command_spells_the_changed_engine_options_and_reparses():
+    """RunConfig.command() spells each engine option the user changed as its generated flag, and
+    parsing the command gives the same run back (the worker is started from these flags)."""
+    engine = EngineOptions(
+        resident_layers="12", boundary_dtype="bfloat16", recompute_early_stop=False,
+        keep_attention_outputs="all", checkpoint_every=2, mlp_tile_tokens=16384,
+        offload_activations=True, host_memory_limit_gb=1.5, stream_fp32_master=True,
+        keep_activations="off",
+    )  # fmt: skip
+    cfg = bench.RunConfig(
+        system="megatrain-hbm", model=TINY, seq_len=16, tokens_per_step=64, micro_batch=4,
+        no_clip=True, streamed_init=True, engine=engine,
+    )  # fmt: skip
+    command = cfg.command()
+    for text in ("--resident-layers 12", "--boundary-dtype bfloat16", "--no-recompute-early-stop",
+                 "--keep-attention-outputs all", "--checkpoint-every 2",
+                 "--mlp-tile-tokens 16384", "--offload-activations", "--host-memory-limit-gb 1.5",
+                 "--stream-fp32-master", "--keep-activations off", "--no-clip",
+                 "--streamed-init"):  # fmt: skip
+        assert text in command, text
+    # Defaults are not spelled: a default run's command names no engine option.
+    default = bench.RunConfig(system="megatrain-hbm", model=TINY, seq_len=16, tokens_per_step=64)
+    assert default.engine_args() == []
+    (again,) = bench.configs_from_args(bench.build_parser().parse_args(cfg.cli_args()))
+    assert again == cfg
+
+
+def test_row_and_trainer_read_the_engine_options(tmp_path):
+    """The result row's engine columns come from cfg.engine; the trainer gets every engine option
+    through MegaTrainArguments (plan_seq_len: the run's sequence length)."""
+    engine = EngineOptions(mlp_tile_tokens=8, offload_activations=True, checkpoint_every=2)
+    cfg = bench.RunConfig(
+        system="megatrain", model=TINY, seq_len=16, tokens_per_step=32, device="cpu",
+        engine=engine,
+    )  # fmt: skip
+    sweep = dict(date="d", commit="c", gpu="none", versions={}, src_sha="s", tag="t")
+    row = bench.make_row(cfg, {"status": "ok", "device": "cpu"}, sweep)
+    assert (row["mlp_tile_tokens"], row["offload_activations"]) == (8, 1)
+    row = bench.make_row(bench.RunConfig(system="stock", model=TINY), {"status": "ok"}, sweep)
+    assert (row["mlp_tile_tokens"], row["offload_activations"]) == ("", 0)
+    config = bench.load_model_config(TINY)
+    trainer = bench.make_trainer(
+        cfg, bench.build_model(config, 0), bench.RandomTokens(2, 16, config.vocab_size, 0), [],
+        str(tmp_path), "cpu",
+    )  # fmt: skip
+    assert trainer.megatrain_options.options == engine.with_(plan_seq_len=16)
+
+
 def test_streamed_init_run(tmp_path):
     """--streamed-init: megatrain starts from init_streamed_model (no materialized fp32 model)."""
     cfg = bench.RunConfig(
@@ -219,7 +322,7 @@ def test_no_clip_slim_store_run(tmp_path):
     (cfg,) = bench.configs_from_args(
         bench.build_parser().parse_args([*argv, "--stream-fp32-master"])
     )
-    assert cfg.no_clip and cfg.stream_fp32_master
+    assert cfg.no_clip and cfg.engine.stream_fp32_master
     assert "--no-clip" in cfg.command() and "--stream-fp32-master" in cfg.command()
     assert bench.training_arguments(cfg, str(tmp_path), "cpu")["max_grad_norm"] == 0.0
     out = tmp_path / "result.json"
@@ -234,11 +337,26 @@ def test_bench_dp_command_parses_under_torchrun(tmp_path):
     import benchmarks.bench_dp as bench_dp
 
     argv = ["--nproc", "2", "--model", "tiny-qwen2", "--seq-len", "16", "--tokens-per-gpu", "32"]
+    argv += ["--system", "megatrain-hbm"]
+    # Every engine option flag (generated from EngineOptions) passes through torchrun too.
+    engine = EngineOptions(
+        host_memory_limit_gb=100.0, max_shard_size="1GB", stream_fp32_master=True,
+        host_grads=True, resident_layers="4", plan_seq_len=16, hbm_reserve_gb=1.0,
+        hbm_cast_weights=True, keep_activations="off", keep_attention_outputs="all",
+        recompute_early_stop=False, checkpoint_every=2, mlp_tile_tokens=8,
+        offload_activations=True, boundary_dtype="bfloat16", fused_loss=False,
+        loss_chunk_tokens=8, overlap_optimizer=False, eager_update=False, pin_memory=False,
+        log_throughput=False, peak_tflops=100.0,
+    )  # fmt: skip
+    assert set(engine.changed()) == set(EngineOptions.field_names())
+    argv += bench.RunConfig(system="megatrain-hbm", model=TINY, engine=engine).engine_args()
     a = bench_dp.build_parser().parse_args(argv)
+    assert bench_dp._run_config(a).engine == engine
     cmd = bench_dp.torchrun_command(a, argv, tmp_path / "r.json")
     ns = get_args_parser().parse_args(cmd[3:])  # after `python -m torch.distributed.run`
     assert ns.nproc_per_node == "2"
     assert "--nproc" not in ns.training_script_args
+    assert ns.training_script_args[:-3] == argv[2:]
     assert ns.training_script_args[-3:] == ["--worker", "--result-json", str(tmp_path / "r.json")]
 
 
@@ -345,9 +463,9 @@ def test_device_scripts_parse_and_every_phase_has_a_branch():
     import re
 
     root = bench.REPO_ROOT
-    for script in [*sorted((root / "benchmarks").glob("*.sh")), root / ".ci" / "run"]:
+    for script in [*sorted((root / "dev").glob("*.sh")), root / ".ci" / "run"]:
         subprocess.run(["bash", "-n", str(script)], check=True)
-    text = (root / "benchmarks" / "device_phases.sh").read_text()
+    text = (root / "dev" / "device_phases.sh").read_text()
     usage = re.search(r"phase=\$\{1:\?phase: ([^}]*)\}", text).group(1)
     listed = {p.strip() for p in usage.split("|")}
     branches = set(re.findall(r"^  ([a-z0-9-]+)\)$", text, flags=re.M))
@@ -462,12 +580,18 @@ def test_every_bench_command_of_the_device_phases_parses():
     import re
     import shlex
 
-    text = (bench.REPO_ROOT / "benchmarks" / "device_phases.sh").read_text()
+    text = (bench.REPO_ROOT / "dev" / "device_phases.sh").read_text()
     text = text.replace("\\\n", " ").replace("$(date -u +%H%M)", "0000")
     # `longest` builds its --run list in a loop (its specs are plain words above it).
     text = text.replace("$(printf -- '--run %s ' $runs)", "--run qwen2.5-7b:8192:stock")
-    commands = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("bench --")]
+    # `bench` runs bench.py; `start_long` runs it in the background (with --steps/--warmup).
+    commands = [
+        ln.strip()
+        for ln in text.splitlines()
+        if ln.strip().startswith(("bench --", "start_long --"))
+    ]
     assert len(commands) > 20
+    assert sum(ln.startswith("start_long") for ln in commands) >= 3
     # Whole-word shell variables and a value each takes in the script (None: may be empty, as
     # an optional flag); inside a word (a tag) any text will do.
     whole = {"flag": None, "len": "8192", "limit": "150", "attn": "auto"}
@@ -481,3 +605,13 @@ def test_every_bench_command_of_the_device_phases_parses():
                 words.append(re.sub(r"\$\{?\w+\}?", "x", w))
         cfgs = bench.configs_from_args(bench.build_parser().parse_args(words))
         assert cfgs, line
+    # bench_dp.py's lines, with its own parser (output redirections dropped).
+    import benchmarks.bench_dp as bench_dp
+
+    dp = [ln.strip() for ln in text.splitlines() if "benchmarks/bench_dp.py --" in ln]
+    assert dp
+    for line in dp:
+        words = [re.sub(r"\$\{?\w+\}?", "x", w) for w in shlex.split(line.split(">>")[0])]
+        a = bench_dp.build_parser().parse_args(words[2:])  # after `python3 .../bench_dp.py`
+        bench.model_config_path(a.model)
+        assert bench_dp._run_config(a).system.startswith("megatrain"), line

@@ -46,9 +46,9 @@ def _one_step(model, boundary_dtype, monkeypatch):
     real_run, real_backward = StreamedLayer.run, _StreamedLayerFunction.backward
     monkeypatch.setattr(StreamedLayer, "run", run)
     monkeypatch.setattr(_StreamedLayerFunction, "backward", staticmethod(backward))
-    prepare_streamed_model(model, "cpu", torch.float32)
+    prepare_streamed_model(model, "cpu", torch.float32, boundary_dtype=boundary_dtype)
     state = model._megatrain
-    state.engine.boundary_dtype = boundary_dtype
+    assert state.engine.boundary_dtype == parse_boundary_dtype(boundary_dtype)
     state.engine.offload_min_numel = 1  # tiny shapes: every float input counts as large
     rows = make_data(4)
     ids = torch.stack([r["input_ids"] for r in rows])
@@ -92,8 +92,8 @@ def _train(model, tmp_path, name: str, **kw):
 def test_bf16_boundaries_same_forward_close_gradients(arch, monkeypatch):
     cfg = tiny_config(arch)
     model = tiny_model(cfg)
-    loss, grads, seen = _one_step(copy.deepcopy(model), None, monkeypatch)
-    loss_b, grads_b, seen_b = _one_step(model, BF16, monkeypatch)
+    loss, grads, seen = _one_step(copy.deepcopy(model), "input", monkeypatch)
+    loss_b, grads_b, seen_b = _one_step(model, "bfloat16", monkeypatch)
     saved, saved_b = seen["saved"], seen_b["saved"]
 
     # The forward never sees the rounded copy: the loss is bitwise the default one.
@@ -173,13 +173,14 @@ def test_bf16_boundaries_with_offload_halve_host_buffers(tmp_path):
     logs, trainer = _train(model, tmp_path, "off", megatrain_offload_activations=True, **kw)
     engine = trainer.megatrain.engine
     hidden = (2, make_data(1)[0]["input_ids"].numel(), model.config.hidden_size)
-    hosts = {key: h["host"] for key, h in engine._act_handles.items()}
+    hosts = engine.activations.offloaded()
+    buffers = engine.activations.host_buffers()
     residual = {key: h for key, h in hosts.items() if tuple(h.shape) == hidden}
     # One hidden-state buffer per layer, in bf16: half the host (and PCIe) bytes of fp32.
     assert {layer for layer, _ in residual} == set(range(3))
     for key, h in residual.items():
         assert h.dtype == BF16
-        assert engine._act_host[key].nbytes == h.numel() * 2
+        assert buffers[key].nbytes == h.numel() * 2
     # Nothing else went to the host: the other inputs (RoPE cos/sin) stay on the device.
     assert hosts.keys() == residual.keys()
     # Offloading only moves the bf16 copy's bytes: training is bitwise that of bf16 boundaries
@@ -206,14 +207,14 @@ def test_boundary_dtype_names():
 def test_boundary_save_dtype_rule():
     """Only the residual stream (a large float input shaped like a layer output) is rounded,
     and only when it is wider than the boundary dtype."""
-    engine = StreamingEngine([], torch.device("cpu"), torch.float32)
     hidden = torch.zeros(1, 1 << 10, 1 << 10)
     out = {tuple(hidden.shape)}
-    assert engine.boundary_save_dtype(hidden, out) is None  # default: keep
-    engine.boundary_dtype = BF16
-    assert engine.boundary_save_dtype(hidden, out) is BF16
-    assert engine.boundary_save_dtype(hidden.to(BF16), out) is None  # already bf16
-    assert engine.boundary_save_dtype(torch.zeros(1, 1 << 10, 1 << 10), set()) is None  # cos/sin
-    assert engine.boundary_save_dtype(torch.zeros(1, 4, 8), {(1, 4, 8)}) is None  # small
+    keep = StreamingEngine([], torch.device("cpu"), torch.float32).activations
+    assert keep.save_dtype(hidden, out) is None  # default: keep
+    stash = StreamingEngine([], torch.device("cpu"), torch.float32, boundary_dtype=BF16).activations
+    assert stash.save_dtype(hidden, out) is BF16
+    assert stash.save_dtype(hidden.to(BF16), out) is None  # already bf16
+    assert stash.save_dtype(torch.zeros(1, 1 << 10, 1 << 10), set()) is None  # cos/sin
+    assert stash.save_dtype(torch.zeros(1, 4, 8), {(1, 4, 8)}) is None  # small
     ids = torch.zeros(1, 1 << 10, 1 << 10, dtype=torch.long)
-    assert engine.boundary_save_dtype(ids, {tuple(ids.shape)}) is None
+    assert stash.save_dtype(ids, {tuple(ids.shape)}) is None

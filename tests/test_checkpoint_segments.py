@@ -122,9 +122,7 @@ def test_segments_with_bf16_boundaries(tmp_path):
     engine = trainer.megatrain.engine
     assert engine.boundary_dtype == BF16 and engine.checkpoint_every == 2
     hidden = (2, make_data(1)[0]["input_ids"].numel(), model.config.hidden_size)
-    residual = {
-        key: h["host"] for key, h in engine._act_handles.items() if h["host"].shape == hidden
-    }
+    residual = {key: h for key, h in engine.activations.offloaded().items() if h.shape == hidden}
     assert {layer for layer, _ in residual} == {0, 2}  # leaders only
     assert all(h.dtype == BF16 for h in residual.values())
     assert logs[0]["loss"] == every[0]["loss"] == exact[0]["loss"]
@@ -185,11 +183,12 @@ def test_followers_recomputed_from_chain(tmp_path, k):
     engine = trainer.megatrain.engine
     hidden = (2, make_data(1)[0]["input_ids"].numel(), model.config.hidden_size)
     leaders = set(range(0, n_layers, k))
-    residual = {layer for (layer, _), h in engine._act_handles.items() if h["host"].shape == hidden}
+    offloaded = engine.activations.offloaded()
+    residual = {layer for (layer, _), h in offloaded.items() if h.shape == hidden}
     assert residual == leaders
     # Only the residual stream is offloaded: the other inputs (RoPE cos/sin, one tensor shared
     # by every layer) stay on the device, saved by reference.
-    assert all(h["host"].shape == hidden for h in engine._act_handles.values())
+    assert all(h.shape == hidden for h in offloaded.values())
     # Evaluation (no_grad) runs each layer once and builds no segment.
     counts.clear()
     engine.reset_segments()
@@ -198,7 +197,7 @@ def test_followers_recomputed_from_chain(tmp_path, k):
     with torch.no_grad():
         trainer.model(input_ids=ids)
     assert counts == dict.fromkeys(range(n_layers), 1)
-    assert engine._open_segment is None
+    assert engine.segments.open_segment is None
 
 
 def test_segments_with_kept_layers(tmp_path):
@@ -218,10 +217,10 @@ def test_segments_with_kept_layers(tmp_path):
     assert counts == _expected_forwards(4, 2, frozenset({1}))
 
 
-def _stream(model, k: int):
-    prepare_streamed_model(model, "cpu", torch.float32)
+def _stream(model, k: int, **options):
+    prepare_streamed_model(model, "cpu", torch.float32, checkpoint_every=k, **options)
     engine = model._megatrain.engine
-    engine.checkpoint_every = k
+    assert engine.checkpoint_every == k
     engine.offload_min_numel = 1
     model.train()
     ids = torch.stack([r["input_ids"] for r in make_data(2)])
@@ -230,8 +229,7 @@ def _stream(model, k: int):
 
 def _one_step(model, k: int, offload: bool = False):
     """One forward/backward on the streamed ``model``: loss, layer grads, resident grads."""
-    engine, ids = _stream(model, k)
-    engine.offload_activations = offload
+    engine, ids = _stream(model, k, offload_activations=offload)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     state = model._megatrain
@@ -267,8 +265,7 @@ def test_only_leaders_save_the_hidden_state(monkeypatch):
     from hf_megatrain.core import streamed_layer  # noqa: PLC0415
 
     model = tiny_model(tiny_config("llama", num_hidden_layers=4))
-    engine, ids = _stream(model, 2)
-    engine.boundary_dtype = BF16
+    engine, ids = _stream(model, 2, boundary_dtype="bfloat16")
     saved = []
     made = []
     real = streamed_layer.segment_input
@@ -280,14 +277,14 @@ def test_only_leaders_save_the_hidden_state(monkeypatch):
 
     monkeypatch.setattr(streamed_layer, "segment_input", segment_input)
     segments = []
-    real_add = engine._segment_add
+    real_add = engine.segments.add
 
     def segment_add(entry, follow):
         seg, pos = real_add(entry, follow)
         segments.append(seg)
         return seg, pos
 
-    monkeypatch.setattr(engine, "_segment_add", segment_add)
+    monkeypatch.setattr(engine.segments, "add", segment_add)
 
     def pack(t):
         saved.append((tuple(t.shape), t.dtype))
@@ -297,7 +294,7 @@ def test_only_leaders_save_the_hidden_state(monkeypatch):
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     hidden = (2, ids.shape[1], model.config.hidden_size)
     assert saved.count((hidden, BF16)) == 2
-    assert len({id(seg) for seg in segments}) == 2 and engine._open_segment is None
+    assert len({id(seg) for seg in segments}) == 2 and engine.segments.open_segment is None
     loss.backward()
     assert made == [(1, torch.float32, hidden), (1, torch.float32, hidden)]
     # Each leader's backward dropped its segment's record (no tensor outlives the backward).
@@ -393,8 +390,8 @@ def test_segments_with_lora_on_a_frozen_base(tmp_path):
     logs, trainer = _train(model, tmp_path, "k2", 2, megatrain_offload_activations=True)
     assert _track(logs) == _track(ref_logs)
     hidden = (2, make_data(1)[0]["input_ids"].numel(), base.config.hidden_size)
-    handles = trainer.megatrain.engine._act_handles
-    assert {layer for (layer, _), h in handles.items() if h["host"].shape == hidden} == {0, 2}
+    offloaded = trainer.megatrain.engine.activations.offloaded()
+    assert {layer for (layer, _), h in offloaded.items() if h.shape == hidden} == {0, 2}
     want = {n: p for n, p in ref.model.named_parameters() if p.requires_grad}
     got = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert got.keys() == want.keys() and got

@@ -91,15 +91,17 @@ def test_continue_from_model_path(tiny_run, tmp_path, monkeypatch, clip):
     load = hf_megatrain.load_streamed_model
 
     def spy(path, **kw):
-        seen.append(kw)
-        return load(path, **kw)
+        model = load(path, **kw)
+        seen.append((kw, hf_megatrain.hf.model.streamed_state(model).options))
+        return model
 
     monkeypatch.setattr(hf_megatrain, "load_streamed_model", spy)
     flags = ["--resident-layers", "auto", "--max-grad-norm", clip] + _fast_flags(out)
     assert main(["train", "--model-path", str(ckpt), "--data", str(data)] + flags) == 0
-    (kw,) = seen
-    assert kw["plan_workload"].micro_batch_tokens == 2 * 16  # --batch-size 2 x --seq-len 16
-    assert kw["host_grads"] == (clip != "0")
+    ((kw, options),) = seen
+    assert kw["step"].micro_batch_tokens == 2 * 16  # --batch-size 2 x --seq-len 16
+    assert options.resident_layers == "auto"
+    assert options.host_grads == (clip != "0")
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 2
 
@@ -151,15 +153,15 @@ def test_shipped_recipes_parse(name):
 
 
 def test_engine_options_reach_the_trainer(tmp_path):
-    """--mlp-tile-tokens / --offload-activations / --bf16-boundaries / --resident-layers /
+    """--mlp-tile-tokens / --offload-activations / --boundary-dtype / --resident-layers /
     --attn end to end."""
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     cfg = _tiny_config(tmp_path / "config.json")
     flags = ["--mlp-tile-tokens", "8", "--offload-activations", "--resident-layers", "1"]
-    flags += ["--bf16-boundaries", "--checkpoint-every", "2"]
+    flags += ["--boundary-dtype", "bfloat16", "--checkpoint-every", "2"]
     opts = resolve_options(build_parser().parse_args(["train", *flags]))
-    assert opts.bf16_boundaries and opts.checkpoint_every == 2
+    assert opts.engine.boundary_dtype == "bfloat16" and opts.engine.checkpoint_every == 2
     rc = main(["train", "--config", str(cfg), "--data", str(data), "--attn", "eager"] + flags + _fast_flags(tmp_path / "out"))  # fmt: skip
     assert rc == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -178,7 +180,7 @@ def test_engine_options_reach_the_trainer(tmp_path):
         assert main(["train", "--config", str(cfg), "--data", str(data)] + flags) == 0
     assert seen == ["all"]
     assert "attn: 'x' is not one of" in _error(["train", "--attn", "x"])
-    assert "neither an integer nor 'auto'" in _error(["train", "--resident-layers", "some"])
+    assert "'some' is neither an integer >= 0 nor 'auto'" in _error(["train", "--resident-layers", "some"])
 
 
 def _error(argv: list[str]) -> str:

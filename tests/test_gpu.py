@@ -509,7 +509,7 @@ def test_activation_offload_moves_hidden_states_to_pinned_host(tmp_path):
     )
     trainer.megatrain.engine.offload_min_numel = 1
     trainer.train()
-    bufs = trainer.megatrain.engine._act_host
+    bufs = trainer.megatrain.engine.activations.host_buffers()
     assert bufs and all(b.pinned for b in bufs.values())
 
 
@@ -602,8 +602,9 @@ def test_slim_host_stores_on_gpu(tmp_path, ga):
     assert engine.grad_staging and engine.streams_fp32_master
     assert all(s.grad is None and s.stream is s.master for s in layers)
     # 4 layers through a 2-slot ring: the ring wrapped, so slot reuse after the update ran.
-    assert len(engine._grad_ring) == 2 and all(ev.is_set() for ev in engine._ring_free)
-    assert all(s.pinned for s in layers) and all(b.pinned for b in engine._ring_buffers)
+    staging = engine.grads.staging
+    assert staging.slots == 2 and staging.all_free()
+    assert all(s.pinned for s in layers) and all(b.pinned for b in staging.buffers)
     assert slim.optimizer.eager_updates == 4 * len(layers)
     # fp32 masters cross PCIe: twice the H2D bytes of the bf16-copy run, same D2H bytes.
     assert engine.h2d_bytes == 2 * held.megatrain.engine.h2d_bytes
@@ -646,10 +647,10 @@ def test_bf16_boundaries_on_gpu(tmp_path, monkeypatch):
     )
     engine = off.megatrain.engine
     hidden = (2, 128, _tiny_gpu_config().hidden_size)
-    residual = [h["host"] for h in engine._act_handles.values() if h["host"].shape == hidden]
+    residual = [h for h in engine.activations.offloaded().values() if h.shape == hidden]
     # The offloaded hidden states cross PCIe and sit in pinned memory as bf16: half the bytes.
     assert len(residual) == 4 and all(h.dtype == torch.bfloat16 for h in residual)
-    assert all(b.pinned for b in engine._act_host.values())
+    assert all(b.pinned for b in engine.activations.host_buffers().values())
     # The saved input is rounded to bf16's 8-bit mantissa (2^-9 relative), the same rounding
     # autocast already applies to every matmul input of the layer, so the gradients move at the
     # bf16 compute's own noise level: over 4 steps, bf16-level agreement of the losses (1e-2

@@ -28,10 +28,11 @@ def test_offloaded_activations_match_stock(tmp_path, arch):
     trainer.train()
     # Every layer's hidden-state input went through a host buffer, and nothing else did: the
     # RoPE cos/sin (same tensor for every layer) stay on the device, shared by reference.
-    assert {layer for layer, _ in engine._act_host} == set(range(len(engine.stores)))
+    buffers = engine.activations.host_buffers()
+    assert {layer for layer, _ in buffers} == set(range(len(engine.stores)))
     hidden = model.config.hidden_size
-    assert all(h["host"].shape[-1] == hidden for h in engine._act_handles.values())
-    assert len({k for _, k in engine._act_host}) == 1, sorted(engine._act_host)
+    assert all(h.shape[-1] == hidden for h in engine.activations.offloaded().values())
+    assert len({k for _, k in buffers}) == 1, sorted(buffers)
     for a, b in zip(stock, rec.logs):
         # Offloading copies bytes; the arithmetic is that of the streamed path (fp32, rel 1e-5
         # as in the equivalence tests).
@@ -43,12 +44,15 @@ def test_offloaded_activations_match_stock(tmp_path, arch):
 def test_offload_skips_small_inputs():
     from hf_megatrain.core.streaming import StreamingEngine
 
-    engine = StreamingEngine([], torch.device("cpu"), torch.float32)
-    engine.offload_activations = True
+    engine = StreamingEngine([], torch.device("cpu"), torch.float32, offload_activations=True)
+    stash = engine.activations
     residual = {(1 << 20,), (10,)}  # the shapes of the layer's floating outputs
-    assert not engine.should_offload(torch.zeros(10), residual)  # below offload_min_numel (1M)
-    assert engine.should_offload(torch.zeros(1 << 20), residual)
+    assert not stash.should_offload(torch.zeros(10), residual)  # below offload_min_numel (1M)
+    assert stash.should_offload(torch.zeros(1 << 20), residual)
     big_ids = torch.zeros(1 << 20, dtype=torch.long)
-    assert not engine.should_offload(big_ids, residual)  # ids, masks
+    assert not stash.should_offload(big_ids, residual)  # ids, masks
     # Large but not the residual stream (RoPE tables): kept on the device by reference.
-    assert not engine.should_offload(torch.zeros(1 << 21), residual)
+    assert not stash.should_offload(torch.zeros(1 << 21), residual)
+    # Off unless the engine was built with it.
+    off = StreamingEngine([], torch.device("cpu"), torch.float32).activations
+    assert not off.should_offload(torch.zeros(1 << 20), residual)

@@ -325,15 +325,15 @@ def test_fresh_gradient_accumulator_has_zero_gaps():
     buffer (its norm, its AdamW update) sees exactly zeros outside the parameters."""
     from types import SimpleNamespace
 
-    from hf_megatrain.core.streaming import StreamingEngine
+    from hf_megatrain.core.engine.gradients import scatter_add, zero_gaps
 
     slots, numel, _ = layout_slots([("a", (3, 5), True), ("b", (7,), False), ("c", (2, 2), True)])
     store = SimpleNamespace(slots=slots)
     flat = torch.full((numel + 9,), float("nan"))
-    StreamingEngine._zero_gaps(store, flat)
+    zero_gaps(store, flat)
     by_name = {"a": torch.ones(3, 5, dtype=torch.bfloat16), "b": None, "c": torch.full((2, 2), 2.0)}
     grads = [by_name[s.name] for s in slots]
-    StreamingEngine._scatter_add(store, flat, grads, first=True)
+    scatter_add(store, flat, grads, first=True)
     want = torch.zeros(numel + 9)
     for slot, g in zip(slots, grads):
         if g is not None:

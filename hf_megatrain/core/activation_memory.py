@@ -3,6 +3,11 @@
 Boundary activations (the saved residual-stream inputs, in HBM or offloaded), what a layer that
 keeps its graph saves per token (audited against autograd's saved tensors), the recompute working
 set and the loss/LM-head temporaries: the per-micro-batch lines of the memory plan.
+
+Each reads the step's micro-batch (:class:`~hf_megatrain.core.options.StepShape`) and the engine
+options that shape activations (:class:`~hf_megatrain.core.options.ResolvedOptions`:
+``mlp_tile_tokens``, ``offload_activations``, ``boundary_bytes_per_element``,
+``checkpoint_every``).
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from .chunked_loss import default_chunk_tokens
-from .plan_types import MemoryLine, ModelShape, Workload, itemsize
+from .options import ResolvedOptions, StepShape
+from .plan_types import MemoryLine, ModelShape, itemsize
 
 #: Bytes per token x hidden of a layer's backward on top of its saved input: the recomputed
 #: attention half (bf16 norm output, q, attention output, o-proj output, post-norm output; fp32
@@ -84,13 +90,13 @@ def attention_output_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> i
 
 
 def attention_output_line(
-    shape: ModelShape, workload: Workload, dtype: torch.dtype, layers: int
+    shape: ModelShape, step: StepShape, dtype: torch.dtype, layers: int
 ) -> MemoryLine:
     per_token = attention_output_bytes_per_token(shape, dtype)
     return MemoryLine(
         f"attention outputs kept for the recompute of {layers} layers: "
-        f"{workload.micro_batch_tokens} tokens x {per_token} B each",
-        layers * workload.micro_batch_tokens * per_token,
+        f"{step.micro_batch_tokens} tokens x {per_token} B each",
+        layers * step.micro_batch_tokens * per_token,
     )
 
 
@@ -133,62 +139,62 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     return total
 
 
-def saved_boundary_layers(shape: ModelShape, workload: Workload) -> int:
+def saved_boundary_layers(shape: ModelShape, options: ResolvedOptions) -> int:
     """How many layers save their input: all, or with checkpoint segments of k layers one per
     segment, ceil(layers / k). (Layers that keep their graph end a segment early; at the
     offload sizes segments are for, the planner keeps none.)"""
-    k = max(1, workload.checkpoint_every)
+    k = max(1, options.checkpoint_every)
     return -(-shape.num_layers // k)
 
 
-def segment_cache_layers(shape: ModelShape, workload: Workload) -> int:
+def segment_cache_layers(shape: ModelShape, options: ResolvedOptions) -> int:
     """fp32 layer inputs a checkpoint segment's backward holds at most beyond the boundary
     lines: the chain re-made from the leader's input caches the followers' (k - 1, the one in
     use included). With boundaries saved narrower the boundary lines already count one fp32
     input in use (a leader's cast back; a follower in backward has none of its own, only its
     re-made input, and ``segment_input`` frees the leader's fp32 input once the chain has run):
     k - 2 more."""
-    k = min(workload.checkpoint_every, shape.num_layers)
-    in_use_counted = 1 if workload.boundary_bytes_per_element < 4 else 0
+    k = min(options.checkpoint_every, shape.num_layers)
+    in_use_counted = 1 if options.boundary_bytes_per_element < 4 else 0
     return max(0, k - 1 - in_use_counted)
 
 
-def boundary_activation_bytes(shape: ModelShape, workload: Workload) -> int:
+def boundary_activation_bytes(shape: ModelShape, step: StepShape, options: ResolvedOptions) -> int:
     """Every saved layer input (the residual stream: fp32, or its bf16-rounded copy) for one
     micro-batch: one per layer, or one per checkpoint segment."""
-    b = workload.boundary_bytes_per_element
-    return (
-        workload.micro_batch_tokens * shape.hidden_size * b * saved_boundary_layers(shape, workload)
-    )
+    b = options.boundary_bytes_per_element
+    return step.micro_batch_tokens * shape.hidden_size * b * saved_boundary_layers(shape, options)
 
 
-def saved_layers_label(shape: ModelShape, workload: Workload) -> str:
-    n = saved_boundary_layers(shape, workload)
+def saved_layers_label(shape: ModelShape, options: ResolvedOptions) -> str:
+    n = saved_boundary_layers(shape, options)
     if n == shape.num_layers:
         return f"{n} layers"
-    return f"{n} saved (1 per {workload.checkpoint_every} of {shape.num_layers} layers)"
+    return f"{n} saved (1 per {options.checkpoint_every} of {shape.num_layers} layers)"
 
 
-def boundary_dtype_label(workload: Workload) -> str:
-    b = workload.boundary_bytes_per_element
+def boundary_dtype_label(options: ResolvedOptions) -> str:
+    b = options.boundary_bytes_per_element
     return {4: "fp32", 2: "bf16"}.get(b, f"{b} B")
 
 
-def activation_lines(shape: ModelShape, workload: Workload, dtype: torch.dtype) -> list[MemoryLine]:
+def activation_lines(
+    shape: ModelShape, step: StepShape, options: ResolvedOptions, dtype: torch.dtype
+) -> list[MemoryLine]:
     """Per-micro-batch activation costs (micro-batches run one after another)."""
     isz = itemsize(dtype)
-    t, h, v = workload.micro_batch_tokens, shape.hidden_size, shape.vocab_size
+    t, h, v = step.micro_batch_tokens, shape.hidden_size, shape.vocab_size
     lines = []
-    b = workload.boundary_bytes_per_element
+    b = options.boundary_bytes_per_element
     # Saved narrower than the fp32 residual stream: backward recomputes each layer from its
     # saved input cast back to fp32, one more tokens x hidden x 4 B tensor while it runs.
     cast_back = 4 if b < 4 else 0
-    if not workload.offload_activations:
+    if not options.offload_activations:
         lines.append(
             MemoryLine(
-                f"boundary activations ({boundary_dtype_label(workload)}): {t} tokens x hidden x {b} B "
-                f"x {saved_layers_label(shape, workload)}",
-                boundary_activation_bytes(shape, workload),
+                f"boundary activations ({boundary_dtype_label(options)}): {t} tokens x hidden x "
+                f"{b} B x {saved_layers_label(shape, options)}",
+                boundary_activation_bytes(shape, step, options),
             )
         )
         if cast_back:
@@ -202,7 +208,7 @@ def activation_lines(shape: ModelShape, workload: Workload, dtype: torch.dtype) 
         # Offloaded: the current layer's input and the next one prefetched for backward (and
         # the current one cast back to fp32 when saved narrower).
         what = (
-            f"2 {boundary_dtype_label(workload)} (in use + prefetched) + the one in use in fp32"
+            f"2 {boundary_dtype_label(options)} (in use + prefetched) + the one in use in fp32"
             if cast_back
             else "2 (in use + prefetched)"
         )
@@ -222,7 +228,7 @@ def activation_lines(shape: ModelShape, workload: Workload, dtype: torch.dtype) 
                 t * shape.head_dim * 2 * 4,
             )
         )
-    cached = segment_cache_layers(shape, workload)
+    cached = segment_cache_layers(shape, options)
     if cached:
         lines.append(
             MemoryLine(
@@ -237,7 +243,7 @@ def activation_lines(shape: ModelShape, workload: Workload, dtype: torch.dtype) 
             h,
             shape.kv_size or h,
             shape.intermediate_size,
-            workload.mlp_tile_tokens,
+            options.mlp_tile_tokens,
             shape.fused_layer_kernels,
         )
     )

@@ -1,31 +1,41 @@
-"""The engine's memory options as one value, and the search for the lightest set that fits.
+"""The engine's memory options as one value, and the enumeration of the sets a run could add.
 
-When a plan does not fit, the planner asks which options the run does not use yet would make it
-fit, and advises the lightest such set (``lightest_fit``). Lightness is a cost per option, in
-this order: MLP sequence tiles (exact; a few more kernel launches), boundary activation offload
-and fp32-master streaming (exact; PCIe copies overlapped with compute, twice the H2D bytes of a
-streamed layer for the latter), checkpoint segments of k layers (exact; (k-1)/k of a layer
-forward more per layer, so longer segments cost more), bf16 boundary activations (approximate
-gradients), no gradient clipping (changes the training itself). This module only enumerates; the planner says
-what fits.
+When a plan does not fit, the planner (``plan_search``) asks which options the run does not use
+yet would make it fit, and advises the lightest such set (``lightest_fit``). Lightness is a cost
+per option, in this order: MLP sequence tiles (exact; a few more kernel launches), boundary
+activation offload and fp32-master streaming (exact; PCIe copies overlapped with compute, twice
+the H2D bytes of a streamed layer for the latter), checkpoint segments of k layers (exact;
+(k-1)/k of a layer forward more per layer, so longer segments cost more), bf16 boundary
+activations (approximate gradients), no gradient clipping (changes the training itself). This
+module only enumerates; the planner says what fits.
+
+A :class:`MemoryOptions` names :class:`~hf_megatrain.core.options.EngineOptions` fields, plus
+``no_clip``: gradient clipping off, a training setting rather than an engine option. What a set
+adds over another is an :class:`~hf_megatrain.core.plan_types.OptionChanges`, which advice
+carries and each layer spells in its own names.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+
+from .options import ResolvedOptions
+from .plan_types import OptionChanges, OptionNamer
 
 #: Tile length the advice proposes for MLP sequence tiling (tokens).
 ADVICE_TILE_TOKENS = 16384
 #: Checkpoint segment lengths the search tries.
 SEGMENT_LENGTHS = (2, 3, 4, 6, 8)
+#: ``boundary_dtype`` values of a set: saved layer inputs kept as they are, or rounded to bf16.
+EXACT_BOUNDARIES, BF16_BOUNDARIES = "input", "bfloat16"
 
 _COST = {
     "mlp_tile_tokens": 1,
     "offload_activations": 2,
     "stream_fp32_master": 2,
-    "bf16_boundaries": 10,
+    "boundary_dtype": 10,
     "no_clip": 20,
 }
 
@@ -38,14 +48,29 @@ def _segment_cost(k: int) -> int:
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    """Which memory options a run uses (the trainer arguments / ``plan`` flags in ``describe``)."""
+    """Which memory options a run uses: engine option fields (in the order advice lists
+    them), and ``no_clip`` for gradient clipping off."""
 
     mlp_tile_tokens: int = 0
     offload_activations: bool = False
     stream_fp32_master: bool = False
     checkpoint_every: int = 1
-    bf16_boundaries: bool = False
+    boundary_dtype: str = EXACT_BOUNDARIES
     no_clip: bool = False
+
+    @classmethod
+    def of(cls, options: ResolvedOptions) -> MemoryOptions:
+        """The memory options a run with ``options`` uses."""
+        return cls(
+            mlp_tile_tokens=options.mlp_tile_tokens,
+            offload_activations=options.offload_activations,
+            stream_fp32_master=options.stream_fp32_master,
+            checkpoint_every=options.checkpoint_every,
+            boundary_dtype=(
+                BF16_BOUNDARIES if options.boundary_bytes_per_element <= 2 else EXACT_BOUNDARIES
+            ),
+            no_clip=not options.clipping,
+        )
 
     def cost(self, base: MemoryOptions) -> int:
         """How heavy the options turned on over ``base`` are (see the module docstring)."""
@@ -54,30 +79,27 @@ class MemoryOptions:
             total += _segment_cost(self.checkpoint_every)
         return total
 
-    def describe(self, base: MemoryOptions) -> str:
-        """The options turned on over ``base``, as trainer arguments and ``plan`` flags."""
-        changed = [
-            (arg.format(v=getattr(self, name)), flag.format(v=getattr(self, name)))
-            for name, arg, flag in _DESCRIPTIONS
-            if getattr(self, name) != getattr(base, name)
-        ]
-        args = ", ".join(a for a, _ in changed)
-        return f"{args} (plan {' '.join(f for _, f in changed)})"
+    def changes(self, base: MemoryOptions) -> OptionChanges:
+        """The options turned on over ``base``: engine option fields -> values, and clipping."""
+        changed = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "no_clip" and getattr(self, f.name) != getattr(base, f.name)
+        }
+        return OptionChanges(changed, clipping_off=self.no_clip and not base.no_clip)
 
+    def describe(self, base: MemoryOptions, namer: OptionNamer | None = None) -> str:
+        """The options turned on over ``base``, in ``namer``'s spelling (default: field
+        names)."""
+        return self.changes(base).render(namer)
 
-# (field, trainer argument, ``plan`` flag), in the order the advice lists them.
-_DESCRIPTIONS = (
-    ("mlp_tile_tokens", "megatrain_mlp_tile_tokens={v}", "--mlp-tile-tokens {v}"),
-    ("offload_activations", "megatrain_offload_activations=True", "--offload-activations"),
-    ("stream_fp32_master", "megatrain_stream_fp32_master=True", "--stream-fp32-master"),
-    ("checkpoint_every", "megatrain_checkpoint_every={v}", "--checkpoint-every {v}"),
-    (
-        "bf16_boundaries",
-        "megatrain_boundary_dtype='bfloat16' (approximate gradients)",
-        "--bf16-boundaries",
-    ),
-    ("no_clip", "max_grad_norm=0 (no gradient clipping)", "--no-clip"),
-)
+    def applied(self, options: ResolvedOptions) -> ResolvedOptions:
+        """``options`` (a run's resolved options) with this set in effect."""
+        changes = self.changes(MemoryOptions.of(options))
+        engine = options.options.with_(**changes.options) if changes.options else options.options
+        return engine.resolve(
+            clipping=options.clipping and not changes.clipping_off, cuda=options.cuda
+        )
 
 
 def candidates(base: MemoryOptions, micro_batch_tokens: int) -> list[MemoryOptions]:
@@ -85,9 +107,13 @@ def candidates(base: MemoryOptions, micro_batch_tokens: int) -> list[MemoryOptio
     choices: list[list[dict]] = []
     if not base.mlp_tile_tokens and micro_batch_tokens > ADVICE_TILE_TOKENS:
         choices.append([{}, {"mlp_tile_tokens": ADVICE_TILE_TOKENS}])
-    for name in ("offload_activations", "stream_fp32_master", "bf16_boundaries", "no_clip"):
+    for name in ("offload_activations", "stream_fp32_master"):
         if not getattr(base, name):
             choices.append([{}, {name: True}])
+    if base.boundary_dtype != BF16_BOUNDARIES:
+        choices.append([{}, {"boundary_dtype": BF16_BOUNDARIES}])
+    if not base.no_clip:
+        choices.append([{}, {"no_clip": True}])
     longer = [k for k in SEGMENT_LENGTHS if k > base.checkpoint_every]
     choices.append([{}] + [{"checkpoint_every": k} for k in longer])
     out = []
@@ -104,3 +130,14 @@ def lightest_fit(
 ) -> MemoryOptions | None:
     """The lightest option set over ``base`` for which ``fits`` holds, or None."""
     return next((o for o in candidates(base, micro_batch_tokens) if fits(o)), None)
+
+
+__all__ = [
+    "ADVICE_TILE_TOKENS",
+    "BF16_BOUNDARIES",
+    "EXACT_BOUNDARIES",
+    "SEGMENT_LENGTHS",
+    "MemoryOptions",
+    "candidates",
+    "lightest_fit",
+]

@@ -1,14 +1,33 @@
-"""The planner's inputs: a model's shape, a step's workload, and one named cost line.
+"""The planner's types: a model's shape, one named cost line, the plan, and its messages.
 
-Plain frozen dataclasses (no ``transformers`` import): the CLI builds a :class:`ModelShape` from
-a config on the meta device, the trainer from the model it streams.
+Plain dataclasses (no ``transformers`` import): the CLI builds a :class:`ModelShape` from a config
+on the meta device, the builder from the model it streams. The step shape and the engine options
+the planner reads are :class:`~hf_megatrain.core.options.StepShape` and
+:class:`~hf_megatrain.core.options.ResolvedOptions`.
+
+Advice and notes name engine options by their field (``checkpoint_every=3``): a :class:`Message`
+keeps the option references structured and an :class:`OptionNamer`, chosen by whoever shows the
+message, spells them (the HF layer as training arguments, the CLI as flags).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .options import ALL_LAYERS, parse_attention_layers
+
+if TYPE_CHECKING:
+    from .memory_options import MemoryOptions
+    from .options import ResolvedOptions, StepShape
+
+#: ``LayerPlacement.tier``: the layer's whole state on the GPU.
+HBM = "hbm"
+#: ``LayerPlacement.tier``: the layer's state in the host store, streamed through the GPU.
+HOST = "host"
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -66,103 +85,10 @@ class ModelShape:
         return replace(self, layer_numels=(big,) * n, name=f"{self.name} x{n} layers")
 
 
-#: ``Workload.attention_output_layers``: every recomputed layer.
-ALL_LAYERS = -1
-
-
-def parse_attention_layers(value: object, recompute_early_stop: bool = True) -> int | None:
-    """``megatrain_keep_attention_outputs`` as ``Workload.attention_output_layers``: "off"
-    (or False) 0, "all" (or True) ``ALL_LAYERS``, "auto" None, or a count of layers; 0 without
-    the early-stop recompute (whole layers re-run: nothing is kept)."""
-    text = str(value).strip().lower()
-    named = {"off": 0, "false": 0, "none": 0, "": 0, "all": ALL_LAYERS, "true": ALL_LAYERS}
-    if text == "auto":
-        ask = None
-    elif text in named:
-        ask = named[text]
-    elif text.isdigit():
-        ask = int(text)
-    else:
-        raise ValueError(
-            f"keep_attention_outputs={value!r}: use 'off', 'all', 'auto' or a layer count"
-        )
-    return ask if recompute_early_stop else 0
-
-
 def last_recomputed(recomputed: list[int], count: int) -> list[int]:
     """The layers (of those recomputed in backward, in order) that keep their attention
     kernel's outputs: the last ``count``."""
     return recomputed[len(recomputed) - count :] if count > 0 else []
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One optimizer step: ``grad_accum`` micro-batches of ``micro_batch_tokens`` tokens."""
-
-    seq_len: int
-    micro_batch_tokens: int
-    grad_accum: int = 1
-    # Engine option: MLPs run in sequence tiles of this many tokens (0: whole micro-batch),
-    # which bounds the MLP part of a layer's recompute working set.
-    mlp_tile_tokens: int = 0
-    # Engine option: layer-boundary activations live in pinned host memory instead of HBM.
-    offload_activations: bool = False
-    # Bytes per element of a saved layer-boundary activation (the residual stream): 4 keeps it
-    # fp32; 2 is engine option boundary_dtype=bfloat16 (a rounded copy saved for the recompute).
-    boundary_bytes_per_element: int = 4
-    # Engine option checkpoint_every: only every k-th layer saves its input (a segment leader);
-    # a segment's backward recomputes the others' and holds up to k - 1 of them (fp32) in HBM.
-    checkpoint_every: int = 1
-    # Engine option keep_attention_outputs: recomputed layers that keep their fused attention
-    # kernel's output and log-sum-exp in HBM from forward to backward (no attention forward in
-    # the recompute): 0 none, a count, ALL_LAYERS every recomputed layer, None as many as the
-    # HBM left after the tier and kept activations fits. Without effect where layers re-run
-    # whole (boundaries saved narrower). ``parse_attention_layers`` reads the option.
-    attention_output_layers: int | None = 0
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.micro_batch_tokens * self.grad_accum
-
-    @classmethod
-    def from_step(
-        cls,
-        seq_len: int,
-        tokens_per_step: int,
-        micro_batch_tokens: int | None = None,
-        grad_accum: int | None = None,
-    ) -> Workload:
-        """Resolve the split of a step; by default the whole step is one micro-batch."""
-        if seq_len < 1 or tokens_per_step < 1:
-            raise ValueError("seq-len and tokens-per-step must be at least 1")
-        if micro_batch_tokens is not None and micro_batch_tokens < 1:
-            raise ValueError("micro-batch-tokens must be at least 1")
-        if grad_accum is not None and grad_accum < 1:
-            raise ValueError("grad-accum must be at least 1")
-        if micro_batch_tokens is None:
-            ga = grad_accum or 1
-            if tokens_per_step % ga:
-                raise ValueError(
-                    f"tokens-per-step {tokens_per_step} does not split into {ga} micro-batches"
-                )
-            micro_batch_tokens = tokens_per_step // ga
-        if tokens_per_step % micro_batch_tokens:
-            raise ValueError(
-                f"tokens-per-step {tokens_per_step} is not a multiple of micro-batch-tokens "
-                f"{micro_batch_tokens}"
-            )
-        ga = tokens_per_step // micro_batch_tokens
-        if grad_accum is not None and grad_accum != ga:
-            raise ValueError(
-                f"grad-accum {grad_accum} x micro-batch-tokens {micro_batch_tokens} != "
-                f"tokens-per-step {tokens_per_step}"
-            )
-        if micro_batch_tokens % seq_len:
-            raise ValueError(
-                f"a micro-batch of {micro_batch_tokens} tokens (tokens-per-step / grad-accum) "
-                f"is not a whole number of sequences of seq-len {seq_len}"
-            )
-        return cls(seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, grad_accum=ga)
 
 
 @dataclass(frozen=True)
@@ -171,3 +97,291 @@ class MemoryLine:
 
     name: str
     nbytes: int
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    index: int
+    numel: int
+    tier: str  # HBM or HOST
+    gpu_bytes: int  # persistent GPU bytes of this layer's own state (0 for host layers)
+    host_bytes: int
+
+
+# ==== naming options in messages ====================================================================
+def field_setting(name: str, value: Any) -> str:
+    """The core's spelling of an option set to a value: ``checkpoint_every=3``,
+    ``boundary_dtype='bfloat16'``."""
+    return f"{name}={value!r}"
+
+
+def field_option(name: str) -> str:
+    """The core's spelling of an option itself: its field name."""
+    return name
+
+
+@dataclass(frozen=True)
+class OptionNamer:
+    """How a message spells engine options, chosen by the layer that shows it.
+
+    ``setting(field, value)``: the option set to a value; ``option(field)``: the option itself;
+    ``clipping_off``: the training setting without gradient clipping (not an engine option).
+    The defaults are the core's field names (``checkpoint_every=3``, ``clipping off``); the HF
+    layer passes one that spells its training arguments, ``hf-megatrain plan`` one that spells
+    its command-line flags.
+    """
+
+    setting: Callable[[str, Any], str] = field_setting
+    option: Callable[[str], str] = field_option
+    clipping_off: str = "clipping off"
+
+
+#: The core's own naming (option field names).
+FIELD_NAMER = OptionNamer()
+
+#: What each changed option costs besides compute or PCIe, said after its name in advice.
+_CAVEATS: dict[tuple[str, Any], str] = {
+    ("boundary_dtype", "bfloat16"): "approximate gradients",
+}
+#: Said after ``OptionNamer.clipping_off``.
+CLIPPING_OFF_CAVEAT = "changes the training"
+
+
+@dataclass(frozen=True)
+class OptionChanges:
+    """Engine option changes (field -> value, in the order advice lists them) and whether the
+    run turns gradient clipping off, as advice carries them."""
+
+    options: Mapping[str, Any] = field(default_factory=dict)
+    clipping_off: bool = False
+
+    def render(self, namer: OptionNamer | None = None) -> str:
+        """``checkpoint_every=3, boundary_dtype='bfloat16' (approximate gradients)`` in the
+        namer's spelling."""
+        namer = namer or FIELD_NAMER
+        parts = []
+        for name, value in self.options.items():
+            caveat = _CAVEATS.get((name, value))
+            text = namer.setting(name, value)
+            parts.append(f"{text} ({caveat})" if caveat else text)
+        if self.clipping_off:
+            parts.append(f"{namer.clipping_off} ({CLIPPING_OFF_CAVEAT})")
+        return ", ".join(parts)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+Part = str | Callable[[OptionNamer], str]
+
+
+def setting(name: str, value: Any) -> Callable[[OptionNamer], str]:
+    """A message part: option ``name`` set to ``value``, spelled by the namer."""
+    return lambda namer: namer.setting(name, value)
+
+
+def option(name: str) -> Callable[[OptionNamer], str]:
+    """A message part: option ``name`` itself, spelled by the namer."""
+    return lambda namer: namer.option(name)
+
+
+@dataclass(frozen=True)
+class Message:
+    """Text whose option references are spelled when it is shown: ``str`` gives the core's
+    spelling, ``render(namer)`` another layer's."""
+
+    parts: tuple[Part, ...] = ()
+
+    @classmethod
+    def of(cls, *parts: Part | Message) -> Message:
+        out: list[Part] = []
+        for p in parts:
+            out.extend(p.parts if isinstance(p, Message) else (p,))
+        return cls(tuple(out))
+
+    def render(self, namer: OptionNamer | None = None) -> str:
+        namer = namer or FIELD_NAMER
+        return "".join(p if isinstance(p, str) else p(namer) for p in self.parts)
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __add__(self, other: Message | str) -> Message:
+        return Message.of(self, other)
+
+    def __radd__(self, other: str) -> Message:
+        return Message.of(other, self)
+
+    def __contains__(self, text: str) -> bool:
+        return text in str(self)
+
+
+class MemoryPlanError(MemoryError):
+    """The model/step does not fit; raised before any allocation.
+
+    ``tier`` is ``"gpu"`` or ``"host"``; ``needed`` / ``available`` are bytes. ``advice``: the
+    option changes that would make the plan fit, when the planner found some. ``str()`` spells
+    options by field name; ``message(namer)`` in another layer's spelling.
+    """
+
+    def __init__(
+        self,
+        message: Message | str,
+        tier: str,
+        needed: int,
+        available: int,
+        advice: OptionChanges | None = None,
+        namer: OptionNamer | None = None,
+    ) -> None:
+        self.text = message if isinstance(message, Message) else Message((message,))
+        self.namer = namer
+        super().__init__(self.text.render(namer))
+        self.tier = tier
+        self.needed = needed
+        self.available = available
+        self.advice = advice
+
+    def message(self, namer: OptionNamer | None = None) -> str:
+        return self.text.render(namer or self.namer)
+
+    def extend(self, more: Message | str, advice: OptionChanges | None = None) -> None:
+        """Append ``more`` (advice) to the message; record ``advice`` when given."""
+        self.text = Message.of(self.text, " ", more)
+        self.args = (self.text.render(self.namer),)
+        if advice is not None:
+            self.advice = advice
+
+    def named(self, namer: OptionNamer | None) -> MemoryPlanError:
+        """The same problem, its message (``str``, ``args``) in ``namer``'s spelling."""
+        return MemoryPlanError(
+            self.text, self.tier, self.needed, self.available, self.advice, namer
+        )
+
+
+@dataclass
+class MemoryPlan:
+    """Where each layer's state lives and every GPU and host cost, as named lines."""
+
+    shape: ModelShape
+    step: StepShape | None  # None: only a fixed HBM reserve stands for activations
+    compute_dtype: torch.dtype
+    hbm_available: int
+    host_available: int
+    layers: list[LayerPlacement]
+    gpu_lines: list[MemoryLine]
+    host_lines: list[MemoryLine]
+    h2d_bytes_per_step: int
+    d2h_bytes_per_step: int
+    notes: list[Message] = field(default_factory=list)
+    problems: list[MemoryPlanError] = field(default_factory=list)
+    # The options planned for (None only for plans built by hand).
+    options: ResolvedOptions | None = None
+    # Host-store mode: gradient slots held until step end (clipping, or eager updates off) or
+    # eager updates without them; fp32 masters streamed instead of a compute-dtype copy.
+    host_grads: bool = True
+    stream_fp32_master: bool = False
+    # The last ``kept_layers`` HBM-tier layers keep their forward activations for backward
+    # instead of recomputing the layer (see ``kept_activation_bytes_per_token``).
+    kept_layers: int = 0
+    # Data-parallel processes of one host the host lines are for (GPU lines: per GPU).
+    ranks: int = 1
+    # HBM-tier layers that do not keep their activations keep no compute-dtype copy either and
+    # are cast from their fp32 master into a stream buffer when they run (16 instead of 18
+    # B/param in bf16 runs); the kept ones keep theirs (their graph holds the weights).
+    hbm_cast_weights: bool = False
+    # Recomputed layers (the last ones) that keep their attention kernel's outputs.
+    attention_layers: int = 0
+    # Set when the plan does not fit: the shortest checkpoint segment length that would make it
+    # fit (None: none tried does, or bf16 boundaries already would).
+    checkpoint_every_fit: int | None = None
+    # Set when the plan does not fit: whether it would with bf16 boundary activations.
+    bf16_boundaries_fit: bool = False
+    # Set when the plan does not fit: the lightest set of memory options not used yet that would
+    # make it fit (``memory_options.lightest_fit``), when neither of the two above is advised.
+    options_fit: MemoryOptions | None = None
+    # The option changes the advice names (any of the three above), structured.
+    advice: OptionChanges | None = None
+
+    @property
+    def kept_layer_indices(self) -> list[int]:
+        return list(range(self.n_hbm - self.kept_layers, self.n_hbm))
+
+    @property
+    def attention_layer_indices(self) -> list[int]:
+        kept = set(self.kept_layer_indices)
+        recomputed = [p.index for p in self.layers if p.index not in kept]
+        return last_recomputed(recomputed, self.attention_layers)
+
+    @property
+    def host_bytes_per_param(self) -> int:
+        """Host-store bytes per parameter of a trainable host-tier layer (page rounding aside)."""
+        from .plan_arithmetic import host_bytes_per_param  # noqa: PLC0415
+
+        return host_bytes_per_param(self.compute_dtype, self.host_grads, self.stream_fp32_master)
+
+    @property
+    def n_hbm(self) -> int:
+        return sum(1 for p in self.layers if p.tier == HBM)
+
+    @property
+    def n_host(self) -> int:
+        return len(self.layers) - self.n_hbm
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(line.nbytes for line in self.gpu_lines)
+
+    @property
+    def host_total(self) -> int:
+        return sum(line.nbytes for line in self.host_lines)
+
+    @property
+    def host_peak_estimate(self) -> int:
+        """The host peak the run should reach: every host line but the safety margin."""
+        from .plan_arithmetic import SAFETY_MARGIN_LINE  # noqa: PLC0415
+
+        return sum(
+            ln.nbytes for ln in self.host_lines if not ln.name.startswith(SAFETY_MARGIN_LINE)
+        )
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def check(self, namer: OptionNamer | None = None) -> MemoryPlan:
+        """Raise the first problem (GPU before host), its message in ``namer``'s spelling
+        (default: option field names); else return self."""
+        if self.problems:
+            problem = self.problems[0]
+            raise problem if namer is None else problem.named(namer)
+        return self
+
+    def table(self, namer: OptionNamer | None = None) -> str:
+        """The plan as a table; notes and problems name options in ``namer``'s spelling."""
+        from .plan_report import render_table  # noqa: PLC0415
+
+        return render_table(self, namer)
+
+
+__all__ = [
+    "ALL_LAYERS",
+    "CLIPPING_OFF_CAVEAT",
+    "FIELD_NAMER",
+    "HBM",
+    "HOST",
+    "LayerPlacement",
+    "MemoryLine",
+    "MemoryPlan",
+    "MemoryPlanError",
+    "Message",
+    "ModelShape",
+    "OptionChanges",
+    "OptionNamer",
+    "field_option",
+    "field_setting",
+    "itemsize",
+    "last_recomputed",
+    "option",
+    "parse_attention_layers",
+    "setting",
+]

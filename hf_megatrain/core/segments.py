@@ -1,13 +1,16 @@
-"""Checkpoint segments: the records that let a segment's followers get their inputs back.
+"""Checkpoint segments: which layers follow a leader, and what re-running a segment needs.
 
-With ``StreamingEngine.checkpoint_every = k > 1`` only the first layer of each run of k (the
-leader) saves its residual-stream input; the backward of the segment's last layer re-runs the
-segment's forward from the leader's input (``segment_input``), and the inputs it produces feed
-the followers' backward one by one. The engine decides which layers follow
-(``StreamingEngine._segment_follow``); this module holds what a re-run needs.
+With ``checkpoint_every = k > 1`` only the first layer of each run of k (the leader) saves its
+residual-stream input; the backward of the segment's last layer re-runs the segment's forward
+from the leader's input (``segment_input``), and the inputs it produces feed the followers'
+backward one by one (k - 1 extra layer forwards per segment, bitwise the saved inputs).
+``SegmentTracker`` decides which layers follow as the forward runs; the rest of this module
+holds what a re-run needs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -58,6 +61,94 @@ class Segment:
         self.entries.clear()
         self.cache.clear()
         self.done = True
+
+
+class SegmentTracker:
+    """The segment the forward is filling, and backward's weight-prefetch hints.
+
+    ``is_large(t)`` says whether a tensor counts as a large activation (the residual stream at
+    training sizes), as for offload.
+    """
+
+    def __init__(self, n_layers: int, every: int, is_large: Callable[[torch.Tensor], bool]) -> None:
+        self._n_layers = n_layers
+        self._every = every
+        self._is_large = is_large
+        self._open: Segment | None = None
+        # Layer i's backward prefetches this layer's weights when it is not i - 1: the leader
+        # of the segment below, whose chain runs next.
+        self._backward_next: dict[int, int] = {}
+
+    @property
+    def every(self) -> int:
+        """The segment length k (1: every layer saves its input, no segments)."""
+        return self._every
+
+    @property
+    def enabled(self) -> bool:
+        return self._every > 1
+
+    @property
+    def open_segment(self) -> Segment | None:
+        """The segment the next layer may join (None: it starts a new one)."""
+        return self._open
+
+    def follow(
+        self, idx: int, inputs: list[torch.Tensor], residual_shapes: set[tuple[int, ...]]
+    ) -> tuple[Segment, int, int] | None:
+        """Whether layer ``idx`` may skip saving its residual-stream input (a follower).
+
+        It may when it is not at a segment start (``idx % every``), the open segment ends with
+        layer ``idx - 1``, and one of its inputs is a large activation of the shape of one of its
+        outputs that is, unmodified, an output of layer ``idx - 1`` (so that re-running ``idx -
+        1`` reproduces it). Returns ``(segment, input index, output index of the previous
+        layer)``, or None: the layer saves its inputs and starts a segment.
+        """
+        k = self._every
+        seg = self._open
+        if k <= 1 or idx % k == 0 or seg is None or seg.done or not seg.entries:
+            return None
+        last = seg.entries[-1]
+        if last.layer.index != idx - 1:
+            return None
+        for pos, t in enumerate(inputs):
+            if tuple(t.shape) not in residual_shapes or not self._is_large(t):
+                continue
+            sig = tensor_sig(t)
+            for o, out_sig in enumerate(last.out_sigs):
+                if out_sig == sig:
+                    return seg, pos, o
+        return None
+
+    def add(self, entry: SegmentEntry, follow) -> tuple[Segment, int]:
+        """Register a layer's forward in its segment; returns ``(segment, position in it)``."""
+        idx = entry.layer.index
+        self._backward_next.pop(idx + 1, None)
+        if follow is None:
+            seg = self._open = Segment()
+        else:
+            seg, _, entry.link_out = follow
+            # Layer idx - 1 is no longer its segment's last layer; layer idx + 1's backward
+            # (if it is a leader) runs before this segment's chain, which starts at the leader.
+            self._backward_next.pop(idx, None)
+            self._backward_next[idx + 1] = seg.entries[0].layer.index
+        seg.entries.append(entry)
+        if (idx + 1) % self._every == 0 or idx + 1 >= self._n_layers:
+            self._open = None  # complete: nothing else attaches to it
+        return seg, len(seg.entries) - 1
+
+    def backward_hint(self, idx: int) -> int | None:
+        """The layer whose weights layer ``idx``'s backward should prefetch when not ``idx - 1``."""
+        return self._backward_next.get(idx)
+
+    def close(self) -> None:
+        """The next layer starts a new segment (e.g. after a layer that keeps its graph)."""
+        self._open = None
+
+    def reset(self) -> None:
+        """Forget the open segment and the backward prefetch hints."""
+        self._open = None
+        self._backward_next.clear()
 
 
 def segment_input(seg: Segment | None, pos: int) -> torch.Tensor:

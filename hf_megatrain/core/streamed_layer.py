@@ -8,8 +8,9 @@ graph with its activations). Forward builds the layer's graph either way; withou
 ``keep_graph`` its saved tensors are placeholders (``recompute.PlaceholderSaves``). Backward
 re-binds the weights, re-runs the layer until the last saved tensor is re-made (the MLP's down
 projection and the residual add are not run again) and takes gradients through the forward's
-graph with ``torch.autograd.grad``. Checkpoint-segment followers get their input from
-``segments.segment_input`` instead of a saved one. The engine that moves weights, activations
+graph with ``torch.autograd.grad``. What each tensor input is saved as (kept, offloaded,
+rounded, or not at all for a checkpoint-segment follower, whose input ``segments.segment_input``
+re-makes) is one ``save_decision`` per input. The engine that moves weights, activations
 and gradients is ``streaming.StreamingEngine``.
 
 No ``transformers`` import here: model-specific output capture comes in through ``OutputCapture``.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -30,6 +31,7 @@ from .recompute import PlaceholderSaves, attention_output_cache, release_storage
 from .segments import SegmentEntry, segment_input, tensor_sig
 
 if TYPE_CHECKING:
+    from .engine.activations import ActivationStash
     from .streaming import StreamingEngine
 
 
@@ -187,6 +189,130 @@ def _detached_leaves(ctx, flat_args: list, saved: list, saved_res) -> tuple[list
     return flat_args, inputs, res_leaves
 
 
+#: Where a layer input is saved for backward (``InputSave.where``).
+KEEP = "keep"  # on the device, through save_for_backward
+OFFLOAD = "offload"  # in a host buffer, fetched back in backward
+CHAIN = "chain"  # not saved: a segment follower's residual input, re-made by the chain
+
+
+class InputSave(NamedTuple):
+    """The save decision for one tensor input of a layer."""
+
+    where: str
+    dtype: torch.dtype | None = None  # saved rounded to this (boundary dtype); None: as is
+
+
+def save_decision(
+    stash: ActivationStash, t: torch.Tensor, residual_shapes: set[tuple[int, ...]], chained: bool
+) -> InputSave:
+    """How layer input ``t`` is saved: not at all when it is a segment follower's chained
+    input, else kept on the device or offloaded, rounded to the boundary dtype first where
+    the stash's rule says so (residual-stream inputs only)."""
+    if chained:
+        return InputSave(CHAIN)
+    where = OFFLOAD if stash.should_offload(t, residual_shapes) else KEEP
+    return InputSave(where, stash.save_dtype(t, residual_shapes))
+
+
+def _run_forward(ctx, layer: StreamedLayer, weights, flat_args, inputs, resident):
+    """Run the layer's forward; returns ``(out, captured)``, detached from any graph it built.
+
+    Sets ``ctx.graph`` (``keep_graph``: the graph with its activations), or ``ctx.recompute``
+    (early stop: the graph with placeholders for what it saves, which backward re-makes,
+    stopping after the last; recompute.py), or neither (backward builds its own graph).
+    """
+    engine = layer.engine
+    ctx.graph = None
+    ctx.recompute = None
+    if not (layer.keep_graph or (engine.boundary_dtype is None and engine.recompute_early_stop)):
+        # Inputs saved rounded (boundary_dtype): the recompute does not see the forward's
+        # exact input, so its ops may differ where they depend on values (MoE routing) and
+        # could not fill this graph's saves. No graph here; backward builds its own (also
+        # with recompute_early_stop off).
+        out, captured, _ = layer.run(weights, flat_args, ctx.spec, leaves=False, keys=ctx.keys)
+        return out, captured
+    # Build the graph on detached leaves now; backward differentiates it. Without keep_graph
+    # it is held by its gradient edges and leaves, never by a tensor's memory.
+    leaves = _detached_leaves(ctx, flat_args, inputs, resident)
+    saves = None if layer.keep_graph else PlaceholderSaves()
+    # keep_attention: the attention kernel's outputs stay from here to the recompute, which
+    # then skips that kernel (recompute.attention_output_cache).
+    cache = (
+        attention_output_cache()
+        if saves is not None and layer.keep_attention
+        else (contextlib.nullcontext(), None)
+    )
+    with (
+        torch.enable_grad(),
+        saves.recording() if saves is not None else contextlib.nullcontext(),
+        cache[0],
+    ):
+        out, captured, weight_leaves = layer.run(
+            weights, leaves[0], ctx.spec, leaves=layer.trainable, keys=ctx.keys,
+            resident=leaves[2],
+        )  # fmt: skip
+    if saves is None:
+        ctx.graph = (out, captured, weight_leaves, leaves[1], leaves[2])
+    else:
+        roots = _roots(out, captured, edges=True)
+        ctx.recompute = (saves, roots, weight_leaves, leaves[1], leaves[2], cache[1])
+        release_storage(weight_leaves + leaves[1])
+    out = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+    return out, [(k, t.detach()) for k, t in captured]
+
+
+def _save_inputs(ctx, layer: StreamedLayer, inputs, resident, outs: list[torch.Tensor]) -> None:
+    """Save what backward needs to recompute the layer, by one ``save_decision`` per input.
+
+    Saved: the layer's tensor inputs (as decided) and its resident parameters, never its
+    weights. A rounded input is a copy (the forward used the input as it is; backward casts it
+    back to ``ctx.cast_back``); a follower's chained input is ``ctx.from_chain`` (backward gets
+    it from ``segments.segment_input``). A kept graph holds what it needs itself.
+    """
+    engine = layer.engine
+    segments = engine.segments
+    ctx.offloaded = {}
+    ctx.cast_back = {}
+    ctx.segment = None
+    ctx.seg_pos = 0
+    ctx.from_chain = None
+    if ctx.graph is not None:
+        if segments.enabled:
+            segments.close()  # a kept layer's output is not recomputed by a chain
+        return
+    stash = engine.activations
+    residual_shapes = (
+        {tuple(x.shape) for x in outs if x.is_floating_point()}
+        if stash.boundary_dtype is not None or segments.enabled or stash.offload_enabled
+        else set()
+    )
+    follow = (
+        segments.follow(layer.index, list(inputs), residual_shapes) if segments.enabled else None
+    )
+    keep, sources = [], []
+    for k, t in enumerate(inputs):
+        chained = follow is not None and k == follow[1]
+        how = save_decision(stash, t, residual_shapes, chained)
+        if how.where == CHAIN:
+            ctx.from_chain = k
+            sources.append(("link", None))
+            continue
+        if how.dtype is not None:
+            ctx.cast_back[k] = t.dtype
+            t = t.to(how.dtype)
+        if how.where == OFFLOAD:
+            ctx.offloaded[k] = stash.offload(layer.index, k, t)
+            sources.append(("handle", ctx.offloaded[k]))
+        else:
+            keep.append(t)
+            sources.append(("tensor", t.detach()))
+    ctx.n_keep = len(keep)
+    ctx.save_for_backward(*keep, *resident)
+    if segments.enabled:
+        entry = SegmentEntry(layer, ctx, sources, [tensor_sig(o) for o in outs])
+        ctx.segment, ctx.seg_pos = segments.add(entry, follow)
+
+
 class _StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer: StreamedLayer, flat_args, spec, tensor_pos, box, *tensors):
@@ -202,49 +328,10 @@ class _StreamedLayerFunction(torch.autograd.Function):
         ctx.n_anchor = box["n_anchor"]  # 1 when StreamedLayer added its anchor
         ctx.n_args = n_args
         ctx.input_requires_grad = [t.requires_grad for t in tensors[:n_args]]
-        ctx.graph = None
+        inputs, resident = tensors[:n_args], tensors[n_args + ctx.n_anchor :]
         weights = engine.acquire(layer.index, layer.next_index(False))
         tick = engine.timeline.start("forward", layer.index) if engine.timeline else None
-        ctx.recompute = None
-        if layer.keep_graph or (engine.boundary_dtype is None and engine.recompute_early_stop):
-            # Build the layer's graph on detached leaves now; backward differentiates it. With
-            # keep_graph it holds its activations; otherwise placeholders for what it saves
-            # (recompute.py), which backward re-makes, stopping after the last, and the graph
-            # is held by its gradient edges and leaves, never by a tensor's memory.
-            leaves = _detached_leaves(
-                ctx, flat_args, tensors[:n_args], tensors[n_args + ctx.n_anchor :]
-            )
-            saves = None if layer.keep_graph else PlaceholderSaves()
-            # keep_attention: the attention kernel's outputs stay from here to the recompute,
-            # which then skips that kernel (recompute.attention_output_cache).
-            cache = (
-                attention_output_cache()
-                if saves is not None and layer.keep_attention
-                else (contextlib.nullcontext(), None)
-            )
-            with (
-                torch.enable_grad(),
-                saves.recording() if saves is not None else contextlib.nullcontext(),
-                cache[0],
-            ):
-                out, captured, weight_leaves = layer.run(
-                    weights, leaves[0], spec, leaves=layer.trainable, keys=ctx.keys,
-                    resident=leaves[2],
-                )  # fmt: skip
-            if saves is None:
-                ctx.graph = (out, captured, weight_leaves, leaves[1], leaves[2])
-            else:
-                roots = _roots(out, captured, edges=True)
-                ctx.recompute = (saves, roots, weight_leaves, leaves[1], leaves[2], cache[1])
-                release_storage(weight_leaves + leaves[1])
-            out = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
-            captured = [(k, t.detach()) for k, t in captured]
-        else:
-            # Inputs saved rounded (boundary_dtype): the recompute does not see the forward's
-            # exact input, so its ops may differ where they depend on values (MoE routing) and
-            # could not fill this graph's saves. No graph here; backward builds its own (also
-            # with recompute_early_stop off).
-            out, captured, _ = layer.run(weights, flat_args, spec, leaves=False, keys=ctx.keys)
+        out, captured = _run_forward(ctx, layer, weights, flat_args, inputs, resident)
         if tick is not None:
             engine.timeline.end(tick)
         engine.release(layer.index)
@@ -255,60 +342,9 @@ class _StreamedLayerFunction(torch.autograd.Function):
         box["out_spec"] = out_spec
         box["out_tensor_pos"] = out_tensor_pos
         box["captured_keys"] = [k for k, _ in captured]
-        # Saved: the layer's tensor inputs and its resident parameters (never its weights).
-        # Large inputs (the hidden states) may go to host memory instead (offload), and the
-        # residual-stream input may be saved rounded to ``engine.boundary_dtype`` (a copy: the
-        # forward above used the input as it is; backward casts it back to ``ctx.cast_back``).
-        # A kept graph holds what it needs itself.
-        ctx.offloaded = {}
-        ctx.cast_back = {}
-        # Checkpoint segments (engine.checkpoint_every > 1): a follower saves no residual-stream
-        # input (``ctx.from_chain`` is its index); backward gets it from ``segments.segment_input``.
-        ctx.segment = None
-        ctx.seg_pos = 0
-        ctx.from_chain = None
-        segments = engine.checkpoint_every > 1
-        if ctx.graph is not None and segments:
-            engine.break_segment()  # a kept layer's output is not recomputed by a chain
-        if ctx.graph is None:
-            residual_shapes = (
-                {
-                    tuple(x.shape)
-                    for x in out_flat
-                    if isinstance(x, torch.Tensor) and x.is_floating_point()
-                }
-                if engine.boundary_dtype is not None or segments or engine.offload_activations
-                else set()
-            )
-            follow = (
-                engine._segment_follow(layer.index, list(tensors[:n_args]), residual_shapes)
-                if segments
-                else None
-            )
-            keep = []
-            sources = []
-            for k, t in enumerate(tensors[:n_args]):
-                if follow is not None and k == follow[1]:
-                    ctx.from_chain = k
-                    sources.append(("link", None))
-                    continue
-                narrow = engine.boundary_save_dtype(t, residual_shapes)
-                if narrow is not None:
-                    ctx.cast_back[k] = t.dtype
-                    t = t.to(narrow)
-                if engine.should_offload(t, residual_shapes):
-                    ctx.offloaded[k] = engine.offload_activation(layer.index, k, t)
-                    sources.append(("handle", ctx.offloaded[k]))
-                else:
-                    keep.append(t)
-                    sources.append(("tensor", t.detach()))
-            ctx.n_keep = len(keep)
-            ctx.save_for_backward(*keep, *tensors[n_args + ctx.n_anchor :])
-            if segments:
-                outs = [out_flat[i] for i in out_tensor_pos]
-                entry = SegmentEntry(layer, ctx, sources, [tensor_sig(o) for o in outs])
-                ctx.segment, ctx.seg_pos = engine._segment_add(entry, follow)
-        return tuple(out_flat[i] for i in out_tensor_pos) + tuple(t for _, t in captured)
+        outs = [out_flat[i] for i in out_tensor_pos]
+        _save_inputs(ctx, layer, inputs, resident, outs)
+        return tuple(outs) + tuple(t for _, t in captured)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -317,7 +353,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
         needs_grad = ctx.input_requires_grad
         # The layer whose weights to prefetch: the one whose backward runs next, or the leader
         # of the segment below when that backward starts with a chain.
-        next_idx = engine._backward_next.get(layer.index, layer.next_index(True))
+        hint = engine.segments.backward_hint(layer.index)
+        next_idx = layer.next_index(True) if hint is None else hint
         if ctx.graph is not None:
             out, captured, weight_leaves, inputs, res_leaves = ctx.graph
             ctx.graph = None  # the activations go as soon as this layer's backward is done

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from ..core.planner import Workload
+from ..core.options import EngineOptions, StepShape
 from .checkpoint import load_weights_into_store
 from .long_context import apply_liger_kernels
 from .model import UnsupportedModelError, prepare_streamed_model
@@ -36,21 +37,27 @@ def attention_for(config, attn_implementation: str | None) -> str | None:
     return attn_implementation
 
 
+def _split_options(
+    options: EngineOptions | None, kwargs: dict[str, Any]
+) -> tuple[EngineOptions, dict[str, Any]]:
+    """``options`` with the option fields among ``kwargs`` applied, and the other ``kwargs``."""
+    names = set(EngineOptions.field_names())
+    fields = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+    base = options if options is not None else EngineOptions()
+    return (base.with_(**fields) if fields else base), kwargs
+
+
 def _streamed_skeleton(
     config,
+    options: EngineOptions,
+    *,
     device,
     bf16: bool,
-    pin_memory: bool,
-    host_memory_limit_gb: float | None,
-    resident_layers: int | str,
-    attn_implementation: str,
-    plan_workload: Workload | None = None,
-    host_grads: bool = True,
-    stream_fp32_master: bool = False,
-    hbm_cast_weights: bool = False,
-    keep_activations: int | str = "auto",
-    use_liger_kernel: bool = False,
-    liger_kernel_config: dict | None = None,
+    attn_implementation: str | None,
+    step: StepShape | None,
+    clipping: bool,
+    use_liger_kernel: bool,
+    liger_kernel_config: dict | None,
 ):
     """``AutoModelForCausalLM`` for ``config`` built on meta, its layers given host-store buffers."""
     if device is None:
@@ -70,66 +77,49 @@ def _streamed_skeleton(
         apply_liger_kernels(model, liger_kernel_config)
     prepare_streamed_model(
         model,
-        device=device,
-        compute_dtype=torch.bfloat16 if bf16 else torch.float32,
+        device,
+        torch.bfloat16 if bf16 else torch.float32,
+        options,
         decay_names=set(Trainer.get_decay_parameter_names(None, model)),
-        pin_memory=pin_memory,
-        host_memory_limit_bytes=None
-        if host_memory_limit_gb is None
-        else int(host_memory_limit_gb * 2**30),
-        resident_layers=resident_layers,
-        plan_workload=plan_workload,
-        host_grads=host_grads,
-        stream_fp32_master=stream_fp32_master,
-        hbm_cast_weights=hbm_cast_weights,
-        keep_activations=keep_activations,
+        step=step,
+        clipping=clipping,
     )
     return model
 
 
 def load_streamed_model(
     path: str,
+    options: EngineOptions | None = None,
+    *,
     device: torch.device | str | None = None,
     bf16: bool = True,
-    pin_memory: bool = True,
-    host_memory_limit_gb: float | None = None,
-    resident_layers: int | str = 0,
-    plan_workload: Workload | None = None,
-    host_grads: bool = True,
-    stream_fp32_master: bool = False,
-    hbm_cast_weights: bool = False,
-    keep_activations: int | str = "auto",
+    step: StepShape | None = None,
+    clipping: bool = True,
     use_liger_kernel: bool = False,
     liger_kernel_config: dict | None = None,
-    **config_overrides,
+    **kwargs,
 ):
     """Build ``AutoModelForCausalLM`` for ``path`` in streamed form and load its weights.
 
     Args:
         path: a local folder with ``config.json`` and safetensors weights (Hub layout).
+        options: the engine options (:class:`hf_megatrain.EngineOptions`); any of its fields may
+            also be given as a keyword (``resident_layers="auto"``, ``host_memory_limit_gb=64``),
+            applied over ``options``. Pass the same options as the trainer's ``megatrain_*``
+            arguments: the model remembers them.
         device: compute device; default ``cuda`` when available, else ``cpu``.
         bf16: stream bf16 weights (fp32 masters and moments either way); ``False`` for fp32.
-        pin_memory: register the PCIe-facing host buffers as pinned memory on CUDA.
-        host_memory_limit_gb: refuse (before allocating) if the store needs more host RAM.
-        resident_layers: leading layers kept wholly in HBM (int or "auto"); see
-            ``MegaTrainArguments.megatrain_resident_layers``.
-        plan_workload: with ``resident_layers="auto"``, the micro-batch split to plan HBM for
-            (``Workload(seq_len, micro_batch_tokens, grad_accum)``); default: a fixed reserve.
-        host_grads: give host-tier layers an fp32 gradient slot. ``False`` (4 B/param less)
-            only for training without clipping, with eager updates (``max_grad_norm=0``).
-        stream_fp32_master: keep no bf16 copy in host RAM (2 B/param less); the fp32 master
-            streams and is cast on the GPU (twice the H2D bytes).
-        hbm_cast_weights: HBM-tier layers that will not keep their activations keep no bf16
-            copy (16 instead of 18 B/param, more layers fit); each is cast from its fp32 master
-            when it runs (see ``MegaTrainArguments.megatrain_hbm_cast_weights``).
-        keep_activations: what the memory plan assumes for kept activations, as
-            ``MegaTrainArguments.megatrain_keep_activations`` (pass the same value); with
-            ``hbm_cast_weights`` the layers that will keep them keep their bf16 copy.
+        step: the step's shape (:class:`hf_megatrain.StepShape`) for the memory plan to size
+            activations for (with ``resident_layers`` "auto" or a count); default: a reserve.
+        clipping: whether training will clip gradients (``max_grad_norm > 0``): without it the
+            layers update eagerly and host stores keep no gradient slot (``host_grads``).
         use_liger_kernel, liger_kernel_config: apply Liger-Kernel's fused kernels before the
             memory plan is made, as ``TrainingArguments.use_liger_kernel`` would (pass the same
             values as the trainer's arguments): the plan then counts their smaller activations.
-        config_overrides: set on the config before the model is built (e.g. attn_implementation).
+        kwargs: other keywords are set on the config before the model is built (e.g.
+            ``attn_implementation``, default "sdpa").
     """
+    options, config_overrides = _split_options(options, kwargs)
     attn = config_overrides.pop("attn_implementation", "sdpa")
     config = AutoConfig.from_pretrained(path, **config_overrides)
     quant = getattr(config, "quantization_config", None)
@@ -142,9 +132,9 @@ def load_streamed_model(
             "starts from bf16/fp16/fp32 weights: use the model's unquantized (e.g. BF16) release"
         )
     model = _streamed_skeleton(
-        config, device, bf16, pin_memory, host_memory_limit_gb, resident_layers, attn,
-        plan_workload, host_grads, stream_fp32_master, hbm_cast_weights, keep_activations,
-        use_liger_kernel, liger_kernel_config,
+        config, options, device=device, bf16=bf16, attn_implementation=attn, step=step,
+        clipping=clipping, use_liger_kernel=use_liger_kernel,
+        liger_kernel_config=liger_kernel_config,
     )  # fmt: skip
     load_weights_into_store(model, path)
     return model
@@ -152,20 +142,17 @@ def load_streamed_model(
 
 def init_streamed_model(
     config,
+    options: EngineOptions | None = None,
+    *,
     device: torch.device | str | None = None,
     bf16: bool = True,
     seed: int = 0,
-    pin_memory: bool = True,
-    host_memory_limit_gb: float | None = None,
-    resident_layers: int | str = 0,
     attn_implementation: str = "sdpa",
-    plan_workload: Workload | None = None,
-    host_grads: bool = True,
-    stream_fp32_master: bool = False,
-    hbm_cast_weights: bool = False,
-    keep_activations: int | str = "auto",
+    step: StepShape | None = None,
+    clipping: bool = True,
     use_liger_kernel: bool = False,
     liger_kernel_config: dict | None = None,
+    **option_fields,
 ):
     """A randomly initialized streamed model for ``config``, never materialized as a whole.
 
@@ -173,24 +160,16 @@ def init_streamed_model(
     its fp32 master in the host store (the layer is bound to those buffers while it runs), and
     the resident parts' values on the device. Peak host RAM is the store itself, so a model whose
     fp32 copy would not fit next to the store can still start from scratch. Arguments as in
-    :func:`load_streamed_model`.
+    :func:`load_streamed_model` (keywords other than those are option fields).
     """
+    options, unknown = _split_options(options, option_fields)
+    if unknown:
+        raise TypeError(f"init_streamed_model: unknown argument(s) {', '.join(sorted(unknown))}")
     model = _streamed_skeleton(
-        config,
-        device,
-        bf16,
-        pin_memory,
-        host_memory_limit_gb,
-        resident_layers,
-        attn_implementation,
-        plan_workload,
-        host_grads,
-        stream_fp32_master,
-        hbm_cast_weights,
-        keep_activations,
-        use_liger_kernel,
-        liger_kernel_config,
-    )
+        config, options, device=device, bf16=bf16, attn_implementation=attn_implementation,
+        step=step, clipping=clipping, use_liger_kernel=use_liger_kernel,
+        liger_kernel_config=liger_kernel_config,
+    )  # fmt: skip
     torch.manual_seed(seed)
     init_streamed_weights(model, model._init_weights)
     return model

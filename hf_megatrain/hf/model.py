@@ -11,31 +11,25 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..core.allocator import prefer_expandable_segments
-from ..core.distributed import DataParallel
-from ..core.host_store import (
-    DeviceLayerStore,
-    HostStore,
-    LayerStore,
-    available_host_bytes,
-    layer_store_bytes,
-    layout_slots,
-)
-from ..core.plan_types import last_recomputed
-from ..core.planner import (
+from ..core.builder import LayerLayout, build_streamed_state
+from ..core.host_store import HostStore, layout_slots
+from ..core.options import (
     ALL_LAYERS,
-    MemoryPlan,
-    ModelShape,
-    Workload,
+    EngineOptions,
+    ResolvedOptions,
+    StepShape,
     parse_attention_layers,
-    plan_memory,
+    parse_keep_activations,
 )
+from ..core.plan_types import ModelShape, last_recomputed
+from ..core.planner import MemoryPlan
 from ..core.streamed_layer import StreamedLayer
-from ..core.streaming import GRAD_STAGING_SLOTS, StreamingEngine
+from ..core.streaming import StreamingEngine
 from .capture import RecorderCapture, recorder_capture_available
 
 logger = logging.getLogger(__name__)
@@ -114,6 +108,10 @@ class StreamedModelState:
     # The memory plan behind resident_layers="auto" (None for an explicit count): what the run
     # expected to need, for logs and for comparison with the measured peaks.
     plan: MemoryPlan | None = None
+    # The options the model was streamed with (resolved for its run) and the step it was
+    # planned for: the trainer takes them from here for a model streamed before it.
+    options: ResolvedOptions | None = None
+    step: StepShape | None = None
 
     def full_name(self, layer: int, rel: str) -> str:
         return f"{self.layers_prefix}.{layer}.{rel}"
@@ -187,6 +185,21 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         gemma_norms=cfg.model_type == "gemma3_text",
         name=name,
     )
+
+
+def model_shape_from_config(config, name: str = "model") -> ModelShape:
+    """:func:`model_shape` of ``config``'s causal LM, built on ``meta`` (no weight is allocated,
+    so a 70B config is fine). Raises ``UnsupportedModelError`` when the config cannot be built."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise UnsupportedModelError(
+            f"hf_megatrain: could not build {config.model_type} from this config: {e}"
+        ) from None
+    return model_shape(model, name)
 
 
 #: Names of the decoder layer list: ``model.layers`` for most families, ``transformer.h`` for
@@ -317,11 +330,11 @@ def streamed_names(layer: nn.Module) -> set[str]:
     return {n for n, f in flags.items() if not f}
 
 
-def plan_layers(
+def layer_layouts(
     layers: nn.ModuleList, decay_names: set[str], prefix: str
-) -> list[tuple[list, int, int]]:
-    """Per layer: ``(slots, numel, decay_numel)`` from the layer's streamed parameters."""
-    plans = []
+) -> list[LayerLayout]:
+    """Per layer: the store layout of its streamed parameters (``core.builder.LayerLayout``)."""
+    out = []
     seen: dict[int, str] = {}
     for i, layer in enumerate(layers):
         entries = []
@@ -337,8 +350,10 @@ def plan_layers(
                 )
             seen[id(p)] = full
             entries.append((rel, tuple(p.shape), full in decay_names))
-        plans.append(layout_slots(entries))
-    return plans
+        slots, numel, decay_numel = layout_slots(entries)
+        trainable = all(p.requires_grad for n, p in layer.named_parameters() if n in streamed)
+        out.append(LayerLayout(slots, numel, decay_numel, trainable))
+    return out
 
 
 def streamed_state(model: nn.Module) -> StreamedModelState | None:
@@ -349,157 +364,70 @@ def prepare_streamed_model(
     model: nn.Module,
     device: torch.device | str,
     compute_dtype: torch.dtype,
+    options: EngineOptions | None = None,
+    *,
     decay_names: set[str] | None = None,
-    pin_memory: bool = True,
-    host_memory_limit_bytes: int | None = None,
-    resident_layers: int | str = 0,
-    hbm_reserve_bytes: int = 48 * 2**30,
-    plan_workload: Workload | None = None,
-    host_grads: bool = True,
-    stream_fp32_master: bool = False,
-    keep_activations: int | str = "auto",
-    hbm_cast_weights: bool = False,
+    step: StepShape | None = None,
+    clipping: bool = True,
+    **option_fields: Any,
 ) -> nn.Module:
     """Move ``model``'s decoder layers into a host store and stream them from now on.
 
-    Works on a materialized model (parameters on CPU) and on a skeleton whose layer parameters
-    are on ``meta`` (then the weights are filled by ``load_weights_into_store``). Idempotent.
-    With ``resident_layers="auto"``, ``plan_workload`` (the step's micro-batch split) lets the
-    planner size activations and the loss line by line instead of reserving
-    ``hbm_reserve_bytes`` for them.
+    The one road to a streamed model: the loaders and ``HFMegaTrainer`` both come here. Works on
+    a materialized model (parameters on CPU) and on a skeleton whose layer parameters are on
+    ``meta`` (then the weights are filled by ``load_weights_into_store``). Idempotent.
 
-    ``host_grads=False`` builds host-tier layers without an fp32 gradient slot (4 B/param less):
-    only for training with eager layer updates (no clipping; ``HFMegaTrainer`` checks it), whose
-    gradients pass through a small staging ring instead. ``stream_fp32_master=True`` keeps no
-    compute-dtype copy in the host store (2 B/param less in bf16 runs): the fp32 master crosses
-    PCIe (twice the bytes) and is cast on the device. ``keep_activations`` is what the
-    memory plan assumes for :func:`keep_activations` ("auto": the planner sizes it).
-    ``hbm_cast_weights=True`` gives HBM-tier layers that will not keep their activations no
-    compute-dtype copy (bf16 runs: 16 instead of 18 B/param, what stock training keeps, so more
-    layers fit): each is cast from its fp32 master into a stream buffer when it runs.
+    ``options`` (default: the defaults), with any :class:`EngineOptions` field given as a keyword
+    applied over it, are resolved for a run that clips gradients (``clipping``) or not; the model
+    remembers them (``streamed_state(model).options``). ``step`` (the micro-batch split) lets the
+    memory plan size activations and the loss line by line instead of reserving
+    ``hbm_reserve_gb`` for them.
     """
     existing = streamed_state(model)
     if existing is not None:
         return model
     check_supported(model)
+    options = (options or EngineOptions()).with_(**option_fields) if option_fields else (
+        options or EngineOptions()
+    )
     device = torch.device(device)
-    # Data parallel (several processes launched): layer weights in host memory shared by the
-    # ranks, each layer's gradient and moments only on its owner (core/distributed.py). Set up
-    # first, so that "cuda" means this rank's GPU before anything (the planner) touches one.
-    dp = DataParallel.from_environment(device)
-    if dp is not None and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda":
-        prefer_expandable_segments()  # before the HBM tier and the stream buffers are allocated
-    if compute_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"hf_megatrain: compute dtype {compute_dtype} is not supported; use bf16 or fp32."
-        )
+    resolved = options.resolve(clipping=clipping, cuda=device.type == "cuda")
     config = model.config
-    config.use_cache = (
-        False  # a cache would be written through shared templates: never train with it
-    )
+    # A cache would be written through shared templates: never train with it.
+    config.use_cache = False
     prefix, layers = find_decoder_layers(model)
-    decay_names = decay_names if decay_names is not None else set()
-    plans = plan_layers(layers, decay_names, prefix)
+    layouts = layer_layouts(layers, decay_names if decay_names is not None else set(), prefix)
     streamed = [streamed_names(layer) for layer in layers]
-    trainable_store = [
-        all(p.requires_grad for n, p in layer.named_parameters() if n in names)
-        for layer, names in zip(layers, streamed)
-    ]
 
-    shape = model_shape(model) if plan_workload is not None else None
-    # An explicit keep count, or None: "auto", the plan's.
-    keep_count = None if keep_activations == "auto" else _kept_count(keep_activations)
-    n_resident, plan = _resident_layer_count(
-        resident_layers,
-        plans,
-        device,
-        compute_dtype,
-        hbm_reserve_bytes,
-        shape=shape,
-        workload=plan_workload,
-        hold_grads=host_grads,
-        stream_fp32_master=stream_fp32_master,
-        keep_activation_layers=keep_count,
-        ranks=1 if dp is None else dp.world_size,
-        hbm_cast_weights=hbm_cast_weights,
-        # What the caller hands over already materialized in host RAM (not meta, not on a GPU).
-        input_model_bytes=sum(
-            p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu"
-        ),
-    )
-    # The HBM tier holds optimizer state: only leading fully trainable layers qualify.
-    n_resident = next((i for i, t in enumerate(trainable_store[:n_resident]) if not t), n_resident)
-    # Refuse before allocating anything if host RAM cannot hold the store.
-    store_kw = dict(hold_grad=host_grads, stream_master=stream_fp32_master)
-    needed = sum(
-        layer_store_bytes(numel, compute_dtype, trainable, **store_kw)
-        for (_, numel, _), trainable in zip(plans[n_resident:], trainable_store[n_resident:])
-    )
-    shared: list = [None] * len(plans)
-    if dp is not None:
-        dp.assign_owners([None if i < n_resident else n for i, (_, n, _) in enumerate(plans)])
-        streamed_numels = [numel for _, numel, _ in plans[n_resident:]]
-        needed = dp.host_bytes(
-            streamed_numels, trainable_store[n_resident:], compute_dtype, host_grads,
-            stream_fp32_master,
-        )  # fmt: skip
-    if not host_grads and device.type == "cuda":
-        # The engine's pinned gradient staging ring (per process).
-        staged = [n for (_, n, _), t in zip(plans[n_resident:], trainable_store[n_resident:]) if t]
-        needed += GRAD_STAGING_SLOTS * 4 * max(staged, default=0)
-    HostStore.check_fits(needed, host_memory_limit_bytes)
-    if dp is not None:
-        shared = dp.allocate_layer_buffers(
-            [None if i < n_resident else numel for i, (_, numel, _) in enumerate(plans)],
-            compute_dtype,
-            stream_fp32_master,
-        )
-
-    pin = pin_memory and device.type == "cuda"
-    # With hbm_cast_weights only the tier's layers that will keep their activations keep a
-    # compute-dtype copy (their kept graph holds the weights); the others are cast on use.
-    n_kept = keep_count if keep_count is not None else (plan.kept_layers if plan is not None else 0)
-    first_kept = n_resident - min(n_kept, n_resident)
-    stores: list[LayerStore | DeviceLayerStore] = []
-    for i, (layer, (slots, numel, decay_numel)) in enumerate(zip(layers, plans)):
-        if i < n_resident:
-            # The first layers go to the HBM tier: the forward runs them while the CPU is still
-            # updating the streamed ones.
-            store = DeviceLayerStore(
-                slots, numel, decay_numel, compute_dtype, device,
-                compute_copy=not hbm_cast_weights or i >= first_kept,
-            )  # fmt: skip
-        else:
-            store = LayerStore(
-                slots,
-                numel,
-                decay_numel,
-                compute_dtype,
-                pin,
-                trainable=trainable_store[i],
-                shared=shared[i],
-                owned=dp is None or dp.owns(i),
-                **store_kw,
-            )
-        named = {n: p for n, p in layer.named_parameters() if n in streamed[i]}
+    def fill(i: int, store) -> None:
+        layer = layers[i]
         views = store.param_views(store.master)
-        for rel, p in named.items():
-            if p.device.type != "meta" and store.owned:  # shared weights: the owner writes
+        for rel, p in layer.named_parameters():
+            # Shared weights (data parallel): the owner writes them.
+            if rel in streamed[i] and p.device.type != "meta" and store.owned:
                 views[rel].copy_(p.detach().to(torch.float32))
         if store.owned:
             store.refresh_stream_copy()
         _replace_with_meta(layer, streamed[i])
-        stores.append(store)
 
-    # Not gated on model.training: from_pretrained returns the model in eval mode and the Trainer
-    # switches it to train mode only later, so the flag here says nothing about training.
-    if dp is not None:
-        dp.barrier()  # every owner has written its layers' initial weights
-    engine = StreamingEngine(
-        stores, device, compute_dtype, preserve_rng=_has_dropout(config), data_parallel=dp
+    built = build_streamed_state(
+        layouts,
+        resolved,
+        device,
+        compute_dtype,
+        fill=fill,
+        shape=model_shape(model) if step is not None else None,
+        step=step,
+        # What the caller hands over already materialized in host RAM (not meta, not a GPU's).
+        input_model_bytes=sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu"
+        ),
+        # Not gated on model.training: from_pretrained returns the model in eval mode and the
+        # Trainer switches it to train mode only later, so the flag says nothing about training.
+        preserve_rng=_has_dropout(config),
     )
+    engine = built.engine
+    device = engine.device
     layer_prefixes = tuple(f"{prefix}.{i}." for i in range(len(layers)))
     _place_resident(model, device, layer_prefixes)
     capture = RecorderCapture()
@@ -512,123 +440,40 @@ def prepare_streamed_model(
             i,
             layer,
             capture=capture,
-            trainable=trainable_store[i] and bool(streamed[i]),
+            trainable=layouts[i].trainable and bool(streamed[i]),
             resident=layer_resident,
             fp32_params=_residual_norm_weights(layer, streamed[i], hidden),
         )
-    resident = list(_named_resident(model, decay_names))
+    resident = list(_named_resident(model, decay_names if decay_names is not None else set()))
     model._megatrain = StreamedModelState(
         engine=engine,
-        store=HostStore(stores),
+        store=HostStore(built.stores),
         layers_prefix=prefix,
         resident=resident,
-        plan=plan,
+        plan=built.plan,
+        options=resolved,
+        step=step,
     )
+    # The layer-level options: MLP tiles, kept activations, kept attention outputs.
+    from .long_context import install_mlp_tiling  # noqa: PLC0415 - it imports this module
+
+    install_mlp_tiling(model, resolved.mlp_tile_tokens)
+    keep_activations(model, options.keep_activations)
+    keep_attention_outputs(model, options.keep_attention_outputs if options.recompute_early_stop else "off")
+    stores = built.stores
     logger.info(
         "hf_megatrain: %d layers in HBM, %d streamed (%.2f GiB host store, %s%s%s); "
         "%d resident tensors on %s",
-        n_resident,
-        len(stores) - n_resident,
+        built.n_resident,
+        len(stores) - built.n_resident,
         model._megatrain.store.nbytes / 2**30,
         "pinned" if any(s.pinned for s in stores) else "pageable",
-        "" if host_grads else ", no grad slots (eager updates)",
-        ", fp32 masters stream" if stream_fp32_master else "",
+        "" if resolved.host_grads else ", no grad slots (eager updates)",
+        ", fp32 masters stream" if resolved.stream_fp32_master else "",
         len(resident),
         device,
     )
     return model
-
-
-def _resident_layer_count(
-    resident_layers: int | str,
-    plans: list,
-    device: torch.device,
-    compute_dtype: torch.dtype,
-    hbm_reserve_bytes: int,
-    *,
-    shape: ModelShape | None = None,
-    workload: Workload | None = None,
-    hold_grads: bool = True,
-    stream_fp32_master: bool = False,
-    input_model_bytes: int = 0,
-    keep_activation_layers: int | None = 0,
-    ranks: int = 1,
-    hbm_cast_weights: bool = False,
-) -> tuple[int, MemoryPlan | None]:
-    """How many leading layers keep their whole state in HBM, and the plan that decided it.
-
-    An int asks for exactly that many. ``"auto"``: the memory planner's choice from the free
-    device memory and available host RAM. Without a ``workload`` (the batch is not known yet when
-    the model is prepared) ``hbm_reserve_bytes`` stands for activations, logits and the resident
-    embeddings; with ``shape`` and ``workload`` those are planned line by line. The plan's table
-    is logged either way.
-    """
-    n = len(plans)
-    if resident_layers in (0, "0", None):
-        return 0, None
-    auto = resident_layers == "auto"
-    count = None
-    if not auto:
-        count = int(resident_layers)
-        if not 0 <= count <= n:
-            raise ValueError(f"hf_megatrain: resident_layers={count} but the model has {n} layers")
-        if shape is None or workload is None or device.type != "cuda":
-            return count, None
-        # A count with the step's workload known: planned around, so that
-        # keep_activations="auto" fills the HBM the count leaves.
-    elif device.type != "cuda":
-        return 0, None
-    free, _ = torch.cuda.mem_get_info(device)
-    if shape is None:
-        # Only the layer sizes are known here; the reserve covers everything else.
-        shape = ModelShape(
-            layer_numels=tuple(numel for _, numel, _ in plans),
-            non_layer_numel=0,
-            hidden_size=0,
-            vocab_size=0,
-            intermediate_size=0,
-            name="streamed model",
-        )
-    plan = plan_memory(
-        shape,
-        workload,
-        compute_dtype,
-        hbm_bytes=free,
-        host_bytes=available_host_bytes(),
-        hbm_layers=count,
-        reserve_bytes=hbm_reserve_bytes if workload is None else 0,
-        hold_grads=hold_grads,
-        stream_fp32_master=stream_fp32_master,
-        input_model_bytes=input_model_bytes,
-        keep_activation_layers=keep_activation_layers,
-        ranks=ranks,
-        hbm_cast_weights=hbm_cast_weights,
-    )
-    logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", resident_layers, plan.table())
-    # Host shortfalls are refused by the caller's HostStore.check_fits (which honours the
-    # user's host limit); a GPU shortfall means no layer goes to HBM. With the step's
-    # workload known, the plan says the activations themselves do not fit: warn now, with
-    # the options that would make it fit, instead of letting the first step run out of
-    # memory (not an error: the plan's estimates run a few percent high).
-    gpu_short = [p for p in plan.problems if p.tier == "gpu"] if workload is not None else []
-    for problem in gpu_short:
-        logger.warning("%s (planned before training: it may run out of GPU memory)", problem)
-    return plan.n_hbm, plan
-
-
-def _kept_count(value: int | str) -> int:
-    """An explicit ``keep_activations`` value ("off" or an integer) as a layer count."""
-    if str(value).lower() in ("off", "none", "false", ""):
-        return 0
-    try:
-        count = int(value)
-    except ValueError:
-        raise ValueError(
-            f"hf_megatrain: keep_activations={value!r}: use 'auto', 'off' or a layer count"
-        ) from None
-    if count < 0:
-        raise ValueError(f"hf_megatrain: keep_activations={count} must be >= 0")
-    return count
 
 
 def keep_activations(model: nn.Module, value: int | str) -> int:
@@ -649,10 +494,9 @@ def keep_activations(model: nn.Module, value: int | str) -> int:
         for i, store in enumerate(state.engine.stores)
         if store.resident and not store.casts_on_use
     ]
-    if value == "auto":
+    count = parse_keep_activations(value)
+    if count is None:  # "auto"
         count = state.plan.kept_layers if state.plan is not None else 0
-    else:
-        count = _kept_count(value)
     if count > len(tier):
         raise ValueError(
             f"hf_megatrain: keep_activations={count} but only {len(tier)} layers are in the HBM "
@@ -689,7 +533,7 @@ def keep_attention_outputs(model: nn.Module, value: object) -> int:
     ask = parse_attention_layers(value)
     recomputed = [i for i, layer in enumerate(layers) if not layer.keep_graph]
     if ask is None:
-        if state.plan is None or state.plan.workload is None:
+        if state.plan is None or state.plan.step is None:
             logger.warning(
                 "hf_megatrain: keep_attention_outputs='auto' needs the memory plan of the step "
                 "(megatrain_resident_layers 'auto' or a count, on a GPU): no layer keeps them"

@@ -24,9 +24,8 @@ from transformers import Trainer, TrainingArguments
 
 from ..core.distributed import DataParallelError
 from ..core.host_store import InsufficientHostMemoryError
-from ..core.planner import Workload, parse_attention_layers
-from ..core.streaming import parse_boundary_dtype
-from .arguments import MegaTrainArguments
+from ..core.options import EngineOptions, OptionError, ResolvedOptions, StepShape
+from .arguments import MegaTrainArguments, argument_name, engine_options
 from .checkpoint import (
     has_optimizer_state,
     load_optimizer_state,
@@ -36,14 +35,7 @@ from .checkpoint import (
 )
 from .long_context import apply_liger_kernels, install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss
-from .model import (
-    _is_peft,
-    find_decoder_layers,
-    keep_activations,
-    keep_attention_outputs,
-    prepare_streamed_model,
-    streamed_state,
-)
+from .model import _is_peft, find_decoder_layers, prepare_streamed_model, streamed_state
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +123,7 @@ def _warn_plan_without_liger(model: nn.Module) -> None:
     without a workload (a fixed reserve for activations) counts no activations at all."""
     state = streamed_state(model)
     plan = state.plan if state is not None else None
-    if plan is not None and plan.workload is not None and not plan.shape.fused_layer_kernels:
+    if plan is not None and plan.step is not None and not plan.shape.fused_layer_kernels:
         logger.warning(
             "hf_megatrain: use_liger_kernel=True, but the model was streamed with a memory plan "
             "made without Liger-Kernel's fused kernels (it over-counts their activations: fewer "
@@ -191,83 +183,53 @@ def _validate_args(args: TrainingArguments) -> None:
             f"hf_megatrain: optim='{optim}' is not supported; the host optimizer implements "
             f"AdamW exactly ({', '.join(sorted(_SUPPORTED_OPTIMS))})."
         )
-    _host_grads(args)  # refuses megatrain_host_grads=False where the update needs the grads
-    _boundary_dtype(args)  # refuses an unknown megatrain_boundary_dtype
-    _checkpoint_every(args)  # refuses a segment length below 1
+    # Refuses invalid engine options, and host_grads=False where the update needs the grads.
+    _run_options(args, engine_options(args))
 
 
-def _checkpoint_every(args: TrainingArguments) -> int:
-    """``StreamingEngine.checkpoint_every`` from megatrain_checkpoint_every (1: every layer)."""
-    k = getattr(args, "megatrain_checkpoint_every", 1)
-    if k is None:
-        return 1
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+def _clipping(args: TrainingArguments) -> bool:
+    return args.max_grad_norm is not None and args.max_grad_norm > 0
+
+
+def _run_options(args: TrainingArguments, options: EngineOptions) -> ResolvedOptions:
+    """``options`` resolved for this run (its clipping, its device), errors in argument names."""
+    try:
+        return options.resolve(
+            clipping=_clipping(args), cuda=torch.device(args.device).type == "cuda"
+        )
+    except OptionError as e:
+        message = str(e)
+        for name in sorted(EngineOptions.field_names(), key=len, reverse=True):
+            message = message.replace(f"{name}=", f"{argument_name(name)}=")
+            message = message.replace(f"{name} is", f"{argument_name(name)} is")
+        message = message.replace("megatrain_megatrain_", "megatrain_")
+        if _clipping(args):
+            message = message.replace("the run clips", f"max_grad_norm={args.max_grad_norm} clips")
+        raise OptionError(f"hf_megatrain: {message}") from None
+
+
+def _options_of_streamed(state, args: TrainingArguments) -> EngineOptions:
+    """The options of a model streamed before the trainer: its own, with the run-time ones from
+    ``args``. A non-default argument that contradicts how the model was streamed is an error."""
+    model_opts = state.options.options
+    mine = engine_options(args)
+    default = EngineOptions()
+    clash = [
+        f"{argument_name(n)}={getattr(mine, n)!r} (the model has {getattr(model_opts, n)!r})"
+        for n in EngineOptions.field_names()
+        if n not in EngineOptions.run_time_fields()
+        and getattr(mine, n) != getattr(default, n)
+        and getattr(mine, n) != getattr(model_opts, n)
+    ]
+    if clash:
         raise ValueError(
-            f"hf_megatrain: megatrain_checkpoint_every={k!r} must be an integer >= 1 (1 saves "
-            "every decoder layer's input; k > 1 saves every k-th and recomputes the rest)"
+            "hf_megatrain: the model was streamed (load_streamed_model / init_streamed_model) "
+            f"with other engine options than the trainer's arguments: {'; '.join(clash)}. Pass "
+            "the same options when streaming it, or leave these arguments at their defaults."
         )
-    return k
-
-
-def _boundary_dtype(args: TrainingArguments) -> torch.dtype | None:
-    """``StreamingEngine.boundary_dtype`` from megatrain_boundary_dtype (None: keep as is)."""
-    return parse_boundary_dtype(getattr(args, "megatrain_boundary_dtype", None))
-
-
-def _eager_updates(args: TrainingArguments) -> bool:
-    """Whether layers update during backward: no clipping (no global norm to wait for)."""
-    clipping = args.max_grad_norm is not None and args.max_grad_norm > 0
-    return not clipping and bool(getattr(args, "megatrain_eager_update", True))
-
-
-def _host_grads(args: TrainingArguments) -> bool:
-    """Whether host-tier layer stores get an fp32 gradient slot (megatrain_host_grads)."""
-    want = getattr(args, "megatrain_host_grads", None)
-    eager = _eager_updates(args)
-    if want is None:
-        return not eager
-    if not want and not eager:
-        raise ValueError(
-            "hf_megatrain: megatrain_host_grads=False needs eager layer updates, but this run "
-            + (
-                f"clips gradients (max_grad_norm={args.max_grad_norm}): every layer's gradient "
-                "must be held until the global norm is known"
-                if args.max_grad_norm is not None and args.max_grad_norm > 0
-                else "has megatrain_eager_update=False: the update after backward reads every "
-                "layer's held gradient"
-            )
-            + ". Set max_grad_norm=0 with megatrain_eager_update=True, or leave "
-            "megatrain_host_grads at None."
-        )
-    return bool(want)
-
-
-def _check_grad_mode(state, args: TrainingArguments) -> None:
-    """A model streamed before the trainer (load/init_streamed_model) must suit its settings."""
-    engine = state.engine
-    if engine.grad_staging and not _eager_updates(args):
-        why = (
-            f"max_grad_norm={args.max_grad_norm} clips gradients"
-            if args.max_grad_norm is not None and args.max_grad_norm > 0
-            else "megatrain_eager_update=False"
-        )
-        raise ValueError(
-            "hf_megatrain: the model's host store was built without gradient slots "
-            f"(host_grads=False, for eager updates), but {why}, which needs every layer's "
-            "gradient held until step(). Stream the model with host_grads=True, or train with "
-            "max_grad_norm=0 and megatrain_eager_update=True."
-        )
-    casting = any(s.casts_on_use for s in engine.stores)
-    if getattr(args, "megatrain_hbm_cast_weights", False) and not casting:
-        logger.warning(
-            "hf_megatrain: megatrain_hbm_cast_weights is set but the model's HBM tier was built "
-            "with bf16 copies (or has no layers, or the run is fp32); it keeps them"
-        )
-    if getattr(args, "megatrain_stream_fp32_master", False) and not engine.streams_fp32_master:
-        logger.warning(
-            "hf_megatrain: megatrain_stream_fp32_master is set but the model was streamed "
-            "with a compute-dtype copy (stream_fp32_master=False when it was loaded); it keeps it"
-        )
+    run_time = {n: getattr(mine, n) for n in EngineOptions.run_time_fields()}
+    # The store's layout is fixed: whether it can hold gradients is checked against the engine.
+    return model_opts.with_(host_grads=None, **run_time)
 
 
 def _first_row_length(dataset: Any) -> int | None:
@@ -283,54 +245,56 @@ def _first_row_length(dataset: Any) -> int | None:
         return None
 
 
-def _plan_workload(args: TrainingArguments, dataset: Any) -> Workload | None:
+def _plan_step(args: TrainingArguments, options: EngineOptions, dataset: Any) -> StepShape | None:
     """The micro-batch split the HBM tier is planned for (None: use the reserve): for
-    resident_layers='auto', and for a count, whose plan sizes keep_activations='auto'."""
-    if str(getattr(args, "megatrain_resident_layers", "0")) == "0":
+    resident_layers 'auto', and for a count, whose plan sizes keep_activations 'auto'."""
+    if options.resident_layers == "0":
         return None
-    seq_len = getattr(args, "megatrain_plan_seq_len", None) or _first_row_length(dataset)
+    seq_len = options.plan_seq_len or _first_row_length(dataset)
     if not seq_len:
         return None
-    micro = args.per_device_train_batch_size * seq_len
-    return Workload(
+    return StepShape(
         seq_len=seq_len,
-        micro_batch_tokens=micro,
+        micro_batch_tokens=args.per_device_train_batch_size * seq_len,
         grad_accum=args.gradient_accumulation_steps,
-        mlp_tile_tokens=getattr(args, "megatrain_mlp_tile_tokens", 0) or 0,
-        offload_activations=bool(getattr(args, "megatrain_offload_activations", False)),
-        boundary_bytes_per_element=2 if _boundary_dtype(args) == torch.bfloat16 else 4,
-        checkpoint_every=_checkpoint_every(args),
-        attention_output_layers=_attention_ask(args),
     )
 
 
-def _attention_ask(args: TrainingArguments) -> int | None:
-    """megatrain_keep_attention_outputs as ``Workload.attention_output_layers`` (0 without the
-    early-stop recompute; the plan knows about rounded boundaries)."""
-    return parse_attention_layers(
-        getattr(args, "megatrain_keep_attention_outputs", "off"),
-        bool(getattr(args, "megatrain_recompute_early_stop", True)),
-    )
-
-
-def _warn_attention_outputs_unused(model: nn.Module, args: TrainingArguments) -> None:
-    """megatrain_keep_attention_outputs keeps PyTorch SDPA's fused kernel outputs only: say so
-    when the model's attention does not run through them or no layer uses the early stop."""
-    if parse_attention_layers(getattr(args, "megatrain_keep_attention_outputs", "off")) == 0:
+def _warn_attention_outputs_unused(model: nn.Module, options: ResolvedOptions) -> None:
+    """keep_attention_outputs keeps PyTorch SDPA's fused kernel outputs only: say so when the
+    model's attention does not run through them or no layer uses the early stop."""
+    if options.attention_output_layers == 0 and options.keep_attention_outputs == "off":
         return
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     why = None
     if attn != "sdpa":
         why = f"attn_implementation={attn!r} does not run PyTorch SDPA's fused kernels"
-    elif not getattr(args, "megatrain_recompute_early_stop", True):
+    elif not options.recompute_early_stop:
         why = "megatrain_recompute_early_stop=False re-runs whole layers"
-    elif _boundary_dtype(args) is not None:
+    elif options.boundary_dtype is not None:
         why = "layers whose inputs are saved rounded (megatrain_boundary_dtype) re-run whole"
     if why:
         logger.warning(
             "hf_megatrain: megatrain_keep_attention_outputs has no effect here: %s (the "
             "recompute runs attention again)",
             why,
+        )
+
+
+def _check_grad_mode(state, args: TrainingArguments, run: ResolvedOptions) -> None:
+    """A model streamed without gradient slots (for eager updates) cannot train a run whose
+    update needs every layer's gradient held (clipping, or eager updates off)."""
+    if state.engine.grad_staging and not run.eager_update:
+        why = (
+            f"max_grad_norm={args.max_grad_norm} clips gradients"
+            if run.clipping
+            else "megatrain_eager_update=False"
+        )
+        raise ValueError(
+            "hf_megatrain: the model's host store was built without gradient slots "
+            f"(host_grads=False, for eager updates), but {why}, which needs every layer's "
+            "gradient held until step(). Stream the model with clipping=True (or "
+            "host_grads=True), or train with max_grad_norm=0 and megatrain_eager_update=True."
         )
 
 
@@ -393,7 +357,7 @@ class MegaTrainerMixin:
         if getattr(self.args, "use_liger_kernel", False):
             # Trainers that patch Liger in __init__ (older transformers) replaced the MLP
             # tiling's forward: tile the (fused) forward again.
-            install_mlp_tiling(self.model, getattr(self.args, "megatrain_mlp_tile_tokens", 0))
+            install_mlp_tiling(self.model, self.megatrain_options.mlp_tile_tokens)
 
     def _megatrain_default_args(self, model: nn.Module | str) -> TrainingArguments:
         return MegaTrainArguments(output_dir="tmp_trainer")
@@ -402,47 +366,39 @@ class MegaTrainerMixin:
         """Stream ``model`` and build what the Trainer will call (``StreamedModelWrapper``)."""
         compute_dtype = torch.bfloat16 if args.bf16 else torch.float32
         device = args.device
-        limit_gb = getattr(args, "megatrain_host_memory_limit_gb", None)
-        if getattr(args, "use_liger_kernel", False):
-            _warn_plan_without_liger(model)
-            # Before streaming: the memory plan counts the fused kernels' smaller activations.
-            apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
-        prepare_streamed_model(
-            model,
-            device=device,
-            compute_dtype=compute_dtype,
-            decay_names=set(Trainer.get_decay_parameter_names(None, model)),
-            pin_memory=getattr(args, "megatrain_pin_memory", True),
-            host_memory_limit_bytes=None if limit_gb is None else int(limit_gb * 2**30),
-            resident_layers=getattr(args, "megatrain_resident_layers", 0),
-            hbm_reserve_bytes=int(getattr(args, "megatrain_hbm_reserve_gb", 48.0) * 2**30),
-            plan_workload=_plan_workload(args, getattr(self, "_megatrain_dataset", None)),
-            host_grads=_host_grads(args),
-            stream_fp32_master=bool(getattr(args, "megatrain_stream_fp32_master", False)),
-            keep_activations=getattr(args, "megatrain_keep_activations", "off"),
-            hbm_cast_weights=bool(getattr(args, "megatrain_hbm_cast_weights", False)),
-        )
+        state = streamed_state(model)
+        if state is None:
+            options = engine_options(args)
+            if getattr(args, "use_liger_kernel", False):
+                # Before streaming: the memory plan counts the fused kernels' smaller activations.
+                apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
+            run = _run_options(args, options)  # refuses what cannot run, in argument names
+            prepare_streamed_model(
+                model,
+                device,
+                compute_dtype,
+                options,
+                decay_names=set(Trainer.get_decay_parameter_names(None, model)),
+                step=_plan_step(args, options, getattr(self, "_megatrain_dataset", None)),
+                clipping=run.clipping,
+            )
+        else:
+            if getattr(args, "use_liger_kernel", False):
+                _warn_plan_without_liger(model)
+                apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
+            run = _run_options(args, _options_of_streamed(state, args))
         self.megatrain = streamed_state(model)
+        #: The engine options of this run (resolved: see ``EngineOptions.resolve``).
+        self.megatrain_options = run
         _check_data_parallel(self.megatrain, args)
-        _check_grad_mode(self.megatrain, args)
-        install_mlp_tiling(model, getattr(args, "megatrain_mlp_tile_tokens", 0))
-        keep_activations(model, getattr(args, "megatrain_keep_activations", "off"))
-        self.megatrain.engine.offload_activations = bool(
-            getattr(args, "megatrain_offload_activations", False)
-        )
-        self.megatrain.engine.boundary_dtype = _boundary_dtype(args)
-        self.megatrain.engine.checkpoint_every = _checkpoint_every(args)
-        self.megatrain.engine.recompute_early_stop = bool(
-            getattr(args, "megatrain_recompute_early_stop", True)
-        )
-        keep_attention_outputs(model, getattr(args, "megatrain_keep_attention_outputs", "off"))
-        _warn_attention_outputs_unused(model, args)
+        _check_grad_mode(self.megatrain, args, run)
+        _warn_attention_outputs_unused(model, run)
         self._wrapper = StreamedModelWrapper(
             model,
             compute_dtype,
             device,
-            fused_loss=getattr(args, "megatrain_fused_loss", True),
-            loss_chunk_tokens=getattr(args, "megatrain_loss_chunk_tokens", None),
+            fused_loss=run.fused_loss,
+            loss_chunk_tokens=run.loss_chunk_tokens,
         )
         self._tokens_since_log = 0
         self._time_of_log = time.perf_counter()
@@ -495,9 +451,9 @@ class MegaTrainerMixin:
                 betas=(args.adam_beta1, args.adam_beta2),
                 eps=args.adam_epsilon,
                 weight_decay=args.weight_decay,
-                overlap_update=getattr(args, "megatrain_overlap_optimizer", None),
+                overlap_update=self.megatrain_options.options.overlap_optimizer,
             )
-            if _eager_updates(args):
+            if self.megatrain_options.eager_update:
                 # No global norm to wait for: each layer updates as soon as its gradient of
                 # the step is final, overlapping the rest of the backward.
                 self.optimizer.enable_eager_updates()
@@ -532,13 +488,13 @@ class MegaTrainerMixin:
         streamed layer (same results), and the next one that fits keeps them again.
         """
         plan = self.megatrain.plan
-        if plan is None or plan.workload is None or not plan.kept_layers:
+        if plan is None or plan.step is None or not plan.kept_layers:
             return
         kept = getattr(self, "_megatrain_kept", None)
         if kept is None:  # the layers that keep activations, found once
             layers = [layer.forward for layer in find_decoder_layers(self.model)[1]]
             kept = self._megatrain_kept = [layer for layer in layers if layer.keep_graph]
-        over = tokens > plan.workload.micro_batch_tokens
+        over = tokens > plan.step.micro_batch_tokens
         if over and not getattr(self, "_megatrain_warned_kept", False):
             self._megatrain_warned_kept = True
             logger.warning(
@@ -546,13 +502,13 @@ class MegaTrainerMixin:
                 "sized kept activations for; such micro-batches recompute every layer (set "
                 "megatrain_plan_seq_len to the longest row to plan for it)",
                 tokens,
-                plan.workload.micro_batch_tokens,
+                plan.step.micro_batch_tokens,
             )
         for layer in kept:
             layer.keep_graph = not over
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        if getattr(self.args, "megatrain_log_throughput", True) and "loss" in logs:
+        if self.megatrain_options.log_throughput and "loss" in logs:
             logs.update(self._throughput_logs())
         super().log(logs, *args, **kwargs)
 
@@ -571,7 +527,7 @@ class MegaTrainerMixin:
             # 6 * layers * hidden * seq for MFU (recompute not counted: it is overhead).
             n_params = self._num_params()
             out["model_tflops"] = float(f"{6 * n_params * tps / 1e12:.4g}")
-            peak = getattr(self.args, "megatrain_peak_tflops", 989.0)
+            peak = self.megatrain_options.peak_tflops
             if self.megatrain.engine.is_cuda and peak:
                 cfg = self.model.config
                 attn = (
@@ -601,7 +557,7 @@ class MegaTrainerMixin:
             return
         logger.info("hf_megatrain: saving model to %s", output_dir)
         save_streamed_pretrained(
-            self.model, output_dir, getattr(self.args, "megatrain_max_shard_size", "2GB")
+            self.model, output_dir, self.megatrain_options.max_shard_size
         )
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)

@@ -1,0 +1,234 @@
+"""The one road to a streamed model's state: (layer layout, options, step) -> stores + engine.
+
+Both the loaders and the trainer reach the engine through :func:`build_streamed_state` (via
+``hf.model.prepare_streamed_model``). It decides the HBM tier (the memory plan), refuses what host
+RAM cannot hold before allocating anything, allocates each layer's store (handing it to ``fill``
+at once, so a materialized model's layer can be released before the next store exists) and builds
+the engine with every setting it needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .allocator import prefer_expandable_segments
+from .distributed import DataParallel
+from .host_store import (
+    DeviceLayerStore,
+    HostStore,
+    LayerStore,
+    TensorSlot,
+    available_host_bytes,
+    layer_store_bytes,
+)
+from .options import ResolvedOptions, StepShape
+from .plan_types import ModelShape
+from .planner import MemoryPlan, plan_memory
+from .streaming import GRAD_STAGING_SLOTS, StreamingEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """One decoder layer's streamed parameters, as the store lays them out."""
+
+    slots: list[TensorSlot]
+    numel: int
+    decay_numel: int
+    #: Every streamed parameter is trainable (the store keeps optimizer state); False for a
+    #: frozen base under LoRA adapters.
+    trainable: bool
+
+
+@dataclass
+class StreamedState:
+    """What the builder made: the stores (HBM tier first), the engine and the plan behind them."""
+
+    stores: list[LayerStore | DeviceLayerStore]
+    engine: StreamingEngine
+    n_resident: int
+    plan: MemoryPlan | None
+
+
+def build_streamed_state(
+    layers: Sequence[LayerLayout],
+    options: ResolvedOptions,
+    device: torch.device | str,
+    compute_dtype: torch.dtype,
+    *,
+    fill: Callable[[int, LayerStore | DeviceLayerStore], None],
+    shape: ModelShape | None = None,
+    step: StepShape | None = None,
+    input_model_bytes: int = 0,
+    preserve_rng: bool = False,
+) -> StreamedState:
+    """Plan, check, allocate and wire the streamed state of ``layers``.
+
+    ``fill(i, store)`` writes layer ``i``'s initial weights into its new store (or leaves it for a
+    checkpoint load). ``shape`` and ``step`` let the plan size activations line by line (else
+    ``options.hbm_reserve_gb`` stands for them). ``input_model_bytes``: what the caller holds
+    materialized in host RAM meanwhile.
+    """
+    if compute_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"hf_megatrain: compute dtype {compute_dtype} is not supported; use bf16 or fp32."
+        )
+    device = torch.device(device)
+    # Data parallel (several processes launched): layer weights in host memory shared by the
+    # ranks, each layer's gradient and moments only on its owner (distributed.py). Set up first,
+    # so that "cuda" means this rank's GPU before anything (the planner) touches one.
+    dp = DataParallel.from_environment(device)
+    if dp is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        prefer_expandable_segments()  # before the HBM tier and the stream buffers are allocated
+    trainable = [layer.trainable for layer in layers]
+    n_resident, plan = _resident_layer_count(
+        layers, options, device, compute_dtype, shape, step, input_model_bytes, dp
+    )
+    # The HBM tier holds optimizer state: only leading fully trainable layers qualify.
+    n_resident = next((i for i, t in enumerate(trainable[:n_resident]) if not t), n_resident)
+
+    host_grads, stream_master = options.host_grads, options.stream_fp32_master
+    needed = sum(
+        layer_store_bytes(layer.numel, compute_dtype, layer.trainable,
+                          hold_grad=host_grads, stream_master=stream_master)
+        for layer in layers[n_resident:]
+    )  # fmt: skip
+    shared: list = [None] * len(layers)
+    if dp is not None:
+        dp.assign_owners([None if i < n_resident else lay.numel for i, lay in enumerate(layers)])
+        needed = dp.host_bytes(
+            [lay.numel for lay in layers[n_resident:]], trainable[n_resident:], compute_dtype,
+            host_grads, stream_master,
+        )  # fmt: skip
+    if not host_grads and device.type == "cuda":
+        # The engine's pinned gradient staging ring (per process).
+        staged = [lay.numel for lay in layers[n_resident:] if lay.trainable]
+        needed += GRAD_STAGING_SLOTS * 4 * max(staged, default=0)
+    # Refuse before allocating anything if host RAM cannot hold the store.
+    HostStore.check_fits(needed, options.host_memory_limit_bytes)
+    if dp is not None:
+        shared = dp.allocate_layer_buffers(
+            [None if i < n_resident else lay.numel for i, lay in enumerate(layers)],
+            compute_dtype,
+            stream_master,
+        )
+
+    pin = options.pin_memory and device.type == "cuda"
+    # With hbm_cast_weights only the tier's layers that will keep their activations keep a
+    # compute-dtype copy (their kept graph holds the weights); the others are cast on use.
+    n_kept = options.keep_activation_layers
+    if n_kept is None:
+        n_kept = plan.kept_layers if plan is not None else 0
+    first_kept = n_resident - min(n_kept, n_resident)
+    stores: list[LayerStore | DeviceLayerStore] = []
+    for i, layer in enumerate(layers):
+        if i < n_resident:
+            # The first layers go to the HBM tier: the forward runs them while the CPU is still
+            # updating the streamed ones.
+            store = DeviceLayerStore(
+                layer.slots, layer.numel, layer.decay_numel, compute_dtype, device,
+                compute_copy=not options.hbm_cast_weights or i >= first_kept,
+            )  # fmt: skip
+        else:
+            store = LayerStore(
+                layer.slots,
+                layer.numel,
+                layer.decay_numel,
+                compute_dtype,
+                pin,
+                trainable=layer.trainable,
+                shared=shared[i],
+                owned=dp is None or dp.owns(i),
+                hold_grad=host_grads,
+                stream_master=stream_master,
+            )
+        fill(i, store)
+        stores.append(store)
+    if dp is not None:
+        dp.barrier()  # every owner has written its layers' initial weights
+    engine = StreamingEngine(
+        stores,
+        device,
+        compute_dtype,
+        preserve_rng=preserve_rng,
+        data_parallel=dp,
+        offload_activations=options.offload_activations,
+        boundary_dtype=options.boundary_dtype,
+        checkpoint_every=options.checkpoint_every,
+        recompute_early_stop=options.recompute_early_stop,
+    )
+    return StreamedState(stores=stores, engine=engine, n_resident=n_resident, plan=plan)
+
+
+def _resident_layer_count(
+    layers: Sequence[LayerLayout],
+    options: ResolvedOptions,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    shape: ModelShape | None,
+    step: StepShape | None,
+    input_model_bytes: int,
+    dp: DataParallel | None,
+) -> tuple[int, MemoryPlan | None]:
+    """How many leading layers keep their whole state in HBM, and the plan that decided it.
+
+    A count asks for exactly that many; with the step known (on a GPU) it is still planned
+    around, so that keep_activations "auto" fills the HBM the count leaves. "auto": the planner's
+    choice from the free device memory and available host RAM. The plan's table is logged.
+    """
+    n = len(layers)
+    asked = options.resident_layers
+    if asked == 0:
+        return 0, None
+    count = None
+    if asked != "auto":
+        count = int(asked)
+        if count > n:
+            raise ValueError(f"hf_megatrain: resident_layers={count} but the model has {n} layers")
+        if shape is None or step is None or device.type != "cuda":
+            return count, None
+    elif device.type != "cuda":
+        return 0, None
+    free, _ = torch.cuda.mem_get_info(device)
+    if shape is None or step is None:
+        # Only the layer sizes are known here; the reserve covers everything else.
+        shape = ModelShape(
+            layer_numels=tuple(layer.numel for layer in layers),
+            non_layer_numel=0,
+            hidden_size=0,
+            vocab_size=0,
+            intermediate_size=0,
+            name="streamed model",
+        )
+        step = None
+    plan = plan_memory(
+        shape,
+        step,
+        options,
+        compute_dtype,
+        hbm_bytes=free,
+        host_bytes=available_host_bytes(),
+        hbm_layers=count,
+        reserve_bytes=options.hbm_reserve_bytes if step is None else 0,
+        input_model_bytes=input_model_bytes,
+        ranks=1 if dp is None else dp.world_size,
+    )
+    logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table())
+    # Host shortfalls are refused by HostStore.check_fits (which honours the host limit); a GPU
+    # shortfall means no layer goes to HBM. With the step known, the plan says the activations
+    # themselves do not fit: warn now, with what would fit, instead of letting the first step run
+    # out of memory (not an error: the plan's estimates run a few percent high).
+    if step is not None:
+        for problem in (p for p in plan.problems if p.tier == "gpu"):
+            logger.warning("%s (planned before training: it may run out of GPU memory)", problem)
+    return plan.n_hbm, plan
+
+
+__all__ = ["LayerLayout", "StreamedState", "build_streamed_state"]

@@ -1,0 +1,165 @@
+"""Saved layer inputs: which are large, which are rounded to the boundary dtype, and the host
+buffers they are offloaded to between forward and backward.
+
+Offloaded inputs go to one host buffer per layer and input, reused every step; backward fetches
+them back on the H2D stream and prefetches the next ones while a layer recomputes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..host_store import PinnedBuffer
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class ActivationHandle:
+    """One offloaded input: its host copy, the D2H event it waits for, and a fetch in flight."""
+
+    __slots__ = ("layer", "host", "event", "device", "ready")
+
+    def __init__(self, layer: int, host: torch.Tensor, event) -> None:
+        self.layer = layer
+        self.host = host
+        self.event = event
+        self.device: torch.Tensor | None = None
+        self.ready = None
+
+
+class ActivationStash:
+    """Offload and precision of the residual-stream inputs that layers save for backward."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        offload: bool,
+        boundary_dtype: torch.dtype | None,
+        h2d: torch.cuda.Stream | None,
+        d2h: torch.cuda.Stream | None,
+    ) -> None:
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self._offload = offload
+        # None keeps a saved input's dtype; torch.bfloat16 saves it rounded (half the bytes in
+        # HBM, or on the host and over PCIe when offloaded) and backward recomputes the layer
+        # from it cast back. The forward is unchanged; the gradients become an approximation.
+        self._boundary_dtype = boundary_dtype
+        self._h2d, self._d2h = h2d, d2h
+        # Size from which a floating layer input counts as a large activation (the hidden
+        # states at training sizes, not ids or small masks): what offload moves and what the
+        # boundary dtype may round. Tests lower it for tiny shapes.
+        self.min_numel = 1 << 20
+        self._host: dict[tuple[int, int], PinnedBuffer] = {}
+        self._handles: dict[tuple[int, int], ActivationHandle] = {}
+
+    @property
+    def offload_enabled(self) -> bool:
+        return self._offload
+
+    @property
+    def boundary_dtype(self) -> torch.dtype | None:
+        return self._boundary_dtype
+
+    # ---- the rules ------------------------------------------------------------------------------
+    def is_large(self, t: torch.Tensor) -> bool:
+        """A floating layer input of at least ``min_numel`` elements (not ids/masks)."""
+        return t.is_floating_point() and t.numel() >= self.min_numel
+
+    def should_offload(self, t: torch.Tensor, residual_shapes: set[tuple[int, ...]]) -> bool:
+        """Whether layer input ``t`` goes to host memory: a large activation of the residual
+        stream (the shape of one of the layer's floating outputs). Other large inputs are the
+        same tensor for every layer (RoPE cos/sin, tokens x head_dim, fp32: 512 MiB at 512k
+        tokens): each saved reference shares one device copy, where offloading would store a
+        host copy per layer (14 GiB over the plan in a 7B run at 524,288 tokens)."""
+        return self._offload and tuple(t.shape) in residual_shapes and self.is_large(t)
+
+    def save_dtype(
+        self, t: torch.Tensor, residual_shapes: set[tuple[int, ...]]
+    ) -> torch.dtype | None:
+        """The narrower dtype to save layer input ``t`` in for the recompute, or None (as is).
+
+        Only the residual stream is rounded: a large activation (as offload decides) of the
+        shape of one of the layer's floating outputs (``residual_shapes``), so that rope cos/sin
+        (tokens x head_dim, over the size threshold at long context) and masks stay exact.
+        """
+        bd = self._boundary_dtype
+        if bd is None or tuple(t.shape) not in residual_shapes or not self.is_large(t):
+            return None
+        return bd if t.element_size() > _itemsize(bd) else None
+
+    # ---- offload and fetch ----------------------------------------------------------------------
+    def offload(self, idx: int, k: int, t: torch.Tensor) -> ActivationHandle:
+        """Copy input ``k`` of layer ``idx`` to its host buffer; return the handle for backward."""
+        nbytes = t.numel() * t.element_size()
+        buf = self._host.get((idx, k))
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._host[(idx, k)] = PinnedBuffer(nbytes, pin=self._cuda)
+        host = buf.view(tuple(t.shape), t.dtype)
+        event = None
+        if self._cuda:
+            self._d2h.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self._d2h):
+                host.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._d2h)
+            t.record_stream(self._d2h)  # the device tensor lives until the copy is done
+        else:
+            host.copy_(t)
+        handle = ActivationHandle(idx, host, event)
+        self._handles[(idx, k)] = handle
+        return handle
+
+    def _start_fetch(self, handle: ActivationHandle) -> None:
+        if handle.device is not None:
+            return
+        host = handle.host
+        if not self._cuda:
+            handle.device = host.clone()
+            return
+        with torch.cuda.stream(self._h2d):
+            if handle.event is not None:
+                self._h2d.wait_event(handle.event)
+            dev = torch.empty(host.shape, dtype=host.dtype, device=self._device)
+            dev.copy_(host, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._h2d)
+        handle.device, handle.ready = dev, ready
+
+    def fetch(self, handle: ActivationHandle) -> torch.Tensor:
+        """The offloaded tensor back on the device, usable on the current stream.
+
+        The host copy stays: a segment's chain fetches its leader's input, and the leader's own
+        backward fetches it again.
+        """
+        self._start_fetch(handle)
+        dev = handle.device
+        if self._cuda:
+            compute = torch.cuda.current_stream(self._device)
+            compute.wait_event(handle.ready)
+            dev.record_stream(compute)
+        handle.device = None
+        return dev
+
+    def prefetch(self, idx: int) -> None:
+        """Start copying layer ``idx``'s offloaded inputs back to the device."""
+        for (layer, _), other in list(self._handles.items()):
+            if layer == idx:
+                self._start_fetch(other)
+
+    # ---- what is held ---------------------------------------------------------------------------
+    def offloaded(self) -> dict[tuple[int, int], torch.Tensor]:
+        """The latest host copy of each offloaded input, by ``(layer, input index)``."""
+        return {key: h.host for key, h in self._handles.items()}
+
+    def host_buffers(self) -> dict[tuple[int, int], PinnedBuffer]:
+        """The host buffer of each ``(layer, input index)`` that was ever offloaded."""
+        return dict(self._host)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the offload buffers hold."""
+        return sum(b.nbytes for b in self._host.values())

@@ -1,0 +1,103 @@
+"""When a layer's weights may stream in: after its host update, and (data parallel) after its
+owner has published the step's version."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ..distributed import DataParallel
+from ..host_store import LayerStore
+
+
+class UpdateScheduler:
+    """The background host optimizer update and the weight versions layers must reach.
+
+    The next forward streams layer ``i`` in as soon as its update is done, so the CPU AdamW step
+    overlaps the next step's GPU work.
+    """
+
+    def __init__(self, stores: list[LayerStore], data_parallel: DataParallel | None) -> None:
+        self._stores = stores
+        self._dp = data_parallel
+        # Optimizer steps this rank has taken: the version a layer's shared weights must reach
+        # before it streams in (data parallel only). Advanced by the optimizer.
+        self.weights_version = 0
+        # Host-side readiness of each layer's stream copy while the update thread runs.
+        self._ready: list[threading.Event] | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, update_layer: Callable[[int], None], layers: list[int]) -> None:
+        """Run ``update_layer(i)`` for ``layers`` in order on a CPU thread; others are ready."""
+        self.wait()
+        ready = [threading.Event() for _ in self._stores]
+        pending = set(layers)
+        for i, ev in enumerate(ready):
+            if i not in pending:
+                ev.set()
+
+        # A new thread does not inherit the intra-op thread count set on the main thread (an
+        # OpenMP runtime gives a fresh native thread its default team size): set it explicitly,
+        # or the fused CPU AdamW may run on far fewer cores than the synchronous path.
+        n_threads = torch.get_num_threads()
+
+        def work() -> None:
+            torch.set_num_threads(n_threads)
+            try:
+                for i in layers:
+                    update_layer(i)
+                    ready[i].set()
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
+                self._error = exc
+            finally:
+                for ev in ready:
+                    ev.set()
+
+        self._ready = ready
+        # Not a daemon: interpreter exit waits for it instead of killing it inside a torch op.
+        self._thread = threading.Thread(target=work, name="megatrain-adamw")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the background update (if any) is done; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self._ready = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("hf_megatrain: the host optimizer update failed") from err
+
+    def wait_layer(self, idx: int) -> None:
+        """Block until layer ``idx``'s weights may be read: updated here and (DP) published."""
+        if self._ready is not None:
+            self._ready[idx].wait()
+            if self._error is not None:
+                self.wait()
+        if self.owned_elsewhere(idx):
+            self._dp.wait_published(idx, self.weights_version)
+
+    def owned_elsewhere(self, idx: int) -> bool:
+        """Whether another data-parallel rank updates layer ``idx``'s shared weights."""
+        store = self._stores[idx]
+        return (
+            self._dp is not None
+            and not store.resident
+            and store.trainable
+            and not self._dp.owns(idx)
+        )
+
+    def publish(self, idx: int, version: int) -> None:
+        """Owner side: layer ``idx``'s shared weights hold optimizer step ``version``."""
+        if self._dp is not None and not self._stores[idx].resident:
+            self._dp.publish(idx, version)
+
+    def wait_all(self) -> None:
+        """Block until every layer's weights are final: local and (under DP) remote updates."""
+        self.wait()
+        for idx in range(len(self._stores)):
+            if self.owned_elsewhere(idx):
+                self._dp.wait_published(idx, self.weights_version)

@@ -1,0 +1,157 @@
+"""Layer weights on the compute device: two slots, filled on the H2D stream one layer ahead.
+
+CUDA events, never a device-wide synchronize, order the copy stream against compute. On the CPU
+the store's stream copy is used as is (cast when the fp32 master is what streams).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..host_store import LayerStore
+
+
+def uses_slot(store: LayerStore) -> bool:
+    """Whether a layer runs from a stream buffer slot: streamed layers, and HBM-tier layers that
+    keep no compute-dtype copy (cast into the slot from their fp32 master)."""
+    return not store.resident or store.casts_on_use
+
+
+class WeightStreamer:
+    """Double-buffered compute-dtype layer weights on the device.
+
+    ``wait_ready(i)`` blocks until layer ``i``'s host copy may be read (its update is done);
+    ``h2d`` is the copy stream (CUDA), shared with the activation fetches.
+    """
+
+    def __init__(
+        self,
+        stores: list[LayerStore],
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        wait_ready: Callable[[int], None],
+        h2d: torch.cuda.Stream | None,
+    ) -> None:
+        self._stores = stores
+        self._device = device
+        self._dtype = compute_dtype
+        self._wait_ready = wait_ready
+        self._cuda = device.type == "cuda"
+        # Host layers whose fp32 master is what streams (no compute-dtype copy in the store).
+        cast = [s for s in stores if not s.resident and s.stream.dtype != compute_dtype]
+        self.streams_fp32_master = bool(cast)
+        self.h2d_bytes = 0
+        if not self._cuda:
+            return
+        max_numel = max((s.numel for s in stores if uses_slot(s)), default=0)
+        self._buffers = [
+            torch.empty(max_numel, dtype=compute_dtype, device=device) for _ in range(2)
+        ]
+        # fp32-master streaming: the master lands here (H2D stream) and is cast into a
+        # compute-dtype buffer on the same stream, so the copies stay ordered.
+        self._stage = (
+            torch.empty(max(s.numel for s in cast), dtype=torch.float32, device=device)
+            if cast
+            else None
+        )
+        self._h2d = h2d
+        self._slot_layer: list[int | None] = [None, None]
+        self._slot_ready: list[torch.cuda.Event | None] = [None, None]
+        self._slot_free: list[torch.cuda.Event | None] = [None, None]
+        self._active: int | None = None
+        # HBM-tier layers without a compute-dtype copy are cast from their fp32 master on the
+        # copy stream, after this event: the masters' last write (construction, the optimizer
+        # step's GPU AdamW, a checkpoint load) on the compute stream.
+        self._masters_written = torch.cuda.Event()
+        self._masters_written.record(torch.cuda.current_stream(device))
+
+    def _slot_of(self, idx: int) -> int | None:
+        for s in (0, 1):
+            if self._slot_layer[s] == idx:
+                return s
+        return None
+
+    def _load(self, idx: int) -> int:
+        """Make sure layer ``idx`` is (being) copied into a device slot; return the slot."""
+        slot = self._slot_of(idx)
+        if slot is not None:
+            return slot
+        slot = 0 if self._active is None else 1 - self._active
+        store = self._stores[idx]
+        self._wait_ready(idx)
+        free = self._slot_free[slot]
+        with torch.cuda.stream(self._h2d):
+            if free is not None:
+                self._h2d.wait_event(free)
+            dst = self._buffers[slot][: store.numel]
+            if store.resident:
+                # HBM tier without a compute-dtype copy: a device-side cast, no PCIe.
+                self._h2d.wait_event(self._masters_written)
+                dst.copy_(store.master)
+            elif store.stream.dtype != dst.dtype:
+                # fp32-master streaming: the master crosses PCIe and is cast here, on the copy
+                # stream (the single staging buffer is reused in this stream's order).
+                stage = self._stage[: store.numel]
+                stage.copy_(store.stream, non_blocking=True)
+                dst.copy_(stage)
+            else:
+                dst.copy_(store.stream, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._h2d)
+        if not store.resident:
+            self.h2d_bytes += store.numel * store.stream.element_size()
+        self._slot_layer[slot] = idx
+        self._slot_ready[slot] = ready
+        return slot
+
+    def _prefetch(self, next_idx: int | None) -> None:
+        if next_idx is not None and 0 <= next_idx < len(self._stores):
+            if uses_slot(self._stores[next_idx]):
+                self._load(next_idx)
+
+    def acquire(self, idx: int, next_idx: int | None) -> torch.Tensor:
+        """Flat compute-dtype weights of layer ``idx`` usable on the current stream; starts the
+        copy of ``next_idx`` (the layer that runs next) so it overlaps this layer's compute."""
+        store = self._stores[idx]
+        if not self._cuda:
+            self._wait_ready(idx)
+            if store.stream.dtype != self._dtype:
+                # fp32-master streaming on the CPU: the same cast the GPU does after its copy.
+                return store.stream.to(self._dtype)
+            return store.stream
+        if not uses_slot(store):
+            # HBM tier: already on the device and updated there; still prefetch the next one.
+            self._prefetch(next_idx)
+            return store.stream
+        slot = self._load(idx)
+        self._active = slot
+        torch.cuda.current_stream(self._device).wait_event(self._slot_ready[slot])
+        self._prefetch(next_idx)
+        return self._buffers[slot][: store.numel]
+
+    def release(self, idx: int) -> None:
+        """Mark the end of the work that reads layer ``idx``'s device slot."""
+        if not self._cuda:
+            return
+        slot = self._slot_of(idx)
+        if slot is None:
+            return
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self._device))
+        self._slot_free[slot] = ev
+        if self._active == slot:
+            self._active = None
+
+    def invalidate(self) -> None:
+        """The host copies changed (optimizer step, load): forget what the slots hold."""
+        if self._cuda:
+            self._h2d.synchronize()  # no copy from the old host copy may still be in flight
+            self._slot_layer = [None, None]
+            self._masters_written.record(torch.cuda.current_stream(self._device))
+
+    def wait_copies(self) -> None:
+        """Block until no H2D copy reads the host stream copies (before they are rewritten)."""
+        if self._cuda:
+            self._h2d.synchronize()

@@ -1,0 +1,597 @@
+"""Every engine knob, once: :class:`EngineOptions`, and the step shape, :class:`StepShape`.
+
+``EngineOptions`` is the single source of each knob's name, type, default, help text and
+validation. Everything else is a projection of it: ``MegaTrainArguments`` gets one
+``megatrain_<field>`` argument per field, the ``hf-megatrain`` CLI, ``plan``, the benchmarks and
+the recipes get one ``--<field-name>`` flag per field, recipe YAML keys are the field names. A new
+knob is a new field here, its use, and its test.
+
+Rules that combine knobs with each other or with the run (gradient clipping, the device) live in
+one place, :meth:`EngineOptions.resolve`, which returns :class:`ResolvedOptions`: the concrete
+values the builder, planner, engine and optimizer use.
+
+No ``transformers`` import here, and no argument or flag names: upper layers translate field
+names (``hf/arguments.py``: ``megatrain_<field>``; the CLI: ``--<field-name>``).
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+
+class OptionError(ValueError):
+    """An engine option has an invalid value; the message names the option field."""
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": " ".join(text.split()), **extra}
+
+
+#: ``boundary_dtype`` spellings: the saved layer input kept as is, or rounded to bf16.
+BOUNDARY_DTYPES: dict[str, torch.dtype | None] = {
+    "input": None,
+    "float32": None,
+    "fp32": None,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+#: ``ResolvedOptions.attention_output_layers``: every recomputed layer.
+ALL_LAYERS = -1
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The streaming engine's options: memory tiers, recompute, long context, host store, logs.
+
+    Field metadata: ``help`` (shown by every generated parser); optionally ``choices``,
+    ``bare_value`` (the value of a bare command-line switch) and ``run_time`` (the option acts
+    while training, not when the model is streamed: a model streamed earlier takes it from the
+    trainer's arguments). Values are checked on construction (:class:`OptionError` naming the
+    field); cross-option and run-level rules are applied by :meth:`resolve`.
+    """
+
+    # ---- host store ---------------------------------------------------------------------------
+    pin_memory: bool = field(
+        default=True,
+        metadata=_help(
+            """Register the host store's PCIe-facing buffers (stream copy, gradients) as pinned
+            memory when CUDA is present, so copies run at full PCIe bandwidth and overlap compute.
+            Turn off only to debug."""
+        ),
+    )
+    host_memory_limit_gb: float | None = field(
+        default=None,
+        metadata=_help(
+            """Host RAM (GiB) the host store may use. Default: what the OS reports as available
+            (MemAvailable, capped by a cgroup limit). The run is refused before any allocation
+            when the store does not fit."""
+        ),
+    )
+    max_shard_size: str = field(
+        default="2GB",
+        metadata=_help(
+            """Largest safetensors shard written by save_model and checkpoints (e.g. 2GB, 500MB).
+            Shards are serialized one at a time, so this also bounds the extra host RAM a save
+            needs.""",
+            run_time=True,
+        ),
+    )
+    stream_fp32_master: bool = field(
+        default=False,
+        metadata=_help(
+            """bf16 runs: keep no bf16 copy of host-tier layers in host RAM; stream the fp32
+            master (twice the H2D bytes) into an fp32 GPU staging buffer and cast it to bf16 on
+            the GPU's copy stream. 2 bytes/param less host RAM, for when host RAM, not PCIe, is
+            the limit. Same weights: the cast rounds exactly as the host copy does. No effect in
+            fp32 runs."""
+        ),
+    )
+    host_grads: bool | None = field(
+        default=None,
+        metadata=_help(
+            """Keep an fp32 gradient slot (4 bytes/param) in every host-tier layer store. Default
+            (None): only when the update needs the step's gradients held, i.e. with gradient
+            clipping on or eager_update off; with eager updates each layer's final gradient passes
+            through a ring of 2 pinned staging buffers into its CPU update instead (14 instead of
+            18 bytes/param in bf16 runs). True: always keep it. False: never (refused with
+            clipping on or eager_update off)."""
+        ),
+    )
+    # ---- HBM tier -----------------------------------------------------------------------------
+    resident_layers: str = field(
+        default="0",
+        metadata=_help(
+            """Decoder layers whose whole state (fp32 master, AdamW moments, grad, compute copy:
+            18 bytes/param in bf16 runs) lives in HBM instead of host RAM; they never cross PCIe
+            and update with the fused GPU AdamW. An integer, or 'auto' for as many as fit: the
+            memory planner sizes activations, loss and resident embeddings for the micro-batch
+            (batch size x plan_seq_len tokens), or, when that length is unknown, reserves
+            hbm_reserve_gb for them."""
+        ),
+    )
+    plan_seq_len: int | None = field(
+        default=None,
+        metadata=_help(
+            """Tokens per training row that the memory plan (resident_layers 'auto' or a count)
+            sizes activations for. Default: the length of the first training example (its
+            input_ids) when the dataset is indexable; otherwise hbm_reserve_gb is used."""
+        ),
+    )
+    hbm_reserve_gb: float = field(
+        default=48.0,
+        metadata=_help(
+            """HBM (GiB) kept free for activations, logits and resident embeddings when
+            resident_layers is 'auto' and the row length is unknown (see plan_seq_len)."""
+        ),
+    )
+    hbm_cast_weights: bool = field(
+        default=False,
+        metadata=_help(
+            """bf16 runs: HBM-tier layers keep no bf16 copy of their weights, only the fp32
+            master, gradient and moments (16 instead of 18 bytes/param, what stock training
+            keeps), so more layers fit in HBM; each is cast from its master into a stream buffer
+            on the GPU's copy stream when it runs. Same weights. The tier's layers that keep their
+            activations (keep_activations) keep their bf16 copy. No effect in fp32 runs."""
+        ),
+    )
+    keep_activations: str = field(
+        default="auto",
+        metadata=_help(
+            """HBM-tier layers that keep their forward activations for backward instead of saving
+            only their input and recomputing the layer (identical results, no recompute). 'auto':
+            as many as the HBM left after the layer tier holds (needs the memory plan: a known
+            row length and a GPU; the last layers of the tier are chosen), else none. An integer:
+            that many (at most the HBM-tier layer count). 'off' or 0: recompute every layer.
+            Streamed layers always recompute: their GPU buffer is reused by the next layer."""
+        ),
+    )
+    keep_attention_outputs: str = field(
+        default="off",
+        metadata=_help(
+            """Layers recomputed in backward that keep the fused attention kernel's outputs (SDPA's
+            output and log-sum-exp) from forward, so their recompute does not run attention's
+            forward again: identical gradients, heads x head_dim compute-dtype values plus 4 B per
+            head per token and layer in HBM. 'off'; 'all' (every recomputed layer); 'auto' (as
+            many of the last recomputed layers as the memory plan leaves HBM for; needs the plan);
+            or a count (the last N recomputed layers). Needs recompute_early_stop; attention that
+            does not run through PyTorch SDPA's fused kernels is recomputed as before.""",
+            # Given without a value (a bare command-line switch), the option means every layer.
+            bare_value="all",
+        ),
+    )
+    # ---- recompute and long context -----------------------------------------------------------
+    recompute_early_stop: bool = field(
+        default=True,
+        metadata=_help(
+            """A recomputed layer re-runs in backward only until the last tensor its backward
+            needs is re-made, as torch's checkpointing does: the MLP's down projection and the
+            residual add are not run twice. Identical gradients either way; False re-runs the
+            whole layer (for comparisons). Layers whose inputs are saved rounded (boundary_dtype
+            bfloat16) always re-run whole."""
+        ),
+    )
+    checkpoint_every: int = field(
+        default=1,
+        metadata=_help(
+            """Checkpoint segments of k decoder layers (k >= 1; 1 = off): only the first layer of
+            each run of k saves its residual-stream input; the others get theirs in backward by
+            re-running the segment's forward from it. Memory: ceil(layers / k) saved inputs
+            instead of one per layer, plus up to k - 1 fp32 layer inputs in HBM during a segment's
+            backward. Compute: (k - 1) / k of a layer forward more per layer. Exact."""
+        ),
+    )
+    mlp_tile_tokens: int = field(
+        default=0,
+        metadata=_help(
+            """Run each decoder layer's dense MLP in tiles of this many tokens along the sequence
+            (forward and backward recompute), so its (tokens x intermediate) intermediates exist
+            for one tile at a time: for very long sequences. 0 = off."""
+        ),
+    )
+    offload_activations: bool = field(
+        default=False,
+        metadata=_help(
+            """Keep each decoder layer's saved input (the boundary hidden states) in pinned host
+            memory instead of HBM between forward and backward; backward prefetches layer i-1's
+            input while layer i recomputes. For sequences whose boundary activations do not fit
+            in HBM."""
+        ),
+    )
+    boundary_dtype: str = field(
+        default="input",
+        metadata=_help(
+            """Precision of each decoder layer's saved input (the residual stream kept for the
+            backward recompute). 'input' (or 'float32'): kept as is, exact. 'bfloat16': saved
+            rounded to bf16 (half the bytes in HBM, or in host RAM and over PCIe with
+            offload_activations); the forward and the loss are unchanged, but backward recomputes
+            each layer from its rounded input, so gradients are approximate (1e-3 to 3e-3
+            relative). No effect on inputs already in bf16.""",
+            choices=tuple(BOUNDARY_DTYPES),
+        ),
+    )
+    fused_loss: bool = field(
+        default=True,
+        metadata=_help(
+            """In training, fuse the LM head with the cross-entropy and process tokens in chunks so
+            full logits never exist (exact loss and gradients, HF's num_items_in_batch
+            semantics). Applies to dense architectures; MoE models and evaluation use the model's
+            own forward.""",
+            run_time=True,
+        ),
+    )
+    loss_chunk_tokens: int | None = field(
+        default=None,
+        metadata=_help(
+            """Tokens per chunk of the fused loss. Default: about 2 GiB of fp32 logits per chunk
+            (3.5k tokens at a 152k vocabulary).""",
+            run_time=True,
+        ),
+    )
+    # ---- optimizer ----------------------------------------------------------------------------
+    overlap_optimizer: bool | None = field(
+        default=None,
+        metadata=_help(
+            """Run the host AdamW update of step t on a CPU thread while step t+1's forward runs;
+            layer i streams in as soon as its update is done. Exact (same arithmetic, same order
+            per layer). Default: on with CUDA, off on CPU.""",
+            run_time=True,
+        ),
+    )
+    eager_update: bool = field(
+        default=True,
+        metadata=_help(
+            """With gradient clipping off, update each layer as soon as its gradient of the step is
+            final, during the backward of the layers below it (nothing waits for a global norm).
+            Same arithmetic as the update after backward.""",
+            run_time=True,
+        ),
+    )
+    # ---- logs ---------------------------------------------------------------------------------
+    log_throughput: bool = field(
+        default=True,
+        metadata=_help(
+            """Add tokens_per_s, model_tflops (6 * params * tokens/s), mfu (with causal attention
+            FLOPs, on CUDA), host_rss_gib / host_peak_gib and hbm_peak_gib to the training logs.""",
+            run_time=True,
+        ),
+    )
+    peak_tflops: float = field(
+        default=989.0,
+        metadata=_help(
+            """Dense bf16 peak of the GPU in TFLOP/s, the denominator of the logged MFU (989 =
+            H100/H200 SXM datasheet).""",
+            run_time=True,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        # Values coming from YAML or argparse may be ints for "str" knobs (resident_layers: 4).
+        for name in ("resident_layers", "keep_activations", "keep_attention_outputs"):
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                value = {"keep_attention_outputs": "all" if value else "off"}.get(
+                    name, "auto" if value else "off"
+                )
+            if not isinstance(value, str):
+                value = str(value)
+            object.__setattr__(self, name, value.strip().lower())
+        _check_types(self)
+        _check_values(self)
+
+    # ---- projections ---------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def run_time_fields(cls) -> tuple[str, ...]:
+        """Options read while training (the others are fixed when the model is streamed)."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("run_time"))
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every option's default, by field name."""
+        return {f.name: f.default for f in fields(cls)}
+
+    def changed(self, base: EngineOptions | None = None) -> dict[str, Any]:
+        """The options whose value differs from ``base`` (default: the defaults)."""
+        base = base if base is not None else EngineOptions()
+        return {n: getattr(self, n) for n in self.field_names() if getattr(self, n) != getattr(base, n)}
+
+    def with_(self, **changes: Any) -> EngineOptions:
+        """A copy with ``changes`` applied (validated again)."""
+        return replace(self, **changes)
+
+    # ---- the derived rules ---------------------------------------------------------------------
+    def resolve(self, *, clipping: bool, cuda: bool) -> ResolvedOptions:
+        """The concrete settings for a run that clips gradients (``clipping``) on a CUDA device
+        (``cuda``) or not. Raises :class:`OptionError` for combinations that cannot run."""
+        eager = not clipping and self.eager_update
+        if self.host_grads is None:
+            host_grads = not eager
+        elif not self.host_grads and not eager:
+            why = (
+                "the run clips gradients: every layer's gradient must be held until the global "
+                "norm is known"
+                if clipping
+                else "eager_update is off: the update after backward reads every layer's held "
+                "gradient"
+            )
+            raise OptionError(
+                f"host_grads=False needs eager layer updates, but {why}. Turn clipping off with "
+                "eager_update on, or leave host_grads unset."
+            )
+        else:
+            host_grads = self.host_grads
+        attention = parse_attention_layers(self.keep_attention_outputs)
+        boundary = parse_boundary_dtype(self.boundary_dtype)
+        return ResolvedOptions(
+            options=self,
+            clipping=clipping,
+            cuda=cuda,
+            eager_update=eager,
+            host_grads=host_grads,
+            overlap_optimizer=cuda if self.overlap_optimizer is None else self.overlap_optimizer,
+            boundary_dtype=boundary,
+            # Layers that re-run whole (no early stop) keep nothing of their attention.
+            attention_output_layers=attention if self.recompute_early_stop else 0,
+            keep_activation_layers=parse_keep_activations(self.keep_activations),
+            resident_layers=parse_resident_layers(self.resident_layers),
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """:class:`EngineOptions` with every derived rule applied, for one run."""
+
+    options: EngineOptions
+    clipping: bool
+    cuda: bool
+    #: Layers update during backward as their gradient becomes final (no clipping).
+    eager_update: bool
+    #: Host-tier stores hold an fp32 gradient slot.
+    host_grads: bool
+    overlap_optimizer: bool
+    #: Saved residual-stream inputs rounded to this dtype (None: kept as they are).
+    boundary_dtype: torch.dtype | None
+    #: Recomputed layers keeping attention outputs: a count, ``ALL_LAYERS``, None for the plan's.
+    attention_output_layers: int | None
+    #: HBM-tier layers keeping their activations: a count, None for the plan's ("auto").
+    keep_activation_layers: int | None
+    #: HBM-tier layers: a count, or "auto" for the plan's.
+    resident_layers: int | str
+
+    def __getattr__(self, name: str) -> Any:
+        # Every raw option reads through (``resolved.mlp_tile_tokens``); derived ones above win.
+        if name != "options" and name in EngineOptions.field_names():
+            return getattr(self.options, name)
+        raise AttributeError(name)
+
+    @property
+    def boundary_bytes_per_element(self) -> int:
+        """Bytes per element of a saved fp32 boundary activation (2 when rounded to bf16)."""
+        return 4 if self.boundary_dtype is None else self.boundary_dtype.itemsize
+
+    @property
+    def host_memory_limit_bytes(self) -> int | None:
+        gb = self.options.host_memory_limit_gb
+        return None if gb is None else int(gb * 2**30)
+
+    @property
+    def hbm_reserve_bytes(self) -> int:
+        return int(self.options.hbm_reserve_gb * 2**30)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One optimizer step: ``grad_accum`` micro-batches of ``micro_batch_tokens`` tokens, in
+    sequences of ``seq_len`` tokens."""
+
+    seq_len: int
+    micro_batch_tokens: int
+    grad_accum: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch_tokens", "grad_accum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise OptionError(f"{name}={value!r} must be an integer >= 1")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_tokens * self.grad_accum
+
+    @classmethod
+    def from_step(
+        cls,
+        seq_len: int,
+        tokens_per_step: int,
+        micro_batch_tokens: int | None = None,
+        grad_accum: int | None = None,
+    ) -> StepShape:
+        """Resolve the split of a step; by default the whole step is one micro-batch."""
+        if seq_len < 1 or tokens_per_step < 1:
+            raise OptionError("seq_len and tokens_per_step must be at least 1")
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise OptionError("micro_batch_tokens must be at least 1")
+        if grad_accum is not None and grad_accum < 1:
+            raise OptionError("grad_accum must be at least 1")
+        if micro_batch_tokens is None:
+            ga = grad_accum or 1
+            if tokens_per_step % ga:
+                raise OptionError(
+                    f"tokens_per_step {tokens_per_step} does not split into {ga} micro-batches"
+                )
+            micro_batch_tokens = tokens_per_step // ga
+        if tokens_per_step % micro_batch_tokens:
+            raise OptionError(
+                f"tokens_per_step {tokens_per_step} is not a multiple of micro_batch_tokens "
+                f"{micro_batch_tokens}"
+            )
+        ga = tokens_per_step // micro_batch_tokens
+        if grad_accum is not None and grad_accum != ga:
+            raise OptionError(
+                f"grad_accum {grad_accum} x micro_batch_tokens {micro_batch_tokens} != "
+                f"tokens_per_step {tokens_per_step}"
+            )
+        if micro_batch_tokens % seq_len:
+            raise OptionError(
+                f"a micro-batch of {micro_batch_tokens} tokens (tokens_per_step / grad_accum) is "
+                f"not a whole number of sequences of seq_len {seq_len}"
+            )
+        return cls(seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, grad_accum=ga)
+
+
+# ---- parsing of the str-valued knobs ------------------------------------------------------------
+def parse_attention_layers(value: object) -> int | None:
+    """``keep_attention_outputs`` as a layer count: "off" 0, "all" ``ALL_LAYERS``, "auto" None."""
+    text = str(value).strip().lower()
+    named = {"off": 0, "false": 0, "none": 0, "": 0, "all": ALL_LAYERS, "true": ALL_LAYERS}
+    if text == "auto":
+        return None
+    if text in named:
+        return named[text]
+    if text.isdigit():
+        return int(text)
+    raise OptionError(f"keep_attention_outputs={value!r}: use 'off', 'all', 'auto' or a layer count")
+
+
+def parse_keep_activations(value: object) -> int | None:
+    """``keep_activations`` as a layer count ("off" 0), or None for "auto"."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    if text in ("off", "none", "false", ""):
+        return 0
+    if text.isdigit():
+        return int(text)
+    raise OptionError(f"keep_activations={value!r}: use 'auto', 'off' or a layer count >= 0")
+
+
+def parse_resident_layers(value: object) -> int | str:
+    """``resident_layers`` as a count, or "auto"."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if text.isdigit():
+        return int(text)
+    raise OptionError(f"resident_layers={value!r} is neither an integer >= 0 nor 'auto'")
+
+
+def parse_boundary_dtype(value: object) -> torch.dtype | None:
+    """``boundary_dtype`` (a name of ``BOUNDARY_DTYPES`` or a dtype) as the dtype saved inputs
+    are rounded to, or None (kept as they are)."""
+    if value is None or value == torch.float32:
+        return None
+    if value == torch.bfloat16:
+        return torch.bfloat16
+    if isinstance(value, str) and value.lower() in BOUNDARY_DTYPES:
+        return BOUNDARY_DTYPES[value.lower()]
+    raise OptionError(
+        f"boundary_dtype={value!r} is not one of {', '.join(BOUNDARY_DTYPES)} ('input' and "
+        "'float32' keep the saved layer inputs as they are, 'bfloat16' rounds them)"
+    )
+
+
+# ---- validation ---------------------------------------------------------------------------------
+def field_types() -> dict[str, Any]:
+    """Each option's type, evaluated (``bool | None`` etc.), for generated parsers."""
+    return typing.get_type_hints(EngineOptions)
+
+
+def _check_types(opts: EngineOptions) -> None:
+    for name, hint in field_types().items():
+        value = getattr(opts, name)
+        allowed = typing.get_args(hint) if typing.get_origin(hint) is not None else (hint,)
+        if value is None and type(None) in allowed:
+            continue
+        if bool in allowed:
+            ok = isinstance(value, bool)
+        elif int in allowed:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif float in allowed:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok:
+                object.__setattr__(opts, name, float(value))
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            want = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
+            raise OptionError(f"{name}={value!r} must be {want}")
+
+
+def _check_values(opts: EngineOptions) -> None:
+    if opts.host_memory_limit_gb is not None and not (
+        math.isfinite(opts.host_memory_limit_gb) and opts.host_memory_limit_gb > 0
+    ):
+        raise OptionError(
+            f"host_memory_limit_gb={opts.host_memory_limit_gb!r} must be a positive number of GiB"
+        )
+    if not (math.isfinite(opts.hbm_reserve_gb) and opts.hbm_reserve_gb >= 0):
+        raise OptionError(f"hbm_reserve_gb={opts.hbm_reserve_gb!r} must be >= 0")
+    if not (math.isfinite(opts.peak_tflops) and opts.peak_tflops > 0):
+        raise OptionError(f"peak_tflops={opts.peak_tflops!r} must be a positive number")
+    if opts.checkpoint_every < 1:
+        raise OptionError(
+            f"checkpoint_every={opts.checkpoint_every} must be an integer >= 1 (1 saves every "
+            "decoder layer's input; k > 1 saves every k-th and recomputes the rest)"
+        )
+    if opts.mlp_tile_tokens < 0:
+        raise OptionError(f"mlp_tile_tokens={opts.mlp_tile_tokens} must be >= 0 (0: off)")
+    for name in ("plan_seq_len", "loss_chunk_tokens"):
+        value = getattr(opts, name)
+        if value is not None and value < 1:
+            raise OptionError(f"{name}={value} must be >= 1 (or unset)")
+    parse_resident_layers(opts.resident_layers)
+    parse_keep_activations(opts.keep_activations)
+    parse_attention_layers(opts.keep_attention_outputs)
+    parse_boundary_dtype(opts.boundary_dtype)
+    if not _is_size(opts.max_shard_size):
+        raise OptionError(
+            f"max_shard_size={opts.max_shard_size!r}: give a size such as '2GB' or '500MB'"
+        )
+
+
+_SIZE_UNITS = ("KIB", "MIB", "GIB", "TIB", "KB", "MB", "GB", "TB", "B")
+
+
+def _is_size(text: str) -> bool:
+    t = text.strip().upper()
+    if t.isdigit():
+        return int(t) > 0
+    for unit in _SIZE_UNITS:
+        if t.endswith(unit):
+            try:
+                return float(t[: -len(unit)]) > 0
+            except ValueError:
+                return False
+    return False
+
+
+def default_of(name: str) -> Any:
+    """The default of option ``name`` (KeyError for an unknown name)."""
+    for f in fields(EngineOptions):
+        if f.name == name:
+            return f.default if f.default is not MISSING else None
+    raise KeyError(name)
+
+
+__all__ = [
+    "ALL_LAYERS",
+    "BOUNDARY_DTYPES",
+    "EngineOptions",
+    "OptionError",
+    "ResolvedOptions",
+    "StepShape",
+    "field_types",
+    "parse_attention_layers",
+    "parse_boundary_dtype",
+    "parse_keep_activations",
+    "parse_resident_layers",
+]

@@ -1,0 +1,338 @@
+"""The memory plan's arithmetic: every GPU and host cost of a tier split as a named line, the PCIe
+bytes of a step, and the per-layer placements.
+
+Two tiers per layer:
+
+* ``hbm``: the layer's whole state on the GPU (fp32 master, grad, two AdamW moments = 16 B/param,
+  plus the compute-dtype copy, 2 B/param in bf16 runs); it never crosses PCIe and updates with
+  the GPU AdamW. The engine requires these to be the *leading* layers.
+* ``host``: the layer's state in the host store (``layer_store_bytes``); on the GPU it only
+  occupies the shared double buffer while it streams through.
+
+Two run settings change the host tier's bytes per parameter (bf16 runs; fp32 runs have no
+separate stream copy either way):
+
+* gradients (``ResolvedOptions.host_grads``): with clipping on (or eager updates off) every host
+  layer keeps an fp32 gradient slot until the step's global norm is known (18 B/param); with
+  eager updates (no clipping) no slot exists and final gradients pass through a pinned staging
+  ring of ``GRAD_STAGING_SLOTS`` layers (14 B/param). HBM-tier layers keep their gradient either
+  way (the GPU AdamW reads it in place: 18 B/param).
+* ``stream_fp32_master``: no bf16 copy in the store (2 B/param less); the fp32 master crosses
+  PCIe (4 instead of 2 B/param H2D) into one fp32 device staging buffer and is cast there.
+
+Pure arithmetic on a :class:`ModelShape` (no allocation). Lines marked "estimate" model framework
+temporaries, not buffers this library owns. Which split to take is ``plan_search``'s business;
+how a plan is shown, ``plan_report``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activation_memory import (
+    activation_lines,
+    attention_output_line,
+    boundary_activation_bytes,
+    boundary_dtype_label,
+    kept_activation_bytes_per_token,
+    saved_layers_label,
+)
+from .engine.staging import GRAD_STAGING_SLOTS
+from .host_store import device_layer_bytes, layer_store_bytes
+from .options import ResolvedOptions, StepShape
+from .plan_types import HBM, HOST, LayerPlacement, MemoryLine, ModelShape, itemsize
+
+GIB = 2**30
+#: Measured pinned PCIe Gen5 x16 copy rate on the target H200 machine (one direction).
+PCIE_BYTES_PER_S = 55e9
+#: HBM of the target H200, used when no GPU is present to measure.
+H200_HBM_BYTES = 139 * GIB
+#: Host RAM kept free for the Python process, CUDA context, dataloader and page cache churn.
+DEFAULT_HOST_MARGIN = 4 * GIB
+#: Resident memory of a training process before any model memory: Python, torch, transformers,
+#: the CUDA context. Measured on the H200 runs as peak RSS minus the host store: 1.8 GiB (7B) and
+#: 1.7 GiB (8B). Part of DEFAULT_HOST_MARGIN; the rest of the margin is headroom, not a prediction.
+PROCESS_BASELINE = 1792 * 2**20
+#: Name prefix of the host line that is headroom rather than expected use.
+SAFETY_MARGIN_LINE = "safety margin"
+#: GPU slack for the caching allocator and temporaries the lines do not model. With expandable
+#: segments (core/allocator.py) the measured H200 peaks (max_memory_reserved) of five runs (7B
+#: and 8B at 64k tokens, 1.5B at a 128k sequence, 14B at 16k in two store layouts) came out
+#: 0.5-7.5% under the modelled lines alone; 5% slack put the 14B plans 10.5% over the measured
+#: peak, 3% keeps every run over its measurement (by 3.4-8.4%).
+GPU_SLACK_FRACTION = 0.03
+#: GPU memory NCCL takes outside PyTorch's allocator once a data-parallel rank's communicator is
+#: up (after the plan measured the free HBM): the 2-GPU H200 run's out-of-memory report showed
+#: 1.57 GiB held outside PyTorch, the CUDA context's ~0.5 GiB of it already gone before the plan.
+NCCL_BUFFER_BYTES = 1 * GIB
+#: Name of that line: memory outside PyTorch's allocator, so not in max_memory_reserved.
+NCCL_LINE = "NCCL communicator buffers (estimate, outside PyTorch's allocator)"
+GPU_SLACK_MIN = 1 * GIB
+
+
+def host_bytes_per_param(
+    dtype: torch.dtype, host_grads: bool = True, stream_fp32_master: bool = False
+) -> int:
+    """Host-store bytes per parameter of a trainable host-tier layer: fp32 master + 2 moments,
+    the fp32 gradient slot when held, the compute-dtype copy unless the master streams."""
+    copy = 0 if dtype == torch.float32 or stream_fp32_master else itemsize(dtype)
+    return 12 + (4 if host_grads else 0) + copy
+
+
+def h2d_bytes_per_param(dtype: torch.dtype, stream_fp32_master: bool = False) -> int:
+    """Bytes per parameter a host layer moves H2D each time it streams in."""
+    return 4 if stream_fp32_master else itemsize(dtype)
+
+
+def total(lines: list[MemoryLine]) -> int:
+    return sum(line.nbytes for line in lines)
+
+
+def gpu_lines(
+    shape: ModelShape,
+    step: StepShape | None,
+    options: ResolvedOptions,
+    dtype: torch.dtype,
+    n_hbm: int,
+    reserve_bytes: int,
+    kept: int = 0,
+    ranks: int = 1,
+    attention_layers: int = 0,
+) -> list[MemoryLine]:
+    """GPU costs with the first ``n_hbm`` layers in the HBM tier, ``kept`` of them keeping
+    their activations (no recompute) and ``attention_layers`` recomputed ones their attention
+    kernel's outputs; per GPU when ``ranks`` > 1 (data parallel). Without a ``step``,
+    ``reserve_bytes`` stands for every activation, logit and resident parameter."""
+    isz = itemsize(dtype)
+    dt = "bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch.")
+    hbm = shape.layer_numels[:n_hbm]
+    host = shape.layer_numels[n_hbm:]
+    max_host = max(host, default=0)
+    cast = options.hbm_cast_weights and dtype != torch.float32
+    # Cast on use: the tier's layers that do not keep activations (the first n_hbm - kept).
+    n_cast = n_hbm - kept if cast else 0
+    # Layers that run from a stream buffer: streamed ones, and HBM-tier ones cast on use.
+    max_slot = max(max_host, max(hbm[:n_cast], default=0))
+    tier_copy = (
+        f"{dt} copy"
+        if not n_cast
+        else "cast to bf16 on use"
+        if n_cast == n_hbm
+        else f"cast to bf16 on use but the {kept} keeping activations ({dt} copy)"
+    )
+    lines = [
+        MemoryLine(
+            "non-layer params (embed/norm/head): fp32 param+grad+2 moments, 16 B/param",
+            16 * shape.non_layer_numel,
+        ),
+        MemoryLine(
+            f"HBM-tier layers ({len(hbm)}): fp32 master+grad+2 moments, {tier_copy}",
+            sum(device_layer_bytes(n, dtype, i >= n_cast) for i, n in enumerate(hbm)),
+        ),
+        MemoryLine(
+            f"stream double buffer: 2 x largest {'streamed or cast' if n_cast else 'host'} layer "
+            f"x {isz} B",
+            2 * max_slot * isz,
+        ),
+    ]
+    if options.stream_fp32_master and dtype != torch.float32 and max_host:
+        lines.append(
+            MemoryLine(
+                "fp32 master H2D staging (cast to the stream buffer on the GPU)", 4 * max_host
+            )
+        )
+    ga = step.grad_accum if step is not None else 1
+    if ga > 1:
+        # Non-final micro-batches keep every host layer's gradient on the GPU (one D2H per step).
+        lines.append(
+            MemoryLine(
+                f"fp32 grad accumulators of host layers (grad-accum {ga} > 1), 4 B/param",
+                4 * sum(host),
+            )
+        )
+    elif ranks > 1:
+        # Each layer's gradient is reduced to its owner rank: the owner's drain to the host
+        # (~2 in flight) and the other ranks' buffers until the reduction has read them
+        # (REDUCES_IN_FLIGHT in core/streaming.py).
+        lines.append(
+            MemoryLine(
+                "fp32 grads reducing to their owner rank / draining to host (~4 layers)",
+                4 * max_host * 4,
+            )
+        )
+    else:
+        # Each layer's gradient leaves on the D2H stream right away; ~2 can be in flight.
+        lines.append(
+            MemoryLine("fp32 grads draining to host (~2 layers in flight)", 2 * max_host * 4)
+        )
+    if ranks > 1:
+        lines.append(MemoryLine(NCCL_LINE, NCCL_BUFFER_BYTES))
+    if step is None:
+        lines.append(
+            MemoryLine("reserve for activations, logits, resident params (fixed)", reserve_bytes)
+        )
+        return lines
+    lines += activation_lines(shape, step, options, dtype)
+    if attention_layers:
+        lines.append(attention_output_line(shape, step, dtype, attention_layers))
+    if kept:
+        # A kept layer's graph holds its fp32 input itself, also where the boundary line
+        # counts it rounded to bf16.
+        per_token = (
+            kept_activation_bytes_per_token(shape)
+            + (4 - options.boundary_bytes_per_element) * shape.hidden_size
+        )
+        lines.append(
+            MemoryLine(
+                f"kept activations of {kept} HBM-tier layers (no recompute): "
+                f"{step.micro_batch_tokens} tokens x {per_token} B each (estimate)",
+                kept * step.micro_batch_tokens * per_token,
+            )
+        )
+    modelled = total(lines)
+    lines.append(
+        MemoryLine(
+            f"allocator slack + unmodelled temporaries ({GPU_SLACK_FRACTION:.0%}, min 1 GiB)",
+            max(GPU_SLACK_MIN, int(modelled * GPU_SLACK_FRACTION)),
+        )
+    )
+    return lines
+
+
+def host_lines(
+    shape: ModelShape,
+    step: StepShape | None,
+    options: ResolvedOptions,
+    dtype: torch.dtype,
+    n_hbm: int,
+    margin: int,
+    input_model_bytes: int = 0,
+    ranks: int = 1,
+) -> list[MemoryLine]:
+    """Host costs. ``ranks`` data-parallel processes of one host share the layer store (masters
+    and stream copies in shared memory, each gradient and moment on one owner rank: one store in
+    all) but each has its own process, staging ring and offloaded activations."""
+    host_grads, stream_master = options.host_grads, options.stream_fp32_master
+    host = shape.layer_numels[n_hbm:]
+    per_rank = f" x {ranks} ranks" if ranks > 1 else ""
+    offload = []
+    if step is not None and options.offload_activations:
+        b = options.boundary_bytes_per_element
+        offload.append(
+            MemoryLine(
+                f"offloaded boundary activations (pinned, {boundary_dtype_label(options)}): "
+                f"tokens x hidden x {b} B x {saved_layers_label(shape, options)}{per_rank}",
+                ranks * boundary_activation_bytes(shape, step, options),
+            )
+        )
+    parts = ["fp32 master/2 moments"]
+    if host_grads:
+        parts.append("fp32 grad")
+    if dtype != torch.float32 and not stream_master:
+        parts.append("bf16 copy" if dtype == torch.bfloat16 else "stream copy")
+    b = host_bytes_per_param(dtype, host_grads, stream_master)
+    lines = offload + [
+        MemoryLine(
+            f"host-tier layers ({len(host)}): {' + '.join(parts)}, {b} B/param",
+            sum(layer_store_bytes(n, dtype, True, host_grads, stream_master) for n in host),
+        )
+    ]
+    if not host_grads and host:
+        lines.append(
+            MemoryLine(
+                f"pinned grad staging ring: {GRAD_STAGING_SLOTS} x largest host layer x 4 B"
+                f"{per_rank}",
+                ranks * GRAD_STAGING_SLOTS * 4 * max(host),
+            )
+        )
+    if input_model_bytes:
+        # A model handed over materialized on the host is moved into the store layer by layer,
+        # each layer's own tensors freed once copied: the host peaks either before the move
+        # (the whole model) or after it (the store plus the not-yet-placed non-layer tensors).
+        store = total(lines)
+        whole = max(shape.total_numel, 1)
+        non_layer = input_model_bytes * shape.non_layer_numel // whole
+        lines.append(
+            MemoryLine(
+                f"model passed in on the host (moved into the store layer by layer){per_rank}",
+                ranks * max(non_layer, input_model_bytes - store),
+            )
+        )
+    baseline = min(PROCESS_BASELINE, margin)
+    return lines + [
+        MemoryLine(
+            f"process baseline (Python, torch, CUDA context; measured){per_rank}",
+            ranks * baseline,
+        ),
+        MemoryLine(f"{SAFETY_MARGIN_LINE} (headroom, not expected use)", margin - baseline),
+    ]
+
+
+def pcie_bytes(
+    shape: ModelShape,
+    step: StepShape | None,
+    options: ResolvedOptions,
+    dtype: torch.dtype,
+    n_hbm: int,
+) -> tuple[int, int]:
+    """(H2D, D2H) bytes per optimizer step.
+
+    Host layers stream in for the forward and again for the backward recompute of every
+    micro-batch. The double buffer still holds the last two host layers when backward starts,
+    and after a backward the first two host layers for the next micro-batch's forward (the first
+    forward of a step must reload: the optimizer changed the weights). Gradients leave once per
+    step.
+
+    Checkpoint segments of k layers: a segment's backward streams its layers but the last for
+    the chain, then each layer for its own backward; the last two chain layers are still in the
+    double buffer then, so layers 0..k-3 of each segment stream in once more.
+    """
+    isz = h2d_bytes_per_param(dtype, options.stream_fp32_master)
+    host = list(shape.layer_numels[n_hbm:])
+    if not host:
+        return 0, 0
+    ga = step.grad_accum if step is not None else 1
+    kept = min(2, len(host))
+    saved_backward = sum(host[-kept:]) * isz
+    saved_forward = sum(host[:kept]) * isz
+    h2d = ga * 2 * sum(host) * isz - ga * saved_backward - (ga - 1) * saved_forward
+    k = options.checkpoint_every if step is not None else 1
+    n = shape.num_layers
+    again = [i for s in range(0, n, k) for i in range(s, min(s + k, n) - 2) if i >= n_hbm]
+    h2d += ga * sum(shape.layer_numels[i] for i in again) * isz
+    return h2d, 4 * sum(host)
+
+
+def layer_placements(
+    shape: ModelShape, options: ResolvedOptions, dtype: torch.dtype, n_hbm: int, n_cast: int
+) -> list[LayerPlacement]:
+    """Each layer's tier and bytes; ``n_cast``: how many leading HBM-tier layers keep no
+    compute-dtype copy."""
+    store = dict(hold_grad=options.host_grads, stream_master=options.stream_fp32_master)
+    return [
+        LayerPlacement(i, n, HBM, device_layer_bytes(n, dtype, i >= n_cast), 0)
+        if i < n_hbm
+        else LayerPlacement(i, n, HOST, 0, layer_store_bytes(n, dtype, True, **store))
+        for i, n in enumerate(shape.layer_numels)
+    ]
+
+
+__all__ = [
+    "DEFAULT_HOST_MARGIN",
+    "GIB",
+    "GPU_SLACK_FRACTION",
+    "GPU_SLACK_MIN",
+    "H200_HBM_BYTES",
+    "NCCL_BUFFER_BYTES",
+    "NCCL_LINE",
+    "PCIE_BYTES_PER_S",
+    "PROCESS_BASELINE",
+    "SAFETY_MARGIN_LINE",
+    "gpu_lines",
+    "h2d_bytes_per_param",
+    "host_bytes_per_param",
+    "host_lines",
+    "layer_placements",
+    "pcie_bytes",
+    "total",
+]

@@ -1,0 +1,353 @@
+"""How a memory plan is reported: its table, its problems with their advice, its notes.
+
+Problems and notes are :class:`~hf_megatrain.core.plan_types.Message` values: they name engine
+options structurally, and the layer that shows them picks the spelling with an
+:class:`~hf_megatrain.core.plan_types.OptionNamer` (field names here, training arguments in the
+HF layer, flags in ``hf-megatrain plan``). The table's own lines never name an option.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activation_memory import boundary_activation_bytes, saved_boundary_layers
+from .engine.staging import GRAD_STAGING_SLOTS
+from .host_store import format_bytes
+from .memory_options import BF16_BOUNDARIES, MemoryOptions
+from .plan_arithmetic import GIB, PCIE_BYTES_PER_S, host_bytes_per_param
+from .plan_types import (
+    HBM,
+    HOST,
+    MemoryLine,
+    MemoryPlan,
+    MemoryPlanError,
+    Message,
+    OptionChanges,
+    OptionNamer,
+    option,
+    setting,
+)
+
+#: When not even every memory option together makes a plan fit.
+NOTHING_FITS_ADVICE = (
+    "No combination of the memory options (MLP tiles, activation offload, fp32-master "
+    "streaming, checkpoint segments of up to 8 layers, bf16 boundaries, no clipping) makes it "
+    "fit on this machine."
+)
+
+#: Problem advice when only the boundary activations' precision stands between a plan and a fit.
+BF16_BOUNDARIES_ADVICE = Message.of(
+    "With bf16 boundary activations (",
+    setting("boundary_dtype", BF16_BOUNDARIES),
+    ": each layer's saved input rounded to bf16, half the bytes) this plan fits; the forward is "
+    "unchanged, but backward recomputes each layer from the rounded input (relative error "
+    "<= 2^-9 per element), so gradients are slightly approximate.",
+)
+
+
+def segment_advice(k: int) -> Message:
+    """Problem advice when checkpoint segments of ``k`` layers make the plan fit."""
+    return Message.of(
+        f"With checkpoint segments of {k} layers (",
+        setting("checkpoint_every", k),
+        f": one layer in {k} saves its input, the others are recomputed from it in backward, "
+        f"{k - 1}/{k} of a layer forward more per layer, exact) this plan fits.",
+    )
+
+
+def options_advice(changes: OptionChanges) -> Message:
+    """Problem advice when the option set ``changes`` makes the plan fit."""
+    return Message.of("With ", changes.render, " this plan fits.")
+
+
+def hbm_cast_note(n_cast: int, n_copy: int) -> Message:
+    """Note: HBM-tier layers without bf16 copies would put more layers in HBM."""
+    return Message.of(
+        "with ",
+        setting("hbm_cast_weights", True),
+        f" (HBM-tier layers without bf16 copies, 16 B/param) {n_cast} layers fit in HBM "
+        f"instead of {n_copy}.",
+    )
+
+
+def mode_line(dtype: torch.dtype, host_grads: bool, stream_fp32_master: bool) -> str:
+    """The table's line on the host store's bytes per parameter and why."""
+    grads = (
+        "fp32 grad slot held until the step's norm is known (clipping on)"
+        if host_grads
+        else f"eager updates, no grad slot (grads pass a {GRAD_STAGING_SLOTS}-layer staging ring)"
+    )
+    weights = (
+        "fp32 masters stream (cast on GPU)"
+        if stream_fp32_master and dtype != torch.float32
+        else "fp32 masters stream"
+        if dtype == torch.float32
+        else "bf16 stream copy"
+    )
+    b = host_bytes_per_param(dtype, host_grads, stream_fp32_master)
+    return f"host tier {b} B/param: {grads}; {weights}"
+
+
+# ==== problems and advice ===========================================================================
+def add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
+    """The plan's problems (GPU before host), with the advice its flags already carry."""
+    gpu_needed = plan.gpu_total
+    if gpu_needed > plan.hbm_available:
+        what = (
+            "even with every layer streamed from host, the GPU part"
+            if plan.n_hbm == 0
+            else f"with {plan.n_hbm} layers in HBM, the GPU part"
+        )
+        big = max(fixed_gpu_lines, key=lambda line: line.nbytes)
+        advice = (
+            Message.of(
+                "Use fewer tokens per micro-batch (more gradient accumulation) or a shorter "
+                "sequence."
+            )
+            if plan.step is not None
+            else Message.of(
+                "Lower the HBM reserve (", option("hbm_reserve_gb"), ") or stream every layer."
+            )
+        )
+        plan.problems.append(
+            MemoryPlanError(
+                Message.of(
+                    f"hf_megatrain: {what} needs {format_bytes(gpu_needed)} of GPU memory but "
+                    f"only {format_bytes(plan.hbm_available)} is free (largest item: {big.name}, "
+                    f"{format_bytes(big.nbytes)}). ",
+                    advice,
+                    _boundary_advice(plan),
+                ),
+                "gpu",
+                gpu_needed,
+                plan.hbm_available,
+                _bf16_changes(plan),
+            )
+        )
+    host_needed = plan.host_total
+    if host_needed > plan.host_available:
+        plan.problems.append(
+            MemoryPlanError(
+                Message.of(
+                    f"hf_megatrain: the host store needs {format_bytes(host_needed)} of host RAM "
+                    f"({plan.n_host} streamed layers + "
+                    f"{format_bytes(plan.host_lines[-1].nbytes)} margin; {plan.n_hbm} layers "
+                    f"already moved to HBM, which is full) but only "
+                    f"{format_bytes(plan.host_available)} is available. Use a machine with more "
+                    "RAM or GPU memory, fewer tokens per micro-batch (frees HBM for layers), "
+                    f"{_slimmer_store_advice(plan)}",
+                    _boundary_option(plan),
+                    "or a smaller model.",
+                    _boundary_advice(plan),
+                ),
+                "host",
+                host_needed,
+                plan.host_available,
+                _bf16_changes(plan),
+            )
+        )
+
+
+def _bf16_changes(plan: MemoryPlan) -> OptionChanges | None:
+    return OptionChanges({"boundary_dtype": BF16_BOUNDARIES}) if plan.bf16_boundaries_fit else None
+
+
+def _boundary_advice(plan: MemoryPlan) -> Message | str:
+    return Message.of(" ", BF16_BOUNDARIES_ADVICE) if plan.bf16_boundaries_fit else ""
+
+
+def _boundary_option(plan: MemoryPlan) -> Message | str:
+    """bf16 boundaries as one more host-RAM option, when the activations are offloaded there
+    and halving them alone is not enough (else ``_boundary_advice`` says it fits)."""
+    step, options = plan.step, plan.options
+    if plan.bf16_boundaries_fit or step is None or options is None:
+        return ""
+    if not options.offload_activations or options.boundary_bytes_per_element <= 2:
+        return ""
+    saved = boundary_activation_bytes(plan.shape, step, options) // 2
+    return Message.of(
+        "bf16 boundary activations (",
+        setting("boundary_dtype", BF16_BOUNDARIES),
+        f": {format_bytes(saved)} less, slightly approximate gradients), ",
+    )
+
+
+def _slimmer_store_advice(plan: MemoryPlan) -> str:
+    """The host-store options this plan does not use yet, as advice."""
+    out = ""
+    if plan.host_grads:
+        out += "no clipping (eager updates keep no host gradient: 4 B/param less), "
+    if not plan.stream_fp32_master and plan.compute_dtype != torch.float32:
+        out += "fp32-master streaming (no bf16 copy: 2 B/param less, 2x H2D bytes), "
+    return out
+
+
+def advise(plan: MemoryPlan, changes: OptionChanges, text: Message | str) -> None:
+    """Append ``text`` (advice naming ``changes``) to every problem of the plan."""
+    plan.advice = changes
+    for problem in plan.problems:
+        problem.extend(text, changes)
+
+
+def advise_options(plan: MemoryPlan, found: MemoryOptions, base: MemoryOptions) -> None:
+    """The lightest option set ``found`` over ``base`` makes the plan fit: say so."""
+    plan.options_fit = found
+    changes = found.changes(base)
+    advise(plan, changes, options_advice(changes))
+
+
+def advise_segments(plan: MemoryPlan, k: int) -> None:
+    """Checkpoint segments of ``k`` layers make the plan fit: say so."""
+    plan.checkpoint_every_fit = k
+    advise(plan, OptionChanges({"checkpoint_every": k}), segment_advice(k))
+
+
+def advise_nothing_fits(plan: MemoryPlan) -> None:
+    for problem in plan.problems:
+        problem.extend(NOTHING_FITS_ADVICE)
+
+
+# ==== notes =========================================================================================
+def add_notes(plan: MemoryPlan) -> None:
+    step, options = plan.step, plan.options
+    k = options.checkpoint_every if options is not None else 1
+    if step is not None and k > 1:
+        plan.notes.append(
+            Message.of(
+                f"checkpoint segments of {k} layers: {saved_boundary_layers(plan.shape, options)}"
+                f" of {plan.shape.num_layers} layer inputs saved; the others are recomputed in "
+                f"backward ({k - 1} extra layer forwards per segment, {k - 1}/{k} of a layer "
+                "forward per layer)."
+            )
+        )
+    if step is not None and step.grad_accum > 1 and plan.n_host:
+        plan.notes.append(
+            Message.of(
+                f"grad-accum {step.grad_accum} > 1 keeps an fp32 gradient accumulator of every "
+                "host layer on the GPU (4 B/param) until the step's last micro-batch."
+            )
+        )
+    if step is not None:
+        plan.notes.append(
+            Message.of(
+                "recompute working set, loss temporaries and slack are estimates; parameter, "
+                "buffer and optimizer-state lines are exact."
+            )
+        )
+    else:
+        plan.notes.append(
+            Message.of(
+                "workload unknown: a fixed reserve stands for activations, logits and the "
+                "resident non-layer params."
+            )
+        )
+    if plan.n_host and plan.n_hbm == 0 and plan.fits:
+        plan.notes.append(
+            Message.of("no layer fits in HBM next to the activations; all layers stream.")
+        )
+    if step is not None and not plan.shape.kept_bytes_audited and not plan.kept_layers:
+        plan.notes.append(
+            Message.of(
+                "kept activations not planned: what this layer family saves for backward is not "
+                "audited; a layer count in ",
+                option("keep_activations"),
+                " keeps some on an estimate.",
+            )
+        )
+
+
+# ==== the table =====================================================================================
+def _gib(n: int) -> str:
+    return f"{n / GIB:9.2f}"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _ranges(indices: list[int]) -> str:
+    if not indices:
+        return "none"
+    return f"{indices[0]}-{indices[-1]}" if len(indices) > 1 else str(indices[0])
+
+
+def render_table(plan: MemoryPlan, namer: OptionNamer | None = None) -> str:
+    """The plan as a table; notes and problems spell options with ``namer``."""
+    s, step = plan.shape, plan.step
+    dt = "bf16" if plan.compute_dtype == torch.bfloat16 else "fp32"
+    width = 84
+    widths = f", hidden {s.hidden_size}, vocab {s.vocab_size}" if s.hidden_size else ""
+    out = [
+        f"hf-megatrain memory plan: {s.name} ({_params(s.total_numel)} params, "
+        f"{s.num_layers} layers{widths}), {dt} compute",
+    ]
+    if step is not None:
+        out.append(
+            f"step: {step.tokens_per_step} tokens = {step.grad_accum} micro-batch(es) of "
+            f"{step.micro_batch_tokens} tokens (seq {step.seq_len})"
+        )
+    hbm_idx = [p.index for p in plan.layers if p.tier == HBM]
+    host_idx = [p.index for p in plan.layers if p.tier == HOST]
+    out.append(
+        f"layers: {plan.n_hbm} in HBM ({_ranges(hbm_idx)}), "
+        f"{plan.n_host} streamed from host ({_ranges(host_idx)})"
+    )
+    if plan.ranks > 1:
+        out.append(
+            f"data parallel: {plan.ranks} ranks, one GPU each; GPU lines are per GPU (HBM-tier "
+            "layers replicated), host lines for the whole host (one shared store)"
+        )
+    if plan.kept_layers:
+        out.append(
+            f"activations kept, no recompute: layers {_ranges(plan.kept_layer_indices)}; "
+            "the others recompute in backward"
+        )
+    if plan.attention_layers:
+        out.append(
+            f"attention outputs kept for the recompute: layers "
+            f"{_ranges(plan.attention_layer_indices)}"
+        )
+    out.append(mode_line(plan.compute_dtype, plan.host_grads, plan.stream_fp32_master))
+    for title, lines, total, avail in (
+        ("GPU (HBM)", plan.gpu_lines, plan.gpu_total, plan.hbm_available),
+        ("host RAM", plan.host_lines, plan.host_total, plan.host_available),
+    ):
+        out.append("")
+        out.append(f"{title:<{width - 9}}{'GiB':>9}")
+        for line in lines:
+            out.append(f"  {line.name:<{width - 11}}{_gib(line.nbytes)}")
+        gap = abs(avail - total) / GIB
+        status = f"fits, {gap:.2f} GiB left" if total <= avail else f"DOES NOT FIT: {gap:.2f} short"
+        out.append(f"  {'total':<{width - 11}}{_gib(total)}")
+        out.append(f"  {'available (' + status + ')':<{width - 11}}{_gib(avail)}")
+    secs = max(plan.h2d_bytes_per_step, plan.d2h_bytes_per_step) / PCIE_BYTES_PER_S
+    out.append("")
+    out.append(
+        f"PCIe per optimizer step: H2D {plan.h2d_bytes_per_step / 1e9:.2f} GB "
+        f"({'fp32 masters' if plan.stream_fp32_master else 'weights'}), "
+        f"D2H {plan.d2h_bytes_per_step / 1e9:.2f} GB (fp32 grads); "
+        f"~{secs:.2f} s at {PCIE_BYTES_PER_S / 1e9:.0f} GB/s per direction"
+    )
+    for note in plan.notes:
+        text = note.render(namer) if isinstance(note, Message) else str(note)
+        out.append(f"note: {text}")
+    for problem in plan.problems:
+        out.append(f"PROBLEM: {problem.message(namer).removeprefix('hf_megatrain: ')}")
+    return "\n".join(out)
+
+
+__all__ = [
+    "BF16_BOUNDARIES_ADVICE",
+    "NOTHING_FITS_ADVICE",
+    "add_notes",
+    "add_problems",
+    "advise",
+    "advise_nothing_fits",
+    "advise_options",
+    "advise_segments",
+    "hbm_cast_note",
+    "mode_line",
+    "options_advice",
+    "render_table",
+    "segment_advice",
+]

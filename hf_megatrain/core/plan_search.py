@@ -1,0 +1,398 @@
+"""The memory plan's searches: how many layers go to HBM (and keep activations or attention
+outputs), what fits on a machine (micro-batch, sequence, model depth), and, for a plan that does
+not fit, the lightest set of memory options that would.
+
+Every plan is the arithmetic of ``plan_arithmetic`` on one tier split; the searches only try
+splits and option sets. ``plan_report`` words the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .memory_options import BF16_BOUNDARIES, MemoryOptions, lightest_fit
+from .options import ALL_LAYERS, ResolvedOptions, StepShape
+from .plan_arithmetic import (
+    DEFAULT_HOST_MARGIN,
+    gpu_lines,
+    host_lines,
+    layer_placements,
+    pcie_bytes,
+    total,
+)
+from .plan_report import (
+    add_notes,
+    add_problems,
+    advise_nothing_fits,
+    advise_options,
+    advise_segments,
+    hbm_cast_note,
+)
+from .plan_types import MemoryLine, MemoryPlan, ModelShape, OptionChanges
+
+#: The engine options (``EngineOptions`` fields) a plan depends on: the host-store mode, the HBM
+#: tier's, and what shapes activations. ``resident_layers`` is the caller's ``hbm_layers``.
+PLANNED_OPTIONS = (
+    "stream_fp32_master",
+    "host_grads",
+    "eager_update",
+    "hbm_cast_weights",
+    "keep_activations",
+    "keep_attention_outputs",
+    "recompute_early_stop",
+    "checkpoint_every",
+    "mlp_tile_tokens",
+    "offload_activations",
+    "boundary_dtype",
+)
+
+#: Segment lengths the advice tries when a plan does not fit (the shortest that fits is named).
+SEGMENT_ADVICE_LENGTHS = (2, 3, 4, 6, 8)
+
+
+def plan_memory(
+    shape: ModelShape,
+    step: StepShape | None,
+    options: ResolvedOptions,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    *,
+    hbm_layers: int | None = None,
+    reserve_bytes: int = 0,
+    input_model_bytes: int = 0,
+    ranks: int = 1,
+    host_margin_bytes: int = DEFAULT_HOST_MARGIN,
+) -> MemoryPlan:
+    """Plan the tiers. Never raises for lack of memory: check ``plan.fits`` or call ``check()``.
+
+    Args:
+        shape: the model's parameter counts and widths.
+        step: the step's token split; ``None`` when unknown (the builder's "auto" before it
+            knows the batch): then ``reserve_bytes`` stands for activations, logits and the
+            resident non-layer params.
+        options: the run's resolved engine options. The planner reads the host-store mode
+            (``host_grads``, ``stream_fp32_master``), the HBM tier's (``hbm_cast_weights``,
+            ``keep_activation_layers``: a count, or None for as many as the HBM left after the
+            tier holds, which needs a ``step``; layer state comes first), and what shapes
+            activations (``mlp_tile_tokens``, ``offload_activations``,
+            ``boundary_bytes_per_element``, ``checkpoint_every``, ``attention_output_layers``).
+        compute_dtype: ``torch.bfloat16`` or ``torch.float32``.
+        hbm_bytes: free GPU memory to plan into; host_bytes: available host RAM.
+        hbm_layers: force this many leading layers into HBM (default: as many as fit).
+        input_model_bytes: bytes of a model handed over materialized on the host (0 for a meta
+            skeleton that is loaded or initialized straight into the store).
+        ranks: data-parallel processes on this host (one GPU each): the GPU plan is per GPU
+            (HBM-tier layers are replicated), the host plan holds the shared store once and
+            each rank's own process, staging ring and offloaded activations.
+        host_margin_bytes: host RAM kept free (process baseline plus headroom).
+    """
+    return _plan(
+        shape, step, options, compute_dtype, hbm_bytes, host_bytes, hbm_layers=hbm_layers,
+        reserve_bytes=reserve_bytes, input_model_bytes=input_model_bytes, ranks=ranks,
+        host_margin_bytes=host_margin_bytes, keep=options.keep_activation_layers, advise=True,
+    )  # fmt: skip
+
+
+def _plan(
+    shape: ModelShape,
+    step: StepShape | None,
+    options: ResolvedOptions,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    *,
+    hbm_layers: int | None,
+    reserve_bytes: int,
+    input_model_bytes: int,
+    ranks: int,
+    host_margin_bytes: int,
+    keep: int | None,
+    advise: bool,
+) -> MemoryPlan:
+    """``plan_memory`` with the kept-activation count ``keep`` given apart from the options (the
+    searches plan without kept activations, which only fill room and never decide a fit), and
+    the advice search on or off."""
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks} must be >= 1")
+    if compute_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"compute dtype {compute_dtype} is not supported; use bf16 or fp32")
+    n = shape.num_layers
+
+    # Recomputed layers keeping their attention kernel's outputs: asked for as a count (or all),
+    # part of sizing the tier; "auto" (None) fills what the tier and kept activations leave.
+    attn_ask = options.attention_output_layers if step is not None else 0
+    if step is not None and options.boundary_bytes_per_element != 4:
+        attn_ask = 0  # layers with rounded inputs re-run whole: nothing kept
+
+    def attn_fixed(kept: int) -> int:
+        if attn_ask is None:
+            return 0
+        return n - kept if attn_ask == ALL_LAYERS else min(attn_ask, n - kept)
+
+    def gpu(k: int, kept: int = 0, attn: int | None = None) -> list[MemoryLine]:
+        return gpu_lines(
+            shape, step, options, compute_dtype, k, reserve_bytes, kept, ranks,
+            attn_fixed(kept) if attn is None else attn,
+        )  # fmt: skip
+
+    if hbm_layers is not None:
+        if not 0 <= hbm_layers <= n:
+            raise ValueError(f"hbm_layers={hbm_layers} but the model has {n} layers")
+        n_hbm = hbm_layers
+    else:
+        # Largest prefix that fits. Not monotone in k (an all-HBM plan drops the stream buffers),
+        # so try every count instead of stopping at the first miss.
+        n_hbm = next((k for k in range(n, -1, -1) if total(gpu(k)) <= hbm_bytes), 0)
+    cast = options.hbm_cast_weights and compute_dtype != torch.float32
+    if step is None or (keep is None and options.offload_activations):
+        kept = 0  # (offload is for runs whose activations do not fit: nothing to keep)
+    elif keep is None and not shape.kept_bytes_audited:
+        kept = 0
+    elif keep is None:
+        kept = next((k for k in range(n_hbm, 0, -1) if total(gpu(n_hbm, k)) <= hbm_bytes), 0)
+    else:
+        if not 0 <= keep <= n_hbm:
+            raise ValueError(
+                f"keep_activations={keep}: only the {n_hbm} HBM-tier layers can keep their "
+                "activations"
+            )
+        kept = keep
+    if attn_ask is None:
+        # More layers keeping them only adds HBM: the largest count that fits.
+        attn = _largest(lambda a: total(gpu(n_hbm, kept, a)) <= hbm_bytes, n - kept)
+    else:
+        attn = attn_fixed(kept)
+    gpu_plan = gpu(n_hbm, kept, attn)
+    h2d, d2h = pcie_bytes(shape, step, options, compute_dtype, n_hbm)
+    plan = MemoryPlan(
+        shape=shape,
+        step=step,
+        compute_dtype=compute_dtype,
+        hbm_available=hbm_bytes,
+        host_available=host_bytes,
+        layers=layer_placements(shape, options, compute_dtype, n_hbm, n_hbm - kept if cast else 0),
+        gpu_lines=gpu_plan,
+        host_lines=host_lines(
+            shape, step, options, compute_dtype, n_hbm, host_margin_bytes, input_model_bytes, ranks
+        ),
+        h2d_bytes_per_step=h2d,
+        d2h_bytes_per_step=d2h,
+        options=options,
+        host_grads=options.host_grads,
+        stream_fp32_master=options.stream_fp32_master,
+        kept_layers=kept,
+        ranks=ranks,
+        hbm_cast_weights=cast,
+        attention_layers=attn,
+    )
+    fixed_gpu_lines = gpu(0) if hbm_layers is None else gpu_plan
+    add_problems(plan, fixed_gpu_lines)
+    if not advise:
+        return plan
+    if not plan.problems or step is None:
+        add_notes(plan)
+        _note_hbm_cast(plan, shape, step, options, compute_dtype, hbm_bytes, host_bytes,
+                       hbm_layers, reserve_bytes, input_model_bytes, ranks, host_margin_bytes,
+                       keep)  # fmt: skip
+        return plan
+
+    def fits_with(other: ResolvedOptions) -> bool:
+        """Whether the same run fits with other options (for the advice): without kept
+        activations, which never decide a fit."""
+        return _plan(
+            shape, step, other, compute_dtype, hbm_bytes, host_bytes, hbm_layers=hbm_layers,
+            reserve_bytes=reserve_bytes, input_model_bytes=input_model_bytes, ranks=ranks,
+            host_margin_bytes=host_margin_bytes, keep=0, advise=False,
+        ).fits  # fmt: skip
+
+    def fits_engine(**changes: object) -> bool:
+        engine = options.options.with_(**changes)
+        return fits_with(engine.resolve(clipping=options.clipping, cuda=options.cuda))
+
+    base = MemoryOptions.of(options)
+
+    def fits_options(o: MemoryOptions) -> bool:
+        return fits_with(o.applied(options))
+
+    # Exact, cheap options first: when MLP tiles, activation offload or fp32-master streaming
+    # (alone or together) make it fit, that is the advice, before anything approximate (bf16
+    # boundaries) or slower (checkpoint segments) is considered.
+    def cheap(o: MemoryOptions) -> bool:
+        return (o.checkpoint_every, o.boundary_dtype, o.no_clip) == (
+            base.checkpoint_every, base.boundary_dtype, base.no_clip,
+        )  # fmt: skip
+
+    exact = lightest_fit(lambda o: cheap(o) and fits_options(o), base, step.micro_batch_tokens)
+    if exact is not None:
+        advise_options(plan, exact, base)
+        add_notes(plan)
+        return plan
+    if options.boundary_bytes_per_element > 2:
+        # Would bf16 boundary activations (half the bytes) make it fit? Then the advice says so.
+        plan.bf16_boundaries_fit = fits_engine(boundary_dtype=BF16_BOUNDARIES)
+        if plan.bf16_boundaries_fit:
+            plan.advice = OptionChanges({"boundary_dtype": BF16_BOUNDARIES})
+            plan.problems.clear()
+            add_problems(plan, fixed_gpu_lines)
+    if not plan.bf16_boundaries_fit:
+        # Would checkpoint segments (fewer saved layer inputs) make it fit? The advice says so.
+        for k in SEGMENT_ADVICE_LENGTHS:
+            if options.checkpoint_every < k < n and fits_engine(checkpoint_every=k):
+                advise_segments(plan, k)
+                break
+    if not plan.bf16_boundaries_fit and plan.checkpoint_every_fit is None:
+        # No single option is enough: the lightest combination of those not used yet.
+        found = lightest_fit(fits_options, base, step.micro_batch_tokens)
+        if found is not None:
+            advise_options(plan, found, base)
+        else:
+            advise_nothing_fits(plan)
+    add_notes(plan)
+    return plan
+
+
+def _note_hbm_cast(
+    plan: MemoryPlan,
+    shape: ModelShape,
+    step: StepShape | None,
+    options: ResolvedOptions,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    hbm_layers: int | None,
+    reserve_bytes: int,
+    input_model_bytes: int,
+    ranks: int,
+    host_margin_bytes: int,
+    keep: int | None,
+) -> None:
+    """A plan that fits with some layers streamed, HBM-tier layers with bf16 copies: say when
+    the tier without them (16 instead of 18 B/param) would hold more layers."""
+    if (
+        not plan.fits
+        or plan.hbm_cast_weights
+        or compute_dtype == torch.float32
+        or hbm_layers is not None
+        or not plan.n_host
+    ):
+        return
+    cast = options.options.with_(hbm_cast_weights=True).resolve(
+        clipping=options.clipping, cuda=options.cuda
+    )
+    alt = _plan(
+        shape, step, cast, compute_dtype, hbm_bytes, host_bytes, hbm_layers=None,
+        reserve_bytes=reserve_bytes, input_model_bytes=input_model_bytes, ranks=ranks,
+        host_margin_bytes=host_margin_bytes, keep=keep, advise=False,
+    )  # fmt: skip
+    if alt.fits and alt.n_hbm > plan.n_hbm:
+        plan.notes.append(hbm_cast_note(alt.n_hbm, plan.n_hbm))
+
+
+# ==== what fits =====================================================================================
+def _largest(fits: Callable[[int], bool], limit: int) -> int:
+    """Largest ``m`` in ``[1, limit]`` with ``fits(m)`` (monotone: fits for all smaller), else 0."""
+    if limit < 1 or not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):  # doubling keeps the number of plans logarithmic
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _fits(
+    shape: ModelShape,
+    step: StepShape,
+    options: ResolvedOptions,
+    dtype: torch.dtype,
+    hbm: int,
+    host: int,
+    ranks: int,
+) -> bool:
+    # Kept activations only fill the HBM a plan leaves: they never decide what fits.
+    return _plan(
+        shape, step, options, dtype, hbm, host, hbm_layers=None, reserve_bytes=0,
+        input_model_bytes=0, ranks=ranks, host_margin_bytes=DEFAULT_HOST_MARGIN, keep=0,
+        advise=False,
+    ).fits  # fmt: skip
+
+
+def max_micro_batch_sequences(
+    shape: ModelShape,
+    seq_len: int,
+    grad_accum: int,
+    options: ResolvedOptions,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    ranks: int = 1,
+    *,
+    limit: int = 1 << 20,
+) -> int:
+    """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one)."""
+    return _largest(
+        lambda m: _fits(
+            shape, StepShape(seq_len, m * seq_len, grad_accum), options, compute_dtype,
+            hbm_bytes, host_bytes, ranks,
+        ),
+        limit,
+    )  # fmt: skip
+
+
+def max_seq_len(
+    shape: ModelShape,
+    grad_accum: int,
+    options: ResolvedOptions,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    ranks: int = 1,
+    *,
+    multiple: int = 1024,
+    limit: int = 1 << 26,
+) -> int:
+    """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none."""
+    m = _largest(
+        lambda k: _fits(
+            shape, StepShape(k * multiple, k * multiple, grad_accum), options, compute_dtype,
+            hbm_bytes, host_bytes, ranks,
+        ),
+        limit // multiple,
+    )  # fmt: skip
+    return m * multiple
+
+
+def max_num_layers(
+    shape: ModelShape,
+    step: StepShape,
+    options: ResolvedOptions,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    ranks: int = 1,
+    *,
+    limit: int = 4096,
+) -> int:
+    """Most layers of this family's layer shape that fit (same widths, vocab, step)."""
+    return _largest(
+        lambda n: _fits(
+            shape.with_num_layers(n), step, options, compute_dtype, hbm_bytes, host_bytes, ranks
+        ),
+        limit,
+    )
+
+
+__all__ = [
+    "PLANNED_OPTIONS",
+    "SEGMENT_ADVICE_LENGTHS",
+    "max_micro_batch_sequences",
+    "max_num_layers",
+    "max_seq_len",
+    "plan_memory",
+]

@@ -1,0 +1,113 @@
+"""Command-line flags generated from :class:`~hf_megatrain.core.options.EngineOptions`.
+
+Every engine option field ``some_name`` is the flag ``--some-name``: bool fields take
+``--some-name`` / ``--no-some-name``; the others take a value of the field's type. argparse
+defaults are None, so a flag the user did not type leaves the options' own default (or a recipe's
+value) in place. ``hf-megatrain train``, ``hf-megatrain plan``, the benchmarks and the recipes all
+use these, so an option is never declared twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Iterable
+from typing import Any
+
+from .core.options import EngineOptions, OptionError, field_types
+
+
+def flag_name(field: str) -> str:
+    """``checkpoint_every`` -> ``--checkpoint-every``."""
+    return "--" + field.replace("_", "-")
+
+
+def flag_text(field: str, value: Any) -> str:
+    """How the command line spells ``field=value`` (for advice and logs)."""
+    if isinstance(value, bool):
+        return flag_name(field) if value else "--no-" + field.replace("_", "-")
+    return f"{flag_name(field)} {value}"
+
+
+def _base_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def add_option_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    only: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+) -> list[str]:
+    """Add one flag per engine option (``only`` those, less ``exclude``); return the names."""
+    types = field_types()
+    wanted = set(only) if only is not None else None
+    names = []
+    for f in dataclasses.fields(EngineOptions):
+        if (wanted is not None and f.name not in wanted) or f.name in exclude:
+            continue
+        kind = _base_type(types[f.name])
+        text = f.metadata.get("help", "")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None}
+        # The help says the default unless its text already explains it.
+        kwargs["help"] = text if "Default" in text else f"{text} (default: {f.default})"
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            kwargs["metavar"] = f.name.split("_")[-1].upper() if kind is not str else "VALUE"
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+                kwargs.pop("metavar")
+            if "bare_value" in f.metadata:
+                kwargs["nargs"] = "?"
+                kwargs["const"] = f.metadata["bare_value"]
+        parser.add_argument(flag_name(f.name), **kwargs)
+        names.append(f.name)
+    return names
+
+
+def options_from_namespace(
+    ns: argparse.Namespace, base: EngineOptions | None = None
+) -> EngineOptions:
+    """``base`` (default: the defaults) with every option flag the user typed applied."""
+    changes = {
+        name: getattr(ns, name)
+        for name in EngineOptions.field_names()
+        if getattr(ns, name, None) is not None
+    }
+    return dataclasses.replace(base or EngineOptions(), **changes)
+
+
+def options_from_mapping(values: dict[str, Any], base: EngineOptions | None = None) -> EngineOptions:
+    """``base`` with the option fields of ``values`` (e.g. recipe YAML keys) applied; other keys
+    are ignored (the caller decides whether they are errors)."""
+    types = field_types()
+    changes = {}
+    for k, v in values.items():
+        if k not in EngineOptions.field_names():
+            continue
+        kind = _base_type(types[k])
+        if isinstance(v, str) and kind in (int, float):
+            # YAML reads "1e2" or "64" quoted as a string.
+            try:
+                v = kind(float(v)) if kind is int and float(v).is_integer() else kind(v)
+            except ValueError:
+                raise OptionError(f"{k}={v!r} must be {kind.__name__}") from None
+        changes[k] = v
+    try:
+        return dataclasses.replace(base or EngineOptions(), **changes)
+    except OptionError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise OptionError(str(e)) from None
+
+
+__all__ = [
+    "add_option_arguments",
+    "flag_name",
+    "flag_text",
+    "options_from_mapping",
+    "options_from_namespace",
+]
