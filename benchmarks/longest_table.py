@@ -84,23 +84,26 @@ def planned_ceiling(model: str) -> int:
     import torch
 
     from benchmarks import bench
-    from hf_megatrain.cli import model_shape_from_config
+    from hf_megatrain.core.options import EngineOptions
     from hf_megatrain.core.planner import GIB, max_seq_len
+    from hf_megatrain.hf.model import model_shape_from_config
 
     shape = model_shape_from_config(bench.load_model_config(model), model)
+    options = EngineOptions(
+        mlp_tile_tokens=16384,
+        offload_activations=True,
+        boundary_dtype="bfloat16",
+        checkpoint_every=2,
+        stream_fp32_master=True,
+    ).resolve(clipping=False, cuda=True)
     return max_seq_len(
         shape,
         1,
+        options,
         torch.bfloat16,
         int(H200_FREE_HBM_GIB * GIB),
         int(H200_HOST_GIB * GIB),
         multiple=16384,
-        mlp_tile_tokens=16384,
-        offload_activations=True,
-        boundary_bytes_per_element=2,
-        checkpoint_every=2,
-        hold_grads=False,
-        stream_fp32_master=True,
     )
 
 

@@ -36,13 +36,32 @@ def _flag(command: str, name: str) -> str | None:
     return parts[parts.index(name) + 1] if name in parts else None
 
 
+def _engine_options(command: str):
+    """The engine options of a recorded ``bench.py`` command (its flags of the time), for the
+    plan: kept activations from the row's own column, so none here."""
+    from hf_megatrain.core.options import EngineOptions
+
+    return EngineOptions(
+        mlp_tile_tokens=int(_flag(command, "--mlp-tile-tokens") or 0),
+        offload_activations="--offload-activations" in command,
+        boundary_dtype="bfloat16" if "--bf16-boundaries" in command else "input",
+        checkpoint_every=int(_flag(command, "--checkpoint-every") or 1),
+        keep_attention_outputs=_flag(command, "--keep-attention-outputs") or "off",
+        recompute_early_stop="--no-recompute-early-stop" not in command,
+        stream_fp32_master="--stream-fp32-master" in command,
+        hbm_cast_weights="--hbm-cast-weights" in command,
+        keep_activations="off",
+    )
+
+
 def plan_row(row: dict):
     """The current planner's plan for the run a CSV row describes."""
     import torch
 
     from benchmarks import bench
-    from hf_megatrain.cli import model_shape_from_config
-    from hf_megatrain.core.planner import GIB, Workload, parse_attention_layers, plan_memory
+    from hf_megatrain.core.options import EngineOptions, StepShape
+    from hf_megatrain.core.planner import GIB, plan_memory
+    from hf_megatrain.hf.model import model_shape_from_config
 
     cfg = bench.load_model_config(row["model"])
     shape = model_shape_from_config(cfg, row["model"])
@@ -51,48 +70,36 @@ def plan_row(row: dict):
         shape = replace(shape, fused_layer_kernels=True)
     seq = int(row["seq_len"])
     micro = int(row["micro_batch"])
-    tile = int(_flag(command, "--mlp-tile-tokens") or 0)
-    wl = Workload(
-        seq_len=seq,
-        micro_batch_tokens=micro * seq,
-        grad_accum=int(row["grad_accum"]),
-        mlp_tile_tokens=tile,
-        offload_activations="--offload-activations" in command,
-        boundary_bytes_per_element=2 if "--bf16-boundaries" in command else 4,
-        checkpoint_every=int(_flag(command, "--checkpoint-every") or 1),
-        attention_output_layers=parse_attention_layers(
-            _flag(command, "--keep-attention-outputs") or "off",
-            "--no-recompute-early-stop" not in command,
-        ),
+    step = StepShape(seq_len=seq, micro_batch_tokens=micro * seq, grad_accum=int(row["grad_accum"]))
+    engine = _engine_options(command)
+    kept = int(row.get("kept_layers") or 0)  # rows before the column kept none
+    options = engine.with_(keep_activations=str(kept)).resolve(
+        clipping="--no-clip" not in command, cuda=True
     )
-    kw = dict(
-        hold_grads="--no-clip" not in command,
-        stream_fp32_master="--stream-fp32-master" in command,
-        hbm_cast_weights="--hbm-cast-weights" in command,
-        # Without --streamed-init the benchmark builds the fp32 model on the host first.
-        input_model_bytes=0 if "--streamed-init" in command else 4 * shape.total_numel,
-    )
+    # Without --streamed-init the benchmark builds the fp32 model on the host first.
+    input_model_bytes = 0 if "--streamed-init" in command else 4 * shape.total_numel
     hbm, host = int(H200_FREE_HBM_GIB * GIB), 1 << 50
     if row["system"] == "megatrain":
         n_hbm = 0
     elif row.get("hbm_layers"):
         n_hbm = int(row["hbm_layers"])
     else:  # older rows: the fixed-reserve "auto" decided
+        old_auto = EngineOptions().resolve(clipping=True, cuda=True)
         n_hbm = plan_memory(
-            shape, None, torch.bfloat16, hbm, host, reserve_bytes=int(OLD_AUTO_RESERVE_GIB * GIB)
-        ).n_hbm
-    kept = int(row.get("kept_layers") or 0)  # rows before the column kept none
+            shape, None, old_auto, torch.bfloat16, hbm, host,
+            reserve_bytes=int(OLD_AUTO_RESERVE_GIB * GIB),
+        ).n_hbm  # fmt: skip
     dp = re.search(r"-dp(\d+)$", row["system"])  # bench_dp rows: the host total of N ranks
     return plan_memory(
         shape,
-        wl,
+        step,
+        options,
         torch.bfloat16,
         hbm,
         host,
         hbm_layers=n_hbm,
-        keep_activation_layers=kept,
+        input_model_bytes=input_model_bytes,
         ranks=int(dp[1]) if dp else 1,
-        **kw,
     )
 
 

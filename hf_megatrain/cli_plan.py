@@ -10,8 +10,7 @@ from typing import Any
 
 from .cli_common import CLIError, config_from_json, say, setup_logging
 from .core.options import OptionError, StepShape
-from .core.plan_search import PLANNED_OPTIONS
-from .core.plan_types import OptionNamer
+from .core.planner import PLANNED_OPTIONS, OptionNamer
 from .option_flags import add_option_arguments, flag_name, flag_text, options_from_namespace
 
 #: How ``plan``'s advice spells engine options: as this command's flags.

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import replace
 
 import pytest
 import torch
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, prepare_streamed_model
+from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import (
     ModelShape,
-    Workload,
     boundary_activation_bytes,
     plan_memory,
     saved_boundary_layers,
 )
-from hf_megatrain.hf.trainer import _plan_workload
+from hf_megatrain.hf.arguments import engine_options
 
 from .helpers import (
     ARCHS,
@@ -312,11 +311,10 @@ def test_backward_twice_is_refused():
 
 def test_checkpoint_every_validation_and_plumbing(tmp_path):
     for bad in (0, -1, 1.5):
-        args = MegaTrainArguments(
-            output_dir=str(tmp_path / "bad"), megatrain_checkpoint_every=bad, **common_args()
-        )
         with pytest.raises(ValueError, match="megatrain_checkpoint_every"):
-            HFMegaTrainer(model=tiny_model(tiny_config("llama")), args=args)
+            MegaTrainArguments(
+                output_dir=str(tmp_path / "bad"), megatrain_checkpoint_every=bad, **common_args()
+            )
     args = MegaTrainArguments(
         output_dir=str(tmp_path / "plan"),
         megatrain_resident_layers="auto",
@@ -324,7 +322,7 @@ def test_checkpoint_every_validation_and_plumbing(tmp_path):
         megatrain_checkpoint_every=4,
         **common_args(),
     )
-    assert _plan_workload(args, None).checkpoint_every == 4
+    assert engine_options(args).resolve(clipping=True, cuda=True).checkpoint_every == 4
 
 
 def test_planner_counts_saved_inputs_and_segment_cache():
@@ -332,17 +330,22 @@ def test_planner_counts_saved_inputs_and_segment_cache():
     # and a segment length makes it fit.
     h, i, kv, t, n = 3584, 18944, 512, 458752, 28
     shape = ModelShape((233_000_000,) * n, 1_090_000_000, h, 152_064, i, kv_size=kv)
-    base = Workload(seq_len=t, micro_batch_tokens=t, mlp_tile_tokens=16384)
+    step = StepShape(seq_len=t, micro_batch_tokens=t)
+
+    def opts(**changes):
+        # No clipping (no host gradient slots), fp32 masters streamed, nothing kept.
+        engine = EngineOptions(keep_activations="off", stream_fp32_master=True, **changes)
+        return engine.resolve(clipping=False, cuda=True)
+
     for k in (1, 2, 3, 4, 28, 40):
-        wl = Workload(seq_len=t, micro_batch_tokens=t, checkpoint_every=k)
-        assert saved_boundary_layers(shape, wl) == math.ceil(n / k)
-        assert boundary_activation_bytes(shape, wl) == t * h * 4 * math.ceil(n / k)
+        o = opts(checkpoint_every=k)
+        assert saved_boundary_layers(shape, o) == math.ceil(n / k)
+        assert boundary_activation_bytes(shape, step, o) == t * h * 4 * math.ceil(n / k)
     hbm, host = 139 * 2**30, 124 * 2**30
-    store = dict(hold_grads=False, stream_fp32_master=True)
-    off = Workload(seq_len=t, micro_batch_tokens=t, mlp_tile_tokens=16384, offload_activations=True)
-    p1 = plan_memory(shape, off, BF16, hbm, host, **store)
-    off4 = replace(off, checkpoint_every=4)
-    p4 = plan_memory(shape, off4, BF16, hbm, host, **store)
+    off = opts(mlp_tile_tokens=16384, offload_activations=True)
+    p1 = plan_memory(shape, step, off, BF16, hbm, host)
+    off4 = opts(mlp_tile_tokens=16384, offload_activations=True, checkpoint_every=4)
+    p4 = plan_memory(shape, step, off4, BF16, hbm, host)
     # Host: the offloaded line counts one saved input per segment.
     host_line = next(ln for ln in p4.host_lines if ln.name.startswith("offloaded boundary"))
     assert host_line.nbytes == t * h * 4 * 7
@@ -353,24 +356,24 @@ def test_planner_counts_saved_inputs_and_segment_cache():
     assert not any(ln.name.startswith("checkpoint segment") for ln in p1.gpu_lines)
     # Not fitting in host RAM with every layer saved, a segment length that fits is advised.
     assert not p1.fits and p1.checkpoint_every_fit is not None
-    assert f"megatrain_checkpoint_every={p1.checkpoint_every_fit}" in str(p1.problems[-1])
-    assert plan_memory(
-        shape, replace(off, checkpoint_every=p1.checkpoint_every_fit),
-        BF16, hbm, host, **store,
-    ).fits  # fmt: skip
+    assert f"checkpoint_every={p1.checkpoint_every_fit}:" in str(p1.problems[-1])
+    assert dict(p1.problems[-1].advice.options) == {"checkpoint_every": p1.checkpoint_every_fit}
+    fit = opts(mlp_tile_tokens=16384, offload_activations=True,
+               checkpoint_every=p1.checkpoint_every_fit)  # fmt: skip
+    assert plan_memory(shape, step, fit, BF16, hbm, host).fits
     # PCIe: with k=4, layers 0-1 of each segment stream in a second time in backward (chain
     # then own backward; layers 2-3 are still in the double buffer); k=2 streams nothing more.
     n_host = p4.n_host
     again = [i for s in range(0, n, 4) for i in (s, s + 1) if i >= n - n_host]
-    p4_as_1 = plan_memory(shape, off, BF16, hbm, host, hbm_layers=p4.n_hbm, **store)
+    p4_as_1 = plan_memory(shape, step, off, BF16, hbm, host, hbm_layers=p4.n_hbm)
     assert p4.h2d_bytes_per_step - p4_as_1.h2d_bytes_per_step == len(again) * 233_000_000 * 4
-    off2 = replace(off, checkpoint_every=2)
-    p2 = plan_memory(shape, off2, BF16, hbm, host, **store)
-    p2_as_1 = plan_memory(shape, off, BF16, hbm, host, hbm_layers=p2.n_hbm, **store)
+    off2 = opts(mlp_tile_tokens=16384, offload_activations=True, checkpoint_every=2)
+    p2 = plan_memory(shape, step, off2, BF16, hbm, host)
+    p2_as_1 = plan_memory(shape, step, off, BF16, hbm, host, hbm_layers=p2.n_hbm)
     assert p2.h2d_bytes_per_step == p2_as_1.h2d_bytes_per_step
     # On the device (no offload): the boundary line shrinks the same way.
-    dev4 = plan_memory(shape, replace(base, checkpoint_every=4), BF16,
-                       hbm, host, **store)  # fmt: skip
+    dev4 = plan_memory(shape, step, opts(mlp_tile_tokens=16384, checkpoint_every=4), BF16,
+                       hbm, host)  # fmt: skip
     line = next(ln for ln in dev4.gpu_lines if ln.name.startswith("boundary activations"))
     assert line.nbytes == t * h * 4 * 7
 
@@ -411,9 +414,9 @@ def test_plan_cli_checkpoint_every(capsys):
         "plan", str(cfg), "--seq-len", "524288", "--tokens-per-step", "524288",
         "--mlp-tile-tokens", "16384", "--offload-activations", "--no-clip",
         "--stream-fp32-master", "--hbm-gib", "139", "--host-gib", "124", "--no-search",
-        "--bf16-boundaries",
+        "--boundary-dtype", "bfloat16",
     ]  # fmt: skip
-    with pytest.raises(SystemExit, match="megatrain_checkpoint_every=2.*this plan fits"):
+    with pytest.raises(SystemExit, match="--checkpoint-every 2: .*this plan fits"):
         main(argv)
     assert main([*argv, "--checkpoint-every", "2"]) == 0
     out = capsys.readouterr().out
@@ -423,5 +426,5 @@ def test_plan_cli_checkpoint_every(capsys):
     assert "checkpoint segment backward" not in out
     assert main([*argv, "--checkpoint-every", "3"]) == 0
     assert "checkpoint segment backward: up to 1 recomputed layer inputs" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--checkpoint-every 0 must be at least 1"):
+    with pytest.raises(SystemExit, match="--checkpoint-every 0 must be an integer >= 1"):
         main([*argv, "--checkpoint-every", "0"])

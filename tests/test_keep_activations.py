@@ -13,7 +13,8 @@ import inspect
 import pytest
 import torch
 
-from hf_megatrain.core.planner import ModelShape, Workload, plan_memory
+from hf_megatrain.core.options import EngineOptions, StepShape
+from hf_megatrain.core.planner import ModelShape, plan_memory
 from hf_megatrain.hf.model import SUPPORTED_MODEL_TYPES, keep_activations
 
 from .helpers import (
@@ -104,10 +105,14 @@ def test_keep_activations_refuses_streamed_layers(tmp_path):
 def test_planner_keeps_what_hbm_leaves():
     h, i, kv = 1536, 8960, 256
     shape = ModelShape((50_000_000,) * 28, 200_000_000, h, 151_936, i, kv_size=kv)
-    wl = Workload(seq_len=4096, micro_batch_tokens=32768)
+    step = StepShape(seq_len=4096, micro_batch_tokens=32768)
+
+    def opts(keep: str, **changes):
+        engine = EngineOptions(keep_activations=keep, **changes)
+        return engine.resolve(clipping=True, cuda=True)
+
     per_layer = 32768 * (26 * h + 4 * kv + 8 * i + 8)  # (no head_dim here: no per-head term)
-    roomy = plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 200 * 2**30,
-                        keep_activation_layers=None)  # fmt: skip
+    roomy = plan_memory(shape, step, opts("auto"), torch.bfloat16, 139 * 2**30, 200 * 2**30)
     assert roomy.n_hbm == 28 and roomy.kept_layers > 0
     assert roomy.kept_layer_indices == list(range(28 - roomy.kept_layers, 28))
     line = next(ln for ln in roomy.gpu_lines if ln.name.startswith("kept activations"))
@@ -115,17 +120,18 @@ def test_planner_keeps_what_hbm_leaves():
     assert roomy.gpu_total <= 139 * 2**30
     # One more kept layer would not fit: auto takes as many as fit, not fewer.
     assert roomy.kept_layers < 28  # (the shape is chosen so that not every layer fits)
-    more = plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 200 * 2**30,
-                       keep_activation_layers=roomy.kept_layers + 1)  # fmt: skip
+    more = plan_memory(shape, step, opts(str(roomy.kept_layers + 1)), torch.bfloat16,
+                       139 * 2**30, 200 * 2**30)  # fmt: skip
     assert more.gpu_total > 139 * 2**30
     # Off, and offload (activations that do not fit) keep none; explicit counts are honoured.
-    assert plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 200 * 2**30).kept_layers == 0
-    off = Workload(seq_len=4096, micro_batch_tokens=32768, offload_activations=True)
-    assert plan_memory(shape, off, torch.bfloat16, 139 * 2**30, 200 * 2**30,
-                       keep_activation_layers=None).kept_layers == 0  # fmt: skip
+    assert plan_memory(shape, step, opts("off"), torch.bfloat16, 139 * 2**30,
+                       200 * 2**30).kept_layers == 0  # fmt: skip
+    off = opts("auto", offload_activations=True)
+    assert plan_memory(shape, step, off, torch.bfloat16, 139 * 2**30,
+                       200 * 2**30).kept_layers == 0  # fmt: skip
     with pytest.raises(ValueError, match="HBM-tier"):
-        plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 200 * 2**30, hbm_layers=3,
-                    keep_activation_layers=4)  # fmt: skip
+        plan_memory(shape, step, opts("4"), torch.bfloat16, 139 * 2**30, 200 * 2**30,
+                    hbm_layers=3)  # fmt: skip
     assert "activations kept, no recompute" in roomy.table()
 
 
@@ -153,7 +159,7 @@ def test_micro_batch_larger_than_planned_recomputes(tmp_path):
     layers = [layer.forward for layer in trainer.model.model.layers]
     # The CPU run has no plan (the planner runs for CUDA); stand in one sized for 32 tokens.
     trainer.megatrain.plan = SimpleNamespace(
-        workload=SimpleNamespace(micro_batch_tokens=32), kept_layers=2
+        step=SimpleNamespace(micro_batch_tokens=32), kept_layers=2
     )
     trainer._megatrain_fit_kept_activations(33)
     assert [s.keep_graph for s in layers] == [False, False, False]
@@ -207,8 +213,9 @@ def test_kept_bytes_per_token_match_saved_tensors(arch):
     if not shape.kept_bytes_audited:
         # Not audited (the MoE families save more than the count; the other families' layers
         # were not measured against it): "auto" plans no kept activations for them.
-        wl = Workload(seq_len=64, micro_batch_tokens=64)
-        plan = plan_memory(shape, wl, torch.bfloat16, 2**40, 2**40, keep_activation_layers=None)
+        step = StepShape(seq_len=64, micro_batch_tokens=64)
+        auto = EngineOptions(keep_activations="auto").resolve(clipping=True, cuda=True)
+        plan = plan_memory(shape, step, auto, torch.bfloat16, 2**40, 2**40)
         assert plan.kept_layers == 0 and "kept activations not planned" in plan.table()
         if arch not in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe"):
             return

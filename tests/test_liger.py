@@ -115,22 +115,24 @@ def test_fused_swiglu_shrinks_the_recompute_working_set(tile):
     import torch  # noqa: PLC0415
 
     from hf_megatrain.core.activation_memory import activation_lines  # noqa: PLC0415
-    from hf_megatrain.core.planner import Workload  # noqa: PLC0415
+    from hf_megatrain.core.options import EngineOptions, StepShape  # noqa: PLC0415
     from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
 
     plain = model_shape(tiny_model(tiny_config("qwen2")))
     fused = replace(plain, fused_layer_kernels=True)
-    wl = Workload(seq_len=256, micro_batch_tokens=512, mlp_tile_tokens=tile)
+    step = StepShape(seq_len=256, micro_batch_tokens=512)
+    options = EngineOptions(mlp_tile_tokens=tile).resolve(clipping=True, cuda=True)
 
     def lines(shape):
         return {
-            ln.name.split(" (")[0]: ln.nbytes for ln in activation_lines(shape, wl, torch.bfloat16)
+            ln.name.split(" (")[0]: ln.nbytes
+            for ln in activation_lines(shape, step, options, torch.bfloat16)
         }
 
     a, b = lines(plain), lines(fused)
     assert a.keys() == b.keys()
     ws = "one layer's backward working set"
-    mlp_tokens = tile or wl.micro_batch_tokens
+    mlp_tokens = tile or step.micro_batch_tokens
     assert a[ws] - b[ws] == 2 * plain.intermediate_size * mlp_tokens
     assert {k: v for k, v in a.items() if k != ws} == {k: v for k, v in b.items() if k != ws}
 
@@ -228,7 +230,8 @@ def test_trainer_warns_when_a_loaders_plan_missed_liger(
     import torch  # noqa: PLC0415
 
     from hf_megatrain import HFMegaTrainer, MegaTrainArguments, init_streamed_model  # noqa: PLC0415
-    from hf_megatrain.core.planner import Workload, plan_memory  # noqa: PLC0415
+    from hf_megatrain.core.options import EngineOptions, StepShape  # noqa: PLC0415
+    from hf_megatrain.core.planner import plan_memory  # noqa: PLC0415
     from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
 
     from .helpers import common_args, make_data  # noqa: PLC0415
@@ -236,11 +239,13 @@ def test_trainer_warns_when_a_loaders_plan_missed_liger(
     monkeypatch.setattr(hf_liger, "apply_liger_kernel", _fake_liger([], []))
     model = init_streamed_model(tiny_config("llama"), device="cpu", bf16=False)
     shape = replace(model_shape(model), fused_layer_kernels=loader_knew)
-    wl = Workload(seq_len=16, micro_batch_tokens=32) if workload else None
-    # Without a workload a fixed reserve stands for activations: nothing Liger changes.
+    step = StepShape(seq_len=16, micro_batch_tokens=32) if workload else None
+    options = EngineOptions(keep_activations="off").resolve(clipping=True, cuda=True)
+    # Without a step a fixed reserve stands for activations: nothing Liger changes.
     model._megatrain.plan = plan_memory(
-        shape, wl, torch.bfloat16, 1 << 34, 1 << 34, reserve_bytes=0 if workload else 1 << 30
-    )
+        shape, step, options, torch.bfloat16, 1 << 34, 1 << 34,
+        reserve_bytes=0 if workload else 1 << 30,
+    )  # fmt: skip
     args = MegaTrainArguments(
         output_dir=str(tmp_path), use_liger_kernel=True, **common_args(max_steps=1)
     )

@@ -9,18 +9,39 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_megatrain.cli import model_shape_from_config
+from hf_megatrain.cli_plan import CLI_NAMER
 from hf_megatrain.core.memory_options import (
     ADVICE_TILE_TOKENS,
     MemoryOptions,
     candidates,
     lightest_fit,
 )
-from hf_megatrain.core.planner import GIB, Workload, plan_memory
+from hf_megatrain.core.options import EngineOptions, StepShape
+from hf_megatrain.core.planner import GIB, plan_memory
+from hf_megatrain.hf.model import model_shape_from_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 BF16 = torch.bfloat16
 HBM, HOST = int(139.3 * GIB), 124 * GIB
+BF16_BOUNDARIES = "bfloat16"
+
+
+def opts(clipping: bool = True, **changes):
+    """Resolved engine options for a plan; kept activations off unless asked for."""
+    changes.setdefault("keep_activations", "off")
+    return EngineOptions(**changes).resolve(clipping=clipping, cuda=True)
+
+
+def _applied(o: MemoryOptions):
+    """The resolved options of a run that uses the memory options ``o``."""
+    return opts(
+        not o.no_clip,
+        mlp_tile_tokens=o.mlp_tile_tokens,
+        offload_activations=o.offload_activations,
+        stream_fp32_master=o.stream_fp32_master,
+        checkpoint_every=o.checkpoint_every,
+        boundary_dtype=o.boundary_dtype,
+    )
 
 
 def _shape(name: str):
@@ -38,9 +59,9 @@ def test_candidates_keep_base_and_go_lightest_first():
     assert costs == sorted(costs)
     # Exact and cheap first; approximate (bf16) and semantic (no clipping) options come late.
     assert cands[0] == replace(base, mlp_tile_tokens=ADVICE_TILE_TOKENS)
-    first_bf16 = next(i for i, c in enumerate(cands) if c.bf16_boundaries)
-    assert all(not c.bf16_boundaries and not c.no_clip for c in cands[:first_bf16])
-    assert cands[-1].no_clip and cands[-1].bf16_boundaries
+    first_bf16 = next(i for i, c in enumerate(cands) if c.boundary_dtype == BF16_BOUNDARIES)
+    assert all(c.boundary_dtype == "input" and not c.no_clip for c in cands[:first_bf16])
+    assert cands[-1].no_clip and cands[-1].boundary_dtype == BF16_BOUNDARIES
     # Tiles are no option for micro-batches no longer than a tile.
     assert all(not c.mlp_tile_tokens for c in candidates(MemoryOptions(), 4096))
 
@@ -50,9 +71,18 @@ def test_lightest_fit_and_describe():
     found = lightest_fit(lambda o: o.offload_activations and o.checkpoint_every >= 3, base, 1 << 19)
     # segments of 3 plus offload beats segments of 4 plus offload; tiles are not needed.
     assert found == MemoryOptions(offload_activations=True, checkpoint_every=3)
-    text = found.describe(base)
-    assert "megatrain_offload_activations=True" in text and "megatrain_checkpoint_every=3" in text
-    assert "(plan --offload-activations --checkpoint-every 3)" in text
+    changes = found.changes(base)
+    assert dict(changes.options) == {"offload_activations": True, "checkpoint_every": 3}
+    assert not changes.clipping_off
+    assert found.describe(base) == "offload_activations=True, checkpoint_every=3"
+    assert found.describe(base, CLI_NAMER) == "--offload-activations, --checkpoint-every 3"
+    slim = MemoryOptions(boundary_dtype=BF16_BOUNDARIES, no_clip=True)
+    assert slim.describe(base) == (
+        "boundary_dtype='bfloat16' (approximate gradients), clipping off (changes the training)"
+    )
+    assert slim.describe(base, CLI_NAMER) == (
+        "--boundary-dtype bfloat16 (approximate gradients), --no-clip (changes the training)"
+    )
     assert lightest_fit(lambda o: False, base, 1 << 19) is None
 
 
@@ -67,78 +97,71 @@ def test_lightest_fit_and_describe():
         (
             "qwen2.5-7b",
             524288,
-            MemoryOptions(ADVICE_TILE_TOKENS, True, True, 4, True, False),
+            MemoryOptions(ADVICE_TILE_TOKENS, True, True, 4, BF16_BOUNDARIES, False),
         ),
     ],
 )
 def test_long_sequence_advice_names_options_that_fit(model, seq, wanted):
     shape = _shape(model)
-    wl = Workload(seq_len=seq, micro_batch_tokens=seq)
-    plan = plan_memory(shape, wl, BF16, HBM, HOST)
+    step = StepShape(seq_len=seq, micro_batch_tokens=seq)
+    plan = plan_memory(shape, step, opts(), BF16, HBM, HOST)
     assert not plan.fits and plan.options_fit == wanted
+    assert plan.advice == wanted.changes(MemoryOptions())
     assert wanted.describe(MemoryOptions()) in str(plan.problems[0])
-    advised = replace(
-        wl,
-        mlp_tile_tokens=wanted.mlp_tile_tokens,
-        offload_activations=wanted.offload_activations,
-        checkpoint_every=wanted.checkpoint_every,
-        boundary_bytes_per_element=2 if wanted.bf16_boundaries else 4,
-    )
-    assert plan_memory(
-        shape, advised, BF16, HBM, HOST, hold_grads=not wanted.no_clip,
-        stream_fp32_master=wanted.stream_fp32_master,
-    ).fits  # fmt: skip
+    assert wanted.describe(MemoryOptions(), CLI_NAMER) in plan.problems[0].message(CLI_NAMER)
+    assert plan_memory(shape, step, _applied(wanted), BF16, HBM, HOST).fits
 
 
 def test_host_bound_advice_and_a_plan_that_fits_gets_none():
     """Qwen2.5-14B at 16k tokens/step: the 18 B/param host store does not fit 124 GiB; the
     advice names options that make it fit. A plan that fits carries no advice."""
     shape = _shape("qwen2.5-14b")
-    wl = Workload.from_step(4096, 16384)
-    plan = plan_memory(shape, wl, BF16, HBM, HOST)
+    step = StepShape.from_step(4096, 16384)
+    plan = plan_memory(shape, step, opts(), BF16, HBM, HOST)
     assert not plan.fits and plan.options_fit is not None
-    o = plan.options_fit
-    assert plan_memory(
-        shape, replace(wl, checkpoint_every=o.checkpoint_every), BF16, HBM, HOST,
-        hold_grads=not o.no_clip, stream_fp32_master=o.stream_fp32_master,
-    ).fits  # fmt: skip
-    ok = plan_memory(shape, wl, BF16, HBM, 1024 * GIB)
-    assert ok.fits and ok.options_fit is None
+    assert plan_memory(shape, step, _applied(plan.options_fit), BF16, HBM, HOST).fits
+    ok = plan_memory(shape, step, opts(), BF16, HBM, 1024 * GIB)
+    assert ok.fits and ok.options_fit is None and ok.advice is None
 
 
-def test_trainer_plan_warns_with_the_advice_when_activations_do_not_fit(monkeypatch, caplog):
+def test_builder_plan_warns_with_the_advice_when_activations_do_not_fit(monkeypatch, caplog):
     """resident_layers='auto' with the step known: a GPU shortfall (the 7B's 196 GiB of
     boundary activations at 512k tokens) is logged with the options that would fit, before
     anything is allocated, instead of surfacing as an out-of-memory in the first step."""
     import logging  # noqa: PLC0415
 
-    from hf_megatrain.hf import model as hf_model  # noqa: PLC0415
+    from hf_megatrain.core import builder  # noqa: PLC0415
 
     shape = _shape("qwen2.5-7b")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (HBM, HBM))
-    monkeypatch.setattr(hf_model, "available_host_bytes", lambda: HOST)
-    plans = [([], n, n) for n in shape.layer_numels]
-    wl = Workload(seq_len=524288, micro_batch_tokens=524288)
-    with caplog.at_level(logging.WARNING, logger=hf_model.logger.name):
-        n_hbm, plan = hf_model._resident_layer_count(
-            "auto", plans, torch.device("cuda"), BF16, 0, shape=shape, workload=wl
-        )
+    monkeypatch.setattr(builder, "available_host_bytes", lambda: HOST)
+    layers = [
+        builder.LayerLayout(slots=[], numel=n, decay_numel=n, trainable=True)
+        for n in shape.layer_numels
+    ]
+    auto = EngineOptions(resident_layers="auto").resolve(clipping=True, cuda=True)
+    step = StepShape(seq_len=524288, micro_batch_tokens=524288)
+    cuda = torch.device("cuda")
+    with caplog.at_level(logging.WARNING, logger=builder.logger.name):
+        n_hbm, plan = builder._resident_layer_count(layers, auto, cuda, BF16, shape, step, 0, None)
     assert n_hbm == 0 and not plan.fits
-    assert "--offload-activations" in caplog.text and "may run out of GPU memory" in caplog.text
-    # Without the step's workload (fixed reserve), nothing is claimed about activations.
+    assert "offload_activations" in caplog.text and "may run out of GPU memory" in caplog.text
+    # Without the step (fixed reserve), nothing is claimed about activations.
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger=hf_model.logger.name):
-        hf_model._resident_layer_count("auto", plans, torch.device("cuda"), BF16, 48 * GIB)
+    with caplog.at_level(logging.WARNING, logger=builder.logger.name):
+        builder._resident_layer_count(layers, auto, cuda, BF16, None, None, 0, None)
     assert "may run out of GPU memory" not in caplog.text
 
 
 def test_public_names():
     """What the README's examples import from the package itself."""
     import hf_megatrain  # noqa: PLC0415
-    from hf_megatrain.core.planner import MemoryPlanError  # noqa: PLC0415
+    from hf_megatrain.core import planner  # noqa: PLC0415
 
-    assert hf_megatrain.Workload is Workload and hf_megatrain.MemoryPlanError is MemoryPlanError
-    assert {"Workload", "MemoryPlanError"} <= set(hf_megatrain.__all__)
+    assert hf_megatrain.MemoryPlanError is planner.MemoryPlanError
+    assert "MemoryPlanError" in hf_megatrain.__all__
+    # The step and the engine options are separate concepts: no Workload mixing them.
+    assert not hasattr(planner, "Workload") and "Workload" not in hf_megatrain.__all__
 
 
 def test_advice_when_nothing_fits():
@@ -146,7 +169,7 @@ def test_advice_when_nothing_fits():
     from hf_megatrain.core.planner import NOTHING_FITS_ADVICE  # noqa: PLC0415
 
     seq = 1 << 22
-    plan = plan_memory(_shape("qwen2.5-7b"), Workload(seq_len=seq, micro_batch_tokens=seq), BF16,
-                       HBM, HOST)  # fmt: skip
-    assert not plan.fits and plan.options_fit is None
+    step = StepShape(seq_len=seq, micro_batch_tokens=seq)
+    plan = plan_memory(_shape("qwen2.5-7b"), step, opts(), BF16, HBM, HOST)
+    assert not plan.fits and plan.options_fit is None and plan.advice is None
     assert NOTHING_FITS_ADVICE in str(plan.problems[0])

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_megatrain.cli import DEFAULT_CONFIG, main, model_shape_from_config
-from hf_megatrain.cli_plan import plan_config
+from hf_megatrain.cli import DEFAULT_CONFIG, main
+from hf_megatrain.cli_plan import CLI_NAMER, plan_config
+from hf_megatrain.core.builder import LayerLayout, _resident_layer_count
 from hf_megatrain.core.host_store import device_layer_bytes, layer_store_bytes
+from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import (
     BF16_BOUNDARIES_ADVICE,
     DEFAULT_HOST_MARGIN,
@@ -21,18 +22,27 @@ from hf_megatrain.core.planner import (
     PROCESS_BASELINE,
     MemoryPlanError,
     ModelShape,
-    Workload,
+    OptionNamer,
     boundary_activation_bytes,
     max_micro_batch_sequences,
     max_num_layers,
     max_seq_len,
     plan_memory,
 )
-from hf_megatrain.hf.model import _resident_layer_count
+from hf_megatrain.hf.model import model_shape_from_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "benchmarks" / "configs"
 BF16 = torch.bfloat16
+
+
+def opts(clipping: bool = True, **changes):
+    """Resolved engine options for a plan; kept activations off unless asked for."""
+    changes.setdefault("keep_activations", "off")
+    return EngineOptions(**changes).resolve(clipping=clipping, cuda=True)
+
+
+OFF = opts()
 
 
 def _shape(name: str) -> ModelShape:
@@ -70,8 +80,8 @@ def test_parameter_counts_from_meta_build(qwen7b, qwen1_5b):
 
 
 def test_1_5b_fits_wholly_in_hbm(qwen1_5b):
-    wl = Workload.from_step(4096, 16384)
-    plan = plan_memory(qwen1_5b, wl, BF16, 139 * GIB, 128 * GIB).check()
+    step = StepShape.from_step(4096, 16384)
+    plan = plan_memory(qwen1_5b, step, OFF, BF16, 139 * GIB, 128 * GIB).check()
     assert plan.n_hbm == 28 and plan.n_host == 0
     assert all(p.tier == HBM for p in plan.layers)
     # Nothing streams: no buffers, no PCIe traffic, only the margin on the host (the measured
@@ -87,15 +97,15 @@ def test_1_5b_fits_wholly_in_hbm(qwen1_5b):
 
 
 def test_7b_partially_on_host(qwen7b):
-    wl = Workload.from_step(4096, 65536)
-    plan = plan_memory(qwen7b, wl, BF16, 139 * GIB, 128 * GIB).check()
+    step = StepShape.from_step(4096, 65536)
+    plan = plan_memory(qwen7b, step, OFF, BF16, 139 * GIB, 128 * GIB).check()
     assert 0 < plan.n_hbm < 28
     tiers = [p.tier for p in plan.layers]
     # The HBM tier is a prefix: the engine needs the leading layers resident.
     assert tiers == [HBM] * plan.n_hbm + [HOST] * plan.n_host
     assert plan.gpu_total <= 139 * GIB and plan.host_total <= 128 * GIB
     # One more layer in HBM would not fit.
-    more = plan_memory(qwen7b, wl, BF16, 139 * GIB, 128 * GIB, hbm_layers=plan.n_hbm + 1)
+    more = plan_memory(qwen7b, step, OFF, BF16, 139 * GIB, 128 * GIB, hbm_layers=plan.n_hbm + 1)
     assert more.gpu_total > 139 * GIB
     host_store = sum(layer_store_bytes(n, BF16) for n in qwen7b.layer_numels[plan.n_hbm :])
     assert plan.host_lines[0].nbytes == host_store
@@ -106,8 +116,8 @@ def test_7b_partially_on_host(qwen7b):
 
 
 def test_refuses_when_host_too_small(qwen7b):
-    wl = Workload.from_step(4096, 65536)
-    plan = plan_memory(qwen7b, wl, BF16, 139 * GIB, 8 * GIB)
+    step = StepShape.from_step(4096, 65536)
+    plan = plan_memory(qwen7b, step, OFF, BF16, 139 * GIB, 8 * GIB)
     assert not plan.fits
     with pytest.raises(MemoryPlanError, match=r"host RAM.*but only 8.00 GiB") as e:
         plan.check()
@@ -116,15 +126,15 @@ def test_refuses_when_host_too_small(qwen7b):
 
 
 def test_refuses_when_fixed_gpu_part_too_large(qwen7b):
-    wl = Workload.from_step(4096, 1 << 20)  # 1M tokens in one micro-batch
+    step = StepShape.from_step(4096, 1 << 20)  # 1M tokens in one micro-batch
     with pytest.raises(MemoryPlanError, match="every layer streamed.*boundary activations") as e:
-        plan_memory(qwen7b, wl, BF16, 139 * GIB, 1024 * GIB).check()
+        plan_memory(qwen7b, step, OFF, BF16, 139 * GIB, 1024 * GIB).check()
     assert e.value.tier == "gpu"
 
 
 def test_grad_accum_holds_host_layer_accumulators(qwen7b):
-    one = plan_memory(qwen7b, Workload(4096, 16384, 1), BF16, 60 * GIB, 512 * GIB)
-    four = plan_memory(qwen7b, Workload(4096, 16384, 4), BF16, 60 * GIB, 512 * GIB)
+    one = plan_memory(qwen7b, StepShape(4096, 16384, 1), OFF, BF16, 60 * GIB, 512 * GIB)
+    four = plan_memory(qwen7b, StepShape(4096, 16384, 4), OFF, BF16, 60 * GIB, 512 * GIB)
     line = next(x for x in four.gpu_lines if "accumulators" in x.name)
     assert line.nbytes == 4 * sum(qwen7b.layer_numels[four.n_hbm :])
     assert four.n_hbm <= one.n_hbm
@@ -133,39 +143,43 @@ def test_grad_accum_holds_host_layer_accumulators(qwen7b):
 
 def test_pcie_bytes_arithmetic():
     shape = ModelShape((100,) * 4, 0, 8, 16, 32)
-    one = plan_memory(shape, Workload(8, 8, 1), BF16, 1 << 40, 1 << 40, hbm_layers=0)
+    one = plan_memory(shape, StepShape(8, 8, 1), OFF, BF16, 1 << 40, 1 << 40, hbm_layers=0)
     # Forward 4 layers + backward 4 minus the 2 still in the double buffer, 2 B/param.
     assert one.h2d_bytes_per_step == (4 + 2) * 100 * 2
     assert one.d2h_bytes_per_step == 4 * 100 * 4
-    two = plan_memory(shape, Workload(8, 8, 2), BF16, 1 << 40, 1 << 40, hbm_layers=0)
+    two = plan_memory(shape, StepShape(8, 8, 2), OFF, BF16, 1 << 40, 1 << 40, hbm_layers=0)
     # Second micro-batch's forward also finds the first two host layers still resident.
     assert two.h2d_bytes_per_step == (6 + 4) * 100 * 2
-    hbm1 = plan_memory(shape, Workload(8, 8, 1), torch.float32, 1 << 40, 1 << 40, hbm_layers=1)
+    hbm1 = plan_memory(shape, StepShape(8, 8), OFF, torch.float32, 1 << 40, 1 << 40, hbm_layers=1)
     assert hbm1.h2d_bytes_per_step == (3 + 1) * 100 * 4
 
 
-def test_workload_validation():
-    assert Workload.from_step(4096, 65536) == Workload(4096, 65536, 1)
-    assert Workload.from_step(4096, 65536, grad_accum=4) == Workload(4096, 16384, 4)
-    assert Workload.from_step(4096, 65536, micro_batch_tokens=8192).grad_accum == 8
+def test_step_shape_validation():
+    assert StepShape.from_step(4096, 65536) == StepShape(4096, 65536, 1)
+    assert StepShape.from_step(4096, 65536, grad_accum=4) == StepShape(4096, 16384, 4)
+    assert StepShape.from_step(4096, 65536, micro_batch_tokens=8192).grad_accum == 8
     for kw in (
         dict(micro_batch_tokens=5000),
         dict(grad_accum=3),
         dict(micro_batch_tokens=8192, grad_accum=2),
     ):
         with pytest.raises(ValueError):
-            Workload.from_step(4096, 65536, **kw)
+            StepShape.from_step(4096, 65536, **kw)
 
 
 def test_what_fits_searches_are_tight(qwen7b):
     hbm, host = 139 * GIB, 128 * GIB
-    m = max_micro_batch_sequences(qwen7b, 4096, 1, BF16, hbm, host)
-    assert plan_memory(qwen7b, Workload(4096, m * 4096), BF16, hbm, host).fits
-    assert not plan_memory(qwen7b, Workload(4096, (m + 1) * 4096), BF16, hbm, host).fits
-    wl = Workload(4096, 65536)
-    n = max_num_layers(qwen7b, wl, BF16, hbm, host)
+    m = max_micro_batch_sequences(qwen7b, 4096, 1, OFF, BF16, hbm, host)
+    assert plan_memory(qwen7b, StepShape(4096, m * 4096), OFF, BF16, hbm, host).fits
+    assert not plan_memory(qwen7b, StepShape(4096, (m + 1) * 4096), OFF, BF16, hbm, host).fits
+    step = StepShape(4096, 65536)
+    n = max_num_layers(qwen7b, step, OFF, BF16, hbm, host)
     assert n > 28
-    assert not plan_memory(qwen7b.with_num_layers(n + 1), wl, BF16, hbm, host).fits
+    assert not plan_memory(qwen7b.with_num_layers(n + 1), step, OFF, BF16, hbm, host).fits
+    # Kept activations fill what a plan leaves: "auto" searches find the same.
+    auto = opts(keep_activations="auto")
+    assert max_micro_batch_sequences(qwen7b, 4096, 1, auto, BF16, hbm, host) == m
+    assert max_num_layers(qwen7b, step, auto, BF16, hbm, host) == n
 
 
 def test_cli_plan_bundled_config(capsys):
@@ -207,52 +221,57 @@ def test_cli_plan_unsupported_model_type(tmp_path):
         main(["plan", str(cfg), "--seq-len", "8", "--tokens-per-step", "8"])
 
 
-def _plans(n: int, numel: int) -> list:
-    return [([], numel, numel)] * n
+def _layers(n: int, numel: int) -> list:
+    return [LayerLayout(slots=[], numel=numel, decay_numel=numel, trainable=True)] * n
+
+
+def _count(asked, layers, device, reserve_gib: float = 0.0, clipping: bool = True, **options):
+    """The builder's HBM-tier count (and plan) for ``resident_layers=asked``."""
+    engine = EngineOptions(resident_layers=str(asked), hbm_reserve_gb=reserve_gib, **options)
+    resolved = engine.resolve(clipping=clipping, cuda=device.type == "cuda")
+    return _resident_layer_count(layers, resolved, device, BF16, None, None, 0, None)
 
 
 def test_resident_layer_count_auto_is_zero_on_cpu():
     cpu = torch.device("cpu")
-    assert _resident_layer_count("auto", _plans(4, 1000), cpu, BF16, 0) == (0, None)
-    assert _resident_layer_count(3, _plans(4, 1000), cpu, BF16, 0) == (3, None)
-    assert _resident_layer_count("2", _plans(4, 1000), cpu, BF16, 0) == (2, None)
+    assert _count("auto", _layers(4, 1000), cpu) == (0, None)
+    assert _count(3, _layers(4, 1000), cpu) == (3, None)
+    assert _count("2", _layers(4, 1000), cpu) == (2, None)
     with pytest.raises(ValueError, match="has 4 layers"):
-        _resident_layer_count(5, _plans(4, 1000), torch.device("cpu"), BF16, 0)
+        _count(5, _layers(4, 1000), cpu)
 
 
 def test_resident_layer_count_auto_uses_planner(monkeypatch):
     """On CUDA, "auto" takes the planner's count from free HBM (simulated here)."""
-    import hf_megatrain.hf.model as model_mod
+    import hf_megatrain.core.builder as builder
 
     numel = 10_000_000
     free = {"bytes": 0}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 0))
-    monkeypatch.setattr(model_mod, "available_host_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(builder, "available_host_bytes", lambda: 1 << 40)
     cuda = torch.device("cuda")
     reserve = 1 << 30
     free["bytes"] = reserve + 100 * numel * 18  # plenty: every layer in HBM
-    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve)[0] == 6
+    assert _count("auto", _layers(6, numel), cuda, 1.0)[0] == 6
     free["bytes"] = reserve // 2  # less than the reserve: everything streams
-    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve)[0] == 0
+    assert _count("auto", _layers(6, numel), cuda, 1.0)[0] == 0
     # Room for 3 layers' state next to the stream buffers and grad drain (2 layers each).
     free["bytes"] = reserve + 3 * numel * 18 + 2 * numel * 2 + 2 * numel * 4
-    assert _resident_layer_count("auto", _plans(6, numel), cuda, BF16, reserve)[0] == 3
+    assert _count("auto", _layers(6, numel), cuda, 1.0)[0] == 3
 
 
 def test_resident_layer_count_auto_plans_the_run_store_mode(monkeypatch):
-    """The trainer's "auto" plan gets the run's store mode: its table and host lines show it."""
-    import hf_megatrain.hf.model as model_mod
+    """The builder's "auto" plan gets the run's store mode: its table and host lines show it."""
+    import hf_megatrain.core.builder as builder
 
     numel = 10_000_000
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 0))
-    monkeypatch.setattr(model_mod, "available_host_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(builder, "available_host_bytes", lambda: 1 << 40)
     cuda = torch.device("cuda")
-    _, held = _resident_layer_count("auto", _plans(6, numel), cuda, BF16, 1 << 29)
-    _, slim = _resident_layer_count(
-        "auto", _plans(6, numel), cuda, BF16, 1 << 29, hold_grads=False, stream_fp32_master=True
-    )
-    assert held.hold_grads and not held.stream_fp32_master
-    assert not slim.hold_grads and slim.stream_fp32_master
+    _, held = _count("auto", _layers(6, numel), cuda, 0.5)
+    _, slim = _count("auto", _layers(6, numel), cuda, 0.5, clipping=False, stream_fp32_master=True)
+    assert held.host_grads and not held.stream_fp32_master
+    assert not slim.host_grads and slim.stream_fp32_master
     assert slim.host_bytes_per_param == 12 and held.host_bytes_per_param == 18
     assert "12 B/param" in slim.table() and "staging ring" in slim.table()
 
@@ -260,16 +279,18 @@ def test_resident_layer_count_auto_plans_the_run_store_mode(monkeypatch):
 def test_materialized_input_model_counts_on_the_host(qwen1_5b, qwen7b):
     """A model handed over in host RAM: the host peaks at the larger of the whole input model
     and the store plus the input's non-layer tensors (the layers move one by one)."""
-    wl = Workload.from_step(4096, 16384)
+    step = StepShape.from_step(4096, 16384)
     # 1.5B, all layers in HBM: the peak is the fp32 input model itself.
     fp32 = 4 * qwen1_5b.total_numel
-    plan = plan_memory(qwen1_5b, wl, BF16, 139 * GIB, 128 * GIB, input_model_bytes=fp32)
+    plan = plan_memory(qwen1_5b, step, OFF, BF16, 139 * GIB, 128 * GIB, input_model_bytes=fp32)
     assert plan.n_hbm == 28
     assert plan.host_peak_estimate == PROCESS_BASELINE + fp32
     # 7B, everything on the host: the store outgrows the input; its non-layer part remains.
     fp32 = 4 * qwen7b.total_numel
-    plan = plan_memory(qwen7b, wl, BF16, 139 * GIB, 1 << 50, hbm_layers=0, input_model_bytes=fp32)
-    meta = plan_memory(qwen7b, wl, BF16, 139 * GIB, 1 << 50, hbm_layers=0)
+    plan = plan_memory(
+        qwen7b, step, OFF, BF16, 139 * GIB, 1 << 50, hbm_layers=0, input_model_bytes=fp32
+    )
+    meta = plan_memory(qwen7b, step, OFF, BF16, 139 * GIB, 1 << 50, hbm_layers=0)
     assert plan.host_peak_estimate - meta.host_peak_estimate == 4 * qwen7b.non_layer_numel
 
 
@@ -280,21 +301,21 @@ def _line(lines, prefix: str) -> int:
 
 def test_bf16_boundaries_halve_boundary_bytes(qwen1_5b):
     t, h, n = 131072, qwen1_5b.hidden_size, qwen1_5b.num_layers
-    fp32 = Workload.from_step(t, t)
-    bf16 = replace(fp32, boundary_bytes_per_element=2)
-    assert boundary_activation_bytes(qwen1_5b, fp32) == t * h * 4 * n
-    assert boundary_activation_bytes(qwen1_5b, bf16) == t * h * 2 * n
+    step = StepShape.from_step(t, t)
+    fp32, bf16 = OFF, opts(boundary_dtype="bfloat16")
+    assert boundary_activation_bytes(qwen1_5b, step, fp32) == t * h * 4 * n
+    assert boundary_activation_bytes(qwen1_5b, step, bf16) == t * h * 2 * n
     big = dict(hbm_bytes=1 << 50, host_bytes=1 << 50)
     # Kept in HBM: every layer's input at 2 B, plus the recomputing layer's fp32 cast-back.
-    a, b = (plan_memory(qwen1_5b, wl, BF16, **big) for wl in (fp32, bf16))
+    a, b = (plan_memory(qwen1_5b, step, o, BF16, **big) for o in (fp32, bf16))
     assert _line(a.gpu_lines, "boundary activations (fp32)") == t * h * 4 * n
     assert _line(b.gpu_lines, "boundary activations (bf16)") == t * h * 2 * n
     assert _line(b.gpu_lines, "boundary activation of the recomputing layer") == t * h * 4
     assert not [x for x in a.gpu_lines if "cast back" in x.name]
     # Offloaded: the pinned host copies halve; in HBM the fetched bf16 pair plus the fp32 cast
     # of the one in use (2 x 2 + 4 B) replace the fp32 pair (2 x 4 B).
-    off = [replace(wl, offload_activations=True) for wl in (fp32, bf16)]
-    a, b = (plan_memory(qwen1_5b, wl, BF16, **big) for wl in off)
+    off = [opts(offload_activations=True, boundary_dtype=d) for d in ("input", "bfloat16")]
+    a, b = (plan_memory(qwen1_5b, step, o, BF16, **big) for o in off)
     assert _line(a.host_lines, "offloaded boundary activations (pinned, fp32)") == t * h * 4 * n
     assert _line(b.host_lines, "offloaded boundary activations (pinned, bf16)") == t * h * 2 * n
     assert b.host_total == a.host_total - t * h * 2 * n
@@ -302,8 +323,8 @@ def test_bf16_boundaries_halve_boundary_bytes(qwen1_5b):
     assert b.gpu_total == a.gpu_total
     # The what-fits search takes the option: a longer sequence fits (HBM-bound here).
     hbm, host = 139 * GIB, 124 * GIB
-    assert max_seq_len(qwen1_5b, 1, BF16, hbm, host, boundary_bytes_per_element=2) > max_seq_len(
-        qwen1_5b, 1, BF16, hbm, host
+    assert max_seq_len(qwen1_5b, 1, bf16, BF16, hbm, host) > max_seq_len(
+        qwen1_5b, 1, fp32, BF16, hbm, host
     )
 
 
@@ -316,51 +337,46 @@ def test_bf16_boundaries_advice_and_plan_cli(qwen7b, capsys):
         "--no-clip", "--stream-fp32-master", "--hbm-gib", "139", "--host-gib", "124",
         "--no-search",
     ]  # fmt: skip
-    with pytest.raises(SystemExit, match="megatrain_boundary_dtype='bfloat16'.*this plan fits"):
+    with pytest.raises(SystemExit, match="--boundary-dtype bfloat16: .*this plan fits"):
         main(argv)
-    assert main([*argv, "--bf16-boundaries"]) == 0
+    assert main([*argv, "--boundary-dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "offloaded boundary activations (pinned, bf16)" in out
     # Qwen2.5-7B at 512k: halving the 196 GiB is not enough; bf16 boundaries are only listed
     # among the options, with what they save.
-    wl = replace(
-        Workload.from_step(524288, 524288), mlp_tile_tokens=16384, offload_activations=True
-    )
-    plan = plan_memory(qwen7b, wl, BF16, 139 * GIB, 124 * GIB, hold_grads=False)
+    step = StepShape.from_step(524288, 524288)
+    long = dict(mlp_tile_tokens=16384, offload_activations=True)
+    plan = plan_memory(qwen7b, step, opts(False, **long), BF16, 139 * GIB, 124 * GIB)
     assert not plan.fits and not plan.bf16_boundaries_fit
     msg = str(plan.problems[-1])
-    assert BF16_BOUNDARIES_ADVICE not in msg
-    assert "bf16 boundary activations (megatrain_boundary_dtype='bfloat16': 98.00 GiB less" in msg
+    assert str(BF16_BOUNDARIES_ADVICE) not in msg
+    assert "bf16 boundary activations (boundary_dtype='bfloat16': 98.00 GiB less" in msg
+    # Each layer spells the option its own way (here as plan's flags).
+    named = plan.problems[-1].message(CLI_NAMER)
+    assert "bf16 boundary activations (--boundary-dtype bfloat16: 98.00 GiB less" in named
     # A plan that fits, or already uses bf16 boundaries, gets no such advice.
-    fits = plan_memory(qwen7b, wl, BF16, 139 * GIB, 1024 * GIB, hold_grads=False)
+    fits = plan_memory(qwen7b, step, opts(False, **long), BF16, 139 * GIB, 1024 * GIB)
     assert fits.fits and not fits.bf16_boundaries_fit
     bf16 = plan_memory(
-        qwen7b, replace(wl, boundary_bytes_per_element=2), BF16, 139 * GIB, 124 * GIB,
-        hold_grads=False,
-    )  # fmt: skip
+        qwen7b, step, opts(False, boundary_dtype="bfloat16", **long), BF16, 139 * GIB, 124 * GIB
+    )
     assert not bf16.fits and "boundary_dtype" not in str(bf16.problems[-1])
 
 
 def test_data_parallel_plan_counts_the_shared_store_once():
     """N ranks of one host: the same store (shared), N processes, N staging rings; GPU per GPU,
     with the gradients a rank holds until their owner has them and NCCL's own buffers."""
-    from hf_megatrain.core.planner import (
-        NCCL_BUFFER_BYTES,
-        PROCESS_BASELINE,
-        ModelShape,
-        Workload,
-        plan_memory,
-    )
+    from hf_megatrain.core.planner import NCCL_BUFFER_BYTES
 
     shape = ModelShape((300_000_000,) * 40, 1_500_000_000, 5120, 152_064, 13_824, kv_size=1024)
-    wl = Workload(seq_len=4096, micro_batch_tokens=16384)
-    kw = dict(hold_grads=False, stream_fp32_master=True)
-    one = plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 400 * 2**30, **kw)
-    two = plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 400 * 2**30, ranks=2, **kw)
+    step = StepShape(seq_len=4096, micro_batch_tokens=16384)
+    o = opts(False, stream_fp32_master=True)
+    one = plan_memory(shape, step, o, torch.bfloat16, 139 * 2**30, 400 * 2**30)
+    two = plan_memory(shape, step, o, torch.bfloat16, 139 * 2**30, 400 * 2**30, ranks=2)
     assert two.n_hbm <= one.n_hbm
     one, two = (
-        plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 400 * 2**30, ranks=r,
-                    hbm_layers=one.n_hbm, **kw)
+        plan_memory(shape, step, o, torch.bfloat16, 139 * 2**30, 400 * 2**30, ranks=r,
+                    hbm_layers=one.n_hbm)
         for r in (1, 2)
     )  # fmt: skip
 
@@ -373,7 +389,7 @@ def test_data_parallel_plan_counts_the_shared_store_once():
     assert two.host_total - one.host_total == PROCESS_BASELINE + ring
     assert "data parallel: 2 ranks" in two.table()
     with pytest.raises(ValueError, match="ranks"):
-        plan_memory(shape, wl, torch.bfloat16, 139 * 2**30, 400 * 2**30, ranks=0)
+        plan_memory(shape, step, o, torch.bfloat16, 139 * 2**30, 400 * 2**30, ranks=0)
 
 
 def test_plan_cli_nproc(capsys):
@@ -392,16 +408,16 @@ def test_hbm_cast_weights_fit_more_layers_and_keep_none():
     """HBM-tier layers without a bf16 copy take 16 instead of 18 B/param: more fit; the stream
     buffers are sized for them even when no layer streams; the layers that keep activations in
     the room left keep their copy (18 B/param)."""
-    from hf_megatrain.core.planner import ModelShape, Workload, plan_memory
-
     # Qwen2.5-7B's shape at one 8k-token micro-batch on an H200 (139.3 GiB free).
     shape = ModelShape((233_057_792,) * 28, 1_089_994_240, 3584, 152_064, 18_944, kv_size=512)
-    wl = Workload(seq_len=4096, micro_batch_tokens=8192)
+    step = StepShape(seq_len=4096, micro_batch_tokens=8192)
     hbm, host = int(139.3 * 2**30), 120 * 2**30
-    copy = plan_memory(shape, wl, torch.bfloat16, hbm, host, keep_activation_layers=None)
+    auto = opts(keep_activations="auto")
+    copy = plan_memory(shape, step, auto, torch.bfloat16, hbm, host)
     cast = plan_memory(
-        shape, wl, torch.bfloat16, hbm, host, keep_activation_layers=None, hbm_cast_weights=True
-    )
+        shape, step, opts(keep_activations="auto", hbm_cast_weights=True), torch.bfloat16, hbm,
+        host,
+    )  # fmt: skip
     assert copy.n_hbm == 27 and cast.n_hbm == 28, (copy.n_hbm, cast.n_hbm)
     assert cast.hbm_cast_weights and cast.kept_layers == 4
     assert [p.gpu_bytes // p.numel for p in cast.layers] == [16] * 24 + [18] * 4
@@ -409,14 +425,12 @@ def test_hbm_cast_weights_fit_more_layers_and_keep_none():
     buffers = next(ln for ln in cast.gpu_lines if ln.name.startswith("stream double buffer"))
     assert buffers.nbytes == 2 * 233_057_792 * 2
     assert "cast to bf16 on use but the 4 keeping activations (bf16 copy)" in cast.table()
-    none_kept = plan_memory(
-        shape, wl, torch.bfloat16, hbm, host, keep_activation_layers=0, hbm_cast_weights=True
-    )
+    none_kept = plan_memory(shape, step, opts(hbm_cast_weights=True), torch.bfloat16, hbm, host)
     assert all(p.gpu_bytes == 16 * p.numel for p in none_kept.layers)
     tier = next(ln for ln in none_kept.gpu_lines if ln.name.startswith("HBM-tier"))
     assert tier.nbytes == 16 * 28 * 233_057_792
     # fp32 runs: there is no bf16 copy to drop.
-    fp32 = plan_memory(shape, wl, torch.float32, hbm, host, hbm_cast_weights=True)
+    fp32 = plan_memory(shape, step, opts(hbm_cast_weights=True), torch.float32, hbm, host)
     assert not fp32.hbm_cast_weights
 
 
@@ -428,8 +442,60 @@ def test_plan_cli_hbm_cast_weights(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "layers: 27 in HBM" in out
-    assert "with megatrain_hbm_cast_weights" in out and "28 layers fit in HBM instead of 27" in out
+    assert "with --hbm-cast-weights (" in out and "28 layers fit in HBM instead of 27" in out
     assert main(argv + ["--hbm-cast-weights"]) == 0
     out = capsys.readouterr().out
     assert "layers: 28 in HBM" in out and "cast to bf16 on use" in out
     assert "activations kept, no recompute: layers 24-27" in out
+
+
+def test_advice_names_options_through_the_callers_namer(qwen7b):
+    """Advice carries the option changes as fields and values; each layer spells them: field
+    names in the core, its arguments in the HF layer, flags in ``plan``. The table's own lines
+    do not depend on the spelling."""
+    step = StepShape.from_step(524288, 524288)
+    plan = plan_memory(qwen7b, step, OFF, BF16, int(139.3 * GIB), 124 * GIB)
+    assert not plan.fits
+    advice = plan.problems[0].advice
+    assert advice == plan.advice and not advice.clipping_off
+    assert dict(advice.options) == {
+        "mlp_tile_tokens": 16384,
+        "offload_activations": True,
+        "stream_fp32_master": True,
+        "checkpoint_every": 4,
+        "boundary_dtype": "bfloat16",
+    }
+    assert (
+        "With mlp_tile_tokens=16384, offload_activations=True, stream_fp32_master=True, "
+        "checkpoint_every=4, boundary_dtype='bfloat16' (approximate gradients) this plan fits."
+    ) in str(plan.problems[0])
+    hf = OptionNamer(
+        setting=lambda f, v: f"megatrain_{f}={v!r}",
+        option=lambda f: f"megatrain_{f}",
+        clipping_off="max_grad_norm=0",
+    )
+    assert "With megatrain_mlp_tile_tokens=16384, megatrain_offload_activations=True" in (
+        plan.problems[0].message(hf)
+    )
+    with pytest.raises(MemoryPlanError, match="megatrain_checkpoint_every=4") as e:
+        plan.check(hf)
+    assert e.value.tier == plan.problems[0].tier and "megatrain_" not in str(plan.problems[0])
+    cli = plan.table(CLI_NAMER)
+    assert (
+        "--offload-activations, --stream-fp32-master, --checkpoint-every 4, --boundary-dtype" in cli
+    )
+    body = [ln for ln in cli.splitlines() if not ln.startswith(("note:", "PROBLEM:"))]
+    assert body == [
+        ln for ln in plan.table().splitlines() if not ln.startswith(("note:", "PROBLEM:"))
+    ]
+    # Applied, the advice fits.
+    fixed = EngineOptions(keep_activations="off", **advice.options)
+    assert plan_memory(qwen7b, step, fixed.resolve(clipping=True, cuda=True), BF16,
+                       int(139.3 * GIB), 124 * GIB).fits  # fmt: skip
+    # Clipping off is a training setting, not an option: each namer says it its own way.
+    from hf_megatrain.core.planner import OptionChanges
+
+    off = OptionChanges({"checkpoint_every": 2}, clipping_off=True)
+    assert off.render() == "checkpoint_every=2, clipping off (changes the training)"
+    assert off.render(CLI_NAMER) == "--checkpoint-every 2, --no-clip (changes the training)"
+    assert off.render(hf) == "megatrain_checkpoint_every=2, max_grad_norm=0 (changes the training)"

@@ -188,63 +188,51 @@ def test_kept_attention_outputs_are_planned():
     """The plan counts the kept outputs for every recomputed layer (not for layers that keep
     their whole graph, which hold them already): heads x head_dim bf16 + 4 B per head."""
     from hf_megatrain.core.activation_memory import attention_output_bytes_per_token
-    from hf_megatrain.core.planner import (
-        ALL_LAYERS,
-        GIB,
-        ModelShape,
-        Workload,
-        max_seq_len,
-        plan_memory,
-    )
+    from hf_megatrain.core.options import EngineOptions, StepShape
+    from hf_megatrain.core.planner import GIB, ModelShape, max_seq_len, plan_memory
 
     shape = ModelShape(
         layer_numels=(1000,) * 4, non_layer_numel=1000, hidden_size=64, vocab_size=100,
         intermediate_size=128, kv_size=32, head_dim=16, num_heads=4,
     )  # fmt: skip
     assert attention_output_bytes_per_token(shape, torch.bfloat16) == 4 * 16 * 2 + 4 * 4
-    wl = Workload(seq_len=256, micro_batch_tokens=512)
+    step = StepShape(seq_len=256, micro_batch_tokens=512)
 
-    def total(layers: int | None, kept: int, boundary_bytes: int = 4) -> int:
-        w = Workload(
-            **{
-                **wl.__dict__,
-                "attention_output_layers": layers,
-                "boundary_bytes_per_element": boundary_bytes,
-            }
-        )
-        plan = plan_memory(
-            shape, w, torch.bfloat16, 8 * GIB, 8 * GIB, hbm_layers=4, keep_activation_layers=kept
-        )
+    def opts(attention: str = "off", keep: str = "off", boundary: str = "input"):
+        return EngineOptions(
+            keep_attention_outputs=attention, keep_activations=keep, boundary_dtype=boundary
+        ).resolve(clipping=True, cuda=True)
+
+    def total(attention: str, kept: int, boundary: str = "input") -> int:
+        o = opts(attention, str(kept), boundary)
+        plan = plan_memory(shape, step, o, torch.bfloat16, 8 * GIB, 8 * GIB, hbm_layers=4)
         return sum(line.nbytes for line in plan.gpu_lines if "attention outputs" in line.name)
 
     per_layer = 512 * 144
-    assert total(0, 0) == 0
-    assert total(ALL_LAYERS, 0) == 4 * per_layer
-    assert total(ALL_LAYERS, 1) == 3 * per_layer  # the kept layer holds them already
-    assert total(2, 0) == 2 * per_layer
+    assert total("off", 0) == 0
+    assert total("all", 0) == 4 * per_layer
+    assert total("all", 1) == 3 * per_layer  # the kept layer holds them already
+    assert total("2", 0) == 2 * per_layer
     # Inputs saved rounded to bf16: layers re-run whole and keep nothing of the kind.
-    assert total(ALL_LAYERS, 0, boundary_bytes=2) == 0
-    # "auto" (None): as many as the HBM left by the tier fits. With room for about 2.5 layers'
-    # worth beyond a plan without them, 2.
-    base = plan_memory(shape, wl, torch.bfloat16, 8 * GIB, 8 * GIB, hbm_layers=4)
+    assert total("all", 0, boundary="bfloat16") == 0
+    # "auto": as many as the HBM left by the tier fits. With room for about 2.5 layers' worth
+    # beyond a plan without them, 2.
+    base = plan_memory(shape, step, opts(), torch.bfloat16, 8 * GIB, 8 * GIB, hbm_layers=4)
     room = base.gpu_total + int(2.5 * per_layer * 1.03)  # the slack line grows 3% with them
-    w = Workload(**{**wl.__dict__, "attention_output_layers": None})
-    auto = plan_memory(shape, w, torch.bfloat16, room, 8 * GIB, hbm_layers=4)
+    auto = plan_memory(shape, step, opts("auto"), torch.bfloat16, room, 8 * GIB, hbm_layers=4)
     assert auto.attention_layers == 2 and auto.attention_layer_indices == [2, 3]
+    # Without the early-stop recompute (whole layers re-run) nothing is kept either.
+    whole = EngineOptions(keep_attention_outputs="all", recompute_early_stop=False,
+                          keep_activations="off").resolve(clipping=True, cuda=True)  # fmt: skip
+    plan = plan_memory(shape, step, whole, torch.bfloat16, 8 * GIB, 8 * GIB, hbm_layers=4)
+    assert plan.attention_layers == 0
     # The "what fits" searches plan with them too: a shorter longest sequence.
+    hbm, host = 2 * GIB, 8 * GIB
     longest = {
-        keep: max_seq_len(
-            shape,
-            1,
-            torch.bfloat16,
-            2 * GIB,
-            8 * GIB,
-            multiple=1024,
-            attention_output_layers=ALL_LAYERS if keep else 0,
-        )  # fmt: skip
-        for keep in (False, True)
+        keep: max_seq_len(shape, 1, opts(keep), torch.bfloat16, hbm, host, multiple=1024)
+        for keep in ("off", "all")
     }
-    assert 0 < longest[True] < longest[False]
+    assert 0 < longest["all"] < longest["off"]
 
 
 def test_kept_attention_outputs_warn_where_they_do_nothing(tmp_path, caplog):

@@ -13,9 +13,9 @@ import torch
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, prepare_streamed_model
 from hf_megatrain.core.host_store import PAGE, LayerStore, layer_store_bytes, layout_slots
+from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import (
     ModelShape,
-    Workload,
     host_bytes_per_param,
     plan_memory,
 )
@@ -164,7 +164,7 @@ def test_refused_combinations(tmp_path):
         )
     # A model streamed without slots (load/init_streamed_model(host_grads=False)), then clipped.
     streamed = prepare_streamed_model(
-        tiny_model(tiny_config("llama")), "cpu", torch.float32, host_grads=False
+        tiny_model(tiny_config("llama")), "cpu", torch.float32, host_grads=False, clipping=False
     )
     with pytest.raises(ValueError, match="built without gradient slots.*max_grad_norm=0.5"):
         HFMegaTrainer(model=streamed, args=args(), train_dataset=data)
@@ -182,7 +182,7 @@ def test_refused_combinations(tmp_path):
 def test_no_slot_without_eager_optimizer_is_refused():
     """Engine level: a no-slot store's final gradient needs an eager consumer."""
     model = prepare_streamed_model(
-        tiny_model(tiny_config("llama")), "cpu", torch.float32, host_grads=False
+        tiny_model(tiny_config("llama")), "cpu", torch.float32, host_grads=False, clipping=False
     )
     ids = torch.randint(0, 100, (1, 8))
     loss = model(input_ids=ids, labels=ids).loss
@@ -194,18 +194,17 @@ def test_no_slot_without_eager_optimizer_is_refused():
 def test_planner_modes_arithmetic():
     numel, n = 1 << 20, 4
     shape = ModelShape((numel,) * n, 0, 8, 16, 32)
-    wl = Workload(8, 8, 1)
+    step = StepShape(8, 8, 1)
+
+    def opts(hold: bool, master: bool):
+        # Clipping holds host gradients; without it eager updates need none.
+        engine = EngineOptions(stream_fp32_master=master, keep_activations="off")
+        return engine.resolve(clipping=hold, cuda=True)
+
     plans = {
         (hold, master): plan_memory(
-            shape,
-            wl,
-            torch.bfloat16,
-            1 << 40,
-            1 << 40,
-            hbm_layers=0,
-            hold_grads=hold,
-            stream_fp32_master=master,
-        )  # fmt: skip
+            shape, step, opts(hold, master), torch.bfloat16, 1 << 40, 1 << 40, hbm_layers=0
+        )
         for hold in (True, False)
         for master in (False, True)
     }
@@ -230,7 +229,7 @@ def test_planner_qwen14b_fits_without_clipping():
     """The capacity target: Qwen2.5-14B, 16k tokens/step at seq 4096, 1x H200 + 125 GiB host."""
     from transformers import Qwen2Config
 
-    from hf_megatrain.cli import model_shape_from_config
+    from hf_megatrain.hf.model import model_shape_from_config
 
     # Qwen2.5-14B's config.json values (as in benchmarks/configs/qwen2.5-14b).
     cfg = Qwen2Config(
@@ -239,13 +238,16 @@ def test_planner_qwen14b_fits_without_clipping():
     )  # fmt: skip
     shape = model_shape_from_config(cfg, "qwen2.5-14b")
     assert 14.7e9 < shape.total_numel < 14.8e9
-    wl = Workload.from_step(4096, 16384)
+    step = StepShape.from_step(4096, 16384)
     gib = 2**30
-    clip = plan_memory(shape, wl, torch.bfloat16, 139 * gib, 125 * gib)
-    eager = plan_memory(shape, wl, torch.bfloat16, 139 * gib, 125 * gib, hold_grads=False)
-    both = plan_memory(
-        shape, wl, torch.bfloat16, 139 * gib, 125 * gib, hold_grads=False, stream_fp32_master=True
-    )
+
+    def plan(clipping: bool, **changes):
+        o = EngineOptions(keep_activations="off", **changes).resolve(clipping=clipping, cuda=True)
+        return plan_memory(shape, step, o, torch.bfloat16, 139 * gib, 125 * gib)
+
+    clip = plan(True)
+    eager = plan(False)
+    both = plan(False, stream_fp32_master=True)
     assert not clip.fits and clip.problems[0].tier == "host"
     assert "no clipping" in str(clip.problems[0])
     assert eager.fits and both.fits

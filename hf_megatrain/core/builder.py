@@ -26,7 +26,7 @@ from .host_store import (
     layer_store_bytes,
 )
 from .options import ResolvedOptions, StepShape
-from .plan_types import ModelShape
+from .plan_types import ModelShape, OptionNamer
 from .planner import MemoryPlan, plan_memory
 from .streaming import GRAD_STAGING_SLOTS, StreamingEngine
 
@@ -66,13 +66,15 @@ def build_streamed_state(
     step: StepShape | None = None,
     input_model_bytes: int = 0,
     preserve_rng: bool = False,
+    namer: OptionNamer | None = None,
 ) -> StreamedState:
     """Plan, check, allocate and wire the streamed state of ``layers``.
 
     ``fill(i, store)`` writes layer ``i``'s initial weights into its new store (or leaves it for a
     checkpoint load). ``shape`` and ``step`` let the plan size activations line by line (else
     ``options.hbm_reserve_gb`` stands for them). ``input_model_bytes``: what the caller holds
-    materialized in host RAM meanwhile.
+    materialized in host RAM meanwhile. ``namer`` spells options in the plan's log and warnings
+    as the caller's users write them.
     """
     if compute_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
@@ -89,7 +91,7 @@ def build_streamed_state(
         prefer_expandable_segments()  # before the HBM tier and the stream buffers are allocated
     trainable = [layer.trainable for layer in layers]
     n_resident, plan = _resident_layer_count(
-        layers, options, device, compute_dtype, shape, step, input_model_bytes, dp
+        layers, options, device, compute_dtype, shape, step, input_model_bytes, dp, namer
     )
     # The HBM tier holds optimizer state: only leading fully trainable layers qualify.
     n_resident = next((i for i, t in enumerate(trainable[:n_resident]) if not t), n_resident)
@@ -176,6 +178,7 @@ def _resident_layer_count(
     step: StepShape | None,
     input_model_bytes: int,
     dp: DataParallel | None,
+    namer: OptionNamer | None = None,
 ) -> tuple[int, MemoryPlan | None]:
     """How many leading layers keep their whole state in HBM, and the plan that decided it.
 
@@ -220,14 +223,17 @@ def _resident_layer_count(
         input_model_bytes=input_model_bytes,
         ranks=1 if dp is None else dp.world_size,
     )
-    logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table())
+    logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table(namer))
     # Host shortfalls are refused by HostStore.check_fits (which honours the host limit); a GPU
     # shortfall means no layer goes to HBM. With the step known, the plan says the activations
     # themselves do not fit: warn now, with what would fit, instead of letting the first step run
     # out of memory (not an error: the plan's estimates run a few percent high).
     if step is not None:
         for problem in (p for p in plan.problems if p.tier == "gpu"):
-            logger.warning("%s (planned before training: it may run out of GPU memory)", problem)
+            logger.warning(
+                "%s (planned before training: it may run out of GPU memory)",
+                problem.message(namer),
+            )
     return plan.n_hbm, plan
 
 

@@ -1,17 +1,17 @@
 """Every engine knob, once: :class:`EngineOptions`, and the step shape, :class:`StepShape`.
 
 ``EngineOptions`` is the single source of each knob's name, type, default, help text and
-validation. Everything else is a projection of it: ``MegaTrainArguments`` gets one
-``megatrain_<field>`` argument per field, the ``hf-megatrain`` CLI, ``plan``, the benchmarks and
-the recipes get one ``--<field-name>`` flag per field, recipe YAML keys are the field names. A new
-knob is a new field here, its use, and its test.
+validation. Everything else is a projection of it: ``MegaTrainArguments`` gets one training
+argument per field (``hf/arguments.py``), the ``hf-megatrain`` CLI, ``plan``, the benchmarks and
+the recipes get one command-line flag per field (``option_flags.py``), recipe YAML keys are the
+field names. A new knob is a new field here, its use, and its test.
 
 Rules that combine knobs with each other or with the run (gradient clipping, the device) live in
 one place, :meth:`EngineOptions.resolve`, which returns :class:`ResolvedOptions`: the concrete
 values the builder, planner, engine and optimizer use.
 
-No ``transformers`` import here, and no argument or flag names: upper layers translate field
-names (``hf/arguments.py``: ``megatrain_<field>``; the CLI: ``--<field-name>``).
+No ``transformers`` import here, and no argument or flag names: messages name option fields
+and the upper layers translate them into their own spelling.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ class EngineOptions:
                 "the run clips gradients: every layer's gradient must be held until the global "
                 "norm is known"
                 if clipping
-                else "eager_update is off: the update after backward reads every layer's held "
+                else "eager_update=False: the update after backward reads every layer's held "
                 "gradient"
             )
             raise OptionError(

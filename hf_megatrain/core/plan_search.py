@@ -192,21 +192,24 @@ def _plan(
     add_problems(plan, fixed_gpu_lines)
     if not advise:
         return plan
-    if not plan.problems or step is None:
-        add_notes(plan)
-        _note_hbm_cast(plan, shape, step, options, compute_dtype, hbm_bytes, host_bytes,
-                       hbm_layers, reserve_bytes, input_model_bytes, ranks, host_margin_bytes,
-                       keep)  # fmt: skip
-        return plan
 
-    def fits_with(other: ResolvedOptions) -> bool:
-        """Whether the same run fits with other options (for the advice): without kept
-        activations, which never decide a fit."""
+    def replan(other: ResolvedOptions, other_keep: int | None) -> MemoryPlan:
+        """The same run and machine with other options, without advice."""
         return _plan(
             shape, step, other, compute_dtype, hbm_bytes, host_bytes, hbm_layers=hbm_layers,
             reserve_bytes=reserve_bytes, input_model_bytes=input_model_bytes, ranks=ranks,
-            host_margin_bytes=host_margin_bytes, keep=0, advise=False,
-        ).fits  # fmt: skip
+            host_margin_bytes=host_margin_bytes, keep=other_keep, advise=False,
+        )  # fmt: skip
+
+    if not plan.problems or step is None:
+        add_notes(plan)
+        if hbm_layers is None:  # (a forced tier size is not the planner's to second-guess)
+            _note_hbm_cast(plan, lambda cast: replan(cast, keep))
+        return plan
+
+    def fits_with(other: ResolvedOptions) -> bool:
+        # Without kept activations, which never decide a fit.
+        return replan(other, 0).fits
 
     def fits_engine(**changes: object) -> bool:
         engine = options.options.with_(**changes)
@@ -254,39 +257,17 @@ def _plan(
     return plan
 
 
-def _note_hbm_cast(
-    plan: MemoryPlan,
-    shape: ModelShape,
-    step: StepShape | None,
-    options: ResolvedOptions,
-    compute_dtype: torch.dtype,
-    hbm_bytes: int,
-    host_bytes: int,
-    hbm_layers: int | None,
-    reserve_bytes: int,
-    input_model_bytes: int,
-    ranks: int,
-    host_margin_bytes: int,
-    keep: int | None,
-) -> None:
+def _note_hbm_cast(plan: MemoryPlan, replan: Callable[[ResolvedOptions], MemoryPlan]) -> None:
     """A plan that fits with some layers streamed, HBM-tier layers with bf16 copies: say when
-    the tier without them (16 instead of 18 B/param) would hold more layers."""
-    if (
-        not plan.fits
-        or plan.hbm_cast_weights
-        or compute_dtype == torch.float32
-        or hbm_layers is not None
-        or not plan.n_host
-    ):
+    the tier without them (16 instead of 18 B/param) would hold more layers. ``replan``: the
+    same run with other options."""
+    options = plan.options
+    if options is None or not plan.fits or not plan.n_host:
         return
-    cast = options.options.with_(hbm_cast_weights=True).resolve(
-        clipping=options.clipping, cuda=options.cuda
-    )
-    alt = _plan(
-        shape, step, cast, compute_dtype, hbm_bytes, host_bytes, hbm_layers=None,
-        reserve_bytes=reserve_bytes, input_model_bytes=input_model_bytes, ranks=ranks,
-        host_margin_bytes=host_margin_bytes, keep=keep, advise=False,
-    )  # fmt: skip
+    if plan.hbm_cast_weights or plan.compute_dtype == torch.float32:
+        return
+    cast = options.options.with_(hbm_cast_weights=True)
+    alt = replan(cast.resolve(clipping=options.clipping, cuda=options.cuda))
     if alt.fits and alt.n_hbm > plan.n_hbm:
         plan.notes.append(hbm_cast_note(alt.n_hbm, plan.n_hbm))
 

@@ -14,6 +14,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..core.options import EngineOptions, OptionError, field_types
+from ..core.plan_types import OptionNamer
 
 #: Prefix of the engine options among the training arguments.
 PREFIX = "megatrain_"
@@ -27,6 +28,12 @@ def argument_name(field: str) -> str:
 def argument_text(field: str, value: Any) -> str:
     """How a ``TrainingArguments`` user spells ``field=value`` (for advice and errors)."""
     return f"{argument_name(field)}={value!r}"
+
+
+#: Plan advice and problems as a ``TrainingArguments`` user writes them.
+ARGUMENT_NAMER = OptionNamer(
+    setting=argument_text, option=argument_name, clipping_off="max_grad_norm=0"
+)
 
 
 def _generated_fields() -> list[tuple[str, Any, dataclasses.Field]]:

@@ -30,6 +30,7 @@ from ..core.plan_types import ModelShape, last_recomputed
 from ..core.planner import MemoryPlan
 from ..core.streamed_layer import StreamedLayer
 from ..core.streaming import StreamingEngine
+from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
 
 logger = logging.getLogger(__name__)
@@ -425,6 +426,7 @@ def prepare_streamed_model(
         # Not gated on model.training: from_pretrained returns the model in eval mode and the
         # Trainer switches it to train mode only later, so the flag says nothing about training.
         preserve_rng=_has_dropout(config),
+        namer=ARGUMENT_NAMER,
     )
     engine = built.engine
     device = engine.device

@@ -201,7 +201,6 @@ def _run_options(args: TrainingArguments, options: EngineOptions) -> ResolvedOpt
         message = str(e)
         for name in sorted(EngineOptions.field_names(), key=len, reverse=True):
             message = message.replace(f"{name}=", f"{argument_name(name)}=")
-            message = message.replace(f"{name} is", f"{argument_name(name)} is")
         message = message.replace("megatrain_megatrain_", "megatrain_")
         if _clipping(args):
             message = message.replace("the run clips", f"max_grad_norm={args.max_grad_norm} clips")
