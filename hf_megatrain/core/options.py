@@ -252,6 +252,17 @@ class EngineOptions:
             run_time=True,
         ),
     )
+    # ---- resume -------------------------------------------------------------------------------
+    resume_without_optimizer_state: bool = field(
+        default=False,
+        metadata=_help(
+            """Resuming from a checkpoint that lacks its optimizer state (AdamW moments) or its
+            learning-rate scheduler state is an error naming the missing file: a resume must
+            continue the same run. True resumes anyway, with the moments at zero and the schedule
+            restarted, and says so in the log.""",
+            run_time=True,
+        ),
+    )
     # ---- logs ---------------------------------------------------------------------------------
     log_throughput: bool = field(
         default=True,

@@ -27,6 +27,7 @@ from ..core.host_store import InsufficientHostMemoryError
 from ..core.options import EngineOptions, OptionError, ResolvedOptions, StepShape
 from .arguments import MegaTrainArguments, argument_name, engine_options
 from .checkpoint import (
+    OPTIMIZER_STATE_DIR,
     has_optimizer_state,
     load_optimizer_state,
     load_weights_into_store,
@@ -627,13 +628,24 @@ class MegaTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        if not has_optimizer_state(checkpoint):
-            logger.warning(
-                "hf_megatrain: no optimizer state in %s; moments start at zero", checkpoint
-            )
-            return
-        load_optimizer_state(self.optimizer, checkpoint)
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
+        missing = [] if has_optimizer_state(checkpoint) else [os.path.join(checkpoint, OPTIMIZER_STATE_DIR)]
+        missing += [] if os.path.isfile(sched) else [sched]
+        if missing and not self.megatrain_options.resume_without_optimizer_state:
+            raise FileNotFoundError(
+                f"hf_megatrain: cannot resume from {checkpoint}: {' and '.join(missing)} "
+                "missing. Resume from a complete checkpoint, or set "
+                "megatrain_resume_without_optimizer_state=True to go on with AdamW moments at "
+                "zero and the learning-rate schedule restarted."
+            )
+        if missing:
+            logger.warning(
+                "hf_megatrain: resuming without %s (megatrain_resume_without_optimizer_state): "
+                "what is missing starts afresh",
+                " and ".join(missing),
+            )
+        if has_optimizer_state(checkpoint):
+            load_optimizer_state(self.optimizer, checkpoint)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
 
