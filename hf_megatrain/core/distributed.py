@@ -81,7 +81,7 @@ class DataParallel:
             raise DataParallelError(
                 f"hf_megatrain: data parallel runs on one host only (the ranks share the host "
                 f"store through shared memory), but {self.world_size} processes were launched "
-                f"with {self.local_world_size} on this host. Launch with --num_machines 1."
+                f"with {self.local_world_size} on this host. Launch them all on one machine."
             )
 
     # ---- construction ------------------------------------------------------------------------

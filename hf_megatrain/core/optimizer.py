@@ -147,8 +147,8 @@ class HostAdamW(torch.optim.Optimizer):
             # scale only the resident parameters' update.
             raise RuntimeError(
                 "hf_megatrain: gradient clipping cannot be combined with eager layer updates "
-                "(each layer already updated during backward); set max_grad_norm=0 or turn "
-                "megatrain_eager_update off (with host gradient slots, megatrain_host_grads)."
+                "(each layer already updated during backward): train without clipping, or with "
+                "the options eager_update=False and host_grads=True."
             )
         norm = self.grad_norm()
         # torch.nn.utils.clip_grad_norm_ uses exactly this coefficient.

@@ -96,7 +96,7 @@ class PlaceholderSaves:
                     f"hf_megatrain: a streamed layer's recompute differs from its forward: saved "
                     f"tensor {k} is {tuple(t.shape)} {t.dtype}, forward saved {tuple(shape)} "
                     f"{dtype} (the layer must run the same ops for the same inputs; "
-                    "megatrain_recompute_early_stop=False re-runs whole layers instead)"
+                    "the option recompute_early_stop=False re-runs whole layers instead)"
                 )
             slot = self._slots[k]()
             if slot is not None:
@@ -116,7 +116,7 @@ class PlaceholderSaves:
         raise RuntimeError(
             f"hf_megatrain: a streamed layer's recompute saved {count} tensors, its forward {n} "
             "(the layer must run the same ops for the same inputs; "
-            "megatrain_recompute_early_stop=False re-runs whole layers instead)"
+            "the option recompute_early_stop=False re-runs whole layers instead)"
         )
 
 

@@ -168,7 +168,7 @@ def segment_input(seg: Segment | None, pos: int) -> torch.Tensor:
         raise RuntimeError(
             "hf_megatrain: a checkpoint segment's saved state is gone (its leader's backward "
             "already ran): backward twice through the same graph (retain_graph) is not "
-            "supported with megatrain_checkpoint_every > 1"
+            "supported with the option checkpoint_every > 1"
         )
     entries = seg.entries
     engine = entries[0].layer.engine

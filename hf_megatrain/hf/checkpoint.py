@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..core.options import EngineOptions
 from .model import StreamedModelState, streamed_state
 
 logger = logging.getLogger(__name__)
@@ -61,12 +62,19 @@ def host_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_streamed_pretrained(model, output_dir: str, max_shard_size: str | int = "2GB") -> None:
+def save_streamed_pretrained(
+    model, output_dir: str, max_shard_size: str | int | None = None
+) -> None:
     """Write ``model`` as sharded HF safetensors (loadable by ``from_pretrained``).
 
     Files go to a staging folder first and are moved into ``output_dir`` one by one, the index and
     config last, so a reader never sees a complete-looking set that is half written.
+    ``max_shard_size``: default the streamed model's ``max_shard_size`` option.
     """
+    if max_shard_size is None:
+        state = streamed_state(model)
+        options = state.options.options if state is not None and state.options else EngineOptions()
+        max_shard_size = options.max_shard_size
     os.makedirs(output_dir, exist_ok=True)
     staging = os.path.join(output_dir, f".megatrain-staging-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -291,7 +291,7 @@ class GradientSink:
                 f"hf_megatrain: layer {idx} holds no gradient: its host store has no gradient "
                 "slot (eager updates), and the staged gradient was already consumed. Clipping, "
                 "a second optimizer step or reading gradients after the update need "
-                "host_grads=True (megatrain_host_grads)."
+                "the host_grads=True option."
             )
         return staged
 
