@@ -846,7 +846,10 @@ def run_subprocess(cfg: RunConfig, log_file) -> dict:
 
 
 def git_commit() -> str:
-    """Commit of the checkout (with -dirty), else $BENCH_COMMIT (the GPU copy has no .git)."""
+    """$BENCH_COMMIT when set (the GPU copy's .git, if any, is not the tree that runs), else the
+    checkout's commit (with -dirty)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty", "--abbrev=10"],
@@ -859,7 +862,7 @@ def git_commit() -> str:
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("BENCH_COMMIT", "unknown")
+    return "unknown"
 
 
 def source_sha() -> str:
