@@ -330,6 +330,31 @@ def test_no_clip_slim_store_run(tmp_path):
     assert json.loads(out.read_text())["status"] == "ok"
 
 
+# Non-default values of the str options (every other type gets one by rule in _non_default).
+_STR_VALUES = {
+    "resident_layers": "4", "keep_activations": "off", "keep_attention_outputs": "all",
+    "max_shard_size": "1GB", "boundary_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def _non_default(name: str):
+    """A valid value of option ``name`` other than its default."""
+    import dataclasses  # noqa: PLC0415
+    import typing  # noqa: PLC0415
+
+    from hf_megatrain.core.options import field_types  # noqa: PLC0415
+
+    default = {f.name: f.default for f in dataclasses.fields(EngineOptions)}[name]
+    kinds = set(typing.get_args(field_types()[name])) or {field_types()[name]}
+    if bool in kinds:
+        return True if default is None else not default
+    if int in kinds:
+        return (default or 0) + 2
+    if float in kinds:
+        return (default or 1.0) * 2
+    return _STR_VALUES[name]
+
+
 def test_bench_dp_command_parses_under_torchrun(tmp_path):
     """torchrun's parser sees the script's arguments too: none may clash with its options."""
     from torch.distributed.run import get_args_parser
@@ -339,15 +364,7 @@ def test_bench_dp_command_parses_under_torchrun(tmp_path):
     argv = ["--nproc", "2", "--model", "tiny-qwen2", "--seq-len", "16", "--tokens-per-gpu", "32"]
     argv += ["--system", "megatrain-hbm"]
     # Every engine option flag (generated from EngineOptions) passes through torchrun too.
-    engine = EngineOptions(
-        host_memory_limit_gb=100.0, max_shard_size="1GB", stream_fp32_master=True,
-        host_grads=True, resident_layers="4", plan_seq_len=16, hbm_reserve_gb=1.0,
-        hbm_cast_weights=True, keep_activations="off", keep_attention_outputs="all",
-        recompute_early_stop=False, checkpoint_every=2, mlp_tile_tokens=8,
-        offload_activations=True, boundary_dtype="bfloat16", fused_loss=False,
-        loss_chunk_tokens=8, overlap_optimizer=False, eager_update=False, pin_memory=False,
-        log_throughput=False, peak_tflops=100.0,
-    )  # fmt: skip
+    engine = EngineOptions(**{f: _non_default(f) for f in EngineOptions.field_names()})
     assert set(engine.changed()) == set(EngineOptions.field_names())
     argv += bench.RunConfig(system="megatrain-hbm", model=TINY, engine=engine).engine_args()
     a = bench_dp.build_parser().parse_args(argv)

@@ -1,4 +1,10 @@
-"""How a memory plan is reported: its table, its problems with their advice, its notes.
+"""The memory plan (:class:`MemoryPlan`) and how it is reported: its table, its problems with
+their advice, its notes.
+
+:class:`MemoryPlan` lives here, above ``plan_arithmetic`` (its host bytes per parameter, the
+safety-margin line) and beside the table it renders, so the planner's modules import in one
+direction: ``plan_types`` <- ``activation_memory`` <- ``plan_arithmetic`` and ``memory_options``
+<- ``plan_report`` <- ``plan_search`` <- ``planner``.
 
 Problems and notes are :class:`~hf_megatrain.core.plan_types.Message` values: they name engine
 options structurally, and the layer that shows them picks the spelling with an
@@ -8,25 +14,130 @@ HF layer, flags in ``hf-megatrain plan``). The table's own lines never name an o
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from .activation_memory import boundary_activation_bytes, saved_boundary_layers
 from .engine.staging import GRAD_STAGING_SLOTS
 from .host_store import format_bytes
 from .memory_options import BF16_BOUNDARIES, MemoryOptions
-from .plan_arithmetic import GIB, PCIE_BYTES_PER_S, host_bytes_per_param
+from .options import ResolvedOptions, StepShape
+from .plan_arithmetic import GIB, PCIE_BYTES_PER_S, SAFETY_MARGIN_LINE, host_bytes_per_param
 from .plan_types import (
     HBM,
     HOST,
+    LayerPlacement,
     MemoryLine,
-    MemoryPlan,
     MemoryPlanError,
     Message,
+    ModelShape,
     OptionChanges,
     OptionNamer,
+    last_recomputed,
     option,
     setting,
 )
+
+
+@dataclass
+class MemoryPlan:
+    """Where each layer's state lives and every GPU and host cost, as named lines."""
+
+    shape: ModelShape
+    step: StepShape | None  # None: only a fixed HBM reserve stands for activations
+    compute_dtype: torch.dtype
+    hbm_available: int
+    host_available: int
+    layers: list[LayerPlacement]
+    gpu_lines: list[MemoryLine]
+    host_lines: list[MemoryLine]
+    h2d_bytes_per_step: int
+    d2h_bytes_per_step: int
+    notes: list[Message] = field(default_factory=list)
+    problems: list[MemoryPlanError] = field(default_factory=list)
+    # The options planned for (None only for plans built by hand).
+    options: ResolvedOptions | None = None
+    # Host-store mode: gradient slots held until step end (clipping, or eager updates off) or
+    # eager updates without them; fp32 masters streamed instead of a compute-dtype copy.
+    host_grads: bool = True
+    stream_fp32_master: bool = False
+    # The last ``kept_layers`` HBM-tier layers keep their forward activations for backward
+    # instead of recomputing the layer (see ``kept_activation_bytes_per_token``).
+    kept_layers: int = 0
+    # Data-parallel processes of one host the host lines are for (GPU lines: per GPU).
+    ranks: int = 1
+    # HBM-tier layers that do not keep their activations keep no compute-dtype copy either and
+    # are cast from their fp32 master into a stream buffer when they run (16 instead of 18
+    # B/param in bf16 runs); the kept ones keep theirs (their graph holds the weights).
+    hbm_cast_weights: bool = False
+    # Recomputed layers (the last ones) that keep their attention kernel's outputs.
+    attention_layers: int = 0
+    # Set when the plan does not fit: the shortest checkpoint segment length that would make it
+    # fit (None: none tried does, or bf16 boundaries already would).
+    checkpoint_every_fit: int | None = None
+    # Set when the plan does not fit: whether it would with bf16 boundary activations.
+    bf16_boundaries_fit: bool = False
+    # Set when the plan does not fit: the lightest set of memory options not used yet that would
+    # make it fit (``memory_options.lightest_fit``), when neither of the two above is advised.
+    options_fit: MemoryOptions | None = None
+    # The option changes the advice names (any of the three above), structured.
+    advice: OptionChanges | None = None
+
+    @property
+    def kept_layer_indices(self) -> list[int]:
+        return list(range(self.n_hbm - self.kept_layers, self.n_hbm))
+
+    @property
+    def attention_layer_indices(self) -> list[int]:
+        kept = set(self.kept_layer_indices)
+        recomputed = [p.index for p in self.layers if p.index not in kept]
+        return last_recomputed(recomputed, self.attention_layers)
+
+    @property
+    def host_bytes_per_param(self) -> int:
+        """Host-store bytes per parameter of a trainable host-tier layer (page rounding aside)."""
+        return host_bytes_per_param(self.compute_dtype, self.host_grads, self.stream_fp32_master)
+
+    @property
+    def n_hbm(self) -> int:
+        return sum(1 for p in self.layers if p.tier == HBM)
+
+    @property
+    def n_host(self) -> int:
+        return len(self.layers) - self.n_hbm
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(line.nbytes for line in self.gpu_lines)
+
+    @property
+    def host_total(self) -> int:
+        return sum(line.nbytes for line in self.host_lines)
+
+    @property
+    def host_peak_estimate(self) -> int:
+        """The host peak the run should reach: every host line but the safety margin."""
+        return sum(
+            ln.nbytes for ln in self.host_lines if not ln.name.startswith(SAFETY_MARGIN_LINE)
+        )
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def check(self, namer: OptionNamer | None = None) -> MemoryPlan:
+        """Raise the first problem (GPU before host), its message in ``namer``'s spelling
+        (default: option field names); else return self."""
+        if self.problems:
+            problem = self.problems[0]
+            raise problem if namer is None else problem.named(namer)
+        return self
+
+    def table(self, namer: OptionNamer | None = None) -> str:
+        """The plan as a table; notes and problems name options in ``namer``'s spelling."""
+        return render_table(self, namer)
+
 
 #: When not even every memory option together makes a plan fit.
 NOTHING_FITS_ADVICE = (
@@ -338,6 +449,7 @@ def render_table(plan: MemoryPlan, namer: OptionNamer | None = None) -> str:
 
 __all__ = [
     "BF16_BOUNDARIES_ADVICE",
+    "MemoryPlan",
     "NOTHING_FITS_ADVICE",
     "add_notes",
     "add_problems",

@@ -23,6 +23,7 @@ from .plan_arithmetic import (
     total,
 )
 from .plan_report import (
+    MemoryPlan,
     add_notes,
     add_problems,
     advise_nothing_fits,
@@ -30,7 +31,7 @@ from .plan_report import (
     advise_segments,
     hbm_cast_note,
 )
-from .plan_types import MemoryLine, MemoryPlan, ModelShape, OptionChanges
+from .plan_types import MemoryLine, ModelShape, OptionChanges
 
 #: The engine options (``EngineOptions`` fields) a plan depends on: the host-store mode, the HBM
 #: tier's, and what shapes activations. ``resident_layers`` is the caller's ``hbm_layers``.

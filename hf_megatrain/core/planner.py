@@ -2,14 +2,14 @@
 
 The facade of four modules:
 
-* ``plan_types``: the inputs and results (:class:`ModelShape`, :class:`MemoryPlan`, its lines,
-  :class:`MemoryPlanError`) and how messages name options (:class:`OptionNamer`).
+* ``plan_types``: the inputs and the plan's parts (:class:`ModelShape`, its lines and layer
+  placements, :class:`MemoryPlanError`) and how messages name options (:class:`OptionNamer`).
 * ``plan_arithmetic`` (with ``activation_memory``): every GPU and host cost of a tier split as a
   named line, the PCIe bytes of a step; the tiers themselves are described there.
 * ``plan_search``: :func:`plan_memory` (how many layers go to HBM, keep activations or attention
   outputs; the advice search for a plan that does not fit), and what fits on a machine
   (:func:`max_micro_batch_sequences`, :func:`max_seq_len`, :func:`max_num_layers`).
-* ``plan_report``: the table, the problems' and notes' wording.
+* ``plan_report``: :class:`MemoryPlan` itself, its table, the problems' and notes' wording.
 
 The planner is pure arithmetic on a :class:`ModelShape` (no ``transformers`` import, no
 allocation) so the CLI can plan a 70B model on a laptop and the builder can plan before it
@@ -41,7 +41,12 @@ from .plan_arithmetic import (
     h2d_bytes_per_param,
     host_bytes_per_param,
 )
-from .plan_report import BF16_BOUNDARIES_ADVICE, NOTHING_FITS_ADVICE, segment_advice
+from .plan_report import (
+    BF16_BOUNDARIES_ADVICE,
+    NOTHING_FITS_ADVICE,
+    MemoryPlan,
+    segment_advice,
+)
 from .plan_search import (
     PLANNED_OPTIONS,
     SEGMENT_ADVICE_LENGTHS,
@@ -56,7 +61,6 @@ from .plan_types import (
     HOST,
     LayerPlacement,
     MemoryLine,
-    MemoryPlan,
     MemoryPlanError,
     Message,
     ModelShape,

@@ -9,8 +9,8 @@ import logging
 from torch import nn
 
 from ..core.tiling import TiledTokenwise
+from .layers import find_decoder_layers
 from .loss import _unwrap
-from .model import find_decoder_layers
 
 logger = logging.getLogger(__name__)
 

@@ -32,6 +32,8 @@ from ..core.streamed_layer import StreamedLayer
 from ..core.streaming import StreamingEngine
 from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
+from .layers import UnsupportedModelError, find_decoder_layers
+from .long_context import install_mlp_tiling
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +96,6 @@ SUPPORTED_MODEL_TYPES = {
 _MOE_TYPES = {"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"}
 
 
-class UnsupportedModelError(ValueError):
-    """The model cannot be streamed; the message names what is unsupported."""
-
-
 @dataclass
 class StreamedModelState:
     """What hf_megatrain attaches to a streamed model (``model._megatrain``)."""
@@ -136,7 +134,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     Works on a materialized model, on a ``meta`` skeleton and on a streamed model (whose layer
     parameters are ``meta`` placeholders of the right shapes).
     """
-    from .loss import FUSED_LOSS_MODEL_TYPES  # noqa: PLC0415 - loss imports this module
+    from .loss import FUSED_LOSS_MODEL_TYPES  # noqa: PLC0415
 
     _, layers = find_decoder_layers(model)
     layer_numels = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
@@ -201,30 +199,6 @@ def model_shape_from_config(config, name: str = "model") -> ModelShape:
             f"hf_megatrain: could not build {config.model_type} from this config: {e}"
         ) from None
     return model_shape(model, name)
-
-
-#: Names of the decoder layer list: ``model.layers`` for most families, ``transformer.h`` for
-#: the GPT-style ones (Falcon, BLOOM, GPT-J, GPTBigCode), ``transformer.blocks`` for MPT.
-_LAYER_LIST_NAMES = ("h", "blocks")
-
-
-def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """Locate the decoder layer list (``<base>.layers``, ``.h``, ``.blocks``) of a causal LM
-    (PEFT-wrapped too): a ModuleList of ``num_hidden_layers`` modules, the outermost one."""
-    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    candidates = [
-        (name, module)
-        for name, module in model.named_modules()
-        if (name.endswith("layers") or name.rpartition(".")[2] in _LAYER_LIST_NAMES)
-        and isinstance(module, nn.ModuleList)
-        and (n_layers is None or len(module) == n_layers)
-    ]
-    if candidates:
-        return min(candidates, key=lambda c: c[0].count("."))
-    raise UnsupportedModelError(
-        f"hf_megatrain: could not find the decoder layers (a ModuleList of num_hidden_layers "
-        f"modules named '*.layers', '*.h' or '*.blocks') in {type(model).__name__}."
-    )
 
 
 def check_supported(model: nn.Module) -> str:
@@ -457,8 +431,6 @@ def prepare_streamed_model(
         step=step,
     )
     # The layer-level options: MLP tiles, kept activations, kept attention outputs.
-    from .long_context import install_mlp_tiling  # noqa: PLC0415 - it imports this module
-
     install_mlp_tiling(model, resolved.mlp_tile_tokens)
     keep_activations(model, options.keep_activations)
     keep_attention_outputs(model, options.keep_attention_outputs if options.recompute_early_stop else "off")
