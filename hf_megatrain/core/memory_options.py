@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
-from .options import ResolvedOptions
+from .options import ResolvedOptions, default_of
 from .plan_types import OptionChanges, OptionNamer
 
 #: Tile length the advice proposes for MLP sequence tiling (tokens).
@@ -51,11 +51,12 @@ class MemoryOptions:
     """Which memory options a run uses: engine option fields (in the order advice lists
     them), and ``no_clip`` for gradient clipping off."""
 
-    mlp_tile_tokens: int = 0
-    offload_activations: bool = False
-    stream_fp32_master: bool = False
-    checkpoint_every: int = 1
-    boundary_dtype: str = EXACT_BOUNDARIES
+    # The engine options' own defaults (a set over nothing is the default run).
+    mlp_tile_tokens: int = default_of("mlp_tile_tokens")
+    offload_activations: bool = default_of("offload_activations")
+    stream_fp32_master: bool = default_of("stream_fp32_master")
+    checkpoint_every: int = default_of("checkpoint_every")
+    boundary_dtype: str = default_of("boundary_dtype")
     no_clip: bool = False
 
     @classmethod

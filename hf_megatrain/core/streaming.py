@@ -32,7 +32,7 @@ from .engine.updates import UpdateScheduler
 from .engine.weights import WeightStreamer
 from .host_store import LayerStore
 from .layer_timing import LayerTimeline
-from .options import BOUNDARY_DTYPES, parse_boundary_dtype
+from .options import BOUNDARY_DTYPES, EngineOptions, parse_boundary_dtype
 from .segments import SegmentTracker
 
 __all__ = [
@@ -42,6 +42,10 @@ __all__ = [
     "StreamingEngine",
     "parse_boundary_dtype",
 ]
+
+
+#: The engine options' defaults, resolved (what an engine built without settings runs with).
+_DEFAULT = EngineOptions().resolve(clipping=True, cuda=False)
 
 
 class StreamingEngine:
@@ -65,10 +69,11 @@ class StreamingEngine:
         *,
         preserve_rng: bool = False,
         data_parallel: DataParallel | None = None,
-        offload_activations: bool = False,
-        boundary_dtype: torch.dtype | None = None,
-        checkpoint_every: int = 1,
-        recompute_early_stop: bool = True,
+        # The engine options' defaults (``options.py``); the builder passes the run's.
+        offload_activations: bool = _DEFAULT.offload_activations,
+        boundary_dtype: torch.dtype | None = _DEFAULT.boundary_dtype,
+        checkpoint_every: int = _DEFAULT.checkpoint_every,
+        recompute_early_stop: bool = _DEFAULT.recompute_early_stop,
     ) -> None:
         self.stores = stores
         self.dp = data_parallel
