@@ -27,6 +27,8 @@ from .cli_common import say as _say
 from .cli_common import setup_logging as _setup_logging
 from .cli_plan import add_plan_parser as _add_plan_parser
 from .cli_plan import run_plan as run_plan
+from .cli_verify import add_verify_parser as _add_verify_parser
+from .cli_verify import run_verify as run_verify
 from .core.options import EngineOptions, OptionError
 from .option_flags import add_option_arguments, options_from_mapping
 from .text import DATA_DIR as DATA_DIR
@@ -158,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_option_arguments(t.add_argument_group("engine options (memory tiers, long sequences)"))
     _add_plan_parser(sub)
+    _add_verify_parser(sub)
     return parser
 
 
@@ -519,6 +522,11 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     train_s = time.perf_counter() - t_train
     logs = [h for h in trainer.state.log_history if "loss" in h]
     eval_loss = trainer.evaluate()["eval_loss"] if eval_rows else None
+    if eval_loss is not None and not math.isfinite(eval_loss):
+        raise CLIError(
+            f"the final eval loss is {eval_loss}: training diverged (try a lower --lr); the "
+            "model was not saved"
+        )
     trainer.save_model(opts.output_dir)
     trainer.accelerator.wait_for_everyone()  # rank 0 wrote the checkpoint
     if not _is_main_process():
@@ -598,18 +606,24 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hf-megatrain`` and ``python3 -m hf_megatrain``."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.command not in ("train", "plan"):
+    if ns.command not in ("train", "plan", "verify"):
         parser.print_help()
         return 2
     try:
+        if ns.command == "verify":
+            return run_verify(ns)
         if ns.command == "plan":
             run_plan(ns)
             return 0
         opts = resolve_options(ns)
         from . import InsufficientHostMemoryError, UnsupportedModelError  # noqa: PLC0415
+        from .core.optimizer import NonFiniteError  # noqa: PLC0415
 
         try:
             run_train(opts)
+        except NonFiniteError as e:
+            # Training stopped on NaN/inf (megatrain_nonfinite), or a save refused such weights.
+            raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
         except (InsufficientHostMemoryError, ValueError) as e:
             # The library's refusals (unsupported model, host RAM, a setting checked against
             # the model such as resident layers beyond its count) say "hf_megatrain: ..."; any

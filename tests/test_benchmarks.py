@@ -333,7 +333,7 @@ def test_no_clip_slim_store_run(tmp_path):
 # Non-default values of the str options (every other type gets one by rule in _non_default).
 _STR_VALUES = {
     "resident_layers": "4", "keep_activations": "off", "keep_attention_outputs": "all",
-    "max_shard_size": "1GB", "boundary_dtype": "bfloat16",
+    "max_shard_size": "1GB", "boundary_dtype": "bfloat16", "nonfinite": "stop",
 }  # fmt: skip
 
 

@@ -9,6 +9,13 @@ with torch's fused AdamW kernel over contiguous flat slices of the host store; r
 Clipping: ``clip_grad_norm_`` computes the global norm once; the coefficient reaches the host update
 as the fused kernel's ``grad_scale`` (grad / (1/coef)), which saves a full pass over the host
 gradients. It differs from an in-place ``grad *= coef`` by at most one rounding of the scale.
+
+Non-finite values: a step marked non-finite (:meth:`HostAdamW.mark_nonfinite`, e.g. by the trainer
+for a NaN loss, or by :meth:`HostAdamW.grad_norm` for a NaN/inf norm) is skipped by ``step()``:
+nothing is updated, its gradients are dropped and ``step_was_skipped`` is set (the Trainer then
+leaves the LR schedule where it is). Eager updates check each layer's gradient before updating
+it; once one layer of a step updated, a later non-finite one cannot be skipped consistently and
+``step()`` raises :class:`NonFiniteError`.
 """
 
 from __future__ import annotations
@@ -24,6 +31,24 @@ from torch.optim.adam import adam as _adam_functional
 from .grad_norm import squared_norm
 from .host_store import LayerStore
 from .streaming import StreamingEngine
+
+
+class NonFiniteError(RuntimeError):
+    """Training met a non-finite (NaN or inf) loss or gradient it cannot, or must not, skip."""
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite.
+
+    One fp32 sum (NaN and inf propagate; a single streaming pass, about a tenth of an AdamW
+    update's time on the CPU), confirmed element by element only when the sum is not finite (a
+    sum of huge finite values can overflow). On a GPU that confirmation costs a transient bool
+    copy: call it there only where a sync is acceptable.
+    """
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0 or bool(torch.isfinite(flat.sum())):
+        return True
+    return bool(torch.isfinite(flat).all())
 
 
 @dataclass
@@ -107,6 +132,16 @@ class HostAdamW(torch.optim.Optimizer):
         # What accelerate's AcceleratedOptimizer would provide; the Trainer reads these.
         self._is_accelerate_prepared = True
         self.step_was_skipped = False
+        #: Why this step's update must not be applied ("loss", "gradient norm", ...) or None.
+        self.nonfinite: str | None = None
+        #: Steps skipped for non-finite values, and why the last one was.
+        self.skipped_steps = 0
+        self.last_skip_reason: str | None = None
+        # Eager updates of this step: layers updated, layers found non-finite (host-side check),
+        # and HBM-tier layers' on-device non-finite flags (their fused update skipped itself).
+        self._eager_updated: list[int] = []
+        self._eager_bad: list[int] = []
+        self._eager_flags: list[tuple[int, torch.Tensor]] = []
 
     # ---- gradient norm and clipping -----------------------------------------------------------
     def _resident_with_grad(self) -> list[torch.Tensor]:
@@ -138,7 +173,65 @@ class HostAdamW(torch.optim.Optimizer):
         if resident:
             squares = torch.stack([squared_norm(p.grad) for p in resident])
             total_sq = total_sq.to(squares.device) + squares.sum()
-        return total_sq.sqrt()
+        norm = total_sq.sqrt()
+        if not bool(torch.isfinite(norm)):
+            self.mark_nonfinite("gradient norm")
+        return norm
+
+    # ---- non-finite values --------------------------------------------------------------------
+    def mark_nonfinite(self, what: str) -> None:
+        """This step saw a non-finite ``what``: ``step()`` will skip its update."""
+        if self.nonfinite is None:
+            self.nonfinite = what
+
+    def pending_nonfinite(self) -> str | None:
+        """Why this step's update will be skipped (None: it will apply), once every eager
+        update of the step has finished.
+
+        Raises :class:`NonFiniteError` when the step cannot be skipped consistently: with eager
+        updates, some layers already updated when another layer's gradient (or the global norm)
+        turned out non-finite.
+        """
+        self._finish_eager()
+        for idx, flag in self._eager_flags:  # HBM-tier eager updates: one sync, here
+            (self._eager_bad if bool(flag) else self._eager_updated).append(idx)
+        self._eager_flags = []
+        if self._eager_bad:
+            self.mark_nonfinite(f"gradient of layer {self._eager_bad[0]}")
+        if self.nonfinite is not None and self._eager_updated:
+            bad = sorted(self._eager_bad)
+            what = (
+                f"the gradient of layer(s) {', '.join(map(str, bad))}"
+                if bad
+                else f"the {self.nonfinite}"
+            )
+            updated = sorted(self._eager_updated)
+            self._eager_updated, self._eager_bad = [], []
+            raise NonFiniteError(
+                f"{what} is non-finite (NaN/inf) but layer(s) {', '.join(map(str, updated))} "
+                "already updated with this step's gradients during backward (eager updates): "
+                "the step cannot be skipped consistently. Train with gradient clipping "
+                "(max_grad_norm > 0) or eager_update=False to have such steps skipped, or lower "
+                "the learning rate."
+            )
+        return self.nonfinite
+
+    def _skip_step(self) -> None:
+        """Drop this step's gradients and leave every weight, moment and step count as is."""
+        self.engine.reset_grads()
+        for p in self._resident_with_grad():
+            p.grad = None
+        self.skipped_steps += 1
+        self.last_skip_reason = self.nonfinite
+        self.step_was_skipped = True
+        self._end_step()
+
+    def _end_step(self) -> None:
+        self.nonfinite = None
+        self._clip_coef = None
+        self._resident_synced = False
+        self._eager_done = set()
+        self._eager_updated, self._eager_bad, self._eager_flags = [], [], []
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Same contract as ``torch.nn.utils.clip_grad_norm_``: returns the pre-clip norm."""
@@ -170,6 +263,10 @@ class HostAdamW(torch.optim.Optimizer):
         self._finish_eager()
         self.engine.wait_updates()
         self.engine.wait_weight_copies()
+        if self.pending_nonfinite() is not None:
+            self._skip_step()
+            return loss
+        self.step_was_skipped = False
         # The weights' version after this step (data parallel: published per owned layer).
         version = self.engine.weights_version + 1
         scale_by_device = None
@@ -199,8 +296,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.engine.reset_grads()
         self.engine.invalidate_weights()
         self.engine.weights_version = version
-        self._resident_synced = False
-        self._eager_done = set()
+        self._end_step()
         overlap = self.engine.is_cuda if self.overlap_update is None else self.overlap_update
         if overlap:
             # Layer i's update finishes before layer i streams in for the next forward.
@@ -208,7 +304,6 @@ class HostAdamW(torch.optim.Optimizer):
         else:
             for idx in layers:
                 update_layer(idx)
-        self._clip_coef = None
         return loss
 
     def _layer_jobs(
@@ -226,7 +321,10 @@ class HostAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _update_layer(
-        jobs: list[tuple[_Segment, dict]], scale_by_device: dict | None, grad: torch.Tensor
+        jobs: list[tuple[_Segment, dict]],
+        scale_by_device: dict | None,
+        grad: torch.Tensor,
+        found_inf: torch.Tensor | None = None,
     ) -> None:
         """AdamW on one layer's slices; ``grad`` is its flat fp32 gradient (store or staging)."""
         for seg, kw in jobs:
@@ -243,6 +341,7 @@ class HostAdamW(torch.optim.Optimizer):
                 [seg.step],
                 fused=True,
                 grad_scale=scale,
+                found_inf=found_inf,
                 **kw,
             )
 
@@ -288,8 +387,23 @@ class HostAdamW(torch.optim.Optimizer):
     def _eager_update(self, idx: int) -> None:
         try:
             jobs = self._layer_jobs(only=idx)
+            if idx in jobs and self.nonfinite is not None:
+                return  # the step is already skipped: only consume the gradient
             if idx in jobs:
-                self._update_layer(jobs[idx], None, self.engine.final_grad(idx))
+                grad = self.engine.final_grad(idx)
+                found_inf = None
+                if grad.device.type == "cpu":
+                    if not all_finite(grad):
+                        self._eager_bad.append(idx)
+                        self.mark_nonfinite(f"gradient of layer {idx}")
+                        return
+                    self._eager_updated.append(idx)
+                else:
+                    # HBM tier: no sync inside backward. The fused kernel skips the update (and
+                    # its step count) itself when the flag is set; pending_nonfinite reads it.
+                    found_inf = (~torch.isfinite(grad.sum())).to(torch.float32)
+                    self._eager_flags.append((idx, found_inf))
+                self._update_layer(jobs[idx], None, grad, found_inf)
                 self.engine.stores[idx].refresh_stream_copy()
                 self.engine.publish_update(idx, self.engine.weights_version + 1)
                 self.eager_updates += 1

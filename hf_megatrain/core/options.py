@@ -41,6 +41,9 @@ BOUNDARY_DTYPES: dict[str, torch.dtype | None] = {
     "bf16": torch.bfloat16,
 }
 
+#: ``nonfinite`` values: skip the step's update, or stop the run.
+NONFINITE_POLICIES = ("skip", "stop")
+
 #: ``ResolvedOptions.attention_output_layers``: every recomputed layer.
 ALL_LAYERS = -1
 
@@ -260,6 +263,32 @@ class EngineOptions:
             learning-rate scheduler state is an error naming the missing file: a resume must
             continue the same run. True resumes anyway, with the moments at zero and the schedule
             restarted, and says so in the log.""",
+            run_time=True,
+        ),
+    )
+    # ---- non-finite values ----------------------------------------------------------------------
+    nonfinite: str = field(
+        default="skip",
+        metadata=_help(
+            """What a training step with a non-finite (NaN or inf) loss or gradient norm does.
+            'skip': the step's update is not applied (weights, AdamW moments and step counts of
+            every tier untouched, its gradients dropped, the learning-rate schedule not advanced,
+            as for a mixed-precision overflow), counted in the logs (nonfinite_skipped) with one
+            warning; nonfinite_max_skips such steps in a row stop the run with an error. 'stop':
+            the first one stops the run with an error naming the step and what was non-finite.
+            A non-finite loss is caught before its backward. With eager updates (no clipping)
+            each layer's gradient is checked before its update: a layer found non-finite after
+            other layers of the step already updated stops the run whatever this option says
+            (a consistent skip is impossible then).""",
+            choices=NONFINITE_POLICIES,
+            run_time=True,
+        ),
+    )
+    nonfinite_max_skips: int = field(
+        default=3,
+        metadata=_help(
+            """With nonfinite 'skip': this many consecutive skipped steps stop the run with an
+            error (a run that keeps producing NaN has diverged). At least 1.""",
             run_time=True,
         ),
     )
@@ -559,6 +588,12 @@ def _check_values(opts: EngineOptions) -> None:
         value = getattr(opts, name)
         if value is not None and value < 1:
             raise OptionError(f"{name}={value} must be >= 1 (or unset)")
+    if opts.nonfinite not in NONFINITE_POLICIES:
+        raise OptionError(
+            f"nonfinite={opts.nonfinite!r} must be one of {', '.join(NONFINITE_POLICIES)}"
+        )
+    if opts.nonfinite_max_skips < 1:
+        raise OptionError(f"nonfinite_max_skips={opts.nonfinite_max_skips} must be >= 1")
     parse_resident_layers(opts.resident_layers)
     parse_keep_activations(opts.keep_activations)
     parse_attention_layers(opts.keep_attention_outputs)
@@ -596,6 +631,7 @@ def default_of(name: str) -> Any:
 __all__ = [
     "ALL_LAYERS",
     "BOUNDARY_DTYPES",
+    "NONFINITE_POLICIES",
     "EngineOptions",
     "OptionError",
     "ResolvedOptions",

@@ -17,14 +17,15 @@ import json
 import logging
 import os
 import re
-import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..core.options import EngineOptions
+from ..core.publish import MANIFEST_NAME, staged_folder
 from .model import StreamedModelState, streamed_state
 
 logger = logging.getLogger(__name__)
@@ -62,38 +63,51 @@ def host_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def write_streamed_pretrained(model, folder: str, max_shard_size: str | int | None = None) -> None:
+    """Write ``model``'s files into ``folder`` as they are (no staging, no manifest): the writer
+    behind :func:`save_streamed_pretrained` and the Trainer's checkpoints."""
+    if max_shard_size is None:
+        state = streamed_state(model)
+        options = state.options.options if state is not None and state.options else EngineOptions()
+        max_shard_size = options.max_shard_size
+    model.save_pretrained(folder, state_dict=host_state_dict(model), max_shard_size=max_shard_size)
+
+
+#: Files of an earlier save in a model folder that a new save replaces even where it does not
+#: write the same names (weights of another sharding); every other entry is kept.
+_WEIGHT_FILE_RE = re.compile(
+    r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$"
+)
+
+
+def keep_beside_model(name: str) -> bool:
+    """Whether an entry of an existing model folder survives a new save into it: everything but
+    weight files and the manifest (a user's files, checkpoints in a Trainer's output_dir)."""
+    return name != MANIFEST_NAME and not _WEIGHT_FILE_RE.match(name)
+
+
+@contextmanager
+def staged_model_folder(output_dir: str):
+    """A hidden folder beside ``output_dir`` to write a model save into; published whole (with
+    its manifest) over ``output_dir`` when the block ends, entries of ``keep_beside_model``
+    kept. See ``core/publish.py``."""
+    with staged_folder(output_dir, keep=keep_beside_model) as folder:
+        yield folder
+
+
 def save_streamed_pretrained(
     model, output_dir: str, max_shard_size: str | int | None = None
 ) -> None:
     """Write ``model`` as sharded HF safetensors (loadable by ``from_pretrained``).
 
-    Files go to a staging folder first and are moved into ``output_dir`` one by one, the index and
-    config last, so a reader never sees a complete-looking set that is half written.
-    ``max_shard_size``: default the streamed model's ``max_shard_size`` option.
+    The files are written into a hidden folder beside ``output_dir``, fsynced, listed with their
+    sha256 in ``megatrain_manifest.json`` and the folder swapped in whole: a reader sees the old
+    save or the new one, never a mix. Other entries already in ``output_dir`` are kept (weight
+    files of an older save are not). ``max_shard_size``: default the streamed model's
+    ``max_shard_size`` option.
     """
-    if max_shard_size is None:
-        state = streamed_state(model)
-        options = state.options.options if state is not None and state.options else EngineOptions()
-        max_shard_size = options.max_shard_size
-    os.makedirs(output_dir, exist_ok=True)
-    staging = os.path.join(output_dir, f".megatrain-staging-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        model.save_pretrained(
-            staging, state_dict=host_state_dict(model), max_shard_size=max_shard_size
-        )
-        # Remove weight files of an older save that the new one would not overwrite.
-        for name in os.listdir(output_dir):
-            if name.startswith("model") and name.endswith(
-                (".safetensors", ".safetensors.index.json")
-            ):
-                if not os.path.exists(os.path.join(staging, name)):
-                    os.remove(os.path.join(output_dir, name))
-        files = sorted(os.listdir(staging), key=lambda n: (n.endswith(".json"), n))
-        for name in files:
-            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with staged_model_folder(output_dir) as folder:
+        write_streamed_pretrained(model, folder, max_shard_size)
 
 
 # ---- loading --------------------------------------------------------------------------------

@@ -362,9 +362,9 @@ def prepare_streamed_model(
     if existing is not None:
         return model
     check_supported(model)
-    options = (options or EngineOptions()).with_(**option_fields) if option_fields else (
-        options or EngineOptions()
-    )
+    options = options if options is not None else EngineOptions()
+    if option_fields:
+        options = options.with_(**option_fields)
     device = torch.device(device)
     resolved = options.resolve(clipping=clipping, cuda=device.type == "cuda")
     config = model.config

@@ -25,6 +25,7 @@ from transformers import Trainer, TrainingArguments
 from ..core.distributed import DataParallelError
 from ..core.host_store import InsufficientHostMemoryError
 from ..core.options import EngineOptions, OptionError, ResolvedOptions, StepShape
+from ..core.publish import publish, recover, verify_folder, write_manifest
 from .arguments import MegaTrainArguments, argument_name, engine_options
 from .checkpoint import (
     OPTIMIZER_STATE_DIR,
@@ -32,8 +33,10 @@ from .checkpoint import (
     load_optimizer_state,
     load_weights_into_store,
     save_optimizer_state,
-    save_streamed_pretrained,
+    staged_model_folder,
+    write_streamed_pretrained,
 )
+from .guards import NonFiniteError, check_batch, check_model_dtype, check_weights_finite
 from .long_context import apply_liger_kernels, install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss
 from .model import _is_peft, find_decoder_layers, prepare_streamed_model, streamed_state
@@ -368,6 +371,7 @@ class MegaTrainerMixin:
         device = args.device
         state = streamed_state(model)
         if state is None:
+            check_model_dtype(model)  # before streaming rounds it to fp32 masters
             options = engine_options(args)
             if getattr(args, "use_liger_kernel", False):
                 # Before streaming: the memory plan counts the fused kernels' smaller activations.
@@ -403,6 +407,11 @@ class MegaTrainerMixin:
         self._tokens_since_log = 0
         self._time_of_log = time.perf_counter()
         self._megatrain_pending = False
+        # Non-finite guard: consecutive skipped steps; batches checked; warnings given once.
+        self._megatrain_skips_in_row = 0
+        self._megatrain_batches_checked = 0
+        self._megatrain_warned: set[str] = set()
+        self._megatrain_in_step = False
 
     def create_accelerator_and_postprocess(self) -> None:
         # Trainer.__init__ calls this first, with ``self.model`` / ``self.args`` the final ones
@@ -465,12 +474,103 @@ class MegaTrainerMixin:
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:
             grad_norm = self.optimizer.grad_norm()
+        # The Trainer calls this at every optimizer step, right before optimizer.step().
+        self._megatrain_nonfinite_check()
         return grad_norm
+
+    # ---- non-finite guard ---------------------------------------------------------------------
+    def _megatrain_nonfinite_check(self) -> None:
+        """Decide this step's fate: apply it, skip it (HostAdamW.step then updates nothing), or
+        stop the run (megatrain_nonfinite, megatrain_nonfinite_max_skips)."""
+        opt = self.optimizer
+        step = self.state.global_step + 1
+        try:
+            reason = opt.pending_nonfinite()
+        except NonFiniteError as e:
+            raise NonFiniteError(f"hf_megatrain: step {step}: {e}") from None
+        dp = self.megatrain.engine.dp
+        if dp is not None:
+            # Every rank skips or applies the same steps (the replicas must stay equal).
+            flag = torch.tensor(float(reason is not None), device=self.megatrain.engine.device)
+            dp.all_reduce_sum(flag)
+            if reason is None and float(flag) > 0:
+                reason = "loss or gradient norm on another rank"
+                opt.mark_nonfinite(reason)
+        if reason is None:
+            self._megatrain_skips_in_row = 0
+            return
+        run = self.megatrain_options
+        if run.nonfinite == "stop":
+            raise NonFiniteError(
+                f"hf_megatrain: non-finite (NaN/inf) {reason} at step {step}; stopping "
+                "(megatrain_nonfinite='stop'). Lower the learning rate, check the data, or set "
+                "megatrain_nonfinite='skip' to skip such steps."
+            )
+        self._megatrain_skips_in_row += 1
+        if self._megatrain_skips_in_row >= run.nonfinite_max_skips:
+            raise NonFiniteError(
+                f"hf_megatrain: non-finite (NaN/inf) {reason} at step {step}: "
+                f"{self._megatrain_skips_in_row} steps in a row had non-finite values "
+                f"(megatrain_nonfinite_max_skips={run.nonfinite_max_skips}); the run has "
+                "diverged. Lower the learning rate or check the data; resume from the last "
+                "checkpoint."
+            )
+        logger.warning(
+            "hf_megatrain: step %d skipped: non-finite (NaN/inf) %s; no weight, moment or "
+            "schedule changed (%d skipped in a row, the run stops at %d)",
+            step,
+            reason,
+            self._megatrain_skips_in_row,
+            run.nonfinite_max_skips,
+        )
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if not self._megatrain_in_step:
+            return out  # evaluation
+        loss = out[0] if return_outputs else out
+        if bool(torch.isfinite(loss.detach()).all()):
+            return out
+        step = self.state.global_step + 1
+        if self.megatrain_options.nonfinite == "stop":
+            raise NonFiniteError(
+                f"hf_megatrain: non-finite (NaN/inf) loss at step {step}; stopping "
+                "(megatrain_nonfinite='stop'). Lower the learning rate, check the data, or set "
+                "megatrain_nonfinite='skip' to skip such steps."
+            )
+        self.optimizer.mark_nonfinite("loss")
+        if self.megatrain.engine.dp is not None:
+            return out  # every rank runs its backward (collectives); all skip the update
+        # No backward through the model for this micro-batch (eager updates would run inside
+        # it): the Trainer back-propagates into a detached stand-in instead.
+        loss = torch.full_like(loss.detach(), float("nan")).requires_grad_()
+        return (loss, *out[1:]) if return_outputs else loss
 
     # ---- the step -----------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
+        # Bad inputs are refused before any work (shapes every batch; token values once).
+        check_batch(
+            inputs,
+            getattr(self.model, "config", None),
+            check_values=self._megatrain_batches_checked < 1,
+            warned=self._megatrain_warned,
+        )
+        self._megatrain_batches_checked += 1
+        if self.optimizer.nonfinite == "loss" and self.megatrain.engine.dp is None:
+            # An earlier micro-batch of this step had a non-finite loss: the step is skipped,
+            # the rest of its micro-batches need not run.
+            return torch.tensor(float("nan"), device=self.args.device)
         # Non-final micro-batches keep layer gradients on the device; the final one drains them.
         self.megatrain.engine.sync_grads = bool(self.accelerator.sync_gradients)
+        self._megatrain_in_step = True
+        try:
+            return self._megatrain_training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._megatrain_in_step = False
+
+    def _megatrain_training_step(self, model, inputs, num_items_in_batch=None):
         # A Mapping, not just a dict: collators return BatchEncoding.
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if ids is not None:
@@ -510,6 +610,9 @@ class MegaTrainerMixin:
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.megatrain_options.log_throughput and "loss" in logs:
             logs.update(self._throughput_logs())
+        skipped = getattr(self.optimizer, "skipped_steps", 0)
+        if skipped and "loss" in logs:
+            logs["nonfinite_skipped"] = skipped  # steps skipped so far in this run
         super().log(logs, *args, **kwargs)
 
     def _throughput_logs(self) -> dict[str, float]:
@@ -555,53 +658,76 @@ class MegaTrainerMixin:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
+        check_weights_finite(self.model, output_dir)  # a NaN/inf model is never written
+        if getattr(self, "_megatrain_in_checkpoint", False):
+            # A checkpoint's staging folder: published whole, with its manifest, afterwards.
+            self._megatrain_write_model(output_dir)
+            return
         logger.info("hf_megatrain: saving model to %s", output_dir)
-        save_streamed_pretrained(
-            self.model, output_dir, self.megatrain_options.max_shard_size
-        )
+        # Model, tokenizer and training_args.bin are written into one hidden folder beside
+        # output_dir and swapped in together (other entries of output_dir are kept).
+        with staged_model_folder(output_dir) as folder:
+            self._megatrain_write_model(folder)
+
+    def _megatrain_write_model(self, folder: str) -> None:
+        write_streamed_pretrained(self.model, folder, self.megatrain_options.max_shard_size)
         if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            self.processing_class.save_pretrained(folder)
+        torch.save(self.args, os.path.join(folder, "training_args.bin"))
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Write the checkpoint under a staging name and rename it when complete.
+        """Write the checkpoint under a staging name and publish it when complete.
 
-        ``get_last_checkpoint`` (and resume) only ever see ``checkpoint-N`` folders that hold
-        every file: weights, optimizer state, scheduler, RNG and trainer state.
+        Every file (weights, optimizer state, scheduler, RNG and a trainer_state.json that names
+        the final folder) is written in staging, fsynced and listed in the manifest; then the
+        folder is renamed (swapped, over an existing one) into place and nothing in it is
+        rewritten. ``get_last_checkpoint`` (and resume) only ever see complete folders.
         """
         real_get_output_dir = self._get_output_dir
         run_dir = real_get_output_dir(trial=trial)
         staging_root = os.path.join(run_dir, ".megatrain-staging")
         name = f"checkpoint-{self.state.global_step}"
+        final = os.path.join(run_dir, name)
+        staged = os.path.join(staging_root, name)
         dp = self.megatrain.engine.dp
         # Data parallel: every rank writes into the staging folder (its owned layers' optimizer
         # state, its RNG state); rank 0 alone clears it before and publishes it after.
         if dp is None or dp.rank == 0:
-            shutil.rmtree(os.path.join(staging_root, name), ignore_errors=True)
+            recover(final)  # a swap of this checkpoint killed half way
+            shutil.rmtree(staged, ignore_errors=True)
         if dp is not None:
             dp.barrier()
         self._get_output_dir = lambda trial=None: staging_root
+        self._megatrain_in_checkpoint = True
         try:
             super()._save_checkpoint(model, trial)
+        except BaseException:
+            if dp is None or dp.rank == 0:
+                shutil.rmtree(staging_root, ignore_errors=True)
+            raise
         finally:
             del self._get_output_dir
-        final = os.path.join(run_dir, name)
+            self._megatrain_in_checkpoint = False
+        # The Trainer looked for the best checkpoint in the staging root: point it at run_dir
+        # (the current step's folder is published below).
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"checkpoint-{self.state.best_global_step}")
+            if self.state.best_global_step == self.state.global_step or os.path.isdir(best):
+                self.state.best_model_checkpoint = best
         if dp is not None:
             dp.barrier()  # every rank's files are in staging
         if dp is None or dp.rank == 0:
-            if os.path.isdir(final):
-                shutil.rmtree(final)
-            os.replace(os.path.join(staging_root, name), final)
-            shutil.rmtree(staging_root, ignore_errors=True)
+            try:
+                if self.args.should_save:
+                    # trainer_state.json as published: final paths, before the manifest.
+                    self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+                write_manifest(staged)
+                publish(staged, final)
+            finally:
+                shutil.rmtree(staging_root, ignore_errors=True)
         if dp is not None:
             dp.barrier()  # rank 0 has published the checkpoint
-        if self.state.best_global_step:
-            best = os.path.join(run_dir, f"checkpoint-{self.state.best_global_step}")
-            if os.path.isdir(best):
-                self.state.best_model_checkpoint = best
-        # The trainer_state.json written in staging named the staging folder: rewrite it.
         if self.args.should_save:
-            self.state.save_to_json(os.path.join(final, "trainer_state.json"))
             # The Trainer rotated checkpoints inside the staging root, where there are none:
             # apply save_total_limit to the real run directory now that the new one is there.
             _rotate_checkpoints(self, run_dir)
@@ -617,7 +743,28 @@ class MegaTrainerMixin:
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 
     # ---- loading -------------------------------------------------------------------------------
+    def _megatrain_verify(self, checkpoint: str, allow_missing_state: bool) -> list[str]:
+        """Check ``checkpoint`` against its manifest before reading it; returns the optimizer /
+        scheduler files it lacks where ``allow_missing_state`` lets them be missing."""
+        recover(checkpoint)  # a swap of this folder killed half way: the complete set back
+        optional = (
+            (lambda rel: rel == _SCHEDULER_NAME or rel.startswith(f"{OPTIMIZER_STATE_DIR}/"))
+            if allow_missing_state
+            else None
+        )
+        result = verify_folder(checkpoint, allow_missing=optional)
+        if not result.manifest:
+            logger.warning(
+                "hf_megatrain: %s has no megatrain_manifest.json (saved by an older version or "
+                "not by hf_megatrain): its files are loaded unverified",
+                checkpoint,
+            )
+        return result.missing
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # Missing optimizer / scheduler files are judged (error or allowed) in
+        # _load_optimizer_and_scheduler, with or without a manifest.
+        self._megatrain_missing_state = self._megatrain_verify(resume_from_checkpoint, True)
         if _is_peft(self.model):
             # Adapter checkpoints: the adapters are ordinary resident parameters, loaded by
             # the Trainer's own PEFT path; the frozen base in the store is unchanged.
@@ -629,7 +776,11 @@ class MegaTrainerMixin:
         if checkpoint is None:
             return
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
-        missing = [] if has_optimizer_state(checkpoint) else [os.path.join(checkpoint, OPTIMIZER_STATE_DIR)]
+        # Files the manifest lists but the folder lacks (verified in _load_from_checkpoint).
+        listed = getattr(self, "_megatrain_missing_state", None) or []
+        gone_opt = [os.path.join(checkpoint, r) for r in listed if r != _SCHEDULER_NAME]
+        has_opt = has_optimizer_state(checkpoint) and not gone_opt
+        missing = [] if has_opt else gone_opt or [os.path.join(checkpoint, OPTIMIZER_STATE_DIR)]
         missing += [] if os.path.isfile(sched) else [sched]
         if missing and not self.megatrain_options.resume_without_optimizer_state:
             raise FileNotFoundError(
@@ -644,7 +795,7 @@ class MegaTrainerMixin:
                 "what is missing starts afresh",
                 " and ".join(missing),
             )
-        if has_optimizer_state(checkpoint):
+        if has_opt:
             load_optimizer_state(self.optimizer, checkpoint)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
@@ -652,6 +803,7 @@ class MegaTrainerMixin:
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         logger.info("hf_megatrain: loading best model from %s", best)
+        self._megatrain_verify(best, allow_missing_state=True)  # the weights must be intact
         if _is_peft(self.model):
             return super()._load_from_checkpoint(best, self.model)
         load_weights_into_store(self.model, best)

@@ -1,0 +1,394 @@
+"""Atomic publication of output folders, and the manifest that lets a reader check them.
+
+Every folder hf_megatrain writes (a saved model, a Trainer checkpoint) is written complete under
+a hidden name beside its target, every file and folder fsynced, its manifest written last, and
+only then swapped in whole. A reader sees the old set or the new set, never a mix:
+
+1. the new folder is built at ``.NAME.megatrain-new-PID-K`` (same parent, so renames stay on one
+   file system) and ``megatrain_manifest.json`` lists every file with its size and sha256;
+2. where the target exists, the two folders are exchanged in one ``renameat2(RENAME_EXCHANGE)``
+   (Linux); elsewhere the old folder is renamed aside to ``.NAME.megatrain-old`` and the new one
+   renamed in; the parent folder is fsynced, then the old set is deleted.
+
+A swap killed half way is finished deterministically by :func:`recover` (called before every
+publication and every verified load): when the target is missing but the aside copy exists, the
+aside copy (the old set) is restored; otherwise leftovers are deleted. Nothing is rewritten in a
+published folder.
+
+Where the folder cannot be renamed (a mount point, a file system without rename of folders), the
+files are moved in one by one instead, with a warning: the old manifest goes first and the new
+one last, so a set mixed by a kill has no manifest and ``verify`` reports it unverified.
+
+No transformers import here: the CLI's ``verify`` uses it without loading a model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "megatrain_manifest.json"
+MANIFEST_FORMAT = "hf_megatrain.manifest"
+MANIFEST_VERSION = 1
+_NEW = ".megatrain-new"
+_OLD = ".megatrain-old"
+_LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.megatrain-(new-\d+-\d+|old)$")
+_CHUNK = 8 << 20
+_counter = itertools.count()
+
+
+class IntegrityError(ValueError):
+    """A published folder does not match its manifest (a truncated, altered or corrupt file)."""
+
+
+class MissingFileError(IntegrityError, FileNotFoundError):
+    """A file listed in the manifest is missing."""
+
+
+# ---- fsync ------------------------------------------------------------------------------------
+def fsync_dir(path: str) -> None:
+    """Make ``path``'s entries (names created, renamed or removed in it) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # e.g. a platform that cannot open folders: nothing to sync
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EBADF):  # a file system without folder fsync
+            raise
+    finally:
+        os.close(fd)
+
+
+def hash_file(path: str) -> tuple[int, str]:
+    """``(size, sha256 hex)`` of ``path``, read back in chunks; the file is fsynced on the way."""
+    h = hashlib.sha256()
+    size = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])  # hashlib releases the GIL: files hash in parallel threads
+            size += n
+        os.fsync(f.fileno())
+    return size, h.hexdigest()
+
+
+def _workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _files(folder: str) -> list[str]:
+    """Relative (``/``-separated) paths of the regular files under ``folder``, sorted."""
+    out = []
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        for n in names:
+            p = os.path.join(root, n)
+            if os.path.isfile(p) and not os.path.islink(p):
+                out.append(os.path.relpath(p, folder).replace(os.sep, "/"))
+    return sorted(r for r in out if r != MANIFEST_NAME)
+
+
+def _sync_tree(folder: str) -> None:
+    for root, _dirs, _names in sorted(os.walk(folder), key=lambda t: -len(t[0])):
+        fsync_dir(root)
+
+
+# ---- manifest ---------------------------------------------------------------------------------
+def write_manifest(folder: str) -> dict:
+    """Hash and fsync every file under ``folder``, then write its manifest (fsynced, last)."""
+    files = _files(folder)
+    paths = [os.path.join(folder, *r.split("/")) for r in files]
+    order = sorted(range(len(paths)), key=lambda i: -os.path.getsize(paths[i]))
+    with ThreadPoolExecutor(_workers()) as pool:
+        hashed = dict(zip(order, pool.map(hash_file, [paths[i] for i in order])))
+    entries = {r: {"size": hashed[i][0], "sha256": hashed[i][1]} for i, r in enumerate(files)}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "total_bytes": sum(e["size"] for e in entries.values()),
+        "files": entries,
+    }
+    tmp = os.path.join(folder, f".{MANIFEST_NAME}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, MANIFEST_NAME))
+    _sync_tree(folder)
+    return manifest
+
+
+def read_manifest(folder: str) -> dict | None:
+    """``folder``'s manifest, or None when it has none (older saves, stock HF folders)."""
+    path = os.path.join(folder, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+            raise ValueError("not an hf_megatrain manifest")
+        for entry in files.values():
+            int(entry["size"]), str(entry["sha256"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise IntegrityError(f"hf_megatrain: {path} is corrupt ({e})") from None
+    return manifest
+
+
+@dataclass
+class Verified:
+    """What :func:`verify_folder` checked."""
+
+    folder: str
+    manifest: bool  # False: the folder has no manifest, nothing was checked
+    files: int = 0
+    bytes: int = 0
+    missing: list[str] = field(default_factory=list)  # allowed missing files (relative paths)
+    unlisted: int = 0  # files present but not in the manifest (e.g. kept beside a saved model)
+
+
+def verify_folder(folder: str, allow_missing: Callable[[str], bool] | None = None) -> Verified:
+    """Check every file of ``folder``'s manifest: present, of its size, of its sha256.
+
+    A problem raises :class:`MissingFileError` / :class:`IntegrityError` naming the file (the
+    first in path order); ``allow_missing(relative_path)`` lets listed files be absent (they are
+    returned in ``missing``). A folder without a manifest returns ``manifest=False``.
+    """
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"hf_megatrain: {folder} is not a folder")
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return Verified(folder, manifest=False)
+    where = os.path.join(folder, MANIFEST_NAME)
+    entries = manifest["files"]
+    result = Verified(folder, manifest=True)
+    present = []
+    for rel in sorted(entries):
+        path = os.path.join(folder, *rel.split("/"))
+        want = int(entries[rel]["size"])
+        if not os.path.isfile(path):
+            if allow_missing is not None and allow_missing(rel):
+                result.missing.append(rel)
+                continue
+            raise MissingFileError(f"hf_megatrain: {path} is missing (listed in {where})")
+        have = os.path.getsize(path)
+        if have != want:
+            raise IntegrityError(
+                f"hf_megatrain: {path} is truncated or altered: {have} bytes, {where} says {want}"
+            )
+        present.append((rel, path))
+    order = sorted(present, key=lambda rp: -int(entries[rp[0]]["size"]))
+    with ThreadPoolExecutor(_workers()) as pool:
+        digests = dict(zip([r for r, _ in order], pool.map(_sha256, [p for _, p in order])))
+    for rel, path in present:
+        if digests[rel] != entries[rel]["sha256"]:
+            raise IntegrityError(
+                f"hf_megatrain: {path} is corrupt: its sha256 differs from the one in {where}"
+            )
+    result.files = len(present)
+    result.bytes = sum(int(entries[r]["size"]) for r, _ in present)
+    result.unlisted = len(set(_files(folder)) - set(entries))
+    return result
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+# ---- publication ------------------------------------------------------------------------------
+def _norm(target: str) -> tuple[str, str, str]:
+    target = os.path.abspath(os.fspath(target))
+    return target, os.path.dirname(target), os.path.basename(target)
+
+
+def aside_path(target: str) -> str:
+    target, parent, name = _norm(target)
+    return os.path.join(parent, f".{name}{_OLD}")
+
+
+def new_temp_path(target: str) -> str:
+    """A fresh hidden folder name beside ``target`` for building its next version."""
+    target, parent, name = _norm(target)
+    return os.path.join(parent, f".{name}{_NEW}-{os.getpid()}-{next(_counter)}")
+
+
+def recover(target: str) -> list[str]:
+    """Finish or undo a swap of ``target`` that was killed half way; returns what was done.
+
+    Target missing and its aside copy present: the aside copy (the complete old set) is renamed
+    back. Otherwise an aside copy is deleted. Every hidden new-version folder of ``target`` is
+    deleted (incomplete, or the old set after an exchange). One writer per target is assumed.
+    """
+    target, parent, name = _norm(target)
+    if not os.path.isdir(parent):
+        return []
+    done = []
+    aside = aside_path(target)
+    if os.path.lexists(aside):
+        if not os.path.lexists(target):
+            os.rename(aside, target)
+            done.append(f"restored {target} from {aside} (a swap was interrupted)")
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
+            done.append(f"removed {aside}")
+    prefix = f".{name}{_NEW}-"
+    for n in sorted(os.listdir(parent)):
+        if n.startswith(prefix) and _LEFTOVER_RE.match(n):
+            shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+            done.append(f"removed {os.path.join(parent, n)}")
+    if done:
+        fsync_dir(parent)
+        for line in done:
+            logger.warning("hf_megatrain: %s", line)
+    return done
+
+
+def recover_children(folder: str) -> list[str]:
+    """:func:`recover` for every entry of ``folder`` with leftovers of an interrupted swap."""
+    if not os.path.isdir(folder):
+        return []
+    names = sorted({m["name"] for n in os.listdir(folder) if (m := _LEFTOVER_RE.match(n))})
+    return [line for n in names for line in recover(os.path.join(folder, n))]
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one atomic step (Linux ``renameat2``); False where unavailable."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # the same file, no copy: it stays intact whichever set survives
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry(old: str, new: str, keep: Callable[[str], bool]) -> None:
+    """Entries of the old folder that ``keep`` names and the new one lacks, hard-linked into it."""
+    for n in sorted(os.listdir(old)):
+        if _LEFTOVER_RE.match(n) or os.path.lexists(os.path.join(new, n)) or not keep(n):
+            continue
+        src, dst = os.path.join(old, n), os.path.join(new, n)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        elif os.path.isdir(src):
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, dst)
+    _sync_tree(new)
+
+
+def publish(temp: str, target: str, keep: Callable[[str], bool] | None = None) -> None:
+    """Swap the complete folder ``temp`` in as ``target`` (see the module docstring).
+
+    ``keep(name)``: entries of an existing ``target`` that the new set does not have and should
+    still hold (hard links: a user's files beside a saved model, checkpoints in an output dir).
+    """
+    target, parent, _ = _norm(target)
+    if not os.path.lexists(target):
+        os.rename(temp, target)
+        fsync_dir(parent)
+        return
+    if not os.path.isdir(target):
+        raise NotADirectoryError(f"hf_megatrain: {target} exists and is not a folder")
+    if keep is not None:
+        recover_children(target)
+        _carry(target, temp, keep)
+    if _exchange(temp, target):
+        fsync_dir(parent)
+        fsync_dir(os.path.dirname(os.path.abspath(temp)))
+        shutil.rmtree(temp, ignore_errors=True)  # now the old set
+        return
+    aside = aside_path(target)
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.rename(target, aside)
+    except OSError as e:
+        logger.warning(
+            "hf_megatrain: cannot rename %s (%s): replacing its files one by one instead (not "
+            "atomic: a kill during the save can leave a mixed set without a manifest)",
+            target,
+            e.strerror,
+        )
+        _replace_files(temp, target, keep)
+        return
+    os.rename(temp, target)
+    fsync_dir(parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _replace_files(temp: str, target: str, keep: Callable[[str], bool] | None) -> None:
+    old_manifest = os.path.join(target, MANIFEST_NAME)
+    if os.path.exists(old_manifest):
+        os.remove(old_manifest)
+        fsync_dir(target)
+    for n in os.listdir(target):
+        if not os.path.lexists(os.path.join(temp, n)) and (keep is None or not keep(n)):
+            p = os.path.join(target, n)
+            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+    names = sorted(os.listdir(temp), key=lambda n: (n == MANIFEST_NAME, n.endswith(".json"), n))
+    for n in names:
+        src, dst = os.path.join(temp, n), os.path.join(target, n)
+        if os.path.isdir(dst) and not os.path.islink(dst):
+            shutil.rmtree(dst)
+        os.replace(src, dst)
+    fsync_dir(target)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextmanager
+def staged_folder(target: str, keep: Callable[[str], bool] | None = None) -> Iterator[str]:
+    """Yield an empty hidden folder beside ``target`` to write into; when the block ends without
+    an exception, its manifest is written and it is published as ``target``. On an exception
+    (a full disk, ...) it is deleted and ``target`` is left as it was."""
+    target, parent, _ = _norm(target)
+    os.makedirs(parent, exist_ok=True)
+    recover(target)
+    temp = new_temp_path(target)
+    os.makedirs(temp)
+    try:
+        yield temp
+        write_manifest(temp)
+        publish(temp, target, keep)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        recover(target)  # a swap that failed half way: the old set goes back
+        raise

@@ -1,0 +1,249 @@
+"""Atomic publication and manifests (issue 23): a reader sees the old set or the new set, and a
+missing, truncated or corrupt file is an error naming it, on resume and in ``hf-megatrain verify``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_megatrain.cli import main as cli_main
+from hf_megatrain.core import publish as pub
+from hf_megatrain.core.publish import MANIFEST_NAME, IntegrityError
+
+from .helpers import mega_params, run_trainer, tiny_config, tiny_model
+
+
+def _write(folder, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        p = os.path.join(folder, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+
+
+def _read(folder) -> dict[str, bytes]:
+    out = {}
+    for root, _, names in os.walk(folder):
+        for n in names:
+            p = os.path.join(root, n)
+            out[os.path.relpath(p, folder)] = open(p, "rb").read()
+    return out
+
+
+OLD = {"a.bin": b"old-a", "sub/b.bin": b"old-b", "model-00001-of-00002.safetensors": b"o"}
+NEW = {"a.bin": b"new-a" * 10, "sub/b.bin": b"new-b"}
+
+
+def _save(target, files, keep=None):
+    with pub.staged_folder(str(target), keep=keep) as tmp:
+        _write(tmp, files)
+
+
+def _sets(target) -> dict[str, bytes]:
+    return {k: v for k, v in _read(target).items() if k != MANIFEST_NAME}
+
+
+def test_swap_publishes_whole_folder_with_manifest(tmp_path):
+    target = tmp_path / "out"
+    _save(target, OLD)
+    assert _sets(target) == OLD
+    _save(target, NEW)
+    assert _sets(target) == NEW  # the old shard name is gone: no keep
+    manifest = json.loads((target / MANIFEST_NAME).read_text())
+    assert sorted(manifest["files"]) == ["a.bin", "sub/b.bin"]
+    assert manifest["files"]["a.bin"]["size"] == 50
+    assert pub.verify_folder(str(target)).files == 2
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temp or aside folder left
+
+
+def test_keep_carries_other_entries(tmp_path):
+    target = tmp_path / "out"
+    _save(target, {**OLD, "checkpoint-2/x": b"ck", "README.md": b"mine"})
+    from hf_megatrain.hf.checkpoint import keep_beside_model
+
+    _save(target, NEW, keep=keep_beside_model)
+    got = _sets(target)
+    assert got == {**NEW, "checkpoint-2/x": b"ck", "README.md": b"mine"}  # stale shard dropped
+    assert pub.verify_folder(str(target)).unlisted == 2
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+@pytest.mark.parametrize("fail_at", range(6))
+def test_interrupted_swap_leaves_old_or_new(tmp_path, monkeypatch, exchange, fail_at):
+    """An exception standing in for a kill at each rename/removal of a swap: what a reader
+    finds (after recovery) is exactly the old or exactly the new set."""
+    target = tmp_path / "out"
+    _save(target, OLD)
+    if not exchange:
+        monkeypatch.setattr(pub, "_exchange", lambda a, b: False)
+    calls = {"n": 0}
+
+    class Killed(BaseException):
+        pass
+
+    def hook(real):
+        def f(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == fail_at + 1:
+                raise Killed
+            return real(*a, **k)
+
+        return f
+
+    for name in ("rename", "replace"):
+        monkeypatch.setattr(pub.os, name, hook(getattr(os, name)))
+    monkeypatch.setattr(pub.shutil, "rmtree", hook(shutil.rmtree))
+    monkeypatch.setattr(pub, "_exchange", hook(pub._exchange))
+    # A kill skips the cleanup of the except clause: run the steps without it.
+    monkeypatch.setattr(pub, "recover", lambda t: [])
+    temp = pub.new_temp_path(str(target))
+    os.makedirs(temp)
+    _write(temp, NEW)
+    try:
+        pub.write_manifest(temp)
+        pub.publish(temp, str(target))
+    except Killed:
+        pass
+    monkeypatch.undo()
+    pub.recover(str(target))
+    got = _sets(target)
+    assert got in (OLD, NEW)
+    pub.verify_folder(str(target))
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_recover_restores_aside_copy(tmp_path):
+    target = tmp_path / "out"
+    _save(target, OLD)
+    os.rename(target, pub.aside_path(str(target)))
+    os.makedirs(pub.new_temp_path(str(target)))
+    assert any("restored" in line for line in pub.recover(str(target)))
+    assert _sets(target) == OLD and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_failed_write_keeps_old_set(tmp_path):
+    target = tmp_path / "out"
+    _save(target, OLD)
+    with pytest.raises(OSError, match="No space"):
+        with pub.staged_folder(str(target)) as tmp:
+            _write(tmp, {"a.bin": b"partial"})
+            raise OSError(28, "No space left on device")
+    assert _sets(target) == OLD and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+# ---- trainer checkpoints and saved models -------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("integrity")
+    model = tiny_model(tiny_config("llama"))
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    _, full = run_trainer(copy.deepcopy(model), tmp, "full", True, **kw)
+    full.save_model(str(tmp / "saved"))
+    return model, tmp, kw, mega_params(full)
+
+
+def test_checkpoint_has_manifest_and_final_trainer_state(trained):
+    _, tmp, _, _ = trained
+    ckpt = tmp / "full" / "checkpoint-4"
+    manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
+    assert "trainer_state.json" in manifest["files"]
+    assert "megatrain_optimizer/meta.json" in manifest["files"]
+    assert "scheduler.pt" in manifest["files"]
+    assert pub.verify_folder(str(ckpt)).files == len(manifest["files"])
+    assert ".megatrain-staging" not in (ckpt / "trainer_state.json").read_text()
+    assert not (tmp / "full" / ".megatrain-staging").exists()
+
+
+def test_saved_model_is_one_set_with_tokenizer_args_and_manifest(trained):
+    _, tmp, _, params = trained
+    saved = tmp / "saved"
+    manifest = json.loads((saved / MANIFEST_NAME).read_text())
+    assert "training_args.bin" in manifest["files"] and "config.json" in manifest["files"]
+    weights = load_file(str(saved / "model.safetensors"))
+    for k, v in params.items():
+        if k in weights:
+            torch.testing.assert_close(weights[k], v, rtol=0, atol=0)
+    assert cli_main(["verify", str(saved)]) == 0
+
+
+def _copy_ckpt(tmp, name):
+    dst = tmp / name
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(tmp / "full" / "checkpoint-2", dst)
+    return dst
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "corrupt": (_flip_byte, IntegrityError, "corrupt"),
+    "truncated": (lambda p: p.write_bytes(p.read_bytes()[:-7]), IntegrityError, "truncated"),
+    "missing": (os.remove, FileNotFoundError, "missing"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.parametrize("rel", ["model.safetensors", "megatrain_optimizer/layer_00001.safetensors",
+                                 "trainer_state.json"])  # fmt: skip
+def test_damaged_checkpoint_is_refused_naming_the_file(trained, damage, rel, capsys):
+    model, tmp, kw, _ = trained
+    ckpt = _copy_ckpt(tmp, f"bad-{damage}-{rel.replace('/', '_')}")
+    fn, exc, word = DAMAGE[damage]
+    fn(ckpt / rel)
+    with pytest.raises(exc, match=rf"{rel}.*{word}|{rel} is {word}"):
+        run_trainer(copy.deepcopy(model), tmp, "refused", True, resume=str(ckpt), **kw)
+    with pytest.raises(SystemExit) as e:
+        cli_main(["verify", str(ckpt)])
+    msg = str(e.value)
+    assert msg.startswith("hf-megatrain: error: ") and rel in msg and word in msg
+    assert "\n" not in msg
+
+
+def test_missing_optimizer_file_allowed_by_option(trained):
+    model, tmp, kw, _ = trained
+    ckpt = _copy_ckpt(tmp, "no-opt-layer")
+    os.remove(ckpt / "megatrain_optimizer" / "layer_00001.safetensors")
+    with pytest.raises(FileNotFoundError, match="cannot resume from .*layer_00001.* missing"):
+        run_trainer(copy.deepcopy(model), tmp, "refused2", True, resume=str(ckpt), **kw)
+    logs, trainer = run_trainer(
+        copy.deepcopy(model), tmp, "allowed", True, resume=str(ckpt),
+        megatrain_resume_without_optimizer_state=True, **kw,
+    )  # fmt: skip
+    assert trainer.state.global_step == 4 and len(logs) == 2
+
+
+def test_folder_without_manifest_loads_with_warning(trained, caplog, capsys):
+    model, tmp, kw, params = trained
+    ckpt = _copy_ckpt(tmp, "no-manifest")
+    os.remove(ckpt / MANIFEST_NAME)
+    with caplog.at_level("WARNING", logger="hf_megatrain"):
+        _, resumed = run_trainer(copy.deepcopy(model), tmp, "resumed", True, resume=str(ckpt), **kw)
+    assert "no megatrain_manifest.json" in caplog.text
+    got = mega_params(resumed)
+    for k, v in params.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    capsys.readouterr()
+    assert cli_main(["verify", str(ckpt)]) == 2
+    assert "no manifest" in capsys.readouterr().out
+
+
+def test_verify_ok_line(trained, capsys):
+    _, tmp, _, _ = trained
+    assert cli_main(["verify", str(tmp / "full" / "checkpoint-4")]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("hf-megatrain: OK ") and "verified" in out[0]
+
+
+def test_verify_missing_path(tmp_path):
+    with pytest.raises(SystemExit, match="hf-megatrain: error: .*not a folder"):
+        cli_main(["verify", str(tmp_path / "nope")])

@@ -1,0 +1,78 @@
+"""Bad inputs are refused with errors that name them, before any work (issue 23)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hf_megatrain import HFMegaTrainer, MegaTrainArguments
+from hf_megatrain.core.options import EngineOptions, OptionError
+
+from .helpers import (
+    VOCAB,
+    common_args,
+    make_data,
+    mega_params,
+    run_trainer,
+    tiny_config,
+    tiny_model,
+)
+
+
+def _trainer(tmp_path, data, model=None, **overrides):
+    model = model if model is not None else tiny_model(tiny_config("llama"))
+    args = MegaTrainArguments(output_dir=str(tmp_path / "out"), **common_args(**overrides))
+    return HFMegaTrainer(model=model, args=args, train_dataset=data)
+
+
+def test_labels_shorter_than_input_ids(tmp_path):
+    data = [{"input_ids": r["input_ids"], "labels": r["labels"][:10]} for r in make_data()]
+    trainer = _trainer(tmp_path, data)
+    before = mega_params(trainer)
+    with pytest.raises(ValueError, match=r"labels have shape \(2, 10\) but its input_ids \(2, 16\)"):
+        trainer.train()
+    after = mega_params(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was trained
+
+
+def test_attention_mask_shape(tmp_path):
+    data = [dict(r, attention_mask=torch.ones(8, dtype=torch.long)) for r in make_data()]
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        _trainer(tmp_path, data).train()
+
+
+def test_token_ids_outside_the_vocabulary(tmp_path):
+    data = make_data()
+    data[0]["input_ids"] = data[0]["input_ids"].clone()
+    data[0]["input_ids"][3] = VOCAB + 5
+    with pytest.raises(ValueError, match=f"vocab_size is {VOCAB}"):
+        _trainer(tmp_path, data, max_steps=1, per_device_train_batch_size=32).train()
+    labels = make_data()
+    labels[0]["labels"] = labels[0]["labels"].clone()
+    labels[0]["labels"][0] = -100  # ignored: fine
+    labels[0]["labels"][1] = VOCAB
+    with pytest.raises(ValueError, match="labels range over"):
+        _trainer(tmp_path, labels, max_steps=1, per_device_train_batch_size=32).train()
+
+
+def test_float64_model_is_refused(tmp_path):
+    model = tiny_model(tiny_config("llama")).double()
+    with pytest.raises(ValueError, match=r"float64 parameters .*model\.float\(\)"):
+        _trainer(tmp_path, make_data(), model=model)
+
+
+def test_rows_longer_than_positions_warn_once(tmp_path, caplog):
+    model = tiny_model(tiny_config("llama"))  # max_position_embeddings=64
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain.hf.guards"):
+        run_trainer(model, tmp_path, "long", mega=True, data=make_data(8, seq=80), max_steps=3)
+    hits = [r for r in caplog.records if "max_position_embeddings=64" in r.getMessage()]
+    assert len(hits) == 1 and "80 tokens" in hits[0].getMessage()
+
+
+def test_negative_host_memory_limit_is_refused(tmp_path):
+    with pytest.raises(OptionError, match="host_memory_limit_gb"):
+        EngineOptions(host_memory_limit_gb=-1.0)
+    with pytest.raises(ValueError, match="host_memory_limit_gb"):
+        _trainer(tmp_path, make_data(), megatrain_host_memory_limit_gb=-1.0)
