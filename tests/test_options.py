@@ -14,7 +14,7 @@ from hf_megatrain import EngineOptions, HFMegaTrainer, MegaTrainArguments, StepS
 from hf_megatrain.cli import build_parser, resolve_options
 from hf_megatrain.core.options import ALL_LAYERS, OptionError
 from hf_megatrain.hf.arguments import argument_name, as_arguments, engine_options
-from hf_megatrain.hf.loading import init_streamed_model
+from hf_megatrain.hf.loading import init_streamed_model, load_streamed_model
 from hf_megatrain.hf.model import prepare_streamed_model, streamed_state
 from hf_megatrain.option_flags import add_option_arguments, flag_name, options_from_namespace
 from hf_megatrain.text import DEFAULT_CONFIG
@@ -36,7 +36,7 @@ def test_training_arguments_are_generated_from_the_options():
         assert arg.metadata["help"] == f.metadata["help"], f.name
 
 
-def test_every_front_door_has_the_same_defaults():
+def test_every_front_door_has_the_same_defaults(tmp_path):
     """MegaTrainArguments, a plain TrainingArguments, the CLI, plan, the loaders and the trainer
     all end up with ``EngineOptions()``."""
     assert engine_options(_train_args()) == DEFAULTS
@@ -48,6 +48,9 @@ def test_every_front_door_has_the_same_defaults():
     assert options_from_namespace(plan_ns) == DEFAULTS
     streamed = init_streamed_model(tiny_config("llama"), device="cpu", bf16=False)
     assert streamed_state(streamed).options.options == DEFAULTS
+    tiny_model(tiny_config("llama")).save_pretrained(tmp_path / "ckpt")
+    loaded = load_streamed_model(str(tmp_path / "ckpt"), device="cpu", bf16=False)
+    assert streamed_state(loaded).options.options == DEFAULTS
     prepared = prepare_streamed_model(tiny_model(tiny_config("llama")), "cpu", torch.float32)
     assert streamed_state(prepared).options.options == DEFAULTS
     # The trainer with a plain TrainingArguments and with MegaTrainArguments: the same options
