@@ -52,7 +52,7 @@ class TrainOptions:
     """Every setting of ``hf-megatrain train``; recipe YAML keys are these field names and the
     engine option fields (:class:`~hf_megatrain.core.options.EngineOptions`)."""
 
-    model_path: str | None = None  # Hub-format checkpoint folder (continued training)
+    model_path: str | None = None  # checkpoint folder or Hub repo id (continued training)
     config: str | None = None  # a config.json: random init (default: the bundled one)
     tokenizer: str | None = None  # tokenizer.json or a folder (default: model's, else bundled)
     data: str | None = None  # text file or folder of .txt (default: bundled corpus)
@@ -105,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("what to train")
     g.add_argument("--recipe", help="YAML file whose keys are these options (recipes/*.yaml)")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--model-path", help="Hub-format checkpoint folder to continue training")
+    src.add_argument(
+        "--model-path",
+        help="Hub-format checkpoint folder, or a Hub repo id (org/name: the Hugging Face cache "
+        "first, else downloaded unless HF_HUB_OFFLINE=1), to continue training",
+    )
     src.add_argument("--config", help="model config.json to train from random init")
     g.add_argument("--tokenizer", help="tokenizer.json file or tokenizer folder")
     g.add_argument("--data", help="a text file, or a folder of .txt files (searched recursively)")
@@ -273,10 +277,15 @@ def _validate(opts: TrainOptions) -> None:
         raise CLIError("eval-fraction must be between 0 and 0.5")
     if opts.warmup_steps < 0 or opts.max_new_tokens < 0 or opts.max_eval_chunks < 1:
         raise CLIError("warmup-steps and max-new-tokens must be >= 0, max-eval-chunks >= 1")
-    if opts.model_path is not None:
+    if opts.model_path is not None and not _is_hub_repo_id(opts.model_path):
+        # A Hub repo id (org/name, no such local path) is resolved when the model is loaded:
+        # from the Hugging Face cache, else downloaded (hf/hub.py checks its files then).
         p = Path(opts.model_path)
         if not p.is_dir():
-            raise CLIError(f"model path not found (need a Hub-format checkpoint folder): {p}")
+            raise CLIError(
+                f"model path not found (need a Hub-format checkpoint folder or a Hub repo id "
+                f"such as Qwen/Qwen2.5-7B): {p}"
+            )
         if not (p / "config.json").is_file():
             raise CLIError(f"{p} has no config.json: not a Hub-format checkpoint folder")
         if not any(p.glob("*.safetensors")):
@@ -306,17 +315,35 @@ def _validate(opts: TrainOptions) -> None:
 
 
 # ---- model and tokenizer ------------------------------------------------------------------------
+def _is_hub_repo_id(path: str) -> bool:
+    from .hf.hub import looks_like_repo_id  # noqa: PLC0415
+
+    return looks_like_repo_id(path)
+
+
+def _model_folder(opts: TrainOptions) -> str:
+    """The local folder of --model-path: itself, or a Hub repo id's cached (or downloaded)
+    snapshot; both the tokenizer and the weights come from it."""
+    from .hf.hub import ModelNotFoundError, resolve_model_folder  # noqa: PLC0415
+
+    try:
+        return resolve_model_folder(opts.model_path)
+    except ModelNotFoundError as e:
+        raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
+
+
 def load_tokenizer(opts: TrainOptions):
     """The run's tokenizer: --tokenizer, else the model's own, else the bundled one."""
     if opts.tokenizer is not None:
         return _load_tokenizer_file(opts.tokenizer)
     if opts.model_path is not None:
-        if not has_tokenizer_files(opts.model_path):
+        folder = _model_folder(opts)
+        if not has_tokenizer_files(folder):
             raise CLIError(
                 f"{opts.model_path} has no tokenizer files: pass --tokenizer (the bundled one "
                 "does not match a pretrained model's vocabulary)"
             )
-        return _load_tokenizer_file(opts.model_path)
+        return _load_tokenizer_file(folder)
     if opts.config is not None and (Path(opts.config).parent / "tokenizer.json").is_file():
         return _load_tokenizer_file(Path(opts.config).parent)
     return _load_tokenizer_file(None)
@@ -350,14 +377,15 @@ def build_model(opts: TrainOptions, tokenizer, bf16: bool):
     from . import SUPPORTED_MODEL_TYPES, load_streamed_model  # noqa: PLC0415
 
     if opts.model_path is not None:
-        cfg = AutoConfig.from_pretrained(opts.model_path, local_files_only=True)
+        folder = _model_folder(opts)
+        cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise CLIError(
                 f"{opts.model_path}: model_type {cfg.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         _check_vocab(cfg, tokenizer)
-        return load_streamed_model(opts.model_path, **_loader_arguments(opts, bf16))
+        return load_streamed_model(folder, **_loader_arguments(opts, bf16))
     cfg = _config_from_json(opts.config or str(DEFAULT_CONFIG))
     _check_vocab(cfg, tokenizer)
     if not _init_in_store():

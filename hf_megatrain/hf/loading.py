@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..core.options import EngineOptions, StepShape
 from .checkpoint import load_weights_into_store
+from .hub import resolve_model_folder
 from .long_context import apply_liger_kernels
 from .model import UnsupportedModelError, prepare_streamed_model
 
@@ -102,7 +103,10 @@ def load_streamed_model(
     """Build ``AutoModelForCausalLM`` for ``path`` in streamed form and load its weights.
 
     Args:
-        path: a local folder with ``config.json`` and safetensors weights (Hub layout).
+        path: a local folder with ``config.json`` and safetensors weights (Hub layout), or a
+            Hugging Face Hub repo id (``"Qwen/Qwen2.5-7B"``): taken from the local cache, else
+            downloaded (config, safetensors and tokenizer files only) unless ``HF_HUB_OFFLINE``.
+            A ``revision=`` keyword picks the Hub revision (branch, tag or commit).
         options: the engine options (:class:`hf_megatrain.EngineOptions`); any of its fields may
             also be given as a keyword (``resident_layers="auto"``, ``host_memory_limit_gb=64``),
             applied over ``options``. Pass the same options as the trainer's ``megatrain_*``
@@ -121,6 +125,7 @@ def load_streamed_model(
     """
     options, config_overrides = _split_options(options, kwargs)
     attn = config_overrides.pop("attn_implementation", "sdpa")
+    path = resolve_model_folder(path, revision=config_overrides.pop("revision", None))
     config = AutoConfig.from_pretrained(path, **config_overrides)
     quant = getattr(config, "quantization_config", None)
     if quant:
