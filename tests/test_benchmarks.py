@@ -334,6 +334,7 @@ def test_no_clip_slim_store_run(tmp_path):
 _STR_VALUES = {
     "resident_layers": "4", "keep_activations": "off", "keep_attention_outputs": "all",
     "max_shard_size": "1GB", "boundary_dtype": "bfloat16", "nonfinite": "stop",
+    "export_dtype": "bfloat16",
 }  # fmt: skip
 
 

@@ -41,6 +41,9 @@ BOUNDARY_DTYPES: dict[str, torch.dtype | None] = {
     "bf16": torch.bfloat16,
 }
 
+#: ``export_dtype`` values: the dtype of the final model's floating-point tensors on disk.
+EXPORT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 #: ``nonfinite`` values: skip the step's update, or stop the run.
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -82,6 +85,19 @@ class EngineOptions:
             """Largest safetensors shard written by save_model and checkpoints (e.g. 2GB, 500MB).
             Shards are serialized one at a time, so this also bounds the extra host RAM a save
             needs.""",
+            run_time=True,
+        ),
+    )
+    export_dtype: str = field(
+        default="float32",
+        metadata=_help(
+            """dtype of the final model written by save_model (and by hf-megatrain train's
+            output folder); config.json records it. 'float32' (default) writes the fp32 masters
+            as they are, the trained weights exactly; 'bfloat16' writes them rounded to bf16,
+            half the bytes on disk (the rounded copy, 2 bytes/param, is held in host RAM while
+            the save runs). Checkpoints written for resuming (checkpoint-N) always keep the
+            fp32 masters, so a resume stays bit-exact.""",
+            choices=tuple(EXPORT_DTYPES),
             run_time=True,
         ),
     )
@@ -598,6 +614,10 @@ def _check_values(opts: EngineOptions) -> None:
     parse_keep_activations(opts.keep_activations)
     parse_attention_layers(opts.keep_attention_outputs)
     parse_boundary_dtype(opts.boundary_dtype)
+    if opts.export_dtype not in EXPORT_DTYPES:
+        raise OptionError(
+            f"export_dtype={opts.export_dtype!r} must be one of {', '.join(EXPORT_DTYPES)}"
+        )
     if not _is_size(opts.max_shard_size):
         raise OptionError(
             f"max_shard_size={opts.max_shard_size!r}: give a size such as '2GB' or '500MB'"

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..core.options import EngineOptions
+from ..core.options import EXPORT_DTYPES, EngineOptions
 from ..core.publish import MANIFEST_NAME, staged_folder
 from .model import StreamedModelState, streamed_state
 
@@ -44,8 +44,13 @@ def _require_state(model) -> StreamedModelState:
 
 
 # ---- saving ---------------------------------------------------------------------------------
-def host_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's full state dict on the CPU, streamed weights as views of the fp32 masters."""
+def host_state_dict(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's full state dict on the CPU, streamed weights as views of the fp32 masters.
+
+    ``dtype``: floating-point tensors cast to it (a copy, except where they already have it);
+    modules the model keeps in fp32 whatever its dtype (``_keep_in_fp32_modules_strict``) stay
+    fp32. Default: as stored.
+    """
     state = _require_state(model)
     out: dict[str, torch.Tensor] = {}
     layer_keys = {}
@@ -60,17 +65,50 @@ def host_state_dict(model) -> dict[str, torch.Tensor]:
             raise RuntimeError(f"hf_megatrain: {key} has no data (meta) and is not streamed")
         else:
             out[key] = value.detach().to("cpu")
+    if dtype is not None:
+        keep = _fp32_module_re(model) if dtype in (torch.float16, torch.bfloat16) else None
+        for key, value in out.items():
+            if value.is_floating_point() and not (keep is not None and keep.search(key)):
+                out[key] = value.to(dtype)
     return out
 
 
-def write_streamed_pretrained(model, folder: str, max_shard_size: str | int | None = None) -> None:
+def _fp32_module_re(model) -> re.Pattern | None:
+    """Keys of the modules ``from_pretrained`` keeps in fp32 even in a bf16 model."""
+    names = getattr(model, "_keep_in_fp32_modules_strict", None)
+    if not isinstance(names, (set, frozenset, list, tuple)) or not names:
+        return None
+    return re.compile(r"(^|\.)(" + "|".join(re.escape(n) for n in sorted(names)) + r")(\.|$)")
+
+
+def write_streamed_pretrained(
+    model,
+    folder: str,
+    max_shard_size: str | int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Write ``model``'s files into ``folder`` as they are (no staging, no manifest): the writer
-    behind :func:`save_streamed_pretrained` and the Trainer's checkpoints."""
+    behind :func:`save_streamed_pretrained` and the Trainer's checkpoints.
+
+    ``dtype``: of the floating-point tensors written (default fp32: the masters as they are;
+    checkpoints meant for resuming must keep it); ``config.json`` records it.
+    """
     if max_shard_size is None:
         state = streamed_state(model)
         options = state.options.options if state is not None and state.options else EngineOptions()
         max_shard_size = options.max_shard_size
-    model.save_pretrained(folder, state_dict=host_state_dict(model), max_shard_size=max_shard_size)
+    tensors = host_state_dict(model, dtype)
+    model.save_pretrained(folder, state_dict=tensors, max_shard_size=max_shard_size)
+    # save_pretrained records the in-memory model's dtype (its fp32 masters' here): record the
+    # dtype of the files written instead, as from_pretrained(dtype="auto") reads it.
+    written = str(dtype).removeprefix("torch.")
+    in_memory = model.config.dtype
+    if str(in_memory).removeprefix("torch.") != written:
+        model.config.dtype = written
+        try:
+            model.config.save_pretrained(folder)
+        finally:
+            model.config.dtype = in_memory
 
 
 #: Files of an earlier save in a model folder that a new save replaces even where it does not
@@ -96,7 +134,10 @@ def staged_model_folder(output_dir: str):
 
 
 def save_streamed_pretrained(
-    model, output_dir: str, max_shard_size: str | int | None = None
+    model,
+    output_dir: str,
+    max_shard_size: str | int | None = None,
+    dtype: torch.dtype | str = torch.float32,
 ) -> None:
     """Write ``model`` as sharded HF safetensors (loadable by ``from_pretrained``).
 
@@ -104,10 +145,15 @@ def save_streamed_pretrained(
     sha256 in ``megatrain_manifest.json`` and the folder swapped in whole: a reader sees the old
     save or the new one, never a mix. Other entries already in ``output_dir`` are kept (weight
     files of an older save are not). ``max_shard_size``: default the streamed model's
-    ``max_shard_size`` option.
+    ``max_shard_size`` option. ``dtype``: of the floating-point tensors written, a
+    ``torch.dtype`` or an ``export_dtype`` name (default fp32, the masters as they are).
     """
+    if isinstance(dtype, str):
+        if dtype not in EXPORT_DTYPES:
+            raise ValueError(f"hf_megatrain: dtype={dtype!r}: one of {', '.join(EXPORT_DTYPES)}")
+        dtype = EXPORT_DTYPES[dtype]
     with staged_model_folder(output_dir) as folder:
-        write_streamed_pretrained(model, folder, max_shard_size)
+        write_streamed_pretrained(model, folder, max_shard_size, dtype)
 
 
 # ---- loading --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..core.distributed import DataParallelError
 from ..core.host_store import InsufficientHostMemoryError
-from ..core.options import EngineOptions, OptionError, ResolvedOptions, StepShape
+from ..core.options import EXPORT_DTYPES, EngineOptions, OptionError, ResolvedOptions, StepShape
 from ..core.publish import publish, recover, verify_folder, write_manifest
 from .arguments import MegaTrainArguments, argument_name, engine_options
 from .checkpoint import (
@@ -661,16 +661,18 @@ class MegaTrainerMixin:
         check_weights_finite(self.model, output_dir)  # a NaN/inf model is never written
         if getattr(self, "_megatrain_in_checkpoint", False):
             # A checkpoint's staging folder: published whole, with its manifest, afterwards.
-            self._megatrain_write_model(output_dir)
+            # Always the fp32 masters, so a resume from it continues bit for bit.
+            self._megatrain_write_model(output_dir, torch.float32)
             return
         logger.info("hf_megatrain: saving model to %s", output_dir)
         # Model, tokenizer and training_args.bin are written into one hidden folder beside
         # output_dir and swapped in together (other entries of output_dir are kept).
+        export = EXPORT_DTYPES[self.megatrain_options.export_dtype]
         with staged_model_folder(output_dir) as folder:
-            self._megatrain_write_model(folder)
+            self._megatrain_write_model(folder, export)
 
-    def _megatrain_write_model(self, folder: str) -> None:
-        write_streamed_pretrained(self.model, folder, self.megatrain_options.max_shard_size)
+    def _megatrain_write_model(self, folder: str, dtype: torch.dtype) -> None:
+        write_streamed_pretrained(self.model, folder, self.megatrain_options.max_shard_size, dtype)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(folder)
         torch.save(self.args, os.path.join(folder, "training_args.bin"))
