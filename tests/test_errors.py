@@ -145,3 +145,27 @@ def test_multi_node_launch_refused(tmp_path, monkeypatch):
     with pytest.raises(DataParallelError, match="one host only"):
         HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
     _assert_untouched(model, tmp_path)
+
+
+def test_mixin_passes_args_by_keyword(tmp_path):
+    """A Trainer subclass whose second parameter is not ``args`` (TRL's DPOTrainer takes
+    ``ref_model`` there) gets the arguments in ``args``."""
+    from transformers import Trainer
+
+    from hf_megatrain import MegaTrainArguments
+    from hf_megatrain.hf.trainer import MegaTrainerMixin
+
+    seen = {}
+
+    class RefFirstTrainer(Trainer):
+        def __init__(self, model=None, ref_model=None, args=None, **kw):
+            seen.update(ref_model=ref_model, args=args)
+            super().__init__(model=model, args=args, **kw)
+
+    class Mega(MegaTrainerMixin, RefFirstTrainer):
+        pass
+
+    args = MegaTrainArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    trainer = Mega(model=tiny_model(tiny_config("llama")), args=args)
+    assert seen == {"ref_model": None, "args": args}
+    assert trainer.args is args

@@ -356,7 +356,13 @@ class MegaTrainerMixin:
         self._megatrain_dataset = kw.get("train_dataset", a[1] if len(a) > 1 else None)
         if not self._megatrain_pending:
             self._megatrain_prepare(model, args)
-        super().__init__(model, args, *a, **kw)
+        if a:
+            # Positional extras follow Trainer's own order (model, args, data_collator, ...).
+            super().__init__(model, args, *a, **kw)
+        else:
+            # By keyword: trainers whose second parameter is not ``args`` (TRL's DPOTrainer:
+            # ref_model, GRPOTrainer: reward_funcs) get it in the right place.
+            super().__init__(model, args=args, **kw)
         if getattr(self.args, "use_liger_kernel", False):
             # Trainers that patch Liger in __init__ (older transformers) replaced the MLP
             # tiling's forward: tile the (fused) forward again.
