@@ -418,6 +418,9 @@ class MegaTrainerMixin:
         self._megatrain_batches_checked = 0
         self._megatrain_warned: set[str] = set()
         self._megatrain_in_step = False
+        # Without eager updates: whether this step's losses were finite, on the device (read at
+        # the step's end, where the gradient norm syncs anyway).
+        self._megatrain_loss_finite: torch.Tensor | None = None
 
     def create_accelerator_and_postprocess(self) -> None:
         # Trainer.__init__ calls this first, with ``self.model`` / ``self.args`` the final ones
@@ -475,9 +478,11 @@ class MegaTrainerMixin:
         return self.optimizer
 
     def _clip_grad_norm(self, model):
+        self._megatrain_read_loss_check()
         return self.optimizer.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        self._megatrain_read_loss_check()
         if grad_norm is None:
             grad_norm = self.optimizer.grad_norm()
         # The Trainer calls this at every optimizer step, right before optimizer.step().
@@ -485,6 +490,13 @@ class MegaTrainerMixin:
         return grad_norm
 
     # ---- non-finite guard ---------------------------------------------------------------------
+    def _megatrain_read_loss_check(self) -> None:
+        """The step's deferred loss check (no eager updates): a non-finite loss skips the step,
+        reported as the loss, not as the gradient norm it also made non-finite."""
+        finite, self._megatrain_loss_finite = self._megatrain_loss_finite, None
+        if finite is not None and not bool(finite):
+            self.optimizer.mark_nonfinite("loss")
+
     def _megatrain_nonfinite_check(self) -> None:
         """Decide this step's fate: apply it, skip it (HostAdamW.step then updates nothing), or
         stop the run (megatrain_nonfinite, megatrain_nonfinite_max_skips)."""
@@ -537,7 +549,14 @@ class MegaTrainerMixin:
         if not self._megatrain_in_step:
             return out  # evaluation
         loss = out[0] if return_outputs else out
-        if bool(torch.isfinite(loss.detach()).all()):
+        finite = torch.isfinite(loss.detach()).all()
+        if not self.megatrain_options.eager_update:
+            # Nothing updates before the step's end: keep the check on the device and read it
+            # there (``_megatrain_read_loss_check``), not with a host sync per micro-batch.
+            seen = self._megatrain_loss_finite
+            self._megatrain_loss_finite = finite if seen is None else seen & finite
+            return out
+        if bool(finite):
             return out
         step = self.state.global_step + 1
         if self.megatrain_options.nonfinite == "stop":
