@@ -84,10 +84,10 @@ def engine_options(args: TrainingArguments) -> EngineOptions:
     try:
         return EngineOptions(**values)
     except OptionError as e:
-        raise OptionError(f"hf_megatrain: {_as_arguments(str(e))}") from None
+        raise OptionError(f"hf_megatrain: {in_argument_names(str(e))}") from None
 
 
-def _as_arguments(message: str) -> str:
+def in_argument_names(message: str) -> str:
     """An options message with field names spelled as training arguments."""
     for name in sorted(EngineOptions.field_names(), key=len, reverse=True):
         message = message.replace(f"{name}=", f"{PREFIX}{name}=")
@@ -100,4 +100,5 @@ __all__ = [
     "argument_text",
     "as_arguments",
     "engine_options",
+    "in_argument_names",
 ]

@@ -26,7 +26,7 @@ from ..core.distributed import DataParallelError
 from ..core.host_store import InsufficientHostMemoryError
 from ..core.options import EXPORT_DTYPES, EngineOptions, OptionError, ResolvedOptions, StepShape
 from ..core.publish import publish, recover, verify_folder, write_manifest
-from .arguments import MegaTrainArguments, argument_name, engine_options
+from .arguments import MegaTrainArguments, argument_name, engine_options, in_argument_names
 from .checkpoint import (
     OPTIMIZER_STATE_DIR,
     has_optimizer_state,
@@ -202,10 +202,7 @@ def _run_options(args: TrainingArguments, options: EngineOptions) -> ResolvedOpt
             clipping=_clipping(args), cuda=torch.device(args.device).type == "cuda"
         )
     except OptionError as e:
-        message = str(e)
-        for name in sorted(EngineOptions.field_names(), key=len, reverse=True):
-            message = message.replace(f"{name}=", f"{argument_name(name)}=")
-        message = message.replace("megatrain_megatrain_", "megatrain_")
+        message = in_argument_names(str(e))
         if _clipping(args):
             message = message.replace("the run clips", f"max_grad_norm={args.max_grad_norm} clips")
         raise OptionError(f"hf_megatrain: {message}") from None
