@@ -13,13 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_megatrain import HFMegaTrainer
-from hf_megatrain.cli import (
-    DEFAULT_CONFIG,
-    _load_recipe,
-    build_parser,
-    main,
-    resolve_options,
-)
+from hf_megatrain.cli import DEFAULT_CONFIG, build_train_parser, main, parse_train
+from hf_megatrain.cli_arguments import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = (
@@ -110,7 +105,7 @@ def test_default_model_and_data_smoke(tmp_path, capsys):
     # The embedded default (bundled config, corpus, tokenizer), cut to two tiny steps.
     assert main(["train", "--eval-fraction", "0.01", "--max-eval-chunks", "2"] + _fast_flags(tmp_path)) == 0  # fmt: skip
     printed = capsys.readouterr().out
-    assert "from_pretrained loaded the checkpoint" in printed
+    assert "from_pretrained loaded the saved model" in printed
     assert "Greedy sample" in printed
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.config.vocab_size == 4096
@@ -126,30 +121,57 @@ def test_train_other_families_from_a_config(tmp_path, capsys, arch):
     tiny_config(arch, vocab_size=vocab, max_position_embeddings=64).save_pretrained(tmp_path / "c")
     out = tmp_path / "out"
     assert main(["train", "--config", str(tmp_path / "c")] + _fast_flags(out)) == 0
-    assert "from_pretrained loaded the checkpoint" in capsys.readouterr().out
+    assert "from_pretrained loaded the saved model" in capsys.readouterr().out
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == arch
 
 
 def test_recipe_then_flags_precedence(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("seq_len: 64\nmax_steps: 7\nlr: 3e-4\nbf16: true\neval-fraction: 0.1\n")
-    ns = build_parser().parse_args(["train", "--recipe", str(recipe), "--max-steps", "3"])
-    opts = resolve_options(ns)
-    assert (opts.seq_len, opts.max_steps, opts.lr) == (64, 3, 3e-4)
-    assert opts.precision == "bf16" and opts.eval_fraction == 0.1
-    ns = build_parser().parse_args(["train", "--recipe", str(recipe), "--fp32"])
-    assert resolve_options(ns).precision == "fp32"
+    recipe.write_text(
+        "seq_len: 64\nmax_steps: 7\nlr: 3e-4\nbf16: true\neval-fraction: 0.1\n"
+        "report_to: tensorboard\nsave_steps: 3\nresident_layers: '1'\n"
+    )
+    s = parse_train(["--recipe", str(recipe), "--max-steps", "3", "--save_steps", "2"])
+    assert (s.data.seq_len, s.training.max_steps, s.training.learning_rate) == (64, 3, 3e-4)
+    assert s.training.bf16 and s.data.eval_fraction == 0.1
+    assert s.training.report_to == ["tensorboard"] and s.training.save_steps == 2
+    assert s.engine.resident_layers == "1" and s.training.megatrain_resident_layers == "1"
+    assert s.source["max_steps"] == "flag" and s.source["seq_len"] == "recipe"
+    assert not parse_train(["--recipe", str(recipe), "--fp32"]).training.bf16
+
+
+def test_training_arguments_defaults_and_epochs():
+    """The embedded default's settings, and the Trainer's own flags in both spellings."""
+    s = parse_train([])
+    t = s.training
+    assert (t.max_steps, t.learning_rate, t.per_device_train_batch_size) == (500, 3e-3, 8)
+    assert (t.save_strategy, t.save_steps, t.save_total_limit) == ("steps", 500, 2)
+    assert t.resume_from_checkpoint is None and s.data.seq_len == 128
+    s = parse_train(["--num_train_epochs", "2", "--eval-strategy", "steps", "--eval_steps", "5"])
+    assert s.training.max_steps == -1 and s.training.num_train_epochs == 2
+    assert s.training.eval_strategy == "steps" and s.training.eval_steps == 5
+    s = parse_train(["--num_train_epochs", "2", "--max_steps", "4"])
+    assert s.training.max_steps == 4  # max_steps wins when both are given, as in the Trainer
+
+
+def test_help_lists_the_trainer_and_data_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--report_to", "--save_steps", "--resume_from_checkpoint", "--dataset_name",
+                 "--streaming", "--push_to_hub", "--export-dtype", "--eval_strategy",
+                 "--num_train_epochs", "--hub_model_id", "--resident-layers", "--recipe"):  # fmt: skip
+        assert flag in text, flag
 
 
 @pytest.mark.parametrize(
     "name", ["default_cpu.yaml", "continued_pretraining.yaml", "long_context.yaml"]
 )
 def test_shipped_recipes_parse(name):
-    keys = _load_recipe(str(REPO / "recipes" / name))
+    keys = load_recipe(str(REPO / "recipes" / name), build_train_parser())
     assert "seq_len" in keys
     if "model_path" not in keys:  # a placeholder path would (rightly) fail the existence check
-        ns = build_parser().parse_args(["train", "--recipe", str(REPO / "recipes" / name)])
-        resolve_options(ns)  # every key known, every value valid
+        parse_train(["--recipe", str(REPO / "recipes" / name)])  # every key known and valid
 
 
 def test_engine_options_reach_the_trainer(tmp_path):
@@ -160,8 +182,8 @@ def test_engine_options_reach_the_trainer(tmp_path):
     cfg = _tiny_config(tmp_path / "config.json")
     flags = ["--mlp-tile-tokens", "8", "--offload-activations", "--resident-layers", "1"]
     flags += ["--boundary-dtype", "bfloat16", "--checkpoint-every", "2"]
-    opts = resolve_options(build_parser().parse_args(["train", *flags]))
-    assert opts.engine.boundary_dtype == "bfloat16" and opts.engine.checkpoint_every == 2
+    engine = parse_train(flags).engine
+    assert engine.boundary_dtype == "bfloat16" and engine.checkpoint_every == 2
     rc = main(["train", "--config", str(cfg), "--data", str(data), "--attn", "eager"] + flags + _fast_flags(tmp_path / "out"))  # fmt: skip
     assert rc == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -179,8 +201,12 @@ def test_engine_options_reach_the_trainer(tmp_path):
         flags = ["--keep-attention-outputs"] + _fast_flags(tmp_path / "attn")
         assert main(["train", "--config", str(cfg), "--data", str(data)] + flags) == 0
     assert seen == ["all"]
-    assert "attn: 'x' is not one of" in _error(["train", "--attn", "x"])
-    assert "'some' is neither an integer >= 0 nor 'auto'" in _error(["train", "--resident-layers", "some"])
+    with pytest.raises(SystemExit) as e:  # argparse's own refusal: usage and one error line
+        main(["train", "--attn", "x"])
+    assert e.value.code == 2
+    assert "'some' is neither an integer >= 0 nor 'auto'" in _error(
+        ["train", "--resident-layers", "some"]
+    )
 
 
 def _error(argv: list[str]) -> str:
@@ -202,13 +228,22 @@ def test_bad_input_errors_are_clean(tmp_path):
     assert "no *.safetensors" in _error(["train", "--model-path", str(tmp_path / "ckpt")])
     assert "config file not found" in _error(["train", "--config", str(tmp_path / "c.json")])
     assert "recipe file not found" in _error(["train", "--recipe", str(tmp_path / "r.yaml")])
-    assert "seq-len must be" in _error(["train", "--seq-len", "0"])
-    assert "eval-fraction" in _error(["train", "--eval-fraction", "0.9"])
+    assert "seq_len must be" in _error(["train", "--seq-len", "0"])
+    assert "eval_fraction" in _error(["train", "--eval-fraction", "0.9"])
     bad_recipe = tmp_path / "bad.yaml"
     bad_recipe.write_text("fp16: true\n")
     assert "fp16 is not supported" in _error(["train", "--recipe", str(bad_recipe)])
-    bad_recipe.write_text("learning_rate: 1e-4\n")
-    assert "unknown key 'learning_rate'" in _error(["train", "--recipe", str(bad_recipe)])
+    bad_recipe.write_text("learnin_rate: 1e-4\n")
+    assert "unknown key 'learnin_rate'" in _error(["train", "--recipe", str(bad_recipe)])
+    bad_recipe.write_text("config: x.json\n")
+    assert "config file not found" in _error(["train", "--recipe", str(bad_recipe)])
+    assert "a YAML of arguments goes to --recipe" in _error(["train", "--config", "r.yaml"])
+    assert "no checkpoint-N in" in _error(
+        ["train", "--resume_from_checkpoint", "last", "--output_dir", str(tmp_path / "fresh")]
+    )
+    assert "--streaming needs --max_steps" in _error(
+        ["train", "--streaming", "--max_steps", "-1", "--num_train_epochs", "1"]
+    )
     bad_recipe.write_text("max_steps: many\n")
     assert "max_steps: invalid value" in _error(["train", "--recipe", str(bad_recipe)])
     gpt2 = tmp_path / "gpt2.json"
@@ -216,13 +251,13 @@ def test_bad_input_errors_are_clean(tmp_path):
     assert "not supported" in _error(["train", "--config", str(gpt2), "--data", str(txt)])
     short = tmp_path / "short.txt"
     short.write_text("too short")
-    assert "not enough data" in _error(["train", "--data", str(short), "--seq-len", "512"])
+    assert "not enough text" in _error(["train", "--data", str(short), "--seq-len", "512"])
     (tmp_path / "empty").mkdir()
-    assert "no text files" in _error(["train", "--data", str(tmp_path / "empty")])
+    assert "no data files" in _error(["train", "--data", str(tmp_path / "empty")])
     if not torch.cuda.is_available():
         assert "need a CUDA GPU" in _error(["train", "--liger"])
     # Checked before the model is built (the Trainer would make the folder only after that).
-    assert "output-dir cannot be created" in _error(["train", "--output-dir", str(txt / "out")])
+    assert "output_dir cannot be created" in _error(["train", "--output-dir", str(txt / "out")])
     # A setting checked against the model once it is built: the library's message, no traceback.
     msg = _error(["train", "--resident-layers", "99", "--output-dir", str(tmp_path / "o")])
     assert "resident_layers=99 but the model has 4 layers" in msg
@@ -251,19 +286,19 @@ def test_module_entry_point_prints_one_line_error():
 
 def test_random_init_straight_into_the_store(tmp_path, monkeypatch, capsys):
     """The GPU path of random init (init_streamed_model), run on the CPU: it trains and saves."""
-    import hf_megatrain.cli as cli
+    import hf_megatrain.cli_train as cli_train
     from hf_megatrain.hf.model import streamed_state
 
-    monkeypatch.setattr(cli, "_init_in_store", lambda: True)
+    monkeypatch.setattr(cli_train, "_init_in_store", lambda: True)
     built = []
-    real = cli.build_model
+    real = cli_train.build_model
 
-    def spy(opts, tokenizer, bf16):
-        model = real(opts, tokenizer, bf16)
+    def spy(settings, tokenizer):
+        model = real(settings, tokenizer)
         built.append(streamed_state(model) is not None)
         return model
 
-    monkeypatch.setattr(cli, "build_model", spy)
+    monkeypatch.setattr(cli_train, "build_model", spy)
     assert main(["train"] + _fast_flags(tmp_path)) == 0
     assert built == [True]  # streamed before the trainer saw it
     assert (tmp_path / "model.safetensors").is_file() or list(tmp_path.glob("*.safetensors"))
@@ -276,19 +311,15 @@ def test_attn_flash_attention_2_needs_flash_attn(monkeypatch, installed):
     its presence is simulated for the check only)."""
     import importlib.util
 
-    import hf_megatrain.cli as cli
-
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        cli.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name, *a: (
             (object() if installed else None) if name == "flash_attn" else real(name, *a)
         ),
     )
-    opts = cli.TrainOptions(attn="flash_attention_2")
     if installed:
-        cli._validate(opts)
+        assert parse_train(["--attn", "flash_attention_2"]).model.attn == "flash_attention_2"
     else:
-        with pytest.raises(cli.CLIError, match=r"hf_megatrain\[flash-attn\]"):
-            cli._validate(opts)
+        assert r"hf_megatrain[flash-attn]" in _error(["train", "--attn", "flash_attention_2"])

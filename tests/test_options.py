@@ -11,7 +11,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_megatrain import EngineOptions, HFMegaTrainer, MegaTrainArguments, StepShape
-from hf_megatrain.cli import build_parser, resolve_options
+from hf_megatrain.cli import build_parser, build_train_parser, parse_train
 from hf_megatrain.core.options import ALL_LAYERS, OptionError
 from hf_megatrain.hf.arguments import argument_name, as_arguments, engine_options
 from hf_megatrain.hf.loading import init_streamed_model, load_streamed_model
@@ -41,7 +41,8 @@ def test_every_front_door_has_the_same_defaults(tmp_path):
     all end up with ``EngineOptions()``."""
     assert engine_options(_train_args()) == DEFAULTS
     assert engine_options(_train_args(TrainingArguments)) == DEFAULTS
-    assert resolve_options(build_parser().parse_args(["train"])).engine == DEFAULTS
+    cli = parse_train([])
+    assert cli.engine == DEFAULTS and engine_options(cli.training) == DEFAULTS
     plan_ns = build_parser().parse_args(
         ["plan", str(DEFAULT_CONFIG), "--seq-len", "64", "--tokens-per-step", "128"]
     )
@@ -66,9 +67,7 @@ def test_every_option_has_a_flag_and_an_argument():
     parser = argparse.ArgumentParser()
     names = add_option_arguments(parser)
     assert names == list(EngineOptions.field_names())
-    help_text = build_parser().format_help() + build_parser()._subparsers._group_actions[
-        0
-    ].choices["train"].format_help()
+    help_text = build_train_parser().format_help()
     for name in names:
         assert flag_name(name) in help_text, name
         assert hasattr(_train_args(), argument_name(name)), name
@@ -76,13 +75,11 @@ def test_every_option_has_a_flag_and_an_argument():
 
 def test_a_set_option_reaches_the_engine_from_every_front_door():
     wanted = {"checkpoint_every": 2, "boundary_dtype": "bfloat16", "mlp_tile_tokens": 32}
-    cli = resolve_options(
-        build_parser().parse_args(
-            ["train", "--checkpoint-every", "2", "--boundary-dtype", "bfloat16",
-             "--mlp-tile-tokens", "32"]
-        )  # fmt: skip
+    cli = parse_train(
+        ["--checkpoint-every", "2", "--boundary-dtype", "bfloat16", "--mlp-tile-tokens", "32"]
     )
     assert cli.engine.changed() == wanted
+    assert engine_options(cli.training).changed() == wanted
     args = _train_args(**as_arguments(cli.engine))
     assert engine_options(args).changed() == wanted
     trainer = HFMegaTrainer(model=tiny_model(tiny_config("llama")), args=args)

@@ -1,0 +1,367 @@
+"""``hf-megatrain train``: one training job through :class:`HFMegaTrainer`.
+
+With no argument it trains the embedded default (a ~3M-parameter Llama-style model on bundled
+English text, with a bundled BPE tokenizer), writes intermediate checkpoints, saves a Hugging Face
+model, reloads it with ``AutoModelForCausalLM.from_pretrained`` and prints its eval loss and a
+greedy sample. Re-run into the same ``--output_dir`` it resumes from the last complete checkpoint.
+The arguments are in :mod:`hf_megatrain.cli_arguments`.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from .cli_arguments import TrainSettings, resume_checkpoint
+from .cli_common import CLIError
+from .cli_common import config_from_json as _config_from_json
+from .cli_common import is_main_process as _is_main_process
+from .cli_common import say as _say
+from .cli_common import setup_logging as _setup_logging
+from .text import DEFAULT_CONFIG, has_tokenizer_files
+from .text import load_tokenizer as _load_tokenizer_file
+
+# Models above this size are not reloaded for the final check unless asked: a second full fp32
+# copy in host RAM next to the host store could exhaust it.
+_AUTO_VERIFY_MAX_PARAMS = 2_000_000_000
+# A checkpoint holds fp32 weights, two fp32 AdamW moments and little else: 12 bytes/parameter.
+_CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+# ---- model and tokenizer ------------------------------------------------------------------------
+def _model_folder(settings: TrainSettings) -> str:
+    """The local folder of --model_path: itself, or a Hub repo id's cached (or downloaded)
+    snapshot; both the tokenizer and the weights come from it."""
+    from .hf.hub import ModelNotFoundError, resolve_model_folder  # noqa: PLC0415
+
+    try:
+        return resolve_model_folder(settings.model.model_path)
+    except ModelNotFoundError as e:
+        raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
+
+
+def load_tokenizer(settings: TrainSettings):
+    """The run's tokenizer: --tokenizer, else the model's own, else the bundled one."""
+    model = settings.model
+    if model.tokenizer is not None:
+        return _load_tokenizer_file(model.tokenizer)
+    if model.model_path is not None:
+        folder = _model_folder(settings)
+        if not has_tokenizer_files(folder):
+            raise CLIError(
+                f"{model.model_path} has no tokenizer files: pass --tokenizer (the bundled one "
+                "does not match a pretrained model's vocabulary)"
+            )
+        return _load_tokenizer_file(folder)
+    if model.config is not None and (Path(model.config).parent / "tokenizer.json").is_file():
+        return _load_tokenizer_file(Path(model.config).parent)
+    return _load_tokenizer_file(None)
+
+
+def _loader_arguments(settings: TrainSettings) -> dict:
+    """What both streamed loaders take: the run's engine options and, for the memory plan, its
+    step (the micro-batch split) and clipping, as the trainer would pass them."""
+    from .core.options import StepShape  # noqa: PLC0415
+    from .hf.long_context import liger_layer_kernel_arguments  # noqa: PLC0415
+
+    args, seq_len = settings.training, settings.data.seq_len
+    step = None
+    if settings.engine.resident_layers != "0":
+        batch = args.per_device_train_batch_size
+        step = StepShape(seq_len, batch * seq_len, args.gradient_accumulation_steps)
+    return dict(
+        options=settings.engine,
+        bf16=args.bf16,
+        attn_implementation=settings.model.attn,
+        step=step,
+        clipping=args.max_grad_norm > 0,
+        # The plan must know about Liger's kernels as the trainer will.
+        **liger_layer_kernel_arguments(args.use_liger_kernel),
+    )
+
+
+def build_model(settings: TrainSettings, tokenizer):
+    """The model in streamed form: loaded into the host store, or random init then streamed."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    from . import SUPPORTED_MODEL_TYPES, load_streamed_model  # noqa: PLC0415
+
+    model = settings.model
+    if model.model_path is not None:
+        folder = _model_folder(settings)
+        cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise CLIError(
+                f"{model.model_path}: model_type {cfg.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        _check_vocab(cfg, tokenizer)
+        return load_streamed_model(folder, **_loader_arguments(settings))
+    cfg = _config_from_json(model.config or str(DEFAULT_CONFIG))
+    _check_vocab(cfg, tokenizer)
+    seed = settings.training.seed
+    if not _init_in_store():
+        from .hf.loading import attention_for  # noqa: PLC0415
+
+        torch.manual_seed(seed)
+        # Materialized on CPU in fp32, then HFMegaTrainer moves its decoder layers into the store.
+        return AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.float32, attn_implementation=attention_for(cfg, model.attn)
+        )
+    # On a GPU: each decoder layer is initialized straight into its host-store master (on the
+    # GPU, then copied), so a config whose fp32 copy would not fit next to the store still
+    # starts, and fast; with resident_layers "auto" the plan sizes the HBM tier for this run.
+    from .hf.loading import init_streamed_model  # noqa: PLC0415
+
+    return init_streamed_model(cfg, seed=seed, **_loader_arguments(settings))
+
+
+def _init_in_store() -> bool:
+    """Random init straight into the host store (``init_streamed_model``): on a GPU, where
+    the layers are initialized on the device, fast, and the model never exists as a whole."""
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
+
+
+def _check_vocab(cfg, tokenizer) -> None:
+    vocab = getattr(cfg, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise CLIError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab}"
+        )
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def end_process_group() -> None:
+    """Tear down a data-parallel launch's process group before interpreter exit.
+
+    Left to interpreter shutdown, the collective library's threads may be destroyed while still
+    joinable, aborting a finished run ("terminate called without an active exception").
+    """
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_launch() -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    # Data parallel shares the host store between the ranks through host shared memory.
+    if world > 1 and local != world:
+        raise CLIError(
+            f"launched with {world} processes, {local} on this host: data parallel runs on one "
+            "host only (use --num_machines 1, one process per GPU)."
+        )
+
+
+def _mean_loss(model, rows, batch_size: int, device) -> float:
+    """Token-weighted mean next-token loss of ``model`` over ``rows`` (torch-format rows)."""
+    import torch  # noqa: PLC0415
+    from transformers import default_data_collator  # noqa: PLC0415
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(rows), batch_size):
+            batch = default_data_collator(
+                [rows[j] for j in range(i, min(i + batch_size, len(rows)))]
+            )
+            batch = {k: v.to(device) for k, v in batch.items()}
+            out = model(**batch, use_cache=False)
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total += float(out.loss) * n
+            count += n
+    return total / max(count, 1)
+
+
+def _dir_size_mb(path: str, suffix: str) -> tuple[int, float]:
+    files = [f for f in Path(path).iterdir() if f.name.endswith(suffix)]
+    return len(files), sum(f.stat().st_size for f in files) / 1e6
+
+
+def _warn_checkpoint_disk(settings: TrainSettings, n_params: int) -> None:
+    """Say early when the checkpoints the run will write cannot fit on the output disk."""
+    args = settings.training
+    if args.save_strategy in ("no", None) or str(args.save_strategy) == "SaveStrategy.NO":
+        return
+    need = n_params * _CHECKPOINT_BYTES_PER_PARAM
+    keep = (args.save_total_limit or 0) + 1  # rotation deletes the oldest after the next lands
+    free = shutil.disk_usage(args.output_dir).free
+    if need * min(keep, 2) > free:
+        _say(
+            f"  warning: a checkpoint of this model takes ~{need / 1e9:.0f} GB and "
+            f"{args.output_dir} has {free / 1e9:.0f} GB free; pass --save_strategy no, or an "
+            "--output_dir on a bigger disk, or the first checkpoint will fail"
+        )
+
+
+def run_train(settings: TrainSettings) -> dict[str, Any]:
+    """Run one training job; return a summary (losses, paths, timings) for callers and tests."""
+    from transformers import default_data_collator  # noqa: PLC0415
+
+    from . import HFMegaTrainer  # noqa: PLC0415
+    from .training_data import load_training_data  # noqa: PLC0415
+
+    t_start = time.perf_counter()
+    _setup_logging()
+    args, data_args = settings.training, settings.data
+    device = args.device
+    resume = resume_checkpoint(args.resume_from_checkpoint, args.output_dir)
+
+    tokenizer = load_tokenizer(settings)
+    if args.disable_tqdm:
+        import datasets  # noqa: PLC0415
+
+        datasets.disable_progress_bars()
+    # Data parallel: rank 0 tokenizes into the datasets cache, the other ranks read it.
+    with args.main_process_first(desc="dataset"):
+        data = load_training_data(data_args, tokenizer, seed=args.seed)
+    model = build_model(settings, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    what = settings.model.model_path or (
+        "random init from " + (settings.model.config or "the bundled config")
+    )
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # data-parallel processes, one per GPU
+    batch, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    tokens_per_step = data_args.seq_len * batch * accum * world
+    length = (
+        f"{args.max_steps} steps" if args.max_steps > 0 else f"{args.num_train_epochs:g} epochs"
+    )
+    _say(
+        f"hf-megatrain: {cfg.model_type} {n_params / 1e6:.1f}M params, "
+        f"{cfg.num_hidden_layers} layers ({what})\n"
+        f"  data: {data.description}\n"
+        f"  {length} x {tokens_per_step} tokens "
+        f"(batch {batch} x grad-accum {accum}"
+        + (f" x {world} processes" if world > 1 else "")
+        + f"), lr {args.learning_rate:g}, "
+        f"{'bf16 compute, fp32 masters' if args.bf16 else 'fp32'} on {device.type}"
+    )
+    if resume is not None:
+        _say(f"  resuming from {resume} (its weights, optimizer, scheduler, data position, RNG)")
+    n_rows = data.num_train_rows
+    if n_rows and args.max_steps > 0 and args.max_steps * batch * accum > 20 * n_rows:
+        _say("  note: more than 20 epochs over this data; expect the model to memorize it")
+    _warn_checkpoint_disk(settings, n_params)
+
+    try:
+        trainer = HFMegaTrainer(
+            model=model,
+            args=args,
+            train_dataset=data.train,
+            eval_dataset=data.eval,
+            processing_class=tokenizer,
+            # Rows are equal-length tensors: stack them. (With a tokenizer the Trainer would pick
+            # a padding collator that returns a BatchEncoding instead of a dict.)
+            data_collator=default_data_collator,
+        )
+    except ImportError as e:  # e.g. --report_to tensorboard without tensorboard installed
+        raise CLIError(f"invalid training setting: {e}") from None
+    t_train = time.perf_counter()
+    start_step = 0
+    if resume is not None:
+        from transformers.trainer_callback import TrainerState  # noqa: PLC0415
+
+        start_step = TrainerState.load_from_json(f"{resume}/trainer_state.json").global_step
+    train_out = trainer.train(resume_from_checkpoint=resume)
+    train_s = time.perf_counter() - t_train
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    eval_loss = trainer.evaluate()["eval_loss"] if data.eval is not None else None
+    if eval_loss is not None and not math.isfinite(eval_loss):
+        raise CLIError(
+            f"the final eval loss is {eval_loss}: training diverged (try a lower --lr); the "
+            "model was not saved"
+        )
+    trainer.save_model(args.output_dir)
+    trainer.accelerator.wait_for_everyone()  # rank 0 wrote the model
+    if not _is_main_process():
+        # Data parallel: the report and the reload check are rank 0's.
+        return {"output_dir": os.path.abspath(args.output_dir), "n_params": n_params}
+    n_shards, mb = _dir_size_mb(args.output_dir, ".safetensors")
+    out = os.path.abspath(args.output_dir)
+    steps_run = trainer.state.global_step - start_step
+    _say(
+        f"\nhf-megatrain: trained {steps_run} steps"
+        + (f" (from step {start_step})" if start_step else "")
+        + f" in {train_s:.1f} s "
+        f"(final train loss {logs[-1]['loss'] if logs else float('nan'):.4f}"
+        + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else "")
+        + f").\nSaved {n_shards} safetensors shard(s), {mb:.1f} MB, and the tokenizer to {out}\n"
+        "Load it with:\n"
+        "  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f'  model = AutoModelForCausalLM.from_pretrained("{out}")\n'
+        f'  tokenizer = AutoTokenizer.from_pretrained("{out}")\n'
+        f"Continue training it with: hf-megatrain train --model_path {out} --dataset_name <data>"
+    )
+    result: dict[str, Any] = {
+        "output_dir": out,
+        "n_params": n_params,
+        "train_loss": train_out.training_loss,
+        "log_history": list(trainer.state.log_history),
+        "eval_loss": eval_loss,
+        "train_seconds": train_s,
+        "resumed_from": resume,
+    }
+    verify = settings.model.verify
+    if verify is None:
+        verify = n_params <= _AUTO_VERIFY_MAX_PARAMS
+    if verify:
+        # Free the host store first: the check loads a second, ordinary copy of the model.
+        del trainer, model
+        gc.collect()
+        _verify_saved(settings, out, data.eval, tokenizer, device, eval_loss, result)
+    else:
+        _say(
+            f"\n(Skipped reloading a {n_params / 1e9:.1f}B-parameter model for the final check; "
+            "pass --verify to force it.)"
+        )
+    _say(f"hf-megatrain: done in {time.perf_counter() - t_start:.1f} s")
+    return result
+
+
+def _verify_saved(settings, out, eval_rows, tokenizer, device, eval_loss, result) -> None:
+    """Reload the saved model as a user would and report its eval loss and a greedy sample."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
+    reloaded.to(device).eval()
+    if eval_rows is not None and len(eval_rows):
+        batch = settings.training.per_device_eval_batch_size
+        reloaded_loss = _mean_loss(reloaded, eval_rows, batch, device)
+        result["reloaded_eval_loss"] = reloaded_loss
+        _say(
+            f"\nCheck: AutoModelForCausalLM.from_pretrained loaded the saved model; its eval "
+            f"loss is {reloaded_loss:.4f} (perplexity {math.exp(min(reloaded_loss, 50)):.1f})"
+            + (f" vs {eval_loss:.4f} from the streamed model" if eval_loss is not None else "")
+        )
+        if not math.isfinite(reloaded_loss):
+            raise RuntimeError("the reloaded model gives a non-finite loss")
+    prompt, n_new = settings.model.sample_prompt, settings.model.max_new_tokens
+    if n_new > 0 and prompt:
+        enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            gen = reloaded.generate(
+                **enc.to(device),
+                max_new_tokens=n_new,
+                do_sample=False,
+                # A minutes-old model loops on its most frequent tokens; blocking repeated
+                # trigrams keeps the greedy sample readable without sampling noise.
+                no_repeat_ngram_size=3,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        sample = tokenizer.decode(gen[0], skip_special_tokens=True)
+        result["sample"] = sample
+        _say(f"Greedy sample ({n_new} new tokens, no repeated trigrams):\n---\n{sample}\n---")
+
+
+__all__ = ["build_model", "end_process_group", "load_tokenizer", "run_train"]

@@ -1,0 +1,476 @@
+"""Training rows for ``hf-megatrain train`` from a Hub dataset or local files, through 🤗 datasets.
+
+:func:`load_training_data` reads the data (``datasets.load_dataset``: its cache, its streaming),
+renders chat rows with the tokenizer's chat template, tokenizes with ``map(batched=True)`` and
+packs documents into ``seq_len``-token rows (or pads one row per document), then holds out the
+eval rows. Problems with the user's data raise :class:`~hf_megatrain.text.DataError` with one
+line that names the flag to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .text import DEFAULT_CORPUS, TEXT_SUFFIXES, DataError
+
+if TYPE_CHECKING:
+    import datasets
+
+#: The ``datasets`` builder of each local file suffix.
+BUILDERS = {
+    **dict.fromkeys(TEXT_SUFFIXES, "text"),
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
+# Documents per tokenize-and-pack batch. Packing carries nothing from one batch to the next (no
+# state, so a streamed map is deterministic and restartable): each batch drops its last partial
+# row, under seq_len tokens per 1,000 documents.
+PACK_BATCH = 1000
+# Paragraphs per tokenizer input: a long document (one .txt file is one document) is tokenized in
+# pieces that the fast tokenizer encodes in parallel, as text.build_chunks does.
+PIECE_PARAGRAPHS = 64
+EVAL_SPLITS = ("validation", "test")
+
+
+@dataclass
+class DataArguments:
+    """Data flags of ``hf-megatrain train`` (HfArgumentParser makes each field a --<name>)."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "a Hub dataset id (org/name) or a local file or folder: .txt/.md/.rst/.text "
+            "(one document per file), .json/.jsonl, .parquet or .csv; a folder: its files of "
+            "one such kind, searched recursively. Default: the bundled English corpus"
+        },
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "the Hub dataset's config (subset) name"}
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "the split to train on"})
+    dataset_eval_split: str | None = field(
+        default=None,
+        metadata={
+            "help": "the split to evaluate on. Default: a 'validation' or 'test' split if the "
+            "dataset has one, else rows held out of the train split (--eval_fraction)"
+        },
+    )
+    dataset_text_field: str = field(default="text", metadata={"help": "the text column"})
+    dataset_messages_field: str = field(
+        default="messages",
+        metadata={
+            "help": "the chat column, used when there is no text column: a list of "
+            "{'role', 'content'} turns, rendered with the tokenizer's chat template"
+        },
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "stream the dataset instead of downloading and preparing it whole (for "
+            "corpora bigger than disk or RAM); needs --max_steps"
+        },
+    )
+    packing: bool = field(
+        default=True,
+        metadata={
+            "help": "join documents with EOS and cut the stream into --seq_len-token rows; "
+            "--no_packing: one row per document, truncated to --seq_len and padded"
+        },
+    )
+    seq_len: int = field(default=128, metadata={"help": "tokens per training row"})
+    eval_fraction: float = field(
+        default=0.05,
+        metadata={
+            "help": "without an eval split, the fraction of the rows held out for eval (at most "
+            "--max_eval_sequences; streaming: --max_eval_sequences rows from the head of the "
+            "stream); 0: no held-out eval"
+        },
+    )
+    max_eval_sequences: int = field(
+        default=64, metadata={"help": "at most this many eval rows; 0: no eval"}
+    )
+    shuffle_buffer: int = field(
+        default=10000,
+        metadata={"help": "streaming: rows in the seeded shuffle buffer; 0: no shuffle"},
+    )
+
+
+@dataclass
+class TrainingData:
+    """What :func:`load_training_data` returns.
+
+    Rows are ``{"input_ids", "labels"}`` LongTensors of ``seq_len`` (plus ``attention_mask`` when
+    not packing; labels are -100 on padding), in torch format for ``default_data_collator``.
+    """
+
+    train: datasets.Dataset | datasets.IterableDataset
+    eval: datasets.Dataset | None  # at most max_eval_sequences rows, never also in train
+    description: str  # one line for the run banner
+    num_train_rows: int | None  # None when streaming
+
+
+def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> TrainingData:
+    """Load, tokenize and pack the data that ``args`` names; see :class:`DataArguments`."""
+    _check_args(args)
+    splits = _load_splits(args)
+    source = args.dataset_name or "bundled corpus"
+    if args.dataset_config:
+        source += f" [{args.dataset_config}]"
+    for flag, split in (("train", args.dataset_train_split), ("eval", args.dataset_eval_split)):
+        if split is not None and split not in splits:
+            raise DataError(
+                f"{source} has no split {split!r} (its splits: {', '.join(splits)}); choose one "
+                f"with --dataset_{flag}_split"
+            )
+    eval_split = args.dataset_eval_split or next(
+        (s for s in EVAL_SPLITS if s in splits and s != args.dataset_train_split), None
+    )
+    raw = splits[args.dataset_train_split]
+    where = f"{source} (split {args.dataset_train_split!r})"
+    if not args.streaming and len(raw) == 0:
+        raise DataError(f"{where} has no rows: the data is empty")
+    with _reading(where):  # a stream is first read here
+        encode, columns = _encoder(raw, args, tokenizer, where)
+    kind = "chat" if encode["chat"] else "text"
+    label = f"{kind} column {encode['column']!r}"
+    if not args.packing:
+        label += ", one padded row per document"
+
+    eval_rows, eval_from = None, ""
+    if eval_split is not None and args.max_eval_sequences:
+        where = f"{source} (split {eval_split!r})"
+        with _reading(where):
+            eval_rows = _eval_split_rows(splits[eval_split], args, tokenizer, where)
+        eval_from = f" (split {eval_split!r})"
+    # Without an eval split: rows held out of train (eval_fraction 0: none).
+    n_held = args.max_eval_sequences if eval_rows is None and args.eval_fraction > 0 else 0
+    with _reading(source):
+        if args.streaming:
+            train, held = _stream_rows(raw, columns, encode, n_held, args, seed, source)
+        else:
+            train, held = _prepared_rows(raw, columns, encode, n_held, args, seed)
+    if held is not None:
+        eval_rows, eval_from = held, " (head of the stream)" if args.streaming else ""
+    n_eval = len(eval_rows) if eval_rows is not None else 0
+    if args.streaming:
+        description = (
+            f"{source} (streaming, {label}): eval {n_eval} sequences of {args.seq_len} "
+            f"tokens{eval_from}; train streamed"
+        )
+    else:
+        n_docs = len(raw)
+        description = (
+            f"{source}{f' ({label})' if args.dataset_name else ''}: {n_docs:,} "
+            f"document{'s' if n_docs != 1 else ''} -> {len(train):,} train / {n_eval:,} "
+            f"eval{eval_from} sequences of {args.seq_len} tokens"
+        )
+    return TrainingData(
+        train=train,
+        eval=eval_rows,
+        description=description,
+        num_train_rows=None if args.streaming else len(train),
+    )
+
+
+def _prepared_rows(
+    raw: datasets.Dataset,
+    columns: list[str],
+    encode: dict[str, Any],
+    n_held: int,
+    args: DataArguments,
+    seed: int,
+) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """(train, held-out eval or None) of a prepared Dataset: tokenized through the datasets cache,
+    shuffled with the seed, eval split off as text.split_chunks does."""
+    packed = raw.map(
+        _encode,
+        batched=True,
+        batch_size=PACK_BATCH,
+        remove_columns=columns,
+        fn_kwargs=encode,
+        desc=f"Tokenizing into {args.seq_len}-token rows",
+    )
+    n = len(packed)
+    if n == 0:
+        raise _too_little(args)
+    if n_held and n < 2:
+        raise DataError(
+            f"not enough data: 1 sequence of {args.seq_len} tokens, need at least 2 for a train "
+            "and an eval row: lower --seq_len, add data, or set --eval_fraction 0"
+        )
+    # split_chunks' rules (at least one eval row, at least one train row), and at most
+    # max_eval_sequences: the rest of the fraction stays in train.
+    packed = packed.shuffle(seed=seed)
+    if n_held:
+        n_held = min(max(1, round(n * args.eval_fraction)), n_held, n - 1)
+    train = packed.select(range(n_held, n)).with_format("torch")
+    held = packed.select(range(n_held)).with_format("torch") if n_held else None
+    return train, held
+
+
+def _stream_rows(
+    raw: datasets.IterableDataset,
+    columns: list[str],
+    encode: dict[str, Any],
+    n_held: int,
+    args: DataArguments,
+    seed: int,
+    source: str,
+) -> tuple[datasets.IterableDataset, datasets.Dataset | None]:
+    """(train, held-out eval or None) of a stream: eval rows materialized from its head."""
+    packed = raw.map(
+        _encode, batched=True, batch_size=PACK_BATCH, remove_columns=columns, fn_kwargs=encode
+    )
+    head = list(packed.take(n_held + 1))  # + 1: at least one row must be left to train on
+    if not head:
+        raise _too_little(args)
+    if len(head) <= n_held:
+        raise DataError(
+            f"{source} streams only {len(head)} sequence(s) of {args.seq_len} tokens, all needed "
+            "for eval: lower --max_eval_sequences or --seq_len, set --eval_fraction 0, or drop "
+            "--streaming"
+        )
+    held = None
+    if n_held:
+        held = _rows_dataset(head[:n_held])
+        # skip() drops exactly the head while the stream is read as one (dataloader_num_workers
+        # 0; accelerate dispatches an IterableDataset's batches from one process). A stream
+        # sharded over workers or processes splits the skip over its shards.
+        packed = packed.skip(n_held)
+    if args.shuffle_buffer:
+        # Seeded (the buffer, and the shard order unless skip() fixed it): a resume that re-reads
+        # the stream sees the same rows.
+        packed = packed.shuffle(seed=seed, buffer_size=args.shuffle_buffer)
+    return packed.with_format("torch"), held
+
+
+def _check_args(args: DataArguments) -> None:
+    if args.seq_len < 1:
+        raise DataError(f"--seq_len must be at least 1, not {args.seq_len}")
+    if not 0 <= args.eval_fraction < 1:
+        raise DataError(f"--eval_fraction must be in [0, 1), not {args.eval_fraction}")
+    if args.max_eval_sequences < 0:
+        raise DataError(f"--max_eval_sequences must be 0 or more, not {args.max_eval_sequences}")
+    if args.shuffle_buffer < 0:
+        raise DataError(f"--shuffle_buffer must be 0 or more, not {args.shuffle_buffer}")
+
+
+def _too_little(args: DataArguments) -> DataError:
+    return DataError(
+        f"not enough text for one sequence of {args.seq_len} tokens: lower --seq_len or add data"
+    )
+
+
+def _load_splits(args: DataArguments) -> dict[str, Any]:
+    """Every split of the named data (a DatasetDict, or an IterableDatasetDict when streaming)."""
+    from datasets import load_dataset  # noqa: PLC0415
+
+    name = args.dataset_name
+    path = Path(name).expanduser() if name else DEFAULT_CORPUS
+    if name is None or path.exists():
+        builder, files = _local_files(path)
+        # One row per text file, as text.read_texts: documents are packed (or padded) whole.
+        extra = {"sample_by": "document"} if builder == "text" else {}
+        what = str(path) if name else "the bundled corpus"
+        with _reading(what):
+            splits = load_dataset(
+                builder,
+                data_files={"train": [str(f) for f in files]},
+                streaming=args.streaming,
+                **extra,
+            )
+    else:
+        if name.startswith((".", "/", "~")) or Path(name).suffix.lower() in BUILDERS:
+            raise DataError(f"data not found: {name} (--dataset_name)")
+        try:
+            splits = load_dataset(name, args.dataset_config, streaming=args.streaming)
+        except ConnectionError as e:  # offline (HF_HUB_OFFLINE / no network) and not cached
+            raise DataError(
+                f"could not load the dataset {name!r} from the Hub or the local cache "
+                f"({_one_line(e)}): run once with network access so that datasets caches it, or "
+                "pass a local file or folder as --dataset_name"
+            ) from None
+        except Exception as e:  # not found, gated, missing config, ...
+            raise DataError(
+                f"could not load the dataset {name!r}: {_one_line(e)} (--dataset_name, "
+                "--dataset_config)"
+            ) from None
+    return dict(splits)
+
+
+def _local_files(path: Path) -> tuple[str, list[Path]]:
+    """The builder and the files of a local file or folder (one kind of file)."""
+    if path.is_file():
+        files = [path]
+    else:
+        # Hidden files and folders (.git, .cache) are not data.
+        files = sorted(
+            f
+            for f in path.rglob("*")
+            if f.is_file()
+            and f.suffix.lower() in BUILDERS
+            and not any(part.startswith(".") for part in f.relative_to(path).parts)
+        )
+        if not files:
+            raise DataError(f"no data files ({', '.join(BUILDERS)}) under {path} (--dataset_name)")
+    kinds = {BUILDERS.get(f.suffix.lower()) for f in files}
+    if None in kinds:
+        raise DataError(
+            f"{path}: unknown file type {path.suffix!r}; --dataset_name takes "
+            f"{', '.join(BUILDERS)} files, a folder of them, or a Hub dataset id"
+        )
+    if len(kinds) > 1:
+        raise DataError(
+            f"{path} mixes {' and '.join(sorted(kinds))} files: point --dataset_name at one kind"
+        )
+    if all(f.stat().st_size == 0 for f in files):
+        raise DataError(f"{path} is empty: no data (--dataset_name)")
+    return kinds.pop(), files
+
+
+def _encoder(
+    ds: datasets.Dataset | datasets.IterableDataset, args: DataArguments, tokenizer, where: str
+) -> tuple[dict[str, Any], list[str]]:
+    """``_encode``'s keyword arguments for ``ds`` (which column, chat or not) and its columns."""
+    columns = ds.column_names
+    if columns is None:  # a stream without declared features: look at its first row
+        first = next(iter(ds.take(1)), None)
+        if first is None:
+            raise DataError(f"{where} has no rows: the data is empty")
+        columns = list(first)
+    if args.dataset_text_field in columns:
+        column, chat = args.dataset_text_field, False
+    elif args.dataset_messages_field in columns:
+        column, chat = args.dataset_messages_field, True
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                f"{where} has chat rows (column {column!r}) but the tokenizer has no chat "
+                "template: use a tokenizer with one, or a text column (--dataset_text_field)"
+            )
+    else:
+        raise DataError(
+            f"{where} has no column {args.dataset_text_field!r} (text) or "
+            f"{args.dataset_messages_field!r} (chat); its columns: {', '.join(columns)}. "
+            "Choose one with --dataset_text_field or --dataset_messages_field"
+        )
+    kwargs = dict(
+        tokenizer=tokenizer, column=column, chat=chat, seq_len=args.seq_len, packing=args.packing
+    )
+    return kwargs, columns
+
+
+def _eval_split_rows(
+    ds: datasets.Dataset | datasets.IterableDataset, args: DataArguments, tokenizer, where: str
+) -> datasets.Dataset:
+    """The first ``max_eval_sequences`` rows of an eval split, materialized."""
+    encode, columns = _encoder(ds, args, tokenizer, where)
+    if not args.streaming:
+        ds = ds.to_iterable_dataset()  # lazily: only the documents that the head needs
+    rows = ds.map(
+        _encode, batched=True, batch_size=PACK_BATCH, remove_columns=columns, fn_kwargs=encode
+    )
+    head = list(rows.take(args.max_eval_sequences))
+    if not head:
+        raise DataError(
+            f"{where} has too little text for one sequence of {args.seq_len} tokens: choose "
+            "another split with --dataset_eval_split, or set --max_eval_sequences 0"
+        )
+    return _rows_dataset(head)
+
+
+def _rows_dataset(rows: list[dict]) -> datasets.Dataset:
+    from datasets import Dataset  # noqa: PLC0415
+
+    return Dataset.from_list(rows).with_format("torch")
+
+
+def _encode(
+    batch: dict[str, list], *, tokenizer, column: str, chat: bool, seq_len: int, packing: bool
+) -> dict[str, list[np.ndarray]]:
+    """A batch of documents -> training rows. A module-level function of its arguments only, so
+    the datasets cache recognizes it (fingerprint) across runs.
+
+    Rows are int32 arrays of their own (not views of the batch: a streamed shuffle buffer would
+    keep whole batches alive), labels the same array as input_ids when packing: a buffer of
+    10,000 rows of 4,096 tokens holds 160 MB (Python int lists: ~3 GB). The torch format makes
+    them int64 tensors.
+    """
+    texts = []
+    for doc in batch[column]:
+        if chat and doc:
+            doc = tokenizer.apply_chat_template(doc, tokenize=False)
+        if doc is not None and not isinstance(doc, str):
+            raise DataError(
+                f"column {column!r} holds {type(doc).__name__}, not text: choose the text "
+                "column with --dataset_text_field"
+            )
+        if doc and doc.strip():
+            texts.append(doc)
+    docs = _tokenize(tokenizer, texts)
+    if packing:
+        # As text.build_chunks: documents joined (each ends in EOS), cut into seq_len blocks.
+        stream = np.fromiter(chain.from_iterable(docs), dtype=np.int32)
+        blocks = [b.copy() for b in stream[: len(stream) // seq_len * seq_len].reshape(-1, seq_len)]
+        return {"input_ids": blocks, "labels": blocks}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out: dict[str, list[np.ndarray]] = {"input_ids": [], "labels": [], "attention_mask": []}
+    for ids in docs:
+        row = np.asarray(ids[:seq_len], dtype=np.int32)
+        fill = (0, seq_len - len(row))
+        out["input_ids"].append(np.pad(row, fill, constant_values=pad))
+        out["labels"].append(np.pad(row, fill, constant_values=-100))  # no loss on padding
+        out["attention_mask"].append(np.pad(np.ones_like(row), fill))
+    return out
+
+
+def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, EOS appended; long texts go in paragraph pieces (the same tokens
+    as text.build_chunks: pieces split after a blank line, where BPE pre-tokenization splits)."""
+    pieces, owner = [], []
+    for d, text in enumerate(texts):
+        paras = text.split("\n\n")
+        for i in range(0, len(paras), PIECE_PARAGRAPHS):
+            last = i + PIECE_PARAGRAPHS >= len(paras)
+            pieces.append("\n\n".join(paras[i : i + PIECE_PARAGRAPHS]) + ("" if last else "\n\n"))
+            owner.append(d)
+    enc = tokenizer(pieces, add_special_tokens=False, verbose=False)["input_ids"] if pieces else []
+    docs: list[list[int]] = [[] for _ in texts]
+    for d, ids in zip(owner, enc):
+        docs[d].extend(ids)
+    if tokenizer.eos_token_id is not None:
+        for ids in docs:
+            ids.append(tokenizer.eos_token_id)
+    return docs
+
+
+def _one_line(e: BaseException) -> str:
+    """The exception and its causes (datasets wraps a parse error in a generic one), one line."""
+    parts = []
+    while e is not None and len(parts) < 3:
+        parts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__
+    msg = " ".join(" <- ".join(parts).split())
+    return msg if len(msg) <= 400 else msg[:397] + "..."
+
+
+@contextmanager
+def _reading(what: str) -> Iterator[None]:
+    """Files that fail to parse or decode, a stream that fails to open: one DataError line."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"could not read {what}: {_one_line(e)}") from None
+
+
+__all__ = ["DataArguments", "TrainingData", "load_training_data"]

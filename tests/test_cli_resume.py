@@ -1,0 +1,129 @@
+"""``hf-megatrain train`` killed mid-run and re-run into the same output folder resumes from the
+last complete checkpoint, bit-exactly: a local JSONL chat dataset and a streaming dataset.
+
+The killed run is a real process that SIGKILLs itself right after an optimizer step that follows a
+checkpoint (no chance to flush or clean up); the re-run is the same command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_megatrain.cli import DEFAULT_CONFIG, main
+from hf_megatrain.text import DATA_DIR, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, SAVE_STEPS, KILL_AT = 6, 2, 5  # killed after step 5: checkpoint-4 is the last one
+
+# A minimal chat template (the bundled tokenizer has none; a Hub chat model brings its own).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+)
+
+_KILLED_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    from transformers import TrainerCallback
+    from hf_megatrain import HFMegaTrainer
+    from hf_megatrain.cli import main
+
+    class KillAfterStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == int(os.environ["KILL_AT"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    init = HFMegaTrainer.__init__
+
+    def init_with_kill(self, *a, **kw):
+        init(self, *a, **kw)
+        self.add_callback(KillAfterStep())
+
+    HFMegaTrainer.__init__ = init_with_kill
+    torch.set_num_threads(1)  # as tests/conftest.py sets it for the in-process runs
+    main(sys.argv[1:])
+    """
+)
+
+
+def _tiny_config(path: Path) -> Path:
+    cfg = json.loads(DEFAULT_CONFIG.read_text())
+    cfg.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=16)  # fmt: skip
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _argv(root: Path, out: Path, data_flags: list[str]) -> list[str]:
+    return [
+        "train", "--config", str(_tiny_config(root / "config.json")), *data_flags,
+        "--max_steps", str(STEPS), "--save_steps", str(SAVE_STEPS), "--seq_len", "32",
+        "--per_device_train_batch_size", "2", "--logging_steps", "1", "--max_new_tokens", "0",
+        "--disable_tqdm", "true", "--fp32", "--output_dir", str(out),
+    ]  # fmt: skip
+
+
+def _chat_flags(root: Path) -> list[str]:
+    tok = load_tokenizer(None)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(root / "chat-tokenizer")
+    data = root / "chat.jsonl"
+    data.write_text((DATA_DIR / "chat.jsonl").read_text())
+    return ["--dataset_name", str(data), "--tokenizer", str(root / "chat-tokenizer")]
+
+
+def _streaming_flags(root: Path) -> list[str]:
+    paras = (DATA_DIR / "corpus.txt").read_text().split("\n\n")
+    data = root / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": p}) + "\n" for p in paras[:400] if p.strip()))
+    return ["--dataset_name", str(data), "--streaming", "--shuffle_buffer", "64",
+            "--max_eval_sequences", "4"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["jsonl-chat", "streaming"])
+def test_killed_run_resumes_bit_exactly(tmp_path, capsys, kind):
+    flags = (_chat_flags if kind == "jsonl-chat" else _streaming_flags)(tmp_path)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert main(_argv(tmp_path, whole, flags)) == 0
+
+    env = dict(os.environ, KILL_AT=str(KILL_AT), PYTHONPATH=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-c", _KILLED_CHILD, *_argv(tmp_path, killed, flags)[0:]],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == -9, r.stderr[-2000:]  # SIGKILL, mid-run
+    assert sorted(p.name for p in killed.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert not (killed / "model.safetensors").exists()  # the final model was never written
+
+    capsys.readouterr()
+    assert main(_argv(tmp_path, killed, flags)) == 0  # the same command, re-run
+    said = capsys.readouterr().out
+    assert f"resuming from {killed / 'checkpoint-4'}" in said
+    assert "trained 2 steps (from step 4)" in said
+    a, b = _weights(whole), _weights(killed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bit-exact: same data, same arithmetic
+
+    # The logged losses of the resumed steps equal the uninterrupted run's.
+    def losses(folder: Path) -> dict[int, float]:
+        state = json.loads((folder / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+        return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+    assert losses(whole) == losses(killed)

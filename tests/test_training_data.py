@@ -1,0 +1,310 @@
+"""hf_megatrain.training_data: local files and streams through datasets, packed or padded rows,
+seeded splits, and one-line errors for the user's mistakes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import default_data_collator
+
+from hf_megatrain import HFMegaTrainer, MegaTrainArguments
+from hf_megatrain.text import DataError, build_chunks, load_tokenizer, read_texts
+from hf_megatrain.training_data import DataArguments, load_training_data
+
+from .helpers import common_args, tiny_config, tiny_model
+
+# Plain-text role headers (the bundled tokenizer has no chat template).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] | capitalize + ':\n' + m['content'] + '\n' }}{% endfor %}"
+)
+
+
+def doc(i: int) -> str:
+    """A short document of its own (its numbers); packed rows of several may still repeat."""
+    return "".join(
+        f"Document {i}, part {j}: layer {i * 7 + j} streams through the device.\n\n"
+        for j in range(3)
+    )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def datasets_cache(tmp_path_factory):
+    """Keep the datasets cache of these tests out of ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("hf_datasets"))
+        yield
+
+
+@pytest.fixture
+def tok():
+    return load_tokenizer(None)
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def ids(ds) -> list[list[int]]:
+    return [row["input_ids"].tolist() for row in ds]
+
+
+def test_bundled_corpus_matches_build_chunks(tok):
+    data = load_training_data(DataArguments(), tok, seed=0)
+    # One document, one tokenize-and-pack batch, the same paragraph pieces: the same rows.
+    chunks = build_chunks(tok, read_texts(None), 128)
+    assert data.num_train_rows + len(data.eval) == len(chunks)
+    assert sorted(ids(data.train) + ids(data.eval)) == sorted(chunks)
+    assert len(data.eval) == round(len(chunks) * 0.05)
+    assert data.description.startswith(f"bundled corpus: 1 document -> {data.num_train_rows:,} ")
+    batch = default_data_collator([data.train[i] for i in range(4)])
+    assert batch["input_ids"].shape == (4, 128) and batch["input_ids"].dtype == torch.long
+    assert torch.equal(batch["input_ids"], batch["labels"])
+
+
+def test_text_file_and_folder(tmp_path, tok):
+    (tmp_path / "a.txt").write_text(doc(1) * 20)
+    args = DataArguments(dataset_name=str(tmp_path / "a.txt"), seq_len=16, eval_fraction=0)
+    data = load_training_data(args, tok)
+    assert data.eval is None
+    assert sorted(ids(data.train)) == sorted(build_chunks(tok, read_texts(tmp_path / "a.txt"), 16))
+
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / ".hidden").mkdir()
+    (folder / "b.md").write_text(doc(2) * 10)
+    (folder / "sub" / "c.txt").write_text(doc(3) * 10)
+    (folder / ".hidden" / "d.txt").write_text(doc(4) * 10)  # not data
+    (folder / "notes.log").write_text("ignored")
+    data = load_training_data(DataArguments(dataset_name=str(folder), seq_len=16), tok)
+    assert "2 documents" in data.description
+    expected = build_chunks(tok, read_texts(folder / "b.md") + read_texts(folder / "sub"), 16)
+    assert sorted(ids(data.train) + ids(data.eval)) == sorted(expected)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "csv"])
+def test_tabular_files(tmp_path, tok, kind):
+    rows = {"id": list(range(30)), "body": [doc(i) for i in range(30)]}
+    path = tmp_path / f"data.{kind}"
+    table = datasets.Dataset.from_dict(rows)
+    if kind == "jsonl":
+        table.to_json(path)
+    else:
+        getattr(table, f"to_{kind}")(path)
+    args = DataArguments(dataset_name=str(path), dataset_text_field="body", seq_len=32)
+    data = load_training_data(args, tok)
+    text = "".join(t for t in rows["body"])
+    n_tokens = len(tok(text)["input_ids"]) + 30  # plus one EOS per document
+    assert data.num_train_rows + len(data.eval) == n_tokens // 32
+    assert "text column 'body'" in data.description and "30 documents" in data.description
+    assert set(data.train.column_names) == {"input_ids", "labels"}
+
+
+def test_chat_messages_use_the_chat_template(tmp_path, tok):
+    convs = [
+        {"messages": [{"role": "user", "content": f"Question {i}?"},
+                      {"role": "assistant", "content": f"Answer {i}, in full."}]}
+        for i in range(40)
+    ]  # fmt: skip
+    path = jsonl(tmp_path / "chat.jsonl", convs)
+    args = DataArguments(dataset_name=str(path), seq_len=24, eval_fraction=0)
+    with pytest.raises(DataError, match="no chat template.*--dataset_text_field"):
+        load_training_data(args, tok)
+    tok.chat_template = CHAT_TEMPLATE
+    data = load_training_data(args, tok)
+    assert "chat column 'messages'" in data.description
+    text = tok.decode(data.train[0]["input_ids"])
+    assert "User:\n" in text or "Assistant:\n" in text
+    rendered = "".join(tok.apply_chat_template(c["messages"], tokenize=False) for c in convs)
+    assert data.num_train_rows == (len(tok(rendered)["input_ids"]) + 40) // 24
+
+
+def test_streaming_eval_from_head_disjoint_and_repeatable(tmp_path, tok):
+    path = jsonl(tmp_path / "s.jsonl", [{"text": doc(i)} for i in range(60)])
+    base = dict(dataset_name=str(path), streaming=True, seq_len=16, max_eval_sequences=5)
+    plain = load_training_data(DataArguments(**base, shuffle_buffer=0), tok, seed=0)
+    assert plain.num_train_rows is None
+    assert isinstance(plain.train, datasets.IterableDataset)
+    assert "head of the stream" in plain.description and "train streamed" in plain.description
+    # The same rows as the non-streaming load (one pack batch), in stream order.
+    full = load_training_data(
+        DataArguments(dataset_name=str(path), seq_len=16, eval_fraction=0), tok
+    )
+    stream = ids(plain.eval) + ids(plain.train)
+    assert sorted(stream) == sorted(ids(full.train))
+    # Eval is the head; train the rest, each row once (a multiset: rows may repeat).
+    assert len(plain.eval) == 5 and ids(plain.eval) == stream[:5]
+
+    shuffled = load_training_data(DataArguments(**base, shuffle_buffer=50), tok, seed=0)
+    first = ids(shuffled.train)
+    assert first == ids(shuffled.train)  # a second pass (a resume) sees the same rows
+    assert sorted(first) == sorted(ids(plain.train)) and first != ids(plain.train)
+    assert ids(shuffled.eval) == ids(plain.eval)  # the head is taken before the shuffle
+    again = load_training_data(DataArguments(**base, shuffle_buffer=50), tok, seed=0)
+    other = load_training_data(DataArguments(**base, shuffle_buffer=50), tok, seed=1)
+    assert ids(again.train) == first and ids(other.train) != first
+    batch = default_data_collator(list(shuffled.train.take(2)))
+    assert batch["input_ids"].shape == (2, 16) and batch["labels"].dtype == torch.long
+
+
+def test_seeded_split_is_deterministic(tmp_path, tok):
+    path = jsonl(tmp_path / "d.jsonl", [{"text": doc(i)} for i in range(60)])
+    args = DataArguments(dataset_name=str(path), seq_len=16, eval_fraction=0.1)
+    a, b = load_training_data(args, tok, seed=3), load_training_data(args, tok, seed=3)
+    c = load_training_data(args, tok, seed=4)
+    assert ids(a.train) == ids(b.train) and ids(a.eval) == ids(b.eval)
+    assert ids(a.eval) != ids(c.eval) and ids(a.train) != ids(c.train)
+    n = a.num_train_rows + len(a.eval)
+    everything = load_training_data(DataArguments(**{**vars(args), "eval_fraction": 0}), tok)
+    assert sorted(ids(a.train) + ids(a.eval)) == sorted(ids(everything.train))  # disjoint
+    assert len(a.eval) == round(n * 0.1)
+    capped = load_training_data(DataArguments(**{**vars(args), "max_eval_sequences": 2}), tok)
+    assert len(capped.eval) == 2 and capped.num_train_rows == n - 2  # the rest stays in train
+
+
+def test_unpacked_rows_are_padded(tmp_path, tok):
+    texts = ["Short one.", doc(1) * 5]  # one shorter than seq_len, one truncated
+    path = jsonl(tmp_path / "p.jsonl", [{"text": t} for t in texts])
+    args = DataArguments(dataset_name=str(path), packing=False, seq_len=12, eval_fraction=0)
+    data = load_training_data(args, tok)
+    assert "one padded row per document" in data.description
+    rows = sorted(data.train, key=lambda r: int(r["attention_mask"].sum()))
+    short, long = rows
+    n = len(tok(texts[0])["input_ids"]) + 1  # + EOS
+    assert short["attention_mask"].tolist() == [1] * n + [0] * (12 - n)
+    assert short["input_ids"][n - 1] == tok.eos_token_id
+    assert (short["input_ids"][n:] == tok.pad_token_id).all()
+    assert (short["labels"][n:] == -100).all()
+    assert torch.equal(short["labels"][:n], short["input_ids"][:n])
+    assert long["attention_mask"].all() and torch.equal(long["labels"], long["input_ids"])
+    batch = default_data_collator(rows)
+    assert set(batch) == {"input_ids", "labels", "attention_mask"}
+
+
+def test_eval_split_is_used_when_there(monkeypatch, tok):
+    from hf_megatrain import training_data
+
+    train = datasets.Dataset.from_dict({"text": [doc(i) for i in range(30)]})
+    valid = datasets.Dataset.from_dict({"text": [doc(100 + i) for i in range(30)]})
+
+    def load(streaming: bool, **kwargs):
+        splits = {"train": train, "validation": valid}
+        if streaming:
+            splits = {k: v.to_iterable_dataset() for k, v in splits.items()}
+        monkeypatch.setattr(training_data, "_load_splits", lambda args: splits)
+        args = DataArguments(dataset_name="org/name", seq_len=16, streaming=streaming, **kwargs)
+        return load_training_data(args, tok)
+
+    # The validation split in stream order, as training rows.
+    split_rows = ids(load(True, dataset_train_split="validation", max_eval_sequences=0,
+                          shuffle_buffer=0).train)  # fmt: skip
+    assert len(split_rows) > 64
+    for streaming in (False, True):
+        data = load(streaming)
+        assert "(split 'validation')" in data.description
+        assert ids(data.eval) == split_rows[:64]  # the head of the split, in order
+    # Nothing is held out of train.
+    assert load(False).num_train_rows == load(False, max_eval_sequences=0).num_train_rows
+    with pytest.raises(DataError, match="no split 'dev'.*--dataset_eval_split"):
+        load(False, dataset_eval_split="dev")
+
+
+def errors(tmp_path: Path, tok) -> list[tuple[dict, str]]:
+    (tmp_path / "data.xml").write_text("<a/>")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "tiny.txt").write_text("Too short.")
+    jsonl(tmp_path / "cols.jsonl", [{"title": "t", "body": doc(1)}])
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text(doc(1))
+    (tmp_path / "mixed" / "b.csv").write_text("text\nhello\n")
+    return [
+        (dict(dataset_name=str(tmp_path / "data.xml")), r"unknown file type '\.xml'"),
+        (dict(dataset_name=str(tmp_path / "nope.jsonl")), "data not found: .*--dataset_name"),
+        (dict(dataset_name=str(tmp_path / "empty.txt")), "is empty"),
+        (dict(dataset_name=str(tmp_path / "empty.jsonl")), "is empty"),
+        (dict(dataset_name=str(tmp_path / "mixed")), "mixes csv and text files"),
+        (
+            dict(dataset_name=str(tmp_path / "cols.jsonl")),
+            r"no column 'text' .* its columns: title, body\. Choose one with --dataset_text_field",
+        ),
+        (dict(dataset_name=str(tmp_path / "tiny.txt")), "one sequence of 128 tokens.*--seq_len"),
+        (
+            dict(dataset_name=str(tmp_path / "tiny.txt"), streaming=True),
+            "one sequence of 128 tokens.*--seq_len",
+        ),
+        (
+            # Exactly one row (the text and its EOS).
+            dict(
+                dataset_name=str(tmp_path / "tiny.txt"),
+                seq_len=len(tok("Too short.")["input_ids"]) + 1,
+            ),
+            "need at least 2.*--eval_fraction 0",
+        ),
+        (dict(dataset_name=str(tmp_path / "bad.jsonl")), "could not read .*JSON parse error"),
+        (
+            dict(dataset_name=str(tmp_path / "bad.jsonl"), streaming=True),
+            "could not read .*JSON parse error",
+        ),
+        (dict(dataset_name=str(tmp_path / "latin1.txt")), "could not read .*'utf-8' codec"),
+        (dict(dataset_train_split="dev"), "no split 'dev'.*--dataset_train_split"),
+        (dict(seq_len=0), "--seq_len must be"),
+    ]
+
+
+def test_errors_are_one_line_data_errors(tmp_path, tok):
+    for kwargs, pattern in errors(tmp_path, tok):
+        with pytest.raises(DataError, match=pattern) as e:
+            load_training_data(DataArguments(**kwargs), tok)
+        assert "\n" not in str(e.value), kwargs
+
+
+def test_wrong_column_kind_and_streamed_small_data(tmp_path, tok):
+    path = jsonl(tmp_path / "n.jsonl", [{"text": 5}])
+    with pytest.raises(DataError, match="holds int, not text.*--dataset_text_field"):
+        load_training_data(DataArguments(dataset_name=str(path)), tok)
+    path = jsonl(tmp_path / "few.jsonl", [{"text": doc(i)} for i in range(3)])
+    args = DataArguments(dataset_name=str(path), streaming=True, seq_len=16)
+    with pytest.raises(DataError, match="all needed for eval.*--max_eval_sequences"):
+        load_training_data(args, tok)
+
+
+def test_hub_id_offline_without_cache(monkeypatch, tok):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    args = DataArguments(dataset_name="hf-megatrain-test/no-such-dataset")
+    with pytest.raises(DataError, match="from the Hub or the local cache.*network") as e:
+        load_training_data(args, tok)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed-packed", "padded"])
+def test_trains_with_hfmegatrainer(tmp_path, tok, streaming):
+    """The streamed IterableDataset (max_steps set) and padded rows (attention_mask, labels
+    -100) through HFMegaTrainer and default_data_collator, train and eval."""
+    path = jsonl(tmp_path / "s.jsonl", [{"text": doc(i)} for i in range(40)])
+    args = DataArguments(
+        dataset_name=str(path), streaming=streaming, packing=streaming, seq_len=16,
+        max_eval_sequences=4,
+    )  # fmt: skip
+    data = load_training_data(args, tok)
+    model = tiny_model(tiny_config("llama", vocab_size=len(tok)))
+    targs = MegaTrainArguments(output_dir=str(tmp_path / "out"), **common_args(max_steps=3))
+    trainer = HFMegaTrainer(
+        model=model,
+        args=targs,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        data_collator=default_data_collator,
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert trainer.state.global_step == 3 and len(losses) == 3
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert torch.isfinite(torch.tensor(trainer.evaluate()["eval_loss"]))
