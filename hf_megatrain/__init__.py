@@ -5,7 +5,7 @@ from .core.options import EngineOptions, StepShape
 from .core.planner import MemoryPlanError
 from .hf.arguments import MegaTrainArguments
 from .hf.checkpoint import save_streamed_pretrained
-from .hf.loading import init_streamed_model, load_streamed_model
+from .hf.loading import frozen_streamed_copy, init_streamed_model, load_streamed_model
 from .hf.model import SUPPORTED_MODEL_TYPES, UnsupportedModelError, prepare_streamed_model
 from .hf.trainer import HFMegaTrainer
 
@@ -23,6 +23,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",
     "StepShape",
+    "frozen_streamed_copy",
     "init_streamed_model",
     "load_streamed_model",
     "prepare_streamed_model",

@@ -19,10 +19,12 @@ from .allocator import prefer_expandable_segments
 from .distributed import DataParallel
 from .host_store import (
     DeviceLayerStore,
+    FrozenLayerStore,
     HostStore,
     LayerStore,
     TensorSlot,
     available_host_bytes,
+    frozen_layer_bytes,
     layer_store_bytes,
 )
 from .options import ResolvedOptions, StepShape
@@ -169,6 +171,42 @@ def build_streamed_state(
     return StreamedState(stores=stores, engine=engine, n_resident=n_resident, plan=plan)
 
 
+def build_frozen_state(
+    layers: Sequence[LayerLayout],
+    device: torch.device | str,
+    compute_dtype: torch.dtype,
+    *,
+    fill: Callable[[int, FrozenLayerStore], None],
+    pin_memory: bool = True,
+    host_memory_limit_bytes: int | None = None,
+) -> StreamedState:
+    """Streamed state of a model that is never trained (a DPO reference): every layer streams
+    from a ``FrozenLayerStore`` (its weights in the compute dtype, no master, gradient or moments).
+
+    No HBM tier and no data parallel sharing: each process holds its own copy. Refuses before
+    allocating anything when host RAM cannot hold it; ``fill(i, store)`` writes layer ``i``.
+    """
+    if compute_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"hf_megatrain: compute dtype {compute_dtype} is not supported; use bf16 or fp32."
+        )
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    HostStore.check_fits(
+        sum(frozen_layer_bytes(layer.numel, compute_dtype) for layer in layers),
+        host_memory_limit_bytes,
+    )
+    pin = pin_memory and device.type == "cuda"
+    stores: list[LayerStore | DeviceLayerStore] = []
+    for i, layer in enumerate(layers):
+        store = FrozenLayerStore(layer.slots, layer.numel, layer.decay_numel, compute_dtype, pin)
+        fill(i, store)
+        stores.append(store)
+    engine = StreamingEngine(stores, device, compute_dtype)
+    return StreamedState(stores=stores, engine=engine, n_resident=0, plan=None)
+
+
 def _resident_layer_count(
     layers: Sequence[LayerLayout],
     options: ResolvedOptions,
@@ -237,4 +275,4 @@ def _resident_layer_count(
     return plan.n_hbm, plan
 
 
-__all__ = ["LayerLayout", "StreamedState", "build_streamed_state"]
+__all__ = ["LayerLayout", "StreamedState", "build_frozen_state", "build_streamed_state"]

@@ -424,6 +424,42 @@ class LayerStore(_FlatLayerState):
         self.pinned = False
 
 
+def frozen_layer_bytes(numel: int, stream_dtype: torch.dtype) -> int:
+    """Host bytes of one ``FrozenLayerStore``: its weights in the compute dtype, nothing else."""
+    return _round_up(numel * stream_dtype.itemsize, PAGE)
+
+
+class FrozenLayerStore(LayerStore):
+    """A layer that is never trained (a DPO reference): its weights in the compute dtype only.
+
+    No fp32 master, gradient or moments: ``master`` and ``stream`` are one compute-dtype buffer,
+    so a write through ``param_views(store.master)`` (a checkpoint load, a copy) rounds to the
+    compute dtype once, as ``refresh_stream_copy`` does for a trainable layer's stream copy.
+    """
+
+    trainable = False
+    owned = True
+    holds_grad = False
+
+    def __init__(
+        self,
+        slots: list[TensorSlot],
+        numel: int,
+        decay_numel: int,
+        stream_dtype: torch.dtype,
+        pin: bool,
+    ) -> None:
+        _FlatLayerState.__init__(self, slots, numel, decay_numel, stream_dtype)
+        self.shared_nbytes = 0
+        self.grad = self.exp_avg = self.exp_avg_sq = None
+        self._finalizers = []
+        self.nbytes = frozen_layer_bytes(numel, stream_dtype)
+        self._mmap = mmap.mmap(-1, max(self.nbytes, PAGE))
+        raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=max(self.nbytes, PAGE))
+        self.master = self.stream = raw[: numel * stream_dtype.itemsize].view(stream_dtype)
+        self.pinned = pin and self._register(raw.data_ptr(), self.nbytes)
+
+
 class HostStore:
     """All streamed layers' host state, plus the accounting needed to refuse early."""
 

@@ -7,6 +7,7 @@ stays close to the store's own size, never store + full model.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,14 @@ from ..core.options import EngineOptions, StepShape
 from .checkpoint import load_weights_into_store
 from .hub import resolve_model_folder
 from .long_context import apply_liger_kernels
-from .model import UnsupportedModelError, prepare_streamed_model
+from .model import (
+    UnsupportedModelError,
+    _is_peft,
+    find_decoder_layers,
+    prepare_frozen_streamed_model,
+    prepare_streamed_model,
+    streamed_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +67,10 @@ def _streamed_skeleton(
     clipping: bool,
     use_liger_kernel: bool,
     liger_kernel_config: dict | None,
+    trainable: bool = True,
 ):
-    """``AutoModelForCausalLM`` for ``config`` built on meta, its layers given host-store buffers."""
+    """``AutoModelForCausalLM`` for ``config`` built on meta, its layers given host-store buffers
+    (weights-only frozen stores when not ``trainable``)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     with init_empty_weights(include_buffers=False):
@@ -76,6 +86,10 @@ def _streamed_skeleton(
         # Before streaming, as the trainer does for a model it streams itself: the memory plan
         # made here counts the fused kernels' smaller activations and working set.
         apply_liger_kernels(model, liger_kernel_config)
+    if not trainable:
+        return prepare_frozen_streamed_model(
+            model, device, torch.bfloat16 if bf16 else torch.float32, options
+        )
     prepare_streamed_model(
         model,
         device,
@@ -98,6 +112,7 @@ def load_streamed_model(
     clipping: bool = True,
     use_liger_kernel: bool = False,
     liger_kernel_config: dict | None = None,
+    trainable: bool = True,
     **kwargs,
 ):
     """Build ``AutoModelForCausalLM`` for ``path`` in streamed form and load its weights.
@@ -120,6 +135,11 @@ def load_streamed_model(
         use_liger_kernel, liger_kernel_config: apply Liger-Kernel's fused kernels before the
             memory plan is made, as ``TrainingArguments.use_liger_kernel`` would (pass the same
             values as the trainer's arguments): the plan then counts their smaller activations.
+        trainable: ``False`` loads a frozen model that is only ever run forward (e.g. a DPO
+            reference, ``MegaDPOTrainer(ref_model=...)``): its layers stream from weights-only
+            stores in the compute dtype (2 bytes/param in bf16, no master, gradient or moments),
+            its other parameters a frozen fp32 copy on the device; ``step`` and ``clipping`` do
+            not apply.
         kwargs: other keywords are set on the config before the model is built (e.g.
             ``attn_implementation``, default "sdpa").
     """
@@ -139,10 +159,89 @@ def load_streamed_model(
     model = _streamed_skeleton(
         config, options, device=device, bf16=bf16, attn_implementation=attn, step=step,
         clipping=clipping, use_liger_kernel=use_liger_kernel,
-        liger_kernel_config=liger_kernel_config,
+        liger_kernel_config=liger_kernel_config, trainable=trainable,
     )  # fmt: skip
     load_weights_into_store(model, path)
     return model
+
+
+def frozen_streamed_copy(
+    model: torch.nn.Module,
+    options: EngineOptions | None = None,
+    *,
+    device: torch.device | str | None = None,
+    bf16: bool = True,
+    use_liger_kernel: bool = False,
+    liger_kernel_config: dict | None = None,
+) -> torch.nn.Module:
+    """A frozen streamed copy of ``model``'s current weights, e.g. a DPO reference model.
+
+    ``model``: a materialized ``*ForCausalLM`` or a streamed one (its host store's weights); it
+    is left as it is. The copy is the same architecture built on ``meta``: its decoder layers
+    stream from weights-only host stores in the compute dtype (bf16, or fp32 with
+    ``bf16=False``; 2 or 4 bytes/param of host RAM, no master, gradient or AdamW moments), its
+    other parameters (embeddings, final norm, LM head) are a frozen fp32 copy on ``device``, as
+    a streamed model's resident parameters are. Its forward computes what the source's own
+    streamed forward computes with these weights, bit for bit (in bf16, the bf16 copy of the
+    fp32 masters is exactly what a streamed model's forward streams). Every parameter has
+    ``requires_grad=False``; run it under ``torch.no_grad()``. Of ``options``, ``pin_memory``,
+    ``host_memory_limit_gb`` and ``mlp_tile_tokens`` apply; ``use_liger_kernel`` and
+    ``liger_kernel_config`` as in :func:`load_streamed_model` (the source's trainer's values, so
+    both run the same kernels).
+    """
+    if _is_peft(model):
+        raise UnsupportedModelError(
+            "hf_megatrain: frozen_streamed_copy of a PEFT model is not supported; merge its "
+            "adapters first (under LoRA the reference is the base with adapters disabled)"
+        )
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    state = streamed_state(model)
+    if state is not None:
+        # A background optimizer update may still be writing the store.
+        state.engine.wait_all_weights()
+        stores = state.store.layers
+
+        def layer_weights(i: int) -> dict[str, torch.Tensor]:
+            return stores[i].param_views(stores[i].master)
+    else:
+        _, source_layers = find_decoder_layers(model)
+
+        def layer_weights(i: int) -> dict[str, torch.Tensor]:
+            return dict(source_layers[i].named_parameters())
+
+    config = copy.deepcopy(model.config)
+    attn = getattr(config, "_attn_implementation", None)
+    with init_empty_weights(include_buffers=False):
+        copy_model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn, dtype=torch.float32
+        )
+    copy_model.tie_weights()
+    if use_liger_kernel:
+        apply_liger_kernels(copy_model, liger_kernel_config)
+    prepare_frozen_streamed_model(
+        copy_model,
+        device,
+        torch.bfloat16 if bf16 else torch.float32,
+        options,
+        layer_weights=layer_weights,
+    )
+    # The resident parameters and the buffers, by name (tied weights appear once in both).
+    source_params = dict(model.named_parameters())
+    source_buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, p in copy_model.named_parameters():
+            if p.device.type != "meta":
+                p.copy_(source_params[name])
+        for mod_name, module in copy_model.named_modules():
+            for b_name, buf in list(module._buffers.items()):
+                full = f"{mod_name}.{b_name}" if mod_name else b_name
+                if buf is not None and full in source_buffers:
+                    # As the source's own (its dtype), on the copy's device.
+                    source = source_buffers[full].detach()
+                    module._buffers[b_name] = source.to(buf.device, copy=True)
+    copy_model.eval()
+    return copy_model
 
 
 def init_streamed_model(

@@ -10,13 +10,14 @@ LM head, buffers) stays resident on the compute device as fp32 masters.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..core.builder import LayerLayout, build_streamed_state
+from ..core.builder import LayerLayout, build_frozen_state, build_streamed_state
 from ..core.host_store import HostStore, layout_slots
 from ..core.options import (
     ALL_LAYERS,
@@ -111,6 +112,8 @@ class StreamedModelState:
     # planned for: the trainer takes them from here for a model streamed before it.
     options: ResolvedOptions | None = None
     step: StepShape | None = None
+    #: Streamed frozen (``prepare_frozen_streamed_model``): weights only, never trained.
+    frozen: bool = False
 
     def full_name(self, layer: int, rel: str) -> str:
         return f"{self.layers_prefix}.{layer}.{rel}"
@@ -446,6 +449,93 @@ def prepare_streamed_model(
         ", fp32 masters stream" if resolved.stream_fp32_master else "",
         len(resident),
         device,
+    )
+    return model
+
+
+def prepare_frozen_streamed_model(
+    model: nn.Module,
+    device: torch.device | str,
+    compute_dtype: torch.dtype,
+    options: EngineOptions | None = None,
+    *,
+    layer_weights: Callable[[int], dict[str, torch.Tensor]] | None = None,
+) -> nn.Module:
+    """Stream ``model`` frozen, for a model that is only ever run forward (a DPO reference).
+
+    Its decoder layers move into weights-only host stores in ``compute_dtype`` (no fp32 master,
+    gradient or AdamW moments: host RAM is the weights in the compute dtype); the other
+    parameters become a frozen fp32 copy on ``device``, as a trained model's resident parameters
+    are, so a forward computes exactly what the trainable streamed model of the same weights
+    computes. Every parameter gets ``requires_grad=False``.
+
+    ``layer_weights(i)``: decoder layer ``i``'s weights by name relative to the layer (default:
+    the layer's own parameters; then they may be ``meta``, to be filled by
+    ``load_weights_into_store``). Of ``options`` only ``pin_memory``, ``host_memory_limit_gb``
+    and ``mlp_tile_tokens`` apply. Data parallel: every process holds its own copy.
+    """
+    if streamed_state(model) is not None:
+        raise ValueError("hf_megatrain: the model is already streamed; pass a materialized one")
+    check_supported(model)
+    if _is_peft(model):
+        raise UnsupportedModelError(
+            "hf_megatrain: a PEFT model cannot be streamed frozen; merge its adapters first"
+        )
+    options = options if options is not None else EngineOptions()
+    device = torch.device(device)
+    model.config.use_cache = False
+    for p in model.parameters():
+        p.requires_grad_(False)
+    prefix, layers = find_decoder_layers(model)
+    # No decay split: a frozen store is never updated.
+    layouts = layer_layouts(layers, set(), prefix)
+    streamed = [streamed_names(layer) for layer in layers]
+
+    def fill(i: int, store) -> None:
+        layer = layers[i]
+        source = layer_weights(i) if layer_weights is not None else dict(layer.named_parameters())
+        with torch.no_grad():
+            for rel, view in store.param_views(store.master).items():
+                if source[rel].device.type != "meta":
+                    view.copy_(source[rel])  # rounds to the compute dtype (as a stream copy)
+        _replace_with_meta(layer, streamed[i])
+
+    gb = options.host_memory_limit_gb
+    built = build_frozen_state(
+        layouts,
+        device,
+        compute_dtype,
+        fill=fill,
+        pin_memory=options.pin_memory,
+        host_memory_limit_bytes=None if gb is None else int(gb * 2**30),
+    )
+    engine = built.engine
+    _place_resident(model, engine.device, tuple(f"{prefix}.{i}." for i in range(len(layers))))
+    capture = RecorderCapture()
+    hidden = getattr(_text_config(model.config), "hidden_size", None)
+    for i, layer in enumerate(layers):
+        layer.forward = StreamedLayer(
+            engine,
+            i,
+            layer,
+            capture=capture,
+            trainable=False,
+            fp32_params=_residual_norm_weights(layer, streamed[i], hidden),
+        )
+    model._megatrain = StreamedModelState(
+        engine=engine,
+        store=HostStore(built.stores),
+        layers_prefix=prefix,
+        # Listed for checkpoint loads (load_weights_into_store fills them); none is trainable.
+        resident=list(_named_resident(model, set())),
+        frozen=True,
+    )
+    install_mlp_tiling(model, options.mlp_tile_tokens)
+    logger.info(
+        "hf_megatrain: frozen streamed model, %d layers (%.2f GiB host store, %s weights only)",
+        len(layers),
+        model._megatrain.store.nbytes / 2**30,
+        str(compute_dtype).replace("torch.", ""),
     )
     return model
 

@@ -1,5 +1,5 @@
 """Optional integrations with other Hugging Face trainers (imported on demand).
 
-``hf_megatrain.integrations.trl``: :class:`MegaSFTTrainer` and :class:`MegaSFTConfig` (needs
-``pip install trl``).
+``hf_megatrain.integrations.trl``: :class:`MegaSFTTrainer`, :class:`MegaDPOTrainer` and
+:class:`MegaGRPOTrainer` with their configs (needs ``pip install trl``).
 """
