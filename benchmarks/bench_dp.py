@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Data-parallel hf_megatrain throughput: one process per GPU of one host, a row in results.csv.
+"""Data-parallel hf_megatrain throughput: one process per GPU, one host or several, a row in
+results.csv.
 
 The run is ``bench.py``'s megatrain run (same model build, random tokens, arguments, step timer
 and measurements: ``bench.train_once``), launched with ``torchrun --nproc_per_node N``. Each rank
@@ -14,6 +15,15 @@ Example (7B-class, 64k tokens per step per GPU, 2 GPUs)::
 
     python3 benchmarks/bench_dp.py --nproc 2 --model qwen2.5-7b --seq-len 4096 \\
         --tokens-per-gpu 65536 --micro-batch 4 --streamed-init --steps 5 --warmup 2
+
+Several nodes: the same command on every node, with ``--nnodes N --node-rank K --master-addr
+HOST0 --master-port PORT`` (static rendezvous: node 0 holds rank 0, which writes the row there;
+the other nodes only run their ranks). The row's ``system`` is then ``megatrain-dpNxG`` and its
+``peak_host_gib`` the largest node's host peak (its ranks' summed Pss); its ``note`` gives the
+gradient bytes each rank reduced per step within its node and across nodes
+(docs/design.md, "Multi-node data parallel and its scaling model"). Two nodes on one machine
+(e.g. ``--cpu`` with ``--master-addr 127.0.0.1``) run as two nodes: membership comes from the
+launcher, not from host names.
 """
 
 from __future__ import annotations
@@ -97,6 +107,22 @@ class PssPeak:
         return self.peak
 
 
+def _capture_data_parallel() -> list:
+    """The engine's ``DataParallel`` objects, as they are made (for their reduced-byte counts)."""
+    from hf_megatrain.core.distributed import DataParallel
+
+    made: list = []
+    original = DataParallel.from_environment
+
+    def capture(device):
+        dp = original(device)
+        made.append(dp)
+        return dp
+
+    DataParallel.from_environment = capture
+    return made
+
+
 def run_worker(a: argparse.Namespace) -> int:
     """One rank (under torchrun): train, then rank 0 writes the job's result."""
     import torch
@@ -106,6 +132,7 @@ def run_worker(a: argparse.Namespace) -> int:
     if not a.cpu:
         torch.cuda.set_device(local_rank)  # before anything touches a GPU
     cfg = _run_config(a)
+    made = _capture_data_parallel()
     pss = PssPeak()
     try:
         result = bench.train_once(cfg)
@@ -122,9 +149,19 @@ def run_worker(a: argparse.Namespace) -> int:
         for key in ("tokens_per_s", "model_tflops"):
             result[key] *= world
         result["world_size"] = world
+        dp = made[-1] if made else None
+        node = 0 if dp is None else dp.node
         peaks = [None] * world
-        dist.all_gather_object(peaks, pss.stop())
-        result["peak_host_gib"] = sum(peaks) / bench.GIB
+        dist.all_gather_object(peaks, (node, pss.stop()))
+        per_node: dict[int, int] = {}
+        for n, peak in peaks:
+            per_node[n] = per_node.get(n, 0) + peak
+        # The largest node's host peak (one node: the host's, as before).
+        result["peak_host_gib"] = max(per_node.values()) / bench.GIB
+        result["nodes"] = len(per_node)
+        if dp is not None:
+            steps = a.warmup + a.steps
+            result["reduced_bytes_per_step"] = {k: v // steps for k, v in dp.bytes_reduced.items()}
     result.update(bench.versions())
     result.setdefault("peak_host_gib", bench.peak_host_gib())
     try:
@@ -141,26 +178,36 @@ def run_worker(a: argparse.Namespace) -> int:
     os._exit(code)
 
 
+#: The launcher's options, which the workers do not take.
+_LAUNCH_OPTIONS = ("--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port")
+
+
 def _worker_argv(argv: list[str]) -> list[str]:
-    """The workers' arguments: ours minus ``--nproc``.
+    """The workers' arguments: ours minus the launcher's (``--nproc``, ``--nnodes``, ...).
 
     torchrun's argparse classifies every argument, the script's too, and rejects ``--nproc`` as
     an ambiguous abbreviation of its own ``--nproc-per-node``/``--nproc_per_node`` (found on the
-    2-GPU machine); the workers do not need it anyway.
+    2-GPU machine); the workers do not need these anyway.
     """
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--nproc":
+        elif arg in _LAUNCH_OPTIONS:
             skip = True
-        elif not arg.startswith("--nproc="):
+        elif not arg.startswith(tuple(f"{o}=" for o in _LAUNCH_OPTIONS)):
             out.append(arg)
     return out
 
 
 def torchrun_command(a: argparse.Namespace, argv: list[str], result_json: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if a.nnodes == 1:
+        cmd += ["--standalone"]
+    else:
+        # Static rendezvous: --node_rank is kept, so node 0 holds rank 0 (which writes the row).
+        cmd += ["--nnodes", str(a.nnodes), "--node_rank", str(a.node_rank)]
+        cmd += ["--master_addr", a.master_addr, "--master_port", str(a.master_port)]
     cmd += ["--nproc_per_node", str(a.nproc), str(BENCH_DIR / "bench_dp.py")]
     return cmd + _worker_argv(argv) + ["--worker", "--result-json", str(result_json)]
 
@@ -188,6 +235,8 @@ def _launch(a: argparse.Namespace, argv: list[str], log_file) -> dict:
         bench.kill_session(proc.pid)  # no rank may outlive the run
         if result_json.is_file():
             result = json.loads(result_json.read_text())
+        elif a.node_rank != 0 and rc == 0 and not timed_out:
+            result = {"status": "ok"}  # rank 0, on node 0, writes the job's result there
         else:
             tail = Path(log_file.name).read_text().splitlines()[-40:]
             result = {"status": bench.status_from_exit(rc, timed_out, a.timeout_s, tail)}
@@ -200,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) on this host")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (run this command on each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (0: writes the row)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (--nnodes > 1)")
+    p.add_argument("--master-port", type=int, default=29500, help="node 0's port (--nnodes > 1)")
     p.add_argument("--system", choices=("megatrain", "megatrain-hbm"), default="megatrain")
     p.add_argument("--model", required=True, help="config name under benchmarks/configs/")
     p.add_argument("--seq-len", type=int, default=4096)
@@ -229,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     log_path = bench.unique_path(a.results_dir, f"{dt.date.today()}-{a.tag}", ".log")
     with log_path.open("w") as log_file:
         result = _launch(a, argv, log_file)
+    if a.node_rank != 0:
+        # Rank 0 (node 0) measured the job and writes its row there.
+        print(f"bench_dp: node {a.node_rank} done ({result['status']}); log {log_path}")
+        return 0 if result["status"] == "ok" else 1
     sweep = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": bench.git_commit(),
@@ -239,7 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     row = bench.make_row(cfg, result, sweep)
     row["system"] = f"{a.system}-dp{a.nproc}"
-    row["tokens_per_step"] = a.tokens_per_gpu * a.nproc
+    if a.nnodes > 1:
+        row["system"] = f"{a.system}-dp{a.nnodes}x{a.nproc}"
+    row["tokens_per_step"] = a.tokens_per_gpu * a.nproc * a.nnodes
+    reduced = result.get("reduced_bytes_per_step")
+    if reduced:
+        row["note"] = (
+            f"{result.get('nodes', 1)} node(s); gradient bytes per step and rank: "
+            f"{reduced['node']} in the node, {reduced['cross']} across nodes, "
+            f"{reduced['replicated']} replicated"
+        )
     row["command"] = shlex.join(["python3", "benchmarks/bench_dp.py", *argv])
     bench.append_csv(a.results_dir / "results.csv", [row])
     print(

@@ -11,7 +11,7 @@ from .hf.trainer import HFMegaTrainer
 
 __version__ = "0.1.0"
 
-#: ``accelerate launch --num_processes N`` (one process per GPU of one host) trains data parallel.
+#: ``accelerate launch --num_processes N`` (one process per GPU; several nodes too) trains data parallel.
 SUPPORTS_MULTI_PROCESS = True
 
 __all__ = [

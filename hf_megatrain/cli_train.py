@@ -152,14 +152,14 @@ def end_process_group() -> None:
 
 
 def check_launch() -> None:
+    """Refuse launch layouts data parallel cannot run (a node's ranks share its host store)."""
+    from .core.distributed import launch_layout_error  # noqa: PLC0415
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    # Data parallel shares the host store between the ranks through host shared memory.
-    if world > 1 and local != world:
-        raise CLIError(
-            f"launched with {world} processes, {local} on this host: data parallel runs on one "
-            "host only (use --num_machines 1, one process per GPU)."
-        )
+    problem = launch_layout_error(world, local)
+    if problem:
+        raise CLIError(problem.removeprefix("hf_megatrain: "))
 
 
 def _mean_loss(model, rows, batch_size: int, device) -> float:

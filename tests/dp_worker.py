@@ -1,18 +1,21 @@
 """One training run for the data-parallel tests, single process or one rank of a torchrun launch.
 
-``python3 tests/dp_worker.py --out DIR ...`` (single process) or
-``torchrun --nproc_per_node 2 tests/dp_worker.py --out DIR ...`` (data parallel). Each rank
-writes ``DIR/rank{r}.json`` (its logs and host-store bytes); ``trainer.save_model`` writes
-``DIR/final``. ``--per-device-batch`` is per rank: pass world x it to the single run for the same
-global batch.
+``python3 tests/dp_worker.py --out DIR ...`` (single process),
+``torchrun --nproc_per_node 2 tests/dp_worker.py --out DIR ...`` (data parallel on one host) or
+one ``torchrun --nnodes 2 --node_rank K --nproc_per_node 2 ...`` per node (multi-node, see
+tests/test_multinode.py). Each rank writes ``DIR/rank{r}.json`` (its logs, host-store bytes,
+reduced bytes and a digest of the weights it sees); ``trainer.save_model`` writes ``DIR/final``.
+``--per-device-batch`` is per rank: pass world x it to the single run for the same global batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
+import time
 
 # Run as a script by torchrun: make the repository importable (tests.helpers, hf_megatrain).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,7 +23,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments  # noqa: E402
+from hf_megatrain.hf.checkpoint import host_state_dict  # noqa: E402
 from tests.helpers import LogRecorder, common_args, make_data, tiny_config, tiny_model  # noqa: E402
+
+
+def weights_digest(model) -> str:
+    """sha256 of every weight as this rank sees it: its node's host store (streamed layers) and
+    its own replicated parameters. Equal on every rank of every node: the copies are the same."""
+    h = hashlib.sha256()
+    for key, value in sorted(host_state_dict(model).items()):
+        h.update(key.encode())
+        h.update(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def main() -> None:
@@ -39,12 +53,36 @@ def main() -> None:
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--stream-fp32-master", action="store_true")
     p.add_argument("--keep-attention-outputs", action="store_true")
+    p.add_argument(
+        "--then-resume",
+        nargs=2,
+        metavar=("CHECKPOINT", "OUT"),
+        help="afterwards, in the same processes (imports paid once): wait for CHECKPOINT (e.g. "
+        "another run's, published whole) and resume from it into OUT, without saving",
+    )
     a = p.parse_args()
+    run(a, a.out, a.resume, a.save_steps)
+    if a.then_resume:
+        checkpoint, out = a.then_resume
+        deadline = time.monotonic() + 600
+        while not os.path.isdir(checkpoint):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no checkpoint {checkpoint} after 600 s")
+            time.sleep(0.2)
+        run(a, out, checkpoint, 0)
+    if torch.distributed.is_initialized():
+        # Left to interpreter exit, gloo's threads may be torn down while still joinable
+        # ("terminate called without an active exception", SIGABRT).
+        torch.distributed.destroy_process_group()
 
+
+def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) -> None:
+    """One training into ``out`` (resumed from ``resume``); writes this rank's report there."""
+    os.makedirs(out, exist_ok=True)
     model = tiny_model(tiny_config(a.arch, num_hidden_layers=a.layers))
-    save = dict(save_strategy="steps", save_steps=a.save_steps) if a.save_steps else {}
+    save = dict(save_strategy="steps", save_steps=save_steps) if save_steps else {}
     args = MegaTrainArguments(
-        output_dir=os.path.join(a.out, "run"),
+        output_dir=os.path.join(out, "run"),
         **common_args(
             per_device_train_batch_size=a.per_device_batch,
             gradient_accumulation_steps=a.grad_accum,
@@ -60,8 +98,8 @@ def main() -> None:
     )
     rec = LogRecorder()
     trainer = HFMegaTrainer(model=model, args=args, train_dataset=make_data(64), callbacks=[rec])
-    trainer.train(resume_from_checkpoint=a.resume)
-    trainer.save_model(os.path.join(a.out, "final"))
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(os.path.join(out, "final"))
     state = trainer.megatrain
     dp = state.engine.dp
     rank = 0 if dp is None else dp.rank
@@ -76,17 +114,20 @@ def main() -> None:
             2 * s.exp_avg.numel() * 4 for s in layers if not s.resident and s.exp_avg is not None
         ),
         "owners": None if dp is None else dp.owners,
+        "node": 0 if dp is None else dp.node,
+        "local_rank": 0 if dp is None else dp.local_rank,
+        "num_nodes": 1 if dp is None else dp.num_nodes,
+        # Payload bytes this rank put into each kind of gradient collective, over the run.
+        "bytes_reduced": None if dp is None else dict(dp.bytes_reduced),
+        "optimizer_steps": trainer.state.global_step,
+        "weights_digest": weights_digest(trainer.model),
         # Host layers without a gradient slot (eager updates) / streaming their fp32 master.
         "grad_slots": [s.grad is not None for s in layers if not s.resident and s.owned],
         "streams_fp32_master": state.engine.streams_fp32_master,
         "threads": torch.get_num_threads(),
     }
-    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    if torch.distributed.is_initialized():
-        # Left to interpreter exit, gloo's threads may be torn down while still joinable
-        # ("terminate called without an active exception", SIGABRT).
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

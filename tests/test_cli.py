@@ -263,11 +263,11 @@ def test_bad_input_errors_are_clean(tmp_path):
     assert "resident_layers=99 but the model has 4 layers" in msg
 
 
-def test_multi_node_launch_is_refused(monkeypatch):
-    # Data parallel shares the host store between the ranks of one host.
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert "one host only" in _error(["train", "--max-steps", "1"])
+def test_uneven_multi_node_launch_is_refused(monkeypatch):
+    # A node's ranks share its host store: every node runs the same number of processes.
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert "same number of processes on every node" in _error(["train", "--max-steps", "1"])
 
 
 def test_module_entry_point_prints_one_line_error():

@@ -181,9 +181,10 @@ def test_dp_keep_attention_outputs_trains_identically(tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
-def test_refuses_multi_node_and_too_many_ranks():
-    with pytest.raises(DataParallelError, match="one host only"):
-        DataParallel(rank=0, world_size=4, local_world_size=2)
+def test_refuses_unequal_nodes_and_too_many_ranks():
+    # Several nodes run (tests/test_multinode.py), but each with as many ranks.
+    with pytest.raises(DataParallelError, match="same number of processes on every node"):
+        DataParallel(rank=0, world_size=3, local_world_size=2)
     dp = DataParallel(rank=0, world_size=4, local_world_size=4)
     with pytest.raises(DataParallelError, match="every rank must be able to own a layer"):
         dp.assign_owners([10, 10, 10])

@@ -136,13 +136,13 @@ def test_partially_frozen_layer_trains_like_stock(tmp_path):
     torch.testing.assert_close(store.master.view(frozen_before.shape), frozen_before)
 
 
-def test_multi_node_launch_refused(tmp_path, monkeypatch):
-    """Data parallel shares the host store between ranks of one host: several hosts refused."""
+def test_uneven_multi_node_launch_refused(tmp_path, monkeypatch):
+    """A node's ranks share its host store: nodes with different process counts are refused."""
     model = tiny_model(tiny_config("llama"))
     args = _args(tmp_path)
-    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    with pytest.raises(DataParallelError, match="one host only"):
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 3))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(DataParallelError, match="same number of processes on every node"):
         HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
     _assert_untouched(model, tmp_path)
 

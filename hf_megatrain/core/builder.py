@@ -259,7 +259,7 @@ def _resident_layer_count(
         hbm_layers=count,
         reserve_bytes=options.hbm_reserve_bytes if step is None else 0,
         input_model_bytes=input_model_bytes,
-        ranks=1 if dp is None else dp.world_size,
+        ranks=1 if dp is None else dp.local_world_size,  # the ranks sharing this host
     )
     logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table(namer))
     # Host shortfalls are refused by HostStore.check_fits (which honours the host limit); a GPU

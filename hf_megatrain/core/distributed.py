@@ -24,7 +24,16 @@ of the batch. What is *not* replicated is the host state of the streamed layers:
   layers) are replicated: their gradients are all-reduced (averaged) and every rank runs the
   same update on them.
 
-Single host only: the shared region needs every rank on one machine.
+Several nodes (multi-node data parallel, e.g. ``torchrun --nnodes N`` or ``accelerate launch
+--num_machines N``): every node keeps a whole host store, shared by its ranks as above, and the
+same layer owners (by *local* rank). A layer's gradient is reduced within the node to its owner
+(as above), then all-reduced among the owners of that layer on every node (one process group per
+local rank); each node's owner then runs the same AdamW update on its node's copy, so the copies
+stay bitwise equal (the all-reduce hands every owner the same sum; the update is deterministic).
+Node membership comes from the launcher (``GROUP_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``),
+not from host names, so two launches on one machine behave as two nodes (tests do that); every
+node must run the same number of ranks. Why this design and what it costs: docs/design.md
+("Multi-node data parallel and its scaling model").
 
 No ``transformers`` import here.
 """
@@ -50,11 +59,26 @@ PUBLISH_TIMEOUT_S = 1800.0
 
 
 class DataParallelError(RuntimeError):
-    """A data-parallel setup hf_megatrain cannot run (multi-node, too many ranks, ...)."""
+    """A data-parallel setup hf_megatrain cannot run (unequal nodes, too many ranks, ...)."""
 
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def launch_layout_error(world_size: int, local_world_size: int) -> str | None:
+    """Why a launch of ``world_size`` processes, ``local_world_size`` of them on this node,
+    cannot run data parallel (``None``: it can). For launchers' early checks (trainer, CLI)."""
+    if world_size <= 1 or local_world_size == world_size:
+        return None
+    if local_world_size < 1 or world_size % local_world_size:
+        return (
+            f"hf_megatrain: data parallel needs the same number of processes on every node, but "
+            f"{world_size} processes were launched with {local_world_size} on this node; launch "
+            "as many on each node (--nproc_per_node / --num_processes divisible by "
+            "--num_machines)."
+        )
+    return None
 
 
 @dataclass
@@ -62,27 +86,55 @@ class DataParallel:
     """The process group hf_megatrain runs data parallel over, and who owns which layer.
 
     Args:
-        rank: this process's rank in ``group``.
-        world_size: number of ranks.
-        local_world_size: ranks on this host (must equal ``world_size``: single host only).
-        group: the ``torch.distributed`` process group (``None``: the default group).
+        rank: this process's global rank.
+        world_size: number of ranks, all nodes together.
+        local_world_size: ranks per node (each node runs as many; they share its host store).
+        group: the ``torch.distributed`` group of all ranks (``None``: the default group).
+        node: this rank's node (``rank // local_world_size`` unless given).
+        local_rank: this rank's index on its node (``rank % local_world_size`` unless given).
+        node_ranks: the global ranks of this node, by local rank (contiguous unless given).
+        node_group: the group of this node's ranks (``None``: ``group``, a single node).
+        cross_group: the group of this local rank on every node, the owners of the same layers
+            (``None``: a single node).
+
+    ``owners[i]`` is the *local* rank that owns layer ``i`` on every node (-1: replicated).
+    ``bytes_reduced`` counts the payload bytes this rank has put into each kind of gradient
+    collective ("node": reductions to a layer's owner within the node, "cross": all-reduces
+    among the layer's owners across nodes, "replicated": all-reduces of replicated gradients
+    over all ranks).
     """
 
     rank: int
     world_size: int
     local_world_size: int
     group: dist.ProcessGroup | None = None
+    node: int | None = None
+    local_rank: int | None = None
+    node_ranks: list[int] | None = None
+    node_group: dist.ProcessGroup | None = None
+    cross_group: dist.ProcessGroup | None = None
     owners: list[int] = field(default_factory=list)
+    bytes_reduced: dict[str, int] = field(
+        default_factory=lambda: {"node": 0, "cross": 0, "replicated": 0}
+    )
     _versions: torch.Tensor | None = field(default=None, repr=False)
     _regions: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        if self.local_world_size != self.world_size:
-            raise DataParallelError(
-                f"hf_megatrain: data parallel runs on one host only (the ranks share the host "
-                f"store through shared memory), but {self.world_size} processes were launched "
-                f"with {self.local_world_size} on this host. Launch them all on one machine."
-            )
+        problem = launch_layout_error(self.world_size, self.local_world_size)
+        if problem:
+            raise DataParallelError(problem)
+        n = self.local_world_size
+        if self.node is None:
+            self.node = self.rank // n
+        if self.local_rank is None:
+            self.local_rank = self.rank % n
+        if self.node_ranks is None:
+            self.node_ranks = [self.node * n + r for r in range(n)]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -93,6 +145,8 @@ class DataParallel:
         launcher started several processes (``WORLD_SIZE > 1``) but nobody initialized the group
         yet (a model streamed before its ``TrainingArguments`` exist), it is initialized here the
         way accelerate would: NCCL for CUDA devices, gloo for CPU; accelerate then adopts it.
+        Nodes are the launcher's (see :func:`_launch_layout`); with several, the groups of each
+        node's ranks and of each local rank across nodes are created here (collective).
         """
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if dist.is_available() and dist.is_initialized():
@@ -105,8 +159,37 @@ class DataParallel:
             if device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend=backend)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or _count_local_ranks()
-        dp = cls(dist.get_rank(), dist.get_world_size(), local_world)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        nodes = _launch_layout(world)  # node -> its global ranks, by local rank
+        mine = next(n for n, ranks in enumerate(nodes) if rank in ranks)
+        node_group = cross_group = None
+        if len(nodes) > 1:
+            # Every rank creates every group, in the same order (torch.distributed's rule).
+            for n, ranks in enumerate(nodes):
+                g = dist.new_group(ranks)
+                if n == mine:
+                    node_group = g
+            for r in range(len(nodes[0])):
+                g = dist.new_group([ranks[r] for ranks in nodes])
+                if r == nodes[mine].index(rank):
+                    cross_group = g
+        dp = cls(
+            rank,
+            world,
+            len(nodes[0]),
+            node=mine,
+            local_rank=nodes[mine].index(rank),
+            node_ranks=list(nodes[mine]),
+            node_group=node_group,
+            cross_group=cross_group,
+        )
+        if len(nodes) > 1 and rank == 0:
+            logger.info(
+                "hf_megatrain: data parallel over %d nodes x %d processes (a host store per "
+                "node; layer gradients reduced within each node, then across nodes)",
+                len(nodes),
+                len(nodes[0]),
+            )
         dp._set_cpu_threads()
         return dp
 
@@ -131,26 +214,29 @@ class DataParallel:
 
     # ---- layer ownership ---------------------------------------------------------------------
     def assign_owners(self, layer_numels: Sequence[int | None]) -> None:
-        """Give each streamed layer an owner rank, balancing the bytes of optimizer state.
+        """Give each streamed layer an owner (local rank), balancing the bytes of optimizer state.
 
         ``None`` marks a replicated layer (HBM tier: every rank keeps and updates its own copy;
         its owner is -1). Greedy in layer order onto the least-loaded rank (lowest rank on
         ties): with equal layers that is round-robin, so the ranks' background updates of
         consecutive layers run side by side and the next forward finds layers ready in order.
+        Every node gets the same owners (the same local ranks): its own copy of each layer.
         """
         n = len(layer_numels)
-        if n < self.world_size:
+        ranks = self.local_world_size
+        if n < ranks:
             raise DataParallelError(
-                f"hf_megatrain: {self.world_size} data-parallel ranks but the model has {n} "
-                "decoder layers; every rank must be able to own a layer. Use fewer processes."
+                f"hf_megatrain: {ranks} data-parallel ranks per node but the model has {n} "
+                "decoder layers; every rank must be able to own a layer. Use fewer processes "
+                "per node."
             )
-        load = [0] * self.world_size
+        load = [0] * ranks
         owners = []
         for numel in layer_numels:
             if numel is None:
                 owners.append(-1)
                 continue
-            r = min(range(self.world_size), key=lambda k: (load[k], k))
+            r = min(range(ranks), key=lambda k: (load[k], k))
             owners.append(r)
             load[r] += numel
         self.owners = owners
@@ -163,9 +249,9 @@ class DataParallel:
         hold_grad: bool = True,
         stream_master: bool = False,
     ) -> int:
-        """Host RAM all ranks together take for these streamed layers (shared + owned parts).
+        """Host RAM a node's ranks together take for these streamed layers (shared + owned).
 
-        Every rank checks this same total against the host's free memory before anything is
+        Every rank checks this same total against its host's free memory before anything is
         allocated, so the ranks refuse together instead of one of them running out later.
         """
         from .host_store import owned_layer_bytes, shared_layer_bytes  # noqa: PLC0415
@@ -190,16 +276,22 @@ class DataParallel:
         )
 
     def owner(self, layer: int) -> int:
+        """The local rank that owns ``layer`` (on every node; -1: replicated)."""
         return self.owners[layer]
 
+    def owner_rank(self, layer: int) -> int:
+        """The global rank of ``layer``'s owner on this node."""
+        return self.node_ranks[self.owners[layer]]
+
     def owns(self, layer: int) -> bool:
-        return self.owners[layer] == self.rank
+        return self.owners[layer] == self.local_rank
 
     # ---- shared host memory ------------------------------------------------------------------
     def allocate_shared(self, sizes: Sequence[int]) -> list[torch.Tensor | None]:
         """One shared host region holding a page-aligned ``uint8`` buffer per nonzero size.
 
-        Collective: every rank calls it with the same sizes and gets views of the same memory.
+        Collective: every rank calls it with the same sizes and gets views of the same memory
+        (its node's: each node has its own region).
         The region starts with the per-layer version array (see the module docstring).
         """
         header = _round_up(max(len(sizes), 1) * 8, PAGE)
@@ -231,7 +323,7 @@ class DataParallel:
             if time.monotonic() > deadline:
                 raise DataParallelError(
                     f"hf_megatrain: rank {self.rank} waited {PUBLISH_TIMEOUT_S:.0f} s for rank "
-                    f"{self.owner(layer)} to publish layer {layer}'s update of step {version}; "
+                    f"{self.owner_rank(layer)} to publish layer {layer}'s update of step {version}; "
                     "that rank probably failed (see its log)."
                 )
             time.sleep(pause)
@@ -246,16 +338,45 @@ class DataParallel:
             dist.barrier(group=self.group)
 
     def reduce_to_owner(self, flat: torch.Tensor, layer: int, async_op: bool):
-        """Sum ``flat`` over the ranks into the owner's copy (others' copies become undefined)."""
+        """Sum ``flat`` over the node's ranks into the owner's copy (others' become undefined).
+
+        With several nodes the owner then calls :meth:`all_reduce_across_nodes` on it.
+        """
+        self.bytes_reduced["node"] += flat.numel() * flat.element_size()
+        group = self.node_group if self.node_group is not None else self.group
         return dist.reduce(
-            flat, dst=self.owner(layer), op=dist.ReduceOp.SUM, group=self.group, async_op=async_op
+            flat, dst=self.owner_rank(layer), op=dist.ReduceOp.SUM, group=group, async_op=async_op
         )
+
+    def all_reduce_across_nodes(self, flat: torch.Tensor, async_op: bool = False):
+        """Owner: sum a layer's node-reduced gradient with the other nodes' owners of the layer.
+
+        Every owner gets the same sum (so the nodes' copies stay equal). ``None`` (nothing to
+        wait for) on a single node.
+        """
+        if self.cross_group is None:
+            return None
+        self.bytes_reduced["cross"] += flat.numel() * flat.element_size()
+        return dist.all_reduce(
+            flat, op=dist.ReduceOp.SUM, group=self.cross_group, async_op=async_op
+        )
+
+    def sum_over_owners_(self, tensor: torch.Tensor) -> None:
+        """Sum, over all ranks, a value each rank computed over the layers it owns (in place).
+
+        Every node's owners hold the same reduced gradients: only node 0's count, so each layer
+        is counted once and every rank gets the same total.
+        """
+        if self.node != 0:
+            tensor.zero_()
+        self.all_reduce_sum(tensor)
 
     def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_reduce_mean_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Average ``tensors`` in place over the ranks (replicated parameters' gradients)."""
+        """Average ``tensors`` in place over all ranks (replicated parameters' gradients)."""
+        self.bytes_reduced["replicated"] += sum(t.numel() * t.element_size() for t in tensors)
         works = [self.all_reduce_sum(t, async_op=True) for t in tensors]
         for w in works:
             w.wait()
@@ -263,18 +384,62 @@ class DataParallel:
         for t in tensors:
             t.mul_(inv)
 
-    def broadcast_object(self, obj, src: int = 0):
+    def broadcast_object(self, obj, src: int = 0, group: dist.ProcessGroup | None = None):
+        """``obj`` of global rank ``src`` on every rank of ``group`` (default: all ranks)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, src=src, group=group if group is not None else self.group)
         return box[0]
 
 
-def _count_local_ranks() -> int:
-    """Ranks on this host, from their host identities (when the launcher did not say)."""
-    ident = _host_identity()
-    idents: list = [None] * dist.get_world_size()
-    dist.all_gather_object(idents, ident)
-    return sum(1 for x in idents if x == ident)
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip().lstrip("-").isdigit() else None
+
+
+def _launch_layout(world: int) -> list[list[int]]:
+    """The launch's nodes, each as its global ranks by local rank (collective).
+
+    Membership comes from the launcher: ``GROUP_RANK`` (torchrun's node rank; ``accelerate
+    launch`` runs torchrun and sets it too) with ``LOCAL_RANK``, else ``LOCAL_WORLD_SIZE``
+    (contiguous ranks per node), else the hosts' identities. So two torchrun launches with
+    ``--nnodes 2`` on one machine are two nodes, each with its own shared host store. Nodes are
+    ordered by their lowest global rank (node 0 holds rank 0). Every rank gathers every rank's
+    view and decides alike: an unusable layout fails on all of them, none is left waiting.
+    """
+    mine = (_int_env("GROUP_RANK"), _int_env("LOCAL_RANK"), _int_env("LOCAL_WORLD_SIZE"))
+    views: list = [None] * world
+    dist.all_gather_object(views, (*mine, _host_identity()))
+    if all(v[0] is not None and v[1] is not None for v in views):
+        how = "GROUP_RANK and LOCAL_RANK"
+        keys = [(v[0], v[1]) for v in views]
+    elif all(v[2] for v in views) and len({v[2] for v in views}) == 1 and world % views[0][2] == 0:
+        how = "LOCAL_WORLD_SIZE"
+        n = views[0][2]
+        keys = [(r // n, r % n) for r in range(world)]
+    else:
+        how = "the hosts' identities"
+        hosts = list(dict.fromkeys(v[3] for v in views))
+        count: dict[int, int] = {}
+        keys = []
+        for v in views:
+            node = hosts.index(v[3])
+            keys.append((node, count.get(node, 0)))
+            count[node] = count.get(node, 0) + 1
+    by_node: dict[int, dict[int, int]] = {}
+    for r, (node, local) in enumerate(keys):
+        by_node.setdefault(node, {})[local] = r
+    sizes = {node: len(ranks) for node, ranks in sorted(by_node.items())}
+    equal = len(set(sizes.values())) == 1
+    numbered = all(sorted(ranks) == list(range(len(ranks))) for ranks in by_node.values())
+    if len(set(keys)) != world or not equal or not numbered:
+        raise DataParallelError(
+            "hf_megatrain: data parallel needs the same number of processes on every node, with "
+            f"local ranks 0..n-1 on each; this launch has {world} processes, per node (from "
+            f"{how}) {sizes}. Launch as many on each node (torchrun --nproc_per_node, accelerate "
+            "--num_processes divisible by --num_machines)."
+        )
+    nodes = [[ranks[i] for i in range(len(ranks))] for ranks in by_node.values()]
+    return sorted(nodes, key=min)
 
 
 def _host_identity() -> str:
@@ -287,20 +452,24 @@ def _host_identity() -> str:
 
 
 def _open_shared_region(nbytes: int, dp: DataParallel) -> mmap.mmap:
-    """A ``MAP_SHARED`` mapping of ``nbytes`` of the same memory in every rank (collective)."""
+    """A ``MAP_SHARED`` mapping of ``nbytes`` of the same memory in every rank of a node
+    (collective over all ranks; each node's local rank 0 creates its node's region)."""
     info = None
     fd = -1
-    if dp.rank == 0:
+    leader = dp.node_ranks[0]
+    if dp.rank == leader:
         # memfd: anonymous shared memory, limited by RAM (and the cgroup), not by /dev/shm's size.
         fd = os.memfd_create("hf_megatrain_store", os.MFD_CLOEXEC)
         os.ftruncate(fd, nbytes)
         info = (os.getpid(), fd, _host_identity())
-    pid, remote_fd, host = dp.broadcast_object(info)
+    pid, remote_fd, host = dp.broadcast_object(info, src=leader, group=dp.node_group)
     error = None
-    if dp.rank != 0:
+    if dp.rank != leader:
         try:
             if host != _host_identity():
-                raise OSError(f"rank 0 runs on another host ({host})")
+                raise OSError(
+                    f"rank {leader}, local rank 0 of its node, runs on another host ({host})"
+                )
             fd = os.open(f"/proc/{pid}/fd/{remote_fd}", os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
             error = f"rank {dp.rank}: {e}"
@@ -313,15 +482,16 @@ def _open_shared_region(nbytes: int, dp: DataParallel) -> mmap.mmap:
             os.close(fd)
         raise DataParallelError(
             "hf_megatrain: the data-parallel ranks could not share the host store "
-            f"({'; '.join(errors)}). All ranks must run on one host, as the same user, in one "
-            "PID namespace (e.g. one container)."
+            f"({'; '.join(errors)}). The ranks of one node (as the launcher numbers them: "
+            "GROUP_RANK / LOCAL_RANK) must run on one host, as the same user, in one PID "
+            "namespace (e.g. one container)."
         )
     try:
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
-        # Rank 0's descriptor must stay open until every rank has opened its own.
+        # The leaders' descriptors must stay open until every rank has opened its own.
         dp.barrier()
         os.close(fd)
 
 
-__all__ = ["DataParallel", "DataParallelError", "PUBLISH_TIMEOUT_S"]
+__all__ = ["DataParallel", "DataParallelError", "PUBLISH_TIMEOUT_S", "launch_layout_error"]

@@ -302,9 +302,13 @@ def save_optimizer_state(optimizer, output_dir: str) -> None:
 
     Under data parallel every rank calls it: each writes the layers it owns, rank 0 the
     replicated (resident) state and the metadata. The files are those of a single-process run.
+    Across nodes they are written once: node 0's owners write every layer, the other nodes'
+    (whose copies are the same) nothing.
     """
     optimizer.wait()
     state = optimizer.engine
+    if state.dp is not None and state.dp.node != 0:
+        return
     folder = os.path.join(output_dir, OPTIMIZER_STATE_DIR)
     os.makedirs(folder, exist_ok=True)
     steps, resident = optimizer.streamed_state()

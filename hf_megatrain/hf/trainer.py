@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from ..core.distributed import DataParallelError
+from ..core.distributed import DataParallelError, launch_layout_error
 from ..core.host_store import InsufficientHostMemoryError
 from ..core.options import EXPORT_DTYPES, EngineOptions, OptionError, ResolvedOptions, StepShape
 from ..core.publish import publish, recover, verify_folder, write_manifest
@@ -165,11 +165,15 @@ def _setup_args(args: TrainingArguments) -> None:
 def _validate_args(args: TrainingArguments) -> None:
     world = args.world_size
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world > 1 and local_world != world:
-        # The ranks share the host store through shared memory (core/distributed.py).
+    # A node's ranks share its host store (core/distributed.py): as many ranks on every node.
+    problem = launch_layout_error(world, local_world)
+    if problem:
+        raise DataParallelError(problem)
+    if world > local_world and getattr(args, "save_on_each_node", False):
         raise DataParallelError(
-            f"hf_megatrain: data parallel runs on one host only, but {world} processes were "
-            f"launched with {local_world} on this host; launch with --num_machines 1."
+            "hf_megatrain: save_on_each_node=True is not supported across nodes: checkpoints are "
+            "written once, by node 0, into a folder every node reads on resume (a shared "
+            "filesystem). Leave save_on_each_node off."
         )
     if args.fp16 or getattr(args, "fp16_full_eval", False):
         raise ValueError(
@@ -390,6 +394,12 @@ class MegaTrainerMixin:
                 clipping=run.clipping,
             )
         else:
+            if state.frozen:
+                raise ValueError(
+                    "hf_megatrain: the model streams frozen (frozen_streamed_copy / "
+                    "load_streamed_model(trainable=False): weights only, for a reference model) "
+                    "and cannot be trained; stream it trainable."
+                )
             if getattr(args, "use_liger_kernel", False):
                 _warn_plan_without_liger(model)
                 apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))

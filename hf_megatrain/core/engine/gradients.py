@@ -2,7 +2,8 @@
 
 Micro-batches accumulate in fp32 device accumulators; the step's last one (``sync``) drains
 each layer's to the host store on the D2H stream, or to a staging buffer when the store has no
-gradient slot. Under data parallel, streamed layers' gradients are reduced to their owner and
+gradient slot. Under data parallel, streamed layers' gradients are reduced to their owner (within
+the node; with several nodes the owners of a layer then all-reduce it across nodes) and
 replicated (HBM-tier) ones all-reduced. A running sum of squares follows the drains, so the
 global norm needs no second pass over the host gradients.
 """
@@ -196,9 +197,11 @@ class GradientSink:
     def _reduce_to_owner(self, idx: int, acc: torch.Tensor) -> None:
         """Sum ``acc`` over the ranks into the owner, who averages it into its host gradient.
 
-        On CUDA the reduction runs on the collective library's stream (issued after this layer's
-        backward, it overlaps the backward of the layers below); only the owner's D2H stream
-        waits for it, and only the owner copies the gradient to the host.
+        Within the node first (to the owner), then, with several nodes, among the layer's owners
+        of every node (they all get the same sum). On CUDA both run on the collective library's
+        streams (issued after this layer's backward, they overlap the backward of the layers
+        below); only the owner's D2H stream waits for them, and only the owner copies the
+        gradient to the host.
         """
         store = self._stores[idx]
         dp = self._dp
@@ -208,6 +211,7 @@ class GradientSink:
         if not self._cuda:
             dp.reduce_to_owner(acc, idx, async_op=False)
             if mine:
+                dp.all_reduce_across_nodes(acc)
                 if store.grad is None:
                     acc.mul_(inv)
                     self._stage_cpu(idx, acc)
@@ -232,6 +236,11 @@ class GradientSink:
         dest = store.grad if store.grad is not None else self._take_staging(idx, store.numel)
         with torch.cuda.stream(self._d2h):
             work.wait()  # the D2H stream (current here) waits for the reduction, not the host
+            # Issued from the D2H stream, the cross-node all-reduce starts once the node's
+            # reduction is done; the D2H stream then waits for it in turn.
+            across = dp.all_reduce_across_nodes(acc, async_op=True)
+            if across is not None:
+                across.wait()
             acc.mul_(inv)
             # The running norm is summed on this stream too: on the compute stream it would
             # read ``sq`` before this stream has written it.
@@ -328,8 +337,8 @@ class GradientSink:
         """Sum of squares of all layer gradients (call after ``finish``).
 
         Under data parallel, every rank gets the same global sum: each rank's owned layers are
-        summed over the ranks, the replicated (HBM-tier) layers are counted once. So it is a
-        collective: every rank must call it.
+        summed over the ranks (each layer once, however many nodes hold a copy), the replicated
+        (HBM-tier) layers are counted once. So it is a collective: every rank must call it.
         """
         # The running sum covers every streamed layer on CUDA, and on the CPU when the stores
         # hold no gradient slot (it is the only record of those gradients once consumed).
@@ -346,7 +355,7 @@ class GradientSink:
         streamed = self._sq if running else streamed.to(self._device)
         if self._dp is not None:
             streamed = streamed.clone()
-            self._dp.all_reduce_sum(streamed)
+            self._dp.sum_over_owners_(streamed)
         return streamed + replicated
 
     def reset(self) -> None:
