@@ -3,6 +3,7 @@
 #
 #   BENCH_COMMIT=<hash> bash dev/front_door_gpu.sh cli-dpo    # CLI train + resume, 7B DPO row
 #   bash dev/front_door_gpu.sh gpu-tests                      # the GPU test suite
+#   bash dev/front_door_gpu.sh readme                         # README's Python example, as written
 #
 # .whl/ holds the wheels the machine lacks (datasets, dill, multiprocess, trl):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -10,7 +11,7 @@
 #     'datasets==5.2.0' 'dill<0.4.2' 'multiprocess<0.70.20' 'trl==1.16.0'
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: cli-dpo | gpu-tests}
+phase=${1:?phase: cli-dpo | gpu-tests | readme}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -35,6 +36,12 @@ case "$phase" in
     timeout 480 python3 dev/dpo7b.py --out "$out/dpo7b.csv" >"$out/dpo7b.log" 2>&1
     echo "dpo7b rc=$?"
     tail -25 "$out/dpo7b.log"
+    ;;
+  readme)
+    # The first python block of README.md, run as a user would paste it.
+    python3 -c "import re,sys; t=open('README.md').read(); \
+sys.stdout.write(re.search(r'\x60\x60\x60python\n(.*?)\x60\x60\x60', t, re.S).group(1))" >/tmp/readme_example.py
+    (cd /tmp && timeout 300 python3 readme_example.py 2>&1 | tail -5)
     ;;
   gpu-tests)
     timeout 560 python3 -m pytest tests/test_gpu.py tests/test_packing.py -k "not liger" \
