@@ -1,0 +1,406 @@
+#!/usr/bin/env python3
+"""Loss curves of streamed vs stock training from the same initial weights (issue 21).
+
+Trains one config on the bundled corpus and tokenizer with:
+
+* ``stock``: the plain ``transformers.Trainer`` (fp32 model on the device; bf16 = autocast);
+* ``stock-accum``: the same with an equivalent batching (batch/2 x gradient accumulation 2):
+  the same rows per optimizer step, only the rounding differs. Its distance to ``stock`` is
+  stock's own band: how far two runs that should agree drift apart in this precision;
+* ``stock-seed`` (``--seed-run``): stock with another data order, for scale;
+* ``streamed``: ``HFMegaTrainer`` with every decoder layer streamed, same hyper-parameters.
+
+Writes ``loss_curves.csv`` (long format: run, step, loss) and ``loss_curves.png`` (the curves,
+and each run's relative difference to ``stock`` per step with the band shaded), and prints one
+summary line per run.
+
+    python3 benchmarks/loss_curves.py                        # 82M Llama, 150 steps, bf16 on a GPU
+    python3 benchmarks/loss_curves.py --family gemma2 --size small --steps 150
+    python3 benchmarks/loss_curves.py --family llama --tiny --steps 6 --seq-len 32 --fp32  # CPU
+
+matplotlib is an optional dependency (``pip install matplotlib``); ``--no-plot`` skips the PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hf_megatrain import HFMegaTrainer, MegaTrainArguments
+from hf_megatrain.hf.arguments import as_arguments
+from hf_megatrain.option_flags import options_from_mapping
+from hf_megatrain.text import build_chunks, load_tokenizer, read_texts, split_chunks, use_bf16
+
+REFERENCE = "stock"
+BAND_RUN = "stock-accum"
+STREAMED = "streamed"
+
+# Shapes per size. "base" is issue 21's 82M Llama (hidden 768, 12 layers, 12/4 heads, vocab
+# 4096 = the bundled tokenizer); "small" (~25M dense) keeps 150 steps of three families inside a
+# GPU test run; "tiny" runs a few steps on a CPU in seconds.
+SHAPES: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    "base": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4, head_dim=64),
+}  # fmt: skip
+FAMILIES = ("llama", "qwen3", "gemma2", "mixtral", "qwen3_moe")
+
+
+def build_config(family: str, size: str = "base", seq_len: int = 1024) -> PretrainedConfig:
+    """A fp32 config of ``family`` at ``size`` for the bundled 4096-token tokenizer.
+
+    Each family keeps what makes it special: Gemma2 its soft-capped attention and logits and a
+    sliding window shorter than the rows (both mask paths run); the MoE families top-2 routing
+    over 4 experts with the router aux loss in the training loss (its gradient must reach the
+    routers through streaming)."""
+    shape = dict(SHAPES[size])
+    ids = dict(vocab_size=4096, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    base = dict(**shape, **ids, max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False)
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    # MoE: fewer, narrower experts, so that total params stay near the dense shape's.
+    moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
+    moe_layers = max(2, layers * 2 // 3)
+    if family == "llama":
+        return LlamaConfig(**base)
+    if family == "qwen3":
+        return Qwen3Config(**base)
+    if family == "gemma2":
+        head = shape["head_dim"]
+        return Gemma2Config(
+            **base,
+            query_pre_attn_scalar=head,
+            sliding_window=max(seq_len // 2, 4),
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+        )
+    if family == "mixtral":
+        return MixtralConfig(
+            **{**base, "num_hidden_layers": moe_layers, "intermediate_size": hidden},
+            **moe,
+            num_local_experts=4,
+        )
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **{**base, "num_hidden_layers": moe_layers},
+            **moe,
+            num_experts=4,
+            moe_intermediate_size=hidden,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def load_rows(seq_len: int) -> list[dict]:
+    """Packed rows of the bundled corpus (every chunk, no eval split; the order is seeded by
+    ``split_chunks``; the Trainer's sampler shuffles again per epoch)."""
+    tok = load_tokenizer(None)
+    chunks = build_chunks(tok, read_texts(None), seq_len)
+    train, _ = split_chunks(chunks, 0.0, seed=0)
+    return train
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: its name, trainer and batching (rows per step = batch x accum)."""
+
+    name: str
+    streamed: bool
+    batch: int
+    accum: int = 1
+    data_seed: int | None = None  # None: the run's seed
+    #: Engine options of a streamed run beyond "every layer streamed" (bisecting a difference).
+    options: tuple[tuple[str, object], ...] = ()
+
+
+def parse_variant(text: str) -> RunSpec:
+    """``NAME:field=value,field=value`` -> a streamed run with those engine options, e.g.
+    ``no-fused-loss:fused_loss=false`` or ``hbm:resident_layers=4``."""
+    name, _, spec = text.partition(":")
+    options = []
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        low = value.lower()
+        options.append((key, low == "true" if low in ("true", "false") else value))
+    options_from_mapping(dict(options))  # unknown fields and bad values fail here, not mid-run
+    return RunSpec(name, True, 0, options=tuple(options))
+
+
+def default_runs(
+    batch: int, seed_run: bool = False, seed: int = 0, repeat_stock: bool = False
+) -> list[RunSpec]:
+    """stock, its equivalent-batching twin (the band), optionally another data order, streamed."""
+    if batch % 2:
+        raise ValueError(f"--batch must be even (the band run uses batch/2 x 2), got {batch}")
+    runs = [RunSpec(REFERENCE, False, batch), RunSpec(BAND_RUN, False, batch // 2, 2)]
+    if seed_run:
+        runs.append(RunSpec("stock-seed", False, batch, data_seed=seed + 1))
+    if repeat_stock:  # the same run again: what GPU kernels' nondeterminism alone does
+        runs.append(RunSpec("stock-repeat", False, batch))
+    runs.append(RunSpec(STREAMED, True, batch))
+    return runs
+
+
+class _LossLog(TrainerCallback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+
+
+def train_run(
+    spec: RunSpec,
+    model: torch.nn.Module,
+    rows: list[dict],
+    *,
+    steps: int,
+    bf16: bool,
+    cpu: bool,
+    out_dir: Path,
+    seed: int = 0,
+    lr: float = 6e-4,
+) -> list[float]:
+    """Train a deep copy of ``model`` under ``spec``; the per-step training losses."""
+    cls, args_cls = (
+        (HFMegaTrainer, MegaTrainArguments) if spec.streamed else (Trainer, TrainingArguments)
+    )
+    extra: dict = {}
+    if spec.streamed:  # every layer streamed unless the run's options say otherwise
+        options = options_from_mapping({"resident_layers": "0", **dict(spec.options)})
+        extra = as_arguments(options)
+    args = args_cls(
+        output_dir=str(out_dir / spec.name),
+        per_device_train_batch_size=spec.batch,
+        gradient_accumulation_steps=spec.accum,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=10,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        bf16=bf16,
+        seed=seed,
+        data_seed=spec.data_seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=cpu,
+        dataloader_num_workers=0,
+        **extra,
+    )
+    if args.n_gpu > 1:  # one device, as HFMegaTrainer: no DataParallel scaling the batch
+        args._n_gpu = 1
+    log = _LossLog()
+    trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=rows, callbacks=[log])
+    trainer.train()
+    if len(log.losses) != steps:
+        raise RuntimeError(f"{spec.name}: logged {len(log.losses)} losses for {steps} steps")
+    del trainer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return log.losses
+
+
+def rel_diff(run: list[float], ref: list[float]) -> list[float]:
+    """Signed relative difference per step: run / ref - 1."""
+    return [a / b - 1.0 for a, b in zip(run, ref)]
+
+
+def summarize(losses: dict[str, list[float]], tail: int | None = None) -> dict[str, dict]:
+    """Per run against ``stock``: ``max_rel`` (max over steps of |run/stock - 1|) and
+    ``tail_signed`` (mean signed relative difference over the last ``tail`` steps; default the
+    last 10%, at least 1): a one-sided drift shows there, noise averages out."""
+    ref = losses[REFERENCE]
+    n = tail if tail is not None else max(1, math.ceil(len(ref) * 0.1))
+    out = {}
+    for name, curve in losses.items():
+        d = rel_diff(curve, ref)
+        out[name] = dict(max_rel=max(abs(x) for x in d), tail_signed=sum(d[-n:]) / n)
+    return out
+
+
+def write_csv(losses: dict[str, list[float]], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["run", "step", "loss"])
+        for name, curve in losses.items():
+            for step, loss in enumerate(curve, 1):
+                w.writerow([name, step, repr(loss)])  # repr: every bit, the diffs are tiny
+
+
+def plot(losses: dict[str, list[float]], path: Path, title: str) -> None:
+    """Two panels: the loss curves; each run's relative difference to stock, band shaded."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(
+            "loss_curves.py: the PNG needs matplotlib: `pip install matplotlib` "
+            "(or pass --no-plot for the CSV and summary only)"
+        ) from None
+    matplotlib.use("Agg")  # headless: the GPU machine and CI have no display
+    import matplotlib.pyplot as plt
+
+    ref = losses[REFERENCE]
+    steps = range(1, len(ref) + 1)
+    band = summarize(losses)[BAND_RUN]["max_rel"] if BAND_RUN in losses else 0.0
+    color = {name: f"C{i}" for i, name in enumerate(losses)}  # one color per run, both panels
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True)
+    for name, curve in losses.items():
+        top.plot(steps, curve, label=name, lw=1.2, color=color[name])
+    top.set_ylabel("training loss")
+    top.set_title(title)
+    top.legend()
+    bottom.axhspan(-band, band, color="grey", alpha=0.25, label=f"stock band ±{band:.2e}")
+    for name, curve in losses.items():
+        if name != REFERENCE:
+            bottom.plot(steps, rel_diff(curve, ref), label=name, lw=1.0, color=color[name])
+    bottom.axhline(0.0, color="black", lw=0.5)
+    bottom.set_xlabel("optimizer step")
+    bottom.set_ylabel("loss / stock loss - 1")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_all(
+    config: PretrainedConfig,
+    runs: list[RunSpec],
+    *,
+    steps: int,
+    seq_len: int,
+    bf16: bool,
+    cpu: bool,
+    out_dir: Path,
+    seed: int = 0,
+    lr: float = 6e-4,
+) -> dict[str, list[float]]:
+    """Every run of ``runs`` from the same initial weights; ``{name: per-step losses}``."""
+    rows = load_rows(seq_len)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return {
+        spec.name: train_run(
+            spec, model, rows, steps=steps, bf16=bf16, cpu=cpu, out_dir=out_dir, seed=seed, lr=lr
+        )
+        for spec in runs
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--family", default="llama", choices=FAMILIES)
+    src.add_argument("--config", help="a config.json or model folder instead of --family")
+    p.add_argument("--size", default="base", choices=list(SHAPES), help="--family's shape")
+    p.add_argument("--tiny", action="store_true", help="same as --size tiny (CPU smoke runs)")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8, help="rows per optimizer step (even)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--seed", type=int, default=0, help="initial weights and data order")
+    prec = p.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16")
+    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32")
+    p.set_defaults(precision="auto")  # bf16 on a bf16-capable GPU, else fp32
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--seed-run", action="store_true", help="also stock with another data order")
+    p.add_argument("--repeat-stock", action="store_true", help="also stock again, unchanged")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:FIELD=VALUE,...",
+        help="one more streamed run with these engine options (repeatable), e.g. "
+        "no-fused-loss:fused_loss=false or hbm:resident_layers=4",
+    )
+    p.add_argument("--no-plot", action="store_true", help="CSV and summary only")
+    p.add_argument("--out", default="outputs/loss_curves", help="output folder")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    """Run, write the CSV (and PNG), print the summary; returns ``summarize``'s dict."""
+    a = parse_args(argv)
+    cpu = a.device == "cpu" or (a.device == "auto" and not torch.cuda.is_available())
+    if not cpu and not torch.cuda.is_available():
+        raise SystemExit("loss_curves.py: --device cuda but no CUDA GPU is visible")
+    bf16 = use_bf16(a.precision) if not cpu else a.precision == "bf16"
+    if bf16 and cpu:
+        raise SystemExit("loss_curves.py: bf16 needs a GPU (HFMegaTrainer refuses it on a CPU)")
+    if not a.no_plot:
+        try:
+            import matplotlib  # noqa: F401  - fail before training, not after
+        except ImportError:
+            raise SystemExit(
+                "loss_curves.py: the PNG needs matplotlib: `pip install matplotlib` "
+                "(or pass --no-plot)"
+            ) from None
+    size = "tiny" if a.tiny else a.size
+    config = (
+        AutoConfig.from_pretrained(a.config)
+        if a.config
+        else build_config(a.family, size, a.seq_len)
+    )
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = default_runs(a.batch, a.seed_run, a.seed, a.repeat_stock)
+    runs += [dataclasses.replace(parse_variant(v), batch=a.batch) for v in a.variant]
+    losses = run_all(
+        config, runs, steps=a.steps, seq_len=a.seq_len, bf16=bf16, cpu=cpu, out_dir=out,
+        seed=a.seed, lr=a.lr,
+    )  # fmt: skip
+    write_csv(losses, out / "loss_curves.csv")
+    label = a.config or f"{a.family}-{size}"
+    precision = "bf16" if bf16 else "fp32"
+    if not a.no_plot:
+        plot(losses, out / "loss_curves.png", f"{label}, {precision}, {a.steps} steps")
+    summary = summarize(losses)
+    band = summary[BAND_RUN]["max_rel"]
+    print(f"{label} {precision} steps={a.steps} seq={a.seq_len} batch={a.batch}: band={band:.3e}")
+    for name, s in summary.items():
+        if name == REFERENCE:
+            continue
+        ratio = s["max_rel"] / band if band > 0 else float("inf")
+        print(
+            f"  {name:12s} max_rel={s['max_rel']:.3e} ({ratio:.2f}x band) "
+            f"tail_mean_signed={s['tail_signed']:+.3e}"
+        )
+    print(
+        f"wrote {out / 'loss_curves.csv'}" + ("" if a.no_plot else f", {out / 'loss_curves.png'}")
+    )
+    return summary
+
+
+if __name__ == "__main__":
+    main()
