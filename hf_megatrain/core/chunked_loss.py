@@ -93,7 +93,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = h @ w.t()
             capped = None
             if softcap is not None:
-                capped = torch.tanh(logits.float() / softcap)
+                # In the compute dtype, as the model's own forward caps its (bf16) logits.
+                capped = torch.tanh(logits / softcap)
                 logits = capped * softcap
             # log-softmax in fp32 straight from the compute-dtype logits (one fused kernel on
             # CUDA, no separate fp32 copy), as the stock loss computes it.
@@ -110,9 +111,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # extra pass over the (tokens x vocab) gradient.
             grad = logp.exp_()
             grad[torch.arange(end - start, device=grad.device), safe_t] -= 1.0
-            if capped is not None:
-                grad.mul_(1.0 - capped * capped)
             g = grad.mul_(inv_divisor).to(cd)
+            if capped is not None:
+                # Back through cap * tanh(logits / cap), op by op in the compute dtype.
+                g = torch.ops.aten.tanh_backward(g * softcap, capped) / softcap
             del grad, logp, capped
             keep = valid[:, None].to(cd)
             if need_h:
