@@ -67,8 +67,10 @@ from hf_megatrain.option_flags import (  # noqa: E402
     options_from_namespace,
 )
 
-# megatrain: every decoder layer streamed from host RAM; megatrain-hbm: the HBM tier holds as
-# many layers' full state as fit (megatrain_resident_layers="auto"), the rest streams.
+# megatrain: every decoder layer streamed from host RAM (resident_layers 0); megatrain-hbm:
+# hf_megatrain's defaults, an HBM tier of as many layers' full state as fit (resident_layers
+# "auto"), the rest streams. megatrain-hbm with no engine flag is what a user gets by default
+# (with Liger-Kernel's layer kernels when liger-kernel is installed: layer_kernels "auto").
 SYSTEMS = ("megatrain", "megatrain-hbm", "deepspeed", "stock")
 # H200 (and H100 SXM) dense bf16 datasheet peak; the MFU denominator the issue fixes.
 PEAK_BF16_FLOPS = 989e12
@@ -171,9 +173,10 @@ def count_params(config: Any) -> int:
 
 # ---- run configuration -----------------------------------------------------------------------
 def default_engine(system: str) -> EngineOptions:
-    """The engine options a run of ``system`` starts from: megatrain-hbm's HBM tier holds as many
-    layers as the plan fits (``resident_layers`` "auto"); the others stream every layer."""
-    return EngineOptions(resident_layers="auto") if system == "megatrain-hbm" else EngineOptions()
+    """The engine options a run of ``system`` starts from: megatrain-hbm the defaults (its HBM
+    tier holds as many layers as the plan fits: ``resident_layers`` "auto"); the others stream
+    every layer."""
+    return EngineOptions() if system == "megatrain-hbm" else EngineOptions(resident_layers="0")
 
 
 @dataclass
@@ -687,17 +690,20 @@ def train_once(cfg: RunConfig) -> dict:
 
 def _megatrain_plan(trainer) -> dict:
     """The placement the run used and, for "auto", the planner's predicted peaks."""
-    from hf_megatrain.hf.model import find_decoder_layers
+    from hf_megatrain.hf.model import find_decoder_layers, runs_liger
 
     state = getattr(trainer, "megatrain", None)
     if state is None:
         return {}
+    layers = find_decoder_layers(trainer.model)[1]
     out = {
         "hbm_layers": sum(1 for s in state.store.layers if s.resident),
-        "kept_layers": sum(
-            1 for layer in find_decoder_layers(trainer.model)[1] if layer.forward.keep_graph
-        ),
+        "kept_layers": sum(1 for layer in layers if layer.forward.keep_graph),
+        # What the defaults chose: attention outputs kept, Liger's kernels (layer_kernels auto).
+        "attention_layers": sum(1 for layer in layers if layer.forward.keep_attention),
+        "liger": runs_liger(trainer.model),
     }
+    print(f"bench worker: megatrain placement {json.dumps(out)}", flush=True)
     if state.plan is not None:
         out["plan_hbm_gib"] = state.plan.gpu_total / GIB
         out["plan_host_gib"] = state.plan.host_peak_estimate / GIB
@@ -936,6 +942,19 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "kept_layers": result.get("kept_layers", ""),
         "layer_busy": _fmt(result.get("layer_busy"), 4),
         "layer_gaps": _fmt(result.get("layer_gaps"), 4),
+        # Liger's kernels chosen by layer_kernels "auto" (no --liger in the command to say so),
+        # and the attention outputs the plan kept.
+        "note": "; ".join(
+            text
+            for text, on in (
+                ("Liger-Kernel layer kernels (auto)", result.get("liger") and not cfg.liger),
+                (
+                    f"attention outputs kept: {result.get('attention_layers')} layers",
+                    result.get("attention_layers"),
+                ),
+            )
+            if on
+        ),
     }
 
 
@@ -1144,7 +1163,8 @@ def add_megatrain_options(p: argparse.ArgumentParser) -> None:
         "--liger",
         action="store_true",
         help="megatrain and stock: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU "
-        "(use_liger_kernel; needs liger-kernel installed)",
+        "(use_liger_kernel; needs liger-kernel installed). Without it megatrain runs them too "
+        "where liger-kernel is installed (--layer-kernels auto; --layer-kernels torch: never)",
     )
     engine = p.add_argument_group(
         "hf_megatrain engine options (megatrain systems only)",

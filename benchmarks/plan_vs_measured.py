@@ -66,12 +66,17 @@ def plan_row(row: dict):
     cfg = bench.load_model_config(row["model"])
     shape = model_shape_from_config(cfg, row["model"])
     command = row.get("command", "")
-    if "--liger" in command.split():  # the fused kernels' smaller kept activations
+    note = row.get("note", "")
+    # The fused kernels' smaller kept activations: --liger, or chosen by layer_kernels "auto".
+    if "--liger" in command.split() or "Liger-Kernel layer kernels" in note:
         shape = replace(shape, fused_layer_kernels=True)
     seq = int(row["seq_len"])
     micro = int(row["micro_batch"])
     step = StepShape(seq_len=seq, micro_batch_tokens=micro * seq, grad_accum=int(row["grad_accum"]))
     engine = _engine_options(command)
+    attention = re.search(r"attention outputs kept: (\d+) layers", note)
+    if attention:  # chosen by keep_attention_outputs "auto": the count the run kept
+        engine = engine.with_(keep_attention_outputs=attention[1])
     kept = int(row.get("kept_layers") or 0)  # rows before the column kept none
     options = engine.with_(keep_activations=str(kept)).resolve(
         clipping="--no-clip" not in command, cuda=True

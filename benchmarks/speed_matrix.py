@@ -69,8 +69,11 @@ def _smallest_oom_micro_batch(rows: list[dict], model: str, tokens: int) -> int:
 
 
 def with_liger(row: dict) -> bool:
-    """Whether the run used Liger-Kernel's layer kernels (bench.py --liger, both systems)."""
-    return "--liger" in row.get("command", "").split()
+    """Whether the run used Liger-Kernel's layer kernels (bench.py --liger, both systems; or
+    chosen by megatrain's layer_kernels "auto", which the row's note records)."""
+    return "--liger" in row.get("command", "").split() or "Liger-Kernel layer kernels" in (
+        row.get("note") or ""
+    )
 
 
 def same_sweep_ratio(

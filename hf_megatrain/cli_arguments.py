@@ -291,6 +291,10 @@ def parse_train_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> T
             raise CLIError(
                 "use_liger_kernel: Liger-Kernel's Triton kernels need a CUDA GPU; drop --liger"
             )
+        if engine.layer_kernels == "liger":
+            raise CLIError(
+                "--layer-kernels liger: Liger-Kernel's Triton kernels need a CUDA GPU; use auto"
+            )
 
     model_cls, data_cls, training_cls = _dataclasses()
     model_args = _build(model_cls, values)

@@ -135,6 +135,35 @@ def detected_memory(hbm_gib: float | None, host_gib: float | None) -> tuple[int,
     return hbm, host, said
 
 
+def _planned_layer_kernels(setting: str, liger: bool, model_type: str):
+    """The layer kernels the planned run would use, for a CUDA run: ``--layer-kernels auto``
+    means Liger-Kernel's where it is installed here and used for the family automatically;
+    ``--liger`` (or ``--layer-kernels liger``) plans with them whether installed here or not."""
+    from .hf.long_context import (  # noqa: PLC0415
+        LIGER_AUTO_MODEL_TYPES,
+        LIGER_INSTALL,
+        LayerKernels,
+        liger_installed,
+    )
+
+    if liger or setting == "liger":
+        if setting == "torch":
+            raise CLIError(
+                "--liger asks for Liger-Kernel's layer kernels, --layer-kernels torch not"
+            )
+        return LayerKernels(True, f"asked for, {model_type}")
+    if setting == "torch":
+        return LayerKernels(False, "--layer-kernels torch")
+    if not liger_installed():
+        return LayerKernels(False, f"not installed here: {LIGER_INSTALL}; --liger plans with them")
+    if model_type not in LIGER_AUTO_MODEL_TYPES:
+        return LayerKernels(
+            False,
+            f"installed, but not used for {model_type} automatically; --liger plans with them",
+        )
+    return LayerKernels(True, f"installed, {model_type}")
+
+
 def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     """``hf-megatrain plan``: print the plan and what fits; return them for tests."""
     import torch  # noqa: PLC0415
@@ -162,7 +191,11 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     label = src.parent.name if src.is_file() else src.name
     setup_logging()
     shape = model_shape_from_config(cfg, f"{label} [{cfg.model_type}]")
-    if getattr(ns, "liger", False):
+    kernels = _planned_layer_kernels(
+        options.layer_kernels, getattr(ns, "liger", False), cfg.model_type
+    )
+    said.append(kernels.log_line().replace("hf_megatrain: ", "", 1))
+    if kernels.liger:
         shape = dataclasses.replace(shape, fused_layer_kernels=True)
     dtype = torch.float32 if ns.fp32 else torch.bfloat16
     nproc = getattr(ns, "nproc", None)

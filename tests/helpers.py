@@ -451,3 +451,17 @@ def patch_mlps_as_liger(model) -> None:
     forward = liger_like_mlp_forward()
     for layer in model.model.layers:
         layer.mlp.__dict__["forward"] = forward.__get__(layer.mlp, type(layer.mlp))
+
+
+def simulate_liger(monkeypatch, *, installed: bool = True, cuda: bool = True) -> None:
+    """Make ``layer_kernels`` decide as if liger-kernel were installed (``installed``) and the
+    device were CUDA (``cuda``): Liger's Triton kernels cannot run here, so tests pair this
+    with a stand-in for the kernels' application. Liger's own model-type table is stood in for
+    by the families it patches that the tests use."""
+    import hf_megatrain.hf.long_context as long_context  # noqa: PLC0415
+
+    monkeypatch.setattr(long_context, "liger_installed", lambda: installed)
+    monkeypatch.setattr(long_context, "liger_can_run_on", lambda device: cuda)
+    monkeypatch.setattr(
+        long_context, "liger_model_types", lambda: frozenset({"llama", "qwen2", "qwen3", "gemma"})
+    )

@@ -215,13 +215,16 @@ def test_engine_flags_are_generated_from_the_engine_options():
         for name in EngineOptions.field_names():
             assert got[name] == want[name], name
             assert flag_name(name) in want[name]
-    # Nothing typed: the defaults (megatrain-hbm: an HBM tier as large as the plan fits).
+    # Nothing typed: megatrain-hbm runs hf_megatrain's defaults exactly (an HBM tier as large
+    # as the plan fits, ...: what the issue's default-command targets measure); megatrain streams
+    # every layer.
     args = bench.build_parser().parse_args(
         ["--run", f"{TINY}:64:megatrain,megatrain-hbm", "--seq-len", "16"]
     )
     plain, hbm = bench.configs_from_args(args)
-    assert plain.engine == EngineOptions()
-    assert hbm.engine == EngineOptions(resident_layers="auto")
+    assert plain.engine == EngineOptions(resident_layers="0")
+    assert hbm.engine == EngineOptions() and hbm.engine.resident_layers == "auto"
+    assert hbm.engine_args() == [] and "--" not in hbm.command().split("--lr")[1]
     # Spellings that changed (--bf16-boundaries) or stayed (--no-recompute-early-stop, a bare
     # --keep-attention-outputs meaning every layer).
     argv = ["--run", f"{TINY}:64:megatrain-hbm", "--seq-len", "16", "--boundary-dtype", "bfloat16",
@@ -298,7 +301,8 @@ def test_row_and_trainer_read_the_engine_options(tmp_path):
         cfg, bench.build_model(config, 0), bench.RandomTokens(2, 16, config.vocab_size, 0), [],
         str(tmp_path), "cpu",
     )  # fmt: skip
-    assert trainer.megatrain_options.options == engine.with_(plan_seq_len=16)
+    # (megatrain streams every layer whatever the options' default tier)
+    assert trainer.megatrain_options.options == engine.with_(plan_seq_len=16, resident_layers="0")
 
 
 def test_streamed_init_run(tmp_path):
@@ -335,6 +339,7 @@ _STR_VALUES = {
     "resident_layers": "4", "keep_activations": "off", "keep_attention_outputs": "all",
     "max_shard_size": "1GB", "boundary_dtype": "bfloat16", "nonfinite": "stop",
     "export_dtype": "bfloat16",
+    "layer_kernels": "torch",
 }  # fmt: skip
 
 

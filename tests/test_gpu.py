@@ -65,6 +65,13 @@ def _args(cls, out, **kw):
         lr_scheduler_type="constant",
     )
     common.update(kw)
+    if cls is MegaTrainArguments:
+        # These tests were written for every layer streamed and PyTorch's layer kernels (the
+        # defaults before issue 20); each sets what it tests. test_defaults_on_gpu runs the
+        # defaults themselves.
+        common.setdefault("megatrain_resident_layers", "0")
+        if not kw.get("use_liger_kernel"):
+            common.setdefault("megatrain_layer_kernels", "torch")
     return one_gpu(cls(**common))
 
 
@@ -406,6 +413,29 @@ def test_liger_kernels_on_gpu(tmp_path, monkeypatch, tile):
     assert impl is LigerSwiGLUMLP.forward
     assert len(got) == len(base) == 4
     assert got == pytest.approx(base, rel=1e-2)
+
+
+def test_defaults_on_gpu(tmp_path):
+    """No engine argument (issue 20): the plan of the step puts the tiny model's layers in HBM,
+    keeps attention outputs of the layers it recomputes, and Liger-Kernel's layer kernels run
+    exactly when liger-kernel is installed (llama)."""
+    import importlib.util
+
+    from hf_megatrain.hf.model import find_decoder_layers, runs_liger
+
+    model = tiny_model(_tiny_gpu_config())
+    trainer, losses = _mega_losses(
+        tmp_path, "defaults", model, _data(32, 128), megatrain_resident_layers="auto",
+        megatrain_layer_kernels="auto",
+    )  # fmt: skip
+    assert trainer.megatrain_options.options.changed() == {}
+    plan = trainer.megatrain.plan
+    assert plan is not None and plan.n_hbm == 4
+    layers = find_decoder_layers(model)[1]
+    recomputed = [layer for layer in layers if not layer.forward.keep_graph]
+    assert sum(layer.forward.keep_attention for layer in recomputed) == plan.attention_layers
+    assert runs_liger(model) == (importlib.util.find_spec("liger_kernel") is not None)
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
 
 
 def _wide_two_layer_trainer(tmp_path, **kw) -> HFMegaTrainer:

@@ -4,8 +4,10 @@ For three families (dense Llama; Gemma2 with soft-capped attention and logits an
 window; Qwen3-MoE with the router aux loss in the loss), 150 steps on the bundled corpus from the
 same initial weights:
 
-* the stock band: max over steps of |loss(stock, batch 4 x accum 2) / loss(stock, batch 8) - 1|,
-  two stock runs that differ only in rounding, measured in the same test on the same GPU;
+* the stock band: max over steps of |loss(other) / loss(stock, batch 8) - 1| for two other stock
+  runs that differ from it only in rounding (batch 4 x accum 2, and the same run again: GPU
+  kernels are not deterministic), measured in the same test on the same GPU. One such run alone
+  is a noisy band: the same stock code gave Gemma2 bands of 1.3e-2 and 3.5e-3 on two calls;
 * the streamed deviation: the same measure for HFMegaTrainer (every layer streamed) vs stock.
 
 The streamed deviation must stay within 1.5x the band, and the mean signed difference over the
@@ -35,22 +37,23 @@ TAIL = 15
 FLOOR = 1e-3
 
 
-# Llama fails today (H200, 2b263bf: 3.58x the band, one-sided): issue 21 is open. Not strict:
-# GPU kernels are not deterministic run to run, so the margin may vary.
-_OPEN_ISSUE_21 = pytest.mark.xfail(reason="issue 21: bf16 streamed Llama outside stock's band")
+# Gemma2 was at 4.2x the band after the fused loss's rounding fix (c613f8f); the soft-capping fix
+# after it (bbbf757) makes the loss bit-equal to stock's on CPU but has not run on the GPU yet.
+# Not strict: GPU kernels are not deterministic run to run. Llama passed at c613f8f.
+_UNVERIFIED = pytest.mark.xfail(reason="issue 21: Gemma2's soft-cap fix not yet run on a GPU")
 
 
 @pytest.mark.parametrize(
-    "family", [pytest.param("llama", marks=_OPEN_ISSUE_21), "gemma2", "qwen3_moe"]
+    "family", ["llama", pytest.param("gemma2", marks=_UNVERIFIED), "qwen3_moe"]
 )
 def test_streamed_bf16_inside_stock_band(family, tmp_path):
     config = lc.build_config(family, "small", SEQ)
     losses = lc.run_all(
-        config, lc.default_runs(BATCH), steps=STEPS, seq_len=SEQ, bf16=True, cpu=False,
+        config, lc.default_runs(BATCH, repeat_stock=True), steps=STEPS, seq_len=SEQ, bf16=True, cpu=False,
         out_dir=tmp_path,
     )  # fmt: skip
     s = lc.summarize(losses, tail=TAIL)
-    band = s[lc.BAND_RUN]["max_rel"]
+    band = max(s[lc.BAND_RUN]["max_rel"], s["stock-repeat"]["max_rel"])
     dev = s[lc.STREAMED]["max_rel"]
     drift = s[lc.STREAMED]["tail_signed"]
     ratio = dev / band if band > 0 else float("inf")

@@ -7,7 +7,7 @@ import torch
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, init_streamed_model
 
-from .helpers import common_args, make_data, patch_mlps_as_liger, tiny_config
+from .helpers import common_args, make_data, patch_mlps_as_liger, simulate_liger, tiny_config
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -51,7 +51,7 @@ def test_liger_kernels_go_in_before_the_loader_streams(monkeypatch):
     is streamed (the loader's memory plan then counts their smaller activations, as the
     trainer's does for a model it streams itself), and the initial weights are unchanged.
     Liger's Triton kernels need CUDA: a stand-in patches each MLP's forward as Liger does."""
-    import hf_megatrain.hf.loading as loading
+    import hf_megatrain.hf.long_context as long_context
     from hf_megatrain.hf.model import model_shape, streamed_state
 
     calls = []
@@ -60,7 +60,8 @@ def test_liger_kernels_go_in_before_the_loader_streams(monkeypatch):
         calls.append((config, streamed_state(model) is None))
         patch_mlps_as_liger(model)
 
-    monkeypatch.setattr(loading, "apply_liger_kernels", fake_apply)
+    monkeypatch.setattr(long_context, "apply_liger_kernels", fake_apply)
+    simulate_liger(monkeypatch)
     cfg = tiny_config("llama")
     kernels = {"swiglu": True}
     fused = init_streamed_model(
@@ -68,7 +69,7 @@ def test_liger_kernels_go_in_before_the_loader_streams(monkeypatch):
     )
     assert calls == [(kernels, True)], "applied once, to the model before it was streamed"
     assert model_shape(fused).fused_layer_kernels
-    plain = init_streamed_model(cfg, device="cpu", bf16=False, seed=3)
+    plain = init_streamed_model(cfg, device="cpu", bf16=False, seed=3, layer_kernels="torch")
     assert len(calls) == 1 and not model_shape(plain).fused_layer_kernels
     for a, b in zip(fused._megatrain.store.layers, plain._megatrain.store.layers):
         assert torch.equal(a.master, b.master)

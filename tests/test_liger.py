@@ -20,6 +20,7 @@ from .helpers import (
     liger_like_mlp_forward,
     patch_mlps_as_liger,
     run_trainer,
+    simulate_liger,
     tiny_config,
     tiny_model,
 )
@@ -45,9 +46,12 @@ def test_liger_kernels_go_in_before_tiling_and_once(tmp_path, monkeypatch):
     calls: list = []
     used: list = []
     monkeypatch.setattr(hf_liger, "apply_liger_kernel", _fake_liger(calls, used))
+    simulate_liger(monkeypatch)  # (the stand-in above runs on the CPU)
     model = tiny_model(tiny_config("llama"))
     tile = dict(megatrain_mlp_tile_tokens=4)
-    ref, _ = run_trainer(copy.deepcopy(model), tmp_path, "ref", mega=True, **tile)
+    ref, _ = run_trainer(
+        copy.deepcopy(model), tmp_path, "ref", mega=True, megatrain_layer_kernels="torch", **tile
+    )
     config = {"rope": False, "fused_linear_cross_entropy": False}
     logs, trainer = run_trainer(
         model, tmp_path, "liger", mega=True, use_liger_kernel=True, liger_kernel_config=config,
@@ -203,6 +207,7 @@ def test_tiling_survives_a_trainer_that_patches_liger_in_init(tmp_path, monkeypa
             fake(self.model, self.args.liger_kernel_config)
 
     monkeypatch.setattr(transformers.Trainer, "__init__", init_that_patches)
+    simulate_liger(monkeypatch)
     _, trainer = run_trainer(
         tiny_model(tiny_config("llama")), tmp_path, "old", mega=True, use_liger_kernel=True,
         megatrain_mlp_tile_tokens=4,
@@ -237,7 +242,10 @@ def test_trainer_warns_when_a_loaders_plan_missed_liger(
     from .helpers import common_args, make_data  # noqa: PLC0415
 
     monkeypatch.setattr(hf_liger, "apply_liger_kernel", _fake_liger([], []))
-    model = init_streamed_model(tiny_config("llama"), device="cpu", bf16=False)
+    simulate_liger(monkeypatch)
+    model = init_streamed_model(
+        tiny_config("llama"), device="cpu", bf16=False, layer_kernels="torch"
+    )
     shape = replace(model_shape(model), fused_layer_kernels=loader_knew)
     step = StepShape(seq_len=16, micro_batch_tokens=32) if workload else None
     options = EngineOptions(keep_activations="off").resolve(clipping=True, cuda=True)

@@ -61,6 +61,34 @@ def test_every_front_door_has_the_same_defaults(tmp_path):
         assert trainer.megatrain_options.options == DEFAULTS, cls
 
 
+def test_the_defaults_are_the_fast_path():
+    """Issue 20: no flag is needed for the measured-fastest exact settings. The plan picks the
+    HBM tier, kept activations and kept attention outputs for the workload (none of them on a
+    CPU or without a plan); Liger-Kernel's layer kernels run where installed and applicable."""
+    assert (
+        DEFAULTS.resident_layers,
+        DEFAULTS.keep_activations,
+        DEFAULTS.keep_attention_outputs,
+        DEFAULTS.layer_kernels,
+    ) == ("auto", "auto", "auto", "auto")
+    # Only exact options are on by default: nothing that changes the gradients.
+    assert DEFAULTS.boundary_dtype == "input" and DEFAULTS.recompute_early_stop
+    gpu = DEFAULTS.resolve(clipping=True, cuda=True)
+    assert (gpu.resident_layers, gpu.keep_activation_layers, gpu.attention_output_layers) == (
+        "auto",
+        None,
+        None,
+    )
+    # The same from the CLI and from a plain TrainingArguments: no Liger request (use_liger_kernel,
+    # --liger) is needed for "auto"; --layer-kernels is the option's flag.
+    cli = parse_train([])
+    assert cli.engine == DEFAULTS and not cli.training.use_liger_kernel
+    assert parse_train(["--layer-kernels", "torch"]).engine.changed() == {"layer_kernels": "torch"}
+    assert engine_options(_train_args(TrainingArguments)).layer_kernels == "auto"
+    with pytest.raises(OptionError, match="layer_kernels"):
+        EngineOptions(layer_kernels="triton")
+
+
 def test_every_option_has_a_flag_and_an_argument():
     import argparse
 

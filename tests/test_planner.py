@@ -37,8 +37,10 @@ BF16 = torch.bfloat16
 
 
 def opts(clipping: bool = True, **changes):
-    """Resolved engine options for a plan; kept activations off unless asked for."""
+    """Resolved engine options for a plan; kept activations and kept attention outputs (which
+    "auto" adds to fill HBM: tests/test_fast_defaults.py) off unless asked for."""
     changes.setdefault("keep_activations", "off")
+    changes.setdefault("keep_attention_outputs", "off")
     return EngineOptions(**changes).resolve(clipping=clipping, cuda=True)
 
 

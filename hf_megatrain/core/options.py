@@ -44,6 +44,9 @@ BOUNDARY_DTYPES: dict[str, torch.dtype | None] = {
 #: ``export_dtype`` values: the dtype of the final model's floating-point tensors on disk.
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+#: ``layer_kernels`` values: Liger-Kernel's fused layer kernels when they apply, always, never.
+LAYER_KERNELS = ("auto", "liger", "torch")
+
 #: ``nonfinite`` values: skip the step's update, or stop the run.
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -124,14 +127,17 @@ class EngineOptions:
     )
     # ---- HBM tier -----------------------------------------------------------------------------
     resident_layers: str = field(
-        default="0",
+        # "auto" by default: layers in HBM skip PCIe and the CPU update; every measured headline
+        # run used the tier (bench.py's megatrain-hbm). On a CPU it is 0, as it always was.
+        default="auto",
         metadata=_help(
             """Decoder layers whose whole state (fp32 master, AdamW moments, grad, compute copy:
             18 bytes/param in bf16 runs) lives in HBM instead of host RAM; they never cross PCIe
-            and update with the fused GPU AdamW. An integer, or 'auto' for as many as fit: the
-            memory planner sizes activations, loss and resident embeddings for the micro-batch
-            (batch size x plan_seq_len tokens), or, when that length is unknown, reserves
-            hbm_reserve_gb for them."""
+            and update with the fused GPU AdamW. 'auto' (default) for as many as fit on a GPU
+            (none on a CPU): the memory planner sizes activations, loss and resident embeddings
+            for the micro-batch (batch size x plan_seq_len tokens), or, when that length is
+            unknown, reserves hbm_reserve_gb for them. An integer for that many; 0 streams
+            every layer."""
         ),
     )
     plan_seq_len: int | None = field(
@@ -171,15 +177,18 @@ class EngineOptions:
         ),
     )
     keep_attention_outputs: str = field(
-        default="off",
+        default="auto",
         metadata=_help(
             """Layers recomputed in backward that keep the fused attention kernel's outputs (SDPA's
             output and log-sum-exp) from forward, so their recompute does not run attention's
             forward again: identical gradients, heads x head_dim compute-dtype values plus 4 B per
-            head per token and layer in HBM. 'off'; 'all' (every recomputed layer); 'auto' (as
-            many of the last recomputed layers as the memory plan leaves HBM for; needs the plan);
-            or a count (the last N recomputed layers). Needs recompute_early_stop; attention that
-            does not run through PyTorch SDPA's fused kernels is recomputed as before.""",
+            head per token and layer in HBM. 'auto' (default): as many of the last recomputed
+            layers as the memory plan has HBM for (planned before the HBM tier at micro-batches
+            of 64k tokens or more, where they are worth more than tier layers; after the tier and
+            kept activations below that); none without a plan (CPU, unknown row length) or with
+            attention outside SDPA. 'off'; 'all' (every recomputed layer); or a count (the last N
+            recomputed layers). Needs recompute_early_stop; attention that does not run through
+            PyTorch SDPA's fused kernels is recomputed as before.""",
             # Given without a value (a bare command-line switch), the option means every layer.
             bare_value="all",
         ),
@@ -234,6 +243,18 @@ class EngineOptions:
             choices=tuple(BOUNDARY_DTYPES),
         ),
     )
+    sequence_parallel: int = field(
+        default=1,
+        metadata=_help(
+            """Ranks that share one sequence (Ulysses sequence parallelism, DeepSpeed's
+            implementation; pip install deepspeed): each of N consecutive ranks holds seq_len / N
+            tokens of every layer's activations, and attention all-to-alls heads across them
+            (query and key/value heads divisible by N, or N divisible by the key/value heads;
+            SDPA or flash attention, no sliding window). The launch's processes must be a
+            multiple of N; the groups of N are data parallel to each other. 1 = off.""",
+            run_time=True,
+        ),
+    )
     fused_loss: bool = field(
         default=True,
         metadata=_help(
@@ -242,6 +263,21 @@ class EngineOptions:
             semantics). Applies to dense architectures; MoE models and evaluation use the model's
             own forward.""",
             run_time=True,
+        ),
+    )
+    layer_kernels: str = field(
+        default="auto",
+        metadata=_help(
+            """Kernels of the decoder layers' RMSNorm, RoPE and SwiGLU. 'auto' (default):
+            Liger-Kernel's fused Triton kernels (pip install 'hf_megatrain[liger]') when the
+            liger_kernel package is installed, the device is CUDA and the model family is one
+            they are used for automatically (llama, mistral, qwen2, qwen3: Liger patches every
+            norm, RoPE and MLP of these layers, and the memory plan counts what its kernels
+            save), else PyTorch's. 'liger': Liger's, for any family Liger-Kernel patches (an
+            error without the package or CUDA); the Trainer's use_liger_kernel=True asks for
+            this too. 'torch': never Liger's. Liger's kernels round at other points than
+            PyTorch's (bf16-level differences), like the stock Trainer's use_liger_kernel.""",
+            choices=LAYER_KERNELS,
         ),
     )
     loss_chunk_tokens: int | None = field(
@@ -328,6 +364,8 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         # Values coming from YAML or argparse may be ints for "str" knobs (resident_layers: 4).
+        if isinstance(self.layer_kernels, str):
+            object.__setattr__(self, "layer_kernels", self.layer_kernels.strip().lower())
         for name in ("resident_layers", "keep_activations", "keep_attention_outputs"):
             value = getattr(self, name)
             if isinstance(value, bool):
@@ -598,6 +636,11 @@ def _check_values(opts: EngineOptions) -> None:
             f"checkpoint_every={opts.checkpoint_every} must be an integer >= 1 (1 saves every "
             "decoder layer's input; k > 1 saves every k-th and recomputes the rest)"
         )
+    if opts.sequence_parallel < 1:
+        raise OptionError(
+            f"sequence_parallel={opts.sequence_parallel} must be an integer >= 1 (1: off; N: "
+            "N ranks share each sequence)"
+        )
     if opts.mlp_tile_tokens < 0:
         raise OptionError(f"mlp_tile_tokens={opts.mlp_tile_tokens} must be >= 0 (0: off)")
     for name in ("plan_seq_len", "loss_chunk_tokens"):
@@ -614,6 +657,10 @@ def _check_values(opts: EngineOptions) -> None:
     parse_keep_activations(opts.keep_activations)
     parse_attention_layers(opts.keep_attention_outputs)
     parse_boundary_dtype(opts.boundary_dtype)
+    if opts.layer_kernels not in LAYER_KERNELS:
+        raise OptionError(
+            f"layer_kernels={opts.layer_kernels!r} must be one of {', '.join(LAYER_KERNELS)}"
+        )
     if opts.export_dtype not in EXPORT_DTYPES:
         raise OptionError(
             f"export_dtype={opts.export_dtype!r} must be one of {', '.join(EXPORT_DTYPES)}"
@@ -651,6 +698,7 @@ def default_of(name: str) -> Any:
 __all__ = [
     "ALL_LAYERS",
     "BOUNDARY_DTYPES",
+    "LAYER_KERNELS",
     "NONFINITE_POLICIES",
     "EngineOptions",
     "OptionError",

@@ -71,8 +71,10 @@ class MemoryPlan:
     # are cast from their fp32 master into a stream buffer when they run (16 instead of 18
     # B/param in bf16 runs); the kept ones keep theirs (their graph holds the weights).
     hbm_cast_weights: bool = False
-    # Recomputed layers (the last ones) that keep their attention kernel's outputs.
+    # Recomputed layers (the last ones) that keep their attention kernel's outputs, and why that
+    # many (the table's words; "" when nothing is to be said).
     attention_layers: int = 0
+    attention_why: str = ""
     # Set when the plan does not fit: the shortest checkpoint segment length that would make it
     # fit (None: none tried does, or bf16 boundaries already would).
     checkpoint_every_fit: int | None = None
@@ -413,11 +415,14 @@ def render_table(plan: MemoryPlan, namer: OptionNamer | None = None) -> str:
             f"activations kept, no recompute: layers {_ranges(plan.kept_layer_indices)}; "
             "the others recompute in backward"
         )
-    if plan.attention_layers:
-        out.append(
-            f"attention outputs kept for the recompute: layers "
-            f"{_ranges(plan.attention_layer_indices)}"
+    if plan.attention_layers or plan.attention_why:
+        why = f" ({plan.attention_why})" if plan.attention_why else ""
+        kept = (
+            f"{plan.attention_layers} layers, {_ranges(plan.attention_layer_indices)}"
+            if plan.attention_layers
+            else "none"
         )
+        out.append(f"attention outputs kept for the recompute: {kept}{why}")
     out.append(mode_line(plan.compute_dtype, plan.host_grads, plan.stream_fp32_master))
     for title, lines, total, avail in (
         ("GPU (HBM)", plan.gpu_lines, plan.gpu_total, plan.hbm_available),

@@ -65,6 +65,9 @@ class ModelShape:
     # per-head q/k norms that keep an fp32 input and product (see
     # ``kept_activation_bytes_per_token``).
     gemma_norms: bool = False
+    # Whether attention runs through PyTorch SDPA, whose fused kernels' outputs
+    # keep_attention_outputs keeps (other attention is recomputed: nothing to plan for it).
+    sdpa_attention: bool = True
 
     @property
     def num_layers(self) -> int:

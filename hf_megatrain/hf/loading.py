@@ -20,13 +20,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from ..core.options import EngineOptions, StepShape
 from .checkpoint import load_weights_into_store
 from .hub import resolve_model_folder
-from .long_context import apply_liger_kernels
+from .long_context import apply_layer_kernels
 from .model import (
     UnsupportedModelError,
     _is_peft,
     find_decoder_layers,
     prepare_frozen_streamed_model,
     prepare_streamed_model,
+    runs_liger,
     streamed_state,
 )
 
@@ -82,10 +83,12 @@ def _streamed_skeleton(
     # Under init_empty_weights the LM head is not tied to the embedding yet; tie it now, or a
     # tied checkpoint (which stores only the embedding) would leave the head without weights.
     model.tie_weights()
-    if use_liger_kernel:
-        # Before streaming, as the trainer does for a model it streams itself: the memory plan
-        # made here counts the fused kernels' smaller activations and working set.
-        apply_liger_kernels(model, liger_kernel_config)
+    # Before streaming, as the trainer does for a model it streams itself: the memory plan made
+    # here counts the fused kernels' smaller activations and working set.
+    apply_layer_kernels(
+        model, options.layer_kernels, device, use_liger_kernel=use_liger_kernel,
+        liger_kernel_config=liger_kernel_config,
+    )  # fmt: skip
     if not trainable:
         return prepare_frozen_streamed_model(
             model, device, torch.bfloat16 if bf16 else torch.float32, options
@@ -217,8 +220,18 @@ def frozen_streamed_copy(
             config, attn_implementation=attn, dtype=torch.float32
         )
     copy_model.tie_weights()
-    if use_liger_kernel:
-        apply_liger_kernels(copy_model, liger_kernel_config)
+    # The source's kernels: a streamed source already runs Liger's or not (chosen when it was
+    # streamed); otherwise the options decide, as they will for the source.
+    setting = (options or EngineOptions()).layer_kernels
+    if state is not None and not use_liger_kernel:
+        setting = "liger" if runs_liger(model) else "torch"
+    apply_layer_kernels(
+        copy_model,
+        setting,
+        device,
+        use_liger_kernel=use_liger_kernel,
+        liger_kernel_config=liger_kernel_config,
+    )
     prepare_frozen_streamed_model(
         copy_model,
         device,

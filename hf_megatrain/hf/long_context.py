@@ -3,9 +3,12 @@ layers' MLPs, and Liger-Kernel's fused Triton kernels (the Trainer's ``use_liger
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..core.tiling import TiledTokenwise
@@ -23,6 +26,115 @@ LIGER_LAYER_KERNELS = {
     "cross_entropy": False,
     "fused_linear_cross_entropy": False,
 }
+
+
+#: Families whose layers ``layer_kernels="auto"`` runs with Liger's kernels: Liger patches every
+#: RMSNorm (Qwen3's q/k norms included), the RoPE and the SwiGLU MLP of these layers, the memory
+#: plan counts what those kernels save (tests/test_liger.py, tests/test_gpu.py), and they train
+#: like the default kernels within bf16 tolerance on the GPU. Other families Liger patches
+#: (Gemma's offset norms and GeGLU, MoE experts, ...) run them only when asked for ("liger").
+LIGER_AUTO_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+#: How to get Liger-Kernel, for messages.
+LIGER_INSTALL = "pip install 'hf_megatrain[liger]'"
+
+
+def liger_installed() -> bool:
+    """Whether the ``liger_kernel`` package can be imported (without importing it: Triton)."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def liger_model_types() -> frozenset[str]:
+    """The ``model_type``s Liger-Kernel's instance patching knows (its own table)."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: PLC0415
+
+    return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def liger_can_run_on(device: torch.device | str) -> bool:
+    """Whether Liger-Kernel's Triton kernels run on ``device`` (CUDA only)."""
+    return torch.device(device).type == "cuda"
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """Which kernels a streamed model's layers run: Liger's (``liger``) or PyTorch's, and why."""
+
+    liger: bool
+    why: str
+
+    def log_line(self) -> str:
+        return f"hf_megatrain: Liger-Kernel layer kernels: {'on' if self.liger else 'off'} ({self.why})"
+
+
+def choose_layer_kernels(
+    setting: str, model_type: str | None, device: torch.device | str, *, requested: bool = False
+) -> LayerKernels:
+    """The ``layer_kernels`` option resolved for a model of ``model_type`` on ``device``.
+
+    ``requested``: the Trainer's ``use_liger_kernel=True``, an explicit request like "liger".
+    "auto" takes Liger's kernels only where they are installed, run (CUDA) and are used for the
+    family automatically (``LIGER_AUTO_MODEL_TYPES``); an explicit request is an error where
+    they cannot run, and for a family Liger-Kernel does not patch."""
+    if requested and setting == "torch":
+        raise ValueError(
+            "hf_megatrain: use_liger_kernel=True asks for Liger-Kernel's layer kernels but "
+            "megatrain_layer_kernels='torch' forbids them; drop one of the two."
+        )
+    cuda = liger_can_run_on(device)
+    if requested or setting == "liger":
+        asked = "use_liger_kernel=True" if requested else "megatrain_layer_kernels='liger'"
+        if not liger_installed():
+            raise ImportError(f"hf_megatrain: {asked} needs liger-kernel ({LIGER_INSTALL})")
+        if not cuda:
+            raise ValueError(
+                f"hf_megatrain: {asked}: Liger-Kernel's Triton kernels need a CUDA device, the "
+                f"model runs on {torch.device(device).type}"
+            )
+        if model_type not in liger_model_types():
+            raise ValueError(
+                f"hf_megatrain: {asked}, but Liger-Kernel has no kernels for model_type "
+                f"{model_type!r}"
+            )
+        return LayerKernels(True, f"asked for, {model_type}")
+    if setting == "torch":
+        return LayerKernels(False, "megatrain_layer_kernels='torch'")
+    if not liger_installed():
+        return LayerKernels(False, f"not installed: {LIGER_INSTALL}")
+    if not cuda:
+        return LayerKernels(False, f"installed, but no CUDA device ({torch.device(device).type})")
+    if model_type not in LIGER_AUTO_MODEL_TYPES or model_type not in liger_model_types():
+        return LayerKernels(
+            False,
+            f"installed, but {model_type} is not a family they are used for automatically; "
+            "megatrain_layer_kernels='liger' asks for them",
+        )
+    return LayerKernels(True, f"installed, {model_type}")
+
+
+def apply_layer_kernels(
+    model: nn.Module,
+    setting: str,
+    device: torch.device | str,
+    *,
+    use_liger_kernel: bool = False,
+    liger_kernel_config: dict | None = None,
+) -> LayerKernels:
+    """Resolve ``layer_kernels`` for ``model`` (before it is streamed: the memory plan counts
+    the fused kernels) and apply Liger's when chosen; logs one line saying which and why. With
+    ``layer_kernels`` chosen automatically, Liger's layer kernels only (its losses are not
+    needed: training batches use hf_megatrain's chunked loss); an explicit
+    ``use_liger_kernel`` request keeps its ``liger_kernel_config``."""
+    choice = choose_layer_kernels(setting, _model_type(model), device, requested=use_liger_kernel)
+    logger.info(choice.log_line())
+    if choice.liger:
+        config = liger_kernel_config if use_liger_kernel else dict(LIGER_LAYER_KERNELS)
+        apply_liger_kernels(model, config)
+    return choice
+
+
+def _model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(_unwrap(model), "config", None), "model_type", None)
 
 
 def liger_layer_kernel_arguments(enabled: bool) -> dict:

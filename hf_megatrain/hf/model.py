@@ -131,6 +131,12 @@ def _liger_patched(module: nn.Module | None) -> bool:
     return str(getattr(func, "__module__", "")).startswith("liger_kernel")
 
 
+def runs_liger(model: nn.Module) -> bool:
+    """Whether the model's decoder layers run Liger-Kernel's fused MLP (applied already)."""
+    _, layers = find_decoder_layers(model)
+    return bool(layers) and _liger_patched(getattr(layers[0], "mlp", None))
+
+
 def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     """Parameter counts per decoder layer and outside them, for the memory planner.
 
@@ -185,6 +191,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         # (Liger's Gemma kernels are not audited: the fused count is the Llama family's.)
         or (cfg.model_type == "gemma3_text" and not fused),
         gemma_norms=cfg.model_type == "gemma3_text",
+        sdpa_attention=(getattr(cfg, "_attn_implementation", None) or "sdpa") == "sdpa",
         name=name,
     )
 
@@ -598,9 +605,11 @@ def keep_attention_outputs(model: nn.Module, value: object) -> int:
     recomputed = [i for i, layer in enumerate(layers) if not layer.keep_graph]
     if ask is None:
         if state.plan is None or state.plan.step is None:
-            logger.warning(
-                "hf_megatrain: keep_attention_outputs='auto' needs the memory plan of the step "
-                "(megatrain_resident_layers 'auto' or a count, on a GPU): no layer keeps them"
+            # "auto" is the default: without the step's plan (a CPU, an unknown row length) it
+            # quietly keeps none, as "off" would.
+            logger.info(
+                "hf_megatrain: keep_attention_outputs='auto' without the memory plan of the step "
+                "(a GPU and a known row length): no layer keeps them"
             )
         count = state.plan.attention_layers if state.plan is not None else 0
     else:

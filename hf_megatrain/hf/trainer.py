@@ -37,9 +37,16 @@ from .checkpoint import (
     write_streamed_pretrained,
 )
 from .guards import NonFiniteError, check_batch, check_model_dtype, check_weights_finite
-from .long_context import apply_liger_kernels, install_mlp_tiling
+from .long_context import apply_layer_kernels, apply_liger_kernels, install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss
-from .model import _is_peft, find_decoder_layers, prepare_streamed_model, streamed_state
+from .model import (
+    _is_peft,
+    find_decoder_layers,
+    prepare_streamed_model,
+    runs_liger,
+    streamed_state,
+)
+from .sequence_parallel import setup_sequence_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +276,10 @@ def _warn_attention_outputs_unused(model: nn.Module, options: ResolvedOptions) -
     model's attention does not run through them or no layer uses the early stop."""
     if options.attention_output_layers == 0 and options.keep_attention_outputs == "off":
         return
+    if options.keep_attention_outputs == "auto":
+        # The default: the plan keeps none where they cannot be used (no SDPA, layers that
+        # re-run whole): nothing was asked for, nothing to warn about.
+        return
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     why = None
     if attn != "sdpa":
@@ -380,10 +391,15 @@ class MegaTrainerMixin:
         if state is None:
             check_model_dtype(model)  # before streaming rounds it to fp32 masters
             options = engine_options(args)
-            if getattr(args, "use_liger_kernel", False):
-                # Before streaming: the memory plan counts the fused kernels' smaller activations.
-                apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
             run = _run_options(args, options)  # refuses what cannot run, in argument names
+            # Before streaming: the memory plan counts the fused kernels' smaller activations.
+            apply_layer_kernels(
+                model,
+                options.layer_kernels,
+                device,
+                use_liger_kernel=getattr(args, "use_liger_kernel", False),
+                liger_kernel_config=getattr(args, "liger_kernel_config", None),
+            )
             prepare_streamed_model(
                 model,
                 device,
@@ -400,7 +416,9 @@ class MegaTrainerMixin:
                     "load_streamed_model(trainable=False): weights only, for a reference model) "
                     "and cannot be trained; stream it trainable."
                 )
-            if getattr(args, "use_liger_kernel", False):
+            # (Liger's kernels already in, chosen by the loader: not applied twice, which would
+            # replace the MLP tiling installed over them.)
+            if getattr(args, "use_liger_kernel", False) and not runs_liger(model):
                 _warn_plan_without_liger(model)
                 apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
             run = _run_options(args, _options_of_streamed(state, args))
@@ -408,6 +426,8 @@ class MegaTrainerMixin:
         #: The engine options of this run (resolved: see ``EngineOptions.resolve``).
         self.megatrain_options = run
         _check_data_parallel(self.megatrain, args)
+        # Ulysses (DeepSpeed's): attention wrapped now; batches sharded in get_train_dataloader.
+        self._megatrain_sp = setup_sequence_parallel(model, args, run.options.sequence_parallel)
         _check_grad_mode(self.megatrain, args, run)
         _warn_attention_outputs_unused(model, run)
         self._wrapper = StreamedModelWrapper(
@@ -454,6 +474,12 @@ class MegaTrainerMixin:
             # The last optimizer step may still be updating the host store on its thread:
             # finish it so weights are final (and no thread outlives the run).
             self.megatrain.engine.wait_updates()
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        sp = getattr(self, "_megatrain_sp", None)
+        # Sequence parallelism: each rank gets its shard of every row of its group's batches.
+        return loader if sp is None else sp.wrap_dataloader(loader, self.args.device)
 
     # ---- placement and wrapping ---------------------------------------------------------------
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:

@@ -1,0 +1,221 @@
+"""Fast by default (issue 20): the defaults are the measured-fastest exact settings, chosen from
+the memory plan of the actual workload, and Liger-Kernel's layer kernels where they apply.
+
+CPU only: the planner's choices for Llama-3.1-8B on an H200's memory, the layer-kernel
+decision with liger-kernel's presence and CUDA simulated, and what the trainer does with the
+defaults here (no plan, no CUDA: nothing kept, PyTorch's kernels, no warning)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_megatrain.core.options import EngineOptions, StepShape
+from hf_megatrain.core.plan_search import ATTENTION_FIRST_TOKENS
+from hf_megatrain.core.planner import GIB, plan_memory
+from hf_megatrain.hf.long_context import (
+    LIGER_INSTALL,
+    LIGER_LAYER_KERNELS,
+    choose_layer_kernels,
+)
+
+from .helpers import patch_mlps_as_liger, run_trainer, simulate_liger, tiny_config, tiny_model
+
+CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+H200 = int(139.3 * GIB)
+HOST = 124 * GIB
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from hf_megatrain.hf.model import model_shape_from_config  # noqa: PLC0415
+
+    return model_shape_from_config(AutoConfig.from_pretrained(CONFIGS / "llama-3.1-8b"), "8b")
+
+
+def _plan(shape, tokens, hbm=H200, host=HOST, **options):
+    resolved = EngineOptions(**options).resolve(clipping=True, cuda=True)
+    step = StepShape(seq_len=4096, micro_batch_tokens=tokens)
+    return plan_memory(shape, step, resolved, torch.bfloat16, hbm, host)
+
+
+def _attention_line(plan) -> int:
+    return sum(ln.nbytes for ln in plan.gpu_lines if ln.name.startswith("attention outputs"))
+
+
+# ---- keep_attention_outputs "auto" in the plan -------------------------------------------------
+def test_auto_attention_outputs_go_before_the_tier_at_64k_and_are_counted(llama8b):
+    """The headline workload: every layer keeps its attention outputs and the tier takes what
+    they leave (13 layers, as measured fastest: 461 against 451 TFLOP/s with 18 and none); the
+    outputs' bytes are a GPU line of the plan, which still fits."""
+    off = _plan(llama8b, 65536, keep_attention_outputs="off")
+    auto = _plan(llama8b, 65536)
+    assert (off.n_hbm, off.attention_layers) == (18, 0)
+    assert (auto.n_hbm, auto.attention_layers) == (13, 32)
+    assert auto.fits and auto.gpu_total <= H200
+    assert _attention_line(auto) == _attention_line(
+        _plan(llama8b, 65536, keep_attention_outputs="all")
+    )
+    assert _attention_line(auto) > 16 * GIB  # 32 layers x 64k tokens x (32 x 128 x 2 + 32 x 4) B
+    table = auto.table()
+    assert "attention outputs kept for the recompute: 32 layers, 0-31 (auto" in table
+    assert "planned before the HBM tier" in table
+
+
+def test_auto_attention_outputs_fill_what_is_left_below_64k(llama8b):
+    """Shorter micro-batches: the tier first (as without them), attention outputs in the rest."""
+    tokens = ATTENTION_FIRST_TOKENS // 4
+    off = _plan(llama8b, tokens, keep_attention_outputs="off", keep_activations="off")
+    auto = _plan(llama8b, tokens, keep_activations="off")
+    assert auto.n_hbm == off.n_hbm
+    assert auto.fits and "the tier first" in auto.table()
+
+
+def test_auto_attention_outputs_never_make_a_fitting_plan_not_fit(llama8b):
+    """HBM for the run without them and little more: "auto" keeps only what fits beside it."""
+    off = _plan(llama8b, 65536, keep_attention_outputs="off", keep_activations="off")
+    tight = off.gpu_total - sum(ln.nbytes for ln in off.gpu_lines if "HBM-tier" in ln.name)
+    tight += 4 * GIB  # the no-tier run and 4 GiB: room for a few layers' attention outputs
+    base = _plan(llama8b, 65536, hbm=tight, keep_attention_outputs="off")
+    auto = _plan(llama8b, 65536, hbm=tight)
+    assert base.fits and auto.fits
+    assert 0 < auto.attention_layers < 32
+    assert auto.gpu_total <= tight
+    # Host RAM that holds the streamed layers of the 18-layer tier but not of the 13-layer one:
+    # the attention outputs give way so that the tier stays large enough for the host.
+    host = off.host_total + 2 * GIB
+    auto_host = _plan(llama8b, 65536, host=host)
+    assert _plan(llama8b, 65536, host=host, keep_attention_outputs="off").fits
+    assert auto_host.fits and auto_host.n_hbm > 13 and auto_host.attention_layers < 32
+
+
+def test_auto_attention_outputs_plan_nothing_for_attention_outside_sdpa(llama8b):
+    eager = replace(llama8b, sdpa_attention=False)
+    off = _plan(eager, 65536, keep_attention_outputs="off")
+    auto = _plan(eager, 65536)
+    assert auto.attention_layers == 0 and auto.n_hbm == off.n_hbm
+    assert "none (attention does not run through PyTorch SDPA)" in auto.table()
+    # Without the step (a fixed reserve) nothing is kept either.
+    resolved = EngineOptions().resolve(clipping=True, cuda=True)
+    assert plan_memory(llama8b, None, resolved, torch.bfloat16, H200, HOST).attention_layers == 0
+
+
+def test_the_trainer_defaults_on_cpu_keep_nothing_and_do_not_warn(tmp_path, caplog):
+    """No plan on a CPU: keep_attention_outputs "auto" keeps none, silently, also for attention
+    outside SDPA; "all" asked for there is warned about (it cannot be used)."""
+    model = tiny_model(tiny_config("llama"))
+    model.config._attn_implementation = "eager"
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+        _, trainer = run_trainer(model, tmp_path, "auto", mega=True, max_steps=1)
+    layers = trainer.model.model.layers
+    assert not any(layer.forward.keep_attention for layer in layers)
+    assert not [r for r in caplog.records if "keep_attention_outputs" in r.getMessage()]
+    caplog.clear()
+    model = tiny_model(tiny_config("llama"))
+    model.config._attn_implementation = "eager"
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+        run_trainer(
+            model, tmp_path, "all", mega=True, max_steps=1, megatrain_keep_attention_outputs="all"
+        )
+    assert [r for r in caplog.records if "keep_attention_outputs has no effect" in r.getMessage()]
+
+
+# ---- layer_kernels -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "installed, cuda, family, liger, why",
+    [
+        (False, True, "llama", False, f"not installed: {LIGER_INSTALL}"),
+        (True, False, "llama", False, "no CUDA device"),
+        (True, True, "llama", True, "installed, llama"),
+        (True, True, "qwen3", True, "installed, qwen3"),
+        (True, True, "gemma", False, "not a family they are used for automatically"),
+        (True, True, "olmo", False, "not a family they are used for automatically"),
+    ],
+)
+def test_auto_layer_kernels(monkeypatch, installed, cuda, family, liger, why):
+    simulate_liger(monkeypatch, installed=installed, cuda=cuda)
+    choice = choose_layer_kernels("auto", family, "cuda" if cuda else "cpu")
+    assert choice.liger == liger and why in choice.why
+    assert choice.log_line().startswith(
+        f"hf_megatrain: Liger-Kernel layer kernels: {'on' if liger else 'off'} ("
+    )
+    assert not choose_layer_kernels("torch", family, "cuda").liger
+
+
+def test_asked_for_liger_kernels_must_be_able_to_run(monkeypatch):
+    """'liger' or use_liger_kernel=True: Liger's kernels for any family Liger patches, and a
+    clear error where they cannot run."""
+    simulate_liger(monkeypatch, installed=False)
+    with pytest.raises(ImportError, match=r"megatrain_layer_kernels='liger' needs liger-kernel"):
+        choose_layer_kernels("liger", "llama", "cuda")
+    with pytest.raises(ImportError, match=r"use_liger_kernel=True needs liger-kernel \(pip"):
+        choose_layer_kernels("auto", "llama", "cuda", requested=True)
+    simulate_liger(monkeypatch, cuda=False)
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        choose_layer_kernels("liger", "llama", "cpu")
+    simulate_liger(monkeypatch)
+    assert choose_layer_kernels("liger", "gemma", "cuda").liger  # asked for: Liger patches it
+    assert choose_layer_kernels("auto", "llama", "cuda", requested=True).liger
+    with pytest.raises(ValueError, match="no kernels for model_type 'olmo'"):
+        choose_layer_kernels("liger", "olmo", "cuda")
+    with pytest.raises(ValueError, match="forbids them"):
+        choose_layer_kernels("torch", "llama", "cuda", requested=True)
+
+
+def test_trainer_applies_liger_automatically_before_streaming(tmp_path, monkeypatch, caplog):
+    """Default arguments, liger-kernel present and CUDA (simulated): the layer kernels go in
+    before the model is streamed (the plan counts them), Liger's layer kernels only; without
+    the package, one line says how to get them and nothing is applied."""
+    import hf_megatrain.hf.long_context as long_context  # noqa: PLC0415
+    from hf_megatrain.hf.model import model_shape, streamed_state  # noqa: PLC0415
+
+    calls = []
+
+    def fake_apply(model, config):
+        calls.append((config, streamed_state(model) is None))
+        patch_mlps_as_liger(model)
+
+    monkeypatch.setattr(long_context, "apply_liger_kernels", fake_apply)
+    simulate_liger(monkeypatch, installed=False)
+    with caplog.at_level(logging.INFO, logger="hf_megatrain"):
+        _, trainer = run_trainer(tiny_model(tiny_config("llama")), tmp_path, "a", mega=True)
+    assert calls == [] and not model_shape(trainer.model).fused_layer_kernels
+    said = [
+        r.getMessage() for r in caplog.records if "Liger-Kernel layer kernels" in r.getMessage()
+    ]
+    assert said == [
+        f"hf_megatrain: Liger-Kernel layer kernels: off (not installed: {LIGER_INSTALL})"
+    ]
+    caplog.clear()
+    simulate_liger(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="hf_megatrain"):
+        _, trainer = run_trainer(tiny_model(tiny_config("llama")), tmp_path, "b", mega=True)
+    assert calls == [(LIGER_LAYER_KERNELS, True)]  # once, before streaming, layer kernels only
+    assert model_shape(trainer.model).fused_layer_kernels
+    assert "Liger-Kernel layer kernels: on (installed, llama)" in caplog.text
+    assert not trainer.args.use_liger_kernel  # the Trainer's own patching stays off
+
+
+def test_plan_says_which_layer_kernels_it_planned_for(monkeypatch, capsys):
+    from hf_megatrain.cli import main  # noqa: PLC0415
+
+    argv = ["plan", str(CONFIGS / "llama-3.1-8b"), "--seq-len", "4096", "--tokens-per-step",
+            "65536", "--hbm-gib", "139.3", "--host-gib", "124", "--no-search"]  # fmt: skip
+    simulate_liger(monkeypatch, installed=False)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Liger-Kernel layer kernels: off (not installed here" in out
+    assert "layers: 13 in HBM" in out
+    simulate_liger(monkeypatch)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Liger-Kernel layer kernels: on (installed, llama)" in out
+    assert "layers: 14 in HBM" in out  # the fused kernels' smaller working set (liger-plan-1707)
+    assert main(argv + ["--layer-kernels", "torch"]) == 0
+    assert "layers: 13 in HBM" in capsys.readouterr().out
