@@ -73,6 +73,8 @@ def _loader_arguments(settings: TrainSettings) -> dict:
     step = None
     if settings.engine.resident_layers != "0":
         batch = args.per_device_train_batch_size
+        # Per rank: under sequence parallelism each rank holds seq_len / N of every row.
+        seq_len = -(-seq_len // settings.engine.sequence_parallel)
         step = StepShape(seq_len, batch * seq_len, args.gradient_accumulation_steps)
     return dict(
         options=settings.engine,

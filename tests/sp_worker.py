@@ -1,8 +1,10 @@
 """One training run for the sequence-parallel tests: a single process on whole sequences, or one
 rank of ``torchrun --nproc_per_node N tests/sp_worker.py --sequence-parallel N`` (Ulysses).
 
-Each rank writes ``DIR/rank{r}.json`` (its logs); rank 0's ``trainer.save_model`` writes
-``DIR/final``. The batch arguments are per rank and the same for both runs: with sequence
+Each rank writes ``DIR/rank{r}.json`` (its logs, the planned step); rank 0's
+``trainer.save_model`` writes ``DIR/final``; ``--save-steps K`` checkpoints into
+``DIR/run/checkpoint-K`` and ``--then-resume CHECKPOINT OUT`` resumes from one afterwards, in the
+same processes. The batch arguments are per rank and the same for both runs: with sequence
 parallelism a group's ranks process their batches one after the other, each split along the
 sequence, so a step sees the rows a single process sees (see tests/test_sequence_parallel.py).
 """
@@ -13,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 # Run as a script by torchrun: make the repository importable (tests.helpers, hf_megatrain).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,19 +39,44 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--sequence-parallel", type=int, default=1)
     p.add_argument("--heads", type=int, default=None, help="num_attention_heads (and kv heads)")
+    p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: none)")
+    p.add_argument(
+        "--then-resume",
+        nargs=2,
+        metavar=("CHECKPOINT", "OUT"),
+        help="afterwards, in the same processes (imports paid once): resume from CHECKPOINT "
+        "(e.g. the one this run wrote, or another run's, waited for) into OUT, without saving",
+    )
     a = p.parse_args()
-    os.makedirs(a.out, exist_ok=True)
+    run(a, a.out, None, a.save_steps)
+    if a.then_resume:
+        checkpoint, out = a.then_resume
+        deadline = time.monotonic() + 600
+        while not os.path.isdir(checkpoint):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no checkpoint {checkpoint} after 600 s")
+            time.sleep(0.2)
+        run(a, out, checkpoint, 0)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) -> None:
+    """One training into ``out`` (resumed from ``resume``); writes this rank's report there."""
+    os.makedirs(out, exist_ok=True)
     shape = dict(num_hidden_layers=a.layers)
     if a.heads is not None:
         shape.update(num_attention_heads=a.heads, num_key_value_heads=a.heads)
     model = tiny_model(tiny_config(a.arch, **shape))
+    save = dict(save_strategy="steps", save_steps=save_steps) if save_steps else {}
     args = MegaTrainArguments(
-        output_dir=os.path.join(a.out, "run"),
+        output_dir=os.path.join(out, "run"),
         **common_args(
             per_device_train_batch_size=a.per_device_batch,
             gradient_accumulation_steps=a.grad_accum,
             max_steps=a.steps,
             megatrain_sequence_parallel=a.sequence_parallel,
+            **save,
         ),
     )
     rec = LogRecorder()
@@ -57,26 +85,26 @@ def main() -> None:
         trainer = HFMegaTrainer(model=model, args=args, train_dataset=data, callbacks=[rec])
     except Exception as e:  # the refusals the tests check: written where the test reads them
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"error": f"{type(e).__name__}: {e}"}, f)
         raise
-    trainer.train()
-    trainer.save_model(os.path.join(a.out, "final"))
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(os.path.join(out, "final"))
     dp = trainer.megatrain.engine.dp
     rank = 0 if dp is None else dp.rank
+    step = trainer.megatrain.step  # the micro-batch the memory plan sizes activations for
     report = {
         "world_size": 1 if dp is None else dp.world_size,
         "logs": rec.logs,
         "optimizer_steps": trainer.state.global_step,
         # The row length the rank's layers ran on (seq / N under sequence parallelism).
         "seq_len_seen": trainer._last_seq_len,
+        "planned_step": None if step is None else [step.seq_len, step.micro_batch_tokens],
         # The function transformers calls for the model's attention (DeepSpeed's wrapper).
         "attention_function": ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation].__name__,
     }
-    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -18,11 +18,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import hf_megatrain.hf.trainer as trainer_module
+from hf_megatrain import HFMegaTrainer
+from hf_megatrain.cli import parse_train
+from hf_megatrain.cli_train import _loader_arguments
 from hf_megatrain.core.options import EngineOptions, OptionError
 from hf_megatrain.hf.sequence_parallel import SequenceParallelError, check_sequence_parallel
 from tests.helpers import tiny_config
@@ -46,20 +51,26 @@ def _run(out: Path, world: int, *extra: str, check: bool = True, sp: int = 0) ->
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     else:
         assert proc.returncode != 0, "the run should have failed"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return _reports(out, world)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def runs(request, tmp_path_factory):
     """One single-process run on whole rows and one 2-rank Ulysses run (GA 2, clipping, 3
     steps). Both tiny models are GQA (4 query heads, 2 key/value heads): each rank attends with
-    2 query heads and 1 key/value head over the whole sequence; qwen3 adds its q/k norms."""
+    2 query heads and 1 key/value head over the whole sequence; qwen3 adds its q/k norms.
+
+    The Ulysses run checkpoints at step 2 and, in the same processes, resumes from it into
+    ``sp_resumed``; the single process then resumes from that 2-rank checkpoint into
+    ``single_from_sp`` (another layout: whole rows, no sharding)."""
     pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
     arch = request.param
     root = tmp_path_factory.mktemp(f"sp-{arch}")
     common = ("--arch", arch, "--seq", "64", "--grad-accum", "2", "--steps", "3")
-    single = _run(root / "single", 1, *common)
-    sp = _run(root / "sp", 2, *common)
+    ckpt = str(root / "sp" / "run" / "checkpoint-2")
+    resume = ("--then-resume", ckpt, str(root / "sp_resumed"))
+    sp = _run(root / "sp", 2, *common, "--save-steps", "2", *resume)
+    single = _run(root / "single", 1, *common, "--then-resume", ckpt, str(root / "single_from_sp"))
     return root, single, sp
 
 
@@ -88,6 +99,35 @@ def test_sequence_parallel_equals_single_process(runs):
     # The saved model, from the shared host store: after 3 AdamW steps at lr 1e-2 the weights
     # differ by ~1e-7 (observed 9.3e-8); attention without the all-to-all leaves 3e-2.
     _weights_close(root / "single", root / "sp", atol=1e-6)
+    # The memory plan sized activations for this rank's shard: half of each 64-token row.
+    assert single[0]["planned_step"] == [64, 2 * 64]
+    assert all(r["planned_step"] == [32, 2 * 32] for r in sp)
+
+
+def _reports(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_sequence_parallel_resumes(runs):
+    """Resumed from its step-2 checkpoint, the Ulysses run ends as the uninterrupted one: the
+    Trainer's skip of the trained batches goes through the sharded loader (accelerate's own
+    would rebuild a plain DataLoader: whole rows on every rank, and twice the rows skipped). One
+    process resumed from the 2-rank checkpoint ends as the single-process run."""
+    root, single, sp = runs
+    for r, resumed in zip(sp, _reports(root / "sp_resumed", 2), strict=True):
+        assert resumed["optimizer_steps"] == 3
+        assert resumed["seq_len_seen"] == 32
+        (last,) = resumed["logs"]  # only step 3 ran
+        # Same processes, same shards, same order of sums: observed equal to the last digit.
+        for k in ("loss", "grad_norm", "learning_rate"):
+            assert last[k] == pytest.approx(r["logs"][-1][k], rel=1e-6), k
+    _weights_close(root / "sp", root / "sp_resumed", atol=1e-7)
+    (other,) = _reports(root / "single_from_sp", 1)
+    assert other["optimizer_steps"] == 3 and other["seq_len_seen"] == 64
+    (last,) = other["logs"]
+    for k in ("loss", "grad_norm"):
+        assert last[k] == pytest.approx(single[0]["logs"][-1][k], rel=1e-5), k
+    _weights_close(root / "single", root / "single_from_sp", atol=1e-6)
 
 
 def _weights_close(a: Path, b: Path, atol: float) -> None:
@@ -163,3 +203,37 @@ def test_option_validated():
     assert EngineOptions().sequence_parallel == 1
     with pytest.raises(OptionError, match="sequence_parallel=0"):
         EngineOptions(sequence_parallel=0)
+
+
+def test_cli_plans_the_shard():
+    """The CLI streams the model before the trainer: its plan's step is per rank too."""
+    whole = _loader_arguments(parse_train(["--seq_len", "64"]))["step"]
+    shard = _loader_arguments(parse_train(["--seq_len", "64", "--sequence-parallel", "2"]))["step"]
+    assert whole.seq_len == 64
+    assert (shard.seq_len, shard.micro_batch_tokens) == (32, whole.micro_batch_tokens // 2)
+    assert shard.grad_accum == whole.grad_accum
+
+
+def test_mfu_attention_over_the_whole_row(monkeypatch):
+    """MFU's attention term is per token over the row it attends to: under sequence parallelism
+    the global row (N x the local shard the layers ran on), not the shard."""
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: 11.0))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 0)
+
+    def mfu(sp):
+        fake = SimpleNamespace(  # the attributes _throughput_logs reads
+            _time_of_log=10.0,  # 1 s ago
+            _tokens_since_log=1000,  # this rank's (shard) tokens
+            _last_seq_len=32,  # the shard's length
+            _megatrain_sp=sp,
+            _num_params=lambda: 100,
+            args=SimpleNamespace(world_size=2, device="cpu"),
+            megatrain_options=SimpleNamespace(peak_tflops=1e-6),  # 1e6 FLOP/s
+            megatrain=SimpleNamespace(engine=SimpleNamespace(is_cuda=True)),
+            model=SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, hidden_size=8)),
+        )
+        return HFMegaTrainer._throughput_logs(fake)["mfu"]
+
+    # 2000 tokens/s over 2 GPUs; per token 6 x 100 params + 6 x 2 layers x 8 hidden x row.
+    assert mfu(None) == pytest.approx((600 + 96 * 32) * 2000 / 2e6)
+    assert mfu(SimpleNamespace(size=2)) == pytest.approx((600 + 96 * 64) * 2000 / 2e6)

@@ -27,6 +27,11 @@ of the global token mean, sum over all tokens / T, exactly what one process comp
 sequences. (Averaging per-rank *mean* losses instead would be wrong here: the last shard has one
 valid label fewer.) Groups of N are data parallel to each other through the same reduction.
 
+The memory plan sizes activations for this rank's shard (seq_len / N tokens per row: the
+trainer's ``_plan_step``); a resume within an epoch skips shards, not rows
+(``SequenceShardedLoader.skip_first_batches``, installed in place of accelerate's for the
+Trainer's resume).
+
 Not here: evaluation runs without sequence parallelism (each rank evaluates its own rows on whole
 sequences, ``disable_in_eval``); attention masks are dropped (causal attention from positions;
 right padding is harmless, packed documents need flash attention's position-id path); sliding-
@@ -156,6 +161,7 @@ class SequenceParallel:
             # Evaluation batches are not sharded: each rank evaluates its own whole rows.
             disable_in_eval=True,
         )
+        _install_resume_skip()
         self.size = size
         self.group = mpu.get_sequence_parallel_group()
         self.rank = dist.get_rank(self.group)
@@ -198,13 +204,24 @@ class SequenceShardedLoader:
     ``shift_labels`` (already shifted: the loss uses ``shift_labels``; the Trainer counts the
     tokens of ``num_items_in_batch`` from them)."""
 
-    def __init__(self, dataloader, sp: SequenceParallel, device) -> None:
+    def __init__(self, dataloader, sp: SequenceParallel, device, skip: int = 0) -> None:
         self.dataloader = dataloader
         self.sp = sp
         self.device = torch.device(device)
+        self.skip = skip  # shards dropped at the start (a resume within a group's batches)
 
     def __len__(self) -> int:
-        return len(self.dataloader) * self.sp.size
+        return len(self.dataloader) * self.sp.size - self.skip
+
+    def skip_first_batches(self, num_batches: int) -> SequenceShardedLoader:
+        """This loader without its first ``num_batches`` (sharded) batches, for a resume: whole
+        rounds of the group's batches skipped in the wrapped loader (accelerate's
+        ``skip_first_batches``, nothing loaded), the rest dropped after sharding."""
+        from accelerate import skip_first_batches  # noqa: PLC0415
+
+        rounds, rest = divmod(num_batches, self.sp.size)
+        inner = skip_first_batches(self.dataloader, rounds) if rounds else self.dataloader
+        return SequenceShardedLoader(inner, self.sp, self.device, skip=rest)
 
     def __getattr__(self, name):  # batch_size, dataset, sampler, ... of the wrapped loader
         if name == "dataloader":
@@ -223,9 +240,40 @@ class SequenceShardedLoader:
             sp_world_size=self.sp.size,
             device=self.device,
         )
-        for batch in adapter:
+        for i, batch in enumerate(adapter):
+            if i < self.skip:
+                continue
             batch["labels"] = batch["shift_labels"]
             yield batch
+
+
+def _skip_first_batches(dataloader, num_batches: int = 0):
+    """``transformers.trainer.skip_first_batches`` (accelerate's), for a sharded loader too."""
+    if isinstance(dataloader, SequenceShardedLoader):
+        return dataloader.skip_first_batches(num_batches)
+    return _skip_first_batches.original(dataloader, num_batches)
+
+
+def _install_resume_skip() -> None:
+    """Make the Trainer's resume skip shards, not whole rows.
+
+    On a resume within an epoch the Trainer calls accelerate's ``skip_first_batches`` on the
+    train dataloader, which rebuilds a plain DataLoader from its dataset and sampler: our
+    sharding would be lost (every rank training on whole rows through the Ulysses wrapper) and
+    N times too many rows skipped. The Trainer looks the function up in its module; ours
+    dispatches on the loader's type and leaves every other loader to accelerate's."""
+    import transformers.trainer as hf_trainer  # noqa: PLC0415
+
+    current = getattr(hf_trainer, "skip_first_batches", None)
+    if current is None:
+        logger.warning(
+            "hf_megatrain: transformers.trainer has no skip_first_batches: resuming a "
+            "sequence-parallel run within an epoch is not adapted to the sharded batches"
+        )
+        return
+    if current is not _skip_first_batches:
+        _skip_first_batches.original = current
+        hf_trainer.skip_first_batches = _skip_first_batches
 
 
 def setup_sequence_parallel(model: nn.Module, args, size: int) -> SequenceParallel | None:

@@ -258,12 +258,16 @@ def _first_row_length(dataset: Any) -> int | None:
 
 def _plan_step(args: TrainingArguments, options: EngineOptions, dataset: Any) -> StepShape | None:
     """The micro-batch split the HBM tier is planned for (None: use the reserve): for
-    resident_layers 'auto', and for a count, whose plan sizes keep_activations 'auto'."""
+    resident_layers 'auto', and for a count, whose plan sizes keep_activations 'auto'.
+
+    Per rank: with sequence_parallel=N each rank's layers run on seq_len / N tokens of every row
+    (its shard), so the plan sizes activations for that (the row length is the global one)."""
     if options.resident_layers == "0":
         return None
     seq_len = options.plan_seq_len or _first_row_length(dataset)
     if not seq_len:
         return None
+    seq_len = -(-seq_len // options.sequence_parallel)  # this rank's shard of a row
     return StepShape(
         seq_len=seq_len,
         micro_batch_tokens=args.per_device_train_batch_size * seq_len,
@@ -691,9 +695,12 @@ class MegaTrainerMixin:
             peak = self.megatrain_options.peak_tflops
             if self.megatrain.engine.is_cuda and peak:
                 cfg = self.model.config
-                attn = (
-                    6 * cfg.num_hidden_layers * cfg.hidden_size * getattr(self, "_last_seq_len", 0)
-                )
+                # A token attends over its whole row: under sequence parallelism the row is N
+                # times the local shard (each rank attends for all tokens with 1/N of the heads,
+                # the same FLOPs per local token as one GPU on whole rows).
+                sp = getattr(self, "_megatrain_sp", None)
+                seq_len = getattr(self, "_last_seq_len", 0) * (1 if sp is None else sp.size)
+                attn = 6 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
                 out["mfu"] = round((6 * n_params + attn) * tps / (world * peak * 1e12), 4)
         self._tokens_since_log = 0
         self._time_of_log = now
