@@ -465,3 +465,33 @@ def simulate_liger(monkeypatch, *, installed: bool = True, cuda: bool = True) ->
     monkeypatch.setattr(
         long_context, "liger_model_types", lambda: frozenset({"llama", "qwen2", "qwen3", "gemma"})
     )
+
+
+# ---- comparing a multi-process run with one process (tests/test_distributed.py, test_multinode.py)
+def saved_weights(folder) -> dict[str, torch.Tensor]:
+    """The tensors of ``folder/model.safetensors``."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    return load_file(str(folder) + "/model.safetensors")
+
+
+def assert_same_training_logs(a: list[dict], b: list[dict], rel: float = 1e-5) -> None:
+    """Per-step loss, grad_norm and learning rate of two runs that differ in fp32 summation order
+    only (the ranks' partial gradients summed in stages, not in one pass: observed <= 2e-7
+    relative). A gradient not averaged, a rank's or node's share dropped, or a layer counted
+    twice in the norm shows at the 10-100% (or sqrt(2)) level."""
+    import pytest  # noqa: PLC0415
+
+    assert len(a) == len(b) > 0
+    for step, (x, y) in enumerate(zip(a, b), 1):
+        assert y["loss"] == pytest.approx(x["loss"], rel=rel), f"loss at step {step}"
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=rel), f"grad_norm at {step}"
+        assert y["learning_rate"] == x["learning_rate"], f"learning_rate at step {step}"
+
+
+def assert_close_weights(a: dict, b: dict, atol: float = 1e-6) -> None:
+    """Same ordering argument for the weights: after a few AdamW steps at lr 1e-2 they differ by
+    ~1e-7; a missed or doubled update of a layer (one rank's, one node's) leaves ~1e-2."""
+    assert sorted(a) == sorted(b)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)

@@ -21,6 +21,10 @@ from safetensors.torch import load_file
 
 from hf_megatrain.core.distributed import DataParallel, DataParallelError
 
+from .helpers import assert_close_weights as _assert_close_weights
+from .helpers import assert_same_training_logs as _assert_same_training
+from .helpers import saved_weights as _weights
+
 WORKER = Path(__file__).with_name("dp_worker.py")
 ROOT = WORKER.parent.parent
 
@@ -38,31 +42,6 @@ def _run(out: Path, world: int, *extra: str, batch: int = 2) -> list[dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "model.safetensors"))
-
-
-def _assert_same_training(single: list[dict], dp: list[dict], rel: float = 1e-5) -> None:
-    assert len(single) == len(dp) > 0
-    for step, (a, b) in enumerate(zip(single, dp), 1):
-        # fp32 on CPU: the ranks' half-batch gradients are summed and halved (exact) instead of
-        # summed in one pass, so only the fp32 summation order differs (observed <= 1e-7
-        # relative). A gradient not averaged (x2) or a rank's share dropped shows in grad_norm
-        # at the 10-100% level.
-        assert b["loss"] == pytest.approx(a["loss"], rel=rel), f"loss at step {step}"
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel), f"grad_norm at {step}"
-        assert b["learning_rate"] == a["learning_rate"], f"learning_rate at step {step}"
-
-
-def _assert_close_weights(a: dict, b: dict, atol: float = 1e-6) -> None:
-    assert sorted(a) == sorted(b)
-    for name in a:
-        # Same ordering argument as the logs: after 4 AdamW steps at lr 1e-2 the weights differ
-        # by ~1e-7 (observed 1.2e-7); a missed update of a layer owned by the other rank would
-        # leave a ~1e-2 difference.
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,10 @@ from hf_megatrain.core import distributed
 from hf_megatrain.core.distributed import DataParallel, DataParallelError, launch_layout_error
 from hf_megatrain.hf.checkpoint import save_optimizer_state
 
+from .helpers import assert_close_weights as _assert_close_weights
+from .helpers import assert_same_training_logs as _assert_same_logs
+from .helpers import saved_weights as _weights
+
 WORKER = Path(__file__).with_name("dp_worker.py")
 ROOT = WORKER.parent.parent
 NODES, PER_NODE = 2, 2
@@ -117,31 +121,6 @@ def _finish(procs: list, timeout: float = 400) -> None:
 
 def _reports(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "model.safetensors"))
-
-
-def _assert_same_logs(a: list[dict], b: list[dict], rel: float = 1e-5) -> None:
-    assert len(a) == len(b) > 0
-    for step, (x, y) in enumerate(zip(a, b), 1):
-        # fp32 on CPU: the 4 ranks' quarter-batch gradients are summed in two stages (within a
-        # node to the owner, then across nodes) and scaled by 1/4 instead of summed in one
-        # pass, so only the fp32 summation order differs (observed <= 2e-7 relative). A layer
-        # counted once per node in the norm shows as sqrt(2) in grad_norm; a node's share
-        # dropped or not averaged as 10-100%.
-        assert y["loss"] == pytest.approx(x["loss"], rel=rel), f"loss at step {step}"
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=rel), f"grad_norm at {step}"
-        assert y["learning_rate"] == x["learning_rate"], f"learning_rate at step {step}"
-
-
-def _assert_close_weights(a: dict, b: dict, atol: float = 1e-6) -> None:
-    assert sorted(a) == sorted(b)
-    for name in a:
-        # Same ordering argument: after 4 AdamW steps at lr 1e-2 the weights differ by ~1e-7;
-        # a missed or doubled update of a layer (e.g. on one node) leaves ~1e-2.
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
 
 
 def _assert_nodes_agree(reports: list[dict]) -> None:
