@@ -121,6 +121,14 @@ ALIASES: dict[str, tuple[str, Any]] = {
     "no_verify": ("verify", False),
 }
 
+#: The first CLI's recipe key ``precision``: its value as (argument, value).
+_PRECISION_KEYS = {
+    "auto": ("bf16", None),
+    "bf16": ("bf16", True),
+    "fp32": ("bf16", False),
+    "fp16": ("fp16", True),
+}
+
 #: ``--resume_from_checkpoint`` values that mean "the newest checkpoint in --output_dir".
 RESUME_LAST = ("last", "true", "latest")
 
@@ -200,14 +208,7 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name == "precision":  # the first CLI's key: auto | bf16 | fp32
-            name, value = (
-                "bf16",
-                {"auto": None, "bf16": True, "fp32": False, "fp16": "fp16"}.get(
-                    str(value).lower(), value
-                ),
-            )
-            if value == "fp16":
-                name, value = "fp16", True
+            name, value = _PRECISION_KEYS.get(str(value).lower(), ("bf16", value))
         if name not in known:
             raise CLIError(
                 f"recipe {path}: unknown key '{key}' (keys are the argument names of "
@@ -269,9 +270,8 @@ def parse_train_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> T
 
     engine_values = {k: values.pop(k) for k in EngineOptions.field_names()}
     try:
-        engine = options_from_mapping(
-            {k: v for k, v in (recipe | engine_values).items() if v is not None}
-        )
+        # The recipe's engine keys are parser defaults by now: the namespace holds them.
+        engine = options_from_mapping({k: v for k, v in engine_values.items() if v is not None})
     except OptionError as e:
         raise CLIError(flag_message(str(e))) from None
 

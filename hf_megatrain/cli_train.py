@@ -191,7 +191,7 @@ def _dir_size_mb(path: str, suffix: str) -> tuple[int, float]:
 def _warn_checkpoint_disk(settings: TrainSettings, n_params: int) -> None:
     """Say early when the checkpoints the run will write cannot fit on the output disk."""
     args = settings.training
-    if args.save_strategy in ("no", None) or str(args.save_strategy) == "SaveStrategy.NO":
+    if args.save_strategy == "no":  # a SaveStrategy, a str enum
         return
     need = n_params * _CHECKPOINT_BYTES_PER_PARAM
     keep = (args.save_total_limit or 0) + 1  # rotation deletes the oldest after the next lands

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 
 # Run as a script by torchrun: make the repository importable (tests.helpers, hf_megatrain).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,7 +23,15 @@ import torch  # noqa: E402
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments  # noqa: E402
 from hf_megatrain.hf.checkpoint import host_state_dict  # noqa: E402
-from tests.helpers import LogRecorder, common_args, make_data, tiny_config, tiny_model  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    LogRecorder,
+    add_then_resume_argument,
+    common_args,
+    make_data,
+    run_then_resume,
+    tiny_config,
+    tiny_model,
+)
 
 
 def weights_digest(model) -> str:
@@ -53,27 +60,9 @@ def main() -> None:
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--stream-fp32-master", action="store_true")
     p.add_argument("--keep-attention-outputs", action="store_true")
-    p.add_argument(
-        "--then-resume",
-        nargs=2,
-        metavar=("CHECKPOINT", "OUT"),
-        help="afterwards, in the same processes (imports paid once): wait for CHECKPOINT (e.g. "
-        "another run's, published whole) and resume from it into OUT, without saving",
-    )
+    add_then_resume_argument(p)
     a = p.parse_args()
-    run(a, a.out, a.resume, a.save_steps)
-    if a.then_resume:
-        checkpoint, out = a.then_resume
-        deadline = time.monotonic() + 600
-        while not os.path.isdir(checkpoint):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no checkpoint {checkpoint} after 600 s")
-            time.sleep(0.2)
-        run(a, out, checkpoint, 0)
-    if torch.distributed.is_initialized():
-        # Left to interpreter exit, gloo's threads may be torn down while still joinable
-        # ("terminate called without an active exception", SIGABRT).
-        torch.distributed.destroy_process_group()
+    run_then_resume(run, a, a.resume)
 
 
 def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) -> None:

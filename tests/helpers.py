@@ -495,3 +495,36 @@ def assert_close_weights(a: dict, b: dict, atol: float = 1e-6) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
+
+
+# ---- the multi-process workers (tests/dp_worker.py, tests/sp_worker.py) ------------------------
+def add_then_resume_argument(parser) -> None:
+    """``--then-resume CHECKPOINT OUT``: a second training in the same processes."""
+    parser.add_argument(
+        "--then-resume",
+        nargs=2,
+        metavar=("CHECKPOINT", "OUT"),
+        help="afterwards, in the same processes (imports paid once): wait for CHECKPOINT (e.g. "
+        "another run's, published whole) and resume from it into OUT, without saving",
+    )
+
+
+def run_then_resume(run, a, resume: str | None = None) -> None:
+    """``run(a, out, resume, save_steps)`` into ``a.out``; then, with ``--then-resume``, once the
+    checkpoint exists, again from it; then the process group torn down."""
+    import os  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    run(a, a.out, resume, a.save_steps)
+    if a.then_resume:
+        checkpoint, out = a.then_resume
+        deadline = time.monotonic() + 600
+        while not os.path.isdir(checkpoint):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no checkpoint {checkpoint} after 600 s")
+            time.sleep(0.2)
+        run(a, out, checkpoint, 0)
+    if torch.distributed.is_initialized():
+        # Left to interpreter exit, gloo's threads may be torn down while still joinable
+        # ("terminate called without an active exception", SIGABRT).
+        torch.distributed.destroy_process_group()

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 # Run as a script by torchrun: make the repository importable (tests.helpers, hf_megatrain).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,7 +23,15 @@ import torch  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments  # noqa: E402
-from tests.helpers import LogRecorder, common_args, make_data, tiny_config, tiny_model  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    LogRecorder,
+    add_then_resume_argument,
+    common_args,
+    make_data,
+    run_then_resume,
+    tiny_config,
+    tiny_model,
+)
 
 
 def main() -> None:
@@ -40,25 +47,8 @@ def main() -> None:
     p.add_argument("--sequence-parallel", type=int, default=1)
     p.add_argument("--heads", type=int, default=None, help="num_attention_heads (and kv heads)")
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: none)")
-    p.add_argument(
-        "--then-resume",
-        nargs=2,
-        metavar=("CHECKPOINT", "OUT"),
-        help="afterwards, in the same processes (imports paid once): resume from CHECKPOINT "
-        "(e.g. the one this run wrote, or another run's, waited for) into OUT, without saving",
-    )
-    a = p.parse_args()
-    run(a, a.out, None, a.save_steps)
-    if a.then_resume:
-        checkpoint, out = a.then_resume
-        deadline = time.monotonic() + 600
-        while not os.path.isdir(checkpoint):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no checkpoint {checkpoint} after 600 s")
-            time.sleep(0.2)
-        run(a, out, checkpoint, 0)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    add_then_resume_argument(p)
+    run_then_resume(run, p.parse_args(), None)
 
 
 def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) -> None:
