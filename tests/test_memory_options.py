@@ -17,7 +17,7 @@ from hf_megatrain.core.memory_options import (
     lightest_fit,
 )
 from hf_megatrain.core.options import EngineOptions, StepShape
-from hf_megatrain.core.planner import GIB, plan_memory
+from hf_megatrain.core.planner import GIB, MemoryPlanError, plan_memory
 from hf_megatrain.hf.model import model_shape_from_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
@@ -124,33 +124,74 @@ def test_host_bound_advice_and_a_plan_that_fits_gets_none():
     assert ok.fits and ok.options_fit is None and ok.advice is None
 
 
-def test_builder_plan_warns_with_the_advice_when_activations_do_not_fit(monkeypatch, caplog):
-    """resident_layers='auto' with the step known: a GPU shortfall (the 7B's 196 GiB of
-    boundary activations at 512k tokens) is logged with the options that would fit, before
-    anything is allocated, instead of surfacing as an out-of-memory in the first step."""
-    import logging  # noqa: PLC0415
-
+def _builder_plan(monkeypatch, shape, options, step):
+    """The builder's planning of a run on an H200-sized GPU (nothing allocated)."""
     from hf_megatrain.core import builder  # noqa: PLC0415
 
-    shape = _shape("qwen2.5-7b")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (HBM, HBM))
     monkeypatch.setattr(builder, "available_host_bytes", lambda: HOST)
     layers = [
         builder.LayerLayout(slots=[], numel=n, decay_numel=n, trainable=True)
         for n in shape.layer_numels
     ]
-    auto = EngineOptions(resident_layers="auto").resolve(clipping=True, cuda=True)
-    step = StepShape(seq_len=524288, micro_batch_tokens=524288)
+    resolved = options.resolve(clipping=True, cuda=True)
     cuda = torch.device("cuda")
+    return builder._resident_layer_count(layers, resolved, cuda, BF16, shape, step, 0, None)
+
+
+def test_builder_refuses_a_step_that_fits_with_no_exact_option(monkeypatch, caplog):
+    """The 7B's 196 GiB of boundary activations at one 524,288-token sequence: no exact option
+    set fits on one H200, so auto_fit 'exact' (the default) refuses before anything is
+    allocated, naming what would fit; 'approximate' takes bf16 boundaries; 'off' warns only."""
+    import logging  # noqa: PLC0415
+
+    from hf_megatrain.core import builder  # noqa: PLC0415
+
+    shape = _shape("qwen2.5-7b")
+    step = StepShape(seq_len=524288, micro_batch_tokens=524288)
+    with pytest.raises(MemoryPlanError, match="GiB of GPU memory but only") as refused:
+        _builder_plan(monkeypatch, shape, EngineOptions(), step)
+    assert "boundary_dtype" in str(refused.value)  # what would fit
+    n_hbm, plan = _builder_plan(
+        monkeypatch, shape, EngineOptions(auto_fit="approximate"), step
+    )
+    assert plan.fits and plan.options.boundary_dtype == torch.bfloat16
     with caplog.at_level(logging.WARNING, logger=builder.logger.name):
-        n_hbm, plan = builder._resident_layer_count(layers, auto, cuda, BF16, shape, step, 0, None)
-    assert n_hbm == 0 and not plan.fits
+        n_hbm, plan = _builder_plan(monkeypatch, shape, EngineOptions(auto_fit="off"), step)
+    assert not plan.fits and plan.options.boundary_dtype is None
     assert "offload_activations" in caplog.text and "may run out of GPU memory" in caplog.text
     # Without the step (fixed reserve), nothing is claimed about activations.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=builder.logger.name):
-        builder._resident_layer_count(layers, auto, cuda, BF16, None, None, 0, None)
+        _builder_plan(monkeypatch, shape, EngineOptions(), None)
     assert "may run out of GPU memory" not in caplog.text
+
+
+def test_builder_turns_on_the_lightest_exact_options_that_fit(monkeypatch, caplog):
+    """A step that does not fit as asked but does with exact options: the builder turns on the
+    lightest such set (the planner's own advice), logs it, and plans with it."""
+    import logging  # noqa: PLC0415
+
+    from hf_megatrain.core import builder  # noqa: PLC0415
+    from hf_megatrain.core.planner import fitting_options  # noqa: PLC0415
+
+    shape = _shape("qwen2.5-7b")
+    seq = 262144
+    step = StepShape(seq_len=seq, micro_batch_tokens=seq)
+    asked = EngineOptions(resident_layers="0")
+    as_asked = plan_memory(shape, step, asked.resolve(clipping=True, cuda=True), BF16, HBM, HOST)
+    assert not as_asked.fits
+    with caplog.at_level(logging.WARNING, logger=builder.logger.name):
+        n_hbm, plan = _builder_plan(monkeypatch, shape, asked, step)
+    assert plan.fits and "turning on" in caplog.text
+    fitted = plan.options
+    expected = fitting_options(as_asked, asked.resolve(clipping=True, cuda=True), hbm_layers=0)
+    assert expected is not None and fitted.options == expected.options
+    assert fitted.boundary_dtype is None and fitted.clipping  # exact: nothing approximate
+    assert fitted.options.changed(asked)  # something was turned on
+    assert set(fitted.options.changed(asked)) <= {
+        "mlp_tile_tokens", "offload_activations", "stream_fp32_master", "checkpoint_every"
+    }  # fmt: skip
 
 
 def test_public_names():

@@ -27,9 +27,10 @@ from .host_store import (
     frozen_layer_bytes,
     layer_store_bytes,
 )
+from .memory_options import MemoryOptions
 from .options import ResolvedOptions, StepShape
 from .plan_types import ModelShape, OptionNamer
-from .planner import MemoryPlan, plan_memory
+from .planner import MemoryPlan, fitting_options, plan_memory
 from .streaming import GRAD_STAGING_SLOTS, StreamingEngine
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class StreamedState:
     engine: StreamingEngine
     n_resident: int
     plan: MemoryPlan | None
+    #: The options the state was built with: the caller's, plus the memory options ``auto_fit``
+    #: turned on for a planned step that did not fit as asked.
+    options: ResolvedOptions | None = None
 
 
 def build_streamed_state(
@@ -95,6 +99,8 @@ def build_streamed_state(
     n_resident, plan = _resident_layer_count(
         layers, options, device, compute_dtype, shape, step, input_model_bytes, dp, namer
     )
+    if plan is not None and plan.options is not None:
+        options = plan.options  # with the memory options auto_fit turned on
     # The HBM tier holds optimizer state: only leading fully trainable layers qualify.
     n_resident = next((i for i, t in enumerate(trainable[:n_resident]) if not t), n_resident)
 
@@ -168,7 +174,9 @@ def build_streamed_state(
         checkpoint_every=options.checkpoint_every,
         recompute_early_stop=options.recompute_early_stop,
     )
-    return StreamedState(stores=stores, engine=engine, n_resident=n_resident, plan=plan)
+    return StreamedState(
+        stores=stores, engine=engine, n_resident=n_resident, plan=plan, options=options
+    )
 
 
 def build_frozen_state(
@@ -218,15 +226,18 @@ def _resident_layer_count(
     dp: DataParallel | None,
     namer: OptionNamer | None = None,
 ) -> tuple[int, MemoryPlan | None]:
-    """How many leading layers keep their whole state in HBM, and the plan that decided it.
+    """How many leading layers keep their whole state in HBM, and the plan that decided it
+    (its ``options``: the ones to build with).
 
     A count asks for exactly that many; with the step known (on a GPU) it is still planned
     around, so that keep_activations "auto" fills the HBM the count leaves. "auto": the planner's
-    choice from the free device memory and available host RAM. The plan's table is logged.
+    choice from the free device memory and available host RAM. The plan's table is logged. A
+    planned step that does not fit gets the memory options ``auto_fit`` allows, or is refused
+    (``MemoryPlanError``, with what would fit) before anything is allocated.
     """
     n = len(layers)
     asked = options.resident_layers
-    if asked == 0:
+    if asked == 0 and (step is None or device.type != "cuda"):
         return 0, None
     count = None
     if asked != "auto":
@@ -249,11 +260,7 @@ def _resident_layer_count(
             name="streamed model",
         )
         step = None
-    plan = plan_memory(
-        shape,
-        step,
-        options,
-        compute_dtype,
+    where = dict(
         hbm_bytes=free,
         host_bytes=available_host_bytes(),
         hbm_layers=count,
@@ -261,11 +268,34 @@ def _resident_layer_count(
         input_model_bytes=input_model_bytes,
         ranks=1 if dp is None else dp.local_world_size,  # the ranks sharing this host
     )
+    plan = plan_memory(shape, step, options, compute_dtype, **where)
+    if step is not None and not plan.fits and options.auto_fit != "off":
+        fitted = fitting_options(
+            plan,
+            options,
+            approximate=options.auto_fit == "approximate",
+            **{k: v for k, v in where.items() if k not in ("hbm_bytes", "host_bytes")},
+        )
+        if fitted is None:
+            logger.info(
+                "hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table(namer)
+            )
+            plan.check(namer)  # raises the first problem, with what would fit
+        changes = MemoryOptions.of(fitted).describe(MemoryOptions.of(options), namer)
+        logger.warning(
+            "hf_megatrain: the step (%d tokens per micro-batch) does not fit with the memory "
+            "options as given; turning on %s (auto_fit=%r: exact options only, unless "
+            "'approximate')",
+            step.micro_batch_tokens,
+            changes,
+            options.auto_fit,
+        )
+        options = fitted
+        plan = plan_memory(shape, step, options, compute_dtype, **where)
     logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table(namer))
     # Host shortfalls are refused by HostStore.check_fits (which honours the host limit); a GPU
-    # shortfall means no layer goes to HBM. With the step known, the plan says the activations
-    # themselves do not fit: warn now, with what would fit, instead of letting the first step run
-    # out of memory (not an error: the plan's estimates run a few percent high).
+    # shortfall means no layer goes to HBM. With the step known and auto_fit off, the plan may
+    # say the activations themselves do not fit: warn now, with what would fit.
     if step is not None:
         for problem in (p for p in plan.problems if p.tier == "gpu"):
             logger.warning(
@@ -275,4 +305,61 @@ def _resident_layer_count(
     return plan.n_hbm, plan
 
 
-__all__ = ["LayerLayout", "StreamedState", "build_frozen_state", "build_streamed_state"]
+def move_to_host_tier(
+    engine: StreamingEngine,
+    layers: Sequence[int],
+    options: ResolvedOptions,
+    release: Callable[[list[int]], None] | None = None,
+) -> int:
+    """Move HBM-tier ``layers`` (the tier's last ones) into new host stores, between steps:
+    fp32 master and AdamW moments copied, the compute-dtype copy re-derived; the engine's
+    buffers follow (``StreamingEngine.replace_stores``), after ``release(layers)``, where the
+    caller drops its own references to the old stores (``HostAdamW.rebind_layers``). Refuses (``InsufficientHostMemoryError``) before allocating
+    when host RAM cannot hold them. Returns the device bytes released."""
+    stores = engine.stores
+    tier = [i for i, s in enumerate(stores) if s.resident]
+    layers = sorted(layers)
+    if not layers:
+        return 0
+    if layers != tier[len(tier) - len(layers) :]:
+        raise ValueError(
+            f"hf_megatrain: layers {layers} are not the HBM tier's last ({tier}): the tier must "
+            "stay the leading layers"
+        )
+    host_grads, stream_master = options.host_grads, options.stream_fp32_master
+    HostStore.check_fits(
+        sum(
+            layer_store_bytes(stores[i].numel, engine.compute_dtype, True, hold_grad=host_grads,
+                              stream_master=stream_master)
+            for i in layers
+        ),
+        options.host_memory_limit_bytes,
+    )  # fmt: skip
+    engine.wait_updates()
+    pin = options.pin_memory and engine.is_cuda
+    moved: dict[int, LayerStore] = {}
+    released = 0
+    for i in layers:
+        old = stores[i]
+        new = LayerStore(
+            old.slots, old.numel, old.decay_numel, engine.compute_dtype, pin,
+            hold_grad=host_grads, stream_master=stream_master,
+        )  # fmt: skip
+        new.master.copy_(old.master)
+        new.exp_avg.copy_(old.exp_avg)
+        new.exp_avg_sq.copy_(old.exp_avg_sq)
+        new.refresh_stream_copy()
+        moved[i] = new
+        released += old.device_nbytes
+    del old  # the engine and ``release`` drop the other references: the HBM is freed
+    engine.replace_stores(moved, release)
+    return released
+
+
+__all__ = [
+    "LayerLayout",
+    "StreamedState",
+    "build_frozen_state",
+    "build_streamed_state",
+    "move_to_host_tier",
+]

@@ -478,6 +478,31 @@ class HostAdamW(torch.optim.Optimizer):
         self.engine.reset_grads()
         self._resident_synced = False
 
+    def rebind_layers(self, layers: Iterable[int]) -> None:
+        """Follow layers whose store the engine replaced (``StreamingEngine.replace_stores``,
+        between steps): their slices now update the new store's master and moments, on its
+        device, with the step counts carried over."""
+        layers = set(layers)
+        for group, segments in zip(self.param_groups, self._segments):
+            for seg in segments:
+                if seg.layer not in layers:
+                    continue
+                store = self.engine.stores[seg.layer]
+                old = seg.store.master[seg.start : seg.end]
+                view = store.master[seg.start : seg.end]
+                params = group["params"]
+                pos = next(i for i, p in enumerate(params) if p is old or (
+                    p.data_ptr() == old.data_ptr() and p.shape == old.shape
+                ))  # fmt: skip
+                self._streamed_ids.discard(id(params[pos]))
+                params[pos] = view
+                self._streamed_ids.add(id(view))
+                seg.store = store
+                seg.step = seg.step.to(store.master.device)
+        self._owned_layers = sorted(
+            set(self._owned_layers) | {i for i in layers if not self.engine.stores[i].resident}
+        )
+
     # ---- state ----------------------------------------------------------------------------------
     def streamed_state(self) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
         """Step counts per layer and resident moments by name (streamed moments live in the store)."""

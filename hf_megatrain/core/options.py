@@ -47,6 +47,9 @@ EXPORT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": t
 #: ``layer_kernels`` values: Liger-Kernel's fused layer kernels when they apply, always, never.
 LAYER_KERNELS = ("auto", "liger", "torch")
 
+#: ``auto_fit`` values: which memory options a run that does not fit may turn on by itself.
+AUTO_FIT_MODES = ("exact", "approximate", "off")
+
 #: ``nonfinite`` values: skip the step's update, or stop the run.
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -231,6 +234,30 @@ class EngineOptions:
             in HBM."""
         ),
     )
+    auto_fit: str = field(
+        default="exact",
+        metadata=_help(
+            """When the memory plan of the step (known on a GPU with a known row length) does
+            not fit: 'exact' (default) turns on the lightest set of exact memory options that
+            makes it fit (MLP tiles, activation offload, fp32-master streaming, checkpoint
+            segments; the same results, some more time) and logs what it chose; 'approximate'
+            may also save boundary activations rounded to bf16; 'off' trains with the options as
+            given (warning that it may run out of memory). When nothing allowed fits, the run is
+            refused before anything is allocated, with what would fit.""",
+            choices=AUTO_FIT_MODES,
+        ),
+    )
+    oom_recovery: bool = field(
+        default=True,
+        metadata=_help(
+            """When a training step runs out of GPU memory anyway: free the step, make room (the
+            HBM-tier layers' kept activations and attention outputs first, then HBM-tier layers
+            moved to the host tier), log it in one line and run the step again from its first
+            micro-batch with the same data and random state (same results). Off: the error
+            propagates.""",
+            run_time=True,
+        ),
+    )
     boundary_dtype: str = field(
         default="input",
         metadata=_help(
@@ -396,7 +423,9 @@ class EngineOptions:
     def changed(self, base: EngineOptions | None = None) -> dict[str, Any]:
         """The options whose value differs from ``base`` (default: the defaults)."""
         base = base if base is not None else EngineOptions()
-        return {n: getattr(self, n) for n in self.field_names() if getattr(self, n) != getattr(base, n)}
+        return {
+            n: getattr(self, n) for n in self.field_names() if getattr(self, n) != getattr(base, n)
+        }
 
     def with_(self, **changes: Any) -> EngineOptions:
         """A copy with ``changes`` applied (validated again)."""
@@ -553,7 +582,9 @@ def parse_attention_layers(value: object) -> int | None:
         return named[text]
     if text.isdigit():
         return int(text)
-    raise OptionError(f"keep_attention_outputs={value!r}: use 'off', 'all', 'auto' or a layer count")
+    raise OptionError(
+        f"keep_attention_outputs={value!r}: use 'off', 'all', 'auto' or a layer count"
+    )
 
 
 def parse_keep_activations(value: object) -> int | None:
@@ -657,6 +688,8 @@ def _check_values(opts: EngineOptions) -> None:
     parse_keep_activations(opts.keep_activations)
     parse_attention_layers(opts.keep_attention_outputs)
     parse_boundary_dtype(opts.boundary_dtype)
+    if opts.auto_fit not in AUTO_FIT_MODES:
+        raise OptionError(f"auto_fit={opts.auto_fit!r} must be one of {', '.join(AUTO_FIT_MODES)}")
     if opts.layer_kernels not in LAYER_KERNELS:
         raise OptionError(
             f"layer_kernels={opts.layer_kernels!r} must be one of {', '.join(LAYER_KERNELS)}"
@@ -697,6 +730,7 @@ def default_of(name: str) -> Any:
 
 __all__ = [
     "ALL_LAYERS",
+    "AUTO_FIT_MODES",
     "BOUNDARY_DTYPES",
     "LAYER_KERNELS",
     "NONFINITE_POLICIES",

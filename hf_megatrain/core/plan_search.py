@@ -297,6 +297,46 @@ def _plan(
     return plan
 
 
+def fitting_options(
+    plan: MemoryPlan,
+    options: ResolvedOptions,
+    *,
+    approximate: bool = False,
+    hbm_layers: int | None = None,
+    reserve_bytes: int = 0,
+    input_model_bytes: int = 0,
+    ranks: int = 1,
+    host_margin_bytes: int = DEFAULT_HOST_MARGIN,
+) -> ResolvedOptions | None:
+    """For a planned step that does not fit: ``options`` plus the lightest set of memory options
+    it does not use yet that makes the same run fit, or None.
+
+    Only exact options (MLP tiles, activation offload, fp32-master streaming, checkpoint
+    segments) unless ``approximate`` (then bf16 boundary activations too); never gradient
+    clipping off, which changes the training itself. The other arguments are the plan's own
+    (``plan_memory``'s)."""
+    step = plan.step
+    if step is None:
+        return None
+    base = MemoryOptions.of(options)
+
+    def allowed(o: MemoryOptions) -> bool:
+        return o.no_clip == base.no_clip and (
+            approximate or o.boundary_dtype == base.boundary_dtype
+        )
+
+    def fits(o: MemoryOptions) -> bool:
+        return allowed(o) and _plan(
+            plan.shape, step, o.applied(options), plan.compute_dtype, plan.hbm_available,
+            plan.host_available, hbm_layers=hbm_layers, reserve_bytes=reserve_bytes,
+            input_model_bytes=input_model_bytes, ranks=ranks,
+            host_margin_bytes=host_margin_bytes, keep=0, advise=False,
+        ).fits  # fmt: skip
+
+    found = lightest_fit(fits, base, step.micro_batch_tokens)
+    return None if found is None else found.applied(options)
+
+
 def _attention_why(
     options: ResolvedOptions,
     step: StepShape | None,
@@ -441,6 +481,7 @@ __all__ = [
     "ATTENTION_FIRST_TOKENS",
     "PLANNED_OPTIONS",
     "SEGMENT_ADVICE_LENGTHS",
+    "fitting_options",
     "max_micro_batch_sequences",
     "max_num_layers",
     "max_seq_len",

@@ -50,6 +50,7 @@ from .plan_report import (
 from .plan_search import (
     PLANNED_OPTIONS,
     SEGMENT_ADVICE_LENGTHS,
+    fitting_options,
     max_micro_batch_sequences,
     max_num_layers,
     max_seq_len,
@@ -97,6 +98,7 @@ __all__ = [
     "SAFETY_MARGIN_LINE",
     "SEGMENT_ADVICE_LENGTHS",
     "boundary_activation_bytes",
+    "fitting_options",
     "h2d_bytes_per_param",
     "host_bytes_per_param",
     "kept_activation_bytes_per_token",

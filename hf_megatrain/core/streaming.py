@@ -186,6 +186,48 @@ class StreamingEngine:
         """Mark the end of the work that reads layer ``idx``'s device buffer."""
         self.weights.release(idx)
 
+    def abort_step(self) -> None:
+        """Forget a step that failed part-way (e.g. out of GPU memory): its gradients, the
+        layers' device slots, saved activations still fetched or in flight. The host weights
+        and optimizer state are untouched; the step can be run again from its start."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)  # no copy of the failed step still in flight
+        self.weights.invalidate()
+        self.activations.reset()
+        self.reset_grads()
+
+    def replace_stores(
+        self,
+        replacements: dict[int, LayerStore],
+        release: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        """Give layers new stores (between steps: an HBM-tier layer moved to the host tier).
+
+        ``release(layers)`` is called once the engine no longer holds the old stores, for the
+        caller to drop its own references (the optimizer's) before the weight slots and the
+        gradient parts are rebuilt for the new sizes: on a full GPU the old stores' memory is
+        what the new slots need. The update scheduler reads the same (mutated) list."""
+        if self.dp is not None:
+            raise RuntimeError("hf_megatrain: layer stores cannot be replaced under data parallel")
+        self.wait_updates()
+        self.weights.wait_copies()
+        for idx, store in replacements.items():
+            self.stores[idx] = store
+        h2d, h2d_bytes = self.weights.h2d, self.weights.h2d_bytes
+        grads = self.grads
+        on_final, sync, d2h, d2h_bytes = grads.on_final, grads.sync, grads.d2h, grads.d2h_bytes
+        del self.weights, self.grads, grads  # their device buffers go with them
+        if release is not None:
+            release(list(replacements))
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+        self.weights = WeightStreamer(
+            self.stores, self.device, self.compute_dtype, self.updates.wait_layer, h2d
+        )
+        self.weights.h2d_bytes = h2d_bytes
+        self.grads = GradientSink(self.stores, self.device, self.dp, d2h)
+        self.grads.on_final, self.grads.sync, self.grads.d2h_bytes = on_final, sync, d2h_bytes
+
     def invalidate_weights(self) -> None:
         """The host copies changed (optimizer step, load): forget what the device buffers hold."""
         self.weights.invalidate()

@@ -25,6 +25,7 @@ from transformers import Trainer, TrainingArguments
 from ..core.distributed import DataParallelError, launch_layout_error
 from ..core.host_store import InsufficientHostMemoryError
 from ..core.options import EXPORT_DTYPES, EngineOptions, OptionError, ResolvedOptions, StepShape
+from ..core.plan_types import MemoryPlanError
 from ..core.publish import publish, recover, verify_folder, write_manifest
 from .arguments import MegaTrainArguments, argument_name, engine_options, in_argument_names
 from .checkpoint import (
@@ -46,6 +47,7 @@ from .model import (
     runs_liger,
     streamed_state,
 )
+from .oom_watchdog import PeakLog, StepReplay, make_room
 from .sequence_parallel import setup_sequence_parallel
 
 logger = logging.getLogger(__name__)
@@ -257,13 +259,11 @@ def _first_row_length(dataset: Any) -> int | None:
 
 
 def _plan_step(args: TrainingArguments, options: EngineOptions, dataset: Any) -> StepShape | None:
-    """The micro-batch split the HBM tier is planned for (None: use the reserve): for
-    resident_layers 'auto', and for a count, whose plan sizes keep_activations 'auto'.
+    """The micro-batch split the memory plan is made for (None: unknown, the HBM tier uses the
+    reserve): it sizes the HBM tier ('auto'), keep_activations 'auto' and auto_fit.
 
     Per rank: with sequence_parallel=N each rank's layers run on seq_len / N tokens of every row
     (its shard), so the plan sizes activations for that (the row length is the global one)."""
-    if options.resident_layers == "0":
-        return None
     seq_len = options.plan_seq_len or _first_row_length(dataset)
     if not seq_len:
         return None
@@ -413,6 +413,8 @@ class MegaTrainerMixin:
                 step=_plan_step(args, options, getattr(self, "_megatrain_dataset", None)),
                 clipping=run.clipping,
             )
+            # The model's options: these, plus the memory options auto_fit turned on.
+            run = _run_options(args, streamed_state(model).options.options)
         else:
             if state.frozen:
                 raise ValueError(
@@ -452,6 +454,15 @@ class MegaTrainerMixin:
         # Without eager updates: whether this step's losses were finite, on the device (read at
         # the step's end, where the gradient norm syncs anyway).
         self._megatrain_loss_finite: torch.Tensor | None = None
+        # The out-of-memory watchdog: the step's micro-batches, to run it again after making room.
+        self._megatrain_replay = StepReplay(self.megatrain.engine.device)
+        self._megatrain_replay_step: int | None = None
+        self._megatrain_eager_before = 0
+        plan = self.megatrain.plan
+        self._megatrain_peaks = PeakLog(
+            self.megatrain.engine.device,
+            plan.gpu_total if plan is not None and plan.step is not None else None,
+        )
 
     def create_accelerator_and_postprocess(self) -> None:
         # Trainer.__init__ calls this first, with ``self.model`` / ``self.args`` the final ones
@@ -625,19 +636,72 @@ class MegaTrainerMixin:
             # the rest of its micro-batches need not run.
             return torch.tensor(float("nan"), device=self.args.device)
         # Non-final micro-batches keep layer gradients on the device; the final one drains them.
-        self.megatrain.engine.sync_grads = bool(self.accelerator.sync_gradients)
-        self._megatrain_in_step = True
-        try:
-            return self._megatrain_training_step(model, inputs, num_items_in_batch)
-        finally:
-            self._megatrain_in_step = False
-
-    def _megatrain_training_step(self, model, inputs, num_items_in_batch=None):
+        sync = bool(self.accelerator.sync_gradients)
+        step = self.state.global_step + 1  # the optimizer step this micro-batch belongs to
+        self._megatrain_peaks.step_done(step - 1)
+        if step != self._megatrain_replay_step:
+            self._megatrain_eager_before = getattr(self.optimizer, "eager_updates", 0)
+        self._megatrain_replay_step = step
+        self._megatrain_replay.record(step, inputs, num_items_in_batch)
         # A Mapping, not just a dict: collators return BatchEncoding.
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if ids is not None:
             self._tokens_since_log += ids.numel()
             self._last_seq_len = ids.shape[-1]
+        self._megatrain_in_step = True
+        try:
+            for attempt in range(len(self.megatrain.engine.stores) + 3):
+                failure = None
+                try:
+                    if attempt:
+                        self._megatrain_run_again(model)
+                    self.megatrain.engine.sync_grads = sync
+                    return self._megatrain_training_step(model, inputs, num_items_in_batch)
+                except torch.OutOfMemoryError as err:
+                    # (Data parallel: the other ranks wait in this step's collectives.)
+                    if not self.megatrain_options.oom_recovery or self.megatrain.engine.dp:
+                        raise
+                    failure = str(err)
+                # Outside the except clause: the failed step's graph (held by the traceback's
+                # frames) is gone before room is made.
+                self._megatrain_recover(failure, step)
+            raise RuntimeError("hf_megatrain: the step kept running out of GPU memory")
+        finally:
+            self._megatrain_in_step = False
+
+    def _megatrain_recover(self, message: str, step: int) -> None:
+        """Free the failed step and make room (``oom_watchdog.make_room``); one log line."""
+        self.optimizer.wait()  # eager updates of the failed backward, if any, are done
+        if getattr(self.optimizer, "eager_updates", 0) != self._megatrain_eager_before:
+            raise MemoryPlanError(
+                f"hf_megatrain: step {step} ran out of GPU memory after some layers were already "
+                "updated during backward (eager updates: no gradient clipping), so it cannot run "
+                "again. Resume from the last checkpoint with fewer HBM-tier layers "
+                "(megatrain_resident_layers) or with gradient clipping on.",
+                tier="gpu",
+                needed=0,
+                available=0,
+            )
+        done = make_room(self.model, self.optimizer, message, step)
+        self._megatrain_kept = None  # the layers keeping activations changed
+        logger.warning(
+            "hf_megatrain: %s; running the step again from its first micro-batch (same data and "
+            "random state)",
+            done,
+        )
+
+    def _megatrain_run_again(self, model) -> None:
+        """Run the step's earlier micro-batches again (their losses were already counted)."""
+        replay = self._megatrain_replay
+        for batch in replay.earlier:
+            replay.restore_rng(batch)
+            self.megatrain.engine.sync_grads = False
+            self._megatrain_training_step(model, batch.inputs, batch.num_items_in_batch)
+        replay.restore_rng(replay.current)
+
+    def _megatrain_training_step(self, model, inputs, num_items_in_batch=None):
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
+        if ids is not None:
             self._megatrain_fit_kept_activations(ids.numel())
         return super().training_step(model, inputs, num_items_in_batch)
 

@@ -150,6 +150,11 @@ class ActivationStash:
             if layer == idx:
                 self._start_fetch(other)
 
+    def reset(self) -> None:
+        """Forget the step's saved inputs (a failed step): fetched device copies are freed; the
+        host buffers stay for reuse."""
+        self._handles.clear()
+
     # ---- what is held ---------------------------------------------------------------------------
     def offloaded(self) -> dict[tuple[int, int], torch.Tensor]:
         """The latest host copy of each offloaded input, by ``(layer, input index)``."""

@@ -358,6 +358,11 @@ class GradientSink:
             self._dp.sum_over_owners_(streamed)
         return streamed + replicated
 
+    @property
+    def d2h(self) -> torch.cuda.Stream | None:
+        """The copy stream (None on the CPU)."""
+        return self._d2h
+
     def reset(self) -> None:
         """Forget the step's gradients (the next backward starts a new step)."""
         self.staging.release_all()  # e.g. after a failed update: its buffer is free again

@@ -144,6 +144,11 @@ class WeightStreamer:
         if self._active == slot:
             self._active = None
 
+    @property
+    def h2d(self) -> torch.cuda.Stream | None:
+        """The copy stream (None on the CPU)."""
+        return self._h2d if self._cuda else None
+
     def invalidate(self) -> None:
         """The host copies changed (optimizer step, load): forget what the slots hold."""
         if self._cuda:

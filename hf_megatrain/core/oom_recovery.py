@@ -1,0 +1,125 @@
+"""Room after a step ran out of GPU memory: what to give up, chosen from what the step holds.
+
+The memory plan runs a few percent high on average but is an estimate; when a step still runs
+out of GPU memory (another process took memory, an allocator pattern the plan does not model),
+the trainer frees the failed step and asks :func:`choose_relief` what to give up, in the
+reverse of the order in which the plan filled HBM (``plan_search``: at long micro-batches the
+attention outputs first, then the HBM tier, then kept activations; below that the tier first):
+the last filled is the first given back. HBM-tier layers leave through
+``builder.move_to_host_tier``. Every choice is exact: the step's results do not change, only
+its speed.
+
+No ``transformers`` import here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+#: Room made beyond the allocation that failed: the rest of the step allocates more after it.
+RELIEF_HEADROOM_BYTES = 2**30
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_TRIED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+
+
+def oom_request_bytes(message: str) -> int | None:
+    """The size of the allocation a CUDA out-of-memory error reports, or None."""
+    found = _TRIED.search(message)
+    return None if found is None else int(float(found.group(1)) * _UNITS[found.group(2)])
+
+
+@dataclass(frozen=True)
+class StepHoldings:
+    """What a step keeps in HBM that it could do without (sizes in bytes; None: unknown).
+
+    ``tier``: the HBM-tier layers as ``(index, device bytes)``, in layer order. ``kept``: how
+    many of them keep their activations, and the bytes each such layer holds for a micro-batch.
+    ``attention``: recomputed layers keeping their attention outputs, and the bytes of each.
+    ``attention_first``: the plan filled attention outputs before the tier (long micro-batches).
+    """
+
+    tier: list[tuple[int, int]]
+    kept: int = 0
+    kept_bytes: int | None = None
+    attention: int = 0
+    attention_bytes: int | None = None
+    attention_first: bool = False
+
+
+@dataclass(frozen=True)
+class Relief:
+    """What to give up: the counts that remain, and the HBM-tier layers to move to the host."""
+
+    kept: int
+    attention: int
+    to_host: list[int] = field(default_factory=list)
+    #: Bytes this frees (a lower bound: sizes unknown count as 0).
+    freed_bytes: int = 0
+
+    def describe(self, before: StepHoldings) -> str:
+        parts = []
+        if self.to_host:
+            first, last = self.to_host[0], self.to_host[-1]
+            which = f"layer {first}" if first == last else f"layers {first}-{last}"
+            parts.append(f"{which} moved from the HBM tier to the host tier")
+        if self.kept != before.kept:
+            parts.append(f"layers keeping their activations {before.kept} -> {self.kept}")
+        if self.attention != before.attention:
+            parts.append(f"layers keeping attention outputs {before.attention} -> {self.attention}")
+        return "; ".join(parts)
+
+
+def choose_relief(holdings: StepHoldings, need_bytes: int | None) -> Relief | None:
+    """The least to give up for ``need_bytes`` more room, or None when nothing is left.
+
+    Items go in the reverse of the plan's fill order, one at a time, until their sizes cover
+    ``need_bytes``. With ``need_bytes`` None (unknown), or after an item of unknown size, the
+    attempt stops at that item: if the step runs out of memory again, the next attempt gives up
+    the next one."""
+    kept, attention = holdings.kept, holdings.attention
+    tier = list(holdings.tier)
+    to_host: list[int] = []
+
+    def items():
+        """Each give-up in order, as the bytes it frees (None: unknown)."""
+        nonlocal kept, attention
+        order = ("kept", "tier", "attention") if holdings.attention_first else (
+            "attention", "kept", "tier"
+        )  # fmt: skip
+        for kind in order:
+            if kind == "kept":
+                while kept:
+                    kept -= 1
+                    yield holdings.kept_bytes
+            elif kind == "attention":
+                while attention:
+                    attention -= 1
+                    yield holdings.attention_bytes
+            else:
+                # keep_activations keeps the last tier layers: those leave the tier last.
+                while len(tier) > kept:
+                    idx, nbytes = tier.pop()
+                    to_host.insert(0, idx)
+                    yield nbytes
+
+    freed = 0
+    given = False
+    for nbytes in items():
+        given = True
+        freed += nbytes or 0
+        if need_bytes is None or nbytes is None or freed >= need_bytes:
+            break
+    if not given:
+        return None
+    return Relief(kept=kept, attention=attention, to_host=to_host, freed_bytes=freed)
+
+
+__all__ = [
+    "RELIEF_HEADROOM_BYTES",
+    "Relief",
+    "StepHoldings",
+    "choose_relief",
+    "oom_request_bytes",
+]

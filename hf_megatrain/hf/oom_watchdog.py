@@ -1,0 +1,172 @@
+"""The trainer's out-of-memory watchdog: a step that runs out of GPU memory is freed, room is
+made (``core.oom_recovery``) and the step runs again from its first micro-batch, with the same
+inputs and random state, so the run's results are those of a step that never failed.
+
+``StepReplay`` keeps what running a step again needs (each micro-batch's inputs and RNG state);
+``make_room`` frees the failed step and gives up HBM holdings; ``PeakLog`` records the first
+steps' measured GPU peaks beside the plan's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.activation_memory import (
+    attention_output_bytes_per_token,
+    kept_activation_bytes_per_token,
+)
+from ..core.builder import move_to_host_tier
+from ..core.oom_recovery import (
+    RELIEF_HEADROOM_BYTES,
+    StepHoldings,
+    choose_relief,
+    oom_request_bytes,
+)
+from ..core.plan_arithmetic import GIB
+from ..core.plan_search import ATTENTION_FIRST_TOKENS
+from ..core.plan_types import MemoryPlanError
+from .model import find_decoder_layers, keep_activations, keep_attention_outputs, streamed_state
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _MicroBatch:
+    inputs: Any
+    num_items_in_batch: Any
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+
+
+class StepReplay:
+    """The micro-batches of the optimizer step in progress (inputs and RNG state at their
+    start), so that the step can run again from its first micro-batch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._step: int | None = None
+        self._batches: list[_MicroBatch] = []
+
+    def record(self, step: int, inputs: Any, num_items_in_batch: Any) -> None:
+        """Called at the start of each micro-batch of optimizer step ``step``."""
+        if step != self._step:
+            self._step, self._batches = step, []
+        cuda = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
+        self._batches.append(_MicroBatch(inputs, num_items_in_batch, torch.get_rng_state(), cuda))
+
+    @property
+    def earlier(self) -> list[_MicroBatch]:
+        """The step's micro-batches before the current one."""
+        return self._batches[:-1]
+
+    @property
+    def current(self) -> _MicroBatch:
+        return self._batches[-1]
+
+    def restore_rng(self, batch: _MicroBatch) -> None:
+        torch.set_rng_state(batch.cpu_rng)
+        if batch.cuda_rng is not None:
+            torch.cuda.set_rng_state(batch.cuda_rng, self._device)
+
+
+def _holdings(model: nn.Module) -> StepHoldings:
+    """What the streamed ``model``'s step holds in HBM that it could give up."""
+    state = streamed_state(model)
+    layers = [layer.forward for layer in find_decoder_layers(model)[1]]
+    tier = [
+        (i, store.device_nbytes) for i, store in enumerate(state.engine.stores) if store.resident
+    ]
+    kept = sum(1 for layer in layers if layer.keep_graph)
+    attention = sum(1 for layer in layers if layer.keep_attention)
+    plan = state.plan
+    kept_bytes = attention_bytes = None
+    first = False
+    if plan is not None and plan.step is not None:
+        tokens = plan.step.micro_batch_tokens
+        kept_bytes = tokens * kept_activation_bytes_per_token(plan.shape)
+        attention_bytes = tokens * attention_output_bytes_per_token(plan.shape, plan.compute_dtype)
+        first = tokens >= ATTENTION_FIRST_TOKENS
+    return StepHoldings(tier, kept, kept_bytes, attention, attention_bytes, first)
+
+
+def make_room(model: nn.Module, optimizer: Any, message: str, step: int) -> str:
+    """Free the failed step of ``model`` and give up enough HBM holdings for the allocation
+    ``message`` (the out-of-memory error's text) reports, plus headroom. Returns what was done,
+    in words; raises ``MemoryPlanError`` when nothing is left to give up."""
+    state = streamed_state(model)
+    engine = state.engine
+    optimizer.zero_grad(set_to_none=True)  # resident gradients of the failed micro-batches
+    engine.abort_step()
+    if engine.is_cuda:
+        torch.cuda.empty_cache()
+    asked = oom_request_bytes(message)
+    need = None if asked is None else asked + RELIEF_HEADROOM_BYTES
+    before = _holdings(model)
+    relief = choose_relief(before, need)
+    what = "out of GPU memory" + ("" if asked is None else f" (asked {asked / GIB:.2f} GiB)")
+    if relief is None:
+        raise MemoryPlanError(
+            f"hf_megatrain: step {step} ran {what} with nothing left to give up: no HBM-tier "
+            "layer, kept activations or attention outputs. Make the step smaller (fewer tokens "
+            "per micro-batch: per_device_train_batch_size, the row length) or turn on more "
+            "memory options (`hf-megatrain plan` shows what fits).",
+            tier="gpu",
+            needed=need or 0,
+            available=0,
+        )
+    if engine.dp is not None and relief.to_host:
+        raise MemoryPlanError(
+            f"hf_megatrain: step {step} ran {what}; under data parallel the HBM tier cannot "
+            f"shrink while training: restart with megatrain_resident_layers="
+            f"{len(before.tier) - len(relief.to_host)}.",
+            tier="gpu",
+            needed=need or 0,
+            available=0,
+        )
+    if relief.to_host:
+        move_to_host_tier(engine, relief.to_host, state.options, optimizer.rebind_layers)
+    if relief.kept != before.kept:
+        keep_activations(model, relief.kept)
+    if relief.attention != before.attention or relief.to_host or relief.kept != before.kept:
+        keep_attention_outputs(model, relief.attention)
+    return f"step {step} ran {what}; made room: {relief.describe(before)}"
+
+
+class PeakLog:
+    """The measured GPU peak (allocator reserved) of the first steps, beside the plan's."""
+
+    STEPS = 3
+
+    def __init__(self, device: torch.device, planned_bytes: int | None) -> None:
+        self._cuda = device.type == "cuda"
+        self._device = device
+        self._planned = planned_bytes
+        #: ``(step, peak bytes)`` of the first steps.
+        self.peaks: list[tuple[int, int]] = []
+
+    def step_done(self, step: int) -> None:
+        if not self._cuda or len(self.peaks) >= self.STEPS or step < 1:
+            return
+        if self.peaks and self.peaks[-1][0] == step:
+            return
+        peak = torch.cuda.max_memory_reserved(self._device)
+        self.peaks.append((step, peak))
+        planned = self._planned
+        if planned:
+            logger.info(
+                "hf_megatrain: step %d GPU peak %.2f GiB (plan %.2f GiB, %+.1f%%)",
+                step,
+                peak / GIB,
+                planned / GIB,
+                100 * (planned - peak) / peak,
+            )
+        else:
+            logger.info("hf_megatrain: step %d GPU peak %.2f GiB", step, peak / GIB)
+
+
+__all__ = ["PeakLog", "StepReplay", "make_room"]
