@@ -414,6 +414,7 @@ def prepare_streamed_model(
     )
     engine = built.engine
     device = engine.device
+    resolved = built.options or resolved  # with what auto_fit turned on
     layer_prefixes = tuple(f"{prefix}.{i}." for i in range(len(layers)))
     _place_resident(model, device, layer_prefixes)
     capture = RecorderCapture()
