@@ -731,6 +731,17 @@ def failure_status(exc: BaseException) -> str:
     return f"error: {name}: {first}"[:200]
 
 
+def failure_details(exc: BaseException) -> dict[str, Any]:
+    """The exception of a failed run as data, for callers that classify failures themselves
+    (benchmarks/validation_matrix.py: a refusal before allocation vs an out-of-memory crash):
+    its class name, the class names of its bases (most derived first) and its message."""
+    return {
+        "error_type": type(exc).__name__,
+        "error_bases": [c.__name__ for c in type(exc).__mro__[1:] if c is not object],
+        "error": str(exc)[:4000],
+    }
+
+
 def run_worker(cfg: RunConfig, result_json: Path) -> int:
     """Run one benchmark and write its result (or its failure) as JSON for the parent."""
     result: dict[str, Any]
@@ -739,7 +750,7 @@ def run_worker(cfg: RunConfig, result_json: Path) -> int:
         code = 0
     except BaseException as exc:  # noqa: BLE001  (any failure is a row, never a crash)
         traceback.print_exc()
-        result = {"status": failure_status(exc)}
+        result = {"status": failure_status(exc), **failure_details(exc)}
         code = 1
     result.update(versions())
     result["peak_host_gib"] = peak_host_gib()
@@ -958,22 +969,26 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
     }
 
 
-def append_csv(path: Path, rows: list[dict]) -> None:
-    """Append rows; if the file's header lacks a column, rewrite it with the union (long format)."""
+def append_csv(path: Path, rows: list[dict], extra_columns: list[str] | None = None) -> None:
+    """Append rows; if the file's header lacks a column, rewrite it with the union (long format).
+
+    ``extra_columns``: columns beyond ``CSV_COLUMNS`` the rows carry (a caller's own, e.g. the
+    validation matrix's), kept after bench's."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    wanted = CSV_COLUMNS + [c for c in extra_columns or [] if c not in CSV_COLUMNS]
     existing: list[dict] = []
     header: list[str] = []
     if path.is_file() and path.stat().st_size:
         with path.open(newline="") as f:
             reader = csv.DictReader(f)
             header = list(reader.fieldnames or [])
-            if any(c not in header for c in CSV_COLUMNS):
+            if any(c not in header for c in wanted):
                 existing = list(reader)
-    if header and not existing and all(c in header for c in CSV_COLUMNS):
+    if header and not existing and all(c in header for c in wanted):
         with path.open("a", newline="") as f:
             csv.DictWriter(f, fieldnames=header, extrasaction="ignore").writerows(rows)
         return
-    columns = CSV_COLUMNS + [c for c in header if c not in CSV_COLUMNS]
+    columns = wanted + [c for c in header if c not in wanted]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -1083,16 +1098,11 @@ def unique_path(directory: Path, stem: str, suffix: str) -> Path:
     return path
 
 
-def run_sweep(
-    cfgs: list[RunConfig],
-    tag: str,
-    results_dir: Path,
-    mirror_dirs: list[Path],
-    argv: str,
-) -> list[dict]:
-    """Run each config in its own worker, one after another; record every outcome."""
-    now = dt.datetime.now(dt.timezone.utc)
-    sweep = {
+def sweep_info(tag: str, argv: str, now: dt.datetime | None = None) -> dict:
+    """What every row of a sweep shares (``make_row``'s ``sweep``): date, commit, source hash,
+    GPU, host, versions, tag and the sweep's command line."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return {
         "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": git_commit(),
         "src_sha": source_sha(),
@@ -1102,6 +1112,18 @@ def run_sweep(
         "tag": tag,
         "argv": argv,
     }
+
+
+def run_sweep(
+    cfgs: list[RunConfig],
+    tag: str,
+    results_dir: Path,
+    mirror_dirs: list[Path],
+    argv: str,
+) -> list[dict]:
+    """Run each config in its own worker, one after another; record every outcome."""
+    now = dt.datetime.now(dt.timezone.utc)
+    sweep = sweep_info(tag, argv, now)
     results_dir.mkdir(parents=True, exist_ok=True)
     csv_path = results_dir / "results.csv"
     md_path = unique_path(results_dir, f"{now:%Y-%m-%d}-{tag}", ".md")

@@ -169,10 +169,11 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     from .core.planner import (  # noqa: PLC0415
+        auto_fit_changes,
         max_micro_batch_sequences,
         max_num_layers,
         max_seq_len,
-        plan_memory,
+        plan_with_auto_fit,
     )
 
     try:
@@ -203,9 +204,16 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     if nproc < 1:
         raise CLIError(f"--nproc {nproc}: need at least 1 process")
     try:
-        plan = plan_memory(shape, step, options, dtype, hbm, host, ranks=nproc)
+        plan, as_asked = plan_with_auto_fit(shape, step, options, dtype, hbm, host, ranks=nproc)
     except ValueError as e:
         raise CLIError(_flag_message(str(e).removeprefix("hf_megatrain: "))) from None
+    if as_asked is not None:
+        said.append(
+            f"auto_fit {options.auto_fit}: the step does not fit with the options as given; "
+            f"training turns on {auto_fit_changes(plan, as_asked).render(CLI_NAMER)} (planned "
+            "below; --auto-fit off plans the options as given)"
+        )
+        options = plan.options
     say("\n".join(said))
     say(plan.table(CLI_NAMER))
     result: dict[str, Any] = {"plan": plan}

@@ -27,10 +27,9 @@ from .host_store import (
     frozen_layer_bytes,
     layer_store_bytes,
 )
-from .memory_options import MemoryOptions
 from .options import ResolvedOptions, StepShape
 from .plan_types import ModelShape, OptionNamer
-from .planner import MemoryPlan, fitting_options, plan_memory
+from .planner import MemoryPlan, auto_fit_changes, plan_with_auto_fit
 from .streaming import GRAD_STAGING_SLOTS, StreamingEngine
 
 logger = logging.getLogger(__name__)
@@ -268,30 +267,19 @@ def _resident_layer_count(
         input_model_bytes=input_model_bytes,
         ranks=1 if dp is None else dp.local_world_size,  # the ranks sharing this host
     )
-    plan = plan_memory(shape, step, options, compute_dtype, **where)
+    plan, as_asked = plan_with_auto_fit(shape, step, options, compute_dtype, **where)
     if step is not None and not plan.fits and options.auto_fit != "off":
-        fitted = fitting_options(
-            plan,
-            options,
-            approximate=options.auto_fit == "approximate",
-            **{k: v for k, v in where.items() if k not in ("hbm_bytes", "host_bytes")},
-        )
-        if fitted is None:
-            logger.info(
-                "hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table(namer)
-            )
-            plan.check(namer)  # raises the first problem, with what would fit
-        changes = MemoryOptions.of(fitted).describe(MemoryOptions.of(options), namer)
+        logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table(namer))
+        plan.check(namer)  # nothing auto_fit allows fits: refused, with what would fit
+    if as_asked is not None:
         logger.warning(
             "hf_megatrain: the step (%d tokens per micro-batch) does not fit with the memory "
             "options as given; turning on %s (auto_fit=%r: exact options only, unless "
             "'approximate')",
             step.micro_batch_tokens,
-            changes,
+            auto_fit_changes(plan, as_asked).render(namer),
             options.auto_fit,
         )
-        options = fitted
-        plan = plan_memory(shape, step, options, compute_dtype, **where)
     logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table(namer))
     # Host shortfalls are refused by HostStore.check_fits (which honours the host limit); a GPU
     # shortfall means no layer goes to HBM. With the step known and auto_fit off, the plan may

@@ -47,6 +47,8 @@ PLANNED_OPTIONS = (
     "mlp_tile_tokens",
     "offload_activations",
     "boundary_dtype",
+    # (which options a plan that does not fit may add)
+    "auto_fit",
     # (through the model shape: Liger's fused kernels save less for backward)
     "layer_kernels",
 )
@@ -337,6 +339,35 @@ def fitting_options(
     return None if found is None else found.applied(options)
 
 
+def plan_with_auto_fit(
+    shape: ModelShape,
+    step: StepShape | None,
+    options: ResolvedOptions,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    **where: int | None,
+) -> tuple[MemoryPlan, MemoryPlan | None]:
+    """``plan_memory`` with ``options.auto_fit`` applied: a planned step that does not fit as
+    asked is planned again with the lightest set of memory options it allows
+    (:func:`fitting_options`). Returns the plan to run (its ``options``: what to build with) and,
+    when auto_fit changed the options, the plan as asked (else None). A plan that still does not
+    fit is returned as is: ``check()`` raises its problem, with what would fit."""
+    plan = plan_memory(shape, step, options, compute_dtype, hbm_bytes, host_bytes, **where)
+    if step is None or plan.fits or options.auto_fit == "off":
+        return plan, None
+    kw = {k: v for k, v in where.items() if k != "host_margin_bytes" or v is not None}
+    fitted = fitting_options(plan, options, approximate=options.auto_fit == "approximate", **kw)
+    if fitted is None:
+        return plan, None
+    return plan_memory(shape, step, fitted, compute_dtype, hbm_bytes, host_bytes, **where), plan
+
+
+def auto_fit_changes(fitted: MemoryPlan, asked: MemoryPlan) -> OptionChanges:
+    """The memory options auto_fit turned on (``plan_with_auto_fit``'s two plans)."""
+    return MemoryOptions.of(fitted.options).changes(MemoryOptions.of(asked.options))
+
+
 def _attention_why(
     options: ResolvedOptions,
     step: StepShape | None,
@@ -481,9 +512,11 @@ __all__ = [
     "ATTENTION_FIRST_TOKENS",
     "PLANNED_OPTIONS",
     "SEGMENT_ADVICE_LENGTHS",
+    "auto_fit_changes",
     "fitting_options",
     "max_micro_batch_sequences",
     "max_num_layers",
     "max_seq_len",
     "plan_memory",
+    "plan_with_auto_fit",
 ]

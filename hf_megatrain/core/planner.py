@@ -50,11 +50,13 @@ from .plan_report import (
 from .plan_search import (
     PLANNED_OPTIONS,
     SEGMENT_ADVICE_LENGTHS,
+    auto_fit_changes,
     fitting_options,
     max_micro_batch_sequences,
     max_num_layers,
     max_seq_len,
     plan_memory,
+    plan_with_auto_fit,
 )
 from .plan_types import (
     FIELD_NAMER,
@@ -97,6 +99,7 @@ __all__ = [
     "PROCESS_BASELINE",
     "SAFETY_MARGIN_LINE",
     "SEGMENT_ADVICE_LENGTHS",
+    "auto_fit_changes",
     "boundary_activation_bytes",
     "fitting_options",
     "h2d_bytes_per_param",
@@ -107,6 +110,7 @@ __all__ = [
     "max_seq_len",
     "parse_attention_layers",
     "plan_memory",
+    "plan_with_auto_fit",
     "saved_boundary_layers",
     "segment_advice",
     "segment_cache_layers",

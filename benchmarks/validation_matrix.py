@@ -1,0 +1,643 @@
+#!/usr/bin/env python3
+"""Validation matrix: model families x sequence lengths with hf_megatrain's default settings.
+
+Each cell trains one step of one sequence of L tokens (grad-accum 1) of a random-init model built
+from a real Hub config, with no engine flag: bench.py's ``megatrain-hbm`` system (HBM tier
+"auto", every other option at its default), ``--streamed-init``, bf16. The promise under test:
+every cell trains or is refused before allocation with a message saying what fits; no cell runs
+out of GPU memory; the planned peaks (HBM and host) are within 10% of the measured ones.
+
+Every cell is a ``bench.py --worker`` subprocess (bench's machinery: an OOM, a kill or a timeout
+becomes a row), recorded with bench's row schema plus the matrix's columns; ``status`` is one of
+
+* ``trained``: the step ran;
+* ``refused``: the library refused before allocating (``DoesNotFitError`` / ``MemoryPlanError``
+  for the GPU, ``InsufficientHostMemoryError`` for host RAM), its message in ``detail``;
+* ``oom-gpu``: torch's OutOfMemoryError, a broken promise; ``killed``: killed from outside (on
+  these machines the host's OOM killer); ``timeout``; ``error``: anything else;
+* ``not run (budget)``: the ``--max-wall-s`` budget ran out before the cell's turn;
+  ``cut (budget)``: the cell ran past what was left of the budget (its timeout was cut to it).
+  Neither is a failure: the matrix is incomplete until those cells run.
+
+Cells run cheapest first (an estimate from the plan: start-up, FLOPs at ``--tflops``, PCIe);
+``--phase K/N`` runs the K-th of N phases of about equal estimated time, so that the matrix fits
+device commands of a few minutes each. Examples::
+
+    python3 benchmarks/validation_matrix.py --dry-run            # cells, verdicts, estimates
+    python3 benchmarks/validation_matrix.py --phase 1/2 --max-wall-s 520 --results-dir out/
+    python3 benchmarks/validation_matrix.py --summarize out/results.csv --markdown matrix.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+if str(BENCH_DIR.parent) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR.parent))
+
+from benchmarks import bench  # noqa: E402
+
+#: family -> (config folder under benchmarks/configs/, what the family brings to the matrix).
+FAMILIES: dict[str, tuple[str, str]] = {
+    "qwen3": ("qwen3-1.7b", "Qwen3-1.7B: qk-norm"),
+    "mistral": ("h2o-danube-1.8b", "H2O-Danube-1.8B, Mistral architecture: sliding window 4096"),
+    "gemma2": ("gemma-2-2b", "Gemma-2-2B: attention and final-logit soft-capping (eager)"),
+    "phi3": ("phi-3-mini-4k-instruct", "Phi-3-mini-4k (3.8B): fused qkv and gate-up"),
+    "moe": ("olmoe-1b-7b-0924", "OLMoE-1B-7B (6.9B): MoE, 64 experts, top-8"),
+}
+SEQ_LENS = (4096, 32768, 131072, 262144)
+#: bench.py's system for the library's defaults: no engine flag at all (resident_layers "auto").
+SYSTEM = "megatrain-hbm"
+
+#: The machine the verdicts and estimates are for: one H200 (free HBM at a run's start, as
+#: benchmarks/report.py has it) on a 128 GiB host (what a run can take of it).
+H200_HBM_GIB = 139.3
+H200_HOST_GIB = 120.0
+#: Estimates (rough; the per-cell timeout is twice the estimate, the budget guards the rest).
+TFLOPS = 400.0  # sustained bf16 TFLOP/s of the layers' matmuls and flash attention
+STARTUP_S = 15.0  # interpreter, imports, CUDA context, first-step set-up
+STARTUP_S_PER_B = 2.5  # random init into the host store and pinning, per billion parameters
+FIRST_STEP_S = 5.0  # allocator warm-up and kernel selection of the one (first) step
+REFUSAL_S = 12.0  # a cell refused before allocation: start-up and plan only
+HOST_ADAM_PARAMS_PER_S = 1.5e9  # host AdamW of the host-tier layers (not all of it overlaps)
+#: Attention slower than causal flash SDPA: a materialized sliding-window mask makes SDPA take
+#: its masked (memory-efficient) kernel over every block; eager attention materializes scores.
+MASKED_SDPA_FACTOR = 2.0
+EAGER_FACTOR = 3.0
+#: A cell starts only with this much of the budget left (else: not run (budget)).
+MIN_CELL_S = 30.0
+
+MATRIX_COLUMNS = [
+    "family",
+    "phase",
+    "est_s",
+    "wall_s",
+    "verdict",
+    "verdict_hbm_gib",
+    "verdict_host_gib",
+    "auto_fit",
+    "hbm_err_pct",
+    "host_err_pct",
+    "detail",
+]
+NOT_RUN = "not run (budget)"
+CUT = "cut (budget)"
+BUDGET = (NOT_RUN, CUT)  # cells the budget left incomplete
+FAILURES = ("oom-gpu", "killed", "timeout", "error")
+#: Exception classes of the library's refusals before allocation.
+REFUSALS = ("DoesNotFitError", "MemoryPlanError", "InsufficientHostMemoryError")
+
+
+# ---- cells, verdicts, estimates --------------------------------------------------------------
+@dataclasses.dataclass
+class Cell:
+    family: str
+    model: str
+    seq_len: int
+    phase: int = 1
+    params: int = 0
+    fits: bool = True
+    verdict: str = ""
+    plan_hbm_gib: float | None = None
+    plan_host_gib: float | None = None
+    auto_fit: str = ""
+    est_s: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.family} {seq_label(self.seq_len)}"
+
+
+def seq_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def parse_seq_len(text: str) -> int:
+    t = text.strip().lower()
+    return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+
+
+_SHAPES: dict[str, Any] = {}
+
+
+def model_shape(model: str):
+    """The planner's ``ModelShape`` of a config (built on meta), cached per model."""
+    if model not in _SHAPES:
+        from hf_megatrain.hf.model import model_shape_from_config
+
+        _SHAPES[model] = model_shape_from_config(bench.load_model_config(model), model)
+    return _SHAPES[model]
+
+
+def active_params(config, total: int) -> int:
+    """Parameters one token runs through: the total less the experts it is not routed to."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return total
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    unused = config.num_hidden_layers * (experts - top_k) * 3 * config.hidden_size * inter
+    return max(total - unused, 0)
+
+
+def attention_factor(config, shape, seq_len: int) -> float:
+    if not shape.sdpa_attention:
+        return EAGER_FACTOR
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and seq_len > window:
+        return MASKED_SDPA_FACTOR
+    return 1.0
+
+
+def plan_cell(cell: Cell, hbm_gib: float, host_gib: float, tflops: float) -> Cell:
+    """Fill the cell's verdict (the planner's, for the default options on the given memory,
+    with the library's automatic fitting where it has one) and its time estimate."""
+    import torch
+
+    from hf_megatrain.core import planner
+    from hf_megatrain.core.options import StepShape
+    from hf_megatrain.option_flags import flag_text
+
+    config = bench.load_model_config(cell.model)
+    shape = model_shape(cell.model)
+    options = bench.default_engine(SYSTEM).with_(plan_seq_len=cell.seq_len)
+    resolved = options.resolve(clipping=True, cuda=True)
+    step = StepShape.from_step(cell.seq_len, cell.seq_len)
+    hbm, host = int(hbm_gib * planner.GIB), int(host_gib * planner.GIB)
+    plan = planner.plan_memory(shape, step, resolved, torch.bfloat16, hbm, host)
+    auto = getattr(options, "auto_fit", "off")
+    fitting = getattr(planner, "fitting_options", None)
+    if not plan.fits and fitting is not None and auto != "off":
+        found = fitting(plan, resolved, approximate=auto == "approximate")
+        if found is not None:
+            changed = found.options.changed(resolved.options)
+            cell.auto_fit = " ".join(flag_text(k, v) for k, v in changed.items())
+            plan = planner.plan_memory(shape, step, found, torch.bfloat16, hbm, host)
+    cell.params = shape.total_numel
+    cell.fits = plan.fits
+    cell.plan_hbm_gib = plan.gpu_total / planner.GIB
+    cell.plan_host_gib = plan.host_peak_estimate / planner.GIB
+    if plan.fits:
+        cell.verdict = (
+            f"fits: {plan.n_hbm}/{shape.num_layers} layers in HBM, HBM {cell.plan_hbm_gib:.1f} "
+            f"GiB, host {cell.plan_host_gib:.1f} GiB"
+            + (f", auto-fit {cell.auto_fit}" if cell.auto_fit else "")
+        )
+    else:
+        message = str(plan.problems[0]).removeprefix("hf_megatrain: ")
+        cell.verdict = f"refuse: {message}"
+    # Time: start-up, then the step's FLOPs (dense 8 x active params x tokens: forward,
+    # backward, recompute; attention 2 L s^2 d forward, x4 with backward and recompute) or its
+    # PCIe traffic, whichever is longer, and the host AdamW of the host-tier layers.
+    billions = cell.params / 1e9
+    if not plan.fits:
+        cell.est_s = REFUSAL_S + billions
+        return cell
+    s, layers = cell.seq_len, shape.num_layers
+    d_attn = (shape.num_heads * shape.head_dim) or shape.hidden_size
+    attn = 8 * layers * s * s * d_attn * attention_factor(config, shape, s)
+    dense = 8 * active_params(config, cell.params) * s
+    compute = (attn + dense) / (tflops * 1e12)
+    pcie = (plan.h2d_bytes_per_step + plan.d2h_bytes_per_step) / planner.PCIE_BYTES_PER_S
+    host_params = sum(shape.layer_numels[p.index] for p in plan.layers if p.tier != planner.HBM)
+    cell.est_s = (
+        STARTUP_S
+        + STARTUP_S_PER_B * billions
+        + FIRST_STEP_S
+        + max(compute, pcie)
+        + host_params / HOST_ADAM_PARAMS_PER_S
+    )
+    return cell
+
+
+def make_cells(families: list[str], seq_lens: list[int], models: dict[str, str]) -> list[Cell]:
+    return [Cell(f, models[f], s) for f in families for s in seq_lens]
+
+
+def assign_phases(cells: list[Cell], n: int) -> None:
+    """Split the cells into ``n`` phases of about equal estimated time (longest first to the
+    least loaded phase); deterministic for the same cells and estimates."""
+    load = [0.0] * n
+    for cell in sorted(cells, key=lambda c: (-c.est_s, c.family, c.seq_len)):
+        k = min(range(n), key=lambda i: (load[i], i))
+        cell.phase = k + 1
+        load[k] += cell.est_s
+
+
+def cheap_first(cells: list[Cell]) -> list[Cell]:
+    return sorted(cells, key=lambda c: (c.est_s, c.seq_len, c.family))
+
+
+# ---- running ---------------------------------------------------------------------------------
+def run_config(cell: Cell, device: str, timeout_s: float, steps: int, warmup: int):
+    """The bench run of a cell: the defaults (no engine option given), one sequence per step."""
+    return bench.RunConfig(
+        system=SYSTEM,
+        model=cell.model,
+        seq_len=cell.seq_len,
+        tokens_per_step=cell.seq_len,
+        micro_batch=1,
+        steps=steps,
+        warmup=warmup,
+        device=device,
+        timeout_s=timeout_s,
+        streamed_init=True,
+    )
+
+
+def classify(result: dict) -> tuple[str, str]:
+    """(matrix status, detail) of a worker's result."""
+    status = result.get("status", "")
+    if status == "ok":
+        return "trained", ""
+    etype = result.get("error_type", "")
+    kinds = [etype, *result.get("error_bases", [])]
+    message = " ".join((result.get("error") or "").split())
+    message = message.removeprefix("hf_megatrain: ")
+    if etype in REFUSALS or (
+        "MemoryError" in kinds and (result.get("error") or "").startswith("hf_megatrain:")
+    ):
+        hbm = result.get("peak_hbm_gib")
+        at = f" [HBM peak at refusal {hbm:.2f} GiB]" if hbm else ""
+        return "refused", f"{etype}: {message}"[:600] + at
+    if etype == "OutOfMemoryError" or status == "oom-gpu":
+        return "oom-gpu", message[:300]
+    if status.startswith("killed"):
+        return "killed", f"{status}: killed from outside (host OOM killer?)"
+    if status.startswith("timeout"):
+        return "timeout", status
+    if etype:
+        return "error", f"{etype}: {message}"[:300]
+    return "error", status[:300]
+
+
+def _num(value: Any) -> float | None:
+    try:
+        return float(value) if value not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def err_pct(planned: Any, measured: Any) -> str:
+    """Planned against measured, as plan_vs_measured.py has it: planned / measured - 1, in %."""
+    p, m = _num(planned), _num(measured)
+    return "" if p is None or not m else f"{(p / m - 1) * 100:+.1f}"
+
+
+def matrix_row(cell: Cell, cfg, result: dict, sweep: dict, status: str, detail: str) -> dict:
+    result.setdefault("params", cell.params)
+    row = bench.make_row(cfg, result, sweep)
+    row.update(
+        status=status,
+        family=cell.family,
+        phase=cell.phase,
+        est_s=f"{cell.est_s:.0f}",
+        wall_s=f"{result['wall_s']:.1f}" if result.get("wall_s") is not None else "",
+        verdict=cell.verdict,
+        verdict_hbm_gib=bench._fmt(cell.plan_hbm_gib, 2),
+        verdict_host_gib=bench._fmt(cell.plan_host_gib, 2),
+        auto_fit=cell.auto_fit,
+        hbm_err_pct=err_pct(row["plan_hbm_gib"], row["peak_hbm_gib"])
+        if status == "trained"
+        else "",
+        host_err_pct=(
+            err_pct(row["plan_host_gib"], row["peak_host_gib"]) if status == "trained" else ""
+        ),
+        detail=detail,
+    )
+    return row
+
+
+def progress_line(i: int, n: int, cell: Cell, row: dict) -> str:
+    head = f"matrix: [{i}/{n}] {cell.name} ({cell.model}): {row['status']}"
+    if row["status"] == NOT_RUN:
+        return f"{head} (estimated {cell.est_s:.0f} s; {row['detail']})"
+    head += f" in {row['wall_s']} s"
+    if row["status"] == "trained":
+        return (
+            f"{head}; HBM plan {row['plan_hbm_gib'] or '-'} / measured {row['peak_hbm_gib'] or '-'}"
+            f" GiB ({row['hbm_err_pct'] or '-'}%); host plan {row['plan_host_gib'] or '-'} / "
+            f"measured {row['peak_host_gib'] or '-'} GiB ({row['host_err_pct'] or '-'}%)"
+        )
+    return f"{head}: {row['detail'][:240]}"
+
+
+def run_matrix(
+    cells: list[Cell],
+    *,
+    tag: str,
+    results_dir: Path,
+    max_wall_s: float,
+    cell_timeout_s: float | None,
+    device: str = "auto",
+    steps: int = 1,
+    warmup: int = 0,
+    argv: str = "",
+) -> list[dict]:
+    """Run the cells cheapest first, each in its own worker; a row per cell (the ones the budget
+    left out too), appended to ``results_dir/results.csv`` as it comes, and the matrix's
+    markdown rewritten after each."""
+    start = time.perf_counter()
+    sweep = bench.sweep_info(tag, argv)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = results_dir / "results.csv"
+    md_path = results_dir / f"{tag}.md"
+    (results_dir / "logs").mkdir(exist_ok=True)
+    log_path = results_dir / "logs" / f"{tag}.log"
+    ordered = cheap_first(cells)
+    rows: list[dict] = []
+    with log_path.open("a") as log_file:
+        for i, cell in enumerate(ordered, 1):
+            left = max_wall_s - (time.perf_counter() - start)
+            own = max(90.0, 2 * cell.est_s) if cell_timeout_s is None else cell_timeout_s
+            cfg = run_config(cell, device, max(min(own, left), 1.0), steps, warmup)
+            if left < MIN_CELL_S:
+                result: dict[str, Any] = {"status": NOT_RUN}
+                status, detail = NOT_RUN, f"{left:.0f} s of the budget left"
+            else:
+                result = bench.run_subprocess(cfg, log_file)
+                status, detail = classify(result)
+                if status == "timeout" and left < own:
+                    status, detail = CUT, f"stopped at the budget's end ({left:.0f} s left)"
+            row = matrix_row(cell, cfg, result, sweep, status, detail)
+            rows.append(row)
+            bench.append_csv(csv_path, [row], MATRIX_COLUMNS)
+            md_path.write_text(summarize(rows, title=f"Validation matrix `{tag}`"))
+            print(progress_line(i, len(ordered), cell, row), flush=True)
+            log_file.flush()
+    print(f"matrix: wrote {csv_path}, {md_path}, {log_path}", flush=True)
+    print(f"matrix: {promise_line(rows)}", flush=True)
+    return rows
+
+
+# ---- summary ---------------------------------------------------------------------------------
+def latest_cells(rows: list[dict]) -> dict[tuple[str, int], dict]:
+    """One row per (family, seq_len): the last that ran, else the last."""
+    out: dict[tuple[str, int], dict] = {}
+    for row in rows:
+        if not row.get("family"):
+            continue
+        key = (row["family"], int(row["seq_len"]))
+        if row["status"] not in BUDGET or key not in out or out[key]["status"] in BUDGET:
+            out[key] = row
+    return out
+
+
+def _cell_text(row: dict) -> str:
+    status = row["status"]
+    if status == "trained":
+        hbm = f"HBM {row.get('plan_hbm_gib') or '-'} / {row.get('peak_hbm_gib') or '-'}"
+        host = f"host {row.get('plan_host_gib') or '-'} / {row.get('peak_host_gib') or '-'}"
+        return (
+            f"trained: {hbm} ({row.get('hbm_err_pct') or '-'}%), "
+            f"{host} ({row.get('host_err_pct') or '-'}%)"
+        )
+    if status == "refused":
+        return f"refused (plan HBM {row.get('verdict_hbm_gib') or '-'} GiB)"
+    return f"**{status}**" if status in FAILURES else status
+
+
+def promise_line(rows: list[dict]) -> str:
+    cells = list(latest_cells(rows).values())
+    count = {s: sum(1 for r in cells if r["status"] == s) for s in ("trained", "refused")}
+    count[NOT_RUN] = sum(1 for r in cells if r["status"] in BUDGET)
+    failed = [r for r in cells if r["status"] in FAILURES]
+    errs = {
+        col: [abs(v) for r in cells if (v := _num(r.get(col))) is not None]
+        for col in ("hbm_err_pct", "host_err_pct")
+    }
+    worst = {col: max(v) if v else None for col, v in errs.items()}
+    off = [col for col, w in worst.items() if w is not None and w > 10]
+    verdict = (
+        "broken"
+        if failed or off
+        else ("holds so far (cells not run)" if count[NOT_RUN] else "holds")
+    )
+    parts = ", ".join(
+        f"max |{col.split('_')[0]} err| {w:.1f}%" for col, w in worst.items() if w is not None
+    )
+    return (
+        f"promise {verdict}: {len(cells)} cells, {count['trained']} trained, "
+        f"{count['refused']} refused, {len(failed)} failed"
+        + (f" ({', '.join(sorted({r['status'] for r in failed}))})" if failed else "")
+        + f", {count[NOT_RUN]} not run (budget)"
+        + (f"; {parts}" if parts else "")
+    )
+
+
+def summarize(rows: list[dict], title: str = "Validation matrix") -> str:
+    """The matrix as markdown: family x sequence length, then one line per cell."""
+    cells = latest_cells(rows)
+    families = list(dict.fromkeys(f for f, _ in cells))
+    lens = sorted({s for _, s in cells})
+    models = {f: r["model"] for (f, _), r in cells.items()}
+    commits = sorted({r.get("commit", "") for r in cells.values()} - {""})
+    gpus = sorted({r.get("gpu", "") for r in cells.values()} - {""})
+    tags = sorted({r.get("tag", "") for r in cells.values()} - {""})
+    lines = [
+        f"# {title}",
+        "",
+        f"- tags: {', '.join(tags) or '-'}; commits: {', '.join(commits) or '-'}; "
+        f"GPU: {', '.join(gpus) or '-'}",
+        f"- hf_megatrain defaults (bench.py system `{SYSTEM}`, no engine flag), random init "
+        "(`--streamed-init`), bf16, one sequence per step, grad-accum 1",
+        "- a cell: status; planned / measured peak HBM (torch max reserved) and host (VmHWM) in "
+        "GiB, error = planned / measured - 1; the promise: every cell trained or refused before "
+        "allocation, no out-of-memory crash, every error within 10%",
+        "",
+        "| family (model) | " + " | ".join(seq_label(s) for s in lens) + " |",
+        "|---" * (len(lens) + 1) + "|",
+    ]
+    for f in families:
+        texts = [_cell_text(cells[f, s]) if (f, s) in cells else "" for s in lens]
+        lines.append(f"| {f} ({models[f]}) | " + " | ".join(texts) + " |")
+    lines += ["", f"**{promise_line(rows)}**", ""]
+    lines += [
+        f"- {f}: {FAMILIES[f][1]} (`benchmarks/configs/{models[f]}`)"
+        for f in families
+        if f in FAMILIES and FAMILIES[f][0] == models[f]
+    ]
+    lines += ["", "## Cells", ""]
+    lines += [
+        "| cell | status | wall s | step s | HBM layers | plan HBM | HBM | err % | plan host | "
+        "host | err % | auto-fit | detail |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (f, s), r in sorted(cells.items(), key=lambda kv: (families.index(kv[0][0]), kv[0][1])):
+        detail = (r.get("detail") or "").replace("|", "/")
+        lines.append(
+            f"| {f} {seq_label(s)} | {r['status']} | {r.get('wall_s', '')} | "
+            f"{r.get('step_time_s', '')} | {r.get('hbm_layers', '')} | "
+            f"{r.get('plan_hbm_gib', '')} | {r.get('peak_hbm_gib', '')} | "
+            f"{r.get('hbm_err_pct', '')} | {r.get('plan_host_gib', '')} | "
+            f"{r.get('peak_host_gib', '')} | {r.get('host_err_pct', '')} | "
+            f"{r.get('auto_fit', '')} | {detail} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def read_rows(paths: list[Path], tags: list[str] | None) -> list[dict]:
+    """The matrix rows (those with a family) of the CSVs, in order, of ``tags`` if given."""
+    rows = []
+    for path in paths:
+        with path.open(newline="") as f:
+            rows += [r for r in csv.DictReader(f) if r.get("family")]
+    return [r for r in rows if not tags or r.get("tag") in tags]
+
+
+# ---- command line ----------------------------------------------------------------------------
+def _csv_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _phase(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--phase {text!r}: want K/N, e.g. 1/2") from None
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"--phase {text!r}: need 1 <= K <= N")
+    return k, n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--families",
+        type=_csv_list,
+        default=list(FAMILIES),
+        help=f"comma list of {', '.join(FAMILIES)} (and names given by --config)",
+    )
+    p.add_argument(
+        "--seq-lens",
+        type=lambda t: [parse_seq_len(x) for x in _csv_list(t)],
+        default=list(SEQ_LENS),
+        help="comma list of tokens per sequence (4096 or 4k); default 4k,32k,128k,256k",
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FAMILY=MODEL",
+        help="the config (name under benchmarks/configs/ or a folder) a family runs; a new "
+        "family name adds a family (repeatable)",
+    )
+    p.add_argument("--phase", type=_phase, default=(1, 1), help="K/N: the K-th of N phases")
+    p.add_argument(
+        "--max-wall-s", type=float, default=520.0, help="budget; later cells: not run (budget)"
+    )
+    p.add_argument(
+        "--cell-timeout-s", type=float, help="per cell (default: twice its estimate, >= 90 s)"
+    )
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--steps", type=int, default=1, help="measured steps per cell")
+    p.add_argument("--warmup", type=int, default=0, help="untimed steps first")
+    p.add_argument("--tag", help="rows' tag (default: matrix); with --summarize: a comma list")
+    p.add_argument("--results-dir", type=Path, default=bench.RESULTS_DIR / "matrix")
+    p.add_argument("--dry-run", action="store_true", help="list the cells, verdicts, estimates")
+    p.add_argument("--hbm-gib", type=float, default=H200_HBM_GIB, help="verdicts' free HBM")
+    p.add_argument("--host-gib", type=float, default=H200_HOST_GIB, help="verdicts' host RAM")
+    p.add_argument("--tflops", type=float, default=TFLOPS, help="estimates' TFLOP/s")
+    p.add_argument(
+        "--summarize", type=Path, nargs="+", metavar="CSV", help="write the matrix of CSV(s)"
+    )
+    p.add_argument("--markdown", type=Path, help="with --summarize: output (default: stdout)")
+    return p
+
+
+def models_from_args(a: argparse.Namespace) -> dict[str, str]:
+    models = {f: m for f, (m, _) in FAMILIES.items()}
+    for spec in a.config:
+        family, sep, model = spec.partition("=")
+        if not sep or not family or not model:
+            raise SystemExit(f"bad --config {spec!r}: want FAMILY=MODEL")
+        models[family] = model
+    for f in a.families:
+        if f not in models:
+            raise SystemExit(f"unknown family {f!r}; known: {', '.join(models)}")
+        bench.model_config_path(models[f])  # fail now, not in the middle of the matrix
+    return models
+
+
+def planned_cells(a: argparse.Namespace) -> list[Cell]:
+    cells = make_cells(a.families, a.seq_lens, models_from_args(a))
+    for cell in cells:
+        plan_cell(cell, a.hbm_gib, a.host_gib, a.tflops)
+    assign_phases(cells, a.phase[1])
+    return cells
+
+
+def dry_run_text(cells: list[Cell], a: argparse.Namespace) -> str:
+    lines = [
+        f"matrix: {len(cells)} cells; verdicts for {a.hbm_gib:g} GiB HBM, {a.host_gib:g} GiB "
+        f"host, defaults; estimates at {a.tflops:g} TFLOP/s",
+        f"{'cell':<14} {'model':<24} {'params':>7} {'est s':>6} {'phase':>5}  verdict",
+    ]
+    for c in sorted(cells, key=lambda c: (c.phase, c.est_s, c.seq_len)):
+        lines.append(
+            f"{c.name:<14} {c.model:<24} {c.params / 1e9:6.2f}B {c.est_s:6.0f} {c.phase:>5}  "
+            f"{c.verdict[:220]}"
+        )
+    n = a.phase[1]
+    for k in range(1, n + 1):
+        est = sum(c.est_s for c in cells if c.phase == k)
+        count = sum(1 for c in cells if c.phase == k)
+        lines.append(f"matrix: phase {k}/{n}: {count} cells, estimated {est:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = build_parser().parse_args(argv)
+    if a.summarize:
+        rows = read_rows(a.summarize, _csv_list(a.tag) if a.tag else None)
+        if not rows:
+            where = ", ".join(map(str, a.summarize))
+            raise SystemExit(f"no matrix rows in {where}" + (f" tagged {a.tag}" if a.tag else ""))
+        text = summarize(
+            rows, title=f"Validation matrix `{a.tag}`" if a.tag else "Validation matrix"
+        )
+        if a.markdown:
+            a.markdown.write_text(text)
+            print(f"matrix: wrote {a.markdown}")
+        else:
+            print(text, end="")
+        return 0
+    cells = planned_cells(a)
+    if a.dry_run:
+        print(dry_run_text(cells, a))
+        return 0
+    k, n = a.phase
+    mine = [c for c in cells if c.phase == k]
+    est = sum(c.est_s for c in mine)
+    print(
+        f"matrix: phase {k}/{n}: {len(mine)} cells, estimated {est:.0f} s, budget "
+        f"{a.max_wall_s:g} s",
+        flush=True,
+    )
+    rows = run_matrix(
+        mine,
+        tag=a.tag or "matrix",
+        results_dir=a.results_dir,
+        max_wall_s=a.max_wall_s,
+        cell_timeout_s=a.cell_timeout_s,
+        device=a.device,
+        steps=a.steps,
+        warmup=a.warmup,
+        argv=shlex.join(["python3", "benchmarks/validation_matrix.py", *argv]),
+    )
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
