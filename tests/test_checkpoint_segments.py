@@ -417,7 +417,10 @@ def test_plan_cli_checkpoint_every(capsys):
         "--boundary-dtype", "bfloat16",
     ]  # fmt: skip
     with pytest.raises(SystemExit, match="--checkpoint-every 2: .*this plan fits"):
-        main(argv)
+        main([*argv, "--auto-fit", "off"])
+    # By default (auto_fit exact) training turns that on by itself; plan says so.
+    assert main(argv) == 0
+    assert "training turns on --checkpoint-every 2" in capsys.readouterr().out
     assert main([*argv, "--checkpoint-every", "2"]) == 0
     out = capsys.readouterr().out
     assert "x 14 saved (1 per 2 of 28 layers)" in out

@@ -52,12 +52,13 @@ def _attention_line(plan) -> int:
 # ---- keep_attention_outputs "auto" in the plan -------------------------------------------------
 def test_auto_attention_outputs_go_before_the_tier_at_64k_and_are_counted(llama8b):
     """The headline workload: every layer keeps its attention outputs and the tier takes what
-    they leave (13 layers, as measured fastest: 461 against 451 TFLOP/s with 18 and none); the
-    outputs' bytes are a GPU line of the plan, which still fits."""
+    they leave (14 layers; 13 measured fastest then: 461 against 451 TFLOP/s with 18 and none,
+    the plan's margin was a fixed 3% then, now each line's measured error); the outputs' bytes
+    are a GPU line of the plan, which still fits."""
     off = _plan(llama8b, 65536, keep_attention_outputs="off")
     auto = _plan(llama8b, 65536)
     assert (off.n_hbm, off.attention_layers) == (18, 0)
-    assert (auto.n_hbm, auto.attention_layers) == (13, 32)
+    assert (auto.n_hbm, auto.attention_layers) == (14, 32)
     assert auto.fits and auto.gpu_total <= H200
     assert _attention_line(auto) == _attention_line(
         _plan(llama8b, 65536, keep_attention_outputs="all")
@@ -211,11 +212,17 @@ def test_plan_says_which_layer_kernels_it_planned_for(monkeypatch, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Liger-Kernel layer kernels: off (not installed here" in out
-    assert "layers: 13 in HBM" in out
+    torch_set = _working_set_gib(out)
     simulate_liger(monkeypatch)
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Liger-Kernel layer kernels: on (installed, llama)" in out
-    assert "layers: 14 in HBM" in out  # the fused kernels' smaller working set (liger-plan-1707)
+    # The fused kernels' smaller working set (liger-plan-1707): no SiLU output per MLP token.
+    assert "fused SwiGLU" in out and _working_set_gib(out) < torch_set
     assert main(argv + ["--layer-kernels", "torch"]) == 0
-    assert "layers: 13 in HBM" in capsys.readouterr().out
+    assert _working_set_gib(capsys.readouterr().out) == torch_set
+
+
+def _working_set_gib(plan_output: str) -> float:
+    line = next(ln for ln in plan_output.splitlines() if "backward working set" in ln)
+    return float(line.split()[-1])

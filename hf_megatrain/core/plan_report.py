@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .activation_memory import boundary_activation_bytes, saved_boundary_layers
+from .activation_memory import (
+    EAGER_SCORES_KIND,
+    MASK_KIND,
+    boundary_activation_bytes,
+    saved_boundary_layers,
+)
 from .engine.staging import GRAD_STAGING_SLOTS
 from .host_store import format_bytes
 from .memory_options import BF16_BOUNDARIES, MemoryOptions
@@ -230,6 +235,7 @@ def add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
                     f"{format_bytes(big.nbytes)}). ",
                     advice,
                     _boundary_advice(plan),
+                    _attention_advice(plan),
                 ),
                 "gpu",
                 gpu_needed,
@@ -259,6 +265,26 @@ def add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
                 _bf16_changes(plan),
             )
         )
+
+
+def _attention_advice(plan: MemoryPlan) -> str:
+    """Eager attention's s x s tensors in a plan that does not fit: no memory option shrinks
+    them; only another attention implementation or a shorter sequence does."""
+    eager = sum(ln.nbytes for ln in plan.gpu_lines if ln.kind in (EAGER_SCORES_KIND, MASK_KIND))
+    if plan.shape.attn_implementation != "eager" or not eager:
+        return ""
+    if plan.shape.attn_softcapping:
+        other = (
+            "'flash_attention_2' or 'flex_attention' (they apply the logit soft-capping; 'sdpa' "
+            "refuses it)"
+        )
+    else:
+        other = "'sdpa' or 'flash_attention_2'"
+    return (
+        f" Attention runs eager (attn_implementation='eager'): {format_bytes(eager)} of it are "
+        "s x s scores and masks, which no memory option shrinks; only another attention "
+        f"implementation, {other}, or a shorter sequence does."
+    )
 
 
 def _bf16_changes(plan: MemoryPlan) -> OptionChanges | None:
@@ -343,8 +369,10 @@ def add_notes(plan: MemoryPlan) -> None:
     if step is not None:
         plan.notes.append(
             Message.of(
-                "recompute working set, loss temporaries and slack are estimates; parameter, "
-                "buffer and optimizer-state lines are exact."
+                "the working-set, kept-activation, attention and logit lines estimate framework "
+                "temporaries; the slack adds each one's largest measured underestimate "
+                "(benchmarks/results/plan_vs_measured.md) to the allocator's fragmentation. "
+                "Parameter, buffer and optimizer-state lines are exact."
             )
         )
     else:

@@ -61,13 +61,24 @@ class ModelShape:
     # above autograd's saved tensors, tests/test_keep_activations.py). When not (Gemma3, the
     # MoE families) "auto" plans no kept activations rather than risk running out of memory.
     kept_bytes_audited: bool = True
-    # Gemma3's layer: four RMSNorms (pre and post attention and MLP) computing in fp32, and
-    # per-head q/k norms that keep an fp32 input and product (see
-    # ``kept_activation_bytes_per_token``).
+    # Gemma-2/3's layer: four RMSNorms (pre and post attention and MLP) computing in fp32 and a
+    # GELU-tanh MLP; Gemma3's per-head q/k norms keep an fp32 input and product (see
+    # ``kept_activation_bytes_per_token`` and the working set's terms).
     gemma_norms: bool = False
     # Whether attention runs through PyTorch SDPA, whose fused kernels' outputs
     # keep_attention_outputs keeps (other attention is recomputed: nothing to plan for it).
     sdpa_attention: bool = True
+    # transformers' attention implementation (``config._attn_implementation``): "sdpa",
+    # "eager" (Gemma-2's default: it materializes every layer's heads x s x s scores and an fp32
+    # s x s mask), "flash_attention_2", ... Only "sdpa" and "eager" make s x s masks.
+    attn_implementation: str = "sdpa"
+    # Window of the layers that attend through a sliding window (0: none does). Under SDPA a
+    # sequence at least this long gets an explicit s x s mask instead of ``is_causal``.
+    sliding_window: int = 0
+    # Whether some layer attends to the whole causal context (with sliding layers: a second mask).
+    full_attention_layers: bool = True
+    # Whether attention logits are soft-capped (Gemma-2: a tanh over the eager scores).
+    attn_softcapping: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -95,10 +106,25 @@ def last_recomputed(recomputed: list[int], count: int) -> list[int]:
 
 @dataclass(frozen=True)
 class MemoryLine:
-    """One named cost of the plan."""
+    """One named cost of the plan.
+
+    ``kind`` names the sort of cost (one of the ``*_KIND`` names of ``activation_memory`` and
+    ``plan_arithmetic``), which ``benchmarks/plan_vs_measured.py`` audits per kind. ``error`` is
+    the largest underestimate measured for that kind, as a fraction of ``nbytes``: 0 for buffers
+    this library allocates itself (their size is exact), the measured error for estimates of
+    framework temporaries. The plan's slack line is the sum of ``nbytes x error`` over its
+    lines plus the allocator's fragmentation (``plan_arithmetic.slack_line``).
+    """
 
     name: str
     nbytes: int
+    kind: str = ""
+    error: float = 0.0
+
+    @property
+    def margin(self) -> int:
+        """Bytes this line may be short by, at its kind's largest measured error."""
+        return int(self.nbytes * self.error)
 
 
 @dataclass(frozen=True)

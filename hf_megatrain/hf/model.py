@@ -173,6 +173,8 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     )
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
     fused = bool(layers) and _liger_patched(getattr(layers[0], "mlp", None))
+    window, full = _attention_layers(text_cfg)
+    attn = getattr(cfg, "_attn_implementation", None) or "sdpa"
     return ModelShape(
         kv_size=kv_heads * head_dim,
         head_dim=head_dim,
@@ -190,10 +192,28 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         kept_bytes_audited=cfg.model_type in KEPT_BYTES_AUDITED_MODEL_TYPES
         # (Liger's Gemma kernels are not audited: the fused count is the Llama family's.)
         or (cfg.model_type == "gemma3_text" and not fused),
-        gemma_norms=cfg.model_type == "gemma3_text",
-        sdpa_attention=(getattr(cfg, "_attn_implementation", None) or "sdpa") == "sdpa",
+        # Gemma-2/3's four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
+        gemma_norms=cfg.model_type in ("gemma2", "gemma3_text"),
+        sdpa_attention=attn == "sdpa",
+        attn_implementation=attn,
+        sliding_window=window,
+        full_attention_layers=full,
+        attn_softcapping=bool(getattr(text_cfg, "attn_logit_softcapping", None)),
         name=name,
     )
+
+
+def _attention_layers(text_cfg) -> tuple[int, bool]:
+    """``(sliding window, whether some layer attends fully)`` of a config: its ``layer_types``
+    where it has them (sliding layers use ``sliding_window``); without them a set
+    ``sliding_window`` is every layer's (Mistral, Mixtral, Phi-3, Starcoder2: their models then
+    make only the sliding-window mask)."""
+    window = getattr(text_cfg, "sliding_window", None) or 0
+    types = getattr(text_cfg, "layer_types", None)
+    if types:
+        sliding = window and "sliding_attention" in types
+        return (window if sliding else 0), any(t == "full_attention" for t in types)
+    return window, not window
 
 
 def model_shape_from_config(config, name: str = "model") -> ModelShape:
