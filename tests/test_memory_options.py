@@ -153,9 +153,11 @@ def test_builder_refuses_a_step_that_fits_with_no_exact_option(monkeypatch, capl
     with pytest.raises(MemoryPlanError, match="GiB of GPU memory but only") as refused:
         _builder_plan(monkeypatch, shape, EngineOptions(), step)
     assert "boundary_dtype" in str(refused.value)  # what would fit
-    n_hbm, plan = _builder_plan(
-        monkeypatch, shape, EngineOptions(auto_fit="approximate"), step
+    # and the longest exact rows that do (on the plan's own arithmetic)
+    assert "The longest rows that fit (1 per micro-batch, auto_fit='exact'): 401408 tokens" in str(
+        refused.value
     )
+    n_hbm, plan = _builder_plan(monkeypatch, shape, EngineOptions(auto_fit="approximate"), step)
     assert plan.fits and plan.options.boundary_dtype == torch.bfloat16
     with caplog.at_level(logging.WARNING, logger=builder.logger.name):
         n_hbm, plan = _builder_plan(monkeypatch, shape, EngineOptions(auto_fit="off"), step)

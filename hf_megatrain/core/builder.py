@@ -29,7 +29,7 @@ from .host_store import (
 )
 from .options import ResolvedOptions, StepShape
 from .plan_types import ModelShape, OptionNamer
-from .planner import MemoryPlan, auto_fit_changes, plan_with_auto_fit
+from .planner import MemoryPlan, auto_fit_changes, longest_auto_fit_row, plan_with_auto_fit
 from .streaming import GRAD_STAGING_SLOTS, StreamingEngine
 
 logger = logging.getLogger(__name__)
@@ -270,7 +270,17 @@ def _resident_layer_count(
     plan, as_asked = plan_with_auto_fit(shape, step, options, compute_dtype, **where)
     if step is not None and not plan.fits and options.auto_fit != "off":
         logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table(namer))
-        plan.check(namer)  # nothing auto_fit allows fits: refused, with what would fit
+        # Nothing auto_fit allows fits: refused before allocating, with what would fit.
+        problem = plan.problems[0]
+        longest = longest_auto_fit_row(shape, step, options, compute_dtype, multiple=4096, **where)
+        rows = step.micro_batch_tokens // step.seq_len
+        problem.extend(
+            f"The longest rows that fit ({rows} per micro-batch, auto_fit={options.auto_fit!r}): "
+            f"{longest} tokens."
+            if longest
+            else "Not even 4096-token rows fit this way."
+        )
+        plan.check(namer)
     if as_asked is not None:
         logger.warning(
             "hf_megatrain: the step (%d tokens per micro-batch) does not fit with the memory "

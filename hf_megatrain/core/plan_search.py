@@ -363,6 +363,31 @@ def plan_with_auto_fit(
     return plan_memory(shape, step, fitted, compute_dtype, hbm_bytes, host_bytes, **where), plan
 
 
+def longest_auto_fit_row(
+    shape: ModelShape,
+    step: StepShape,
+    options: ResolvedOptions,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    *,
+    multiple: int = 1024,
+    **where: int | None,
+) -> int:
+    """The longest row (a multiple of ``multiple`` tokens, the step's rows per micro-batch and
+    accumulation kept) that fits with what ``options.auto_fit`` may turn on; 0 if none."""
+    rows = max(1, step.micro_batch_tokens // step.seq_len)
+
+    def fits(k: int) -> bool:
+        seq = k * multiple
+        trial = StepShape(seq, seq * rows, step.grad_accum)
+        return plan_with_auto_fit(
+            shape, trial, options, compute_dtype, hbm_bytes, host_bytes, **where
+        )[0].fits
+
+    return _largest(fits, max(1, step.seq_len // multiple)) * multiple
+
+
 def auto_fit_changes(fitted: MemoryPlan, asked: MemoryPlan) -> OptionChanges:
     """The memory options auto_fit turned on (``plan_with_auto_fit``'s two plans)."""
     return MemoryOptions.of(fitted.options).changes(MemoryOptions.of(asked.options))
@@ -514,6 +539,7 @@ __all__ = [
     "SEGMENT_ADVICE_LENGTHS",
     "auto_fit_changes",
     "fitting_options",
+    "longest_auto_fit_row",
     "max_micro_batch_sequences",
     "max_num_layers",
     "max_seq_len",
