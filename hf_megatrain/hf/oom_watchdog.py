@@ -149,6 +149,11 @@ class PeakLog:
         #: ``(step, peak bytes)`` of the first steps.
         self.peaks: list[tuple[int, int]] = []
 
+    def plan_changed(self) -> None:
+        """The HBM holdings changed after the plan (the watchdog made room): peaks from now on
+        are not the plan's to compare with."""
+        self._planned = None
+
     def step_done(self, step: int) -> None:
         if not self._cuda or len(self.peaks) >= self.STEPS or step < 1:
             return

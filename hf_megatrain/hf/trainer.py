@@ -684,6 +684,7 @@ class MegaTrainerMixin:
             )
         done = make_room(self.model, self.optimizer, message, step)
         self._megatrain_kept = None  # the layers keeping activations changed
+        self._megatrain_peaks.plan_changed()
         logger.warning(
             "hf_megatrain: %s; running the step again from its first micro-batch (same data and "
             "random state)",
