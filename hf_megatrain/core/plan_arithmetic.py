@@ -65,10 +65,6 @@ ALLOCATOR_FRAGMENTATION = 512 * 2**20
 #: The slack line's least: temporaries no line models (cuBLAS workspaces, small per-layer
 #: tensors) on plans whose estimates are all exact or small.
 GPU_SLACK_MIN = 1 * GIB
-#: Before the per-line errors the slack was this fixed fraction of the modelled lines (3%: every
-#: H200 run of the time 3.4-8.4% over its measurement; the long-sequence rows later came out
-#: under it). Kept for callers that import it; the plan no longer uses it.
-GPU_SLACK_FRACTION = 0.03
 #: GPU memory NCCL takes outside PyTorch's allocator once a data-parallel rank's communicator is
 #: up (after the plan measured the free HBM): the 2-GPU H200 run's out-of-memory report showed
 #: 1.57 GiB held outside PyTorch, the CUDA context's ~0.5 GiB of it already gone before the plan.
@@ -367,7 +363,6 @@ __all__ = [
     "ALLOCATOR_FRAGMENTATION",
     "DEFAULT_HOST_MARGIN",
     "GIB",
-    "GPU_SLACK_FRACTION",
     "GPU_SLACK_MIN",
     "H200_HBM_BYTES",
     "NCCL_BUFFER_BYTES",

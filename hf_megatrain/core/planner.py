@@ -30,7 +30,6 @@ from .options import ALL_LAYERS, parse_attention_layers
 from .plan_arithmetic import (
     DEFAULT_HOST_MARGIN,
     GIB,
-    GPU_SLACK_FRACTION,
     GPU_SLACK_MIN,
     H200_HBM_BYTES,
     NCCL_BUFFER_BYTES,
@@ -79,7 +78,6 @@ __all__ = [
     "DEFAULT_HOST_MARGIN",
     "FIELD_NAMER",
     "GIB",
-    "GPU_SLACK_FRACTION",
     "GPU_SLACK_MIN",
     "H200_HBM_BYTES",
     "HBM",
