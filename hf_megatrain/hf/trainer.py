@@ -650,7 +650,9 @@ class MegaTrainerMixin:
             self._last_seq_len = ids.shape[-1]
         self._megatrain_in_step = True
         try:
-            for attempt in range(len(self.megatrain.engine.stores) + 3):
+            # Each recovery gives up at least one item (a layer's kept activations, its
+            # attention outputs, or the layer's place in the HBM tier): bounded by 3 per layer.
+            for attempt in range(3 * len(self.megatrain.engine.stores) + 2):
                 failure = None
                 try:
                     if attempt:
