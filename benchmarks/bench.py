@@ -712,9 +712,12 @@ def _megatrain_plan(trainer) -> dict:
 
 def failure_status(exc: BaseException) -> str:
     """The CSV status of a failed run: OOMs are results, named as such."""
-    from hf_megatrain import InsufficientHostMemoryError
+    from hf_megatrain import InsufficientHostMemoryError, MemoryPlanError
 
     text = str(exc)
+    if isinstance(exc, MemoryPlanError):
+        # Refused by the memory plan before anything was allocated: not an out-of-memory.
+        return f"refused ({exc.tier}): {text.removeprefix('hf_megatrain: ')}"[:200]
     if isinstance(exc, InsufficientHostMemoryError):
         m = re.search(r"needs ([\d.]+ [KMGT]iB).*?only ([\d.]+ [KMGT]iB)", text, re.S)
         if m:

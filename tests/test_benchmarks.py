@@ -137,6 +137,11 @@ def test_host_memory_refusal_is_a_status(tmp_path):
 def test_failure_status_names_gpu_oom():
     assert bench.failure_status(torch.OutOfMemoryError("CUDA out of memory.")) == "oom-gpu"
     assert bench.failure_status(ValueError("bad\nmore")) == "error: ValueError: bad"
+    # A refusal by the memory plan before allocation is not an out-of-memory.
+    from hf_megatrain import MemoryPlanError  # noqa: PLC0415
+
+    refused = MemoryPlanError("hf_megatrain: the step needs 300 GiB", "gpu", 300, 139)
+    assert bench.failure_status(refused) == "refused (gpu): the step needs 300 GiB"
 
 
 @pytest.mark.gpu
