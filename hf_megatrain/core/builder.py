@@ -312,8 +312,9 @@ def move_to_host_tier(
     """Move HBM-tier ``layers`` (the tier's last ones) into new host stores, between steps:
     fp32 master and AdamW moments copied, the compute-dtype copy re-derived; the engine's
     buffers follow (``StreamingEngine.replace_stores``), after ``release(layers)``, where the
-    caller drops its own references to the old stores (``HostAdamW.rebind_layers``). Refuses (``InsufficientHostMemoryError``) before allocating
-    when host RAM cannot hold them. Returns the device bytes released."""
+    caller drops its own references to the old stores (``HostAdamW.rebind_layers``). Refuses
+    (``InsufficientHostMemoryError``) before allocating when host RAM cannot hold them.
+    Returns the device bytes released."""
     stores = engine.stores
     tier = [i for i, s in enumerate(stores) if s.resident]
     layers = sorted(layers)
@@ -333,7 +334,6 @@ def move_to_host_tier(
         ),
         options.host_memory_limit_bytes,
     )  # fmt: skip
-    engine.wait_updates()
     pin = options.pin_memory and engine.is_cuda
     moved: dict[int, LayerStore] = {}
     released = 0

@@ -491,9 +491,8 @@ class HostAdamW(torch.optim.Optimizer):
                 old = seg.store.master[seg.start : seg.end]
                 view = store.master[seg.start : seg.end]
                 params = group["params"]
-                pos = next(i for i, p in enumerate(params) if p is old or (
-                    p.data_ptr() == old.data_ptr() and p.shape == old.shape
-                ))  # fmt: skip
+                # (The group holds its own view of the same slice: found by address.)
+                pos = next(i for i, p in enumerate(params) if p.data_ptr() == old.data_ptr())
                 self._streamed_ids.discard(id(params[pos]))
                 params[pos] = view
                 self._streamed_ids.add(id(view))

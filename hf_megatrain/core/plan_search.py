@@ -304,36 +304,28 @@ def fitting_options(
     options: ResolvedOptions,
     *,
     approximate: bool = False,
-    hbm_layers: int | None = None,
-    reserve_bytes: int = 0,
-    input_model_bytes: int = 0,
-    ranks: int = 1,
-    host_margin_bytes: int = DEFAULT_HOST_MARGIN,
+    **where: int | None,
 ) -> ResolvedOptions | None:
     """For a planned step that does not fit: ``options`` plus the lightest set of memory options
     it does not use yet that makes the same run fit, or None.
 
     Only exact options (MLP tiles, activation offload, fp32-master streaming, checkpoint
     segments) unless ``approximate`` (then bf16 boundary activations too); never gradient
-    clipping off, which changes the training itself. The other arguments are the plan's own
-    (``plan_memory``'s)."""
+    clipping off, which changes the training itself. ``where``: the plan's own keyword
+    arguments (``plan_memory``'s: ``hbm_layers``, ``ranks``, ...)."""
     step = plan.step
     if step is None:
         return None
     base = MemoryOptions.of(options)
 
-    def allowed(o: MemoryOptions) -> bool:
-        return o.no_clip == base.no_clip and (
+    def fits(o: MemoryOptions) -> bool:
+        allowed = o.no_clip == base.no_clip and (
             approximate or o.boundary_dtype == base.boundary_dtype
         )
-
-    def fits(o: MemoryOptions) -> bool:
-        return allowed(o) and _plan(
+        return allowed and _fits(
             plan.shape, step, o.applied(options), plan.compute_dtype, plan.hbm_available,
-            plan.host_available, hbm_layers=hbm_layers, reserve_bytes=reserve_bytes,
-            input_model_bytes=input_model_bytes, ranks=ranks,
-            host_margin_bytes=host_margin_bytes, keep=0, advise=False,
-        ).fits  # fmt: skip
+            plan.host_available, **where,
+        )  # fmt: skip
 
     found = lightest_fit(fits, base, step.micro_batch_tokens)
     return None if found is None else found.applied(options)
@@ -356,8 +348,7 @@ def plan_with_auto_fit(
     plan = plan_memory(shape, step, options, compute_dtype, hbm_bytes, host_bytes, **where)
     if step is None or plan.fits or options.auto_fit == "off":
         return plan, None
-    kw = {k: v for k, v in where.items() if k != "host_margin_bytes" or v is not None}
-    fitted = fitting_options(plan, options, approximate=options.auto_fit == "approximate", **kw)
+    fitted = fitting_options(plan, options, approximate=options.auto_fit == "approximate", **where)
     if fitted is None:
         return plan, None
     return plan_memory(shape, step, fitted, compute_dtype, hbm_bytes, host_bytes, **where), plan
@@ -458,13 +449,19 @@ def _fits(
     dtype: torch.dtype,
     hbm: int,
     host: int,
-    ranks: int,
+    ranks: int = 1,
+    *,
+    hbm_layers: int | None = None,
+    reserve_bytes: int = 0,
+    input_model_bytes: int = 0,
+    host_margin_bytes: int = DEFAULT_HOST_MARGIN,
 ) -> bool:
+    """Whether the run fits (``plan_memory``'s arguments; no advice searched)."""
     # Kept activations only fill the HBM a plan leaves: they never decide what fits.
     return _plan(
-        shape, step, options, dtype, hbm, host, hbm_layers=None, reserve_bytes=0,
-        input_model_bytes=0, ranks=ranks, host_margin_bytes=DEFAULT_HOST_MARGIN, keep=0,
-        advise=False,
+        shape, step, options, dtype, hbm, host, hbm_layers=hbm_layers,
+        reserve_bytes=reserve_bytes, input_model_bytes=input_model_bytes, ranks=ranks,
+        host_margin_bytes=host_margin_bytes, keep=0, advise=False,
     ).fits  # fmt: skip
 
 

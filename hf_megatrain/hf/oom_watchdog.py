@@ -119,15 +119,6 @@ def make_room(model: nn.Module, optimizer: Any, message: str, step: int) -> str:
             needed=need or 0,
             available=0,
         )
-    if engine.dp is not None and relief.to_host:
-        raise MemoryPlanError(
-            f"hf_megatrain: step {step} ran {what}; under data parallel the HBM tier cannot "
-            f"shrink while training: restart with megatrain_resident_layers="
-            f"{len(before.tier) - len(relief.to_host)}.",
-            tier="gpu",
-            needed=need or 0,
-            available=0,
-        )
     if relief.to_host:
         move_to_host_tier(engine, relief.to_host, state.options, optimizer.rebind_layers)
     if relief.kept != before.kept:
