@@ -690,7 +690,7 @@ def train_once(cfg: RunConfig) -> dict:
 
 def _megatrain_plan(trainer) -> dict:
     """The placement the run used and, for "auto", the planner's predicted peaks."""
-    from hf_megatrain.hf.model import find_decoder_layers, runs_liger
+    from hf_megatrain.hf.model import find_decoder_layers, layer_kernels_of
 
     state = getattr(trainer, "megatrain", None)
     if state is None:
@@ -699,9 +699,9 @@ def _megatrain_plan(trainer) -> dict:
     out = {
         "hbm_layers": sum(1 for s in state.store.layers if s.resident),
         "kept_layers": sum(1 for layer in layers if layer.forward.keep_graph),
-        # What the defaults chose: attention outputs kept, Liger's kernels (layer_kernels auto).
+        # What the defaults chose: attention outputs kept, the layer kernels (liger, compiled).
         "attention_layers": sum(1 for layer in layers if layer.forward.keep_attention),
-        "liger": runs_liger(trainer.model),
+        "layer_kernels": layer_kernels_of(trainer.model),
     }
     print(f"bench worker: megatrain placement {json.dumps(out)}", flush=True)
     if state.plan is not None:
@@ -956,12 +956,16 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "kept_layers": result.get("kept_layers", ""),
         "layer_busy": _fmt(result.get("layer_busy"), 4),
         "layer_gaps": _fmt(result.get("layer_gaps"), 4),
-        # Liger's kernels chosen by layer_kernels "auto" (no --liger in the command to say so),
+        # The fused kernels chosen by layer_kernels "auto" (no --liger in the command to say so),
         # and the attention outputs the plan kept.
         "note": "; ".join(
             text
             for text, on in (
-                ("Liger-Kernel layer kernels (auto)", result.get("liger") and not cfg.liger),
+                (
+                    "Liger-Kernel layer kernels (auto)",
+                    result.get("layer_kernels") == "liger" and not cfg.liger,
+                ),
+                ("compiled layer kernels", result.get("layer_kernels") == "compiled"),
                 (
                     f"attention outputs kept: {result.get('attention_layers')} layers",
                     result.get("attention_layers"),

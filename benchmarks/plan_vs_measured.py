@@ -67,8 +67,10 @@ def plan_row(row: dict):
     shape = model_shape_from_config(cfg, row["model"])
     command = row.get("command", "")
     note = row.get("note", "")
-    # The fused kernels' smaller kept activations: --liger, or chosen by layer_kernels "auto".
-    if "--liger" in command.split() or "Liger-Kernel layer kernels" in note:
+    # The fused kernels' smaller kept activations: --liger, or Liger's or compiled ones chosen by
+    # layer_kernels "auto".
+    fused_notes = ("Liger-Kernel layer kernels", "compiled layer kernels")
+    if "--liger" in command.split() or any(n in note for n in fused_notes):
         shape = replace(shape, fused_layer_kernels=True)
     seq = int(row["seq_len"])
     micro = int(row["micro_batch"])

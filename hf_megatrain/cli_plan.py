@@ -137,31 +137,39 @@ def detected_memory(hbm_gib: float | None, host_gib: float | None) -> tuple[int,
 
 def _planned_layer_kernels(setting: str, liger: bool, model_type: str):
     """The layer kernels the planned run would use, for a CUDA run: ``--layer-kernels auto``
-    means Liger-Kernel's where it is installed here and used for the family automatically;
-    ``--liger`` (or ``--layer-kernels liger``) plans with them whether installed here or not."""
+    means Liger-Kernel's where it is installed here and used for the family automatically, else
+    torch.compile'd ones for the families those know; ``--liger`` (or ``--layer-kernels
+    liger``) plans with Liger's whether installed here or not."""
+    from .hf.compiled_kernels import COMPILED_MODEL_TYPES  # noqa: PLC0415
     from .hf.long_context import (  # noqa: PLC0415
         LIGER_AUTO_MODEL_TYPES,
-        LIGER_INSTALL,
         LayerKernels,
         liger_installed,
     )
 
     if liger or setting == "liger":
-        if setting == "torch":
+        if setting in ("torch", "compiled"):
             raise CLIError(
-                "--liger asks for Liger-Kernel's layer kernels, --layer-kernels torch not"
+                f"--liger asks for Liger-Kernel's layer kernels, --layer-kernels {setting} not"
             )
-        return LayerKernels(True, f"asked for, {model_type}")
+        return LayerKernels("liger", f"asked for, {model_type}")
     if setting == "torch":
-        return LayerKernels(False, "--layer-kernels torch")
-    if not liger_installed():
-        return LayerKernels(False, f"not installed here: {LIGER_INSTALL}; --liger plans with them")
-    if model_type not in LIGER_AUTO_MODEL_TYPES:
-        return LayerKernels(
-            False,
-            f"installed, but not used for {model_type} automatically; --liger plans with them",
-        )
-    return LayerKernels(True, f"installed, {model_type}")
+        return LayerKernels("torch", "--layer-kernels torch")
+    if setting == "compiled" or model_type in COMPILED_MODEL_TYPES:
+        if model_type not in COMPILED_MODEL_TYPES:
+            raise CLIError(
+                f"--layer-kernels compiled: no compiled kernels for {model_type} (they know "
+                f"{', '.join(sorted(COMPILED_MODEL_TYPES))})"
+            )
+        if setting == "auto" and liger_installed() and model_type in LIGER_AUTO_MODEL_TYPES:
+            return LayerKernels("liger", f"Liger-Kernel installed here, {model_type}")
+        why = "asked for" if setting == "compiled" else "torch.compile"
+        return LayerKernels("compiled", f"{why}, {model_type}")
+    return LayerKernels(
+        "torch",
+        f"{model_type} is not a family the fused kernels are used for automatically; --liger "
+        "plans with Liger-Kernel's",
+    )
 
 
 def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
@@ -196,7 +204,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         options.layer_kernels, getattr(ns, "liger", False), cfg.model_type
     )
     said.append(kernels.log_line().replace("hf_megatrain: ", "", 1))
-    if kernels.liger:
+    if kernels.fused:
         shape = dataclasses.replace(shape, fused_layer_kernels=True)
     dtype = torch.float32 if ns.fp32 else torch.bfloat16
     nproc = getattr(ns, "nproc", None)

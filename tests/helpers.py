@@ -453,11 +453,16 @@ def patch_mlps_as_liger(model) -> None:
         layer.mlp.__dict__["forward"] = forward.__get__(layer.mlp, type(layer.mlp))
 
 
-def simulate_liger(monkeypatch, *, installed: bool = True, cuda: bool = True) -> None:
-    """Make ``layer_kernels`` decide as if liger-kernel were installed (``installed``) and the
-    device were CUDA (``cuda``): Liger's Triton kernels cannot run here, so tests pair this
-    with a stand-in for the kernels' application. Liger's own model-type table is stood in for
-    by the families it patches that the tests use."""
+def simulate_liger(
+    monkeypatch, *, installed: bool = True, cuda: bool = True, compiles: bool = True
+) -> None:
+    """Make ``layer_kernels`` decide as if liger-kernel were installed (``installed``), the
+    device were CUDA (``cuda``) and torch.compile could build kernels for it (``compiles``):
+    Liger's Triton kernels cannot run here, so tests pair this with a stand-in for the kernels'
+    application; compiled kernels are built with the "aot_eager" backend (Inductor's graphs
+    without a C++ build). Liger's own model-type table is stood in for by the families it
+    patches that the tests use."""
+    import hf_megatrain.hf.compiled_kernels as compiled_kernels  # noqa: PLC0415
     import hf_megatrain.hf.long_context as long_context  # noqa: PLC0415
 
     monkeypatch.setattr(long_context, "liger_installed", lambda: installed)
@@ -465,6 +470,9 @@ def simulate_liger(monkeypatch, *, installed: bool = True, cuda: bool = True) ->
     monkeypatch.setattr(
         long_context, "liger_model_types", lambda: frozenset({"llama", "qwen2", "qwen3", "gemma"})
     )
+    why = "Triton" if compiles else "Triton is not installed"
+    monkeypatch.setattr(long_context, "compile_available", lambda device: (compiles, why))
+    monkeypatch.setattr(compiled_kernels, "COMPILE_BACKEND", "aot_eager")
 
 
 # ---- comparing a multi-process run with one process (tests/test_distributed.py, test_multinode.py)

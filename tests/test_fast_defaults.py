@@ -127,26 +127,42 @@ def test_the_trainer_defaults_on_cpu_keep_nothing_and_do_not_warn(tmp_path, capl
     assert [r for r in caplog.records if "keep_attention_outputs has no effect" in r.getMessage()]
 
 
-# ---- layer_kernels -------------------------------------------------------------------------------
+# ---- layer_kernels ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "installed, cuda, family, liger, why",
+    "installed, cuda, compiles, family, kind, why",
     [
-        (False, True, "llama", False, f"not installed: {LIGER_INSTALL}"),
-        (True, False, "llama", False, "no CUDA device"),
-        (True, True, "llama", True, "installed, llama"),
-        (True, True, "qwen3", True, "installed, qwen3"),
-        (True, True, "gemma", False, "not a family they are used for automatically"),
-        (True, True, "olmo", False, "not a family they are used for automatically"),
+        (False, True, True, "llama", "compiled", "torch.compile (Triton), llama"),
+        (False, True, False, "llama", "torch", "Triton is not installed"),
+        (True, False, True, "llama", "torch", "no CUDA device"),
+        (False, False, True, "llama", "torch", "no CUDA device"),
+        (True, True, True, "llama", "liger", "Liger-Kernel installed, llama"),
+        (True, True, True, "qwen3", "liger", "Liger-Kernel installed, qwen3"),
+        (False, True, True, "qwen3", "compiled", "torch.compile (Triton), qwen3"),
+        (True, True, True, "gemma", "torch", "not a family the fused kernels are used for"),
+        (False, True, True, "olmo", "torch", "not a family the fused kernels are used for"),
     ],
 )
-def test_auto_layer_kernels(monkeypatch, installed, cuda, family, liger, why):
-    simulate_liger(monkeypatch, installed=installed, cuda=cuda)
+def test_auto_layer_kernels(monkeypatch, installed, cuda, compiles, family, kind, why):
+    simulate_liger(monkeypatch, installed=installed, cuda=cuda, compiles=compiles)
     choice = choose_layer_kernels("auto", family, "cuda" if cuda else "cpu")
-    assert choice.liger == liger and why in choice.why
-    assert choice.log_line().startswith(
-        f"hf_megatrain: Liger-Kernel layer kernels: {'on' if liger else 'off'} ("
-    )
-    assert not choose_layer_kernels("torch", family, "cuda").liger
+    assert choice.kind == kind and why in choice.why
+    assert choice.fused == (kind != "torch") and choice.liger == (kind == "liger")
+    assert choice.log_line() == f"hf_megatrain: layer kernels: {kind} ({choice.why})"
+    assert choose_layer_kernels("torch", family, "cuda").kind == "torch"
+
+
+def test_asked_for_compiled_kernels(monkeypatch):
+    """'compiled' runs wherever torch.compile builds kernels (the CPU too), for the families it
+    knows; a clear error elsewhere, and beside a Liger request."""
+    simulate_liger(monkeypatch, installed=True, cuda=False)
+    assert choose_layer_kernels("compiled", "qwen2", "cpu").kind == "compiled"
+    with pytest.raises(ValueError, match="no kernels for model_type 'gemma'"):
+        choose_layer_kernels("compiled", "gemma", "cpu")
+    simulate_liger(monkeypatch, compiles=False)
+    with pytest.raises(ValueError, match="'compiled': Triton is not installed"):
+        choose_layer_kernels("compiled", "llama", "cuda")
+    with pytest.raises(ValueError, match="megatrain_layer_kernels='compiled' forbids them"):
+        choose_layer_kernels("compiled", "llama", "cuda", requested=True)
 
 
 def test_asked_for_liger_kernels_must_be_able_to_run(monkeypatch):
@@ -169,12 +185,14 @@ def test_asked_for_liger_kernels_must_be_able_to_run(monkeypatch):
         choose_layer_kernels("torch", "llama", "cuda", requested=True)
 
 
-def test_trainer_applies_liger_automatically_before_streaming(tmp_path, monkeypatch, caplog):
-    """Default arguments, liger-kernel present and CUDA (simulated): the layer kernels go in
-    before the model is streamed (the plan counts them), Liger's layer kernels only; without
-    the package, one line says how to get them and nothing is applied."""
+def test_trainer_applies_fused_kernels_automatically_before_streaming(
+    tmp_path, monkeypatch, caplog
+):
+    """Default arguments and CUDA (simulated): the layer kernels go in before the model is
+    streamed (the plan counts them). Liger-Kernel's layer kernels only where it is installed;
+    without it the compiled ones; without either, PyTorch's, and one line says why."""
     import hf_megatrain.hf.long_context as long_context  # noqa: PLC0415
-    from hf_megatrain.hf.model import model_shape, streamed_state  # noqa: PLC0415
+    from hf_megatrain.hf.model import layer_kernels_of, model_shape, streamed_state  # noqa: PLC0415
 
     calls = []
 
@@ -182,24 +200,33 @@ def test_trainer_applies_liger_automatically_before_streaming(tmp_path, monkeypa
         calls.append((config, streamed_state(model) is None))
         patch_mlps_as_liger(model)
 
+    def said():
+        return [r.getMessage() for r in caplog.records if "layer kernels:" in r.getMessage()]
+
     monkeypatch.setattr(long_context, "apply_liger_kernels", fake_apply)
-    simulate_liger(monkeypatch, installed=False)
+    simulate_liger(monkeypatch, installed=False, compiles=False)
     with caplog.at_level(logging.INFO, logger="hf_megatrain"):
         _, trainer = run_trainer(tiny_model(tiny_config("llama")), tmp_path, "a", mega=True)
     assert calls == [] and not model_shape(trainer.model).fused_layer_kernels
-    said = [
-        r.getMessage() for r in caplog.records if "Liger-Kernel layer kernels" in r.getMessage()
+    assert layer_kernels_of(trainer.model) == "torch"
+    assert said() == [
+        "hf_megatrain: layer kernels: torch (Triton is not installed; Liger-Kernel not "
+        f"installed: {LIGER_INSTALL})"
     ]
-    assert said == [
-        f"hf_megatrain: Liger-Kernel layer kernels: off (not installed: {LIGER_INSTALL})"
-    ]
+    caplog.clear()
+    simulate_liger(monkeypatch, installed=False)
+    with caplog.at_level(logging.INFO, logger="hf_megatrain"):
+        _, trainer = run_trainer(tiny_model(tiny_config("llama")), tmp_path, "b", mega=True)
+    assert calls == [] and model_shape(trainer.model).fused_layer_kernels
+    assert layer_kernels_of(trainer.model) == "compiled"
+    assert said() == ["hf_megatrain: layer kernels: compiled (torch.compile (Triton), llama)"]
     caplog.clear()
     simulate_liger(monkeypatch)
     with caplog.at_level(logging.INFO, logger="hf_megatrain"):
-        _, trainer = run_trainer(tiny_model(tiny_config("llama")), tmp_path, "b", mega=True)
+        _, trainer = run_trainer(tiny_model(tiny_config("llama")), tmp_path, "c", mega=True)
     assert calls == [(LIGER_LAYER_KERNELS, True)]  # once, before streaming, layer kernels only
     assert model_shape(trainer.model).fused_layer_kernels
-    assert "Liger-Kernel layer kernels: on (installed, llama)" in caplog.text
+    assert said() == ["hf_megatrain: layer kernels: liger (Liger-Kernel installed, llama)"]
     assert not trainer.args.use_liger_kernel  # the Trainer's own patching stays off
 
 
@@ -209,18 +236,21 @@ def test_plan_says_which_layer_kernels_it_planned_for(monkeypatch, capsys):
     argv = ["plan", str(CONFIGS / "llama-3.1-8b"), "--seq-len", "4096", "--tokens-per-step",
             "65536", "--hbm-gib", "139.3", "--host-gib", "124", "--no-search"]  # fmt: skip
     simulate_liger(monkeypatch, installed=False)
+    assert main(argv + ["--layer-kernels", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert "layer kernels: torch (--layer-kernels torch)" in out
+    torch_set = _working_set_gib(out)
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "Liger-Kernel layer kernels: off (not installed here" in out
-    torch_set = _working_set_gib(out)
+    assert "layer kernels: compiled (torch.compile, llama)" in out
+    # The fused kernels' smaller working set (liger-plan-1707): no SiLU output per MLP token.
+    assert "fused SwiGLU" in out and _working_set_gib(out) < torch_set
+    compiled_set = _working_set_gib(out)
     simulate_liger(monkeypatch)
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "Liger-Kernel layer kernels: on (installed, llama)" in out
-    # The fused kernels' smaller working set (liger-plan-1707): no SiLU output per MLP token.
-    assert "fused SwiGLU" in out and _working_set_gib(out) < torch_set
-    assert main(argv + ["--layer-kernels", "torch"]) == 0
-    assert _working_set_gib(capsys.readouterr().out) == torch_set
+    assert "layer kernels: liger (Liger-Kernel installed here, llama)" in out
+    assert _working_set_gib(out) == compiled_set
 
 
 def _working_set_gib(plan_output: str) -> float:

@@ -415,13 +415,38 @@ def test_liger_kernels_on_gpu(tmp_path, monkeypatch, tile):
     assert got == pytest.approx(base, rel=1e-2)
 
 
+@pytest.mark.parametrize(
+    "feature",
+    [{}, {"megatrain_mlp_tile_tokens": 32}, {"megatrain_offload_activations": True}],
+    ids=["untiled", "mlp-tiles", "offload"],
+)
+def test_compiled_kernels_on_gpu(tmp_path, feature):
+    """layer_kernels='compiled' (what 'auto' runs without Liger-Kernel): Inductor's Triton
+    kernels for RMSNorm, SwiGLU and RoPE inside the streamed layers (tiled, offloaded too),
+    training like PyTorch's kernels within bf16 tolerance (fused, they round once where eager
+    ops round per op: 1e-2 rel on the loss, as for Liger's)."""
+    from hf_megatrain.hf.model import layer_kernels_of
+
+    model = tiny_model(_tiny_gpu_config())
+    data = _data(32, 128)
+    _, base = _mega_losses(
+        tmp_path, "torch", copy.deepcopy(model), data, megatrain_layer_kernels="torch", **feature
+    )
+    trainer, got = _mega_losses(
+        tmp_path, "compiled", model, data, megatrain_layer_kernels="compiled", **feature
+    )
+    assert layer_kernels_of(trainer.model) == "compiled"
+    assert len(got) == len(base) == 4
+    assert got == pytest.approx(base, rel=1e-2)
+
+
 def test_defaults_on_gpu(tmp_path):
     """No engine argument (issue 20): the plan of the step puts the tiny model's layers in HBM,
     keeps attention outputs of the layers it recomputes, and Liger-Kernel's layer kernels run
-    exactly when liger-kernel is installed (llama)."""
+    exactly when liger-kernel is installed (llama), else the compiled ones."""
     import importlib.util
 
-    from hf_megatrain.hf.model import find_decoder_layers, runs_liger
+    from hf_megatrain.hf.model import find_decoder_layers, layer_kernels_of
 
     model = tiny_model(_tiny_gpu_config())
     trainer, losses = _mega_losses(
@@ -434,7 +459,8 @@ def test_defaults_on_gpu(tmp_path):
     layers = find_decoder_layers(model)[1]
     recomputed = [layer for layer in layers if not layer.forward.keep_graph]
     assert sum(layer.forward.keep_attention for layer in recomputed) == plan.attention_layers
-    assert runs_liger(model) == (importlib.util.find_spec("liger_kernel") is not None)
+    liger = importlib.util.find_spec("liger_kernel") is not None
+    assert layer_kernels_of(model) == ("liger" if liger else "compiled")
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
 
 

@@ -142,8 +142,9 @@ def test_fused_swiglu_shrinks_the_recompute_working_set(tile):
 
 
 def test_plan_cli_liger_keeps_more_layers(capsys):
-    """`plan --liger`: the smaller saved set of the fused kernels leaves room to keep more
-    layers' activations (Qwen2.5-1.5B at one 64k-token micro-batch on an H200)."""
+    """`plan --liger` (and auto's compiled kernels): the smaller saved set of the fused kernels
+    leaves room to keep more layers' activations (Qwen2.5-1.5B at one 64k-token micro-batch on
+    an H200)."""
     import re  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
@@ -160,7 +161,8 @@ def test_plan_cli_liger_keeps_more_layers(capsys):
                                 capsys.readouterr().out).groups()  # fmt: skip
         return int(last) - int(first) + 1
 
-    assert kept(["--liger"]) > kept([]) > 0
+    assert kept(["--liger"]) > kept(["--layer-kernels", "torch"]) > 0
+    assert kept([]) == kept(["--liger"])  # auto: compiled (or Liger's), the same saves
 
 
 def test_liger_without_the_transformers_integration_module(monkeypatch):

@@ -44,8 +44,9 @@ BOUNDARY_DTYPES: dict[str, torch.dtype | None] = {
 #: ``export_dtype`` values: the dtype of the final model's floating-point tensors on disk.
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-#: ``layer_kernels`` values: Liger-Kernel's fused layer kernels when they apply, always, never.
-LAYER_KERNELS = ("auto", "liger", "torch")
+#: ``layer_kernels`` values: the fastest fused kernels that apply, Liger-Kernel's, ones built by
+#: torch.compile, PyTorch's eager ops.
+LAYER_KERNELS = ("auto", "liger", "compiled", "torch")
 
 #: ``auto_fit`` values: which memory options a run that does not fit may turn on by itself.
 AUTO_FIT_MODES = ("exact", "approximate", "off")
@@ -295,15 +296,16 @@ class EngineOptions:
     layer_kernels: str = field(
         default="auto",
         metadata=_help(
-            """Kernels of the decoder layers' RMSNorm, RoPE and SwiGLU. 'auto' (default):
-            Liger-Kernel's fused Triton kernels (pip install 'hf_megatrain[liger]') when the
-            liger_kernel package is installed, the device is CUDA and the model family is one
-            they are used for automatically (llama, mistral, qwen2, qwen3: Liger patches every
-            norm, RoPE and MLP of these layers, and the memory plan counts what its kernels
-            save), else PyTorch's. 'liger': Liger's, for any family Liger-Kernel patches (an
-            error without the package or CUDA); the Trainer's use_liger_kernel=True asks for
-            this too. 'torch': never Liger's. Liger's kernels round at other points than
-            PyTorch's (bf16-level differences), like the stock Trainer's use_liger_kernel.""",
+            """Kernels of the decoder layers' RMSNorm, RoPE and SwiGLU. 'auto' (default), on
+            CUDA for the llama, mistral, qwen2 and qwen3 families: Liger-Kernel's fused Triton
+            kernels when the liger_kernel package is installed (pip install
+            'hf_megatrain[liger]'), else the same three fused by torch.compile (Inductor,
+            compiled on the first step); PyTorch's eager ops otherwise. The memory plan counts
+            what the fused kernels save. 'liger': Liger's, for any family Liger-Kernel patches
+            (an error without the package or CUDA); the Trainer's use_liger_kernel=True asks for
+            this too. 'compiled': the torch.compile'd ones (also on the CPU, slow to build
+            there). 'torch': neither. Fused kernels round at other points than PyTorch's eager
+            ops (bf16-level differences), like the stock Trainer's use_liger_kernel.""",
             choices=LAYER_KERNELS,
         ),
     )

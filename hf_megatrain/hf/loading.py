@@ -25,9 +25,9 @@ from .model import (
     UnsupportedModelError,
     _is_peft,
     find_decoder_layers,
+    layer_kernels_of,
     prepare_frozen_streamed_model,
     prepare_streamed_model,
-    runs_liger,
     streamed_state,
 )
 
@@ -220,11 +220,11 @@ def frozen_streamed_copy(
             config, attn_implementation=attn, dtype=torch.float32
         )
     copy_model.tie_weights()
-    # The source's kernels: a streamed source already runs Liger's or not (chosen when it was
-    # streamed); otherwise the options decide, as they will for the source.
+    # The source's kernels: a streamed source already runs Liger's, compiled or eager ones
+    # (chosen when it was streamed); otherwise the options decide, as they will for the source.
     setting = (options or EngineOptions()).layer_kernels
     if state is not None and not use_liger_kernel:
-        setting = "liger" if runs_liger(model) else "torch"
+        setting = layer_kernels_of(model)
     apply_layer_kernels(
         copy_model,
         setting,

@@ -12,6 +12,11 @@ import torch
 from torch import nn
 
 from ..core.tiling import TiledTokenwise
+from .compiled_kernels import (
+    COMPILED_MODEL_TYPES,
+    apply_compiled_kernels,
+    compile_available,
+)
 from .layers import find_decoder_layers
 from .loss import _unwrap
 
@@ -58,13 +63,23 @@ def liger_can_run_on(device: torch.device | str) -> bool:
 
 @dataclass(frozen=True)
 class LayerKernels:
-    """Which kernels a streamed model's layers run: Liger's (``liger``) or PyTorch's, and why."""
+    """Which kernels a streamed model's layers run, and why: Liger-Kernel's (``liger``), ones
+    built by ``torch.compile`` (``compiled``) or PyTorch's eager ops (``torch``)."""
 
-    liger: bool
+    kind: str
     why: str
 
+    @property
+    def liger(self) -> bool:
+        return self.kind == "liger"
+
+    @property
+    def fused(self) -> bool:
+        """Fused norms, SwiGLU and RoPE (the memory plan counts the SwiGLU's smaller saves)."""
+        return self.kind != "torch"
+
     def log_line(self) -> str:
-        return f"hf_megatrain: Liger-Kernel layer kernels: {'on' if self.liger else 'off'} ({self.why})"
+        return f"hf_megatrain: layer kernels: {self.kind} ({self.why})"
 
 
 def choose_layer_kernels(
@@ -73,13 +88,14 @@ def choose_layer_kernels(
     """The ``layer_kernels`` option resolved for a model of ``model_type`` on ``device``.
 
     ``requested``: the Trainer's ``use_liger_kernel=True``, an explicit request like "liger".
-    "auto" takes Liger's kernels only where they are installed, run (CUDA) and are used for the
-    family automatically (``LIGER_AUTO_MODEL_TYPES``); an explicit request is an error where
-    they cannot run, and for a family Liger-Kernel does not patch."""
-    if requested and setting == "torch":
+    "auto" takes Liger's kernels where they are installed, run (CUDA) and are used for the
+    family automatically (``LIGER_AUTO_MODEL_TYPES``), else compiled ones on CUDA for the
+    families those know; an explicit request is an error where the kernels cannot run, and for
+    a family they do not know."""
+    if requested and setting in ("torch", "compiled"):
         raise ValueError(
             "hf_megatrain: use_liger_kernel=True asks for Liger-Kernel's layer kernels but "
-            "megatrain_layer_kernels='torch' forbids them; drop one of the two."
+            f"megatrain_layer_kernels={setting!r} forbids them; drop one of the two."
         )
     cuda = liger_can_run_on(device)
     if requested or setting == "liger":
@@ -96,20 +112,34 @@ def choose_layer_kernels(
                 f"hf_megatrain: {asked}, but Liger-Kernel has no kernels for model_type "
                 f"{model_type!r}"
             )
-        return LayerKernels(True, f"asked for, {model_type}")
+        return LayerKernels("liger", f"asked for, {model_type}")
     if setting == "torch":
-        return LayerKernels(False, "megatrain_layer_kernels='torch'")
-    if not liger_installed():
-        return LayerKernels(False, f"not installed: {LIGER_INSTALL}")
+        return LayerKernels("torch", "megatrain_layer_kernels='torch'")
+    can_compile, compiler = compile_available(device)
+    if setting == "compiled":
+        if not can_compile:
+            raise ValueError(f"hf_megatrain: megatrain_layer_kernels='compiled': {compiler}")
+        if model_type not in COMPILED_MODEL_TYPES:
+            raise ValueError(
+                f"hf_megatrain: megatrain_layer_kernels='compiled' has no kernels for "
+                f"model_type {model_type!r} (it knows {', '.join(sorted(COMPILED_MODEL_TYPES))})"
+            )
+        return LayerKernels("compiled", f"asked for, {model_type}")
+    kind = torch.device(device).type
     if not cuda:
-        return LayerKernels(False, f"installed, but no CUDA device ({torch.device(device).type})")
-    if model_type not in LIGER_AUTO_MODEL_TYPES or model_type not in liger_model_types():
-        return LayerKernels(
-            False,
-            f"installed, but {model_type} is not a family they are used for automatically; "
-            "megatrain_layer_kernels='liger' asks for them",
-        )
-    return LayerKernels(True, f"installed, {model_type}")
+        return LayerKernels("torch", f"no CUDA device ({kind}): the fused kernels are for CUDA")
+    liger_auto = model_type in LIGER_AUTO_MODEL_TYPES
+    if liger_installed() and liger_auto and model_type in liger_model_types():
+        return LayerKernels("liger", f"Liger-Kernel installed, {model_type}")
+    if model_type in COMPILED_MODEL_TYPES and can_compile:
+        return LayerKernels("compiled", f"torch.compile ({compiler}), {model_type}")
+    if not can_compile and model_type in COMPILED_MODEL_TYPES:
+        return LayerKernels("torch", f"{compiler}; Liger-Kernel not installed: {LIGER_INSTALL}")
+    return LayerKernels(
+        "torch",
+        f"{model_type} is not a family the fused kernels are used for automatically; "
+        "megatrain_layer_kernels='liger' asks for Liger-Kernel's",
+    )
 
 
 def apply_layer_kernels(
@@ -121,15 +151,18 @@ def apply_layer_kernels(
     liger_kernel_config: dict | None = None,
 ) -> LayerKernels:
     """Resolve ``layer_kernels`` for ``model`` (before it is streamed: the memory plan counts
-    the fused kernels) and apply Liger's when chosen; logs one line saying which and why. With
+    the fused kernels) and apply the chosen ones; logs one line saying which and why. With
     ``layer_kernels`` chosen automatically, Liger's layer kernels only (its losses are not
     needed: training batches use hf_megatrain's chunked loss); an explicit
     ``use_liger_kernel`` request keeps its ``liger_kernel_config``."""
-    choice = choose_layer_kernels(setting, _model_type(model), device, requested=use_liger_kernel)
+    model_type = _model_type(model)
+    choice = choose_layer_kernels(setting, model_type, device, requested=use_liger_kernel)
     logger.info(choice.log_line())
     if choice.liger:
         config = liger_kernel_config if use_liger_kernel else dict(LIGER_LAYER_KERNELS)
         apply_liger_kernels(model, config)
+    elif choice.kind == "compiled":
+        apply_compiled_kernels(_unwrap(model), model_type)
     return choice
 
 

@@ -33,6 +33,7 @@ from ..core.streamed_layer import StreamedLayer
 from ..core.streaming import StreamingEngine
 from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
+from .compiled_kernels import is_compiled_forward
 from .layers import UnsupportedModelError, find_decoder_layers
 from .long_context import install_mlp_tiling
 
@@ -137,6 +138,16 @@ def runs_liger(model: nn.Module) -> bool:
     return bool(layers) and _liger_patched(getattr(layers[0], "mlp", None))
 
 
+def layer_kernels_of(model: nn.Module) -> str:
+    """The ``layer_kernels`` a model's decoder layers run already: "liger", "compiled" or
+    "torch" (what a copy of it must run to compute alike)."""
+    _, layers = find_decoder_layers(model)
+    mlp = getattr(layers[0], "mlp", None) if layers else None
+    if _liger_patched(mlp):
+        return "liger"
+    return "compiled" if is_compiled_forward(mlp) else "torch"
+
+
 def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     """Parameter counts per decoder layer and outside them, for the memory planner.
 
@@ -172,7 +183,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         text_cfg.hidden_size // heads if heads else 0
     )
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
-    fused = bool(layers) and _liger_patched(getattr(layers[0], "mlp", None))
+    # Liger's or compiled SwiGLU: both save the gate and up projections only.
+    mlp = getattr(layers[0], "mlp", None) if layers else None
+    fused = _liger_patched(mlp) or is_compiled_forward(mlp)
     window, full = _attention_layers(text_cfg)
     attn = getattr(cfg, "_attn_implementation", None) or "sdpa"
     return ModelShape(
@@ -335,9 +348,7 @@ def streamed_names(layer: nn.Module) -> set[str]:
     return {n for n, f in flags.items() if not f}
 
 
-def layer_layouts(
-    layers: nn.ModuleList, decay_names: set[str], prefix: str
-) -> list[LayerLayout]:
+def layer_layouts(layers: nn.ModuleList, decay_names: set[str], prefix: str) -> list[LayerLayout]:
     """Per layer: the store layout of its streamed parameters (``core.builder.LayerLayout``)."""
     out = []
     seen: dict[int, str] = {}
@@ -464,7 +475,9 @@ def prepare_streamed_model(
     # The layer-level options: MLP tiles, kept activations, kept attention outputs.
     install_mlp_tiling(model, resolved.mlp_tile_tokens)
     keep_activations(model, options.keep_activations)
-    keep_attention_outputs(model, options.keep_attention_outputs if options.recompute_early_stop else "off")
+    keep_attention_outputs(
+        model, options.keep_attention_outputs if options.recompute_early_stop else "off"
+    )
     stores = built.stores
     logger.info(
         "hf_megatrain: %d layers in HBM, %d streamed (%.2f GiB host store, %s%s%s); "
