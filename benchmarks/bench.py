@@ -650,7 +650,7 @@ def train_once(cfg: RunConfig) -> dict:
         if layer_timer is not None:
             layer_timer.engine = trainer.megatrain.engine
         del model  # the trainer holds it; nothing else should keep host copies alive
-        result.update(_megatrain_plan(trainer))
+        result.update(_megatrain_plan(trainer, cfg.megatrain_engine()))
         out = trainer.train()
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
@@ -688,8 +688,9 @@ def train_once(cfg: RunConfig) -> dict:
     return result
 
 
-def _megatrain_plan(trainer) -> dict:
-    """The placement the run used and, for "auto", the planner's predicted peaks."""
+def _megatrain_plan(trainer, asked: EngineOptions) -> dict:
+    """The placement the run used, the memory options auto_fit turned on beyond ``asked`` (as
+    flags), and, for "auto", the planner's predicted peaks."""
     from hf_megatrain.hf.model import find_decoder_layers, layer_kernels_of
 
     state = getattr(trainer, "megatrain", None)
@@ -703,6 +704,10 @@ def _megatrain_plan(trainer) -> dict:
         "attention_layers": sum(1 for layer in layers if layer.forward.keep_attention),
         "layer_kernels": layer_kernels_of(trainer.model),
     }
+    run = getattr(trainer, "megatrain_options", None)
+    if run is not None:
+        fitted = run.options.changed(asked)
+        out["auto_fit"] = " ".join(flag_text(k, v) for k, v in sorted(fitted.items()))
     print(f"bench worker: megatrain placement {json.dumps(out)}", flush=True)
     if state.plan is not None:
         out["plan_hbm_gib"] = state.plan.gpu_total / GIB
@@ -966,6 +971,7 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
                     result.get("layer_kernels") == "liger" and not cfg.liger,
                 ),
                 ("compiled layer kernels", result.get("layer_kernels") == "compiled"),
+                (f"auto-fit: {result.get('auto_fit')}", result.get("auto_fit")),
                 (
                     f"attention outputs kept: {result.get('attention_layers')} layers",
                     result.get("attention_layers"),

@@ -154,7 +154,7 @@ def test_builder_refuses_a_step_that_fits_with_no_exact_option(monkeypatch, capl
         _builder_plan(monkeypatch, shape, EngineOptions(), step)
     assert "boundary_dtype" in str(refused.value)  # what would fit
     # and the longest exact rows that do (on the plan's own arithmetic)
-    assert "The longest rows that fit (1 per micro-batch, auto_fit='exact'): 401408 tokens" in str(
+    assert "The longest rows that fit (1 per micro-batch, auto_fit='exact'): 393216 tokens" in str(
         refused.value
     )
     n_hbm, plan = _builder_plan(monkeypatch, shape, EngineOptions(auto_fit="approximate"), step)

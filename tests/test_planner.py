@@ -445,8 +445,11 @@ def test_hbm_cast_weights_fit_more_layers_and_keep_none():
 def test_plan_cli_hbm_cast_weights(capsys):
     from hf_megatrain.cli import main
 
+    # PyTorch's own layer kernels: the counts below are those of the unfused layer ('auto'
+    # plans for the fused SwiGLU on CUDA, which keeps more layers' activations).
     argv = ["plan", "benchmarks/configs/qwen2.5-7b", "--seq-len", "4096", "--tokens-per-step",
-            "8192", "--hbm-gib", "137", "--host-gib", "120", "--no-search"]  # fmt: skip
+            "8192", "--hbm-gib", "137", "--host-gib", "120", "--no-search",
+            "--layer-kernels", "torch"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "layers: 27 in HBM" in out
@@ -534,10 +537,13 @@ def test_slack_is_fragmentation_plus_each_estimates_measured_error(qwen1_5b):
     (ws,) = [ln for ln in lines if ln.kind == TILED_WORKING_SET_KIND]
     assert ws.error == ESTIMATE_ERRORS[TILED_WORKING_SET_KIND] > 0
     assert margins == ws.margin  # (the only estimate of this plan)
-    assert "working set, MLP tiles +16%" in slack.name
+    assert "working set, MLP tiles +19%" in slack.name
     assert all(ln.error == 0 for ln in lines if "HBM-tier" in ln.name or "boundary" in ln.name)
-    # Measured 113.68 GiB (5.3% above the plan with the fixed 3% slack): now under the plan.
+    # Measured 113.68 GiB (5.3% above the plan with the fixed 3% slack): now under the plan, also
+    # without the resident parameters' AdamW moments, which its one step (no warm-up) made only
+    # after its peak (with the tiled error at 16% that plan was 1.4 GiB short).
     assert plan.gpu_total >= 113.68 * GIB
+    assert plan.gpu_total - 8 * qwen1_5b.non_layer_numel >= 113.68 * GIB
     # A short step whose estimates are small: the 1 GiB floor.
     short = plan_memory(qwen1_5b, StepShape(4096, 4096), OFF, BF16, 1 << 50, 1 << 50)
     assert short.gpu_lines[-1].nbytes == GPU_SLACK_MIN

@@ -1,0 +1,307 @@
+"""What a training step holds, measured on the CPU, against the memory plan's lines (issue 20).
+
+A live-tensor tracker (every storage an op makes, until it is freed; views of storages made
+before it started are not new memory) runs tiny streamed models' forward, fused loss and backward
+under bf16 autocast, as the engine trains on a GPU: the same autograd graph, the same saved
+tensors, the same Python lifetimes. The validation matrix's H200 cells agree with this: a scale
+model of each cell (widths and tokens / 8 or / 4, so every per-token and vocab x hidden tensor
+shrinks alike) plus the state allocated before the step puts Qwen3-1.7B's first-step live peak
+at 4,096 / 32,768 / 131,072 tokens at 44.7 / 129.1 / 123.3 GiB, reserved 44.80 / 130.29 /
+124.76; Gemma-2-2B's at 4,096 / 32,768 at 47.7 / 59.4, reserved 48.89 / 62.16.
+
+What these measurements say about the plan (``hf_megatrain/core/activation_memory.py``):
+
+* the matrix's one-step runs peak before the first optimizer update makes the resident
+  parameters' AdamW moments (``benchmarks/plan_vs_measured.py`` compares them on that footing);
+* a recomputed layer's backward holds 22h + 4q + 4kv + 12i + 4 per head + 8 B per token (the
+  plan's line: 22h + 4q + 6i, its error 14%), and the fused loss's chunk 10-14 B per logit (the
+  plan's line: 6): the plan sums these lines although they are never alive together, which is
+  what covers each of them;
+* a layer that keeps its activations under SDPA with a sliding window holds its own additive
+  mask, which the plan does not count (``test_kept_layers_hold_their_sliding_window_masks``).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import LlamaConfig, MistralConfig, Qwen3Config
+
+import hf_megatrain.core.chunked_loss as chunked_loss
+from hf_megatrain.core.activation_memory import MASK_KIND, attention_mask_lines
+from hf_megatrain.core.options import EngineOptions, StepShape
+from hf_megatrain.core.planner import plan_memory
+from hf_megatrain.hf.model import find_decoder_layers, model_shape, prepare_streamed_model
+
+BF16 = torch.bfloat16
+#: Widths none of which equals a token count below, so every tensor's role shows in its shape.
+WIDTHS = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=96,
+              max_position_embeddings=4096)  # fmt: skip
+
+
+class Live(TorchDispatchMode):
+    """Live bytes of the storages ops make (not views of storages made before), their peak, and
+    the peak and starting bytes of each labelled phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.cur = self.peak = 0
+        self.label = ""
+        self.phase_start: dict[str, int] = {}
+        self.phase_peak: dict[str, int] = {}
+        self.square: dict[int, tuple] = {}
+
+    def _free(self, key: int) -> None:
+        self.cur -= self.live.pop(key)
+        self.square.pop(key, None)
+
+    def enter(self, label: str) -> None:
+        self.label = label
+        self.phase_start.setdefault(label, self.cur)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            x.untyped_storage().data_ptr()
+            for x in tree_flatten((args, kwargs))[0]
+            if isinstance(x, torch.Tensor) and x.device.type == "cpu"
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key in inputs or key in self.live or not st.nbytes():
+                continue
+            self.live[key] = st.nbytes()
+            self.cur += st.nbytes()
+            if t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 128:
+                self.square[key] = (tuple(t.shape), t.dtype)
+            weakref.finalize(st, self._free, key)
+        self.peak = max(self.peak, self.cur)
+        if self.label:
+            self.phase_peak[self.label] = max(self.phase_peak.get(self.label, 0), self.cur)
+        return out
+
+
+def _cuda_fp32_gemm(acc, a, b):
+    """``_add_product_fp32`` as on CUDA (one fp32 product written by the GEMM, no compute-dtype
+    product and fp32 copy as the CPU path makes), in row slices."""
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32)
+    for s in range(0, a.shape[0], 16):
+        p = (a[s : s + 16] @ b).float()
+        out[s : s + 16] = p if acc is None else acc[s : s + 16] + p
+    return out
+
+
+def _streamed(cfg, **options):
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    model.config.use_cache = False
+    shape = model_shape(model)
+    options = {"keep_activations": "off", "keep_attention_outputs": "off", **options}
+    prepare_streamed_model(model, "cpu", BF16, **options)
+    return model.train(), shape
+
+
+def _step(model, tokens: int, live: Live, chunk: int = 64) -> None:
+    """One streamed forward, fused loss and backward, each layer's backward a phase."""
+    from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
+
+    handles = []
+    for i, layer in enumerate(find_decoder_layers(model)[1]):
+
+        def post(mod, args, out, i=i):
+            o = out[0] if isinstance(out, tuple) else out
+            o.register_hook(lambda g: live.enter(f"backward {i}"))
+
+        handles.append(layer.register_forward_hook(post))
+    wrapper = StreamedModelWrapper(model, BF16, "cpu", loss_chunk_tokens=chunk)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+    with live:
+        live.enter("forward")
+        loss = wrapper(input_ids=ids, labels=ids.clone()).loss
+        live.enter("backward")
+        loss.backward()
+    for h in handles:
+        h.remove()
+
+
+def _config(family: str, **overrides):
+    base = dict(WIDTHS, num_hidden_layers=3, **overrides)
+    if family == "qwen3":
+        return Qwen3Config(**base)
+    if family == "mistral":
+        return MistralConfig(**base)
+    return LlamaConfig(**base)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_recomputed_layer_backward_holds_the_whole_mlp(family):
+    """Per token, a recomputed layer's backward (its saves re-made, then differentiated) peaks
+    in the MLP's backward with the whole layer's saves alive: 22h + 4q + 4kv + 12i + 4 per head
+    + 8 B (Qwen3's q/k norms: 6q + 6kv + 4 per query and kv head more). The MLP part is 12i: its
+    gate, up and activation outputs, the product's gradient and the gradients of both factors.
+    The plan's working-set line counts 22h + 4q + 6i (+ the norms), error 14%: this is 1.34-1.47
+    times the line at these shapes and Qwen3-1.7B's and Llama-3.1-8B's; the plan's sum covers it
+    with the fused loss's chunk and the LM head's lines, which are freed before any layer's
+    backward. On the H200 the matrix's Qwen3-1.7B at 262,144 tokens held 37.3 GiB in that phase
+    (its first-step peak less the state, boundaries and attention outputs), 36.6 by this count."""
+    h, i, heads, kvh, d = 64, 160, 4, 2, 16
+    q, kv = heads * d, kvh * d
+    per_token = []
+    for tokens in (256, 512):
+        model, _ = _streamed(_config(family))
+        live = Live()
+        _step(model, tokens, live)
+        # Layer 1: recomputed, neither the loss's nor the embedding's backward in its phase.
+        per_token.append(live.phase_peak["backward 1"] - live.phase_start["backward 1"])
+    measured = (per_token[1] - per_token[0]) / 256
+    expected = 22 * h + 4 * q + 4 * kv + 12 * i + 4 * heads + 8
+    if family == "qwen3":
+        expected += 6 * q + 6 * kv + 4 * (heads + kvh)
+    assert measured == expected
+
+
+def test_fused_loss_chunk_holds_twelve_bytes_per_logit():
+    """The fused loss's chunk at its peak (``log_softmax`` of a chunk): its bf16 logits, their
+    fp32 copy (``log_softmax(..., dtype=float32)`` converts first: ATen's fused half-to-float
+    path is fp16's, not bf16's, on CUDA as on the CPU) and the fp32 log-probabilities, 10 B per
+    logit, and from the second chunk on the previous chunk's bf16 gradient, still bound to its
+    name: 12 B; soft-capped logits (Gemma) keep the tanh output too, 14 B. Besides, the bf16
+    head copy and the fp32 weight gradient (the plan's LM-head line and the parameters' gradient
+    slot). The plan's chunk line counts 6 B per logit."""
+    torch.manual_seed(0)
+    v, h, chunk = 1000, 32, 128
+    w = torch.randn(v, h, requires_grad=True)
+    for chunks, softcap, per_logit in ((1, None, 10), (3, None, 12), (3, 30.0, 14)):
+        hidden = torch.randn(chunk * chunks, h, requires_grad=True)
+        targets = torch.randint(0, v, (chunk * chunks,))
+        live = Live()
+        saved = chunked_loss._add_product_fp32
+        chunked_loss._add_product_fp32 = _cuda_fp32_gemm
+        try:
+            with live, torch.autocast("cpu", dtype=BF16):
+                chunked_loss.chunked_linear_cross_entropy(
+                    hidden, w, targets, softcap=softcap, chunk_tokens=chunk, compute_dtype=BF16
+                )
+        finally:
+            chunked_loss._add_product_fp32 = saved
+        # Beside the chunk: the bf16 head copy, the fp32 weight gradient (from the second chunk
+        # on), the hidden-state gradient, a chunk's hidden rows in bf16 (and a keep mask).
+        besides = v * h * 2 + (v * h * 4 if chunks > 1 else 0) + chunk * chunks * h * 4
+        assert live.peak - besides == pytest.approx(chunk * v * per_logit, rel=0.02)
+
+
+def test_kept_layers_hold_their_sliding_window_masks():
+    """SDPA with a sliding window shorter than the sequence: transformers makes one bool s x s
+    mask per forward and SDPA converts it into an additive bf16 mask in each layer, which the
+    attention node saves. A recomputed layer saves placeholders (only the layer in backward
+    holds one: the plan's line), but each layer that keeps its activations holds its own until
+    its backward: 1 x s^2 x 2 B per kept layer, 2 GiB at 32,768 tokens. The matrix's H2O-Danube
+    (22 kept) and Phi-3 (10 kept) at 32,768 tokens needed 44 and 20 GiB more than planned and
+    ran out of GPU memory (their reserved peak the whole GPU, their step 10x its neighbours')."""
+    s, kept = 512, 2
+    model, shape = _streamed(_config("mistral", sliding_window=128), resident_layers="3",
+                             keep_activations=str(kept))  # fmt: skip
+    live = Live()
+    from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
+
+    ids = torch.randint(0, model.config.vocab_size, (1, s))
+    with live:
+        out = StreamedModelWrapper(model, BF16, "cpu", loss_chunk_tokens=64)(
+            input_ids=ids, labels=ids.clone()
+        )
+        held = sorted(live.square.values(), key=str)
+        out.loss.backward()
+    assert held == [((1, 1, s, s), torch.bfloat16)] * kept + [((1, 1, s, s), torch.bool)]
+    planned = sum(
+        ln.nbytes
+        for ln in attention_mask_lines(shape, StepShape(s, s), BF16)
+        if ln.kind == MASK_KIND
+    )
+    assert planned == s * s + s * s * 2  # the bool mask and one layer's additive copy
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the plan counts one layer's additive sliding-window mask, not each kept layer's "
+    "(hf_megatrain/core/plan_arithmetic.py's kept-activation line would add "
+    "sequences x s^2 x 2 B per kept layer under SDPA with a window shorter than the sequence)",
+)
+def test_plan_counts_each_kept_layers_sliding_window_mask():
+    """The plan of the measured case above at 32,768 tokens (window 4,096): two kept layers
+    hold two additive masks besides the bool one."""
+    s, kept = 32768, 2
+    shape = _streamed(_config("mistral", sliding_window=4096))[1]
+    step = StepShape(seq_len=s, micro_batch_tokens=s)
+    options = EngineOptions(keep_activations=str(kept)).resolve(clipping=True, cuda=True)
+    plan = plan_memory(shape, step, options, BF16, 1 << 50, 1 << 50, hbm_layers=3)
+    assert plan.kept_layers == kept
+    masks = sum(ln.nbytes for ln in plan.gpu_lines if ln.kind == MASK_KIND)
+    assert masks >= s * s + kept * s * s * 2
+
+
+def test_first_step_makes_the_resident_moments_after_its_backward(tmp_path):
+    """The resident parameters' AdamW moments (embeddings, norms, head: 8 B per parameter) are
+    made by the first optimizer update, after the first forward and backward: a run measured at
+    its first step only (the validation matrix: one step, no warm-up) peaks without them, every
+    later step holds them. benchmarks/plan_vs_measured.py compares such rows with the plan less
+    them (``FIRST_STEP_ABSENT_BYTES_PER_PARAM``)."""
+    from tests.helpers import LogRecorder, run_trainer, tiny_config, tiny_model  # noqa: PLC0415
+
+    class Moments(LogRecorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes: list[int] = []
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            opt = getattr(optimizer, "optimizer", optimizer)
+            self.bytes.append(
+                sum(
+                    t.numel() * t.element_size()
+                    for st in opt.state.values()
+                    for k, t in st.items()
+                    if k.startswith("exp_avg")
+                )
+            )
+
+    model = tiny_model(tiny_config("llama"))
+    rec = Moments()
+    _, trainer = run_trainer(model, tmp_path, "mega", mega=True, max_steps=2, recorder=rec)
+    non_layer = model_shape(trainer.model).non_layer_numel
+    assert rec.bytes == [0, 8 * non_layer]
+
+
+def test_plan_vs_measured_reads_the_validation_matrix():
+    """The matrix's cells re-planned as they ran: Gemma-2 under SDPA (transformers 5.17's, its
+    recorded plans), first-step rows also against the plan less the resident moments, the two
+    cells the out-of-memory watchdog rescued and Gemma-2's 4k (reserved over live) shown but
+    not used for the per-line errors. Every other recorded row (results.csv and the matrix) is
+    planned at or above its measured peak, first-step rows on the first step's footing."""
+    import benchmarks.plan_vs_measured as pvm
+    from hf_megatrain.core.activation_memory import EAGER_SCORES_KIND, ESTIMATE_ERRORS
+
+    rows = [r for path in pvm.DEFAULT_CSVS for r in pvm.compare(path)]
+    matrix = [r for r in rows if r["tag"] == "matrix-h200"]
+    assert len(matrix) == 16 and all(r["first_step"] for r in matrix)
+    gemma = next(r for r in matrix if r["model"] == "gemma-2-2b" and r["seq_len"] == 32768)
+    assert EAGER_SCORES_KIND not in gemma["estimates"] and 69 < gemma["plan_hbm_gib"] < 71
+    assert gemma["plan_hbm_gib"] - gemma["plan_step1_gib"] == pytest.approx(4.395, abs=0.01)
+    assert sum(pvm.oom_recovered(r) for r in matrix) == 2
+    for r in rows:
+        if not pvm.comparable(r):
+            continue
+        planned = r["plan_step1_gib"] if r["first_step"] else r["plan_hbm_gib"]
+        assert planned >= r["hbm_gib"], (r["tag"], r["model"], r["seq_len"])
+    for kind, e in pvm.line_errors(rows).items():
+        assert e["error"] <= ESTIMATE_ERRORS[kind], kind
