@@ -907,3 +907,44 @@ def test_auto_fit_on_gpu(tmp_path, caplog):
     assert len(losses) == len(want) == 4
     for got, ref in zip(losses, want):
         assert math.isclose(got, ref, rel_tol=1e-3), (losses, want)
+
+
+def test_evaluation_out_of_memory_recovery_on_gpu(tmp_path, caplog):
+    """Issue 20's watchdog for evaluation on a real allocator: the plan puts the 4 layers in HBM
+    (as in test_out_of_memory_recovery_on_gpu), then a tensor takes all but 64 MiB of the GPU,
+    so the first evaluation batch (8 rows of 512 tokens) runs out of memory in its forward.
+    HBM-tier layers move to the host tier until it fits and the batch runs again; the loss
+    matches the evaluation without the hog (fp32, the same weights streamed instead of resident:
+    1e-6 relative)."""
+    import gc
+    import logging
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
+    )  # fmt: skip
+    model = tiny_model(cfg)
+    data = _data(16, 512)
+    kw = dict(bf16=False, megatrain_resident_layers="auto", per_device_eval_batch_size=8)
+
+    def trainer_for(name, m):
+        args = _args(MegaTrainArguments, tmp_path / name, **kw)
+        return HFMegaTrainer(model=m, args=args, train_dataset=data, eval_dataset=data)
+
+    clean = trainer_for("clean", copy.deepcopy(model)).evaluate()["eval_loss"]
+    gc.collect()  # the clean trainer's HBM tier
+    trainer = trainer_for("hog", model)
+    assert trainer.megatrain.plan.n_hbm == 4
+    hog = []
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog.append(torch.empty(free - (64 << 20), dtype=torch.uint8, device="cuda"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+            got = trainer.evaluate()["eval_loss"]
+    finally:
+        hog.clear()
+        torch.cuda.empty_cache()
+    assert "evaluation ran out of GPU memory" in caplog.text and "to the host tier" in caplog.text
+    assert any(not s.resident for s in trainer.megatrain.engine.stores)
+    assert math.isclose(got, clean, rel_tol=1e-6), (got, clean)

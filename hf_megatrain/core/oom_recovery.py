@@ -9,6 +9,12 @@ the last filled is the first given back. HBM-tier layers leave through
 ``builder.move_to_host_tier``. Every choice is exact: the step's results do not change, only
 its speed.
 
+Evaluation and the optimizer step hold no activations (an evaluation forward runs under
+``no_grad``; the optimizer step runs after backward has freed them): there only the HBM tier's
+layers free room, so ``weights_only`` gives up tier layers alone, in the same order (its last
+layers first). Giving up attention outputs or the activations of layers staying in the tier
+would slow training and free nothing there.
+
 No ``transformers`` import here.
 """
 
@@ -71,13 +77,19 @@ class Relief:
         return "; ".join(parts)
 
 
-def choose_relief(holdings: StepHoldings, need_bytes: int | None) -> Relief | None:
+def choose_relief(
+    holdings: StepHoldings, need_bytes: int | None, weights_only: bool = False
+) -> Relief | None:
     """The least to give up for ``need_bytes`` more room, or None when nothing is left.
 
     Items go in the reverse of the plan's fill order, one at a time, until their sizes cover
     ``need_bytes``. With ``need_bytes`` None (unknown), or after an item of unknown size, the
     attempt stops at that item: if the step runs out of memory again, the next attempt gives up
-    the next one."""
+    the next one.
+
+    ``weights_only``: for work that holds no activations (evaluation, the optimizer step), only
+    HBM-tier layers, the last first; the layers keeping activations are the tier's last, so such
+    a layer gives them up with its place in the tier (it streams and recomputes from then on)."""
     kept, attention = holdings.kept, holdings.attention
     tier = list(holdings.tier)
     to_host: list[int] = []
@@ -85,6 +97,13 @@ def choose_relief(holdings: StepHoldings, need_bytes: int | None) -> Relief | No
     def items():
         """Each give-up in order, as the bytes it frees (None: unknown)."""
         nonlocal kept, attention
+        if weights_only:
+            while tier:
+                kept = max(kept - 1, 0)
+                idx, nbytes = tier.pop()
+                to_host.insert(0, idx)
+                yield nbytes
+            return
         order = ("kept", "tier", "attention") if holdings.attention_first else (
             "attention", "kept", "tier"
         )  # fmt: skip

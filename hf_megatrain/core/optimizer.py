@@ -16,6 +16,12 @@ nothing is updated, its gradients are dropped and ``step_was_skipped`` is set (t
 leaves the LR schedule where it is). Eager updates check each layer's gradient before updating
 it; once one layer of a step updated, a later non-finite one cannot be skipped consistently and
 ``step()`` raises :class:`NonFiniteError`.
+
+Out of GPU memory: ``step()`` makes every allocation it needs (the resident parameters' moments,
+at the first step) before it changes any weight, and counts what it has applied
+(``updates_applied``), so that a step that fails can be told apart from one that partly applied;
+``forget_step`` drops a step none of which was applied, to run it again from its first
+micro-batch (``hf/trainer.py``'s out-of-memory watchdog).
 """
 
 from __future__ import annotations
@@ -142,6 +148,10 @@ class HostAdamW(torch.optim.Optimizer):
         self._eager_updated: list[int] = []
         self._eager_bad: list[int] = []
         self._eager_flags: list[tuple[int, torch.Tensor]] = []
+        #: Parts ``step()`` has applied, ever (a parameter group's resident parameters, a streamed
+        #: layer; a layer left to the update thread counts when handed to it): unchanged across
+        #: a ``step()`` call that raised means nothing of that step was applied.
+        self.updates_applied = 0
 
     # ---- gradient norm and clipping -----------------------------------------------------------
     def _resident_with_grad(self) -> list[torch.Tensor]:
@@ -276,6 +286,9 @@ class HostAdamW(torch.optim.Optimizer):
             scale_by_device = {"cpu": grad_scale.cpu(), grad_scale.device.type: grad_scale}
         # Hyper-parameters are read now: the scheduler changes lr right after this call.
         jobs = self._layer_jobs(skip=self._eager_done)
+        # Every allocation before the first update: out of GPU memory, nothing is applied yet.
+        for group in self.param_groups:
+            self._init_resident_state(group)
         for group in self.param_groups:
             self._step_resident(group, self._hyper(group))
 
@@ -292,11 +305,13 @@ class HostAdamW(torch.optim.Optimizer):
         for idx in sorted(jobs):
             if self.engine.stores[idx].resident:
                 update_layer(idx)
+                self.updates_applied += 1
         layers = [i for i in sorted(jobs) if not self.engine.stores[i].resident]
         self.engine.reset_grads()
         self.engine.invalidate_weights()
         self.engine.weights_version = version
         self._end_step()
+        self.updates_applied += len(layers)
         overlap = self.engine.is_cuda if self.overlap_update is None else self.overlap_update
         if overlap:
             # Layer i's update finishes before layer i streams in for the next forward.
@@ -455,16 +470,25 @@ class HostAdamW(torch.optim.Optimizer):
             decoupled_weight_decay=True,
         )
 
+    def _init_resident_state(self, group: dict) -> None:
+        """The AdamW state of the group's resident parameters with a gradient, made at their
+        first step (whole or not at all: a failed allocation leaves none)."""
+        for p in group["params"]:
+            if id(p) in self._streamed_ids or p.grad is None or self.state[p]:
+                continue
+            self.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+
     def _step_resident(self, group: dict, kw: dict) -> None:
         params, grads, m, v, steps = [], [], [], [], []
+        self._init_resident_state(group)
         for p in group["params"]:
             if id(p) in self._streamed_ids or p.grad is None:
                 continue
             state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
             grads.append(p.grad)
             m.append(state["exp_avg"])
@@ -472,11 +496,26 @@ class HostAdamW(torch.optim.Optimizer):
             steps.append(state["step"])
         if params:
             _adam_functional(params, grads, m, v, [], steps, fused=True, **kw)
+            self.updates_applied += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self.engine.reset_grads()
         self._resident_synced = False
+
+    def forget_step(self) -> None:
+        """Drop the step in progress (its gradients, clipping coefficient and non-finite marks)
+        so that it can run again from its first micro-batch, e.g. after it ran out of GPU memory
+        before ``step()`` applied any of it. Refused once a layer of it updated eagerly (running
+        it again would update that layer twice)."""
+        self.wait()
+        if self._eager_done:
+            raise RuntimeError(
+                f"hf_megatrain: layer(s) {', '.join(map(str, sorted(self._eager_done)))} already "
+                "updated with this step's gradients (eager updates): the step cannot run again"
+            )
+        self.zero_grad(set_to_none=True)
+        self._end_step()
 
     def rebind_layers(self, layers: Iterable[int]) -> None:
         """Follow layers whose store the engine replaced (``StreamingEngine.replace_stores``,

@@ -1,6 +1,8 @@
 """The trainer's out-of-memory watchdog: a step that runs out of GPU memory is freed, room is
 made (``core.oom_recovery``) and the step runs again from its first micro-batch, with the same
-inputs and random state, so the run's results are those of a step that never failed.
+inputs and random state, so the run's results are those of a step that never failed. An
+evaluation batch or an optimizer step that runs out of it is handled alike (``hf/trainer.py``),
+with ``make_room_for_weights``: that work holds no activations, so only HBM-tier layers go.
 
 ``StepReplay`` keeps what running a step again needs (each micro-batch's inputs and RNG state);
 ``make_room`` frees the failed step and gives up HBM holdings; ``PeakLog`` records the first
@@ -43,6 +45,18 @@ class _MicroBatch:
     cuda_rng: torch.Tensor | None
 
 
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU and (on a CUDA ``device``) the device's random state, to run work again."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 class StepReplay:
     """The micro-batches of the optimizer step in progress (inputs and RNG state at their
     start), so that the step can run again from its first micro-batch."""
@@ -56,22 +70,24 @@ class StepReplay:
         """Called at the start of each micro-batch of optimizer step ``step``."""
         if step != self._step:
             self._step, self._batches = step, []
-        cuda = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
-        self._batches.append(_MicroBatch(inputs, num_items_in_batch, torch.get_rng_state(), cuda))
+        cpu, cuda = rng_state(self._device)
+        self._batches.append(_MicroBatch(inputs, num_items_in_batch, cpu, cuda))
 
     @property
     def earlier(self) -> list[_MicroBatch]:
         """The step's micro-batches before the current one."""
         return self._batches[:-1]
 
+    def batches(self, step: int) -> list[_MicroBatch]:
+        """Every micro-batch recorded for optimizer step ``step`` (none: another step's)."""
+        return list(self._batches) if step == self._step else []
+
     @property
     def current(self) -> _MicroBatch:
         return self._batches[-1]
 
     def restore_rng(self, batch: _MicroBatch) -> None:
-        torch.set_rng_state(batch.cpu_rng)
-        if batch.cuda_rng is not None:
-            torch.cuda.set_rng_state(batch.cuda_rng, self._device)
+        set_rng_state((batch.cpu_rng, batch.cuda_rng), self._device)
 
 
 def _holdings(model: nn.Module) -> StepHoldings:
@@ -98,34 +114,63 @@ def make_room(model: nn.Module, optimizer: Any, message: str, step: int) -> str:
     """Free the failed step of ``model`` and give up enough HBM holdings for the allocation
     ``message`` (the out-of-memory error's text) reports, plus headroom. Returns what was done,
     in words; raises ``MemoryPlanError`` when nothing is left to give up."""
+    optimizer.zero_grad(set_to_none=True)  # resident gradients of the failed micro-batches
+    streamed_state(model).engine.abort_step()
+    return _give_up(
+        model,
+        optimizer,
+        message,
+        f"step {step}",
+        weights_only=False,
+        nothing="no HBM-tier layer, kept activations or attention outputs. Make the step "
+        "smaller (fewer tokens per micro-batch: per_device_train_batch_size, the row length) or "
+        "turn on more memory options (`hf-megatrain plan` shows what fits).",
+    )
+
+
+def make_room_for_weights(
+    model: nn.Module, optimizer: Any | None, message: str, where: str, nothing: str
+) -> str:
+    """Give up HBM-tier layers (``choose_relief(weights_only=True)``) for work that holds no
+    activations and ran out of GPU memory: an evaluation batch, the optimizer step. The caller
+    has freed the failed work (and kept what it runs again with). ``where`` names the work in
+    the messages (e.g. "evaluation", "step 3's optimizer step"); ``nothing`` is what to do when
+    no tier layer is left (``MemoryPlanError``). ``optimizer`` None: none exists yet."""
+    return _give_up(model, optimizer, message, where, weights_only=True, nothing=nothing)
+
+
+def _give_up(
+    model: nn.Module,
+    optimizer: Any | None,
+    message: str,
+    where: str,
+    weights_only: bool,
+    nothing: str,
+) -> str:
     state = streamed_state(model)
     engine = state.engine
-    optimizer.zero_grad(set_to_none=True)  # resident gradients of the failed micro-batches
-    engine.abort_step()
     if engine.is_cuda:
         torch.cuda.empty_cache()
     asked = oom_request_bytes(message)
     need = None if asked is None else asked + RELIEF_HEADROOM_BYTES
     before = _holdings(model)
-    relief = choose_relief(before, need)
+    relief = choose_relief(before, need, weights_only=weights_only)
     what = "out of GPU memory" + ("" if asked is None else f" (asked {asked / GIB:.2f} GiB)")
     if relief is None:
         raise MemoryPlanError(
-            f"hf_megatrain: step {step} ran {what} with nothing left to give up: no HBM-tier "
-            "layer, kept activations or attention outputs. Make the step smaller (fewer tokens "
-            "per micro-batch: per_device_train_batch_size, the row length) or turn on more "
-            "memory options (`hf-megatrain plan` shows what fits).",
+            f"hf_megatrain: {where} ran {what} with nothing left to give up: {nothing}",
             tier="gpu",
             needed=need or 0,
             available=0,
         )
     if relief.to_host:
-        move_to_host_tier(engine, relief.to_host, state.options, optimizer.rebind_layers)
+        release = None if optimizer is None else optimizer.rebind_layers
+        move_to_host_tier(engine, relief.to_host, state.options, release)
     if relief.kept != before.kept:
         keep_activations(model, relief.kept)
     if relief.attention != before.attention or relief.to_host or relief.kept != before.kept:
         keep_attention_outputs(model, relief.attention)
-    return f"step {step} ran {what}; made room: {relief.describe(before)}"
+    return f"{where} ran {what}; made room: {relief.describe(before)}"
 
 
 class PeakLog:
@@ -165,4 +210,11 @@ class PeakLog:
             logger.info("hf_megatrain: step %d GPU peak %.2f GiB", step, peak / GIB)
 
 
-__all__ = ["PeakLog", "StepReplay", "make_room"]
+__all__ = [
+    "PeakLog",
+    "StepReplay",
+    "make_room",
+    "make_room_for_weights",
+    "rng_state",
+    "set_rng_state",
+]

@@ -6,7 +6,9 @@ small. The training loop, ``compute_loss`` (with its ``num_items_in_batch`` sema
 ``evaluate``, callbacks, schedulers and dataloaders are the Trainer's own. What changes: where the
 model lives (``_move_model_to_device``, ``_wrap_model``), the optimizer (``create_optimizer``),
 gradient norm and clipping, and how weights and optimizer state are saved and restored (through
-the host store, as HF safetensors).
+the host store, as HF safetensors). Training steps, evaluation batches (``prediction_step``) and
+the optimizer step that run out of GPU memory go through the out-of-memory watchdog
+(``oom_watchdog.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import shutil
 import time
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +50,14 @@ from .model import (
     runs_liger,
     streamed_state,
 )
-from .oom_watchdog import PeakLog, StepReplay, make_room
+from .oom_watchdog import (
+    PeakLog,
+    StepReplay,
+    make_room,
+    make_room_for_weights,
+    rng_state,
+    set_rng_state,
+)
 from .sequence_parallel import setup_sequence_parallel
 
 logger = logging.getLogger(__name__)
@@ -458,6 +468,10 @@ class MegaTrainerMixin:
         self._megatrain_replay = StepReplay(self.megatrain.engine.device)
         self._megatrain_replay_step: int | None = None
         self._megatrain_eager_before = 0
+        # The optimizer step's parts (clipping, norm, update) done so far, for its step: run again
+        # after the step's micro-batches when one ran out of GPU memory.
+        self._megatrain_parts_step: int | None = None
+        self._megatrain_parts_done: list[tuple[str, Any]] = []
         plan = self.megatrain.plan
         self._megatrain_peaks = PeakLog(
             self.megatrain.engine.device,
@@ -523,19 +537,36 @@ class MegaTrainerMixin:
                 # No global norm to wait for: each layer updates as soon as its gradient of
                 # the step is final, overlapping the rest of the backward.
                 self.optimizer.enable_eager_updates()
+            # The Trainer calls optimizer.step() itself: through the out-of-memory watchdog.
+            # (A bound method: LR schedulers wrap optimizer.step through its __func__.)
+            self._megatrain_plain_step = self.optimizer.step
+
+            def guarded_step(optimizer, closure=None):
+                return self._megatrain_optimizer_call("step", closure)
+
+            self.optimizer.step = types.MethodType(guarded_step, self.optimizer)
         return self.optimizer
 
     def _clip_grad_norm(self, model):
-        self._megatrain_read_loss_check()
-        return self.optimizer.clip_grad_norm_(self.args.max_grad_norm)
+        return self._megatrain_optimizer_call("clip")
 
     def _get_grad_norm(self, model, grad_norm=None):
-        self._megatrain_read_loss_check()
-        if grad_norm is None:
-            grad_norm = self.optimizer.grad_norm()
-        # The Trainer calls this at every optimizer step, right before optimizer.step().
-        self._megatrain_nonfinite_check()
-        return grad_norm
+        return self._megatrain_optimizer_call("norm", grad_norm)
+
+    def _megatrain_optimizer_part(self, part: str, arg: Any = None) -> Any:
+        """One part of the optimizer step, in the order the Trainer calls them: "clip" (returns
+        the pre-clip norm), "norm" (the norm, ``arg`` when clipping computed it, and the step's
+        non-finite check) and "step" (the update; ``arg`` its closure)."""
+        if part == "clip":
+            self._megatrain_read_loss_check()
+            return self.optimizer.clip_grad_norm_(self.args.max_grad_norm)
+        if part == "norm":
+            self._megatrain_read_loss_check()
+            grad_norm = self.optimizer.grad_norm() if arg is None else arg
+            # The Trainer calls this at every optimizer step, right before optimizer.step().
+            self._megatrain_nonfinite_check()
+            return grad_norm
+        return self._megatrain_plain_step(arg)
 
     # ---- non-finite guard ---------------------------------------------------------------------
     def _megatrain_read_loss_check(self) -> None:
@@ -701,6 +732,180 @@ class MegaTrainerMixin:
             self.megatrain.engine.sync_grads = False
             self._megatrain_training_step(model, batch.inputs, batch.num_items_in_batch)
         replay.restore_rng(replay.current)
+
+    # ---- out of memory in the optimizer step ----------------------------------------------------
+    def _megatrain_optimizer_call(self, part: str, arg: Any = None) -> Any:
+        """``part`` of the optimizer step (``_megatrain_optimizer_part``) with the watchdog.
+
+        Out of GPU memory, room is made (HBM-tier layers to the host tier) and the part runs
+        again exactly once per relief. Without eager updates nothing was applied before the
+        optimizer step's end, and moving layers drops their gradients: the step's micro-batches
+        run again first (recorded inputs and random state: the same gradients; their losses were
+        already counted), then the parts already done, then this one. With eager updates the
+        layers already updated during backward; only a failed ``step()`` runs again (it updates
+        the resident parameters, whose gradients stay). A ``step()`` that applied part of its
+        update before failing, or a norm whose layer gradients are gone, is refused."""
+        step = self.state.global_step + 1
+        if step != self._megatrain_parts_step:
+            self._megatrain_parts_step, self._megatrain_parts_done = step, []
+        opt = self.optimizer
+        rerun = False
+        for _ in range(3 * len(self.megatrain.engine.stores) + 2):
+            failure, before, in_rerun = None, opt.updates_applied, rerun
+            try:
+                if rerun:
+                    self._megatrain_run_step_again(step)
+                    in_rerun = False
+                    for done, done_arg in self._megatrain_parts_done:
+                        self._megatrain_optimizer_part(done, done_arg)
+                result = self._megatrain_optimizer_part(part, arg)
+            except torch.OutOfMemoryError as err:
+                # (Data parallel: the other ranks wait in this step's collectives.)
+                if not self.megatrain_options.oom_recovery or self.megatrain.engine.dp:
+                    raise
+                failure = str(err)
+            else:
+                self._megatrain_parts_done.append((part, arg))
+                return result
+            # Outside the except clause: the traceback's frames are gone before room is made.
+            rerun = self._megatrain_recover_optimizer(failure, step, part, before, in_rerun)
+        raise RuntimeError("hf_megatrain: the optimizer step kept running out of GPU memory")
+
+    def _megatrain_recover_optimizer(
+        self, message: str, step: int, part: str, before: int, in_rerun: bool
+    ) -> bool:
+        """Make room after ``part`` of step ``step``'s optimizer step (or, ``in_rerun``, a
+        micro-batch run again for it) ran out of GPU memory; one log line. Returns whether the
+        step's micro-batches must run again before the part."""
+        opt = self.optimizer
+        opt.wait()  # eager or background updates in flight are done
+        where = f"step {step}'s " + {"clip": "gradient clipping", "norm": "gradient norm"}.get(
+            part, "optimizer step"
+        )
+        if opt.updates_applied != before:
+            raise MemoryPlanError(
+                f"hf_megatrain: {where} ran out of GPU memory after part of its update was "
+                "already applied, so it cannot run again without applying that part twice. "
+                "Resume from the last checkpoint with fewer HBM-tier layers "
+                "(megatrain_resident_layers) or more GPU memory free.",
+                tier="gpu",
+                needed=0,
+                available=0,
+            )
+        eager = opt.eager  # layers update during backward (no clipping)
+        if eager and part != "step":
+            raise MemoryPlanError(
+                f"hf_megatrain: {where} ran out of GPU memory after the layers were already "
+                "updated during backward (eager updates: no gradient clipping); giving up "
+                "HBM-tier layers drops the gradients the norm needs, and running the step again "
+                "would update those layers twice. Resume from the last checkpoint with fewer "
+                "HBM-tier layers (megatrain_resident_layers), or train with gradient clipping "
+                "(max_grad_norm > 0: nothing updates before the step's end, so it can run again).",
+                tier="gpu",
+                needed=0,
+                available=0,
+            )
+        if not eager:
+            opt.forget_step()  # gradients, clipping coefficient, non-finite marks
+            self._megatrain_loss_finite = None
+            self.megatrain.engine.abort_step()
+        if in_rerun:
+            # A micro-batch ran out of memory: the training step's holdings and order.
+            done = make_room(self.model, opt, message, step)
+        else:
+            done = make_room_for_weights(
+                self.model,
+                opt,
+                message,
+                where,
+                "no HBM-tier layer (the optimizer step holds only what the memory plan counts "
+                "besides activations: the resident parameters with their gradients and AdamW "
+                "moments, the layer weight buffers). Free the GPU memory other processes hold "
+                "(`hf-megatrain plan` shows what the run needs).",
+            )
+        self._megatrain_kept = None  # the layers keeping activations changed
+        self._megatrain_peaks.plan_changed()
+        if eager:
+            logger.warning(
+                "hf_megatrain: %s; running the optimizer step again (the layers updated during "
+                "backward keep their update; the resident parameters update now)",
+                done,
+            )
+        else:
+            logger.warning(
+                "hf_megatrain: %s; running the step again from its first micro-batch (same data "
+                "and random state), then its optimizer step",
+                done,
+            )
+        return not eager
+
+    def _megatrain_run_step_again(self, step: int) -> None:
+        """Run every micro-batch of optimizer step ``step`` again, the last one syncing (their
+        losses were already counted; the step's gradients are made again, the same)."""
+        batches = self._megatrain_replay.batches(step)
+        if not batches:
+            raise RuntimeError(f"hf_megatrain: no micro-batch of step {step} to run again")
+        self._megatrain_in_step = True
+        try:
+            for i, batch in enumerate(batches):
+                self._megatrain_replay.restore_rng(batch)
+                self.megatrain.engine.sync_grads = i == len(batches) - 1
+                self._megatrain_training_step(self._wrapper, batch.inputs, batch.num_items_in_batch)
+        finally:
+            self._megatrain_in_step = False
+
+    # ---- out of memory in evaluation ----------------------------------------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The Trainer's evaluation batch with the watchdog: out of GPU memory, HBM-tier layers
+        move to the host tier (an evaluation forward holds no activations to give up) and the
+        batch runs again, once per relief, with the same inputs and random state: the same
+        outputs, which the evaluation loop had not taken yet."""
+        state = getattr(self, "megatrain", None)
+        if state is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        rng = rng_state(state.engine.device)
+        for _ in range(len(state.engine.stores) + 1):
+            failure = None
+            try:
+                return super().prediction_step(
+                    model, inputs, prediction_loss_only, ignore_keys=ignore_keys
+                )
+            except torch.OutOfMemoryError as err:
+                if not self.megatrain_options.oom_recovery or state.engine.dp:
+                    raise
+                failure = str(err)
+            self._megatrain_recover_eval(failure)
+            set_rng_state(rng, state.engine.device)
+        raise RuntimeError("hf_megatrain: the evaluation batch kept running out of GPU memory")
+
+    def _megatrain_recover_eval(self, message: str) -> None:
+        engine = self.megatrain.engine
+        if engine.has_grads():
+            # (The Trainer evaluates between optimizer steps; a callback may not.)
+            raise MemoryPlanError(
+                "hf_megatrain: evaluation ran out of GPU memory in the middle of an optimizer "
+                "step (its gradients are held), so no HBM-tier layer can move to the host tier "
+                "without losing them. Evaluate between optimizer steps (the Trainer's "
+                "eval_strategy does), or with a smaller per_device_eval_batch_size.",
+                tier="gpu",
+                needed=0,
+                available=0,
+            )
+        if self.optimizer is not None:
+            self.optimizer.wait()
+        engine.abort_step()  # the failed batch's weight slots
+        done = make_room_for_weights(
+            self.model,
+            self.optimizer,
+            message,
+            "evaluation",
+            "no HBM-tier layer (an evaluation forward holds no activations to give up). Evaluate "
+            "with a smaller per_device_eval_batch_size or shorter rows, or with "
+            "prediction_loss_only / eval_accumulation_steps so fewer logits stay on the GPU.",
+        )
+        self._megatrain_kept = None  # the layers keeping activations changed
+        self._megatrain_peaks.plan_changed()
+        logger.warning("hf_megatrain: %s; running the evaluation batch again (same inputs)", done)
 
     def _megatrain_training_step(self, model, inputs, num_items_in_batch=None):
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
