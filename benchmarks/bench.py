@@ -121,6 +121,9 @@ EXTRA_COLUMNS = [
     "layer_busy",
     "layer_gaps",
     "note",  # provenance remarks (e.g. a row restored from its sweep's markdown summary)
+    # torch.cuda.max_memory_allocated beside peak_hbm_gib's max reserved: the live tensors' peak
+    # (reserved less this: the allocator's cached, unused blocks at the peak). Empty off CUDA.
+    "peak_hbm_alloc_gib",
 ]
 CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
 
@@ -582,6 +585,16 @@ def peak_hbm_gib() -> float | None:
     return torch.cuda.max_memory_reserved() / GIB
 
 
+def peak_hbm_alloc_gib() -> float | None:
+    """``torch.cuda.max_memory_allocated``: the peak of live tensors (``peak_hbm_gib`` is the
+    allocator's reserved peak, which also holds cached blocks)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.max_memory_allocated() / GIB
+
+
 def versions() -> dict[str, str]:
     out = {"python": sys.version.split()[0]}
     for name in ("torch", "transformers", "accelerate", "deepspeed"):
@@ -764,8 +777,9 @@ def run_worker(cfg: RunConfig, result_json: Path) -> int:
     result["peak_host_gib"] = peak_host_gib()
     try:
         result["peak_hbm_gib"] = peak_hbm_gib()
+        result["peak_hbm_alloc_gib"] = peak_hbm_alloc_gib()
     except Exception:  # noqa: BLE001  (a broken CUDA context after a failure)
-        result["peak_hbm_gib"] = None
+        result["peak_hbm_gib"] = result["peak_hbm_alloc_gib"] = None
     result_json.write_text(json.dumps(result))
     print(f"bench worker: {cfg.system} {cfg.model}: {result['status']}", flush=True)
     return code
@@ -961,6 +975,7 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "kept_layers": result.get("kept_layers", ""),
         "layer_busy": _fmt(result.get("layer_busy"), 4),
         "layer_gaps": _fmt(result.get("layer_gaps"), 4),
+        "peak_hbm_alloc_gib": _fmt(result.get("peak_hbm_alloc_gib"), 2),
         # The fused kernels chosen by layer_kernels "auto" (no --liger in the command to say so),
         # and the attention outputs the plan kept.
         "note": "; ".join(

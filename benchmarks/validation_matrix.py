@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Validation matrix: model families x sequence lengths with hf_megatrain's default settings.
 
-Each cell trains one step of one sequence of L tokens (grad-accum 1) of a random-init model built
+Each cell trains one sequence of L tokens per step (grad-accum 1) of a random-init model built
 from a real Hub config, with no engine flag: bench.py's ``megatrain-hbm`` system (HBM tier
-"auto", every other option at its default), ``--streamed-init``, bf16. The promise under test:
+"auto", every other option at its default), ``--streamed-init``, bf16; one warm-up step, then
+one measured step (``WARMUP_STEPS``, ``MEASURED_STEPS``). The peaks are the run's (both steps),
+so they are the steady state's: the first optimizer update makes the resident parameters'
+AdamW moments, which a one-step run's peak (before that update) lacked. Beside the reserved
+peak (``peak_hbm_gib``, torch.cuda.max_memory_reserved) a row records the allocated one
+(``peak_hbm_alloc_gib``, max_memory_allocated: the live tensors). The promise under test:
 every cell trains or is refused before allocation with a message saying what fits; no cell runs
 out of GPU memory; the planned peaks (HBM and host) are within 10% of the measured ones.
 
@@ -65,7 +70,11 @@ H200_HOST_GIB = 120.0
 TFLOPS = 400.0  # sustained bf16 TFLOP/s of the layers' matmuls and flash attention
 STARTUP_S = 15.0  # interpreter, imports, CUDA context, first-step set-up
 STARTUP_S_PER_B = 2.5  # random init into the host store and pinning, per billion parameters
-FIRST_STEP_S = 5.0  # allocator warm-up and kernel selection of the one (first) step
+FIRST_STEP_S = 5.0  # allocator warm-up and kernel selection of the first step
+#: Steps each cell runs: one untimed warm-up step (so the measured peak holds the resident
+#: parameters' AdamW moments, made by the first update), then one measured step.
+WARMUP_STEPS = 1
+MEASURED_STEPS = 1
 REFUSAL_S = 12.0  # a cell refused before allocation: start-up and plan only
 HOST_ADAM_PARAMS_PER_S = 1.5e9  # host AdamW of the host-tier layers (not all of it overlaps)
 #: Attention slower than causal flash SDPA: a materialized sliding-window mask makes SDPA take
@@ -157,9 +166,16 @@ def attention_factor(config, shape, seq_len: int) -> float:
     return 1.0
 
 
-def plan_cell(cell: Cell, hbm_gib: float, host_gib: float, tflops: float) -> Cell:
+def plan_cell(
+    cell: Cell,
+    hbm_gib: float,
+    host_gib: float,
+    tflops: float,
+    steps: int = WARMUP_STEPS + MEASURED_STEPS,
+) -> Cell:
     """Fill the cell's verdict (the planner's, for the default options on the given memory,
-    with the library's automatic fitting where it has one) and its time estimate."""
+    with the library's automatic fitting where it has one) and its time estimate for
+    ``steps`` optimizer steps (warm-up and measured)."""
     import torch
 
     from hf_megatrain.core import planner
@@ -212,8 +228,7 @@ def plan_cell(cell: Cell, hbm_gib: float, host_gib: float, tflops: float) -> Cel
         STARTUP_S
         + STARTUP_S_PER_B * billions
         + FIRST_STEP_S
-        + max(compute, pcie)
-        + host_params / HOST_ADAM_PARAMS_PER_S
+        + max(1, steps) * (max(compute, pcie) + host_params / HOST_ADAM_PARAMS_PER_S)
     )
     return cell
 
@@ -324,7 +339,8 @@ def progress_line(i: int, n: int, cell: Cell, row: dict) -> str:
     if row["status"] == "trained":
         return (
             f"{head}; HBM plan {row['plan_hbm_gib'] or '-'} / measured {row['peak_hbm_gib'] or '-'}"
-            f" GiB ({row['hbm_err_pct'] or '-'}%); host plan {row['plan_host_gib'] or '-'} / "
+            f" GiB ({row['hbm_err_pct'] or '-'}%, allocated {row.get('peak_hbm_alloc_gib') or '-'}"
+            f"); host plan {row['plan_host_gib'] or '-'} / "
             f"measured {row['peak_host_gib'] or '-'} GiB ({row['host_err_pct'] or '-'}%)"
         )
     return f"{head}: {row['detail'][:240]}"
@@ -338,8 +354,8 @@ def run_matrix(
     max_wall_s: float,
     cell_timeout_s: float | None,
     device: str = "auto",
-    steps: int = 1,
-    warmup: int = 0,
+    steps: int = MEASURED_STEPS,
+    warmup: int = WARMUP_STEPS,
     argv: str = "",
 ) -> list[dict]:
     """Run the cells cheapest first, each in its own worker; a row per cell (the ones the budget
@@ -405,6 +421,12 @@ def _cell_text(row: dict) -> str:
     return f"**{status}**" if status in FAILURES else status
 
 
+def _steps_text(row: dict) -> str:
+    """``warm-up + measured`` steps of a row (``1 + 1``), "" when not recorded."""
+    warmup, steps = row.get("warmup"), row.get("steps")
+    return f"{warmup} + {steps}" if warmup not in (None, "") and steps not in (None, "") else ""
+
+
 def promise_line(rows: list[dict]) -> str:
     cells = list(latest_cells(rows).values())
     count = {s: sum(1 for r in cells if r["status"] == s) for s in ("trained", "refused")}
@@ -442,16 +464,19 @@ def summarize(rows: list[dict], title: str = "Validation matrix") -> str:
     commits = sorted({r.get("commit", "") for r in cells.values()} - {""})
     gpus = sorted({r.get("gpu", "") for r in cells.values()} - {""})
     tags = sorted({r.get("tag", "") for r in cells.values()} - {""})
+    steps = sorted({_steps_text(r) for r in cells.values()} - {""})
     lines = [
         f"# {title}",
         "",
         f"- tags: {', '.join(tags) or '-'}; commits: {', '.join(commits) or '-'}; "
         f"GPU: {', '.join(gpus) or '-'}",
         f"- hf_megatrain defaults (bench.py system `{SYSTEM}`, no engine flag), random init "
-        "(`--streamed-init`), bf16, one sequence per step, grad-accum 1",
+        "(`--streamed-init`), bf16, one sequence per step, grad-accum 1; steps (warm-up + "
+        f"measured): {', '.join(steps) or '-'}",
         "- a cell: status; planned / measured peak HBM (torch max reserved) and host (VmHWM) in "
         "GiB, error = planned / measured - 1; the promise: every cell trained or refused before "
-        "allocation, no out-of-memory crash, every error within 10%",
+        "allocation, no out-of-memory crash, every error within 10%; the cells' table adds the "
+        "allocated peak (torch max allocated: the live tensors) where recorded",
         "",
         "| family (model) | " + " | ".join(seq_label(s) for s in lens) + " |",
         "|---" * (len(lens) + 1) + "|",
@@ -467,9 +492,9 @@ def summarize(rows: list[dict], title: str = "Validation matrix") -> str:
     ]
     lines += ["", "## Cells", ""]
     lines += [
-        "| cell | status | wall s | step s | HBM layers | plan HBM | HBM | err % | plan host | "
-        "host | err % | auto-fit | detail |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cell | status | wall s | step s | HBM layers | plan HBM | HBM | err % | HBM alloc | "
+        "plan host | host | err % | auto-fit | detail |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (f, s), r in sorted(cells.items(), key=lambda kv: (families.index(kv[0][0]), kv[0][1])):
         detail = (r.get("detail") or "").replace("|", "/")
@@ -477,7 +502,8 @@ def summarize(rows: list[dict], title: str = "Validation matrix") -> str:
             f"| {f} {seq_label(s)} | {r['status']} | {r.get('wall_s', '')} | "
             f"{r.get('step_time_s', '')} | {r.get('hbm_layers', '')} | "
             f"{r.get('plan_hbm_gib', '')} | {r.get('peak_hbm_gib', '')} | "
-            f"{r.get('hbm_err_pct', '')} | {r.get('plan_host_gib', '')} | "
+            f"{r.get('hbm_err_pct', '')} | {r.get('peak_hbm_alloc_gib', '')} | "
+            f"{r.get('plan_host_gib', '')} | "
             f"{r.get('peak_host_gib', '')} | {r.get('host_err_pct', '')} | "
             f"{r.get('auto_fit', '')} | {detail} |"
         )
@@ -540,8 +566,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--cell-timeout-s", type=float, help="per cell (default: twice its estimate, >= 90 s)"
     )
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--steps", type=int, default=1, help="measured steps per cell")
-    p.add_argument("--warmup", type=int, default=0, help="untimed steps first")
+    p.add_argument(
+        "--steps", type=int, default=MEASURED_STEPS, help="measured steps per cell (default 1)"
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=WARMUP_STEPS,
+        help="untimed steps first (default 1: the peak then holds the resident parameters' "
+        "AdamW moments, made by the first update)",
+    )
     p.add_argument("--tag", help="rows' tag (default: matrix); with --summarize: a comma list")
     p.add_argument("--results-dir", type=Path, default=bench.RESULTS_DIR / "matrix")
     p.add_argument("--dry-run", action="store_true", help="list the cells, verdicts, estimates")
@@ -572,7 +606,7 @@ def models_from_args(a: argparse.Namespace) -> dict[str, str]:
 def planned_cells(a: argparse.Namespace) -> list[Cell]:
     cells = make_cells(a.families, a.seq_lens, models_from_args(a))
     for cell in cells:
-        plan_cell(cell, a.hbm_gib, a.host_gib, a.tflops)
+        plan_cell(cell, a.hbm_gib, a.host_gib, a.tflops, a.warmup + a.steps)
     assign_phases(cells, a.phase[1])
     return cells
 

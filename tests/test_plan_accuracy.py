@@ -17,22 +17,33 @@ What these measurements say about the plan (``hf_megatrain/core/activation_memor
   plan's line: 22h + 4q + 6i, its error 14%), and the fused loss's chunk 10-14 B per logit (the
   plan's line: 6): the plan sums these lines although they are never alive together, which is
   what covers each of them;
-* a layer that keeps its activations under SDPA with a sliding window holds its own additive
-  mask, which the plan does not count (``test_kept_layers_hold_their_sliding_window_masks``).
+* a layer that keeps its activations holds its attention's s x s tensors until its backward:
+  under SDPA with a sliding window shorter than the sequence its own additive copy of the mask
+  (sliding layers only), under eager attention its fp32 softmax output and compute-dtype
+  probabilities (and soft-capping's tanh output); the plan counts them per kept layer
+  (``kept_attention_lines``; ``test_kept_layers_hold_their_sliding_window_masks``,
+  ``test_kept_layers_attention_lines_are_what_they_hold``).
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import LlamaConfig, MistralConfig, Qwen3Config
+from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
 
 import hf_megatrain.core.chunked_loss as chunked_loss
-from hf_megatrain.core.activation_memory import MASK_KIND, attention_mask_lines
+from hf_megatrain.core.activation_memory import (
+    EAGER_SCORES_KIND,
+    MASK_KIND,
+    attention_mask_lines,
+    kept_attention_lines,
+)
 from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import plan_memory
 from hf_megatrain.hf.model import find_decoder_layers, model_shape, prepare_streamed_model
@@ -100,12 +111,12 @@ def _cuda_fp32_gemm(acc, a, b):
     return out
 
 
-def _streamed(cfg, **options):
+def _streamed(cfg, attn: str = "sdpa", **options):
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = attn
     model.config.use_cache = False
     shape = model_shape(model)
     options = {"keep_activations": "off", "keep_attention_outputs": "off", **options}
@@ -137,11 +148,15 @@ def _step(model, tokens: int, live: Live, chunk: int = 64) -> None:
 
 
 def _config(family: str, **overrides):
-    base = dict(WIDTHS, num_hidden_layers=3, **overrides)
+    base = dict(WIDTHS, **{"num_hidden_layers": 3, **overrides})
     if family == "qwen3":
         return Qwen3Config(**base)
     if family == "mistral":
         return MistralConfig(**base)
+    if family == "gemma2":  # eager, soft-capped
+        return Gemma2Config(**base, query_pre_attn_scalar=16)
+    if family == "gemma3":
+        return Gemma3TextConfig(**base, query_pre_attn_scalar=16)
     return LlamaConfig(**base)
 
 
@@ -229,18 +244,16 @@ def test_kept_layers_hold_their_sliding_window_masks():
         for ln in attention_mask_lines(shape, StepShape(s, s), BF16)
         if ln.kind == MASK_KIND
     )
-    assert planned == s * s + s * s * 2  # the bool mask and one layer's additive copy
+    assert planned == s * s + s * s * 2  # the bool mask and one recomputed layer's copy
+    # The kept layers (the last two) each hold their own copy: counted per kept layer.
+    kept_lines = kept_attention_lines(shape, StepShape(s, s), BF16, [1, 2])
+    assert sum(ln.nbytes for ln in kept_lines) == kept * s * s * 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the plan counts one layer's additive sliding-window mask, not each kept layer's "
-    "(hf_megatrain/core/plan_arithmetic.py's kept-activation line would add "
-    "sequences x s^2 x 2 B per kept layer under SDPA with a window shorter than the sequence)",
-)
 def test_plan_counts_each_kept_layers_sliding_window_mask():
     """The plan of the measured case above at 32,768 tokens (window 4,096): two kept layers
-    hold two additive masks besides the bool one."""
+    hold two additive masks besides the bool one (and the recomputed layer's, in its
+    backward)."""
     s, kept = 32768, 2
     shape = _streamed(_config("mistral", sliding_window=4096))[1]
     step = StepShape(seq_len=s, micro_batch_tokens=s)
@@ -248,7 +261,92 @@ def test_plan_counts_each_kept_layers_sliding_window_mask():
     plan = plan_memory(shape, step, options, BF16, 1 << 50, 1 << 50, hbm_layers=3)
     assert plan.kept_layers == kept
     masks = sum(ln.nbytes for ln in plan.gpu_lines if ln.kind == MASK_KIND)
-    assert masks >= s * s + kept * s * s * 2
+    assert masks == s * s + (kept + 1) * s * s * 2
+    # Every layer kept: no recomputed layer's copy.
+    options = EngineOptions(keep_activations="3").resolve(clipping=True, cuda=True)
+    plan = plan_memory(shape, step, options, BF16, 1 << 50, 1 << 50, hbm_layers=3)
+    assert sum(ln.nbytes for ln in plan.gpu_lines if ln.kind == MASK_KIND) == s * s + 3 * s * s * 2
+
+
+def test_danube_at_32k_keeps_layers_its_masks_leave_room_for():
+    """H2O-Danube-1.8B at one 32,768-token sequence on the H200 (139.3 GiB): the plan keeping
+    22 layers' activations left out their 44 GiB of masks and the run ran out of GPU memory.
+    Counting each kept layer's mask, "auto" keeps fewer, and its total holds them."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from hf_megatrain.core.planner import GIB  # noqa: PLC0415
+    from hf_megatrain.hf.model import model_shape_from_config  # noqa: PLC0415
+
+    configs = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+    shape = model_shape_from_config(AutoConfig.from_pretrained(configs / "h2o-danube-1.8b"))
+    assert (shape.attn_implementation, shape.sliding_window) == ("sdpa", 4096)
+    s = 32768
+    step = StepShape(seq_len=s, micro_batch_tokens=s)
+    options = EngineOptions().resolve(clipping=True, cuda=True)
+    plan = plan_memory(shape, step, options, BF16, int(139.3 * GIB), 124 * GIB)
+    assert plan.fits and 0 < plan.kept_layers < 22
+    kept_masks = sum(
+        ln.nbytes for ln in plan.gpu_lines if ln.kind == MASK_KIND and "keeping" in ln.name
+    )
+    assert kept_masks == plan.kept_layers * s * s * 2
+    # One more kept layer (its activations and its mask) would not fit.
+    more = EngineOptions(keep_activations=str(plan.kept_layers + 1)).resolve(
+        clipping=True, cuda=True
+    )
+    assert plan_memory(shape, step, more, BF16, int(139.3 * GIB), 124 * GIB).gpu_total > (
+        139.3 * GIB
+    )
+
+
+def _square_bytes(live: Live) -> int:
+    return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in live.square.values())
+
+
+@pytest.mark.parametrize(
+    "family, attn, kept",
+    [("gemma3", "sdpa", 3), ("mistral", "eager", 2), ("gemma2", "eager", 2)],
+    ids=["gemma3-sdpa-mixed", "mistral-eager", "gemma2-eager-softcap"],
+)
+def test_kept_layers_attention_lines_are_what_they_hold(family, attn, kept):
+    """What the layers keeping their activations hold of attention's s x s tensors at the end
+    of the forward, beyond what the same step holds with none kept, two sequences of 256
+    tokens (window 128), against ``kept_attention_lines`` (exact):
+
+    * SDPA, Gemma-3's alternating sliding and full layers (layers 1-3 kept: one slides): only
+      the sliding layer's additive bf16 copy of the mask (full layers run ``is_causal``); with
+      the layer pattern unknown every kept layer counts as sliding (an upper bound);
+    * eager: each kept layer's fp32 softmax output and its bf16 copy (6 B per element and head),
+      soft-capped (Gemma-2) the tanh output besides (8 B); the fp32 masks are shared."""
+    s, seqs, n = 256, 2, 4
+    cfg = _config(family, num_hidden_layers=n, sliding_window=128)
+    if family == "gemma3":
+        cfg.layer_types = ["sliding_attention", "full_attention"] * 2
+    held = []
+    for k in (0, kept):
+        model, shape = _streamed(cfg, attn, resident_layers=str(n), keep_activations=str(k))
+        live = Live()
+        ids = torch.randint(0, model.config.vocab_size, (seqs, s))
+        from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
+
+        with live:
+            out = StreamedModelWrapper(model, BF16, "cpu", loss_chunk_tokens=64)(
+                input_ids=ids, labels=ids.clone()
+            )
+            held.append(_square_bytes(live))
+            out.loss.backward()
+    step = StepShape(s, seqs * s)
+    layers = range(n - kept, n)
+    if family == "gemma3":
+        assert shape.sliding_layers == (True, False) * 2  # model_shape reads layer_types
+        unknown = kept_attention_lines(replace(shape, sliding_layers=()), step, BF16, layers)
+        assert sum(ln.nbytes for ln in unknown) == kept * seqs * s * s * 2
+    lines = kept_attention_lines(shape, step, BF16, layers)
+    kind = MASK_KIND if attn == "sdpa" else EAGER_SCORES_KIND
+    assert [ln.kind for ln in lines] == [kind]
+    assert lines[0].nbytes == held[1] - held[0]
+    per = {"gemma3": 2 * 1, "mistral": 6 * 4, "gemma2": 8 * 4}[family]  # B x heads
+    sliding = 1 if family == "gemma3" else kept
+    assert held[1] - held[0] == sliding * seqs * s * s * per
 
 
 def test_first_step_makes_the_resident_moments_after_its_backward(tmp_path):

@@ -21,6 +21,8 @@ def test_arguments():
     assert a.families == ["qwen3", "mistral", "gemma2", "phi3", "moe"]
     assert a.seq_lens == [4096, 32768, 131072, 262144]
     assert a.phase == (1, 1) and a.tag is None and not a.dry_run
+    # One warm-up step, then one measured: the peak is the steady state's (resident moments).
+    assert (a.warmup, a.steps) == (vm.WARMUP_STEPS, vm.MEASURED_STEPS) == (1, 1)
     a = _args("--families", "qwen3,moe", "--seq-lens", "4k,262144", "--phase", "2/3")
     assert (a.families, a.seq_lens, a.phase) == (["qwen3", "moe"], [4096, 262144], (2, 3))
     for bad in (["--phase", "3/2"], ["--phase", "x"]):
@@ -34,10 +36,11 @@ def test_arguments():
     with pytest.raises(SystemExit, match="unknown family"):
         vm.models_from_args(_args("--families", "nope"))
     # The cell's run: the defaults (no engine flag), one sequence per step, random init.
-    cfg = vm.run_config(vm.Cell("qwen3", "qwen3-1.7b", 32768), "auto", 120, 1, 0)
+    cfg = vm.run_config(vm.Cell("qwen3", "qwen3-1.7b", 32768), "auto", 120, a.steps, a.warmup)
     assert cfg.system == "megatrain-hbm" and cfg.engine_args() == []
-    assert (cfg.resolved_micro_batch, cfg.grad_accum, cfg.steps, cfg.warmup) == (1, 1, 1, 0)
+    assert (cfg.resolved_micro_batch, cfg.grad_accum, cfg.steps, cfg.warmup) == (1, 1, 1, 1)
     assert cfg.streamed_init and cfg.tokens_per_step == 32768
+    assert "--steps 1 --warmup 1" in cfg.command()
 
 
 def test_dry_run_lists_every_cell_with_a_verdict(capsys):
@@ -55,6 +58,9 @@ def test_dry_run_lists_every_cell_with_a_verdict(capsys):
     cells = vm.planned_cells(_args("--families", "qwen3", "--phase", "1/2"))
     est = {c.seq_len: c.est_s for c in cells}
     assert est[4096] < est[32768] < est[131072] < est[262144]
+    # The estimate counts both steps (warm-up and measured): one step's work more than one.
+    one = vm.plan_cell(vm.Cell("qwen3", "qwen3-1.7b", 32768), 139.3, 120.0, vm.TFLOPS, steps=1)
+    assert est[32768] > one.est_s
     loads = [sum(c.est_s for c in cells if c.phase == k) for k in (1, 2)]
     assert max(loads) - min(loads) <= max(est.values())
 
@@ -107,6 +113,9 @@ def test_summarize_builds_the_table(tmp_path):
             plan_host_gib="2.00",
             peak_host_gib="2.10",
             host_err_pct="-4.8",
+            warmup="1",
+            steps="1",
+            peak_hbm_alloc_gib="93.25",
         ),  # fmt: skip
         _synthetic_row(
             "qwen3",
@@ -141,6 +150,9 @@ def test_summarize_builds_the_table(tmp_path):
         "max |hbm err| 25.0%, max |host err| 4.8%**" in text
     )
     assert "DoesNotFitError: needs 180 GiB / fits: 131072 tokens" in text  # "|" escaped
+    assert "steps (warm-up + measured): 1 + 1" in text
+    # The cells' table: the reserved peak, its error, then the allocated peak.
+    assert "| qwen3 4k | trained |  |  |  | 100.00 | 95.00 | +5.3 | 93.25 | 2.00 |" in text
 
 
 def test_budget_records_cells_not_run(tmp_path):
@@ -183,6 +195,8 @@ def test_tiny_cell_trains_on_cpu(tmp_path, monkeypatch, capsys):
     assert row["status"] == "trained" and row["family"] == "tiny" and row["tag"] == "cpu-test"
     assert row["verdict"].startswith("fits: ")
     assert (row["seq_len"], row["micro_batch"], row["grad_accum"]) == ("256", "1", "1")
+    assert (row["warmup"], row["steps"]) == ("1", "1") and "--warmup 1" in row["command"]
+    assert "peak_hbm_alloc_gib" in row and row["peak_hbm_alloc_gib"] == ""  # (no CUDA)
     assert float(row["tokens_per_s"]) > 0 and float(row["peak_host_gib"]) > 0
     assert row["command"].endswith("--streamed-init")  # no engine flag: the defaults
     assert "| tiny (tiny-qwen2) | trained:" in (tmp_path / "cpu-test.md").read_text()

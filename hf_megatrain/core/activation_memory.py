@@ -15,6 +15,8 @@ options that shape activations (:class:`~hf_megatrain.core.options.ResolvedOptio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .chunked_loss import default_chunk_tokens
@@ -86,8 +88,10 @@ UNMEASURED_ERROR = 0.20
 #: (a non-owner rank then held streamed layers' gradients to backward's end, since fixed), the
 #: matrix's cells that ran out of GPU memory and were run again by the watchdog (H2O-Danube and
 #: Phi-3 at 32,768 tokens: each of their layers keeping activations under SDPA with a sliding
-#: window holds its own additive mask, 2 GiB, which the plan does not count), and Gemma-2-2B at
-#: 4,096 tokens, whose reserved peak is 1.2 GiB over its live tensors (measured on the CPU).
+#: window holds its own additive mask, 2 GiB, which their plans did not count; re-planned with
+#: ``kept_attention_lines`` their 22 and 10 kept layers come to 182 and 160 GiB, over the whole
+#: GPU they filled), and Gemma-2-2B at 4,096 tokens, whose reserved peak is 1.2 GiB over its
+#: live tensors (measured on the CPU).
 #: long7b-0759's host peak is under its plan for the same kind of reason (an engine bug since
 #: fixed, marked in the table); its GPU peak is comparable and is under the plan (-10% tiled).
 #: Eager attention has no H200 row: its bytes are counted from the tensors transformers makes
@@ -279,12 +283,13 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
     the two norms' fp32 scales (4 x heads + 8). With per-head q/k norms (Qwen3), each saves its
     input cast to fp32, its bf16 output and a scale per head: 6q + 6kv + 4 x (heads + kv heads).
 
-    Not per token, so not here: under SDPA with a sliding window shorter than the sequence, a
-    kept layer's attention also saves its own additive copy of the mask (sequences x s^2 x 2 B;
-    a recomputed layer's only while it is in backward: ``attention_mask_lines``' per-layer line),
-    measured on the CPU (tests/test_plan_accuracy.py). The plan's kept-activation line does not
-    count it yet: the validation matrix's H2O-Danube and Phi-3 at 32,768 tokens kept 22 and 10
-    layers, 44 and 20 GiB more than planned, and ran out of GPU memory.
+    Not per token, so not here: the s x s tensors a kept layer's attention saves (under SDPA
+    with a sliding window shorter than the sequence its own additive copy of the mask,
+    sequences x s^2 x 2 B; under eager attention its probabilities, sequences x heads x s^2 x
+    6 B), which ``kept_attention_lines`` counts per kept layer (measured on the CPU,
+    tests/test_plan_accuracy.py). Before that line the validation matrix's H2O-Danube and
+    Phi-3 at 32,768 tokens kept 22 and 10 layers, 44 and 20 GiB more than planned, and ran out
+    of GPU memory.
     """
     h, i = shape.hidden_size, shape.intermediate_size
     kv = shape.kv_size or h
@@ -360,8 +365,95 @@ def boundary_dtype_label(options: ResolvedOptions) -> str:
 EAGER_SCORE_BYTES = 12
 
 
+def sliding_layer_indices(shape: ModelShape) -> list[int]:
+    """The layers that attend through the sliding window: ``shape.sliding_layers`` where it
+    is known (one flag per layer), else every layer when a window is set (exact where every
+    layer slides, an upper bound for mixed models), else none."""
+    if shape.sliding_window <= 0:
+        return []
+    flags = shape.sliding_layers
+    if len(flags) != shape.num_layers:
+        return list(range(shape.num_layers))
+    return [i for i, on in enumerate(flags) if on]
+
+
+def sdpa_window_mask(shape: ModelShape, step: StepShape) -> bool:
+    """Whether SDPA attends with an explicit s x s mask: sliding-window layers and a sequence
+    at least as long as the window (shorter ones, and full attention, run ``is_causal``)."""
+    return (
+        shape.attn_implementation == "sdpa"
+        and shape.sliding_window > 0
+        and step.seq_len >= shape.sliding_window
+    )
+
+
+#: Bytes per element (sequence x head x s x s) a layer that keeps its activations holds of its
+#: eager attention until its backward: the fp32 softmax output (saved by the softmax) and its
+#: cast to the compute dtype (saved by the product with v; none in fp32 runs, where the cast is
+#: the same tensor); soft-capped logits (Gemma-2) add the tanh output in the compute dtype.
+#: Measured on the CPU with the live-tensor tracker (Llama, Mistral, Gemma-2 and Gemma-3
+#: layers, bf16 and fp32, 1 and 2 sequences of 512 tokens: exact; tests/test_plan_accuracy.py).
+EAGER_KEPT_SOFTMAX_BYTES = 4
+
+
+def eager_kept_bytes_per_element(shape: ModelShape, dtype: torch.dtype) -> int:
+    """``EAGER_KEPT_SOFTMAX_BYTES`` plus the compute-dtype probabilities (bf16 runs) and the
+    soft-capping's tanh output."""
+    isz = itemsize(dtype)
+    cast = isz if dtype != torch.float32 else 0
+    return EAGER_KEPT_SOFTMAX_BYTES + cast + (isz if shape.attn_softcapping else 0)
+
+
+def kept_attention_lines(
+    shape: ModelShape, step: StepShape, dtype: torch.dtype, kept_layers: Sequence[int]
+) -> list[MemoryLine]:
+    """The s x s tensors each layer that keeps its activations saves until its backward (the
+    mask made once per forward and a recomputed layer's copies are ``attention_mask_lines``').
+
+    * SDPA with a window shorter than the sequence: each kept *sliding* layer's additive copy
+      of the bool mask in the compute dtype, sequences x s^2 (full-attention layers run
+      ``is_causal``: none). 2 GiB per kept layer at one 32,768-token sequence in bf16: the
+      validation matrix's H2O-Danube and Phi-3 at 32,768 tokens kept 22 and 10 layers planned
+      without it and ran out of GPU memory.
+    * eager attention: every kept layer's probabilities, sequences x heads x s^2 x
+      ``eager_kept_bytes_per_element`` (6 B in bf16, 8 soft-capped); the fp32 masks are shared.
+
+    Measured on the CPU with the live-tensor tracker (tests/test_plan_accuracy.py: exact).
+    """
+    if not kept_layers:
+        return []
+    s = step.seq_len
+    seqs = max(1, step.micro_batch_tokens // max(1, s))
+    if sdpa_window_mask(shape, step):
+        n = len(set(kept_layers) & set(sliding_layer_indices(shape)))
+        if not n:
+            return []
+        return [
+            estimate_line(
+                f"that mask as SDPA's additive mask, saved by each of the {n} sliding-window "
+                f"layers keeping activations ({n} x {seqs} x {s}^2 x {itemsize(dtype)} B)",
+                n * seqs * s * s * itemsize(dtype),
+                MASK_KIND,
+            )
+        ]
+    if shape.attn_implementation == "eager":
+        n, heads = len(kept_layers), _query_width(shape)[0] or 1
+        per = eager_kept_bytes_per_element(shape, dtype)
+        capped = " and the soft-capping's tanh" if shape.attn_softcapping else ""
+        return [
+            estimate_line(
+                f"eager attention probabilities saved by each of the {n} layers keeping "
+                f"activations (fp32 softmax, its compute-dtype copy{capped}: {n} x {seqs} x "
+                f"{heads} heads x {s}^2 x {per} B)",
+                n * seqs * heads * s * s * per,
+                EAGER_SCORES_KIND,
+            )
+        ]
+    return []
+
+
 def attention_mask_lines(
-    shape: ModelShape, step: StepShape, dtype: torch.dtype
+    shape: ModelShape, step: StepShape, dtype: torch.dtype, kept_layers: Sequence[int] = ()
 ) -> list[MemoryLine]:
     """The s x s tensors attention makes (none for SDPA's ``is_causal`` path or flash attention).
 
@@ -373,10 +465,12 @@ def attention_mask_lines(
       mask made once per forward (one for the batch: an expanded view), which SDPA converts into
       an additive mask in the compute dtype of sequences x s x s for each layer, saved by the
       attention node until the layer's backward (and the kernel with a mask is not flash
-      attention's: the memory-efficient one, no s x s of its own).
+      attention's: the memory-efficient one, no s x s of its own). A recomputed layer saves it
+      only while it is in backward (one such copy, when some sliding layer is recomputed).
 
-    Padded micro-batches and packed sequences with position ids make a mask under SDPA too;
-    the plan does not know the data and counts none for them.
+    Then ``kept_attention_lines`` for the layers (indices) ``kept_layers`` that keep their
+    activations. Padded micro-batches and packed sequences with position ids make a mask under
+    SDPA too; the plan does not know the data and counts none for them.
     """
     impl, s = shape.attn_implementation, step.seq_len
     seqs = max(1, step.micro_batch_tokens // max(1, s))
@@ -406,7 +500,7 @@ def attention_mask_lines(
                 EAGER_SCORES_KIND,
             )
         )
-    elif impl == "sdpa" and sliding and s >= shape.sliding_window:
+    elif sdpa_window_mask(shape, step):
         lines.append(
             estimate_line(
                 f"sliding-window attention mask (SDPA, window {shape.sliding_window}: bool, "
@@ -415,21 +509,27 @@ def attention_mask_lines(
                 MASK_KIND,
             )
         )
-        lines.append(
-            estimate_line(
-                f"that mask as SDPA's additive mask in one layer ({seqs} x {s}^2 x "
-                f"{itemsize(dtype)} B)",
-                seqs * s * s * itemsize(dtype),
-                MASK_KIND,
+        if set(sliding_layer_indices(shape)) - set(kept_layers):
+            lines.append(
+                estimate_line(
+                    f"that mask as SDPA's additive mask in one recomputed layer ({seqs} x {s}^2 "
+                    f"x {itemsize(dtype)} B)",
+                    seqs * s * s * itemsize(dtype),
+                    MASK_KIND,
+                )
             )
-        )
-    return lines
+    return lines + kept_attention_lines(shape, step, dtype, kept_layers)
 
 
 def activation_lines(
-    shape: ModelShape, step: StepShape, options: ResolvedOptions, dtype: torch.dtype
+    shape: ModelShape,
+    step: StepShape,
+    options: ResolvedOptions,
+    dtype: torch.dtype,
+    kept_layers: Sequence[int] = (),
 ) -> list[MemoryLine]:
-    """Per-micro-batch activation costs (micro-batches run one after another)."""
+    """Per-micro-batch activation costs (micro-batches run one after another); the s x s
+    tensors attention saves in ``kept_layers`` (the layers keeping their activations) too."""
     isz = itemsize(dtype)
     t, h, v = step.micro_batch_tokens, shape.hidden_size, shape.vocab_size
     lines = []
@@ -491,7 +591,7 @@ def activation_lines(
             )
         )
     lines.append(_working_set_line(shape, t, options.mlp_tile_tokens))
-    lines += attention_mask_lines(shape, step, dtype)
+    lines += attention_mask_lines(shape, step, dtype, kept_layers)
     if shape.fused_loss:
         # Measured on the CPU (tests/test_plan_accuracy.py), a chunk holds 10 B per logit at its
         # peak (bf16 logits, their fp32 copy, which log_softmax(dtype=float32) makes from bf16

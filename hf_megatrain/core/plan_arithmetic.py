@@ -199,7 +199,10 @@ def gpu_lines(
             )
         )
         return lines
-    lines += activation_lines(shape, step, options, dtype)
+    # The kept layers are the tier's last ``kept`` (``MemoryPlan.kept_layer_indices``): their
+    # attention's saved s x s tensors (sliding-window masks, eager probabilities) are counted
+    # per kept layer among the attention lines.
+    lines += activation_lines(shape, step, options, dtype, range(n_hbm - kept, n_hbm))
     if attention_layers:
         lines.append(attention_output_line(shape, step, dtype, attention_layers))
     if kept:

@@ -77,6 +77,12 @@ class ModelShape:
     sliding_window: int = 0
     # Whether some layer attends to the whole causal context (with sliding layers: a second mask).
     full_attention_layers: bool = True
+    # Per layer, whether it attends through the sliding window (from the config's
+    # ``layer_types``); empty when not known: then every layer is taken as sliding when
+    # ``sliding_window`` is set (exact for Mistral, Phi-3, ...; an upper bound for mixed models
+    # such as Gemma-2's alternating layers). Under SDPA each sliding layer that keeps its
+    # activations saves its own additive copy of the mask (``kept_attention_lines``).
+    sliding_layers: tuple[bool, ...] = ()
     # Whether attention logits are soft-capped (Gemma-2: a tanh over the eager scores).
     attn_softcapping: bool = False
 
@@ -95,7 +101,11 @@ class ModelShape:
     def with_num_layers(self, n: int) -> ModelShape:
         """The same family shape with ``n`` layers (each like the largest current one)."""
         big = max(self.layer_numels, default=0)
-        return replace(self, layer_numels=(big,) * n, name=f"{self.name} x{n} layers")
+        pattern = self.sliding_layers
+        sliding = tuple(pattern[i % len(pattern)] for i in range(n)) if pattern else ()
+        return replace(
+            self, layer_numels=(big,) * n, sliding_layers=sliding, name=f"{self.name} x{n} layers"
+        )
 
 
 def last_recomputed(recomputed: list[int], count: int) -> list[int]:

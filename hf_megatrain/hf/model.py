@@ -187,6 +187,11 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     mlp = getattr(layers[0], "mlp", None) if layers else None
     fused = _liger_patched(mlp) or is_compiled_forward(mlp)
     window, full = _attention_layers(text_cfg)
+    types = getattr(text_cfg, "layer_types", None) or ()
+    # Which layers attend through the window (their kept copies of its mask are planned).
+    sliding = tuple(t == "sliding_attention" for t in types) if window else ()
+    if len(sliding) != len(layers):
+        sliding = ()  # every layer, where the window is set (Mistral, Phi-3): the plan's default
     attn = getattr(cfg, "_attn_implementation", None) or "sdpa"
     return ModelShape(
         kv_size=kv_heads * head_dim,
@@ -211,6 +216,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         attn_implementation=attn,
         sliding_window=window,
         full_attention_layers=full,
+        sliding_layers=sliding,
         attn_softcapping=bool(getattr(text_cfg, "attn_logit_softcapping", None)),
         name=name,
     )
