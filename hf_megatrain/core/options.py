@@ -254,8 +254,10 @@ class EngineOptions:
             """When a training step runs out of GPU memory anyway: free the step, make room (the
             HBM-tier layers' kept activations and attention outputs first, then HBM-tier layers
             moved to the host tier), log it in one line and run the step again from its first
-            micro-batch with the same data and random state (same results). Off: the error
-            propagates.""",
+            micro-batch with the same data and random state (same results). An evaluation batch
+            or the optimizer step that runs out moves HBM-tier layers and runs again the same
+            way, or stops with what to do where a redo would apply an update twice. Off: the
+            error propagates.""",
             run_time=True,
         ),
     )
