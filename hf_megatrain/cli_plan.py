@@ -138,9 +138,9 @@ def detected_memory(hbm_gib: float | None, host_gib: float | None) -> tuple[int,
 def _planned_layer_kernels(setting: str, liger: bool, model_type: str):
     """The layer kernels the planned run would use, for a CUDA run: ``--layer-kernels auto``
     means Liger-Kernel's where it is installed here and used for the family automatically, else
-    torch.compile'd ones for the families those know; ``--liger`` (or ``--layer-kernels
-    liger``) plans with Liger's whether installed here or not."""
-    from .hf.compiled_kernels import COMPILED_MODEL_TYPES  # noqa: PLC0415
+    torch.compile'd ones for the families verified with them; ``--liger`` (or
+    ``--layer-kernels liger``) plans with Liger's whether installed here or not."""
+    from .hf.compiled_kernels import COMPILED_AUTO_MODEL_TYPES  # noqa: PLC0415
     from .hf.long_context import (  # noqa: PLC0415
         LIGER_AUTO_MODEL_TYPES,
         LayerKernels,
@@ -155,21 +155,28 @@ def _planned_layer_kernels(setting: str, liger: bool, model_type: str):
         return LayerKernels("liger", f"asked for, {model_type}")
     if setting == "torch":
         return LayerKernels("torch", "--layer-kernels torch")
-    if setting == "compiled" or model_type in COMPILED_MODEL_TYPES:
-        if model_type not in COMPILED_MODEL_TYPES:
-            raise CLIError(
-                f"--layer-kernels compiled: no compiled kernels for {model_type} (they know "
-                f"{', '.join(sorted(COMPILED_MODEL_TYPES))})"
-            )
-        if setting == "auto" and liger_installed() and model_type in LIGER_AUTO_MODEL_TYPES:
+    if setting == "compiled":
+        return LayerKernels("compiled", f"asked for, {model_type}")
+    if model_type in COMPILED_AUTO_MODEL_TYPES:
+        if liger_installed() and model_type in LIGER_AUTO_MODEL_TYPES:
             return LayerKernels("liger", f"Liger-Kernel installed here, {model_type}")
-        why = "asked for" if setting == "compiled" else "torch.compile"
-        return LayerKernels("compiled", f"{why}, {model_type}")
+        return LayerKernels("compiled", f"torch.compile, {model_type}")
     return LayerKernels(
         "torch",
-        f"{model_type} is not a family the fused kernels are used for automatically; --liger "
-        "plans with Liger-Kernel's",
+        f"{model_type} is not a family the fused kernels are used for automatically; "
+        "--layer-kernels compiled or --liger plans with them",
     )
+
+
+def _compiled_fuses_mlp(cfg) -> bool:
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from .hf.compiled_kernels import fuses_mlp  # noqa: PLC0415
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return fuses_mlp(model)
 
 
 def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
@@ -204,7 +211,9 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         options.layer_kernels, getattr(ns, "liger", False), cfg.model_type
     )
     said.append(kernels.log_line().replace("hf_megatrain: ", "", 1))
-    if kernels.fused:
+    # The fused SwiGLU's smaller saves: Liger's MLP kernel, or compiled ones where the family's
+    # MLP is a SwiGLU they fuse (probed on the config's meta model).
+    if kernels.liger or (kernels.kind == "compiled" and _compiled_fuses_mlp(cfg)):
         shape = dataclasses.replace(shape, fused_layer_kernels=True)
     dtype = torch.float32 if ns.fp32 else torch.bfloat16
     nproc = getattr(ns, "nproc", None)

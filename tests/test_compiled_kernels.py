@@ -15,10 +15,12 @@ import pytest
 import torch
 
 import hf_megatrain.hf.compiled_kernels as compiled_kernels
-from hf_megatrain.hf.compiled_kernels import COMPILED_MODEL_TYPES, apply_compiled_kernels
+from hf_megatrain.hf.compiled_kernels import COMPILED_AUTO_MODEL_TYPES, apply_compiled_kernels
 from hf_megatrain.hf.model import layer_kernels_of, model_shape
 
 from .helpers import (
+    ARCHS,
+    MOE_ARCHS,
     SEQ,
     VOCAB,
     assert_same_training_logs,
@@ -27,7 +29,7 @@ from .helpers import (
     tiny_model,
 )
 
-FAMILIES = sorted(COMPILED_MODEL_TYPES)
+FAMILIES = sorted(COMPILED_AUTO_MODEL_TYPES)
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +41,8 @@ def _loss_and_grads(model, ids):
     model.zero_grad()
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    return out.logits.detach(), grads
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -53,7 +56,7 @@ def test_compiled_layers_compute_like_the_family(family, monkeypatch):
     model = copy.deepcopy(ref)
     assert layer_kernels_of(model) == "torch"
     per_layer = 3 + (2 if family == "qwen3" else 0)  # two norms and the MLP (+ q/k norms)
-    assert apply_compiled_kernels(model, family) == 3 * per_layer + 1
+    assert apply_compiled_kernels(model) == 3 * per_layer + 1
     assert layer_kernels_of(model) == "compiled"
     assert model_shape(model).fused_layer_kernels and not model_shape(ref).fused_layer_kernels
     used = []
@@ -71,6 +74,33 @@ def test_compiled_layers_compute_like_the_family(family, monkeypatch):
     for name, grad in ref_grads.items():
         scale = grad.abs().max().item()
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("family", [a for a in ARCHS + MOE_ARCHS if a not in FAMILIES])
+def test_other_families_get_what_computes_like_the_kernels(family):
+    """Any family: the modules whose own forward the probes find equal to the kernels' (norms,
+    SwiGLU MLPs, a whole-head RoPE) are patched, the others keep theirs (Gemma's 1 + weight
+    norms and GeGLU, Phi-3's fused gate-up and partial RoPE, MoE experts), and the model still
+    computes as before (fp32; the traced backward's summation order as above, 1e-5)."""
+    cfg = tiny_config(family)
+    ref = tiny_model(cfg)
+    model = copy.deepcopy(ref)
+    try:
+        apply_compiled_kernels(model)
+    except ValueError as e:  # nothing of this family computes like the kernels
+        assert "computes like the compiled kernels" in str(e)
+        return
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    logits, grads = _loss_and_grads(model, ids)
+    ref_logits, ref_grads = _loss_and_grads(ref, ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in ref_grads.items():
+        if grad is None:
+            continue
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    fused = model_shape(model).fused_layer_kernels
+    assert fused == compiled_kernels.fuses_mlp(ref)  # the plan knows whether the MLP is fused
 
 
 def test_compiled_swiglu_saves_what_the_plan_counts():

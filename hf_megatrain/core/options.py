@@ -305,7 +305,8 @@ class EngineOptions:
             compiled on the first step); PyTorch's eager ops otherwise. The memory plan counts
             what the fused kernels save. 'liger': Liger's, for any family Liger-Kernel patches
             (an error without the package or CUDA); the Trainer's use_liger_kernel=True asks for
-            this too. 'compiled': the torch.compile'd ones (also on the CPU, slow to build
+            this too. 'compiled': the torch.compile'd ones for any family, on the modules whose
+            arithmetic they reproduce (probed when applied; also on the CPU, slow to build
             there). 'torch': neither. Fused kernels round at other points than PyTorch's eager
             ops (bf16-level differences), like the stock Trainer's use_liger_kernel.""",
             choices=LAYER_KERNELS,

@@ -8,12 +8,18 @@ they need no extra package. The functions below restate the families' own arithm
 (``LlamaRMSNorm.forward``, ``LlamaMLP.forward``'s gate, ``apply_rotary_pos_emb``) as functions
 of tensors only: the streamed layer's weights are bound per call, so a compiled function must
 take them as inputs (a compiled module would be guarded on its instance: one compile per layer).
-tests/test_compiled_kernels.py checks each against the family's module, per family.
+Which modules get them is decided by probing, not by family: a norm, an MLP or a RoPE function
+is patched only if its own forward, run on small random inputs through a stand-in of it, gives
+exactly what the restated function gives (``_computes_like``), once per class. A family whose
+arithmetic differs (Gemma's 1 + weight norms, GeGLU, interleaved or partial RoPE where the rest of
+the head passes through) keeps its own there. tests/test_compiled_kernels.py checks the patched
+models against their families' modules.
 """
 
 from __future__ import annotations
 
 import contextvars
+import copy
 import importlib.util
 import logging
 import sys
@@ -27,15 +33,15 @@ from .layers import find_decoder_layers
 
 logger = logging.getLogger(__name__)
 
-#: Families whose norms, MLPs and RoPE are the ones restated here (Llama's, copied verbatim by
-#: the others in transformers).
-COMPILED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+#: Families ``layer_kernels="auto"`` compiles for (where Liger-Kernel is not installed): every
+#: norm, MLP and RoPE of theirs passes the probes, and their compiled kernels are verified on the
+#: GPU (tests/test_gpu.py, benchmarks). ``"compiled"`` asks for them in any family: whatever of
+#: its modules passes the probes is patched.
+COMPILED_AUTO_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 #: The ``torch.compile`` backend. Tests on the CPU set "aot_eager": the same traced graphs and
 #: saved tensors as Inductor's, without a C++ build per graph (half a minute each there).
 COMPILE_BACKEND = "inductor"
-
-_SILU_ACTS = ("silu", "swish")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -115,7 +121,9 @@ def _attention_forward(self: nn.Module, *args, **kwargs):
 
 def _rotary_dispatch(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if not _ROTARY_ON.get() or args or kwargs.get("unsqueeze_dim", 1) != 1:
+        plain = not args and kwargs.get("unsqueeze_dim", 1) == 1
+        # (A rotation narrower than the head, Phi-3's partial RoPE, stays the family's.)
+        if not (_ROTARY_ON.get() and plain and cos.shape[-1] == q.shape[-1] == k.shape[-1]):
             return original(q, k, cos, sin, *args, **kwargs)
         _dynamic(q, 0, 2), _dynamic(k, 0, 2), _dynamic(cos, 0, 1), _dynamic(sin, 0, 1)
         return compiled(rotary)(q, k, cos, sin)
@@ -147,52 +155,132 @@ def is_compiled_forward(module: nn.Module | None) -> bool:
     return getattr(func, "__module__", None) == __name__
 
 
-def _is_rms_norm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+_PROBED: dict[object, bool] = {}
 
 
-def _is_swiglu(module: nn.Module, act: str | None) -> bool:
-    return act in _SILU_ACTS and all(
-        isinstance(getattr(module, n, None), nn.Linear)
-        for n in ("gate_proj", "up_proj", "down_proj")
+def _computes_like(key: object, run_theirs, run_ours) -> bool:
+    """Whether ``run_theirs()`` equals ``run_ours()`` exactly (fp32, small random inputs; once
+    per ``key``). Any error in theirs means no."""
+    if key not in _PROBED:
+        try:
+            with torch.no_grad():
+                theirs, ours = run_theirs(), run_ours()
+            flat = lambda t: t if isinstance(t, tuple) else (t,)  # noqa: E731
+            _PROBED[key] = all(
+                torch.equal(a, b) for a, b in zip(flat(theirs), flat(ours), strict=True)
+            )
+        except Exception:  # noqa: BLE001 - a forward that cannot run on the stand-in: not ours
+            _PROBED[key] = False
+    return _PROBED[key]
+
+
+def _stand_in(module: nn.Module, **parts: nn.Module | nn.Parameter) -> nn.Module:
+    """A shallow copy of ``module`` whose parameters / sub-modules ``parts`` are small real ones
+    (the module's own may be meta placeholders, and are large)."""
+    proxy = copy.copy(module)
+    proxy._parameters = dict(module._parameters)
+    proxy._modules = dict(module._modules)
+    for name, part in parts.items():
+        setattr(proxy, name, part)
+    return proxy
+
+
+def _norm_like(module: nn.Module) -> bool:
+    """An RMSNorm whose forward is ``rms_norm``'s (Llama's): probed on a stand-in."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float):
+        return False
+    g = torch.Generator().manual_seed(0)
+    w = nn.Parameter(torch.randn(8, generator=g))
+    x = torch.randn(3, 8, generator=g)
+    proxy = _stand_in(module, weight=w)
+    return _computes_like(
+        (type(module), "norm"), lambda: type(module).forward(proxy, x), lambda: rms_norm(x, w, eps)
     )
 
 
-def apply_compiled_kernels(model: nn.Module, model_type: str | None) -> int:
+def _swiglu_like(module: nn.Module) -> bool:
+    """An MLP whose forward is ``down_proj(silu(gate_proj(x)) * up_proj(x))``: probed on a
+    stand-in with small projections."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    if not all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
+        return False
+    g = torch.Generator().manual_seed(0)
+    h, i = 8, 12
+    bias = module.gate_proj.bias is not None
+    gate, up, down = nn.Linear(h, i, bias), nn.Linear(h, i, bias), nn.Linear(i, h, bias)
+    for lin in (gate, up, down):
+        for p in lin.parameters():
+            p.data = torch.randn(p.shape, generator=g)
+    x = torch.randn(3, h, generator=g)
+    proxy = _stand_in(module, gate_proj=gate, up_proj=up, down_proj=down)
+    return _computes_like(
+        (type(module), "mlp"),
+        lambda: type(module).forward(proxy, x),
+        lambda: down(silu_mul(gate(x), up(x))),
+    )
+
+
+def _rotary_like(fn) -> bool:
+    """A RoPE function that, rotating the whole head, is ``rotary``'s."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g)
+    cos, sin = torch.randn(1, 3, 8, generator=g), torch.randn(1, 3, 8, generator=g)
+    return _computes_like(fn, lambda: fn(q, k, cos, sin), lambda: rotary(q, k, cos, sin))
+
+
+def fuses_mlp(model: nn.Module) -> bool:
+    """Whether the compiled kernels would fuse ``model``'s MLPs (they are SwiGLU ones): what
+    the memory plan needs to know before they are applied (a ``meta`` model is fine)."""
+    _, layers = find_decoder_layers(model)
+    mlps = [getattr(layer, "mlp", None) for layer in layers]
+    return bool(mlps) and all(m is not None and _swiglu_like(m) for m in mlps)
+
+
+def apply_compiled_kernels(model: nn.Module) -> int:
     """Patch the compiled forwards onto every RMSNorm and SwiGLU MLP of the decoder layers and
-    the final norm (instances, like Liger-Kernel), and the family's RoPE function (its module's
-    global, as Liger-Kernel does: the attention forward looks it up per call). Returns how many
-    modules were patched."""
-    if model_type not in COMPILED_MODEL_TYPES:
-        raise ValueError(
-            f"hf_megatrain: megatrain_layer_kernels='compiled' has no kernels for model_type "
-            f"{model_type!r} (it knows {', '.join(sorted(COMPILED_MODEL_TYPES))})"
-        )
+    the final norm that compute like them (instances, like Liger-Kernel), and onto the family's
+    RoPE function if it does (its module's global, as Liger-Kernel does: the attention forward
+    looks it up per call; only the patched models' attention uses it). Returns how many modules
+    were patched; raises ``ValueError`` when none computes like these kernels."""
     prefix, layers = find_decoder_layers(model)
     base = model.get_submodule(prefix.rpartition(".")[0])
-    config = getattr(model, "config", None)
-    act = getattr(getattr(config, "get_text_config", lambda: config)(), "hidden_act", None)
     count = 0
     roots = [*layers, getattr(base, "norm", None)]
     for root in (r for r in roots if r is not None):
         for module in root.modules():
-            if _is_rms_norm(module):
+            if _norm_like(module):
                 module.forward = types.MethodType(_norm_forward, module)
                 count += 1
-            elif _is_swiglu(module, act):
+            elif _swiglu_like(module):
                 module.forward = types.MethodType(_swiglu_forward, module)
                 count += 1
+    rope = False
     if layers:
         modeling = sys.modules.get(type(layers[0]).__module__)
         current = getattr(modeling, "apply_rotary_pos_emb", None)
-        if getattr(current, "original", None) is None and (
-            getattr(current, "__module__", None) == modeling.__name__
-        ):  # the family's own function, not one Liger-Kernel (or another patch) put there
-            modeling.apply_rotary_pos_emb = _rotary_dispatch(current)
-        if getattr(modeling.apply_rotary_pos_emb, "original", None) is not None:
+        original = getattr(current, "original", None)
+        if original is None and getattr(current, "__module__", None) == modeling.__name__:
+            # the family's own function, not one Liger-Kernel (or another patch) put there
+            if _rotary_like(current):
+                modeling.apply_rotary_pos_emb = _rotary_dispatch(current)
+                original = current
+        if original is not None:
+            rope = True
             for layer in layers:
                 attention = getattr(layer, "self_attn", None)
                 if attention is not None:
                     attention.forward = types.MethodType(_attention_forward, attention)
-    logger.info("hf_megatrain: %d norms and MLPs run torch.compile'd kernels", count)
+    if not count and not rope:
+        raise ValueError(
+            f"hf_megatrain: megatrain_layer_kernels='compiled': no norm, MLP or RoPE of "
+            f"{type(model).__name__} computes like the compiled kernels (Llama's RMSNorm, SwiGLU, "
+            "RoPE); use 'auto' or 'torch'"
+        )
+    logger.info(
+        "hf_megatrain: %d norms and MLPs%s run torch.compile'd kernels",
+        count,
+        " and the RoPE" if rope else "",
+    )
     return count

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..core.tiling import TiledTokenwise
 from .compiled_kernels import (
-    COMPILED_MODEL_TYPES,
+    COMPILED_AUTO_MODEL_TYPES,
     apply_compiled_kernels,
     compile_available,
 )
@@ -90,8 +90,9 @@ def choose_layer_kernels(
     ``requested``: the Trainer's ``use_liger_kernel=True``, an explicit request like "liger".
     "auto" takes Liger's kernels where they are installed, run (CUDA) and are used for the
     family automatically (``LIGER_AUTO_MODEL_TYPES``), else compiled ones on CUDA for the
-    families those know; an explicit request is an error where the kernels cannot run, and for
-    a family they do not know."""
+    families verified with them (``COMPILED_AUTO_MODEL_TYPES``); an explicit request is an
+    error where the kernels cannot run, and Liger's for a family Liger-Kernel does not know
+    (the compiled ones probe each module when applied)."""
     if requested and setting in ("torch", "compiled"):
         raise ValueError(
             "hf_megatrain: use_liger_kernel=True asks for Liger-Kernel's layer kernels but "
@@ -119,11 +120,7 @@ def choose_layer_kernels(
     if setting == "compiled":
         if not can_compile:
             raise ValueError(f"hf_megatrain: megatrain_layer_kernels='compiled': {compiler}")
-        if model_type not in COMPILED_MODEL_TYPES:
-            raise ValueError(
-                f"hf_megatrain: megatrain_layer_kernels='compiled' has no kernels for "
-                f"model_type {model_type!r} (it knows {', '.join(sorted(COMPILED_MODEL_TYPES))})"
-            )
+        # (Which modules compute like them is probed when they are applied.)
         return LayerKernels("compiled", f"asked for, {model_type}")
     kind = torch.device(device).type
     if not cuda:
@@ -131,9 +128,9 @@ def choose_layer_kernels(
     liger_auto = model_type in LIGER_AUTO_MODEL_TYPES
     if liger_installed() and liger_auto and model_type in liger_model_types():
         return LayerKernels("liger", f"Liger-Kernel installed, {model_type}")
-    if model_type in COMPILED_MODEL_TYPES and can_compile:
+    if model_type in COMPILED_AUTO_MODEL_TYPES and can_compile:
         return LayerKernels("compiled", f"torch.compile ({compiler}), {model_type}")
-    if not can_compile and model_type in COMPILED_MODEL_TYPES:
+    if not can_compile and model_type in COMPILED_AUTO_MODEL_TYPES:
         return LayerKernels("torch", f"{compiler}; Liger-Kernel not installed: {LIGER_INSTALL}")
     return LayerKernels(
         "torch",
@@ -162,7 +159,7 @@ def apply_layer_kernels(
         config = liger_kernel_config if use_liger_kernel else dict(LIGER_LAYER_KERNELS)
         apply_liger_kernels(model, config)
     elif choice.kind == "compiled":
-        apply_compiled_kernels(_unwrap(model), model_type)
+        apply_compiled_kernels(_unwrap(model))
     return choice
 
 

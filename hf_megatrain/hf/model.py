@@ -183,9 +183,11 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         text_cfg.hidden_size // heads if heads else 0
     )
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
-    # Liger's or compiled SwiGLU: both save the gate and up projections only.
+    # Liger's or compiled SwiGLU: both save the gate and up projections only (compiled: in
+    # every layer; a model mixing dense and MoE layers has its experts unfused).
     mlp = getattr(layers[0], "mlp", None) if layers else None
-    fused = _liger_patched(mlp) or is_compiled_forward(mlp)
+    compiled = bool(layers) and all(is_compiled_forward(getattr(x, "mlp", None)) for x in layers)
+    fused = _liger_patched(mlp) or compiled
     window, full = _attention_layers(text_cfg)
     types = getattr(text_cfg, "layer_types", None) or ()
     # Which layers attend through the window (their kept copies of its mask are planned).
