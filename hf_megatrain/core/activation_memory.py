@@ -595,9 +595,9 @@ def activation_lines(
     if shape.fused_loss:
         # Measured on the CPU (tests/test_plan_accuracy.py), a chunk holds 10 B per logit at its
         # peak (bf16 logits, their fp32 copy, which log_softmax(dtype=float32) makes from bf16
-        # on CUDA too, the fp32 log-probabilities), 12 from the second chunk on (the previous
-        # chunk's bf16 gradient) and 14 soft-capped, not 4 + isz: the loss's lines are freed
-        # before any layer's backward, whose working set (counted beside them) they cover.
+        # on CUDA too, the fp32 log-probabilities) and 12 soft-capped, not 4 + isz: the loss's
+        # lines are freed before any layer's backward, whose working set (counted beside them)
+        # they cover.
         chunk = min(default_chunk_tokens(v), t)
         lines.append(
             MemoryLine(

@@ -96,8 +96,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 # In the compute dtype, as the model's own forward caps its (bf16) logits.
                 capped = torch.tanh(logits / softcap)
                 logits = capped * softcap
-            # log-softmax in fp32 straight from the compute-dtype logits (one fused kernel on
-            # CUDA, no separate fp32 copy), as the stock loss computes it.
+            # log-softmax in fp32 from the compute-dtype logits, as the stock loss computes it
+            # (the bf16 input is cast to an fp32 copy first: 4 B per logit while it runs).
             logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
             del logits
             valid = t != IGNORE_INDEX
@@ -121,6 +121,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[start:end] = ((g @ w) * keep).to(hidden.dtype)
             if need_w:
                 grad_weight = _add_product_fp32(grad_weight, g.t(), h * keep)
+            del g  # before the next chunk's logits: one chunk's gradient alive at a time
         if need_w and grad_weight is None:  # no tokens
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         elif need_w and cd != torch.float32:
