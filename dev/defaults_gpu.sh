@@ -9,12 +9,7 @@
 # 3. tests/test_gpu.py's defaults test, with liger installed.
 # .whl/ holds datasets, dill, multiprocess, trl and liger_kernel wheels; liger goes in last.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-ls .whl/*.whl | grep -v liger_kernel | xargs python3 -m pip install -q --no-index --no-deps \
-  --target /tmp/site >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BENCH_MIRROR=0 HF_HUB_OFFLINE=1
+source "$(dirname "$0")/device_env.sh"
 timeout 240 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider -q -s \
   -rA 2>&1 | grep -aE "streamed max rel|passed|failed|XPASS|XFAIL|Error" | tail -8
 bench() {  # bench <tag>
@@ -23,8 +18,7 @@ bench() {  # bench <tag>
     | grep -aE "^bench|Liger-Kernel|placement|attention outputs" | tail -6
 }
 bench defaults-noliger
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl \
-  >/dev/null 2>&1
+with_liger
 bench defaults-liger
 timeout 120 python3 -m pytest tests/test_gpu.py -k "defaults_on_gpu" -o addopts="" \
   -p no:cacheprovider -q 2>&1 | grep -aE "^(FAILED|ERROR)|[0-9]+ (passed|failed)" | tail -12

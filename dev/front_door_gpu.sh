@@ -10,12 +10,9 @@
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl \
 #     'datasets==5.2.0' 'dill<0.4.2' 'multiprocess<0.70.20' 'trl==1.16.0'
 set -uo pipefail
-cd "$(dirname "$0")/.."
 phase=${1:?phase: cli-dpo | gpu-tests | readme}
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BENCH_MIRROR=0 HF_HUB_OFFLINE=1
+source "$(dirname "$0")/device_env.sh"
+with_liger
 python3 -c "import torch, transformers, datasets, trl; print('versions', torch.__version__, \
 transformers.__version__, datasets.__version__, trl.__version__, torch.cuda.get_device_name())"
 

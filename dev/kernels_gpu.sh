@@ -9,12 +9,7 @@
 #    defaults with liger-kernel installed (Liger's). Rows in $OUT/bench/results.csv, the
 #    runs' output in $OUT/bench.log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-ls .whl/*.whl 2>/dev/null | grep -v liger_kernel | xargs -r python3 -m pip install -q \
-  --no-index --no-deps --target /tmp/site >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BENCH_MIRROR=0 HF_HUB_OFFLINE=1
+source "$(dirname "$0")/device_env.sh"
 timeout 200 python3 -m pytest tests/test_gpu.py -k "compiled_kernels or defaults_on_gpu" \
   -o addopts="" -p no:cacheprovider -q -rA >"$out/gpu-tests.log" 2>&1
 grep -aE "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)|Error:" "$out/gpu-tests.log" | tail -10
@@ -32,8 +27,7 @@ for model in ${1:-llama-3.1-8b}; do
   bench kern-torch "$model" --layer-kernels torch
   bench kern-compiled "$model"
 done
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl \
-  >/dev/null 2>&1
+with_liger
 for model in ${1:-llama-3.1-8b}; do
   bench kern-liger "$model"
 done

@@ -12,14 +12,11 @@
 # log land in $OUT/matrix-<K>of<N>/; the cells' progress lines and the matrix are printed.
 # .whl holds datasets, dill and multiprocess (hf_megatrain's dependencies the image lacks).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/device_env.sh"
 phase=${1:-1/1}
 shift || true
-out=${OUT:-/tmp/out}/matrix-${phase/\//of}
+out=$out/matrix-${phase/\//of}
 mkdir -p "$out"
-ls .whl/*.whl 2>/dev/null | grep -v liger_kernel | xargs -r python3 -m pip install -q \
-  --no-index --no-deps --target /tmp/site >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 tag=matrix-${BENCH_TAG:-h200}
 # The budget leaves room for the install, the plan and the last cell's teardown (600 s a call).
 timeout 565 python3 benchmarks/validation_matrix.py --phase "$phase" \

@@ -9,13 +9,8 @@
 #    Rows in $OUT/bench/results.csv, output in $OUT/bench.log.
 # 2. with "gpu-tests": the whole GPU suite after (dev/front_door_gpu.sh gpu-tests).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-ls .whl/*.whl 2>/dev/null | grep -v liger_kernel | xargs -r python3 -m pip install -q \
-  --no-index --no-deps --target /tmp/site-noliger >/dev/null 2>&1
-PYTHONPATH=/tmp/site-noliger:$PWD PYTHONUNBUFFERED=1 BENCH_MIRROR=0 HF_HUB_OFFLINE=1 \
-  timeout 330 python3 benchmarks/bench.py --tag stockpair --streamed-init --steps 3 --warmup 2 \
+source "$(dirname "$0")/device_env.sh"
+timeout 330 python3 benchmarks/bench.py --tag stockpair --streamed-init --steps 3 --warmup 2 \
   --timeout-s 150 --run qwen2.5-7b:8192:stock,megatrain-hbm:2 \
   --run qwen2.5-3b:65536:stock,megatrain-hbm:16 --results-dir "$out/bench" >"$out/bench.log" 2>&1
 grep -aE "^bench: (megatrain|stock)" "$out/bench.log" | tail -4

@@ -7,12 +7,7 @@
 #    auto_fit tests);
 # 2. with "parity" as $2: tests/test_gpu_parity.py (150 bf16 steps, 3 families, ~2 minutes).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-ls .whl/*.whl 2>/dev/null | grep -v liger_kernel | xargs -r python3 -m pip install -q \
-  --no-index --no-deps --target /tmp/site >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source "$(dirname "$0")/device_env.sh"
 select=${1:-"out_of_memory or defaults_on_gpu or auto_fit"}
 timeout 300 python3 -m pytest tests/test_gpu.py -k "$select" -o addopts="" -p no:cacheprovider \
   -q -rA >"$out/gpu-tests.log" 2>&1

@@ -363,11 +363,13 @@ def run_trainer(
     data_collator=None,
     eval_dataset=None,
     recorder: LogRecorder | None = None,
+    callbacks=(),
     **arg_overrides,
 ):
     """Train ``model`` (not copied) with one trainer class; return ``(logs, trainer)``.
 
     ``recorder``: a ``LogRecorder`` to fill (for its eval logs too); a new one by default.
+    ``callbacks``: more trainer callbacks.
     """
     data = data if data is not None else make_data()
     cls, argcls = (HFMegaTrainer, MegaTrainArguments) if mega else (Trainer, TrainingArguments)
@@ -378,11 +380,25 @@ def run_trainer(
         args=args,
         train_dataset=data,
         eval_dataset=eval_dataset,
-        callbacks=[rec],
+        callbacks=[rec, *callbacks],
         data_collator=data_collator,
     )
     trainer.train(resume_from_checkpoint=resume)
     return rec.logs, trainer
+
+
+def run_accumulating_trainer(model, tmp_path, name: str, callbacks=(), **overrides):
+    """HFMegaTrainer, 4 steps of 2 micro-batches of 2 rows, 2 layers in the HBM tier (the
+    out-of-memory watchdog's tests); ``callbacks`` and ``overrides`` as for
+    :func:`run_trainer`."""
+    kw = dict(
+        max_steps=4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        megatrain_resident_layers=2,
+    )
+    kw.update(overrides)
+    return run_trainer(model, tmp_path, name, True, callbacks=callbacks, **kw)
 
 
 def train_both(model, tmp_path, steps: int = 5, data=None, **arg_overrides):

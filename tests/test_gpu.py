@@ -819,6 +819,14 @@ def test_keep_attention_outputs_auto_on_gpu(tmp_path):
     assert counter.calls == 4 * 4
 
 
+def _watchdog_config() -> LlamaConfig:
+    """4 Llama layers of 0.9 GiB of state each: HBM-tier layers worth moving to the host."""
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
+    )  # fmt: skip
+
+
 def test_out_of_memory_recovery_on_gpu(tmp_path, caplog):
     """Issue 20's watchdog on a real allocator: after the plan put all 4 layers (0.9 GiB each)
     in HBM, a tensor takes all but 256 MiB of the GPU, so step 1 runs out of memory. The step
@@ -827,11 +835,7 @@ def test_out_of_memory_recovery_on_gpu(tmp_path, caplog):
     GPU, the same fused algorithm, so 1e-5 relative over 4 steps)."""
     import logging
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
-    )  # fmt: skip
-    model = tiny_model(cfg)
+    model = tiny_model(_watchdog_config())
     data = _data(16, 256)
     kw = dict(bf16=False, megatrain_resident_layers="auto")
     _, clean = _mega_losses(tmp_path, "clean", copy.deepcopy(model), data, **kw)
@@ -919,11 +923,7 @@ def test_evaluation_out_of_memory_recovery_on_gpu(tmp_path, caplog):
     import gc
     import logging
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
-    )  # fmt: skip
-    model = tiny_model(cfg)
+    model = tiny_model(_watchdog_config())
     data = _data(16, 512)
     kw = dict(bf16=False, megatrain_resident_layers="auto", per_device_eval_batch_size=8)
 

@@ -19,7 +19,7 @@ from hf_megatrain.core.oom_recovery import StepHoldings, choose_relief, oom_requ
 from hf_megatrain.core.planner import MemoryPlanError
 from hf_megatrain.hf.model import find_decoder_layers, streamed_state
 
-from .helpers import mega_params, run_trainer, tiny_config, tiny_model
+from .helpers import mega_params, run_accumulating_trainer, tiny_config, tiny_model
 
 OOM_TEXT = (
     "CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 139.72 GiB "
@@ -105,17 +105,6 @@ def _config():
     return tiny_config("llama", attention_dropout=0.2)
 
 
-def _train(model, tmp_path, name, **overrides):
-    args = dict(
-        max_steps=4,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        megatrain_resident_layers=2,
-    )
-    args.update(overrides)
-    return run_trainer(model, tmp_path, name, True, **args)
-
-
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_a_step_that_runs_out_of_memory_runs_again_with_the_same_result(where, tmp_path, caplog):
     """Out of memory in the second micro-batch of step 2: the watchdog frees the step, moves the
@@ -123,13 +112,13 @@ def test_a_step_that_runs_out_of_memory_runs_again_with_the_same_result(where, t
     the step again from its first micro-batch. Losses, gradient norms and final weights are
     bit-equal to the run that never failed."""
     model = tiny_model(_config())
-    clean_logs, clean = _train(copy.deepcopy(model), tmp_path, "clean")
+    clean_logs, clean = run_accumulating_trainer(copy.deepcopy(model), tmp_path, "clean")
     faulty = copy.deepcopy(model)
     # One forward call per micro-batch (recomputes run without the module's hooks), 2
     # micro-batches per step: call 4 is step 2's second micro-batch.
     fault = _OutOfMemoryOnce(faulty, layer=1, at=4, where=where)
     with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
-        logs, trainer = _train(faulty, tmp_path, "faulty")
+        logs, trainer = run_accumulating_trainer(faulty, tmp_path, "faulty")
     assert fault.fired == 1
     assert "step 2 ran out of GPU memory (asked 0.00 GiB)" in caplog.text
     assert "layers 0-1 moved from the HBM tier to the host tier" in caplog.text
@@ -147,7 +136,7 @@ def test_without_recovery_the_error_propagates(tmp_path):
     model = tiny_model(_config())
     _OutOfMemoryOnce(model, layer=0, at=3)
     with pytest.raises(torch.OutOfMemoryError):
-        _train(model, tmp_path, "off", megatrain_oom_recovery=False)
+        run_accumulating_trainer(model, tmp_path, "off", megatrain_oom_recovery=False)
 
 
 def test_nothing_left_to_give_up_is_a_clear_error(tmp_path):
@@ -155,7 +144,7 @@ def test_nothing_left_to_give_up_is_a_clear_error(tmp_path):
     model = tiny_model(_config())
     _OutOfMemoryOnce(model, layer=0, at=3)
     with pytest.raises(MemoryPlanError, match="nothing left to give up"):
-        _train(model, tmp_path, "bare", megatrain_resident_layers=0)
+        run_accumulating_trainer(model, tmp_path, "bare", megatrain_resident_layers=0)
 
 
 def test_a_step_with_eager_updates_already_applied_is_not_run_again(tmp_path):
@@ -164,7 +153,7 @@ def test_a_step_with_eager_updates_already_applied_is_not_run_again(tmp_path):
     model = tiny_model(_config())
     _OutOfMemoryOnce(model, layer=0, at=3, where="backward")
     with pytest.raises(MemoryPlanError, match="already updated during backward"):
-        _train(
+        run_accumulating_trainer(
             model,
             tmp_path,
             "eager",

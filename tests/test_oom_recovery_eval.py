@@ -25,7 +25,15 @@ from hf_megatrain.core.oom_recovery import StepHoldings, choose_relief
 from hf_megatrain.core.planner import MemoryPlanError
 from hf_megatrain.hf.model import find_decoder_layers, streamed_state
 
-from .helpers import common_args, make_data, mega_params, run_trainer, tiny_config, tiny_model
+from .helpers import (
+    common_args,
+    make_data,
+    mega_params,
+    run_accumulating_trainer,
+    run_trainer,
+    tiny_config,
+    tiny_model,
+)
 
 OOM_TEXT = (
     "CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 139.72 GiB "
@@ -235,26 +243,6 @@ class _ArmAtStep(TrainerCallback):
             self.mode.armed = True
 
 
-def _train(model, tmp_path, name, callbacks=(), **overrides):
-    """(logs, trainer) of a 4-step run; ``callbacks`` added to the trainer."""
-    from .helpers import LogRecorder, one_gpu
-
-    kw = dict(
-        max_steps=4,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        megatrain_resident_layers=2,
-    )
-    kw.update(overrides)
-    rec = LogRecorder()
-    args = one_gpu(MegaTrainArguments(output_dir=str(tmp_path / name), **common_args(**kw)))
-    trainer = HFMegaTrainer(
-        model=model, args=args, train_dataset=make_data(), callbacks=[rec, *callbacks]
-    )
-    trainer.train()
-    return rec.logs, trainer
-
-
 MODES = {
     # Clipping: nothing updates before the step's end.
     "clipped": dict(max_grad_norm=0.5),
@@ -280,10 +268,14 @@ def test_an_optimizer_step_that_runs_out_of_memory_runs_again(mode, tmp_path, ca
     ran again, the moved layers' gradients being gone). Losses, gradient norms, learning rates
     and final weights are bit-equal to the run that never failed: no update lost or doubled."""
     model = tiny_model(_config())
-    clean_logs, clean = _train(copy.deepcopy(model), tmp_path, "clean", **MODES[mode])
+    clean_logs, clean = run_accumulating_trainer(
+        copy.deepcopy(model), tmp_path, "clean", **MODES[mode]
+    )
     fault = _StepOutOfMemoryOnce(at=2)
     with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
-        logs, trainer = _train(copy.deepcopy(model), tmp_path, "faulty", [fault], **MODES[mode])
+        logs, trainer = run_accumulating_trainer(
+            copy.deepcopy(model), tmp_path, "faulty", [fault], **MODES[mode]
+        )
     assert fault.fired == 1 and fault.calls == 4 + 1  # step 2's update ran twice
     assert "step 2's optimizer step ran out of GPU memory (asked 0.00 GiB)" in caplog.text
     assert "layers 0-1 moved from the HBM tier to the host tier" in caplog.text
@@ -298,10 +290,12 @@ def test_a_gradient_norm_that_runs_out_of_memory_runs_again(mode, tmp_path, capl
     """Out of memory computing step 3's gradient norm (clipping, or the logged norm): the step's
     micro-batches run again for the gradients the moved layers lost, then the norm; same run."""
     model = tiny_model(_config())
-    clean_logs, clean = _train(copy.deepcopy(model), tmp_path, "clean", **MODES[mode])
+    clean_logs, clean = run_accumulating_trainer(
+        copy.deepcopy(model), tmp_path, "clean", **MODES[mode]
+    )
     mode_ = _NormOutOfMemoryOnce()
     with caplog.at_level(logging.WARNING, logger="hf_megatrain"), mode_:
-        logs, trainer = _train(
+        logs, trainer = run_accumulating_trainer(
             copy.deepcopy(model), tmp_path, "faulty", [_ArmAtStep(mode_, 3)], **MODES[mode]
         )
     part = "gradient clipping" if mode == "clipped" else "gradient norm"
@@ -318,13 +312,17 @@ def test_a_micro_batch_run_again_for_the_update_can_make_room_too(tmp_path, capl
     from .test_oom_recovery import _OutOfMemoryOnce
 
     model = tiny_model(_config())
-    clean_logs, clean = _train(copy.deepcopy(model), tmp_path, "clean", **MODES["clipped"])
+    clean_logs, clean = run_accumulating_trainer(
+        copy.deepcopy(model), tmp_path, "clean", **MODES["clipped"]
+    )
     faulty = copy.deepcopy(model)
     # Forward calls 1-4 are steps 1-2's micro-batches; 5 is step 2's first, run again.
     layer_fault = _OutOfMemoryOnce(faulty, layer=0, at=5, where="backward")
     step_fault = _StepOutOfMemoryOnce(at=2, message=OOM_NO_SIZE)
     with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
-        logs, trainer = _train(faulty, tmp_path, "faulty", [step_fault], **MODES["clipped"])
+        logs, trainer = run_accumulating_trainer(
+            faulty, tmp_path, "faulty", [step_fault], **MODES["clipped"]
+        )
     assert step_fault.fired == layer_fault.fired == 1
     assert "step 2's optimizer step ran out of GPU memory; made room: layer 1 moved" in caplog.text
     assert "step 2 ran out of GPU memory (asked 0.00 GiB); made room: layer 0 moved" in caplog.text
@@ -364,10 +362,12 @@ def test_the_first_steps_moments_that_do_not_fit_run_again(mode, tmp_path, caplo
     nothing is updated yet (every allocation comes before the first update), so the update
     runs again after making room: the same run."""
     model = tiny_model(_config())
-    clean_logs, clean = _train(copy.deepcopy(model), tmp_path, "clean", **MODES[mode])
+    clean_logs, clean = run_accumulating_trainer(
+        copy.deepcopy(model), tmp_path, "clean", **MODES[mode]
+    )
     fault = _MomentsOutOfMemory()
     with caplog.at_level(logging.WARNING, logger="hf_megatrain"), fault:
-        logs, trainer = _train(
+        logs, trainer = run_accumulating_trainer(
             copy.deepcopy(model), tmp_path, "faulty", [_ArmBeforeFirstUpdate(fault)], **MODES[mode]
         )
     assert fault.fired == 1
@@ -413,7 +413,9 @@ def test_an_update_already_applied_is_not_applied_again(tmp_path):
     would apply it twice, so the run stops with what to do."""
     model = tiny_model(_config())
     with pytest.raises(MemoryPlanError, match="after part of its update was already applied"):
-        _train(model, tmp_path, "applied", [_StepOutOfMemoryOnce(at=2, where="post")])
+        run_accumulating_trainer(
+            model, tmp_path, "applied", [_StepOutOfMemoryOnce(at=2, where="post")]
+        )
 
 
 def test_an_eager_step_whose_norm_runs_out_of_memory_is_refused(tmp_path):
@@ -422,17 +424,21 @@ def test_an_eager_step_whose_norm_runs_out_of_memory_is_refused(tmp_path):
     model = tiny_model(_config())
     mode_ = _NormOutOfMemoryOnce()
     with mode_, pytest.raises(MemoryPlanError, match="already updated during backward"):
-        _train(model, tmp_path, "eager", [_ArmAtStep(mode_, 2)], **MODES["eager"])
+        run_accumulating_trainer(model, tmp_path, "eager", [_ArmAtStep(mode_, 2)], **MODES["eager"])
     assert mode_.fired == 1
 
 
 def test_an_optimizer_step_with_nothing_left_to_give_up_is_a_clear_error(tmp_path):
     model = tiny_model(_config())
     with pytest.raises(MemoryPlanError, match="optimizer step ran out .*nothing left to give up"):
-        _train(model, tmp_path, "bare", [_StepOutOfMemoryOnce(at=1)], megatrain_resident_layers=0)
+        run_accumulating_trainer(
+            model, tmp_path, "bare", [_StepOutOfMemoryOnce(at=1)], megatrain_resident_layers=0
+        )
 
 
 def test_an_optimizer_step_without_recovery_propagates_the_error(tmp_path):
     model = tiny_model(_config())
     with pytest.raises(torch.OutOfMemoryError):
-        _train(model, tmp_path, "off", [_StepOutOfMemoryOnce(at=1)], megatrain_oom_recovery=False)
+        run_accumulating_trainer(
+            model, tmp_path, "off", [_StepOutOfMemoryOnce(at=1)], megatrain_oom_recovery=False
+        )

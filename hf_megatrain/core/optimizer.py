@@ -484,7 +484,6 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _step_resident(self, group: dict, kw: dict) -> None:
         params, grads, m, v, steps = [], [], [], [], []
-        self._init_resident_state(group)
         for p in group["params"]:
             if id(p) in self._streamed_ids or p.grad is None:
                 continue

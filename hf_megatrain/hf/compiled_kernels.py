@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import find_decoder_layers
+from .layers import find_decoder_layers, forward_function
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,8 @@ def _rotary_dispatch(original):
         # (A rotation narrower than the head, Phi-3's partial RoPE, stays the family's.)
         if not (_ROTARY_ON.get() and plain and cos.shape[-1] == q.shape[-1] == k.shape[-1]):
             return original(q, k, cos, sin, *args, **kwargs)
-        _dynamic(q, 0, 2), _dynamic(k, 0, 2), _dynamic(cos, 0, 1), _dynamic(sin, 0, 1)
+        for t, dims in ((q, (0, 2)), (k, (0, 2)), (cos, (0, 1)), (sin, (0, 1))):
+            _dynamic(t, *dims)  # batch and sequence
         return compiled(rotary)(q, k, cos, sin)
 
     apply_rotary_pos_emb.original = original
@@ -147,12 +148,7 @@ def compile_available(device: torch.device | str) -> tuple[bool, str]:
 
 def is_compiled_forward(module: nn.Module | None) -> bool:
     """Whether ``module`` runs a forward of this file (also under MLP tiling)."""
-    if module is None:
-        return False
-    forward = module.__dict__.get("forward")
-    forward = getattr(forward, "forward_impl", forward)  # TiledTokenwise
-    func = getattr(forward, "__func__", forward)
-    return getattr(func, "__module__", None) == __name__
+    return module is not None and getattr(forward_function(module), "__module__", None) == __name__
 
 
 _PROBED: dict[object, bool] = {}

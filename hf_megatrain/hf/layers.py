@@ -31,3 +31,11 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         f"hf_megatrain: could not find the decoder layers (a ModuleList of num_hidden_layers "
         f"modules named '*.layers', '*.h' or '*.blocks') in {type(model).__name__}."
     )
+
+
+def forward_function(module: nn.Module):
+    """The function ``module``'s forward runs: one patched onto the instance (a fused kernel's),
+    also under MLP tiling (``TiledTokenwise.forward_impl``), else its class's."""
+    forward = module.__dict__.get("forward") or type(module).forward
+    forward = getattr(forward, "forward_impl", forward)
+    return getattr(forward, "__func__", forward)

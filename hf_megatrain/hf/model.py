@@ -34,7 +34,7 @@ from ..core.streaming import StreamingEngine
 from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
 from .compiled_kernels import is_compiled_forward
-from .layers import UnsupportedModelError, find_decoder_layers
+from .layers import UnsupportedModelError, find_decoder_layers, forward_function
 from .long_context import install_mlp_tiling
 
 logger = logging.getLogger(__name__)
@@ -126,16 +126,12 @@ def _liger_patched(module: nn.Module | None) -> bool:
     swapped before the model was built (``apply_liger_kernel_to_*()``)."""
     if module is None:
         return False
-    forward = module.__dict__.get("forward") or type(module).forward
-    forward = getattr(forward, "forward_impl", forward)  # TiledTokenwise
-    func = getattr(forward, "__func__", forward)
-    return str(getattr(func, "__module__", "")).startswith("liger_kernel")
+    return str(getattr(forward_function(module), "__module__", "")).startswith("liger_kernel")
 
 
 def runs_liger(model: nn.Module) -> bool:
     """Whether the model's decoder layers run Liger-Kernel's fused MLP (applied already)."""
-    _, layers = find_decoder_layers(model)
-    return bool(layers) and _liger_patched(getattr(layers[0], "mlp", None))
+    return layer_kernels_of(model) == "liger"
 
 
 def layer_kernels_of(model: nn.Module) -> str:
