@@ -265,3 +265,54 @@ def test_trainer_warns_when_a_loaders_plan_missed_liger(
     assert bool(warned) == (workload and not loader_knew)
     if warned:
         assert "init_streamed_model / load_streamed_model" in warned[0]
+
+
+def test_liger_global_patches_stay_with_the_model_that_asked(tmp_path, monkeypatch):
+    """Liger-Kernel replaces the family's RMSNorm and MLP classes, its RoPE function and its
+    CausalLM forward in the modeling module, not only the model's modules: after hf_megatrain
+    applies it, the module is as before (a stock model built later runs PyTorch's kernels) and
+    the RoPE replacement runs inside the streamed model's attention only."""
+    import torch  # noqa: PLC0415
+    from transformers.models.llama import modeling_llama as ml  # noqa: PLC0415
+
+    originals = {n: getattr(ml, n) for n in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")}
+    forward = ml.LlamaForCausalLM.forward
+    for name, value in originals.items():  # restored after the test whatever happens
+        monkeypatch.setattr(ml, name, value)
+    monkeypatch.setattr(ml.LlamaForCausalLM, "forward", forward)
+    rope_calls: list[int] = []
+    family_rope = originals["apply_rotary_pos_emb"]
+
+    def liger_rope(q, k, cos, sin, *args, **kwargs):  # same arithmetic, counted
+        rope_calls.append(q.shape[-2])
+        return family_rope(q, k, cos, sin, *args, **kwargs)
+
+    def liger_like(model, config):  # what apply_liger_kernel_to_llama(model=...) does
+        ml.apply_rotary_pos_emb = liger_rope
+        ml.LlamaRMSNorm = type("LigerRMSNorm", (originals["LlamaRMSNorm"],), {})
+        ml.LlamaMLP = type("LigerSwiGLUMLP", (originals["LlamaMLP"],), {})
+        ml.LlamaForCausalLM.forward = lambda self, *a, **kw: forward(self, *a, **kw)
+        _fake_liger([], [])(model, config)
+
+    monkeypatch.setattr(hf_liger, "apply_liger_kernel", liger_like)
+    simulate_liger(monkeypatch)
+    model = tiny_model(tiny_config("llama"))
+    stock_twin = copy.deepcopy(model)
+    logs, trainer = run_trainer(model, tmp_path, "liger", mega=True, use_liger_kernel=True)
+    assert rope_calls  # the streamed model's attention ran the replacement
+    assert ml.LlamaRMSNorm is originals["LlamaRMSNorm"] and ml.LlamaMLP is originals["LlamaMLP"]
+    assert ml.LlamaForCausalLM.forward is forward
+    assert ml.apply_rotary_pos_emb.original is family_rope  # a dispatcher, the family's outside
+    # A model of the family built now is PyTorch's, and its forward never runs the replacement.
+    later = ml.LlamaForCausalLM(tiny_config("llama"))
+    assert type(later.model.norm) is originals["LlamaRMSNorm"]
+    calls = len(rope_calls)
+    with torch.no_grad():
+        stock_twin(input_ids=torch.arange(8)[None])
+        later(input_ids=torch.arange(8)[None])
+    assert len(rope_calls) == calls
+    # ... while the streamed model still does.
+    trainer.model.eval()
+    with torch.no_grad():
+        trainer.model(input_ids=torch.arange(8)[None])
+    assert len(rope_calls) > calls

@@ -18,7 +18,6 @@ models against their families' modules.
 
 from __future__ import annotations
 
-import contextvars
 import copy
 import importlib.util
 import logging
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers import find_decoder_layers, forward_function
+from .scoped_globals import attention_scopes, original_global, scope_global
 
 logger = logging.getLogger(__name__)
 
@@ -105,31 +105,18 @@ def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(compiled(silu_mul)(*flat).reshape(shape))
 
 
-# Set while a patched attention module runs: the family's RoPE function is a module global, so
-# its compiled stand-in (installed there, as Liger-Kernel installs its own) serves only the
-# models whose kernels were asked for; any other model of the family keeps the original.
-_ROTARY_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("compiled_rotary", default=False)
+def _compiled_rotary(original):
+    """The family's RoPE function ``original`` with the compiled ``rotary`` where it rotates the
+    whole head (a rotation narrower than the head, Phi-3's partial RoPE, stays the family's)."""
 
-
-def _attention_forward(self: nn.Module, *args, **kwargs):
-    token = _ROTARY_ON.set(True)
-    try:
-        return type(self).forward(self, *args, **kwargs)
-    finally:
-        _ROTARY_ON.reset(token)
-
-
-def _rotary_dispatch(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         plain = not args and kwargs.get("unsqueeze_dim", 1) == 1
-        # (A rotation narrower than the head, Phi-3's partial RoPE, stays the family's.)
-        if not (_ROTARY_ON.get() and plain and cos.shape[-1] == q.shape[-1] == k.shape[-1]):
+        if not (plain and cos.shape[-1] == q.shape[-1] == k.shape[-1]):
             return original(q, k, cos, sin, *args, **kwargs)
         for t, dims in ((q, (0, 2)), (k, (0, 2)), (cos, (0, 1)), (sin, (0, 1))):
             _dynamic(t, *dims)  # batch and sequence
         return compiled(rotary)(q, k, cos, sin)
 
-    apply_rotary_pos_emb.original = original
     return apply_rotary_pos_emb
 
 
@@ -254,20 +241,15 @@ def apply_compiled_kernels(model: nn.Module) -> int:
                 count += 1
     rope = False
     if layers:
+        # The family's RoPE is a global of its modeling module (the attention looks it up per
+        # call): the compiled one runs only inside this model's attention (scope_global).
         modeling = sys.modules.get(type(layers[0]).__module__)
-        current = getattr(modeling, "apply_rotary_pos_emb", None)
-        original = getattr(current, "original", None)
-        if original is None and getattr(current, "__module__", None) == modeling.__name__:
-            # the family's own function, not one Liger-Kernel (or another patch) put there
-            if _rotary_like(current):
-                modeling.apply_rotary_pos_emb = _rotary_dispatch(current)
-                original = current
-        if original is not None:
+        family = original_global(modeling, "apply_rotary_pos_emb")
+        # the family's own function, not one Liger-Kernel (or another patch) put there
+        if getattr(family, "__module__", None) == modeling.__name__ and _rotary_like(family):
+            scope = attention_scopes(model)
+            scope_global(modeling, "apply_rotary_pos_emb", _compiled_rotary(family), scope)
             rope = True
-            for layer in layers:
-                attention = getattr(layer, "self_attn", None)
-                if attention is not None:
-                    attention.forward = types.MethodType(_attention_forward, attention)
     if not count and not rope:
         raise ValueError(
             f"hf_megatrain: megatrain_layer_kernels='compiled': no norm, MLP or RoPE of "

@@ -19,6 +19,7 @@ from .compiled_kernels import (
 )
 from .layers import find_decoder_layers
 from .loss import _unwrap
+from .scoped_globals import confine_global_patches
 
 logger = logging.getLogger(__name__)
 
@@ -223,12 +224,21 @@ def apply_liger_kernels(model: nn.Module, kernel_config: dict | None) -> None:
     ``train()`` would replace the tiling; HFMegaTrainer skips it). Training batches with labels
     keep hf_megatrain's chunked loss; Liger's fused linear cross-entropy, when configured, only
     serves the model's own forward (evaluation)."""
+    # Liger-Kernel also replaces the family's norm and MLP classes and RoPE function in its
+    # modeling module: confined, only this model runs them (scoped_globals).
+    with confine_global_patches(model):
+        liger_apply_function()(model, kernel_config)
+    logger.info("hf_megatrain: Liger kernels applied (%s)", kernel_config or "defaults")
+
+
+def liger_apply_function():
+    """transformers' ``apply_liger_kernel(model, kernel_config)``, or the same calls on a
+    transformers that applies Liger inline in its Trainer."""
     try:
         from transformers.integrations.liger import apply_liger_kernel  # noqa: PLC0415
-    except ImportError:  # transformers that applies Liger inline in Trainer: the same calls
-        apply_liger_kernel = _apply_liger_kernel
-    apply_liger_kernel(model, kernel_config)
-    logger.info("hf_megatrain: Liger kernels applied (%s)", kernel_config or "defaults")
+    except ImportError:
+        return _apply_liger_kernel
+    return apply_liger_kernel
 
 
 def _apply_liger_kernel(model: nn.Module, kernel_config: dict | None) -> None:
