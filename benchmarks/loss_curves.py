@@ -8,11 +8,14 @@ Trains one config on the bundled corpus and tokenizer with:
   the same rows per optimizer step, only the rounding differs. Its distance to ``stock`` is
   stock's own band: how far two runs that should agree drift apart in this precision;
 * ``stock-seed`` (``--seed-run``): stock with another data order, for scale;
+* ``stock-repeat`` (``--repeat-stock``): stock again, unchanged (GPU kernels' nondeterminism);
 * ``streamed``: ``HFMegaTrainer`` with every decoder layer streamed, same hyper-parameters.
 
 Writes ``loss_curves.csv`` (long format: run, step, loss) and ``loss_curves.png`` (the curves,
 and each run's relative difference to ``stock`` per step with the band shaded), and prints one
-summary line per run.
+summary line per run: the max and tail numbers against ``stock`` and, for streamed runs,
+``parity``'s lower-variance ones (mean |difference| over every step against every stock
+rounding twin, band from every pair of twins).
 
     python3 benchmarks/loss_curves.py                        # 82M Llama, 150 steps, bf16 on a GPU
     python3 benchmarks/loss_curves.py --family gemma2 --size small --steps 150
@@ -27,6 +30,7 @@ import argparse
 import copy
 import csv
 import dataclasses
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -57,7 +61,14 @@ from hf_megatrain.text import build_chunks, load_tokenizer, read_texts, split_ch
 
 REFERENCE = "stock"
 BAND_RUN = "stock-accum"
+REPEAT_RUN = "stock-repeat"
+SEED_RUN = "stock-seed"
 STREAMED = "streamed"
+#: Stock runs that differ from ``stock`` only in rounding: every pair of them is a sample of
+#: stock's own spread. ``stock-seed`` is not one: another data order is another trajectory
+#: (8.8e-2 from stock vs a band of 6e-3 on the first H200 measurement), it would make the band
+#: vacuous.
+STOCK_TWINS = (REFERENCE, BAND_RUN, REPEAT_RUN)
 
 # Shapes per size. "base" is issue 21's 82M Llama (hidden 768, 12 layers, 12/4 heads, vocab
 # 4096 = the bundled tokenizer); "small" (~25M dense) keeps 150 steps of three families inside a
@@ -161,9 +172,9 @@ def default_runs(
         raise ValueError(f"--batch must be even (the band run uses batch/2 x 2), got {batch}")
     runs = [RunSpec(REFERENCE, False, batch), RunSpec(BAND_RUN, False, batch // 2, 2)]
     if seed_run:
-        runs.append(RunSpec("stock-seed", False, batch, data_seed=seed + 1))
+        runs.append(RunSpec(SEED_RUN, False, batch, data_seed=seed + 1))
     if repeat_stock:  # the same run again: what GPU kernels' nondeterminism alone does
-        runs.append(RunSpec("stock-repeat", False, batch))
+        runs.append(RunSpec(REPEAT_RUN, False, batch))
     runs.append(RunSpec(STREAMED, True, batch))
     return runs
 
@@ -236,17 +247,105 @@ def rel_diff(run: list[float], ref: list[float]) -> list[float]:
     return [a / b - 1.0 for a, b in zip(run, ref)]
 
 
+def default_tail(steps: int) -> int:
+    """The tail the drift is measured over: the last 10% of steps, at least 1."""
+    return max(1, math.ceil(steps * 0.1))
+
+
+def mean_abs(run: list[float], ref: list[float]) -> float:
+    """Mean over steps of |run / ref - 1|. The whole trajectory, not its extreme: two runs that
+    differ in rounding diverge chaotically, and the max over steps of that divergence is one
+    excursion (the same code gave Llama 1.69x and 0.99x the band on two H200 calls)."""
+    d = rel_diff(run, ref)
+    return sum(abs(x) for x in d) / len(d)
+
+
+def tail_signed(run: list[float], ref: list[float], tail: int) -> float:
+    """Mean of run / ref - 1 over the last ``tail`` steps: a one-sided drift shows there."""
+    d = rel_diff(run[-tail:], ref[-tail:])
+    return sum(d) / len(d)
+
+
 def summarize(losses: dict[str, list[float]], tail: int | None = None) -> dict[str, dict]:
     """Per run against ``stock``: ``max_rel`` (max over steps of |run/stock - 1|) and
-    ``tail_signed`` (mean signed relative difference over the last ``tail`` steps; default the
-    last 10%, at least 1): a one-sided drift shows there, noise averages out."""
+    ``tail_signed`` (mean signed relative difference over the last ``tail`` steps; default
+    ``default_tail``): a one-sided drift shows there, noise averages out."""
     ref = losses[REFERENCE]
-    n = tail if tail is not None else max(1, math.ceil(len(ref) * 0.1))
+    n = tail if tail is not None else default_tail(len(ref))
     out = {}
     for name, curve in losses.items():
         d = rel_diff(curve, ref)
-        out[name] = dict(max_rel=max(abs(x) for x in d), tail_signed=sum(d[-n:]) / n)
+        out[name] = dict(max_rel=max(abs(x) for x in d), tail_signed=tail_signed(curve, ref, n))
     return out
+
+
+def stock_twins(losses: dict[str, list[float]]) -> list[str]:
+    """The stock rounding twins present (``STOCK_TWINS``; never ``stock-seed``); at least two,
+    else there is no band to measure."""
+    twins = [name for name in STOCK_TWINS if name in losses]
+    if len(twins) < 2:
+        raise ValueError(f"a stock band needs two of {', '.join(STOCK_TWINS)}; got {twins}")
+    return twins
+
+
+def stock_band(losses: dict[str, list[float]], tail: int) -> tuple[float, float]:
+    """``(band_mean, band_tail)``: the max over every pair of stock twins of ``mean_abs`` over
+    all steps, and over the last ``tail`` steps. Every pair, not one twin vs stock: each pair
+    is one draw of a noisy spread, and the largest of several is far less often a fluke-small
+    yardstick than one. The tail band is a mean |difference| too, not a pair's |signed| tail
+    mean: two twins' curves often cross in the tail, and a signed mean near 0 by chance would
+    be a degenerate band (simulated: a quarter of unchanged runs fail against it)."""
+    pairs = list(itertools.combinations(stock_twins(losses), 2))
+    band_mean = max(mean_abs(losses[b], losses[a]) for a, b in pairs)
+    band_tail = max(mean_abs(losses[b][-tail:], losses[a][-tail:]) for a, b in pairs)
+    return band_mean, band_tail
+
+
+@dataclass(frozen=True)
+class Parity:
+    """One run against the stock twins (``parity``): the statistics and their bands."""
+
+    run: str
+    twins: tuple[str, ...]
+    tail: int
+    band_mean: float  # max over twin pairs of mean_abs
+    dev_mean: float  # mean over twins of mean_abs(run, twin)
+    band_tail: float  # max over twin pairs of mean_abs over the last ``tail`` steps
+    drift: float  # mean over twins of tail_signed(run, twin, tail)
+
+    @property
+    def ratio(self) -> float:
+        return _ratio(self.dev_mean, self.band_mean)
+
+    @property
+    def drift_ratio(self) -> float:
+        return _ratio(abs(self.drift), self.band_tail)
+
+
+def _ratio(value: float, band: float) -> float:
+    """value / band; 0 where both are 0 (bit-equal runs), inf where only the band is."""
+    return value / band if band > 0 else (0.0 if value == 0 else math.inf)
+
+
+def parity(losses: dict[str, list[float]], run: str = STREAMED, tail: int | None = None) -> Parity:
+    """``run`` against every stock rounding twin present, with ``stock_band``'s bands.
+
+    ``dev_mean`` averages ``run``'s ``mean_abs`` against each twin, ``drift`` its signed tail
+    mean against each: a run that is just another rounding twin then scatters less than one
+    comparison would, while a systematic offset survives the average unchanged."""
+    twins = stock_twins(losses)
+    n = tail if tail is not None else default_tail(len(losses[REFERENCE]))
+    band_mean, band_tail = stock_band(losses, n)
+    curve = losses[run]
+    return Parity(
+        run=run,
+        twins=tuple(twins),
+        tail=n,
+        band_mean=band_mean,
+        dev_mean=sum(mean_abs(curve, losses[t]) for t in twins) / len(twins),
+        band_tail=band_tail,
+        drift=sum(tail_signed(curve, losses[t], n) for t in twins) / len(twins),
+    )
 
 
 def write_csv(losses: dict[str, list[float]], path: Path) -> None:
@@ -388,14 +487,29 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     summary = summarize(losses)
     band = summary[BAND_RUN]["max_rel"]
     print(f"{label} {precision} steps={a.steps} seq={a.seq_len} batch={a.batch}: band={band:.3e}")
+    twins = stock_twins(losses)
+    tail = default_tail(a.steps)
+    band_mean, band_tail = stock_band(losses, tail)
+    print(
+        f"  stock twins {', '.join(twins)}: band_mean={band_mean:.3e} (max over pairs of mean "
+        f"|diff|), band_tail={band_tail:.3e} (same, last {tail} steps)"
+        + (f"; {SEED_RUN} not in the band (another data order)" if SEED_RUN in losses else "")
+    )
     for name, s in summary.items():
         if name == REFERENCE:
             continue
         ratio = s["max_rel"] / band if band > 0 else float("inf")
-        print(
+        line = (
             f"  {name:12s} max_rel={s['max_rel']:.3e} ({ratio:.2f}x band) "
             f"tail_mean_signed={s['tail_signed']:+.3e}"
         )
+        if name not in (*STOCK_TWINS, SEED_RUN):  # streamed runs: against every stock twin
+            p = parity(losses, name, tail)
+            line += (
+                f" | dev_mean={p.dev_mean:.3e} ({p.ratio:.2f}x band_mean) "
+                f"drift={p.drift:+.3e} ({p.drift_ratio:.2f}x band_tail)"
+            )
+        print(line)
     print(
         f"wrote {out / 'loss_curves.csv'}" + ("" if a.no_plot else f", {out / 'loss_curves.png'}")
     )

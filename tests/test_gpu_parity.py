@@ -2,17 +2,33 @@
 
 For three families (dense Llama; Gemma2 with soft-capped attention and logits and a sliding
 window; Qwen3-MoE with the router aux loss in the loss), 150 steps on the bundled corpus from the
-same initial weights:
+same initial weights, four runs: stock (batch 8), two stock rounding twins (batch 4 x accum 2,
+and the same run again: GPU kernels are not deterministic) and HFMegaTrainer (every layer
+streamed). With d(a, b) = loss(a) / loss(b) - 1 per step (``benchmarks/loss_curves.py``):
 
-* the stock band: max over steps of |loss(other) / loss(stock, batch 8) - 1| for two other stock
-  runs that differ from it only in rounding (batch 4 x accum 2, and the same run again: GPU
-  kernels are not deterministic), measured in the same test on the same GPU. One such run alone
-  is a noisy band: the same stock code gave Gemma2 bands of 1.3e-2 and 3.5e-3 on two calls;
-* the streamed deviation: the same measure for HFMegaTrainer (every layer streamed) vs stock.
+* the stock band: ``band_mean`` = max over the three pairs of stock runs of mean over all steps
+  of |d|;
+* the streamed deviation: ``dev_mean`` = mean over the three stock runs of streamed's mean |d|
+  against each; it must stay within 1.5x the band;
+* the drift: streamed's mean signed d over the last 15 steps, averaged over the three stock
+  runs; it must stay within 2x ``band_tail``, the pairs' largest mean |d| over those steps.
 
-The streamed deviation must stay within 1.5x the band, and the mean signed difference over the
-last 15 steps within the band (no one-sided drift). Run with
-``python3 -m pytest tests/test_gpu_parity.py -o addopts="" -q -s`` (skipped without CUDA).
+Why the mean and every pair, not the max over steps of one twin vs stock as before: two runs
+that differ only in rounding diverge chaotically, and a max over 150 steps of that divergence
+is one excursion. The same code gave Llama 1.69x that max band on one H200 call and 0.99x on
+the next (the tail's sign flipping between them). The mean over all steps averages the
+step-to-step part of the noise, and every pair (band) and every stock run (deviation) uses each
+run several times instead of once. On simulated curves (AR(1) divergence of growing amplitude,
+unchanged code) the 90% range of the ratio narrows from 0.65-1.27x to 0.74-1.13x where the
+divergence decorrelates within ~10 steps; where it is a slow walk (each run about one random
+offset) it stays as wide as the max's, and only more stock runs would narrow it. A systematic
+error still shows: a one-sided offset (the fused loss rounding differently from autocast, ~3x
+the band by the max) moves every step, so it moves the mean, and averaging over the stock runs
+does not shrink it. The old max-based numbers are printed too, for continuity with
+docs/benchmarks.md.
+
+Run with ``python3 -m pytest tests/test_gpu_parity.py -o addopts="" -q -s`` (skipped without
+CUDA).
 """
 
 from __future__ import annotations
@@ -31,10 +47,33 @@ STEPS = 150
 SEQ = 512  # 144 rows of the bundled corpus: ~8 epochs in 150 steps of 8 rows
 BATCH = 8
 TAIL = 15
-# Absolute floor on the limits: bf16 resolves 2^-8 relative; a loss difference under 1e-3 is
-# below a quarter of that. It only matters where the band comes out degenerate (batch-invariant
-# kernels would make the two stock runs equal), not at the ~5e-3 bands measured (issue 21).
-FLOOR = 1e-3
+# Absolute floor on the limits. It only matters where the band comes out degenerate
+# (batch-invariant kernels could make the stock runs nearly equal). The old floor, 1e-3 on a max
+# over steps, becomes 2.5e-4 on a mean: the max of |d| runs ~4x its mean (3.6-4.7x between bf16
+# stock twins on the CPU, 2.8-4x in simulation); 1e-3 would bind at the ~3e-4-8e-4 band_means
+# that the measured max bands (1.1e-3-2.9e-3 for Llama) imply and loosen the limit.
+FLOOR = 2.5e-4
+DEV_FACTOR = 1.5
+# The drift's factor is 2, not the deviation's 1.5, and its band is the pairs' tail mean |d|:
+# neither band_mean (as before) nor a pair's |signed| tail mean. 15 adjacent steps of a chaotic
+# divergence are strongly correlated (a stock twin's tail mean was 0.47x its max over steps on the
+# first H200 measurement): a tail mean is about one sample, not 15. band_mean averages the early
+# steps, before the runs have diverged, and understates the tail's spread (1.3-2x); a pair's
+# signed tail mean is near 0 whenever its curves cross there. Simulated, unchanged code (the
+# curves above) fails the drift check against band_mean in 20-47% of runs, against the largest
+# |signed| pair in ~24%, 1.5x band_tail in 3-12%, 2x band_tail in 1-7%. 2x band_tail is on the
+# scale of the old drift limit (0.6-1.3x the max band), so this is no loosening, and an offset
+# over the whole run also fails dev_mean; the drift check is for one that only opens up late.
+DRIFT_FACTOR = 2.0
+
+
+def inside_band(p: lc.Parity) -> tuple[bool, bool]:
+    """(deviation inside, drift inside): the test's two checks, apart so that the CPU tests can
+    run them on made-up curves (tests/test_loss_curves.py)."""
+    return (
+        p.dev_mean <= max(DEV_FACTOR * p.band_mean, FLOOR),
+        abs(p.drift) <= max(DRIFT_FACTOR * p.band_tail, FLOOR),
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
@@ -44,19 +83,25 @@ def test_streamed_bf16_inside_stock_band(family, tmp_path):
         config, lc.default_runs(BATCH, repeat_stock=True), steps=STEPS, seq_len=SEQ, bf16=True, cpu=False,
         out_dir=tmp_path,
     )  # fmt: skip
+    p = lc.parity(losses, lc.STREAMED, tail=TAIL)
+    assert p.twins == lc.STOCK_TWINS, p  # three pairs in the band
+    # The old, max-based numbers: printed only, for continuity with docs/benchmarks.md.
     s = lc.summarize(losses, tail=TAIL)
-    band = max(s[lc.BAND_RUN]["max_rel"], s["stock-repeat"]["max_rel"])
-    dev = s[lc.STREAMED]["max_rel"]
-    drift = s[lc.STREAMED]["tail_signed"]
-    ratio = dev / band if band > 0 else float("inf")
+    band_max = max(s[lc.BAND_RUN]["max_rel"], s[lc.REPEAT_RUN]["max_rel"])
+    dev_max = s[lc.STREAMED]["max_rel"]
+    ratio_max = dev_max / band_max if band_max > 0 else float("inf")
     msg = (
-        f"{family}: streamed max rel diff {dev:.3e} = {ratio:.2f}x stock band {band:.3e}; "
-        f"streamed mean signed diff over the last {TAIL} steps {drift:+.3e} "
-        f"(stock-accum's {s[lc.BAND_RUN]['tail_signed']:+.3e}); "
+        f"{family}: streamed mean rel diff {p.dev_mean:.3e} = {p.ratio:.2f}x stock band_mean "
+        f"{p.band_mean:.3e}; streamed drift over the last {TAIL} steps {p.drift:+.3e} = "
+        f"{p.drift_ratio:.2f}x band_tail {p.band_tail:.3e} | max-based: streamed {dev_max:.3e} = "
+        f"{ratio_max:.2f}x band {band_max:.3e}, tail vs stock {s[lc.STREAMED]['tail_signed']:+.3e} "
+        f"(stock-accum's {s[lc.BAND_RUN]['tail_signed']:+.3e}, stock-repeat's "
+        f"{s[lc.REPEAT_RUN]['tail_signed']:+.3e}); "
         f"loss {losses['stock'][0]:.3f} -> {losses['stock'][-1]:.3f}"
     )
     print(msg)
     # The runs really trained (a stuck run would agree trivially).
     assert losses["stock"][-1] < losses["stock"][0] - 2.0, msg
-    assert dev <= max(1.5 * band, FLOOR), msg
-    assert abs(drift) <= max(band, FLOOR), msg
+    dev_ok, drift_ok = inside_band(p)
+    assert dev_ok, msg
+    assert drift_ok, msg
