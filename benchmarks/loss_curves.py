@@ -206,7 +206,9 @@ def train_run(
     )
     extra: dict = {}
     if spec.streamed:  # every layer streamed unless the run's options say otherwise
-        options = options_from_mapping({"resident_layers": "0", **dict(spec.options)})
+        options = options_from_mapping(
+            {"resident_layers": "0", "attention": "model", **dict(spec.options)}
+        )
         extra = as_arguments(options)
     args = args_cls(
         output_dir=str(out_dir / spec.name),
@@ -407,7 +409,12 @@ def run_all(
     """Every run of ``runs`` from the same initial weights; ``{name: per-step losses}``."""
     rows = load_rows(seq_len)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Soft-capped attention (Gemma-2) runs eager in every run: transformers 5.17 would give it
+    # SDPA, which drops the cap. The streamed runs keep the model's attention (attention="model"
+    # in train_run), so that the curves compare the engine, not two attention kernels.
+    capped = getattr(config, "attn_logit_softcapping", None)
+    impl = {"attn_implementation": "eager"} if capped else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **impl)
     return {
         spec.name: train_run(
             spec, model, rows, steps=steps, bf16=bf16, cpu=cpu, out_dir=out_dir, seed=seed, lr=lr

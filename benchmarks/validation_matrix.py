@@ -81,6 +81,9 @@ HOST_ADAM_PARAMS_PER_S = 1.5e9  # host AdamW of the host-tier layers (not all of
 #: its masked (memory-efficient) kernel over every block; eager attention materializes scores.
 MASKED_SDPA_FACTOR = 2.0
 EAGER_FACTOR = 3.0
+#: FlexAttention's Triton kernels against cuDNN's causal SDPA (a budget guess, unmeasured here;
+#: the window's block sparsity is not counted, so sliding-window cells are overestimated).
+FLEX_FACTOR = 1.5
 #: A cell starts only with this much of the budget left (else: not run (budget)).
 MIN_CELL_S = 30.0
 
@@ -158,6 +161,8 @@ def active_params(config, total: int) -> int:
 
 
 def attention_factor(config, shape, seq_len: int) -> float:
+    if shape.attn_implementation == "flex_attention":
+        return FLEX_FACTOR
     if not shape.sdpa_attention:
         return EAGER_FACTOR
     window = getattr(config, "sliding_window", None)
@@ -180,11 +185,14 @@ def plan_cell(
 
     from hf_megatrain.core import planner
     from hf_megatrain.core.options import StepShape
+    from hf_megatrain.hf.attention import planned_attention
     from hf_megatrain.option_flags import flag_text
 
     config = bench.load_model_config(cell.model)
-    shape = model_shape(cell.model)
     options = bench.default_engine(SYSTEM).with_(plan_seq_len=cell.seq_len)
+    # The attention the trainer would switch the model to before its plan (FlexAttention for
+    # soft-capping and long sliding windows on CUDA).
+    shape, _ = planned_attention(model_shape(cell.model), config, options.attention, cell.seq_len)
     resolved = options.resolve(clipping=True, cuda=True)
     step = StepShape.from_step(cell.seq_len, cell.seq_len)
     hbm, host = int(hbm_gib * planner.GIB), int(host_gib * planner.GIB)

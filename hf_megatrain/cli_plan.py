@@ -215,6 +215,13 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     # MLP is a SwiGLU they fuse (probed on the config's meta model).
     if kernels.liger or (kernels.kind == "compiled" and _compiled_fuses_mlp(cfg)):
         shape = dataclasses.replace(shape, fused_layer_kernels=True)
+    # The attention the trainer would switch the model to before its plan (on CUDA, as above);
+    # the search's longer rows take the choice for rows of any length.
+    from .hf.attention import planned_attention  # noqa: PLC0415
+
+    search_shape, _ = planned_attention(shape, cfg, options.attention, 2**62)
+    shape, attention = planned_attention(shape, cfg, options.attention, step.seq_len)
+    said.append(attention.log_line().replace("hf_megatrain: ", "", 1))
     dtype = torch.float32 if ns.fp32 else torch.bfloat16
     nproc = getattr(ns, "nproc", None)
     nproc = 1 if nproc is None else int(nproc)
@@ -237,7 +244,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.search:
         ga = step.grad_accum
         seqs = max_micro_batch_sequences(shape, step.seq_len, ga, options, dtype, hbm, host, nproc)
-        longest = max_seq_len(shape, ga, options, dtype, hbm, host, nproc)
+        longest = max_seq_len(search_shape, ga, options, dtype, hbm, host, nproc)
         n_layers = max_num_layers(shape, step, options, dtype, hbm, host, nproc)
         result.update(max_sequences=seqs, max_seq_len=longest, max_layers=n_layers)
         big = shape.with_num_layers(n_layers)

@@ -344,7 +344,7 @@ _STR_VALUES = {
     "resident_layers": "4", "keep_activations": "off", "keep_attention_outputs": "all",
     "max_shard_size": "1GB", "boundary_dtype": "bfloat16", "nonfinite": "stop",
     "export_dtype": "bfloat16",
-    "layer_kernels": "torch", "auto_fit": "off",
+    "layer_kernels": "torch", "auto_fit": "off", "attention": "model",
 }  # fmt: skip
 
 

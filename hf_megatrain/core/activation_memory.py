@@ -387,6 +387,14 @@ def sdpa_window_mask(shape: ModelShape, step: StepShape) -> bool:
     )
 
 
+#: FlexAttention's ``BlockMask`` (``attn_implementation="flex_attention"``): which
+#: ``FLEX_BLOCK`` x ``FLEX_BLOCK`` tiles of s x s attend, as four int32 index tensors of
+#: sequences x (s / FLEX_BLOCK)^2 (kv and q order, partial and full tiles): 16 B per tile, no
+#: s x s tensor (transformers builds it with ``create_block_mask(_compile=True)``).
+FLEX_BLOCK = 128
+FLEX_BLOCK_MASK_BYTES = 16
+
+
 #: Bytes per element (sequence x head x s x s) a layer that keeps its activations holds of its
 #: eager attention until its backward: the fp32 softmax output (saved by the softmax) and its
 #: cast to the compute dtype (saved by the product with v; none in fp32 runs, where the cast is
@@ -455,7 +463,8 @@ def kept_attention_lines(
 def attention_mask_lines(
     shape: ModelShape, step: StepShape, dtype: torch.dtype, kept_layers: Sequence[int] = ()
 ) -> list[MemoryLine]:
-    """The s x s tensors attention makes (none for SDPA's ``is_causal`` path or flash attention).
+    """The s x s tensors attention makes (none for SDPA's ``is_causal`` path or flash attention;
+    FlexAttention's block masks, (s / 128)^2 tiles).
 
     * eager attention: every mask a layer uses (full, sliding) as an fp32 additive mask of
       sequences x s x s (the dtype of the fp32 embedding output), made once per forward and
@@ -518,6 +527,17 @@ def attention_mask_lines(
                     MASK_KIND,
                 )
             )
+    elif impl == "flex_attention":
+        masks = int(shape.full_attention_layers) + int(sliding)
+        tiles = -(-s // FLEX_BLOCK)
+        lines.append(
+            estimate_line(
+                f"FlexAttention block masks ({masks}, {seqs} sequence(s) x {tiles}^2 tiles of "
+                f"{FLEX_BLOCK}^2 x {FLEX_BLOCK_MASK_BYTES} B each, made once per forward)",
+                masks * seqs * tiles * tiles * FLEX_BLOCK_MASK_BYTES,
+                MASK_KIND,
+            )
+        )
     return lines + kept_attention_lines(shape, step, dtype, kept_layers)
 
 

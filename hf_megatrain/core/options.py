@@ -48,6 +48,10 @@ EXPORT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": t
 #: torch.compile, PyTorch's eager ops.
 LAYER_KERNELS = ("auto", "liger", "compiled", "torch")
 
+#: ``attention`` values: switch the model's attention to FlexAttention where it avoids s x s
+#: tensors or applies what SDPA cannot (``hf/attention.py``), or keep the model's.
+ATTENTION_CHOICES = ("auto", "model")
+
 #: ``auto_fit`` values: which memory options a run that does not fit may turn on by itself.
 AUTO_FIT_MODES = ("exact", "approximate", "off")
 
@@ -312,6 +316,25 @@ class EngineOptions:
             choices=LAYER_KERNELS,
         ),
     )
+    attention: str = field(
+        default="auto",
+        metadata=_help(
+            """Attention implementation of the decoder layers. 'auto' (default), on a CUDA
+            device: a model running 'sdpa' or 'eager' attention is switched to PyTorch's
+            FlexAttention ('flex_attention', compiled by torch.compile on the first step) where
+            that is exact or avoids s x s tensors: soft-capped attention logits (Gemma-2: SDPA
+            cannot apply the cap, eager attention materializes every layer's s x s scores),
+            sliding-window layers with rows at least as long as the window (SDPA would attend
+            through an s x s mask; FlexAttention skips the blocks outside the window), or a
+            class without SDPA (eager's s x s scores). Only where the model class supports
+            FlexAttention, heads are at least 16 wide and attention dropout is off. Kept on a
+            CPU (FlexAttention has no CPU backward), under sequence parallelism, and when the
+            model was given another implementation (e.g. 'flash_attention_2'). The memory plan
+            counts the chosen implementation; one log line says which and why. 'model': always
+            the model's own implementation.""",
+            choices=ATTENTION_CHOICES,
+        ),
+    )
     loss_chunk_tokens: int | None = field(
         default=None,
         metadata=_help(
@@ -396,8 +419,9 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         # Values coming from YAML or argparse may be ints for "str" knobs (resident_layers: 4).
-        if isinstance(self.layer_kernels, str):
-            object.__setattr__(self, "layer_kernels", self.layer_kernels.strip().lower())
+        for name in ("layer_kernels", "attention"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, getattr(self, name).strip().lower())
         for name in ("resident_layers", "keep_activations", "keep_attention_outputs"):
             value = getattr(self, name)
             if isinstance(value, bool):
@@ -699,6 +723,10 @@ def _check_values(opts: EngineOptions) -> None:
         raise OptionError(
             f"layer_kernels={opts.layer_kernels!r} must be one of {', '.join(LAYER_KERNELS)}"
         )
+    if opts.attention not in ATTENTION_CHOICES:
+        raise OptionError(
+            f"attention={opts.attention!r} must be one of {', '.join(ATTENTION_CHOICES)}"
+        )
     if opts.export_dtype not in EXPORT_DTYPES:
         raise OptionError(
             f"export_dtype={opts.export_dtype!r} must be one of {', '.join(EXPORT_DTYPES)}"
@@ -735,6 +763,7 @@ def default_of(name: str) -> Any:
 
 __all__ = [
     "ALL_LAYERS",
+    "ATTENTION_CHOICES",
     "AUTO_FIT_MODES",
     "BOUNDARY_DTYPES",
     "LAYER_KERNELS",

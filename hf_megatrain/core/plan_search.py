@@ -49,8 +49,10 @@ PLANNED_OPTIONS = (
     "boundary_dtype",
     # (which options a plan that does not fit may add)
     "auto_fit",
-    # (through the model shape: Liger's fused kernels save less for backward)
+    # (through the model shape: Liger's fused kernels save less for backward; FlexAttention
+    # makes no s x s mask or scores)
     "layer_kernels",
+    "attention",
 )
 
 #: Micro-batch tokens from which "auto" attention outputs take HBM before the tier (see _plan).

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..core.options import EngineOptions, StepShape
+from .attention import apply_attention
 from .checkpoint import load_weights_into_store
 from .hub import resolve_model_folder
 from .long_context import apply_layer_kernels
@@ -84,7 +85,11 @@ def _streamed_skeleton(
     # tied checkpoint (which stores only the embedding) would leave the head without weights.
     model.tie_weights()
     # Before streaming, as the trainer does for a model it streams itself: the memory plan made
-    # here counts the fused kernels' smaller activations and working set.
+    # here counts the fused kernels' smaller activations and working set, and the attention's.
+    seq_len = step.seq_len if step is not None else options.plan_seq_len
+    apply_attention(
+        model, options.attention, device, seq_len, sequence_parallel=options.sequence_parallel
+    )
     apply_layer_kernels(
         model, options.layer_kernels, device, use_liger_kernel=use_liger_kernel,
         liger_kernel_config=liger_kernel_config,

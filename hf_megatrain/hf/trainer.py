@@ -31,6 +31,7 @@ from ..core.options import EXPORT_DTYPES, EngineOptions, OptionError, ResolvedOp
 from ..core.plan_types import MemoryPlanError
 from ..core.publish import publish, recover, verify_folder, write_manifest
 from .arguments import MegaTrainArguments, argument_name, engine_options, in_argument_names
+from .attention import apply_attention
 from .checkpoint import (
     OPTIMIZER_STATE_DIR,
     has_optimizer_state,
@@ -406,7 +407,13 @@ class MegaTrainerMixin:
             check_model_dtype(model)  # before streaming rounds it to fp32 masters
             options = engine_options(args)
             run = _run_options(args, options)  # refuses what cannot run, in argument names
-            # Before streaming: the memory plan counts the fused kernels' smaller activations.
+            step = _plan_step(args, options, getattr(self, "_megatrain_dataset", None))
+            # Before streaming: the memory plan counts the fused kernels' smaller activations
+            # and the chosen attention's tensors.
+            apply_attention(
+                model, options.attention, device, step.seq_len if step else None,
+                sequence_parallel=options.sequence_parallel,
+            )  # fmt: skip
             apply_layer_kernels(
                 model,
                 options.layer_kernels,
@@ -420,7 +427,7 @@ class MegaTrainerMixin:
                 compute_dtype,
                 options,
                 decay_names=set(Trainer.get_decay_parameter_names(None, model)),
-                step=_plan_step(args, options, getattr(self, "_megatrain_dataset", None)),
+                step=step,
                 clipping=run.clipping,
             )
             # The model's options: these, plus the memory options auto_fit turned on.
