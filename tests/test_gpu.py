@@ -582,7 +582,10 @@ def test_init_streamed_model_on_gpu(tmp_path):
 
     cfg = _tiny_gpu_config()
     # Every layer in the host tier: the pinned host path is what this test checks.
-    model = init_streamed_model(cfg, device="cuda", bf16=True, seed=0, resident_layers="0")
+    # PyTorch's layer kernels, as the trainer's arguments below ask (tests' _args).
+    model = init_streamed_model(
+        cfg, device="cuda", bf16=True, seed=0, resident_layers="0", layer_kernels="torch"
+    )
     stores = model._megatrain.store.layers
     assert stores and all(s.pinned for s in stores)
     # Host layers are drawn on the GPU and copied into the host masters: HF's init statistics.
