@@ -280,12 +280,18 @@ def test_liger_global_patches_stay_with_the_model_that_asked(tmp_path, monkeypat
     for name, value in originals.items():  # restored after the test whatever happens
         monkeypatch.setattr(ml, name, value)
     monkeypatch.setattr(ml.LlamaForCausalLM, "forward", forward)
+    from hf_megatrain.hf.scoped_globals import original_global, scope_global  # noqa: PLC0415
+
     rope_calls: list[int] = []
-    family_rope = originals["apply_rotary_pos_emb"]
+    family_rope = original_global(ml, "apply_rotary_pos_emb")
+    # A dispatcher already in place (another model's scoped kernels, e.g. compiled ones), which
+    # the stand-in below calls as "what was there": it must reach the family's, not recurse.
+    scope_global(ml, "apply_rotary_pos_emb", family_rope, [])
+    previous = ml.apply_rotary_pos_emb
 
     def liger_rope(q, k, cos, sin, *args, **kwargs):  # same arithmetic, counted
         rope_calls.append(q.shape[-2])
-        return family_rope(q, k, cos, sin, *args, **kwargs)
+        return previous(q, k, cos, sin, *args, **kwargs)
 
     def liger_like(model, config):  # what apply_liger_kernel_to_llama(model=...) does
         ml.apply_rotary_pos_emb = liger_rope
@@ -302,7 +308,7 @@ def test_liger_global_patches_stay_with_the_model_that_asked(tmp_path, monkeypat
     assert rope_calls  # the streamed model's attention ran the replacement
     assert ml.LlamaRMSNorm is originals["LlamaRMSNorm"] and ml.LlamaMLP is originals["LlamaMLP"]
     assert ml.LlamaForCausalLM.forward is forward
-    assert ml.apply_rotary_pos_emb.original is family_rope  # a dispatcher, the family's outside
+    assert original_global(ml, "apply_rotary_pos_emb") is family_rope  # the family's outside
     # A model of the family built now is PyTorch's, and its forward never runs the replacement.
     later = ml.LlamaForCausalLM(tiny_config("llama"))
     assert type(later.model.norm) is originals["LlamaRMSNorm"]

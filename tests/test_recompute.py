@@ -256,3 +256,7 @@ def test_kept_attention_outputs_warn_where_they_do_nothing(tmp_path, caplog):
             )  # fmt: skip
         said = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
         assert (said and expected in said[0]) if expected else not said, (expected, said)
+        if model_kw:  # only SDPA's kernels are kept: another attention keeps none
+            from hf_megatrain.hf.model import keep_attention_outputs  # noqa: PLC0415
+
+            assert keep_attention_outputs(model, "all") == 0

@@ -652,9 +652,19 @@ def keep_attention_outputs(model: nn.Module, value: object) -> int:
         count = state.plan.attention_layers if state.plan is not None else 0
     else:
         count = len(recomputed) if ask == ALL_LAYERS else ask
+    if _attention_implementation(model) != "sdpa":
+        # The kept outputs are SDPA kernels' (recompute.attention_output_cache): under another
+        # attention nothing would be kept, and FlexAttention run under the caching mode could
+        # leave its compiled kernel (the trainer warns when they were asked for).
+        count = 0
     keep = set(last_recomputed(recomputed, min(count, len(recomputed))))
     _flag_layers(layers, "keep_attention", keep, "their attention outputs for the recompute")
     return len(keep)
+
+
+def _attention_implementation(model: nn.Module) -> str:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(getattr(base, "config", None), "_attn_implementation", None) or "sdpa"
 
 
 def _named_resident(model: nn.Module, decay_names: set[str]):

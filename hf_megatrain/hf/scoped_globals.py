@@ -37,8 +37,17 @@ _INNER = "_hf_megatrain_inner_forward"
 
 def _dispatcher(key: tuple[str, str], original: Callable) -> Callable:
     def dispatch(*args, **kwargs):
-        fn = (_ACTIVE.get() or {}).get(key)
-        return (original if fn is None else fn)(*args, **kwargs)
+        active = _ACTIVE.get() or {}
+        fn = active.get(key)
+        if fn is None:
+            return original(*args, **kwargs)
+        # A replacement that calls the module's global itself (a wrapper of "what was there")
+        # reaches the original, not itself again.
+        token = _ACTIVE.set({**active, key: None})
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
 
     dispatch.__name__ = getattr(original, "__name__", key[1])
     dispatch.__doc__ = getattr(original, "__doc__", None)
