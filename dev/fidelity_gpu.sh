@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Issue 21 on the GPU (nvidia-h200), one call: the parity test and a bisect of the bf16 gap.
+# Issue 21 on the GPU (nvidia-h200), one call: a bisect of a family's bf16 gap to stock.
 #
-#   bash dev/fidelity_gpu.sh
+#   bash dev/fidelity_gpu.sh [family]       # default llama; gemma2, qwen3, mixtral, qwen3_moe
 #
-# The bisect trains the "small" Llama (6 layers, 25M) in bf16 for 150 steps at seq 512 from one
+# Trains the family's "small" config (6 layers, ~25M) in bf16 for 150 steps at seq 512 from one
 # initial state: stock, stock again (kernel nondeterminism alone), stock at batch 4 x 2 (the
-# band), streamed, and streamed with one feature changed at a time. Summary lines on stdout; CSV
-# and PNG under $OUT/bisect.
+# band), streamed, and streamed with one feature changed at a time: every layer in the HBM tier
+# (no streaming; the small dense configs have 6), that with kept activations (no recompute), the model's own loss instead of
+# the fused chunked one, and the attention option at its default (FlexAttention where the model
+# soft-caps or slides: the parity curves otherwise keep the model's, eager for Gemma-2). Summary
+# lines (parity's mean-based ratios) on stdout; CSV and PNG under $OUT/bisect-<family>.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out/bisect"
+family=${1:-llama}
+out=${OUT:-/tmp/out}/bisect-$family
+mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-timeout 300 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
-  --steps 150 --bf16 --repeat-stock --out "$out/bisect" \
+timeout 420 python3 benchmarks/loss_curves.py --family "$family" --size small --seq-len 512 \
+  --steps 150 --bf16 --repeat-stock --out "$out" \
   --variant hbm:resident_layers=6 \
   --variant hbm-keep:resident_layers=6,keep_activations=6 \
-  --variant no-fused-loss:fused_loss=false 2>&1 | grep -v Warning | tail -12
+  --variant no-fused-loss:fused_loss=false \
+  --variant attention-auto:attention=auto 2>&1 | grep -v Warning | tail -14
