@@ -63,7 +63,9 @@ class ModelArguments:
         default="sdpa",
         metadata={
             "help": "attention: sdpa (PyTorch's cuDNN / flash kernels), flex_attention, "
-            "flash_attention_2 (needs flash-attn), eager",
+            "flash_attention_2 (needs flash-attn), eager; on CUDA, --attention auto (the "
+            "default) runs sdpa or eager as flex_attention where the model soft-caps its "
+            "attention or slides a window shorter than the rows (--attention model keeps this)",
             "choices": list(ATTENTION_BACKENDS),
         },
     )
