@@ -70,12 +70,13 @@ def _loader_arguments(settings: TrainSettings) -> dict:
     from .hf.long_context import liger_layer_kernel_arguments  # noqa: PLC0415
 
     args, seq_len = settings.training, settings.data.seq_len
-    step = None
-    if settings.engine.resident_layers != "0":
-        batch = args.per_device_train_batch_size
-        # Per rank: under sequence parallelism each rank holds seq_len / N of every row.
-        seq_len = -(-seq_len // settings.engine.sequence_parallel)
-        step = StepShape(seq_len, batch * seq_len, args.gradient_accumulation_steps)
+    # Every run, as the trainer plans one (resident_layers="0" included: auto_fit, the
+    # attention choice for sliding windows). Per rank: under sequence parallelism each rank
+    # holds seq_len / N of every row.
+    seq_len = -(-seq_len // settings.engine.sequence_parallel)
+    step = StepShape(
+        seq_len, args.per_device_train_batch_size * seq_len, args.gradient_accumulation_steps
+    )
     return dict(
         options=settings.engine,
         bf16=args.bf16,
