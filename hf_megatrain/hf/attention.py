@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .loss import _unwrap
-from .model import _attention_layers
+from .model import attention_windows
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class AttentionFacts:
     def _of(cls, config, model_class, impl: str | None) -> AttentionFacts:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         supports_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
-        window, _ = _attention_layers(text)
+        window, _ = attention_windows(text)
         heads = getattr(text, "num_attention_heads", None) or 0
         head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
         widths = [head_dim, getattr(text, "v_head_dim", None) or head_dim]

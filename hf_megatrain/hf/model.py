@@ -184,7 +184,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     mlp = getattr(layers[0], "mlp", None) if layers else None
     compiled = bool(layers) and all(is_compiled_forward(getattr(x, "mlp", None)) for x in layers)
     fused = _liger_patched(mlp) or compiled
-    window, full = _attention_layers(text_cfg)
+    window, full = attention_windows(text_cfg)
     types = getattr(text_cfg, "layer_types", None) or ()
     # Which layers attend through the window (their kept copies of its mask are planned).
     sliding = tuple(t == "sliding_attention" for t in types) if window else ()
@@ -220,7 +220,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     )
 
 
-def _attention_layers(text_cfg) -> tuple[int, bool]:
+def attention_windows(text_cfg) -> tuple[int, bool]:
     """``(sliding window, whether some layer attends fully)`` of a config: its ``layer_types``
     where it has them (sliding layers use ``sliding_window``); without them a set
     ``sliding_window`` is every layer's (Mistral, Mixtral, Phi-3, Starcoder2: their models then

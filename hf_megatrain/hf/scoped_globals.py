@@ -152,3 +152,11 @@ def confine_global_patches(model: nn.Module) -> Iterator[None]:
                     delattr(cls, "forward")
                 else:
                     cls.forward = forward
+
+
+__all__ = [
+    "attention_scopes",
+    "confine_global_patches",
+    "original_global",
+    "scope_global",
+]
