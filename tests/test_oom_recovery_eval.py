@@ -12,6 +12,7 @@ asked (``megatrain_resident_layers=2``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -261,21 +262,29 @@ def _assert_same_run(logs, clean_logs, trainer, clean) -> None:
     _assert_same_weights(trainer, clean)
 
 
+def _clean_and_faulty(model, tmp_path, caplog, options, callbacks=(), fault=None, faulty=None):
+    """The run without failures, then, from the same initial weights (``faulty``: that model,
+    instrumented; default a copy of ``model``), the run with ``callbacks`` and the ``fault``
+    mode active, its warnings in ``caplog``: ``(clean logs, clean trainer, logs, trainer)``."""
+    clean_logs, clean = run_accumulating_trainer(copy.deepcopy(model), tmp_path, "clean", **options)
+    faulty = copy.deepcopy(model) if faulty is None else faulty
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain"), fault or contextlib.nullcontext():
+        logs, trainer = run_accumulating_trainer(
+            faulty, tmp_path, "faulty", list(callbacks), **options
+        )
+    return clean_logs, clean, logs, trainer
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_an_optimizer_step_that_runs_out_of_memory_runs_again(mode, tmp_path, caplog):
     """Step 2's update runs out of memory before applying anything: the HBM tier moves to the
     host and the update runs once more (without eager updates after the step's micro-batches
     ran again, the moved layers' gradients being gone). Losses, gradient norms, learning rates
     and final weights are bit-equal to the run that never failed: no update lost or doubled."""
-    model = tiny_model(_config())
-    clean_logs, clean = run_accumulating_trainer(
-        copy.deepcopy(model), tmp_path, "clean", **MODES[mode]
-    )
     fault = _StepOutOfMemoryOnce(at=2)
-    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
-        logs, trainer = run_accumulating_trainer(
-            copy.deepcopy(model), tmp_path, "faulty", [fault], **MODES[mode]
-        )
+    clean_logs, clean, logs, trainer = _clean_and_faulty(
+        tiny_model(_config()), tmp_path, caplog, MODES[mode], [fault]
+    )
     assert fault.fired == 1 and fault.calls == 4 + 1  # step 2's update ran twice
     assert "step 2's optimizer step ran out of GPU memory (asked 0.00 GiB)" in caplog.text
     assert "layers 0-1 moved from the HBM tier to the host tier" in caplog.text
@@ -289,15 +298,10 @@ def test_an_optimizer_step_that_runs_out_of_memory_runs_again(mode, tmp_path, ca
 def test_a_gradient_norm_that_runs_out_of_memory_runs_again(mode, tmp_path, caplog):
     """Out of memory computing step 3's gradient norm (clipping, or the logged norm): the step's
     micro-batches run again for the gradients the moved layers lost, then the norm; same run."""
-    model = tiny_model(_config())
-    clean_logs, clean = run_accumulating_trainer(
-        copy.deepcopy(model), tmp_path, "clean", **MODES[mode]
-    )
     mode_ = _NormOutOfMemoryOnce()
-    with caplog.at_level(logging.WARNING, logger="hf_megatrain"), mode_:
-        logs, trainer = run_accumulating_trainer(
-            copy.deepcopy(model), tmp_path, "faulty", [_ArmAtStep(mode_, 3)], **MODES[mode]
-        )
+    clean_logs, clean, logs, trainer = _clean_and_faulty(
+        tiny_model(_config()), tmp_path, caplog, MODES[mode], [_ArmAtStep(mode_, 3)], mode_
+    )
     part = "gradient clipping" if mode == "clipped" else "gradient norm"
     assert mode_.fired == 1
     assert f"step 3's {part} ran out of GPU memory" in caplog.text
@@ -312,17 +316,13 @@ def test_a_micro_batch_run_again_for_the_update_can_make_room_too(tmp_path, capl
     from .test_oom_recovery import _OutOfMemoryOnce
 
     model = tiny_model(_config())
-    clean_logs, clean = run_accumulating_trainer(
-        copy.deepcopy(model), tmp_path, "clean", **MODES["clipped"]
-    )
     faulty = copy.deepcopy(model)
     # Forward calls 1-4 are steps 1-2's micro-batches; 5 is step 2's first, run again.
     layer_fault = _OutOfMemoryOnce(faulty, layer=0, at=5, where="backward")
     step_fault = _StepOutOfMemoryOnce(at=2, message=OOM_NO_SIZE)
-    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
-        logs, trainer = run_accumulating_trainer(
-            faulty, tmp_path, "faulty", [step_fault], **MODES["clipped"]
-        )
+    clean_logs, clean, logs, trainer = _clean_and_faulty(
+        model, tmp_path, caplog, MODES["clipped"], [step_fault], faulty=faulty
+    )
     assert step_fault.fired == layer_fault.fired == 1
     assert "step 2's optimizer step ran out of GPU memory; made room: layer 1 moved" in caplog.text
     assert "step 2 ran out of GPU memory (asked 0.00 GiB); made room: layer 0 moved" in caplog.text
@@ -361,15 +361,10 @@ def test_the_first_steps_moments_that_do_not_fit_run_again(mode, tmp_path, caplo
     """The first update allocates the resident parameters' AdamW moments; out of memory there,
     nothing is updated yet (every allocation comes before the first update), so the update
     runs again after making room: the same run."""
-    model = tiny_model(_config())
-    clean_logs, clean = run_accumulating_trainer(
-        copy.deepcopy(model), tmp_path, "clean", **MODES[mode]
-    )
     fault = _MomentsOutOfMemory()
-    with caplog.at_level(logging.WARNING, logger="hf_megatrain"), fault:
-        logs, trainer = run_accumulating_trainer(
-            copy.deepcopy(model), tmp_path, "faulty", [_ArmBeforeFirstUpdate(fault)], **MODES[mode]
-        )
+    clean_logs, clean, logs, trainer = _clean_and_faulty(
+        tiny_model(_config()), tmp_path, caplog, MODES[mode], [_ArmBeforeFirstUpdate(fault)], fault
+    )
     assert fault.fired == 1
     assert "step 1's optimizer step ran out of GPU memory" in caplog.text
     _assert_same_run(logs, clean_logs, trainer, clean)

@@ -36,6 +36,7 @@ from .capture import RecorderCapture, recorder_capture_available
 from .compiled_kernels import is_compiled_forward
 from .layers import UnsupportedModelError, find_decoder_layers, forward_function
 from .long_context import install_mlp_tiling
+from .loss import _unwrap
 
 logger = logging.getLogger(__name__)
 
@@ -663,8 +664,8 @@ def keep_attention_outputs(model: nn.Module, value: object) -> int:
 
 
 def _attention_implementation(model: nn.Module) -> str:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(getattr(base, "config", None), "_attn_implementation", None) or "sdpa"
+    config = getattr(_unwrap(model), "config", None)
+    return getattr(config, "_attn_implementation", None) or "sdpa"
 
 
 def _named_resident(model: nn.Module, decay_names: set[str]):
