@@ -65,10 +65,29 @@ REPEAT_RUN = "stock-repeat"
 SEED_RUN = "stock-seed"
 STREAMED = "streamed"
 #: Stock runs that differ from ``stock`` only in rounding: every pair of them is a sample of
-#: stock's own spread. ``stock-seed`` is not one: another data order is another trajectory
-#: (8.8e-2 from stock vs a band of 6e-3 on the first H200 measurement), it would make the band
-#: vacuous.
+#: stock's own spread: ``stock``, the equivalent batchings (``stock-accum``: batch/2 x 2;
+#: ``stock-accum<k>``: batch/k x k) and ``stock-repeat``. ``stock-seed`` is not one: another
+#: data order is another trajectory (8.8e-2 from stock vs a band of 6e-3 on the first H200
+#: measurement), it would make the band vacuous.
 STOCK_TWINS = (REFERENCE, BAND_RUN, REPEAT_RUN)
+#: Equivalent batchings of the band by default: batch/2 x 2 and batch/4 x 4. Two, not one
+#: batching plus ``stock-repeat``: where the GPU kernels are deterministic (Gemma-2's eager
+#: attention on the H200) a repeat is bitwise ``stock`` and the band was one pair.
+BAND_ACCUMS = (2, 4)
+
+
+def band_run_name(accum: int) -> str:
+    """The stock twin at ``accum`` micro-batches per step (``stock-accum`` for 2)."""
+    return BAND_RUN if accum == 2 else f"{BAND_RUN}{accum}"
+
+
+def is_stock_twin(name: str) -> bool:
+    """Whether run ``name`` is a stock rounding twin (see ``STOCK_TWINS``)."""
+    if name in STOCK_TWINS:
+        return True
+    suffix = name.removeprefix(BAND_RUN)
+    return suffix != name and suffix.isdigit()
+
 
 # Shapes per size. "base" is issue 21's 82M Llama (hidden 768, 12 layers, 12/4 heads, vocab
 # 4096 = the bundled tokenizer); "small" (~25M dense) keeps 150 steps of three families inside a
@@ -165,12 +184,24 @@ def parse_variant(text: str) -> RunSpec:
 
 
 def default_runs(
-    batch: int, seed_run: bool = False, seed: int = 0, repeat_stock: bool = False
+    batch: int,
+    seed_run: bool = False,
+    seed: int = 0,
+    repeat_stock: bool = False,
+    band_accums: tuple[int, ...] = BAND_ACCUMS,
 ) -> list[RunSpec]:
-    """stock, its equivalent-batching twin (the band), optionally another data order, streamed."""
-    if batch % 2:
-        raise ValueError(f"--batch must be even (the band run uses batch/2 x 2), got {batch}")
-    runs = [RunSpec(REFERENCE, False, batch), RunSpec(BAND_RUN, False, batch // 2, 2)]
+    """stock, its equivalent-batching twins (the band: batch/k x k for each k of
+    ``band_accums``), optionally stock again and another data order, then streamed."""
+    if not band_accums:
+        raise ValueError("the band needs at least one equivalent batching (band_accums)")
+    for k in band_accums:
+        if k < 2 or batch % k:
+            raise ValueError(
+                f"--batch must be even and divisible by every band accumulation "
+                f"(batch/{k} x {k}), got batch {batch}"
+            )
+    runs = [RunSpec(REFERENCE, False, batch)]
+    runs += [RunSpec(band_run_name(k), False, batch // k, k) for k in dict.fromkeys(band_accums)]
     if seed_run:
         runs.append(RunSpec(SEED_RUN, False, batch, data_seed=seed + 1))
     if repeat_stock:  # the same run again: what GPU kernels' nondeterminism alone does
@@ -284,7 +315,7 @@ def summarize(losses: dict[str, list[float]], tail: int | None = None) -> dict[s
 def stock_twins(losses: dict[str, list[float]]) -> list[str]:
     """The stock rounding twins present (``STOCK_TWINS``; never ``stock-seed``); at least two,
     else there is no band to measure."""
-    twins = [name for name in STOCK_TWINS if name in losses]
+    twins = [name for name in losses if is_stock_twin(name)]
     if len(twins) < 2:
         raise ValueError(f"a stock band needs two of {', '.join(STOCK_TWINS)}; got {twins}")
     return twins
@@ -443,6 +474,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed-run", action="store_true", help="also stock with another data order")
     p.add_argument("--repeat-stock", action="store_true", help="also stock again, unchanged")
     p.add_argument(
+        "--band-accums",
+        default=",".join(map(str, BAND_ACCUMS)),
+        help="the band's equivalent batchings: batch/k x k for each k (comma-separated)",
+    )
+    p.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -480,7 +516,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = default_runs(a.batch, a.seed_run, a.seed, a.repeat_stock)
+    accums = tuple(int(k) for k in a.band_accums.split(",") if k.strip())
+    runs = default_runs(a.batch, a.seed_run, a.seed, a.repeat_stock, accums)
     runs += [dataclasses.replace(parse_variant(v), batch=a.batch) for v in a.variant]
     losses = run_all(
         config, runs, steps=a.steps, seq_len=a.seq_len, bf16=bf16, cpu=cpu, out_dir=out,
@@ -510,7 +547,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             f"  {name:12s} max_rel={s['max_rel']:.3e} ({ratio:.2f}x band) "
             f"tail_mean_signed={s['tail_signed']:+.3e}"
         )
-        if name not in (*STOCK_TWINS, SEED_RUN):  # streamed runs: against every stock twin
+        if not is_stock_twin(name) and name != SEED_RUN:  # streamed: against every twin
             p = parity(losses, name, tail)
             line += (
                 f" | dev_mean={p.dev_mean:.3e} ({p.ratio:.2f}x band_mean) "

@@ -218,7 +218,8 @@ def test_h2d_copies_overlap_compute(tmp_path):
     trace = os.path.join(out_dir, "streamed_step_trace.json")
     cb.prof.export_chrome_trace(trace)
     report = analyze(load_events(trace))
-    print(f"\noverlap report ({trace}): {report}")
+    opts = trainer.megatrain_options
+    print(f"\noverlap report ({trace}; options {opts}): {report}")
     assert report["h2d_backward"].copies and report["d2h"].copies, "no layer-sized copies"
     # Weights and gradients travel on their own streams, never on the compute stream.
     assert set(report["copy_streams"]).isdisjoint(report["kernel_streams"])

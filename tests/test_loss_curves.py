@@ -35,7 +35,7 @@ def test_csv_has_every_run_and_step(tiny_run):
     out, summary, _ = tiny_run
     with (out / "loss_curves.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))
-    runs = ["stock", "stock-accum", "stock-seed", "streamed"]
+    runs = ["stock", "stock-accum", "stock-accum4", "stock-seed", "streamed"]
     assert list(summary) == runs
     for run in runs:
         steps = [int(r["step"]) for r in rows if r["run"] == run]
@@ -52,6 +52,7 @@ def test_streamed_matches_stock_in_fp32_and_band_is_not_trivial(tiny_run):
     # must differ from stock (else the band the GPU test scales by would be degenerate), but only
     # at rounding level.
     assert 0 < s["stock-accum"]["max_rel"] <= 1e-5, s
+    assert 0 < s["stock-accum4"]["max_rel"] <= 1e-5, s
     # Another data order is a different run: far outside rounding.
     assert s["stock-seed"]["max_rel"] > 1e-3, s
     assert s["stock"] == {"max_rel": 0.0, "tail_signed": 0.0}
@@ -87,8 +88,9 @@ def test_parity_of_the_tiny_run_from_its_csv(tiny_run):
         for r in csv.DictReader(f):
             losses.setdefault(r["run"], []).append(float(r["loss"]))
     p = loss_curves.parity(losses)
-    # No stock-repeat on the CPU (its kernels are deterministic); stock-seed is not a twin.
-    assert p.twins == ("stock", "stock-accum")
+    # The two equivalent batchings and stock (no stock-repeat: CPU kernels are deterministic);
+    # stock-seed is not a twin.
+    assert p.twins == ("stock", "stock-accum", "stock-accum4")
     assert p.tail == 1  # 10% of 8 steps, rounded up
     assert 0 < p.band_mean <= 1e-5 and p.dev_mean <= 1e-5, p
     assert "band_mean=" in printed and "stock-seed not in the band" in printed, printed
@@ -198,6 +200,23 @@ def test_seed_run_is_not_in_the_band():
     assert two.band_mean == pytest.approx(1e-3) and two.dev_mean == pytest.approx(1e-2, rel=1e-3)
     with pytest.raises(ValueError, match="two of stock"):
         loss_curves.parity({"stock": BASE, "stock-seed": BASE, "streamed": BASE})
+
+
+def test_band_batchings_are_twins_and_must_divide_the_batch():
+    runs = loss_curves.default_runs(8, band_accums=(2, 4, 8))
+    assert [(r.name, r.batch, r.accum) for r in runs if not r.streamed] == [
+        ("stock", 8, 1), ("stock-accum", 4, 2), ("stock-accum4", 2, 4), ("stock-accum8", 1, 8)
+    ]  # fmt: skip
+    for name in ("stock", "stock-accum", "stock-accum4", "stock-accum8", "stock-repeat"):
+        assert loss_curves.is_stock_twin(name), name
+    for name in ("stock-seed", "streamed", "stock-accumx", "hbm"):
+        assert not loss_curves.is_stock_twin(name), name
+    # Every twin pairs with every other: a band of the three batchings' largest pair.
+    losses = {"stock": BASE, "stock-accum": scaled(BASE, 1e-3), "stock-accum4": scaled(BASE, -2e-3)}
+    assert loss_curves.stock_band(losses, 4)[0] == pytest.approx(3e-3, rel=1e-2)
+    for bad in ((), (3,), (1,)):
+        with pytest.raises(ValueError, match="band"):
+            loss_curves.default_runs(8, band_accums=bad)
 
 
 def test_odd_batch_and_bf16_on_cpu_are_refused(tmp_path):
