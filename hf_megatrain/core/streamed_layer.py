@@ -75,9 +75,12 @@ class StreamedLayer:
         # adapters over a streamed frozen base): ``(name relative to the layer, tensor)``. They
         # enter the autograd Function as inputs, which is how they get their gradients.
         self.resident = list(resident or [])
-        # Streamed parameters bound as fp32 copies of their compute-dtype values (the HF side
-        # names the residual-stream norm weights): same values, kernels without dtype casts.
+        # Streamed parameters bound in fp32 (the HF side names the residual-stream norm
+        # weights): at their fp32 master values with fp32 gradients in mixed precision, as the
+        # stock Trainer runs the parameters autocast does not cast (engine.bind_exact).
         self.fp32_params = list(fp32_params or [])
+        if self.fp32_params:
+            engine.bind_exact(index, self.fp32_params)
         self.forward_impl: Callable[..., Any] = type(module).forward
         # Keep the forward's autograd graph (its saved activations) for backward instead of
         # saving only the inputs and recomputing: about 7.5 FLOPs per parameter and token (8
@@ -106,12 +109,17 @@ class StreamedLayer:
         """
         store = self.engine.stores[self.index]
         params = store.param_views(flat_weights)
+        exact = self.engine.exact_params(self.index) if self.fp32_params else None
+        if exact:
+            params.update(exact)  # fp32 master values: their leaves get fp32 gradients
         weight_leaves: list[torch.Tensor] = []
         if leaves:
             params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
             weight_leaves = list(params.values())
         for name in self.fp32_params:
-            params[name] = params[name].float()  # differentiable: the gradient comes back cast
+            # Without exact values (a frozen layer's compute-dtype copy): an fp32 copy of them,
+            # differentiable (a gradient would come back cast). Already fp32: unchanged.
+            params[name] = params[name].float()
         resident = resident if resident is not None else [t for _, t in self.resident]
         params.update({name: t for (name, _), t in zip(self.resident, resident)})
         args, kwargs = tree_unflatten(flat_args, spec)

@@ -92,8 +92,10 @@ class StreamingEngine:
         h2d = torch.cuda.Stream(self.device) if self.is_cuda else None
         d2h = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.updates = UpdateScheduler(stores, data_parallel)
+        # Layer -> parameters bound from the fp32 master (``bind_exact``).
+        self._exact_names: dict[int, tuple[str, ...]] = {}
         self.weights = WeightStreamer(
-            stores, self.device, compute_dtype, self.updates.wait_layer, h2d
+            stores, self.device, compute_dtype, self.updates.wait_layer, h2d, self._exact_names
         )
         self.grads = GradientSink(stores, self.device, data_parallel, d2h)
         self.activations = ActivationStash(
@@ -186,6 +188,18 @@ class StreamingEngine:
         """Mark the end of the work that reads layer ``idx``'s device buffer."""
         self.weights.release(idx)
 
+    def bind_exact(self, idx: int, names: list[str] | tuple[str, ...]) -> None:
+        """Layer ``idx``'s parameters ``names`` run at their fp32 master values with fp32
+        gradients in mixed-precision runs, as the stock Trainer runs parameters that autocast
+        does not cast (residual-stream norm weights); the rest run as the compute-dtype copy."""
+        self._exact_names[idx] = tuple(names)
+
+    def exact_params(self, idx: int) -> dict[str, torch.Tensor] | None:
+        """Name -> fp32 value of layer ``idx``'s ``bind_exact`` parameters on the device, valid
+        between ``acquire(idx)`` and ``release(idx)``; None when there are none to bind (fp32
+        runs: the master is what streams)."""
+        return self.weights.exact_params(idx)
+
     def abort_step(self) -> None:
         """Forget a step that failed part-way (e.g. out of GPU memory): its gradients, the
         layers' device slots, saved activations still fetched or in flight. The host weights
@@ -222,7 +236,12 @@ class StreamingEngine:
         if self.is_cuda:
             torch.cuda.empty_cache()
         self.weights = WeightStreamer(
-            self.stores, self.device, self.compute_dtype, self.updates.wait_layer, h2d
+            self.stores,
+            self.device,
+            self.compute_dtype,
+            self.updates.wait_layer,
+            h2d,
+            self._exact_names,
         )
         self.weights.h2d_bytes = h2d_bytes
         self.grads = GradientSink(self.stores, self.device, self.dp, d2h)

@@ -2,6 +2,13 @@
 
 CUDA events, never a device-wide synchronize, order the copy stream against compute. On the CPU
 the store's stream copy is used as is (cast when the fp32 master is what streams).
+
+Exact parameters: in mixed precision the stock Trainer computes with fp32 parameters and
+autocast rounds only what its kernels cast (matmul weights). Parameters that no autocast kernel
+casts (residual-stream norm weights) it uses at their fp32 values and gives fp32 gradients. For
+those (``exact_names``, set by the model integration) each slot carries a small fp32 buffer,
+filled from the fp32 master beside the compute-dtype copy: the values stock computes with, not
+the compute-dtype copy's rounding of them.
 """
 
 from __future__ import annotations
@@ -33,8 +40,13 @@ class WeightStreamer:
         compute_dtype: torch.dtype,
         wait_ready: Callable[[int], None],
         h2d: torch.cuda.Stream | None,
+        exact_names: dict[int, tuple[str, ...]] | None = None,
     ) -> None:
         self._stores = stores
+        # Layer -> names of its exact parameters (read when a layer loads: the caller may add
+        # entries after construction, and the mapping outlives a rebuild for new stores).
+        self._exact_names = exact_names if exact_names is not None else {}
+        self._exact_buffers: list[torch.Tensor | None] = [None, None]
         self._device = device
         self._dtype = compute_dtype
         self._wait_ready = wait_ready
@@ -80,6 +92,8 @@ class WeightStreamer:
             return slot
         slot = 0 if self._active is None else 1 - self._active
         store = self._stores[idx]
+        exact = self._exact_slots(idx)
+        buf = self._exact_buffer(slot) if exact and not store.resident else None
         self._wait_ready(idx)
         free = self._slot_free[slot]
         with torch.cuda.stream(self._h2d):
@@ -98,13 +112,67 @@ class WeightStreamer:
                 dst.copy_(stage)
             else:
                 dst.copy_(store.stream, non_blocking=True)
+            if not store.resident and exact:
+                pos = 0
+                for s in exact:  # a few hidden-sized fp32 vectors per layer
+                    buf[pos : pos + s.numel].copy_(
+                        store.master[s.offset : s.offset + s.numel], non_blocking=True
+                    )
+                    pos += s.numel
             ready = torch.cuda.Event()
             ready.record(self._h2d)
         if not store.resident:
             self.h2d_bytes += store.numel * store.stream.element_size()
+            self.h2d_bytes += 4 * sum(s.numel for s in exact)
         self._slot_layer[slot] = idx
         self._slot_ready[slot] = ready
         return slot
+
+    def _exact_slots(self, idx: int) -> list:
+        """Layer ``idx``'s exact parameters' slots (none in fp32 runs, where the master is what
+        runs, and for frozen stores, which keep no fp32 master)."""
+        names = self._exact_names.get(idx)
+        store = self._stores[idx]
+        if not names or self._dtype == torch.float32 or store.master.dtype != torch.float32:
+            return []
+        return [s for s in store.slots if s.name in names]
+
+    def _exact_buffer(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s fp32 buffer, sized for the largest streamed layer's exact parameters
+        (made on first use, outside the copy stream: like the weight slots, its reuse is
+        ordered by the slot's events)."""
+        buf = self._exact_buffers[slot]
+        if buf is None:
+            numel = max(
+                (sum(s.numel for s in self._exact_slots(i)) for i, st in enumerate(self._stores)
+                 if not st.resident),
+                default=0,
+            )  # fmt: skip
+            buf = self._exact_buffers[slot] = torch.empty(
+                max(numel, 1), dtype=torch.float32, device=self._device
+            )
+        return buf
+
+    def exact_params(self, idx: int) -> dict[str, torch.Tensor] | None:
+        """Name -> fp32 value of layer ``idx``'s exact parameters, usable on the current stream
+        after ``acquire(idx)`` until ``release(idx)``; None when the layer has none."""
+        exact = self._exact_slots(idx)
+        if not exact:
+            return None
+        store = self._stores[idx]
+        if not self._cuda or store.resident:
+            # The fp32 master is where the layer computes (host on the CPU, HBM for the tier).
+            return {
+                s.name: store.master[s.offset : s.offset + s.numel].view(s.shape) for s in exact
+            }
+        slot = self._slot_of(idx)
+        if slot is None:
+            raise RuntimeError(f"hf_megatrain: layer {idx}'s exact parameters read before acquire")
+        buf, views, pos = self._exact_buffers[slot], {}, 0
+        for s in exact:
+            views[s.name] = buf[pos : pos + s.numel].view(s.shape)
+            pos += s.numel
+        return views
 
     def _prefetch(self, next_idx: int | None) -> None:
         if next_idx is not None and 0 <= next_idx < len(self._stores):
