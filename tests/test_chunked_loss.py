@@ -82,12 +82,15 @@ def _families():
 @pytest.mark.parametrize("arch", _families())
 def test_fused_loss_is_each_familys_own_loss(arch):
     """Every family the trainer gives the fused chunked loss computes the same loss with its own
-    forward (head bias, logit scales and soft-capping would show), and every supported family
-    outside the set keeps its own forward."""
+    forward (head bias, logit scales and soft-capping would show), an MoE family's router aux
+    loss on (the tiny configs') and off; every supported family outside the set (Granite-MoE's
+    logit scale), and an aux-free MoE family with ``output_router_logits`` on, keeps its own
+    forward."""
     from hf_megatrain import SUPPORTED_MODEL_TYPES
     from hf_megatrain.hf.loss import (
         FUSED_LOSS_MODEL_TYPES,
         fused_causal_lm_forward,
+        router_aux_loss_on,
         supports_fused_loss,
     )
 
@@ -95,22 +98,38 @@ def test_fused_loss_is_each_familys_own_loss(arch):
 
     assert FUSED_LOSS_MODEL_TYPES <= set(SUPPORTED_MODEL_TYPES)
     model = tiny_model(tiny_config(arch)).eval()
-    model_type = model.config.model_type
-    assert supports_fused_loss(model) == (model_type in FUSED_LOSS_MODEL_TYPES)
+    config = model.config
+    model_type = config.model_type
+    has_router_aux = hasattr(config, "output_router_logits")
     if model_type not in FUSED_LOSS_MODEL_TYPES:
+        assert not supports_fused_loss(model)
         return
     with torch.no_grad():  # zero-initialized biases or scales must not hide a term
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     ids = torch.stack([r["input_ids"] for r in make_data(4)])
-    ref = model(input_ids=ids, labels=ids, use_cache=False).loss
-    got = fused_causal_lm_forward(model, None, chunk_tokens=8, input_ids=ids, labels=ids)
-    # Same fp32 logits summed in chunks: fp32 summation order only.
-    torch.testing.assert_close(got.loss, ref, rtol=1e-5, atol=1e-6)
-    if hasattr(model.config, "output_router_logits"):
-        # Turned on, the router aux loss joins the loss in the model's forward: not fused then.
-        model.config.output_router_logits = True
-        assert not supports_fused_loss(model)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # padding: the aux loss counts only attended tokens
+    for aux in (True, False) if has_router_aux else (None,):
+        if aux is not None:
+            config.output_router_logits = aux
+        if aux and not router_aux_loss_on(model):
+            # The family's aux loss is not found (the aux-free DeepSeek-style MoE): own forward.
+            assert not supports_fused_loss(model)
+            continue
+        assert supports_fused_loss(model)
+        kw = dict(input_ids=ids, attention_mask=mask, labels=ids)
+        ref = model(**kw, use_cache=False)
+        got = fused_causal_lm_forward(model, None, chunk_tokens=8, **kw)
+        # Same fp32 logits summed in chunks: fp32 summation order only.
+        torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
+        assert got.logits is None
+        if aux:
+            assert ref.aux_loss is not None and got.aux_loss is not None
+            torch.testing.assert_close(got.aux_loss, ref.aux_loss, rtol=1e-5, atol=1e-6)
+            assert len(got.router_logits) == len(ref.router_logits)
+        else:
+            assert getattr(got, "aux_loss", None) is None
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])

@@ -349,6 +349,39 @@ def test_kept_layers_attention_lines_are_what_they_hold(family, attn, kept):
     assert held[1] - held[0] == sliding * seqs * s * s * per
 
 
+@pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "mask"])
+def test_router_aux_loss_holds_its_line(mask):
+    """The installed transformers' router load-balancing loss (OLMoE's; the MoE families share
+    one copy) over 8 routing layers' bf16 router logits, backward included, holds at most the
+    plan's router aux loss line for that version (``router_aux_one_hot``, as ``model_shape``
+    reads it off the function), and not much less (91-95% measured with 5.10's and 5.24's); but
+    before 5.16 without an attention mask about half, the line counting the mask's copies."""
+    from transformers import AutoModelForCausalLM, OlmoeConfig  # noqa: PLC0415
+
+    from hf_megatrain.core.activation_memory import router_aux_loss_lines  # noqa: PLC0415
+    from hf_megatrain.hf.loss import load_balancing_loss_function  # noqa: PLC0415
+
+    t, layers, experts, k = 1024, 8, 64, 8
+    widths = {key: v for key, v in WIDTHS.items() if key != "head_dim"}
+    cfg = OlmoeConfig(**widths, num_hidden_layers=layers, num_experts=experts,
+                      num_experts_per_tok=k, output_router_logits=True)  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shape = model_shape(model)
+    balance = load_balancing_loss_function(model)
+    (line,) = router_aux_loss_lines(shape, StepShape(t, t), BF16)
+    w = torch.randn(t, experts, requires_grad=True)
+    live = Live()
+    with live:
+        # Each layer's router logits, bf16 outputs of a graph (as the gates' under autocast).
+        logits = tuple(w.to(BF16) for _ in range(layers))
+        am = torch.ones(1, t, dtype=torch.long) if mask else None
+        balance(logits, experts, k, am).backward()
+    assert live.peak <= line.nbytes
+    if mask or not shape.router_aux_one_hot:
+        assert live.peak >= 0.85 * line.nbytes
+
+
 def test_first_step_makes_the_resident_moments_after_its_backward(tmp_path):
     """The resident parameters' AdamW moments (embeddings, norms, head: 8 B per parameter) are
     made by the first optimizer update, after the first forward and backward: a run measured at

@@ -583,3 +583,90 @@ def test_qwen3_8b_long_sequence_counts_its_qk_norms():
     assert "30880 of per-head q/k norms" in ws(plan).name
     # Left to choose, the planner puts fewer layers in HBM instead.
     assert plan_memory(shape, step, o, BF16, hbm, 1 << 50).n_hbm < n
+
+
+def _kinds(plan) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for ln in plan.gpu_lines:
+        out[ln.kind] = out.get(ln.kind, 0) + ln.nbytes
+    return out
+
+
+def test_olmoe_is_planned_with_the_fused_loss():
+    """OLMoE-1B-7B (router aux loss off, as it ships) gets the fused chunked loss: at one
+    262,144-token sequence its plan no longer counts 262,144 x 50,304 x 10 B of full logits
+    (123 GiB, which refused it on an H200) but a loss chunk and the LM head's lines."""
+    from hf_megatrain.core.activation_memory import (
+        FULL_LOGITS_KIND,
+        LOSS_KIND,
+        ROUTER_AUX_KIND,
+    )
+
+    shape = _shape("olmoe-1b-7b-0924")
+    assert shape.fused_loss and not shape.router_aux_loss
+    t = 262144
+    step = StepShape(seq_len=t, micro_batch_tokens=t)
+    o = opts(mlp_tile_tokens=16384, offload_activations=True)
+    plan = plan_memory(shape, step, o, BF16, 1 << 50, 1 << 50)
+    kinds = _kinds(plan)
+    assert LOSS_KIND in kinds and FULL_LOGITS_KIND not in kinds and ROUTER_AUX_KIND not in kinds
+    unfused = _kinds(plan_memory(replace(shape, fused_loss=False), step, o, BF16, 1 << 50, 1 << 50))
+    assert unfused[FULL_LOGITS_KIND] == t * shape.vocab_size * 10 > 120 * GIB
+    assert LOSS_KIND not in unfused
+
+
+def test_router_aux_loss_is_planned_where_it_is_on():
+    """With the router aux loss on, its temporaries are a line of their own: the routing layers'
+    router logits and transformers' load-balancing loss over them, before 5.16 an int64 one-hot
+    of every layer's top-k experts at once (and the attention mask expanded to it), from 5.16
+    layer by layer. Off (the shipped configs), no line."""
+    from hf_megatrain.core.activation_memory import (
+        ESTIMATE_ERRORS,
+        FULL_LOGITS_KIND,
+        ROUTER_AUX_KIND,
+        UNMEASURED_ERROR,
+    )
+
+    cfg = plan_config(str(CONFIGS / "olmoe-1b-7b-0924"))
+    cfg.output_router_logits = True
+    shape = model_shape_from_config(cfg, "olmoe-aux")
+    assert shape.fused_loss and shape.router_aux_loss
+    assert (shape.router_layers, shape.num_experts, shape.experts_per_token) == (16, 64, 8)
+    t = 65536
+    step = StepShape(seq_len=t, micro_batch_tokens=t)
+    rows, e, k = 16 * t, 64, 8
+    expected = {
+        # logits, their concatenation and softmax (bf16), the expanded mask and its product;
+        # top-k values and indices; the one-hot, its fp32 copy, the mask expanded to it and the
+        # product (24 B per element): 13.1 GiB.
+        True: rows * (e * (4 * 2 + 8) + k * (8 + 2) + 24 * k * e),
+        # The layers' router logits and softmax outputs (bf16) and one layer's temporaries.
+        False: rows * e * 2 * 2 + t * e * 12,
+    }
+    for one_hot, nbytes in expected.items():
+        on = replace(shape, router_aux_one_hot=one_hot)
+        plan = plan_memory(on, step, OFF, BF16, 1 << 50, 1 << 50)
+        (line,) = [ln for ln in plan.gpu_lines if ln.kind == ROUTER_AUX_KIND]
+        assert line.nbytes == nbytes and line.error == ESTIMATE_ERRORS[ROUTER_AUX_KIND]
+        assert ESTIMATE_ERRORS[ROUTER_AUX_KIND] == UNMEASURED_ERROR
+        assert f"router aux loss +{UNMEASURED_ERROR:.0%}" in plan.gpu_lines[-1].name  # the slack
+        assert FULL_LOGITS_KIND not in _kinds(plan)
+    assert expected[True] > 13 * GIB
+    off = plan_memory(replace(shape, router_aux_loss=False), step, OFF, BF16, 1 << 50, 1 << 50)
+    assert ROUTER_AUX_KIND not in _kinds(off)
+    # Every layer like the largest: all of them route.
+    assert shape.with_num_layers(20).router_layers == 20
+
+
+def test_router_layers_are_those_with_experts():
+    """Qwen2-MoE's ``mlp_only_layers`` are dense: no router logits, none planned for them."""
+    from transformers import Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                         num_experts_per_tok=2, vocab_size=256, mlp_only_layers=[0, 2],
+                         output_router_logits=True)  # fmt: skip
+    shape = model_shape_from_config(cfg, "qwen2-moe")
+    assert shape.router_aux_loss and shape.fused_loss
+    assert (shape.router_layers, shape.num_experts, shape.experts_per_token) == (2, 8, 2)

@@ -2,10 +2,10 @@
 
 Boundary activations (the saved residual-stream inputs, in HBM or offloaded), what a layer that
 keeps its graph saves per token (audited against autograd's saved tensors), the recompute working
-set, the s x s tensors of attention (masks, eager scores) and the loss/LM-head temporaries: the
-per-micro-batch lines of the memory plan. Each line has a kind; estimates of framework
-temporaries carry their kind's largest measured underestimate (``ESTIMATE_ERRORS``), which the
-plan's slack line adds up.
+set, the s x s tensors of attention (masks, eager scores), the loss/LM-head temporaries and an
+MoE router aux loss's: the per-micro-batch lines of the memory plan. Each line has a kind;
+estimates of framework temporaries carry their kind's largest measured underestimate
+(``ESTIMATE_ERRORS``), which the plan's slack line adds up.
 
 Each reads the step's micro-batch (:class:`~hf_megatrain.core.options.StepShape`) and the engine
 options that shape activations (:class:`~hf_megatrain.core.options.ResolvedOptions`:
@@ -38,9 +38,11 @@ ATTENTION_OUTPUTS_KIND = "attention outputs"
 KEPT_ACTIVATIONS_KIND = "kept activations"
 MASK_KIND = "attention masks"
 EAGER_SCORES_KIND = "eager attention scores"
+ROUTER_AUX_KIND = "router aux loss"
 
-#: For estimate kinds nothing measured (the full logits of models without the fused loss): the
-#: largest error measured on any kind (the tiled working set's 19%) rounded up, rather than none.
+#: For estimate kinds nothing measured on the H200 (the full logits of models without the fused
+#: loss, an MoE router aux loss's temporaries): the largest error measured on any kind (the tiled
+#: working set's 19%) rounded up, rather than none.
 UNMEASURED_ERROR = 0.20
 
 #: The largest measured underestimate of each estimate kind, as a fraction of its line
@@ -103,6 +105,7 @@ ESTIMATE_ERRORS: dict[str, float] = {
     KEPT_ACTIVATIONS_KIND: 0.05,
     SEGMENT_CACHE_KIND: 0.13,
     FULL_LOGITS_KIND: UNMEASURED_ERROR,
+    ROUTER_AUX_KIND: UNMEASURED_ERROR,
     MASK_KIND: 0.03,
     EAGER_SCORES_KIND: 0.02,
 }
@@ -541,6 +544,66 @@ def attention_mask_lines(
     return lines + kept_attention_lines(shape, step, dtype, kept_layers)
 
 
+#: Bytes per (row, top-k slot, expert) of transformers' router load-balancing loss before 5.16,
+#: whose rows are every routing layer's tokens concatenated: the int64 one-hot of the top-k
+#: experts, its fp32 copy and, with an attention mask, that mask expanded to the one-hot's shape
+#: (int64) and their fp32 product. Besides, per row and expert: the layers' router logits, their
+#: concatenation and its softmax (saved for backward) in the compute dtype and the mask expanded
+#: to the probabilities' shape (int64) with its product (the compute dtype); per row and slot the
+#: top-k values and int64 indices.
+ROUTER_ONE_HOT_BYTES = 24
+ROUTER_ROW_EXPERT_BYTES = 8
+ROUTER_ROW_SLOT_BYTES = 8
+
+#: Per token and expert, one layer's turn of the layer-by-layer loss (5.16 on) beside the router
+#: logits and softmax outputs every layer keeps: the probabilities' fp32 copy, the masked
+#: product, top-k's outputs and the expert counts (at most 10 B measured).
+ROUTER_LAYER_BYTES = 12
+
+
+def router_aux_loss_lines(
+    shape: ModelShape, step: StepShape, dtype: torch.dtype
+) -> list[MemoryLine]:
+    """The router aux loss's temporaries, where the training loss adds one
+    (``ModelShape.router_aux_loss``): the routing layers' router logits (tokens x experts each, in
+    the compute dtype), held from their layer's forward to the loss, and what transformers'
+    ``load_balancing_loss_func`` makes of them. Before transformers 5.16 it one-hot encodes every
+    layer's top-k choices at once (int64, layers x tokens x k x experts): 52 GiB for OLMoE-1B-7B
+    at 262,144 tokens with an attention mask. From 5.16 it goes layer by layer, keeping each
+    layer's softmax for backward (1.2 GiB there). Measured on the CPU with the live-tensor
+    tracker (5.10's and 5.24's function, bf16 and fp32, 1 to 8 layers, k of 1 to 8, with and
+    without a mask: at most 96% of the line, 80-96% with eight layers and a mask;
+    tests/test_plan_accuracy.py measures the installed one)."""
+    if not shape.router_aux_loss:
+        return []
+    t, isz = step.micro_batch_tokens, itemsize(dtype)
+    layers = shape.router_layers or shape.num_layers
+    e, k = shape.num_experts, shape.experts_per_token
+    rows = layers * t
+    if shape.router_aux_one_hot:
+        per_row = (
+            e * (4 * isz + ROUTER_ROW_EXPERT_BYTES)
+            + k * (ROUTER_ROW_SLOT_BYTES + isz)
+            + ROUTER_ONE_HOT_BYTES * k * e
+        )
+        return [
+            estimate_line(
+                f"router aux loss (one-hot over all {layers} routing layers at once: {layers} x "
+                f"{t} tokens x ({k} x {e} experts x {ROUTER_ONE_HOT_BYTES} + ...) B)",
+                rows * per_row,
+                ROUTER_AUX_KIND,
+            )
+        ]
+    return [
+        estimate_line(
+            f"router aux loss (router logits and their softmax of {layers} routing layers: "
+            f"{layers} x {t} tokens x {e} experts x {2 * isz} B, one layer's temporaries)",
+            rows * e * 2 * isz + t * e * ROUTER_LAYER_BYTES,
+            ROUTER_AUX_KIND,
+        )
+    ]
+
+
 def activation_lines(
     shape: ModelShape,
     step: StepShape,
@@ -643,4 +706,4 @@ def activation_lines(
                 FULL_LOGITS_KIND,
             )
         )
-    return lines
+    return lines + router_aux_loss_lines(shape, step, dtype)

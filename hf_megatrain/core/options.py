@@ -294,8 +294,9 @@ class EngineOptions:
         metadata=_help(
             """In training, fuse the LM head with the cross-entropy and process tokens in chunks so
             full logits never exist (exact loss and gradients, HF's num_items_in_batch
-            semantics). Applies to dense architectures; MoE models and evaluation use the model's
-            own forward.""",
+            semantics). Applies to the families whose loss is cross-entropy over the LM head (an
+            MoE family's router aux loss added as its forward adds it); evaluation uses the
+            model's own forward.""",
             run_time=True,
         ),
     )

@@ -85,6 +85,16 @@ class ModelShape:
     sliding_layers: tuple[bool, ...] = ()
     # Whether attention logits are soft-capped (Gemma-2: a tanh over the eager scores).
     attn_softcapping: bool = False
+    # Whether the training loss adds an MoE router load-balancing ("aux") loss (a family's
+    # ``output_router_logits`` on), whose temporaries ``router_aux_loss_lines`` plans from: the
+    # layers that route (0: every layer), the experts per layer and per token, and whether
+    # transformers' loss one-hot encodes every layer's top-k choices at once (before 5.16;
+    # the default, the larger) or goes layer by layer.
+    router_aux_loss: bool = False
+    router_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    router_aux_one_hot: bool = True
 
     @property
     def num_layers(self) -> int:
@@ -104,7 +114,12 @@ class ModelShape:
         pattern = self.sliding_layers
         sliding = tuple(pattern[i % len(pattern)] for i in range(n)) if pattern else ()
         return replace(
-            self, layer_numels=(big,) * n, sliding_layers=sliding, name=f"{self.name} x{n} layers"
+            self,
+            layer_numels=(big,) * n,
+            sliding_layers=sliding,
+            # Every layer like the largest: a routing one where some route.
+            router_layers=n if self.router_layers else 0,
+            name=f"{self.name} x{n} layers",
         )
 
 

@@ -176,6 +176,11 @@ class StreamingEngine:
         return self.weights.h2d_bytes
 
     @property
+    def exact_h2d_bytes(self) -> int:
+        """Of ``h2d_bytes``, the fp32 values of ``bind_exact`` parameters."""
+        return self.weights.exact_h2d_bytes
+
+    @property
     def d2h_bytes(self) -> int:
         return self.grads.d2h_bytes
 
@@ -228,6 +233,7 @@ class StreamingEngine:
         for idx, store in replacements.items():
             self.stores[idx] = store
         h2d, h2d_bytes = self.weights.h2d, self.weights.h2d_bytes
+        exact_h2d_bytes = self.weights.exact_h2d_bytes
         grads = self.grads
         on_final, sync, d2h, d2h_bytes = grads.on_final, grads.sync, grads.d2h, grads.d2h_bytes
         del self.weights, self.grads, grads  # their device buffers go with them
@@ -243,7 +249,7 @@ class StreamingEngine:
             h2d,
             self._exact_names,
         )
-        self.weights.h2d_bytes = h2d_bytes
+        self.weights.h2d_bytes, self.weights.exact_h2d_bytes = h2d_bytes, exact_h2d_bytes
         self.grads = GradientSink(self.stores, self.device, self.dp, d2h)
         self.grads.on_final, self.grads.sync, self.grads.d2h_bytes = on_final, sync, d2h_bytes
 

@@ -3,30 +3,39 @@
 Used for training batches that carry labels, on the architectures whose ``*ForCausalLM.forward``
 is exactly ``lm_head(base(...))`` (+ Gemma's final soft-capping) followed by HF's
 ``ForCausalLMLoss``: shifted labels, ``-100`` ignored, ``sum / num_items_in_batch`` when the
-Trainer passes it, else the mean over non-ignored tokens. MoE models (whose forward adds the
-router aux loss) and evaluation keep the model's own forward.
+Trainer passes it, else the mean over non-ignored tokens. MoE families whose forward then adds the
+router load-balancing ("aux") loss when ``output_router_logits`` is on (Mixtral, Qwen2/3-MoE,
+OLMoE, gpt-oss, Qwen3-Next) get it added here the same way, from their own
+``load_balancing_loss_func``. Evaluation keeps the model's own forward.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ..core.chunked_loss import IGNORE_INDEX, chunked_linear_cross_entropy
 
 #: Families whose causal-LM loss is plain cross-entropy over ``lm_head(hidden)`` (Gemma's
-#: final soft-capping included): the chunked loss computes the same. Not here: heads with a
-#: bias (Phi, GPT-J), logit scales (Granite, Cohere), MoE models whose loss adds the router aux
-#: loss (the aux-free DeepSeek-style ones are in). tests/test_chunked_loss.py checks each
-#: against the model's own loss.
+#: final soft-capping included): the chunked loss computes the same. The MoE ones among them add
+#: their router aux loss, when it is on, exactly as their forward does (see
+#: ``load_balancing_loss_function``); the aux-free DeepSeek-style ones have none. Not here: heads
+#: with a bias (Phi, GPT-J), logit scales (Granite, Granite-MoE, Cohere).
+#: tests/test_chunked_loss.py checks each against the model's own loss, aux loss on and off.
 FUSED_LOSS_MODEL_TYPES = {
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "gemma2", "olmo2", "olmo3",
     "smollm3", "starcoder2", "glm4", "ernie4_5", "helium", "exaone4", "seed_oss", "gemma",
     "olmo", "stablelm", "gpt_neox", "nemotron", "arcee", "apertus", "hunyuan_v1_dense", "lfm2",
     "glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "falcon", "bloom", "mpt", "gpt_bigcode",
-    "qwen3_next",
+    "qwen3_next", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss",
 }  # fmt: skip
+
+#: The ``*ForCausalLM`` attributes an MoE family's forward passes to its router aux loss.
+_ROUTER_AUX_ATTRS = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
 
 
 def _unwrap(model):
@@ -35,7 +44,29 @@ def _unwrap(model):
     return get_base() if callable(get_base) else model
 
 
+def load_balancing_loss_function(model) -> Callable | None:
+    """The router load-balancing loss an MoE family's forward adds when ``output_router_logits``
+    is on: its modeling module's ``load_balancing_loss_func``, where the model has the attributes
+    that forward passes it (``num_experts``, ``num_experts_per_tok``, ``router_aux_loss_coef``).
+    None for families without one (dense, the aux-free DeepSeek-style MoE)."""
+    model = _unwrap(model)
+    module = sys.modules.get(type(model).__module__)
+    fn = getattr(module, "load_balancing_loss_func", None)
+    if callable(fn) and all(getattr(model, a, None) is not None for a in _ROUTER_AUX_ATTRS):
+        return fn
+    return None
+
+
+def router_aux_loss_on(model) -> bool:
+    """Whether the model's training loss adds its router aux loss: the config turns it on and
+    the family's forward has one (``load_balancing_loss_function``)."""
+    on = getattr(_unwrap(model).config, "output_router_logits", False)
+    return bool(on) and load_balancing_loss_function(model) is not None
+
+
 def supports_fused_loss(model) -> bool:
+    """Whether training may run ``fused_causal_lm_forward`` instead of the model's forward (the
+    memory plan's ``ModelShape.fused_loss`` is this too)."""
     model = _unwrap(model)
     config = model.config
     return (
@@ -44,9 +75,8 @@ def supports_fused_loss(model) -> bool:
         and getattr(model, model.base_model_prefix, None) is not None
         # A model-specific loss (set by the user) is theirs to keep.
         and getattr(config, "loss_type", None) in (None, "ForCausalLM", "ForCausalLMLoss")
-        # An MoE family's router aux loss, when turned on (Qwen3-Next's is off by default), is
-        # added by the model's own forward.
-        and not getattr(config, "output_router_logits", False)
+        # A router aux loss turned on is added here only where the family's own is found.
+        and (not getattr(config, "output_router_logits", False) or router_aux_loss_on(model))
     )
 
 
@@ -55,13 +85,26 @@ def fused_causal_lm_forward(
     compute_dtype: torch.dtype | None,
     chunk_tokens: int | None = None,
     **kwargs,
-) -> CausalLMOutputWithPast:
+) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
+    """The model's training loss on ``kwargs`` (its forward's arguments, ``labels`` included):
+    its base model's forward, then the LM head and cross-entropy fused in chunks (no logits
+    returned), plus the router aux loss where the model's forward adds one."""
     model = _unwrap(model)
     labels = kwargs.pop("labels")
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     kwargs.pop("logits_to_keep", None)
     kwargs.pop("return_dict", None)
+    balance = load_balancing_loss_function(model)
+    router = False
+    if balance is not None:
+        # As the family's forward: the argument, else the config; the base model records the
+        # layers' router logits then.
+        router = kwargs.pop("output_router_logits", None)
+        if router is None:
+            router = getattr(model.config, "output_router_logits", False)
+        if router:
+            kwargs["output_router_logits"] = True
     base = getattr(model, model.base_model_prefix)
     outputs = base(**kwargs)
     hidden = outputs.last_hidden_state
@@ -80,6 +123,24 @@ def fused_causal_lm_forward(
         chunk_tokens=chunk_tokens,
         compute_dtype=compute_dtype,
     )
+    if balance is not None:
+        aux_loss = None
+        if router:
+            aux_loss = balance(
+                outputs.router_logits,
+                model.num_experts,
+                model.num_experts_per_tok,
+                kwargs.get("attention_mask"),
+            )
+            loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=None,
+            hidden_states=getattr(outputs, "hidden_states", None),
+            attentions=getattr(outputs, "attentions", None),
+            router_logits=getattr(outputs, "router_logits", None),
+        )
     return CausalLMOutputWithPast(
         loss=loss,
         logits=None,

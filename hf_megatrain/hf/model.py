@@ -36,7 +36,12 @@ from .capture import RecorderCapture, recorder_capture_available
 from .compiled_kernels import is_compiled_forward
 from .layers import UnsupportedModelError, find_decoder_layers, forward_function
 from .long_context import install_mlp_tiling
-from .loss import _unwrap
+from .loss import (
+    _unwrap,
+    load_balancing_loss_function,
+    router_aux_loss_on,
+    supports_fused_loss,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +156,6 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     Works on a materialized model, on a ``meta`` skeleton and on a streamed model (whose layer
     parameters are ``meta`` placeholders of the right shapes).
     """
-    from .loss import FUSED_LOSS_MODEL_TYPES  # noqa: PLC0415
-
     _, layers = find_decoder_layers(model)
     layer_numels = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
     # parameters() yields a shared (tied) tensor once, so a tied head is counted once.
@@ -192,6 +195,12 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     if len(sliding) != len(layers):
         sliding = ()  # every layer, where the window is set (Mistral, Phi-3): the plan's default
     attn = getattr(cfg, "_attn_implementation", None) or "sdpa"
+    # The router aux loss's temporaries: which of transformers' two load-balancing losses the
+    # family has (before 5.16 one-hot over every layer's top-k at once, then layer by layer).
+    aux = router_aux_loss_on(model)
+    balance = load_balancing_loss_function(model) if aux else None
+    one_hot = "one_hot" in getattr(getattr(balance, "__code__", None), "co_names", ())
+    causal_lm = _unwrap(model)  # (the attributes its forward passes the aux loss)
     return ModelShape(
         kv_size=kv_heads * head_dim,
         head_dim=head_dim,
@@ -205,7 +214,12 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         vocab_size=text_cfg.vocab_size,
         intermediate_size=inter,
         tied_embeddings=tied,
-        fused_loss=cfg.model_type in FUSED_LOSS_MODEL_TYPES,
+        fused_loss=supports_fused_loss(model),
+        router_aux_loss=aux,
+        router_layers=_router_layers(layers) if aux else 0,
+        num_experts=getattr(causal_lm, "num_experts", 0) if aux else 0,
+        experts_per_token=getattr(causal_lm, "num_experts_per_tok", 0) if aux else 0,
+        router_aux_one_hot=one_hot,
         kept_bytes_audited=cfg.model_type in KEPT_BYTES_AUDITED_MODEL_TYPES
         # (Liger's Gemma kernels are not audited: the fused count is the Llama family's.)
         or (cfg.model_type == "gemma3_text" and not fused),
@@ -219,6 +233,16 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         attn_softcapping=bool(getattr(text_cfg, "attn_logit_softcapping", None)),
         name=name,
     )
+
+
+def _router_layers(layers: list[nn.Module]) -> int:
+    """Decoder layers with routed experts (each records router logits for the aux loss; Qwen2-
+    and Qwen3-MoE can have dense ones); all of them where none is found (an upper bound)."""
+    n = sum(
+        any(name.rsplit(".", 1)[-1] == "experts" for name, _ in layer.named_modules())
+        for layer in layers
+    )
+    return n or len(layers)
 
 
 def attention_windows(text_cfg) -> tuple[int, bool]:

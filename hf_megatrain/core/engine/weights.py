@@ -54,7 +54,8 @@ class WeightStreamer:
         # Host layers whose fp32 master is what streams (no compute-dtype copy in the store).
         cast = [s for s in stores if not s.resident and s.stream.dtype != compute_dtype]
         self.streams_fp32_master = bool(cast)
-        self.h2d_bytes = 0
+        self.h2d_bytes = 0  # every H2D byte of weights, the exact parameters' included
+        self.exact_h2d_bytes = 0  # of which the exact parameters' fp32 values
         if not self._cuda:
             return
         max_numel = max((s.numel for s in stores if uses_slot(s)), default=0)
@@ -123,7 +124,9 @@ class WeightStreamer:
             ready.record(self._h2d)
         if not store.resident:
             self.h2d_bytes += store.numel * store.stream.element_size()
-            self.h2d_bytes += 4 * sum(s.numel for s in exact)
+            exact_bytes = 4 * sum(s.numel for s in exact)
+            self.h2d_bytes += exact_bytes
+            self.exact_h2d_bytes += exact_bytes
         self._slot_layer[slot] = idx
         self._slot_ready[slot] = ready
         return slot
