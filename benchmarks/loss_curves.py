@@ -312,6 +312,16 @@ def summarize(losses: dict[str, list[float]], tail: int | None = None) -> dict[s
     return out
 
 
+def max_band(summary: dict[str, dict]) -> float:
+    """The max-based band: the largest ``max_rel`` of the stock twins against stock (0 with
+    none). The parity checks use ``stock_band``; this one shades the plot and labels the
+    max-based ratios printed beside them."""
+    return max(
+        (s["max_rel"] for name, s in summary.items() if is_stock_twin(name) and name != REFERENCE),
+        default=0.0,
+    )
+
+
 def stock_twins(losses: dict[str, list[float]]) -> list[str]:
     """The stock rounding twins present (``STOCK_TWINS``; never ``stock-seed``); at least two,
     else there is no band to measure."""
@@ -404,7 +414,7 @@ def plot(losses: dict[str, list[float]], path: Path, title: str) -> None:
 
     ref = losses[REFERENCE]
     steps = range(1, len(ref) + 1)
-    band = summarize(losses)[BAND_RUN]["max_rel"] if BAND_RUN in losses else 0.0
+    band = max_band(summarize(losses))
     color = {name: f"C{i}" for i, name in enumerate(losses)}  # one color per run, both panels
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True)
     for name, curve in losses.items():
@@ -529,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     if not a.no_plot:
         plot(losses, out / "loss_curves.png", f"{label}, {precision}, {a.steps} steps")
     summary = summarize(losses)
-    band = summary[BAND_RUN]["max_rel"]
+    band = max_band(summary)
     print(f"{label} {precision} steps={a.steps} seq={a.seq_len} batch={a.batch}: band={band:.3e}")
     twins = stock_twins(losses)
     tail = default_tail(a.steps)

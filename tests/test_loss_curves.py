@@ -214,6 +214,9 @@ def test_band_batchings_are_twins_and_must_divide_the_batch():
     # Every twin pairs with every other: a band of the three batchings' largest pair.
     losses = {"stock": BASE, "stock-accum": scaled(BASE, 1e-3), "stock-accum4": scaled(BASE, -2e-3)}
     assert loss_curves.stock_band(losses, 4)[0] == pytest.approx(3e-3, rel=1e-2)
+    # The max-based band (the plot's shading): the twins' largest max against stock.
+    summary = loss_curves.summarize({**losses, "streamed": scaled(BASE, 5e-3)})
+    assert loss_curves.max_band(summary) == pytest.approx(2e-3)
     for bad in ((), (3,), (1,)):
         with pytest.raises(ValueError, match="band"):
             loss_curves.default_runs(8, band_accums=bad)
