@@ -4,9 +4,10 @@
 Trains one config on the bundled corpus and tokenizer with:
 
 * ``stock``: the plain ``transformers.Trainer`` (fp32 model on the device; bf16 = autocast);
-* ``stock-accum``: the same with an equivalent batching (batch/2 x gradient accumulation 2):
-  the same rows per optimizer step, only the rounding differs. Its distance to ``stock`` is
-  stock's own band: how far two runs that should agree drift apart in this precision;
+* ``stock-accum`` and ``stock-accum4`` (``--band-accums``, default 2,4): the same with an
+  equivalent batching (batch/k x gradient accumulation k): the same rows per optimizer step,
+  only the rounding differs. Their distances to ``stock`` and to each other are stock's own
+  band: how far runs that should agree drift apart in this precision;
 * ``stock-seed`` (``--seed-run``): stock with another data order, for scale;
 * ``stock-repeat`` (``--repeat-stock``): stock again, unchanged (GPU kernels' nondeterminism);
 * ``streamed``: ``HFMegaTrainer`` with every decoder layer streamed, same hyper-parameters.
