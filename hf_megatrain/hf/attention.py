@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .loss import _unwrap
+from .loss import unwrap_peft
 from .model import attention_windows
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class AttentionFacts:
     @classmethod
     def of_model(cls, model: nn.Module) -> AttentionFacts:
         """The facts of a transformers model (under a PEFT wrapper: its base model)."""
-        base = _unwrap(model)
+        base = unwrap_peft(model)
         config = base.config
         return cls._of(config, type(base), getattr(config, "_attn_implementation", None))
 
@@ -169,7 +169,7 @@ def apply_attention(
     """Resolve ``attention`` for ``model`` (before it is streamed: the memory plan reads
     ``config._attn_implementation``) and switch it (``set_attn_implementation``, on the base
     model under a PEFT wrapper; every sub-config follows); logs one line saying which and why."""
-    base = _unwrap(model)
+    base = unwrap_peft(model)
     facts = AttentionFacts.of_model(base)
     choice = choose_attention(setting, facts, device, seq_len, sequence_parallel=sequence_parallel)
     before = base.config._attn_implementation

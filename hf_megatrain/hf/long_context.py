@@ -18,7 +18,7 @@ from .compiled_kernels import (
     compile_available,
 )
 from .layers import find_decoder_layers
-from .loss import _unwrap
+from .loss import unwrap_peft
 from .scoped_globals import confine_global_patches
 
 logger = logging.getLogger(__name__)
@@ -160,12 +160,12 @@ def apply_layer_kernels(
         config = liger_kernel_config if use_liger_kernel else dict(LIGER_LAYER_KERNELS)
         apply_liger_kernels(model, config)
     elif choice.kind == "compiled":
-        apply_compiled_kernels(_unwrap(model))
+        apply_compiled_kernels(unwrap_peft(model))
     return choice
 
 
 def _model_type(model: nn.Module) -> str | None:
-    return getattr(getattr(_unwrap(model), "config", None), "model_type", None)
+    return getattr(getattr(unwrap_peft(model), "config", None), "model_type", None)
 
 
 def liger_layer_kernel_arguments(enabled: bool) -> dict:
@@ -250,4 +250,4 @@ def _apply_liger_kernel(model: nn.Module, kernel_config: dict | None) -> None:
             "'hf_megatrain[liger]')"
         ) from None
     # PEFT: patch the model under the adapters.
-    _apply_liger_kernel_to_instance(model=_unwrap(model), **(kernel_config or {}))
+    _apply_liger_kernel_to_instance(model=unwrap_peft(model), **(kernel_config or {}))

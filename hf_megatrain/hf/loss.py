@@ -38,7 +38,7 @@ FUSED_LOSS_MODEL_TYPES = {
 _ROUTER_AUX_ATTRS = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
 
 
-def _unwrap(model):
+def unwrap_peft(model):
     """The transformers model under a PEFT wrapper (LoRA modules live inside it)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -49,7 +49,7 @@ def load_balancing_loss_function(model) -> Callable | None:
     is on: its modeling module's ``load_balancing_loss_func``, where the model has the attributes
     that forward passes it (``num_experts``, ``num_experts_per_tok``, ``router_aux_loss_coef``).
     None for families without one (dense, the aux-free DeepSeek-style MoE)."""
-    model = _unwrap(model)
+    model = unwrap_peft(model)
     module = sys.modules.get(type(model).__module__)
     fn = getattr(module, "load_balancing_loss_func", None)
     if callable(fn) and all(getattr(model, a, None) is not None for a in _ROUTER_AUX_ATTRS):
@@ -60,14 +60,14 @@ def load_balancing_loss_function(model) -> Callable | None:
 def router_aux_loss_on(model) -> bool:
     """Whether the model's training loss adds its router aux loss: the config turns it on and
     the family's forward has one (``load_balancing_loss_function``)."""
-    on = getattr(_unwrap(model).config, "output_router_logits", False)
+    on = getattr(unwrap_peft(model).config, "output_router_logits", False)
     return bool(on) and load_balancing_loss_function(model) is not None
 
 
 def supports_fused_loss(model) -> bool:
     """Whether training may run ``fused_causal_lm_forward`` instead of the model's forward (the
     memory plan's ``ModelShape.fused_loss`` is this too)."""
-    model = _unwrap(model)
+    model = unwrap_peft(model)
     config = model.config
     return (
         config.model_type in FUSED_LOSS_MODEL_TYPES
@@ -89,7 +89,7 @@ def fused_causal_lm_forward(
     """The model's training loss on ``kwargs`` (its forward's arguments, ``labels`` included):
     its base model's forward, then the LM head and cross-entropy fused in chunks (no logits
     returned), plus the router aux loss where the model's forward adds one."""
-    model = _unwrap(model)
+    model = unwrap_peft(model)
     labels = kwargs.pop("labels")
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)

@@ -37,10 +37,10 @@ from .compiled_kernels import is_compiled_forward
 from .layers import UnsupportedModelError, find_decoder_layers, forward_function
 from .long_context import install_mlp_tiling
 from .loss import (
-    _unwrap,
     load_balancing_loss_function,
     router_aux_loss_on,
     supports_fused_loss,
+    unwrap_peft,
 )
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     aux = router_aux_loss_on(model)
     balance = load_balancing_loss_function(model) if aux else None
     one_hot = "one_hot" in getattr(getattr(balance, "__code__", None), "co_names", ())
-    causal_lm = _unwrap(model)  # (the attributes its forward passes the aux loss)
+    causal_lm = unwrap_peft(model)  # (the attributes its forward passes the aux loss)
     return ModelShape(
         kv_size=kv_heads * head_dim,
         head_dim=head_dim,
@@ -688,7 +688,7 @@ def keep_attention_outputs(model: nn.Module, value: object) -> int:
 
 
 def _attention_implementation(model: nn.Module) -> str:
-    config = getattr(_unwrap(model), "config", None)
+    config = getattr(unwrap_peft(model), "config", None)
     return getattr(config, "_attn_implementation", None) or "sdpa"
 
 

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .loss import _unwrap
+from .loss import unwrap_peft
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class SequenceParallel:
             ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
 
-        hf_model = _unwrap(model)
+        hf_model = unwrap_peft(model)
         attn = getattr(hf_model.config, "_attn_implementation", None) or "sdpa"
         if attn in _ORIGINAL_ATTENTION:
             # An earlier trainer in this process wrapped it: wrap transformers' own again.
@@ -283,7 +283,7 @@ def setup_sequence_parallel(model: nn.Module, args, size: int) -> SequenceParall
         return None
     world = args.world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    check_sequence_parallel(_unwrap(model).config, size, world, local)
+    check_sequence_parallel(unwrap_peft(model).config, size, world, local)
     if not args.average_tokens_across_devices:
         logger.info(
             "hf_megatrain: average_tokens_across_devices turned on: with sequence parallelism "
