@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Trainer, TrainingArguments
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Trainer, TrainingArguments
 
 from benchmarks.trace_overlap import analyze, load_events
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments
@@ -287,6 +287,16 @@ def test_save_resume_on_gpu(tmp_path, resident):
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=5e-2)
 
 
+def _record_norm_weight_dtypes(model) -> list[torch.dtype]:
+    """The dtypes the first layer's norms (residual and per-head q/k) run with, as they run."""
+    seen: list[torch.dtype] = []
+    layer = model.model.layers[0]
+    for name, module in layer.named_modules():
+        if name.endswith("norm"):
+            module.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    return seen
+
+
 def _mega_losses(tmp_path, name, model, data, setup=None, **kw):
     """Train ``model`` 4 steps with HFMegaTrainer; return ``(trainer, losses)``."""
     rec = LogRecorder()
@@ -403,9 +413,12 @@ def test_liger_kernels_on_gpu(tmp_path, tile):
     kw = {"megatrain_mlp_tile_tokens": tile} if tile else {}
     _, base = _mega_losses(tmp_path, "base", copy.deepcopy(model), data, **kw)
     config = {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": False}
+    dtypes = _record_norm_weight_dtypes(model)
     trainer, got = _mega_losses(
         tmp_path, "liger", model, data, use_liger_kernel=True, liger_kernel_config=config, **kw
     )
+    # Liger's RMSNorm kernels too run the fp32 master weights (and return fp32 gradients).
+    assert dtypes and set(dtypes) == {torch.float32}
     mlp = trainer.model.model.layers[0].mlp
     impl = mlp.forward.forward_impl if tile else mlp.forward.__func__
     assert impl is LigerSwiGLUMLP.forward
@@ -417,25 +430,35 @@ def test_liger_kernels_on_gpu(tmp_path, tile):
 
 @pytest.mark.parametrize(
     "feature",
-    [{}, {"megatrain_mlp_tile_tokens": 32}, {"megatrain_offload_activations": True}],
-    ids=["untiled", "mlp-tiles", "offload"],
+    [{}, {"megatrain_mlp_tile_tokens": 32}, {"megatrain_offload_activations": True}, "qwen3"],
+    ids=["untiled", "mlp-tiles", "offload", "qwen3-qk-norms"],
 )
 def test_compiled_kernels_on_gpu(tmp_path, feature):
     """layer_kernels='compiled' (what 'auto' runs without Liger-Kernel): Inductor's Triton
     kernels for RMSNorm, SwiGLU and RoPE inside the streamed layers (tiled, offloaded too),
     training like PyTorch's kernels within bf16 tolerance (fused, they round once where eager
-    ops round per op: 1e-2 rel on the loss, as for Liger's)."""
+    ops round per op: 1e-2 rel on the loss, as for Liger's). The norms' weights, per-head q/k
+    norms' too (Qwen3), run at their fp32 master values, as stock's."""
+    from hf_megatrain.hf.compiled_kernels import is_compiled_forward
     from hf_megatrain.hf.model import layer_kernels_of
 
-    model = tiny_model(_tiny_gpu_config())
+    if feature == "qwen3":
+        feature, cfg = {}, Qwen3Config(**{**_tiny_gpu_config().to_dict(), "head_dim": 32})
+    else:
+        cfg = _tiny_gpu_config()
+    model = tiny_model(cfg)
     data = _data(32, 128)
     _, base = _mega_losses(
         tmp_path, "torch", copy.deepcopy(model), data, megatrain_layer_kernels="torch", **feature
     )
+    dtypes = _record_norm_weight_dtypes(model)
     trainer, got = _mega_losses(
         tmp_path, "compiled", model, data, megatrain_layer_kernels="compiled", **feature
     )
     assert layer_kernels_of(trainer.model) == "compiled"
+    layer = trainer.model.model.layers[0]
+    assert is_compiled_forward(layer.input_layernorm)
+    assert dtypes and set(dtypes) == {torch.float32}
     assert len(got) == len(base) == 4
     assert got == pytest.approx(base, rel=1e-2)
 
@@ -464,12 +487,20 @@ def test_defaults_on_gpu(tmp_path):
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
 
 
-def _wide_two_layer_trainer(tmp_path, **kw) -> HFMegaTrainer:
-    """Two Qwen2.5-1.5B-wide layers (bf16 autocast, fp32 residual, SDPA) for memory audits."""
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
-    )  # fmt: skip
+def _wide_two_layer_trainer(tmp_path, family: str = "qwen2", **kw) -> HFMegaTrainer:
+    """Two Qwen2.5-1.5B-wide layers (bf16 autocast, fp32 residual, SDPA) for memory audits; or
+    two Qwen3-1.7B-wide ones (per-head q/k norms, q = 2h)."""
+    if family == "qwen3":
+        cfg = Qwen3Config(
+            vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144, num_hidden_layers=2,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+            max_position_embeddings=4096,
+        )  # fmt: skip
+    else:
+        cfg = Qwen2Config(
+            vocab_size=VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
+            num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+        )  # fmt: skip
     args = _args(MegaTrainArguments, tmp_path, max_steps=1, **kw)
     return HFMegaTrainer(model=tiny_model(cfg), args=args, train_dataset=_data(4, 4096))
 
@@ -495,8 +526,12 @@ def _kept_bytes_per_layer_token(trainer: HFMegaTrainer, choose) -> float:
     return (forward_growth(True) - forward_growth(False)) / (2 * ids.numel())
 
 
-@pytest.mark.parametrize("kernels", ["torch", "liger"])
-def test_kept_activation_memory_matches_planner(tmp_path, kernels):
+@pytest.mark.parametrize(
+    "family, kernels",
+    [("qwen2", "torch"), ("qwen2", "liger"), ("qwen3", "torch"), ("qwen3", "liger")],
+    ids=["torch", "liger", "qwen3-qk-norms", "qwen3-qk-norms-liger"],
+)
+def test_kept_activation_memory_matches_planner(tmp_path, family, kernels):
     """What a kept layer's graph holds per token on the GPU, against the planner's estimate.
 
     A Qwen2.5-1.5B-wide layer (bf16 autocast, fp32 residual, SDPA), two layers in the HBM tier;
@@ -505,14 +540,19 @@ def test_kept_activation_memory_matches_planner(tmp_path, kernels):
     and should not overshoot by more than a quarter (it would waste the HBM it is for). It counts
     every saved tensor (audited exactly on the CPU, tests/test_keep_activations.py); 2% above it
     is left for the CUDA allocator's rounding of each block (512 B) and backend extras. With
-    Liger's fused kernels (use_liger_kernel) the planner counts their smaller saved set."""
-    from transformers.models.qwen2 import modeling_qwen2
+    Liger's fused kernels (use_liger_kernel) the planner counts their smaller saved set. Qwen3's
+    per-head q/k norms, bound in fp32 as stock's, return fp32 q and k; attention saves its bf16
+    casts, so the saved set is the one audited on the CPU."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
     from hf_megatrain.core.planner import kept_activation_bytes_per_token
     from hf_megatrain.hf.model import keep_activations, model_shape
 
-    names = ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP")
-    before = {n: getattr(modeling_qwen2, n) for n in names}
+    prefix = "Qwen3" if family == "qwen3" else "Qwen2"
+    names = ("apply_rotary_pos_emb", f"{prefix}RMSNorm", f"{prefix}MLP")
+    before = {n: getattr(modeling, n) for n in names}
     extra = {}
     if kernels == "liger":
         pytest.importorskip("liger_kernel")
@@ -521,12 +561,12 @@ def test_kept_activation_memory_matches_planner(tmp_path, kernels):
             liger_kernel_config={"rope": True, "rms_norm": True, "swiglu": True,
                                  "fused_linear_cross_entropy": False},
         )  # fmt: skip
-    trainer = _wide_two_layer_trainer(tmp_path, megatrain_resident_layers="2", **extra)
+    trainer = _wide_two_layer_trainer(tmp_path, family, megatrain_resident_layers="2", **extra)
     # Liger-Kernel's own patching replaces these module globals; hf_megatrain confines it to
     # the model that asked (scoped_globals): the family's classes stay, the RoPE dispatches.
-    after = {n: getattr(modeling_qwen2, n) for n in names}
-    assert after["Qwen2RMSNorm"] is before["Qwen2RMSNorm"]
-    assert after["Qwen2MLP"] is before["Qwen2MLP"]
+    after = {n: getattr(modeling, n) for n in names}
+    assert after[names[1]] is before[names[1]]
+    assert after[names[2]] is before[names[2]]
     rope = after["apply_rotary_pos_emb"]
     assert getattr(rope, "original", rope) is getattr(
         before[names[0]], "original", before[names[0]]
@@ -539,7 +579,9 @@ def test_kept_activation_memory_matches_planner(tmp_path, kernels):
     shape = model_shape(trainer.model)
     assert shape.fused_layer_kernels == (kernels == "liger")
     planned = kept_activation_bytes_per_token(shape)
-    print(f"kept bytes per token ({kernels}): measured {per_token:.0f}, planned {planned}")
+    print(
+        f"kept bytes per token ({family}, {kernels}): measured {per_token:.0f}, planned {planned}"
+    )
     assert 0.75 * planned <= per_token <= 1.02 * planned, (per_token, planned)
 
 

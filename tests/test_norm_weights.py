@@ -1,6 +1,6 @@
-"""Residual-stream norm weights run at their fp32 master values with fp32 gradients in bf16 runs
-(hf/model.py ``_residual_norm_weights``, ``StreamingEngine.bind_exact``), as the stock Trainer
-runs them: autocast casts matmul weights to bf16, never a norm's weight."""
+"""Norm weights (residual-stream and per-head q/k norms) run at their fp32 master values with
+fp32 gradients in bf16 runs (hf/model.py ``_norm_weights``, ``StreamingEngine.bind_exact``), as
+the stock Trainer runs them: autocast casts matmul weights to bf16, never a norm's weight."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _train(tmp_path, model, mega: bool, bound: list | None = None):
     return [r["loss"] for r in logs], params
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"])
 def test_bf16_streamed_trains_like_stock_autocast(tmp_path, arch):
     """bf16 (CPU autocast), streamed vs stock, 4 steps: the same losses and fp32 parameters to
     fp32 rounding. Binding the norms' bf16-rounded copy instead (before, issue 21) made Llama's
@@ -38,6 +38,12 @@ def test_bf16_streamed_trains_like_stock_autocast(tmp_path, arch):
     after 4 steps: a norm weight of 1 + 1e-3 computes as 1.0 in bf16, and its gradient came
     back rounded to bf16."""
     model = tiny_model(tiny_config(arch))
+    if arch == "qwen3_moe":
+        # Experts per F.linear, which autocast casts to bf16 as the streamed run computes them.
+        # transformers' default grouped_mm is not on autocast's list: stock runs it in fp32
+        # with the fp32 weights (2e-5 off in the first loss, 3% in a parameter after 4 steps),
+        # the streamed run with the bf16 stream copy, as autocast means (docs/design.md).
+        model.config._experts_implementation = "eager"
     bound: list[torch.dtype] = []
     stock_losses, stock = _train(tmp_path, model, mega=False)
     losses, mega = _train(tmp_path, model, mega=True, bound=bound)
@@ -51,9 +57,9 @@ def test_bf16_streamed_trains_like_stock_autocast(tmp_path, arch):
         assert err < 1e-5, (name, float(err))
 
 
-def test_per_head_norms_stay_in_the_compute_dtype(tmp_path):
-    """Per-head q/k norms (Qwen3) normalize bf16 activations: bound as the bf16 copy (their
-    fp32 output would change what the planner counts for q and k)."""
+def test_per_head_norms_are_bound_in_fp32(tmp_path):
+    """Per-head q/k norms (Qwen3) too: before, bound as the bf16 copy, a bf16 Qwen3-MoE run was
+    1.7e-5 (relative) from stock after one step; their fp32 output, as stock's, is planned."""
     bound: list[torch.dtype] = []
-    _train(tmp_path, tiny_model(tiny_config("qwen3_moe")), mega=True, bound=bound)
-    assert bound[:2] == [torch.float32, torch.bfloat16]
+    _train(tmp_path, tiny_model(tiny_config("qwen3")), mega=True, bound=bound)
+    assert bound[:2] == [torch.float32, torch.float32]

@@ -554,8 +554,9 @@ def test_qwen3_8b_long_sequence_counts_its_qk_norms():
     """The reported out-of-memory: a Qwen3-8B-shaped model at one 262,144-token sequence with
     checkpoint segments of 3 was planned to fit with 0.30 GiB left and ran out in the backward
     recompute (asked 6 GiB, 2.9 free). Its per-head q/k norms re-make 6q + 6kv + 4 B per head
-    per token there (30,880 B, 7.5 GiB at this length), which the working set now counts: on
-    the HBM the plan without them left 0.30 GiB of, it does not fit."""
+    per token there (30,880 B, 7.5 GiB at this length) and, bound in fp32 as stock's, return
+    fp32 q and k (2q + 2kv more, the forward's peak), which the working set now counts: on the
+    HBM the plan without them left 0.30 GiB of, it does not fit."""
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
@@ -579,8 +580,9 @@ def test_qwen3_8b_long_sequence_counts_its_qk_norms():
         (line,) = [ln for ln in p.gpu_lines if ln.name.startswith("one layer's backward")]
         return line
 
-    assert ws(plan).nbytes - ws(before).nbytes == t * (6 * 4096 + 6 * 1024 + 4 * (32 + 8))
-    assert "30880 of per-head q/k norms" in ws(plan).name
+    q, kv = 4096, 1024
+    assert ws(plan).nbytes - ws(before).nbytes == t * (8 * q + 8 * kv + 4 * (32 + 8))
+    assert "41120 of per-head q/k norms" in ws(plan).name
     # Left to choose, the planner puts fewer layers in HBM instead.
     assert plan_memory(shape, step, o, BF16, hbm, 1 << 50).n_hbm < n
 

@@ -155,6 +155,13 @@ TILED_BYTES_PER_TOKEN_KV = 4
 #: larger of the two. Qwen3-8B at one 262,144-token sequence: 30,880 B/token, 7.5 GiB (the
 #: backward recompute that asked 6 GiB with 2.9 GiB free, planned with 0.30 GiB left, without).
 QK_NORM_BYTES_PER_TOKEN_QUERY = 6
+#: Their weights bound in fp32, as stock's (``ModelShape.qk_norm_fp32_output``), Llama-style q/k
+#: norms return fp32 q and k (RoPE then rotates fp32; attention takes bf16 casts, so the saved set
+#: is unchanged): per element of q and of k, 2 B more. Measured on the CPU tracker at 14 Qwen3
+#: shapes: the forward's peak grows by exactly 2q + 2kv; a recomputed layer's backward by 0
+#: where the MLP is its peak, by 296-592 B (less than 2q + 2kv) where the q norm's backward is
+#: (q = 4h, kv = h). Added to both working sets.
+QK_NORM_FP32_OUTPUT_BYTES_PER_TOKEN = 2
 QK_NORM_BYTES_PER_TOKEN_KV = 6
 QK_NORM_BYTES_PER_TOKEN_HEAD = 4
 QK_NORM_PEAK_BYTES_PER_TOKEN_HIDDEN = 10
@@ -217,6 +224,8 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
     if shape.qk_norm:
         norms += QK_NORM_BYTES_PER_TOKEN_QUERY * q + QK_NORM_BYTES_PER_TOKEN_KV * kv
         norms += QK_NORM_BYTES_PER_TOKEN_HEAD * (heads + _kv_heads(shape))
+        if shape.qk_norm_fp32_output:
+            norms += QK_NORM_FP32_OUTPUT_BYTES_PER_TOKEN * (q + kv)
     if shape.gemma_norms:
         norms += GEMMA_NORMS_BYTES_PER_TOKEN_HIDDEN * h + GEMMA_NORMS_BYTES_PER_TOKEN
         if shape.qk_norm:
@@ -229,12 +238,15 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
     if shape.qk_norm:
         peak = QK_NORM_PEAK_BYTES_PER_TOKEN_HIDDEN * h + QK_NORM_PEAK_BYTES_PER_TOKEN_QUERY * q
         peak += 4 * kv if shape.gemma_norms else 0
+        fp32_out = QK_NORM_FP32_OUTPUT_BYTES_PER_TOKEN if shape.qk_norm_fp32_output else 0
+        peak += fp32_out * (q + kv)
         if t * peak > nbytes:
             what += ", peak in the q norm's backward"
             nbytes, mlp = t * peak, ""
             label = (
                 f"{QK_NORM_PEAK_BYTES_PER_TOKEN_HIDDEN}h + {QK_NORM_PEAK_BYTES_PER_TOKEN_QUERY}q"
                 + (" + 4kv" if shape.gemma_norms else "")
+                + (f" + {fp32_out}(q + kv)" if fp32_out else "")
             )
     return estimate_line(
         f"one layer's backward working set (estimate, {what}: tokens x ({label}){mlp} B)",

@@ -54,6 +54,9 @@ class ModelShape:
     num_heads: int = 0
     # Whether attention normalizes q and k per head (Qwen3's q_norm / k_norm).
     qk_norm: bool = False
+    # Whether those norms return fp32 for bf16 q and k once their weights are bound in fp32, as
+    # the stock Trainer's are (Llama-style ``weight * x``: Qwen3; Gemma-style norms cast back).
+    qk_norm_fp32_output: bool = False
     # Whether RMSNorm and the gated MLP run as fused kernels (Liger-Kernel) that save their
     # inputs only, not their intermediate products (fewer kept-activation bytes).
     fused_layer_kernels: bool = False

@@ -9,6 +9,7 @@ LM head, buffers) stays resident on the compute device as fp32 masters.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -207,6 +208,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         num_heads=heads,
         # Every decoder layer of these families is alike: the first one says.
         qk_norm=bool(layers) and hasattr(getattr(layers[0], "self_attn", None), "q_norm"),
+        qk_norm_fp32_output=bool(layers) and _widens_to_fp32(getattr(layers[0], "self_attn", None)),
         fused_layer_kernels=fused,
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
@@ -324,30 +326,41 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _residual_norm_weights(layer: nn.Module, streamed: set[str], hidden: int | None) -> list[str]:
-    """The layer's residual-stream norm parameters (RMSNorm weights, LayerNorm weights and
-    biases; shape (hidden,), the model's own norm class, not a fused kernel's), to be bound in
-    fp32: the stock Trainer keeps them fp32, so ``weight * normalized`` on the fp32 stream runs
-    as one fp32 kernel there; with the stream copy's bf16 weight it needs a casting kernel (6
-    such per layer and step, measured in the 7B kernel trace), and CPU autocast's layer_norm
-    refuses a bf16 weight on an fp32 input outright (Phi, StarCoder2). The values stay the
-    bf16-rounded ones: the products are bitwise the same. Norms of bf16 tensors (per-head q/k
-    norms) are left as they are."""
+def _norm_weights(layer: nn.Module, streamed: set[str]) -> list[str]:
+    """The layer's norm parameters (RMSNorm / LayerNorm weights and biases, residual-stream and
+    per-head q/k norms alike, the family's own class or a fused kernel's: Liger's, the compiled
+    forwards), to be bound at their fp32 master values (``StreamingEngine.bind_exact``): the
+    stock Trainer's autocast casts matmul weights to bf16, never a norm's, so a weight of
+    1 + 1e-3 computes as that and its gradient comes back in fp32. (Bound as the bf16 copy, bf16
+    Gemma-2 drifted to 3x stock's own spread over 150 steps.) Where a norm of bf16 activations
+    returns ``weight * x`` (Llama-style per-head q/k norms: Qwen3), its output is then fp32 as in
+    stock; the planner counts those bytes (``activation_memory``, exact q/k norms)."""
     names = []
     for mod_name, module in layer.named_modules():
         cls = type(module).__name__
-        if (
-            not ("RMSNorm" in cls or "LayerNorm" in cls)  # (Nemotron's LayerNorm1P too)
-            or cls.startswith("Liger")
-            or "forward" in module.__dict__
-        ):
+        if not ("RMSNorm" in cls or "LayerNorm" in cls):  # (Nemotron's LayerNorm1P too)
             continue
         for attr in ("weight", "bias"):
             p = getattr(module, attr, None)
             name = f"{mod_name}.{attr}" if mod_name else attr
-            if isinstance(p, nn.Parameter) and tuple(p.shape) == (hidden,) and name in streamed:
+            if isinstance(p, nn.Parameter) and p.dtype.is_floating_point and name in streamed:
                 names.append(name)
     return names
+
+
+def _widens_to_fp32(attention: nn.Module | None) -> bool:
+    """Whether the attention's q norm, its weight bound in fp32 (``_norm_weights``), returns
+    fp32 for a bf16 input: probed with the family's own forward (the compiled kernels restate
+    it) on a small stand-in. Liger's kernel writes its input's dtype (and runs only on CUDA)."""
+    norm = getattr(attention, "q_norm", None)
+    weight = getattr(norm, "weight", None)
+    patched = getattr(norm, "__dict__", {}).get("forward")
+    if not isinstance(weight, nn.Parameter) or "liger" in getattr(patched, "__module__", ""):
+        return False
+    stand_in = copy.copy(norm)
+    stand_in._parameters = {**norm._parameters, "weight": nn.Parameter(torch.ones(weight.shape))}
+    x = torch.ones((2, *weight.shape), dtype=torch.bfloat16)
+    return type(norm).forward(stand_in, x).dtype == torch.float32
 
 
 def _has_dropout(config) -> bool:
@@ -478,7 +491,6 @@ def prepare_streamed_model(
     layer_prefixes = tuple(f"{prefix}.{i}." for i in range(len(layers)))
     _place_resident(model, device, layer_prefixes)
     capture = RecorderCapture()
-    hidden = getattr(_text_config(config), "hidden_size", None)
     for i, layer in enumerate(layers):
         # After _place_resident: the resident tensors are the final device parameters.
         layer_resident = [(n, p) for n, p in layer.named_parameters() if n not in streamed[i]]
@@ -489,7 +501,7 @@ def prepare_streamed_model(
             capture=capture,
             trainable=layouts[i].trainable and bool(streamed[i]),
             resident=layer_resident,
-            fp32_params=_residual_norm_weights(layer, streamed[i], hidden),
+            fp32_params=_norm_weights(layer, streamed[i]),
         )
     resident = list(_named_resident(model, decay_names if decay_names is not None else set()))
     model._megatrain = StreamedModelState(
@@ -582,7 +594,6 @@ def prepare_frozen_streamed_model(
     engine = built.engine
     _place_resident(model, engine.device, tuple(f"{prefix}.{i}." for i in range(len(layers))))
     capture = RecorderCapture()
-    hidden = getattr(_text_config(model.config), "hidden_size", None)
     for i, layer in enumerate(layers):
         layer.forward = StreamedLayer(
             engine,
@@ -590,7 +601,7 @@ def prepare_frozen_streamed_model(
             layer,
             capture=capture,
             trainable=False,
-            fp32_params=_residual_norm_weights(layer, streamed[i], hidden),
+            fp32_params=_norm_weights(layer, streamed[i]),
         )
     model._megatrain = StreamedModelState(
         engine=engine,
