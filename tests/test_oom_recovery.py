@@ -100,18 +100,29 @@ class _OutOfMemoryOnce:
         return None
 
 
-def _config():
+def _config(arch: str = "llama"):
     # Dropout on: the step's second run must draw the same random numbers as the first.
-    return tiny_config("llama", attention_dropout=0.2)
+    return tiny_config(arch, attention_dropout=0.2)
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
-def test_a_step_that_runs_out_of_memory_runs_again_with_the_same_result(where, tmp_path, caplog):
+@pytest.mark.parametrize(
+    "arch, where",
+    [
+        ("llama", "forward"),
+        ("llama", "backward"),
+        ("qwen3_moe", "forward"),
+        ("qwen3_moe", "backward"),
+    ],
+)
+def test_a_step_that_runs_out_of_memory_runs_again_with_the_same_result(
+    arch, where, tmp_path, caplog
+):
     """Out of memory in the second micro-batch of step 2: the watchdog frees the step, moves the
     HBM tier to the host (2 MiB asked + 1 GiB headroom is more than the tiny tier holds) and runs
     the step again from its first micro-batch. Losses, gradient norms and final weights are
-    bit-equal to the run that never failed."""
-    model = tiny_model(_config())
+    bit-equal to the run that never failed; with an MoE's router aux loss too (the failed
+    attempt's recorded router logits must not reach the loss)."""
+    model = tiny_model(_config(arch))
     clean_logs, clean = run_accumulating_trainer(copy.deepcopy(model), tmp_path, "clean")
     faulty = copy.deepcopy(model)
     # One forward call per micro-batch (recomputes run without the module's hooks), 2

@@ -179,6 +179,21 @@ GEMMA_QK_NORMS_BYTES_PER_TOKEN = 2
 GEMMA_MLP_BYTES_PER_TOKEN_INTER = 8
 MLP_BYTES_PER_TOKEN_INTER = 6
 
+#: Routed MoE experts (``ModelShape.experts_per_token`` k): transformers' grouped experts gather
+#: each token's hidden state once per chosen expert (fp32, 4h), cast it (2h), and make the down
+#: projection, its weighted and its re-ordered copy (2h each) per token and choice, plus the
+#: sort's and gather's indices and weights; the expert MLP's gate/up products are as a dense
+#: one's of width k x expert width (the shape's intermediate size). Measured on the CPU
+#: live-tensor tracker (OLMoE layers, k of 1-8, h of 64-256, expert widths 32-128, 8 and 16
+#: experts): a recomputed layer's backward holds k x (10h + 56) + 8i B per token where the MLP
+#: line counted 6i, up to 2.5x the line at k = 8. Untiled: MLP tiles leave MoE blocks whole. At
+#: OLMoE-1B-7B's widths and 262,144 tokens that is 44 GiB more: the matrix's cell planned without
+#: it ran out of GPU memory twice (asked 8 GiB, one (tokens x k) x h bf16 tensor) and trained only
+#: after the watchdog moved 4 HBM-tier layers to the host.
+MOE_BYTES_PER_SLOT_HIDDEN = 10
+MOE_BYTES_PER_SLOT = 56
+MOE_BYTES_PER_TOKEN_INTER = 8
+
 
 #: Less per MLP token with Liger-Kernel's fused SwiGLU: no SiLU output tensor (2i; its
 #: kept-activation audit drops the same tensor, 82,486 B/token measured on the H200 against
@@ -203,9 +218,13 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
     h, inter = shape.hidden_size, shape.intermediate_size
     kv = shape.kv_size or h
     heads, q = _query_width(shape)
-    mlp_t = min(t, tile) if tile > 0 else t
+    k = shape.experts_per_token
+    mlp_t = min(t, tile) if tile > 0 and not k else t
     mlp_i = GEMMA_MLP_BYTES_PER_TOKEN_INTER if shape.gemma_norms else MLP_BYTES_PER_TOKEN_INTER
     mlp_i -= FUSED_SWIGLU_BYTES_PER_TOKEN_INTER if shape.fused_layer_kernels else 0
+    routed = k * (MOE_BYTES_PER_SLOT_HIDDEN * h + MOE_BYTES_PER_SLOT) if k else 0
+    if k:
+        mlp_i = MOE_BYTES_PER_TOKEN_INTER
     if mlp_t < t:
         what, kind = f"MLP in tiles of {mlp_t} tokens", TILED_WORKING_SET_KIND
         per = TILED_BYTES_PER_TOKEN_HIDDEN * h + TILED_BYTES_PER_TOKEN_QUERY * q
@@ -220,6 +239,9 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
         label = f"{ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN}h + {ATTN_SIDE_BYTES_PER_TOKEN_QUERY}q"
     if shape.fused_layer_kernels:
         what += ", fused SwiGLU"
+    if routed:
+        what += f", {k} routed experts per token"
+        label += f" + {k} x ({MOE_BYTES_PER_SLOT_HIDDEN}h + {MOE_BYTES_PER_SLOT})"
     norms = 0
     if shape.qk_norm:
         norms += QK_NORM_BYTES_PER_TOKEN_QUERY * q + QK_NORM_BYTES_PER_TOKEN_KV * kv
@@ -233,7 +255,7 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
     if norms:
         which = "Gemma's norms" if shape.gemma_norms else "per-head q/k norms"
         label += f" + {norms} of {which}"
-    nbytes = t * (per + norms) + mlp_t * mlp_i * inter
+    nbytes = t * (per + norms + routed) + mlp_t * mlp_i * inter
     mlp = f" + tile x {mlp_i}i"
     if shape.qk_norm:
         peak = QK_NORM_PEAK_BYTES_PER_TOKEN_HIDDEN * h + QK_NORM_PEAK_BYTES_PER_TOKEN_QUERY * q

@@ -96,6 +96,8 @@ class ModelShape:
     router_aux_loss: bool = False
     router_layers: int = 0
     num_experts: int = 0
+    # Routed experts per token (MoE; 0 for a dense model): the working set's routed-experts term
+    # and, with the aux loss on, its temporaries.
     experts_per_token: int = 0
     router_aux_one_hot: bool = True
 

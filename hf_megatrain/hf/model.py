@@ -220,7 +220,8 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         router_aux_loss=aux,
         router_layers=_router_layers(layers) if aux else 0,
         num_experts=getattr(causal_lm, "num_experts", 0) if aux else 0,
-        experts_per_token=getattr(causal_lm, "num_experts_per_tok", 0) if aux else 0,
+        # Routed experts per token (the working set's; 0 for dense models).
+        experts_per_token=experts or 0,
         router_aux_one_hot=one_hot,
         kept_bytes_audited=cfg.model_type in KEPT_BYTES_AUDITED_MODEL_TYPES
         # (Liger's Gemma kernels are not audited: the fused count is the Llama family's.)
