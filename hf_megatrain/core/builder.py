@@ -214,6 +214,15 @@ def build_frozen_state(
     return StreamedState(stores=stores, engine=engine, n_resident=0, plan=None)
 
 
+def device_free_bytes(device: torch.device) -> int:
+    """What this process can still allocate on ``device``: the driver's free memory plus the
+    blocks PyTorch's caching allocator holds free (reserved, not allocated). The driver alone
+    does not count the cache: after an earlier model or tensor of the process was freed, the
+    plan saw its memory as taken (two trainers in one notebook, one test after another)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def _resident_layer_count(
     layers: Sequence[LayerLayout],
     options: ResolvedOptions,
@@ -247,7 +256,7 @@ def _resident_layer_count(
             return count, None
     elif device.type != "cuda":
         return 0, None
-    free, _ = torch.cuda.mem_get_info(device)
+    free = device_free_bytes(device)
     if shape is None or step is None:
         # Only the layer sizes are known here; the reserve covers everything else.
         shape = ModelShape(
