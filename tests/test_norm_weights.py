@@ -63,3 +63,28 @@ def test_per_head_norms_are_bound_in_fp32(tmp_path):
     bound: list[torch.dtype] = []
     _train(tmp_path, tiny_model(tiny_config("qwen3")), mega=True, bound=bound)
     assert bound[:2] == [torch.float32, torch.float32]
+
+
+def test_plan_knows_which_qk_norms_return_fp32():
+    """The plan's fp32 q/k norm outputs (``ModelShape.qk_norm_fp32_output``): Llama-style
+    ``weight * x`` norms (Qwen3) widen bf16 q and k once their weights are fp32; Gemma-style and
+    OLMo2-style ones cast back. A norm whose forward cannot be probed counts as widening (the
+    plan errs high)."""
+    from hf_megatrain.hf.model import model_shape
+
+    widens = {a: model_shape(tiny_model(tiny_config(a))).qk_norm_fp32_output
+              for a in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "llama")}  # fmt: skip
+    assert widens == {"qwen3": True, "qwen3_moe": True, "gemma3_text": False, "olmo2": False,
+                      "llama": False}  # fmt: skip
+
+    class OddRMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x, scale):  # needs more than one input: the probe cannot run it
+            return self.weight * x * scale
+
+    model = tiny_model(tiny_config("olmo2"))
+    model.model.layers[0].self_attn.q_norm = OddRMSNorm()
+    assert model_shape(model).qk_norm_fp32_output

@@ -352,7 +352,8 @@ def _norm_weights(layer: nn.Module, streamed: set[str]) -> list[str]:
 def _widens_to_fp32(attention: nn.Module | None) -> bool:
     """Whether the attention's q norm, its weight bound in fp32 (``_norm_weights``), returns
     fp32 for a bf16 input: probed with the family's own forward (the compiled kernels restate
-    it) on a small stand-in. Liger's kernel writes its input's dtype (and runs only on CUDA)."""
+    it) on a small stand-in. Liger's kernel writes its input's dtype (and runs only on CUDA). A
+    forward the stand-in cannot run is taken to widen: the plan then errs high, not low."""
     norm = getattr(attention, "q_norm", None)
     weight = getattr(norm, "weight", None)
     patched = getattr(norm, "__dict__", {}).get("forward")
@@ -361,7 +362,11 @@ def _widens_to_fp32(attention: nn.Module | None) -> bool:
     stand_in = copy.copy(norm)
     stand_in._parameters = {**norm._parameters, "weight": nn.Parameter(torch.ones(weight.shape))}
     x = torch.ones((2, *weight.shape), dtype=torch.bfloat16)
-    return type(norm).forward(stand_in, x).dtype == torch.float32
+    try:
+        with torch.no_grad():
+            return type(norm).forward(stand_in, x).dtype == torch.float32
+    except Exception:  # noqa: BLE001 - a forward that needs more than one input: plan high
+        return True
 
 
 def _has_dropout(config) -> bool:
