@@ -13,14 +13,7 @@ import os
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    Qwen2Config,
-    Qwen3Config,
-    Qwen3MoeConfig,
-    Trainer,
-    TrainingArguments,
-)
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Trainer, TrainingArguments
 
 from benchmarks.trace_overlap import analyze, load_events
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments
@@ -885,38 +878,25 @@ def test_keep_attention_outputs_auto_on_gpu(tmp_path):
     assert counter.calls == 4 * 4
 
 
-def _watchdog_config(moe: bool = False):
-    """4 Llama layers of 0.9 GiB of state each: HBM-tier layers worth moving to the host; or 4
-    Qwen3-MoE layers of about 1 GiB (8 experts, top 2, the router aux loss on)."""
-    if moe:
-        return Qwen3MoeConfig(
-            vocab_size=VOCAB, hidden_size=1024, moe_intermediate_size=2048, num_experts=8,
-            num_experts_per_tok=2, output_router_logits=True, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-            max_position_embeddings=512,
-        )  # fmt: skip
+def _watchdog_config() -> LlamaConfig:
+    """4 Llama layers of 0.9 GiB of state each: HBM-tier layers worth moving to the host."""
     return LlamaConfig(
         vocab_size=VOCAB, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["fp32", "bf16-moe"])
-def test_out_of_memory_recovery_on_gpu(tmp_path, caplog, case):
+def test_out_of_memory_recovery_on_gpu(tmp_path, caplog):
     """Issue 20's watchdog on a real allocator: after the plan put all 4 layers (0.9 GiB each)
     in HBM, a tensor takes all but 256 MiB of the GPU, so step 1 runs out of memory. The step
     is freed, HBM-tier layers move to the host tier until it fits, and it runs again; the losses
     match a run without the hog (fp32: the moved layers' AdamW runs on the CPU instead of the
-    GPU, the same fused algorithm, so 1e-5 relative over 4 steps). bf16 with an MoE (norm
-    weights bound from the fp32 masters, the router aux loss): the validation matrix's OLMoE cell
-    at 262,144 tokens had a non-finite loss in the step the watchdog ran again; here every loss
-    is finite and within bf16's 1e-2 of the clean run's."""
+    GPU, the same fused algorithm, so 1e-5 relative over 4 steps)."""
     import logging
 
-    moe = case == "bf16-moe"
-    model = tiny_model(_watchdog_config(moe))
+    model = tiny_model(_watchdog_config())
     data = _data(16, 256)
-    kw = dict(bf16=moe, megatrain_resident_layers="auto")
+    kw = dict(bf16=False, megatrain_resident_layers="auto")
     _, clean = _mega_losses(tmp_path, "clean", copy.deepcopy(model), data, **kw)
     hog = []
 
@@ -934,8 +914,7 @@ def test_out_of_memory_recovery_on_gpu(tmp_path, caplog, case):
     assert any(not s.resident for s in stores)
     assert len(losses) == len(clean) == 4
     for got, want in zip(losses, clean):
-        assert math.isfinite(got), losses
-        assert math.isclose(got, want, rel_tol=1e-2 if moe else 1e-5), (losses, clean)
+        assert math.isclose(got, want, rel_tol=1e-5), (losses, clean)
 
 
 def test_auto_fit_on_gpu(tmp_path, caplog):
