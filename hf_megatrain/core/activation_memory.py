@@ -72,10 +72,11 @@ UNMEASURED_ERROR = 0.20
 #:   most rows, as the fused loss's chunk and the LM head's lines, counted beside it, are freed
 #:   before any layer's backward. Before: speed8b-1524 (Llama-3.1-8B, Liger, 64k micro-batches)
 #:   +10.6%.
-#: * MoE working set (routed experts), 5%: counts the experts' whole MLP backward (8i), not the
-#:   dense line's 6i, so the dense line's 14% (its 12i-vs-6i gap) does not apply. Measured on
-#:   the CPU (``MOE_BYTES_PER_SLOT_HIDDEN``): a recomputed OLMoE / Qwen3-MoE layer's backward
-#:   within 1.01-1.04x of the line. The matrix's OLMoE cells at 131,072 and 262,144 tokens
+#: * MoE working set (routed experts), 5%, for the audited families
+#:   (``ModelShape.moe_working_set_audited``; the others keep the kind of the dense line): counts
+#:   the experts' whole MLP backward (8i), not the dense line's 6i, so the dense line's 14% (its
+#:   12i-vs-6i gap) does not apply. Measured on the CPU (``MOE_BYTES_PER_SLOT_HIDDEN``): a
+#:   recomputed OLMoE / Qwen3-MoE layer's backward within 1.01-1.04x of the line. The matrix's OLMoE cells at 131,072 and 262,144 tokens
 #:   (4ced842) peaked 0.94-0.99x of it once the fused loss's and LM head's lines, freed before
 #:   any layer's backward, are set aside; with 14% they were planned 10.4% and 14.4% high.
 #: * kept activations, 5%: matrixds-1656 (Qwen2.5-3B at 64k tokens, 15 layers keeping theirs:
@@ -248,7 +249,7 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
     if shape.fused_layer_kernels:
         what += ", fused SwiGLU"
     if routed:
-        kind = MOE_WORKING_SET_KIND
+        kind = MOE_WORKING_SET_KIND if shape.moe_working_set_audited else kind
         what += f", {k} routed experts per token"
         label += f" + {k} x ({MOE_BYTES_PER_SLOT_HIDDEN}h + {MOE_BYTES_PER_SLOT})"
     norms = 0

@@ -99,6 +99,9 @@ class ModelShape:
     # Routed experts per token (MoE; 0 for a dense model): the working set's routed-experts term
     # and, with the aux loss on, its temporaries.
     experts_per_token: int = 0
+    # Whether that term is audited for the family (within 5%: its own estimate kind); else the
+    # line carries the dense working set's larger error.
+    moe_working_set_audited: bool = False
     router_aux_one_hot: bool = True
 
     @property
