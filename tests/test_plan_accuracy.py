@@ -220,26 +220,27 @@ def test_fp32_qk_norm_outputs_stay_inside_the_working_set(heads, kv_heads):
         assert backward <= planned, (backward, planned)
 
 
-@pytest.mark.parametrize("family, k", [("olmoe", 2), ("olmoe", 8), ("qwen3_moe", 4)])
-def test_routed_experts_working_set_is_what_backward_holds(family, k):
+@pytest.mark.parametrize(
+    "family, h, k",
+    [("olmoe", 64, 2), ("olmoe", 128, 4), ("qwen3_moe", 64, 4), ("mixtral", 64, 4),
+     ("granitemoe", 32, 2), ("qwen2_moe", 64, 4), ("glm4_moe", 64, 4)],
+)  # fmt: skip
+def test_routed_experts_working_set_is_what_backward_holds(family, h, k):
     """A recomputed MoE layer's backward, per token: transformers' grouped experts hold each
     token's hidden state once per chosen expert (gathered, cast, projected down, weighted,
     re-ordered) and their gradients: k x (10h + 56) + 8i B on top of the attention half, where
     the dense MLP line counted 6i (the OLMoE cell at 262,144 tokens ran out of GPU memory on
-    that). The plan's working set is within 5% of the measured backward (1.5-2.5x below it
-    before)."""
-    from transformers import OlmoeConfig, Qwen3MoeConfig  # noqa: PLC0415
-
+    that); 8h more per chosen expert where the routing weights stay fp32 (Mixtral, GraniteMoE);
+    a shared expert's 8 B per element of its width and 20h (Qwen2-MoE). For the families the
+    plan takes as audited (5% error) the line is within 5% of the measured backward (1.5-2.5x
+    below it before); GLM-4-MoE's shared expert, without a gate, holds less: planned high."""
     from hf_megatrain.core.activation_memory import _working_set_line  # noqa: PLC0415
+    from tests.helpers import tiny_config  # noqa: PLC0415
 
-    widths = dict(WIDTHS, num_hidden_layers=3, num_experts=8, num_experts_per_tok=k,
-                  output_router_logits=True)  # fmt: skip
-    if family == "olmoe":
-        cfg = OlmoeConfig(**{**widths, "intermediate_size": 32, "num_key_value_heads": 4})
-    else:
-        cfg = Qwen3MoeConfig(**widths, moe_intermediate_size=32)
     grown = []
     for tokens in (256, 512):
+        cfg = tiny_config(family, num_hidden_layers=3, max_position_embeddings=4096)
+        cfg.hidden_size, cfg.num_experts_per_tok = h, k
         model, shape = _streamed(cfg)
         live = Live()
         _step(model, tokens, live)
@@ -249,13 +250,15 @@ def test_routed_experts_working_set_is_what_backward_holds(family, k):
     planned = (
         _working_set_line(shape, 512, 0).nbytes - _working_set_line(shape, 256, 0).nbytes
     ) / 256
-    assert 0.95 * planned <= measured <= 1.05 * planned, (measured, planned)
+    assert measured <= 1.05 * planned, (measured, planned)
+    if shape.moe_working_set_audited:
+        assert measured >= 0.95 * planned, (measured, planned)
 
 
 def test_routed_experts_error_is_the_audited_families_only():
-    """The MoE line's 5% error holds where it was measured (OLMoE, Qwen3-MoE); Mixtral's fp32
-    routing weights hold more (1.2-1.45x the line on the CPU tracker), so its line keeps the dense
-    working set's kind and error."""
+    """The MoE line's 5% error holds where it was measured to (OLMoE, Qwen3-MoE, Mixtral,
+    Qwen2-MoE); GLM-4-MoE (planned high, not measured to 5%) keeps the dense working set's
+    kind and error."""
     from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
         MOE_WORKING_SET_KIND,
         WORKING_SET_KIND,
@@ -266,10 +269,11 @@ def test_routed_experts_error_is_the_audited_families_only():
 
     kinds = {
         arch: _working_set_line(model_shape(tiny_model(tiny_config(arch))), 4096, 0).kind
-        for arch in ("olmoe", "qwen3_moe", "mixtral", "qwen2_moe")
+        for arch in ("olmoe", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
     }
     assert kinds == {"olmoe": MOE_WORKING_SET_KIND, "qwen3_moe": MOE_WORKING_SET_KIND,
-                     "mixtral": WORKING_SET_KIND, "qwen2_moe": WORKING_SET_KIND}  # fmt: skip
+                     "mixtral": MOE_WORKING_SET_KIND, "qwen2_moe": MOE_WORKING_SET_KIND,
+                     "glm4_moe": WORKING_SET_KIND}  # fmt: skip
 
 
 def test_fused_loss_chunk_holds_ten_bytes_per_logit():

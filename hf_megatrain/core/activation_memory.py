@@ -76,7 +76,8 @@ UNMEASURED_ERROR = 0.20
 #:   (``ModelShape.moe_working_set_audited``; the others keep the kind of the dense line): counts
 #:   the experts' whole MLP backward (8i), not the dense line's 6i, so the dense line's 14% (its
 #:   12i-vs-6i gap) does not apply. Measured on the CPU (``MOE_BYTES_PER_SLOT_HIDDEN``): a
-#:   recomputed OLMoE / Qwen3-MoE layer's backward within 1.01-1.04x of the line. The matrix's OLMoE cells at 131,072 and 262,144 tokens
+#:   recomputed OLMoE / Qwen3-MoE / Mixtral / GraniteMoE / Qwen2-MoE layer's backward within
+#:   0.96-1.04x of the line. The matrix's OLMoE cells at 131,072 and 262,144 tokens
 #:   (4ced842) peaked 0.94-0.99x of it once the fused loss's and LM head's lines, freed before
 #:   any layer's backward, are set aside; with 14% they were planned 10.4% and 14.4% high.
 #: * kept activations, 5%: matrixds-1656 (Qwen2.5-3B at 64k tokens, 15 layers keeping theirs:
@@ -202,6 +203,16 @@ MLP_BYTES_PER_TOKEN_INTER = 6
 MOE_BYTES_PER_SLOT_HIDDEN = 10
 MOE_BYTES_PER_SLOT = 56
 MOE_BYTES_PER_TOKEN_INTER = 8
+#: Routing weights kept in fp32 (``ModelShape.fp32_routing_weights``: Mixtral, GraniteMoE): the
+#: weighted expert outputs, their re-ordered copies and gradients are fp32, 8h more per token
+#: and chosen expert (the same tracker: 1.00x the line with it, 1.2-1.45x without).
+MOE_FP32_ROUTING_BYTES_PER_SLOT_HIDDEN = 8
+#: A shared expert (``ModelShape.shared_expert_size`` s): a gated MLP on every token, 8 B per
+#: element of its width (as the routed experts' 8i), and its output, gate and sum with the
+#: routed ones, 20h (measured on Qwen2-MoE layers, h 32-64, s 16-64; GLM-4-MoE's and dots1's,
+#: without the gate, hold less: planned high).
+MOE_SHARED_BYTES_PER_INTER = 8
+MOE_SHARED_BYTES_PER_HIDDEN = 20
 
 
 #: Less per MLP token with Liger-Kernel's fused SwiGLU: no SiLU output tensor (2i; its
@@ -231,7 +242,12 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
     mlp_t = min(t, tile) if tile > 0 and not k else t
     mlp_i = GEMMA_MLP_BYTES_PER_TOKEN_INTER if shape.gemma_norms else MLP_BYTES_PER_TOKEN_INTER
     mlp_i -= FUSED_SWIGLU_BYTES_PER_TOKEN_INTER if shape.fused_layer_kernels else 0
-    routed = k * (MOE_BYTES_PER_SLOT_HIDDEN * h + MOE_BYTES_PER_SLOT) if k else 0
+    slot_h = MOE_BYTES_PER_SLOT_HIDDEN
+    slot_h += MOE_FP32_ROUTING_BYTES_PER_SLOT_HIDDEN if shape.fp32_routing_weights else 0
+    routed = k * (slot_h * h + MOE_BYTES_PER_SLOT) if k else 0
+    shared = shape.shared_expert_size if k else 0
+    if shared:
+        routed += MOE_SHARED_BYTES_PER_INTER * shared + MOE_SHARED_BYTES_PER_HIDDEN * h
     if k:
         mlp_i = MOE_BYTES_PER_TOKEN_INTER
     if mlp_t < t:
@@ -251,7 +267,9 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
     if routed:
         kind = MOE_WORKING_SET_KIND if shape.moe_working_set_audited else kind
         what += f", {k} routed experts per token"
-        label += f" + {k} x ({MOE_BYTES_PER_SLOT_HIDDEN}h + {MOE_BYTES_PER_SLOT})"
+        label += f" + {k} x ({slot_h}h + {MOE_BYTES_PER_SLOT})"
+        if shared:
+            label += f" + {MOE_SHARED_BYTES_PER_INTER} x {shared} + {MOE_SHARED_BYTES_PER_HIDDEN}h (shared)"
     norms = 0
     if shape.qk_norm:
         norms += QK_NORM_BYTES_PER_TOKEN_QUERY * q + QK_NORM_BYTES_PER_TOKEN_KV * kv

@@ -102,6 +102,10 @@ class ModelShape:
     # Whether that term is audited for the family (within 5%: its own estimate kind); else the
     # line carries the dense working set's larger error.
     moe_working_set_audited: bool = False
+    # Whether the routing weights stay fp32 (Mixtral, GraniteMoE): fp32 weighted expert outputs.
+    fp32_routing_weights: bool = False
+    # MLP width of the shared expert(s) every token runs besides the routed ones (0: none).
+    shared_expert_size: int = 0
     router_aux_one_hot: bool = True
 
     @property

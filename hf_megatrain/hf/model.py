@@ -56,12 +56,15 @@ KEPT_BYTES_AUDITED_MODEL_TYPES = frozenset(
 )
 
 #: MoE families whose routed-experts working set the planner counts within 5% (the CPU
-#: live-tensor tracker, tests/test_plan_accuracy.py; OLMoE's H200 cells 0.94-0.99x). Measured
-#: above it, so planned with the dense line's larger error: Mixtral and GraniteMoE 1.2-1.45x
-#: (their routing weights stay fp32: the weighted expert outputs and their gradients are fp32,
-#: about 8h more per token and chosen expert), Qwen2-MoE 1.37x, GLM-4-MoE 1.23x and dots1 1.11x
-#: (a shared expert besides the routed ones: 8 B per shared-expert width and about 20h).
-MOE_WORKING_SET_AUDITED_MODEL_TYPES = frozenset({"olmoe", "qwen3_moe"})
+#: live-tensor tracker, tests/test_plan_accuracy.py; OLMoE's H200 cells 0.94-0.99x); the others
+#: plan it with the dense line's larger error. Mixtral and GraniteMoE keep their routing weights
+#: in fp32 (``MOE_FP32_ROUTING_MODEL_TYPES``: the weighted expert outputs and their gradients are
+#: fp32, 8h more per token and chosen expert); Qwen2-MoE's shared expert is counted apart
+#: (``ModelShape.shared_expert_size``).
+MOE_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
+    {"olmoe", "qwen3_moe", "mixtral", "granitemoe", "qwen2_moe"}
+)
+MOE_FP32_ROUTING_MODEL_TYPES = frozenset({"mixtral", "granitemoe"})
 
 #: model_type -> short description; each has a tiny-config equivalence test.
 SUPPORTED_MODEL_TYPES = {
@@ -232,6 +235,8 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         experts_per_token=experts or 0,
         router_aux_one_hot=one_hot,
         moe_working_set_audited=cfg.model_type in MOE_WORKING_SET_AUDITED_MODEL_TYPES,
+        fp32_routing_weights=cfg.model_type in MOE_FP32_ROUTING_MODEL_TYPES,
+        shared_expert_size=_shared_expert_size(text_cfg) if experts else 0,
         kept_bytes_audited=cfg.model_type in KEPT_BYTES_AUDITED_MODEL_TYPES
         # (Liger's Gemma kernels are not audited: the fused count is the Llama family's.)
         or (cfg.model_type == "gemma3_text" and not fused),
@@ -334,6 +339,17 @@ _RANDOM_CONFIG_KEYS = ("dropout", "pdrop", "jitter")  # e.g. attention_dropout, 
 def _text_config(config):
     """The text model's config (the config itself for text-only models)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _shared_expert_size(config) -> int:
+    """The MLP width of an MoE layer's shared expert(s), run on every token beside the routed
+    ones (Qwen2-MoE, Qwen3-Next; DeepSeek, GLM-4-MoE, dots1: n shared experts of the routed
+    width); 0 without."""
+    width = getattr(config, "shared_expert_intermediate_size", None)
+    if width:
+        return int(width)
+    n = getattr(config, "n_shared_experts", None) or 0
+    return int(n) * int(getattr(config, "moe_intermediate_size", 0) or 0)
 
 
 def _norm_weights(layer: nn.Module, streamed: set[str]) -> list[str]:
