@@ -79,6 +79,11 @@ class WeightStreamer:
         # step's GPU AdamW, a checkpoint load) on the compute stream.
         self._masters_written = torch.cuda.Event()
         self._masters_written.record(torch.cuda.current_stream(device))
+        # The slot buffers were allocated on the compute stream: the caching allocator may have
+        # handed out memory that kernels still queued there (a step the watchdog aborted, work
+        # before a rebuild) last used. A slot's first copy waits for this point of that stream.
+        self._allocated = torch.cuda.Event()
+        self._allocated.record(torch.cuda.current_stream(device))
 
     def _slot_of(self, idx: int) -> int | None:
         for s in (0, 1):
@@ -98,8 +103,7 @@ class WeightStreamer:
         self._wait_ready(idx)
         free = self._slot_free[slot]
         with torch.cuda.stream(self._h2d):
-            if free is not None:
-                self._h2d.wait_event(free)
+            self._h2d.wait_event(free if free is not None else self._allocated)
             dst = self._buffers[slot][: store.numel]
             if store.resident:
                 # HBM tier without a compute-dtype copy: a device-side cast, no PCIe.
@@ -154,6 +158,11 @@ class WeightStreamer:
             buf = self._exact_buffers[slot] = torch.empty(
                 max(numel, 1), dtype=torch.float32, device=self._device
             )
+            # Made on the compute stream mid-step: its memory may be what kernels still queued
+            # there last used. Its first fill (copy stream) waits for them; without this the
+            # fill could land before them and be overwritten (the first step only, with layers
+            # running ahead of the first streamed one: OLMoE's first loss came out NaN).
+            self._h2d.wait_stream(torch.cuda.current_stream(self._device))
         return buf
 
     def exact_params(self, idx: int) -> dict[str, torch.Tensor] | None:
