@@ -98,11 +98,11 @@ def plan_row(row: dict):
     shape = model_shape_from_config(cfg, row["model"])
     if shape.attn_implementation != ROW_ATTENTION:
         shape = replace(shape, attn_implementation=ROW_ATTENTION, sdpa_attention=True)
-    if row.get("date", "") >= ATTENTION_AUTO_SINCE and "--attention model" not in row["command"]:
+    command = row.get("command", "")
+    if row.get("date", "") >= ATTENTION_AUTO_SINCE and "--attention model" not in command:
         shape, _ = planned_attention(shape, cfg, "auto", int(row["seq_len"]))
     if cfg.model_type in MOE_FUSED_LOSS_TYPES and row.get("date", "") < MOE_FUSED_LOSS_SINCE:
         shape = replace(shape, fused_loss=False)
-    command = row.get("command", "")
     note = row.get("note", "")
     fitted = re.search(r"auto-fit: ([^;]+)", note)
     if fitted:  # the memory options auto_fit turned on for the run, as flags

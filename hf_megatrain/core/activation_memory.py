@@ -242,14 +242,14 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
     mlp_t = min(t, tile) if tile > 0 and not k else t
     mlp_i = GEMMA_MLP_BYTES_PER_TOKEN_INTER if shape.gemma_norms else MLP_BYTES_PER_TOKEN_INTER
     mlp_i -= FUSED_SWIGLU_BYTES_PER_TOKEN_INTER if shape.fused_layer_kernels else 0
-    slot_h = MOE_BYTES_PER_SLOT_HIDDEN
-    slot_h += MOE_FP32_ROUTING_BYTES_PER_SLOT_HIDDEN if shape.fp32_routing_weights else 0
-    routed = k * (slot_h * h + MOE_BYTES_PER_SLOT) if k else 0
-    shared = shape.shared_expert_size if k else 0
-    if shared:
-        routed += MOE_SHARED_BYTES_PER_INTER * shared + MOE_SHARED_BYTES_PER_HIDDEN * h
-    if k:
+    routed, shared = 0, shape.shared_expert_size
+    if k:  # routed experts: their whole MLP (8i), per chosen expert, the shared expert
         mlp_i = MOE_BYTES_PER_TOKEN_INTER
+        slot_h = MOE_BYTES_PER_SLOT_HIDDEN
+        slot_h += MOE_FP32_ROUTING_BYTES_PER_SLOT_HIDDEN if shape.fp32_routing_weights else 0
+        routed = k * (slot_h * h + MOE_BYTES_PER_SLOT)
+        if shared:
+            routed += MOE_SHARED_BYTES_PER_INTER * shared + MOE_SHARED_BYTES_PER_HIDDEN * h
     if mlp_t < t:
         what, kind = f"MLP in tiles of {mlp_t} tokens", TILED_WORKING_SET_KIND
         per = TILED_BYTES_PER_TOKEN_HIDDEN * h + TILED_BYTES_PER_TOKEN_QUERY * q

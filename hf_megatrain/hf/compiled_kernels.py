@@ -157,7 +157,7 @@ def _computes_like(key: object, run_theirs, run_ours) -> bool:
     return _PROBED[key]
 
 
-def _stand_in(module: nn.Module, **parts: nn.Module | nn.Parameter) -> nn.Module:
+def stand_in(module: nn.Module, **parts: nn.Module | nn.Parameter) -> nn.Module:
     """A shallow copy of ``module`` whose parameters / sub-modules ``parts`` are small real ones
     (the module's own may be meta placeholders, and are large)."""
     proxy = copy.copy(module)
@@ -177,7 +177,7 @@ def _norm_like(module: nn.Module) -> bool:
     g = torch.Generator().manual_seed(0)
     w = nn.Parameter(torch.randn(8, generator=g))
     x = torch.randn(3, 8, generator=g)
-    proxy = _stand_in(module, weight=w)
+    proxy = stand_in(module, weight=w)
     return _computes_like(
         (type(module), "norm"), lambda: type(module).forward(proxy, x), lambda: rms_norm(x, w, eps)
     )
@@ -197,7 +197,7 @@ def _swiglu_like(module: nn.Module) -> bool:
         for p in lin.parameters():
             p.data = torch.randn(p.shape, generator=g)
     x = torch.randn(3, h, generator=g)
-    proxy = _stand_in(module, gate_proj=gate, up_proj=up, down_proj=down)
+    proxy = stand_in(module, gate_proj=gate, up_proj=up, down_proj=down)
     return _computes_like(
         (type(module), "mlp"),
         lambda: type(module).forward(proxy, x),

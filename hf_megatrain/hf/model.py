@@ -9,7 +9,6 @@ LM head, buffers) stays resident on the compute device as fp32 masters.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from ..core.streamed_layer import StreamedLayer
 from ..core.streaming import StreamingEngine
 from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
-from .compiled_kernels import is_compiled_forward
+from .compiled_kernels import is_compiled_forward, stand_in
 from .layers import UnsupportedModelError, find_decoder_layers, forward_function
 from .long_context import install_mlp_tiling
 from .loss import (
@@ -384,12 +383,11 @@ def _widens_to_fp32(attention: nn.Module | None) -> bool:
     patched = getattr(norm, "__dict__", {}).get("forward")
     if not isinstance(weight, nn.Parameter) or "liger" in getattr(patched, "__module__", ""):
         return False
-    stand_in = copy.copy(norm)
-    stand_in._parameters = {**norm._parameters, "weight": nn.Parameter(torch.ones(weight.shape))}
+    proxy = stand_in(norm, weight=nn.Parameter(torch.ones(weight.shape)))
     x = torch.ones((2, *weight.shape), dtype=torch.bfloat16)
     try:
         with torch.no_grad():
-            return type(norm).forward(stand_in, x).dtype == torch.float32
+            return type(norm).forward(proxy, x).dtype == torch.float32
     except Exception:  # noqa: BLE001 - a forward that needs more than one input: plan high
         return True
 
