@@ -124,6 +124,9 @@ EXTRA_COLUMNS = [
     # torch.cuda.max_memory_allocated beside peak_hbm_gib's max reserved: the live tensors' peak
     # (reserved less this: the allocator's cached, unused blocks at the peak). Empty off CUDA.
     "peak_hbm_alloc_gib",
+    # The plan's expected GPU peak (plan_hbm_gib less its margin for measured errors,
+    # MemoryPlan.gpu_peak_estimate): what peak_hbm_gib is set against; plan_hbm_gib is the bound.
+    "plan_hbm_est_gib",
 ]
 CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
 
@@ -724,6 +727,7 @@ def _megatrain_plan(trainer, asked: EngineOptions) -> dict:
     print(f"bench worker: megatrain placement {json.dumps(out)}", flush=True)
     if state.plan is not None:
         out["plan_hbm_gib"] = state.plan.gpu_total / GIB
+        out["plan_hbm_est_gib"] = state.plan.gpu_peak_estimate / GIB
         out["plan_host_gib"] = state.plan.host_peak_estimate / GIB
     return out
 
@@ -967,6 +971,7 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "command": cfg.command(),
         "hbm_layers": result.get("hbm_layers", ""),
         "plan_hbm_gib": _fmt(result.get("plan_hbm_gib"), 2),
+        "plan_hbm_est_gib": _fmt(result.get("plan_hbm_est_gib"), 2),
         "plan_host_gib": _fmt(result.get("plan_host_gib"), 2),
         "startup_s": _fmt(result.get("startup_s"), 1),
         "mlp_tile_tokens": cfg.engine.mlp_tile_tokens or "",

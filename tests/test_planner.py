@@ -544,10 +544,16 @@ def test_slack_is_fragmentation_plus_each_estimates_measured_error(qwen1_5b):
     # after its peak (with the tiled error at 16% that plan was 1.4 GiB short).
     assert plan.gpu_total >= 113.68 * GIB
     assert plan.gpu_total - 8 * qwen1_5b.non_layer_numel >= 113.68 * GIB
+    # The expected peak (what a run's reserved peak is set against) is the bound less the
+    # estimates' margins: the allocator's fragmentation, part of reserved memory, stays.
+    assert plan.gpu_peak_estimate == plan.gpu_total - margins
+    expected = next(t for t in plan.table().splitlines() if "expected peak" in t)
+    assert f"{plan.gpu_peak_estimate / GIB:.2f}" in expected
     # A short step whose estimates are small: the 1 GiB floor.
     short = plan_memory(qwen1_5b, StepShape(4096, 4096), OFF, BF16, 1 << 50, 1 << 50)
     assert short.gpu_lines[-1].nbytes == GPU_SLACK_MIN
     assert "(min 1 GiB)" in short.gpu_lines[-1].name
+    assert short.gpu_peak_estimate == short.gpu_total - GPU_SLACK_MIN + ALLOCATOR_FRAGMENTATION
 
 
 def test_qwen3_8b_long_sequence_counts_its_qk_norms():

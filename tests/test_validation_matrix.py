@@ -108,8 +108,9 @@ def test_summarize_builds_the_table(tmp_path):
             4096,
             "trained",
             plan_hbm_gib="100.00",
+            plan_hbm_est_gib="97.00",
             peak_hbm_gib="95.00",
-            hbm_err_pct="+5.3",
+            hbm_err_pct="+2.1",
             plan_host_gib="2.00",
             peak_host_gib="2.10",
             host_err_pct="-4.8",
@@ -138,12 +139,13 @@ def test_summarize_builds_the_table(tmp_path):
     text = out.read_text()
     assert "| family (model) | 4k | 256k |" in text  # 32k only in the other tag
     assert (
-        "| qwen3 (qwen3-model) | trained: HBM 100.00 / 95.00 (+5.3%), host 2.00 / 2.10 (-4.8%) | "
+        "| qwen3 (qwen3-model) | trained: HBM 97.00 / 95.00 (+2.1%), host 2.00 / 2.10 (-4.8%) | "
         "refused (plan HBM 180.00 GiB) |" in text
     )
     assert (
-        "| moe (moe-model) | trained: HBM 50.00 / 40.00 (+25.0%), host - / - (-%) | **oom-gpu** |"
-        in text
+        # A row recorded before the expected peak was: set against its bound, so marked.
+        "| moe (moe-model) | trained: HBM 50.00 / 40.00 (bound) (+25.0%), host - / - (-%) | "
+        "**oom-gpu** |" in text
     )
     assert (
         "**promise broken: 4 cells, 2 trained, 1 refused, 1 failed (oom-gpu), 0 not run (budget); "
@@ -151,8 +153,9 @@ def test_summarize_builds_the_table(tmp_path):
     )
     assert "DoesNotFitError: needs 180 GiB / fits: 131072 tokens" in text  # "|" escaped
     assert "steps (warm-up + measured): 1 + 1" in text
-    # The cells' table: the reserved peak, its error, then the allocated peak.
-    assert "| qwen3 4k | trained |  |  |  | 100.00 | 95.00 | +5.3 | 93.25 | 2.00 |" in text
+    # The cells' table: the expected peak, the bound, the reserved peak, its error, then the
+    # allocated peak.
+    assert "| qwen3 4k | trained |  |  |  | 97.00 | 100.00 | 95.00 | +2.1 | 93.25 | 2.00 |" in text
 
 
 def test_budget_records_cells_not_run(tmp_path):

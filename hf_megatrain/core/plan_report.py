@@ -28,7 +28,14 @@ from .engine.staging import GRAD_STAGING_SLOTS
 from .host_store import format_bytes
 from .memory_options import BF16_BOUNDARIES, MemoryOptions
 from .options import ResolvedOptions, StepShape
-from .plan_arithmetic import GIB, PCIE_BYTES_PER_S, SAFETY_MARGIN_LINE, host_bytes_per_param
+from .plan_arithmetic import (
+    ALLOCATOR_FRAGMENTATION,
+    GIB,
+    PCIE_BYTES_PER_S,
+    SAFETY_MARGIN_LINE,
+    SLACK_KIND,
+    host_bytes_per_param,
+)
 from .plan_types import (
     HBM,
     HOST,
@@ -117,6 +124,14 @@ class MemoryPlan:
     @property
     def gpu_total(self) -> int:
         return sum(line.nbytes for line in self.gpu_lines)
+
+    @property
+    def gpu_peak_estimate(self) -> int:
+        """The GPU peak the run should reach (torch's max reserved): every GPU line but the
+        slack's margin for the estimate lines' measured errors. The allocator's fragmentation,
+        which reserved memory includes, stays. ``gpu_total`` is the bound a fit is judged by."""
+        slack = sum(line.nbytes for line in self.gpu_lines if line.kind == SLACK_KIND)
+        return self.gpu_total - slack + min(slack, ALLOCATOR_FRAGMENTATION)
 
     @property
     def host_total(self) -> int:
@@ -463,6 +478,9 @@ def render_table(plan: MemoryPlan, namer: OptionNamer | None = None) -> str:
         gap = abs(avail - total) / GIB
         status = f"fits, {gap:.2f} GiB left" if total <= avail else f"DOES NOT FIT: {gap:.2f} short"
         out.append(f"  {'total':<{width - 11}}{_gib(total)}")
+        if lines is plan.gpu_lines:
+            expected = "expected peak (the total less the margin for measured errors)"
+            out.append(f"  {expected:<{width - 11}}{_gib(plan.gpu_peak_estimate)}")
         out.append(f"  {'available (' + status + ')':<{width - 11}}{_gib(avail)}")
     secs = max(plan.h2d_bytes_per_step, plan.d2h_bytes_per_step) / PCIE_BYTES_PER_S
     out.append("")
