@@ -465,9 +465,7 @@ def promise_line(rows: list[dict]) -> str:
         if failed or off
         else ("holds so far (cells not run)" if count[NOT_RUN] else "holds")
     )
-    parts = ", ".join(
-        f"max |{col} err| {w:.1f}%" for col, w in worst.items() if w is not None
-    )
+    parts = ", ".join(f"max |{col} err| {w:.1f}%" for col, w in worst.items() if w is not None)
     return (
         f"promise {verdict}: {len(cells)} cells, {count['trained']} trained, "
         f"{count['refused']} refused, {len(failed)} failed"
