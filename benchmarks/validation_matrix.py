@@ -81,9 +81,14 @@ HOST_ADAM_PARAMS_PER_S = 1.5e9  # host AdamW of the host-tier layers (not all of
 #: its masked (memory-efficient) kernel over every block; eager attention materializes scores.
 MASKED_SDPA_FACTOR = 2.0
 EAGER_FACTOR = 3.0
-#: FlexAttention's Triton kernels against cuDNN's causal SDPA (a budget guess, unmeasured here;
-#: the window's block sparsity is not counted, so sliding-window cells are overestimated).
-FLEX_FACTOR = 1.5
+#: FlexAttention's Triton kernels against cuDNN's causal SDPA, effective (the window's block
+#: sparsity not counted): Gemma-2-2B's steps (half its layers sliding-window) measured 41.9 s at
+#: 131,072 tokens and 184 s at 262,144 (H200, e3a1a56 and 5c22eb5), 1.9x and 2.3x this formula.
+FLEX_FACTOR = 2.3
+#: FlexAttention's kernels compile in a cell's first step (torch.compile, a cold cache): Gemma-2's
+#: 131,072-token first step took 49 s longer than its second, and its 32,768-token cell ran
+#: past a 90 s timeout on a fresh machine (34 s in all with the compile cache warm).
+FLEX_COMPILE_S = 60.0
 #: A cell starts only with this much of the budget left (else: not run (budget)).
 MIN_CELL_S = 30.0
 
@@ -234,10 +239,12 @@ def plan_cell(
     compute = (attn + dense) / (tflops * 1e12)
     pcie = (plan.h2d_bytes_per_step + plan.d2h_bytes_per_step) / planner.PCIE_BYTES_PER_S
     host_params = sum(shape.layer_numels[p.index] for p in plan.layers if p.tier != planner.HBM)
+    compile_s = FLEX_COMPILE_S if shape.attn_implementation == "flex_attention" else 0.0
     cell.est_s = (
         STARTUP_S
         + STARTUP_S_PER_B * billions
         + FIRST_STEP_S
+        + compile_s
         + max(1, steps) * (max(compute, pcie) + host_params / HOST_ADAM_PARAMS_PER_S)
     )
     return cell
@@ -319,9 +326,43 @@ def err_pct(planned: Any, measured: Any) -> str:
 
 def planned_hbm(row: dict) -> Any:
     """The planned GPU peak a row's measured one is set against: the plan's expected peak
-    (``plan_hbm_est_gib``), or for rows recorded before that column its bound (``plan_hbm_gib``:
-    the expected peak plus the margin for measured errors)."""
+    (``plan_hbm_est_gib``; re-planned for older rows by ``with_expected_peaks``), else its bound
+    (``plan_hbm_gib``: the expected peak plus the margin for measured errors)."""
     return row.get("plan_hbm_est_gib") or row.get("plan_hbm_gib")
+
+
+def rescued(row: dict) -> bool:
+    """Whether the row's run ran out of GPU memory and the out-of-memory watchdog re-ran it
+    (``plan_vs_measured.OOM_RECOVERED``): it trained, but the plan it ran with did not hold."""
+    from benchmarks import plan_vs_measured as pvm
+
+    key = (row.get("tag"), row.get("model"), int(row.get("seq_len") or 0), row.get("commit"))
+    return key in pvm.OOM_RECOVERED
+
+
+def with_expected_peaks(rows: list[dict]) -> list[dict]:
+    """The rows, those trained before the plan's expected GPU peak was recorded (no
+    ``plan_hbm_est_gib``) given the current planner's for their run (``plan_vs_measured.plan_row``:
+    the row's placement, kept layers and attention outputs; a first-step-only row less the AdamW
+    moments its one step had not made yet) and ``plan_hbm_est_from="re-planned"``. Rows of
+    models without a config under benchmarks/configs stay as they are."""
+    from benchmarks import plan_vs_measured as pvm
+    from hf_megatrain.core.planner import GIB
+
+    out = []
+    for row in rows:
+        known = (bench.CONFIG_DIR / str(row.get("model")) / "config.json").is_file()
+        if row.get("status") == "trained" and not row.get("plan_hbm_est_gib") and known:
+            plan = pvm.plan_row(row)
+            absent = (
+                pvm.FIRST_STEP_ABSENT_BYTES_PER_PARAM * plan.shape.non_layer_numel
+                if pvm.first_step_only(row)
+                else 0
+            )
+            expected = (plan.gpu_peak_estimate - absent) / GIB
+            row = {**row, "plan_hbm_est_gib": f"{expected:.2f}", "plan_hbm_est_from": "re-planned"}
+        out.append(row)
+    return out
 
 
 def hbm_err(row: dict) -> str:
@@ -433,9 +474,15 @@ def _cell_text(row: dict) -> str:
     if status == "trained":
         hbm = f"HBM {planned_hbm(row) or '-'} / {row.get('peak_hbm_gib') or '-'}"
         host = f"host {row.get('plan_host_gib') or '-'} / {row.get('peak_host_gib') or '-'}"
-        bound = "" if row.get("plan_hbm_est_gib") else " (bound)"
+        if rescued(row):
+            return f"trained after running out of GPU memory (watchdog): {hbm}"
+        mark = ""
+        if not row.get("plan_hbm_est_gib"):
+            mark = " (bound)"
+        elif row.get("plan_hbm_est_from") == "re-planned":
+            mark = " (re-planned)"
         return (
-            f"trained: {hbm}{bound} ({hbm_err(row) or '-'}%), "
+            f"trained: {hbm}{mark} ({hbm_err(row) or '-'}%), "
             f"{host} ({row.get('host_err_pct') or '-'}%)"
         )
     if status == "refused":
@@ -454,21 +501,23 @@ def promise_line(rows: list[dict]) -> str:
     count = {s: sum(1 for r in cells if r["status"] == s) for s in ("trained", "refused")}
     count[NOT_RUN] = sum(1 for r in cells if r["status"] in BUDGET)
     failed = [r for r in cells if r["status"] in FAILURES]
+    saved = [r for r in cells if r["status"] == "trained" and rescued(r)]
     errs = {
-        "hbm": [abs(v) for r in cells if (v := _num(hbm_err(r))) is not None],
+        "hbm": [abs(v) for r in cells if not rescued(r) and (v := _num(hbm_err(r))) is not None],
         "host": [abs(v) for r in cells if (v := _num(r.get("host_err_pct"))) is not None],
     }
     worst = {col: max(v) if v else None for col, v in errs.items()}
     off = [col for col, w in worst.items() if w is not None and w > 10]
     verdict = (
         "broken"
-        if failed or off
+        if failed or off or saved
         else ("holds so far (cells not run)" if count[NOT_RUN] else "holds")
     )
     parts = ", ".join(f"max |{col} err| {w:.1f}%" for col, w in worst.items() if w is not None)
     return (
-        f"promise {verdict}: {len(cells)} cells, {count['trained']} trained, "
-        f"{count['refused']} refused, {len(failed)} failed"
+        f"promise {verdict}: {len(cells)} cells, {count['trained']} trained"
+        + (f" ({len(saved)} after running out of GPU memory)" if saved else "")
+        + f", {count['refused']} refused, {len(failed)} failed"
         + (f" ({', '.join(sorted({r['status'] for r in failed}))})" if failed else "")
         + f", {count[NOT_RUN]} not run (budget)"
         + (f"; {parts}" if parts else "")
@@ -495,11 +544,13 @@ def summarize(rows: list[dict], title: str = "Validation matrix") -> str:
         f"measured): {', '.join(steps) or '-'}",
         "- a cell: status; planned / measured peak HBM (torch max reserved) and host (VmHWM) in "
         "GiB, error = planned / measured - 1; the planned HBM peak is the plan's expected one "
-        "(its bound, which a fit is judged by, adds a margin for each estimate's measured error; "
-        "rows recorded before the expected peak was, marked (bound), show the bound); the "
-        "promise: every cell trained or refused before allocation, no out-of-memory crash, every "
-        "error within 10%; the cells' table adds the bound and the allocated peak (torch max "
-        "allocated: the live tensors) where recorded",
+        "(its bound, which a fit is judged by, adds a margin for each estimate's measured error); "
+        "rows recorded before the run recorded its expected peak are re-planned by the current "
+        "planner for their run (marked re-planned: their placement and kept layers, on the first "
+        "step's footing where only one step ran); the promise: every cell trained or refused "
+        "before allocation, none ran out of GPU memory (also not one the out-of-memory watchdog "
+        "rescued), every error within 10%; the cells' table adds the bound and the allocated "
+        "peak (torch max allocated: the live tensors) where recorded",
         "",
         "| family (model) | " + " | ".join(seq_label(s) for s in lens) + " |",
         "|---" * (len(lens) + 1) + "|",
@@ -548,6 +599,16 @@ def _csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _cells(text: str) -> list[tuple[str, int]]:
+    out = []
+    for spec in _csv_list(text):
+        family, sep, length = spec.partition(":")
+        if not sep or not family:
+            raise argparse.ArgumentTypeError(f"--cells {spec!r}: want FAMILY:LEN, e.g. phi3:256k")
+        out.append((family, parse_seq_len(length)))
+    return out
+
+
 def _phase(text: str) -> tuple[int, int]:
     try:
         k, n = (int(x) for x in text.split("/"))
@@ -573,6 +634,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda t: [parse_seq_len(x) for x in _csv_list(t)],
         default=list(SEQ_LENS),
         help="comma list of tokens per sequence (4096 or 4k); default 4k,32k,128k,256k",
+    )
+    p.add_argument(
+        "--cells",
+        type=_cells,
+        default=None,
+        metavar="FAMILY:LEN,...",
+        help="only these cells, e.g. mistral:32k,phi3:256k (instead of --families x --seq-lens)",
     )
     p.add_argument(
         "--config",
@@ -620,7 +688,7 @@ def models_from_args(a: argparse.Namespace) -> dict[str, str]:
         if not sep or not family or not model:
             raise SystemExit(f"bad --config {spec!r}: want FAMILY=MODEL")
         models[family] = model
-    for f in a.families:
+    for f in a.families + [f for f, _ in a.cells or []]:
         if f not in models:
             raise SystemExit(f"unknown family {f!r}; known: {', '.join(models)}")
         bench.model_config_path(models[f])  # fail now, not in the middle of the matrix
@@ -628,7 +696,11 @@ def models_from_args(a: argparse.Namespace) -> dict[str, str]:
 
 
 def planned_cells(a: argparse.Namespace) -> list[Cell]:
-    cells = make_cells(a.families, a.seq_lens, models_from_args(a))
+    models = models_from_args(a)
+    if a.cells:
+        cells = [Cell(f, models[f], s) for f, s in a.cells]
+    else:
+        cells = make_cells(a.families, a.seq_lens, models)
     for cell in cells:
         plan_cell(cell, a.hbm_gib, a.host_gib, a.tflops, a.warmup + a.steps)
     assign_phases(cells, a.phase[1])
@@ -663,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
             where = ", ".join(map(str, a.summarize))
             raise SystemExit(f"no matrix rows in {where}" + (f" tagged {a.tag}" if a.tag else ""))
         text = summarize(
-            rows, title=f"Validation matrix `{a.tag}`" if a.tag else "Validation matrix"
+            with_expected_peaks(rows),
+            title=f"Validation matrix `{a.tag}`" if a.tag else "Validation matrix",
         )
         if a.markdown:
             a.markdown.write_text(text)

@@ -35,6 +35,14 @@ def test_arguments():
     }
     with pytest.raises(SystemExit, match="unknown family"):
         vm.models_from_args(_args("--families", "nope"))
+    # Single cells instead of the cross product.
+    a = _args("--cells", "mistral:32k,phi3:262144", "--dry-run")
+    assert a.cells == [("mistral", 32768), ("phi3", 262144)]
+    assert [c.name for c in vm.planned_cells(a)] == ["mistral 32k", "phi3 256k"]
+    with pytest.raises(SystemExit):
+        _args("--cells", "phi3")
+    with pytest.raises(SystemExit, match="unknown family"):
+        vm.models_from_args(_args("--cells", "nope:4k"))
     # The cell's run: the defaults (no engine flag), one sequence per step, random init.
     cfg = vm.run_config(vm.Cell("qwen3", "qwen3-1.7b", 32768), "auto", 120, a.steps, a.warmup)
     assert cfg.system == "megatrain-hbm" and cfg.engine_args() == []
@@ -203,3 +211,36 @@ def test_tiny_cell_trains_on_cpu(tmp_path, monkeypatch, capsys):
     assert float(row["tokens_per_s"]) > 0 and float(row["peak_host_gib"]) > 0
     assert row["command"].endswith("--streamed-init")  # no engine flag: the defaults
     assert "| tiny (tiny-qwen2) | trained:" in (tmp_path / "cpu-test.md").read_text()
+
+
+def test_summary_replans_older_rows_and_names_rescued_cells():
+    """Rows recorded before runs recorded their plan's expected GPU peak are set against the
+    current planner's for their run (as plan_vs_measured has it, first-step rows on the first
+    step's footing); a cell the out-of-memory watchdog rescued breaks the promise and its
+    reserved peak (the whole GPU) is no error."""
+    import benchmarks.plan_vs_measured as pvm
+
+    path = bench.RESULTS_DIR / "validation_matrix.csv"
+    filled = vm.with_expected_peaks(vm.read_rows([path], ["matrix-h200"]))
+
+    def row(rows, commit, model, seq_len):
+        return next(
+            r
+            for r in rows
+            if r["commit"] == commit and r["model"] == model and int(r["seq_len"]) == seq_len
+        )
+
+    old = row(filled, "d53f3e3", "qwen3-1.7b", 131072)
+    replanned = row(pvm.compare(path), "d53f3e3", "qwen3-1.7b", 131072)
+    assert old["plan_hbm_est_from"] == "re-planned" and old["warmup"] == "0"
+    assert float(old["plan_hbm_est_gib"]) == pytest.approx(
+        replanned["expected_step1_gib"], abs=0.01
+    )
+    own = row(filled, "5c22eb5", "gemma-2-2b", 262144)  # recorded its own expected peak
+    assert "plan_hbm_est_from" not in own and own["plan_hbm_est_gib"] == "131.90"
+    saved = row(filled, "d53f3e3", "h2o-danube-1.8b", 32768)
+    assert vm.rescued(saved) and not vm.rescued(own)
+    line = vm.promise_line([saved])
+    assert line.startswith("promise broken: 1 cells, 1 trained (1 after running out of GPU")
+    assert "hbm err" not in line  # the whole GPU reserved: no error to take
+    assert vm.promise_line([own]).startswith("promise holds: 1 cells, 1 trained, 0 refused")
