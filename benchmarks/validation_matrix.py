@@ -401,9 +401,10 @@ def progress_line(i: int, n: int, cell: Cell, row: dict) -> str:
     if row["status"] == "trained":
         return (
             f"{head}; HBM plan {planned_hbm(row) or '-'} (bound {row['plan_hbm_gib'] or '-'}) / "
-            f"measured {row['peak_hbm_gib'] or '-'} GiB ({row['hbm_err_pct'] or '-'}%, allocated {row.get('peak_hbm_alloc_gib') or '-'}"
-            f"); host plan {row['plan_host_gib'] or '-'} / "
-            f"measured {row['peak_host_gib'] or '-'} GiB ({row['host_err_pct'] or '-'}%)"
+            f"measured {row['peak_hbm_gib'] or '-'} GiB ({row['hbm_err_pct'] or '-'}%, "
+            f"allocated {row.get('peak_hbm_alloc_gib') or '-'}); "
+            f"host plan {row['plan_host_gib'] or '-'} / measured {row['peak_host_gib'] or '-'} "
+            f"GiB ({row['host_err_pct'] or '-'}%)"
         )
     return f"{head}: {row['detail'][:240]}"
 
