@@ -81,10 +81,12 @@ HOST_ADAM_PARAMS_PER_S = 1.5e9  # host AdamW of the host-tier layers (not all of
 #: its masked (memory-efficient) kernel over every block; eager attention materializes scores.
 MASKED_SDPA_FACTOR = 2.0
 EAGER_FACTOR = 3.0
-#: FlexAttention's Triton kernels against cuDNN's causal SDPA, effective (the window's block
-#: sparsity not counted): Gemma-2-2B's steps (half its layers sliding-window) measured 41.9 s at
-#: 131,072 tokens and 184 s at 262,144 (H200, e3a1a56 and 5c22eb5), 1.9x and 2.3x this formula.
-FLEX_FACTOR = 2.3
+#: FlexAttention's Triton kernels against cuDNN's causal SDPA, over the attention FLOPs its
+#: block mask leaves (``window_fraction``): Gemma-2-2B's steps (head_dim 256, soft-capping, half
+#: its layers with a 4,096-token window) measured 41.9 s at 131,072 tokens and 184 s at 262,144
+#: (H200, e3a1a56 and 5c22eb5): 3.6x and 4.5x; H2O-Danube's (head_dim 80, every layer windowed)
+#: 11.8 s at 262,144 (37aab1b): about 1.5x, so its cells are estimated high.
+FLEX_FACTOR = 4.0
 #: FlexAttention's kernels compile in a cell's first step (torch.compile, a cold cache): Gemma-2's
 #: 131,072-token first step took 49 s longer than its second, and its 32,768-token cell ran
 #: past a 90 s timeout on a fresh machine (34 s in all with the compile cache warm).
@@ -166,9 +168,23 @@ def active_params(config, total: int) -> int:
     return max(total - unused, 0)
 
 
+def window_fraction(config, seq_len: int) -> float:
+    """The part of causal attention's FLOPs a sliding window leaves, over all layers: a windowed
+    layer's query attends to at most ``window`` keys against s / 2 on average without it; the
+    others (``layer_types`` "full_attention", as Gemma-2's every other layer) attend to all."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False or seq_len <= window:
+        return 1.0
+    types = getattr(config, "layer_types", None) or []
+    windowed = types.count("sliding_attention") / len(types) if types else 1.0
+    return (1 - windowed) + windowed * min(1.0, 2 * window / seq_len)
+
+
 def attention_factor(config, shape, seq_len: int) -> float:
-    if shape.attn_implementation == "flex_attention":
-        return FLEX_FACTOR
+    if (
+        shape.attn_implementation == "flex_attention"
+    ):  # block-sparse: it skips what the window masks
+        return FLEX_FACTOR * window_fraction(config, seq_len)
     if not shape.sdpa_attention:
         return EAGER_FACTOR
     window = getattr(config, "sliding_window", None)
