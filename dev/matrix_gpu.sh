@@ -3,7 +3,7 @@
 #
 #   BENCH_COMMIT=<hash> bash dev/matrix_gpu.sh 1/2        # then 2/2 (K/N: the K-th of N)
 #   BENCH_COMMIT=<hash> bash dev/matrix_gpu.sh 1/1 --families qwen3 --seq-lens 4k,32k
-#   BENCH_COMMIT=<hash> bash dev/matrix_gpu.sh 1/1 --cells phi3:256k --warmup 0 --steps 1
+#   BENCH_COMMIT=<hash> bash dev/matrix_gpu.sh 1/1 --cells mistral:32k,phi3:256k
 #
 # benchmarks/validation_matrix.py: 5 families x 4k/32k/128k/256k tokens with hf_megatrain's
 # defaults (no engine flag, random init, bf16, one sequence per step, one step), each cell a
