@@ -255,6 +255,13 @@ KNOWN_OVERESTIMATES = {
 FIRST_STEP_ABSENT_BYTES_PER_PARAM = 8
 
 
+def first_step_absent(row: dict, plan) -> int:
+    """Exact plan bytes a first-step-only row's measured step did not hold yet (0 otherwise)."""
+    if not first_step_only(row):
+        return 0
+    return FIRST_STEP_ABSENT_BYTES_PER_PARAM * plan.shape.non_layer_numel
+
+
 def first_step_only(row: dict) -> bool:
     """Whether a row measured only its first optimizer step (one step, no warm-up)."""
     steps, warmup = row.get("steps") or "", row.get("warmup") or ""
@@ -366,7 +373,7 @@ def compare(csv_path: Path) -> list[dict]:
         p_hbm, p_host = (plan.gpu_total - outside) / GIB, plan.host_peak_estimate / GIB
         e_hbm = (plan.gpu_peak_estimate - outside) / GIB
         first = first_step_only(row)
-        absent = FIRST_STEP_ABSENT_BYTES_PER_PARAM * plan.shape.non_layer_numel if first else 0
+        absent = first_step_absent(row, plan)
         audit = attribute(plan, int(hbm * GIB), absent)
         out.append(
             dict(

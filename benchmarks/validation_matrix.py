@@ -168,15 +168,16 @@ def active_params(config, total: int) -> int:
     return max(total - unused, 0)
 
 
-def window_fraction(config, seq_len: int) -> float:
+def window_fraction(shape, seq_len: int) -> float:
     """The part of causal attention's FLOPs a sliding window leaves, over all layers: a windowed
-    layer's query attends to at most ``window`` keys against s / 2 on average without it; the
-    others (``layer_types`` "full_attention", as Gemma-2's every other layer) attend to all."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False or seq_len <= window:
+    layer's query attends to at most ``shape.sliding_window`` keys against s / 2 on average
+    without it; the others (``shape.sliding_layers`` False, as Gemma-2's every other layer)
+    attend to all."""
+    window = shape.sliding_window
+    if not window or seq_len <= window:
         return 1.0
-    types = getattr(config, "layer_types", None) or []
-    windowed = types.count("sliding_attention") / len(types) if types else 1.0
+    pattern = shape.sliding_layers
+    windowed = sum(pattern) / len(pattern) if pattern else 1.0
     return (1 - windowed) + windowed * min(1.0, 2 * window / seq_len)
 
 
@@ -184,7 +185,7 @@ def attention_factor(config, shape, seq_len: int) -> float:
     if (
         shape.attn_implementation == "flex_attention"
     ):  # block-sparse: it skips what the window masks
-        return FLEX_FACTOR * window_fraction(config, seq_len)
+        return FLEX_FACTOR * window_fraction(shape, seq_len)
     if not shape.sdpa_attention:
         return EAGER_FACTOR
     window = getattr(config, "sliding_window", None)
@@ -370,12 +371,7 @@ def with_expected_peaks(rows: list[dict]) -> list[dict]:
         known = (bench.CONFIG_DIR / str(row.get("model")) / "config.json").is_file()
         if row.get("status") == "trained" and not row.get("plan_hbm_est_gib") and known:
             plan = pvm.plan_row(row)
-            absent = (
-                pvm.FIRST_STEP_ABSENT_BYTES_PER_PARAM * plan.shape.non_layer_numel
-                if pvm.first_step_only(row)
-                else 0
-            )
-            expected = (plan.gpu_peak_estimate - absent) / GIB
+            expected = (plan.gpu_peak_estimate - pvm.first_step_absent(row, plan)) / GIB
             row = {**row, "plan_hbm_est_gib": f"{expected:.2f}", "plan_hbm_est_from": "re-planned"}
         out.append(row)
     return out

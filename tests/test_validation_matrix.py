@@ -249,9 +249,9 @@ def test_summary_replans_older_rows_and_names_rescued_cells():
 def test_window_fraction_counts_windowed_layers():
     """FlexAttention's cells are estimated over the attention its block mask leaves: a windowed
     layer attends to at most its window, against s / 2 keys per query without one."""
-    gemma2 = bench.load_model_config("gemma-2-2b")  # every other layer windowed (4,096)
-    danube = bench.load_model_config("h2o-danube-1.8b")  # every layer windowed (4,096)
-    qwen3 = bench.load_model_config("qwen3-1.7b")  # no window
+    gemma2 = vm.model_shape("gemma-2-2b")  # every other layer windowed (4,096)
+    danube = vm.model_shape("h2o-danube-1.8b")  # every layer windowed (4,096)
+    qwen3 = vm.model_shape("qwen3-1.7b")  # no window
     assert vm.window_fraction(gemma2, 131072) == pytest.approx(0.5 + 0.5 * 8192 / 131072)
     assert vm.window_fraction(danube, 262144) == pytest.approx(8192 / 262144)
     assert vm.window_fraction(danube, 4096) == vm.window_fraction(qwen3, 262144) == 1.0
