@@ -13,7 +13,14 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Trainer, TrainingArguments
+from transformers import (
+    LlamaConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    Trainer,
+    TrainingArguments,
+)
 
 from benchmarks.trace_overlap import analyze, load_events
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments
@@ -1009,22 +1016,37 @@ def test_evaluation_out_of_memory_recovery_on_gpu(tmp_path, caplog):
     assert math.isclose(got, clean, rel_tol=1e-6), (got, clean)
 
 
-def _layer_backward_growth(kernels: str, tokens: int, tile: int):
+def _qwen25_7b_layers(tokens: int) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=VOCAB, hidden_size=3584, intermediate_size=18944, num_hidden_layers=3,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=tokens,
+    )  # fmt: skip
+
+
+def _phi3_mini_layers(tokens: int, window: int | None) -> Phi3Config:
+    """Phi-3-mini-wide layers: fused qkv and gate-up, no GQA, heads of 96."""
+    return Phi3Config(
+        vocab_size=VOCAB, hidden_size=3072, intermediate_size=8192, num_hidden_layers=3,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=tokens,
+        sliding_window=window,
+    )  # fmt: skip
+
+
+def _layer_backward_growth(cfg, kernels: str, tokens: int, tile: int):
     """Allocation peak over its start of the middle layer's backward phase (from the gradient of
-    its output arriving to the gradient of its input leaving), three streamed Qwen2.5-7B-wide
-    layers, one sequence of ``tokens``, bf16 autocast, fused loss. Host-side allocator stats: no
-    synchronization needed (the caching allocator counts at launch). Returns the growth and the
-    model's plan shape (its layer kernels as chosen)."""
+    its output arriving to the gradient of its input leaving), three streamed layers of ``cfg``,
+    one sequence of ``tokens``, bf16 autocast, fused loss, the attention "auto" chooses.
+    Host-side allocator stats: no synchronization needed (the caching allocator counts at
+    launch). Returns the growth and the model's plan shape (its kernels and attention as
+    chosen)."""
+    from hf_megatrain.hf.attention import apply_attention
     from hf_megatrain.hf.long_context import apply_layer_kernels
     from hf_megatrain.hf.model import find_decoder_layers, model_shape, prepare_streamed_model
     from hf_megatrain.hf.trainer import StreamedModelWrapper
 
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=3584, intermediate_size=18944, num_hidden_layers=3,
-        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=tokens,
-    )  # fmt: skip
     model = tiny_model(cfg)
     assert apply_layer_kernels(model, kernels, "cuda").kind == kernels
+    apply_attention(model, "auto", "cuda", tokens)
     prepare_streamed_model(
         model, "cuda", torch.bfloat16, resident_layers="0", keep_activations="off",
         keep_attention_outputs="off", layer_kernels=kernels, mlp_tile_tokens=tile,
@@ -1058,29 +1080,55 @@ def _layer_backward_growth(kernels: str, tokens: int, tile: int):
     return peak - start, shape
 
 
+def _per_token_growth(make_cfg, kernels: str, tile: int, tokens=(16384, 32768)):
+    """Measured and planned working set per token: the growth at two token counts, per token
+    of their difference (what does not scale with tokens, the weights' gradients among it,
+    cancels), and the same difference of the plan's working-set line."""
+    from hf_megatrain.core.activation_memory import _working_set_line
+
+    small, large = tokens
+    grown = {t: _layer_backward_growth(make_cfg(large), kernels, t, tile) for t in tokens}
+    shape = grown[large][1]
+    measured = (grown[large][0] - grown[small][0]) / (large - small)
+    line = (
+        _working_set_line(shape, large, tile).nbytes - _working_set_line(shape, small, tile).nbytes
+    )
+    return measured, line / (large - small), shape
+
+
 @pytest.mark.parametrize("kernels", ["torch", "compiled", "liger"])
 def test_tiled_working_set_on_gpu(kernels):
     """What a recomputed layer's backward holds per token on the GPU with MLP tiles, against the
     plan's tiled working-set line (tokens x (32h + 4q + 4kv) + tile x 4i or 6i, from the CPU
     tracker's eager kernels): Qwen2.5-7B-wide layers, the middle one's backward phase at 16,384
-    and 32,768 tokens (tiles of 8,192), per token the difference of the two over 16,384 (what
-    does not scale with tokens, the weights' gradients among it, cancels). The line must cover
-    it (the plan is a promise; 2% for the allocator's 512 B block rounding). The printed ratio
-    is the line's over-count per kernel set: the exact393k row (Liger's kernels, 393,216
-    tokens) held about a third of it."""
+    and 32,768 tokens (tiles of 8,192). The line must cover it (the plan is a promise; 2% for
+    the allocator's 512 B block rounding); the printed ratio is its over-count per kernel set."""
     if kernels == "liger":
         pytest.importorskip("liger_kernel")
-    from hf_megatrain.core.activation_memory import _working_set_line
-
-    tile = 8192
-    grown = {t: _layer_backward_growth(kernels, t, tile) for t in (16384, 32768)}
-    measured = (grown[32768][0] - grown[16384][0]) / 16384
-    shape = grown[32768][1]
+    measured, planned, shape = _per_token_growth(_qwen25_7b_layers, kernels, 8192)
     assert shape.fused_layer_kernels == (kernels != "torch")
-    planned = (
-        _working_set_line(shape, 32768, tile).nbytes - _working_set_line(shape, 16384, tile).nbytes
-    ) / 16384
     print(
         f"tiled working set per token ({kernels}): measured {measured:.0f}, planned {planned:.0f}"
+    )
+    assert measured <= 1.02 * planned, (measured, planned)
+
+
+@pytest.mark.parametrize(
+    "window,tile", [(2047, 0), (None, 0), (None, 8192)], ids=["flex", "sdpa", "sdpa-tiled"]
+)
+def test_working_set_on_gpu_phi3(window, tile):
+    """The working set per token on the GPU for Phi-3-mini-wide layers (fused qkv and gate-up,
+    no GQA, heads of 96, PyTorch's kernels): untiled under FlexAttention with its sliding window
+    and under SDPA without one, and with MLP tiles under SDPA. The matrix's Phi-3 cell at
+    131,072 tokens (FlexAttention, no layer kept, untiled) measured 3.2 GiB over the plan's
+    expected peak; Qwen2.5-7B-wide tiled layers measured 8% over the tiled line. The line must
+    cover it (2% for the allocator's block rounding)."""
+    measured, planned, shape = _per_token_growth(
+        lambda t: _phi3_mini_layers(t, window), "torch", tile
+    )
+    assert shape.attn_implementation == ("flex_attention" if window else "sdpa")
+    print(
+        f"working set per token (phi3, {shape.attn_implementation}, tile {tile}): "
+        f"measured {measured:.0f}, planned {planned:.0f}"
     )
     assert measured <= 1.02 * planned, (measured, planned)

@@ -97,3 +97,63 @@ def test_auto_flex_attention_trains_like_eager(tmp_path, family, options):
         assert b["loss"] == pytest.approx(a["loss"], rel=TOL)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=TOL)
     assert len({round(x["loss"], 6) for x in mega}) > 1  # it trained
+
+
+def _flex_against_sdpa(q, k, v) -> list[float]:
+    """Relative error (norm of the difference over the reference's) of FlexAttention run through
+    the offset guard against PyTorch SDPA on contiguous copies: the output, then the
+    gradients of q, k and v under one random output gradient."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_megatrain.hf import flex_offsets
+
+    flex_offsets.install()
+    module = torch.nn.Module().train()  # transformers' function reads module.training only
+    ins = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, _ = ALL_ATTENTION_FUNCTIONS["flex_attention"](module, *ins, None, scaling=0.1)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    got = [out.detach().float()] + [t.grad.float() for t in ins]
+    del out, ins
+    ref_ins = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    group = q.shape[1] // k.shape[1]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *ref_ins, scale=0.1, enable_gqa=group > 1
+    ).transpose(1, 2)
+    ref.backward(grad)
+    want = [ref.detach().float()] + [t.grad.float() for t in ref_ins]
+    return [((a - b).norm() / b.norm()).item() for a, b in zip(got, want, strict=True)]
+
+
+@pytest.mark.parametrize(
+    "case", ["strided values past 2**31", "heads past 2**31"], ids=["strided", "heads"]
+)
+def test_flex_attention_past_32_bit_offsets(case):
+    """FlexAttention's kernels address their tensors with int32 offsets (pytorch#190857): the
+    matrix's Phi-3-mini cell at 262,144 tokens (values a view of the fused qkv output, offsets to
+    2.4G) had a non-finite step, then an illegal memory access. Through the guard it computes
+    what SDPA does: a value view whose token stride spans 16,384 elements at 262,144 tokens
+    (offsets to 4.3G; made contiguous), and 10 rows x 32 heads x 65,536 tokens x 128 (2.7G
+    elements; run per row and head group). bf16 inputs and outputs, fp32 accumulation in both
+    kernels: 2% relative error allows their different summation orders and bf16 roundings
+    (2**-8 each); a wrapped offset reads other memory, off by the order of the values."""
+    torch.manual_seed(0)
+    dev, bf16 = "cuda", torch.bfloat16
+    if case.startswith("strided"):
+        tokens, heads, dim = 262144, 4, 64
+        q = torch.randn(1, heads, tokens, dim, device=dev, dtype=bf16)
+        k = torch.randn(1, heads, tokens, dim, device=dev, dtype=bf16)
+        wide = torch.randn(1, tokens, 16384, device=dev, dtype=bf16)
+        v = wide[..., : heads * dim].view(1, tokens, heads, dim).transpose(1, 2)
+        from hf_megatrain.hf.flex_offsets import INDEX_LIMIT, max_offset
+
+        assert max_offset(v) > INDEX_LIMIT >= v.numel()
+    else:
+        rows, heads, kv_heads, tokens, dim = 10, 32, 8, 65536, 128
+        q = torch.randn(rows, heads, tokens, dim, device=dev, dtype=bf16)
+        k = torch.randn(rows, kv_heads, tokens, dim, device=dev, dtype=bf16)
+        v = torch.randn(rows, kv_heads, tokens, dim, device=dev, dtype=bf16)
+        assert q.numel() > 2**31
+    errors = _flex_against_sdpa(q, k, v)
+    print(f"flex vs sdpa ({case}): relative errors " + ", ".join(f"{e:.2e}" for e in errors))
+    assert max(errors) < 2e-2, errors

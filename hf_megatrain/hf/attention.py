@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import flex_offsets
 from .loss import unwrap_peft
 from .model import attention_windows
 
@@ -183,6 +184,8 @@ def apply_attention(
         if now != choice.impl:  # transformers declined (its check of the class's code)
             why = problem or f"transformers kept {type(base).__name__}'s"
             choice = AttentionChoice(now, f"the model's; {choice.impl} not set: {why}")
+    if choice.impl == FLEX:  # its kernels' 32-bit offsets, at any row length (flex_offsets)
+        flex_offsets.install()
     # SDPA left on soft-capped logits trains another model than the checkpoint's: say so louder.
     inexact = choice.impl == "sdpa" and facts.softcapping
     logger.log(logging.WARNING if inexact else logging.INFO, choice.log_line())
