@@ -99,6 +99,12 @@ def test_auto_flex_attention_trains_like_eager(tmp_path, family, options):
     assert len({round(x["loss"], 6) for x in mega}) > 1  # it trained
 
 
+# Scores of unit-variance q and k over 64-128 dims at this scale have a deviation of 4-6: a peaked
+# attention, whose query gradient is well conditioned (near-uniform attention over 65,536 keys
+# makes it a small difference of large sums: 6% apart between two exact kernels at scale 0.1).
+SCALE = 0.5
+
+
 def _flex_against_sdpa(q, k, v) -> list[float]:
     """Relative error (norm of the difference over the reference's) of FlexAttention run through
     the offset guard against PyTorch SDPA on contiguous copies: the output, then the
@@ -110,7 +116,7 @@ def _flex_against_sdpa(q, k, v) -> list[float]:
     flex_offsets.install()
     module = torch.nn.Module().train()  # transformers' function reads module.training only
     ins = [t.detach().requires_grad_() for t in (q, k, v)]
-    out, _ = ALL_ATTENTION_FUNCTIONS["flex_attention"](module, *ins, None, scaling=0.1)
+    out, _ = ALL_ATTENTION_FUNCTIONS["flex_attention"](module, *ins, None, scaling=SCALE)
     grad = torch.randn_like(out)
     out.backward(grad)
     got = [out.detach().float()] + [t.grad.float() for t in ins]
@@ -118,7 +124,7 @@ def _flex_against_sdpa(q, k, v) -> list[float]:
     ref_ins = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
     group = q.shape[1] // k.shape[1]
     ref = torch.nn.functional.scaled_dot_product_attention(
-        *ref_ins, scale=0.1, enable_gqa=group > 1
+        *ref_ins, scale=SCALE, enable_gqa=group > 1
     ).transpose(1, 2)
     ref.backward(grad)
     want = [ref.detach().float()] + [t.grad.float() for t in ref_ins]
