@@ -1028,7 +1028,7 @@ def _phi3_mini_layers(tokens: int, window: int | None) -> Phi3Config:
     return Phi3Config(
         vocab_size=VOCAB, hidden_size=3072, intermediate_size=8192, num_hidden_layers=3,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=tokens,
-        sliding_window=window, pad_token_id=0,
+        sliding_window=window, pad_token_id=0, eos_token_id=2,
     )  # fmt: skip
 
 
