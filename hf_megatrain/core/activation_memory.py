@@ -31,6 +31,7 @@ BOUNDARY_KIND = "boundary activations"
 ROPE_KIND = "RoPE tables"
 LOSS_KIND = "fused loss"
 WORKING_SET_KIND = "working set"
+PEAK_WORKING_SET_KIND = "working set, gated MLP peak"
 TILED_WORKING_SET_KIND = "working set, MLP tiles"
 MOE_WORKING_SET_KIND = "working set, routed experts"
 SEGMENT_CACHE_KIND = "segment cache"
@@ -111,6 +112,7 @@ UNMEASURED_ERROR = 0.20
 ESTIMATE_ERRORS: dict[str, float] = {
     TILED_WORKING_SET_KIND: 0.19,
     WORKING_SET_KIND: 0.14,
+    PEAK_WORKING_SET_KIND: 0.04,
     MOE_WORKING_SET_KIND: 0.05,
     KEPT_ACTIVATIONS_KIND: 0.05,
     SEGMENT_CACHE_KIND: 0.13,
@@ -189,6 +191,30 @@ GEMMA_QK_NORMS_BYTES_PER_TOKEN = 2
 GEMMA_MLP_BYTES_PER_TOKEN_INTER = 8
 MLP_BYTES_PER_TOKEN_INTER = 6
 
+#: Untiled, a gated MLP's backward is the recomputed layer's peak, with the whole layer's saves
+#: alive: its gate, up and activation outputs, the product's gradient and both factors'
+#: gradients (12i, Gemma's GELU-tanh 14i), and besides the attention half the attention's k and
+#: v (4kv) and log-sum-exp (4 per head) and 8 B: 22h + 4q + 4kv + 12i + 4 per head + 8. Measured
+#: so on the CPU live-tensor tracker (Llama, Mistral, Qwen2, Granite) and exactly so on the
+#: H200 (Phi-3-mini-wide layers, 190,600 B/token at 16k-32k tokens under SDPA and under
+#: FlexAttention alike; tests/test_gpu.py::test_working_set_on_gpu_phi3). The lines above
+#: (22h + 4q + 6i) are 1.3-1.5x below it: the plan's sum covered that with the fused loss's
+#: lines, freed before any layer's backward, until the working set outgrew them (Phi-3-mini at
+#: 131,072 tokens: 3.2 GiB over its expected peak, 1.0 over its bound). Families audited against
+#: it (``ModelShape.peak_working_set_audited``: within 4% on the tracker, Cohere's, ERNIE's and
+#: Helium's 3.8% the largest underestimate, its kind's error) use it; others keep the lines
+#: above (non-gated MLPs hold less; some gated families more: hf/model.py names them).
+GATED_MLP_PEAK_BYTES_PER_TOKEN_INTER = 12
+GEMMA_MLP_PEAK_BYTES_PER_TOKEN_INTER = 14
+GATED_MLP_PEAK_BYTES_PER_TOKEN_KV = 4
+GATED_MLP_PEAK_BYTES_PER_HEAD = 4
+GATED_MLP_PEAK_BYTES_PER_TOKEN = 8
+
+#: The fused loss's chunk at its peak, per logit (tests/test_plan_accuracy.py): bf16 logits,
+#: their fp32 copy and the fp32 log-probabilities; soft-capped logits keep the tanh output too.
+LOSS_BYTES_PER_LOGIT = 10
+SOFTCAPPED_LOSS_BYTES_PER_LOGIT = 12
+
 #: Routed MoE experts (``ModelShape.experts_per_token`` k): transformers' grouped experts gather
 #: each token's hidden state once per chosen expert (fp32, 4h), cast it (2h), and make the down
 #: projection, its weighted and its re-ordered copy (2h each) per token and choice, plus the
@@ -230,17 +256,30 @@ def _kv_heads(shape: ModelShape) -> int:
     return kv // shape.head_dim if shape.head_dim else 0
 
 
-def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
+def _working_set_line(
+    shape: ModelShape, t: int, tile: int, every_layer_recomputed: bool = True
+) -> MemoryLine:
     """A layer's recompute working set: attention-side tensors scale with the micro-batch, the
     MLP's (tokens x intermediate) ones with the tile when MLP tiling is on; per-head q/k norms
     and Gemma's extra norms add their re-made saves (or, q much wider than h, the q norm's own
-    backward is the peak)."""
+    backward is the peak). With ``every_layer_recomputed`` and an untiled gated MLP, the
+    measured peak of that MLP's backward (``GATED_MLP_PEAK_*``); else the earlier line, which
+    the plan's sum with the loss's lines covers."""
     h, inter = shape.hidden_size, shape.intermediate_size
     kv = shape.kv_size or h
     heads, q = _query_width(shape)
     k = shape.experts_per_token
     mlp_t = min(t, tile) if tile > 0 and not k else t
-    mlp_i = GEMMA_MLP_BYTES_PER_TOKEN_INTER if shape.gemma_norms else MLP_BYTES_PER_TOKEN_INTER
+    # Untiled, a gated MLP's backward is the peak, with the attention's saves alive.
+    mlp_peak = every_layer_recomputed and _is_measured_peak(shape, t, tile)
+    if mlp_peak:
+        mlp_i = (
+            GEMMA_MLP_PEAK_BYTES_PER_TOKEN_INTER
+            if shape.gemma_norms
+            else GATED_MLP_PEAK_BYTES_PER_TOKEN_INTER
+        )
+    else:
+        mlp_i = GEMMA_MLP_BYTES_PER_TOKEN_INTER if shape.gemma_norms else MLP_BYTES_PER_TOKEN_INTER
     mlp_i -= FUSED_SWIGLU_BYTES_PER_TOKEN_INTER if shape.fused_layer_kernels else 0
     routed, shared = 0, shape.shared_expert_size
     if k:  # routed experts: their whole MLP (8i), per chosen expert, the shared expert
@@ -259,9 +298,17 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
             f"{TILED_BYTES_PER_TOKEN_KV}kv"
         )
     else:
-        what, kind = "untiled MLP", WORKING_SET_KIND
+        what = "untiled MLP" + (", its backward's peak" if mlp_peak else "")
+        kind = PEAK_WORKING_SET_KIND if mlp_peak else WORKING_SET_KIND
         per = ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN * h + ATTN_SIDE_BYTES_PER_TOKEN_QUERY * q
         label = f"{ATTN_SIDE_BYTES_PER_TOKEN_HIDDEN}h + {ATTN_SIDE_BYTES_PER_TOKEN_QUERY}q"
+        if mlp_peak:
+            per += GATED_MLP_PEAK_BYTES_PER_TOKEN_KV * kv + GATED_MLP_PEAK_BYTES_PER_TOKEN
+            per += GATED_MLP_PEAK_BYTES_PER_HEAD * max(heads, 1)
+            label += (
+                f" + {GATED_MLP_PEAK_BYTES_PER_TOKEN_KV}kv + {GATED_MLP_PEAK_BYTES_PER_HEAD} x "
+                f"{max(heads, 1)} heads + {GATED_MLP_PEAK_BYTES_PER_TOKEN}"
+            )
     if shape.fused_layer_kernels:
         what += ", fused SwiGLU"
     if routed:
@@ -303,6 +350,13 @@ def _working_set_line(shape: ModelShape, t: int, tile: int) -> MemoryLine:
         nbytes,
         kind,
     )
+
+
+def _is_measured_peak(shape: ModelShape, t: int, tile: int) -> bool:
+    """Whether the working-set line is a layer backward's measured peak: untiled MLPs of the
+    audited dense families (``GATED_MLP_PEAK_BYTES_PER_TOKEN_INTER``)."""
+    untiled = not (0 < tile < t)
+    return shape.peak_working_set_audited and untiled and not shape.experts_per_token
 
 
 def _query_width(shape: ModelShape) -> tuple[int, int]:
@@ -735,30 +789,56 @@ def activation_lines(
                 SEGMENT_CACHE_KIND,
             )
         )
-    lines.append(_working_set_line(shape, t, options.mlp_tile_tokens))
+    # Layers keeping activations: the earlier, summed calibration (see the loss's lines).
+    recomputed = not len(kept_layers)
+    work = _working_set_line(shape, t, options.mlp_tile_tokens, recomputed)
+    lines.append(work)
     lines += attention_mask_lines(shape, step, dtype, kept_layers)
     if shape.fused_loss:
-        # Measured on the CPU (tests/test_plan_accuracy.py), a chunk holds 10 B per logit at its
-        # peak (bf16 logits, their fp32 copy, which log_softmax(dtype=float32) makes from bf16
-        # on CUDA too, the fp32 log-probabilities) and 12 soft-capped, not 4 + isz: the loss's
-        # lines are freed before any layer's backward, whose working set (counted beside them)
-        # they cover.
+        # The loss's phase ends before any layer's backward starts: at its peak a chunk's bf16
+        # logits, their fp32 copy (log_softmax(dtype=float32) makes it from bf16 on CUDA too)
+        # and the fp32 log-probabilities, 10 B per logit (12 soft-capped: Gemma's), measured on
+        # the CPU (tests/test_plan_accuracy.py), and the fp32 hidden-state gradient it fills,
+        # which the last layer's backward then takes in (its working set counts it there). The
+        # GPU holds the larger of this phase and a layer's working set, not both: where that
+        # line is the measured peak (untiled gated MLPs, every layer recomputed). Elsewhere (MLP
+        # tiles: measured up to 8% above its line on the H200; MoE, non-gated MLPs; layers
+        # keeping activations, whose backward has its own unmeasured temporaries) the sum keeps
+        # covering it, as before.
         chunk = min(default_chunk_tokens(v), t)
-        lines.append(
-            MemoryLine(
-                f"fused loss chunk: {chunk} tokens x vocab fp32 logits + softmax grad",
-                chunk * v * (4 + isz),
-                LOSS_KIND,
-            )
-        )
+        per_logit = SOFTCAPPED_LOSS_BYTES_PER_LOGIT if shape.gemma_norms else LOSS_BYTES_PER_LOGIT
         head_copy = 0 if dtype == torch.float32 else v * h * isz
-        lines.append(
-            MemoryLine(
-                "LM head compute copy + fp32 weight grad + hidden-state grad",
-                head_copy + v * h * 4 + t * h * 4,
-                LOSS_KIND,
+        if recomputed and _is_measured_peak(shape, t, options.mlp_tile_tokens):
+            loss_phase = chunk * v * per_logit + t * h * 4
+            lines.append(
+                MemoryLine(
+                    f"fused loss chunk ({chunk} tokens x vocab x {per_logit} B) + hidden-state "
+                    f"grad (fp32): {loss_phase / 2**30:.2f} GiB, never alive with the working "
+                    "set; the part beyond it",
+                    max(0, loss_phase - work.nbytes),
+                    LOSS_KIND,
+                )
             )
-        )
+            lines.append(
+                MemoryLine(
+                    "LM head compute copy + fp32 weight grad", head_copy + v * h * 4, LOSS_KIND
+                )
+            )
+        else:
+            lines.append(
+                MemoryLine(
+                    f"fused loss chunk: {chunk} tokens x vocab fp32 logits + softmax grad",
+                    chunk * v * (4 + isz),
+                    LOSS_KIND,
+                )
+            )
+            lines.append(
+                MemoryLine(
+                    "LM head compute copy + fp32 weight grad + hidden-state grad",
+                    head_copy + v * h * 4 + t * h * 4,
+                    LOSS_KIND,
+                )
+            )
     else:
         # The model's own forward materializes the logits and upcasts them for the loss.
         lines.append(

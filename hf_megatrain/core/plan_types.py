@@ -68,6 +68,10 @@ class ModelShape:
     # GELU-tanh MLP; Gemma3's per-head q/k norms keep an fp32 input and product (see
     # ``kept_activation_bytes_per_token`` and the working set's terms).
     gemma_norms: bool = False
+    # Whether the untiled working set's measured-peak line (a gated MLP's backward with the
+    # layer's saves alive) is audited for the family (within 4% of the CPU live-tensor tracker:
+    # tests/test_plan_accuracy.py); else the earlier line, which the plan's sum covers.
+    peak_working_set_audited: bool = False
     # Whether attention runs through PyTorch SDPA, whose fused kernels' outputs
     # keep_attention_outputs keeps (other attention is recomputed: nothing to plan for it).
     sdpa_attention: bool = True

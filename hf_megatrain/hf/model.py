@@ -64,6 +64,14 @@ MOE_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
     {"olmoe", "qwen3_moe", "mixtral", "granitemoe", "qwen2_moe"}
 )
 MOE_FP32_ROUTING_MODEL_TYPES = frozenset({"mixtral", "granitemoe"})
+#: Dense families whose recomputed layer's backward the working set's measured-peak line
+#: (``activation_memory.GATED_MLP_PEAK_*``) is within 4% of (the CPU tracker; Phi-3 exactly on
+#: the H200 too). Others measured off it (GLM-4 +44%, Hunyuan +24%, OLMo2 +17%; non-gated MLPs
+#: and sliding-window families below or with s x s terms of their own) keep the earlier line.
+PEAK_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "cohere", "ernie4_5",
+     "helium", "seed_oss", "gemma", "gemma3_text"}
+)  # fmt: skip
 
 #: model_type -> short description; each has a tiny-config equivalence test.
 SUPPORTED_MODEL_TYPES = {
@@ -241,6 +249,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         or (cfg.model_type == "gemma3_text" and not fused),
         # Gemma-2/3's four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
         gemma_norms=cfg.model_type in ("gemma2", "gemma3_text"),
+        peak_working_set_audited=cfg.model_type in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
         sdpa_attention=attn == "sdpa",
         attn_implementation=attn,
         sliding_window=window,
