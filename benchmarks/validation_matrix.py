@@ -19,7 +19,8 @@ becomes a row), recorded with bench's row schema plus the matrix's columns; ``st
 * ``refused``: the library refused before allocating (``DoesNotFitError`` / ``MemoryPlanError``
   for the GPU, ``InsufficientHostMemoryError`` for host RAM), its message in ``detail``;
 * ``oom-gpu``: torch's OutOfMemoryError, a broken promise; ``killed``: killed from outside (on
-  these machines the host's OOM killer); ``timeout``; ``error``: anything else;
+  these machines the host's OOM killer) or aborted (SIGABRT: a C++ exception or CUDA error);
+  ``timeout``; ``error``: anything else;
 * ``not run (budget)``: the ``--max-wall-s`` budget ran out before the cell's turn;
   ``cut (budget)``: the cell ran past what was left of the budget (its timeout was cut to it).
   Neither is a failure: the matrix is incomplete until those cells run.
@@ -320,6 +321,11 @@ def classify(result: dict) -> tuple[str, str]:
     if etype == "OutOfMemoryError" or status == "oom-gpu":
         return "oom-gpu", message[:300]
     if status.startswith("killed"):
+        # SIGKILL comes from outside (the host's OOM killer on these machines); SIGABRT is the
+        # worker aborting itself: an uncaught C++ exception, a CUDA error among them (the Phi-3
+        # 256k cell's illegal memory access at 3e3d499). Its log says which.
+        if "SIGABRT" in status or "rc -6" in status:
+            return "killed", f"{status}: aborted (a C++ exception or CUDA error: see its log)"
         return "killed", f"{status}: killed from outside (host OOM killer?)"
     if status.startswith("timeout"):
         return "timeout", status

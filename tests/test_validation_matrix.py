@@ -92,6 +92,8 @@ def test_classify_failures():
     oom = {"status": "oom-gpu", "error_type": "OutOfMemoryError", "error": "CUDA out of memory."}
     assert vm.classify(oom) == ("oom-gpu", "CUDA out of memory.")
     assert vm.classify({"status": "killed (rc -9)"})[0] == "killed"
+    status, detail = vm.classify({"status": "killed (rc -6, SIGABRT)"})
+    assert status == "killed" and "aborted" in detail and "OOM killer" not in detail
     assert vm.classify({"status": "timeout (90 s)"}) == ("timeout", "timeout (90 s)")
     assert vm.classify({"status": "error: ValueError: x", "error_type": "ValueError"})[0] == "error"
     # What the worker records of an exception (bench.failure_details).
