@@ -111,7 +111,7 @@ def test_a_head_past_the_limit_is_refused_with_what_to_do(monkeypatch):
 
 def test_head_chunks_cover_every_head_once():
     for q_heads, kv_heads, fit in [(28, 4, 5), (28, 4, 14), (32, 8, 3), (12, 2, 1), (40, 8, 40)]:
-        chunks = head_chunks(1, q_heads, kv_heads, 8, 8, fit * 64 - 1)
+        chunks = head_chunks(q_heads, kv_heads, 8, 8, fit * 64 - 1)
         heads = [h for a, b in chunks for h in range(a, b)]
         assert heads == list(range(q_heads)), (q_heads, kv_heads, fit, chunks)
         group = q_heads // kv_heads

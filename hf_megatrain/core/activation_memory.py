@@ -790,8 +790,7 @@ def activation_lines(
             )
         )
     # Layers keeping activations: the earlier, summed calibration (see the loss's lines).
-    recomputed = not len(kept_layers)
-    work = _working_set_line(shape, t, options.mlp_tile_tokens, recomputed)
+    work = _working_set_line(shape, t, options.mlp_tile_tokens, not len(kept_layers))
     lines.append(work)
     lines += attention_mask_lines(shape, step, dtype, kept_layers)
     if shape.fused_loss:
@@ -808,37 +807,31 @@ def activation_lines(
         chunk = min(default_chunk_tokens(v), t)
         per_logit = SOFTCAPPED_LOSS_BYTES_PER_LOGIT if shape.gemma_norms else LOSS_BYTES_PER_LOGIT
         head_copy = 0 if dtype == torch.float32 else v * h * isz
-        if recomputed and _is_measured_peak(shape, t, options.mlp_tile_tokens):
-            loss_phase = chunk * v * per_logit + t * h * 4
-            lines.append(
-                MemoryLine(
-                    f"fused loss chunk ({chunk} tokens x vocab x {per_logit} B) + hidden-state "
-                    f"grad (fp32): {loss_phase / 2**30:.2f} GiB, never alive with the working "
-                    "set; the part beyond it",
-                    max(0, loss_phase - work.nbytes),
-                    LOSS_KIND,
-                )
+        hidden_grad = t * h * 4
+        if work.kind == PEAK_WORKING_SET_KIND:
+            loss_phase = chunk * v * per_logit + hidden_grad
+            loss = MemoryLine(
+                f"fused loss chunk ({chunk} tokens x vocab x {per_logit} B) + hidden-state grad "
+                f"(fp32): {loss_phase / 2**30:.2f} GiB, never alive with the working set; the "
+                "part beyond it",
+                max(0, loss_phase - work.nbytes),
+                LOSS_KIND,
             )
-            lines.append(
-                MemoryLine(
-                    "LM head compute copy + fp32 weight grad", head_copy + v * h * 4, LOSS_KIND
-                )
+            head = MemoryLine(
+                "LM head compute copy + fp32 weight grad", head_copy + v * h * 4, LOSS_KIND
             )
         else:
-            lines.append(
-                MemoryLine(
-                    f"fused loss chunk: {chunk} tokens x vocab fp32 logits + softmax grad",
-                    chunk * v * (4 + isz),
-                    LOSS_KIND,
-                )
+            loss = MemoryLine(
+                f"fused loss chunk: {chunk} tokens x vocab fp32 logits + softmax grad",
+                chunk * v * (4 + isz),
+                LOSS_KIND,
             )
-            lines.append(
-                MemoryLine(
-                    "LM head compute copy + fp32 weight grad + hidden-state grad",
-                    head_copy + v * h * 4 + t * h * 4,
-                    LOSS_KIND,
-                )
+            head = MemoryLine(
+                "LM head compute copy + fp32 weight grad + hidden-state grad",
+                head_copy + v * h * 4 + hidden_grad,
+                LOSS_KIND,
             )
+        lines += [loss, head]
     else:
         # The model's own forward materializes the logits and upcasts them for the loss.
         lines.append(

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.flex_attention import flex_attention_forward
 
 #: The largest element offset FlexAttention's kernels address (int32).
 INDEX_LIMIT = 2**31 - 1
@@ -39,18 +41,18 @@ def _within(t: torch.Tensor, limit: int) -> torch.Tensor:
     return t if max_offset(t) <= limit else t.contiguous()
 
 
-def head_chunks(batch: int, q_heads: int, kv_heads: int, tokens: int, head_dim: int, limit: int):
-    """Query-head ranges ``(start, stop)`` whose tensors (batch x heads x tokens x head_dim, keys
-    and values of the same width at most) stay within ``limit`` elements: whole key/value
+def head_chunks(q_heads: int, kv_heads: int, tokens: int, head_dim: int, limit: int):
+    """Query-head ranges ``(start, stop)`` of one row whose tensors (heads x tokens x head_dim,
+    keys and values of the same width at most) stay within ``limit`` elements: whole key/value
     groups where one group fits, else query heads of one group at a time. Raises ``ValueError``
     when one head does not fit."""
-    per_head = batch * tokens * head_dim
+    per_head = tokens * head_dim
     if per_head - 1 > limit:
         raise ValueError(
             f"FlexAttention addresses its tensors with 32-bit offsets: one attention head of "
-            f"{batch} row(s) x {tokens} tokens x {head_dim} = {per_head:,} elements exceeds "
-            f"2**31. Train shorter rows (or one row per micro-batch), or run an attention "
-            f"implementation without this limit (attention 'model' with sdpa or flash attention)."
+            f"{tokens} tokens x {head_dim} = {per_head:,} elements exceeds 2**31. Train shorter "
+            f"rows, or run an attention implementation without this limit (attention 'model' "
+            f"with sdpa or flash attention)."
         )
     group = q_heads // kv_heads
     heads_fit = (limit + 1) // per_head
@@ -97,7 +99,7 @@ def flex_attention_within_offsets(
     if batch * q_heads * tokens * head_dim - 1 <= limit:
         return inner(module, query, key, value, attention_mask, *args, **kwargs)
     # A head range of several rows still spans the batch stride: chunks take one row each.
-    chunks = head_chunks(1, q_heads, kv_heads, tokens, head_dim, limit)
+    chunks = head_chunks(q_heads, kv_heads, tokens, head_dim, limit)
     group = q_heads // kv_heads
     rows_out, rows_lse = [], []
     for r in range(batch):
@@ -129,26 +131,18 @@ def flex_attention_within_offsets(
     return torch.cat(rows_out, dim=0), lse
 
 
-_installed: dict[str, Callable] = {}
+def _guarded(module, query, key, value, attention_mask, *args, **kwargs):
+    return flex_attention_within_offsets(
+        flex_attention_forward, module, query, key, value, attention_mask, *args, **kwargs
+    )
+
+
+_guarded.__doc__ = flex_attention_within_offsets.__doc__
 
 
 def install() -> None:
-    """Register the offset guard as transformers' ``"flex_attention"`` function (once)."""
-    from transformers import AttentionInterface  # noqa: PLC0415
-    from transformers.integrations.flex_attention import flex_attention_forward  # noqa: PLC0415
-
-    if _installed:
-        return
-    inner = flex_attention_forward
-
-    def guarded(module, query, key, value, attention_mask, *args, **kwargs):
-        return flex_attention_within_offsets(
-            inner, module, query, key, value, attention_mask, *args, **kwargs
-        )
-
-    guarded.__doc__ = flex_attention_within_offsets.__doc__
-    AttentionInterface.register("flex_attention", guarded)
-    _installed["flex_attention"] = guarded
+    """Register the offset guard as transformers' ``"flex_attention"`` function (idempotent)."""
+    AttentionInterface.register("flex_attention", _guarded)
 
 
 __all__ = ["INDEX_LIMIT", "flex_attention_within_offsets", "head_chunks", "install", "max_offset"]
