@@ -770,6 +770,11 @@ def failure_details(exc: BaseException) -> dict[str, Any]:
 def run_worker(cfg: RunConfig, result_json: Path) -> int:
     """Run one benchmark and write its result (or its failure) as JSON for the parent."""
     result: dict[str, Any]
+    trace_to = os.environ.get("BENCH_MEMORY_TRACE")  # a diagnostic (benchmarks/memory_trace.py)
+    if trace_to:
+        from benchmarks import memory_trace
+
+        trace_to = trace_to if memory_trace.start() else None
     try:
         result = train_once(cfg)
         code = 0
@@ -784,6 +789,8 @@ def run_worker(cfg: RunConfig, result_json: Path) -> int:
         result["peak_hbm_alloc_gib"] = peak_hbm_alloc_gib()
     except Exception:  # noqa: BLE001  (a broken CUDA context after a failure)
         result["peak_hbm_gib"] = result["peak_hbm_alloc_gib"] = None
+    if trace_to:
+        memory_trace.write_summary(trace_to)
     result_json.write_text(json.dumps(result))
     print(f"bench worker: {cfg.system} {cfg.model}: {result['status']}", flush=True)
     return code
