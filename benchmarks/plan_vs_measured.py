@@ -226,17 +226,37 @@ RESERVED_OVER_LIVE = {
     # FlexAttention at 262,144 tokens (37aab1b): torch's allocated peak 121.69 GiB (recorded by
     # the cell) under the 123.29 planned, reserved 125.61.
     ("matrix-h200", "h2o-danube-1.8b", 262144): "allocated 121.69 GiB, reserved 125.61 GiB",
-    # FlexAttention at 131,072 tokens (3e3d499): allocated 136.31 GiB under the 136.62 planned
-    # (measured-peak working set), reserved 138.48.
-    ("matrix-h200", "phi-3-mini-4k-instruct", 131072, "3e3d499"): (
-        "allocated 136.31 GiB, reserved 138.48 GiB"
-    ),
-    # FlexAttention and auto_fit's activation offload at 262,144 tokens (1faa6f2): allocated
-    # 116.22 GiB under the 118.46 planned, reserved 136.88. exact393k, offloaded too, reserved
-    # 20.1 GiB over its live peak as well; not traced (one candidate: the prefetched inputs
-    # come from the H2D stream's own pool of the caching allocator).
-    ("matrix-h200", "phi-3-mini-4k-instruct", 262144, "1faa6f2"): (
-        "allocated 116.22 GiB, reserved 136.88 GiB"
+    # FlexAttention at 131,072 tokens (3e3d499, again at 2bfe014): allocated 136.31 GiB under
+    # the bound of 137.05 planned (measured-peak working set), reserved 138.48.
+    **{
+        ("matrix-h200", "phi-3-mini-4k-instruct", 131072, c): (
+            "allocated 136.31 GiB, reserved 138.48 GiB"
+        )
+        for c in ("3e3d499", "2bfe014")
+    },
+    # FlexAttention and auto_fit's activation offload at 262,144 tokens: allocated 116.22 GiB
+    # under the 117.52 planned. Reserved 136.88-137.18 until ef5b66b: the allocator trace
+    # (benchmarks/results/memory_traces/) showed offloaded inputs freed with record_stream
+    # piling up while the host ran layers ahead (12 GiB at the peak), plus 8.5 GiB of free
+    # holes. ef5b66b frees them in stream order: reserved 123.17, 6.95 GiB of it free holes.
+    # With expandable segments (core/allocator.py) neither is needed memory: before failing
+    # an allocation the caching allocator waits for the pending events and unmaps the free
+    # holes (release_cached_blocks), so a run reaches out of memory at its allocated peak plus
+    # page rounding (the fragmentation line's two out-of-memory reports: 96 and 363 MiB).
+    **{
+        ("matrix-h200", "phi-3-mini-4k-instruct", 262144, commit): f"allocated 116.22 GiB, {r}"
+        for commit, r in (
+            ("1faa6f2", "reserved 136.88 GiB"),
+            ("2bfe014", "reserved 136.88 GiB"),
+            ("e1be6aa", "reserved 137.18 GiB"),
+            ("ddda40e", "reserved 137.18 GiB"),
+            ("ef5b66b", "reserved 123.17 GiB"),
+        )
+    },
+    # The same run at 131,072 tokens with --offload-activations after ef5b66b, traced: live
+    # 91.31 GiB at the reserved peak of 93.99 (2.68 free holes), 92.05 planned.
+    ("trace", "phi-3-mini-4k-instruct", 131072, "ef5b66b"): (
+        "allocated 91.31 GiB, reserved 93.99 GiB"
     ),
 }
 
