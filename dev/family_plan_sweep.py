@@ -1,0 +1,95 @@
+"""Every supported family's whole streamed step on the CPU, measured against the plan.
+
+For each model type in ``SUPPORTED_MODEL_TYPES``: its tiny test config (tests/helpers.py), one
+streamed forward, fused loss and backward of one ``--tokens``-token sequence under the live-tensor
+tracker of tests/test_plan_accuracy.py (the loss's fp32 product as on CUDA), against the plan's
+lines for that step that the tracker can see: boundary activations, RoPE tables, masks and
+attention, the working set, the fused loss and the LM head, plus the non-layer parameters' fp32
+gradients (inside the plan's 16 B/param line). Not counted: parameters and optimizer state
+(exact lines), the GPU's stream and gradient buffers (none on the CPU), the slack. A ratio over
+1 + the lines' error margin is a family whose activations the plan under-counts on the CPU; the
+GPU's kernels can differ (SDPA's CPU math path with a mask makes s x s scores its CUDA kernels
+do not), so it is a lead to check on the GPU, not a GPU measurement.
+
+    python3 dev/family_plan_sweep.py --tokens 4096 [--markdown FILE] [model_type ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_megatrain.core.chunked_loss as chunked_loss  # noqa: E402
+from hf_megatrain.core.options import EngineOptions, StepShape  # noqa: E402
+from hf_megatrain.core.planner import plan_memory  # noqa: E402
+from hf_megatrain.hf.model import SUPPORTED_MODEL_TYPES  # noqa: E402
+from tests.helpers import tiny_config  # noqa: E402
+from tests.test_plan_accuracy import Live, _cuda_fp32_gemm, _step, _streamed  # noqa: E402
+
+#: Plan kinds the CPU tracker cannot see (exact state, CUDA-only buffers, the slack).
+UNSEEN_KINDS = {"parameters", "stream buffers", "gradient buffers", "slack"}
+#: Soft-capped families: SDPA has no soft-capping, they run eager.
+EAGER = {"gemma2"}
+
+
+def sweep_one(model_type: str, tokens: int) -> dict:
+    cfg = tiny_config(model_type, num_hidden_layers=3, max_position_embeddings=2 * tokens)
+    model, shape = _streamed(cfg, attn="eager" if model_type in EAGER else "sdpa")
+    live = Live()
+    _step(model, tokens, live)
+    step = StepShape(seq_len=tokens, micro_batch_tokens=tokens)
+    options = EngineOptions(keep_activations="off", keep_attention_outputs="off").resolve(
+        clipping=True, cuda=True
+    )
+    plan = plan_memory(shape, step, options, torch.bfloat16, 1 << 50, 1 << 50, hbm_layers=0)
+    lines = [ln for ln in plan.gpu_lines if str(ln.kind) not in UNSEEN_KINDS]
+    planned = sum(ln.nbytes for ln in lines) + 4 * shape.non_layer_numel
+    margin = sum(ln.nbytes * ln.error for ln in lines)
+    return {"measured": live.peak, "planned": planned, "margin": margin}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_types", nargs="*", help="default: every supported family")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--markdown", type=Path)
+    args = ap.parse_args(argv)
+    chunked_loss._add_product_fp32 = _cuda_fp32_gemm
+    rows = [
+        "| family | measured MB | planned MB | margin MB | ratio | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mt in args.model_types or list(SUPPORTED_MODEL_TYPES):
+        t0 = time.time()
+        try:
+            r = sweep_one(mt, args.tokens)
+        except Exception as exc:  # noqa: BLE001  (a family that fails is a row)
+            print(f"{mt}: error {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            rows.append(f"| {mt} | error: {type(exc).__name__} | | | | |")
+            continue
+        ratio = r["measured"] / r["planned"]
+        under = "under" if r["measured"] > r["planned"] + r["margin"] else ""
+        print(f"{mt}: measured {r['measured'] / 1e6:.2f} MB, planned {r['planned'] / 1e6:.2f} "
+              f"(+{r['margin'] / 1e6:.2f}), ratio {ratio:.2f} {under} ({time.time() - t0:.0f} s)",
+              flush=True)  # fmt: skip
+        rows.append(
+            f"| {mt} | {r['measured'] / 1e6:.2f} | {r['planned'] / 1e6:.2f} | "
+            f"{r['margin'] / 1e6:.2f} | {ratio:.2f} | {under} |"
+        )
+    if args.markdown:
+        head = (f"# Plan vs the CPU tracker, every family, one {args.tokens}-token sequence\n\n"
+                f"`python3 dev/family_plan_sweep.py --tokens {args.tokens} --markdown "
+                f"{args.markdown}` (torch {torch.__version__}). See the script's docstring "
+                "for what is compared.\n\n")  # fmt: skip
+        args.markdown.write_text(head + "\n".join(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
