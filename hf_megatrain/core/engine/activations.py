@@ -105,6 +105,9 @@ class ActivationStash:
         if self._cuda:
             compute = torch.cuda.current_stream(self._device)
             self._release_copied(compute)
+            stale = self._handles.get((idx, k))
+            if stale is not None and stale.device is not None:
+                compute.wait_event(stale.ready)  # a prefetch never fetched: dropped below
             self._d2h.wait_stream(compute)
             with torch.cuda.stream(self._d2h):
                 host.copy_(t, non_blocking=True)
