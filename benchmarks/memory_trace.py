@@ -62,7 +62,8 @@ def summarize(trace: list[dict[str, Any]]) -> list[str]:
                 total = sum(mapped.values())
                 if total > peak_mapped:
                     peak_mapped, peak_at = total, i
-                    peak_state = (Counter(mapped), Counter(live), dict(live_blocks), list(growth))
+                    # growth only appends: its length marks the peak
+                    peak_state = (Counter(mapped), Counter(live), dict(live_blocks), len(growth))
         elif action == "free_completed":
             live[stream] -= size
             live_blocks.pop(ev["addr"], None)
@@ -74,7 +75,7 @@ def summarize(trace: list[dict[str, Any]]) -> list[str]:
     lines = [f"events: {len(trace)}; peak mapped {peak_mapped / GIB:.2f} GiB at event {peak_at}"]
     if peak_state is None:
         return lines + ["no segment was mapped while recording"]
-    at_mapped, at_live, blocks, grown = peak_state
+    at_mapped, at_live, blocks, n_grown = peak_state
     for stream in sorted(set(at_mapped) | set(at_live)):
         m, a = at_mapped[stream], at_live[stream]
         lines.append(
@@ -89,7 +90,7 @@ def summarize(trace: list[dict[str, Any]]) -> list[str]:
         lines.append(f"  {sum(sizes) / GIB:8.2f} {len(sizes):5d}  {where}")
     lines.append("mapping growth on the way to the peak, by the allocation that caused it:")
     by_cause: defaultdict[str, list[int]] = defaultdict(list)
-    for size, ev in grown:
+    for size, ev in growth[:n_grown]:
         cause = f"stream {ev.get('stream', 0):#x} alloc {ev.get('size', 0) / GIB:.2f} GiB "
         by_cause[cause + _where(ev)].append(size)
     for cause, sizes in sorted(by_cause.items(), key=lambda kv: -sum(kv[1]))[:25]:

@@ -629,8 +629,8 @@ def test_activation_offload_moves_hidden_states_to_pinned_host(tmp_path):
 
 def test_fetched_activations_return_to_the_compute_streams_pool():
     """Backward frees fetched activations on the compute stream; their memory must be reusable
-    there. Blocks allocated on the copy stream went back to its pool, which compute-stream
-    allocations never reuse: 20.7 GiB reserved over allocated at Phi-3 256k."""
+    there, by tensors of their size made after it (a block allocated on the copy stream would
+    go back to that stream's pool, which compute-stream allocations never reuse)."""
     from hf_megatrain.core.engine.activations import ActivationStash
 
     dev = torch.device("cuda")

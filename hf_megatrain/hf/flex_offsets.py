@@ -14,9 +14,9 @@ kills the process). Long rows reach it in two ways:
 :func:`flex_attention_within_offsets` wraps transformers' FlexAttention function: a tensor whose
 offsets reach past the limit is made contiguous, and where a contiguous one still does, the call
 runs per row and group of heads (whole key/value groups, or query heads of one group) whose
-tensors stay within it, outputs joined along the head and row axes. Calls within the limit pass through unchanged (no
-copy). :func:`install` registers it under transformers' ``"flex_attention"`` name, so every
-model running FlexAttention in this process uses it.
+tensors stay within it, outputs joined along the head and row axes. Calls within the limit
+pass through unchanged (no copy). :func:`install` registers it under transformers'
+``"flex_attention"`` name, so every model running FlexAttention in this process uses it.
 """
 
 from __future__ import annotations
