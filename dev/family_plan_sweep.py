@@ -12,6 +12,10 @@ GPU's kernels can differ (SDPA's CPU math path with a mask makes s x s scores it
 do not), so it is a lead to check on the GPU, not a GPU measurement.
 
     python3 dev/family_plan_sweep.py --tokens 4096 [--markdown FILE] [model_type ...]
+
+``--device cuda`` runs the same step on the GPU instead (second step measured, after a first
+that allocates what persists): the allocator's peak over what was allocated before the step,
+against the same lines plus the GPU-only ones (stream and gradient buffers).
 """
 
 from __future__ import annotations
@@ -28,30 +32,76 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_megatrain.core.chunked_loss as chunked_loss  # noqa: E402
 from hf_megatrain.core.options import EngineOptions, StepShape  # noqa: E402
 from hf_megatrain.core.planner import plan_memory  # noqa: E402
-from hf_megatrain.hf.model import SUPPORTED_MODEL_TYPES  # noqa: E402
+from hf_megatrain.hf.model import (  # noqa: E402
+    SUPPORTED_MODEL_TYPES,
+    find_decoder_layers,
+    model_shape,
+    prepare_streamed_model,
+)
 from tests.helpers import tiny_config  # noqa: E402
 from tests.test_plan_accuracy import Live, _cuda_fp32_gemm, _step, _streamed  # noqa: E402
 
 #: Plan kinds the CPU tracker cannot see (exact state, CUDA-only buffers, the slack).
 UNSEEN_KINDS = {"parameters", "stream buffers", "gradient buffers", "slack"}
+#: On CUDA the step's buffers are real; parameters and state were allocated before the step.
+CUDA_UNSEEN_KINDS = {"parameters", "slack"}
 #: Soft-capped families: SDPA has no soft-capping, they run eager.
 EAGER = {"gemma2"}
 
 
-def sweep_one(model_type: str, tokens: int) -> dict:
+def _cuda_peak(cfg, attn: str, tokens: int, chunk: int = 64) -> tuple[int, object]:
+    """Allocator peak of one streamed step on CUDA over what was allocated before it."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.config._attn_implementation = attn
+    model.config.use_cache = False
+    shape = model_shape(model)
+    prepare_streamed_model(
+        model, "cuda", torch.bfloat16, keep_activations="off", keep_attention_outputs="off",
+        resident_layers=0,
+    )  # fmt: skip
+    model.train()
+    assert find_decoder_layers(model)[1]
+    wrapper = StreamedModelWrapper(model, torch.bfloat16, "cuda", loss_chunk_tokens=chunk)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+    peak = 0
+    for _ in range(2):  # the first step allocates what persists (buffers, gradients)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        wrapper(input_ids=ids, labels=ids.clone()).loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    del wrapper, model
+    torch.cuda.empty_cache()
+    return peak, shape
+
+
+def sweep_one(model_type: str, tokens: int, device: str = "cpu") -> dict:
     cfg = tiny_config(model_type, num_hidden_layers=3, max_position_embeddings=2 * tokens)
-    model, shape = _streamed(cfg, attn="eager" if model_type in EAGER else "sdpa")
-    live = Live()
-    _step(model, tokens, live)
+    attn = "eager" if model_type in EAGER else "sdpa"
+    if device == "cuda":
+        measured, shape = _cuda_peak(cfg, attn, tokens)
+    else:
+        model, shape = _streamed(cfg, attn=attn)
+        live = Live()
+        _step(model, tokens, live)
+        measured = live.peak
     step = StepShape(seq_len=tokens, micro_batch_tokens=tokens)
     options = EngineOptions(keep_activations="off", keep_attention_outputs="off").resolve(
         clipping=True, cuda=True
     )
     plan = plan_memory(shape, step, options, torch.bfloat16, 1 << 50, 1 << 50, hbm_layers=0)
-    lines = [ln for ln in plan.gpu_lines if str(ln.kind) not in UNSEEN_KINDS]
+    unseen = CUDA_UNSEEN_KINDS if device == "cuda" else UNSEEN_KINDS
+    lines = [ln for ln in plan.gpu_lines if str(ln.kind) not in unseen]
     planned = sum(ln.nbytes for ln in lines) + 4 * shape.non_layer_numel
     margin = sum(ln.nbytes * ln.error for ln in lines)
-    return {"measured": live.peak, "planned": planned, "margin": margin}
+    return {"measured": measured, "planned": planned, "margin": margin}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model_types", nargs="*", help="default: every supported family")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args(argv)
-    chunked_loss._add_product_fp32 = _cuda_fp32_gemm
+    if args.device == "cpu":
+        chunked_loss._add_product_fp32 = _cuda_fp32_gemm
     rows = [
         "| family | measured MB | planned MB | margin MB | ratio | |",
         "|---|---|---|---|---|---|",
@@ -68,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for mt in args.model_types or list(SUPPORTED_MODEL_TYPES):
         t0 = time.time()
         try:
-            r = sweep_one(mt, args.tokens)
+            r = sweep_one(mt, args.tokens, args.device)
         except Exception as exc:  # noqa: BLE001  (a family that fails is a row)
             print(f"{mt}: error {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             rows.append(f"| {mt} | error: {type(exc).__name__} | | | | |")
@@ -83,10 +135,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['margin'] / 1e6:.2f} | {ratio:.2f} | {under} |"
         )
     if args.markdown:
-        head = (f"# Plan vs the CPU tracker, every family, one {args.tokens}-token sequence\n\n"
-                f"`python3 dev/family_plan_sweep.py --tokens {args.tokens} --markdown "
-                f"{args.markdown}` (torch {torch.__version__}). See the script's docstring "
-                "for what is compared.\n\n")  # fmt: skip
+        what = "the CUDA allocator" if args.device == "cuda" else "the CPU tracker"
+        head = (f"# Plan vs {what}, every family, one {args.tokens}-token sequence\n\n"
+                f"`python3 dev/family_plan_sweep.py --tokens {args.tokens} --device "
+                f"{args.device} --markdown {args.markdown}` (torch {torch.__version__}). See "
+                "the script's docstring for what is compared.\n\n")  # fmt: skip
         args.markdown.write_text(head + "\n".join(rows) + "\n")
     return 0
 
