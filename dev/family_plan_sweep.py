@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_megatrain.core.chunked_loss as chunked_loss  # noqa: E402
 from hf_megatrain.core.options import EngineOptions, StepShape  # noqa: E402
 from hf_megatrain.core.planner import plan_memory  # noqa: E402
+from hf_megatrain.hf.attention import AttentionFacts  # noqa: E402
 from hf_megatrain.hf.model import (  # noqa: E402
     SUPPORTED_MODEL_TYPES,
     find_decoder_layers,
@@ -39,10 +40,8 @@ from hf_megatrain.hf.model import (  # noqa: E402
     prepare_streamed_model,
 )
 from tests.helpers import tiny_config  # noqa: E402
-from tests.test_plan_accuracy import Live, _cuda_fp32_gemm, _step, _streamed  # noqa: E402
+from tests.test_plan_accuracy import _cuda_fp32_gemm, step_vs_plan  # noqa: E402
 
-#: Plan kinds the CPU tracker cannot see (exact state, CUDA-only buffers, the slack).
-UNSEEN_KINDS = {"parameters", "stream buffers", "gradient buffers", "slack"}
 #: On CUDA the step's buffers are real; parameters and state were allocated before the step.
 CUDA_UNSEEN_KINDS = {"parameters", "slack"}
 #: Soft-capped families: SDPA has no soft-capping, they run eager.
@@ -84,21 +83,18 @@ def _cuda_peak(cfg, attn: str, tokens: int, chunk: int = 64) -> tuple[int, objec
 
 def sweep_one(model_type: str, tokens: int, device: str = "cpu") -> dict:
     cfg = tiny_config(model_type, num_hidden_layers=3, max_position_embeddings=2 * tokens)
-    attn = "eager" if model_type in EAGER else "sdpa"
-    if device == "cuda":
-        measured, shape = _cuda_peak(cfg, attn, tokens)
-    else:
-        model, shape = _streamed(cfg, attn=attn)
-        live = Live()
-        _step(model, tokens, live)
-        measured = live.peak
+    # The loaders' choice: SDPA where the model class has it (BLOOM and MPT do not: eager).
+    has_sdpa = AttentionFacts.of_config(cfg).supports_sdpa
+    attn = "eager" if model_type in EAGER or not has_sdpa else "sdpa"
+    if device == "cpu":
+        return step_vs_plan(cfg, tokens, attn)
+    measured, shape = _cuda_peak(cfg, attn, tokens)
     step = StepShape(seq_len=tokens, micro_batch_tokens=tokens)
     options = EngineOptions(keep_activations="off", keep_attention_outputs="off").resolve(
         clipping=True, cuda=True
     )
     plan = plan_memory(shape, step, options, torch.bfloat16, 1 << 50, 1 << 50, hbm_layers=0)
-    unseen = CUDA_UNSEEN_KINDS if device == "cuda" else UNSEEN_KINDS
-    lines = [ln for ln in plan.gpu_lines if str(ln.kind) not in unseen]
+    lines = [ln for ln in plan.gpu_lines if str(ln.kind) not in CUDA_UNSEEN_KINDS]
     planned = sum(ln.nbytes for ln in lines) + 4 * shape.non_layer_numel
     margin = sum(ln.nbytes * ln.error for ln in lines)
     return {"measured": measured, "planned": planned, "margin": margin}

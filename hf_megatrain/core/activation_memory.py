@@ -330,6 +330,11 @@ def _working_set_line(
     if norms:
         which = "Gemma's norms" if shape.gemma_norms else "per-head q/k norms"
         label += f" + {norms} of {which}"
+    if shape.extra_working_set_bytes_per_token:
+        norms += shape.extra_working_set_bytes_per_token
+        label += (
+            f" + {shape.extra_working_set_bytes_per_token} of {shape.extra_working_set_what}"
+        )
     nbytes = t * (per + norms + routed) + mlp_t * mlp_i * inter
     mlp = f" + tile x {mlp_i}i"
     if shape.qk_norm:
@@ -498,12 +503,36 @@ def sliding_layer_indices(shape: ModelShape) -> list[int]:
 
 def sdpa_window_mask(shape: ModelShape, step: StepShape) -> bool:
     """Whether SDPA attends with an explicit s x s mask: sliding-window layers and a sequence
-    at least as long as the window (shorter ones, and full attention, run ``is_causal``)."""
+    at least as long as the window (shorter ones, and full attention, run ``is_causal``), or a
+    family that always passes one (``ModelShape.sdpa_explicit_mask``)."""
+    if shape.attn_implementation != "sdpa":
+        return False
+    if shape.sdpa_explicit_mask:
+        return True
+    return shape.sliding_window > 0 and step.seq_len >= shape.sliding_window
+
+
+def sdpa_masked_layers(shape: ModelShape) -> list[int]:
+    """The layers SDPA runs with that mask: every one where the family always passes a mask,
+    else the sliding-window layers."""
+    if shape.sdpa_explicit_mask:
+        return list(range(shape.num_layers))
+    return sliding_layer_indices(shape)
+
+
+def _unused_window_mask(shape: ModelShape, step: StepShape) -> bool:
     return (
-        shape.attn_implementation == "sdpa"
-        and shape.sliding_window > 0
-        and step.seq_len >= shape.sliding_window
+        shape.unused_window_mask_from >= 0
+        and shape.attn_implementation in ("sdpa", "eager")
+        and step.seq_len >= shape.unused_window_mask_from
     )
+
+
+#: A sliding-window mask made for no layer (``ModelShape.unused_window_mask_from``): the bool
+#: s x s mask and, while ``sdpa_mask`` makes it, two more bool temporaries of its size (its two
+#: comparisons, before their ``&``). Measured on the CPU live-tensor tracker (Qwen2-MoE, 4,096
+#: tokens: 2.0 B per element over the plan) and on the H200 (16,384 tokens: 2.8 B).
+UNUSED_WINDOW_MASK_BYTES = 3
 
 
 #: FlexAttention's ``BlockMask`` (``attn_implementation="flex_attention"``): which
@@ -552,12 +581,13 @@ def kept_attention_lines(
     s = step.seq_len
     seqs = max(1, step.micro_batch_tokens // max(1, s))
     if sdpa_window_mask(shape, step):
-        n = len(set(kept_layers) & set(sliding_layer_indices(shape)))
+        n = len(set(kept_layers) & set(sdpa_masked_layers(shape)))
         if not n:
             return []
+        which = "masked" if shape.sdpa_explicit_mask else "sliding-window"
         return [
             estimate_line(
-                f"that mask as SDPA's additive mask, saved by each of the {n} sliding-window "
+                f"that mask as SDPA's additive mask, saved by each of the {n} {which} "
                 f"layers keeping activations ({n} x {seqs} x {s}^2 x {itemsize(dtype)} B)",
                 n * seqs * s * s * itemsize(dtype),
                 MASK_KIND,
@@ -619,7 +649,9 @@ def attention_mask_lines(
         )
         heads = _query_width(shape)[0] or 1
         per = EAGER_SCORE_BYTES + (itemsize(dtype) if shape.attn_softcapping else 0)
+        per += itemsize(dtype) if shape.eager_score_copy else 0
         capped = ", soft-capped" if shape.attn_softcapping else ""
+        capped += ", a compute-dtype copy of the scores" if shape.eager_score_copy else ""
         lines.append(
             estimate_line(
                 f"eager attention of one layer (scores, fp32 softmax and its gradient{capped}: "
@@ -629,15 +661,19 @@ def attention_mask_lines(
             )
         )
     elif sdpa_window_mask(shape, step):
+        what = (
+            "the family's explicit causal mask (SDPA"
+            if shape.sdpa_explicit_mask
+            else f"sliding-window attention mask (SDPA, window {shape.sliding_window}"
+        )
         lines.append(
             estimate_line(
-                f"sliding-window attention mask (SDPA, window {shape.sliding_window}: bool, "
-                f"{s}^2 x 1 B, made once per forward)",
+                f"{what}: bool, {s}^2 x 1 B, made once per forward)",
                 s * s,
                 MASK_KIND,
             )
         )
-        if set(sliding_layer_indices(shape)) - set(kept_layers):
+        if set(sdpa_masked_layers(shape)) - set(kept_layers):
             lines.append(
                 estimate_line(
                     f"that mask as SDPA's additive mask in one recomputed layer ({seqs} x {s}^2 "
@@ -654,6 +690,15 @@ def attention_mask_lines(
                 f"FlexAttention block masks ({masks}, {seqs} sequence(s) x {tiles}^2 tiles of "
                 f"{FLEX_BLOCK}^2 x {FLEX_BLOCK_MASK_BYTES} B each, made once per forward)",
                 masks * seqs * tiles * tiles * FLEX_BLOCK_MASK_BYTES,
+                MASK_KIND,
+            )
+        )
+    if _unused_window_mask(shape, step):
+        lines.append(
+            estimate_line(
+                f"sliding-window mask the family's forward makes for no layer (bool, {seqs} x "
+                f"{s}^2 x {UNUSED_WINDOW_MASK_BYTES} B while made)",
+                seqs * s * s * UNUSED_WINDOW_MASK_BYTES,
                 MASK_KIND,
             )
         )

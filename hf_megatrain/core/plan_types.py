@@ -92,6 +92,21 @@ class ModelShape:
     sliding_layers: tuple[bool, ...] = ()
     # Whether attention logits are soft-capped (Gemma-2: a tanh over the eager scores).
     attn_softcapping: bool = False
+    # Whether the family's forward always gives SDPA an explicit s x s mask, with or without a
+    # window (Falcon: ``allow_is_causal_skip=False``), so every layer is masked as sliding ones.
+    sdpa_explicit_mask: bool = False
+    # Whether eager attention keeps one more compute-dtype copy of its scores beside the fp32
+    # softmax (BLOOM's and MPT's ALiBi product, gpt-oss's sinks: hf/model.py).
+    eager_score_copy: bool = False
+    # The family's forward builds a sliding-window mask although no layer uses it (Qwen2-MoE's
+    # mask dict; transformers' ``create_sliding_window_causal_mask``): from sequences of this
+    # many tokens on (its config's window; 0: always); -1: it builds none.
+    unused_window_mask_from: int = -1
+    # Bytes per token a recomputed layer's backward holds beyond the working-set line's terms:
+    # what a family's own layer adds (measured per family in hf/model.py), described by
+    # ``extra_working_set_what``.
+    extra_working_set_bytes_per_token: int = 0
+    extra_working_set_what: str = ""
     # Whether the training loss adds an MoE router load-balancing ("aux") loss (a family's
     # ``output_router_logits`` on), whose temporaries ``router_aux_loss_lines`` plans from: the
     # layers that route (0: every layer), the experts per layer and per token, and whether

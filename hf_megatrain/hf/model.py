@@ -9,7 +9,9 @@ LM head, buffers) stays resident on the compute device as fp32 masters.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,10 +70,48 @@ MOE_FP32_ROUTING_MODEL_TYPES = frozenset({"mixtral", "granitemoe"})
 #: (``activation_memory.GATED_MLP_PEAK_*``) is within 4% of (the CPU tracker; Phi-3 exactly on
 #: the H200 too). Others measured off it (GLM-4 +44%, Hunyuan +24%, OLMo2 +17%; non-gated MLPs
 #: and sliding-window families below or with s x s terms of their own) keep the earlier line.
+#: LFM2's attention layers are within 1% of it (its MLP width is the module's, not the config's).
 PEAK_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "cohere", "ernie4_5",
-     "helium", "seed_oss", "gemma", "gemma3_text"}
+     "helium", "seed_oss", "gemma", "gemma3_text", "lfm2"}
 )  # fmt: skip
+
+#: Families whose eager attention keeps one more compute-dtype copy of its scores beside the fp32
+#: softmax: BLOOM's and MPT's own ALiBi product (``baddbmm``), gpt-oss's scores concatenated with
+#: its sinks. 14 B per element and head at the backward's peak where the eager line counts 12
+#: (the CPU tracker, 4,096 tokens: BLOOM 1.14x, MPT 1.09x, gpt-oss 1.13x the plan without it).
+EAGER_SCORE_COPY_MODEL_TYPES = frozenset({"bloom", "mpt", "gpt_oss"})
+
+#: Per token, what a family's own decoder layer holds in its recomputed backward beyond the
+#: working-set line's terms, from its widths (h hidden, q query, kv key/value, i MLP). Measured on
+#: the CPU live-tensor tracker (``dev/family_plan_sweep.py``: three widths each, 2,048 tokens;
+#: coefficients rounded up) and seen on the H200 at 16,384 tokens (GLM-4 1.16x the plan without
+#: it at tiny widths, 1.7x at GLM-4-9B's by the fit):
+#:
+#: * GLM-4: its post-attention and post-MLP norms and the fused gate/up split: 28h + 4q + 4kv + 4i;
+#: * LFM2 with short-convolution layers: 12h (its attention layers are the audited peak line's);
+#: * Qwen3-Next's Gated DeltaNet layers under transformers' PyTorch fallback (no
+#:   flash-linear-attention): 13 B per element of the key width (heads x dim) and 113 of the
+#:   value width, per token (Qwen3-Next-80B's: 432 KiB per token, 16 GiB per 32k; fla's kernels
+#:   hold less: planned high with them).
+FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int], int]]] = {
+    "glm4": ("GLM-4's extra norms", lambda cfg, h, q, kv, i: 28 * h + 4 * q + 4 * kv + 4 * i),
+    "lfm2": (
+        "LFM2's short-convolution layers",
+        lambda cfg, h, q, kv, i: 12 * h if "conv" in (getattr(cfg, "layer_types", None) or ()) else 0,
+    ),
+    "qwen3_next": (
+        "the Gated DeltaNet layers (PyTorch fallback)",
+        lambda cfg, h, q, kv, i: (
+            13 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+            + 113 * cfg.linear_num_value_heads * cfg.linear_value_head_dim
+            if "linear_attention" in (getattr(cfg, "layer_types", None) or ())
+            else 0
+        ),
+    ),
+}
+
+_EAGER_WINDOW_MASK = re.compile(r'"sliding_attention":\s*create_sliding_window_causal_mask\(')
 
 #: model_type -> short description; each has a tiny-config equivalence test.
 SUPPORTED_MODEL_TYPES = {
@@ -194,6 +234,8 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         inter = experts * moe_inter
     elif experts:
         inter = experts * inter
+    if not experts and layers:  # the MLP's own width where the config's is adjusted (LFM2)
+        inter = _mlp_width(layers[0]) or inter
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
@@ -214,6 +256,25 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     if len(sliding) != len(layers):
         sliding = ()  # every layer, where the window is set (Mistral, Phi-3): the plan's default
     attn = getattr(cfg, "_attn_implementation", None) or "sdpa"
+    # The first attention layer's (LFM2's first layers can be convolutions).
+    attention = next((a for x in layers if (a := getattr(x, "self_attn", None)) is not None), None)
+    source = _decoder_forward_source(model)
+    # Always an explicit mask for SDPA (Falcon); with ALiBi added onto it, heads x s x s in
+    # fp32: planned as eager attention, an upper bound.
+    explicit_mask = "allow_is_causal_skip=False" in source
+    if explicit_mask and getattr(text_cfg, "alibi", False) and attn == "sdpa":
+        attn, explicit_mask = "eager", False
+    # A sliding-window mask built for every forward although no layer slides (Qwen2-MoE's mask
+    # dict calls it where others defer it behind ``lambda`` or ``has_sliding_layers``).
+    unused_window = -1
+    if _EAGER_WINDOW_MASK.search(source) and "has_sliding_layers" not in source:
+        if not window:
+            unused_window = int(getattr(text_cfg, "sliding_window", 0) or 0)
+    q_width = heads * head_dim
+    extra_what, extra = "", 0
+    if cfg.model_type in FAMILY_WORKING_SET_EXTRA:
+        extra_what, per_token = FAMILY_WORKING_SET_EXTRA[cfg.model_type]
+        extra = per_token(text_cfg, text_cfg.hidden_size, q_width, kv_heads * head_dim, inter)
     # The router aux loss's temporaries: which of transformers' two load-balancing losses the
     # family has (before 5.16 one-hot over every layer's top-k at once, then layer by layer).
     aux = router_aux_loss_on(model)
@@ -224,9 +285,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         kv_size=kv_heads * head_dim,
         head_dim=head_dim,
         num_heads=heads,
-        # Every decoder layer of these families is alike: the first one says.
-        qk_norm=bool(layers) and hasattr(getattr(layers[0], "self_attn", None), "q_norm"),
-        qk_norm_fp32_output=bool(layers) and _widens_to_fp32(getattr(layers[0], "self_attn", None)),
+        # Every attention layer of these families is alike: the first one says.
+        qk_norm=_q_norm(attention) is not None,
+        qk_norm_fp32_output=attention is not None and _widens_to_fp32(attention),
         fused_layer_kernels=fused,
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
@@ -256,8 +317,43 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         full_attention_layers=full,
         sliding_layers=sliding,
         attn_softcapping=bool(getattr(text_cfg, "attn_logit_softcapping", None)),
+        sdpa_explicit_mask=explicit_mask,
+        eager_score_copy=cfg.model_type in EAGER_SCORE_COPY_MODEL_TYPES,
+        unused_window_mask_from=unused_window,
+        extra_working_set_bytes_per_token=extra,
+        extra_working_set_what=extra_what,
         name=name,
     )
+
+
+def _decoder_forward_source(model: nn.Module) -> str:
+    """The source of the decoder stack's forward (where masks are made), "" when unknown."""
+    causal_lm = unwrap_peft(model)
+    base = getattr(causal_lm, getattr(causal_lm, "base_model_prefix", ""), None)
+    try:
+        return inspect.getsource(type(base if base is not None else causal_lm).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def _mlp_width(layer: nn.Module) -> int:
+    """A dense layer's MLP width from its gate/up projection (the config's can be adjusted, as
+    LFM2's ``block_auto_adjust_ff_dim``); 0 when not found."""
+    mlp = getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
+    for name in ("gate_proj", "up_proj", "w1"):
+        proj = getattr(mlp, name, None)
+        if isinstance(proj, nn.Linear):
+            return proj.out_features
+    return 0
+
+
+def _q_norm(attention: nn.Module | None) -> nn.Module | None:
+    """The attention's per-head q norm (``q_norm``; LFM2's ``q_layernorm``), None without."""
+    for name in ("q_norm", "q_layernorm"):
+        norm = getattr(attention, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    return None
 
 
 def _router_layers(layers: list[nn.Module]) -> int:
@@ -387,7 +483,7 @@ def _widens_to_fp32(attention: nn.Module | None) -> bool:
     fp32 for a bf16 input: probed with the family's own forward (the compiled kernels restate
     it) on a small stand-in. Liger's kernel writes its input's dtype (and runs only on CUDA). A
     forward the stand-in cannot run is taken to widen: the plan then errs high, not low."""
-    norm = getattr(attention, "q_norm", None)
+    norm = _q_norm(attention)
     weight = getattr(norm, "weight", None)
     patched = getattr(norm, "__dict__", {}).get("forward")
     if not isinstance(weight, nn.Parameter) or "liger" in getattr(patched, "__module__", ""):
