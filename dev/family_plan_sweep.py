@@ -61,7 +61,7 @@ def _cuda_peak(cfg, attn: str, tokens: int, chunk: int = 64) -> tuple[int, objec
     shape = model_shape(model)
     prepare_streamed_model(
         model, "cuda", torch.bfloat16, keep_activations="off", keep_attention_outputs="off",
-        resident_layers=0,
+        resident_layers=0, attention="model",
     )  # fmt: skip
     model.train()
     assert find_decoder_layers(model)[1]
@@ -81,11 +81,11 @@ def _cuda_peak(cfg, attn: str, tokens: int, chunk: int = 64) -> tuple[int, objec
     return peak, shape
 
 
-def sweep_one(model_type: str, tokens: int, device: str = "cpu") -> dict:
+def sweep_one(model_type: str, tokens: int, device: str = "cpu", attn: str = "") -> dict:
     cfg = tiny_config(model_type, num_hidden_layers=3, max_position_embeddings=2 * tokens)
     # The loaders' choice: SDPA where the model class has it (BLOOM and MPT do not: eager).
     has_sdpa = AttentionFacts.of_config(cfg).supports_sdpa
-    attn = "eager" if model_type in EAGER or not has_sdpa else "sdpa"
+    attn = attn or ("eager" if model_type in EAGER or not has_sdpa else "sdpa")
     if device == "cpu":
         return step_vs_plan(cfg, tokens, attn)
     measured, shape = _cuda_peak(cfg, attn, tokens)
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--attn", default="", help="attention for every family (default: the loaders')")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         chunked_loss._add_product_fp32 = _cuda_fp32_gemm
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     for mt in args.model_types or list(SUPPORTED_MODEL_TYPES):
         t0 = time.time()
         try:
-            r = sweep_one(mt, args.tokens, args.device)
+            r = sweep_one(mt, args.tokens, args.device, args.attn)
         except Exception as exc:  # noqa: BLE001  (a family that fails is a row)
             print(f"{mt}: error {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             rows.append(f"| {mt} | error: {type(exc).__name__} | | | | |")
