@@ -19,6 +19,8 @@ from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
 from hf_megatrain.core.activation_memory import (
+    EAGER_SCORE_BYTES,
+    EAGER_SCORE_BYTES_CPU,
     EAGER_SCORES_KIND,
     ESTIMATE_ERRORS,
     MASK_KIND,
@@ -130,7 +132,7 @@ TOLERANCE = ESTIMATE_ERRORS[EAGER_SCORES_KIND]
 def test_attention_lines_match_what_transformers_makes(family, attn, seq):
     """Eager attention: the fp32 masks (one per kind of layer, per sequence) alive from forward
     to backward, and one layer's scores/probabilities at its backward's peak (12 B per element
-    and head, 14 soft-capped). SDPA with a window shorter than the sequence: a bool s x s mask
+    and head, 14 soft-capped, on the CPU; the plan counts CUDA's 4 B more). SDPA with a window shorter than the sequence: a bool s x s mask
     and one layer's additive copy of it in bf16 per sequence."""
     seqs = 2
     model, shape = _streamed(_config(family), attn)
@@ -147,9 +149,14 @@ def test_attention_lines_match_what_transformers_makes(family, attn, seq):
         assert planned[MASK_KIND] == masks * seqs * seq * seq * 4
         assert got["masks"] == pytest.approx(planned[MASK_KIND], rel=TOLERANCE)
         scores = got["square_peak"] - got["masks"]
-        assert scores == pytest.approx(planned[EAGER_SCORES_KIND], rel=TOLERANCE)
+        # The plan counts CUDA's 4 B more per element than the CPU makes (EAGER_SCORE_BYTES).
+        cuda_extra = (
+            seqs * shape.num_heads * seq * seq * (EAGER_SCORE_BYTES - EAGER_SCORE_BYTES_CPU)
+        )
+        cpu_planned = planned[EAGER_SCORES_KIND] - cuda_extra
+        assert scores == pytest.approx(cpu_planned, rel=TOLERANCE)
         per = 14 if family == "gemma2" else 12
-        assert planned[EAGER_SCORES_KIND] == seqs * shape.num_heads * seq * seq * per
+        assert cpu_planned == seqs * shape.num_heads * seq * seq * per
     else:
         (persistent, per_layer) = (ln.nbytes for ln in lines)
         assert got["masks"] == pytest.approx(persistent, rel=TOLERANCE)
@@ -214,7 +221,7 @@ def test_gemma2_eager_at_131072_tokens_does_not_fit_and_says_why():
     plan = plan_memory(shape, step, options, BF16, 139 * GIB, 1 << 50)
     assert not plan.fits
     eager = next(ln for ln in plan.gpu_lines if ln.kind == EAGER_SCORES_KIND)
-    assert eager.nbytes == 8 * 131072**2 * 14
+    assert eager.nbytes == 8 * 131072**2 * (EAGER_SCORE_BYTES + 2)
     assert next(ln for ln in plan.gpu_lines if ln.kind == MASK_KIND).nbytes == 128 * GIB
     msg = str(plan.problems[0])
     assert "largest item: eager attention of one layer" in msg

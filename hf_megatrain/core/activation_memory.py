@@ -485,8 +485,12 @@ def boundary_dtype_label(options: ResolvedOptions) -> str:
 #: fp32 scores plus mask and the fp32 softmax output, 8 B), and the recompute re-makes the same
 #: saves before this backward. Measured on the CPU with the live-tensor tracker (Llama and
 #: Gemma-2 layers, bf16 autocast, 512 to 2,048 tokens, 1 and 2 sequences: exact), as
-#: tests/test_plan_attention.py does.
-EAGER_SCORE_BYTES = 12
+#: tests/test_plan_attention.py does. On CUDA the same step holds 4 B more per element (the
+#: H200's allocator peak, ``dev/family_plan_sweep.py --device cuda --attn eager``: Llama and
+#: Qwen3 16.0 B, Gemma-2 18.0 soft-capped, at 8,192 and 16,384 tokens; 12 was 1.3x under):
+#: the plan, made for the GPU, counts CUDA's.
+EAGER_SCORE_BYTES_CPU = 12
+EAGER_SCORE_BYTES = 16
 
 
 def sliding_layer_indices(shape: ModelShape) -> list[int]:
