@@ -278,6 +278,11 @@ KNOWN_OVERESTIMATES = {
     # tiled working-set line's 49.2 (tokens x (32h + 4q + 4kv)); the fused RMSNorm and in-place
     # RoPE hold less per token than the line's eager-kernel count.
     ("exact393k", "qwen2.5-7b", 393216): "tiled working set over-counted under Liger's kernels",
+    # The same options at 425,984 tokens (auto_fit off, 9 HBM-tier layers given; the plan refuses
+    # the length): 149.11 GiB expected, 114.32 reserved, 105.31 allocated; and at 131,072 tokens
+    # 114.09 expected, 89.09 reserved. The same tiled line and segment cache, +30% and +28%.
+    ("exact426k", "qwen2.5-7b", 425984): "tiled working set and segment cache over-counted",
+    ("notrace131k", "qwen2.5-7b", 131072): "tiled working set and segment cache over-counted",
 }
 
 

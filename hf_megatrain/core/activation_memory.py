@@ -524,10 +524,11 @@ def sdpa_masked_layers(shape: ModelShape) -> list[int]:
     return sliding_layer_indices(shape)
 
 
-def _unused_window_mask(shape: ModelShape, step: StepShape) -> bool:
+def _unused_window_mask(shape: ModelShape, step: StepShape, impl: str = "sdpa") -> bool:
+    """Whether ``impl`` attention gets a sliding-window mask made for no layer."""
     return (
         shape.unused_window_mask_from >= 0
-        and shape.attn_implementation in ("sdpa", "eager")
+        and shape.attn_implementation == impl
         and step.seq_len >= shape.unused_window_mask_from
     )
 
@@ -639,9 +640,13 @@ def attention_mask_lines(
     lines: list[MemoryLine] = []
     sliding = shape.sliding_window > 0
     if impl == "eager":
-        masks = int(shape.full_attention_layers) + int(sliding)
+        # (A sliding mask made for no layer is one more fp32 mask.)
+        unused = _unused_window_mask(shape, step, "eager")
+        masks = int(shape.full_attention_layers) + int(sliding or unused)
         which = " and ".join(
-            w for w, on in (("full", shape.full_attention_layers), ("sliding", sliding)) if on
+            w
+            for w, on in (("full", shape.full_attention_layers), ("sliding", sliding or unused))
+            if on
         )
         lines.append(
             estimate_line(
