@@ -229,3 +229,21 @@ def test_gemma2_eager_at_131072_tokens_does_not_fit_and_says_why():
     flash = replace(shape, attn_implementation="flash_attention_2", sdpa_attention=False)
     lines = plan_memory(flash, step, options, BF16, 139 * GIB, 1 << 50).gpu_lines
     assert not [ln for ln in lines if ln.kind in (EAGER_SCORES_KIND, MASK_KIND)]
+
+
+def test_a_sliding_mask_made_for_no_layer_is_planned_per_attention():
+    """Qwen2-MoE's forward makes a sliding-window mask though no layer slides: under SDPA a bool
+    s x s and its two temporaries (3 B per element, measured), under eager one more fp32 mask
+    beside the full one; Qwen2 (dense) makes it only for sliding layers: neither."""
+    from tests.helpers import tiny_config  # noqa: PLC0415
+
+    s = 2048
+    step = StepShape(seq_len=s, micro_batch_tokens=s)
+    moe = model_shape_from_config(tiny_config("qwen2_moe"))
+    assert moe.unused_window_mask_from == 0 and moe.sliding_window == 0
+    sdpa = attention_mask_lines(moe, step, BF16)
+    assert [ln.nbytes for ln in sdpa] == [3 * s * s]
+    eager = attention_mask_lines(replace(moe, attn_implementation="eager"), step, BF16)
+    assert sum(ln.nbytes for ln in eager if ln.kind == MASK_KIND) == 2 * s * s * 4
+    dense = model_shape_from_config(tiny_config("qwen2"))
+    assert dense.unused_window_mask_from == -1 and not attention_mask_lines(dense, step, BF16)
