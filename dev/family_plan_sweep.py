@@ -82,7 +82,8 @@ def _cuda_peak(cfg, attn: str, tokens: int, chunk: int = 64) -> tuple[int, objec
 
 
 def sweep_one(model_type: str, tokens: int, device: str = "cpu", attn: str = "") -> dict:
-    cfg = tiny_config(model_type, num_hidden_layers=3, max_position_embeddings=2 * tokens)
+    layers = 2 if model_type == "gemma3_text" else 3  # its tiny config's two layer types
+    cfg = tiny_config(model_type, num_hidden_layers=layers, max_position_embeddings=2 * tokens)
     # The loaders' choice: SDPA where the model class has it (BLOOM and MPT do not: eager).
     has_sdpa = AttentionFacts.of_config(cfg).supports_sdpa
     attn = attn or ("eager" if model_type in EAGER or not has_sdpa else "sdpa")
