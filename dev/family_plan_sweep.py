@@ -30,55 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_megatrain.core.chunked_loss as chunked_loss  # noqa: E402
-from hf_megatrain.core.options import EngineOptions, StepShape  # noqa: E402
-from hf_megatrain.core.planner import plan_memory  # noqa: E402
 from hf_megatrain.hf.attention import AttentionFacts  # noqa: E402
-from hf_megatrain.hf.model import (  # noqa: E402
-    SUPPORTED_MODEL_TYPES,
-    find_decoder_layers,
-    model_shape,
-    prepare_streamed_model,
-)
+from hf_megatrain.hf.model import SUPPORTED_MODEL_TYPES  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
 from tests.test_plan_accuracy import _cuda_fp32_gemm, step_vs_plan  # noqa: E402
 
-#: On CUDA the step's buffers are real; parameters and state were allocated before the step.
-CUDA_UNSEEN_KINDS = {"parameters", "slack"}
 #: Soft-capped families: SDPA has no soft-capping, they run eager.
 EAGER = {"gemma2"}
-
-
-def _cuda_peak(cfg, attn: str, tokens: int, chunk: int = 64) -> tuple[int, object]:
-    """Allocator peak of one streamed step on CUDA over what was allocated before it."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-
-    from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.config._attn_implementation = attn
-    model.config.use_cache = False
-    shape = model_shape(model)
-    prepare_streamed_model(
-        model, "cuda", torch.bfloat16, keep_activations="off", keep_attention_outputs="off",
-        resident_layers=0, attention="model",
-    )  # fmt: skip
-    model.train()
-    assert find_decoder_layers(model)[1]
-    wrapper = StreamedModelWrapper(model, torch.bfloat16, "cuda", loss_chunk_tokens=chunk)
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
-    peak = 0
-    for _ in range(2):  # the first step allocates what persists (buffers, gradients)
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        wrapper(input_ids=ids, labels=ids.clone()).loss.backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    del wrapper, model
-    torch.cuda.empty_cache()
-    return peak, shape
 
 
 def sweep_one(model_type: str, tokens: int, device: str = "cpu", attn: str = "") -> dict:
@@ -87,18 +45,7 @@ def sweep_one(model_type: str, tokens: int, device: str = "cpu", attn: str = "")
     # The loaders' choice: SDPA where the model class has it (BLOOM and MPT do not: eager).
     has_sdpa = AttentionFacts.of_config(cfg).supports_sdpa
     attn = attn or ("eager" if model_type in EAGER or not has_sdpa else "sdpa")
-    if device == "cpu":
-        return step_vs_plan(cfg, tokens, attn)
-    measured, shape = _cuda_peak(cfg, attn, tokens)
-    step = StepShape(seq_len=tokens, micro_batch_tokens=tokens)
-    options = EngineOptions(keep_activations="off", keep_attention_outputs="off").resolve(
-        clipping=True, cuda=True
-    )
-    plan = plan_memory(shape, step, options, torch.bfloat16, 1 << 50, 1 << 50, hbm_layers=0)
-    lines = [ln for ln in plan.gpu_lines if str(ln.kind) not in CUDA_UNSEEN_KINDS]
-    planned = sum(ln.nbytes for ln in lines) + 4 * shape.non_layer_numel
-    margin = sum(ln.nbytes * ln.error for ln in lines)
-    return {"measured": measured, "planned": planned, "margin": margin}
+    return step_vs_plan(cfg, tokens, attn, device)
 
 
 def main(argv: list[str] | None = None) -> int:

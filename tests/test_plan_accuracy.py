@@ -192,27 +192,68 @@ def test_recomputed_layer_backward_holds_the_whole_mlp(family):
     assert measured == expected
 
 
-#: Plan kinds the tracker cannot see (exact state, CUDA-only buffers, the slack).
+#: Plan kinds the tracker cannot see (exact state, CUDA-only buffers, the slack); on CUDA the
+#: step's buffers are real, and parameters and state were allocated before the step.
 TRACKER_UNSEEN_KINDS = {"parameters", "stream buffers", "gradient buffers", "slack"}
+CUDA_UNSEEN_KINDS = {"parameters", "slack"}
 
 
-def step_vs_plan(cfg, tokens: int, attn: str) -> dict:
-    """One streamed step of one ``tokens``-token sequence under the tracker, against the plan's
-    lines the tracker can see (activations, masks, attention, working set, loss, head) plus the
-    non-layer parameters' fp32 gradients: measured, planned and the lines' error margin (bytes).
-    ``dev/family_plan_sweep.py`` runs it for every family."""
-    model, shape = _streamed(cfg, attn=attn)
-    live = Live()
-    _step(model, tokens, live)
+def _cuda_step_peak(cfg, attn: str, tokens: int, chunk: int = 64) -> tuple[int, object]:
+    """The CUDA allocator's peak of one streamed step over what was allocated before it (the
+    second step: the first allocates what persists), every layer streamed, the model's own
+    attention."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.config._attn_implementation = attn
+    model.config.use_cache = False
+    shape = model_shape(model)
+    prepare_streamed_model(
+        model, "cuda", BF16, keep_activations="off", keep_attention_outputs="off",
+        resident_layers=0, attention="model",
+    )  # fmt: skip
+    wrapper = StreamedModelWrapper(model.train(), BF16, "cuda", loss_chunk_tokens=chunk)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+    peak = 0
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        wrapper(input_ids=ids, labels=ids.clone()).loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    del wrapper, model
+    torch.cuda.empty_cache()
+    return peak, shape
+
+
+def step_vs_plan(cfg, tokens: int, attn: str, device: str = "cpu") -> dict:
+    """One streamed step of one ``tokens``-token sequence, measured (the CPU tracker, or on
+    ``device="cuda"`` the allocator's peak), against the plan's lines that measurement sees
+    (activations, masks, attention, working set, loss, head; on CUDA the stream and gradient
+    buffers too) plus the non-layer parameters' fp32 gradients: measured, planned and the lines'
+    error margin (bytes). ``dev/family_plan_sweep.py`` runs it for every family."""
+    if device == "cuda":
+        measured, shape = _cuda_step_peak(cfg, attn, tokens)
+        unseen = CUDA_UNSEEN_KINDS
+    else:
+        model, shape = _streamed(cfg, attn=attn)
+        live = Live()
+        _step(model, tokens, live)
+        measured, unseen = live.peak, TRACKER_UNSEEN_KINDS
     step = StepShape(seq_len=tokens, micro_batch_tokens=tokens)
     options = EngineOptions(keep_activations="off", keep_attention_outputs="off").resolve(
         clipping=True, cuda=True
     )
     plan = plan_memory(shape, step, options, BF16, 1 << 50, 1 << 50, hbm_layers=0)
-    lines = [ln for ln in plan.gpu_lines if str(ln.kind) not in TRACKER_UNSEEN_KINDS]
+    lines = [ln for ln in plan.gpu_lines if str(ln.kind) not in unseen]
     planned = sum(ln.nbytes for ln in lines) + 4 * shape.non_layer_numel
     margin = sum(ln.nbytes * ln.error for ln in lines)
-    return {"measured": live.peak, "planned": planned, "margin": margin, "shape": shape}
+    return {"measured": measured, "planned": planned, "margin": margin, "shape": shape}
 
 
 def _lfm2_with_convolutions():
