@@ -274,11 +274,11 @@ def _lfm2_with_convolutions():
 def test_families_with_their_own_attention_or_layers_stay_inside_the_plan(model_type):
     """Families whose memory the shared lines missed, found by ``dev/family_plan_sweep.py`` on
     this tracker and on the H200 (16,384 tokens, CUDA allocator): BLOOM's and MPT's ALiBi scores
-    and gpt-oss's sinks (eager, 1.09-1.14x), Falcon's always-explicit SDPA mask (17x on the GPU), Qwen2-MoE's
-    sliding-window mask made for no layer (12x), GLM-4's extra norms (1.16x, 1.7x at GLM-4-9B's
-    widths by the fit), LFM2's adjusted MLP width, q/k layer norms and convolutions (1.9x) and
-    Qwen3-Next's Gated DeltaNet (116x). Each whole step now stays within its plan plus the lines'
-    error margin (the plan may be higher: the lines are summed)."""
+    and gpt-oss's sinks (eager, 1.09-1.14x), Falcon's always-explicit SDPA mask (17x on the
+    GPU), Qwen2-MoE's sliding-window mask made for no layer (12x), GLM-4's extra norms (1.16x,
+    1.7x at GLM-4-9B's widths by the fit), LFM2's adjusted MLP width, q/k layer norms and
+    convolutions (1.9x) and Qwen3-Next's Gated DeltaNet (116x). Each whole step now stays within
+    its plan plus the lines' error margin (the plan may be higher: the lines are summed)."""
     from hf_megatrain.hf.attention import AttentionFacts  # noqa: PLC0415
     from tests.helpers import tiny_config  # noqa: PLC0415
 
