@@ -1,4 +1,4 @@
-"""Every supported family's whole streamed step on the CPU, measured against the plan.
+"""Every supported family's whole streamed step, measured against the plan (CPU or GPU).
 
 For each model type in ``SUPPORTED_MODEL_TYPES``: its tiny test config (tests/helpers.py), one
 streamed forward, fused loss and backward of one ``--tokens``-token sequence under the live-tensor
