@@ -116,7 +116,7 @@ def _cuda_fp32_gemm(acc, a, b):
     return out
 
 
-def _streamed(cfg, attn: str = "sdpa", **options):
+def _streamed(cfg, attn: str = "sdpa", device: str = "cpu", **options):
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
@@ -125,7 +125,7 @@ def _streamed(cfg, attn: str = "sdpa", **options):
     model.config.use_cache = False
     shape = model_shape(model)
     options = {"keep_activations": "off", "keep_attention_outputs": "off", **options}
-    prepare_streamed_model(model, "cpu", BF16, **options)
+    prepare_streamed_model(model, device, BF16, **options)
     return model.train(), shape
 
 
@@ -202,20 +202,10 @@ def _cuda_step_peak(cfg, attn: str, tokens: int, chunk: int = 64) -> tuple[int, 
     """The CUDA allocator's peak of one streamed step over what was allocated before it (the
     second step: the first allocates what persists), every layer streamed, the model's own
     attention."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-
     from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.config._attn_implementation = attn
-    model.config.use_cache = False
-    shape = model_shape(model)
-    prepare_streamed_model(
-        model, "cuda", BF16, keep_activations="off", keep_attention_outputs="off",
-        resident_layers=0, attention="model",
-    )  # fmt: skip
-    wrapper = StreamedModelWrapper(model.train(), BF16, "cuda", loss_chunk_tokens=chunk)
+    model, shape = _streamed(cfg, attn, "cuda", resident_layers=0, attention="model")
+    wrapper = StreamedModelWrapper(model, BF16, "cuda", loss_chunk_tokens=chunk)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
     peak = 0
     for _ in range(2):

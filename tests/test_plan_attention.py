@@ -132,8 +132,9 @@ TOLERANCE = ESTIMATE_ERRORS[EAGER_SCORES_KIND]
 def test_attention_lines_match_what_transformers_makes(family, attn, seq):
     """Eager attention: the fp32 masks (one per kind of layer, per sequence) alive from forward
     to backward, and one layer's scores/probabilities at its backward's peak (12 B per element
-    and head, 14 soft-capped, on the CPU; the plan counts CUDA's 4 B more). SDPA with a window shorter than the sequence: a bool s x s mask
-    and one layer's additive copy of it in bf16 per sequence."""
+    and head, 14 soft-capped, on the CPU; the plan counts CUDA's 4 B more). SDPA with a window
+    shorter than the sequence: a bool s x s mask and one layer's additive copy of it in bf16 per
+    sequence."""
     seqs = 2
     model, shape = _streamed(_config(family), attn)
     assert shape.attn_implementation == attn

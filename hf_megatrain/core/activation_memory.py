@@ -332,9 +332,7 @@ def _working_set_line(
         label += f" + {norms} of {which}"
     if shape.extra_working_set_bytes_per_token:
         norms += shape.extra_working_set_bytes_per_token
-        label += (
-            f" + {shape.extra_working_set_bytes_per_token} of {shape.extra_working_set_what}"
-        )
+        label += f" + {shape.extra_working_set_bytes_per_token} of {shape.extra_working_set_what}"
     nbytes = t * (per + norms + routed) + mlp_t * mlp_i * inter
     mlp = f" + tile x {mlp_i}i"
     if shape.qk_norm:
@@ -641,12 +639,10 @@ def attention_mask_lines(
     sliding = shape.sliding_window > 0
     if impl == "eager":
         # (A sliding mask made for no layer is one more fp32 mask.)
-        unused = _unused_window_mask(shape, step, "eager")
-        masks = int(shape.full_attention_layers) + int(sliding or unused)
+        sliding_mask = sliding or _unused_window_mask(shape, step, "eager")
+        masks = int(shape.full_attention_layers) + int(sliding_mask)
         which = " and ".join(
-            w
-            for w, on in (("full", shape.full_attention_layers), ("sliding", sliding or unused))
-            if on
+            w for w, on in (("full", shape.full_attention_layers), ("sliding", sliding_mask)) if on
         )
         lines.append(
             estimate_line(

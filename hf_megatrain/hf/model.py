@@ -9,6 +9,7 @@ LM head, buffers) stays resident on the compute device as fp32 masters.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -98,7 +99,9 @@ FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int
     "glm4": ("GLM-4's extra norms", lambda cfg, h, q, kv, i: 28 * h + 4 * q + 4 * kv + 4 * i),
     "lfm2": (
         "LFM2's short-convolution layers",
-        lambda cfg, h, q, kv, i: 12 * h if "conv" in (getattr(cfg, "layer_types", None) or ()) else 0,
+        lambda cfg, h, q, kv, i: (
+            12 * h if "conv" in (getattr(cfg, "layer_types", None) or ()) else 0
+        ),
     ),
     "qwen3_next": (
         "the Gated DeltaNet layers (PyTorch fallback)",
@@ -255,12 +258,12 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     sliding = tuple(t == "sliding_attention" for t in types) if window else ()
     if len(sliding) != len(layers):
         sliding = ()  # every layer, where the window is set (Mistral, Phi-3): the plan's default
-    attn = getattr(cfg, "_attn_implementation", None) or "sdpa"
+    attn = runs = getattr(cfg, "_attn_implementation", None) or "sdpa"
     # The first attention layer's (LFM2's first layers can be convolutions).
     attention = next((a for x in layers if (a := getattr(x, "self_attn", None)) is not None), None)
     source = _decoder_forward_source(model)
     # Always an explicit mask for SDPA (Falcon); with ALiBi added onto it, heads x s x s in
-    # fp32: planned as eager attention, an upper bound.
+    # fp32: its masks planned as eager attention's, an upper bound (it still runs SDPA).
     explicit_mask = "allow_is_causal_skip=False" in source
     if explicit_mask and getattr(text_cfg, "alibi", False) and attn == "sdpa":
         attn, explicit_mask = "eager", False
@@ -311,7 +314,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         # Gemma-2/3's four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
         gemma_norms=cfg.model_type in ("gemma2", "gemma3_text"),
         peak_working_set_audited=cfg.model_type in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
-        sdpa_attention=attn == "sdpa",
+        sdpa_attention=runs == "sdpa",
         attn_implementation=attn,
         sliding_window=window,
         full_attention_layers=full,
@@ -330,8 +333,13 @@ def _decoder_forward_source(model: nn.Module) -> str:
     """The source of the decoder stack's forward (where masks are made), "" when unknown."""
     causal_lm = unwrap_peft(model)
     base = getattr(causal_lm, getattr(causal_lm, "base_model_prefix", ""), None)
+    return _forward_source(type(base if base is not None else causal_lm))
+
+
+@functools.cache
+def _forward_source(cls: type) -> str:
     try:
-        return inspect.getsource(type(base if base is not None else causal_lm).forward)
+        return inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return ""
 
