@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hf_megatrain.core.options import StepShape  # noqa: E402
 from hf_megatrain.core.plan_search import plan_memory  # noqa: E402
-from hf_megatrain.core.plan_types import StepShape  # noqa: E402
 from hf_megatrain.hf.model import (  # noqa: E402
     find_decoder_layers,
     model_shape,
