@@ -119,7 +119,6 @@ def probe(args: argparse.Namespace) -> dict:
     t0 = time.time()
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.config._attn_implementation = args.attn
-    shape = model_shape(model)
     step = StepShape(seq_len=args.tokens, micro_batch_tokens=args.tokens)
     fields = dict(_option(o) for o in args.option)
     fields.setdefault("auto_fit", "off")
@@ -127,6 +126,7 @@ def probe(args: argparse.Namespace) -> dict:
     prepare_streamed_model(model, "cuda", BF16, step=step, **fields)
     model.train()
     state = streamed_state(model)
+    shape = model_shape(model)  # after streaming: its kernels (Liger's) and attention as applied
     options = state.options
     print(f"built in {time.time() - t0:.0f} s; options: {options}", flush=True)
     wrapper = StreamedModelWrapper(model, BF16, "cuda", loss_chunk_tokens=options.loss_chunk_tokens)

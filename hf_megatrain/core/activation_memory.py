@@ -250,6 +250,18 @@ MOE_SHARED_BYTES_PER_HIDDEN = 20
 #: measured either: the per-head norm terms stay whole.)
 FUSED_SWIGLU_BYTES_PER_TOKEN_INTER = 2
 
+#: With MLP tiles and fused layer kernels (compiled or Liger-Kernel), less per token of the
+#: sequence: the fused RMSNorms keep no fp32 normalized products (2 x 4h in the tiled line).
+#: Measured on the H200 (tests/test_gpu.py::test_tiled_working_set_on_gpu, Qwen2.5-7B-wide
+#: layers): 113,048 B/token for both kernel sets against the line's 131,072, 5.0h less; 4h taken
+#: off (the products' half), so the line stays above what was measured.
+FUSED_TILED_BYTES_PER_TOKEN_HIDDEN = 4
+
+#: A tile of a gated MLP's backward holds what the untiled MLP's does per token
+#: (``GATED_MLP_PEAK_BYTES_PER_TOKEN_INTER``, 12i; Gemma's 14i), Liger's fused SwiGLU too: on
+#: the H200 (Qwen2.5-7B's layers, tiles of 16,384 tokens, Liger's kernels, dev/long_peak_probe.py)
+#: six tile x 2i blocks were live at the first layer backward's peak, where the line counted 4i.
+
 
 def _kv_heads(shape: ModelShape) -> int:
     kv = shape.kv_size or shape.hidden_size
@@ -281,6 +293,13 @@ def _working_set_line(
     else:
         mlp_i = GEMMA_MLP_BYTES_PER_TOKEN_INTER if shape.gemma_norms else MLP_BYTES_PER_TOKEN_INTER
     mlp_i -= FUSED_SWIGLU_BYTES_PER_TOKEN_INTER if shape.fused_layer_kernels else 0
+    tiled = mlp_t < t
+    if tiled and shape.peak_working_set_audited and not k:
+        mlp_i = (
+            GEMMA_MLP_PEAK_BYTES_PER_TOKEN_INTER
+            if shape.gemma_norms
+            else GATED_MLP_PEAK_BYTES_PER_TOKEN_INTER
+        )
     routed, shared = 0, shape.shared_expert_size
     if k:  # routed experts: their whole MLP (8i), per chosen expert, the shared expert
         mlp_i = MOE_BYTES_PER_TOKEN_INTER
@@ -289,14 +308,12 @@ def _working_set_line(
         routed = k * (slot_h * h + MOE_BYTES_PER_SLOT)
         if shared:
             routed += MOE_SHARED_BYTES_PER_INTER * shared + MOE_SHARED_BYTES_PER_HIDDEN * h
-    if mlp_t < t:
+    if tiled:
         what, kind = f"MLP in tiles of {mlp_t} tokens", TILED_WORKING_SET_KIND
-        per = TILED_BYTES_PER_TOKEN_HIDDEN * h + TILED_BYTES_PER_TOKEN_QUERY * q
-        per += TILED_BYTES_PER_TOKEN_KV * kv
-        label = (
-            f"{TILED_BYTES_PER_TOKEN_HIDDEN}h + {TILED_BYTES_PER_TOKEN_QUERY}q + "
-            f"{TILED_BYTES_PER_TOKEN_KV}kv"
-        )
+        per_h = TILED_BYTES_PER_TOKEN_HIDDEN
+        per_h -= FUSED_TILED_BYTES_PER_TOKEN_HIDDEN if shape.fused_layer_kernels else 0
+        per = per_h * h + TILED_BYTES_PER_TOKEN_QUERY * q + TILED_BYTES_PER_TOKEN_KV * kv
+        label = f"{per_h}h + {TILED_BYTES_PER_TOKEN_QUERY}q + {TILED_BYTES_PER_TOKEN_KV}kv"
     else:
         what = "untiled MLP" + (", its backward's peak" if mlp_peak else "")
         kind = PEAK_WORKING_SET_KIND if mlp_peak else WORKING_SET_KIND
@@ -829,13 +846,13 @@ def activation_lines(
                 ROPE_KIND,
             )
         )
-    cached = segment_cache_layers(shape, options)
+    cached = segment_cache_layers(shape, options) * t * h * 4
     if cached:
         lines.append(
             estimate_line(
-                f"checkpoint segment backward: up to {cached} recomputed layer inputs "
-                f"(fp32, {t} tokens x hidden x 4 B) cached",
-                cached * t * h * 4,
+                f"checkpoint segment backward: up to {segment_cache_layers(shape, options)} "
+                f"recomputed layer inputs (fp32, {t} tokens x hidden x 4 B) cached",
+                cached,
                 SEGMENT_CACHE_KIND,
             )
         )
@@ -849,22 +866,35 @@ def activation_lines(
         # and the fp32 log-probabilities, 10 B per logit (12 soft-capped: Gemma's), measured on
         # the CPU (tests/test_plan_accuracy.py), and the fp32 hidden-state gradient it fills,
         # which the last layer's backward then takes in (its working set counts it there). The
-        # GPU holds the larger of this phase and a layer's working set, not both: where that
-        # line is the measured peak (untiled gated MLPs, every layer recomputed). Elsewhere (MLP
-        # tiles: measured up to 8% above its line on the H200; MoE, non-gated MLPs; layers
-        # keeping activations, whose backward has its own unmeasured temporaries) the sum keeps
-        # covering it, as before.
+        # GPU holds the larger of this phase and a layer's backward (its working set and the
+        # segment's recomputed inputs), not both: where the working set is the measured peak
+        # (untiled gated MLPs) or a tiled dense layer's with fused kernels, every layer
+        # recomputed (on the H200, Qwen2.5-7B's layers with Liger's kernels at 65,536 and
+        # 131,072 tokens, tiles, segments of 4, offload: the loss phase peaked 8 and 10 GiB
+        # under the first layer backward, whose live blocks held no logit chunk;
+        # dev/long_peak_probe.py; the fused kernels' tiled working set is 14% under its line,
+        # tests/test_gpu.py). Elsewhere (PyTorch's kernels, whose tiled working set measured 8%
+        # over its line and whose 1M-token 1.5B and 512k-token 3B runs needed the sum; MoE,
+        # non-gated MLPs; layers keeping activations, whose backward has its own unmeasured
+        # temporaries) the sum keeps covering it, as before.
         chunk = min(default_chunk_tokens(v), t)
         per_logit = SOFTCAPPED_LOSS_BYTES_PER_LOGIT if shape.gemma_norms else LOSS_BYTES_PER_LOGIT
         head_copy = 0 if dtype == torch.float32 else v * h * isz
         hidden_grad = t * h * 4
-        if work.kind == PEAK_WORKING_SET_KIND:
+        separate = work.kind == PEAK_WORKING_SET_KIND or (
+            work.kind == TILED_WORKING_SET_KIND
+            and shape.fused_layer_kernels
+            and not kept_layers
+            and not shape.experts_per_token
+        )
+        if separate:
             loss_phase = chunk * v * per_logit + hidden_grad
+            backward_phase = work.nbytes + cached
             loss = MemoryLine(
                 f"fused loss chunk ({chunk} tokens x vocab x {per_logit} B) + hidden-state grad "
-                f"(fp32): {loss_phase / 2**30:.2f} GiB, never alive with the working set; the "
-                "part beyond it",
-                max(0, loss_phase - work.nbytes),
+                f"(fp32): {loss_phase / 2**30:.2f} GiB, never alive with a layer's backward; "
+                "the part beyond it",
+                max(0, loss_phase - backward_phase),
                 LOSS_KIND,
             )
             head = MemoryLine(
