@@ -887,9 +887,28 @@ def activation_lines(
             and not kept_layers
             and not shape.experts_per_token
         )
+        backward_phase = work.nbytes + cached
+        if separate and work.kind == TILED_WORKING_SET_KIND:
+            # The head's compute copy and the loss's fp32 weight gradient are gone by then too
+            # (its live blocks at the first layer backward held neither; the parameter's own
+            # gradient is the non-layer line's). The phase peaks either in the chunk loop
+            # (chunk, head copy, the fp32 weight gradient it sums) or in the loss's backward
+            # (the saved fp32 weight gradient and a scaled copy of the hidden-state gradient),
+            # with the saved hidden-state gradient alive through both.
+            forward_part = chunk * v * per_logit + head_copy + v * h * 4
+            loss_phase = max(forward_part, v * h * 4 + hidden_grad) + hidden_grad
+            lines.append(
+                MemoryLine(
+                    f"fused loss phase (a {chunk}-token chunk x vocab x {per_logit} B, LM head "
+                    f"copy, fp32 weight and hidden-state grads): {loss_phase / 2**30:.2f} GiB, "
+                    "never alive with a layer's backward; the part beyond it",
+                    max(0, loss_phase - backward_phase),
+                    LOSS_KIND,
+                )
+            )
+            return lines + router_aux_loss_lines(shape, step, dtype)
         if separate:
             loss_phase = chunk * v * per_logit + hidden_grad
-            backward_phase = work.nbytes + cached
             loss = MemoryLine(
                 f"fused loss chunk ({chunk} tokens x vocab x {per_logit} B) + hidden-state grad "
                 f"(fp32): {loss_phase / 2**30:.2f} GiB, never alive with a layer's backward; "
