@@ -402,10 +402,14 @@ def test_planner_peaks_within_10_percent_of_recorded_h200_runs():
     assert len(rows) >= 3  # 7B and 8B at 64k tokens, 1.5B at a 128k sequence
     for r in rows:
         assert abs(r["host_err"]) <= 0.10, r
+        # A run of one step measured that step only, before its update made the resident
+        # parameters' AdamW moments: judged against the plan less them (the plan keeps them for
+        # every later step).
+        err = r["hbm_err_step1"] if r["first_step"] else r["hbm_err"]
         if r["known_overestimate"]:  # listed with why: judged for safety, not for the 10%
-            assert r["hbm_err"] >= 0, r
+            assert err >= 0, r
         else:
-            assert abs(r["hbm_err"]) <= 0.10, r
+            assert abs(err) <= 0.10, r
     known = {(r["tag"], r["model"], r["seq_len"]) for r in rows if r["known_overestimate"]}
     assert known == set(pvm.KNOWN_OVERESTIMATES)  # each listed row is recorded and planned
     assert "| d822e80 |" in pvm.markdown(rows)

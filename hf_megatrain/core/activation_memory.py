@@ -787,6 +787,33 @@ def router_aux_loss_lines(
     ]
 
 
+def loss_phase_apart(
+    shape: ModelShape, step: StepShape, options: ResolvedOptions, kept: int
+) -> bool:
+    """Whether the plan holds the fused loss's phase (and a non-tied embedding's gradient, made
+    after the last layer's backward) apart from a layer's backward, as the larger of the two:
+    a dense layer with MLP tiles and fused kernels, every layer recomputed (``kept`` layers keep
+    their activations). See ``activation_lines``."""
+    t, tile = step.micro_batch_tokens, options.mlp_tile_tokens
+    return (
+        shape.fused_loss
+        and 0 < tile < t
+        and shape.fused_layer_kernels
+        and not kept
+        and not shape.experts_per_token
+    )
+
+
+def embedding_grad_apart(shape: ModelShape, step: StepShape | None, options, kept: int) -> bool:
+    """A non-tied embedding's fp32 gradient planned as its own phase (``loss_phase_apart``):
+    the non-layer parameters' line then leaves it out."""
+    return (
+        step is not None
+        and not shape.tied_embeddings
+        and loss_phase_apart(shape, step, options, kept)
+    )
+
+
 def activation_lines(
     shape: ModelShape,
     step: StepShape,
@@ -881,14 +908,10 @@ def activation_lines(
         per_logit = SOFTCAPPED_LOSS_BYTES_PER_LOGIT if shape.gemma_norms else LOSS_BYTES_PER_LOGIT
         head_copy = 0 if dtype == torch.float32 else v * h * isz
         hidden_grad = t * h * 4
-        separate = work.kind == PEAK_WORKING_SET_KIND or (
-            work.kind == TILED_WORKING_SET_KIND
-            and shape.fused_layer_kernels
-            and not kept_layers
-            and not shape.experts_per_token
-        )
+        apart = loss_phase_apart(shape, step, options, len(kept_layers))
+        separate = work.kind == PEAK_WORKING_SET_KIND or apart
         backward_phase = work.nbytes + cached
-        if separate and work.kind == TILED_WORKING_SET_KIND:
+        if apart:
             # The head's compute copy and the loss's fp32 weight gradient are gone by then too
             # (its live blocks at the first layer backward held neither; the parameter's own
             # gradient is the non-layer line's). The phase peaks either in the chunk loop
@@ -906,6 +929,19 @@ def activation_lines(
                     LOSS_KIND,
                 )
             )
+            if not shape.tied_embeddings:
+                # Made when backward reaches the embedding, after the last layer's: with it the
+                # first layer's input gradient (fp32), nothing of a layer's backward.
+                end_phase = v * h * 4 + hidden_grad
+                lines.append(
+                    MemoryLine(
+                        f"embedding's fp32 gradient (made after the layers' backward): "
+                        f"{v * h * 4 / 2**30:.2f} GiB + the input gradient, never alive with a "
+                        "layer's backward; the part beyond it",
+                        max(0, end_phase - backward_phase),
+                        LOSS_KIND,
+                    )
+                )
             return lines + router_aux_loss_lines(shape, step, dtype)
         if separate:
             loss_phase = chunk * v * per_logit + hidden_grad

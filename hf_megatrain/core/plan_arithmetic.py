@@ -35,6 +35,7 @@ from .activation_memory import (
     attention_output_line,
     boundary_activation_bytes,
     boundary_dtype_label,
+    embedding_grad_apart,
     estimate_line,
     kept_activation_bytes_per_token,
     saved_layers_label,
@@ -137,10 +138,17 @@ def gpu_lines(
         if n_cast == n_hbm
         else f"cast to bf16 on use but the {kept} keeping activations ({dt} copy)"
     )
+    # A non-tied embedding's gradient planned as its own phase leaves this line (see there).
+    embed_grad = (
+        4 * shape.vocab_size * shape.hidden_size
+        if embedding_grad_apart(shape, step, options, kept)
+        else 0
+    )
     lines = [
         MemoryLine(
-            "non-layer params (embed/norm/head): fp32 param+grad+2 moments, 16 B/param",
-            16 * shape.non_layer_numel,
+            "non-layer params (embed/norm/head): fp32 param+grad+2 moments, 16 B/param"
+            + (" (the embedding's gradient below)" if embed_grad else ""),
+            16 * shape.non_layer_numel - embed_grad,
             PARAMS_KIND,
         ),
         MemoryLine(
