@@ -257,11 +257,6 @@ FUSED_SWIGLU_BYTES_PER_TOKEN_INTER = 2
 #: off (the products' half), so the line stays above what was measured.
 FUSED_TILED_BYTES_PER_TOKEN_HIDDEN = 4
 
-#: A tile of a gated MLP's backward holds what the untiled MLP's does per token
-#: (``GATED_MLP_PEAK_BYTES_PER_TOKEN_INTER``, 12i; Gemma's 14i), Liger's fused SwiGLU too: on
-#: the H200 (Qwen2.5-7B's layers, tiles of 16,384 tokens, Liger's kernels, dev/long_peak_probe.py)
-#: six tile x 2i blocks were live at the first layer backward's peak, where the line counted 4i.
-
 
 def _kv_heads(shape: ModelShape) -> int:
     kv = shape.kv_size or shape.hidden_size
@@ -295,6 +290,10 @@ def _working_set_line(
     mlp_i -= FUSED_SWIGLU_BYTES_PER_TOKEN_INTER if shape.fused_layer_kernels else 0
     tiled = mlp_t < t
     if tiled and shape.peak_working_set_audited and not k:
+        # A tile of a gated MLP's backward holds what the untiled MLP's does per token (12i;
+        # Gemma's 14i), under Liger's fused SwiGLU too: on the H200 (Qwen2.5-7B's layers, tiles
+        # of 16,384 tokens, dev/long_peak_probe.py) six tile x 2i blocks were live at the first
+        # layer backward's peak, where this line counted 4i.
         mlp_i = (
             GEMMA_MLP_PEAK_BYTES_PER_TOKEN_INTER
             if shape.gemma_norms
@@ -804,7 +803,9 @@ def loss_phase_apart(
     )
 
 
-def embedding_grad_apart(shape: ModelShape, step: StepShape | None, options, kept: int) -> bool:
+def embedding_grad_apart(
+    shape: ModelShape, step: StepShape | None, options: ResolvedOptions, kept: int
+) -> bool:
     """A non-tied embedding's fp32 gradient planned as its own phase (``loss_phase_apart``):
     the non-layer parameters' line then leaves it out."""
     return (
