@@ -1208,6 +1208,8 @@ def test_mlp_tile_term_on_gpu(kernels):
     print(
         f"MLP tile term per tile token ({kernels}): measured {measured:.0f}, planned {planned:.0f}"
     )
+    # At 6de3010 on the H200: 142,208 (torch), 104,320 (compiled), 66,432 (Liger) B per tile
+    # token against 227,328 (12i) planned; the line counted 6i (113,664) and 4i before.
     assert measured <= (1 + big.error) * planned, (measured, planned)
 
 

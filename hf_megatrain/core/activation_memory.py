@@ -290,10 +290,12 @@ def _working_set_line(
     mlp_i -= FUSED_SWIGLU_BYTES_PER_TOKEN_INTER if shape.fused_layer_kernels else 0
     tiled = mlp_t < t
     if tiled and shape.peak_working_set_audited and not k:
-        # A tile of a gated MLP's backward holds what the untiled MLP's does per token (12i;
+        # A tile of a gated MLP's backward is counted as the untiled MLP's peak per token (12i;
         # Gemma's 14i), under Liger's fused SwiGLU too: on the H200 (Qwen2.5-7B's layers, tiles
         # of 16,384 tokens, dev/long_peak_probe.py) six tile x 2i blocks were live at the first
-        # layer backward's peak, where this line counted 4i.
+        # layer backward's peak, where this line counted 4i. A layer's backward grew by less per
+        # tile token (tests/test_gpu.py::test_mlp_tile_term_on_gpu: 7.5i with PyTorch's kernels,
+        # over the 6i counted before; 5.5i compiled; 3.5i Liger's): 12i bounds both.
         mlp_i = (
             GEMMA_MLP_PEAK_BYTES_PER_TOKEN_INTER
             if shape.gemma_norms
