@@ -133,7 +133,6 @@ def probe(args: argparse.Namespace) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (1, args.tokens), device="cuda")
     phases = Phases()
     handles = phases.hook(model)
-    result: dict = {}
     for n in range(2):
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()

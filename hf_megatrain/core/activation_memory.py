@@ -805,16 +805,17 @@ def loss_phase_apart(
     )
 
 
-def embedding_grad_apart(
+def embedding_grad_apart_bytes(
     shape: ModelShape, step: StepShape | None, options: ResolvedOptions, kept: int
-) -> bool:
-    """A non-tied embedding's fp32 gradient planned as its own phase (``loss_phase_apart``):
-    the non-layer parameters' line then leaves it out."""
-    return (
+) -> int:
+    """A non-tied embedding's fp32 gradient when it is planned as its own phase
+    (``loss_phase_apart``), else 0: the non-layer parameters' line then leaves it out."""
+    apart = (
         step is not None
         and not shape.tied_embeddings
         and loss_phase_apart(shape, step, options, kept)
     )
+    return 4 * shape.vocab_size * shape.hidden_size if apart else 0
 
 
 def activation_lines(
@@ -876,12 +877,13 @@ def activation_lines(
                 ROPE_KIND,
             )
         )
-    cached = segment_cache_layers(shape, options) * t * h * 4
+    cached_layers = segment_cache_layers(shape, options)
+    cached = cached_layers * t * h * 4
     if cached:
         lines.append(
             estimate_line(
-                f"checkpoint segment backward: up to {segment_cache_layers(shape, options)} "
-                f"recomputed layer inputs (fp32, {t} tokens x hidden x 4 B) cached",
+                f"checkpoint segment backward: up to {cached_layers} recomputed layer inputs "
+                f"(fp32, {t} tokens x hidden x 4 B) cached",
                 cached,
                 SEGMENT_CACHE_KIND,
             )
@@ -911,18 +913,17 @@ def activation_lines(
         per_logit = SOFTCAPPED_LOSS_BYTES_PER_LOGIT if shape.gemma_norms else LOSS_BYTES_PER_LOGIT
         head_copy = 0 if dtype == torch.float32 else v * h * isz
         hidden_grad = t * h * 4
-        apart = loss_phase_apart(shape, step, options, len(kept_layers))
-        separate = work.kind == PEAK_WORKING_SET_KIND or apart
+        head_grad = v * h * 4
         backward_phase = work.nbytes + cached
-        if apart:
+        if loss_phase_apart(shape, step, options, len(kept_layers)):
             # The head's compute copy and the loss's fp32 weight gradient are gone by then too
             # (its live blocks at the first layer backward held neither; the parameter's own
             # gradient is the non-layer line's). The phase peaks either in the chunk loop
             # (chunk, head copy, the fp32 weight gradient it sums) or in the loss's backward
             # (the saved fp32 weight gradient and a scaled copy of the hidden-state gradient),
             # with the saved hidden-state gradient alive through both.
-            forward_part = chunk * v * per_logit + head_copy + v * h * 4
-            loss_phase = max(forward_part, v * h * 4 + hidden_grad) + hidden_grad
+            forward_part = chunk * v * per_logit + head_copy + head_grad
+            loss_phase = max(forward_part, head_grad + hidden_grad) + hidden_grad
             lines.append(
                 MemoryLine(
                     f"fused loss phase (a {chunk}-token chunk x vocab x {per_logit} B, LM head "
@@ -932,21 +933,22 @@ def activation_lines(
                     LOSS_KIND,
                 )
             )
-            if not shape.tied_embeddings:
+            embed_grad = embedding_grad_apart_bytes(shape, step, options, len(kept_layers))
+            if embed_grad:
                 # Made when backward reaches the embedding, after the last layer's: with it the
                 # first layer's input gradient (fp32), nothing of a layer's backward.
-                end_phase = v * h * 4 + hidden_grad
+                end_phase = embed_grad + hidden_grad
                 lines.append(
                     MemoryLine(
                         f"embedding's fp32 gradient (made after the layers' backward): "
-                        f"{v * h * 4 / 2**30:.2f} GiB + the input gradient, never alive with a "
+                        f"{embed_grad / 2**30:.2f} GiB + the input gradient, never alive with a "
                         "layer's backward; the part beyond it",
                         max(0, end_phase - backward_phase),
                         LOSS_KIND,
                     )
                 )
             return lines + router_aux_loss_lines(shape, step, dtype)
-        if separate:
+        if work.kind == PEAK_WORKING_SET_KIND:
             loss_phase = chunk * v * per_logit + hidden_grad
             loss = MemoryLine(
                 f"fused loss chunk ({chunk} tokens x vocab x {per_logit} B) + hidden-state grad "
@@ -956,7 +958,7 @@ def activation_lines(
                 LOSS_KIND,
             )
             head = MemoryLine(
-                "LM head compute copy + fp32 weight grad", head_copy + v * h * 4, LOSS_KIND
+                "LM head compute copy + fp32 weight grad", head_copy + head_grad, LOSS_KIND
             )
         else:
             loss = MemoryLine(
@@ -966,7 +968,7 @@ def activation_lines(
             )
             head = MemoryLine(
                 "LM head compute copy + fp32 weight grad + hidden-state grad",
-                head_copy + v * h * 4 + hidden_grad,
+                head_copy + head_grad + hidden_grad,
                 LOSS_KIND,
             )
         lines += [loss, head]

@@ -35,7 +35,7 @@ from .activation_memory import (
     attention_output_line,
     boundary_activation_bytes,
     boundary_dtype_label,
-    embedding_grad_apart,
+    embedding_grad_apart_bytes,
     estimate_line,
     kept_activation_bytes_per_token,
     saved_layers_label,
@@ -139,11 +139,7 @@ def gpu_lines(
         else f"cast to bf16 on use but the {kept} keeping activations ({dt} copy)"
     )
     # A non-tied embedding's gradient planned as its own phase leaves this line (see there).
-    embed_grad = (
-        4 * shape.vocab_size * shape.hidden_size
-        if embedding_grad_apart(shape, step, options, kept)
-        else 0
-    )
+    embed_grad = embedding_grad_apart_bytes(shape, step, options, kept)
     lines = [
         MemoryLine(
             "non-layer params (embed/norm/head): fp32 param+grad+2 moments, 16 B/param"
