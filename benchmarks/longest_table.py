@@ -9,6 +9,9 @@ by the host's OOM killer; timeouts say nothing about memory), each with its swee
 the memory planner's ceiling on the H200 (139.3 GiB free HBM, 124 GiB host RAM) with every
 long-context option on (MLP tiles of 16k, bf16 boundaries offloaded to host, checkpoint
 segments of 2, no clipping, fp32 masters streamed): a plan, labelled as one, not a run.
+hf_megatrain's exact rows (fp32 boundary activations, clipping on: no bf16 boundaries or
+no-clip in the command or in what auto_fit turned on) get a line of their own, with the
+ceiling of its defaults (auto_fit exact, the layer kernels a CUDA run picks).
 """
 
 from __future__ import annotations
@@ -30,6 +33,19 @@ SYSTEM_NAMES = {
     "deepspeed": "DeepSpeed ZeRO-3 offload",
 }
 H200_HOST_GIB = 124.0
+#: The (model, system) key of hf_megatrain's exact rows, and its name in the table.
+EXACT = "megatrain-hbm exact"
+SYSTEM_NAMES[EXACT] = "hf_megatrain, exact (fp32 boundaries, clipping on)"
+#: What makes a row approximate, in its command or in the options auto_fit turned on.
+APPROXIMATE_FLAGS = ("--bf16-boundaries", "--boundary-dtype bfloat16", "--boundary-dtype bf16",
+                     "--no-clip")  # fmt: skip
+
+
+def is_exact(row: dict) -> bool:
+    """An hf_megatrain row trained with fp32 boundaries and clipping on."""
+    auto_fit = row.get("note", "").partition("auto-fit:")[2].partition(";")[0]
+    text = f"{row.get('command', '')} {auto_fit}"
+    return not any(flag in text for flag in APPROXIMATE_FLAGS)
 
 
 def _one_sequence(row: dict) -> bool:
@@ -54,20 +70,11 @@ def longest(rows: list[dict]) -> dict[tuple[str, str], dict]:
     for row in rows:
         if not _one_sequence(row) or not row.get("status"):
             continue
-        key = (row["model"], row["system"])
-        entry = out.setdefault(key, _no_runs())
-        seq = int(row["seq_len"])
-        if row["status"] == "ok":
-            if entry["ok"] is None or seq > entry["ok"]:
-                entry.update(ok=seq, ok_tag=row.get("tag", ""), ok_hbm=row.get("peak_hbm_gib", ""))
-        elif not row["status"].startswith(("oom", "killed")):
-            continue  # a timeout or an error says nothing about memory (killed: host OOM killer)
-        elif row["system"].startswith("megatrain") and "--offload-activations" not in row.get(
-            "command", ""
-        ):
-            continue  # hf_megatrain with its long-context memory options off: not its limit
-        elif entry["failed"] is None or seq < entry["failed"]:
-            entry.update(failed=seq, fail=f"{row['status']} ({row.get('tag', '')})")
+        keys = [(row["model"], row["system"])]
+        if row["system"] == "megatrain-hbm" and is_exact(row):
+            keys.append((row["model"], EXACT))
+        for key in keys:
+            _count(out.setdefault(key, _no_runs()), row)
     # A failure at or below a success is not a bound (a run with fewer memory options on).
     for entry in out.values():
         if (
@@ -77,6 +84,22 @@ def longest(rows: list[dict]) -> dict[tuple[str, str], dict]:
         ):
             entry.update(failed=None, fail="")
     return out
+
+
+def _count(entry: dict, row: dict) -> None:
+    """Let one row's outcome move its entry's longest ok or shortest failed sequence."""
+    seq = int(row["seq_len"])
+    if row["status"] == "ok":
+        if entry["ok"] is None or seq > entry["ok"]:
+            entry.update(ok=seq, ok_tag=row.get("tag", ""), ok_hbm=row.get("peak_hbm_gib", ""))
+        return
+    if not row["status"].startswith(("oom", "killed")):
+        return  # a timeout or an error says nothing about memory (killed: host OOM killer)
+    options = f"{row.get('command', '')} {row.get('note', '').partition('auto-fit:')[2]}"
+    if row["system"].startswith("megatrain") and "--offload-activations" not in options:
+        return  # hf_megatrain with its long-context memory options off: not its limit
+    if entry["failed"] is None or seq < entry["failed"]:
+        entry.update(failed=seq, fail=f"{row['status']} ({row.get('tag', '')})")
 
 
 def planned_ceiling(model: str) -> int:
@@ -107,15 +130,47 @@ def planned_ceiling(model: str) -> int:
     )
 
 
+def planned_exact_ceiling(model: str) -> int:
+    """The longest single sequence ``model``'s defaults train exactly on the H200: auto_fit
+    exact, clipping on, the layer kernels a CUDA run picks (``plan``'s own shape)."""
+    import torch
+
+    from benchmarks import bench
+    from hf_megatrain.cli_plan import planned_kernel_shape
+    from hf_megatrain.core.options import EngineOptions, StepShape
+    from hf_megatrain.core.planner import GIB, longest_auto_fit_row
+
+    shape, _ = planned_kernel_shape(bench.load_model_config(model), model)
+    longest_tried = 1 << 23  # the search's upper end: 8M tokens
+    return longest_auto_fit_row(
+        shape,
+        StepShape(longest_tried, longest_tried, 1),
+        EngineOptions().resolve(clipping=True, cuda=True),
+        torch.bfloat16,
+        int(H200_FREE_HBM_GIB * GIB),
+        int(H200_HOST_GIB * GIB),
+        multiple=16384,
+    )
+
+
 def _k(n: int | None) -> str:
     return "" if n is None else f"{n:,}"
 
 
-def markdown(table: dict[tuple[str, str], dict], plans: dict[str, int]) -> str:
+def markdown(
+    table: dict[tuple[str, str], dict],
+    plans: dict[str, int],
+    exact_plans: dict[str, int] | None = None,
+) -> str:
+    """The table; ``plans``: each model's planned ceiling with every long-context option,
+    ``exact_plans``: with its defaults, exactly (the exact line's)."""
+    exact_plans = exact_plans or {}
     lines = [
         "One sequence per optimizer step; measured rows of results.csv (sweep tags), and the "
         "planner's ceiling for hf_megatrain (H200: 139.3 GiB HBM, 124 GiB host; MLP tiles, bf16 "
-        "boundaries offloaded, segments of 2, no clipping, fp32 masters streamed).",
+        "boundaries offloaded, segments of 2, no clipping, fp32 masters streamed). The exact "
+        "lines count only runs with fp32 boundaries and clipping on; their ceiling is the "
+        "defaults' (auto_fit exact).",
         "",
         "| model | system | longest trained (tokens) | sweep | shortest failed (tokens) | how "
         "| planner's ceiling |",
@@ -124,8 +179,11 @@ def markdown(table: dict[tuple[str, str], dict], plans: dict[str, int]) -> str:
     rows = dict(table)
     for model in plans:  # a model with no hf_megatrain run still gets its planned ceiling
         rows.setdefault((model, "megatrain-hbm"), _no_runs())
+    for model in exact_plans:
+        rows.setdefault((model, EXACT), _no_runs())
+    ceilings = {"megatrain-hbm": plans, EXACT: exact_plans}
     for (model, system), e in sorted(rows.items()):
-        plan = _k(plans.get(model)) if system == "megatrain-hbm" else ""
+        plan = _k(ceilings.get(system, {}).get(model))
         how = e["fail"]
         if e["failed"] is None and e["ok"] is not None:
             # No longer run failed: the longest trained one is a lower bound, said as such.
@@ -141,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     def render(path: Path) -> str:
         with path.open(newline="") as f:
             table = longest(list(csv.DictReader(f)))
-        return markdown(table, {m: planned_ceiling(m) for m in sorted({m for m, _ in table})})
+        models = sorted({m for m, _ in table})
+        return markdown(
+            table,
+            {m: planned_ceiling(m) for m in models},
+            {m: planned_exact_ceiling(m) for m, s in table if s == EXACT},
+        )
 
     return table_main(__doc__, render, argv)
 

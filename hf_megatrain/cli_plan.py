@@ -179,6 +179,17 @@ def _compiled_fuses_mlp(cfg) -> bool:
     return fuses_mlp(model)
 
 
+def planned_kernel_shape(cfg, name: str, layer_kernels: str = "auto", liger: bool = False):
+    """The model shape a CUDA run of ``cfg`` plans with, and the layer kernels it would use
+    (``_planned_layer_kernels``): the fused SwiGLU's smaller saves where Liger's MLP kernel, or
+    compiled ones that fuse the family's MLP (probed on the config's meta model), run."""
+    shape = model_shape_from_config(cfg, name)
+    kernels = _planned_layer_kernels(layer_kernels, liger, cfg.model_type)
+    if kernels.liger or (kernels.kind == "compiled" and _compiled_fuses_mlp(cfg)):
+        shape = dataclasses.replace(shape, fused_layer_kernels=True)
+    return shape, kernels
+
+
 def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     """``hf-megatrain plan``: print the plan and what fits; return them for tests."""
     import torch  # noqa: PLC0415
@@ -206,15 +217,10 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     src = Path(ns.model).resolve()
     label = src.parent.name if src.is_file() else src.name
     setup_logging()
-    shape = model_shape_from_config(cfg, f"{label} [{cfg.model_type}]")
-    kernels = _planned_layer_kernels(
-        options.layer_kernels, getattr(ns, "liger", False), cfg.model_type
+    shape, kernels = planned_kernel_shape(
+        cfg, f"{label} [{cfg.model_type}]", options.layer_kernels, getattr(ns, "liger", False)
     )
     said.append(kernels.log_line().replace("hf_megatrain: ", "", 1))
-    # The fused SwiGLU's smaller saves: Liger's MLP kernel, or compiled ones where the family's
-    # MLP is a SwiGLU they fuse (probed on the config's meta model).
-    if kernels.liger or (kernels.kind == "compiled" and _compiled_fuses_mlp(cfg)):
-        shape = dataclasses.replace(shape, fused_layer_kernels=True)
     # The attention the trainer would switch the model to before its plan (on CUDA, as above);
     # the search's longer rows take the choice for rows of any length.
     from .hf.attention import planned_attention  # noqa: PLC0415

@@ -80,7 +80,9 @@ def options_from_namespace(
     return dataclasses.replace(base or EngineOptions(), **changes)
 
 
-def options_from_mapping(values: dict[str, Any], base: EngineOptions | None = None) -> EngineOptions:
+def options_from_mapping(
+    values: dict[str, Any], base: EngineOptions | None = None
+) -> EngineOptions:
     """``base`` with the option fields of ``values`` (e.g. recipe YAML keys) applied; other keys
     are ignored (the caller decides whether they are errors)."""
     types = field_types()

@@ -452,6 +452,36 @@ def test_longest_table_bounds():
     assert "| other | hf_megatrain | none |" in text
 
 
+def test_longest_table_exact_line():
+    """hf_megatrain's rows with fp32 boundaries and clipping on (in the command and in what
+    auto_fit turned on) also count on an exact line of their own, with its own ceiling."""
+    from benchmarks.longest_table import EXACT, is_exact, longest, markdown
+
+    def row(seq, status, tag, command="", note=""):
+        return dict(model="m", system="megatrain-hbm", seq_len=seq, tokens_per_step=seq,
+                    micro_batch=1, grad_accum=1, status=status, tag=tag, command=command,
+                    note=note)  # fmt: skip
+
+    rows = [
+        row(524288, "ok", "approx", "--offload-activations --bf16-boundaries --no-clip"),
+        row(458752, "ok", "exact", note="auto-fit: --checkpoint-every 4 --offload-activations"),
+        # auto_fit approximate turned bf16 boundaries on: not exact, whatever the command says
+        row(491520, "ok", "auto-approx", note="auto-fit: --boundary-dtype bfloat16; clipping on"),
+        # a host out-of-memory kill with the offload auto_fit turned on is the exact line's bound
+        row(475136, "killed (rc -9)", "over", note="x; auto-fit: --offload-activations"),
+    ]
+    assert [is_exact(r) for r in rows] == [False, True, False, True]
+    t = longest(rows)
+    assert t[("m", "megatrain-hbm")]["ok"] == 524288
+    assert t[("m", "megatrain-hbm")]["failed"] is None  # below a longer success: no bound
+    assert (t[("m", EXACT)]["ok"], t[("m", EXACT)]["failed"]) == (458752, 475136)
+    text = markdown(t, {"m": 1 << 20}, {"m": 466944})
+    assert (
+        "| m | hf_megatrain, exact (fp32 boundaries, clipping on) | 458,752 | exact | 475,136 | "
+        "killed (rc -9) (over) | 466,944 |" in text
+    )
+
+
 def test_merge_results_adds_only_what_is_new(tmp_path):
     import tarfile
 

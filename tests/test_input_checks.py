@@ -31,7 +31,9 @@ def test_labels_shorter_than_input_ids(tmp_path):
     data = [{"input_ids": r["input_ids"], "labels": r["labels"][:10]} for r in make_data()]
     trainer = _trainer(tmp_path, data)
     before = mega_params(trainer)
-    with pytest.raises(ValueError, match=r"labels have shape \(2, 10\) but its input_ids \(2, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"labels have shape \(2, 10\) but its input_ids \(2, 16\)"
+    ):
         trainer.train()
     after = mega_params(trainer)
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was trained

@@ -92,8 +92,12 @@ def test_nonfinite_loss_skips_the_step_bit_exactly(tmp_path, clip):
     _assert_same(poison.snapshots[2], poison.snapshots[3])
     assert poison.lrs[3] == poison.lrs[2]
     # The steps around it did update.
-    assert not torch.equal(poison.snapshots[1]["layer0.master"], poison.snapshots[2]["layer0.master"])
-    assert not torch.equal(poison.snapshots[3]["layer0.master"], poison.snapshots[4]["layer0.master"])
+    assert not torch.equal(
+        poison.snapshots[1]["layer0.master"], poison.snapshots[2]["layer0.master"]
+    )
+    assert not torch.equal(
+        poison.snapshots[3]["layer0.master"], poison.snapshots[4]["layer0.master"]
+    )
     assert trainer.optimizer.skipped_steps == 1
     assert trainer.optimizer.last_skip_reason == "loss"
     assert [log.get("nonfinite_skipped", 0) for log in rec.logs] == [0, 0, 1, 1]

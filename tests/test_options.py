@@ -129,8 +129,14 @@ def test_resolve_derives_the_update_mode_in_one_place():
         EngineOptions(host_grads=False, eager_update=False).resolve(clipping=False, cuda=False)
     # Aliases resolve to one meaning.
     for alias in ("bf16", "bfloat16", "BF16"):
-        assert EngineOptions(boundary_dtype=alias).resolve(clipping=True, cuda=False).boundary_dtype == torch.bfloat16
-    assert EngineOptions(boundary_dtype="float32").resolve(clipping=True, cuda=False).boundary_dtype is None
+        assert (
+            EngineOptions(boundary_dtype=alias).resolve(clipping=True, cuda=False).boundary_dtype
+            == torch.bfloat16
+        )
+    assert (
+        EngineOptions(boundary_dtype="float32").resolve(clipping=True, cuda=False).boundary_dtype
+        is None
+    )
     keep = EngineOptions(keep_attention_outputs="all")
     assert keep.resolve(clipping=True, cuda=True).attention_output_layers == ALL_LAYERS
     # Without the early-stop recompute, whole layers re-run: no attention output is kept.

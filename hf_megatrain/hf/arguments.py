@@ -42,7 +42,13 @@ def _generated_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     for f in dataclasses.fields(EngineOptions):
         # Only what HfArgumentParser passes to argparse: help (and choices).
         meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices")}
-        out.append((argument_name(f.name), types[f.name], dataclasses.field(default=f.default, metadata=meta)))
+        out.append(
+            (
+                argument_name(f.name),
+                types[f.name],
+                dataclasses.field(default=f.default, metadata=meta),
+            )
+        )
     return out
 
 
