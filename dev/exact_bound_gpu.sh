@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Issue 21's exact long-context runs, longer together than one device command (nvidia-h200,
-# carry .whl; liger-kernel from its wheel):
+# Issue 21's exact long-context runs and issue 20's GPU checks left over, as one queue that may
+# outlast one device command (nvidia-h200, carry .whl; liger-kernel from its wheel):
 #
-#   BENCH_COMMIT=<hash> bash dev/exact_bound_gpu.sh start   # starts the queue, waits ~560 s
+#   BENCH_COMMIT=<hash> bash dev/exact_bound_gpu.sh start [ITEM ...]  # starts the queue, waits ~555 s
 #   BENCH_COMMIT=<hash> bash dev/exact_bound_gpu.sh wait    # again, within the 30 s idle window
 #
-# The queue (one process group under setsid; the device tool leaves it running while the
-# machine is held), each run one step, fp32 boundaries, clipping on:
-# 1. Qwen2.5-1.5B at one 1,048,576-token sequence, the defaults (auto_fit picks the options).
-# 2. Qwen2.5-7B at 458,752 tokens, the defaults: the plan's longest exact length (lower bound).
-# 3. Qwen2.5-7B at 475,136 tokens, --auto-fit off with the options auto picks at 458,752 and
-#    the HBM tier the plan gives them: the plan's host side is 4.60 GiB short (upper bound).
-# Every call packs what has finished into $OUT/exact-bound.tgz (rows, markdown, the log).
+# The queue runs under setsid (the device tool leaves it running while the machine is held).
+# Items, in the order given (default: exact1m exact459k over475k):
+#   exact1m    Qwen2.5-1.5B, one 1,048,576-token sequence, the defaults (auto_fit picks the
+#              options; fp32 boundaries, clipping on). ~14 min.
+#   exact459k  Qwen2.5-7B at 458,752 tokens, the defaults: the plan's longest exact length.
+#              ~8.5 min.
+#   over475k   Qwen2.5-7B at 475,136 tokens, --auto-fit off with the options auto picks at
+#              458,752: the plan's host side is 4.60 GiB short (the measured upper bound).
+#   familystep tests/test_gpu.py's family-step cases (the plan's lines per family on CUDA).
+#   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
+#              layers, the exact426k options): the phases' peaks and what is live at the peak.
+# Every call packs what has finished into $OUT/exact-bound.tgz (rows, markdown, JSON, the log).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 with_liger
@@ -26,17 +31,41 @@ run() {  # run <tag> <model:tokens> <timeout> [bench args]
     --results-dir "$work/results" "$@"
 }
 
+item() {  # item <name>: one queue item
+  case "$1" in
+    exact1m) run exact1m qwen2.5-1.5b:1048576 1300 ;;
+    exact459k) run exact459k qwen2.5-7b:458752 700 --streamed-init ;;
+    over475k)
+      run over475k qwen2.5-7b:475136 400 --streamed-init --auto-fit off \
+        --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 4
+      ;;
+    familystep)
+      timeout 500 python3 -m pytest tests/test_gpu.py -k family_step -o addopts="" \
+        -p no:cacheprovider -rA -q -s --durations=12 2>&1 | grep -v '^DEBUG'
+      ;;
+    probe28)
+      timeout 400 python3 dev/long_peak_probe.py benchmarks/configs/qwen2.5-7b --layers 28 \
+        --tokens 131072 --hbm-layers 9 --option checkpoint_every=4 \
+        --option mlp_tile_tokens=16384 --option offload_activations=true \
+        --option stream_fp32_master=true --json "$work/results/probe28.json"
+      ;;
+    *) echo "unknown item: $1" ;;
+  esac
+}
+
 if [ "$mode" = queue ]; then
-  run exact1m qwen2.5-1.5b:1048576 1300
-  run exact459k qwen2.5-7b:458752 700 --streamed-init
-  run over475k qwen2.5-7b:475136 300 --streamed-init --auto-fit off --mlp-tile-tokens 16384 \
-    --offload-activations --stream-fp32-master --checkpoint-every 4
+  shift
+  for name in "${@:-exact1m exact459k over475k}"; do
+    # shellcheck disable=SC2086
+    for one in $name; do item "$one"; done
+  done
   echo "queue done"
   exit 0
 fi
 if [ "$mode" = start ]; then
   rm -rf "$work" && mkdir -p "$work/results"
-  setsid nohup bash "$0" queue >"$work/queue.log" 2>&1 </dev/null &
+  shift
+  setsid nohup bash "$0" queue "$@" >"$work/queue.log" 2>&1 </dev/null &
   sleep 5
 fi
 waited=0
@@ -46,5 +75,6 @@ while ! grep -q "queue done" "$work/queue.log" && [ "$waited" -lt "${WAIT_S:-555
 done
 grep -q "queue done" "$work/queue.log" || echo "queue still running after ${waited}s"
 free -g | head -2
-grep -aE "^bench|placement|auto_fit|Error|error:|Killed|out of memory" "$work/queue.log" | tail -20
+grep -aE "^bench|placement|auto_fit|Error|error:|Killed|out of memory|passed|failed|peak" \
+  "$work/queue.log" | tail -30
 tar czf "$out/exact-bound.tgz" -C "$work" .
