@@ -13,6 +13,8 @@
 #              ~8.5 min.
 #   over475k   Qwen2.5-7B at 475,136 tokens, --auto-fit off with the options auto picks at
 #              458,752: the plan's host side is 4.60 GiB short (the measured upper bound).
+#   14b64k     Qwen2.5-14B at 65,536 tokens/step (16 rows of 4,096), the defaults: clipping on,
+#              auto_fit's cast HBM tier, fp32-master streaming, tiles, segments of 4. ~3 min.
 #   familystep tests/test_gpu.py's family-step cases (the plan's lines per family on CUDA).
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
 #              layers, the exact426k options): the phases' peaks and what is live at the peak.
@@ -38,6 +40,11 @@ item() {  # item <name>: one queue item
     over475k)
       run over475k qwen2.5-7b:475136 400 --streamed-init --auto-fit off \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 4
+      ;;
+    14b64k)
+      python3 benchmarks/bench.py --tag exact14b64k --run qwen2.5-14b:65536:megatrain-hbm:16 \
+        --seq-len 4096 --streamed-init --steps 3 --warmup 1 --timeout-s 300 \
+        --results-dir "$work/results"
       ;;
     familystep)
       timeout 500 python3 -m pytest tests/test_gpu.py -k family_step -o addopts="" \

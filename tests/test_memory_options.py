@@ -42,6 +42,7 @@ def _applied(o: MemoryOptions):
         stream_fp32_master=o.stream_fp32_master,
         checkpoint_every=o.checkpoint_every,
         boundary_dtype=o.boundary_dtype,
+        hbm_cast_weights=o.hbm_cast_weights,
     )
 
 

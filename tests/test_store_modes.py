@@ -321,6 +321,35 @@ def test_hbm_cast_weights_keep_copies_for_kept_layers(tmp_path):
     assert not any(s.casts_on_use for s in _tier(fp32))
 
 
+def test_hbm_cast_weights_with_long_context_options(tmp_path):
+    """The set auto_fit turns on for a host-bound long step (Qwen2.5-14B at 64k on one H200:
+    the cast tier, fp32-master streaming, MLP tiles, checkpoint segments; activation offload
+    beside them in other plans) trains bitwise as the bf16-copy tier with the same options: a
+    segment's recompute chain casts its tier layers again, the same rounding of the same
+    master. bf16 on CPU, 2 of 4 layers in the tier, segments of 2 (one in the tier, one
+    streamed), clipping on."""
+    model = tiny_model(tiny_config("qwen2", num_hidden_layers=4))
+    kw = dict(
+        bf16=True,
+        megatrain_resident_layers="2",
+        megatrain_stream_fp32_master=True,
+        megatrain_mlp_tile_tokens=8,
+        megatrain_checkpoint_every=2,
+        megatrain_offload_activations=True,
+    )
+    base, base_trainer = run_trainer(copy.deepcopy(model), tmp_path, "copy", mega=True, **kw)
+    got, trainer = run_trainer(
+        model, tmp_path, "cast", mega=True, megatrain_hbm_cast_weights=True, **kw
+    )
+    assert all(s.casts_on_use for s in _tier(trainer)) and len(_tier(trainer)) == 2
+    assert not any(s.casts_on_use for s in _tier(base_trainer))
+    assert [r["loss"] for r in got] == [r["loss"] for r in base]
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in base]
+    a, b = mega_params(trainer), mega_params(base_trainer)
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_fresh_gradient_accumulator_has_zero_gaps():
     """A layer's first gradient is written, not added, into an uninitialized fp32 accumulator:
     every slot is covered by the write and the alignment gaps and tail are zeroed, so the flat

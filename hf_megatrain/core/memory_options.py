@@ -2,7 +2,9 @@
 
 When a plan does not fit, the planner (``plan_search``) asks which options the run does not use
 yet would make it fit, and advises the lightest such set (``lightest_fit``). Lightness is a cost
-per option, in this order: MLP sequence tiles (exact; a few more kernel launches), boundary
+per option, in this order: MLP sequence tiles and an HBM tier without bf16 weight copies (exact;
+a few more kernel launches, and a cast of each tier layer's fp32 master on the copy stream when it
+runs, which is hidden behind the layer before it), boundary
 activation offload and fp32-master streaming (exact; PCIe copies overlapped with compute, twice
 the H2D bytes of a streamed layer for the latter), checkpoint segments of k layers (exact;
 (k-1)/k of a layer forward more per layer, so longer segments cost more), bf16 boundary
@@ -32,18 +34,19 @@ SEGMENT_LENGTHS = (2, 3, 4, 6, 8)
 EXACT_BOUNDARIES, BF16_BOUNDARIES = "input", "bfloat16"
 
 _COST = {
-    "mlp_tile_tokens": 1,
-    "offload_activations": 2,
-    "stream_fp32_master": 2,
-    "boundary_dtype": 10,
-    "no_clip": 20,
+    "mlp_tile_tokens": 2,
+    "hbm_cast_weights": 3,
+    "offload_activations": 4,
+    "stream_fp32_master": 4,
+    "boundary_dtype": 20,
+    "no_clip": 40,
 }
 
 
 def _segment_cost(k: int) -> int:
     # Recompute grows with k; at the long sequences segments are for, a layer forward is far
     # dearer than the PCIe bytes of offload or fp32-master streaming.
-    return 3 * k if k > 1 else 0
+    return 6 * k if k > 1 else 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class MemoryOptions:
     checkpoint_every: int = default_of("checkpoint_every")
     boundary_dtype: str = default_of("boundary_dtype")
     no_clip: bool = False
+    # Last, so that sets spelled by position keep their meaning.
+    hbm_cast_weights: bool = default_of("hbm_cast_weights")
 
     @classmethod
     def of(cls, options: ResolvedOptions) -> MemoryOptions:
@@ -71,6 +76,7 @@ class MemoryOptions:
                 BF16_BOUNDARIES if options.boundary_bytes_per_element <= 2 else EXACT_BOUNDARIES
             ),
             no_clip=not options.clipping,
+            hbm_cast_weights=options.hbm_cast_weights,
         )
 
     def cost(self, base: MemoryOptions) -> int:
@@ -108,7 +114,7 @@ def candidates(base: MemoryOptions, micro_batch_tokens: int) -> list[MemoryOptio
     choices: list[list[dict]] = []
     if not base.mlp_tile_tokens and micro_batch_tokens > ADVICE_TILE_TOKENS:
         choices.append([{}, {"mlp_tile_tokens": ADVICE_TILE_TOKENS}])
-    for name in ("offload_activations", "stream_fp32_master"):
+    for name in ("hbm_cast_weights", "offload_activations", "stream_fp32_master"):
         if not getattr(base, name):
             choices.append([{}, {name: True}])
     if base.boundary_dtype != BF16_BOUNDARIES:

@@ -163,8 +163,8 @@ class MemoryPlan:
 
 #: When not even every memory option together makes a plan fit.
 NOTHING_FITS_ADVICE = (
-    "No combination of the memory options (MLP tiles, activation offload, fp32-master "
-    "streaming, checkpoint segments of up to 8 layers, bf16 boundaries, no clipping) makes it "
+    "No combination of the memory options (MLP tiles, an HBM tier without bf16 copies, "
+    "activation offload, fp32-master streaming, checkpoint segments of up to 8 layers, bf16 boundaries, no clipping) makes it "
     "fit on this machine."
 )
 

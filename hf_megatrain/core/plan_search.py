@@ -264,9 +264,9 @@ def _plan(
     def fits_options(o: MemoryOptions) -> bool:
         return fits_with(o.applied(options))
 
-    # Exact, cheap options first: when MLP tiles, activation offload or fp32-master streaming
-    # (alone or together) make it fit, that is the advice, before anything approximate (bf16
-    # boundaries) or slower (checkpoint segments) is considered.
+    # Exact, cheap options first: when MLP tiles, the cast HBM tier, activation offload or
+    # fp32-master streaming (alone or together) make it fit, that is the advice, before
+    # anything approximate (bf16 boundaries) or slower (checkpoint segments) is considered.
     def cheap(o: MemoryOptions) -> bool:
         return (o.checkpoint_every, o.boundary_dtype, o.no_clip) == (
             base.checkpoint_every, base.boundary_dtype, base.no_clip,
@@ -311,8 +311,8 @@ def fitting_options(
     """For a planned step that does not fit: ``options`` plus the lightest set of memory options
     it does not use yet that makes the same run fit, or None.
 
-    Only exact options (MLP tiles, activation offload, fp32-master streaming, checkpoint
-    segments) unless ``approximate`` (then bf16 boundary activations too); never gradient
+    Only exact options (MLP tiles, the HBM tier without bf16 copies, activation offload,
+    fp32-master streaming, checkpoint segments) unless ``approximate`` (then bf16 boundary activations too); never gradient
     clipping off, which changes the training itself. ``where``: the plan's own keyword
     arguments (``plan_memory``'s: ``hbm_layers``, ``ranks``, ...)."""
     step = plan.step
