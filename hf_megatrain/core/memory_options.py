@@ -3,8 +3,8 @@
 When a plan does not fit, the planner (``plan_search``) asks which options the run does not use
 yet would make it fit, and advises the lightest such set (``lightest_fit``). Lightness is a cost
 per option, in this order: MLP sequence tiles and an HBM tier without bf16 weight copies (exact;
-a few more kernel launches, and a cast of each tier layer's fp32 master on the copy stream when it
-runs, which is hidden behind the layer before it), boundary
+a few more kernel launches; a cast of each tier layer's fp32 master on the copy stream, beside
+the previous layer's compute, when it runs), boundary
 activation offload and fp32-master streaming (exact; PCIe copies overlapped with compute, twice
 the H2D bytes of a streamed layer for the latter), checkpoint segments of k layers (exact;
 (k-1)/k of a layer forward more per layer, so longer segments cost more), bf16 boundary

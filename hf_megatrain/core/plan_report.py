@@ -164,8 +164,8 @@ class MemoryPlan:
 #: When not even every memory option together makes a plan fit.
 NOTHING_FITS_ADVICE = (
     "No combination of the memory options (MLP tiles, an HBM tier without bf16 copies, "
-    "activation offload, fp32-master streaming, checkpoint segments of up to 8 layers, bf16 boundaries, no clipping) makes it "
-    "fit on this machine."
+    "activation offload, fp32-master streaming, checkpoint segments of up to 8 layers, bf16 "
+    "boundaries, no clipping) makes it fit on this machine."
 )
 
 #: Problem advice when only the boundary activations' precision stands between a plan and a fit.
