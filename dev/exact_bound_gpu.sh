@@ -12,7 +12,8 @@
 #   exact459k  Qwen2.5-7B at 458,752 tokens, the defaults: the plan's longest exact length.
 #              ~8.5 min.
 #   over475k   Qwen2.5-7B at 475,136 tokens, --auto-fit off with the options auto picks at
-#              458,752: the plan's host side is 4.60 GiB short (the measured upper bound).
+#              458,752: the plan's host side is 4.60 GiB short (the measured upper bound;
+#              ~4 min if the host runs out as planned, ~9 if it trains).
 #   14b64k     Qwen2.5-14B at 65,536 tokens/step (16 rows of 4,096), the defaults: clipping on,
 #              auto_fit's cast HBM tier, fp32-master streaming, tiles, segments of 4. ~3 min.
 #   familystep tests/test_gpu.py's family-step cases (the plan's lines per family on CUDA).
@@ -38,7 +39,7 @@ item() {  # item <name>: one queue item
     exact1m) run exact1m qwen2.5-1.5b:1048576 1300 ;;
     exact459k) run exact459k qwen2.5-7b:458752 700 --streamed-init ;;
     over475k)
-      run over475k qwen2.5-7b:475136 400 --streamed-init --auto-fit off \
+      run over475k qwen2.5-7b:475136 700 --streamed-init --auto-fit off \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 4
       ;;
     14b64k)
