@@ -16,7 +16,8 @@
 #              ~4 min if the host runs out as planned, ~9 if it trains).
 #   14b64k     Qwen2.5-14B at 65,536 tokens/step (16 rows of 4,096), the defaults: clipping on,
 #              auto_fit's cast HBM tier, fp32-master streaming, tiles, segments of 4. ~3 min.
-#   familystep tests/test_gpu.py's family-step cases (the plan's lines per family on CUDA).
+#   familystep tests/test_gpu.py's family-step cases (the plan's lines per family on CUDA) and
+#              the cast HBM tier's (with the long-context options auto_fit pairs it with).
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
 #              layers, the exact426k options): the phases' peaks and what is live at the peak.
 # Every call packs what has finished into $OUT/exact-bound.tgz (rows, markdown, JSON, the log).
@@ -48,7 +49,7 @@ item() {  # item <name>: one queue item
         --results-dir "$work/results"
       ;;
     familystep)
-      timeout 500 python3 -m pytest tests/test_gpu.py -k family_step -o addopts="" \
+      timeout 500 python3 -m pytest tests/test_gpu.py -k "family_step or hbm_cast" -o addopts="" \
         -p no:cacheprovider -rA -q -s --durations=12 2>&1 | grep -v '^DEBUG'
       ;;
     probe28)

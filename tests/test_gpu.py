@@ -374,20 +374,27 @@ def test_engine_options_do_not_change_training(tmp_path, feature):
 
 
 @pytest.mark.parametrize(
-    ("resident", "keep"), [("2", "off"), ("4", "off"), ("4", "2")],
-    ids=["tier-2-of-4", "all-4", "all-4-keep-2"],
+    ("resident", "keep", "long"),
+    [("2", "off", False), ("4", "off", False), ("4", "2", False), ("2", "off", True)],
+    ids=["tier-2-of-4", "all-4", "all-4-keep-2", "tier-2-long-context-options"],
 )  # fmt: skip
-def test_hbm_cast_weights_on_gpu(tmp_path, resident, keep):
+def test_hbm_cast_weights_on_gpu(tmp_path, resident, keep, long):
     """HBM-tier layers cast from their fp32 master into a stream buffer on the copy stream (no
     bf16 copy) train exactly like the same tier with bf16 copies: the same rounding of the same
     master, the same kernels; so bitwise equal losses and weights. With all 4 layers in the tier
     no layer streams and the buffers exist for the casts alone; layers that keep activations
-    keep their copy."""
+    keep their copy. ``long``: beside the options auto_fit turns on with it for a host-bound
+    long step (fp32-master streaming, MLP tiles, checkpoint segments, activation offload)."""
     from .helpers import mega_params
 
     model = tiny_model(_tiny_gpu_config())
     data = _data(32, 128)
     kw = dict(megatrain_resident_layers=resident, megatrain_keep_activations=keep)
+    if long:
+        kw.update(
+            megatrain_stream_fp32_master=True, megatrain_mlp_tile_tokens=32,
+            megatrain_checkpoint_every=2, megatrain_offload_activations=True,
+        )  # fmt: skip
     base_trainer, base = _mega_losses(tmp_path, "copy", copy.deepcopy(model), data, **kw)
     trainer, got = _mega_losses(
         tmp_path, "cast", model, data, megatrain_hbm_cast_weights=True, **kw
