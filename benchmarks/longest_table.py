@@ -26,26 +26,31 @@ if str(BENCH_DIR.parent) not in sys.path:
 
 from benchmarks.report import H200_FREE_HBM_GIB, table_main  # noqa: E402
 
+#: The (model, system) key of hf_megatrain's exact rows.
+EXACT = "megatrain-hbm exact"
 SYSTEM_NAMES = {
     "megatrain-hbm": "hf_megatrain",
+    EXACT: "hf_megatrain, exact (fp32 boundaries, clipping on)",
     "megatrain": "hf_megatrain (all streamed)",
     "stock": "stock in-GPU",
     "deepspeed": "DeepSpeed ZeRO-3 offload",
 }
 H200_HOST_GIB = 124.0
-#: The (model, system) key of hf_megatrain's exact rows, and its name in the table.
-EXACT = "megatrain-hbm exact"
-SYSTEM_NAMES[EXACT] = "hf_megatrain, exact (fp32 boundaries, clipping on)"
 #: What makes a row approximate, in its command or in the options auto_fit turned on.
 APPROXIMATE_FLAGS = ("--bf16-boundaries", "--boundary-dtype bfloat16", "--boundary-dtype bf16",
                      "--no-clip")  # fmt: skip
 
 
+def _options(row: dict) -> str:
+    """The memory options a row ran with: its command's flags and what auto_fit turned on
+    (the note's ``auto-fit: ...`` part)."""
+    auto_fit = row.get("note", "").partition("auto-fit:")[2].partition(";")[0]
+    return f"{row.get('command', '')} {auto_fit}"
+
+
 def is_exact(row: dict) -> bool:
     """An hf_megatrain row trained with fp32 boundaries and clipping on."""
-    auto_fit = row.get("note", "").partition("auto-fit:")[2].partition(";")[0]
-    text = f"{row.get('command', '')} {auto_fit}"
-    return not any(flag in text for flag in APPROXIMATE_FLAGS)
+    return not any(flag in _options(row) for flag in APPROXIMATE_FLAGS)
 
 
 def _one_sequence(row: dict) -> bool:
@@ -95,8 +100,7 @@ def _count(entry: dict, row: dict) -> None:
         return
     if not row["status"].startswith(("oom", "killed")):
         return  # a timeout or an error says nothing about memory (killed: host OOM killer)
-    options = f"{row.get('command', '')} {row.get('note', '').partition('auto-fit:')[2]}"
-    if row["system"].startswith("megatrain") and "--offload-activations" not in options:
+    if row["system"].startswith("megatrain") and "--offload-activations" not in _options(row):
         return  # hf_megatrain with its long-context memory options off: not its limit
     if entry["failed"] is None or seq < entry["failed"]:
         entry.update(failed=seq, fail=f"{row['status']} ({row.get('tag', '')})")

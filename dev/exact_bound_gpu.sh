@@ -64,10 +64,8 @@ item() {  # item <name>: one queue item
 
 if [ "$mode" = queue ]; then
   shift
-  for name in "${@:-exact1m exact459k over475k}"; do
-    # shellcheck disable=SC2086
-    for one in $name; do item "$one"; done
-  done
+  [ "$#" -gt 0 ] || set -- exact1m exact459k over475k
+  for name in "$@"; do item "$name"; done
   echo "queue done"
   exit 0
 fi

@@ -42,6 +42,13 @@ def _host_layers(trainer) -> list:
     return [s for s in trainer.megatrain.store.layers if not s.resident]
 
 
+def _assert_same_params(trainer, other) -> None:
+    """Two streamed trainers' parameters, bitwise."""
+    a, b = mega_params(trainer), mega_params(other)
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+
+
 @pytest.mark.parametrize("ga", [1, 2], ids=["ga1", "ga2"])
 def test_no_grad_slot_matches_stock_and_slot_path(tmp_path, ga):
     model = tiny_model(tiny_config("llama", num_hidden_layers=3))
@@ -130,9 +137,7 @@ def test_fp32_master_streaming_matches_default_bf16(tmp_path):
     # host vs .to() at acquire), so every bf16 weight, loss and update is bitwise the same.
     assert [r["loss"] for r in got] == [r["loss"] for r in base]
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in base]
-    a, b = mega_params(trainer), mega_params(base_trainer)
-    for k in b:
-        assert torch.equal(a[k], b[k]), k
+    _assert_same_params(trainer, base_trainer)
 
 
 def test_both_options_together_match_stock(tmp_path):
@@ -282,9 +287,7 @@ def test_hbm_cast_weights_match_compute_copies(tmp_path, ga):
     assert not any(layer.forward.keep_graph for layer in trainer.model.model.layers)
     assert [r["loss"] for r in got] == [r["loss"] for r in base]
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in base]
-    a, b = mega_params(trainer), mega_params(base_trainer)
-    for k in b:
-        assert torch.equal(a[k], b[k]), k
+    _assert_same_params(trainer, base_trainer)
 
 
 def test_hbm_cast_weights_keep_copies_for_kept_layers(tmp_path):
@@ -303,9 +306,7 @@ def test_hbm_cast_weights_keep_copies_for_kept_layers(tmp_path):
         False, True, False,
     ]  # fmt: skip
     assert [r["loss"] for r in got] == [r["loss"] for r in base]
-    a, b = mega_params(trainer), mega_params(base_trainer)
-    for k in b:
-        assert torch.equal(a[k], b[k]), k
+    _assert_same_params(trainer, base_trainer)
     # Only the layer with a copy can keep: asking for both is refused, clearly.
     with pytest.raises(ValueError, match="megatrain_hbm_cast_weights off"):
         keep_activations(trainer.model, "2")
@@ -345,9 +346,7 @@ def test_hbm_cast_weights_with_long_context_options(tmp_path):
     assert not any(s.casts_on_use for s in _tier(base_trainer))
     assert [r["loss"] for r in got] == [r["loss"] for r in base]
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in base]
-    a, b = mega_params(trainer), mega_params(base_trainer)
-    for k in b:
-        assert torch.equal(a[k], b[k]), k
+    _assert_same_params(trainer, base_trainer)
 
 
 def test_fresh_gradient_accumulator_has_zero_gaps():
