@@ -75,6 +75,11 @@ if [ "$mode" = start ]; then
   setsid nohup bash "$0" queue "$@" >"$work/queue.log" 2>&1 </dev/null &
   sleep 5
 fi
+if [ ! -f "$work/queue.log" ]; then
+  # A fresh machine (the last one was released after its idle window): nothing to wait for.
+  echo "no queue on this machine (it was given back since 'start'): run 'start' again"
+  exit 1
+fi
 waited=0
 while ! grep -q "queue done" "$work/queue.log" && [ "$waited" -lt "${WAIT_S:-555}" ]; do
   sleep 5
