@@ -133,24 +133,16 @@ CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
 
 # ---- formulas --------------------------------------------------------------------------------
 def model_tflops(params: int, tokens_per_s: float) -> float:
-    """Model TFLOP/s as the issue defines it: 6 * params * tokens/s (no attention, no recompute)."""
+    """Model TFLOP/s as the issue defines it: 6 * params * tokens/s (no attention, no recompute);
+    ``params``: those a token runs through (an MoE's routed experts count top-k of n)."""
     return 6 * params * tokens_per_s / 1e12
 
 
-def mfu(
-    params: int,
-    n_layers: int,
-    hidden: int,
-    seq_len: int,
-    tokens_per_s: float,
-    peak_flops: float = PEAK_BF16_FLOPS,
-) -> float:
-    """Model FLOPs utilization with causal attention: (6P + 6 L h s) per token over the peak.
-
-    Non-causal attention costs 12 L h s FLOPs per token (QK^T and AV, forward + backward); the
-    causal mask halves it. Recompute is not counted: MFU counts useful work only.
-    """
-    return (6 * params + 6 * n_layers * hidden * seq_len) * tokens_per_s / peak_flops
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float = PEAK_BF16_FLOPS) -> float:
+    """Model FLOPs utilization: useful FLOPs per token (``hf_megatrain.hf.flops``: dense work on
+    the active parameters plus causal attention within each layer's window) over the peak.
+    Recompute is not counted: MFU counts useful work only."""
+    return flops_per_token * tokens_per_s / peak_flops
 
 
 def count_params(config: Any) -> int:
@@ -644,6 +636,10 @@ def train_once(cfg: RunConfig) -> dict:
     else:
         model = build_model(config, cfg.seed)
     result["params"] = sum(p.numel() for p in model.parameters())
+    from hf_megatrain.hf.flops import active_params, model_flops_per_token
+
+    result["active_params"] = active_params(model)
+    result["flops_per_token"] = model_flops_per_token(model, cfg.seq_len)
     n_rows = (cfg.warmup + cfg.steps) * cfg.sequences_per_step
     dataset = RandomTokens(n_rows, cfg.seq_len, config.vocab_size, cfg.seed)
     timer = _make_step_timer(device == "cuda")
@@ -698,8 +694,8 @@ def train_once(cfg: RunConfig) -> dict:
         step_time_s=step_time,
         tokens_per_s=tps,
         train_loss=float(out.training_loss),
-        model_tflops=model_tflops(result["params"], tps),
-        mfu=mfu(result["params"], config.num_hidden_layers, config.hidden_size, cfg.seq_len, tps),
+        model_tflops=model_tflops(result["active_params"], tps),
+        mfu=mfu(result["flops_per_token"], tps),
     )
     return result
 
@@ -1072,8 +1068,9 @@ def write_markdown(path: Path, sweep: dict, runs: list[tuple[RunConfig, dict, di
         "- data: uniform random token ids, labels = inputs, same rows for every system",
         "- timing: wall time per optimizer step (CUDA synchronized at step ends), warm-up steps "
         "excluded, median of the timed steps; tokens/s = tokens per step / median step time",
-        "- model TFLOP/s = 6 * params * tokens/s; MFU = (6 * params + 6 * layers * hidden * seq) "
-        f"* tokens/s / {PEAK_BF16_FLOPS / 1e12:g} TFLOP/s",
+        "- model TFLOP/s = 6 * active params * tokens/s (an MoE token's top-k experts); MFU = "
+        "(6 * active params + causal attention within each layer's window) * tokens/s / "
+        f"{PEAK_BF16_FLOPS / 1e12:g} TFLOP/s (hf_megatrain/hf/flops.py)",
         "- peak HBM = torch.cuda.max_memory_reserved; peak host = VmHWM of the run's process",
         "",
         "## Systems",

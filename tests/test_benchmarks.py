@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks import bench
 from hf_megatrain.core.options import EngineOptions
+from hf_megatrain.hf.flops import model_flops_per_token
 
 TINY = "tiny-qwen2"
 
@@ -23,10 +24,13 @@ TINY = "tiny-qwen2"
 def test_model_tflops_and_mfu_formulas():
     # 1e9 params at 1000 tokens/s: 6e12 FLOP/s of model work.
     assert bench.model_tflops(10**9, 1000.0) == pytest.approx(6.0)
-    # Attention adds 6 * L * h * s per token: 6 * 28 * 1536 * 4096 = 1.0569e9.
+    # Qwen2.5-1.5B at 4096: attention adds 6 * L * h * s per token, 6 * 28 * 1536 * 4096.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(bench.load_model_config("qwen2.5-1.5b"))
     flops_per_token = 6 * 1_543_714_304 + 6 * 28 * 1536 * 4096
+    assert model_flops_per_token(model, 4096) == pytest.approx(flops_per_token)
     expected = flops_per_token * 28_300 / 989e12
-    assert bench.mfu(1_543_714_304, 28, 1536, 4096, 28_300.0) == pytest.approx(expected)
+    assert bench.mfu(flops_per_token, 28_300.0) == pytest.approx(expected)
     # DESIGN.md's stock reference: 28.3k tok/s on Qwen2.5-1.5B is 262 model TFLOP/s.
     assert bench.model_tflops(1_543_714_304, 28_300) == pytest.approx(262, abs=0.5)
 

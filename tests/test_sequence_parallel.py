@@ -226,11 +226,13 @@ def test_mfu_attention_over_the_whole_row(monkeypatch):
             _tokens_since_log=1000,  # this rank's (shard) tokens
             _last_seq_len=32,  # the shard's length
             _megatrain_sp=sp,
-            _num_params=lambda: 100,
+            _active_params=lambda: 100,
             args=SimpleNamespace(world_size=2, device="cpu"),
             megatrain_options=SimpleNamespace(peak_tflops=1e-6),  # 1e6 FLOP/s
             megatrain=SimpleNamespace(engine=SimpleNamespace(is_cuda=True)),
-            model=SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, hidden_size=8)),
+            model=SimpleNamespace(
+                config=SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2)
+            ),
         )
         return HFMegaTrainer._throughput_logs(fake)["mfu"]
 

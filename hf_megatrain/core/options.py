@@ -405,8 +405,9 @@ class EngineOptions:
     log_throughput: bool = field(
         default=True,
         metadata=_help(
-            """Add tokens_per_s, model_tflops (6 * params * tokens/s), mfu (with causal attention
-            FLOPs, on CUDA), host_rss_gib / host_peak_gib and hbm_peak_gib to the training logs.""",
+            """Add tokens_per_s, model_tflops (6 * active params * tokens/s: an MoE's top-k
+            experts), mfu (with causal attention FLOPs within each layer's window, on CUDA),
+            host_rss_gib / host_peak_gib and hbm_peak_gib to the training logs.""",
             run_time=True,
         ),
     )

@@ -41,6 +41,7 @@ from .checkpoint import (
     staged_model_folder,
     write_streamed_pretrained,
 )
+from .flops import active_params, attention_flops_per_token
 from .guards import NonFiniteError, check_batch, check_model_dtype, check_weights_finite
 from .long_context import apply_layer_kernels, apply_liger_kernels, install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss
@@ -967,19 +968,18 @@ class MegaTrainerMixin:
             world = max(int(self.args.world_size), 1)
             tps = self._tokens_since_log * world / elapsed
             out["tokens_per_s"] = round(tps, 1)
-            # Model FLOPs as in the benchmarks: 6 * params per token, plus causal attention
-            # 6 * layers * hidden * seq for MFU (recompute not counted: it is overhead).
-            n_params = self._num_params()
+            # Model FLOPs as in the benchmarks (hf/flops.py): 6 x the parameters a token runs
+            # through, plus causal attention for MFU (recompute not counted: it is overhead).
+            n_params = self._active_params()
             out["model_tflops"] = float(f"{6 * n_params * tps / 1e12:.4g}")
             peak = self.megatrain_options.peak_tflops
             if self.megatrain.engine.is_cuda and peak:
-                cfg = self.model.config
                 # A token attends over its whole row: under sequence parallelism the row is N
                 # times the local shard (each rank attends for all tokens with 1/N of the heads,
                 # the same FLOPs per local token as one GPU on whole rows).
                 sp = getattr(self, "_megatrain_sp", None)
                 seq_len = getattr(self, "_last_seq_len", 0) * (1 if sp is None else sp.size)
-                attn = 6 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+                attn = attention_flops_per_token(self.model.config, seq_len)
                 out["mfu"] = round((6 * n_params + attn) * tps / (world * peak * 1e12), 4)
         self._tokens_since_log = 0
         self._time_of_log = now
@@ -991,11 +991,10 @@ class MegaTrainerMixin:
             out["hbm_peak_gib"] = round(torch.cuda.max_memory_reserved(self.args.device) / 2**30, 2)
         return out
 
-    def _num_params(self) -> int:
-        if not hasattr(self, "_n_params"):
-            # Meta placeholders count too: the streamed layers' parameters.
-            self._n_params = sum(p.numel() for p in self.model.parameters())
-        return self._n_params
+    def _active_params(self) -> int:
+        if not hasattr(self, "_n_active_params"):
+            self._n_active_params = active_params(self.model)  # meta placeholders count too
+        return self._n_active_params
 
     # ---- saving --------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

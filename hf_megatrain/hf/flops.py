@@ -1,0 +1,100 @@
+"""Model FLOPs per trained token: the numerator of model TFLOP/s and MFU.
+
+One definition for the trainer's logs and the benchmarks' rows. Useful work only: recompute is
+overhead and not counted. Per token, forward + backward:
+
+- dense work: 6 x the parameters the token runs through (an MoE token runs through top-k of its
+  experts, not all of them);
+- attention: per layer 6 x heads x (query/key dim + value dim) x the keys the query attends to
+  on average (6 x heads x 2 x head_dim x s/2 = 6 x hidden x s for causal full attention; a
+  sliding window w < s leaves w - w^2/2s keys; linear-attention, convolution and state-space
+  layers have no quadratic term).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+# layer_types entries without a softmax over past keys (their cost is in the parameters).
+_NO_QUADRATIC_TERM = ("linear_attention", "conv", "mamba", "ssm", "recurrent")
+
+
+def active_params(model: nn.Module) -> int:
+    """Parameters one token runs through: all of them less the experts it is not routed to.
+
+    Expert weights are the parameters under modules named ``experts`` (transformers' naming for
+    routed experts, fused or as module lists; shared experts are named otherwise); a token uses
+    ``num_experts_per_tok`` of ``num_experts`` of them. Meta placeholders count too."""
+    total = sum(p.numel() for p in model.parameters())
+    cfg = _text_config(getattr(model, "config", None))
+    experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts")
+    top_k = _first(cfg, "num_experts_per_tok", "moe_topk", "top_k")
+    if not experts or not top_k or top_k >= experts:
+        return total
+    routed = sum(
+        p.numel()
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] == "experts"
+        for p in module.parameters()
+    )
+    return total - round(routed * (1 - top_k / experts))
+
+
+def attention_flops_per_token(config: Any, seq_len: int) -> float:
+    """Attention's FLOPs per token over all layers (forward + backward, causal) for rows of
+    ``seq_len`` tokens, from the config's heads, head dims and layer types / sliding window."""
+    cfg = _text_config(config)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    qk_dim = getattr(cfg, "qk_head_dim", None) or head_dim
+    v_dim = getattr(cfg, "v_head_dim", None) or head_dim
+    per_key = 6 * heads * (qk_dim + v_dim)
+    return per_key * sum(_keys_per_query(cfg, kind, seq_len) for kind in _layer_kinds(cfg))
+
+
+def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Dense plus attention FLOPs per trained token (MFU's numerator per token)."""
+    return 6 * active_params(model) + attention_flops_per_token(model.config, seq_len)
+
+
+def _layer_kinds(cfg: Any) -> list[str]:
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return list(types)
+    kind = "sliding_attention" if _window(cfg) else "full_attention"
+    return [kind] * cfg.num_hidden_layers
+
+
+def _keys_per_query(cfg: Any, kind: str, seq_len: int) -> float:
+    """Average keys a query attends to in a causal row of ``seq_len`` tokens."""
+    if any(k in kind for k in _NO_QUADRATIC_TERM):
+        return 0.0
+    if kind == "chunked_attention":
+        chunk = getattr(cfg, "attention_chunk_size", None) or seq_len
+        return min(chunk, seq_len) / 2
+    window = _window(cfg) if kind == "sliding_attention" else 0
+    if window and window < seq_len:
+        return window - window * window / (2 * seq_len)
+    return seq_len / 2
+
+
+def _window(cfg: Any) -> int:
+    # Qwen2-style configs carry a sliding_window that use_sliding_window=False switches off.
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return 0
+    return int(getattr(cfg, "sliding_window", None) or 0)
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _first(cfg: Any, *names: str) -> int:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
