@@ -158,15 +158,20 @@ def model_shape(model: str):
     return _SHAPES[model]
 
 
-def active_params(config, total: int) -> int:
-    """Parameters one token runs through: the total less the experts it is not routed to."""
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    top_k = getattr(config, "num_experts_per_tok", None)
-    if not experts or not top_k:
-        return total
-    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    unused = config.num_hidden_layers * (experts - top_k) * 3 * config.hidden_size * inter
-    return max(total - unused, 0)
+_ACTIVE: dict[str, int] = {}
+
+
+def active_params(model: str) -> int:
+    """Parameters a token of ``model`` runs through (hf_megatrain.hf.flops, on a meta build)."""
+    if model not in _ACTIVE:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from hf_megatrain.hf.flops import active_params as count
+
+        with torch.device("meta"):
+            _ACTIVE[model] = count(AutoModelForCausalLM.from_config(bench.load_model_config(model)))
+    return _ACTIVE[model]
 
 
 def window_fraction(shape, seq_len: int) -> float:
@@ -253,7 +258,7 @@ def plan_cell(
     s, layers = cell.seq_len, shape.num_layers
     d_attn = (shape.num_heads * shape.head_dim) or shape.hidden_size
     attn = 8 * layers * s * s * d_attn * attention_factor(config, shape, s)
-    dense = 8 * active_params(config, cell.params) * s
+    dense = 8 * active_params(cell.model) * s
     compute = (attn + dense) / (tflops * 1e12)
     pcie = (plan.h2d_bytes_per_step + plan.d2h_bytes_per_step) / planner.PCIE_BYTES_PER_S
     host_params = sum(shape.layer_numels[p.index] for p in plan.layers if p.tier != planner.HBM)
