@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import functools
 import gzip
 import hashlib
 import json
@@ -320,6 +321,27 @@ def load_model_config(model: str):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(model_config_path(model)))
+
+
+@functools.cache
+def config_flops(model: str, seq_len: int) -> tuple[int, float]:
+    """``(active params, model FLOPs per token)`` of a benchmark config at ``seq_len``, from a
+    meta build (no weight allocated): what a row of it is measured against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_megatrain.hf.flops import active_params, model_flops_per_token
+
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(load_model_config(model))
+    return active_params(built), model_flops_per_token(built, seq_len)
+
+
+def gpus_of(system: str) -> int:
+    """GPUs of a row's system: bench_dp's ``...-dpN`` (one node) or ``...-dpMxN`` (M nodes of
+    N), whose tokens/s is the whole job's and MFU per GPU; one otherwise."""
+    dp = re.search(r"-dp(?:(\d+)x)?(\d+)$", system)
+    return int(dp.group(1) or 1) * int(dp.group(2)) if dp else 1
 
 
 # ---- worker: one run in this process ---------------------------------------------------------
@@ -635,9 +657,9 @@ def train_once(cfg: RunConfig) -> dict:
         )
     else:
         model = build_model(config, cfg.seed)
-    result["params"] = sum(p.numel() for p in model.parameters())
     from hf_megatrain.hf.flops import active_params, model_flops_per_token
 
+    result["params"] = sum(p.numel() for p in model.parameters())
     result["active_params"] = active_params(model)
     result["flops_per_token"] = model_flops_per_token(model, cfg.seq_len)
     n_rows = (cfg.warmup + cfg.steps) * cfg.sequences_per_step

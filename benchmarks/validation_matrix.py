@@ -158,22 +158,6 @@ def model_shape(model: str):
     return _SHAPES[model]
 
 
-_ACTIVE: dict[str, int] = {}
-
-
-def active_params(model: str) -> int:
-    """Parameters a token of ``model`` runs through (hf_megatrain.hf.flops, on a meta build)."""
-    if model not in _ACTIVE:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from hf_megatrain.hf.flops import active_params as count
-
-        with torch.device("meta"):
-            _ACTIVE[model] = count(AutoModelForCausalLM.from_config(bench.load_model_config(model)))
-    return _ACTIVE[model]
-
-
 def window_fraction(shape, seq_len: int) -> float:
     """The part of causal attention's FLOPs a sliding window leaves, over all layers: a windowed
     layer's query attends to at most ``shape.sliding_window`` keys against s / 2 on average
@@ -258,7 +242,7 @@ def plan_cell(
     s, layers = cell.seq_len, shape.num_layers
     d_attn = (shape.num_heads * shape.head_dim) or shape.hidden_size
     attn = 8 * layers * s * s * d_attn * attention_factor(config, shape, s)
-    dense = 8 * active_params(cell.model) * s
+    dense = 8 * bench.config_flops(cell.model, s)[0] * s
     compute = (attn + dense) / (tflops * 1e12)
     pcie = (plan.h2d_bytes_per_step + plan.d2h_bytes_per_step) / planner.PCIE_BYTES_PER_S
     host_params = sum(shape.layer_numels[p.index] for p in plan.layers if p.tier != planner.HBM)

@@ -11,7 +11,6 @@ says so in its note. Rows whose stored MFU is not the old formula (e.g. DPO) are
 from __future__ import annotations
 
 import csv
-import re
 import sys
 from pathlib import Path
 
@@ -23,11 +22,6 @@ from benchmarks import bench  # noqa: E402
 from hf_megatrain.hf.flops import active_params, model_flops_per_token  # noqa: E402
 
 NOTE = "model_tflops/mfu re-derived 2026-12-03 (active experts, attention within windows)"
-
-
-def gpus_of(system: str) -> int:
-    m = re.search(r"-dp(?:(\d+)x)?(\d+)$", system)
-    return int(m.group(1) or 1) * int(m.group(2)) if m else 1
 
 
 def main(paths: list[str]) -> None:
@@ -51,7 +45,7 @@ def main(paths: list[str]) -> None:
                 cache[key] += (6 * total + old_attn,)
             total, active, per_token, old_per_token = cache[key]
             tps = float(row["tokens_per_s"])
-            per_gpu = tps / gpus_of(row["system"])
+            per_gpu = tps / bench.gpus_of(row["system"])
             old = bench.mfu(old_per_token, per_gpu)
             if abs(old - float(row["mfu"])) > 0.01 * old + 1e-4:
                 print(f"left alone (not the old formula): {row['tag']} {row['system']} {key}")
@@ -59,6 +53,8 @@ def main(paths: list[str]) -> None:
             mfu, tflops = bench.mfu(per_token, per_gpu), bench.model_tflops(active, tps)
             if abs(mfu - old) <= 5e-4 * old and active == total:
                 continue
+            if (row["mfu"], row["model_tflops"]) == (f"{mfu:.4f}", f"{tflops:.2f}"):
+                continue  # re-derived by an earlier pass
             print(
                 f"{row['tag']} {row['system']} {key}: mfu {row['mfu']} -> {mfu:.4f}, "
                 f"model TFLOP/s {row['model_tflops']} -> {tflops:.2f}"

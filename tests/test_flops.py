@@ -8,15 +8,13 @@ config, keys per query by enumerating the causal (windowed) mask."""
 from __future__ import annotations
 
 import csv
-import re
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from benchmarks import bench
-from hf_megatrain.hf.flops import active_params, attention_flops_per_token, model_flops_per_token
+from hf_megatrain.hf.flops import active_params, attention_flops_per_token
 
 from .helpers import tiny_config, tiny_model
 
@@ -124,23 +122,16 @@ def test_no_recorded_run_claims_more_than_the_gpu_can_do():
     """Every recorded MFU is below 1 and is the model FLOPs of its run's config and length:
     a formula that counted attention a window masks, or experts a token skips, put recorded
     runs of Phi-3 and H2O-Danube at 256k above 200% and OLMoE's model TFLOP/s at 674."""
-    flops: dict[tuple[str, int], tuple[int, float]] = {}
+    configs = {p.name for p in (RESULTS.parent / "configs").iterdir()}
     checked = 0
     for name, row in _recorded_rows():
-        if row["model"] not in {p.name for p in (RESULTS.parent / "configs").iterdir()}:
+        if row["model"] not in configs:
             continue
-        key = (row["model"], int(row["seq_len"]))
-        if key not in flops:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(bench.load_model_config(row["model"]))
-            flops[key] = (active_params(model), model_flops_per_token(model, key[1]))
-        active, per_token = flops[key]
-        tps = float(row["tokens_per_s"])
-        # Data-parallel rows (system "...-dpN" or "...-dpMxN"): tokens/s of all GPUs, MFU per GPU.
-        dp = re.search(r"-dp(?:(\d+)x)?(\d+)$", row["system"])
-        gpus = int(dp.group(1) or 1) * int(dp.group(2)) if dp else 1
+        _, per_token = bench.config_flops(row["model"], int(row["seq_len"]))
+        # Data-parallel rows: tokens/s of all GPUs, MFU per GPU.
+        tps = float(row["tokens_per_s"]) / bench.gpus_of(row["system"])
         where = f"{name} {row['tag']} {row['model']} {row['seq_len']}"
         assert 0 < float(row["mfu"]) < 1, where
-        assert float(row["mfu"]) == pytest.approx(bench.mfu(per_token, tps / gpus), rel=2e-3), where
+        assert float(row["mfu"]) == pytest.approx(bench.mfu(per_token, tps), rel=2e-3), where
         checked += 1
     assert checked > 100
