@@ -18,6 +18,12 @@
 #              auto_fit's cast HBM tier, fp32-master streaming, tiles, segments of 4. ~3 min.
 #   familystep tests/test_gpu.py's family-step cases (the plan's lines per family on CUDA) and
 #              the cast HBM tier's (with the long-context options auto_fit pairs it with).
+#   compacttests  tests/test_gpu.py's cases for the bf16 gradient slots and what they touch (the
+#              slim stores, the watchdog's move to the host tier, auto_fit, autocast parity).
+#   compact14b Qwen2.5-14B at 65,536 tokens/step, the defaults, with bf16 gradient slots
+#              (auto_fit: segments of 2 instead of 4). ~3 min.
+#   exact500k  Qwen2.5-7B at 499,712 tokens, the defaults: the plan's longest exact length with
+#              bf16 gradient slots. ~10 min.
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
 #              layers, the exact426k options): the phases' peaks and what is live at the peak.
 # Every call packs what has finished into $OUT/exact-bound.tgz (rows, markdown, JSON, the log).
@@ -48,6 +54,17 @@ item() {  # item <name>: one queue item
         --seq-len 4096 --streamed-init --steps 3 --warmup 1 --timeout-s 300 \
         --results-dir "$work/results"
       ;;
+    compacttests)
+      timeout 500 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "compact_host_grads or slim_host or out_of_memory_recovery or auto_fit_on_gpu or bf16_streamed_matches" \
+        2>&1 | grep -v '^DEBUG'
+      ;;
+    compact14b)
+      python3 benchmarks/bench.py --tag compact14b64k --run qwen2.5-14b:65536:megatrain-hbm:16 \
+        --seq-len 4096 --streamed-init --steps 3 --warmup 1 --timeout-s 300 \
+        --results-dir "$work/results"
+      ;;
+    exact500k) run exact500k qwen2.5-7b:499712 900 --streamed-init ;;
     familystep)
       timeout 500 python3 -m pytest tests/test_gpu.py -k "family_step or hbm_cast" -o addopts="" \
         -p no:cacheprovider -rA -q -s --durations=12 2>&1 | grep -v '^DEBUG'

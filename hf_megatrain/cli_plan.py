@@ -202,13 +202,19 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         plan_with_auto_fit,
     )
 
+    nproc = getattr(ns, "nproc", None)
+    nproc = 1 if nproc is None else int(nproc)
+    if nproc < 1:
+        raise CLIError(f"--nproc {nproc}: need at least 1 process")
     try:
         step = StepShape.from_step(
             ns.seq_len, ns.tokens_per_step, ns.micro_batch_tokens, ns.grad_accum
         )
         # The plan is for a GPU run: what CUDA decides (the optimizer's overlap) plans the same.
         options = options_from_namespace(ns).resolve(
-            clipping=not getattr(ns, "no_clip", False), cuda=True
+            clipping=not getattr(ns, "no_clip", False),
+            cuda=True,
+            single_backward=step.grad_accum == 1 and nproc == 1,
         )
     except OptionError as e:
         raise CLIError(_flag_message(str(e))) from None
@@ -229,10 +235,6 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     shape, attention = planned_attention(shape, cfg, options.attention, step.seq_len)
     said.append(attention.log_line().replace("hf_megatrain: ", "", 1))
     dtype = torch.float32 if ns.fp32 else torch.bfloat16
-    nproc = getattr(ns, "nproc", None)
-    nproc = 1 if nproc is None else int(nproc)
-    if nproc < 1:
-        raise CLIError(f"--nproc {nproc}: need at least 1 process")
     try:
         plan, as_asked = plan_with_auto_fit(shape, step, options, dtype, hbm, host, ranks=nproc)
     except ValueError as e:

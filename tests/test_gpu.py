@@ -814,6 +814,35 @@ def test_slim_host_stores_on_gpu(tmp_path, ga):
     assert got == pytest.approx(base, rel=1e-3)
 
 
+@pytest.mark.parametrize("resident", ["0", "2"], ids=["streamed", "hbm-tier-2"])
+def test_compact_host_grads_on_gpu(tmp_path, resident):
+    """bf16 gradient slots (one micro-batch per step, the default) against fp32 slots, clipping
+    on: the gradient crosses PCIe narrowed to bf16 (norm weights' in fp32 to their side buffer),
+    exactly, so the same losses and weights bitwise; D2H bytes per step fall to 2 B/param plus
+    4 B per norm-weight element."""
+    from .helpers import mega_params
+
+    model = tiny_model(_tiny_gpu_config())
+    data = _data(32, 128)
+    kw = dict(megatrain_resident_layers=resident)
+    wide, base = _mega_losses(
+        tmp_path, "fp32", copy.deepcopy(model), data, megatrain_compact_host_grads=False, **kw
+    )
+    compact, got = _mega_losses(tmp_path, "bf16", model, data, **kw)
+    layers = [s for s in compact.megatrain.store.layers if not s.resident]
+    assert layers and all(s.compact_grad and s.grad.is_pinned() for s in layers)
+    assert all(s.fp32_grad is not None and s.fp32_grad.is_pinned() for s in layers)
+    numel = sum(s.numel for s in layers)
+    norms = sum(s.fp32_grad.numel() for s in layers)
+    assert wide.megatrain.engine.d2h_bytes == 4 * 4 * numel  # 4 steps
+    assert compact.megatrain.engine.d2h_bytes == 4 * (2 * numel + 4 * norms)
+    assert len(got) == len(base) == 4
+    assert got == base
+    a, b = mega_params(compact), mega_params(wide)
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_bf16_boundaries_on_gpu(tmp_path, monkeypatch):
     """bf16 boundary activations on CUDA, kept in HBM and offloaded to pinned host buffers,
     against the default streamed run."""

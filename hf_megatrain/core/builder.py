@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -92,6 +92,9 @@ def build_streamed_state(
     dp = DataParallel.from_environment(device)
     if dp is not None and device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if dp is not None and options.single_backward:
+        # The ranks' gradients are averaged in fp32: no compact gradient slots.
+        options = replace(options, single_backward=False, compact_host_grads=False)
     if device.type == "cuda":
         prefer_expandable_segments()  # before the HBM tier and the stream buffers are allocated
     trainable = [layer.trainable for layer in layers]
@@ -104,9 +107,10 @@ def build_streamed_state(
     n_resident = next((i for i, t in enumerate(trainable[:n_resident]) if not t), n_resident)
 
     host_grads, stream_master = options.host_grads, options.stream_fp32_master
+    grad_dtype = options.host_grad_dtype(compute_dtype)
     needed = sum(
-        layer_store_bytes(layer.numel, compute_dtype, layer.trainable,
-                          hold_grad=host_grads, stream_master=stream_master)
+        layer_store_bytes(layer.numel, compute_dtype, layer.trainable, hold_grad=host_grads,
+                          stream_master=stream_master, grad_dtype=grad_dtype)
         for layer in layers[n_resident:]
     )  # fmt: skip
     shared: list = [None] * len(layers)
@@ -157,6 +161,7 @@ def build_streamed_state(
                 owned=dp is None or dp.owns(i),
                 hold_grad=host_grads,
                 stream_master=stream_master,
+                grad_dtype=grad_dtype,
             )
         fill(i, store)
         stores.append(store)
@@ -335,10 +340,11 @@ def move_to_host_tier(
             "stay the leading layers"
         )
     host_grads, stream_master = options.host_grads, options.stream_fp32_master
+    grad_dtype = options.host_grad_dtype(engine.compute_dtype)
     HostStore.check_fits(
         sum(
             layer_store_bytes(stores[i].numel, engine.compute_dtype, True, hold_grad=host_grads,
-                              stream_master=stream_master)
+                              stream_master=stream_master, grad_dtype=grad_dtype)
             for i in layers
         ),
         options.host_memory_limit_bytes,
@@ -350,7 +356,7 @@ def move_to_host_tier(
         old = stores[i]
         new = LayerStore(
             old.slots, old.numel, old.decay_numel, engine.compute_dtype, pin,
-            hold_grad=host_grads, stream_master=stream_master,
+            hold_grad=host_grads, stream_master=stream_master, grad_dtype=grad_dtype,
         )  # fmt: skip
         new.master.copy_(old.master)
         new.exp_avg.copy_(old.exp_avg)

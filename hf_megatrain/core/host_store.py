@@ -2,7 +2,7 @@
 
 Each streamed layer owns one anonymous ``mmap`` region (page aligned by construction) laid out as
 
-    [ stream copy (compute dtype) | grad (fp32) | master (fp32) | exp_avg (fp32) | exp_avg_sq (fp32) ]
+    [ stream copy (compute dtype) | grad (fp32 or bf16) | master (fp32) | exp_avg | exp_avg_sq ]
 
 The first two parts are what crosses PCIe (weights H2D, gradients D2H), so only they are registered
 with ``cudaHostRegister`` when CUDA is present: registering an existing page-aligned buffer is ~10x
@@ -16,6 +16,8 @@ Two options shrink a trainable layer (bf16 runs: 18 B/param by default):
   consumed by the layer's update right away; nothing waits for a global norm. 14 B/param.
 * ``stream_master=True``: no compute-dtype copy; the fp32 master itself crosses PCIe (twice the
   H2D bytes) and is cast on the GPU. 16 B/param, 12 B/param together with ``hold_grad=False``.
+* ``grad_dtype=torch.bfloat16`` (a step's gradient is one backward of one process, made in bf16):
+  the grad slot holds it exactly in 2 B/param instead of 4.
 
 Within a layer, parameters that get weight decay are laid out first, then the ones that do not, so
 the optimizer updates each group with one fused call over a contiguous slice.
@@ -135,12 +137,15 @@ def layer_store_bytes(
     trainable: bool = True,
     hold_grad: bool = True,
     stream_master: bool = False,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> int:
     """Host bytes one layer of ``numel`` parameters takes (what ``LayerStore`` allocates)."""
     stream = _stream_copy_bytes(numel, stream_dtype, stream_master)
     fp32 = _round_up(numel * _FP32, PAGE)
-    n_fp32 = (3 + (1 if hold_grad else 0)) if trainable else 1
-    return stream + n_fp32 * fp32
+    if not trainable:
+        return stream + fp32
+    grad = _round_up(numel * grad_dtype.itemsize, PAGE) if hold_grad else 0
+    return stream + grad + 3 * fp32
 
 
 def _clear_cuda_error() -> None:
@@ -298,7 +303,7 @@ def owned_layer_bytes(numel: int, trainable: bool = True, hold_grad: bool = True
 
 
 class LayerStore(_FlatLayerState):
-    """Flat host buffers of one streamed layer: stream copy, fp32 grad, master and AdamW moments.
+    """Flat host buffers of one streamed layer: stream copy, grad, fp32 master and AdamW moments.
 
     By default the layer owns one private buffer holding everything. Under data parallel
     (``shared`` given) the stream copy and the fp32 master are views of ``shared``, a buffer in
@@ -307,7 +312,8 @@ class LayerStore(_FlatLayerState):
     (``grad`` / ``exp_avg`` / ``exp_avg_sq`` are ``None``).
 
     ``hold_grad=False``: no gradient slot (``grad`` is ``None`` and ``holds_grad`` False); the
-    engine stages the layer's final gradient for an eager update instead. ``stream_master=True``:
+    engine stages the layer's final gradient for an eager update instead. ``grad_dtype``: the
+    slot's dtype (fp32 unless one backward makes the whole gradient in the compute dtype). ``stream_master=True``:
     no compute-dtype copy; ``stream`` is the fp32 master, cast to the compute dtype on the device.
     """
 
@@ -325,6 +331,7 @@ class LayerStore(_FlatLayerState):
         owned: bool = True,
         hold_grad: bool = True,
         stream_master: bool = False,
+        grad_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(slots, numel, decay_numel, stream_dtype)
         self.trainable = trainable
@@ -341,12 +348,20 @@ class LayerStore(_FlatLayerState):
         self.exp_avg_sq: torch.Tensor | None = None
         self._finalizers: list[weakref.finalize] = []
         if shared is not None:
+            if grad_dtype != torch.float32:
+                raise ValueError(
+                    "hf_megatrain: data parallel averages gradients in fp32: shared layer "
+                    "stores keep fp32 gradient slots"
+                )
             self._init_shared(shared, numel, stream_bytes, fp32_bytes, pin)
             return
         if not owned:
             raise ValueError("hf_megatrain: a layer store without a shared buffer must be owned")
         # A frozen layer (e.g. the base under LoRA adapters) needs no grad and no moments.
-        total = layer_store_bytes(numel, stream_dtype, trainable, hold_grad, stream_master)
+        total = layer_store_bytes(
+            numel, stream_dtype, trainable, hold_grad, stream_master, grad_dtype
+        )
+        grad_bytes = _round_up(numel * grad_dtype.itemsize, PAGE)
         self._mmap = mmap.mmap(-1, max(total, PAGE))
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total) if total else None
 
@@ -359,12 +374,13 @@ class LayerStore(_FlatLayerState):
             self.stream = view(0, stream_dtype)
             cursor = stream_bytes
         if trainable and hold_grad:
-            self.grad = view(cursor, torch.float32)
-            self.master = view(cursor + fp32_bytes, torch.float32)
-            self.exp_avg = view(cursor + 2 * fp32_bytes, torch.float32)
-            self.exp_avg_sq = view(cursor + 3 * fp32_bytes, torch.float32)
+            self.grad = view(cursor, grad_dtype)
+            cursor += grad_bytes
+            self.master = view(cursor, torch.float32)
+            self.exp_avg = view(cursor + fp32_bytes, torch.float32)
+            self.exp_avg_sq = view(cursor + 2 * fp32_bytes, torch.float32)
             # The PCIe-facing prefix: stream copy and grad (+ the master when it is the stream).
-            pinned_bytes = stream_bytes + fp32_bytes * (1 if separate_stream else 2)
+            pinned_bytes = stream_bytes + grad_bytes + (0 if separate_stream else fp32_bytes)
         elif trainable:
             # No grad slot: the gradient never lands here (the engine stages it).
             self.master = view(cursor, torch.float32)
@@ -378,6 +394,42 @@ class LayerStore(_FlatLayerState):
             self.stream = self.master
         self.pinned = pin and self._register(raw.data_ptr() if raw is not None else 0, pinned_bytes)
         self.nbytes = total
+
+    # ---- a compact (bf16) gradient slot ----------------------------------------------------------
+    #: Gradients of parameters that compute at their fp32 master values (``hold_fp32_grads``),
+    #: kept exactly beside a compact slot: ``fp32_grad`` and, per such slot, its position there.
+    fp32_grad: torch.Tensor | None = None
+    fp32_grad_slots: tuple[tuple[TensorSlot, int], ...] = ()
+
+    @property
+    def compact_grad(self) -> bool:
+        """Whether the gradient slot holds the compute dtype (one backward's gradient, exactly)."""
+        return self.grad is not None and self.grad.dtype != torch.float32
+
+    def hold_fp32_grads(self, names: Iterable[str]) -> None:
+        """Parameters ``names`` get fp32 gradients (they compute at their fp32 master values:
+        norm weights in bf16 runs): beside a compact slot, a small fp32 buffer holds theirs."""
+        if not self.compact_grad:
+            return
+        wanted = set(names)
+        placed, pos = [], 0
+        for slot in self.slots:
+            if slot.name in wanted:
+                placed.append((slot, pos))
+                pos += slot.numel
+        self.fp32_grad_slots = tuple(placed)
+        self.fp32_grad = torch.zeros(pos, dtype=torch.float32, pin_memory=self.pinned)
+
+    def widen_grad(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``start:end`` of the layer's gradient in fp32, written into ``out``."""
+        out.copy_(self.grad[start:end])
+        for slot, pos in self.fp32_grad_slots:
+            a, b = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if a < b:
+                out[a - start : b - start].copy_(
+                    self.fp32_grad[pos + a - slot.offset : pos + b - slot.offset]
+                )
+        return out
 
     def _init_shared(
         self, shared: torch.Tensor, numel: int, stream_bytes: int, fp32_bytes: int, pin: bool

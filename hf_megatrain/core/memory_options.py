@@ -104,8 +104,8 @@ class MemoryOptions:
         """``options`` (a run's resolved options) with this set in effect."""
         changes = self.changes(MemoryOptions.of(options))
         engine = options.options.with_(**changes.options) if changes.options else options.options
-        return engine.resolve(
-            clipping=options.clipping and not changes.clipping_off, cuda=options.cuda
+        return options.resolved_again(
+            engine, clipping=options.clipping and not changes.clipping_off
         )
 
 

@@ -57,6 +57,34 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(flat).all())
 
 
+#: Elements of a compact (bf16) gradient widened to fp32 per fused AdamW call: 8 MiB, in cache.
+WIDEN_CHUNK = 1 << 21
+_widen = threading.local()  # per updating thread: its fp32 widening buffer
+
+
+def _widen_buffer(numel: int) -> torch.Tensor:
+    buf = getattr(_widen, "buffer", None)
+    if buf is None:
+        buf = _widen.buffer = torch.empty(WIDEN_CHUNK, dtype=torch.float32)
+    return buf[:numel]
+
+
+def _adamw_slice(seg, start: int, end: int, grad, scale, found_inf, kw: dict) -> None:
+    """The fused AdamW on ``seg``'s store elements ``start:end`` with their fp32 ``grad``."""
+    _adam_functional(
+        [seg.store.master[start:end]],
+        [grad],
+        [seg.store.exp_avg[start:end]],
+        [seg.store.exp_avg_sq[start:end]],
+        [],
+        [seg.step],
+        fused=True,
+        grad_scale=None if scale is None else scale.clone(),
+        found_inf=found_inf,
+        **kw,
+    )
+
+
 @dataclass
 class _Segment:
     layer: int
@@ -341,24 +369,26 @@ class HostAdamW(torch.optim.Optimizer):
         grad: torch.Tensor,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """AdamW on one layer's slices; ``grad`` is its flat fp32 gradient (store or staging)."""
+        """AdamW on one layer's slices; ``grad`` is its flat gradient (store or staging): fp32,
+        or bf16 from a compact slot, widened to fp32 chunk by chunk as the update reads it."""
         for seg, kw in jobs:
-            s, e = seg.start, seg.end
             scale = None
             if scale_by_device is not None:
-                scale = scale_by_device[seg.store.master.device.type].clone()
-            _adam_functional(
-                [seg.store.master[s:e]],
-                [grad[s:e]],
-                [seg.store.exp_avg[s:e]],
-                [seg.store.exp_avg_sq[s:e]],
-                [],
-                [seg.step],
-                fused=True,
-                grad_scale=scale,
-                found_inf=found_inf,
-                **kw,
-            )
+                scale = scale_by_device[seg.store.master.device.type]
+            if grad.dtype == torch.float32:
+                _adamw_slice(
+                    seg, seg.start, seg.end, grad[seg.start : seg.end], scale, found_inf, kw
+                )
+                continue
+            # A compact slot (the store's): the fused kernel takes fp32 gradients only. Chunks
+            # small enough to stay in the CPU's cache; each call counts the step once, so every
+            # chunk starts from the step count before it (elementwise: the same as one call).
+            step_before = seg.step.clone()
+            for a in range(seg.start, seg.end, WIDEN_CHUNK):
+                b = min(a + WIDEN_CHUNK, seg.end)
+                wide = seg.store.widen_grad(a, b, _widen_buffer(b - a))
+                seg.step.copy_(step_before)
+                _adamw_slice(seg, a, b, wide, scale, found_inf, kw)
 
     # ---- eager updates (no clipping) ----------------------------------------------------------
     def enable_eager_updates(self) -> None:

@@ -133,6 +133,17 @@ class EngineOptions:
             clipping on or eager_update off)."""
         ),
     )
+    compact_host_grads: bool = field(
+        default=True,
+        metadata=_help(
+            """bf16 runs whose optimizer step takes its gradients from one backward pass of one
+            process (gradient accumulation 1, no data parallel): the host-tier gradient slot
+            holds bf16, 2 instead of 4 bytes/param (and half the D2H bytes). Exact: that backward
+            computes each layer's gradient in bf16, so the slot holds it bit for bit; the update
+            widens it to fp32 as it reads it. Runs that accumulate or reduce gradients in fp32
+            keep fp32 slots. False: always fp32 slots."""
+        ),
+    )
     # ---- HBM tier -----------------------------------------------------------------------------
     resident_layers: str = field(
         # "auto" by default: layers in HBM skip PCIe and the CPU update; every measured headline
@@ -464,9 +475,13 @@ class EngineOptions:
         return replace(self, **changes)
 
     # ---- the derived rules ---------------------------------------------------------------------
-    def resolve(self, *, clipping: bool, cuda: bool) -> ResolvedOptions:
+    def resolve(
+        self, *, clipping: bool, cuda: bool, single_backward: bool = False
+    ) -> ResolvedOptions:
         """The concrete settings for a run that clips gradients (``clipping``) on a CUDA device
-        (``cuda``) or not. Raises :class:`OptionError` for combinations that cannot run."""
+        (``cuda``) or not; ``single_backward``: each optimizer step's gradients come from one
+        backward pass of one process (gradient accumulation 1, no data parallel). Raises
+        :class:`OptionError` for combinations that cannot run."""
         eager = not clipping and self.eager_update
         if self.host_grads is None:
             host_grads = not eager
@@ -492,6 +507,8 @@ class EngineOptions:
             cuda=cuda,
             eager_update=eager,
             host_grads=host_grads,
+            single_backward=single_backward,
+            compact_host_grads=host_grads and single_backward and self.compact_host_grads,
             overlap_optimizer=cuda if self.overlap_optimizer is None else self.overlap_optimizer,
             boundary_dtype=boundary,
             # Layers that re-run whole (no early stop) keep nothing of their attention.
@@ -510,8 +527,12 @@ class ResolvedOptions:
     cuda: bool
     #: Layers update during backward as their gradient becomes final (no clipping).
     eager_update: bool
-    #: Host-tier stores hold an fp32 gradient slot.
+    #: Host-tier stores hold a gradient slot.
     host_grads: bool
+    #: Each optimizer step's gradients come from one backward pass of one process.
+    single_backward: bool
+    #: The host gradient slots hold the compute dtype (see :meth:`host_grad_dtype`).
+    compact_host_grads: bool
     overlap_optimizer: bool
     #: Saved residual-stream inputs rounded to this dtype (None: kept as they are).
     boundary_dtype: torch.dtype | None
@@ -527,6 +548,22 @@ class ResolvedOptions:
         if name != "options" and name in EngineOptions.field_names():
             return getattr(self.options, name)
         raise AttributeError(name)
+
+    def host_grad_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the host-tier gradient slots: the compute dtype where one backward of
+        one process makes the whole gradient in it (bf16 runs, ``compact_host_grads``), so the
+        slot holds it exactly; fp32 where gradients are accumulated or reduced in fp32."""
+        if self.compact_host_grads and compute_dtype.itemsize < 4:
+            return compute_dtype
+        return torch.float32
+
+    def resolved_again(self, engine: EngineOptions, *, clipping: bool | None = None):
+        """``engine`` resolved for this run (its device and backward; ``clipping`` if given)."""
+        return engine.resolve(
+            clipping=self.clipping if clipping is None else clipping,
+            cuda=self.cuda,
+            single_backward=self.single_backward,
+        )
 
     @property
     def boundary_bytes_per_element(self) -> int:

@@ -15,8 +15,9 @@ separate stream copy either way):
 * gradients (``ResolvedOptions.host_grads``): with clipping on (or eager updates off) every host
   layer keeps an fp32 gradient slot until the step's global norm is known (18 B/param); with
   eager updates (no clipping) no slot exists and final gradients pass through a pinned staging
-  ring of ``GRAD_STAGING_SLOTS`` layers (14 B/param). HBM-tier layers keep their gradient either
-  way (the GPU AdamW reads it in place: 18 B/param).
+  ring of ``GRAD_STAGING_SLOTS`` layers (14 B/param). The slot is bf16 (2 B/param less) where
+  one backward of one process makes the whole gradient (``ResolvedOptions.host_grad_dtype``).
+  HBM-tier layers keep their fp32 gradient either way (the GPU AdamW reads it in place).
 * ``stream_fp32_master``: no bf16 copy in the store (2 B/param less); the fp32 master crosses
   PCIe (4 instead of 2 B/param H2D) into one fp32 device staging buffer and is cast there.
 
@@ -89,12 +90,19 @@ SLACK_KIND = "slack"
 
 
 def host_bytes_per_param(
-    dtype: torch.dtype, host_grads: bool = True, stream_fp32_master: bool = False
+    dtype: torch.dtype,
+    host_grads: bool = True,
+    stream_fp32_master: bool = False,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> int:
     """Host-store bytes per parameter of a trainable host-tier layer: fp32 master + 2 moments,
-    the fp32 gradient slot when held, the compute-dtype copy unless the master streams."""
+    the gradient slot when held, the compute-dtype copy unless the master streams."""
     copy = 0 if dtype == torch.float32 or stream_fp32_master else itemsize(dtype)
-    return 12 + (4 if host_grads else 0) + copy
+    return 12 + (itemsize(grad_dtype) if host_grads else 0) + copy
+
+
+def grad_dtype_label(grad_dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(grad_dtype, str(grad_dtype))
 
 
 def h2d_bytes_per_param(dtype: torch.dtype, stream_fp32_master: bool = False) -> int:
@@ -265,6 +273,7 @@ def host_lines(
     and stream copies in shared memory, each gradient and moment on one owner rank: one store in
     all) but each has its own process, staging ring and offloaded activations."""
     host_grads, stream_master = options.host_grads, options.stream_fp32_master
+    grad_dtype = options.host_grad_dtype(dtype)
     host = shape.layer_numels[n_hbm:]
     per_rank = f" x {ranks} ranks" if ranks > 1 else ""
     offload = []
@@ -279,14 +288,17 @@ def host_lines(
         )
     parts = ["fp32 master/2 moments"]
     if host_grads:
-        parts.append("fp32 grad")
+        parts.append(f"{grad_dtype_label(grad_dtype)} grad")
     if dtype != torch.float32 and not stream_master:
         parts.append("bf16 copy" if dtype == torch.bfloat16 else "stream copy")
-    b = host_bytes_per_param(dtype, host_grads, stream_master)
+    b = host_bytes_per_param(dtype, host_grads, stream_master, grad_dtype)
     lines = offload + [
         MemoryLine(
             f"host-tier layers ({len(host)}): {' + '.join(parts)}, {b} B/param",
-            sum(layer_store_bytes(n, dtype, True, host_grads, stream_master) for n in host),
+            sum(
+                layer_store_bytes(n, dtype, True, host_grads, stream_master, grad_dtype)
+                for n in host
+            ),
         )
     ]
     if not host_grads and host:
@@ -352,7 +364,7 @@ def pcie_bytes(
     n = shape.num_layers
     again = [i for s in range(0, n, k) for i in range(s, min(s + k, n) - 2) if i >= n_hbm]
     h2d += ga * sum(shape.layer_numels[i] for i in again) * isz
-    return h2d, 4 * sum(host)
+    return h2d, itemsize(options.host_grad_dtype(dtype)) * sum(host)
 
 
 def layer_placements(
@@ -360,7 +372,11 @@ def layer_placements(
 ) -> list[LayerPlacement]:
     """Each layer's tier and bytes; ``n_cast``: how many leading HBM-tier layers keep no
     compute-dtype copy."""
-    store = dict(hold_grad=options.host_grads, stream_master=options.stream_fp32_master)
+    store = dict(
+        hold_grad=options.host_grads,
+        stream_master=options.stream_fp32_master,
+        grad_dtype=options.host_grad_dtype(dtype),
+    )
     return [
         LayerPlacement(i, n, HBM, device_layer_bytes(n, dtype, i >= n_cast), 0)
         if i < n_hbm
@@ -383,6 +399,7 @@ __all__ = [
     "SLACK_LINE",
     "gpu_lines",
     "h2d_bytes_per_param",
+    "grad_dtype_label",
     "host_bytes_per_param",
     "host_lines",
     "layer_placements",

@@ -34,6 +34,7 @@ from .plan_arithmetic import (
     PCIE_BYTES_PER_S,
     SAFETY_MARGIN_LINE,
     SLACK_KIND,
+    grad_dtype_label,
     host_bytes_per_param,
 )
 from .plan_types import (
@@ -74,6 +75,8 @@ class MemoryPlan:
     # eager updates without them; fp32 masters streamed instead of a compute-dtype copy.
     host_grads: bool = True
     stream_fp32_master: bool = False
+    # The gradient slots' dtype: bf16 where one backward of one process makes the gradient.
+    host_grad_dtype: torch.dtype = torch.float32
     # The last ``kept_layers`` HBM-tier layers keep their forward activations for backward
     # instead of recomputing the layer (see ``kept_activation_bytes_per_token``).
     kept_layers: int = 0
@@ -111,7 +114,9 @@ class MemoryPlan:
     @property
     def host_bytes_per_param(self) -> int:
         """Host-store bytes per parameter of a trainable host-tier layer (page rounding aside)."""
-        return host_bytes_per_param(self.compute_dtype, self.host_grads, self.stream_fp32_master)
+        return host_bytes_per_param(
+            self.compute_dtype, self.host_grads, self.stream_fp32_master, self.host_grad_dtype
+        )
 
     @property
     def n_hbm(self) -> int:
@@ -203,10 +208,18 @@ def hbm_cast_note(n_cast: int, n_copy: int) -> Message:
     )
 
 
-def mode_line(dtype: torch.dtype, host_grads: bool, stream_fp32_master: bool) -> str:
+def mode_line(
+    dtype: torch.dtype,
+    host_grads: bool,
+    stream_fp32_master: bool,
+    grad_dtype: torch.dtype = torch.float32,
+) -> str:
     """The table's line on the host store's bytes per parameter and why."""
+    # A compact slot: one backward of one process makes the whole gradient in bf16.
+    compact = " (exact: one backward makes it)" if grad_dtype != torch.float32 else ""
     grads = (
-        "fp32 grad slot held until the step's norm is known (clipping on)"
+        f"{grad_dtype_label(grad_dtype)} grad slot{compact} held until the step's norm is known "
+        "(clipping on)"
         if host_grads
         else f"eager updates, no grad slot (grads pass a {GRAD_STAGING_SLOTS}-layer staging ring)"
     )
@@ -217,7 +230,7 @@ def mode_line(dtype: torch.dtype, host_grads: bool, stream_fp32_master: bool) ->
         if dtype == torch.float32
         else "bf16 stream copy"
     )
-    b = host_bytes_per_param(dtype, host_grads, stream_fp32_master)
+    b = host_bytes_per_param(dtype, host_grads, stream_fp32_master, grad_dtype)
     return f"host tier {b} B/param: {grads}; {weights}"
 
 
@@ -330,7 +343,8 @@ def _slimmer_store_advice(plan: MemoryPlan) -> str:
     """The host-store options this plan does not use yet, as advice."""
     out = ""
     if plan.host_grads:
-        out += "no clipping (eager updates keep no host gradient: 4 B/param less), "
+        saved = plan.host_grad_dtype.itemsize
+        out += f"no clipping (eager updates keep no host gradient: {saved} B/param less), "
     if not plan.stream_fp32_master and plan.compute_dtype != torch.float32:
         out += "fp32-master streaming (no bf16 copy: 2 B/param less, 2x H2D bytes), "
     return out
@@ -466,7 +480,11 @@ def render_table(plan: MemoryPlan, namer: OptionNamer | None = None) -> str:
             else "none"
         )
         out.append(f"attention outputs kept for the recompute: {kept}{why}")
-    out.append(mode_line(plan.compute_dtype, plan.host_grads, plan.stream_fp32_master))
+    out.append(
+        mode_line(
+            plan.compute_dtype, plan.host_grads, plan.stream_fp32_master, plan.host_grad_dtype
+        )
+    )
     for title, lines, total, avail in (
         ("GPU (HBM)", plan.gpu_lines, plan.gpu_total, plan.hbm_available),
         ("host RAM", plan.host_lines, plan.host_total, plan.host_available),
@@ -487,7 +505,8 @@ def render_table(plan: MemoryPlan, namer: OptionNamer | None = None) -> str:
     out.append(
         f"PCIe per optimizer step: H2D {plan.h2d_bytes_per_step / 1e9:.2f} GB "
         f"({'fp32 masters' if plan.stream_fp32_master else 'weights'}), "
-        f"D2H {plan.d2h_bytes_per_step / 1e9:.2f} GB (fp32 grads); "
+        f"D2H {plan.d2h_bytes_per_step / 1e9:.2f} GB "
+        f"({grad_dtype_label(plan.host_grad_dtype)} grads); "
         f"~{secs:.2f} s at {PCIE_BYTES_PER_S / 1e9:.0f} GB/s per direction"
     )
     for note in plan.notes:

@@ -225,6 +225,7 @@ def _plan(
         d2h_bytes_per_step=d2h,
         options=options,
         host_grads=options.host_grads,
+        host_grad_dtype=options.host_grad_dtype(compute_dtype),
         stream_fp32_master=options.stream_fp32_master,
         kept_layers=kept,
         ranks=ranks,
@@ -257,7 +258,7 @@ def _plan(
 
     def fits_engine(**changes: object) -> bool:
         engine = options.options.with_(**changes)
-        return fits_with(engine.resolve(clipping=options.clipping, cuda=options.cuda))
+        return fits_with(options.resolved_again(engine))
 
     base = MemoryOptions.of(options)
 
@@ -424,7 +425,7 @@ def _note_hbm_cast(plan: MemoryPlan, replan: Callable[[ResolvedOptions], MemoryP
     if plan.hbm_cast_weights or plan.compute_dtype == torch.float32:
         return
     cast = options.options.with_(hbm_cast_weights=True)
-    alt = replan(cast.resolve(clipping=options.clipping, cuda=options.cuda))
+    alt = replan(options.resolved_again(cast))
     if alt.fits and alt.n_hbm > plan.n_hbm:
         plan.notes.append(hbm_cast_note(alt.n_hbm, plan.n_hbm))
 

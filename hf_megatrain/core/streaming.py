@@ -198,6 +198,8 @@ class StreamingEngine:
         gradients in mixed-precision runs, as the stock Trainer runs parameters that autocast
         does not cast (residual-stream norm weights); the rest run as the compute-dtype copy."""
         self._exact_names[idx] = tuple(names)
+        if not self.stores[idx].resident:
+            self.stores[idx].hold_fp32_grads(names)
 
     def exact_params(self, idx: int) -> dict[str, torch.Tensor] | None:
         """Name -> fp32 value of layer ``idx``'s ``bind_exact`` parameters on the device, valid
@@ -232,6 +234,7 @@ class StreamingEngine:
         self.weights.wait_copies()
         for idx, store in replacements.items():
             self.stores[idx] = store
+            store.hold_fp32_grads(self._exact_names.get(idx, ()))
         h2d, h2d_bytes = self.weights.h2d, self.weights.h2d_bytes
         exact_h2d_bytes = self.weights.exact_h2d_bytes
         grads = self.grads

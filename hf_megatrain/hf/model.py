@@ -569,6 +569,7 @@ def prepare_streamed_model(
     decay_names: set[str] | None = None,
     step: StepShape | None = None,
     clipping: bool = True,
+    single_backward: bool | None = None,
     **option_fields: Any,
 ) -> nn.Module:
     """Move ``model``'s decoder layers into a host store and stream them from now on.
@@ -581,7 +582,9 @@ def prepare_streamed_model(
     applied over it, are resolved for a run that clips gradients (``clipping``) or not; the model
     remembers them (``streamed_state(model).options``). ``step`` (the micro-batch split) lets the
     memory plan size activations and the loss line by line instead of reserving
-    ``hbm_reserve_gb`` for them.
+    ``hbm_reserve_gb`` for them. ``single_backward``: every optimizer step's gradients come from
+    one backward pass of one process (default: the step's ``grad_accum`` is 1), which lets bf16
+    runs keep compact gradient slots (``compact_host_grads``).
     """
     existing = streamed_state(model)
     if existing is not None:
@@ -591,7 +594,16 @@ def prepare_streamed_model(
     if option_fields:
         options = options.with_(**option_fields)
     device = torch.device(device)
-    resolved = options.resolve(clipping=clipping, cuda=device.type == "cuda")
+    resolved = options.resolve(
+        clipping=clipping,
+        cuda=device.type == "cuda",
+        # Data parallel turns it off (core/builder.py).
+        single_backward=(
+            single_backward
+            if single_backward is not None
+            else step is not None and step.grad_accum == 1
+        ),
+    )
     config = model.config
     # A cache would be written through shared templates: never train with it.
     config.use_cache = False
@@ -669,12 +681,20 @@ def prepare_streamed_model(
         len(stores) - built.n_resident,
         model._megatrain.store.nbytes / 2**30,
         "pinned" if any(s.pinned for s in stores) else "pageable",
-        "" if resolved.host_grads else ", no grad slots (eager updates)",
+        _grad_slots_note(resolved, compute_dtype),
         ", fp32 masters stream" if resolved.stream_fp32_master else "",
         len(resident),
         device,
     )
     return model
+
+
+def _grad_slots_note(resolved: ResolvedOptions, compute_dtype: torch.dtype) -> str:
+    if not resolved.host_grads:
+        return ", no grad slots (eager updates)"
+    grad_dtype = resolved.host_grad_dtype(compute_dtype)
+    name = str(grad_dtype).removeprefix("torch.")
+    return "" if grad_dtype == torch.float32 else f", {name} grad slots"
 
 
 def prepare_frozen_streamed_model(

@@ -224,7 +224,9 @@ def _run_options(args: TrainingArguments, options: EngineOptions) -> ResolvedOpt
     """``options`` resolved for this run (its clipping, its device), errors in argument names."""
     try:
         return options.resolve(
-            clipping=_clipping(args), cuda=torch.device(args.device).type == "cuda"
+            clipping=_clipping(args),
+            cuda=torch.device(args.device).type == "cuda",
+            single_backward=args.gradient_accumulation_steps == 1 and args.world_size == 1,
         )
     except OptionError as e:
         message = in_argument_names(str(e))
@@ -314,7 +316,8 @@ def _warn_attention_outputs_unused(model: nn.Module, options: ResolvedOptions) -
 
 def _check_grad_mode(state, args: TrainingArguments, run: ResolvedOptions) -> None:
     """A model streamed without gradient slots (for eager updates) cannot train a run whose
-    update needs every layer's gradient held (clipping, or eager updates off)."""
+    update needs every layer's gradient held (clipping, or eager updates off); one streamed with
+    bf16 slots cannot train a run that accumulates gradients over micro-batches or processes."""
     if state.engine.grad_staging and not run.eager_update:
         why = (
             f"max_grad_norm={args.max_grad_norm} clips gradients"
@@ -326,6 +329,15 @@ def _check_grad_mode(state, args: TrainingArguments, run: ResolvedOptions) -> No
             f"(host_grads=False, for eager updates), but {why}, which needs every layer's "
             "gradient held until step(). Stream the model with clipping=True (or "
             "host_grads=True), or train with max_grad_norm=0 and megatrain_eager_update=True."
+        )
+    compact = any(getattr(store, "compact_grad", False) for store in state.engine.stores)
+    if compact and not run.single_backward:
+        raise ValueError(
+            "hf_megatrain: the model's host store was built with bf16 gradient slots, exact only "
+            "for one backward of one process per optimizer step (a StepShape with grad_accum=1), "
+            f"but this run has gradient_accumulation_steps={args.gradient_accumulation_steps} "
+            f"and {args.world_size} process(es). Stream the model with this run's StepShape, or "
+            "with compact_host_grads=False."
         )
 
 
@@ -430,6 +442,7 @@ class MegaTrainerMixin:
                 decay_names=set(Trainer.get_decay_parameter_names(None, model)),
                 step=step,
                 clipping=run.clipping,
+                single_backward=run.single_backward,
             )
             # The model's options: these, plus the memory options auto_fit turned on.
             run = _run_options(args, streamed_state(model).options.options)

@@ -98,8 +98,17 @@ class GradientSink:
             # Gradients accumulate in place where the store keeps them (host RAM on CPU runs,
             # HBM for the device tier); nothing to drain.
             first = not self._on_host[idx]
+            if not first or not self.sync:
+                self._check_accumulates(idx, store)
             self._on_host[idx] = True
             scatter_add(store, store.grad, grads, first)
+            if not store.resident and store.fp32_grad_slots:
+                # A compact slot: the fp32 gradients (norm weights) also go where they stay exact.
+                by_name = {slot.name: g for slot, g in zip(store.slots, grads)}
+                for slot, pos in store.fp32_grad_slots:
+                    g = by_name[slot.name]
+                    dst = store.fp32_grad[pos : pos + slot.numel]
+                    dst.zero_() if g is None else dst.copy_(g.reshape(-1))
             if self.sync and self.on_final is not None:
                 self.on_final(idx, None)
             return
@@ -115,6 +124,8 @@ class GradientSink:
         Returns the accumulator once the step's last micro-batch is in (``sync``), for the
         caller to drain or reduce; before that it stays in ``_acc`` and None is returned.
         """
+        if not self.sync:
+            self._check_accumulates(idx, store)
         acc = self._acc.pop(idx, None)
         first = acc is None
         if first:
@@ -126,6 +137,18 @@ class GradientSink:
             return acc
         self._acc[idx] = acc
         return None
+
+    @staticmethod
+    def _check_accumulates(idx: int, store: LayerStore) -> None:
+        """A compact (bf16) gradient slot holds one backward's gradient exactly, not a sum."""
+        if store.grad is not None and store.grad.dtype != torch.float32:
+            raise RuntimeError(
+                f"hf_megatrain: layer {idx} got gradients from more than one backward pass in "
+                "one optimizer step, but its host store keeps a bf16 gradient slot, which is "
+                "exact only for one backward of one process (compact_host_grads, chosen for a "
+                "step of one micro-batch). Stream the model for the run's gradient accumulation "
+                "(its StepShape), or with compact_host_grads=False."
+            )
 
     def _add_sq(self, sq: torch.Tensor) -> None:
         self._sq = sq if self._sq is None else self._sq + sq
@@ -140,6 +163,7 @@ class GradientSink:
         if store.grad is None:
             dest = self._take_staging(idx, store.numel)
         elif self._on_host[idx]:
+            self._check_accumulates(idx, store)
             # A second drain in one optimizer step (backward without the trainer's sync flag):
             # add on the host, after the first drain's copy has landed. Correct, not fast; the
             # trainer never takes this path. The running norm no longer matches: recompute it.
@@ -156,14 +180,32 @@ class GradientSink:
             return
         else:
             dest = store.grad
+        fp32_part = None
+        if dest.dtype != acc.dtype:
+            # A compact slot: the one backward made this gradient in bf16 (but for parameters
+            # computing in fp32, which go to the store's fp32 side buffer), so the narrowing
+            # copy is exact, and it halves the bytes crossing PCIe.
+            if store.fp32_grad_slots:
+                fp32_part = torch.cat(
+                    [
+                        acc[slot.offset : slot.offset + slot.numel]
+                        for slot, _ in store.fp32_grad_slots
+                    ]
+                )
+            acc = acc.to(dest.dtype)
         self._d2h.wait_stream(compute)
         with torch.cuda.stream(self._d2h):
             dest.copy_(acc, non_blocking=True)
+            if fp32_part is not None:
+                store.fp32_grad.copy_(fp32_part, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._d2h)
         acc.record_stream(self._d2h)
+        self.d2h_bytes += acc.numel() * acc.element_size()
+        if fp32_part is not None:
+            fp32_part.record_stream(self._d2h)
+            self.d2h_bytes += fp32_part.numel() * 4
         self._d2h_events.append(ev)
-        self.d2h_bytes += acc.numel() * 4
         self._on_host[idx] = True
         if self.on_final is not None:
             self.on_final(idx, ev)
@@ -351,7 +393,10 @@ class GradientSink:
             if store.resident:
                 replicated += squared_norm(store.grad)
             elif not running:
-                streamed += squared_norm(store.grad).cpu()
+                grad = store.grad
+                if store.compact_grad:  # (CPU runs) widened, its fp32 parts from their buffer
+                    grad = store.widen_grad(0, store.numel, torch.empty(store.numel))
+                streamed += squared_norm(grad).cpu()
         streamed = self._sq if running else streamed.to(self._device)
         if self._dp is not None:
             streamed = streamed.clone()

@@ -1,0 +1,114 @@
+"""Compact (bf16) host gradient slots: a step of one backward pass of one process makes each
+streamed layer's gradient in bf16 (its norm weights' in fp32), so a bf16 slot plus a small fp32
+side buffer holds it exactly in 2 instead of 4 bytes per parameter. Each run here is compared
+bit for bit with the fp32-slot layout (``compact_host_grads=False``) on the same tiny model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_megatrain import HFMegaTrainer, MegaTrainArguments, init_streamed_model
+from hf_megatrain.core.host_store import PAGE, layer_store_bytes
+from hf_megatrain.core.options import EngineOptions, StepShape
+from hf_megatrain.core.planner import ModelShape, plan_memory
+from hf_megatrain.hf.model import streamed_state
+
+from .helpers import common_args, make_data, mega_params, run_trainer, tiny_config, tiny_model
+
+
+def _host_layers(trainer) -> list:
+    return [s for s in trainer.megatrain.store.layers if not s.resident]
+
+
+def _losses_norms(logs) -> tuple[list, list]:
+    return [r["loss"] for r in logs], [r["grad_norm"] for r in logs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "qwen3_moe"])
+def test_compact_slots_train_bit_for_bit_like_fp32_slots(tmp_path, arch):
+    """bf16, clipping on, 4 steps: the same losses, norms and fp32 weights, bitwise. Qwen3's
+    per-head q/k norms and Gemma-2's four norms per layer compute in fp32: their gradients take
+    the side buffer (rounded into the bf16 slot they would move the norm weights)."""
+    model = tiny_model(tiny_config(arch))
+    if arch == "qwen3_moe":
+        model.config._experts_implementation = "eager"  # (as in test_norm_weights)
+    kw = dict(max_steps=4, bf16=True, learning_rate=1e-3, max_grad_norm=0.5)
+    wide_logs, wide = run_trainer(
+        copy.deepcopy(model), tmp_path, "fp32", mega=True, megatrain_compact_host_grads=False,
+        **kw,
+    )  # fmt: skip
+    logs, compact = run_trainer(model, tmp_path, "bf16", mega=True, **kw)
+    assert all(s.grad.dtype == torch.float32 for s in _host_layers(wide))
+    layers = _host_layers(compact)
+    assert layers and all(s.grad.dtype == torch.bfloat16 for s in layers)
+    # The norm weights' slots are the side buffer's, sized to them.
+    norms = sum(s.numel for s, _ in layers[0].fp32_grad_slots)
+    assert norms > 0 and layers[0].fp32_grad.numel() == norms
+    assert _losses_norms(logs) == _losses_norms(wide_logs)
+    got, same = mega_params(compact), mega_params(wide)
+    for name, value in same.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_accumulating_runs_keep_fp32_slots(tmp_path):
+    """Two micro-batches per step sum in fp32: the slots stay fp32 (and training matches the
+    explicit fp32 layout bitwise)."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=3))
+    kw = dict(max_steps=3, bf16=True, gradient_accumulation_steps=2, per_device_train_batch_size=1)
+    logs, trainer = run_trainer(copy.deepcopy(model), tmp_path, "ga2", mega=True, **kw)
+    assert all(s.grad.dtype == torch.float32 for s in _host_layers(trainer))
+    assert not trainer.megatrain_options.compact_host_grads
+    wide_logs, _ = run_trainer(
+        model, tmp_path, "wide", mega=True, megatrain_compact_host_grads=False, **kw
+    )
+    assert _losses_norms(logs) == _losses_norms(wide_logs)
+
+
+def test_fp32_runs_keep_fp32_slots(tmp_path):
+    _, trainer = run_trainer(tiny_model(tiny_config("llama")), tmp_path, "fp32", mega=True,
+                             max_steps=1)  # fmt: skip
+    assert all(s.grad.dtype == torch.float32 for s in _host_layers(trainer))
+
+
+def test_model_streamed_for_one_micro_batch_refuses_accumulation(tmp_path):
+    """A model streamed for steps of one micro-batch (bf16 slots) and a trainer that accumulates
+    two: refused when the trainer is made, naming the fix, before any step."""
+    config = tiny_config("llama", num_hidden_layers=2)
+    model = init_streamed_model(config, device="cpu", bf16=True, step=StepShape(16, 32, 1))
+    assert any(s.compact_grad for s in streamed_state(model).store.layers)
+    args = MegaTrainArguments(
+        output_dir=str(tmp_path / "out"),
+        **common_args(bf16=True, gradient_accumulation_steps=2, per_device_train_batch_size=1),
+    )
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2.*compact_host_grads"):
+        HFMegaTrainer(model=model, args=args, train_dataset=make_data())
+
+
+def test_store_bytes_and_plan_lines():
+    """16 B/param with a bf16 slot and the bf16 copy (18 with an fp32 slot); the plan's host line,
+    mode line and D2H bytes follow the step: compact at grad-accum 1, fp32 at 2."""
+    n = 10 * PAGE
+    bf16 = torch.bfloat16
+    assert layer_store_bytes(n, bf16, grad_dtype=bf16) == 16 * n
+    assert layer_store_bytes(n, bf16) == 18 * n
+    assert layer_store_bytes(n, bf16, stream_master=True, grad_dtype=bf16) == 14 * n
+    shape = ModelShape(
+        layer_numels=(n,) * 4, non_layer_numel=0, hidden_size=64, vocab_size=128,
+        intermediate_size=128, name="tiny",
+    )  # fmt: skip
+    for ga, grad_bytes in ((1, 2), (2, 4)):
+        step = StepShape(512, 512, ga)
+        options = EngineOptions(resident_layers="0").resolve(
+            clipping=True, cuda=True, single_backward=ga == 1
+        )
+        plan = plan_memory(shape, step, options, bf16, 2**40, 2**40, hbm_layers=0)
+        host = next(line for line in plan.host_lines if line.name.startswith("host-tier"))
+        assert host.nbytes == 4 * layer_store_bytes(
+            n, bf16, grad_dtype=options.host_grad_dtype(bf16)
+        )
+        assert plan.host_bytes_per_param == 14 + grad_bytes
+        assert plan.d2h_bytes_per_step == grad_bytes * 4 * n
+        assert ("bf16 grad" in plan.table()) == (ga == 1)
