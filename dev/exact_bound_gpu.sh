@@ -64,6 +64,15 @@ item() {  # item <name>: one queue item
         --seq-len 4096 --streamed-init --steps 3 --warmup 1 --timeout-s 300 \
         --results-dir "$work/results"
       ;;
+    slimtest)
+      timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "slim_host" 2>&1 | grep -v '^DEBUG'
+      ;;
+    timeline14b)
+      python3 benchmarks/bench.py --tag timeline14b64k --run qwen2.5-14b:65536:megatrain-hbm:16 \
+        --seq-len 4096 --streamed-init --steps 2 --warmup 1 --timeout-s 300 --layer-timing \
+        --results-dir "$work/results"
+      ;;
     exact500k) run exact500k qwen2.5-7b:499712 900 --streamed-init ;;
     familystep)
       timeout 500 python3 -m pytest tests/test_gpu.py -k "family_step or hbm_cast" -o addopts="" \
