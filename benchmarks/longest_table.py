@@ -122,7 +122,7 @@ def planned_ceiling(model: str) -> int:
         boundary_dtype="bfloat16",
         checkpoint_every=2,
         stream_fp32_master=True,
-    ).resolve(clipping=False, cuda=True)
+    ).resolve(clipping=False, cuda=True, single_backward=True)
     return max_seq_len(
         shape,
         1,
@@ -149,7 +149,8 @@ def planned_exact_ceiling(model: str) -> int:
     return longest_auto_fit_row(
         shape,
         StepShape(longest_tried, longest_tried, 1),
-        EngineOptions().resolve(clipping=True, cuda=True),
+        # One sequence per step on one GPU: one backward, so bf16 gradient slots.
+        EngineOptions().resolve(clipping=True, cuda=True, single_backward=True),
         torch.bfloat16,
         int(H200_FREE_HBM_GIB * GIB),
         int(H200_HOST_GIB * GIB),

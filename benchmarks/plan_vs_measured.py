@@ -81,6 +81,9 @@ ATTENTION_AUTO_SINCE = "2026-12-02T05:15:00Z"
 #: date (hf_megatrain/hf/loss.py); their rows recorded before it ran the model's own forward,
 #: full logits included (the matrix's OLMoE-1B-7B), and are planned so.
 MOE_FUSED_LOSS_SINCE = "2026-12-02T07:00:00Z"
+#: Rows from here on kept bf16 host gradient slots at one micro-batch per step on one process
+#: (``compact_host_grads``, 5cabf96); the rows before held fp32 slots.
+COMPACT_GRADS_SINCE = "2026-12-03T12:50"
 MOE_FUSED_LOSS_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"})
 
 
@@ -120,8 +123,13 @@ def plan_row(row: dict):
     if attention:  # chosen by keep_attention_outputs "auto": the count the run kept
         engine = engine.with_(keep_attention_outputs=attention[1])
     kept = int(row.get("kept_layers") or 0)  # rows before the column kept none
+    dp = re.search(r"-dp(\d+)$", row["system"])  # bench_dp rows: the host total of N ranks
     options = engine.with_(keep_activations=str(kept)).resolve(
-        clipping="--no-clip" not in command, cuda=True
+        clipping="--no-clip" not in command,
+        cuda=True,
+        single_backward=step.grad_accum == 1
+        and not dp
+        and row.get("date", "") >= COMPACT_GRADS_SINCE,
     )
     # Without --streamed-init the benchmark builds the fp32 model on the host first.
     input_model_bytes = 0 if "--streamed-init" in command else 4 * shape.total_numel
@@ -136,7 +144,6 @@ def plan_row(row: dict):
             shape, None, old_auto, torch.bfloat16, hbm, host,
             reserve_bytes=int(OLD_AUTO_RESERVE_GIB * GIB),
         ).n_hbm  # fmt: skip
-    dp = re.search(r"-dp(\d+)$", row["system"])  # bench_dp rows: the host total of N ranks
     return plan_memory(
         shape,
         step,
