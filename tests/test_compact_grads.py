@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, init_streamed_model
-from hf_megatrain.core.host_store import PAGE, layer_store_bytes
+from hf_megatrain.core.host_store import PAGE, LayerStore, layer_store_bytes, layout_slots
 from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import ModelShape, plan_memory
 from hf_megatrain.hf.model import streamed_state
@@ -112,3 +112,51 @@ def test_store_bytes_and_plan_lines():
         assert plan.host_bytes_per_param == 14 + grad_bytes
         assert plan.d2h_bytes_per_step == grad_bytes * 4 * n
         assert ("bf16 grad" in plan.table()) == (ga == 1)
+
+
+def test_widen_grad_puts_fp32_slots_back_over_any_range():
+    """``widen_grad`` over ranges that start, end or cut inside a norm weight's slot: the bf16
+    slot widened, the fp32 slots' elements from their side buffer."""
+    slots, numel, decay = layout_slots(
+        [("q.weight", (8, 8), True), ("norm.weight", (8,), False), ("k.weight", (4, 8), True),
+         ("post_norm.weight", (8,), False)]
+    )  # fmt: skip
+    store = LayerStore(slots, numel, decay, torch.bfloat16, pin=False, grad_dtype=torch.bfloat16)
+    assert store.compact_grad and store.fp32_grad is None
+    store.hold_fp32_grads(["norm.weight", "post_norm.weight"])
+    g = torch.Generator().manual_seed(0)
+    store.grad.copy_(torch.randn(numel, generator=g))
+    store.fp32_grad.copy_(torch.randn(store.fp32_grad.numel(), generator=g))
+    expected = store.grad.float()
+    for slot, pos in store.fp32_grad_slots:
+        expected[slot.offset : slot.offset + slot.numel] = store.fp32_grad[pos : pos + slot.numel]
+    norm = next(s for s in slots if s.name == "norm.weight")
+    cuts = [0, 3, norm.offset - 1, norm.offset + 3, norm.offset + norm.numel + 2, numel]
+    for start in cuts:
+        for end in cuts:
+            if start < end:
+                got = store.widen_grad(start, end, torch.empty(end - start))
+                assert torch.equal(got, expected[start:end]), (start, end)
+
+
+def test_chunked_widening_updates_like_fp32_slots(tmp_path, monkeypatch):
+    """The update widens a compact gradient chunk by chunk; chunks of 64 elements cut the larger
+    slots, and each fused call counts the step once: still bitwise the same training as fp32
+    slots (two steps, so the step count's bias correction is checked too). The chunk stays a
+    multiple of the fused kernel's 16-element work units: its vector/scalar split then falls
+    where one call's would (chunks of 7 moved it and differed by an ulp)."""
+    import hf_megatrain.core.optimizer as optimizer
+
+    monkeypatch.setattr(optimizer, "WIDEN_CHUNK", 64)
+    model = tiny_model(tiny_config("qwen3", num_hidden_layers=2))
+    kw = dict(max_steps=2, bf16=True, learning_rate=1e-3)
+    wide_logs, wide = run_trainer(
+        copy.deepcopy(model), tmp_path, "fp32", mega=True, megatrain_compact_host_grads=False,
+        **kw,
+    )  # fmt: skip
+    logs, compact = run_trainer(model, tmp_path, "bf16", mega=True, **kw)
+    assert all(s.compact_grad for s in _host_layers(compact))
+    assert _losses_norms(logs) == _losses_norms(wide_logs)
+    got, same = mega_params(compact), mega_params(wide)
+    for name, value in same.items():
+        assert torch.equal(got[name], value), name

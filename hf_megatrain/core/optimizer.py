@@ -58,6 +58,8 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 #: Elements of a compact (bf16) gradient widened to fp32 per fused AdamW call: 8 MiB, in cache.
+#: A multiple of the fused kernel's work units (64 bytes, vectors of up to 16 floats), so its
+#: vector/scalar split falls where it would in one call over the slice: bitwise the same update.
 WIDEN_CHUNK = 1 << 21
 _widen = threading.local()  # per updating thread: its fp32 widening buffer
 
