@@ -71,7 +71,15 @@ def _widen_buffer(numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
-def _adamw_slice(seg, start: int, end: int, grad, scale, found_inf, kw: dict) -> None:
+def _adamw_slice(
+    seg: _Segment,
+    start: int,
+    end: int,
+    grad: torch.Tensor,
+    scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    kw: dict,
+) -> None:
     """The fused AdamW on ``seg``'s store elements ``start:end`` with their fp32 ``grad``."""
     _adam_functional(
         [seg.store.master[start:end]],

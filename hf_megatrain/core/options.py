@@ -557,7 +557,9 @@ class ResolvedOptions:
             return compute_dtype
         return torch.float32
 
-    def resolved_again(self, engine: EngineOptions, *, clipping: bool | None = None):
+    def resolved_again(
+        self, engine: EngineOptions, *, clipping: bool | None = None
+    ) -> ResolvedOptions:
         """``engine`` resolved for this run (its device and backward; ``clipping`` if given)."""
         return engine.resolve(
             clipping=self.clipping if clipping is None else clipping,

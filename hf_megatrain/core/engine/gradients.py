@@ -108,7 +108,10 @@ class GradientSink:
                 for slot, pos in store.fp32_grad_slots:
                     g = by_name[slot.name]
                     dst = store.fp32_grad[pos : pos + slot.numel]
-                    dst.zero_() if g is None else dst.copy_(g.reshape(-1))
+                    if g is None:
+                        dst.zero_()
+                    else:
+                        dst.copy_(g.reshape(-1))
             if self.sync and self.on_final is not None:
                 self.on_final(idx, None)
             return
@@ -328,7 +331,8 @@ class GradientSink:
 
     # ---- the update's side ----------------------------------------------------------------------
     def final_grad(self, idx: int) -> torch.Tensor:
-        """Layer ``idx``'s final fp32 gradient of the step on the host (flat).
+        """Layer ``idx``'s final gradient of the step on the host (flat): fp32, or bf16 from a
+        compact slot (``LayerStore.widen_grad`` reads it with its fp32 parts).
 
         The store's slot, or, without one, the staging buffer it was copied to (read it after
         the event ``on_final`` passed, then call ``consumed``).
