@@ -30,6 +30,9 @@ def test_gaps_within_a_pass_only():
     assert s["layer_ms"] == pytest.approx(40, abs=8)
     assert 30 <= s["gap_ms"] < 45  # the 30 ms forward gap, not the 50 ms switch
     assert s["largest_gap_before"] == "forward layer 1"
+    assert set(s["gap_ms_by_phase"]) == {"forward", "backward"}
+    assert 30 <= s["gap_ms_by_phase"]["forward"] < 45 and s["gap_ms_by_phase"]["backward"] < 8
+    assert [where for _, where in s["largest_gaps"]] == ["forward layer 1", "backward layer 0"]
     assert s["span_ms"] >= s["layer_ms"] + s["gap_ms"]
     assert LayerTimeline().summary()["passes"] == 0
 

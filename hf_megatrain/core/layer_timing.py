@@ -54,24 +54,30 @@ class LayerTimeline:
         Call after the device is synchronized. ``gap_ms`` sums, over consecutive intervals of the
         same phase (forward after forward, backward after backward), the idle time between them;
         the switch between passes (the loss, the next micro-batch) is not a gap between layers.
+        ``gap_ms_by_phase`` splits that sum by phase; ``largest_gaps`` lists the 8 largest with
+        the layer each came before (where a gap sits says what it waited for: an HBM-tier layer
+        waits for no weight copy).
         """
         if not self.spans:
             return {"layer_ms": 0.0, "gap_ms": 0.0, "largest_gap_ms": 0.0, "passes": 0}
         layer_ms = sum(s.elapsed_time(e) for _, _, s, e in self.spans)
-        gap_ms, largest, where = 0.0, 0.0, None
+        gaps: list[tuple[float, str]] = []
+        by_phase: dict[str, float] = {}
         for prev, cur in zip(self.spans, self.spans[1:]):
             if prev[0] != cur[0]:
                 continue
             gap = max(0.0, prev[3].elapsed_time(cur[2]))
-            gap_ms += gap
-            if gap > largest:
-                largest, where = gap, f"{cur[0]} layer {cur[1]}"
+            gaps.append((gap, f"{cur[0]} layer {cur[1]}"))
+            by_phase[cur[0]] = by_phase.get(cur[0], 0.0) + gap
+        largest = sorted(gaps, key=lambda g: -g[0])[:8]
         first, last = self.spans[0][2], self.spans[-1][3]
         return {
             "layer_ms": layer_ms,
-            "gap_ms": gap_ms,
-            "largest_gap_ms": largest,
-            "largest_gap_before": where,
+            "gap_ms": sum(g for g, _ in gaps),
+            "gap_ms_by_phase": by_phase,
+            "largest_gap_ms": largest[0][0] if largest else 0.0,
+            "largest_gap_before": largest[0][1] if largest else None,
+            "largest_gaps": [[round(g, 3), where] for g, where in largest],
             "span_ms": first.elapsed_time(last),
             "passes": len(self.spans),
         }
