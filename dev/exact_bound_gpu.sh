@@ -24,6 +24,10 @@
 #              (auto_fit: segments of 2 instead of 4). ~3 min.
 #   exact500k  Qwen2.5-7B at 499,712 tokens, the defaults: the plan's longest exact length with
 #              bf16 gradient slots. ~10 min.
+#   over508k   Qwen2.5-7B at 507,904 tokens, --auto-fit off with exact500k's options (segments
+#              of 6, every layer streamed): the plan's GPU bound is 1.38 GiB over the H200's,
+#              only by its margin for measured errors (the upper bound: trains, or runs out of
+#              GPU memory with nothing for the watchdog to move). ~11 min if it trains.
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
 #              layers, the exact426k options): the phases' peaks and what is live at the peak.
 # Every call packs what has finished into $OUT/exact-bound.tgz (rows, markdown, JSON, the log).
@@ -74,6 +78,10 @@ item() {  # item <name>: one queue item
         --results-dir "$work/results"
       ;;
     exact500k) run exact500k qwen2.5-7b:499712 900 --streamed-init ;;
+    over508k)
+      run over508k qwen2.5-7b:507904 900 --streamed-init --auto-fit off --resident-layers 0 \
+        --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6
+      ;;
     familystep)
       timeout 500 python3 -m pytest tests/test_gpu.py -k "family_step or hbm_cast" -o addopts="" \
         -p no:cacheprovider -rA -q -s --durations=12 2>&1 | grep -v '^DEBUG'
