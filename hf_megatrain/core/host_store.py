@@ -313,8 +313,9 @@ class LayerStore(_FlatLayerState):
 
     ``hold_grad=False``: no gradient slot (``grad`` is ``None`` and ``holds_grad`` False); the
     engine stages the layer's final gradient for an eager update instead. ``grad_dtype``: the
-    slot's dtype (fp32 unless one backward makes the whole gradient in the compute dtype). ``stream_master=True``:
-    no compute-dtype copy; ``stream`` is the fp32 master, cast to the compute dtype on the device.
+    slot's dtype (fp32 unless one backward makes the whole gradient in the compute dtype).
+    ``stream_master=True``: no compute-dtype copy; ``stream`` is the fp32 master, cast to the
+    compute dtype on the device.
     """
 
     resident = False
