@@ -44,6 +44,14 @@ def test_compact_slots_train_bit_for_bit_like_fp32_slots(tmp_path, arch):
     assert all(s.grad.dtype == torch.float32 for s in _host_layers(wide))
     layers = _host_layers(compact)
     assert layers and all(s.grad.dtype == torch.bfloat16 for s in layers)
+    # Each store is what the plan's host line counts for it (bf16 copy + slot + fp32 state).
+    bf16 = torch.bfloat16
+    assert [s.nbytes for s in layers] == [
+        layer_store_bytes(s.numel, bf16, grad_dtype=bf16) for s in layers
+    ]
+    assert [s.nbytes for s in _host_layers(wide)] == [
+        layer_store_bytes(s.numel, bf16) for s in _host_layers(wide)
+    ]
     # The norm weights' slots are the side buffer's, sized to them.
     norms = sum(s.numel for s, _ in layers[0].fp32_grad_slots)
     assert norms > 0 and layers[0].fp32_grad.numel() == norms
