@@ -28,6 +28,10 @@
 #              of 6, every layer streamed): the plan's GPU bound is 1.38 GiB over the H200's,
 #              only by its margin for measured errors (the upper bound: trains, or runs out of
 #              GPU memory with nothing for the watchdog to move). ~11 min if it trains.
+#   exact524k  Qwen2.5-7B at one 524,288-token sequence, exact, --auto-fit off with segments of 6
+#              (every layer streamed): the plan expects 128.15 GiB of GPU (its bound, 144.19, is
+#              over the H200 by its margin; exact500k peaked 18.6 GiB under its expectation) and
+#              121.91 GiB of host without its 2.17 GiB margin. ~13 min if it trains.
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
 #              layers, the exact426k options): the phases' peaks and what is live at the peak.
 # Every call packs what has finished into $OUT/exact-bound.tgz (rows, markdown, JSON, the log).
@@ -78,6 +82,10 @@ item() {  # item <name>: one queue item
         --results-dir "$work/results"
       ;;
     exact500k) run exact500k qwen2.5-7b:499712 900 --streamed-init ;;
+    exact524k)
+      run exact524k qwen2.5-7b:524288 1000 --streamed-init --auto-fit off --resident-layers 0 \
+        --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6
+      ;;
     over508k)
       run over508k qwen2.5-7b:507904 900 --streamed-init --auto-fit off --resident-layers 0 \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6
