@@ -30,7 +30,8 @@
 #              GPU memory with nothing for the watchdog to move). ~11 min if it trains.
 #   exact524k  Qwen2.5-7B at one 524,288-token sequence, exact, --auto-fit off with segments of 6
 #              (every layer streamed): the plan expects 128.15 GiB of GPU (its bound, 144.19, is
-#              over the H200 by its margin; exact500k peaked 18.6 GiB under its expectation) and
+#              over the H200 by its margin; exact500k reserved 10.5 GiB under its first-step
+#              expectation) and
 #              121.91 GiB of host without its 2.17 GiB margin. ~13 min if it trains.
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
 #              layers, the exact426k options): the phases' peaks and what is live at the peak.
