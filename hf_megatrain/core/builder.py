@@ -94,7 +94,7 @@ def build_streamed_state(
         device = torch.device("cuda", torch.cuda.current_device())
     if dp is not None and options.single_backward:
         # The ranks' gradients are averaged in fp32: no compact gradient slots.
-        options = replace(options, single_backward=False, compact_host_grads=False)
+        options = replace(options, single_backward=False)
     if device.type == "cuda":
         prefer_expandable_segments()  # before the HBM tier and the stream buffers are allocated
     trainable = [layer.trainable for layer in layers]

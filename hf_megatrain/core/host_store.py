@@ -252,6 +252,8 @@ class DeviceLayerStore(_FlatLayerState):
     resident = True
     trainable = True  # frozen layers always stream (their state is small on the host)
     holds_grad = True  # the GPU AdamW reads the gradient accumulated in place
+    compact_grad = False  # its fp32 gradient accumulates in place, whatever the step
+    fp32_grad_slots = ()
     owned = True  # under data parallel every rank keeps (and updates) its own replica
     pinned = False
     nbytes = 0  # host bytes

@@ -508,7 +508,6 @@ class EngineOptions:
             eager_update=eager,
             host_grads=host_grads,
             single_backward=single_backward,
-            compact_host_grads=host_grads and single_backward and self.compact_host_grads,
             overlap_optimizer=cuda if self.overlap_optimizer is None else self.overlap_optimizer,
             boundary_dtype=boundary,
             # Layers that re-run whole (no early stop) keep nothing of their attention.
@@ -531,8 +530,6 @@ class ResolvedOptions:
     host_grads: bool
     #: Each optimizer step's gradients come from one backward pass of one process.
     single_backward: bool
-    #: The host gradient slots hold the compute dtype (see :meth:`host_grad_dtype`).
-    compact_host_grads: bool
     overlap_optimizer: bool
     #: Saved residual-stream inputs rounded to this dtype (None: kept as they are).
     boundary_dtype: torch.dtype | None
@@ -548,6 +545,12 @@ class ResolvedOptions:
         if name != "options" and name in EngineOptions.field_names():
             return getattr(self.options, name)
         raise AttributeError(name)
+
+    @property
+    def compact_host_grads(self) -> bool:
+        """The host gradient slots hold the compute dtype (see :meth:`host_grad_dtype`): the
+        option, where the run holds gradients and each step is one backward of one process."""
+        return self.host_grads and self.single_backward and self.options.compact_host_grads
 
     def host_grad_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         """The dtype of the host-tier gradient slots: the compute dtype where one backward of

@@ -314,8 +314,9 @@ def fitting_options(
 
     Only exact options (MLP tiles, the HBM tier without bf16 copies, activation offload,
     fp32-master streaming, checkpoint segments) unless ``approximate`` (then bf16 boundary
-    activations too); never gradient clipping off, which changes the training itself. ``where``: the plan's own keyword
-    arguments (``plan_memory``'s: ``hbm_layers``, ``ranks``, ...)."""
+    activations too); never gradient clipping off, which changes the training itself.
+    ``where``: the plan's own keyword arguments (``plan_memory``'s: ``hbm_layers``, ``ranks``,
+    ...)."""
     step = plan.step
     if step is None:
         return None

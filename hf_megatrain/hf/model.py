@@ -30,6 +30,7 @@ from ..core.options import (
     parse_attention_layers,
     parse_keep_activations,
 )
+from ..core.plan_arithmetic import grad_dtype_label
 from ..core.plan_types import ModelShape, last_recomputed
 from ..core.planner import MemoryPlan
 from ..core.streamed_layer import StreamedLayer
@@ -693,8 +694,7 @@ def _grad_slots_note(resolved: ResolvedOptions, compute_dtype: torch.dtype) -> s
     if not resolved.host_grads:
         return ", no grad slots (eager updates)"
     grad_dtype = resolved.host_grad_dtype(compute_dtype)
-    name = str(grad_dtype).removeprefix("torch.")
-    return "" if grad_dtype == torch.float32 else f", {name} grad slots"
+    return "" if grad_dtype == torch.float32 else f", {grad_dtype_label(grad_dtype)} grad slots"
 
 
 def prepare_frozen_streamed_model(

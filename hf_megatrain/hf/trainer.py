@@ -330,8 +330,7 @@ def _check_grad_mode(state, args: TrainingArguments, run: ResolvedOptions) -> No
             "gradient held until step(). Stream the model with clipping=True (or "
             "host_grads=True), or train with max_grad_norm=0 and megatrain_eager_update=True."
         )
-    compact = any(getattr(store, "compact_grad", False) for store in state.engine.stores)
-    if compact and not run.single_backward:
+    if any(store.compact_grad for store in state.engine.stores) and not run.single_backward:
         raise ValueError(
             "hf_megatrain: the model's host store was built with bf16 gradient slots, exact only "
             "for one backward of one process per optimizer step (a StepShape with grad_accum=1), "

@@ -102,7 +102,7 @@ class GradientSink:
                 self._check_accumulates(idx, store)
             self._on_host[idx] = True
             scatter_add(store, store.grad, grads, first)
-            if not store.resident and store.fp32_grad_slots:
+            if store.fp32_grad_slots:
                 # A compact slot: the fp32 gradients (norm weights) also go where they stay exact.
                 by_name = {slot.name: g for slot, g in zip(store.slots, grads)}
                 for slot, pos in store.fp32_grad_slots:
