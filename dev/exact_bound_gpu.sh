@@ -33,6 +33,8 @@
 #              over the H200 by its margin; exact500k reserved 10.5 GiB under its first-step
 #              expectation) and
 #              121.91 GiB of host without its 2.17 GiB margin. ~13 min if it trains.
+#   llama8b    Llama-3.1-8B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
+#   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
 #              layers, the exact426k options): the phases' peaks and what is live at the peak.
 # Every call packs what has finished into $OUT/exact-bound.tgz (rows, markdown, JSON, the log).
@@ -80,6 +82,16 @@ item() {  # item <name>: one queue item
     timeline14b)
       python3 benchmarks/bench.py --tag timeline14b64k --run qwen2.5-14b:65536:megatrain-hbm:16 \
         --seq-len 4096 --streamed-init --steps 2 --warmup 1 --timeout-s 300 --layer-timing \
+        --results-dir "$work/results"
+      ;;
+    llama8b)
+      python3 benchmarks/bench.py --tag llama8b64k --run llama-3.1-8b:65536:megatrain-hbm:16 \
+        --seq-len 4096 --streamed-init --steps 3 --warmup 1 --timeout-s 240 \
+        --results-dir "$work/results"
+      ;;
+    timeline8b)
+      python3 benchmarks/bench.py --tag timeline8b64k --run llama-3.1-8b:65536:megatrain-hbm:16 \
+        --seq-len 4096 --streamed-init --steps 2 --warmup 1 --timeout-s 240 --layer-timing \
         --results-dir "$work/results"
       ;;
     exact500k) run exact500k qwen2.5-7b:499712 900 --streamed-init ;;
