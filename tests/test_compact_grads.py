@@ -147,24 +147,29 @@ def test_widen_grad_puts_fp32_slots_back_over_any_range():
                 assert torch.equal(got, expected[start:end]), (start, end)
 
 
-def test_chunked_widening_updates_like_fp32_slots(tmp_path, monkeypatch):
-    """The update widens a compact gradient chunk by chunk; chunks of 64 elements cut the larger
-    slots, and each fused call counts the step once: still bitwise the same training as fp32
-    slots (two steps, so the step count's bias correction is checked too). The chunk stays a
-    multiple of the fused kernel's 16-element work units: its vector/scalar split then falls
-    where one call's would (chunks of 7 moved it and differed by an ulp)."""
+@pytest.mark.parametrize("compact", [True, False], ids=["bf16-slots", "fp32-slots"])
+def test_chunked_update_matches_one_call_per_slice(tmp_path, monkeypatch, compact):
+    """The CPU update runs chunk by chunk (a compact gradient widened per chunk, each chunk's
+    stream copy rounded while in cache); chunks of 64 elements cut the larger slots, and each
+    fused call counts the step once: bitwise the same training as one fused call per slice (two
+    steps, so the step count's bias correction is checked too), and every stream copy is its
+    master rounded to bf16. The chunk stays a multiple of the fused kernel's 16-element work
+    units: its vector/scalar split then falls where one call's would (chunks of 7 moved it and
+    differed by an ulp)."""
     import hf_megatrain.core.optimizer as optimizer
 
-    monkeypatch.setattr(optimizer, "WIDEN_CHUNK", 64)
     model = tiny_model(tiny_config("qwen3", num_hidden_layers=2))
-    kw = dict(max_steps=2, bf16=True, learning_rate=1e-3)
-    wide_logs, wide = run_trainer(
-        copy.deepcopy(model), tmp_path, "fp32", mega=True, megatrain_compact_host_grads=False,
-        **kw,
-    )  # fmt: skip
-    logs, compact = run_trainer(model, tmp_path, "bf16", mega=True, **kw)
-    assert all(s.compact_grad for s in _host_layers(compact))
-    assert _losses_norms(logs) == _losses_norms(wide_logs)
-    got, same = mega_params(compact), mega_params(wide)
+    kw = dict(max_steps=2, bf16=True, learning_rate=1e-3, megatrain_compact_host_grads=compact)
+    monkeypatch.setattr(optimizer, "WIDEN_CHUNK", 1 << 40)
+    whole_logs, whole = run_trainer(copy.deepcopy(model), tmp_path, "whole", mega=True, **kw)
+    monkeypatch.setattr(optimizer, "WIDEN_CHUNK", 64)
+    logs, chunked = run_trainer(model, tmp_path, "chunked", mega=True, **kw)
+    layers = _host_layers(chunked)
+    assert layers and all(s.compact_grad == compact for s in layers)
+    assert max(s.numel for s in layers) > 64 * 100  # many chunks per layer
+    assert _losses_norms(logs) == _losses_norms(whole_logs)
+    got, same = mega_params(chunked), mega_params(whole)
     for name, value in same.items():
         assert torch.equal(got[name], value), name
+    for store in layers:
+        assert torch.equal(store.stream, store.master.to(torch.bfloat16))

@@ -57,7 +57,7 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(flat).all())
 
 
-#: Elements of a compact (bf16) gradient widened to fp32 per fused AdamW call: 8 MiB, in cache.
+#: Elements per fused AdamW call on the CPU (a compact gradient widened to fp32: 8 MiB, in cache).
 #: A multiple of the fused kernel's work units (64 bytes, vectors of up to 16 floats), so its
 #: vector/scalar split falls where it would in one call over the slice: bitwise the same update.
 WIDEN_CHUNK = 1 << 21
@@ -332,7 +332,6 @@ class HostAdamW(torch.optim.Optimizer):
 
         def update_layer(idx: int) -> None:
             self._update_layer(jobs[idx], scale_by_device, self.engine.final_grad(idx))
-            self.engine.stores[idx].refresh_stream_copy()
             self.engine.publish_update(idx, version)
 
         for idx in self._owned_layers:
@@ -379,26 +378,38 @@ class HostAdamW(torch.optim.Optimizer):
         grad: torch.Tensor,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """AdamW on one layer's slices; ``grad`` is its flat gradient (store or staging): fp32,
-        or bf16 from a compact slot, widened to fp32 chunk by chunk as the update reads it."""
+        """AdamW on one layer's slices, then its stream copy re-derived from the new masters.
+        ``grad`` is its flat gradient (store or staging): fp32, or bf16 from a compact slot.
+
+        On the CPU the update is memory bound, so it runs chunk by chunk through the cache: a
+        compact gradient is widened to fp32 as the update reads it, and each chunk's new masters
+        are rounded into the stream copy while they are still in cache (one pass over the
+        masters in DRAM instead of two). On a device: one fused call per slice."""
+        store = jobs[0][0].store
+        on_cpu = grad.device.type == "cpu"
         for seg, kw in jobs:
             scale = None
             if scale_by_device is not None:
                 scale = scale_by_device[seg.store.master.device.type]
-            if grad.dtype == torch.float32:
+            if not on_cpu:
                 _adamw_slice(
                     seg, seg.start, seg.end, grad[seg.start : seg.end], scale, found_inf, kw
                 )
                 continue
-            # A compact slot (the store's): the fused kernel takes fp32 gradients only. Chunks
-            # small enough to stay in the CPU's cache; each call counts the step once, so every
-            # chunk starts from the step count before it (elementwise: the same as one call).
+            # Each fused call counts the step once, so every chunk starts from the step count
+            # before it (elementwise: the same as one call over the slice).
             step_before = seg.step.clone()
             for a in range(seg.start, seg.end, WIDEN_CHUNK):
                 b = min(a + WIDEN_CHUNK, seg.end)
-                wide = seg.store.widen_grad(a, b, _widen_buffer(b - a))
+                if grad.dtype == torch.float32:
+                    part = grad[a:b]
+                else:  # the fused kernel takes fp32 gradients only
+                    part = seg.store.widen_grad(a, b, _widen_buffer(b - a))
                 seg.step.copy_(step_before)
-                _adamw_slice(seg, a, b, wide, scale, found_inf, kw)
+                _adamw_slice(seg, a, b, part, scale, found_inf, kw)
+                seg.store.refresh_stream_copy(a, b)
+        if not on_cpu:
+            store.refresh_stream_copy()
 
     # ---- eager updates (no clipping) ----------------------------------------------------------
     def enable_eager_updates(self) -> None:
@@ -459,7 +470,6 @@ class HostAdamW(torch.optim.Optimizer):
                     found_inf = (~torch.isfinite(grad.sum())).to(torch.float32)
                     self._eager_flags.append((idx, found_inf))
                 self._update_layer(jobs[idx], None, grad, found_inf)
-                self.engine.stores[idx].refresh_stream_copy()
                 self.engine.publish_update(idx, self.engine.weights_version + 1)
                 self.eager_updates += 1
         finally:
