@@ -87,11 +87,11 @@ class Store:
             self.stream.copy_(self.master)
 
 
-def timed(fn, reps: int) -> list[float]:
+def timed(reps: int, fn, *args) -> list[float]:
     out = []
     for _ in range(reps):
         t = time.perf_counter()
-        fn()
+        fn(*args)
         out.append(time.perf_counter() - t)
     return out
 
@@ -131,7 +131,7 @@ def main() -> None:
         print(f"  {anon_huge}", flush=True)
         for chunk in (1 << 20, 1 << 21, 1 << 22, 1 << 23):
             for fused in (False, True):
-                times = timed(lambda: store.update(chunk, fused, buf), args.reps)
+                times = timed(args.reps, store.update, chunk, fused, buf)
                 record(
                     pages="thp" if huge else "4k", what="update", chunk=chunk,
                     refresh="per chunk" if fused else "after", threads=n_threads,
@@ -139,7 +139,7 @@ def main() -> None:
                 )  # fmt: skip
         for threads in (n_threads - 1, n_threads // 2):
             torch.set_num_threads(threads)
-            times = timed(lambda: store.update(1 << 21, True, buf), args.reps)
+            times = timed(args.reps, store.update, 1 << 21, True, buf)
             record(
                 pages="thp" if huge else "4k", what="update", chunk=1 << 21,
                 refresh="per chunk", threads=threads, median_s=statistics.median(times),
