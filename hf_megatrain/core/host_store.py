@@ -184,24 +184,6 @@ def _cuda_unregister(ptr: int) -> None:
         _clear_cuda_error()
 
 
-def store_region(nbytes: int) -> mmap.mmap:
-    """An anonymous mapping for a layer store, with transparent huge pages asked for.
-
-    The host AdamW streams through every trainable layer's master and moments each step: 2 MiB
-    pages take the TLB misses out of that pass, and the moments' first touch (the first update)
-    faults 2 MiB at a time instead of 4 KiB. Advice only: where the kernel has transparent huge
-    pages off (or Python lacks ``MADV_HUGEPAGE``), the mapping keeps 4 KiB pages.
-    """
-    region = mmap.mmap(-1, nbytes)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        try:
-            region.madvise(advice)
-        except OSError:
-            pass
-    return region
-
-
 class PinnedBuffer:
     """A page-aligned host buffer, registered as pinned memory when CUDA is present.
 
@@ -384,7 +366,7 @@ class LayerStore(_FlatLayerState):
             numel, stream_dtype, trainable, hold_grad, stream_master, grad_dtype
         )
         grad_bytes = _round_up(numel * grad_dtype.itemsize, PAGE)
-        self._mmap = store_region(max(total, PAGE))
+        self._mmap = mmap.mmap(-1, max(total, PAGE))
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total) if total else None
 
         def view(start: int, dtype: torch.dtype) -> torch.Tensor:
@@ -471,7 +453,7 @@ class LayerStore(_FlatLayerState):
         if not (self.trainable and self.owned):
             return
         total = owned_layer_bytes(numel, True, self.holds_grad)
-        self._mmap = store_region(total)
+        self._mmap = mmap.mmap(-1, total)
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total)
         cursor = 0
         if self.holds_grad:
@@ -528,7 +510,7 @@ class FrozenLayerStore(LayerStore):
         self.grad = self.exp_avg = self.exp_avg_sq = None
         self._finalizers = []
         self.nbytes = frozen_layer_bytes(numel, stream_dtype)
-        self._mmap = store_region(max(self.nbytes, PAGE))
+        self._mmap = mmap.mmap(-1, max(self.nbytes, PAGE))
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=max(self.nbytes, PAGE))
         self.master = self.stream = raw[: numel * stream_dtype.itemsize].view(stream_dtype)
         self.pinned = pin and self._register(raw.data_ptr(), self.nbytes)
