@@ -37,6 +37,22 @@ def test_gaps_within_a_pass_only():
     assert LayerTimeline().summary()["passes"] == 0
 
 
+def test_recompute_is_compute_inside_the_backward_pass():
+    """A segment chain's recompute interval is layer work of the backward pass: the time around
+    it is a backward gap, and it is not one itself."""
+    tl = LayerTimeline()
+    _span(tl, "backward", 3, 0.01)
+    time.sleep(0.03)  # waiting before the chain: a backward gap
+    _span(tl, "recompute", 0, 0.04)
+    _span(tl, "backward", 1, 0.01)
+    s = tl.summary()
+    assert s["recompute_ms"] == pytest.approx(40, abs=8)
+    assert s["layer_ms"] == pytest.approx(60, abs=10)
+    assert set(s["gap_ms_by_phase"]) == {"backward"}
+    assert 30 <= s["gap_ms"] < 45
+    assert s["largest_gap_before"] == "recompute layer 0"
+
+
 def test_engine_records_every_layer_pass(tmp_path):
     """With a timeline set, each streamed layer's forward and backward leave one interval."""
     model = tiny_model(tiny_config("llama", num_hidden_layers=3))
@@ -47,3 +63,22 @@ def test_engine_records_every_layer_pass(tmp_path):
     trainer.train()
     spans = [(phase, layer) for phase, layer, _, _ in engine.timeline.spans]
     assert spans == [("forward", i) for i in range(3)] + [("backward", i) for i in (2, 1, 0)]
+
+
+def test_engine_records_segment_chains_as_recompute(tmp_path):
+    """Segments of 2: each follower's backward first re-runs its leader's forward (the chain),
+    recorded as a recompute interval of the leader."""
+    from .test_checkpoint_segments import _train
+
+    def timed(trainer) -> None:
+        trainer.megatrain.engine.timeline = LayerTimeline()
+
+    model = tiny_model(tiny_config("llama", num_hidden_layers=4))
+    _, trainer = _train(model, tmp_path, "t", 2, steps=1, setup=timed)
+    timeline = trainer.megatrain.engine.timeline
+    spans = [(phase, layer) for phase, layer, _, _ in timeline.spans]
+    assert spans == [("forward", i) for i in range(4)] + [
+        ("recompute", 2), ("backward", 3), ("backward", 2),
+        ("recompute", 0), ("backward", 1), ("backward", 0),
+    ]  # fmt: skip
+    assert timeline.summary()["recompute_ms"] > 0

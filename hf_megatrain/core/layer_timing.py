@@ -7,7 +7,9 @@ run the layer (after it waited for the layer's weights, see ``StreamingEngine.ac
 after its last kernel (backward: after its gradient accumulation), so the time between one
 layer's end and the next one's start, within a forward or a backward pass, is time the compute
 stream sat without layer work: waiting for weights, for the host (Python, CPU updates) or
-running something else (between passes: the loss, the optimizer).
+running something else (between passes: the loss, the optimizer). A checkpoint segment's chain
+(its followers' inputs re-made in the backward) leaves ``recompute`` intervals of its own, so it
+counts as compute, not as the gap before the follower's backward.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def _mark():
     return ev
 
 
+#: The pass each phase's intervals belong to (a chain's recompute runs inside the backward).
+_PASS = {"recompute": "backward"}
+
+
 @dataclass
 class LayerTimeline:
     """Collects ``(phase, layer, start, end)`` events; read with ``summary`` after a sync."""
@@ -51,28 +57,34 @@ class LayerTimeline:
     def summary(self) -> dict:
         """Milliseconds of layer compute and of the gaps between consecutive layers of a pass.
 
-        Call after the device is synchronized. ``gap_ms`` sums, over consecutive intervals of the
-        same phase (forward after forward, backward after backward), the idle time between them;
-        the switch between passes (the loss, the next micro-batch) is not a gap between layers.
-        ``gap_ms_by_phase`` splits that sum by phase; ``largest_gaps`` lists the 8 largest with
-        the layer each came before (where a gap sits says what it waited for: an HBM-tier layer
-        waits for no weight copy).
+        Call after the device is synchronized. Phases are ``forward``, ``backward`` and
+        ``recompute`` (a checkpoint segment's chain re-running its leading layers' forward
+        inside the backward pass: compute, not a gap). ``gap_ms`` sums, over consecutive
+        intervals of the same pass (the backward pass holds backward and recompute intervals),
+        the idle time between them; the switch between passes (the loss, the next micro-batch)
+        is not a gap between layers. ``gap_ms_by_phase`` splits that sum by pass and
+        ``recompute_ms`` is the chains' part of ``layer_ms``; ``largest_gaps`` lists the 8
+        largest with the interval each came before (where a gap sits says what it waited for:
+        an HBM-tier layer waits for no weight copy).
         """
         if not self.spans:
             return {"layer_ms": 0.0, "gap_ms": 0.0, "largest_gap_ms": 0.0, "passes": 0}
         layer_ms = sum(s.elapsed_time(e) for _, _, s, e in self.spans)
+        recompute_ms = sum(s.elapsed_time(e) for p, _, s, e in self.spans if p == "recompute")
         gaps: list[tuple[float, str]] = []
         by_phase: dict[str, float] = {}
         for prev, cur in zip(self.spans, self.spans[1:]):
-            if prev[0] != cur[0]:
+            if _PASS.get(prev[0], prev[0]) != _PASS.get(cur[0], cur[0]):
                 continue
             gap = max(0.0, prev[3].elapsed_time(cur[2]))
             gaps.append((gap, f"{cur[0]} layer {cur[1]}"))
-            by_phase[cur[0]] = by_phase.get(cur[0], 0.0) + gap
+            pass_ = _PASS.get(cur[0], cur[0])
+            by_phase[pass_] = by_phase.get(pass_, 0.0) + gap
         largest = sorted(gaps, key=lambda g: -g[0])[:8]
         first, last = self.spans[0][2], self.spans[-1][3]
         return {
             "layer_ms": layer_ms,
+            "recompute_ms": recompute_ms,
             "gap_ms": sum(g for g, _ in gaps),
             "gap_ms_by_phase": by_phase,
             "largest_gap_ms": largest[0][0] if largest else 0.0,

@@ -189,8 +189,11 @@ def segment_input(seg: Segment | None, pos: int) -> torch.Tensor:
                 args[e.tensor_pos[k]] = t
             prev = None
             weights = engine.acquire(e.layer.index, entries[q + 1].layer.index)
+            tick = engine.timeline.start("recompute", e.layer.index) if engine.timeline else None
             with engine.restored_rng(e.rng):
                 out, _, _ = e.layer.run(weights, args, e.spec, leaves=False, keys=e.keys)
+            if tick is not None:
+                engine.timeline.end(tick)
             engine.release(e.layer.index)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
             prev = outs[entries[q + 1].link_out]
