@@ -8,7 +8,8 @@ slot, a bf16 stream copy), the way ``core/optimizer.py`` runs it, over:
 * the store's pages: 4 KiB, or transparent huge pages asked for with ``madvise``;
 * the chunk the bf16 gradient is widened in (elements per fused AdamW call);
 * the stream copy re-derived after the whole layer, or per chunk while the chunk is in cache;
-* intra-op threads.
+* intra-op threads;
+* the fused kernel called directly (the library's way) or through torch's functional AdamW.
 
 Also the first update over fresh moments (page faults on first touch). Prints one line per
 variant and writes them as JSON (``--json``)::
@@ -70,17 +71,29 @@ class Store:
         self.grad.normal_()
         self.step = torch.zeros(())
 
-    def update(self, chunk: int, fused_refresh: bool, buf: torch.Tensor) -> None:
+    def update(
+        self, chunk: int, fused_refresh: bool, buf: torch.Tensor, direct: bool = True
+    ) -> None:
+        """``direct``: the fused kernel called per chunk with the step advanced once (as
+        ``core/optimizer.py`` does); else torch's functional AdamW per chunk, the step count
+        reset before each call."""
         before = self.step.clone()
+        if direct:
+            self.step.add_(1)
         for a in range(0, self.numel, chunk):
             b = min(a + chunk, self.numel)
             wide = buf[: b - a]
             wide.copy_(self.grad[a:b])
-            self.step.copy_(before)
-            adam(
-                [self.master[a:b]], [wide], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [],
-                [self.step], fused=True, grad_scale=None, found_inf=None, **HYPER,
-            )  # fmt: skip
+            state = [self.master[a:b]], [wide], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]]
+            if direct:
+                torch._fused_adamw_(
+                    *state, [], [self.step], lr=HYPER["lr"], beta1=HYPER["beta1"],
+                    beta2=HYPER["beta2"], weight_decay=HYPER["weight_decay"], eps=HYPER["eps"],
+                    amsgrad=False, maximize=False,
+                )  # fmt: skip
+            else:
+                self.step.copy_(before)
+                adam(*state, [], [self.step], fused=True, grad_scale=None, found_inf=None, **HYPER)
             if fused_refresh:
                 self.stream[a:b].copy_(self.master[a:b])
         if not fused_refresh:
@@ -137,6 +150,12 @@ def main() -> None:
                     refresh="per chunk" if fused else "after", threads=n_threads,
                     median_s=statistics.median(times),
                 )  # fmt: skip
+        times = timed(args.reps, store.update, 1 << 21, True, buf, False)
+        record(
+            pages="thp" if huge else "4k", what="update, functional AdamW per chunk",
+            chunk=1 << 21, refresh="per chunk", threads=n_threads,
+            median_s=statistics.median(times),
+        )  # fmt: skip
         for threads in (n_threads - 1, n_threads // 2):
             torch.set_num_threads(threads)
             times = timed(args.reps, store.update, 1 << 21, True, buf)

@@ -396,17 +396,25 @@ class HostAdamW(torch.optim.Optimizer):
                     seg, seg.start, seg.end, grad[seg.start : seg.end], scale, found_inf, kw
                 )
                 continue
-            # Each fused call counts the step once, so every chunk starts from the step count
-            # before it (elementwise: the same as one call over the slice).
-            step_before = seg.step.clone()
+            if found_inf is not None:
+                raise ValueError("hf_megatrain: host updates check finiteness before they run")
+            # The step count advances once for the slice, as torch's functional AdamW advances
+            # it before its one kernel call; each chunk then calls that kernel directly (the
+            # functional's Python costs more than a chunk's kernel launch, thousands per step).
+            seg.step.add_(1)
             for a in range(seg.start, seg.end, WIDEN_CHUNK):
                 b = min(a + WIDEN_CHUNK, seg.end)
                 if grad.dtype == torch.float32:
                     part = grad[a:b]
                 else:  # the fused kernel takes fp32 gradients only
                     part = seg.store.widen_grad(a, b, _widen_buffer(b - a))
-                seg.step.copy_(step_before)
-                _adamw_slice(seg, a, b, part, scale, found_inf, kw)
+                torch._fused_adamw_(
+                    [seg.store.master[a:b]], [part], [seg.store.exp_avg[a:b]],
+                    [seg.store.exp_avg_sq[a:b]], [], [seg.step], amsgrad=False,
+                    lr=kw["lr"], beta1=kw["beta1"], beta2=kw["beta2"],
+                    weight_decay=kw["weight_decay"], eps=kw["eps"], maximize=kw["maximize"],
+                    grad_scale=scale, found_inf=None,
+                )  # fmt: skip
                 seg.store.refresh_stream_copy(a, b)
         if not on_cpu:
             store.refresh_stream_copy()
