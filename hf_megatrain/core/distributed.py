@@ -312,6 +312,11 @@ class DataParallel:
         # threads have joined): a rank that reads the new version then reads the new weights.
         self._versions[layer] = version
 
+    def is_published(self, layer: int, version: int) -> bool:
+        """Whether the owner of ``layer`` has published step ``version`` (or later), now."""
+        versions = self._versions
+        return versions is None or int(versions[layer]) >= version
+
     def wait_published(self, layer: int, version: int) -> None:
         """Block until the owner of ``layer`` has published step ``version`` (or later)."""
         versions = self._versions

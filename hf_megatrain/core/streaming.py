@@ -95,8 +95,9 @@ class StreamingEngine:
         # Layer -> parameters bound from the fp32 master (``bind_exact``).
         self._exact_names: dict[int, tuple[str, ...]] = {}
         self.weights = WeightStreamer(
-            stores, self.device, compute_dtype, self.updates.wait_layer, h2d, self._exact_names
-        )
+            stores, self.device, compute_dtype, self.updates.wait_layer, h2d, self._exact_names,
+            is_ready=self.updates.layer_ready,
+        )  # fmt: skip
         self.grads = GradientSink(stores, self.device, data_parallel, d2h)
         self.activations = ActivationStash(
             self.device,
@@ -184,6 +185,12 @@ class StreamingEngine:
     def d2h_bytes(self) -> int:
         return self.grads.d2h_bytes
 
+    @property
+    def deferred_prefetches(self) -> int:
+        """Layer copies left to the layer's own acquire because its host update was still
+        running when the layer before it started (``WeightStreamer``)."""
+        return self.weights.deferred_prefetches
+
     # ---- weights and updates -------------------------------------------------------------------
     def acquire(self, idx: int, next_idx: int | None) -> torch.Tensor:
         """Layer ``idx``'s flat compute-dtype weights; starts copying ``next_idx``'s."""
@@ -236,7 +243,7 @@ class StreamingEngine:
             self.stores[idx] = store
             store.hold_fp32_grads(self._exact_names.get(idx, ()))
         h2d, h2d_bytes = self.weights.h2d, self.weights.h2d_bytes
-        exact_h2d_bytes = self.weights.exact_h2d_bytes
+        exact_h2d_bytes, deferred = self.weights.exact_h2d_bytes, self.weights.deferred_prefetches
         grads = self.grads
         on_final, sync, d2h, d2h_bytes = grads.on_final, grads.sync, grads.d2h, grads.d2h_bytes
         del self.weights, self.grads, grads  # their device buffers go with them
@@ -251,8 +258,10 @@ class StreamingEngine:
             self.updates.wait_layer,
             h2d,
             self._exact_names,
+            is_ready=self.updates.layer_ready,
         )
         self.weights.h2d_bytes, self.weights.exact_h2d_bytes = h2d_bytes, exact_h2d_bytes
+        self.weights.deferred_prefetches = deferred
         self.grads = GradientSink(self.stores, self.device, self.dp, d2h)
         self.grads.on_final, self.grads.sync, self.grads.d2h_bytes = on_final, sync, d2h_bytes
 

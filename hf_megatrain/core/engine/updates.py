@@ -80,6 +80,12 @@ class UpdateScheduler:
         if self.owned_elsewhere(idx):
             self._dp.wait_published(idx, self.weights_version)
 
+    def layer_ready(self, idx: int) -> bool:
+        """Whether ``wait_layer(idx)`` would return at once (nothing pending for the layer)."""
+        if self._ready is not None and not self._ready[idx].is_set():
+            return False
+        return not self.owned_elsewhere(idx) or self._dp.is_published(idx, self.weights_version)
+
     def owned_elsewhere(self, idx: int) -> bool:
         """Whether another data-parallel rank updates layer ``idx``'s shared weights."""
         store = self._stores[idx]

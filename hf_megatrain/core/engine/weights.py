@@ -30,7 +30,15 @@ class WeightStreamer:
     """Double-buffered compute-dtype layer weights on the device.
 
     ``wait_ready(i)`` blocks until layer ``i``'s host copy may be read (its update is done);
-    ``h2d`` is the copy stream (CUDA), shared with the activation fetches.
+    ``is_ready(i)`` says whether it would block. ``h2d`` is the copy stream (CUDA), shared with
+    the activation fetches.
+
+    A layer's prefetch (its copy started while the layer before it computes) waits for nothing:
+    when the next layer's host update is still running, the prefetch is left to that layer's own
+    ``acquire`` (counted in ``deferred_prefetches``). Blocking there instead would hold back the
+    launch of the current layer, whose weights are ready, until the next one's update finished:
+    the GPU would wait for one update more than it must wherever the CPU AdamW step, which
+    overlaps the forward, runs behind it.
     """
 
     def __init__(
@@ -41,8 +49,11 @@ class WeightStreamer:
         wait_ready: Callable[[int], None],
         h2d: torch.cuda.Stream | None,
         exact_names: dict[int, tuple[str, ...]] | None = None,
+        is_ready: Callable[[int], bool] | None = None,
     ) -> None:
         self._stores = stores
+        self._is_ready = is_ready
+        self.deferred_prefetches = 0
         # Layer -> names of its exact parameters (read when a layer loads: the caller may add
         # entries after construction, and the mapping outlives a rebuild for new stores).
         self._exact_names = exact_names if exact_names is not None else {}
@@ -74,6 +85,7 @@ class WeightStreamer:
         self._slot_ready: list[torch.cuda.Event | None] = [None, None]
         self._slot_free: list[torch.cuda.Event | None] = [None, None]
         self._active: int | None = None
+        self._last_slot: int | None = None  # the slot acquired last
         # HBM-tier layers without a compute-dtype copy are cast from their fp32 master on the
         # copy stream, after this event: the masters' last write (construction, the optimizer
         # step's GPU AdamW, a checkpoint load) on the compute stream.
@@ -96,7 +108,11 @@ class WeightStreamer:
         slot = self._slot_of(idx)
         if slot is not None:
             return slot
-        slot = 0 if self._active is None else 1 - self._active
+        # The other slot than the one in use, or than the last one used: a layer loaded at its
+        # own acquire (a deferred prefetch) must not overwrite the layer just released, whose
+        # kernels may still run (the copy would wait for them instead of overlapping them).
+        busy = self._active if self._active is not None else self._last_slot
+        slot = 0 if busy is None else 1 - busy
         store = self._stores[idx]
         exact = self._exact_slots(idx)
         buf = self._exact_buffer(slot) if exact and not store.resident else None
@@ -187,9 +203,14 @@ class WeightStreamer:
         return views
 
     def _prefetch(self, next_idx: int | None) -> None:
-        if next_idx is not None and 0 <= next_idx < len(self._stores):
-            if uses_slot(self._stores[next_idx]):
-                self._load(next_idx)
+        if next_idx is None or not 0 <= next_idx < len(self._stores):
+            return
+        if not uses_slot(self._stores[next_idx]) or self._slot_of(next_idx) is not None:
+            return
+        if self._is_ready is not None and not self._is_ready(next_idx):
+            self.deferred_prefetches += 1  # its acquire loads it (see the class docstring)
+            return
+        self._load(next_idx)
 
     def acquire(self, idx: int, next_idx: int | None) -> torch.Tensor:
         """Flat compute-dtype weights of layer ``idx`` usable on the current stream; starts the
@@ -206,7 +227,7 @@ class WeightStreamer:
             self._prefetch(next_idx)
             return store.stream
         slot = self._load(idx)
-        self._active = slot
+        self._active = self._last_slot = slot
         torch.cuda.current_stream(self._device).wait_event(self._slot_ready[slot])
         self._prefetch(next_idx)
         return self._buffers[slot][: store.numel]
