@@ -794,7 +794,7 @@ def test_prefetch_waits_for_no_host_update_on_gpu(tmp_path):
     model = tiny_model(config)
     data = _data(32, 128)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # ~50M parameters per layer: tens of ms of AdamW per layer
+    torch.set_num_threads(1)  # ~17M parameters per layer: tens of ms of AdamW per layer
     try:
         serial, base = _mega_losses(
             tmp_path, "serial", copy.deepcopy(model), data, megatrain_overlap_optimizer=False
