@@ -35,6 +35,8 @@
 #              121.91 GiB of host without its 2.17 GiB margin. ~13 min if it trains.
 #   llama8b    Llama-3.1-8B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
+#   updatetests tests/test_gpu.py's cases for the host update and the weight prefetch (the
+#              deferred prefetch, bf16 slots, slim stores, eager updates, the timeline, resume).
 #   updateprobe dev/host_update_probe.py: the host AdamW update's speed per page size, chunk,
 #              stream-copy refresh and thread count, on one layer-sized store. ~1 min.
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
@@ -95,6 +97,11 @@ item() {  # item <name>: one queue item
       python3 benchmarks/bench.py --tag timeline8b64k --run llama-3.1-8b:65536:megatrain-hbm:16 \
         --seq-len 4096 --streamed-init --steps 2 --warmup 1 --timeout-s 240 --layer-timing \
         --results-dir "$work/results"
+      ;;
+    updatetests)
+      timeout 500 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "prefetch_waits or compact_host_grads or slim_host or eager_updates or layer_timeline or save_resume" \
+        2>&1 | grep -v '^DEBUG'
       ;;
     updateprobe)
       timeout 240 python3 dev/host_update_probe.py --json "$work/results/host_update_probe.json"
