@@ -56,6 +56,13 @@ run() {  # run <tag> <model:tokens> <timeout> [bench args]
     --results-dir "$work/results" "$@"
 }
 
+run64k() {  # run64k <tag> <model> <timeout> [bench args]: 65,536 tokens/step, 16 rows of 4,096
+  local tag=$1 model=$2 limit=$3
+  shift 3
+  python3 benchmarks/bench.py --tag "$tag" --run "$model:65536:megatrain-hbm:16" --seq-len 4096 \
+    --streamed-init --timeout-s "$limit" --results-dir "$work/results" "$@"
+}
+
 item() {  # item <name>: one queue item
   case "$1" in
     exact1m) run exact1m qwen2.5-1.5b:1048576 1300 ;;
@@ -65,9 +72,7 @@ item() {  # item <name>: one queue item
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 4
       ;;
     14b64k)
-      python3 benchmarks/bench.py --tag exact14b64k --run qwen2.5-14b:65536:megatrain-hbm:16 \
-        --seq-len 4096 --streamed-init --steps 3 --warmup 1 --timeout-s 300 \
-        --results-dir "$work/results"
+      run64k exact14b64k qwen2.5-14b 300 --steps 3 --warmup 1
       ;;
     compacttests)
       timeout 500 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
@@ -75,28 +80,20 @@ item() {  # item <name>: one queue item
         2>&1 | grep -v '^DEBUG'
       ;;
     compact14b)
-      python3 benchmarks/bench.py --tag compact14b64k --run qwen2.5-14b:65536:megatrain-hbm:16 \
-        --seq-len 4096 --streamed-init --steps 3 --warmup 1 --timeout-s 300 \
-        --results-dir "$work/results"
+      run64k compact14b64k qwen2.5-14b 300 --steps 3 --warmup 1
       ;;
     slimtest)
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
         -k "slim_host" 2>&1 | grep -v '^DEBUG'
       ;;
     timeline14b)
-      python3 benchmarks/bench.py --tag timeline14b64k --run qwen2.5-14b:65536:megatrain-hbm:16 \
-        --seq-len 4096 --streamed-init --steps 2 --warmup 1 --timeout-s 300 --layer-timing \
-        --results-dir "$work/results"
+      run64k timeline14b64k qwen2.5-14b 300 --steps 2 --warmup 1 --layer-timing
       ;;
     llama8b)
-      python3 benchmarks/bench.py --tag llama8b64k --run llama-3.1-8b:65536:megatrain-hbm:16 \
-        --seq-len 4096 --streamed-init --steps 3 --warmup 1 --timeout-s 240 \
-        --results-dir "$work/results"
+      run64k llama8b64k llama-3.1-8b 240 --steps 3 --warmup 1
       ;;
     timeline8b)
-      python3 benchmarks/bench.py --tag timeline8b64k --run llama-3.1-8b:65536:megatrain-hbm:16 \
-        --seq-len 4096 --streamed-init --steps 2 --warmup 1 --timeout-s 240 --layer-timing \
-        --results-dir "$work/results"
+      run64k timeline8b64k llama-3.1-8b 240 --steps 2 --warmup 1 --layer-timing
       ;;
     updatetests)
       timeout 500 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
