@@ -196,6 +196,8 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
 
     from .core.planner import (  # noqa: PLC0415
         auto_fit_changes,
+        margin_only_advice,
+        margin_only_options,
         max_micro_batch_sequences,
         max_num_layers,
         max_seq_len,
@@ -270,5 +272,10 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             f"({big.total_numel / 1e9:.2f}B params; the config has {shape.num_layers})"
         )
     if not plan.fits:
-        raise CLIError(plan.problems[0].message(CLI_NAMER).removeprefix("hf_megatrain: "))
+        problem = plan.problems[0]
+        if options.auto_fit != "off" and (
+            margin_only := margin_only_options(plan, options, ranks=nproc)
+        ):
+            problem.extend(margin_only_advice(margin_only, options))
+        raise CLIError(problem.message(CLI_NAMER).removeprefix("hf_megatrain: "))
     return result

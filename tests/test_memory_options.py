@@ -18,7 +18,14 @@ from hf_megatrain.core.memory_options import (
     lightest_fit,
 )
 from hf_megatrain.core.options import EngineOptions, StepShape
-from hf_megatrain.core.planner import GIB, MemoryPlanError, plan_memory
+from hf_megatrain.core.planner import (
+    GIB,
+    MemoryPlanError,
+    fitting_options,
+    margin_only_advice,
+    margin_only_options,
+    plan_memory,
+)
 from hf_megatrain.hf.model import model_shape_from_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
@@ -142,6 +149,28 @@ def _builder_plan(monkeypatch, shape, options, step):
     return builder._resident_layer_count(layers, resolved, cuda, BF16, shape, step, 0, None)
 
 
+def test_refusal_names_exact_options_that_fit_by_the_expected_peak():
+    """The 7B at one 425,984-token sequence (PyTorch's kernels): no exact option set fits the
+    plan's bound, but segments of 8 with tiles, offload and fp32-master streaming fit its
+    expected peak (the bound less the estimates' margin). The refusal names that set and
+    auto_fit off: a run the plan cannot promise, which may still train (the 7B's exact 524,288
+    with Liger's kernels was such a run, and trained)."""
+    shape = _shape("qwen2.5-7b")
+    step = StepShape(seq_len=425984, micro_batch_tokens=425984)
+    plan = plan_memory(shape, step, opts(), BF16, HBM, HOST)
+    assert not plan.fits and fitting_options(plan, opts()) is None
+    found = margin_only_options(plan, opts())
+    assert found is not None and not found.fits
+    assert found.gpu_peak_estimate <= HBM < found.gpu_total and found.host_total <= HOST
+    engine = found.options.options
+    assert engine.boundary_dtype == "input" and found.options.clipping  # exact, clipping kept
+    assert engine.checkpoint_every == 8 and engine.offload_activations
+    # What the builder's refusal and `plan` add to the problem (the builder's wiring: below).
+    text = margin_only_advice(found, opts()).render(None)
+    assert text.startswith("Exact options whose expected GPU peak fits")
+    assert "checkpoint_every=8" in text and "auto_fit='off'" in text, text
+
+
 def test_builder_refuses_a_step_that_fits_with_no_exact_option(monkeypatch, caplog):
     """The 7B at one 458,752-token sequence (172 GiB of fp32 boundary activations): no exact
     option set fits on one H200, so auto_fit 'exact' (the default) refuses before anything is
@@ -162,6 +191,8 @@ def test_builder_refuses_a_step_that_fits_with_no_exact_option(monkeypatch, capl
         str(refused.value),
     )
     assert longest and 360_000 < int(longest.group(1)) < 458752, str(refused.value)
+    # Not even by its expected peak does an exact set fit here: nothing more is named.
+    assert "expected GPU peak fits" not in str(refused.value)
     n_hbm, plan = _builder_plan(monkeypatch, shape, EngineOptions(auto_fit="approximate"), step)
     assert plan.fits and plan.options.boundary_dtype == torch.bfloat16
     with caplog.at_level(logging.WARNING, logger=builder.logger.name):
@@ -181,7 +212,6 @@ def test_builder_turns_on_the_lightest_exact_options_that_fit(monkeypatch, caplo
     import logging  # noqa: PLC0415
 
     from hf_megatrain.core import builder  # noqa: PLC0415
-    from hf_megatrain.core.planner import fitting_options  # noqa: PLC0415
 
     shape = _shape("qwen2.5-7b")
     seq = 262144

@@ -29,7 +29,14 @@ from .host_store import (
 )
 from .options import ResolvedOptions, StepShape
 from .plan_types import ModelShape, OptionNamer
-from .planner import MemoryPlan, auto_fit_changes, longest_auto_fit_row, plan_with_auto_fit
+from .planner import (
+    MemoryPlan,
+    auto_fit_changes,
+    longest_auto_fit_row,
+    margin_only_advice,
+    margin_only_options,
+    plan_with_auto_fit,
+)
 from .streaming import GRAD_STAGING_SLOTS, StreamingEngine
 
 logger = logging.getLogger(__name__)
@@ -273,14 +280,13 @@ def _resident_layer_count(
             name="streamed model",
         )
         step = None
-    where = dict(
-        hbm_bytes=free,
-        host_bytes=available_host_bytes(),
+    placement = dict(
         hbm_layers=count,
         reserve_bytes=options.hbm_reserve_bytes if step is None else 0,
         input_model_bytes=input_model_bytes,
         ranks=1 if dp is None else dp.local_world_size,  # the ranks sharing this host
     )
+    where = dict(hbm_bytes=free, host_bytes=available_host_bytes(), **placement)
     plan, as_asked = plan_with_auto_fit(shape, step, options, compute_dtype, **where)
     if step is not None and not plan.fits and options.auto_fit != "off":
         logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table(namer))
@@ -294,6 +300,8 @@ def _resident_layer_count(
             if longest
             else "Not even 4096-token rows fit this way."
         )
+        if (margin_only := margin_only_options(plan, options, **placement)) is not None:
+            problem.extend(margin_only_advice(margin_only, options))
         plan.check(namer)
     if as_asked is not None:
         logger.warning(

@@ -198,6 +198,23 @@ def options_advice(changes: OptionChanges) -> Message:
     return Message.of("With ", changes.render, " this plan fits.")
 
 
+def margin_only_advice(fitted: MemoryPlan, options: ResolvedOptions) -> Message:
+    """Problem advice when the plan ``fitted`` (exact options over ``options``) fits by its
+    expected GPU peak but not by its bound (``plan_search.margin_only_options``)."""
+    changes = MemoryOptions.of(fitted.options).changes(MemoryOptions.of(options))
+    margin = fitted.gpu_total - fitted.gpu_peak_estimate
+    return Message.of(
+        "Exact options whose expected GPU peak fits: with ",
+        changes.render,
+        " and ",
+        setting("auto_fit", "off"),
+        f" the plan expects {format_bytes(fitted.gpu_peak_estimate)} of the "
+        f"{format_bytes(fitted.hbm_available)} free; only its margin for the estimates' worst "
+        f"measured errors ({format_bytes(margin)}) does not fit. The plan cannot promise that "
+        "run; it may still train.",
+    )
+
+
 def hbm_cast_note(n_cast: int, n_copy: int) -> Message:
     """Note: HBM-tier layers without bf16 copies would put more layers in HBM."""
     return Message.of(

@@ -335,6 +335,44 @@ def fitting_options(
     return None if found is None else found.applied(options)
 
 
+def margin_only_options(
+    plan: MemoryPlan, options: ResolvedOptions, **where: int | None
+) -> MemoryPlan | None:
+    """For a planned step that no exact option set fits: the plan with the lightest set of exact
+    memory options over ``options`` whose GPU side fits by its expected peak (its bound less the
+    margin for the estimate lines' measured errors) and whose host side fits, or None.
+
+    The plan cannot promise such a run (the margin is each kind's worst underestimate measured),
+    but it may train: worth naming to a user the plan refuses. ``where``: as for
+    :func:`fitting_options`."""
+    step = plan.step
+    if step is None:
+        return None
+    base = MemoryOptions.of(options)
+    args = dict(
+        hbm_layers=None, reserve_bytes=0, input_model_bytes=0, ranks=1,
+        host_margin_bytes=DEFAULT_HOST_MARGIN,
+    ) | where  # fmt: skip
+
+    def planned(o: MemoryOptions) -> MemoryPlan:
+        return _plan(
+            plan.shape, step, o.applied(options), plan.compute_dtype, plan.hbm_available,
+            plan.host_available, keep=0, advise=False, **args,
+        )  # fmt: skip
+
+    def fits_expected(o: MemoryOptions) -> bool:
+        if (o.no_clip, o.boundary_dtype) != (base.no_clip, base.boundary_dtype):
+            return False
+        trial = planned(o)
+        return (
+            trial.gpu_peak_estimate <= trial.hbm_available
+            and trial.host_total <= trial.host_available
+        )
+
+    found = lightest_fit(fits_expected, base, step.micro_batch_tokens)
+    return None if found is None else planned(found)
+
+
 def plan_with_auto_fit(
     shape: ModelShape,
     step: StepShape | None,
@@ -540,6 +578,7 @@ __all__ = [
     "SEGMENT_ADVICE_LENGTHS",
     "auto_fit_changes",
     "fitting_options",
+    "margin_only_options",
     "longest_auto_fit_row",
     "max_micro_batch_sequences",
     "max_num_layers",

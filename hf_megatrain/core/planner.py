@@ -44,6 +44,7 @@ from .plan_report import (
     BF16_BOUNDARIES_ADVICE,
     NOTHING_FITS_ADVICE,
     MemoryPlan,
+    margin_only_advice,
     segment_advice,
 )
 from .plan_search import (
@@ -52,6 +53,7 @@ from .plan_search import (
     auto_fit_changes,
     fitting_options,
     longest_auto_fit_row,
+    margin_only_options,
     max_micro_batch_sequences,
     max_num_layers,
     max_seq_len,
@@ -101,6 +103,8 @@ __all__ = [
     "auto_fit_changes",
     "boundary_activation_bytes",
     "fitting_options",
+    "margin_only_advice",
+    "margin_only_options",
     "h2d_bytes_per_param",
     "host_bytes_per_param",
     "kept_activation_bytes_per_token",
