@@ -29,6 +29,7 @@ def test_gaps_within_a_pass_only():
     assert s["passes"] == 4
     assert s["layer_ms"] == pytest.approx(40, abs=8)
     assert 30 <= s["gap_ms"] < 45  # the 30 ms forward gap, not the 50 ms switch
+    assert 50 <= s["between_passes_ms"] < 65  # which is counted apart
     assert s["largest_gap_before"] == "forward layer 1"
     assert set(s["gap_ms_by_phase"]) == {"forward", "backward"}
     assert 30 <= s["gap_ms_by_phase"]["forward"] < 45 and s["gap_ms_by_phase"]["backward"] < 8

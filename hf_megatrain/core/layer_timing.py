@@ -62,10 +62,10 @@ class LayerTimeline:
         inside the backward pass: compute, not a gap). ``gap_ms`` sums, over consecutive
         intervals of the same pass (the backward pass holds backward and recompute intervals),
         the idle time between them; the switch between passes (the loss, the next micro-batch)
-        is not a gap between layers. ``gap_ms_by_phase`` splits that sum by pass and
-        ``recompute_ms`` is the chains' part of ``layer_ms``; ``largest_gaps`` lists the 8
-        largest with the interval each came before (where a gap sits says what it waited for:
-        an HBM-tier layer waits for no weight copy).
+        is not a gap between layers (``between_passes_ms`` sums those switches apart).
+        ``gap_ms_by_phase`` splits ``gap_ms`` by pass and ``recompute_ms`` is the chains' part
+        of ``layer_ms``; ``largest_gaps`` lists the 8 largest with the interval each came before
+        (where a gap sits says what it waited for: an HBM-tier layer waits for no weight copy).
         """
         if not self.spans:
             return {"layer_ms": 0.0, "gap_ms": 0.0, "largest_gap_ms": 0.0, "passes": 0}
@@ -73,8 +73,10 @@ class LayerTimeline:
         recompute_ms = sum(s.elapsed_time(e) for p, _, s, e in self.spans if p == "recompute")
         gaps: list[tuple[float, str]] = []
         by_phase: dict[str, float] = {}
+        between = 0.0  # from one pass's last layer to the next pass's first (the loss, ...)
         for prev, cur in zip(self.spans, self.spans[1:]):
             if _PASS.get(prev[0], prev[0]) != _PASS.get(cur[0], cur[0]):
+                between += max(0.0, prev[3].elapsed_time(cur[2]))
                 continue
             gap = max(0.0, prev[3].elapsed_time(cur[2]))
             gaps.append((gap, f"{cur[0]} layer {cur[1]}"))
@@ -87,6 +89,7 @@ class LayerTimeline:
             "recompute_ms": recompute_ms,
             "gap_ms": sum(g for g, _ in gaps),
             "gap_ms_by_phase": by_phase,
+            "between_passes_ms": between,
             "largest_gap_ms": largest[0][0] if largest else 0.0,
             "largest_gap_before": largest[0][1] if largest else None,
             "largest_gaps": [[round(g, 3), where] for g, where in largest],
