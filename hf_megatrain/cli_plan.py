@@ -195,9 +195,8 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     from .core.planner import (  # noqa: PLC0415
+        add_margin_only_advice,
         auto_fit_changes,
-        margin_only_advice,
-        margin_only_options,
         max_micro_batch_sequences,
         max_num_layers,
         max_seq_len,
@@ -272,10 +271,6 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             f"({big.total_numel / 1e9:.2f}B params; the config has {shape.num_layers})"
         )
     if not plan.fits:
-        problem = plan.problems[0]
-        if options.auto_fit != "off" and (
-            margin_only := margin_only_options(plan, options, ranks=nproc)
-        ):
-            problem.extend(margin_only_advice(margin_only, options))
-        raise CLIError(problem.message(CLI_NAMER).removeprefix("hf_megatrain: "))
+        add_margin_only_advice(plan, options, ranks=nproc)
+        raise CLIError(plan.problems[0].message(CLI_NAMER).removeprefix("hf_megatrain: "))
     return result

@@ -31,10 +31,9 @@ from .options import ResolvedOptions, StepShape
 from .plan_types import ModelShape, OptionNamer
 from .planner import (
     MemoryPlan,
+    add_margin_only_advice,
     auto_fit_changes,
     longest_auto_fit_row,
-    margin_only_advice,
-    margin_only_options,
     plan_with_auto_fit,
 )
 from .streaming import GRAD_STAGING_SLOTS, StreamingEngine
@@ -300,8 +299,7 @@ def _resident_layer_count(
             if longest
             else "Not even 4096-token rows fit this way."
         )
-        if (margin_only := margin_only_options(plan, options, **placement)) is not None:
-            problem.extend(margin_only_advice(margin_only, options))
+        add_margin_only_advice(plan, options, **placement)
         plan.check(namer)
     if as_asked is not None:
         logger.warning(

@@ -214,6 +214,8 @@ class _FlatLayerState:
     # Whether the layer runs from a device-side cast of its fp32 master (HBM tier without a
     # compute-dtype copy); host stores stream instead.
     casts_on_use = False
+    # Whether the gradient slot holds the compute dtype (``LayerStore`` says per store).
+    compact_grad = False
 
     def __init__(
         self, slots: list[TensorSlot], numel: int, decay_numel: int, stream_dtype: torch.dtype
@@ -253,8 +255,7 @@ class DeviceLayerStore(_FlatLayerState):
     resident = True
     trainable = True  # frozen layers always stream (their state is small on the host)
     holds_grad = True  # the GPU AdamW reads the gradient accumulated in place
-    compact_grad = False  # its fp32 gradient accumulates in place, whatever the step
-    fp32_grad_slots = ()
+    fp32_grad_slots = ()  # its fp32 gradient accumulates in place, whatever the step
     owned = True  # under data parallel every rank keeps (and updates) its own replica
     pinned = False
     nbytes = 0  # host bytes

@@ -73,19 +73,18 @@ def _widen_buffer(numel: int) -> torch.Tensor:
 
 def _adamw_slice(
     seg: _Segment,
-    start: int,
-    end: int,
     grad: torch.Tensor,
     scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
     kw: dict,
 ) -> None:
-    """The fused AdamW on ``seg``'s store elements ``start:end`` with their fp32 ``grad``."""
+    """The fused AdamW (torch's functional) on ``seg``'s store elements with their fp32 ``grad``
+    (on the compute device: one call per slice)."""
     _adam_functional(
-        [seg.store.master[start:end]],
-        [grad],
-        [seg.store.exp_avg[start:end]],
-        [seg.store.exp_avg_sq[start:end]],
+        [seg.store.master[seg.start : seg.end]],
+        [grad[seg.start : seg.end]],
+        [seg.store.exp_avg[seg.start : seg.end]],
+        [seg.store.exp_avg_sq[seg.start : seg.end]],
         [],
         [seg.step],
         fused=True,
@@ -93,6 +92,31 @@ def _adamw_slice(
         found_inf=found_inf,
         **kw,
     )
+
+
+def _adamw_host_chunks(
+    seg: _Segment, grad: torch.Tensor, scale: torch.Tensor | None, kw: dict
+) -> None:
+    """The fused AdamW on ``seg``'s host store elements, ``WIDEN_CHUNK`` at a time, each chunk's
+    stream copy rounded from its new masters while they are in cache.
+
+    The step count advances once for the slice, as torch's functional AdamW advances it before
+    its one kernel call; each chunk then calls that kernel directly (the functional's Python
+    costs more than a chunk's kernel launch, and a large model makes thousands per step)."""
+    hyper = {k: v for k, v in kw.items() if k != "decoupled_weight_decay"}  # (the "w" in adamw)
+    seg.step.add_(1)
+    for a in range(seg.start, seg.end, WIDEN_CHUNK):
+        b = min(a + WIDEN_CHUNK, seg.end)
+        if grad.dtype == torch.float32:
+            part = grad[a:b]
+        else:  # a compact slot: the fused kernel takes fp32 gradients only
+            part = seg.store.widen_grad(a, b, _widen_buffer(b - a))
+        torch._fused_adamw_(
+            [seg.store.master[a:b]], [part], [seg.store.exp_avg[a:b]],
+            [seg.store.exp_avg_sq[a:b]], [], [seg.step], grad_scale=scale, found_inf=None,
+            **hyper,
+        )  # fmt: skip
+        seg.store.refresh_stream_copy(a, b)
 
 
 @dataclass
@@ -381,43 +405,26 @@ class HostAdamW(torch.optim.Optimizer):
         """AdamW on one layer's slices, then its stream copy re-derived from the new masters.
         ``grad`` is its flat gradient (store or staging): fp32, or bf16 from a compact slot.
 
-        On the CPU the update is memory bound, so it runs chunk by chunk through the cache: a
-        compact gradient is widened to fp32 as the update reads it, and each chunk's new masters
-        are rounded into the stream copy while they are still in cache (one pass over the
-        masters in DRAM instead of two). On a device: one fused call per slice."""
-        store = jobs[0][0].store
-        on_cpu = grad.device.type == "cpu"
+        On the CPU the update is memory bound, so it runs chunk by chunk through the cache
+        (``_adamw_host_chunks``): a compact gradient is widened to fp32 as the update reads it,
+        and each chunk's new masters are rounded into the stream copy while they are still in
+        cache (one pass over the masters in DRAM instead of two). On a device: one fused call
+        per slice."""
+
+        def scale_for(seg: _Segment) -> torch.Tensor | None:
+            return (
+                None if scale_by_device is None else scale_by_device[seg.store.master.device.type]
+            )
+
+        if grad.device.type != "cpu":
+            for seg, kw in jobs:
+                _adamw_slice(seg, grad, scale_for(seg), found_inf, kw)
+            jobs[0][0].store.refresh_stream_copy()
+            return
+        if found_inf is not None:
+            raise ValueError("hf_megatrain: host updates check finiteness before they run")
         for seg, kw in jobs:
-            scale = None
-            if scale_by_device is not None:
-                scale = scale_by_device[seg.store.master.device.type]
-            if not on_cpu:
-                _adamw_slice(
-                    seg, seg.start, seg.end, grad[seg.start : seg.end], scale, found_inf, kw
-                )
-                continue
-            if found_inf is not None:
-                raise ValueError("hf_megatrain: host updates check finiteness before they run")
-            # The step count advances once for the slice, as torch's functional AdamW advances
-            # it before its one kernel call; each chunk then calls that kernel directly (the
-            # functional's Python costs more than a chunk's kernel launch, thousands per step).
-            seg.step.add_(1)
-            for a in range(seg.start, seg.end, WIDEN_CHUNK):
-                b = min(a + WIDEN_CHUNK, seg.end)
-                if grad.dtype == torch.float32:
-                    part = grad[a:b]
-                else:  # the fused kernel takes fp32 gradients only
-                    part = seg.store.widen_grad(a, b, _widen_buffer(b - a))
-                torch._fused_adamw_(
-                    [seg.store.master[a:b]], [part], [seg.store.exp_avg[a:b]],
-                    [seg.store.exp_avg_sq[a:b]], [], [seg.step], amsgrad=False,
-                    lr=kw["lr"], beta1=kw["beta1"], beta2=kw["beta2"],
-                    weight_decay=kw["weight_decay"], eps=kw["eps"], maximize=kw["maximize"],
-                    grad_scale=scale, found_inf=None,
-                )  # fmt: skip
-                seg.store.refresh_stream_copy(a, b)
-        if not on_cpu:
-            store.refresh_stream_copy()
+            _adamw_host_chunks(seg, grad, scale_for(seg), kw)
 
     # ---- eager updates (no clipping) ----------------------------------------------------------
     def enable_eager_updates(self) -> None:

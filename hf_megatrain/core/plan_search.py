@@ -30,6 +30,7 @@ from .plan_report import (
     advise_options,
     advise_segments,
     hbm_cast_note,
+    margin_only_advice,
 )
 from .plan_types import MemoryLine, ModelShape, OptionChanges
 
@@ -373,6 +374,16 @@ def margin_only_options(
     return None if found is None else planned(found)
 
 
+def add_margin_only_advice(plan: MemoryPlan, options: ResolvedOptions, **where: int | None) -> None:
+    """A plan refused although auto_fit is on: its first problem names the exact options that
+    fit by its expected peak (:func:`margin_only_options`), when there are some."""
+    if plan.fits or options.auto_fit == "off":
+        return
+    found = margin_only_options(plan, options, **where)
+    if found is not None:
+        plan.problems[0].extend(margin_only_advice(found, options))
+
+
 def plan_with_auto_fit(
     shape: ModelShape,
     step: StepShape | None,
@@ -577,6 +588,7 @@ __all__ = [
     "PLANNED_OPTIONS",
     "SEGMENT_ADVICE_LENGTHS",
     "auto_fit_changes",
+    "add_margin_only_advice",
     "fitting_options",
     "margin_only_options",
     "longest_auto_fit_row",

@@ -50,6 +50,7 @@ from .plan_report import (
 from .plan_search import (
     PLANNED_OPTIONS,
     SEGMENT_ADVICE_LENGTHS,
+    add_margin_only_advice,
     auto_fit_changes,
     fitting_options,
     longest_auto_fit_row,
@@ -102,6 +103,7 @@ __all__ = [
     "SEGMENT_ADVICE_LENGTHS",
     "auto_fit_changes",
     "boundary_activation_bytes",
+    "add_margin_only_advice",
     "fitting_options",
     "margin_only_advice",
     "margin_only_options",

@@ -144,7 +144,7 @@ class GradientSink:
     @staticmethod
     def _check_accumulates(idx: int, store: LayerStore) -> None:
         """A compact (bf16) gradient slot holds one backward's gradient exactly, not a sum."""
-        if store.grad is not None and store.grad.dtype != torch.float32:
+        if store.compact_grad:
             raise RuntimeError(
                 f"hf_megatrain: layer {idx} got gradients from more than one backward pass in "
                 "one optimizer step, but its host store keeps a bf16 gradient slot, which is "
