@@ -411,6 +411,15 @@ class LayerStore(_FlatLayerState):
         """Whether the gradient slot holds the compute dtype (one backward's gradient, exactly)."""
         return self.grad is not None and self.grad.dtype != torch.float32
 
+    def moment_ranges(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the AdamW moments in host memory (none for a frozen layer):
+        what ``core.prefault`` maps in ahead of the first update."""
+        return [
+            (t.data_ptr(), t.numel() * t.element_size())
+            for t in (self.exp_avg, self.exp_avg_sq)
+            if t is not None and t.device.type == "cpu" and t.numel()
+        ]
+
     def hold_fp32_grads(self, names: Iterable[str]) -> None:
         """Parameters ``names`` get fp32 gradients (they compute at their fp32 master values:
         norm weights in bf16 runs): beside a compact slot, a small fp32 buffer holds theirs."""

@@ -34,8 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as _adam_functional
 
+from .engine.updates import background_threads
 from .grad_norm import squared_norm
 from .host_store import LayerStore
+from .prefault import Prefault, default_threads
 from .streaming import StreamingEngine
 
 
@@ -138,6 +140,8 @@ class HostAdamW(torch.optim.Optimizer):
         overlap_update: run the streamed layers' update on a CPU thread that overlaps the next
             forward pass (layer i is streamed in once its update is done). ``None``: on CUDA
             only (on CPU the thread would compete with compute for the same cores).
+        update_threads: intra-op threads of an update running beside the training thread (the
+            overlapped or eager one); 0: all of torch's but one (``background_threads``).
     """
 
     def __init__(
@@ -149,9 +153,11 @@ class HostAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         overlap_update: bool | None = None,
+        update_threads: int = 0,
     ) -> None:
         self.engine = engine
         self.overlap_update = overlap_update
+        self.update_threads = update_threads
         resident = list(resident)
         self.resident_names = {id(p): n for n, p, _ in resident}
         decay_params: list[torch.Tensor] = [p for _, p, d in resident if d]
@@ -214,6 +220,17 @@ class HostAdamW(torch.optim.Optimizer):
         #: layer; a layer left to the update thread counts when handed to it): unchanged across
         #: a ``step()`` call that raised means nothing of that step was applied.
         self.updates_applied = 0
+        # The host moments' pages, mapped in while the first forward and backward run (the
+        # first update would otherwise fault each page in itself, several times slower).
+        self.prefault = Prefault(
+            [
+                r
+                for idx, store in enumerate(engine.stores)
+                if idx in self._owned_layers
+                for r in store.moment_ranges()
+            ],
+            default_threads(),
+        )
 
     # ---- gradient norm and clipping -----------------------------------------------------------
     def _resident_with_grad(self) -> list[torch.Tensor]:
@@ -376,7 +393,7 @@ class HostAdamW(torch.optim.Optimizer):
         overlap = self.engine.is_cuda if self.overlap_update is None else self.overlap_update
         if overlap:
             # Layer i's update finishes before layer i streams in for the next forward.
-            self.engine.start_updates(update_layer, layers)
+            self.engine.start_updates(update_layer, layers, self.update_threads)
         else:
             for idx in layers:
                 update_layer(idx)
@@ -452,7 +469,7 @@ class HostAdamW(torch.optim.Optimizer):
             return
         if self._eager_thread is None:
             self._eager_queue = queue.Queue()
-            n_threads = torch.get_num_threads()
+            n_threads = background_threads(self.update_threads)
             self._eager_thread = threading.Thread(
                 target=self._eager_worker,
                 args=(self._eager_queue, n_threads),

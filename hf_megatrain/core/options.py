@@ -366,6 +366,16 @@ class EngineOptions:
             run_time=True,
         ),
     )
+    host_update_threads: int = field(
+        default=0,
+        metadata=_help(
+            """CPU threads of the host AdamW update when it runs beside the GPU work (the
+            overlapped or eager update). 0: torch's intra-op thread count less one, so the
+            training thread keeps a core to launch the GPU's work while the update runs; the
+            update is bound by host memory bandwidth, which one thread fewer barely lowers.""",
+            run_time=True,
+        ),
+    )
     eager_update: bool = field(
         default=True,
         metadata=_help(
@@ -748,6 +758,11 @@ def _check_values(opts: EngineOptions) -> None:
         )
     if opts.mlp_tile_tokens < 0:
         raise OptionError(f"mlp_tile_tokens={opts.mlp_tile_tokens} must be >= 0 (0: off)")
+    if opts.host_update_threads < 0:
+        raise OptionError(
+            f"host_update_threads={opts.host_update_threads} must be >= 0 (0: all but one of "
+            "torch's intra-op threads)"
+        )
     for name in ("plan_seq_len", "loss_chunk_tokens"):
         value = getattr(opts, name)
         if value is not None and value < 1:

@@ -273,9 +273,11 @@ class StreamingEngine:
         """Block until no H2D copy reads the host stream copies (before they are rewritten)."""
         self.weights.wait_copies()
 
-    def start_updates(self, update_layer: Callable[[int], None], layers: list[int]) -> None:
+    def start_updates(
+        self, update_layer: Callable[[int], None], layers: list[int], n_threads: int = 0
+    ) -> None:
         """Run ``update_layer(i)`` for ``layers`` on a CPU thread (``UpdateScheduler.start``)."""
-        self.updates.start(update_layer, layers)
+        self.updates.start(update_layer, layers, n_threads)
 
     def wait_updates(self) -> None:
         """Block until the background update (if any) is done; re-raise its error."""

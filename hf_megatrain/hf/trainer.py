@@ -552,6 +552,7 @@ class MegaTrainerMixin:
                 eps=args.adam_epsilon,
                 weight_decay=args.weight_decay,
                 overlap_update=self.megatrain_options.options.overlap_optimizer,
+                update_threads=self.megatrain_options.options.host_update_threads,
             )
             if self.megatrain_options.eager_update:
                 # No global norm to wait for: each layer updates as soon as its gradient of

@@ -12,6 +12,15 @@ from ..distributed import DataParallel
 from ..host_store import LayerStore
 
 
+def background_threads(requested: int = 0) -> int:
+    """Intra-op threads for a host update that runs beside the training thread: ``requested``,
+    or (0) torch's intra-op count less one. The training thread launches the GPU's kernels; with
+    every core in the update's team it waits for a time slice, and the GPU idles meanwhile."""
+    if requested > 0:
+        return requested
+    return max(1, torch.get_num_threads() - 1)
+
+
 class UpdateScheduler:
     """The background host optimizer update and the weight versions layers must reach.
 
@@ -30,8 +39,11 @@ class UpdateScheduler:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def start(self, update_layer: Callable[[int], None], layers: list[int]) -> None:
-        """Run ``update_layer(i)`` for ``layers`` in order on a CPU thread; others are ready."""
+    def start(
+        self, update_layer: Callable[[int], None], layers: list[int], n_threads: int = 0
+    ) -> None:
+        """Run ``update_layer(i)`` for ``layers`` in order on a CPU thread with ``n_threads``
+        intra-op threads (0: ``background_threads()``); the other layers are ready."""
         self.wait()
         ready = [threading.Event() for _ in self._stores]
         pending = set(layers)
@@ -42,7 +54,7 @@ class UpdateScheduler:
         # A new thread does not inherit the intra-op thread count set on the main thread (an
         # OpenMP runtime gives a fresh native thread its default team size): set it explicitly,
         # or the fused CPU AdamW may run on far fewer cores than the synchronous path.
-        n_threads = torch.get_num_threads()
+        n_threads = n_threads or background_threads()
 
         def work() -> None:
             torch.set_num_threads(n_threads)

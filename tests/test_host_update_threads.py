@@ -1,0 +1,88 @@
+"""The host update beside the training thread: its thread count, and the moments' pages mapped
+in ahead of the first update (content kept)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import pytest
+import torch
+
+from hf_megatrain.core.engine.updates import UpdateScheduler, background_threads
+from hf_megatrain.core.host_store import LayerStore, layout_slots
+from hf_megatrain.core.optimizer import HostAdamW
+from hf_megatrain.core.options import EngineOptions, OptionError
+from hf_megatrain.core.prefault import Prefault
+from hf_megatrain.core.streaming import StreamingEngine
+
+
+def _store(n: int = 3 << 20) -> LayerStore:
+    slots, numel, decay = layout_slots([("w", (n,), True), ("b", (7,), False)])
+    return LayerStore(slots, numel, decay, torch.bfloat16, pin=False)
+
+
+def _resident_pages(addr: int, nbytes: int) -> int:
+    """Pages of ``[addr, addr + nbytes)`` mapped in (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = addr - addr % page
+    pages = -(-(addr + nbytes - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    rc = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec)
+    assert rc == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec)
+
+
+def _threads_seen(n_threads: int) -> list[int]:
+    sched = UpdateScheduler([_store(16), _store(16)], None)
+    seen: list[int] = []
+    sched.start(lambda i: seen.append(torch.get_num_threads()), [0, 1], n_threads)
+    sched.wait()
+    return seen
+
+
+def test_update_thread_keeps_a_core_for_the_training_thread():
+    total = torch.get_num_threads()
+    assert background_threads() == max(1, total - 1)
+    assert background_threads(3) == 3
+    assert _threads_seen(0) == [max(1, total - 1)] * 2
+    assert _threads_seen(2) == [2, 2]
+
+
+def test_host_update_threads_option():
+    assert EngineOptions().host_update_threads == 0
+    with pytest.raises(OptionError, match="host_update_threads"):
+        EngineOptions(host_update_threads=-1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise/mincore: Linux")
+def test_prefault_maps_the_moments_in_and_keeps_their_content():
+    store = _store()
+    ranges = store.moment_ranges()
+    assert [n for _, n in ranges] == [store.numel * 4] * 2
+    assert _resident_pages(*ranges[1]) == 0  # fresh anonymous memory: nothing mapped yet
+    store.exp_avg[: 1 << 20].copy_(torch.arange(1 << 20, dtype=torch.float32))
+    before = store.exp_avg.clone()
+    job = Prefault(ranges, threads=2)
+    job.join(timeout=60)
+    if not job.supported:
+        pytest.skip("kernel without MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert job.populated_bytes >= sum(n for _, n in ranges)
+    for addr, nbytes in ranges:
+        assert _resident_pages(addr, nbytes) == -(-nbytes // mmap.PAGESIZE)
+    assert torch.equal(store.exp_avg, before)
+    assert not store.exp_avg_sq.any()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise/mincore: Linux")
+def test_optimizer_prefaults_its_streamed_layers_only():
+    stores = [_store(1 << 16), _store(1 << 16)]
+    engine = StreamingEngine(stores, torch.device("cpu"), torch.bfloat16)
+    opt = HostAdamW(engine, [], lr=1e-3)
+    opt.prefault.join(timeout=60)
+    if not opt.prefault.supported:
+        pytest.skip("kernel without MADV_POPULATE_WRITE (Linux < 5.14)")
+    want = sum(n for s in stores for _, n in s.moment_ranges())
+    assert opt.prefault.populated_bytes == want
