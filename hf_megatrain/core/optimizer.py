@@ -141,7 +141,7 @@ class HostAdamW(torch.optim.Optimizer):
             forward pass (layer i is streamed in once its update is done). ``None``: on CUDA
             only (on CPU the thread would compete with compute for the same cores).
         update_threads: intra-op threads of an update running beside the training thread (the
-            overlapped or eager one); 0: all of torch's but one (``background_threads``).
+            overlapped or eager one); 0: torch's intra-op thread count.
     """
 
     def __init__(
@@ -222,14 +222,9 @@ class HostAdamW(torch.optim.Optimizer):
         self.updates_applied = 0
         # The host moments' pages, mapped in while the first forward and backward run (the
         # first update would otherwise fault each page in itself, several times slower).
+        owned = [engine.stores[idx] for idx in self._owned_layers]
         self.prefault = Prefault(
-            [
-                r
-                for idx, store in enumerate(engine.stores)
-                if idx in self._owned_layers
-                for r in store.moment_ranges()
-            ],
-            default_threads(),
+            [r for store in owned for r in store.moment_ranges()], default_threads(), owned
         )
 
     # ---- gradient norm and clipping -----------------------------------------------------------

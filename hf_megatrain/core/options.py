@@ -370,9 +370,10 @@ class EngineOptions:
         default=0,
         metadata=_help(
             """CPU threads of the host AdamW update when it runs beside the GPU work (the
-            overlapped or eager update). 0: torch's intra-op thread count less one, so the
-            training thread keeps a core to launch the GPU's work while the update runs; the
-            update is bound by host memory bandwidth, which one thread fewer barely lowers.""",
+            overlapped or eager update). 0: torch's intra-op thread count. Lower it to leave
+            cores to other work (data loading workers): the update is bound by host memory
+            bandwidth, so a few threads fewer cost little (on the H200 host, 15 of 16 cores
+            trained the 8B and 14B at 64k within 1% of 16).""",
             run_time=True,
         ),
     )
@@ -760,8 +761,8 @@ def _check_values(opts: EngineOptions) -> None:
         raise OptionError(f"mlp_tile_tokens={opts.mlp_tile_tokens} must be >= 0 (0: off)")
     if opts.host_update_threads < 0:
         raise OptionError(
-            f"host_update_threads={opts.host_update_threads} must be >= 0 (0: all but one of "
-            "torch's intra-op threads)"
+            f"host_update_threads={opts.host_update_threads} must be >= 0 (0: torch's intra-op "
+            "thread count)"
         )
     for name in ("plan_seq_len", "loss_chunk_tokens"):
         value = getattr(opts, name)

@@ -42,11 +42,15 @@ def _madvise():
 class Prefault:
     """Populates ``ranges`` (``(address, nbytes)``, in the order given) on daemon threads.
 
-    Daemon threads: a run that ends first leaves them nothing to protect (a range unmapped
-    meanwhile makes madvise fail, which ends the work; the call never changes page contents).
+    ``owners``: the objects whose memory the ranges are (the layer stores); held until the work
+    ends, so no range is unmapped, and its addresses reused, while a thread may still reach it.
+    Daemon threads: interpreter exit does not wait for them (the call never changes contents).
     """
 
-    def __init__(self, ranges: Iterable[tuple[int, int]], threads: int) -> None:
+    def __init__(
+        self, ranges: Iterable[tuple[int, int]], threads: int, owners: Iterable[object] = ()
+    ) -> None:
+        self._owners: list[object] | None = list(owners)
         self._pieces: queue.Queue[tuple[int, int] | None] = queue.Queue()
         self.populated_bytes = 0
         self.supported = True
@@ -67,11 +71,23 @@ class Prefault:
         elif self._madvise is None:
             self.supported = False
             self._threads = []
+        self._running = len(self._threads)
+        if not self._threads:
+            self._owners = None
         for t in self._threads:
             self._pieces.put(None)
             t.start()
 
     def _work(self) -> None:
+        try:
+            self._populate()
+        finally:
+            with self._lock:
+                self._running -= 1
+                if not self._running:
+                    self._owners = None  # the stores may go now
+
+    def _populate(self) -> None:
         while not self._stop.is_set():
             piece = self._pieces.get()
             if piece is None:
