@@ -19,6 +19,8 @@ import sys
 import threading
 from collections.abc import Iterable
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>
@@ -111,10 +113,7 @@ class Prefault:
 
 
 def default_threads() -> int:
-    """A quarter of the cores this process may use, 1 to 8: page zeroing is bound by memory
-    bandwidth, and the training thread and its data loading keep theirs."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus // 4))
+    """A quarter of torch's intra-op threads (this process's share of the cores, also under data
+    parallel), 1 to 8: page zeroing is bound by memory bandwidth, and the training thread and
+    its data loading keep theirs."""
+    return max(1, min(8, torch.get_num_threads() // 4))
