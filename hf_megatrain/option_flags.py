@@ -51,7 +51,8 @@ def add_option_arguments(
         text = f.metadata.get("help", "")
         kwargs: dict[str, Any] = {"dest": f.name, "default": None}
         # The help says the default unless its text already explains it.
-        kwargs["help"] = text if "Default" in text else f"{text} (default: {f.default})"
+        text = text if "Default" in text else f"{text} (default: {f.default})"
+        kwargs["help"] = text.replace("%", "%%")  # argparse formats help with %
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

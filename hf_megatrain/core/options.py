@@ -372,8 +372,8 @@ class EngineOptions:
             """CPU threads of the host AdamW update when it runs beside the GPU work (the
             overlapped or eager update). 0: torch's intra-op thread count. Lower it to leave
             cores to other work (data loading workers): the update is bound by host memory
-            bandwidth, so a few threads fewer cost little (on the H200 host, 15 of 16 cores
-            trained the 8B and 14B at 64k within 1% of 16).""",
+            bandwidth, so a few threads fewer cost little (on the H200 host, 15 threads of 16
+            trained the 8B and 14B at 64k as fast, within the noise).""",
             run_time=True,
         ),
     )

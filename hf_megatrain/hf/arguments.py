@@ -42,6 +42,8 @@ def _generated_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     for f in dataclasses.fields(EngineOptions):
         # Only what HfArgumentParser passes to argparse: help (and choices).
         meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices")}
+        if "help" in meta:
+            meta["help"] = meta["help"].replace("%", "%%")  # argparse formats help with %
         out.append(
             (
                 argument_name(f.name),
