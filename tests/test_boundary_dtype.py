@@ -16,6 +16,7 @@ from hf_megatrain import HFMegaTrainer, MegaTrainArguments, prepare_streamed_mod
 from hf_megatrain.core.streamed_layer import StreamedLayer, _StreamedLayerFunction
 from hf_megatrain.core.streaming import StreamingEngine, parse_boundary_dtype
 from hf_megatrain.hf.arguments import engine_options
+from hf_megatrain.hf.model import streamed_state
 
 from .helpers import LogRecorder, common_args, make_data, tiny_config, tiny_model
 
@@ -47,7 +48,7 @@ def _one_step(model, boundary_dtype, monkeypatch):
     monkeypatch.setattr(StreamedLayer, "run", run)
     monkeypatch.setattr(_StreamedLayerFunction, "backward", staticmethod(backward))
     prepare_streamed_model(model, "cpu", torch.float32, boundary_dtype=boundary_dtype)
-    state = model._megatrain
+    state = streamed_state(model)
     assert state.engine.boundary_dtype == parse_boundary_dtype(boundary_dtype)
     state.engine.offload_min_numel = 1  # tiny shapes: every float input counts as large
     rows = make_data(4)

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_megatrain import load_streamed_model
+from hf_megatrain.hf.model import streamed_state
 
 from .helpers import (
     LogRecorder,
@@ -121,7 +122,7 @@ def test_load_streamed_model_matches_from_pretrained(arch, shard, tmp_path):
         assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     streamed = load_streamed_model(str(tmp_path), device="cpu", bf16=False)
-    assert streamed._megatrain is not None
+    assert streamed_state(streamed) is not None
     ids = _ids()
     # Same fp32 weights, same forward: identical logits.
     torch.testing.assert_close(_logits(streamed, ids), _logits(ref, ids), rtol=0, atol=0)

@@ -23,6 +23,7 @@ from hf_megatrain.core.planner import (
     saved_boundary_layers,
 )
 from hf_megatrain.hf.arguments import engine_options
+from hf_megatrain.hf.model import streamed_state
 
 from .helpers import (
     ARCHS,
@@ -218,7 +219,7 @@ def test_segments_with_kept_layers(tmp_path):
 
 def _stream(model, k: int, **options):
     prepare_streamed_model(model, "cpu", torch.float32, checkpoint_every=k, **options)
-    engine = model._megatrain.engine
+    engine = streamed_state(model).engine
     assert engine.checkpoint_every == k
     engine.offload_min_numel = 1
     model.train()
@@ -231,7 +232,7 @@ def _one_step(model, k: int, offload: bool = False):
     engine, ids = _stream(model, k, offload_activations=offload)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
-    state = model._megatrain
+    state = streamed_state(model)
     grads = torch.cat([store.grad.clone() for store in state.store.layers])
     resident = [p.grad.clone() for _, p, _ in state.resident if p.grad is not None]
     return loss.detach(), grads, resident

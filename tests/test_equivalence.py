@@ -10,6 +10,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from hf_megatrain import prepare_streamed_model
+from hf_megatrain.hf.model import streamed_state
 
 from .helpers import (
     ARCHS,
@@ -32,7 +33,7 @@ def _batch(n: int = 4):
 
 def _streamed_grads(model) -> dict[str, torch.Tensor]:
     """Every gradient of a streamed model: layers from the host store, residents from ``.grad``."""
-    state = model._megatrain
+    state = streamed_state(model)
     grads = {}
     for i, store in enumerate(state.store.layers):
         assert state.engine.layer_has_grad(i), f"layer {i} got no gradient"

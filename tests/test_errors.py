@@ -20,6 +20,7 @@ from hf_megatrain import (
     load_streamed_model,
 )
 from hf_megatrain.core.distributed import DataParallelError
+from hf_megatrain.hf.model import streamed_state
 
 from .helpers import common_args, make_data, tiny_config, tiny_model
 
@@ -30,7 +31,7 @@ def _args(tmp_path, **kw) -> MegaTrainArguments:
 
 def _assert_untouched(model, tmp_path) -> None:
     """Nothing was streamed (no parameter moved to meta) and no output was written."""
-    assert getattr(model, "_megatrain", None) is None
+    assert streamed_state(model) is None
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert not (tmp_path / "out").exists()
 
@@ -115,7 +116,7 @@ def test_no_grad_forward_leaves_no_gradients(tmp_path):
     ids = make_data(2)[0]["input_ids"][None]
     with torch.no_grad():
         model(input_ids=ids, labels=ids)
-    assert not model._megatrain.engine.has_grads()
+    assert not streamed_state(model).engine.has_grads()
 
 
 def test_partially_frozen_layer_trains_like_stock(tmp_path):

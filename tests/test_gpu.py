@@ -24,6 +24,7 @@ from transformers import (
 
 from benchmarks.trace_overlap import analyze, load_events
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments
+from hf_megatrain.hf.model import streamed_state
 
 from .helpers import (
     ARCHS,
@@ -714,7 +715,7 @@ def test_init_streamed_model_on_gpu(tmp_path):
     model = init_streamed_model(
         cfg, device="cuda", bf16=True, seed=0, resident_layers="0", layer_kernels="torch"
     )
-    stores = model._megatrain.store.layers
+    stores = streamed_state(model).store.layers
     assert stores and all(s.pinned for s in stores)
     # Host layers are drawn on the GPU and copied into the host masters: HF's init statistics.
     for store in stores:
@@ -747,7 +748,7 @@ def test_init_streamed_model_untouched_params_are_zero_on_gpu(monkeypatch):
 
     monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", skip_layer1_linears)
     model = init_streamed_model(_tiny_gpu_config(), device="cuda", bf16=True, seed=0)
-    stores = model._megatrain.store.layers
+    stores = streamed_state(model).store.layers
     for name, view in stores[1].param_views(stores[1].master).items():
         if view.dim() >= 2:
             assert torch.all(view == 0), name

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, init_streamed_model
+from hf_megatrain.hf.model import streamed_state
 
 from .helpers import common_args, make_data, patch_mlps_as_liger, simulate_liger, tiny_config
 
@@ -15,7 +16,7 @@ def test_init_streamed_model_matches_hf_init_statistics(tmp_path, arch):
     cfg = tiny_config(arch, hidden_size=64, intermediate_size=128)
     model = init_streamed_model(cfg, device="cpu", bf16=False, seed=0)
     std = cfg.initializer_range
-    stores = model._megatrain.store.layers
+    stores = streamed_state(model).store.layers
     for store in stores:
         for name, view in store.param_views(store.master).items():
             if view.dim() >= 2:
@@ -40,9 +41,12 @@ def test_init_streamed_model_matches_hf_init_statistics(tmp_path, arch):
 
 def test_init_streamed_model_is_seeded():
     cfg = tiny_config("llama")
-    a = init_streamed_model(cfg, device="cpu", bf16=False, seed=1)._megatrain.store.layers[0].master
-    b = init_streamed_model(cfg, device="cpu", bf16=False, seed=1)._megatrain.store.layers[0].master
-    c = init_streamed_model(cfg, device="cpu", bf16=False, seed=2)._megatrain.store.layers[0].master
+
+    def first_master(seed: int) -> torch.Tensor:
+        model = init_streamed_model(cfg, device="cpu", bf16=False, seed=seed)
+        return streamed_state(model).store.layers[0].master
+
+    a, b, c = first_master(1), first_master(1), first_master(2)
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -71,5 +75,5 @@ def test_liger_kernels_go_in_before_the_loader_streams(monkeypatch):
     assert model_shape(fused).fused_layer_kernels
     plain = init_streamed_model(cfg, device="cpu", bf16=False, seed=3, layer_kernels="torch")
     assert len(calls) == 1 and not model_shape(plain).fused_layer_kernels
-    for a, b in zip(fused._megatrain.store.layers, plain._megatrain.store.layers):
+    for a, b in zip(streamed_state(fused).store.layers, streamed_state(plain).store.layers):
         assert torch.equal(a.master, b.master)

@@ -15,6 +15,7 @@ import pytest
 import transformers.integrations.liger as hf_liger
 
 from hf_megatrain.core.tiling import TiledTokenwise
+from hf_megatrain.hf.model import streamed_state
 
 from .helpers import (
     liger_like_mlp_forward,
@@ -278,7 +279,7 @@ def test_trainer_warns_when_a_loaders_plan_missed_liger(
     step = StepShape(seq_len=16, micro_batch_tokens=32) if workload else None
     options = EngineOptions(keep_activations="off").resolve(clipping=True, cuda=True)
     # Without a step a fixed reserve stands for activations: nothing Liger changes.
-    model._megatrain.plan = plan_memory(
+    streamed_state(model).plan = plan_memory(
         shape, step, options, torch.bfloat16, 1 << 34, 1 << 34,
         reserve_bytes=0 if workload else 1 << 30,
     )  # fmt: skip

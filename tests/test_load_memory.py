@@ -60,6 +60,7 @@ import transformers
 import transformers.models.llama.modeling_llama  # noqa: F401 - lazily imported otherwise
 import hf_megatrain
 from hf_megatrain import load_streamed_model
+from hf_megatrain.hf.model import streamed_state
 
 path = sys.argv[1]
 # Reset the peak (VmHWM) to the current RSS: import-time peaks must not hide the load's.
@@ -70,7 +71,7 @@ model = load_streamed_model(path, device="cpu", bf16=True)
 peak = status("VmHWM")
 after = status("VmRSS")
 
-state = model._megatrain
+state = streamed_state(model)
 written = 0  # host-store bytes the load writes: fp32 master + separate bf16 stream copy
 layer_numel = 0
 for store in state.store.layers:
