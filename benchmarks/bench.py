@@ -128,6 +128,9 @@ EXTRA_COLUMNS = [
     # The plan's expected GPU peak (plan_hbm_gib less its margin for measured errors,
     # MemoryPlan.gpu_peak_estimate): what peak_hbm_gib is set against; plan_hbm_gib is the bound.
     "plan_hbm_est_gib",
+    # hf_megatrain: seconds per step (median of the timed steps) the training thread waited for
+    # host optimizer updates (StreamingEngine.host_wait_s): > 0 where the CPU AdamW set the pace.
+    "host_wait_s",
 ]
 CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
 
@@ -376,20 +379,32 @@ def _make_step_timer(use_cuda: bool):
 
         def __init__(self) -> None:
             self.marks: list[float] = []
+            # hf_megatrain: the engine, whose host-update waits are read at each step end.
+            self.engine = None
+            self.waits: list[float] = []
 
         def _now(self) -> float:
             if use_cuda:
                 torch.cuda.synchronize()
             return time.perf_counter()
 
+        def _wait(self) -> float:
+            return self.engine.host_wait_s if self.engine is not None else 0.0
+
         def on_train_begin(self, args, state, control, **kwargs):
             self.marks = [self._now()]
+            self.waits = [self._wait()]
 
         def on_step_end(self, args, state, control, **kwargs):
             self.marks.append(self._now())
+            self.waits.append(self._wait())
 
         def durations(self) -> list[float]:
             return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+        def host_waits(self) -> list[float]:
+            """Per step: seconds the training thread waited for host optimizer updates."""
+            return [b - a for a, b in zip(self.waits, self.waits[1:])]
 
     return StepTimer()
 
@@ -681,6 +696,8 @@ def train_once(cfg: RunConfig) -> dict:
     output_dir = tempfile.mkdtemp(prefix=f"bench-{cfg.system}-")
     try:
         trainer = make_trainer(cfg, model, dataset, callbacks, output_dir, device)
+        if getattr(trainer, "megatrain", None) is not None:
+            timer.engine = trainer.megatrain.engine
         if layer_timer is not None:
             layer_timer.engine = trainer.megatrain.engine
         del model  # the trainer holds it; nothing else should keep host copies alive
@@ -703,6 +720,9 @@ def train_once(cfg: RunConfig) -> dict:
         raise RuntimeError(f"timed {len(durations)} steps, expected {cfg.warmup + cfg.steps}")
     timed = durations[cfg.warmup :]
     step_time = statistics.median(timed)
+    if timer.engine is not None:
+        result["host_waits"] = timer.host_waits()
+        result["host_wait_s"] = statistics.median(result["host_waits"][cfg.warmup :])
     if layer_timer is not None and layer_timer.steps:
         # Per timed step: layer compute and inter-layer gaps as fractions of that step's time.
         pairs = list(zip(layer_timer.steps, timed))
@@ -1006,6 +1026,7 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "layer_busy": _fmt(result.get("layer_busy"), 4),
         "layer_gaps": _fmt(result.get("layer_gaps"), 4),
         "peak_hbm_alloc_gib": _fmt(result.get("peak_hbm_alloc_gib"), 2),
+        "host_wait_s": _fmt(result.get("host_wait_s"), 3),
         # The fused kernels chosen by layer_kernels "auto" (no --liger in the command to say so),
         # and the attention outputs the plan kept.
         "note": "; ".join(
@@ -1139,6 +1160,9 @@ def write_markdown(path: Path, sweep: dict, runs: list[tuple[RunConfig, dict, di
         if result.get("step_times"):
             times = ", ".join(f"{t:.3f}" for t in result["step_times"])
             lines.append(f"  - step times (s, first {cfg.warmup} warm-up): {times}")
+        if result.get("host_waits"):
+            waits = ", ".join(f"{t:.3f}" for t in result["host_waits"])
+            lines.append(f"  - waits for the host optimizer update (s, per step): {waits}")
         if result.get("tail"):
             lines.append("  - last output:")
             lines.append("")

@@ -7,6 +7,7 @@ import ctypes
 import gc
 import mmap
 import sys
+import threading
 import weakref
 
 import pytest
@@ -100,3 +101,23 @@ def test_prefault_lets_its_stores_go_once_done():
     del store
     gc.collect()
     assert alive() is None  # held while the threads could reach its pages, not after
+
+
+def test_waits_for_the_host_update_are_counted():
+    sched = UpdateScheduler([_store(16), _store(16)], None)
+    release = threading.Event()
+
+    def update(i: int) -> None:
+        if i == 1:
+            release.wait(10)
+
+    sched.start(update, [0, 1])
+    sched.wait_layer(0)  # (layer 0's update returns at once; a wait for it may be counted)
+    before = sched.blocked_s
+    threading.Timer(0.2, release.set).start()
+    sched.wait_layer(1)  # blocks until the timer lets layer 1's update end
+    assert sched.blocked_s - before >= 0.15
+    sched.wait()
+    after = sched.blocked_s
+    sched.wait_layer(1)  # nothing pending: not a wait
+    assert sched.blocked_s == after

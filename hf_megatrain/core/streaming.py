@@ -279,6 +279,12 @@ class StreamingEngine:
         """Run ``update_layer(i)`` for ``layers`` on a CPU thread (``UpdateScheduler.start``)."""
         self.updates.start(update_layer, layers, n_threads)
 
+    @property
+    def host_wait_s(self) -> float:
+        """Seconds the training thread has waited for host optimizer updates, in all
+        (``UpdateScheduler.blocked_s``)."""
+        return self.updates.blocked_s
+
     def wait_updates(self) -> None:
         """Block until the background update (if any) is done; re-raise its error."""
         self.updates.wait()

@@ -4,6 +4,7 @@ owner has published the step's version."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,10 @@ class UpdateScheduler:
         self._ready: list[threading.Event] | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        #: Seconds the training thread has blocked on host updates (a layer's, its data-parallel
+        #: owner's, or the whole update at the next step): where the CPU AdamW set the pace. The GPU
+        #: runs the work already queued meanwhile, so it idles at most this long.
+        self.blocked_s = 0.0
 
     def start(
         self, update_layer: Callable[[int], None], layers: list[int], n_threads: int = 0
@@ -74,6 +79,8 @@ class UpdateScheduler:
     def wait(self) -> None:
         """Block until the background update (if any) is done; re-raise its error."""
         if self._thread is not None:
+            if self._thread.is_alive():
+                self._timed(self._thread.join)
             self._thread.join()
             self._thread = None
             self._ready = None
@@ -84,11 +91,17 @@ class UpdateScheduler:
     def wait_layer(self, idx: int) -> None:
         """Block until layer ``idx``'s weights may be read: updated here and (DP) published."""
         if self._ready is not None:
-            self._ready[idx].wait()
+            if not self._ready[idx].is_set():
+                self._timed(self._ready[idx].wait)
             if self._error is not None:
                 self.wait()
-        if self.owned_elsewhere(idx):
-            self._dp.wait_published(idx, self.weights_version)
+        if self.owned_elsewhere(idx) and not self._dp.is_published(idx, self.weights_version):
+            self._timed(lambda: self._dp.wait_published(idx, self.weights_version))
+
+    def _timed(self, wait: Callable[[], object]) -> None:
+        start = time.perf_counter()
+        wait()
+        self.blocked_s += time.perf_counter() - start
 
     def layer_ready(self, idx: int) -> bool:
         """Whether ``wait_layer(idx)`` would return at once (nothing pending for the layer)."""
