@@ -475,6 +475,7 @@ class MegaTrainerMixin:
         )
         self._tokens_since_log = 0
         self._time_of_log = time.perf_counter()
+        self._host_wait_at_log = 0.0
         self._megatrain_pending = False
         # Non-finite guard: consecutive skipped steps; batches checked; warnings given once.
         self._megatrain_skips_in_row = 0
@@ -971,7 +972,8 @@ class MegaTrainerMixin:
         super().log(logs, *args, **kwargs)
 
     def _throughput_logs(self) -> dict[str, float]:
-        """tokens/s, model TFLOP/s, MFU and memory since the last log, for the Trainer's logs."""
+        """tokens/s, model TFLOP/s, MFU, waits for the host update and memory since the last
+        log, for the Trainer's logs."""
         out: dict[str, float] = {}
         now = time.perf_counter()
         elapsed = now - self._time_of_log
@@ -996,6 +998,11 @@ class MegaTrainerMixin:
                 out["mfu"] = round((6 * n_params + attn) * tps / (world * peak * 1e12), 4)
         self._tokens_since_log = 0
         self._time_of_log = now
+        # Seconds the training thread waited for the host AdamW since the last log: > 0 where
+        # the CPU update, not the GPU, set the pace (host memory bandwidth).
+        waited = self.megatrain.engine.host_wait_s
+        out["host_update_wait_s"] = round(waited - self._host_wait_at_log, 3)
+        self._host_wait_at_log = waited
         rss, hwm = _host_memory_gib()
         if rss is not None:
             out["host_rss_gib"] = rss
