@@ -81,7 +81,8 @@ class UpdateScheduler:
         if self._thread is not None:
             if self._thread.is_alive():
                 self._timed(self._thread.join)
-            self._thread.join()
+            else:
+                self._thread.join()
             self._thread = None
             self._ready = None
         if self._error is not None:
