@@ -689,3 +689,36 @@ def test_every_bench_command_of_the_device_phases_parses():
         a = bench_dp.build_parser().parse_args(words[2:])  # after `python3 .../bench_dp.py`
         bench.model_config_path(a.model)
         assert bench_dp._run_config(a).system.startswith("megatrain"), line
+
+
+def test_defaults_targets_count_only_runs_on_the_default_command_line():
+    """Issue 20's targets read hf_megatrain's runs with no engine flag and no run-changing bench
+    switch; met is the latest run's (one machine start's sweep), best and count beside it."""
+    import benchmarks.speed_matrix as sm
+
+    base = "python3 benchmarks/bench.py --run qwen2.5-14b:65536:megatrain-hbm:16 --seq-len 4096"
+
+    def row(tag, date, tflops, extra="", note="Liger-Kernel layer kernels (auto)"):
+        r = _speed_row(tag, date, "megatrain-hbm", 1, model="qwen2.5-14b", tokens=65536)
+        return dict(r, model_tflops=str(tflops), commit=tag, command=f"{base} {extra}", note=note)
+
+    rows = [
+        row("a", "2026-01-01", 390.0),
+        row("b", "2026-01-02", 404.0),
+        row("flag", "2026-01-03", 420.0, "--host-update-threads 15"),  # an engine flag
+        row("timed", "2026-01-04", 410.0, "--layer-timing"),  # a diagnostic run
+        row("gone", "2026-01-05", 430.0, "--a-removed-flag"),  # today's bench cannot parse it
+        row("c", "2026-01-06", 398.0),
+    ]
+    assert [sm.on_defaults(r) for r in rows] == [True, True, False, False, False, True]
+    found = {name: (evidence, met) for name, evidence, met in sm.defaults_targets(rows)}
+    evidence, met = found["qwen2.5-14b 64k on defaults: >= 400 model TFLOP/s"]
+    assert evidence == "latest 398.0 (c, c); best 404.0 (b, b); 1 of 3 runs reached it"
+    assert not met
+    rows.append(row("d", "2026-01-07", 401.0))  # a later run that reaches it
+    assert [met for name, _, met in sm.defaults_targets(rows) if "qwen2.5-14b" in name] == [True]
+    # The 8B's lines split runs by kernels; without rows they say so.
+    assert found["llama-3.1-8b 64k on defaults, with liger-kernel: >= 480 model TFLOP/s"] == (
+        "no run",
+        False,
+    )
