@@ -319,9 +319,9 @@ class DataParallel:
 
     def wait_published(self, layer: int, version: int) -> None:
         """Block until the owner of ``layer`` has published step ``version`` (or later)."""
-        versions = self._versions
-        if versions is None or int(versions[layer]) >= version:
+        if self.is_published(layer, version):
             return
+        versions = self._versions
         deadline = time.monotonic() + PUBLISH_TIMEOUT_S
         pause = 2e-5
         while int(versions[layer]) < version:

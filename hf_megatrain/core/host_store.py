@@ -417,7 +417,7 @@ class LayerStore(_FlatLayerState):
         return [
             (t.data_ptr(), t.numel() * t.element_size())
             for t in (self.exp_avg, self.exp_avg_sq)
-            if t is not None and t.device.type == "cpu" and t.numel()
+            if t is not None and t.numel()
         ]
 
     def hold_fp32_grads(self, names: Iterable[str]) -> None:

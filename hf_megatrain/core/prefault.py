@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
+import mmap
 import queue
 import sys
 import threading
@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>
 #: Bytes per madvise call: small enough to spread one layer over the threads.
 PIECE = 256 << 20
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _madvise():
@@ -59,7 +58,7 @@ class Prefault:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         for addr, nbytes in ranges:
-            start = addr - addr % _PAGE
+            start = addr - addr % mmap.PAGESIZE
             end = addr + nbytes
             for a in range(start, end, PIECE):
                 self._pieces.put((a, min(a + PIECE, end) - a))

@@ -94,10 +94,7 @@ class StreamingEngine:
         self.updates = UpdateScheduler(stores, data_parallel)
         # Layer -> parameters bound from the fp32 master (``bind_exact``).
         self._exact_names: dict[int, tuple[str, ...]] = {}
-        self.weights = WeightStreamer(
-            stores, self.device, compute_dtype, self.updates.wait_layer, h2d, self._exact_names,
-            is_ready=self.updates.layer_ready,
-        )  # fmt: skip
+        self.weights = self._weight_streamer(h2d)
         self.grads = GradientSink(stores, self.device, data_parallel, d2h)
         self.activations = ActivationStash(
             self.device,
@@ -251,19 +248,17 @@ class StreamingEngine:
             release(list(replacements))
         if self.is_cuda:
             torch.cuda.empty_cache()
-        self.weights = WeightStreamer(
-            self.stores,
-            self.device,
-            self.compute_dtype,
-            self.updates.wait_layer,
-            h2d,
-            self._exact_names,
-            is_ready=self.updates.layer_ready,
-        )
+        self.weights = self._weight_streamer(h2d)
         self.weights.h2d_bytes, self.weights.exact_h2d_bytes = h2d_bytes, exact_h2d_bytes
         self.weights.deferred_prefetches = deferred
         self.grads = GradientSink(self.stores, self.device, self.dp, d2h)
         self.grads.on_final, self.grads.sync, self.grads.d2h_bytes = on_final, sync, d2h_bytes
+
+    def _weight_streamer(self, h2d: torch.cuda.Stream | None) -> WeightStreamer:
+        return WeightStreamer(
+            self.stores, self.device, self.compute_dtype, self.updates.wait_layer, h2d,
+            self._exact_names, is_ready=self.updates.layer_ready,
+        )  # fmt: skip
 
     def invalidate_weights(self) -> None:
         """The host copies changed (optimizer step, load): forget what the device buffers hold."""
