@@ -131,6 +131,9 @@ EXTRA_COLUMNS = [
     # hf_megatrain: seconds per step (median of the timed steps) the training thread waited for
     # host optimizer updates (StreamingEngine.host_wait_s): > 0 where the CPU AdamW set the pace.
     "host_wait_s",
+    # hf_megatrain: host-layer updates per step (median of the timed steps) the GPU took over
+    # from a CPU AdamW that fell behind the forward (StreamingEngine.device_updates).
+    "gpu_updates",
 ]
 CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
 
@@ -391,13 +394,18 @@ def _make_step_timer(use_cuda: bool):
         def _wait(self) -> float:
             return self.engine.host_wait_s if self.engine is not None else 0.0
 
+        def _gpu_updates(self) -> int:
+            return self.engine.device_updates if self.engine is not None else 0
+
         def on_train_begin(self, args, state, control, **kwargs):
             self.marks = [self._now()]
             self.waits = [self._wait()]
+            self.gpu_updates = [self._gpu_updates()]
 
         def on_step_end(self, args, state, control, **kwargs):
             self.marks.append(self._now())
             self.waits.append(self._wait())
+            self.gpu_updates.append(self._gpu_updates())
 
         def durations(self) -> list[float]:
             return [b - a for a, b in zip(self.marks, self.marks[1:])]
@@ -405,6 +413,11 @@ def _make_step_timer(use_cuda: bool):
         def host_waits(self) -> list[float]:
             """Per step: seconds the training thread waited for host optimizer updates."""
             return [b - a for a, b in zip(self.waits, self.waits[1:])]
+
+        def step_gpu_updates(self) -> list[int]:
+            """Per step: host-layer updates the GPU took over (of the update the step's
+            forward overlapped)."""
+            return [b - a for a, b in zip(self.gpu_updates, self.gpu_updates[1:])]
 
     return StepTimer()
 
@@ -723,6 +736,8 @@ def train_once(cfg: RunConfig) -> dict:
     if timer.engine is not None:
         result["host_waits"] = timer.host_waits()
         result["host_wait_s"] = statistics.median(result["host_waits"][cfg.warmup :])
+        result["gpu_updates_per_step"] = timer.step_gpu_updates()
+        result["gpu_updates"] = statistics.median(result["gpu_updates_per_step"][cfg.warmup :])
     if layer_timer is not None and layer_timer.steps:
         # Per timed step: layer compute and inter-layer gaps as fractions of that step's time.
         pairs = list(zip(layer_timer.steps, timed))
@@ -1027,6 +1042,7 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "layer_gaps": _fmt(result.get("layer_gaps"), 4),
         "peak_hbm_alloc_gib": _fmt(result.get("peak_hbm_alloc_gib"), 2),
         "host_wait_s": _fmt(result.get("host_wait_s"), 3),
+        "gpu_updates": _fmt(result.get("gpu_updates"), 1),
         # The fused kernels chosen by layer_kernels "auto" (no --liger in the command to say so),
         # and the attention outputs the plan kept.
         "note": "; ".join(
@@ -1163,6 +1179,9 @@ def write_markdown(path: Path, sweep: dict, runs: list[tuple[RunConfig, dict, di
         if result.get("host_waits"):
             waits = ", ".join(f"{t:.3f}" for t in result["host_waits"])
             lines.append(f"  - waits for the host optimizer update (s, per step): {waits}")
+        if result.get("gpu_updates_per_step"):
+            counts = ", ".join(str(n) for n in result["gpu_updates_per_step"])
+            lines.append(f"  - host-layer updates the GPU took over (per step): {counts}")
         if result.get("tail"):
             lines.append("  - last output:")
             lines.append("")

@@ -84,6 +84,9 @@ MOE_FUSED_LOSS_SINCE = "2026-12-02T07:00:00Z"
 #: Rows from here on kept bf16 host gradient slots at one micro-batch per step on one process
 #: (``compact_host_grads``, 5cabf96); the rows before held fp32 slots.
 COMPACT_GRADS_SINCE = "2026-12-03T12:50"
+#: Rows from here on staged device updates where the plan counts them (``device_update_lead``,
+#: ``MemoryPlan.device_updates``); the rows before allocated no such staging.
+DEVICE_UPDATES_SINCE = "2026-12-03T20:40"
 MOE_FUSED_LOSS_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"})
 
 
@@ -123,6 +126,8 @@ def plan_row(row: dict):
     if attention:  # chosen by keep_attention_outputs "auto": the count the run kept
         engine = engine.with_(keep_attention_outputs=attention[1])
     kept = int(row.get("kept_layers") or 0)  # rows before the column kept none
+    if row.get("date", "") < DEVICE_UPDATES_SINCE:
+        engine = engine.with_(device_update_lead=0)
     dp = re.search(r"-dp(\d+)$", row["system"])  # bench_dp rows: the host total of N ranks
     options = engine.with_(keep_activations=str(kept)).resolve(
         clipping="--no-clip" not in command,

@@ -111,7 +111,7 @@ item() {  # item <name>: one queue item
       ;;
     updatetests)
       timeout 500 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
-        -k "prefetch_waits or compact_host_grads or slim_host or eager_updates or layer_timeline or save_resume" \
+        -k "device_updates or prefetch_waits or compact_host_grads or slim_host or eager_updates or layer_timeline or save_resume" \
         2>&1 | grep -v '^DEBUG'
       ;;
     updateprobe)

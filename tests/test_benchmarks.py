@@ -109,6 +109,8 @@ def test_cpu_sweep_writes_rows(tmp_path):
     assert float(rows[0]["train_loss"]) == pytest.approx(float(rows[1]["train_loss"]), rel=1e-2)
     # The engine's waits for the host update, per step (a stock run has no engine).
     assert float(rows[0]["host_wait_s"]) >= 0 and rows[1]["host_wait_s"] == ""
+    # No device updates on the CPU (the GPU's staging is CUDA only).
+    assert float(rows[0]["gpu_updates"]) == 0 and rows[1]["gpu_updates"] == ""
     md = list(tmp_path.glob("*-cpu-test.md"))
     assert len(md) == 1 and "| megatrain | tiny-qwen2 |" in md[0].read_text()
     assert md[0].read_text().count("waits for the host optimizer update") == 1

@@ -229,8 +229,11 @@ def test_mfu_attention_over_the_whole_row(monkeypatch):
             _active_params=lambda: 100,
             args=SimpleNamespace(world_size=2, device="cpu"),
             megatrain_options=SimpleNamespace(peak_tflops=1e-6),  # 1e6 FLOP/s
-            megatrain=SimpleNamespace(engine=SimpleNamespace(is_cuda=True, host_wait_s=0.0)),
+            megatrain=SimpleNamespace(
+                engine=SimpleNamespace(is_cuda=True, host_wait_s=0.0, device_updates=0)
+            ),
             _host_wait_at_log=0.0,
+            _gpu_updates_at_log=0,
             model=SimpleNamespace(
                 config=SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2)
             ),

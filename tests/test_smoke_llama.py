@@ -28,6 +28,7 @@ def test_llama_matches_stock_trainer(tmp_path, overlap):
     assert 0 < last["host_rss_gib"] <= last["host_peak_gib"]
     # Waits for the host update: the overlapped one's forward may wait, the synchronous never.
     assert last["host_update_wait_s"] >= 0 if overlap else last["host_update_wait_s"] == 0
+    assert last["host_updates_on_gpu"] == 0  # CUDA only
     assert len(stock) == len(mega) == 5
     for a, b in zip(stock, mega):
         # fp32 on CPU, same kernels: the only differences are summation order in the global

@@ -399,12 +399,18 @@ class LayerStore(_FlatLayerState):
             self.stream = self.master
         self.pinned = pin and self._register(raw.data_ptr() if raw is not None else 0, pinned_bytes)
         self.nbytes = total
+        if trainable and hold_grad and raw is not None and total > pinned_bytes:
+            self._update_range = (raw.data_ptr() + pinned_bytes, total - pinned_bytes)
 
     # ---- a compact (bf16) gradient slot ----------------------------------------------------------
     #: Gradients of parameters that compute at their fp32 master values (``hold_fp32_grads``),
     #: kept exactly beside a compact slot: ``fp32_grad`` and, per such slot, its position there.
     fp32_grad: torch.Tensor | None = None
     fp32_grad_slots: tuple[tuple[TensorSlot, int], ...] = ()
+    #: The part of the store a device update reads and writes besides the pinned prefix, and
+    #: whether it is pinned too (``pin_update_state``). Shared (data parallel) stores: none.
+    _update_range: tuple[int, int] | None = None
+    update_state_pinned: bool = False
 
     @property
     def compact_grad(self) -> bool:
@@ -434,16 +440,43 @@ class LayerStore(_FlatLayerState):
         self.fp32_grad_slots = tuple(placed)
         self.fp32_grad = torch.zeros(pos, dtype=torch.float32, pin_memory=self.pinned)
 
-    def widen_grad(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
-        """Elements ``start:end`` of the layer's gradient in fp32, written into ``out``."""
-        out.copy_(self.grad[start:end])
+    def widen_grad(
+        self,
+        start: int,
+        end: int,
+        out: torch.Tensor,
+        grad: torch.Tensor | None = None,
+        fp32_grad: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Elements ``start:end`` of the layer's gradient in fp32, written into ``out``; from
+        ``grad`` / ``fp32_grad`` where given (copies of the slot and its fp32 part on a device)."""
+        grad = self.grad if grad is None else grad
+        fp32_grad = self.fp32_grad if fp32_grad is None else fp32_grad
+        out.copy_(grad[start:end])
         for slot, pos in self.fp32_grad_slots:
             a, b = max(start, slot.offset), min(end, slot.offset + slot.numel)
             if a < b:
                 out[a - start : b - start].copy_(
-                    self.fp32_grad[pos + a - slot.offset : pos + b - slot.offset]
+                    fp32_grad[pos + a - slot.offset : pos + b - slot.offset]
                 )
         return out
+
+    def update_state_range(self) -> tuple[int, int] | None:
+        """``(address, nbytes)`` of the optimizer state that is not pinned yet (the fp32 master
+        unless it is what streams, and the moments), or None: what a device update of the layer
+        copies in and out, so what ``pin_update_state`` registers."""
+        if self._update_range is None or self.exp_avg is None or not self.pinned:
+            return None
+        return self._update_range
+
+    def pin_update_state(self) -> bool:
+        """Register ``update_state_range`` as pinned memory (once; thread-safe against itself
+        only through the caller: one thread per store). True once the state is pinned."""
+        if not self.update_state_pinned:
+            rng = self.update_state_range()
+            if rng is not None and self._register(*rng):
+                self.update_state_pinned = True
+        return self.update_state_pinned
 
     def _init_shared(
         self, shared: torch.Tensor, numel: int, stream_bytes: int, fp32_bytes: int, pin: bool
@@ -488,6 +521,7 @@ class LayerStore(_FlatLayerState):
         for fin in self._finalizers:
             fin()
         self.pinned = False
+        self.update_state_pinned = False
 
 
 def frozen_layer_bytes(numel: int, stream_dtype: torch.dtype) -> int:

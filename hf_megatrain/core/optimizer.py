@@ -26,9 +26,10 @@ micro-batch (``hf/trainer.py``'s out-of-memory watchdog).
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ from torch.optim.adam import adam as _adam_functional
 from .engine.updates import background_threads
 from .grad_norm import squared_norm
 from .host_store import LayerStore
+from .plan_arithmetic import DEVICE_WIDEN_NUMEL
 from .prefault import Prefault, default_threads
 from .streaming import StreamingEngine
 
@@ -96,29 +98,60 @@ def _adamw_slice(
     )
 
 
+#: Elements per fused AdamW call of a device update (a compact gradient widened into a 64 MiB
+#: buffer): few launches per layer, the launches being the training thread's. The plan's line.
+DEVICE_WIDEN_CHUNK = DEVICE_WIDEN_NUMEL
+
+
 def _adamw_host_chunks(
-    seg: _Segment, grad: torch.Tensor, scale: torch.Tensor | None, kw: dict
+    seg: _Segment,
+    grad: torch.Tensor,
+    scale: torch.Tensor | None,
+    kw: dict,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """The fused AdamW on ``seg``'s host store elements, ``WIDEN_CHUNK`` at a time, each chunk's
     stream copy rounded from its new masters while they are in cache.
 
     The step count advances once for the slice, as torch's functional AdamW advances it before
     its one kernel call; each chunk then calls that kernel directly (the functional's Python
-    costs more than a chunk's kernel launch, and a large model makes thousands per step)."""
+    costs more than a chunk's kernel launch, and a large model makes thousands per step).
+
+    ``state`` (a device update): the layer's master, moments and gradient staged on a device
+    (``WeightStreamer``), updated there instead; the caller casts the new master for the GPU and
+    copies master and moments back."""
     hyper = {k: v for k, v in kw.items() if k != "decoupled_weight_decay"}  # (the "w" in adamw)
+    store = seg.store
     seg.step.add_(1)
-    for a in range(seg.start, seg.end, WIDEN_CHUNK):
-        b = min(a + WIDEN_CHUNK, seg.end)
+    if state is None:
+        master, exp_avg, exp_avg_sq = store.master, store.exp_avg, store.exp_avg_sq
+        step, chunk = seg.step, WIDEN_CHUNK
+    else:
+        master, exp_avg, exp_avg_sq = state["master"], state["exp_avg"], state["exp_avg_sq"]
+        # A fill on the device, not a copy: no host synchronization on the training thread,
+        # and no allocation (the update runs once: nothing may fail between count and kernel).
+        step = state["step"].fill_(float(seg.step))
+        chunk = state["widen"].numel()
+    for a in range(seg.start, seg.end, chunk):
+        b = min(a + chunk, seg.end)
         if grad.dtype == torch.float32:
             part = grad[a:b]
-        else:  # a compact slot: the fused kernel takes fp32 gradients only
-            part = seg.store.widen_grad(a, b, _widen_buffer(b - a))
+        elif state is None:  # a compact slot: the fused kernel takes fp32 gradients only
+            part = store.widen_grad(a, b, _widen_buffer(b - a))
+        else:
+            part = store.widen_grad(a, b, state["widen"][: b - a], grad, state["fp32_grad"])
         torch._fused_adamw_(
-            [seg.store.master[a:b]], [part], [seg.store.exp_avg[a:b]],
-            [seg.store.exp_avg_sq[a:b]], [], [seg.step], grad_scale=scale, found_inf=None,
-            **hyper,
+            [master[a:b]], [part], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [step],
+            grad_scale=scale, found_inf=None, **hyper,
         )  # fmt: skip
-        seg.store.refresh_stream_copy(a, b)
+        if state is None:
+            store.refresh_stream_copy(a, b)
+
+
+def _pin_update_state(store: LayerStore, device: torch.device) -> None:
+    """Pin ``store``'s master and moments (a prefault thread: its CUDA device set first)."""
+    torch.cuda.set_device(device)
+    store.pin_update_state()
 
 
 @dataclass
@@ -142,6 +175,11 @@ class HostAdamW(torch.optim.Optimizer):
             only (on CPU the thread would compete with compute for the same cores).
         update_threads: intra-op threads of an update running beside the training thread (the
             overlapped or eager one); 0: torch's intra-op thread count.
+        device_update_lead: where the overlapped update falls behind the next forward, the GPU
+            updates the layers it has not started within this many layers ahead of the forward
+            (``EngineOptions.device_update_lead``); 0: never. One process, CUDA, gradient slots.
+            It allocates HBM staging (``WeightStreamer.enable_device_updates``): the trainer
+            passes it where the memory plan counted that (``MemoryPlan.device_updates``).
     """
 
     def __init__(
@@ -154,10 +192,12 @@ class HostAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         overlap_update: bool | None = None,
         update_threads: int = 0,
+        device_update_lead: int = 0,
     ) -> None:
         self.engine = engine
         self.overlap_update = overlap_update
         self.update_threads = update_threads
+        self.device_update_lead = device_update_lead if engine.dp is None else 0
         resident = list(resident)
         self.resident_names = {id(p): n for n, p, _ in resident}
         decay_params: list[torch.Tensor] = [p for _, p, d in resident if d]
@@ -223,8 +263,14 @@ class HostAdamW(torch.optim.Optimizer):
         # The host moments' pages, mapped in while the first forward and backward run (the
         # first update would otherwise fault each page in itself, several times slower).
         owned = [engine.stores[idx] for idx in self._owned_layers]
+        pins = []
+        if self.device_update_lead and engine.is_cuda and all(s.grad is not None for s in owned):
+            # Device updates copy master and moments over PCIe: pinned, or each copy would
+            # block the training thread. Pinned once populated, in the background.
+            engine.enable_device_updates(DEVICE_WIDEN_CHUNK)
+            pins = [functools.partial(_pin_update_state, s, engine.device) for s in owned]
         self.prefault = Prefault(
-            [r for store in owned for r in store.moment_ranges()], default_threads(), owned
+            [r for store in owned for r in store.moment_ranges()], default_threads(), owned, pins
         )
 
     # ---- gradient norm and clipping -----------------------------------------------------------
@@ -387,12 +433,43 @@ class HostAdamW(torch.optim.Optimizer):
         self.updates_applied += len(layers)
         overlap = self.engine.is_cuda if self.overlap_update is None else self.overlap_update
         if overlap:
-            # Layer i's update finishes before layer i streams in for the next forward.
-            self.engine.start_updates(update_layer, layers, self.update_threads)
+            # Layer i's update finishes before layer i streams in for the next forward; where
+            # the CPU falls behind it, the GPU may take layers over (``device_update_lead``).
+            self.engine.start_updates(
+                update_layer, layers, self.update_threads,
+                device_update=functools.partial(self._device_job, jobs, scale_by_device),
+                lead=self.device_update_lead, claimable=self._device_claimable,
+            )  # fmt: skip
         else:
             for idx in layers:
                 update_layer(idx)
         return loss
+
+    def _device_job(
+        self, jobs: dict, scale_by_device: dict | None, idx: int
+    ) -> Callable[[dict | None], None]:
+        """Layer ``idx``'s update as a function of its state staged on the device (None: in
+        place on the host store, a CPU engine's device)."""
+
+        def run(state: dict | None) -> None:
+            if state is None:
+                self._update_layer(jobs[idx], scale_by_device, self.engine.final_grad(idx))
+                return
+            dev = state["master"].device
+            for seg, kw in jobs[idx]:
+                scale = None
+                if scale_by_device is not None:
+                    scale = scale_by_device.get(dev.type)
+                    if scale is None:  # (a norm computed elsewhere: one small copy)
+                        scale = scale_by_device[dev.type] = scale_by_device["cpu"].to(dev)
+                _adamw_host_chunks(seg, state["grad"], scale, kw, state)
+
+        return run
+
+    def _device_claimable(self, idx: int) -> bool:
+        """Whether the device may take layer ``idx``'s update: its state is pinned (CUDA)."""
+        store = self.engine.stores[idx]
+        return store.grad is not None and (not self.engine.is_cuda or store.update_state_pinned)
 
     def _layer_jobs(
         self, only: int | None = None, skip: set[int] = frozenset()

@@ -377,6 +377,19 @@ class EngineOptions:
             run_time=True,
         ),
     )
+    device_update_lead: int = field(
+        default=2,
+        metadata=_help(
+            """Where the host AdamW update that overlaps the next forward falls behind it, the
+            GPU updates the layers the CPU has not started within this many layers ahead of the
+            forward: their fp32 master, moments and gradient cross PCIe into a staging buffer
+            (HBM: 12-14 B per parameter of the largest host layer), the fused GPU AdamW updates
+            them, and master and moments go back. Same arithmetic, on the GPU's kernel. A layer
+            qualifies once its moments are pinned (background threads, during the first step).
+            0: the CPU updates every host layer. CUDA, one process, gradient clipping on.""",
+            run_time=True,
+        ),
+    )
     eager_update: bool = field(
         default=True,
         metadata=_help(
@@ -582,6 +595,18 @@ class ResolvedOptions:
         )
 
     @property
+    def device_updates(self) -> bool:
+        """The GPU may take over host-layer updates the overlapped CPU update has not reached
+        (``device_update_lead``): CUDA, an update after backward that overlaps the next
+        forward (clipping, no eager updates). Data parallel turns it off in the engine."""
+        return (
+            self.cuda
+            and self.overlap_optimizer
+            and not self.eager_update
+            and self.options.device_update_lead > 0
+        )
+
+    @property
     def boundary_bytes_per_element(self) -> int:
         """Bytes per element of a saved fp32 boundary activation (2 when rounded to bf16)."""
         return 4 if self.boundary_dtype is None else self.boundary_dtype.itemsize
@@ -763,6 +788,11 @@ def _check_values(opts: EngineOptions) -> None:
         raise OptionError(
             f"host_update_threads={opts.host_update_threads} must be >= 0 (0: torch's intra-op "
             "thread count)"
+        )
+    if opts.device_update_lead < 0:
+        raise OptionError(
+            f"device_update_lead={opts.device_update_lead} must be >= 0 (0: the CPU updates "
+            "every host layer)"
         )
     for name in ("plan_seq_len", "loss_chunk_tokens"):
         value = getattr(opts, name)

@@ -175,6 +175,13 @@ def gpu_lines(
                 STREAM_BUFFERS_KIND,
             )
         )
+    if (
+        options.device_updates
+        and ranks == 1
+        and options.host_grads
+        and device_updates_pay(sum(host), sum(hbm), step)
+    ):
+        lines.append(device_update_line(max_host, options, dtype, shape.hidden_size))
     ga = step.grad_accum if step is not None else 1
     if ga > 1:
         # Non-final micro-batches keep every host layer's gradient on the GPU (one D2H per step).
@@ -237,6 +244,53 @@ def gpu_lines(
         )
     lines.append(slack_line(lines))
     return lines
+
+
+#: fp32 elements of a device update's buffer for widening a compact gradient (the optimizer's
+#: ``DEVICE_WIDEN_CHUNK``; a plain number here, the planner imports no optimizer).
+DEVICE_WIDEN_NUMEL = 1 << 24
+
+
+#: The name every plan's device-update staging line starts with (``MemoryPlan.device_updates``).
+DEVICE_UPDATE_LINE = "device-update staging"
+#: Micro-batches up to this many tokens stage device updates. The CPU AdamW (2.2-3.8 G params/s
+#: on the H200 host, per machine start) outlasts a host layer's forward (2 x tokens FLOPs per
+#: parameter at ~400 TFLOP/s) below ~53k-91k tokens; longer micro-batches hide it on any host
+#: measured, and long context needs the HBM.
+DEVICE_UPDATE_MAX_TOKENS = 131_072
+
+
+def device_updates_pay(host_numel: int, hbm_numel: int, step: StepShape | None) -> bool:
+    """Whether a run stages device updates (``device_update_lead``): a known workload of at
+    most ``DEVICE_UPDATE_MAX_TOKENS`` per micro-batch (the update overlaps the next step's
+    first forward), and a host tier holding at least half of the layer parameters (the CPU
+    update of the host layers overlaps the forward of the HBM tier too; with fewer host layers
+    it stays ahead, and the staging's HBM is better spent on the tier). The run stages what
+    its plan counted (``MemoryPlan.device_updates``)."""
+    return (
+        step is not None
+        and step.micro_batch_tokens <= DEVICE_UPDATE_MAX_TOKENS
+        and host_numel > 0
+        and host_numel >= hbm_numel
+    )
+
+
+def device_update_line(
+    max_host: int, options: ResolvedOptions, dtype: torch.dtype, hidden: int
+) -> MemoryLine:
+    """The staging of a host layer's update the GPU takes over (``device_update_lead``): fp32
+    moments and gradient of the largest host layer, its fp32 master unless fp32-master
+    streaming's staging holds it, a widening buffer, and the norm weights' fp32 gradients."""
+    grad = itemsize(options.host_grad_dtype(dtype))
+    master = 0 if options.stream_fp32_master and dtype != torch.float32 else 4
+    per_param = 8 + grad + master
+    return MemoryLine(
+        f"{DEVICE_UPDATE_LINE} (GPU AdamW of a host layer the CPU falls behind on): largest "
+        f"host layer x {per_param} B ({'' if master else 'master in the fp32 staging, '}2 fp32 "
+        f"moments, {grad_dtype_label(options.host_grad_dtype(dtype))} grad) + widening buffer",
+        per_param * max_host + 4 * DEVICE_WIDEN_NUMEL + 4 * 4 * hidden,
+        STREAM_BUFFERS_KIND,
+    )
 
 
 def slack_line(lines: list[MemoryLine]) -> MemoryLine:
@@ -398,6 +452,10 @@ __all__ = [
     "SAFETY_MARGIN_LINE",
     "SLACK_LINE",
     "gpu_lines",
+    "DEVICE_UPDATE_LINE",
+    "DEVICE_UPDATE_MAX_TOKENS",
+    "device_update_line",
+    "device_updates_pay",
     "h2d_bytes_per_param",
     "grad_dtype_label",
     "host_bytes_per_param",

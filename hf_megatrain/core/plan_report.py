@@ -30,6 +30,7 @@ from .memory_options import BF16_BOUNDARIES, MemoryOptions
 from .options import ResolvedOptions, StepShape
 from .plan_arithmetic import (
     ALLOCATOR_FRAGMENTATION,
+    DEVICE_UPDATE_LINE,
     GIB,
     PCIE_BYTES_PER_S,
     SAFETY_MARGIN_LINE,
@@ -100,6 +101,12 @@ class MemoryPlan:
     options_fit: MemoryOptions | None = None
     # The option changes the advice names (any of the three above), structured.
     advice: OptionChanges | None = None
+
+    @property
+    def device_updates(self) -> bool:
+        """Whether the plan counts the staging of device updates (``device_update_lead``): the
+        run allocates it, and the GPU may take over host-layer updates, only then."""
+        return any(line.name.startswith(DEVICE_UPDATE_LINE) for line in self.gpu_lines)
 
     @property
     def kept_layer_indices(self) -> list[int]:

@@ -94,6 +94,7 @@ class StreamingEngine:
         self.updates = UpdateScheduler(stores, data_parallel)
         # Layer -> parameters bound from the fp32 master (``bind_exact``).
         self._exact_names: dict[int, tuple[str, ...]] = {}
+        self._device_widen_numel = 0  # device updates' staging (``enable_device_updates``)
         self.weights = self._weight_streamer(h2d)
         self.grads = GradientSink(stores, self.device, data_parallel, d2h)
         self.activations = ActivationStash(
@@ -255,10 +256,26 @@ class StreamingEngine:
         self.grads.on_final, self.grads.sync, self.grads.d2h_bytes = on_final, sync, d2h_bytes
 
     def _weight_streamer(self, h2d: torch.cuda.Stream | None) -> WeightStreamer:
-        return WeightStreamer(
+        weights = WeightStreamer(
             self.stores, self.device, self.compute_dtype, self.updates.wait_layer, h2d,
             self._exact_names, is_ready=self.updates.layer_ready,
+            take_device_update=self.updates.take_device_update,
+            claim_ahead=self.updates.claim_ahead,
         )  # fmt: skip
+        if self._device_widen_numel:
+            weights.enable_device_updates(self._device_widen_numel)
+        return weights
+
+    def enable_device_updates(self, widen_numel: int) -> None:
+        """Allocate the device's staging for host-layer updates it takes over from a CPU update
+        that falls behind (``WeightStreamer.enable_device_updates``; the plan's line)."""
+        self._device_widen_numel = widen_numel
+        self.weights.enable_device_updates(widen_numel)
+
+    @property
+    def device_updates(self) -> int:
+        """Host-layer updates the device took over from the overlapped CPU update, in all."""
+        return self.updates.device_updates
 
     def invalidate_weights(self) -> None:
         """The host copies changed (optimizer step, load): forget what the device buffers hold."""
@@ -269,10 +286,20 @@ class StreamingEngine:
         self.weights.wait_copies()
 
     def start_updates(
-        self, update_layer: Callable[[int], None], layers: list[int], n_threads: int = 0
+        self,
+        update_layer: Callable[[int], None],
+        layers: list[int],
+        n_threads: int = 0,
+        device_update: Callable[[int], Callable[[dict | None], None]] | None = None,
+        lead: int = 0,
+        claimable: Callable[[int], bool] | None = None,
     ) -> None:
-        """Run ``update_layer(i)`` for ``layers`` on a CPU thread (``UpdateScheduler.start``)."""
-        self.updates.start(update_layer, layers, n_threads)
+        """Run ``update_layer(i)`` for ``layers`` on a CPU thread (``UpdateScheduler.start``);
+        with ``device_update`` and ``lead``, the device takes over layers the CPU has not
+        reached when the forward comes within ``lead`` layers of them."""
+        if not self.weights.device_updates_enabled:
+            device_update = None
+        self.updates.start(update_layer, layers, n_threads, device_update, lead, claimable)
 
     @property
     def host_wait_s(self) -> float:
@@ -281,8 +308,10 @@ class StreamingEngine:
         return self.updates.blocked_s
 
     def wait_updates(self) -> None:
-        """Block until the background update (if any) is done; re-raise its error."""
+        """Block until the background update (if any) is done and every layer the device took
+        over is updated and back in its host store; re-raise the update's error."""
         self.updates.wait()
+        self.weights.flush_device_updates(self.updates.pending_device_updates())
 
     def publish_update(self, idx: int, version: int) -> None:
         """Owner side: layer ``idx``'s shared weights hold optimizer step ``version``."""
@@ -290,6 +319,7 @@ class StreamingEngine:
 
     def wait_all_weights(self) -> None:
         """Block until every layer's weights are final: local and (under DP) remote updates."""
+        self.wait_updates()
         self.updates.wait_all()
 
     # ---- saved activations ---------------------------------------------------------------------

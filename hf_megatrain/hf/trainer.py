@@ -476,6 +476,7 @@ class MegaTrainerMixin:
         self._tokens_since_log = 0
         self._time_of_log = time.perf_counter()
         self._host_wait_at_log = 0.0
+        self._gpu_updates_at_log = 0
         self._megatrain_pending = False
         # Non-finite guard: consecutive skipped steps; batches checked; warnings given once.
         self._megatrain_skips_in_row = 0
@@ -554,6 +555,14 @@ class MegaTrainerMixin:
                 weight_decay=args.weight_decay,
                 overlap_update=self.megatrain_options.options.overlap_optimizer,
                 update_threads=self.megatrain_options.options.host_update_threads,
+                # The GPU's staging for the updates it takes over is what the plan counted.
+                device_update_lead=(
+                    self.megatrain_options.options.device_update_lead
+                    if self.megatrain_options.device_updates
+                    and self.megatrain.plan is not None
+                    and self.megatrain.plan.device_updates
+                    else 0
+                ),
             )
             if self.megatrain_options.eager_update:
                 # No global norm to wait for: each layer updates as soon as its gradient of
@@ -1003,6 +1012,10 @@ class MegaTrainerMixin:
         waited = self.megatrain.engine.host_wait_s
         out["host_update_wait_s"] = round(waited - self._host_wait_at_log, 3)
         self._host_wait_at_log = waited
+        # Host-layer updates the GPU took over from a CPU update that fell behind the forward.
+        on_gpu = self.megatrain.engine.device_updates
+        out["host_updates_on_gpu"] = on_gpu - self._gpu_updates_at_log
+        self._gpu_updates_at_log = on_gpu
         rss, hwm = _host_memory_gib()
         if rss is not None:
             out["host_rss_gib"] = rss

@@ -41,12 +41,35 @@ class UpdateScheduler:
         #: owner's, or the whole update at the next step): where the CPU AdamW set the pace. The GPU
         #: runs the work already queued meanwhile, so it idles at most this long.
         self.blocked_s = 0.0
+        # Layers the device took over from a CPU update that fell behind (``claim_ahead``).
+        self._claim_lock = threading.Lock()
+        self._claims: dict[int, str] = {}
+        self._device_jobs: dict[int, Callable[[dict], None]] = {}
+        self._device_update: Callable[[int], Callable[[dict], None]] | None = None
+        self._layers: list[int] = []
+        self._lead = 0
+        self._claimable: Callable[[int], bool] | None = None
+        #: Host-layer updates the device took over, in all.
+        self.device_updates = 0
 
     def start(
-        self, update_layer: Callable[[int], None], layers: list[int], n_threads: int = 0
+        self,
+        update_layer: Callable[[int], None],
+        layers: list[int],
+        n_threads: int = 0,
+        device_update: Callable[[int], Callable[[dict], None]] | None = None,
+        lead: int = 0,
+        claimable: Callable[[int], bool] | None = None,
     ) -> None:
         """Run ``update_layer(i)`` for ``layers`` in order on a CPU thread with ``n_threads``
-        intra-op threads (0: ``background_threads()``); the other layers are ready."""
+        intra-op threads (0: ``background_threads()``); the other layers are ready.
+
+        ``device_update(i)`` (one process only): the update of layer ``i`` as a function of its
+        state on the compute device. Where the forward reaches layer ``j`` (``claim_ahead``)
+        while the CPU has not started a layer within ``lead`` layers after ``j`` (and
+        ``claimable(i)``), that layer is claimed for the device instead: the CPU thread skips
+        it, and the weight streamer runs it when it loads the layer (``take_device_update``).
+        """
         self.wait()
         ready = [threading.Event() for _ in self._stores]
         pending = set(layers)
@@ -58,11 +81,21 @@ class UpdateScheduler:
         # OpenMP runtime gives a fresh native thread its default team size): set it explicitly,
         # or the fused CPU AdamW may run on far fewer cores than the synchronous path.
         n_threads = n_threads or background_threads()
+        claims: dict[int, str] = {}  # layer -> "cpu" | "device", under self._claim_lock
+        self._claims = claims
+        self._layers = list(layers)
+        self._device_update = device_update if self._dp is None and lead > 0 else None
+        self._lead = lead
+        self._claimable = claimable
 
         def work() -> None:
             torch.set_num_threads(n_threads)
             try:
                 for i in layers:
+                    with self._claim_lock:
+                        if i in claims:
+                            continue  # the device took it
+                        claims[i] = "cpu"
                     update_layer(i)
                     ready[i].set()
             except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
@@ -75,6 +108,32 @@ class UpdateScheduler:
         # Not a daemon: interpreter exit waits for it instead of killing it inside a torch op.
         self._thread = threading.Thread(target=work, name="megatrain-adamw")
         self._thread.start()
+
+    def claim_ahead(self, idx: int) -> None:
+        """The forward has layer ``idx``'s weights: claim for the device the layers within
+        ``lead`` after it that the CPU update has not started (it has fallen behind)."""
+        if self._device_update is None or self._ready is None:
+            return
+        with self._claim_lock:
+            for k in self._layers:
+                if idx < k <= idx + self._lead and k not in self._claims:
+                    if self._claimable is not None and not self._claimable(k):
+                        continue
+                    self._claims[k] = "device"
+                    self._device_jobs[k] = self._device_update(k)
+                    self._ready[k].set()
+                    self.device_updates += 1
+
+    def take_device_update(self, idx: int) -> Callable[[dict], None] | None:
+        """The device update claimed for layer ``idx`` (once), or None: the caller runs it on
+        the layer's state before the layer's weights are read."""
+        with self._claim_lock:
+            return self._device_jobs.pop(idx, None)
+
+    def pending_device_updates(self) -> list[int]:
+        """Layers claimed for the device whose update has not been taken yet."""
+        with self._claim_lock:
+            return sorted(self._device_jobs)
 
     def wait(self) -> None:
         """Block until the background update (if any) is done; re-raise its error."""

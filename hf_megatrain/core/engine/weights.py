@@ -50,9 +50,21 @@ class WeightStreamer:
         h2d: torch.cuda.Stream | None,
         exact_names: dict[int, tuple[str, ...]] | None = None,
         is_ready: Callable[[int], bool] | None = None,
+        take_device_update: Callable[[int], Callable[[dict | None], None] | None] | None = None,
+        claim_ahead: Callable[[int], None] | None = None,
     ) -> None:
         self._stores = stores
         self._is_ready = is_ready
+        self._take_device_update = take_device_update
+        self._claim_ahead = claim_ahead
+        # Device updates (``enable_device_updates``): staging buffers, the stream that writes
+        # updated state back to the host, and the last write-back of each layer.
+        self._update_stage: dict[str, torch.Tensor] | None = None
+        self._writeback: torch.cuda.Stream | None = None
+        self._stage_written: torch.cuda.Event | None = None
+        self._host_written: dict[int, torch.cuda.Event] = {}
+        self._slot_written: list[torch.cuda.Event | None] = [None, None]
+        self.update_h2d_bytes = 0  # of ``h2d_bytes``: device updates' master, moments, gradient
         self.deferred_prefetches = 0
         # Layer -> names of its exact parameters (read when a layer loads: the caller may add
         # entries after construction, and the mapping outlives a rebuild for new stores).
@@ -117,11 +129,18 @@ class WeightStreamer:
         exact = self._exact_slots(idx)
         buf = self._exact_buffer(slot) if exact and not store.resident else None
         self._wait_ready(idx)
+        job = self._take(idx)
         free = self._slot_free[slot]
         with torch.cuda.stream(self._h2d):
             self._h2d.wait_event(free if free is not None else self._allocated)
+            if self._slot_written[slot] is not None:  # a write-back still reads this slot
+                self._h2d.wait_event(self._slot_written[slot])
+            if idx in self._host_written:  # a device update's write-back of this layer
+                self._h2d.wait_event(self._host_written[idx])
             dst = self._buffers[slot][: store.numel]
-            if store.resident:
+            if job is not None:
+                self._update_on_device(idx, job, dst)
+            elif store.resident:
                 # HBM tier without a compute-dtype copy: a device-side cast, no PCIe.
                 self._h2d.wait_event(self._masters_written)
                 dst.copy_(store.master)
@@ -134,15 +153,20 @@ class WeightStreamer:
             else:
                 dst.copy_(store.stream, non_blocking=True)
             if not store.resident and exact:
+                # The device update's new master is on the device already.
+                master = store.master if job is None else self._update_stage["master"]
                 pos = 0
                 for s in exact:  # a few hidden-sized fp32 vectors per layer
                     buf[pos : pos + s.numel].copy_(
-                        store.master[s.offset : s.offset + s.numel], non_blocking=True
+                        master[s.offset : s.offset + s.numel], non_blocking=True
                     )
                     pos += s.numel
             ready = torch.cuda.Event()
             ready.record(self._h2d)
-        if not store.resident:
+        self._slot_written[slot] = None
+        if job is not None:
+            self._write_back(idx, ready, dst, slot)
+        if not store.resident and job is None:
             self.h2d_bytes += store.numel * store.stream.element_size()
             exact_bytes = 4 * sum(s.numel for s in exact)
             self.h2d_bytes += exact_bytes
@@ -218,17 +242,23 @@ class WeightStreamer:
         store = self._stores[idx]
         if not self._cuda:
             self._wait_ready(idx)
+            job = self._take(idx)
+            if job is not None:
+                job(None)  # on the CPU the host state is where the update runs
+            self._claim(idx)
             if store.stream.dtype != self._dtype:
                 # fp32-master streaming on the CPU: the same cast the GPU does after its copy.
                 return store.stream.to(self._dtype)
             return store.stream
         if not uses_slot(store):
             # HBM tier: already on the device and updated there; still prefetch the next one.
+            self._claim(idx)
             self._prefetch(next_idx)
             return store.stream
         slot = self._load(idx)
         self._active = self._last_slot = slot
         torch.cuda.current_stream(self._device).wait_event(self._slot_ready[slot])
+        self._claim(idx)
         self._prefetch(next_idx)
         return self._buffers[slot][: store.numel]
 
@@ -250,6 +280,132 @@ class WeightStreamer:
         """The copy stream (None on the CPU)."""
         return self._h2d if self._cuda else None
 
+    # ---- device updates --------------------------------------------------------------------------
+    def _take(self, idx: int) -> Callable[[dict | None], None] | None:
+        return None if self._take_device_update is None else self._take_device_update(idx)
+
+    def _claim(self, idx: int) -> None:
+        if self._claim_ahead is not None:
+            self._claim_ahead(idx)
+
+    def enable_device_updates(self, widen_numel: int) -> None:
+        """Allocate what a device update of a host layer needs (CUDA): fp32 master and moments
+        of the largest host layer, its gradient (the slot's dtype, and the fp32 part beside a
+        compact slot) and an fp32 buffer of ``widen_numel`` to widen a compact gradient in."""
+        if not self._cuda or self._update_stage is not None:
+            return
+        host = [
+            s for s in self._stores
+            if not s.resident and s.exp_avg is not None and s.grad is not None
+        ]  # fmt: skip
+        if not host:
+            return
+        numel = max(s.numel for s in host)
+        grad_bytes = max(s.grad.numel() * s.grad.element_size() for s in host)
+        fp32_grad = max((s.fp32_grad.numel() for s in host if s.fp32_grad is not None), default=0)
+        dev = self._device
+        if self._stage is not None and self._stage.numel() >= numel:
+            master = self._stage  # fp32-master streaming's staging buffer: also in stream order
+        else:
+            master = torch.empty(numel, dtype=torch.float32, device=dev)
+        self._update_stage = {
+            "master": master,
+            "exp_avg": torch.empty(numel, dtype=torch.float32, device=dev),
+            "exp_avg_sq": torch.empty(numel, dtype=torch.float32, device=dev),
+            "grad": torch.empty(grad_bytes, dtype=torch.uint8, device=dev),
+            "fp32_grad": torch.empty(max(fp32_grad, 1), dtype=torch.float32, device=dev),
+            "widen": torch.empty(widen_numel, dtype=torch.float32, device=dev),
+            "step": torch.zeros((), dtype=torch.float32, device=dev),
+        }
+        self._writeback = torch.cuda.Stream(dev)
+        # Allocated on the compute stream: their use (copy stream) waits for its work so far.
+        self._stage_allocated = torch.cuda.Event()
+        self._stage_allocated.record(torch.cuda.current_stream(dev))
+
+    @property
+    def device_updates_enabled(self) -> bool:
+        return self._update_stage is not None or not self._cuda
+
+    def _staged_state(self, idx: int) -> dict[str, torch.Tensor]:
+        """Layer ``idx``'s master, moments and gradient copied into the staging buffers (on the
+        current stream, the copy stream)."""
+        store, stage = self._stores[idx], self._update_stage
+        n = store.numel
+        self._h2d.wait_event(self._stage_allocated)
+        if self._stage_written is not None:  # the last write-back has read the buffers
+            self._h2d.wait_event(self._stage_written)
+        state = {
+            "master": stage["master"][:n],
+            "exp_avg": stage["exp_avg"][:n],
+            "exp_avg_sq": stage["exp_avg_sq"][:n],
+            "grad": stage["grad"][: n * store.grad.element_size()].view(store.grad.dtype),
+            "fp32_grad": None,
+            "widen": stage["widen"],
+            "step": stage["step"],
+        }
+        for key in ("master", "exp_avg", "exp_avg_sq", "grad"):
+            state[key].copy_(getattr(store, key), non_blocking=True)
+        nbytes = n * (12 + store.grad.element_size())
+        if store.fp32_grad is not None:
+            state["fp32_grad"] = stage["fp32_grad"][: store.fp32_grad.numel()]
+            state["fp32_grad"].copy_(store.fp32_grad, non_blocking=True)
+            nbytes += 4 * store.fp32_grad.numel()
+        self.h2d_bytes += nbytes
+        self.update_h2d_bytes += nbytes
+        return state
+
+    def _update_on_device(self, idx: int, job: Callable[[dict | None], None], dst) -> None:
+        """Run layer ``idx``'s claimed update on its staged state and cast the new master into
+        ``dst`` (the layer's slot), all on the copy stream."""
+        state = self._staged_state(idx)
+        job(state)
+        dst.copy_(state["master"])
+
+    def _write_back(self, idx: int, updated: torch.cuda.Event, dst, slot: int | None) -> None:
+        """Copy layer ``idx``'s updated master and moments (and compute-dtype copy, where the
+        store keeps one) from the staging buffers back to its host store, after ``updated``."""
+        store, stage, n = self._stores[idx], self._update_stage, self._stores[idx].numel
+        with torch.cuda.stream(self._writeback):
+            self._writeback.wait_event(updated)
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(store, key).copy_(stage[key][:n], non_blocking=True)
+            if store.stream.data_ptr() != store.master.data_ptr():
+                store.stream.copy_(dst, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._writeback)
+        self._stage_written = done
+        self._host_written[idx] = done
+        if slot is not None:
+            self._slot_written[slot] = done
+
+    def flush_device_updates(self, layers: list[int]) -> None:
+        """Run the claimed device updates of ``layers`` that no load has run yet, and wait until
+        every device update's result is back in the host stores (before the host state is read
+        or rewritten: a checkpoint, the next optimizer step)."""
+        for idx in layers:
+            job = self._take(idx)
+            if job is None:
+                continue
+            if not self._cuda:
+                job(None)
+                continue
+            store = self._stores[idx]
+            with torch.cuda.stream(self._h2d):
+                if idx in self._host_written:
+                    self._h2d.wait_event(self._host_written[idx])
+                state = self._staged_state(idx)
+                job(state)
+                cast = None
+                if store.stream.data_ptr() != store.master.data_ptr():
+                    cast = state["master"].to(store.stream.dtype)
+                updated = torch.cuda.Event()
+                updated.record(self._h2d)
+            self._write_back(idx, updated, cast, None)
+            if cast is not None:
+                cast.record_stream(self._writeback)
+        if self._writeback is not None:
+            self._writeback.synchronize()
+
     def invalidate(self) -> None:
         """The host copies changed (optimizer step, load): forget what the slots hold."""
         if self._cuda:
@@ -258,6 +414,9 @@ class WeightStreamer:
             self._masters_written.record(torch.cuda.current_stream(self._device))
 
     def wait_copies(self) -> None:
-        """Block until no H2D copy reads the host stream copies (before they are rewritten)."""
+        """Block until no H2D copy reads the host stream copies (before they are rewritten) and
+        no device update writes them back."""
         if self._cuda:
             self._h2d.synchronize()
+            if self._writeback is not None:
+                self._writeback.synchronize()

@@ -1,0 +1,174 @@
+"""Device updates: where the overlapped CPU AdamW falls behind the next forward, the device takes
+over the host layers it has not started (``device_update_lead``). The claim protocol, the same
+training on the CPU engine (whose "device" update runs in place, bitwise the host path's), and
+the plan's staging line. The CUDA path: ``tests/test_gpu.py``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_megatrain import prepare_streamed_model
+from hf_megatrain.core.engine.updates import UpdateScheduler
+from hf_megatrain.core.host_store import LayerStore
+from hf_megatrain.core.optimizer import HostAdamW
+from hf_megatrain.core.options import EngineOptions, OptionError, StepShape
+from hf_megatrain.core.plan_arithmetic import DEVICE_UPDATE_MAX_TOKENS, DEVICE_WIDEN_NUMEL
+from hf_megatrain.core.planner import plan_memory
+from hf_megatrain.hf.model import model_shape_from_config, streamed_state
+
+CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+
+
+def qwen14b_shape():
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    return model_shape_from_config(AutoConfig.from_pretrained(CONFIGS / "qwen2.5-14b"), "14b")
+
+
+def test_option_is_checked():
+    assert EngineOptions().device_update_lead == 2
+    with pytest.raises(OptionError, match="device_update_lead"):
+        EngineOptions(device_update_lead=-1)
+    cuda = EngineOptions().resolve(clipping=True, cuda=True)
+    assert cuda.device_updates
+    assert not EngineOptions().resolve(clipping=True, cuda=False).device_updates
+    assert not EngineOptions().resolve(clipping=False, cuda=True).device_updates  # eager
+    assert not EngineOptions(device_update_lead=0).resolve(clipping=True, cuda=True).device_updates
+
+
+def test_claims_skip_the_cpu_and_go_to_the_device_once():
+    """The CPU thread is busy with layer 0: the forward at layer 0 claims the next two layers
+    it has not started (not layer 2, which may not be claimed); the CPU thread skips what the
+    device took, and each claimed update is handed out once."""
+    gate, started = threading.Event(), threading.Event()
+    on_cpu: list[int] = []
+
+    def update(i: int) -> None:
+        if i == 0:
+            started.set()
+            gate.wait(10)
+        on_cpu.append(i)
+
+    sched = UpdateScheduler([None] * 5, None)
+    sched.start(
+        update, [0, 1, 2, 3, 4], 1, device_update=lambda i: (lambda state: i), lead=3,
+        claimable=lambda i: i != 2,
+    )  # fmt: skip
+    assert started.wait(10)  # the CPU thread holds layer 0
+    sched.claim_ahead(0)
+    assert sched.pending_device_updates() == [1, 3]
+    assert sched.layer_ready(1) and sched.layer_ready(3) and not sched.layer_ready(2)
+    job = sched.take_device_update(1)
+    assert job is not None and job(None) == 1
+    assert sched.take_device_update(1) is None
+    gate.set()
+    sched.wait()
+    assert on_cpu == [0, 2, 4] and sched.device_updates == 2
+    assert sched.pending_device_updates() == [3]  # left for whoever reads the host state
+
+
+def test_no_claims_without_a_lead_or_under_data_parallel():
+    sched = UpdateScheduler([None] * 3, None)
+    gate = threading.Event()
+    sched.start(lambda i: gate.wait(10), [0, 1, 2], 1, device_update=lambda i: None, lead=0)
+    sched.claim_ahead(0)
+    gate.set()
+    sched.wait()
+    assert sched.device_updates == 0
+    dp = UpdateScheduler([None] * 3, object())  # any data-parallel group
+    dp.start(lambda i: None, [0, 1, 2], 1, device_update=lambda i: None, lead=2)
+    dp.claim_ahead(0)
+    dp.wait()
+    assert dp.device_updates == 0
+
+
+def _train(lead: int, slow: bool, monkeypatch) -> tuple[list[torch.Tensor], int]:
+    """3 clipped steps of a tiny Llama on the CPU engine with the overlapped update; with
+    ``slow``, each host layer's update on the update thread takes 50 ms."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg)
+    prepare_streamed_model(model, device="cpu", compute_dtype=torch.float32)
+    state = streamed_state(model)
+    if slow:
+        refresh = LayerStore.refresh_stream_copy
+
+        def slow_refresh(self, *args, **kwargs):
+            if threading.current_thread().name == "megatrain-adamw":
+                time.sleep(0.05)
+            return refresh(self, *args, **kwargs)
+
+        monkeypatch.setattr(LayerStore, "refresh_stream_copy", slow_refresh)
+    opt = HostAdamW(
+        state.engine, state.resident, lr=1e-2, weight_decay=0.1, overlap_update=True,
+        device_update_lead=lead,
+    )  # fmt: skip
+    data = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        loss = model(input_ids=data, labels=data).loss
+        loss.backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    state.engine.wait_updates()
+    monkeypatch.undo()
+    stores = [s for s in state.store.layers if not s.resident]
+    tensors = [t.clone() for s in stores for t in (s.master, s.exp_avg, s.exp_avg_sq)]
+    tensors += [p.detach().clone() for _, p, _ in state.resident]
+    return tensors, state.engine.device_updates
+
+
+def test_device_updates_train_as_the_cpu_does(monkeypatch):
+    """A CPU update slower than the forward: layers are taken over (on the CPU engine the
+    taken-over update runs in place on the training thread); masters, moments and resident
+    parameters come out bitwise those of the run where the CPU updates everything."""
+    base, none = _train(0, slow=True, monkeypatch=monkeypatch)
+    got, taken = _train(2, slow=True, monkeypatch=monkeypatch)
+    assert none == 0 and taken > 0
+    assert len(got) == len(base)
+    for a, b in zip(got, base):
+        assert torch.equal(a, b)
+
+
+def test_plan_stages_device_updates_where_the_cpu_paces_the_forward():
+    """Qwen2.5-14B at 64k tokens (the host tier holds most layers): the plan counts the staging
+    (bf16 gradient, master in fp32-master streaming's staging, two fp32 moments, a widening
+    buffer, the norm weights' fp32 gradients); long micro-batches, an unknown workload and
+    ``device_update_lead=0`` stage none."""
+    shape = qwen14b_shape()
+    hbm, host = 139 * 2**30, 125 * 2**30
+    fast = dict(
+        checkpoint_every=2, hbm_cast_weights=True, mlp_tile_tokens=16384,
+        stream_fp32_master=True,
+    )  # fmt: skip
+
+    def plan(tokens: int | None, **kw):
+        opts = EngineOptions(**{**fast, **kw}).resolve(
+            clipping=True, cuda=True, single_backward=True
+        )
+        step = None if tokens is None else StepShape(seq_len=4096, micro_batch_tokens=tokens)
+        return plan_memory(shape, step, opts, torch.bfloat16, hbm, host)
+
+    p = plan(65536)
+    assert p.device_updates and p.n_hbm * 2 <= shape.num_layers
+    line = next(ln for ln in p.gpu_lines if ln.name.startswith("device-update staging"))
+    largest = max(shape.layer_numels[p.n_hbm :])
+    assert line.nbytes == 10 * largest + 4 * DEVICE_WIDEN_NUMEL + 16 * shape.hidden_size
+    assert not plan(65536, device_update_lead=0).device_updates
+    assert not plan(None).device_updates
+    assert not plan(2 * DEVICE_UPDATE_MAX_TOKENS).device_updates
+    # Without fp32-master streaming the master needs its own staging (14 B/param).
+    copy = plan(65536, stream_fp32_master=False)
+    line = next(ln for ln in copy.gpu_lines if ln.name.startswith("device-update staging"))
+    assert line.nbytes == 14 * max(shape.layer_numels[copy.n_hbm :]) + 4 * DEVICE_WIDEN_NUMEL + (
+        16 * shape.hidden_size
+    )
