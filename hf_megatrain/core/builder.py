@@ -146,6 +146,13 @@ def build_streamed_state(
     if n_kept is None:
         n_kept = plan.kept_layers if plan is not None else 0
     first_kept = n_resident - min(n_kept, n_resident)
+    # Device updates (the plan counted their staging): the later half of the host layers, where
+    # a CPU update behind the forward falls furthest behind, keep their whole store pinned, so
+    # the GPU can copy master and moments in and out of it.
+    host_layers = [i for i in range(n_resident, len(layers)) if layers[i].trainable]
+    takeover = set()
+    if plan is not None and plan.device_updates and dp is None and host_grads:
+        takeover = set(host_layers[len(host_layers) // 2 :])
     stores: list[LayerStore | DeviceLayerStore] = []
     for i, layer in enumerate(layers):
         if i < n_resident:
@@ -168,6 +175,7 @@ def build_streamed_state(
                 hold_grad=host_grads,
                 stream_master=stream_master,
                 grad_dtype=grad_dtype,
+                pin_update_state=i in takeover,
             )
         fill(i, store)
         stores.append(store)

@@ -319,7 +319,9 @@ class LayerStore(_FlatLayerState):
     engine stages the layer's final gradient for an eager update instead. ``grad_dtype``: the
     slot's dtype (fp32 unless one backward makes the whole gradient in the compute dtype).
     ``stream_master=True``: no compute-dtype copy; ``stream`` is the fp32 master, cast to the
-    compute dtype on the device.
+    compute dtype on the device. ``pin_update_state``: with ``pin``, register the whole store,
+    master and moments included (a device update copies them over PCIe), not only the
+    PCIe-facing prefix; registering fresh memory maps it in, so this costs start-up time.
     """
 
     resident = False
@@ -337,6 +339,7 @@ class LayerStore(_FlatLayerState):
         hold_grad: bool = True,
         stream_master: bool = False,
         grad_dtype: torch.dtype = torch.float32,
+        pin_update_state: bool = False,
     ) -> None:
         super().__init__(slots, numel, decay_numel, stream_dtype)
         self.trainable = trainable
@@ -397,19 +400,19 @@ class LayerStore(_FlatLayerState):
             pinned_bytes = stream_bytes if separate_stream else fp32_bytes
         if not separate_stream:
             self.stream = self.master
+        if pin_update_state and trainable and hold_grad:
+            pinned_bytes = total  # the master and moments cross PCIe too (device updates)
         self.pinned = pin and self._register(raw.data_ptr() if raw is not None else 0, pinned_bytes)
+        self.update_state_pinned = self.pinned and pinned_bytes == total
         self.nbytes = total
-        if trainable and hold_grad and raw is not None and total > pinned_bytes:
-            self._update_range = (raw.data_ptr() + pinned_bytes, total - pinned_bytes)
 
     # ---- a compact (bf16) gradient slot ----------------------------------------------------------
     #: Gradients of parameters that compute at their fp32 master values (``hold_fp32_grads``),
     #: kept exactly beside a compact slot: ``fp32_grad`` and, per such slot, its position there.
     fp32_grad: torch.Tensor | None = None
     fp32_grad_slots: tuple[tuple[TensorSlot, int], ...] = ()
-    #: The part of the store a device update reads and writes besides the pinned prefix, and
-    #: whether it is pinned too (``pin_update_state``). Shared (data parallel) stores: none.
-    _update_range: tuple[int, int] | None = None
+    #: Whether the whole store is pinned (``pin_update_state``): a device update may copy its
+    #: master and moments in and out. Shared (data parallel) stores: never.
     update_state_pinned: bool = False
 
     @property
@@ -460,23 +463,6 @@ class LayerStore(_FlatLayerState):
                     fp32_grad[pos + a - slot.offset : pos + b - slot.offset]
                 )
         return out
-
-    def update_state_range(self) -> tuple[int, int] | None:
-        """``(address, nbytes)`` of the optimizer state that is not pinned yet (the fp32 master
-        unless it is what streams, and the moments), or None: what a device update of the layer
-        copies in and out, so what ``pin_update_state`` registers."""
-        if self._update_range is None or self.exp_avg is None or not self.pinned:
-            return None
-        return self._update_range
-
-    def pin_update_state(self) -> bool:
-        """Register ``update_state_range`` as pinned memory (once; thread-safe against itself
-        only through the caller: one thread per store). True once the state is pinned."""
-        if not self.update_state_pinned:
-            rng = self.update_state_range()
-            if rng is not None and self._register(*rng):
-                self.update_state_pinned = True
-        return self.update_state_pinned
 
     def _init_shared(
         self, shared: torch.Tensor, numel: int, stream_bytes: int, fp32_bytes: int, pin: bool

@@ -148,12 +148,6 @@ def _adamw_host_chunks(
             store.refresh_stream_copy(a, b)
 
 
-def _pin_update_state(store: LayerStore, device: torch.device) -> None:
-    """Pin ``store``'s master and moments (a prefault thread: its CUDA device set first)."""
-    torch.cuda.set_device(device)
-    store.pin_update_state()
-
-
 @dataclass
 class _Segment:
     layer: int
@@ -263,14 +257,13 @@ class HostAdamW(torch.optim.Optimizer):
         # The host moments' pages, mapped in while the first forward and backward run (the
         # first update would otherwise fault each page in itself, several times slower).
         owned = [engine.stores[idx] for idx in self._owned_layers]
-        pins = []
-        if self.device_update_lead and engine.is_cuda and all(s.grad is not None for s in owned):
-            # Device updates copy master and moments over PCIe: pinned, or each copy would
-            # block the training thread. Pinned once populated, in the background.
+        # Device updates copy master and moments over PCIe: only of stores pinned whole (the
+        # builder pins those of the plan's device updates), or each copy would block the
+        # training thread.
+        if self.device_update_lead and engine.is_cuda and any(s.update_state_pinned for s in owned):
             engine.enable_device_updates(DEVICE_WIDEN_CHUNK)
-            pins = [functools.partial(_pin_update_state, s, engine.device) for s in owned]
         self.prefault = Prefault(
-            [r for store in owned for r in store.moment_ranges()], default_threads(), owned, pins
+            [r for store in owned for r in store.moment_ranges()], default_threads(), owned
         )
 
     # ---- gradient norm and clipping -----------------------------------------------------------

@@ -17,7 +17,7 @@ import mmap
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -46,19 +46,13 @@ class Prefault:
     ``owners``: the objects whose memory the ranges are (the layer stores); held until the work
     ends, so no range is unmapped, and its addresses reused, while a thread may still reach it.
     Daemon threads: interpreter exit does not wait for them (the call never changes contents).
-    ``then``: calls the threads make once every range is handed out (pinning the populated
-    memory for device updates), in the order given; an exception only skips that call.
     """
 
     def __init__(
-        self,
-        ranges: Iterable[tuple[int, int]],
-        threads: int,
-        owners: Iterable[object] = (),
-        then: Iterable[Callable[[], object]] = (),
+        self, ranges: Iterable[tuple[int, int]], threads: int, owners: Iterable[object] = ()
     ) -> None:
         self._owners: list[object] | None = list(owners)
-        self._pieces: queue.Queue[tuple[int, int] | Callable[[], object] | None] = queue.Queue()
+        self._pieces: queue.Queue[tuple[int, int] | None] = queue.Queue()
         self.populated_bytes = 0
         self.supported = True
         self._lock = threading.Lock()
@@ -68,18 +62,15 @@ class Prefault:
             end = addr + nbytes
             for a in range(start, end, PIECE):
                 self._pieces.put((a, min(a + PIECE, end) - a))
-        # Work that follows the population (pinning the populated state), in the order given.
-        then = list(then)
-        for fn in then:
-            self._pieces.put(fn)
         self._threads = [
             threading.Thread(target=self._work, name=f"megatrain-prefault-{i}", daemon=True)
             for i in range(max(1, threads))
         ]
         self._madvise = _madvise()
-        if self._madvise is None:
+        if self._pieces.empty():
+            self._threads = []
+        elif self._madvise is None:
             self.supported = False
-        if self._pieces.empty() or (self._madvise is None and not then):
             self._threads = []
         self._running = len(self._threads)
         if not self._threads:
@@ -98,18 +89,10 @@ class Prefault:
                     self._owners = None  # the stores may go now
 
     def _populate(self) -> None:
-        while True:
+        while not self._stop.is_set():
             piece = self._pieces.get()
             if piece is None:
                 return
-            if callable(piece):
-                try:
-                    piece()
-                except Exception:  # noqa: BLE001 - a failed pin only keeps a layer on the CPU
-                    logger.debug("hf_megatrain: prefault follow-up failed", exc_info=True)
-                continue
-            if self._stop.is_set() or self._madvise is None:
-                continue  # population stopped: only the follow-ups are left to run
             addr, nbytes = piece
             if self._madvise(addr, nbytes, MADV_POPULATE_WRITE) != 0:
                 err = ctypes.get_errno()
@@ -118,7 +101,7 @@ class Prefault:
                 self.supported = err != 22
                 self._stop.set()
                 logger.debug("hf_megatrain: prefault stopped (errno %d)", err)
-                continue
+                return
             with self._lock:
                 self.populated_bytes += nbytes
 
