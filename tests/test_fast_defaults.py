@@ -57,13 +57,10 @@ def test_auto_attention_outputs_go_before_the_tier_at_64k_and_are_counted(llama8
     are a GPU line of the plan, which still fits."""
     off = _plan(llama8b, 65536, keep_attention_outputs="off")
     auto = _plan(llama8b, 65536)
-    assert (off.n_hbm, off.attention_layers) == (18, 0)  # host tier < half: no staging
-    # The device-update staging (2.6 GiB at 64k: the CPU update paces the forward) takes the
-    # room of one tier layer.
-    assert (auto.n_hbm, auto.attention_layers) == (13, 32) and auto.device_updates
-    no_staging = _plan(llama8b, 65536, device_update_lead=0)
-    assert (no_staging.n_hbm, no_staging.attention_layers) == (14, 32)
-    assert not no_staging.device_updates
+    assert (off.n_hbm, off.attention_layers) == (18, 0)
+    # The host tier's 18 of 32 layers keep up with the forward: no device-update staging (it
+    # cost this workload 9% when it ran, test_device_updates.py has the rule).
+    assert (auto.n_hbm, auto.attention_layers) == (14, 32) and not auto.device_updates
     assert auto.fits and auto.gpu_total <= H200
     assert _attention_line(auto) == _attention_line(
         _plan(llama8b, 65536, keep_attention_outputs="all")

@@ -253,26 +253,29 @@ DEVICE_WIDEN_NUMEL = 1 << 24
 
 #: The name every plan's device-update staging line starts with (``MemoryPlan.device_updates``).
 DEVICE_UPDATE_LINE = "device-update staging"
-#: Micro-batches up to this many tokens stage device updates. The CPU AdamW (2.2-3.8 G params/s
-#: on the H200 host, per machine start) outlasts a host layer's forward (2 x tokens FLOPs per
-#: parameter at ~400 TFLOP/s) below ~53k-91k tokens; longer micro-batches hide it on any host
-#: measured, and long context needs the HBM.
-DEVICE_UPDATE_MAX_TOKENS = 131_072
+#: The slowest host AdamW measured on the H200 machine (parameters per second: 2.2-3.8 G per
+#: machine start, ``dev/host_update_probe.py``) and the layers' model FLOP rate at 64k-token
+#: steps there (~450 T/s): the two rates that decide whether the CPU update keeps up.
+HOST_ADAMW_SLOW_PARAMS_PER_S = 2.2e9
+GPU_LAYER_FLOPS_PER_S = 450e12
 
 
 def device_updates_pay(host_numel: int, hbm_numel: int, step: StepShape | None) -> bool:
-    """Whether a run stages device updates (``device_update_lead``): a known workload of at
-    most ``DEVICE_UPDATE_MAX_TOKENS`` per micro-batch (the update overlaps the next step's
-    first forward), and a host tier holding at least half of the layer parameters (the CPU
-    update of the host layers overlaps the forward of the HBM tier too; with fewer host layers
-    it stays ahead, and the staging's HBM is better spent on the tier). The run stages what
-    its plan counted (``MemoryPlan.device_updates``)."""
-    return (
-        step is not None
-        and step.micro_batch_tokens <= DEVICE_UPDATE_MAX_TOKENS
-        and host_numel > 0
-        and host_numel >= hbm_numel
-    )
+    """Whether a run stages device updates (``device_update_lead``): where the CPU AdamW of the
+    host layers, on the slowest host measured, outlasts the next forward up to the last of them.
+    The update starts when the backward ends and overlaps the whole forward (HBM tier first, at
+    ~2 x tokens FLOPs per parameter); it falls behind when host_numel / R exceeds
+    (host_numel + hbm_numel) x 2 x tokens / F, i.e. when the host tier's share of the layer
+    parameters exceeds 2 x tokens x R / F (0.64 at 64k tokens: Qwen2.5-14B's 33 of 48 layers
+    stage, Llama-3.1-8B's 18 of 32 do not; none from ~102k tokens on). Measured on the H200: the
+    14B at 64k on an update of 8 threads went from 383 to 400 model TFLOP/s; the 8B, whose
+    update keeps up, lost 9% to the layers taken over, so it must not stage. The run stages
+    what its plan counted (``MemoryPlan.device_updates``)."""
+    if step is None or host_numel <= 0:
+        return False
+    share = host_numel / (host_numel + hbm_numel)
+    tokens = step.micro_batch_tokens
+    return share > 2 * tokens * HOST_ADAMW_SLOW_PARAMS_PER_S / GPU_LAYER_FLOPS_PER_S
 
 
 def device_update_line(
@@ -453,7 +456,8 @@ __all__ = [
     "SLACK_LINE",
     "gpu_lines",
     "DEVICE_UPDATE_LINE",
-    "DEVICE_UPDATE_MAX_TOKENS",
+    "GPU_LAYER_FLOPS_PER_S",
+    "HOST_ADAMW_SLOW_PARAMS_PER_S",
     "device_update_line",
     "device_updates_pay",
     "h2d_bytes_per_param",
