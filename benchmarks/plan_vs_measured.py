@@ -86,7 +86,7 @@ MOE_FUSED_LOSS_SINCE = "2026-12-02T07:00:00Z"
 COMPACT_GRADS_SINCE = "2026-12-03T12:50"
 #: Rows from here on staged device updates where the plan counts them (``device_update_lead``,
 #: ``MemoryPlan.device_updates``); the rows before allocated no such staging.
-DEVICE_UPDATES_SINCE = "2026-12-03T20:40"
+DEVICE_UPDATES_SINCE = "2026-12-03T20:30"
 MOE_FUSED_LOSS_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"})
 
 
