@@ -783,16 +783,21 @@ def test_eager_updates_on_gpu(tmp_path):
     assert eager == pytest.approx(deferred, rel=1e-3)
 
 
+def _wide_llama_config() -> LlamaConfig:
+    """6 layers of ~17M parameters: a host AdamW on one thread takes tens of ms per layer,
+    longer than the layer's forward."""
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
+    )  # fmt: skip
+
+
 def test_prefetch_waits_for_no_host_update_on_gpu(tmp_path):
     """A host AdamW step slower than the next forward (one intra-op thread, wide layers): the
     prefetch of a layer whose update still runs is left to its own acquire instead of holding
     back the launch of the layer before it. The same training as updating before the next step
     starts (no overlap, nothing deferred)."""
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
-        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
-    )  # fmt: skip
-    model = tiny_model(config)
+    model = tiny_model(_wide_llama_config())
     data = _data(32, 128)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ~17M parameters per layer: tens of ms of AdamW per layer
@@ -816,11 +821,7 @@ def test_device_updates_take_over_a_slow_host_update_on_gpu(tmp_path):
     takes over host layers the CPU has not started (of those pinned whole at construction),
     updates them with its fused AdamW and writes master and moments back. The same training as
     the CPU updating every layer: the losses, and the masters where training moved them."""
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
-        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
-    )  # fmt: skip
-    model = tiny_model(config)
+    model = tiny_model(_wide_llama_config())
     data = _data(32, 128)
     start: dict[str, list[torch.Tensor]] = {}
 

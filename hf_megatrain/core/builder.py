@@ -151,7 +151,7 @@ def build_streamed_state(
     # the GPU can copy master and moments in and out of it.
     host_layers = [i for i in range(n_resident, len(layers)) if layers[i].trainable]
     takeover = set()
-    if plan is not None and plan.device_updates and dp is None and host_grads:
+    if plan is not None and plan.device_updates and dp is None:
         takeover = set(host_layers[len(host_layers) // 2 :])
     stores: list[LayerStore | DeviceLayerStore] = []
     for i, layer in enumerate(layers):

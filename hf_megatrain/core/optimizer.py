@@ -98,11 +98,6 @@ def _adamw_slice(
     )
 
 
-#: Elements per fused AdamW call of a device update (a compact gradient widened into a 64 MiB
-#: buffer): few launches per layer, the launches being the training thread's. The plan's line.
-DEVICE_WIDEN_CHUNK = DEVICE_WIDEN_NUMEL
-
-
 def _adamw_host_chunks(
     seg: _Segment,
     grad: torch.Tensor,
@@ -261,9 +256,12 @@ class HostAdamW(torch.optim.Optimizer):
         # builder pins those of the plan's device updates), or each copy would block the
         # training thread.
         if self.device_update_lead and engine.is_cuda and any(s.update_state_pinned for s in owned):
-            engine.enable_device_updates(DEVICE_WIDEN_CHUNK)
+            # Widened in chunks of 64 MiB: few launches per layer (the training thread's).
+            engine.enable_device_updates(DEVICE_WIDEN_NUMEL)
+        # (Stores pinned whole were mapped in by their registration.)
+        unmapped = [s for s in owned if not s.update_state_pinned]
         self.prefault = Prefault(
-            [r for store in owned for r in store.moment_ranges()], default_threads(), owned
+            [r for store in unmapped for r in store.moment_ranges()], default_threads(), unmapped
         )
 
     # ---- gradient norm and clipping -----------------------------------------------------------

@@ -384,9 +384,11 @@ class EngineOptions:
             GPU updates the layers the CPU has not started within this many layers ahead of the
             forward: their fp32 master, moments and gradient cross PCIe into a staging buffer
             (HBM: 12-14 B per parameter of the largest host layer), the fused GPU AdamW updates
-            them, and master and moments go back. Same arithmetic, on the GPU's kernel. A layer
-            qualifies once its moments are pinned (background threads, during the first step).
-            0: the CPU updates every host layer. CUDA, one process, gradient clipping on.""",
+            them, and master and moments go back. Same arithmetic, on the GPU's kernel. Only
+            where the plan counts the staging (the host tier's share of the layer parameters
+            outruns the forward); the later half of the host layers qualifies, their stores
+            pinned whole at start-up. 0: the CPU updates every host layer. CUDA, one process,
+            gradient clipping on.""",
             run_time=True,
         ),
     )

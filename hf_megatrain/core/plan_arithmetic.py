@@ -246,8 +246,8 @@ def gpu_lines(
     return lines
 
 
-#: fp32 elements of a device update's buffer for widening a compact gradient (the optimizer's
-#: ``DEVICE_WIDEN_CHUNK``; a plain number here, the planner imports no optimizer).
+#: fp32 elements of a device update's buffer for widening a compact gradient, per fused AdamW
+#: call (the optimizer's; defined here, as the planner imports no optimizer).
 DEVICE_WIDEN_NUMEL = 1 << 24
 
 

@@ -558,9 +558,9 @@ class MegaTrainerMixin:
                 # The GPU's staging for the updates it takes over is what the plan counted.
                 device_update_lead=(
                     self.megatrain_options.options.device_update_lead
-                    if self.megatrain_options.device_updates
+                    if self.megatrain_options.device_updates  # this run's clipping and device
                     and self.megatrain.plan is not None
-                    and self.megatrain.plan.device_updates
+                    and self.megatrain.plan.device_updates  # the staging the plan counted
                     else 0
                 ),
             )

@@ -43,7 +43,7 @@ class UpdateScheduler:
         self.blocked_s = 0.0
         # Layers the device took over from a CPU update that fell behind (``claim_ahead``).
         self._claim_lock = threading.Lock()
-        self._claims: dict[int, str] = {}
+        self._claims: set[int] = set()  # layers the CPU thread or the device took, this step
         self._device_jobs: dict[int, Callable[[dict], None]] = {}
         self._device_update: Callable[[int], Callable[[dict], None]] | None = None
         self._layers: list[int] = []
@@ -81,7 +81,7 @@ class UpdateScheduler:
         # OpenMP runtime gives a fresh native thread its default team size): set it explicitly,
         # or the fused CPU AdamW may run on far fewer cores than the synchronous path.
         n_threads = n_threads or background_threads()
-        claims: dict[int, str] = {}  # layer -> "cpu" | "device", under self._claim_lock
+        claims: set[int] = set()  # under self._claim_lock
         self._claims = claims
         self._layers = list(layers)
         self._device_update = device_update if self._dp is None and lead > 0 else None
@@ -95,7 +95,7 @@ class UpdateScheduler:
                     with self._claim_lock:
                         if i in claims:
                             continue  # the device took it
-                        claims[i] = "cpu"
+                        claims.add(i)
                     update_layer(i)
                     ready[i].set()
             except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
@@ -119,7 +119,7 @@ class UpdateScheduler:
                 if idx < k <= idx + self._lead and k not in self._claims:
                     if self._claimable is not None and not self._claimable(k):
                         continue
-                    self._claims[k] = "device"
+                    self._claims.add(k)
                     self._device_jobs[k] = self._device_update(k)
                     self._ready[k].set()
                     self.device_updates += 1

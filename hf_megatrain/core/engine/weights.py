@@ -64,7 +64,6 @@ class WeightStreamer:
         self._stage_written: torch.cuda.Event | None = None
         self._host_written: dict[int, torch.cuda.Event] = {}
         self._slot_written: list[torch.cuda.Event | None] = [None, None]
-        self.update_h2d_bytes = 0  # of ``h2d_bytes``: device updates' master, moments, gradient
         self.deferred_prefetches = 0
         # Layer -> names of its exact parameters (read when a layer loads: the caller may add
         # entries after construction, and the mapping outlives a rebuild for new stores).
@@ -351,7 +350,6 @@ class WeightStreamer:
             state["fp32_grad"].copy_(store.fp32_grad, non_blocking=True)
             nbytes += 4 * store.fp32_grad.numel()
         self.h2d_bytes += nbytes
-        self.update_h2d_bytes += nbytes
         return state
 
     def _update_on_device(self, idx: int, job: Callable[[dict | None], None], dst) -> None:
@@ -389,20 +387,16 @@ class WeightStreamer:
             if not self._cuda:
                 job(None)
                 continue
-            store = self._stores[idx]
             with torch.cuda.stream(self._h2d):
                 if idx in self._host_written:
                     self._h2d.wait_event(self._host_written[idx])
-                state = self._staged_state(idx)
-                job(state)
-                cast = None
-                if store.stream.data_ptr() != store.master.data_ptr():
-                    cast = state["master"].to(store.stream.dtype)
+                # No slot to cast into: a buffer of its own, read by the write-back.
+                cast = torch.empty(self._stores[idx].numel, dtype=self._dtype, device=self._device)
+                self._update_on_device(idx, job, cast)
                 updated = torch.cuda.Event()
                 updated.record(self._h2d)
             self._write_back(idx, updated, cast, None)
-            if cast is not None:
-                cast.record_stream(self._writeback)
+            cast.record_stream(self._writeback)
         if self._writeback is not None:
             self._writeback.synchronize()
 
