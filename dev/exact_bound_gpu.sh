@@ -33,6 +33,8 @@
 #              over the H200 by its margin; exact500k reserved 10.5 GiB under its first-step
 #              expectation) and
 #              121.91 GiB of host without its 2.17 GiB margin. ~13 min if it trains.
+#   timeline262k exact524k's options at 262,144 tokens with --layer-timing (diagnostic: the
+#              long step's forward, chain recompute and backward per layer). ~3 min.
 #   llama8b    Llama-3.1-8B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
 #   slow14b    compact14b with the host update on 8 threads: a host whose AdamW runs ~2.2 G params/s
 #              (some machine starts run 2.4), where the update falls behind the forward.
@@ -121,6 +123,11 @@ item() {  # item <name>: one queue item
     exact524k)
       run exact524k qwen2.5-7b:524288 1000 --streamed-init --auto-fit off --resident-layers 0 \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6
+      ;;
+    timeline262k)  # exact524k's options at 262,144 tokens, with the layer timeline (diagnostic)
+      run timeline262k qwen2.5-7b:262144 400 --streamed-init --auto-fit off --resident-layers 0 \
+        --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6 \
+        --layer-timing
       ;;
     over508k)
       run over508k qwen2.5-7b:507904 900 --streamed-init --auto-fit off --resident-layers 0 \

@@ -49,6 +49,10 @@ def test_recompute_is_compute_inside_the_backward_pass():
     s = tl.summary()
     assert s["recompute_ms"] == pytest.approx(40, abs=8)
     assert s["layer_ms"] == pytest.approx(60, abs=10)
+    by_phase = s["layer_ms_by_phase"]
+    assert by_phase["recompute"] == pytest.approx(40, abs=8)
+    assert by_phase["backward"] == pytest.approx(20, abs=8)
+    assert sum(by_phase.values()) == pytest.approx(s["layer_ms"])
     assert set(s["gap_ms_by_phase"]) == {"backward"}
     assert 30 <= s["gap_ms"] < 45
     assert s["largest_gap_before"] == "recompute layer 0"

@@ -64,13 +64,16 @@ class LayerTimeline:
         the idle time between them; the switch between passes (the loss, the next micro-batch)
         is not a gap between layers (``between_passes_ms`` sums those switches apart).
         ``gap_ms_by_phase`` splits ``gap_ms`` by pass and ``recompute_ms`` is the chains' part
-        of ``layer_ms``; ``largest_gaps`` lists the 8 largest with the interval each came before
+        of ``layer_ms`` (``layer_ms_by_phase`` splits it by phase); ``largest_gaps`` lists the 8 largest with the interval each came before
         (where a gap sits says what it waited for: an HBM-tier layer waits for no weight copy).
         """
         if not self.spans:
             return {"layer_ms": 0.0, "gap_ms": 0.0, "largest_gap_ms": 0.0, "passes": 0}
         layer_ms = sum(s.elapsed_time(e) for _, _, s, e in self.spans)
         recompute_ms = sum(s.elapsed_time(e) for p, _, s, e in self.spans if p == "recompute")
+        compute_by_phase: dict[str, float] = {}
+        for p, _, s, e in self.spans:
+            compute_by_phase[p] = compute_by_phase.get(p, 0.0) + s.elapsed_time(e)
         gaps: list[tuple[float, str]] = []
         by_phase: dict[str, float] = {}
         between = 0.0  # from one pass's last layer to the next pass's first (the loss, ...)
@@ -87,6 +90,7 @@ class LayerTimeline:
         return {
             "layer_ms": layer_ms,
             "recompute_ms": recompute_ms,
+            "layer_ms_by_phase": compute_by_phase,
             "gap_ms": sum(g for g, _ in gaps),
             "gap_ms_by_phase": by_phase,
             "between_passes_ms": between,
