@@ -38,6 +38,7 @@
 #   llama8b    Llama-3.1-8B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
 #   slow14b    compact14b with the host update on 8 threads: a host whose AdamW runs ~2.2 G params/s
 #              (some machine starts run 2.4), where the update falls behind the forward.
+#   nodevice14b compact14b with --device-update-lead 0 (every host update on the CPU).
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
 #   threads14b, threads8b  compact14b and llama8b with the host update on 15 of 16 cores (a
 #              core left to the training thread): the A/B of host_update_threads. At c7afdc8
@@ -104,6 +105,9 @@ item() {  # item <name>: one queue item
       ;;
     threads8b)
       run64k threads8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --host-update-threads 15
+      ;;
+    nodevice14b)  # compact14b with every host update on the CPU (the A/B of device updates)
+      run64k nodevice14b64k qwen2.5-14b 300 --steps 3 --warmup 1 --device-update-lead 0
       ;;
     slow14b)  # a slow host stood in for: the host update on 8 of the 16 cores (~2.2 G params/s)
       run64k slow14b64k qwen2.5-14b 300 --steps 3 --warmup 1 --host-update-threads 8

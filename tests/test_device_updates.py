@@ -8,12 +8,14 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_megatrain import prepare_streamed_model
+from hf_megatrain.core.engine.pace import ForwardPace
 from hf_megatrain.core.engine.updates import UpdateScheduler
 from hf_megatrain.core.host_store import LayerStore
 from hf_megatrain.core.optimizer import HostAdamW
@@ -83,6 +85,71 @@ def test_claims_skip_the_cpu_and_go_to_the_device_once():
     sched.wait()
     assert on_cpu == [0, 2, 4] and sched.device_updates == 2
     assert sched.pending_device_updates() == [3]  # left for whoever reads the host state
+
+
+def test_claims_only_what_the_cpu_would_deliver_late():
+    """With the device's slack before each layer known and the CPU's pace measured (20 ms per
+    layer here), a layer is claimed only where the CPU would finish it after the device needs
+    it; layers after a claimed one come sooner (the CPU skips the claimed one). Without a
+    slack (no pace yet), every unstarted layer within the lead is claimed as before."""
+    stores = [SimpleNamespace(numel=1000) for _ in range(5)]
+    sched = UpdateScheduler(stores, None)
+    sched.start(lambda i: time.sleep(0.02), [0, 1, 2, 3], 1)
+    sched.wait()  # the CPU's pace: ~20 us per parameter
+    gate, started = threading.Event(), threading.Event()
+    on_cpu: list[int] = []
+
+    def update(i: int) -> None:
+        if i == 0:
+            started.set()
+            gate.wait(10)
+        on_cpu.append(i)
+
+    sched.start(update, [0, 1, 2, 3, 4], 1, device_update=lambda i: lambda s: i, lead=3)
+    assert started.wait(10)
+    sched.claim_ahead(0, lambda k: 10.0)  # 10 s before the device needs any: the CPU is in time
+    assert sched.pending_device_updates() == []
+    # Layer 2 is needed now; layers 1 and 3 (then ~40 and ~60 ms of CPU work away) in 10 s.
+    sched.claim_ahead(0, lambda k: 0.0 if k == 2 else 10.0)
+    assert sched.pending_device_updates() == [2]
+    sched.claim_ahead(0, lambda k: None)  # no slack known: every unstarted layer in the lead
+    assert sched.pending_device_updates() == [1, 2, 3]
+    gate.set()
+    sched.wait()
+    assert on_cpu == [0, 4] and sched.device_updates == 3
+
+
+class _Mark:
+    """A stand-in CUDA event: passed once ``done``, at time ``t`` (milliseconds)."""
+
+    def __init__(self, t: float) -> None:
+        self.t, self.done = t, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, other: _Mark) -> float:
+        return other.t - self.t
+
+
+def test_forward_pace_reads_position_and_layer_time_from_passed_marks():
+    pace = ForwardPace()
+    assert pace.slack_s(3) is None and pace.position() is None
+    marks = [_Mark(t) for t in (0.0, 100.0, 250.0, 360.0)]  # layer 1 waited 70 ms for weights
+    for i, m in enumerate(marks):
+        pace.layer_started(i, m)
+    assert pace.position() == -1 and pace.layer_s is None  # none passed: before layer 0
+    for m in marks[:3]:
+        m.done = True
+    assert pace.position() == 2
+    assert pace.layer_s == pytest.approx(0.1)  # the shortest interval: compute without a wait
+    assert pace.slack_s(6) == pytest.approx(0.3)  # layers 3, 4 and 5 still to run
+    assert pace.slack_s(3) == 0.0
+    # A new pass (the index goes back): where the device is counts from its first layer.
+    pace.layer_started(0, _Mark(1000.0))
+    marks[3].done = True  # the last layer of the old pass: not a position in the new one
+    assert pace.position() == -1
+    assert pace.slack_s(2) == pytest.approx(0.2)
 
 
 def test_no_claims_without_a_lead_or_under_data_parallel():

@@ -49,6 +49,10 @@ class UpdateScheduler:
         self._layers: list[int] = []
         self._lead = 0
         self._claimable: Callable[[int], bool] | None = None
+        # The CPU thread's pace: seconds per parameter of its last updates (None before one),
+        # and the layer it is on with its start time.
+        self._cpu_s_per_param: float | None = None
+        self._cpu_current: tuple[int, float] | None = None
         #: Host-layer updates the device took over, in all.
         self.device_updates = 0
 
@@ -87,6 +91,7 @@ class UpdateScheduler:
         self._device_update = device_update if self._dp is None and lead > 0 else None
         self._lead = lead
         self._claimable = claimable
+        self._cpu_current = None  # the thread below has not started a layer yet
 
         def work() -> None:
             torch.set_num_threads(n_threads)
@@ -96,7 +101,10 @@ class UpdateScheduler:
                         if i in claims:
                             continue  # the device took it
                         claims.add(i)
+                        start = time.perf_counter()
+                        self._cpu_current = (i, start)
                     update_layer(i)
+                    self._cpu_pace(i, time.perf_counter() - start)
                     ready[i].set()
             except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
                 self._error = exc
@@ -109,9 +117,42 @@ class UpdateScheduler:
         self._thread = threading.Thread(target=work, name="megatrain-adamw")
         self._thread.start()
 
-    def claim_ahead(self, idx: int) -> None:
+    def _numel(self, idx: int) -> int:
+        return max(1, getattr(self._stores[idx], "numel", 1))
+
+    def _cpu_pace(self, idx: int, seconds: float) -> None:
+        rate = seconds / self._numel(idx)
+        prev = self._cpu_s_per_param
+        # Half the weight on the newest layer: a few updates follow a change of pace (the
+        # first update's page faults, another process on the host).
+        self._cpu_s_per_param = rate if prev is None else 0.5 * (prev + rate)
+
+    def _cpu_done_s(self, k: int) -> float:
+        """Seconds until the CPU thread will have updated layer ``k`` at its measured pace: the
+        rest of the layer it is on and every unclaimed layer after it up to ``k``. Under the
+        claim lock, with the pace known."""
+        rate = self._cpu_s_per_param
+        cur = self._cpu_current
+        total, after = 0.0, cur is None
+        for i in self._layers:
+            if cur is not None and i == cur[0]:
+                elapsed = time.perf_counter() - cur[1]
+                total += max(0.0, self._numel(i) * rate - elapsed)
+                after = True
+            elif after and i not in self._claims:
+                total += self._numel(i) * rate
+            if i == k:
+                break
+        return total
+
+    def claim_ahead(self, idx: int, slack_s: Callable[[int], float | None] | None = None) -> None:
         """The forward has layer ``idx``'s weights: claim for the device the layers within
-        ``lead`` after it that the CPU update has not started (it has fallen behind)."""
+        ``lead`` after it that the CPU update has not started (it has fallen behind).
+
+        ``slack_s(k)``: the seconds before the device starts layer ``k`` (``pace.ForwardPace``;
+        None where not known). With it and the CPU's measured pace, a layer is claimed only
+        where the CPU would finish it later than that: a takeover moves the layer's state
+        across PCIe twice, which costs the forward where the CPU would have been in time."""
         if self._device_update is None or self._ready is None:
             return
         with self._claim_lock:
@@ -119,6 +160,13 @@ class UpdateScheduler:
                 if idx < k <= idx + self._lead and k not in self._claims:
                     if self._claimable is not None and not self._claimable(k):
                         continue
+                    slack = None if slack_s is None else slack_s(k)
+                    if (
+                        slack is not None
+                        and self._cpu_s_per_param is not None
+                        and self._cpu_done_s(k) <= slack
+                    ):
+                        continue  # the CPU will have it in time
                     self._claims.add(k)
                     self._device_jobs[k] = self._device_update(k)
                     self._ready[k].set()

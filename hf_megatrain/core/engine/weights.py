@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..host_store import LayerStore
+from .pace import ForwardPace
 
 
 def uses_slot(store: LayerStore) -> bool:
@@ -51,7 +52,7 @@ class WeightStreamer:
         exact_names: dict[int, tuple[str, ...]] | None = None,
         is_ready: Callable[[int], bool] | None = None,
         take_device_update: Callable[[int], Callable[[dict | None], None] | None] | None = None,
-        claim_ahead: Callable[[int], None] | None = None,
+        claim_ahead: Callable[..., None] | None = None,
     ) -> None:
         self._stores = stores
         self._is_ready = is_ready
@@ -64,6 +65,9 @@ class WeightStreamer:
         self._stage_written: torch.cuda.Event | None = None
         self._host_written: dict[int, torch.cuda.Event] = {}
         self._slot_written: list[torch.cuda.Event | None] = [None, None]
+        # Where the compute stream is in the forward (device updates: claim only the layers the
+        # CPU would deliver late).
+        self._pace = ForwardPace()
         self.deferred_prefetches = 0
         # Layer -> names of its exact parameters (read when a layer loads: the caller may add
         # entries after construction, and the mapping outlives a rebuild for new stores).
@@ -284,8 +288,16 @@ class WeightStreamer:
         return None if self._take_device_update is None else self._take_device_update(idx)
 
     def _claim(self, idx: int) -> None:
-        if self._claim_ahead is not None:
+        if self._claim_ahead is None:
+            return
+        if not self._cuda or self._update_stage is None:
             self._claim_ahead(idx)
+            return
+        # The layer's kernels start once the compute stream passes this mark.
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record(torch.cuda.current_stream(self._device))
+        self._pace.layer_started(idx, mark)
+        self._claim_ahead(idx, self._pace.slack_s)
 
     def enable_device_updates(self, widen_numel: int) -> None:
         """Allocate what a device update of a host layer needs (CUDA): fp32 master and moments
