@@ -768,14 +768,8 @@ def _megatrain_plan(trainer, asked: EngineOptions) -> dict:
     layers = find_decoder_layers(trainer.model)[1]
     out = {
         "hbm_layers": sum(1 for s in state.store.layers if s.resident),
-        "kept_layers": sum(
-            1 for layer in layers if layer.forward.keep_graph and not layer.forward.offload_graph
-        ),
-        # What the defaults chose: activations kept in host RAM, attention outputs kept, the
-        # layer kernels (liger, compiled).
-        "host_kept_layers": sum(
-            1 for layer in layers if layer.forward.keep_graph and layer.forward.offload_graph
-        ),
+        "kept_layers": sum(1 for layer in layers if layer.forward.keep_graph),
+        # What the defaults chose: attention outputs kept, the layer kernels (liger, compiled).
         "attention_layers": sum(1 for layer in layers if layer.forward.keep_attention),
         "layer_kernels": layer_kernels_of(trainer.model),
     }
@@ -1063,10 +1057,6 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
                 (
                     f"attention outputs kept: {result.get('attention_layers')} layers",
                     result.get("attention_layers"),
-                ),
-                (
-                    f"activations kept in host RAM: {result.get('host_kept_layers')} layers",
-                    result.get("host_kept_layers"),
                 ),
             )
             if on

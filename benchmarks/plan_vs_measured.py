@@ -126,10 +126,6 @@ def plan_row(row: dict):
     if attention:  # chosen by keep_attention_outputs "auto": the count the run kept
         engine = engine.with_(keep_attention_outputs=attention[1])
     kept = int(row.get("kept_layers") or 0)  # rows before the column kept none
-    # Layers keeping their activations in host RAM (host_kept_activations): the count the run
-    # kept, from its note (rows before the option kept none).
-    host_kept = re.search(r"activations kept in host RAM: (\d+) layers", note)
-    engine = engine.with_(host_kept_activations=host_kept[1] if host_kept else "off")
     if row.get("date", "") < DEVICE_UPDATES_SINCE:
         engine = engine.with_(device_update_lead=0)
     dp = re.search(r"-dp(\d+)$", row["system"])  # bench_dp rows: the host total of N ranks

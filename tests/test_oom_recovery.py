@@ -143,42 +143,6 @@ def test_a_step_that_runs_out_of_memory_runs_again_with_the_same_result(
         assert torch.equal(got[name], want[name]), name
 
 
-def test_host_kept_layers_are_given_up_first_all_at_once():
-    """Layers keeping their activations in host RAM fill room the plan left last: they go
-    first, together (their saves in flight are what they hold on the GPU, at any count)."""
-    held = StepHoldings(
-        tier=[(0, 10), (1, 10), (2, 10)], kept=1, kept_bytes=5, attention=2, attention_bytes=3,
-        host_kept=2, host_kept_bytes=8,
-    )  # fmt: skip
-    first = choose_relief(held, 7)
-    assert (first.host_kept, first.kept, first.attention, first.to_host) == (0, 1, 2, [])
-    assert "in host RAM 2 -> 0" in first.describe(held)
-    more = choose_relief(held, 8 + 3)  # then the plan's reverse fill order
-    assert (more.host_kept, more.attention) == (0, 1)
-    # Evaluation and the optimizer step hold no activations: only tier layers free room there.
-    assert choose_relief(held, 10, weights_only=True).host_kept == 2
-
-
-def test_a_step_with_host_kept_layers_that_runs_out_of_memory_runs_again(tmp_path, caplog):
-    """The watchdog gives the host-kept layers up first; the step runs again with the result
-    of the run that never failed (keeping in host RAM or recomputing is the same math)."""
-    model = tiny_model(_config())
-    kw = dict(megatrain_host_kept_activations="2", megatrain_keep_activations="off")
-    clean_logs, clean = run_accumulating_trainer(copy.deepcopy(model), tmp_path, "clean", **kw)
-    faulty = copy.deepcopy(model)
-    fault = _OutOfMemoryOnce(faulty, layer=1, at=4, where="backward")
-    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
-        logs, trainer = run_accumulating_trainer(faulty, tmp_path, "faulty", **kw)
-    assert fault.fired == 1
-    assert "layers keeping their activations in host RAM 2 -> 0" in caplog.text
-    layers = [layer.forward for layer in find_decoder_layers(trainer.model)[1]]
-    assert not any(layer.offload_graph and layer.keep_graph for layer in layers)
-    assert [r.get("loss") for r in logs] == [r.get("loss") for r in clean_logs]
-    want, got = mega_params(clean), mega_params(trainer)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
-
-
 def test_without_recovery_the_error_propagates(tmp_path):
     model = tiny_model(_config())
     _OutOfMemoryOnce(model, layer=0, at=3)

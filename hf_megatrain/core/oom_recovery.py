@@ -41,11 +41,9 @@ class StepHoldings:
     """What a step keeps in HBM that it could do without (sizes in bytes; None: unknown).
 
     ``tier``: the HBM-tier layers as ``(index, device bytes)``, in layer order. ``kept``: how
-    many of them keep their activations in HBM, and the bytes each such layer holds for a
-    micro-batch. ``host_kept``: how many keep them in host RAM, and the bytes their saves hold
-    on the GPU in flight. ``attention``: recomputed layers keeping their attention outputs, and
-    the bytes of each. ``attention_first``: the plan filled attention outputs before the tier
-    (long micro-batches).
+    many of them keep their activations, and the bytes each such layer holds for a micro-batch.
+    ``attention``: recomputed layers keeping their attention outputs, and the bytes of each.
+    ``attention_first``: the plan filled attention outputs before the tier (long micro-batches).
     """
 
     tier: list[tuple[int, int]]
@@ -54,8 +52,6 @@ class StepHoldings:
     attention: int = 0
     attention_bytes: int | None = None
     attention_first: bool = False
-    host_kept: int = 0
-    host_kept_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +63,6 @@ class Relief:
     to_host: list[int] = field(default_factory=list)
     #: Bytes this frees (a lower bound: sizes unknown count as 0).
     freed_bytes: int = 0
-    host_kept: int = 0
 
     def describe(self, before: StepHoldings) -> str:
         parts = []
@@ -75,11 +70,6 @@ class Relief:
             first, last = self.to_host[0], self.to_host[-1]
             which = f"layer {first}" if first == last else f"layers {first}-{last}"
             parts.append(f"{which} moved from the HBM tier to the host tier")
-        if self.host_kept != before.host_kept:
-            parts.append(
-                f"layers keeping their activations in host RAM {before.host_kept} -> "
-                f"{self.host_kept}"
-            )
         if self.kept != before.kept:
             parts.append(f"layers keeping their activations {before.kept} -> {self.kept}")
         if self.attention != before.attention:
@@ -99,20 +89,14 @@ def choose_relief(
 
     ``weights_only``: for work that holds no activations (evaluation, the optimizer step), only
     HBM-tier layers, the last first; the layers keeping activations are the tier's last, so such
-    a layer gives them up with its place in the tier (it streams and recomputes from then on).
-
-    Layers keeping their activations in host RAM go first, all at once (they only fill room
-    the plan left, and their saves in flight are what they hold on the GPU, at any count)."""
-    kept, attention, host_kept = holdings.kept, holdings.attention, holdings.host_kept
+    a layer gives them up with its place in the tier (it streams and recomputes from then on)."""
+    kept, attention = holdings.kept, holdings.attention
     tier = list(holdings.tier)
     to_host: list[int] = []
 
     def items():
         """Each give-up in order, as the bytes it frees (None: unknown)."""
-        nonlocal kept, attention, host_kept
-        if host_kept and not weights_only:
-            host_kept = 0
-            yield holdings.host_kept_bytes
+        nonlocal kept, attention
         if weights_only:
             while tier:
                 kept = max(kept - 1, 0)
@@ -148,9 +132,7 @@ def choose_relief(
             break
     if not given:
         return None
-    return Relief(
-        kept=kept, attention=attention, to_host=to_host, freed_bytes=freed, host_kept=host_kept
-    )
+    return Relief(kept=kept, attention=attention, to_host=to_host, freed_bytes=freed)
 
 
 __all__ = [

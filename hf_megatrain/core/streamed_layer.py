@@ -348,7 +348,6 @@ class _StreamedLayerFunction(torch.autograd.Function):
         ctx.input_requires_grad = [t.requires_grad for t in tensors[:n_args]]
         inputs, resident = tensors[:n_args], tensors[n_args + ctx.n_anchor :]
         weights = engine.acquire(layer.index, layer.next_index(False))
-        engine.saved.reap()  # earlier layers' saves whose copy to the host is done
         tick = engine.timeline.start("forward", layer.index) if engine.timeline else None
         out, captured = _run_forward(ctx, layer, weights, flat_args, inputs, resident)
         if tick is not None:
@@ -374,7 +373,6 @@ class _StreamedLayerFunction(torch.autograd.Function):
         # of the segment below when that backward starts with a chain.
         hint = engine.segments.backward_hint(layer.index)
         next_idx = layer.next_index(True) if hint is None else hint
-        engine.saved.drain()  # the forward's copies to the host still on the GPU
         if next_idx is not None:
             # Kept graphs' saves waiting in host RAM: the next two layers' (a layer's saves take
             # longer over PCIe than a layer's backward), as far as the engine's bound allows.

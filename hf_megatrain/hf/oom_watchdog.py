@@ -97,8 +97,7 @@ def _holdings(model: nn.Module) -> StepHoldings:
     tier = [
         (i, store.device_nbytes) for i, store in enumerate(state.engine.stores) if store.resident
     ]
-    kept = sum(1 for layer in layers if layer.keep_graph and not layer.offload_graph)
-    host_kept = sum(1 for layer in layers if layer.keep_graph and layer.offload_graph)
+    kept = sum(1 for layer in layers if layer.keep_graph)
     attention = sum(1 for layer in layers if layer.keep_attention)
     plan = state.plan
     kept_bytes = attention_bytes = None
@@ -108,10 +107,7 @@ def _holdings(model: nn.Module) -> StepHoldings:
         kept_bytes = tokens * kept_activation_bytes_per_token(plan.shape)
         attention_bytes = tokens * attention_output_bytes_per_token(plan.shape, plan.compute_dtype)
         first = tokens >= ATTENTION_FIRST_TOKENS
-    in_flight = state.engine.saved.max_in_flight_bytes if host_kept else 0
-    return StepHoldings(
-        tier, kept, kept_bytes, attention, attention_bytes, first, host_kept, in_flight
-    )
+    return StepHoldings(tier, kept, kept_bytes, attention, attention_bytes, first)
 
 
 def make_room(model: nn.Module, optimizer: Any, message: str, step: int) -> str:
@@ -170,12 +166,9 @@ def _give_up(
     if relief.to_host:
         release = None if optimizer is None else optimizer.rebind_layers
         move_to_host_tier(engine, relief.to_host, state.options, release)
-    flags = (relief.kept, relief.host_kept)
-    changed = bool(relief.to_host) or flags != (before.kept, before.host_kept)
-    if changed:
-        # (also after a move: a layer that left the tier streams and must recompute)
-        keep_activations(model, relief.kept, relief.host_kept)
-    if relief.attention != before.attention or changed:
+    if relief.kept != before.kept:
+        keep_activations(model, relief.kept)
+    if relief.attention != before.attention or relief.to_host or relief.kept != before.kept:
         keep_attention_outputs(model, relief.attention)
     return f"{where} ran {what}; made room: {relief.describe(before)}"
 

@@ -127,7 +127,7 @@ class SavedTensorOffload:
         event = None
         if self._cuda:
             compute = torch.cuda.current_stream(self._device)
-            self.reap()
+            self._reap()
             self._d2h.wait_stream(compute)
             with torch.cuda.stream(self._d2h):
                 host.copy_(flat, non_blocking=True)
@@ -145,10 +145,8 @@ class SavedTensorOffload:
         self.d2h_bytes += nbytes
         return SavedTensor(idx, host, event, tuple(t.shape), tuple(t.stride()))
 
-    def reap(self) -> None:
-        """Drop the device tensors whose copy has finished (no stream waits: it is done).
-        Called as every layer's forward starts, so the last host-kept layer's saves do not
-        stay on the GPU through the later layers until backward."""
+    def _reap(self) -> None:
+        """Drop the device tensors whose copy has finished (no stream waits: it is done)."""
         while self._pending and self._pending[0][1].query():
             self._pending_bytes -= self._pending.popleft()[2]
 
