@@ -40,10 +40,6 @@
 #              (some machine starts run 2.4), where the update falls behind the forward.
 #   nodevice14b compact14b with --device-update-lead 0 (every host update on the CPU).
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
-#   nohost8b, host3_8b  llama8b with --host-kept-activations off / 3 (the default, auto, keeps
-#              as many HBM-tier layers' activations in host RAM as host RAM and PCIe allow).
-#   qwen7b, nohost7b  Qwen2.5-7B at 65,536 tokens/step, the defaults / host-kept off.
-#   hosttests  tests/test_gpu.py's cases for host-kept activations and the plan's kept lines.
 #   threads14b, threads8b  compact14b and llama8b with the host update on 15 of 16 cores (a
 #              core left to the training thread): the A/B of host_update_threads. At c7afdc8
 #              the default was 15 and these items ran 16: equal on the 14B, 16 +1% on the 8B.
@@ -118,23 +114,6 @@ item() {  # item <name>: one queue item
       ;;
     timeline8b)
       run64k timeline8b64k llama-3.1-8b 240 --steps 2 --warmup 1 --layer-timing
-      ;;
-    nohost8b)  # llama8b with no HBM-tier layer keeping its activations in host RAM (the A/B)
-      run64k nohost8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --host-kept-activations off
-      ;;
-    host3_8b)
-      run64k host3_8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --host-kept-activations 3
-      ;;
-    qwen7b)
-      run64k qwen7b64k qwen2.5-7b 240 --steps 3 --warmup 1
-      ;;
-    nohost7b)
-      run64k nohost7b64k qwen2.5-7b 240 --steps 3 --warmup 1 --host-kept-activations off
-      ;;
-    hosttests)
-      timeout 400 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
-        -k "host_kept or keep_attention_outputs_auto or kept_activation_memory or defaults_on_gpu" \
-        2>&1 | grep -v '^DEBUG'
       ;;
     updatetests)
       timeout 500 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \

@@ -1054,8 +1054,8 @@ def test_keep_attention_outputs_on_gpu(tmp_path, resident):
 
 def test_keep_attention_outputs_auto_on_gpu(tmp_path):
     """'auto' takes the memory plan's count (a GPU plan of the step: resident_layers 'auto'):
-    with a tiny model every recomputed layer fits, so all 4 keep them (kept activations off, in
-    HBM and host RAM, so that all 4 recompute) and the kernel runs once per layer and step."""
+    with a tiny model every recomputed layer fits, so all 4 keep them (kept activations off,
+    so that all 4 recompute) and the kernel runs once per layer and step."""
     from hf_megatrain.hf.model import find_decoder_layers
 
     from .helpers import CountAttentionKernels
@@ -1065,86 +1065,12 @@ def test_keep_attention_outputs_auto_on_gpu(tmp_path):
     with counter:
         trainer, losses = _mega_losses(
             tmp_path, "auto", model, _data(32, 128), megatrain_resident_layers="auto",
-            megatrain_keep_activations="off", megatrain_host_kept_activations="off",
-            megatrain_keep_attention_outputs="auto",
+            megatrain_keep_activations="off", megatrain_keep_attention_outputs="auto",
         )  # fmt: skip
     assert trainer.megatrain.plan is not None and trainer.megatrain.plan.attention_layers == 4
     assert [layer.forward.keep_attention for layer in find_decoder_layers(model)[1]] == [True] * 4
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert counter.calls == 4 * 4
-
-
-@pytest.mark.parametrize("ga", [1, 2], ids=["ga1", "ga2"])
-def test_host_kept_activations_on_gpu(tmp_path, ga):
-    """megatrain_host_kept_activations on the CUDA path: HBM-tier layers keep their graph with
-    the saved tensors in pinned host RAM (D2H on a stream of their own during the forward,
-    fetched back two layers ahead in backward). The forward kernels are deterministic, so the
-    values the backward reads are those a recompute makes again: losses and weights bitwise
-    those of recomputing every layer."""
-    from hf_megatrain.hf.model import find_decoder_layers
-
-    from .helpers import mega_params
-
-    model = tiny_model(_tiny_gpu_config())
-    data = _data(32, 128)
-
-    def small_saves_too(trainer):
-        trainer.megatrain.engine.offload_min_numel = 1  # tiny shapes: offload every save
-
-    runs = {}
-    for host in ("off", "2"):
-        trainer, losses = _mega_losses(
-            tmp_path, f"host-{host}", copy.deepcopy(model), data, setup=small_saves_too,
-            megatrain_resident_layers="4", megatrain_keep_activations="off",
-            megatrain_host_kept_activations=host, gradient_accumulation_steps=ga,
-        )  # fmt: skip
-        runs[host] = (losses, mega_params(trainer), trainer)
-    trainer = runs["2"][2]
-    flags = [layer.forward.offload_graph for layer in find_decoder_layers(trainer.model)[1]]
-    assert flags == [False, True, False, True]
-    saved = trainer.megatrain.engine.saved
-    assert saved.d2h_bytes > 0 and saved.h2d_bytes == saved.d2h_bytes
-    assert saved.layers() == []
-    assert runs["2"][0] == runs["off"][0]
-    for name, value in runs["off"][1].items():
-        assert torch.equal(runs["2"][1][name], value), name
-
-
-def test_host_kept_saves_stay_within_their_bound_on_gpu(tmp_path):
-    """At sizes where a layer's saves take longer over PCIe than its forward (hidden 2048, 8k
-    tokens: ~0.8 GB per layer), the GPU holds at most the in-flight bound of them besides the
-    running layer: the peak over a run that keeps every layer's graph in host RAM stays below
-    the peak of keeping them all in HBM by more than a layer's saves, and the losses are those
-    of recomputing."""
-    model = tiny_model(_watchdog_config())
-    data = _data(64, 512)
-
-    def bound(trainer):
-        trainer.megatrain.engine.saved.max_in_flight_bytes = 512 << 20
-
-    peaks, losses = {}, {}
-    for name, kw in {
-        "recompute": dict(megatrain_keep_activations="off", megatrain_host_kept_activations="off"),
-        "hbm": dict(megatrain_keep_activations="4", megatrain_host_kept_activations="off"),
-        "host": dict(megatrain_keep_activations="off", megatrain_host_kept_activations="4"),
-    }.items():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        trainer, losses[name] = _mega_losses(
-            tmp_path, name, copy.deepcopy(model), data, setup=bound,
-            megatrain_resident_layers="4", per_device_train_batch_size=16, **kw,
-        )  # fmt: skip
-        if name == "host":
-            saved = trainer.megatrain.engine.saved
-            saved_bytes = saved.host_bytes
-            assert saved.h2d_bytes == saved.d2h_bytes > 0
-        peaks[name] = torch.cuda.max_memory_allocated()
-        del trainer
-    assert losses["host"] == losses["recompute"]
-    assert losses["hbm"] == losses["recompute"]
-    # Keeping all four in HBM holds their saves at once; in host RAM at most the bound (512
-    # MiB) besides the running layer's.
-    assert peaks["host"] < peaks["hbm"] - saved_bytes // 4
 
 
 def _watchdog_config() -> LlamaConfig:

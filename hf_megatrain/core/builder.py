@@ -28,7 +28,6 @@ from .host_store import (
     layer_store_bytes,
 )
 from .options import ResolvedOptions, StepShape
-from .plan_arithmetic import HOST_KEPT_IN_FLIGHT_LAYERS, host_kept_layer_bytes
 from .plan_types import ModelShape, OptionNamer
 from .planner import (
     MemoryPlan,
@@ -193,12 +192,6 @@ def build_streamed_state(
         checkpoint_every=options.checkpoint_every,
         recompute_early_stop=options.recompute_early_stop,
     )
-    if plan is not None and plan.step is not None and plan.host_kept_layers:
-        # The saves on the GPU besides the running layer's: the forward's copies to the host
-        # still running, the backward's fetched ahead (the plan's in-flight line).
-        engine.saved.max_in_flight_bytes = HOST_KEPT_IN_FLIGHT_LAYERS * host_kept_layer_bytes(
-            plan.shape, plan.step
-        )
     return StreamedState(
         stores=stores, engine=engine, n_resident=n_resident, plan=plan, options=options
     )

@@ -195,17 +195,6 @@ class EngineOptions:
             Streamed layers always recompute: their GPU buffer is reused by the next layer."""
         ),
     )
-    host_kept_activations: str = field(
-        default="auto",
-        metadata=_help(
-            """HBM-tier layers that keep their forward activations for backward in host RAM
-            (pinned) instead of HBM: identical results, no recompute; the saved tensors cross
-            PCIe during the forward on a copy stream of their own and come back, prefetched,
-            while the layer after them in backward runs. 'auto': as many of the tier's layers
-            that do not keep them in HBM as the host RAM left holds (needs the memory plan),
-            spread over the tier. An integer: that many. 'off' or 0: none."""
-        ),
-    )
     keep_attention_outputs: str = field(
         default="auto",
         metadata=_help(
@@ -473,10 +462,7 @@ class EngineOptions:
         for name in ("layer_kernels", "attention"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, getattr(self, name).strip().lower())
-        for name in (
-            "resident_layers", "keep_activations", "host_kept_activations",
-            "keep_attention_outputs",
-        ):  # fmt: skip
+        for name in ("resident_layers", "keep_activations", "keep_attention_outputs"):
             value = getattr(self, name)
             if isinstance(value, bool):
                 value = {"keep_attention_outputs": "all" if value else "off"}.get(
@@ -553,9 +539,6 @@ class EngineOptions:
             # Layers that re-run whole (no early stop) keep nothing of their attention.
             attention_output_layers=attention if self.recompute_early_stop else 0,
             keep_activation_layers=parse_keep_activations(self.keep_activations),
-            host_kept_layers=parse_keep_activations(
-                self.host_kept_activations, "host_kept_activations"
-            ),
             resident_layers=parse_resident_layers(self.resident_layers),
         )
 
@@ -580,8 +563,6 @@ class ResolvedOptions:
     attention_output_layers: int | None
     #: HBM-tier layers keeping their activations: a count, None for the plan's ("auto").
     keep_activation_layers: int | None
-    #: HBM-tier layers keeping their activations in host RAM: a count, None for the plan's.
-    host_kept_layers: int | None
     #: HBM-tier layers: a count, or "auto" for the plan's.
     resident_layers: int | str
 
@@ -718,8 +699,8 @@ def parse_attention_layers(value: object) -> int | None:
     )
 
 
-def parse_keep_activations(value: object, name: str = "keep_activations") -> int | None:
-    """``keep_activations`` (or ``name``) as a layer count ("off" 0), or None for "auto"."""
+def parse_keep_activations(value: object) -> int | None:
+    """``keep_activations`` as a layer count ("off" 0), or None for "auto"."""
     text = str(value).strip().lower()
     if text == "auto":
         return None
@@ -727,7 +708,7 @@ def parse_keep_activations(value: object, name: str = "keep_activations") -> int
         return 0
     if text.isdigit():
         return int(text)
-    raise OptionError(f"{name}={value!r}: use 'auto', 'off' or a layer count >= 0")
+    raise OptionError(f"keep_activations={value!r}: use 'auto', 'off' or a layer count >= 0")
 
 
 def parse_resident_layers(value: object) -> int | str:
@@ -827,7 +808,6 @@ def _check_values(opts: EngineOptions) -> None:
         raise OptionError(f"nonfinite_max_skips={opts.nonfinite_max_skips} must be >= 1")
     parse_resident_layers(opts.resident_layers)
     parse_keep_activations(opts.keep_activations)
-    parse_keep_activations(opts.host_kept_activations, "host_kept_activations")
     parse_attention_layers(opts.keep_attention_outputs)
     parse_boundary_dtype(opts.boundary_dtype)
     if opts.auto_fit not in AUTO_FIT_MODES:

@@ -33,7 +33,6 @@ import torch
 from .activation_memory import (
     KEPT_ACTIVATIONS_KIND,
     activation_lines,
-    attention_output_bytes_per_token,
     attention_output_line,
     boundary_activation_bytes,
     boundary_dtype_label,
@@ -45,7 +44,7 @@ from .activation_memory import (
 from .engine.staging import GRAD_STAGING_SLOTS
 from .host_store import device_layer_bytes, layer_store_bytes
 from .options import ResolvedOptions, StepShape
-from .plan_types import HBM, HOST, LayerPlacement, MemoryLine, ModelShape, itemsize, spread
+from .plan_types import HBM, HOST, LayerPlacement, MemoryLine, ModelShape, itemsize
 
 GIB = 2**30
 #: Measured pinned PCIe Gen5 x16 copy rate on the target H200 machine (one direction).
@@ -125,13 +124,11 @@ def gpu_lines(
     kept: int = 0,
     ranks: int = 1,
     attention_layers: int = 0,
-    host_kept: int = 0,
 ) -> list[MemoryLine]:
     """GPU costs with the first ``n_hbm`` layers in the HBM tier, ``kept`` of them keeping
-    their activations (no recompute), ``host_kept`` others keeping them in host RAM and
-    ``attention_layers`` recomputed ones their attention kernel's outputs; per GPU when
-    ``ranks`` > 1 (data parallel). Without a ``step``, ``reserve_bytes`` stands for every
-    activation, logit and resident parameter."""
+    their activations (no recompute) and ``attention_layers`` recomputed ones their attention
+    kernel's outputs; per GPU when ``ranks`` > 1 (data parallel). Without a ``step``,
+    ``reserve_bytes`` stands for every activation, logit and resident parameter."""
     isz = itemsize(dtype)
     dt = "bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch.")
     hbm = shape.layer_numels[:n_hbm]
@@ -245,75 +242,8 @@ def gpu_lines(
                 KEPT_ACTIVATIONS_KIND,
             )
         )
-    if host_kept:
-        in_flight, freed, last = host_kept_in_flight(
-            shape, step, options, dtype, n_hbm, kept, host_kept, attention_layers
-        )
-        lines.append(
-            estimate_line(
-                f"host-kept activations in flight: {HOST_KEPT_IN_FLIGHT_LAYERS} layers' saved "
-                f"tensors ({in_flight / GIB:.2f} GiB), less the {freed / GIB:.2f} GiB of boundary "
-                f"activations and attention outputs of layers {last + 1}-{shape.num_layers - 1} "
-                "(not made yet or freed by then); the part beyond it",
-                max(0, in_flight - freed),
-                KEPT_ACTIVATIONS_KIND,
-            )
-        )
     lines.append(slack_line(lines))
     return lines
-
-
-#: Layers' saved tensors of host-kept layers on the GPU besides the layer running: in forward
-#: the copies to the host still running (the engine waits past it), in backward the one fetched
-#: ahead (the running layer's stand where a recomputed layer's re-made activations would).
-HOST_KEPT_IN_FLIGHT_LAYERS = 2
-
-
-def host_kept_layer_bytes(shape: ModelShape, step: StepShape) -> int:
-    """Bytes of one layer's saved tensors held in host RAM (``host_kept_activations``): its
-    graph's saves besides its input, which stays on the device as a boundary activation."""
-    return kept_activation_bytes_per_token(shape) * step.micro_batch_tokens
-
-
-def host_kept_in_flight(
-    shape: ModelShape,
-    step: StepShape,
-    options: ResolvedOptions,
-    dtype: torch.dtype,
-    n_hbm: int,
-    kept: int,
-    host_kept: int,
-    attention_layers: int,
-) -> tuple[int, int, int]:
-    """``(in flight, freed, last)``: the host-kept saves on the GPU at most, the boundary
-    activations and kept attention outputs of the layers after the last host-kept one
-    (``last``), which are not made yet when it runs forward and freed when it runs backward:
-    the in-flight bytes coexist with the plan's other lines less those."""
-    last = max(spread(list(range(n_hbm - kept)), host_kept), default=n_hbm - 1)
-    after = shape.num_layers - 1 - last
-    boundary = 0
-    if not options.offload_activations:
-        boundary = boundary_activation_bytes(shape, step, options) * after // shape.num_layers
-    attention = (
-        min(attention_layers, max(0, after - kept))
-        * step.micro_batch_tokens
-        * attention_output_bytes_per_token(shape, dtype)
-    )
-    in_flight = HOST_KEPT_IN_FLIGHT_LAYERS * host_kept_layer_bytes(shape, step)
-    return in_flight, boundary + attention, last
-
-
-def host_kept_pcie_limit(shape: ModelShape, step: StepShape, n_hbm: int) -> int:
-    """Most HBM-tier layers whose saves PCIe carries to the host without holding up the
-    forward: what the tier's forward time moves at ``PCIE_BYTES_PER_S`` (at the layers' model
-    FLOP rate ``GPU_LAYER_FLOPS_PER_S``, 2 FLOPs per parameter and token) plus the in-flight
-    bound's backlog, which drains while the streamed layers run."""
-    numels = shape.layer_numels[:n_hbm]
-    layer_bytes = host_kept_layer_bytes(shape, step)
-    if not numels or layer_bytes <= 0:
-        return 0
-    forward_s = 2 * sum(numels) * step.micro_batch_tokens / GPU_LAYER_FLOPS_PER_S
-    return int(HOST_KEPT_IN_FLIGHT_LAYERS + forward_s * PCIE_BYTES_PER_S / layer_bytes)
 
 
 #: fp32 elements of a device update's buffer for widening a compact gradient, per fused AdamW
@@ -395,10 +325,8 @@ def host_lines(
     margin: int,
     input_model_bytes: int = 0,
     ranks: int = 1,
-    host_kept: int = 0,
 ) -> list[MemoryLine]:
-    """Host costs (``host_kept``: HBM-tier layers keeping their activations in host RAM, one
-    process only). ``ranks`` data-parallel processes of one host share the layer store (masters
+    """Host costs. ``ranks`` data-parallel processes of one host share the layer store (masters
     and stream copies in shared memory, each gradient and moment on one owner rank: one store in
     all) but each has its own process, staging ring and offloaded activations."""
     host_grads, stream_master = options.host_grads, options.stream_fp32_master
@@ -413,14 +341,6 @@ def host_lines(
                 f"offloaded boundary activations (pinned, {boundary_dtype_label(options)}): "
                 f"tokens x hidden x {b} B x {saved_layers_label(shape, options)}{per_rank}",
                 ranks * boundary_activation_bytes(shape, step, options),
-            )
-        )
-    if step is not None and host_kept:
-        offload.append(
-            MemoryLine(
-                f"host-kept activations (pinned): {host_kept} layers x {step.micro_batch_tokens} "
-                f"tokens x {kept_activation_bytes_per_token(shape)} B",
-                host_kept * host_kept_layer_bytes(shape, step),
             )
         )
     parts = ["fp32 master/2 moments"]
@@ -523,10 +443,6 @@ def layer_placements(
 
 
 __all__ = [
-    "HOST_KEPT_IN_FLIGHT_LAYERS",
-    "host_kept_in_flight",
-    "host_kept_layer_bytes",
-    "host_kept_pcie_limit",
     "ALLOCATOR_FRAGMENTATION",
     "DEFAULT_HOST_MARGIN",
     "GIB",

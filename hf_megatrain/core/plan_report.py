@@ -51,7 +51,6 @@ from .plan_types import (
     last_recomputed,
     option,
     setting,
-    spread,
 )
 
 
@@ -82,9 +81,6 @@ class MemoryPlan:
     # The last ``kept_layers`` HBM-tier layers keep their forward activations for backward
     # instead of recomputing the layer (see ``kept_activation_bytes_per_token``).
     kept_layers: int = 0
-    # Of the other HBM-tier layers, how many keep them in host RAM (``host_kept_activations``;
-    # which ones: ``host_kept_layer_indices``).
-    host_kept_layers: int = 0
     # Data-parallel processes of one host the host lines are for (GPU lines: per GPU).
     ranks: int = 1
     # HBM-tier layers that do not keep their activations keep no compute-dtype copy either and
@@ -117,13 +113,8 @@ class MemoryPlan:
         return list(range(self.n_hbm - self.kept_layers, self.n_hbm))
 
     @property
-    def host_kept_layer_indices(self) -> list[int]:
-        rest = list(range(self.n_hbm - self.kept_layers))
-        return spread(rest, min(self.host_kept_layers, len(rest)))
-
-    @property
     def attention_layer_indices(self) -> list[int]:
-        kept = set(self.kept_layer_indices) | set(self.host_kept_layer_indices)
+        kept = set(self.kept_layer_indices)
         recomputed = [p.index for p in self.layers if p.index not in kept]
         return last_recomputed(recomputed, self.attention_layers)
 
@@ -469,16 +460,9 @@ def _params(n: int) -> str:
 
 
 def _ranges(indices: list[int]) -> str:
-    """Sorted layer indices as runs: "0-3, 5, 7-9"."""
     if not indices:
         return "none"
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"{indices[0]}-{indices[-1]}" if len(indices) > 1 else str(indices[0])
 
 
 def render_table(plan: MemoryPlan, namer: OptionNamer | None = None) -> str:
@@ -511,11 +495,6 @@ def render_table(plan: MemoryPlan, namer: OptionNamer | None = None) -> str:
         out.append(
             f"activations kept, no recompute: layers {_ranges(plan.kept_layer_indices)}; "
             "the others recompute in backward"
-        )
-    if plan.host_kept_layers:
-        out.append(
-            f"activations kept in host RAM, no recompute: layers "
-            f"{_ranges(plan.host_kept_layer_indices)}"
         )
     if plan.attention_layers or plan.attention_why:
         why = f" ({plan.attention_why})" if plan.attention_why else ""

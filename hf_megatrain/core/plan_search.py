@@ -17,7 +17,6 @@ from .options import ALL_LAYERS, ResolvedOptions, StepShape
 from .plan_arithmetic import (
     DEFAULT_HOST_MARGIN,
     gpu_lines,
-    host_kept_pcie_limit,
     host_lines,
     layer_placements,
     pcie_bytes,
@@ -43,7 +42,6 @@ PLANNED_OPTIONS = (
     "eager_update",
     "hbm_cast_weights",
     "keep_activations",
-    "host_kept_activations",
     "keep_attention_outputs",
     "recompute_early_stop",
     "checkpoint_every",
@@ -164,44 +162,31 @@ def _plan(
             return min(first, n - kept)
         return n - kept if attn_ask == ALL_LAYERS else min(attn_ask, n - kept)
 
-    def gpu(k: int, kept: int = 0, attn: int | None = None, on_host: int = 0) -> list[MemoryLine]:
+    def gpu(k: int, kept: int = 0, attn: int | None = None) -> list[MemoryLine]:
         return gpu_lines(
             shape, step, options, compute_dtype, k, reserve_bytes, kept, ranks,
-            attn_fixed(kept + on_host) if attn is None else attn, on_host,
-        )  # fmt: skip
-
-    def host(k: int, on_host: int = 0) -> list[MemoryLine]:
-        return host_lines(
-            shape, step, options, compute_dtype, k, host_margin_bytes, input_model_bytes,
-            ranks, on_host,
+            attn_fixed(kept) if attn is None else attn,
         )  # fmt: skip
 
     if hbm_layers is not None and not 0 <= hbm_layers <= n:
         raise ValueError(f"hbm_layers={hbm_layers} but the model has {n} layers")
-
-    host_ask = _host_kept_ask(options, step, shape, ranks)
-
-    def in_flight(k: int) -> int:
-        # The tier leaves room for the host-kept activations' in-flight line (the same for any
-        # count) where some would be kept: asked for, or "auto" with host RAM for one.
-        if host_ask is None:
-            return int(0 < k and total(host(k, 1)) <= host_bytes)
-        return min(host_ask, k, 1)
 
     def tier(attn: int) -> int:
         if hbm_layers is not None:
             return hbm_layers
         # Largest prefix that fits. Not monotone in k (an all-HBM plan drops the stream buffers),
         # so try every count instead of stopping at the first miss.
-        return next(
-            (k for k in range(n, -1, -1) if total(gpu(k, 0, attn, in_flight(k))) <= hbm_bytes), 0
-        )
+        return next((k for k in range(n, -1, -1) if total(gpu(k, 0, attn)) <= hbm_bytes), 0)
 
     if attention_first:
 
         def fits_first(attn: int) -> bool:
             k = tier(attn)  # a smaller tier streams more layers: host RAM must hold them
-            return total(gpu(k, 0, attn)) <= hbm_bytes and total(host(k)) <= host_bytes
+            host = host_lines(
+                shape, step, options, compute_dtype, k, host_margin_bytes, input_model_bytes,
+                ranks,
+            )  # fmt: skip
+            return total(gpu(k, 0, attn)) <= hbm_bytes and total(host) <= host_bytes
 
         if fits_first(0):
             first = _largest(fits_first, n)
@@ -220,28 +205,11 @@ def _plan(
                 "activations"
             )
         kept = keep
-    candidates = n_hbm - kept if not cast else 0
-    if host_ask is None:
-        if step is not None:
-            candidates = min(candidates, host_kept_pcie_limit(shape, step, n_hbm))
-        on_host = _largest(
-            lambda h: (
-                total(gpu(n_hbm, kept, None, h)) <= hbm_bytes
-                and total(host(n_hbm, h)) <= host_bytes
-            ),
-            candidates,
-        )
-    else:
-        on_host = min(host_ask, max(candidates, 0))
-    recomputed = n - kept - on_host
-    attn = attn_fixed(kept + on_host)
+    attn = attn_fixed(kept)
     if attn_ask is None:
         # And the HBM still left: more layers keeping them only adds HBM, the largest count.
-        attn = max(
-            attn,
-            _largest(lambda a: total(gpu(n_hbm, kept, a, on_host)) <= hbm_bytes, recomputed),
-        )
-    gpu_plan = gpu(n_hbm, kept, attn, on_host)
+        attn = max(attn, _largest(lambda a: total(gpu(n_hbm, kept, a)) <= hbm_bytes, n - kept))
+    gpu_plan = gpu(n_hbm, kept, attn)
     h2d, d2h = pcie_bytes(shape, step, options, compute_dtype, n_hbm)
     plan = MemoryPlan(
         shape=shape,
@@ -251,7 +219,9 @@ def _plan(
         host_available=host_bytes,
         layers=layer_placements(shape, options, compute_dtype, n_hbm, n_hbm - kept if cast else 0),
         gpu_lines=gpu_plan,
-        host_lines=host(n_hbm, on_host),
+        host_lines=host_lines(
+            shape, step, options, compute_dtype, n_hbm, host_margin_bytes, input_model_bytes, ranks
+        ),
         h2d_bytes_per_step=h2d,
         d2h_bytes_per_step=d2h,
         options=options,
@@ -259,11 +229,10 @@ def _plan(
         host_grad_dtype=options.host_grad_dtype(compute_dtype),
         stream_fp32_master=options.stream_fp32_master,
         kept_layers=kept,
-        host_kept_layers=on_host,
         ranks=ranks,
         hbm_cast_weights=cast,
         attention_layers=attn,
-        attention_why=_attention_why(options, step, attn, recomputed, attention_first, why_none),
+        attention_why=_attention_why(options, step, attn, n - kept, attention_first, why_none),
     )
     fixed_gpu_lines = gpu(0) if hbm_layers is None else gpu_plan
     add_problems(plan, fixed_gpu_lines)
@@ -466,21 +435,6 @@ def longest_auto_fit_row(
 def auto_fit_changes(fitted: MemoryPlan, asked: MemoryPlan) -> OptionChanges:
     """The memory options auto_fit turned on (``plan_with_auto_fit``'s two plans)."""
     return MemoryOptions.of(fitted.options).changes(MemoryOptions.of(asked.options))
-
-
-def _host_kept_ask(
-    options: ResolvedOptions, step: StepShape | None, shape: ModelShape, ranks: int
-) -> int | None:
-    """HBM-tier layers asked to keep their activations in host RAM: a count, or None for
-    "auto" (as many as fit). "auto" keeps none without a step, where the plan does not know a
-    layer's saved bytes, where boundary activations are offloaded already (long context: its
-    host RAM and PCIe are taken) or under data parallel (a process's host RAM is not its own)."""
-    ask = options.host_kept_layers
-    if step is None:
-        return 0
-    if ask is None and (ranks > 1 or options.offload_activations or not shape.kept_bytes_audited):
-        return 0
-    return ask
 
 
 def _attention_why(

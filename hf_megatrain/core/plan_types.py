@@ -154,14 +154,6 @@ class ModelShape:
         )
 
 
-def spread(items: list[int], k: int) -> list[int]:
-    """``k`` of ``items`` evenly spaced (the middle of each of ``k`` equal runs): the HBM-tier
-    layers that keep their activations in host RAM, apart so that each one's copies to the host
-    overlap the layers between them."""
-    n = len(items)
-    return [items[(2 * j + 1) * n // (2 * k)] for j in range(k)] if k else []
-
-
 def last_recomputed(recomputed: list[int], count: int) -> list[int]:
     """The layers (of those recomputed in backward, in order) that keep their attention
     kernel's outputs: the last ``count``."""
@@ -351,7 +343,6 @@ class MemoryPlanError(MemoryError):
 
 
 __all__ = [
-    "spread",
     "ALL_LAYERS",
     "CLIPPING_OFF_CAVEAT",
     "FIELD_NAMER",

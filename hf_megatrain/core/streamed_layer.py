@@ -89,10 +89,6 @@ class StreamedLayer:
         # until backward: the HBM tier (a streamed layer's device buffer is overwritten by the
         # next layer).
         self.keep_graph = False
-        # With keep_graph: the graph's saved tensors wait in host memory from forward to
-        # backward instead of HBM (engine.saved: ``SavedTensorOffload``), fetched back while the
-        # layer before it in backward runs.
-        self.offload_graph = False
         # Recomputed with the early stop, keep the fused attention kernel's outputs (attention
         # output, log-sum-exp) from forward to backward: the recompute does not run that kernel
         # again (recompute.attention_output_cache; planned per layer and token).
@@ -254,16 +250,10 @@ def _run_forward(ctx, layer: StreamedLayer, weights, flat_args, inputs, resident
         if saves is not None and layer.keep_attention
         else (contextlib.nullcontext(), None)
     )
-    offload = (
-        engine.saved.saving(layer.index, [weights, *inputs, *resident])
-        if saves is None and layer.offload_graph
-        else contextlib.nullcontext()
-    )
     with (
         torch.enable_grad(),
         saves.recording() if saves is not None else contextlib.nullcontext(),
         cache[0],
-        offload,
     ):
         out, captured, weight_leaves = layer.run(
             weights, leaves[0], ctx.spec, leaves=layer.trainable, keys=ctx.keys,
@@ -373,11 +363,6 @@ class _StreamedLayerFunction(torch.autograd.Function):
         # of the segment below when that backward starts with a chain.
         hint = engine.segments.backward_hint(layer.index)
         next_idx = layer.next_index(True) if hint is None else hint
-        if next_idx is not None:
-            # Kept graphs' saves waiting in host RAM: the next two layers' (a layer's saves take
-            # longer over PCIe than a layer's backward), as far as the engine's bound allows.
-            for ahead in (next_idx, next_idx - 1):
-                engine.saved.prefetch(ahead, running=layer.index)
         if ctx.graph is not None:
             out, captured, weight_leaves, inputs, res_leaves = ctx.graph
             ctx.graph = None  # the activations go as soon as this layer's backward is done
@@ -449,7 +434,6 @@ class _StreamedLayerFunction(torch.autograd.Function):
         else:
             computed = [None] * len(wrt)
         engine.release(layer.index)
-        engine.saved.release(layer.index)
         if layer.trainable:
             engine.add_grads(layer.index, list(computed[: len(weight_leaves)]))
         if tick is not None:

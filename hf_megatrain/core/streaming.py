@@ -27,7 +27,6 @@ import torch
 from .distributed import DataParallel
 from .engine.activations import ActivationHandle, ActivationStash
 from .engine.gradients import REDUCES_IN_FLIGHT, GradientSink
-from .engine.saved_offload import SavedTensorOffload
 from .engine.staging import GRAD_STAGING_SLOTS
 from .engine.updates import UpdateScheduler
 from .engine.weights import WeightStreamer
@@ -106,8 +105,6 @@ class StreamingEngine:
             d2h=d2h,
         )
         self.segments = SegmentTracker(len(stores), checkpoint_every, self.activations.is_large)
-        # Kept graphs whose saved tensors wait in host memory (layers with ``offload_graph``).
-        self.saved = SavedTensorOffload(self.device)
         # Set to a ``LayerTimeline`` (CUDA) to record each layer pass's compute interval.
         self.timeline: LayerTimeline | None = None
 
@@ -136,7 +133,6 @@ class StreamingEngine:
     @offload_min_numel.setter
     def offload_min_numel(self, value: int) -> None:
         self.activations.min_numel = value
-        self.saved.min_numel = value
 
     @property
     def sync_grads(self) -> bool:
@@ -224,7 +220,6 @@ class StreamingEngine:
             torch.cuda.synchronize(self.device)  # no copy of the failed step still in flight
         self.weights.invalidate()
         self.activations.reset()
-        self.saved.reset()
         self.reset_grads()
 
     def replace_stores(

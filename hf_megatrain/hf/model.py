@@ -31,7 +31,7 @@ from ..core.options import (
     parse_keep_activations,
 )
 from ..core.plan_arithmetic import grad_dtype_label
-from ..core.plan_types import ModelShape, last_recomputed, spread
+from ..core.plan_types import ModelShape, last_recomputed
 from ..core.planner import MemoryPlan
 from ..core.streamed_layer import StreamedLayer
 from ..core.streaming import StreamingEngine
@@ -670,7 +670,7 @@ def prepare_streamed_model(
     )
     # The layer-level options: MLP tiles, kept activations, kept attention outputs.
     install_mlp_tiling(model, resolved.mlp_tile_tokens)
-    keep_activations(model, options.keep_activations, options.host_kept_activations)
+    keep_activations(model, options.keep_activations)
     keep_attention_outputs(
         model, options.keep_attention_outputs if options.recompute_early_stop else "off"
     )
@@ -783,14 +783,12 @@ def prepare_frozen_streamed_model(
     return model
 
 
-def keep_activations(model: nn.Module, value: int | str, on_host: int | str | None = None) -> int:
+def keep_activations(model: nn.Module, value: int | str) -> int:
     """Let the last HBM-tier layers keep their forward activations (no recompute in backward).
 
     ``value``: "auto" (the memory plan's count when the model was streamed with a planned
-    workload, else 0), "off", or a count of HBM-tier layers. ``on_host``: as many more of the
-    tier's layers keep them in host RAM (``host_kept_activations``; None: as many as now),
-    spread over the tier's other layers. Returns how many keep them in HBM. The choice can
-    change between steps (it takes effect at the next forward).
+    workload, else 0), "off", or a count of HBM-tier layers. Returns how many keep them. The
+    choice can change between steps (it takes effect at the next forward).
     """
     state = streamed_state(model)
     if state is None:
@@ -814,16 +812,7 @@ def keep_activations(model: nn.Module, value: int | str, on_host: int | str | No
             "is reused by the next layer"
         )
     kept = set(tier[len(tier) - count :]) if count else set()
-    rest = [i for i in tier if i not in kept]
-    if on_host is None:
-        n_host = sum(1 for layer in layers if layer.keep_graph and layer.offload_graph)
-    else:
-        n_host = parse_keep_activations(on_host, "host_kept_activations")
-        if n_host is None:  # "auto"
-            n_host = state.plan.host_kept_layers if state.plan is not None else 0
-    host = set(spread(rest, min(n_host, len(rest))))
-    _flag_layers(layers, "keep_graph", kept | host, "their activations (no recompute)")
-    _flag_layers(layers, "offload_graph", host, "those activations in host RAM")
+    _flag_layers(layers, "keep_graph", kept, "their activations (no recompute)")
     return count
 
 
@@ -832,13 +821,7 @@ def _flag_layers(layers: list, attr: str, chosen: set[int], what: str) -> None:
     for i, layer in enumerate(layers):
         setattr(layer, attr, i in chosen)
     if chosen:
-        span = sorted(chosen)
-        named = (
-            f"{span[0]}-{span[-1]}"
-            if span[-1] - span[0] + 1 == len(span)
-            else ", ".join(map(str, span))
-        )
-        logger.info("hf_megatrain: layers %s keep %s", named, what)
+        logger.info("hf_megatrain: layers %d-%d keep %s", min(chosen), max(chosen), what)
 
 
 def keep_attention_outputs(model: nn.Module, value: object) -> int:

@@ -945,8 +945,7 @@ class MegaTrainerMixin:
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _megatrain_fit_kept_activations(self, tokens: int) -> None:
-        """Recompute every layer for a micro-batch larger than the plan sized kept activations for
-        (in HBM, or in host RAM: host-kept layers' pinned buffers are sized by the plan too).
+        """Recompute every layer for a micro-batch larger than the plan sized kept activations for.
 
         "auto" keeps activations of as many HBM-tier layers as the planned micro-batch leaves room
         for (its row length is the first example's unless megatrain_plan_seq_len says); a longer
@@ -954,7 +953,7 @@ class MegaTrainerMixin:
         streamed layer (same results), and the next one that fits keeps them again.
         """
         plan = self.megatrain.plan
-        if plan is None or plan.step is None or not (plan.kept_layers or plan.host_kept_layers):
+        if plan is None or plan.step is None or not plan.kept_layers:
             return
         kept = getattr(self, "_megatrain_kept", None)
         if kept is None:  # the layers that keep activations, found once
