@@ -263,3 +263,14 @@ def test_plan_says_which_layer_kernels_it_planned_for(monkeypatch, capsys):
 def _working_set_gib(plan_output: str) -> float:
     line = next(ln for ln in plan_output.splitlines() if "backward working set" in ln)
     return float(line.split()[-1])
+
+
+def test_plan_names_the_attention_layers_around_a_kept_one(llama8b):
+    """The recomputed layers keeping attention outputs skip the tier's last layer when it keeps
+    its activations: the table names both runs, not one span over the kept layer."""
+    plan = _plan(llama8b, 65536, keep_activations="1", keep_attention_outputs="all")
+    assert plan.kept_layers == 1
+    last = plan.n_hbm - 1
+    assert plan.kept_layer_indices == [last]
+    assert plan.attention_layer_indices == [i for i in range(32) if i != last]
+    assert f"31 layers, 0-{last - 1}, {last + 1}-31" in plan.table()

@@ -460,9 +460,17 @@ def _params(n: int) -> str:
 
 
 def _ranges(indices: list[int]) -> str:
+    """Layer indices as runs ("0-11, 14-31"): the recomputed layers keeping attention outputs
+    skip the tier's layers that keep their activations."""
     if not indices:
         return "none"
-    return f"{indices[0]}-{indices[-1]}" if len(indices) > 1 else str(indices[0])
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def render_table(plan: MemoryPlan, namer: OptionNamer | None = None) -> str:
