@@ -40,6 +40,7 @@
 #              (some machine starts run 2.4), where the update falls behind the forward.
 #   nodevice14b compact14b with --device-update-lead 0 (every host update on the CPU).
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
+#   qwen7b     Qwen2.5-7B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
 #   threads14b, threads8b  compact14b and llama8b with the host update on 15 of 16 cores (a
 #              core left to the training thread): the A/B of host_update_threads. At c7afdc8
 #              the default was 15 and these items ran 16: equal on the 14B, 16 +1% on the 8B.
@@ -114,6 +115,9 @@ item() {  # item <name>: one queue item
       ;;
     timeline8b)
       run64k timeline8b64k llama-3.1-8b 240 --steps 2 --warmup 1 --layer-timing
+      ;;
+    qwen7b)
+      run64k qwen7b64k qwen2.5-7b 240 --steps 3 --warmup 1
       ;;
     updatetests)
       timeout 500 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
