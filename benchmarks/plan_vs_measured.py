@@ -195,6 +195,11 @@ NOT_COMPARABLE = {
     # (dp-1008, at 3b07ee1, 14B-l90: 5 GiB under).
     tag: "data parallel before 3b07ee1 held non-owner gradients to backward's end"
     for tag in ("dp-0635", "dp-0636", "dphost-0640", "dphost-0642", "dpsteady-0948")
+} | {
+    # host_kept_activations (56427b1-db13b92, reverted): HBM-tier layers' saves in host RAM, an
+    # option the planner no longer has.
+    tag: "host-kept activations (an option tried and reverted)"
+    for tag in ("hostkept8b64k", "hostkept7b64k")
 }
 
 
