@@ -152,6 +152,25 @@ def test_forward_pace_reads_position_and_layer_time_from_passed_marks():
     assert pace.slack_s(2) == pytest.approx(0.2)
 
 
+def test_forward_pace_lets_go_of_passed_marks_nobody_asked_about():
+    """Layers keep starting where nothing asks for the slack (every host update done): the
+    marks the device has passed are not held on to (two CUDA events per layer and step)."""
+    import gc
+    import weakref
+
+    pace = ForwardPace()
+    refs = []
+    for step in range(50):
+        for i in range(4):
+            mark = _Mark(float(step * 4 + i))
+            mark.done = True
+            refs.append(weakref.ref(mark))
+            pace.layer_started(i, mark)
+            del mark
+    gc.collect()
+    assert sum(r() is not None for r in refs) <= 2
+
+
 def test_no_claims_without_a_lead_or_under_data_parallel():
     sched = UpdateScheduler([None] * 3, None)
     gate = threading.Event()

@@ -50,6 +50,9 @@ class ForwardPace:
             self._first_of_pass = idx
         self._last_launched = idx
         self._pending.append((self._pass, idx, mark))
+        # Consume the marks the device has passed here too: where nothing asks for the slack
+        # (every host update done, no claim to weigh) they would pile up, two per layer and step.
+        self._advance()
 
     def _advance(self) -> None:
         # Marks complete in stream order: stop at the first one the device has not passed.
