@@ -56,10 +56,9 @@ def test_option_is_checked():
     assert not EngineOptions(device_update_lead=0).resolve(clipping=True, cuda=True).device_updates
 
 
-def test_claims_skip_the_cpu_and_go_to_the_device_once():
-    """The CPU thread is busy with layer 0: the forward at layer 0 claims the next two layers
-    it has not started (not layer 2, which may not be claimed); the CPU thread skips what the
-    device took, and each claimed update is handed out once."""
+def _cpu_held_at_layer_zero():
+    """A host update that holds layer 0 until ``gate`` is set (``started`` once it does) and
+    records the layers it updates in ``on_cpu``."""
     gate, started = threading.Event(), threading.Event()
     on_cpu: list[int] = []
 
@@ -69,6 +68,14 @@ def test_claims_skip_the_cpu_and_go_to_the_device_once():
             gate.wait(10)
         on_cpu.append(i)
 
+    return update, gate, started, on_cpu
+
+
+def test_claims_skip_the_cpu_and_go_to_the_device_once():
+    """The CPU thread is busy with layer 0: the forward at layer 0 claims the next two layers
+    it has not started (not layer 2, which may not be claimed); the CPU thread skips what the
+    device took, and each claimed update is handed out once."""
+    update, gate, started, on_cpu = _cpu_held_at_layer_zero()
     sched = UpdateScheduler([None] * 5, None)
     sched.start(
         update, [0, 1, 2, 3, 4], 1, device_update=lambda i: (lambda state: i), lead=3,
@@ -96,15 +103,7 @@ def test_claims_only_what_the_cpu_would_deliver_late():
     sched = UpdateScheduler(stores, None)
     sched.start(lambda i: time.sleep(0.02), [0, 1, 2, 3], 1)
     sched.wait()  # the CPU's pace: ~20 us per parameter
-    gate, started = threading.Event(), threading.Event()
-    on_cpu: list[int] = []
-
-    def update(i: int) -> None:
-        if i == 0:
-            started.set()
-            gate.wait(10)
-        on_cpu.append(i)
-
+    update, gate, started, on_cpu = _cpu_held_at_layer_zero()
     sched.start(update, [0, 1, 2, 3, 4], 1, device_update=lambda i: lambda s: i, lead=3)
     assert started.wait(10)
     sched.claim_ahead(0, lambda k: 10.0)  # 10 s before the device needs any: the CPU is in time
