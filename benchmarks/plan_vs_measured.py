@@ -186,6 +186,12 @@ def attribute(plan, measured_bytes: int, absent: int = 0) -> dict:
     return dict(exact=exact, estimates=estimates, rest=rest, error=rest / est - 1 if est else None)
 
 
+#: Rows of an engine option tried and reverted, which the planner no longer has: shown, not
+#: judged (as ``superseded``). host_kept_activations (56427b1-db13b92): HBM-tier layers' saves in
+#: host RAM.
+REVERTED_OPTION_TAGS = frozenset({"hostkept8b64k", "hostkept7b64k"})
+
+
 #: Rows that ran with their own plan but whose engine did something the planner does not model
 #: (since fixed): shown, not used for the per-kind errors.
 NOT_COMPARABLE = {
@@ -195,12 +201,7 @@ NOT_COMPARABLE = {
     # (dp-1008, at 3b07ee1, 14B-l90: 5 GiB under).
     tag: "data parallel before 3b07ee1 held non-owner gradients to backward's end"
     for tag in ("dp-0635", "dp-0636", "dphost-0640", "dphost-0642", "dpsteady-0948")
-} | {
-    # host_kept_activations (56427b1-db13b92, reverted): HBM-tier layers' saves in host RAM, an
-    # option the planner no longer has.
-    tag: "host-kept activations (an option tried and reverted)"
-    for tag in ("hostkept8b64k", "hostkept7b64k")
-}
+} | {tag: "an option tried and reverted" for tag in REVERTED_OPTION_TAGS}
 
 
 #: Rows whose step ran out of GPU memory and was run again by the out-of-memory watchdog after it
@@ -463,7 +464,8 @@ def compare(csv_path: Path) -> list[dict]:
                 bad_measurement="undercounted" in row.get("note", ""),
                 # The engine of the run's commit did something the planner does not model (a
                 # bug since fixed; the row's note says what): shown, not judged.
-                superseded="engine fixed" in row.get("note", ""),
+                superseded="engine fixed" in row.get("note", "")
+                or row.get("tag", "") in REVERTED_OPTION_TAGS,
                 # Over the 10% on the safe side, listed in KNOWN_OVERESTIMATES with why.
                 known_overestimate=(row.get("tag", ""), row["model"], int(row["seq_len"]))
                 in KNOWN_OVERESTIMATES,
@@ -485,7 +487,8 @@ def markdown(results: list[dict]) -> str:
         "something the planner does not model, since fixed (long7b-0759 at 21c5b8e: activation "
         "offload copied the RoPE cos/sin tables, the same fp32 tensor for every layer, to the "
         "host once per layer, 14 GiB at 524,288 tokens; from the next commit only the residual "
-        "stream is offloaded). Rows marked nc ran with their own plan but are not comparable "
+        "stream is offloaded) or an option since reverted (`REVERTED_OPTION_TAGS`: the "
+        "host-kept activations of 56427b1-db13b92). Rows marked nc ran with their own plan but are not comparable "
         "(`NOT_COMPARABLE`: data parallel before 3b07ee1 held non-owner gradients to backward's "
         "end) and are not used for the per-line errors below. The planned GPU peak's slack is "
         "the allocator's fragmentation plus each estimate line times its kind's measured error "
