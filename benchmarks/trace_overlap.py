@@ -1,7 +1,9 @@
 """How much of the PCIe copy time of a streamed step overlaps compute kernels, and where the
 GPU time goes by kernel family (chrome trace).
 
-    python3 benchmarks/trace_overlap.py trace.json[.gz]
+    python3 benchmarks/trace_overlap.py [--top N] trace.json[.gz]
+
+``--top N`` also lists the N kernels with the most summed time.
 
 Layer-sized copies (> 50 us) are split into phases at the first gradient D2H copy: before it,
 the forward (whose H2D copies wait for the host AdamW update of the same layer when the update
@@ -107,6 +109,18 @@ def kernel_ms_by_category(events: list[dict]) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def heaviest_kernels(events: list[dict], top: int = 25) -> list[tuple[str, int, float]]:
+    """The ``top`` kernel names by summed time: (name cut to 100 characters, calls, ms)."""
+    out: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            entry = out.setdefault(e.get("name", "")[:100], [0, 0.0])
+            entry[0] += 1
+            entry[1] += float(e.get("dur", 0)) / 1e3
+    ranked = sorted(out.items(), key=lambda kv: -kv[1][1])[:top]
+    return [(name, int(calls), ms) for name, (calls, ms) in ranked]
+
+
 def analyze(events: list[dict]) -> dict:
     kernels = _spans(events, lambda e: e.get("cat") == "kernel")
     h2d = _spans(events, lambda e: "Memcpy HtoD" in e.get("name", ""), 50)
@@ -136,8 +150,12 @@ def analyze(events: list[dict]) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    top = 0
+    if argv[:1] == ["--top"]:
+        top, argv = int(argv[1]), argv[2:]
     for path in argv:
-        r = analyze(load_events(path))
+        events = load_events(path)
+        r = analyze(events)
         print(path)
         print(f"  kernel streams {r['kernel_streams']}, copy streams {r['copy_streams']}")
         print(f"  GPU span {r['span_ms']:.1f} ms, kernels busy {r['kernel_busy_ms']:.1f} ms")
@@ -152,6 +170,8 @@ def main(argv: list[str]) -> None:
                 f"  {key:13s} {p.copies:3d} copies, {p.copy_ms:7.2f} ms, "
                 f"{100 * p.fraction:5.1f}% overlapped with compute"
             )
+        for name, calls, ms in heaviest_kernels(events, top) if top else []:
+            print(f"  {ms:9.1f} ms {calls:6d} x  {name}")
 
 
 if __name__ == "__main__":

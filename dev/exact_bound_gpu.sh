@@ -41,6 +41,8 @@
 #   nodevice14b compact14b with --device-update-lead 0 (every host update on the CPU).
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
 #   qwen7b     Qwen2.5-7B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
+#   profile8b  llama8b with a CUDA kernel trace of one step (its .json.gz packed with the rows);
+#              read it with benchmarks/trace_overlap.py --top N. ~3 min.
 #   threads14b, threads8b  compact14b and llama8b with the host update on 15 of 16 cores (a
 #              core left to the training thread): the A/B of host_update_threads. At c7afdc8
 #              the default was 15 and these items ran 16: equal on the 14B, 16 +1% on the 8B.
@@ -100,6 +102,10 @@ item() {  # item <name>: one queue item
       ;;
     llama8b)
       run64k llama8b64k llama-3.1-8b 240 --steps 3 --warmup 1
+      ;;
+    profile8b)  # llama8b with one step's CUDA kernel trace (the last warm-up step), copied to $work
+      run64k profile8b64k llama-3.1-8b 300 --steps 1 --warmup 2 --profile
+      cp benchmarks/results/traces/*llama-3.1-8b-65536.json.gz "$work/" 2>/dev/null
       ;;
     threads14b)  # the host update on 15 of the 16 cores (the default: all of torch's threads)
       run64k threads14b64k qwen2.5-14b 300 --steps 3 --warmup 1 --host-update-threads 15
