@@ -41,6 +41,8 @@
 #   nodevice14b compact14b with --device-update-lead 0 (every host update on the CPU).
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
 #   qwen7b     Qwen2.5-7B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
+#   aktests    tests/test_gpu.py's autocast_kernels cases (bitwise), with the Liger and compiled ones.
+#   noak8b, noak14b  llama8b and compact14b with --no-autocast-kernels (PyTorch's cast kernels).
 #   profile8b  llama8b with a CUDA kernel trace of one step (its .json.gz packed with the rows);
 #              read it with benchmarks/trace_overlap.py --top N. ~3 min.
 #   threads14b, threads8b  compact14b and llama8b with the host update on 15 of 16 cores (a
@@ -102,6 +104,16 @@ item() {  # item <name>: one queue item
       ;;
     llama8b)
       run64k llama8b64k llama-3.1-8b 240 --steps 3 --warmup 1
+      ;;
+    aktests)  # autocast_kernels' GPU tests, beside the Liger and compiled-kernel paths they run in
+      timeout 400 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "autocast_kernels or liger_kernels or (compiled_kernels and untiled)" 2>&1 | grep -v '^DEBUG'
+      ;;
+    noak8b)  # llama8b with --no-autocast-kernels (the A/B of autocast_kernels)
+      run64k noak8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --no-autocast-kernels
+      ;;
+    noak14b)
+      run64k noak14b64k qwen2.5-14b 300 --steps 3 --warmup 1 --no-autocast-kernels
       ;;
     profile8b)  # llama8b with one step's CUDA kernel trace (the last warm-up step), copied to $work
       run64k profile8b64k llama-3.1-8b 300 --steps 1 --warmup 2 --profile

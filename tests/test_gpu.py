@@ -1377,3 +1377,56 @@ def test_family_step_stays_inside_the_plan_on_gpu(model_type, attn):
     print(f"{model_type} {attn}: measured {r['measured'] / 1e6:.1f} MB, planned "
           f"{r['planned'] / 1e6:.1f} (+{r['margin'] / 1e6:.1f})")  # fmt: skip
     assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_kernels_are_pytorchs_values_on_gpu(dtype):
+    """The Triton widening and mixed add give PyTorch's values bit for bit: sizes that do not
+    fill the last block, signed zeros, infinities, NaN, subnormals, the narrow type's extremes."""
+    from hf_megatrain.core.autocast_kernels import add_widened, widen
+
+    info = torch.finfo(dtype)
+    special = torch.tensor(
+        [0.0, -0.0, float("inf"), -float("inf"), float("nan"), info.max, -info.max, info.tiny,
+         info.tiny / 4, info.eps], dtype=dtype,
+    )  # fmt: skip
+    for n in (1, 4095, 4096, 4097, 3 * 4096 + 17):
+        x = torch.cat([special, torch.randn(n, dtype=torch.float32).to(dtype)]).cuda()
+        got, want = widen(x), x.float()
+        assert got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        a = torch.randn(x.numel(), device="cuda") * 1e3
+        a[:3] = torch.tensor([float("inf"), -0.0, float("nan")])
+        got, want = add_widened(a, x), a + x
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [{}, {"megatrain_resident_layers": "2", "megatrain_keep_activations": "1"},
+     {"megatrain_checkpoint_every": 2, "megatrain_offload_activations": True},
+     {"megatrain_keep_attention_outputs": True, "megatrain_mlp_tile_tokens": 32}, "liger"],
+    ids=["default", "hbm-tier-kept", "segments-offload", "attention-outputs-tiles", "liger"],
+)  # fmt: skip
+def test_autocast_kernels_train_bitwise_on_gpu(tmp_path, feature):
+    """autocast_kernels on (default) and off: the same losses and weights, bit for bit (the
+    same roundings of the same values; only the kernels and the number of casts differ)."""
+    from .helpers import mega_params
+
+    kw = dict(feature) if isinstance(feature, dict) else {}
+    if feature == "liger":
+        pytest.importorskip("liger_kernel")
+        kw.update(use_liger_kernel=True)
+    model = tiny_model(_tiny_gpu_config())
+    data = _data(32, 128)
+    off_trainer, off = _mega_losses(
+        tmp_path, "off", copy.deepcopy(model), data, megatrain_autocast_kernels=False, **kw
+    )
+    trainer, on = _mega_losses(tmp_path, "on", model, data, **kw)
+    assert trainer.megatrain.engine.autocast_kernels
+    assert not off_trainer.megatrain.engine.autocast_kernels
+    assert len(on) == len(off) == 4
+    assert on == off
+    a, b = mega_params(trainer), mega_params(off_trainer)
+    for k in b:
+        assert torch.equal(a[k], b[k]), k

@@ -191,6 +191,7 @@ def build_streamed_state(
         boundary_dtype=options.boundary_dtype,
         checkpoint_every=options.checkpoint_every,
         recompute_early_stop=options.recompute_early_stop,
+        autocast_kernels=options.autocast_kernels,
     )
     return StreamedState(
         stores=stores, engine=engine, n_resident=n_resident, plan=plan, options=options

@@ -223,6 +223,17 @@ class EngineOptions:
             bfloat16) always re-run whole."""
         ),
     )
+    autocast_kernels: bool = field(
+        default=True,
+        metadata=_help(
+            """bf16 runs: the layers' autocast work in fewer, vectorized kernels, bitwise the
+            same: a linear's fp32 input is cast to bf16 once per tensor (not once per linear,
+            as autocast does for q/k/v and gate/up), each cast's gradient is widened back to
+            fp32 and each fp32 + bf16 residual add is made by one vectorized Triton kernel
+            (PyTorch's dtype-converting kernels are not vectorized). False: autocast and
+            PyTorch's kernels as they are (for comparisons)."""
+        ),
+    )
     checkpoint_every: int = field(
         default=1,
         metadata=_help(

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .autocast_kernels import AutocastKernels
 from .distributed import DataParallel
 from .engine.activations import ActivationHandle, ActivationStash
 from .engine.gradients import REDUCES_IN_FLIGHT, GradientSink
@@ -74,6 +75,7 @@ class StreamingEngine:
         boundary_dtype: torch.dtype | None = _DEFAULT.boundary_dtype,
         checkpoint_every: int = _DEFAULT.checkpoint_every,
         recompute_early_stop: bool = _DEFAULT.recompute_early_stop,
+        autocast_kernels: bool = _DEFAULT.autocast_kernels,
     ) -> None:
         self.stores = stores
         self.dp = data_parallel
@@ -87,6 +89,7 @@ class StreamingEngine:
         if checkpoint_every < 1:
             raise ValueError(f"hf_megatrain: checkpoint_every={checkpoint_every} must be >= 1")
         self._recompute_early_stop = bool(recompute_early_stop)
+        self._autocast_kernels = bool(autocast_kernels)
         # The copy streams, shared: weights and activation fetches go H2D, gradient drains and
         # activation offloads D2H, each in its stream's order.
         h2d = torch.cuda.Stream(self.device) if self.is_cuda else None
@@ -124,6 +127,10 @@ class StreamingEngine:
     @property
     def recompute_early_stop(self) -> bool:
         return self._recompute_early_stop
+
+    @property
+    def autocast_kernels(self) -> bool:
+        return self._autocast_kernels
 
     @property
     def offload_min_numel(self) -> int:
@@ -395,6 +402,12 @@ class StreamingEngine:
             yield
 
     def compute_context(self) -> contextlib.AbstractContextManager:
-        if self.autocast:
-            return torch.autocast(self.device.type, dtype=self.compute_dtype)
-        return contextlib.nullcontext()
+        """Where a layer computes: the run's autocast, with ``AutocastKernels`` in it when the
+        option ``autocast_kernels`` is on."""
+        if not self.autocast:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
+        if self._autocast_kernels:
+            stack.enter_context(AutocastKernels(self.device.type, self.compute_dtype))
+        return stack

@@ -1,0 +1,158 @@
+"""``autocast_kernels``: a layer's autocast work in fewer kernels, bitwise the same.
+
+On the CPU (no Triton) the widening and the mixed add are PyTorch's own ops; what these tests
+pin is the graph: one shared cast per fp32 linear input, one autograd node per consumer, and
+identical outputs and gradients (every comparison is ``torch.equal``: nothing is rounded
+differently, so nothing may differ). The Triton kernels are checked bitwise on the GPU
+(tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_megatrain.core.autocast_kernels import AutocastKernels, add_widened, widen
+
+from .helpers import mega_params, run_trainer, tiny_config, tiny_model
+
+BF16 = torch.bfloat16
+
+
+class _CastCounter(TorchDispatchMode):
+    """Counts fp32 -> bf16 casts of tensors of ``shape``."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.casts = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (
+            func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+            and isinstance(out, torch.Tensor)
+            and out.dtype == BF16
+            and tuple(out.shape) == self.shape
+            and (args[-1] if func is torch.ops.aten.copy_.default else args[0]).dtype
+            == torch.float32
+        ):
+            self.casts += 1
+        return out
+
+
+def _layer(arch: str):
+    """Decoder layer 0 of a tiny ``arch`` model, bound as the engine binds it: matmul weights
+    in bf16, norm weights in fp32."""
+    model = tiny_model(tiny_config(arch))
+    layer = model.model.layers[0]
+    for module in layer.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.to(BF16)
+    rotary = model.model.rotary_emb
+    return layer, rotary, model.config
+
+
+def _run(layer, rotary, config, fast: bool, counter: _CastCounter | None = None):
+    torch.manual_seed(3)
+    x = torch.randn(2, 16, config.hidden_size, requires_grad=True)
+    pos = torch.arange(16).unsqueeze(0).expand(2, -1)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", dtype=BF16))
+        emb = rotary(x, pos)
+        if fast:
+            stack.enter_context(AutocastKernels("cpu", BF16))
+        if counter is not None:
+            stack.enter_context(counter)
+        out = layer(x, position_embeddings=emb, attention_mask=None, position_ids=pos)
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.dtype == torch.float32  # the residual stream stays fp32, as under autocast
+    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3"])
+def test_layer_outputs_and_gradients_are_bitwise_autocasts(arch):
+    layer, rotary, config = _layer(arch)
+    out, grads = _run(layer, rotary, config, fast=False)
+    out_fast, grads_fast = _run(copy.deepcopy(layer), rotary, config, fast=True)
+    assert torch.equal(out, out_fast)
+    assert len(grads) == len(grads_fast)
+    for a, b in zip(grads, grads_fast):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_q_k_v_and_gate_up_share_one_cast():
+    """Llama: autocast casts the normed input once per linear (q, k, v; gate, up): 5 casts of a
+    hidden-sized activation per layer; shared, 2 (one per norm output)."""
+    layer, rotary, config = _layer("llama")
+    shape = (2, 16, config.hidden_size)
+    counts = []
+    for fast in (False, True):
+        counter = _CastCounter(shape)
+        _run(copy.deepcopy(layer), rotary, config, fast=fast, counter=counter)
+        counts.append(counter.casts)
+    assert counts == [5, 2]
+
+
+def test_a_cast_is_redone_after_its_input_changes_in_place():
+    w = torch.randn(4, 8).to(BF16)
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=BF16), AutocastKernels("cpu", BF16):
+        first = torch.nn.functional.linear(x, w)
+        x.mul_(2)
+        second = torch.nn.functional.linear(x, w)
+    with torch.autocast("cpu", dtype=BF16):
+        assert torch.equal(second, torch.nn.functional.linear(x, w))
+    assert not torch.equal(first, second)
+
+
+def test_mixed_add_either_order_and_its_gradients():
+    a = torch.randn(5, 7, requires_grad=True)
+    b = torch.randn(5, 7).to(BF16).requires_grad_(True)
+    for order in ((a, b), (b, a)):
+        with AutocastKernels("cpu", BF16):
+            got = order[0] + order[1]
+        want = order[0] + order[1]
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        g = torch.randn(5, 7)
+        assert all(
+            x.dtype == y.dtype and torch.equal(x, y)
+            for x, y in zip(
+                torch.autograd.grad(got, (a, b), g), torch.autograd.grad(want, (a, b), g)
+            )
+        )
+    # Not a mixed same-shape add: left to PyTorch.
+    with AutocastKernels("cpu", BF16):
+        assert torch.equal(a + 1, a.detach() + 1)
+        assert (a[:1] + b).shape == (5, 7)
+
+
+def test_widen_and_add_widened_are_pytorchs_values():
+    x = torch.tensor([1.5, -0.0, float("inf"), float("nan"), 1e-40], dtype=BF16)
+    assert torch.equal(widen(x).isnan(), x.float().isnan())
+    assert torch.equal(widen(x).nan_to_num(), x.float().nan_to_num())
+    a = torch.randn(64)
+    b = torch.randn(64).to(BF16)
+    assert torch.equal(add_widened(a, b), a + b)
+
+
+def test_streamed_bf16_training_is_bitwise_with_and_without(tmp_path):
+    """Whole runs (CPU autocast to bf16, clipping, 3 steps): the same losses and weights."""
+    model = tiny_model(tiny_config("llama"))
+    runs = []
+    for on in (True, False):
+        logs, trainer = run_trainer(
+            copy.deepcopy(model), tmp_path, f"run-{on}", True, max_steps=3, bf16=True,
+            megatrain_autocast_kernels=on,
+        )  # fmt: skip
+        engine = trainer.megatrain.engine
+        assert engine.autocast and engine.autocast_kernels is on
+        runs.append(([r["loss"] for r in logs if "loss" in r], mega_params(trainer)))
+    (loss_on, params_on), (loss_off, params_off) = runs
+    assert loss_on == loss_off and len(loss_on) == 3
+    for k in params_off:
+        assert torch.equal(params_on[k], params_off[k]), k
