@@ -1399,6 +1399,15 @@ def test_autocast_kernels_are_pytorchs_values_on_gpu(dtype):
         a[:3] = torch.tensor([float("inf"), -0.0, float("nan")])
         got, want = add_widened(a, x), a + x
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        # Into a slice of a flat fp32 buffer, as the gradient accumulation writes and adds.
+        flat = torch.zeros(x.numel() + 8, device="cuda")
+        dst = flat[4 : 4 + x.numel()]
+        widen(x, out=dst)
+        assert torch.equal(dst.view(torch.int32), x.float().view(torch.int32))
+        add_widened(dst, x, out=dst)
+        want = x.float() + x
+        assert torch.equal(dst.view(torch.int32), want.view(torch.int32))
+        assert not flat[:4].any() and not flat[-4:].any()
 
 
 @pytest.mark.parametrize(

@@ -61,16 +61,29 @@ def _kernels():
     return triton, widen, add_widened
 
 
-def _triton_ok(*tensors: torch.Tensor) -> bool:
-    return all(t.is_cuda and t.is_contiguous() for t in tensors) and _kernels() is not None
+_NARROW = (torch.bfloat16, torch.float16)
 
 
-def widen(x: torch.Tensor) -> torch.Tensor:
-    """``x.float()``: exact; one vectorized kernel for a contiguous CUDA tensor."""
-    if x.dtype == torch.float32 or not _triton_ok(x):
-        return x.float()
+def _triton_ok(narrow: torch.Tensor, *fp32: torch.Tensor) -> bool:
+    """Whether the kernels apply: a bf16/fp16 operand, fp32 others, all contiguous on CUDA."""
+    return (
+        narrow.dtype in _NARROW
+        and all(t.dtype == torch.float32 for t in fp32)
+        and all(t.is_cuda and t.is_contiguous() for t in (narrow, *fp32))
+        and _kernels() is not None
+    )
+
+
+def widen(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x.float()`` (written into the fp32 ``out`` of as many elements, when given): exact;
+    one vectorized kernel for contiguous CUDA tensors."""
+    if out is None:
+        if not _triton_ok(x):
+            return x.float()
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    elif not _triton_ok(x, out) or out.numel() != x.numel():
+        return out.copy_(x.reshape(out.shape))
     triton, kernel, _ = _kernels()
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     n = x.numel()
     if n:
         with torch.cuda.device(x.device):
@@ -78,13 +91,15 @@ def widen(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def add_widened(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a + b`` for an fp32 ``a`` and a narrower float ``b`` of the same shape: one fp32 add of
-    ``a`` and ``b`` widened, as PyTorch's type promotion computes it."""
-    if not _triton_ok(a, b):
-        return torch.add(a, b)
+def add_widened(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a + b`` for an fp32 ``a`` and a narrower float ``b`` of as many elements: one fp32 add
+    of ``a`` and ``b`` widened, as PyTorch's type promotion computes it; into ``out`` (``a``
+    itself too) when given."""
+    if not _triton_ok(b, a, *([] if out is None else [out])) or a.numel() != b.numel():
+        b = b.reshape(a.shape)
+        return torch.add(a, b) if out is None else torch.add(a, b, out=out)
     triton, _, kernel = _kernels()
-    out = torch.empty_like(a)
+    out = torch.empty_like(a) if out is None else out
     n = a.numel()
     if n:
         with torch.cuda.device(a.device):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..autocast_kernels import add_widened, widen
 from ..distributed import DataParallel
 from ..grad_norm import squared_norm
 from ..host_store import LayerStore
@@ -51,9 +52,9 @@ def scatter_add(
             if first:
                 dst.zero_()
         elif first:
-            dst.copy_(g.reshape(-1))
+            widen(g, out=dst)
         else:
-            dst.add_(g.reshape(-1))
+            add_widened(dst, g, out=dst)
 
 
 class GradientSink:
