@@ -42,6 +42,7 @@
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
 #   qwen7b     Qwen2.5-7B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
 #   aktests    tests/test_gpu.py's autocast_kernels cases (bitwise), with the Liger and compiled ones.
+#   ligerbits  dev/liger_bitwise.py: the weights autocast_kernels on vs off change under Liger.
 #   noak8b, noak14b  llama8b and compact14b with --no-autocast-kernels (PyTorch's cast kernels).
 #   profile8b  llama8b with a CUDA kernel trace of one step (its .json.gz packed with the rows);
 #              read it with benchmarks/trace_overlap.py --top N. ~3 min.
@@ -108,6 +109,9 @@ item() {  # item <name>: one queue item
     aktests)  # autocast_kernels' GPU tests, beside the Liger and compiled-kernel paths they run in
       timeout 400 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
         -k "autocast_kernels or liger_kernels or (compiled_kernels and untiled)" 2>&1 | grep -v '^DEBUG'
+      ;;
+    ligerbits)  # which weights differ, autocast_kernels on vs off, per Liger kernel (diagnostic)
+      timeout 300 python3 dev/liger_bitwise.py 2>&1 | grep -E "^liger|^  off"
       ;;
     noak8b)  # llama8b with --no-autocast-kernels (the A/B of autocast_kernels)
       run64k noak8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --no-autocast-kernels
