@@ -1414,18 +1414,25 @@ def test_autocast_kernels_are_pytorchs_values_on_gpu(dtype):
     "feature",
     [{}, {"megatrain_resident_layers": "2", "megatrain_keep_activations": "1"},
      {"megatrain_checkpoint_every": 2, "megatrain_offload_activations": True},
-     {"megatrain_keep_attention_outputs": True, "megatrain_mlp_tile_tokens": 32}, "liger"],
-    ids=["default", "hbm-tier-kept", "segments-offload", "attention-outputs-tiles", "liger"],
+     {"megatrain_keep_attention_outputs": True, "megatrain_mlp_tile_tokens": 32},
+     "rms_norm", "rope", "swiglu"],
+    ids=["default", "hbm-tier-kept", "segments-offload", "attention-outputs-tiles",
+         "liger-rms-norm", "liger-rope", "liger-swiglu"],
 )  # fmt: skip
 def test_autocast_kernels_train_bitwise_on_gpu(tmp_path, feature):
     """autocast_kernels on (default) and off: the same losses and weights, bit for bit (the
-    same roundings of the same values; only the kernels and the number of casts differ)."""
+    same roundings of the same values; only the kernels and the number of casts differ).
+
+    Liger's kernels one at a time: with all three on, two runs of the same command already differ
+    in the last bits, option off both times (dev/liger_bitwise.py on the H200), so only each
+    alone, deterministic by that same check, can be compared bitwise."""
     from .helpers import mega_params
 
     kw = dict(feature) if isinstance(feature, dict) else {}
-    if feature == "liger":
+    if isinstance(feature, str):
         pytest.importorskip("liger_kernel")
-        kw.update(use_liger_kernel=True)
+        names = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
+        kw.update(use_liger_kernel=True, liger_kernel_config={k: k == feature for k in names})
     model = tiny_model(_tiny_gpu_config())
     data = _data(32, 128)
     off_trainer, off = _mega_losses(
