@@ -3,8 +3,9 @@
     python3 dev/liger_bitwise.py
 
 Two steps of tests/test_gpu.py's tiny Llama with the Trainer's use_liger_kernel, Liger's
-RMSNorm, RoPE and SwiGLU each alone: autocast_kernels off twice (Liger's own run-to-run
-determinism) and on; prints the parameters that are not bitwise equal.
+RMSNorm, RoPE and SwiGLU each alone and all three: autocast_kernels off twice (run-to-run
+determinism) and on; with all three, the stock Trainer twice too. Prints the parameters that
+are not bitwise equal.
 """
 
 from __future__ import annotations
@@ -14,9 +15,19 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import Trainer, TrainingArguments
 
-from tests.helpers import mega_params, tiny_model
-from tests.test_gpu import _data, _mega_losses, _tiny_gpu_config
+from tests.helpers import mega_params, one_gpu, tiny_model
+from tests.test_gpu import _args, _data, _mega_losses, _tiny_gpu_config
+
+
+def stock_params(tmp: Path, name: str, model, data, cfg: dict) -> dict[str, torch.Tensor]:
+    """The stock Trainer's weights after 4 steps with Liger's kernels ``cfg``."""
+    args = one_gpu(_args(TrainingArguments, tmp / name, max_steps=4, use_liger_kernel=True,
+                         liger_kernel_config=cfg))  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return {n: p.detach().cpu() for n, p in trainer.model.named_parameters()}
 
 
 def main() -> None:
@@ -40,6 +51,11 @@ def main() -> None:
         print(f"liger {name}: losses off {la} / {lb} / on {lc}")
         print(f"  off vs off differ ({len(off_off)}): {off_off[:8]}")
         print(f"  off vs on differ ({len(off_on)}): {off_on[:8]}", flush=True)
+        if name == "all":  # the stock Trainer's own run-to-run determinism with all three
+            sa, sb = (stock_params(tmp, f"stock-{i}", copy.deepcopy(model), data, cfg)
+                      for i in range(2))  # fmt: skip
+            differ = [k for k in sa if not torch.equal(sa[k], sb[k])]
+            print(f"  stock vs stock differ ({len(differ)}): {differ[:8]}", flush=True)
 
 
 if __name__ == "__main__":
