@@ -111,7 +111,7 @@ item() {  # item <name>: one queue item
         -k "autocast_kernels or liger_kernels or (compiled_kernels and untiled)" 2>&1 | grep -v '^DEBUG'
       ;;
     ligerbits)  # which weights differ, autocast_kernels on vs off, per Liger kernel (diagnostic)
-      timeout 300 python3 dev/liger_bitwise.py 2>&1 | grep -E "^liger|^  off"
+      timeout 300 python3 dev/liger_bitwise.py 2>&1 | grep -E "^liger|^  off|^  stock|Error"
       ;;
     noak8b)  # llama8b with --no-autocast-kernels (the A/B of autocast_kernels)
       run64k noak8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --no-autocast-kernels

@@ -1423,17 +1423,20 @@ def test_autocast_kernels_train_bitwise_on_gpu(tmp_path, feature):
     """autocast_kernels on (default) and off: the same losses and weights, bit for bit (the
     same roundings of the same values; only the kernels and the number of casts differ).
 
-    Liger's kernels one at a time: with all three on, two runs of the same command already differ
-    in the last bits, option off both times (dev/liger_bitwise.py on the H200), so only each
-    alone, deterministic by that same check, can be compared bitwise."""
+    Eager attention: cuDNN's SDPA backward (the default on Hopper) accumulates dQ with atomics,
+    so two runs of the same command already differ in the last bits, option off both times
+    (dev/liger_bitwise.py on the H200); the eager softmax attention is deterministic. Liger's
+    kernels one at a time, as the Trainer's liger_kernel_config selects them."""
     from .helpers import mega_params
 
     kw = dict(feature) if isinstance(feature, dict) else {}
+    kw.update(megatrain_attention="model")
     if isinstance(feature, str):
         pytest.importorskip("liger_kernel")
         names = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
         kw.update(use_liger_kernel=True, liger_kernel_config={k: k == feature for k in names})
     model = tiny_model(_tiny_gpu_config())
+    model.config._attn_implementation = "eager"
     data = _data(32, 128)
     off_trainer, off = _mega_losses(
         tmp_path, "off", copy.deepcopy(model), data, megatrain_autocast_kernels=False, **kw
