@@ -2,59 +2,80 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from hf_megatrain.core import layer_timing
 from hf_megatrain.core.layer_timing import LayerTimeline
 
 from .helpers import run_trainer, tiny_config, tiny_model
 
 
-def _span(tl: LayerTimeline, phase: str, layer: int, busy_s: float) -> None:
+class _Clock:
+    """The host clock the CPU timeline reads, advanced by hand: exact, whatever the load."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(layer_timing, "time", fake)
+    return fake
+
+
+def _span(clock: _Clock, tl: LayerTimeline, phase: str, layer: int, busy_s: float) -> None:
     tok = tl.start(phase, layer)
-    time.sleep(busy_s)
+    clock.sleep(busy_s)
     tl.end(tok)
 
 
-def test_gaps_within_a_pass_only():
+def test_gaps_within_a_pass_only(clock):
     tl = LayerTimeline()
-    _span(tl, "forward", 0, 0.01)
-    time.sleep(0.03)  # a gap between forward layers: counted
-    _span(tl, "forward", 1, 0.01)
-    time.sleep(0.05)  # forward -> backward (the loss): not a gap between layers
-    _span(tl, "backward", 1, 0.01)
-    _span(tl, "backward", 0, 0.01)
+    _span(clock, tl, "forward", 0, 0.01)
+    clock.sleep(0.03)  # a gap between forward layers: counted
+    _span(clock, tl, "forward", 1, 0.01)
+    clock.sleep(0.05)  # forward -> backward (the loss): not a gap between layers
+    _span(clock, tl, "backward", 1, 0.01)
+    clock.sleep(0.002)
+    _span(clock, tl, "backward", 0, 0.01)
     s = tl.summary()
     assert s["passes"] == 4
-    assert s["layer_ms"] == pytest.approx(40, abs=8)
-    assert 30 <= s["gap_ms"] < 45  # the 30 ms forward gap, not the 50 ms switch
-    assert 50 <= s["between_passes_ms"] < 65  # which is counted apart
+    assert s["layer_ms"] == pytest.approx(40)
+    assert s["gap_ms"] == pytest.approx(32)  # the forward and backward gaps, not the switch
+    assert s["between_passes_ms"] == pytest.approx(50)  # which is counted apart
     assert s["largest_gap_before"] == "forward layer 1"
     assert set(s["gap_ms_by_phase"]) == {"forward", "backward"}
-    assert 30 <= s["gap_ms_by_phase"]["forward"] < 45 and s["gap_ms_by_phase"]["backward"] < 8
+    assert s["gap_ms_by_phase"]["forward"] == pytest.approx(30)
+    assert s["gap_ms_by_phase"]["backward"] == pytest.approx(2)
     assert [where for _, where in s["largest_gaps"]] == ["forward layer 1", "backward layer 0"]
     assert s["span_ms"] >= s["layer_ms"] + s["gap_ms"]
     assert LayerTimeline().summary()["passes"] == 0
 
 
-def test_recompute_is_compute_inside_the_backward_pass():
+def test_recompute_is_compute_inside_the_backward_pass(clock):
     """A segment chain's recompute interval is layer work of the backward pass: the time around
     it is a backward gap, and it is not one itself."""
     tl = LayerTimeline()
-    _span(tl, "backward", 3, 0.01)
-    time.sleep(0.03)  # waiting before the chain: a backward gap
-    _span(tl, "recompute", 0, 0.04)
-    _span(tl, "backward", 1, 0.01)
+    _span(clock, tl, "backward", 3, 0.01)
+    clock.sleep(0.03)  # waiting before the chain: a backward gap
+    _span(clock, tl, "recompute", 0, 0.04)
+    _span(clock, tl, "backward", 1, 0.01)
     s = tl.summary()
-    assert s["recompute_ms"] == pytest.approx(40, abs=8)
-    assert s["layer_ms"] == pytest.approx(60, abs=10)
+    assert s["recompute_ms"] == pytest.approx(40)
+    assert s["layer_ms"] == pytest.approx(60)
     by_phase = s["layer_ms_by_phase"]
-    assert by_phase["recompute"] == pytest.approx(40, abs=8)
-    assert by_phase["backward"] == pytest.approx(20, abs=8)
+    assert by_phase["recompute"] == pytest.approx(40)
+    assert by_phase["backward"] == pytest.approx(20)
     assert sum(by_phase.values()) == pytest.approx(s["layer_ms"])
     assert set(s["gap_ms_by_phase"]) == {"backward"}
-    assert 30 <= s["gap_ms"] < 45
+    assert s["gap_ms"] == pytest.approx(30)
     assert s["largest_gap_before"] == "recompute layer 0"
 
 
