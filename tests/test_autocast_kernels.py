@@ -57,8 +57,11 @@ def _layer(arch: str):
 
 
 def _run(layer, rotary, config, fast: bool, counter: _CastCounter | None = None):
+    """The layer's output and gradients (input first) under CPU autocast, as in a stock model:
+    its input the output of something before it, not a leaf (autocast caches casts of leaves)."""
     torch.manual_seed(3)
-    x = torch.randn(2, 16, config.hidden_size, requires_grad=True)
+    leaf = torch.randn(2, 16, config.hidden_size, requires_grad=True)
+    x = leaf * 1.0
     pos = torch.arange(16).unsqueeze(0).expand(2, -1)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autocast("cpu", dtype=BF16))
@@ -70,11 +73,15 @@ def _run(layer, rotary, config, fast: bool, counter: _CastCounter | None = None)
         out = layer(x, position_embeddings=emb, attention_mask=None, position_ids=pos)
     out = out[0] if isinstance(out, tuple) else out
     assert out.dtype == torch.float32  # the residual stream stays fp32, as under autocast
-    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    grads = torch.autograd.grad(out.square().sum(), [leaf, *layer.parameters()])
     return out.detach(), grads
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize(
+    "arch",
+    ["llama", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe", "cohere", "olmoe", "olmo2",
+     "exaone4"],
+)  # fmt: skip
 def test_layer_outputs_and_gradients_are_bitwise_autocasts(arch):
     layer, rotary, config = _layer(arch)
     out, grads = _run(layer, rotary, config, fast=False)
@@ -140,9 +147,12 @@ def test_widen_and_add_widened_are_pytorchs_values():
     assert torch.equal(add_widened(a, b), a + b)
 
 
-def test_streamed_bf16_training_is_bitwise_with_and_without(tmp_path):
-    """Whole runs (CPU autocast to bf16, clipping, 3 steps): the same losses and weights."""
-    model = tiny_model(tiny_config("llama"))
+@pytest.mark.parametrize("arch", ["llama", "olmo2"])
+def test_streamed_bf16_training_is_bitwise_with_and_without(tmp_path, arch):
+    """Whole runs (CPU autocast to bf16, clipping, 3 steps): the same losses and weights. Olmo2
+    (post-norm: q/k/v read the layer input itself) needs the layer's input to be no autocast-
+    cached leaf, as in stock (``StreamedLayer.run``)."""
+    model = tiny_model(tiny_config(arch))
     runs = []
     for on in (True, False):
         logs, trainer = run_trainer(

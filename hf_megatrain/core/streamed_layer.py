@@ -122,6 +122,14 @@ class StreamedLayer:
             params[name] = params[name].float()
         resident = resident if resident is not None else [t for _, t in self.resident]
         params.update({name: t for (name, _), t in zip(self.resident, resident)})
+        # The layer's inputs are graph leaves here; in the stock model they are the previous
+        # layer's output. Autocast caches its casts of leaves that require grad, so a post-norm
+        # layer (Olmo2, EXAONE 4: q/k/v read the residual stream itself) would sum their input
+        # gradients in bf16 where stock sums them in fp32. An alias (no copy) is no leaf.
+        flat_args = [
+            t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+            for t in flat_args
+        ]
         args, kwargs = tree_unflatten(flat_args, spec)
         capture_ctx = self.capture.capturing(keys) if keys else contextlib.nullcontext([])
         with _reparametrize_module(self.module, params), capture_ctx as captured:
