@@ -401,13 +401,16 @@ class StreamingEngine:
                 torch.cuda.set_rng_state(state[1], self.device)
             yield
 
-    def compute_context(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def compute_context(self) -> Iterator[None]:
         """Where a layer computes: the run's autocast, with ``AutocastKernels`` in it when the
         option ``autocast_kernels`` is on."""
         if not self.autocast:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
-        if self._autocast_kernels:
-            stack.enter_context(AutocastKernels(self.device.type, self.compute_dtype))
-        return stack
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=self.compute_dtype):
+            if not self._autocast_kernels:
+                yield
+                return
+            with AutocastKernels(self.device.type, self.compute_dtype):
+                yield
