@@ -74,6 +74,15 @@ def _triton_ok(narrow: torch.Tensor, *fp32: torch.Tensor) -> bool:
     )
 
 
+def _launch(kernel, *tensors: torch.Tensor) -> None:
+    """One elementwise pass of ``kernel`` over ``tensors`` (as many elements each)."""
+    n = tensors[0].numel()
+    if n:
+        with torch.cuda.device(tensors[0].device):
+            grid = (_kernels()[0].cdiv(n, _BLOCK),)
+            kernel[grid](*tensors, n, BLOCK=_BLOCK, num_warps=8)
+
+
 def widen(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x.float()`` (written into the fp32 ``out`` of as many elements, when given): exact;
     one vectorized kernel for contiguous CUDA tensors."""
@@ -83,11 +92,7 @@ def widen(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     elif not _triton_ok(x, out) or out.numel() != x.numel():
         return out.copy_(x.reshape(out.shape))
-    triton, kernel, _ = _kernels()
-    n = x.numel()
-    if n:
-        with torch.cuda.device(x.device):
-            kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, BLOCK=_BLOCK, num_warps=8)
+    _launch(_kernels()[1], x, out)
     return out
 
 
@@ -98,12 +103,8 @@ def add_widened(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = Non
     if not _triton_ok(b, a, *([] if out is None else [out])) or a.numel() != b.numel():
         b = b.reshape(a.shape)
         return torch.add(a, b) if out is None else torch.add(a, b, out=out)
-    triton, _, kernel = _kernels()
     out = torch.empty_like(a) if out is None else out
-    n = a.numel()
-    if n:
-        with torch.cuda.device(a.device):
-            kernel[(triton.cdiv(n, _BLOCK),)](a, b, out, n, BLOCK=_BLOCK, num_warps=8)
+    _launch(_kernels()[2], a, b, out)
     return out
 
 
@@ -172,9 +173,7 @@ class AutocastKernels(TorchFunctionMode):
             ):
                 args = (self._shared_cast(x), *args[1:])
         elif func in _ADDS and len(args) == 2 and not kwargs:
-            a, b = args
-            if func is torch.Tensor.__radd__:
-                a, b = b, a
+            a, b = args  # either order (__radd__ too): the fp32 operand is picked below
             if (
                 isinstance(a, torch.Tensor)
                 and isinstance(b, torch.Tensor)
