@@ -46,6 +46,12 @@
 #   noak8b, noak14b  llama8b and compact14b with --no-autocast-kernels (PyTorch's cast kernels).
 #   profile8b  llama8b with a CUDA kernel trace of one step (its .json.gz packed with the rows);
 #              read it with benchmarks/trace_overlap.py --top N. ~3 min.
+#   lktests    tests/test_gpu.py's fused-loss-kernel, chunked-loss and autocast_kernels cases,
+#              then tests/test_gpu_parity.py (150 bf16 steps, 3 families, ~2 min).
+#   warm8b     llama8b for one step, thrown away: the first bench process of a machine start runs
+#              slow (its host-update waits fall step by step), so A/Bs go after it.
+#   nolk8b     llama8b with --no-fused-loss-kernel (PyTorch's ops in the loss: the A/B).
+#   compiled8b llama8b with --layer-kernels compiled: the defaults as without liger-kernel.
 #   threads14b, threads8b  compact14b and llama8b with the host update on 15 of 16 cores (a
 #              core left to the training thread): the A/B of host_update_threads. At c7afdc8
 #              the default was 15 and these items ran 16: equal on the 14B, 16 +1% on the 8B.
@@ -112,6 +118,21 @@ item() {  # item <name>: one queue item
       ;;
     ligerbits)  # which weights differ, autocast_kernels on vs off, per Liger kernel (diagnostic)
       timeout 300 python3 dev/liger_bitwise.py 2>&1 | grep -E "^liger|^  off|^  stock|Error"
+      ;;
+    lktests)
+      timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "fused_loss_kernel or chunked_loss or autocast_kernels" 2>&1 | grep -v '^DEBUG'
+      timeout 330 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \
+        -q -s 2>&1 | grep -v '^DEBUG' | tail -25
+      ;;
+    warm8b)
+      run64k warm8b64k llama-3.1-8b 240 --steps 1 --warmup 1
+      ;;
+    nolk8b)
+      run64k nolk8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --no-fused-loss-kernel
+      ;;
+    compiled8b)
+      run64k compiled8b64k llama-3.1-8b 300 --steps 3 --warmup 1 --layer-kernels compiled
       ;;
     noak8b)  # llama8b with --no-autocast-kernels (the A/B of autocast_kernels)
       run64k noak8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --no-autocast-kernels

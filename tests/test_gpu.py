@@ -1023,6 +1023,90 @@ def test_chunked_loss_bf16_on_gpu(chunk):
     torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-3)
 
 
+def _ran_kernel(name: str, fn) -> bool:
+    """Whether a CUDA kernel whose name holds ``name`` ran during ``fn()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return any(name in e.key for e in prof.key_averages())
+
+
+@pytest.mark.parametrize("vocab", [37, 40_000], ids=["one-block", "two-blocks"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_loss_kernel_is_the_torch_path_on_gpu(vocab, dtype):
+    """The Triton loss kernel (fused_loss_kernel, default on) against the PyTorch ops it
+    replaces, over vocabularies of one and of two blocks (the second partial), with ignored rows.
+    Per logit the same fp32 arithmetic in the same order; only the row's sum of exponentials is
+    reduced in another order (a few fp32 ulps), so a rounded logit gradient differs where its
+    fp32 value lies within those ulps of a rounding boundary: by one ulp of the compute dtype
+    in a few entries in 10**4 (a kernel that truncated instead of rounding to nearest, as
+    Triton's CPU interpreter does, would differ in about half). The loss agrees to 1e-6."""
+    from hf_megatrain.core.chunked_loss import chunked_linear_cross_entropy, logit_gradient
+
+    torch.manual_seed(0)
+    n = 300
+    logits = (torch.randn(n, vocab, device="cuda") * 4).to(dtype)
+    t = torch.randint(0, vocab, (n,), device="cuda")
+    t[::7] = -100
+    inv = torch.tensor(1 / 211, device="cuda")
+    ran = {}
+    for kernel in (True, False):
+
+        def step(kernel=kernel):
+            ran[kernel] = logit_gradient(logits.clone(), t, inv, kernel=kernel)
+
+        assert _ran_kernel("softmax_grad", step) is kernel
+    (loss, g), (ref, rg) = ran[True], ran[False]
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+    keep = t != -100
+    g, rg = g[keep], rg[keep]
+    assert g.dtype == rg.dtype == dtype
+    ulps = (g.view(torch.int16).int() - rg.view(torch.int16).int()).abs()
+    assert int(ulps.max()) <= 1  # (a sign flip would differ in the top bit)
+    assert (ulps > 0).float().mean().item() < 1e-3
+    # Without a gradient the kernel only reads: the same loss, the logits untouched.
+    before = logits.clone()
+    picked, none = logit_gradient(logits, t, inv, write_grad=False)
+    assert none is None and torch.equal(logits, before) and picked.item() == ref.item()
+    # And through the fused loss: both gradients agree to well within one bf16 ulp.
+    h = torch.randn(n, 64, device="cuda", requires_grad=True)
+    w = (torch.randn(vocab, 64, device="cuda") / 4).requires_grad_()
+    grads = [
+        torch.autograd.grad(
+            chunked_linear_cross_entropy(
+                h, w, t, divisor=211.0, chunk_tokens=128, compute_dtype=dtype, kernel=on
+            ),
+            [h, w],
+        )
+        for on in (True, False)
+    ]
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=4e-3, atol=1e-6)
+    assert not grads[0][0][::7].any()  # ignored rows: no hidden-state gradient
+
+
+def test_fused_loss_kernel_trains_on_gpu(tmp_path):
+    """The Trainer path runs the kernel by default and PyTorch's ops with the option off, with
+    losses that agree to bf16-run precision over a few steps."""
+    model = tiny_model(_tiny_gpu_config())
+    data = _data(16, 128)
+    losses = {}
+    for on in (True, False):
+
+        def train(on=on):
+            kw = {"megatrain_fused_loss_kernel": on}
+            losses[on] = _mega_losses(tmp_path, f"k{on}", copy.deepcopy(model), data, **kw)[1]
+
+        assert _ran_kernel("softmax_grad", train) is on
+    assert len(losses[True]) == len(losses[False]) >= 2
+    # bf16 training: one-ulp differences in a few logit gradients move the weights by less than
+    # the run's own rounding; losses stay within 1e-3 relative over these steps.
+    for a, b in zip(losses[True], losses[False]):
+        assert a == pytest.approx(b, rel=1e-3)
+
+
 @pytest.mark.parametrize("resident", ["0", "2"], ids=["streamed", "hbm-tier-2"])
 def test_keep_attention_outputs_on_gpu(tmp_path, resident):
     """megatrain_keep_attention_outputs on the CUDA path: the recompute gets the fused SDPA
@@ -1415,9 +1499,9 @@ def test_autocast_kernels_are_pytorchs_values_on_gpu(dtype):
     [{}, {"megatrain_resident_layers": "2", "megatrain_keep_activations": "1"},
      {"megatrain_checkpoint_every": 2, "megatrain_offload_activations": True},
      {"megatrain_keep_attention_outputs": True, "megatrain_mlp_tile_tokens": 32},
-     "rms_norm", "rope", "swiglu"],
+     "rms_norm", "rope", "swiglu", "olmo2"],
     ids=["default", "hbm-tier-kept", "segments-offload", "attention-outputs-tiles",
-         "liger-rms-norm", "liger-rope", "liger-swiglu"],
+         "liger-rms-norm", "liger-rope", "liger-swiglu", "olmo2-post-norm"],
 )  # fmt: skip
 def test_autocast_kernels_train_bitwise_on_gpu(tmp_path, feature):
     """autocast_kernels on (default) and off: the same losses and weights, bit for bit (the
@@ -1431,11 +1515,16 @@ def test_autocast_kernels_train_bitwise_on_gpu(tmp_path, feature):
 
     kw = dict(feature) if isinstance(feature, dict) else {}
     kw.update(megatrain_attention="model")
-    if isinstance(feature, str):
+    if feature == "olmo2":
+        # Post-norm: q/k/v read the layer's input itself, which must be no autocast-cached
+        # leaf (StreamedLayer.run computes on an alias), or their gradients sum in bf16.
+        model = tiny_model(tiny_config("olmo2", vocab_size=VOCAB, hidden_size=128))
+    else:
+        model = tiny_model(_tiny_gpu_config())
+    if feature in ("rms_norm", "rope", "swiglu"):
         pytest.importorskip("liger_kernel")
         names = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
         kw.update(use_liger_kernel=True, liger_kernel_config={k: k == feature for k in names})
-    model = tiny_model(_tiny_gpu_config())
     model.config._attn_implementation = "eager"
     data = _data(32, 128)
     off_trainer, off = _mega_losses(

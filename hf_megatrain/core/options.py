@@ -323,6 +323,17 @@ class EngineOptions:
             run_time=True,
         ),
     )
+    fused_loss_kernel: bool = field(
+        default=True,
+        metadata=_help(
+            """bf16 runs on CUDA: each chunk of the fused loss turns its logits into the token
+            losses and the rounded logit gradient in one Triton kernel (two reads and one write
+            of the logits instead of about seven passes over fp32 copies); the same arithmetic
+            per logit, the row sums reduced in another order. Not with a logit soft-cap (Gemma).
+            False: PyTorch's ops (for comparisons).""",
+            run_time=True,
+        ),
+    )
     layer_kernels: str = field(
         default="auto",
         metadata=_help(

@@ -84,6 +84,8 @@ def fused_causal_lm_forward(
     model,
     compute_dtype: torch.dtype | None,
     chunk_tokens: int | None = None,
+    *,
+    loss_kernel: bool = True,
     **kwargs,
 ) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
     """The model's training loss on ``kwargs`` (its forward's arguments, ``labels`` included):
@@ -122,6 +124,7 @@ def fused_causal_lm_forward(
         softcap=getattr(model.config, "final_logit_softcapping", None),
         chunk_tokens=chunk_tokens,
         compute_dtype=compute_dtype,
+        kernel=loss_kernel,
     )
     if balance is not None:
         aux_loss = None

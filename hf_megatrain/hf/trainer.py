@@ -82,6 +82,7 @@ class StreamedModelWrapper(nn.Module):
         device: torch.device,
         fused_loss: bool = True,
         loss_chunk_tokens: int | None = None,
+        fused_loss_kernel: bool = True,
     ) -> None:
         super().__init__()
         self.module = model
@@ -89,6 +90,7 @@ class StreamedModelWrapper(nn.Module):
         self.device_type = torch.device(device).type
         self.fused_loss = fused_loss and supports_fused_loss(model)
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.fused_loss_kernel = fused_loss_kernel
 
     def _call(self, *args, **kwargs):
         if (
@@ -103,7 +105,11 @@ class StreamedModelWrapper(nn.Module):
         ):
             # Training with labels: full logits never exist (see hf/loss.py).
             return fused_causal_lm_forward(
-                self.module, self.compute_dtype, self.loss_chunk_tokens, **kwargs
+                self.module,
+                self.compute_dtype,
+                self.loss_chunk_tokens,
+                loss_kernel=self.fused_loss_kernel,
+                **kwargs,
             )
         return self.module(*args, **kwargs)
 
@@ -472,6 +478,7 @@ class MegaTrainerMixin:
             device,
             fused_loss=run.fused_loss,
             loss_chunk_tokens=run.loss_chunk_tokens,
+            fused_loss_kernel=run.fused_loss_kernel,
         )
         self._tokens_since_log = 0
         self._time_of_log = time.perf_counter()
