@@ -52,6 +52,9 @@
 #              slow (its host-update waits fall step by step), so A/Bs go after it.
 #   nolk8b     llama8b with --no-fused-loss-kernel (PyTorch's ops in the loss: the A/B).
 #   compiled8b llama8b with --layer-kernels compiled: the defaults as without liger-kernel.
+#   gemma2bisect benchmarks/loss_curves.py, Gemma2 small (parity's config): stock, its two
+#              batching twins, streamed, and streamed with one recent exact option off at a time
+#              (which one moves streamed out of the band). Curves in results/gemma2/. ~3 min.
 #   threads14b, threads8b  compact14b and llama8b with the host update on 15 of 16 cores (a
 #              core left to the training thread): the A/B of host_update_threads. At c7afdc8
 #              the default was 15 and these items ran 16: equal on the 14B, 16 +1% on the 8B.
@@ -124,6 +127,12 @@ item() {  # item <name>: one queue item
         -k "fused_loss_kernel or chunked_loss or autocast_kernels" 2>&1 | grep -v '^DEBUG'
       timeout 330 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \
         -q -s 2>&1 | grep -v '^DEBUG' | tail -25
+      ;;
+    gemma2bisect)
+      timeout 400 python3 benchmarks/loss_curves.py --family gemma2 --size small --seq-len 512 \
+        --steps 150 --bf16 --band-accums 2,4 --no-plot --out "$work/results/gemma2" \
+        --variant noak:autocast_kernels=false --variant nodev:device_update_lead=0 \
+        --variant nocompact:compact_host_grads=false 2>&1 | grep -v '^DEBUG' | tail -15
       ;;
     warm8b)
       run64k warm8b64k llama-3.1-8b 240 --steps 1 --warmup 1
