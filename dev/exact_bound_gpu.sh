@@ -55,6 +55,9 @@
 #   gemma2bisect benchmarks/loss_curves.py, Gemma2 small (parity's config): stock, its two
 #              batching twins, streamed, and streamed with one recent exact option off at a time
 #              (which one moves streamed out of the band). Curves in results/gemma2/. ~3 min.
+#   devprobe   Gemma2 small, 20 steps: streamed with device updates (default) and without, step
+#              by step against stock (a bug shows at once; rounding noise starts near 1e-7).
+#   long8b, longnolk8b  llama8b and nolk8b with 8 timed steps (the host side settles).
 #   threads14b, threads8b  compact14b and llama8b with the host update on 15 of 16 cores (a
 #              core left to the training thread): the A/B of host_update_threads. At c7afdc8
 #              the default was 15 and these items ran 16: equal on the 14B, 16 +1% on the 8B.
@@ -133,6 +136,19 @@ item() {  # item <name>: one queue item
         --steps 150 --bf16 --band-accums 2,4 --no-plot --out "$work/results/gemma2" \
         --variant noak:autocast_kernels=false --variant nodev:device_update_lead=0 \
         --variant nocompact:compact_host_grads=false 2>&1 | grep -v '^DEBUG' | tail -15
+      ;;
+    devprobe)
+      timeout 200 python3 benchmarks/loss_curves.py --family gemma2 --size small --seq-len 512 \
+        --steps 20 --bf16 --band-accums 2 --no-plot --out "$work/results/devprobe" \
+        --variant nodev:device_update_lead=0 2>&1 | grep -v '^DEBUG' | tail -6
+      python3 -c "import csv,sys; r=list(csv.DictReader(open(sys.argv[1]))); print(r[0].keys()); [print(x) for x in r]" \
+        "$work/results/devprobe/loss_curves.csv" | head -24
+      ;;
+    long8b)
+      run64k long8b64k llama-3.1-8b 300 --steps 8 --warmup 1
+      ;;
+    longnolk8b)
+      run64k longnolk8b64k llama-3.1-8b 300 --steps 8 --warmup 1 --no-fused-loss-kernel
       ;;
     warm8b)
       run64k warm8b64k llama-3.1-8b 240 --steps 1 --warmup 1
