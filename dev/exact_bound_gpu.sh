@@ -141,8 +141,15 @@ item() {  # item <name>: one queue item
       timeout 200 python3 benchmarks/loss_curves.py --family gemma2 --size small --seq-len 512 \
         --steps 20 --bf16 --band-accums 2 --no-plot --out "$work/results/devprobe" \
         --variant nodev:device_update_lead=0 2>&1 | grep -v '^DEBUG' | tail -6
-      python3 -c "import csv,sys; r=list(csv.DictReader(open(sys.argv[1]))); print(r[0].keys()); [print(x) for x in r]" \
-        "$work/results/devprobe/loss_curves.csv" | head -24
+      python3 - "$work/results/devprobe/loss_curves.csv" <<'PY'
+import csv, sys
+c = {}
+for r in csv.DictReader(open(sys.argv[1])):
+    c.setdefault(r["run"], {})[int(r["step"])] = float(r["loss"])
+s = c["stock"]
+for k in sorted(s):
+    print(k, " ".join(f"{n}={c[n][k] / s[k] - 1:+.2e}" for n in c if n != "stock"))
+PY
       ;;
     long8b)
       run64k long8b64k llama-3.1-8b 300 --steps 8 --warmup 1
