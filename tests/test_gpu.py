@@ -1070,6 +1070,13 @@ def test_fused_loss_kernel_is_the_torch_path_on_gpu(vocab, dtype):
     before = logits.clone()
     picked, none = logit_gradient(logits, t, inv, write_grad=False)
     assert none is None and torch.equal(logits, before) and picked.item() == ref.item()
+    # A target outside the vocabulary (a later batch's bad label): a NaN loss for the Trainer's
+    # non-finite check, no read outside the row; non-contiguous targets are read by value.
+    bad = t.clone()
+    bad[1] = vocab + 5
+    assert logit_gradient(logits.clone(), bad, inv, write_grad=False)[0].isnan()
+    wide = torch.stack([t, t], 1)[:, 0]  # a strided view of the same targets
+    assert logit_gradient(logits.clone(), wide, inv, write_grad=False)[0].item() == ref.item()
     # And through the fused loss: both gradients agree to well within one bf16 ulp.
     h = torch.randn(n, 64, device="cuda", requires_grad=True)
     w = (torch.randn(vocab, 64, device="cuda") / 4).requires_grad_()

@@ -109,7 +109,10 @@ def _softmax_grad_kernel():
         log_d = tl.log(d)
         valid = target != ignore_index
         safe = tl.where(valid, target, 0)
-        x_t = tl.load(base + safe).to(tl.float32)
+        # A target outside the vocabulary reads nothing: its loss is NaN (the Trainer's
+        # non-finite check reports it) where PyTorch's gather would raise a device assert.
+        inside = (safe >= 0) & (safe < n_cols)
+        x_t = tl.load(base + safe, mask=inside, other=float("nan")).to(tl.float32)
         tl.store(picked + row, tl.where(valid, (x_t - m) - log_d, 0.0))
         if WRITE_GRAD:
             inv = tl.load(inv_divisor)
@@ -133,6 +136,7 @@ def _softmax_grad_in_place(
     ignored targets as the PyTorch path leaves them, for the products to mask out)."""
     triton, kernel = _softmax_grad_kernel()
     n, v = logits.shape
+    targets = targets.contiguous()  # read by offset
     picked = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
         block = min(32768, triton.next_power_of_2(v))
