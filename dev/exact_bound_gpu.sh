@@ -58,6 +58,9 @@
 #   devprobe   Gemma2 small, 20 steps: streamed with device updates (default) and without, step
 #              by step against stock (a bug shows at once; rounding noise starts near 1e-7).
 #   long8b, longnolk8b  llama8b and nolk8b with 8 timed steps (the host side settles).
+#   devparity  Parity curves (150 bf16 steps, stock + two batching twins) of Gemma2 and Llama with
+#              streamed runs at device_update_lead 2 (twice: timing decides which layers the GPU
+#              takes) and 0: whether device updates move streamed out of the band. ~5 min.
 #   threads14b, threads8b  compact14b and llama8b with the host update on 15 of 16 cores (a
 #              core left to the training thread): the A/B of host_update_threads. At c7afdc8
 #              the default was 15 and these items ran 16: equal on the 14B, 16 +1% on the 8B.
@@ -156,6 +159,14 @@ PY
       ;;
     longnolk8b)
       run64k longnolk8b64k llama-3.1-8b 300 --steps 8 --warmup 1 --no-fused-loss-kernel
+      ;;
+    devparity)
+      for fam in gemma2 llama; do
+        timeout 400 python3 benchmarks/loss_curves.py --family "$fam" --size small --seq-len 512 \
+          --steps 150 --bf16 --band-accums 2,4 --no-plot --out "$work/results/devparity-$fam" \
+          --variant lead2a:device_update_lead=2 --variant lead2b:device_update_lead=2 \
+          --variant lead0:device_update_lead=0 2>&1 | grep -v '^DEBUG' | tail -8
+      done
       ;;
     warm8b)
       run64k warm8b64k llama-3.1-8b 240 --steps 1 --warmup 1

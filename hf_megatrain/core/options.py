@@ -406,7 +406,11 @@ class EngineOptions:
             GPU updates the layers the CPU has not started within this many layers ahead of the
             forward: their fp32 master, moments and gradient cross PCIe into a staging buffer
             (HBM: 12-14 B per parameter of the largest host layer), the fused GPU AdamW updates
-            them, and master and moments go back. Same arithmetic, on the GPU's kernel. Only
+            them, and master and moments go back. The same AdamW on the GPU's fused kernel,
+            whose roundings differ from the CPU kernel's by an ulp; which layers it takes
+            depends on timing, so bf16 runs with it are not bitwise repeatable (and on a tiny
+            Gemma2 ran 2.3-2.8x the stock band in 3 runs, 0.98x without: docs/benchmarks.md,
+            twentieth session). Only
             where the plan counts the staging (the host tier's share of the layer parameters
             outruns the forward); the later half of the host layers qualifies, their stores
             pinned whole at start-up. 0: the CPU updates every host layer. CUDA, one process,
