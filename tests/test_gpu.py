@@ -816,11 +816,16 @@ def test_prefetch_waits_for_no_host_update_on_gpu(tmp_path):
     assert got == pytest.approx(base, rel=1e-3)
 
 
-def test_device_updates_take_over_a_slow_host_update_on_gpu(tmp_path):
+@pytest.mark.parametrize("fp32_master", [False, True], ids=["bf16-copies", "fp32-masters"])
+def test_device_updates_take_over_a_slow_host_update_on_gpu(tmp_path, fp32_master):
     """A host AdamW slower than the next forward (one intra-op thread, wide layers): the GPU
     takes over host layers the CPU has not started (of those pinned whole at construction),
     updates them with its fused AdamW and writes master and moments back. The same training as
-    the CPU updating every layer: the losses, and the masters where training moved them."""
+    the CPU updating every layer: the losses, and the masters where training moved them.
+
+    With fp32-master streaming the staged master shares the streaming's staging buffer: the
+    next layer's load must not overwrite it while the write-back still reads it (it would put
+    that layer's weights into the updated layer's host master)."""
     model = tiny_model(_wide_llama_config())
     data = _data(32, 128)
     start: dict[str, list[torch.Tensor]] = {}
@@ -829,7 +834,7 @@ def test_device_updates_take_over_a_slow_host_update_on_gpu(tmp_path):
         layers = [s for s in trainer.megatrain.store.layers if not s.resident]
         start[trainer.args.output_dir] = [s.master.clone() for s in layers]
 
-    kw = dict(setup=initial, learning_rate=1e-2)
+    kw = dict(setup=initial, learning_rate=1e-2, megatrain_stream_fp32_master=fp32_master)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ~17M parameters per layer: tens of ms of AdamW per layer
     try:
@@ -845,8 +850,11 @@ def test_device_updates_take_over_a_slow_host_update_on_gpu(tmp_path):
     cpu_layers = [s for s in cpu.megatrain.store.layers if not s.resident]
     # The later half of the host layers (where a late CPU update falls furthest behind) are
     # pinned whole, master and moments included: those the GPU may take over.
-    assert [s.update_state_pinned for s in layers] == [False] * 3 + [True] * 3
-    assert not any(s.update_state_pinned for s in cpu_layers)
+    assert all(s.update_state_pinned for s in layers[3:])
+    if not fp32_master:  # (a store that streams its master may be pinned whole anyway)
+        assert [s.update_state_pinned for s in layers] == [False] * 3 + [True] * 3
+        assert not any(s.update_state_pinned for s in cpu_layers)
+    assert all((s.stream.dtype == torch.float32) is fp32_master for s in layers)
     # bf16 GPU kernels are not bitwise deterministic run to run (SDPA backward atomics), and
     # the GPU's fused AdamW rounds apart from the CPU's by an ulp: 1e-3 relative.
     assert len(got) == len(base) == 4

@@ -159,40 +159,6 @@ def _kernel_applies(logits: torch.Tensor, softcap: float | None, use_kernel: boo
     )
 
 
-def _softmax_grad_torch(
-    logits: torch.Tensor,
-    valid: torch.Tensor,
-    targets: torch.Tensor,
-    softcap: float | None,
-    inv_divisor: torch.Tensor,
-    write_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`logit_gradient` in PyTorch's ops (and with the soft-cap)."""
-    dtype = logits.dtype
-    capped = None
-    if softcap is not None:
-        # In the compute dtype, as the model's own forward caps its (bf16) logits.
-        capped = torch.tanh(logits / softcap)
-        logits = capped * softcap
-    # log-softmax in fp32 from the compute-dtype logits, as the stock loss computes it (the
-    # bf16 input is cast to an fp32 copy first: 4 B per logit while it runs).
-    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    del logits
-    safe = torch.where(valid, targets, 0)
-    picked = torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
-    if not write_grad:
-        return picked, None
-    # d(sum of token losses)/d logits = softmax - onehot, in place.
-    grad = logp.exp_()
-    grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
-    g = grad.mul_(inv_divisor).to(dtype)
-    del grad, logp
-    if capped is not None:
-        # Back through cap * tanh(logits / cap), op by op in the compute dtype.
-        g = torch.ops.aten.tanh_backward(g * softcap, capped) / softcap
-    return picked, g
-
-
 def logit_gradient(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -208,12 +174,36 @@ def logit_gradient(
     of the summed token losses times ``inv_divisor`` (a 0-d fp32 tensor) with respect to the
     logits, rounded to their dtype. Rows of ignored targets hold values for the caller to mask
     out. ``kernel``: the one-pass Triton kernel where it applies (CUDA, 16-bit logits, no
-    soft-cap), which writes the gradient over ``logits``; else PyTorch's ops."""
+    soft-cap), which writes the gradient over ``logits``; else PyTorch's ops. Pass the logits
+    as the only reference to them (``logit_gradient(h @ w.t(), ...)``): PyTorch's ops free them
+    as soon as their fp32 copy exists (the plan's 10 B per logit, 12 soft-capped)."""
     if _kernel_applies(logits, softcap, kernel):
         picked = _softmax_grad_in_place(logits, targets, inv_divisor, write_grad).sum()
         return picked, logits if write_grad else None
+    dtype = logits.dtype
+    capped = None
+    if softcap is not None:
+        # In the compute dtype, as the model's own forward caps its (bf16) logits.
+        capped = torch.tanh(logits / softcap)
+        logits = capped * softcap
+    # log-softmax in fp32 from the compute-dtype logits, as the stock loss computes it (the
+    # bf16 input is cast to an fp32 copy first: 4 B per logit while it runs).
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    del logits
     valid = targets != IGNORE_INDEX
-    return _softmax_grad_torch(logits, valid, targets, softcap, inv_divisor, write_grad)
+    safe = torch.where(valid, targets, 0)
+    picked = torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
+    if not write_grad:
+        return picked, None
+    # d(sum of token losses)/d logits = softmax - onehot, in place.
+    grad = logp.exp_()
+    grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
+    g = grad.mul_(inv_divisor).to(dtype)
+    del grad, logp
+    if capped is not None:
+        # Back through cap * tanh(logits / cap), op by op in the compute dtype.
+        g = torch.ops.aten.tanh_backward(g * softcap, capped) / softcap
+    return picked, g
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -236,13 +226,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk, n)
             h = hidden[start:end].to(cd)
             t = targets[start:end]
-            logits = h @ w.t()
+            # The logits' only reference is the callee's (freed once their fp32 copy exists).
             picked, g = logit_gradient(
-                logits, t, inv_divisor, softcap=softcap, write_grad=need_h or need_w,
+                h @ w.t(), t, inv_divisor, softcap=softcap, write_grad=need_h or need_w,
                 kernel=use_kernel,
             )  # fmt: skip
             loss_sum -= picked
-            del logits
             if g is None:
                 continue
             # Ignored rows are masked out of the two (tokens x hidden) products instead of an

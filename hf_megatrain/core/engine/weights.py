@@ -63,6 +63,9 @@ class WeightStreamer:
         self._update_stage: dict[str, torch.Tensor] | None = None
         self._writeback: torch.cuda.Stream | None = None
         self._stage_written: torch.cuda.Event | None = None
+        # The last write-back has read the staged master: fp32-master streaming shares that
+        # buffer (``enable_device_updates``), and its next load must not overwrite it before.
+        self._stage_master_read: torch.cuda.Event | None = None
         self._host_written: dict[int, torch.cuda.Event] = {}
         self._slot_written: list[torch.cuda.Event | None] = [None, None]
         # Where the compute stream is in the forward (device updates: claim only the layers the
@@ -151,6 +154,8 @@ class WeightStreamer:
                 # fp32-master streaming: the master crosses PCIe and is cast here, on the copy
                 # stream (the single staging buffer is reused in this stream's order).
                 stage = self._stage[: store.numel]
+                if self._stage_master_read is not None:
+                    self._h2d.wait_event(self._stage_master_read)
                 stage.copy_(store.stream, non_blocking=True)
                 dst.copy_(stage)
             else:
@@ -379,6 +384,12 @@ class WeightStreamer:
             self._writeback.wait_event(updated)
             for key in ("master", "exp_avg", "exp_avg_sq"):
                 getattr(store, key).copy_(stage[key][:n], non_blocking=True)
+                if key == "master" and stage["master"] is self._stage:
+                    # The shared buffer is free for the next fp32-master load from here (not
+                    # only once the moments are back too).
+                    read = torch.cuda.Event()
+                    read.record(self._writeback)
+                    self._stage_master_read = read
             if store.stream.data_ptr() != store.master.data_ptr():
                 store.stream.copy_(dst, non_blocking=True)
             done = torch.cuda.Event()
