@@ -270,6 +270,10 @@ def train_run(
     trainer.train()
     if len(log.losses) != steps:
         raise RuntimeError(f"{spec.name}: logged {len(log.losses)} losses for {steps} steps")
+    if spec.streamed:
+        # Device updates round apart from the CPU's and depend on timing: say how many ran.
+        taken = trainer.megatrain.engine.device_updates
+        print(f"  device updates in {spec.name}: {taken} host-layer updates the GPU took over")
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
