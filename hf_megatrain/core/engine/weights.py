@@ -382,14 +382,14 @@ class WeightStreamer:
         store, stage, n = self._stores[idx], self._update_stage, self._stores[idx].numel
         with torch.cuda.stream(self._writeback):
             self._writeback.wait_event(updated)
-            for key in ("master", "exp_avg", "exp_avg_sq"):
+            store.master.copy_(stage["master"][:n], non_blocking=True)
+            if stage["master"] is self._stage:
+                # The shared buffer is free for the next fp32-master load from here (not only
+                # once the moments are back too).
+                self._stage_master_read = torch.cuda.Event()
+                self._stage_master_read.record(self._writeback)
+            for key in ("exp_avg", "exp_avg_sq"):
                 getattr(store, key).copy_(stage[key][:n], non_blocking=True)
-                if key == "master" and stage["master"] is self._stage:
-                    # The shared buffer is free for the next fp32-master load from here (not
-                    # only once the moments are back too).
-                    read = torch.cuda.Event()
-                    read.record(self._writeback)
-                    self._stage_master_read = read
             if store.stream.data_ptr() != store.master.data_ptr():
                 store.stream.copy_(dst, non_blocking=True)
             done = torch.cuda.Event()
