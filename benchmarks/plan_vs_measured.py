@@ -59,6 +59,7 @@ def _engine_options(command: str):
         recompute_early_stop="--no-recompute-early-stop" not in command,
         stream_fp32_master="--stream-fp32-master" in command,
         hbm_cast_weights="--hbm-cast-weights" in command,
+        device_update_lead=int(_flag(command, "--device-update-lead") or 0),
         keep_activations="off",
     )
 
@@ -87,6 +88,8 @@ COMPACT_GRADS_SINCE = "2026-12-03T12:50"
 #: Rows from here on staged device updates where the plan counts them (``device_update_lead``,
 #: ``MemoryPlan.device_updates``); the rows before allocated no such staging.
 DEVICE_UPDATES_SINCE = "2026-12-03T20:30"
+#: ... until here: from then on ``device_update_lead`` is 0 unless the command sets it.
+DEVICE_UPDATES_UNTIL = "2026-12-04T13:00"
 MOE_FUSED_LOSS_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"})
 
 
@@ -126,8 +129,11 @@ def plan_row(row: dict):
     if attention:  # chosen by keep_attention_outputs "auto": the count the run kept
         engine = engine.with_(keep_attention_outputs=attention[1])
     kept = int(row.get("kept_layers") or 0)  # rows before the column kept none
-    if row.get("date", "") < DEVICE_UPDATES_SINCE:
+    date = row.get("date", "")
+    if date < DEVICE_UPDATES_SINCE:
         engine = engine.with_(device_update_lead=0)
+    elif date < DEVICE_UPDATES_UNTIL and "--device-update-lead" not in command:
+        engine = engine.with_(device_update_lead=2)  # that time's default
     dp = re.search(r"-dp(\d+)$", row["system"])  # bench_dp rows: the host total of N ranks
     options = engine.with_(keep_activations=str(kept)).resolve(
         clipping="--no-clip" not in command,

@@ -37,8 +37,10 @@
 #              long step's forward, chain recompute and backward per layer). ~3 min.
 #   llama8b    Llama-3.1-8B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
 #   slow14b    compact14b with the host update on 8 threads: a host whose AdamW runs ~2.2 G params/s
-#              (some machine starts run 2.4), where the update falls behind the forward.
-#   nodevice14b compact14b with --device-update-lead 0 (every host update on the CPU).
+#              (some machine starts run 2.4), where the update falls behind the forward; with
+#              --device-update-lead 2 (device updates are off by default since 2026-12-04).
+#   nodevice14b compact14b with --device-update-lead 0 (the default since 2026-12-04).
+#   lead14b    compact14b with --device-update-lead 2 (the A/B of device updates).
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
 #   qwen7b     Qwen2.5-7B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
 #   aktests    tests/test_gpu.py's autocast_kernels cases (bitwise), with the Liger and compiled ones.
@@ -58,6 +60,10 @@
 #   devprobe   Gemma2 small, 20 steps: streamed with device updates (default) and without, step
 #              by step against stock (a bug shows at once; rounding noise starts near 1e-7).
 #   long8b, longnolk8b  llama8b and nolk8b with 8 timed steps (the host side settles).
+#   devallprobe dev/device_update_probe.py: Gemma2 small, 150 bf16 steps, stock, its two twins,
+#              streamed (no device updates) and twice streamed with every claimable host layer
+#              taken over by the GPU each step, deterministically (whether the device path
+#              depends on timing, and what the GPU AdamW's roundings alone do). ~3 min.
 #   devparity  Parity curves (150 bf16 steps, stock + two batching twins) of Gemma2 and Llama with
 #              streamed runs at device_update_lead 2 (twice: timing decides which layers the GPU
 #              takes) and 0: whether device updates move streamed out of the band. ~5 min.
@@ -197,7 +203,17 @@ PY
       run64k nodevice14b64k qwen2.5-14b 300 --steps 3 --warmup 1 --device-update-lead 0
       ;;
     slow14b)  # a slow host stood in for: the host update on 8 of the 16 cores (~2.2 G params/s)
-      run64k slow14b64k qwen2.5-14b 300 --steps 3 --warmup 1 --host-update-threads 8
+      run64k slow14b64k qwen2.5-14b 300 --steps 3 --warmup 1 --host-update-threads 8 \
+        --device-update-lead 2
+      ;;
+    lead14b)
+      run64k lead14b64k qwen2.5-14b 300 --steps 3 --warmup 1 --device-update-lead 2
+      ;;
+    devallprobe)
+      timeout 400 python3 dev/device_update_probe.py --family gemma2 --size small --seq-len 512 \
+        --steps 150 --bf16 --band-accums 2,4 --no-plot --out "$work/results/devall" \
+        --variant alla:device_update_lead=2 --variant allb:device_update_lead=2 2>&1 \
+        | grep -v '^DEBUG' | tail -10
       ;;
     timeline8b)
       run64k timeline8b64k llama-3.1-8b 240 --steps 2 --warmup 1 --layer-timing

@@ -19,7 +19,7 @@ from hf_megatrain.core.engine.pace import ForwardPace
 from hf_megatrain.core.engine.updates import UpdateScheduler
 from hf_megatrain.core.host_store import LayerStore
 from hf_megatrain.core.optimizer import HostAdamW
-from hf_megatrain.core.options import EngineOptions, OptionError, StepShape
+from hf_megatrain.core.options import EngineOptions, OptionError, StepShape, device_update_hint
 from hf_megatrain.core.plan_arithmetic import DEVICE_WIDEN_NUMEL, device_updates_pay
 from hf_megatrain.core.planner import plan_memory
 from hf_megatrain.hf.model import model_shape_from_config, streamed_state
@@ -46,14 +46,15 @@ def test_staging_where_the_host_tier_share_outruns_the_forward():
 
 
 def test_option_is_checked():
-    assert EngineOptions().device_update_lead == 2
+    # Off by default: takeovers depend on timing, so bf16 runs with them are not repeatable.
+    assert EngineOptions().device_update_lead == 0
+    assert not EngineOptions().resolve(clipping=True, cuda=True).device_updates
     with pytest.raises(OptionError, match="device_update_lead"):
         EngineOptions(device_update_lead=-1)
-    cuda = EngineOptions().resolve(clipping=True, cuda=True)
-    assert cuda.device_updates
-    assert not EngineOptions().resolve(clipping=True, cuda=False).device_updates
-    assert not EngineOptions().resolve(clipping=False, cuda=True).device_updates  # eager
-    assert not EngineOptions(device_update_lead=0).resolve(clipping=True, cuda=True).device_updates
+    lead = EngineOptions(device_update_lead=2)
+    assert lead.resolve(clipping=True, cuda=True).device_updates
+    assert not lead.resolve(clipping=True, cuda=False).device_updates
+    assert not lead.resolve(clipping=False, cuda=True).device_updates  # eager
 
 
 def _cpu_held_at_layer_zero():
@@ -245,7 +246,7 @@ def test_plan_stages_device_updates_where_the_cpu_paces_the_forward():
     hbm, host = 139 * 2**30, 125 * 2**30
     fast = dict(
         checkpoint_every=2, hbm_cast_weights=True, mlp_tile_tokens=16384,
-        stream_fp32_master=True,
+        stream_fp32_master=True, device_update_lead=2,
     )  # fmt: skip
 
     def plan(tokens: int | None, **kw):
@@ -269,3 +270,19 @@ def test_plan_stages_device_updates_where_the_cpu_paces_the_forward():
     assert line.nbytes == 14 * max(shape.layer_numels[copy.n_hbm :]) + 4 * DEVICE_WIDEN_NUMEL + (
         16 * shape.hidden_size
     )
+
+
+def test_a_host_that_sets_the_pace_gets_the_option_named():
+    """Off by default, device updates are named to a run whose training thread waited over a
+    fifth of the time for the host AdamW; not where the GPU cannot take over (CPU, eager
+    updates), where the option is on already, under data parallel, or with short waits."""
+    cuda = EngineOptions().resolve(clipping=True, cuda=True)
+    hint = device_update_hint(cuda, 3.0, 10.0)
+    assert hint is not None and "device_update_lead=2" in hint and "3.0 of the last 10.0 s" in hint
+    assert device_update_hint(cuda, 1.5, 10.0) is None  # a fifth or less
+    assert device_update_hint(cuda, 3.0, 10.0, world_size=2) is None
+    assert device_update_hint(cuda, 3.0, 0.0) is None
+    assert device_update_hint(EngineOptions().resolve(clipping=True, cuda=False), 3.0, 10.0) is None
+    assert device_update_hint(EngineOptions().resolve(clipping=False, cuda=True), 3.0, 10.0) is None
+    on = EngineOptions(device_update_lead=2).resolve(clipping=True, cuda=True)
+    assert device_update_hint(on, 3.0, 10.0) is None

@@ -841,7 +841,7 @@ def test_device_updates_take_over_a_slow_host_update_on_gpu(tmp_path, fp32_maste
         cpu, base = _mega_losses(
             tmp_path, "cpu", copy.deepcopy(model), data, megatrain_device_update_lead=0, **kw
         )
-        gpu, got = _mega_losses(tmp_path, "gpu", model, data, **kw)
+        gpu, got = _mega_losses(tmp_path, "gpu", model, data, megatrain_device_update_lead=2, **kw)
     finally:
         torch.set_num_threads(threads)
     assert gpu.megatrain.plan.device_updates and not cpu.megatrain.plan.device_updates

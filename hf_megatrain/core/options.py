@@ -400,21 +400,22 @@ class EngineOptions:
         ),
     )
     device_update_lead: int = field(
-        default=2,
+        default=0,
         metadata=_help(
-            """Where the host AdamW update that overlaps the next forward falls behind it, the
-            GPU updates the layers the CPU has not started within this many layers ahead of the
-            forward: their fp32 master, moments and gradient cross PCIe into a staging buffer
-            (HBM: 12-14 B per parameter of the largest host layer), the fused GPU AdamW updates
-            them, and master and moments go back. The same AdamW on the GPU's fused kernel,
-            whose roundings differ from the CPU kernel's by an ulp; which layers it takes
-            depends on timing, so bf16 runs with it are not bitwise repeatable (and on a tiny
-            Gemma2 ran 2.3-2.8x the stock band in 3 runs, 0.98x without: docs/benchmarks.md,
-            twentieth session). Only
-            where the plan counts the staging (the host tier's share of the layer parameters
-            outruns the forward); the later half of the host layers qualifies, their stores
-            pinned whole at start-up. 0: the CPU updates every host layer. CUDA, one process,
-            gradient clipping on.""",
+            """For a host whose CPU AdamW is slower than the forward it overlaps (where
+            ``host_update_wait_s`` stays above zero): the GPU updates the host layers the CPU
+            has not started within this many layers ahead of the forward (2 is a good value).
+            Their fp32 master, moments and gradient cross PCIe into a staging buffer (HBM: 12-14
+            B per parameter of the largest host layer), the fused GPU AdamW updates them, and
+            master and moments go back. Off (0) by default: the GPU's AdamW rounds apart from
+            the CPU's by an ulp and which layers it takes depends on timing, so bf16 runs with
+            it are not bitwise repeatable, and a tiny Gemma2 with it ran outside the stock
+            Trainer's band (docs/benchmarks.md); on the H200 host the CPU keeps up (the 14B at
+            64k: 403 model TFLOP/s without it, 402 with). On an 8-thread update it took the 14B
+            from 383 to 400. Only where the plan counts the staging (the host tier's share of
+            the layer parameters outruns the forward); the later half of the host layers
+            qualifies, their stores pinned whole at start-up. CUDA, one process, gradient
+            clipping on.""",
             run_time=True,
         ),
     )
@@ -623,16 +624,17 @@ class ResolvedOptions:
         )
 
     @property
+    def device_updates_possible(self) -> bool:
+        """Whether this run could let the GPU take over host-layer updates: CUDA, an update
+        after backward that overlaps the next forward (clipping, no eager updates). Data
+        parallel turns them off in the engine."""
+        return self.cuda and self.overlap_optimizer and not self.eager_update
+
+    @property
     def device_updates(self) -> bool:
         """The GPU may take over host-layer updates the overlapped CPU update has not reached
-        (``device_update_lead``): CUDA, an update after backward that overlaps the next
-        forward (clipping, no eager updates). Data parallel turns it off in the engine."""
-        return (
-            self.cuda
-            and self.overlap_optimizer
-            and not self.eager_update
-            and self.options.device_update_lead > 0
-        )
+        (``device_update_lead`` above 0, where ``device_updates_possible``)."""
+        return self.device_updates_possible and self.options.device_update_lead > 0
 
     @property
     def boundary_bytes_per_element(self) -> int:
@@ -897,3 +899,27 @@ __all__ = [
     "parse_keep_activations",
     "parse_resident_layers",
 ]
+
+
+def device_update_hint(
+    run: ResolvedOptions, waited_s: float, elapsed_s: float, world_size: int = 1
+) -> str | None:
+    """Advice for a run whose training thread waited ``waited_s`` of ``elapsed_s`` for the host
+    AdamW: where that is over a fifth and the GPU may not take layers over but could
+    (``device_update_lead`` 0, ``device_updates_possible``, one process), the option that lets
+    it; else None."""
+    if (
+        elapsed_s <= 0
+        or waited_s <= 0.2 * elapsed_s
+        or run.options.device_update_lead > 0
+        or not run.device_updates_possible
+        or world_size > 1
+    ):
+        return None
+    return (
+        f"the training thread waited {waited_s:.1f} of the last {elapsed_s:.1f} s for the host "
+        "AdamW (this host's CPU update is slower than the forward it overlaps); "
+        "with megatrain_device_update_lead=2 (CLI: --device-update-lead 2) the GPU may update "
+        "the host layers the CPU has not reached, where the plan counts its staging (runs with "
+        "it are not bitwise repeatable)"
+    )

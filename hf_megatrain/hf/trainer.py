@@ -27,7 +27,14 @@ from transformers import Trainer, TrainingArguments
 
 from ..core.distributed import DataParallelError, launch_layout_error
 from ..core.host_store import InsufficientHostMemoryError
-from ..core.options import EXPORT_DTYPES, EngineOptions, OptionError, ResolvedOptions, StepShape
+from ..core.options import (
+    EXPORT_DTYPES,
+    EngineOptions,
+    OptionError,
+    ResolvedOptions,
+    StepShape,
+    device_update_hint,
+)
 from ..core.plan_types import MemoryPlanError
 from ..core.publish import publish, recover, verify_folder, write_manifest
 from .arguments import MegaTrainArguments, argument_name, engine_options, in_argument_names
@@ -1018,6 +1025,7 @@ class MegaTrainerMixin:
         # the CPU update, not the GPU, set the pace (host memory bandwidth).
         waited = self.megatrain.engine.host_wait_s
         out["host_update_wait_s"] = round(waited - self._host_wait_at_log, 3)
+        self._hint_device_updates(waited - self._host_wait_at_log, elapsed)
         self._host_wait_at_log = waited
         # Host-layer updates the GPU took over from a CPU update that fell behind the forward.
         on_gpu = self.megatrain.engine.device_updates
@@ -1030,6 +1038,17 @@ class MegaTrainerMixin:
         if self.megatrain.engine.is_cuda:
             out["hbm_peak_gib"] = round(torch.cuda.max_memory_reserved(self.args.device) / 2**30, 2)
         return out
+
+    def _hint_device_updates(self, waited_s: float, elapsed_s: float) -> None:
+        """Once per run: ``device_update_hint``'s advice, where it has any."""
+        if getattr(self, "_device_update_hinted", False):
+            return
+        hint = device_update_hint(
+            self.megatrain_options, waited_s, elapsed_s, int(self.args.world_size)
+        )
+        if hint is not None:
+            self._device_update_hinted = True
+            logger.warning("hf_megatrain: %s", hint)
 
     def _active_params(self) -> int:
         if not hasattr(self, "_n_active_params"):
