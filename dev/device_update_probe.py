@@ -4,7 +4,7 @@ itself moves bf16 training, or only the timing that decides which layers it take
 ``benchmarks/loss_curves.py`` runs as given, with the update scheduler patched for every
 streamed run whose ``device_update_lead`` is above 0:
 
-* the CPU thread, after its first layer of each step, waits until the forward has claimed
+* the CPU thread, from its second layer of each step on, waits until the forward has claimed
   (``UpdateScheduler.claim_ahead``, with a lead over every layer), so it cannot race the claim;
 * the CPU's pace never looks fast enough (``_cpu_done_s`` = inf): every claimable layer (those
   pinned whole) goes to the device, every step.
@@ -43,9 +43,12 @@ def _start_forced(self, update_layer, layers, n_threads=0, device_update=None, l
     first = layers[0]
 
     def gated(i: int) -> None:
-        update_layer(i)
-        if i == first:  # let the forward claim the rest before this thread takes another
+        # After its first layer (whose readiness the forward waits for), this thread waits
+        # until the forward has claimed: it then holds one more layer, the second, which is
+        # not claimable (the pinned ones are the later half).
+        if i != first:
             claimed.wait(60)
+        update_layer(i)
 
     return _start(self, gated, layers, n_threads, device_update, _ALL, claimable)
 
