@@ -50,6 +50,7 @@
 #              read it with benchmarks/trace_overlap.py --top N. ~3 min.
 #   lktests    tests/test_gpu.py's fused-loss-kernel, chunked-loss and autocast_kernels cases,
 #              then tests/test_gpu_parity.py (150 bf16 steps, 3 families, ~2 min).
+#   paritytest tests/test_gpu_parity.py alone (lktests' second half).
 #   warm8b     llama8b for one step, thrown away: the first bench process of a machine start runs
 #              slow (its host-update waits fall step by step), so A/Bs go after it.
 #   nolk8b     llama8b with --no-fused-loss-kernel (PyTorch's ops in the loss: the A/B).
@@ -137,6 +138,10 @@ item() {  # item <name>: one queue item
     lktests)
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
         -k "fused_loss_kernel or chunked_loss or autocast_kernels" 2>&1 | grep -v '^DEBUG'
+      timeout 330 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \
+        -q -s 2>&1 | grep -v '^DEBUG' | tail -25
+      ;;
+    paritytest)
       timeout 330 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \
         -q -s 2>&1 | grep -v '^DEBUG' | tail -25
       ;;
