@@ -31,6 +31,7 @@ from hf_megatrain.core.engine.updates import UpdateScheduler  # noqa: E402
 
 _start = UpdateScheduler.start
 _claim_ahead = UpdateScheduler.claim_ahead
+_wait = UpdateScheduler.wait
 _ALL = 10**6  # a lead over every layer
 
 
@@ -60,7 +61,15 @@ def _claim_forced(self, idx, slack_s=None):
         ev.set()
 
 
+def _wait_forced(self):
+    ev = getattr(self, "_probe_claimed", None)
+    if ev is not None:  # no forward follows the last step: release the held thread
+        ev.set()
+    return _wait(self)
+
+
 UpdateScheduler.start = _start_forced
+UpdateScheduler.wait = _wait_forced
 UpdateScheduler.claim_ahead = _claim_forced
 UpdateScheduler._cpu_done_s = lambda self, k: float("inf")
 
