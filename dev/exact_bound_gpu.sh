@@ -139,11 +139,11 @@ item() {  # item <name>: one queue item
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
         -k "fused_loss_kernel or chunked_loss or autocast_kernels" 2>&1 | grep -v '^DEBUG'
       timeout 330 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \
-        -q -s 2>&1 | grep -v '^DEBUG' | tail -25
+        -q -s 2>&1 | grep -aE "band|took over|passed|failed|Error" | grep -v "^{"
       ;;
     paritytest)
       timeout 330 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \
-        -q -s 2>&1 | grep -v '^DEBUG' | tail -25
+        -q -s 2>&1 | grep -aE "band|took over|passed|failed|Error" | grep -v "^{"
       ;;
     gemma2bisect)
       timeout 400 python3 benchmarks/loss_curves.py --family gemma2 --size small --seq-len 512 \
