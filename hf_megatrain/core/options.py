@@ -882,25 +882,6 @@ def default_of(name: str) -> Any:
     raise KeyError(name)
 
 
-__all__ = [
-    "ALL_LAYERS",
-    "ATTENTION_CHOICES",
-    "AUTO_FIT_MODES",
-    "BOUNDARY_DTYPES",
-    "LAYER_KERNELS",
-    "NONFINITE_POLICIES",
-    "EngineOptions",
-    "OptionError",
-    "ResolvedOptions",
-    "StepShape",
-    "field_types",
-    "parse_attention_layers",
-    "parse_boundary_dtype",
-    "parse_keep_activations",
-    "parse_resident_layers",
-]
-
-
 def device_update_hint(
     run: ResolvedOptions, waited_s: float, elapsed_s: float, world_size: int = 1
 ) -> str | None:
@@ -923,3 +904,23 @@ def device_update_hint(
         "the host layers the CPU has not reached, where the plan counts its staging (runs with "
         "it are not bitwise repeatable)"
     )
+
+
+__all__ = [
+    "ALL_LAYERS",
+    "ATTENTION_CHOICES",
+    "AUTO_FIT_MODES",
+    "BOUNDARY_DTYPES",
+    "LAYER_KERNELS",
+    "NONFINITE_POLICIES",
+    "EngineOptions",
+    "OptionError",
+    "ResolvedOptions",
+    "StepShape",
+    "device_update_hint",
+    "field_types",
+    "parse_attention_layers",
+    "parse_boundary_dtype",
+    "parse_keep_activations",
+    "parse_resident_layers",
+]

@@ -1040,13 +1040,18 @@ class MegaTrainerMixin:
         return out
 
     def _hint_device_updates(self, waited_s: float, elapsed_s: float) -> None:
-        """Once per run: ``device_update_hint``'s advice, where it has any."""
+        """Once per run: ``device_update_hint``'s advice, where two log intervals in a row
+        have it (the first steps' waits can be start-up's)."""
         if getattr(self, "_device_update_hinted", False):
             return
         hint = device_update_hint(
             self.megatrain_options, waited_s, elapsed_s, int(self.args.world_size)
         )
-        if hint is not None:
+        previous, self._device_update_hint_seen = (
+            getattr(self, "_device_update_hint_seen", False),
+            hint is not None,
+        )
+        if hint is not None and previous:
             self._device_update_hinted = True
             logger.warning("hf_megatrain: %s", hint)
 
