@@ -50,6 +50,10 @@
 #              read it with benchmarks/trace_overlap.py --top N. ~3 min.
 #   lktests    tests/test_gpu.py's fused-loss-kernel, chunked-loss and autocast_kernels cases,
 #              then tests/test_gpu_parity.py (150 bf16 steps, 3 families, ~2 min).
+#   chain262k  Qwen2.5-7B at 262,144 tokens with exact524k's options (segments of 6, every layer
+#              streamed), the segment chains keeping 5 layers' attention outputs for their
+#              recompute (--chain-attention-outputs 5); base262k: the same without. ~4 min each.
+#   chaintest  tests/test_gpu.py's chain-attention and keep-attention cases.
 #   paritytest tests/test_gpu_parity.py alone (lktests' second half).
 #   warm8b     llama8b for one step, thrown away: the first bench process of a machine start runs
 #              slow (its host-update waits fall step by step), so A/Bs go after it.
@@ -140,6 +144,15 @@ item() {  # item <name>: one queue item
         -k "fused_loss_kernel or chunked_loss or autocast_kernels" 2>&1 | grep -v '^DEBUG'
       timeout 330 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \
         -q -s 2>&1 | grep -aE "band|took over|passed|failed|Error" | grep -v "^{"
+      ;;
+    base262k|chain262k)
+      run "$1" qwen2.5-7b:262144 400 --streamed-init --auto-fit off --resident-layers 0 \
+        --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6 \
+        --chain-attention-outputs "$([ "$1" = chain262k ] && echo 5 || echo 0)"
+      ;;
+    chaintest)
+      timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "chain_attention or keep_attention_outputs_on_gpu" 2>&1 | grep -v '^DEBUG'
       ;;
     paritytest)
       timeout 330 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \

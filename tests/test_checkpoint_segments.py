@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, prepare_streamed_model
-from hf_megatrain.core.options import EngineOptions, StepShape
+from hf_megatrain.core.options import EngineOptions, OptionError, StepShape
 from hf_megatrain.core.planner import (
     ModelShape,
     boundary_activation_bytes,
@@ -27,6 +28,7 @@ from hf_megatrain.hf.model import streamed_state
 
 from .helpers import (
     ARCHS,
+    CountAttentionKernels,
     LogRecorder,
     common_args,
     make_data,
@@ -432,3 +434,81 @@ def test_plan_cli_checkpoint_every(capsys):
     assert "checkpoint segment backward: up to 1 recomputed layer inputs" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--checkpoint-every 0 must be an integer >= 1"):
         main([*argv, "--checkpoint-every", "0"])
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra"),
+    [("llama", {}), ("qwen3_moe", {}), ("mistral", {}), ("qwen2", {"bf16": True})],
+    ids=["llama", "qwen3_moe", "mistral", "qwen2-bf16"],
+)
+def test_chain_keeps_attention_outputs_for_the_recompute(tmp_path, arch, extra):
+    """megatrain_chain_attention_outputs: a segment's chain (which re-runs its leader and
+    followers but the last in backward) keeps the fused attention kernel's outputs of its last
+    N layers, and their recompute takes them instead of running the kernel. The chain runs the
+    kernel as the recompute would (under grad: the log-sum-exp included), so training is
+    bitwise the same (fp32, and bf16 under autocast); per step the kernel runs N times fewer."""
+    model = tiny_model(tiny_config(arch, num_hidden_layers=3))
+    runs = {}
+    for keep in (0, 1, 2, 5):
+        counter = CountAttentionKernels()
+        with counter:
+            logs, trainer = _train(
+                copy.deepcopy(model), tmp_path, f"chain-{keep}", k=3, steps=2,
+                megatrain_chain_attention_outputs=keep, megatrain_keep_attention_outputs="off",
+                **extra,
+            )  # fmt: skip
+        runs[keep] = (_track(logs), mega_params(trainer), counter.calls)
+    for keep in (1, 2, 5):
+        assert runs[keep][0] == runs[0][0]
+        for name, value in runs[0][1].items():
+            assert torch.equal(runs[keep][1][name], value), (keep, name)
+    # One segment of 3 layers, 2 steps: 3 forwards, the chain re-runs layers 0 and 1, and 3
+    # recomputes less those that got the chain's outputs (at most the chain's 2 layers).
+    assert [runs[k][2] for k in (0, 1, 2, 5)] == [2 * 8, 2 * 7, 2 * 6, 2 * 6]
+
+
+def test_chain_attention_outputs_option():
+    """Counted only where a segment chain exists and its layers recompute with the early stop
+    from inputs saved as they are; at most checkpoint_every - 1; negative counts refused."""
+
+    def layers(**kw) -> int:
+        return EngineOptions(**kw).resolve(clipping=True, cuda=True).chain_attention_layers
+
+    assert layers(chain_attention_outputs=3) == 0  # no segments
+    assert layers(chain_attention_outputs=3, checkpoint_every=6) == 3
+    assert layers(chain_attention_outputs=9, checkpoint_every=4) == 3
+    assert layers(chain_attention_outputs=2, checkpoint_every=4, boundary_dtype="bfloat16") == 0
+    assert layers(chain_attention_outputs=2, checkpoint_every=4, recompute_early_stop=False) == 0
+    with pytest.raises(OptionError, match="chain_attention_outputs"):
+        EngineOptions(chain_attention_outputs=-1)
+
+
+def test_planner_counts_the_chain_attention_outputs():
+    """The plan counts what the chain keeps: up to checkpoint_every - 1 layers of attention
+    output (heads x head_dim in the compute dtype + 4 B per head per token), none where the
+    option does nothing (no segments, inputs saved rounded, attention outside SDPA)."""
+    from hf_megatrain.core.activation_memory import attention_output_bytes_per_token
+    from hf_megatrain.core.planner import GIB
+
+    shape = ModelShape(
+        layer_numels=(1000,) * 6, non_layer_numel=1000, hidden_size=64, vocab_size=100,
+        intermediate_size=128, kv_size=32, head_dim=16, num_heads=4,
+    )  # fmt: skip
+    step = StepShape(seq_len=512, micro_batch_tokens=512)
+
+    def kept(shape=shape, **kw) -> int:
+        o = EngineOptions(keep_attention_outputs="off", keep_activations="off", **kw).resolve(
+            clipping=True, cuda=True
+        )
+        plan = plan_memory(shape, step, o, BF16, 8 * GIB, 8 * GIB, hbm_layers=0)
+        return sum(ln.nbytes for ln in plan.gpu_lines if "chain layers" in ln.name)
+
+    per_layer = 512 * attention_output_bytes_per_token(shape, BF16)
+    assert per_layer == 512 * (4 * 16 * 2 + 4 * 4)
+    assert kept(checkpoint_every=3, chain_attention_outputs=1) == per_layer
+    assert kept(checkpoint_every=3, chain_attention_outputs=4) == 2 * per_layer
+    assert kept(checkpoint_every=3) == 0
+    assert kept(chain_attention_outputs=2) == 0
+    assert kept(checkpoint_every=3, chain_attention_outputs=2, boundary_dtype="bfloat16") == 0
+    eager = replace(shape, sdpa_attention=False)
+    assert kept(eager, checkpoint_every=3, chain_attention_outputs=2) == 0

@@ -1151,6 +1151,36 @@ def test_keep_attention_outputs_on_gpu(tmp_path, resident):
     assert (runs[False][2], runs[True][2]) == (32, 16)
 
 
+def test_chain_attention_outputs_on_gpu(tmp_path):
+    """megatrain_chain_attention_outputs on the CUDA path (cuDNN / flash SDPA): a segment's
+    chain runs its layers' attention under grad, as their recompute does, and hands the kernel's
+    outputs (log-sum-exp included) to that recompute. Losses and weights bitwise those of the
+    run without; per step the kernel runs 4 (forward) + 3 (chain) + 1 (the last layer's
+    recompute) times instead of 4 + 3 + 4."""
+    from .helpers import CountAttentionKernels, mega_params
+
+    def every_input_large(trainer):
+        trainer.megatrain.engine.offload_min_numel = 1  # tiny shapes: segments engage
+
+    model = tiny_model(_tiny_gpu_config())
+    data = _data(32, 128)
+    runs = {}
+    for keep in (0, 3):
+        counter = CountAttentionKernels()
+        with counter:
+            trainer, losses = _mega_losses(
+                tmp_path, f"chain-{keep}", copy.deepcopy(model), data, setup=every_input_large,
+                megatrain_resident_layers="0", megatrain_keep_activations="off",
+                megatrain_keep_attention_outputs="off", megatrain_checkpoint_every=4,
+                megatrain_chain_attention_outputs=keep,
+            )  # fmt: skip
+        runs[keep] = (losses, mega_params(trainer), counter.calls)
+    assert runs[3][0] == runs[0][0]
+    for name, value in runs[0][1].items():
+        assert torch.equal(runs[3][1][name], value), name
+    assert (runs[0][2], runs[3][2]) == (4 * 11, 4 * 8)
+
+
 def test_keep_attention_outputs_auto_on_gpu(tmp_path):
     """'auto' takes the memory plan's count (a GPU plan of the step: resident_layers 'auto'):
     with a tiny model every recomputed layer fits, so all 4 keep them (kept activations off,

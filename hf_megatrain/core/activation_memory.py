@@ -888,6 +888,20 @@ def activation_lines(
                 SEGMENT_CACHE_KIND,
             )
         )
+    # The attention outputs a segment chain keeps for its last layers' recompute
+    # (``chain_attention_outputs``): alive from the chain to those layers' backward.
+    chain_layers = options.chain_attention_layers if shape.sdpa_attention else 0
+    per_token = attention_output_bytes_per_token(shape, dtype)
+    chain_attention = chain_layers * t * per_token
+    if chain_attention:
+        lines.append(
+            MemoryLine(
+                f"checkpoint segment backward: attention outputs of up to {chain_layers} chain "
+                f"layers kept for their recompute ({t} tokens x {per_token} B each)",
+                chain_attention,
+                ATTENTION_OUTPUTS_KIND,
+            )
+        )
     # Layers keeping activations: the earlier, summed calibration (see the loss's lines).
     work = _working_set_line(shape, t, options.mlp_tile_tokens, not len(kept_layers))
     lines.append(work)
@@ -914,7 +928,7 @@ def activation_lines(
         head_copy = 0 if dtype == torch.float32 else v * h * isz
         hidden_grad = t * h * 4
         head_grad = v * h * 4
-        backward_phase = work.nbytes + cached
+        backward_phase = work.nbytes + cached + chain_attention
         if loss_phase_apart(shape, step, options, len(kept_layers)):
             # The head's compute copy and the loss's fp32 weight gradient are gone by then too
             # (its live blocks at the first layer backward held neither; the parameter's own

@@ -244,6 +244,20 @@ class EngineOptions:
             backward. Compute: (k - 1) / k of a layer forward more per layer. Exact."""
         ),
     )
+    chain_attention_outputs: int = field(
+        default=0,
+        metadata=_help(
+            """With checkpoint segments (checkpoint_every > 1): the chain that re-makes a
+            segment's inputs in backward runs its layers' attention again; keep the fused SDPA
+            kernel's outputs of up to this many of them (the last ones, whose backward comes
+            first) for their own recompute, which then skips the kernel. Identical gradients;
+            HBM while the segment's backward runs: heads x head_dim compute-dtype values plus 4 B
+            per head per token and kept layer. For long sequences, where attention dominates
+            (at most checkpoint_every - 1 count). 0: off. Needs recompute_early_stop and inputs
+            saved as they are (boundary_dtype input); attention outside PyTorch SDPA's fused
+            kernels is recomputed as before."""
+        ),
+    )
     mlp_tile_tokens: int = field(
         default=0,
         metadata=_help(
@@ -624,6 +638,16 @@ class ResolvedOptions:
         )
 
     @property
+    def chain_attention_layers(self) -> int:
+        """Layers of a checkpoint segment's chain whose attention outputs its backward keeps
+        (``chain_attention_outputs``, at most ``checkpoint_every - 1``): none without segments,
+        without the early-stop recompute or with inputs saved rounded (layers re-run whole)."""
+        k = self.options.checkpoint_every
+        if k <= 1 or not self.options.recompute_early_stop or self.boundary_dtype is not None:
+            return 0
+        return min(self.options.chain_attention_outputs, k - 1)
+
+    @property
     def device_updates_possible(self) -> bool:
         """Whether this run could let the GPU take over host-layer updates: CUDA, an update
         after backward that overlaps the next forward (clipping, no eager updates). Data
@@ -806,6 +830,11 @@ def _check_values(opts: EngineOptions) -> None:
         raise OptionError(
             f"checkpoint_every={opts.checkpoint_every} must be an integer >= 1 (1 saves every "
             "decoder layer's input; k > 1 saves every k-th and recomputes the rest)"
+        )
+    if opts.chain_attention_outputs < 0:
+        raise OptionError(
+            f"chain_attention_outputs={opts.chain_attention_outputs} must be an integer >= 0 "
+            "(0: off; N: keep the attention outputs of up to N layers of a segment's chain)"
         )
     if opts.sequence_parallel < 1:
         raise OptionError(

@@ -45,6 +45,7 @@ PLANNED_OPTIONS = (
     "keep_attention_outputs",
     "recompute_early_stop",
     "checkpoint_every",
+    "chain_attention_outputs",
     "mlp_tile_tokens",
     "offload_activations",
     "boundary_dtype",

@@ -10,10 +10,14 @@ holds what a re-run needs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
+
+from .recompute import attention_output_cache
 
 
 def tensor_sig(t: torch.Tensor) -> tuple:
@@ -30,7 +34,7 @@ class SegmentEntry:
 
     __slots__ = (
         "layer", "flat_args", "spec", "tensor_pos", "rng", "keys", "sources", "cast_back",
-        "out_sigs", "link_out",
+        "out_sigs", "link_out", "input_requires_grad", "keeps_attention",
     )  # fmt: skip
 
     def __init__(self, layer, ctx, sources: list, out_sigs: list) -> None:
@@ -44,22 +48,35 @@ class SegmentEntry:
         self.cast_back = dict(ctx.cast_back)
         self.out_sigs = out_sigs
         self.link_out: int | None = None
+        self.input_requires_grad = list(ctx.input_requires_grad)
+        # Whether the chain may keep this layer's attention outputs for its recompute: it
+        # recomputes with the early stop and keeps none from its own forward.
+        recompute = getattr(ctx, "recompute", None)
+        self.keeps_attention = recompute is not None and recompute[5] is None
 
 
 class Segment:
     """A checkpoint segment's layers (leader first) and, during its backward, the cached
     inputs of followers that the chain recomputed (position -> tensor)."""
 
-    __slots__ = ("entries", "cache", "done")
+    __slots__ = ("entries", "cache", "attention", "done")
 
     def __init__(self) -> None:
         self.entries: list[SegmentEntry] = []
         self.cache: dict[int, torch.Tensor] = {}
+        # Position -> the recompute context handing back the attention outputs the chain kept
+        # (``recompute.attention_output_cache``), for that layer's own recompute.
+        self.attention: dict[int, contextlib.AbstractContextManager] = {}
         self.done = False
+
+    def take_attention(self, pos: int) -> contextlib.AbstractContextManager | None:
+        """The kept attention outputs of the layer at ``pos`` for its recompute (once), or None."""
+        return self.attention.pop(pos, None)
 
     def clear(self) -> None:
         self.entries.clear()
         self.cache.clear()
+        self.attention.clear()
         self.done = True
 
 
@@ -70,10 +87,18 @@ class SegmentTracker:
     training sizes), as for offload.
     """
 
-    def __init__(self, n_layers: int, every: int, is_large: Callable[[torch.Tensor], bool]) -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        every: int,
+        is_large: Callable[[torch.Tensor], bool],
+        chain_attention: int = 0,
+    ) -> None:
         self._n_layers = n_layers
         self._every = every
         self._is_large = is_large
+        #: How many of a chain's last layers keep their attention outputs for their recompute.
+        self.chain_attention = max(0, chain_attention)
         self._open: Segment | None = None
         # Layer i's backward prefetches this layer's weights when it is not i - 1: the leader
         # of the segment below, whose chain runs next.
@@ -172,6 +197,7 @@ def segment_input(seg: Segment | None, pos: int) -> torch.Tensor:
         )
     entries = seg.entries
     engine = entries[0].layer.engine
+    keep_from = pos - engine.segments.chain_attention
     prev = None
     with torch.no_grad():
         for q in range(pos):
@@ -191,14 +217,40 @@ def segment_input(seg: Segment | None, pos: int) -> torch.Tensor:
             weights = engine.acquire(e.layer.index, entries[q + 1].layer.index)
             tick = engine.timeline.start("recompute", e.layer.index) if engine.timeline else None
             with engine.restored_rng(e.rng):
-                out, _, _ = e.layer.run(weights, args, e.spec, leaves=False, keys=e.keys)
+                if q >= keep_from and e.keeps_attention:
+                    out, seg.attention[q] = _run_keeping_attention(e, weights, args)
+                else:
+                    out, _, _ = e.layer.run(weights, args, e.spec, leaves=False, keys=e.keys)
             if tick is not None:
                 engine.timeline.end(tick)
             engine.release(e.layer.index)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-            prev = outs[entries[q + 1].link_out]
+            prev = outs[entries[q + 1].link_out].detach()
             del out, outs
             args = t = None  # (the leader's fetched or cast-back input goes here)
             if q + 1 < pos:
                 seg.cache[q + 1] = prev
     return prev
+
+
+def _discard(_: torch.Tensor) -> None:
+    return None
+
+
+def _unreadable(_: None) -> torch.Tensor:
+    raise RuntimeError("hf_megatrain: a segment chain's graph is not differentiable")
+
+
+def _run_keeping_attention(e: SegmentEntry, weights: torch.Tensor, args: list):
+    """Re-run one chain layer as its recompute will (under grad, on leaves requiring grad as the
+    forward's did, so that the fused attention kernel makes the same call, log-sum-exp
+    included) while caching that kernel's outputs; the graph saves nothing. Returns the output
+    and the recompute context that hands the cached outputs back."""
+    args = list(args)
+    for pos, req in zip(e.tensor_pos, e.input_requires_grad):
+        if isinstance(args[pos], torch.Tensor):
+            args[pos] = args[pos].detach().requires_grad_(req)
+    forward_ctx, recompute_ctx = attention_output_cache()
+    with torch.enable_grad(), saved_tensors_hooks(_discard, _unreadable), forward_ctx:
+        out, _, _ = e.layer.run(weights, args, e.spec, leaves=e.layer.trainable, keys=e.keys)
+    return out, recompute_ctx

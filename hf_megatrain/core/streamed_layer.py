@@ -395,6 +395,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 for k in range(ctx.n_args)
             ]
             del chained
+            # The attention outputs this layer's segment chain kept for its recompute, if any.
+            chain_cached = seg.take_attention(ctx.seg_pos) if seg is not None else None
             if seg is not None:
                 ctx.segment = None
                 if ctx.seg_pos == 0:
@@ -421,6 +423,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 if ctx.recompute is not None:
                     saves, roots, weight_leaves, inputs, res_leaves, cached = ctx.recompute
                     ctx.recompute = None
+                    cached = cached if cached is not None else chain_cached
                     with cached if cached is not None else contextlib.nullcontext():
                         saves.refill(rerun)
                     del cached
@@ -429,7 +432,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
                     roots = _roots(out, captured, edges=False)
                     inputs, res_leaves = fresh_inputs, rerun_res
                     del out, captured
-            del flat_args, fresh_inputs, rerun_res, rerun
+            del flat_args, fresh_inputs, rerun_res, rerun, chain_cached
         res_trainable = [t for t in res_leaves if t.requires_grad]
         outs, grads = [], []
         for root, g in zip(roots, grad_outputs):

@@ -57,7 +57,9 @@ class StreamingEngine:
     residual-stream inputs rounded; the gradients become an approximation),
     ``checkpoint_every`` (k > 1: only every k-th layer saves its input, see ``segments.py``),
     ``recompute_early_stop`` (recompute into the forward's graph and stop after the last saved
-    tensor, ``recompute.py``; False re-runs whole layers). ``data_parallel``: streamed layers'
+    tensor, ``recompute.py``; False re-runs whole layers), ``chain_attention_outputs`` (a
+    segment's chain keeps the attention outputs of its last N layers for their recompute,
+    ``segments.segment_input``). ``data_parallel``: streamed layers'
     gradients reduced to their owner, replicated ones all-reduced, weights of layers another
     rank owns streamed once it has published their update (``distributed.py``).
     """
@@ -76,6 +78,7 @@ class StreamingEngine:
         checkpoint_every: int = _DEFAULT.checkpoint_every,
         recompute_early_stop: bool = _DEFAULT.recompute_early_stop,
         autocast_kernels: bool = _DEFAULT.autocast_kernels,
+        chain_attention_outputs: int = _DEFAULT.chain_attention_outputs,
     ) -> None:
         self.stores = stores
         self.dp = data_parallel
@@ -107,7 +110,13 @@ class StreamingEngine:
             h2d=h2d,
             d2h=d2h,
         )
-        self.segments = SegmentTracker(len(stores), checkpoint_every, self.activations.is_large)
+        self.segments = SegmentTracker(
+            len(stores), checkpoint_every, self.activations.is_large,
+            # Kept only where a recompute would use them (``ResolvedOptions.chain_attention_layers``).
+            chain_attention=chain_attention_outputs
+            if self._recompute_early_stop and self.activations.boundary_dtype is None
+            else 0,
+        )  # fmt: skip
         # Set to a ``LayerTimeline`` (CUDA) to record each layer pass's compute interval.
         self.timeline: LayerTimeline | None = None
 
