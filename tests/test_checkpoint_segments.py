@@ -438,8 +438,14 @@ def test_plan_cli_checkpoint_every(capsys):
 
 @pytest.mark.parametrize(
     ("arch", "extra"),
-    [("llama", {}), ("qwen3_moe", {}), ("mistral", {}), ("qwen2", {"bf16": True})],
-    ids=["llama", "qwen3_moe", "mistral", "qwen2-bf16"],
+    [
+        ("llama", {}),
+        ("qwen3_moe", {}),
+        ("mistral", {}),
+        ("qwen2", {"bf16": True}),
+        ("llama", {"megatrain_offload_activations": True, "megatrain_mlp_tile_tokens": 8}),
+    ],
+    ids=["llama", "qwen3_moe", "mistral", "qwen2-bf16", "llama-offload-tiles"],
 )
 def test_chain_keeps_attention_outputs_for_the_recompute(tmp_path, arch, extra):
     """megatrain_chain_attention_outputs: a segment's chain (which re-runs its leader and
