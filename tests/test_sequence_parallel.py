@@ -233,6 +233,7 @@ def test_mfu_attention_over_the_whole_row(monkeypatch):
                 engine=SimpleNamespace(is_cuda=True, host_wait_s=0.0, device_updates=0)
             ),
             _host_wait_at_log=0.0,
+            _hint_device_updates=lambda waited_s, elapsed_s: None,
             _gpu_updates_at_log=0,
             model=SimpleNamespace(
                 config=SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2)
