@@ -189,6 +189,11 @@ def _dir_size_mb(path: str, suffix: str) -> tuple[int, float]:
     return len(files), sum(f.stat().st_size for f in files) / 1e6
 
 
+def _size(nbytes: float) -> str:
+    """Bytes for a message: GB with one decimal, MB below 1 GB."""
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
+
+
 def _warn_checkpoint_disk(settings: TrainSettings, n_params: int) -> None:
     """Say early when the checkpoints the run will write cannot fit on the output disk."""
     args = settings.training
@@ -199,8 +204,8 @@ def _warn_checkpoint_disk(settings: TrainSettings, n_params: int) -> None:
     free = shutil.disk_usage(args.output_dir).free
     if need * min(keep, 2) > free:
         _say(
-            f"  warning: a checkpoint of this model takes ~{need / 1e9:.0f} GB and "
-            f"{args.output_dir} has {free / 1e9:.0f} GB free; pass --save_strategy no, or an "
+            f"  warning: a checkpoint of this model takes ~{_size(need)} and "
+            f"{args.output_dir} has {_size(free)} free; pass --save_strategy no, or an "
             "--output_dir on a bigger disk, or the first checkpoint will fail"
         )
 

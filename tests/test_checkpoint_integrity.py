@@ -73,6 +73,60 @@ def test_keep_carries_other_entries(tmp_path):
     assert pub.verify_folder(str(target)).unlisted == 2
 
 
+def test_symlinked_target_is_published_where_it_points(tmp_path):
+    """An output folder given as a symbolic link (to a bigger disk): the model lands in the
+    link's target, the link stays a link, and checkpoints beside the model stay there too."""
+    from hf_megatrain.hf.checkpoint import keep_beside_model
+
+    real = tmp_path / "disk" / "target"
+    _save(real, {**OLD, "checkpoint-2/x": b"ck"})
+    (tmp_path / "links").mkdir()
+    link = tmp_path / "links" / "out"
+    link.symlink_to(real, target_is_directory=True)
+    _save(link, NEW, keep=keep_beside_model)
+    assert link.is_symlink() and os.path.realpath(link) == str(real)
+    assert _sets(real) == {**NEW, "checkpoint-2/x": b"ck"}
+    assert os.listdir(tmp_path / "links") == ["out"]  # nothing hidden left beside the link
+    assert sorted(os.listdir(tmp_path / "disk")) == ["target"]
+
+
+@pytest.fixture
+def mount_point(tmp_path):
+    """A tmpfs mounted at a folder (a container volume as an output dir); skipped where this
+    process may not mount."""
+    import subprocess
+
+    point = tmp_path / "volume"
+    point.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(point)],
+            capture_output=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("cannot run mount here")
+    if done.returncode != 0:
+        pytest.skip("no permission to mount a tmpfs here")
+    yield point
+    subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)
+
+
+def test_mount_point_target_keeps_its_checkpoints(mount_point):
+    """An output folder that is a mount point cannot be renamed and a folder beside it is on
+    another disk: the new set is built inside it, its files move in, and the checkpoints beside
+    the model are neither copied off the volume nor deleted."""
+    from hf_megatrain.hf.checkpoint import keep_beside_model
+
+    _save(mount_point, {**OLD, "checkpoint-2/x": b"ck", "checkpoint-4/y": b"ck4"})
+    inode = os.stat(mount_point / "checkpoint-2" / "x").st_ino
+    _save(mount_point, NEW, keep=keep_beside_model)
+    assert _sets(mount_point) == {**NEW, "checkpoint-2/x": b"ck", "checkpoint-4/y": b"ck4"}
+    assert os.stat(mount_point / "checkpoint-2" / "x").st_ino == inode  # left in place
+    assert pub.verify_folder(str(mount_point)).files == 2
+    assert not [n for n in os.listdir(mount_point) if n.startswith(".")]
+    assert sorted(os.listdir(mount_point.parent)) == ["volume"]  # nothing built beside it
+
+
 @pytest.mark.parametrize("exchange", [True, False])
 @pytest.mark.parametrize("fail_at", range(6))
 def test_interrupted_swap_leaves_old_or_new(tmp_path, monkeypatch, exchange, fail_at):

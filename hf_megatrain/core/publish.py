@@ -15,9 +15,13 @@ publication and every verified load): when the target is missing but the aside c
 aside copy (the old set) is restored; otherwise leftovers are deleted. Nothing is rewritten in a
 published folder.
 
-Where the folder cannot be renamed (a mount point, a file system without rename of folders), the
-files are moved in one by one instead, with a warning: the old manifest goes first and the new
-one last, so a set mixed by a kill has no manifest and ``verify`` reports it unverified.
+Where the folder cannot be renamed (a file system without rename of folders), the files are
+moved in one by one instead, with a warning: the old manifest goes first and the new one last,
+so a set mixed by a kill has no manifest and ``verify`` reports it unverified. A target that is
+a mount point (a container volume) is built inside itself instead (``.megatrain-inplace-PID-K``,
+on its own file system) and its files moved in the same way; entries kept beside the new set
+(checkpoints) are left where they are. A target that is a symbolic link is published where it
+points (the link stays).
 
 No transformers import here: the CLI's ``verify`` uses it without loading a model.
 """
@@ -46,6 +50,7 @@ MANIFEST_FORMAT = "hf_megatrain.manifest"
 MANIFEST_VERSION = 1
 _NEW = ".megatrain-new"
 _OLD = ".megatrain-old"
+_INPLACE = ".megatrain-inplace"
 _LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.megatrain-(new-\d+-\d+|old)$")
 _CHUNK = 8 << 20
 _counter = itertools.count()
@@ -226,7 +231,18 @@ def _sha256(path: str) -> str:
 # ---- publication ------------------------------------------------------------------------------
 def _norm(target: str) -> tuple[str, str, str]:
     target = os.path.abspath(os.fspath(target))
+    if os.path.islink(target):  # publish where the link points: the link itself stays
+        target = os.path.realpath(target)
     return target, os.path.dirname(target), os.path.basename(target)
+
+
+def _is_mount(target: str, parent: str) -> bool:
+    """Whether folder ``target`` is on another file system than ``parent`` (a mount point):
+    it cannot be renamed, and a folder beside it is on the wrong disk."""
+    try:
+        return os.path.isdir(target) and os.stat(target).st_dev != os.stat(parent).st_dev
+    except OSError:
+        return False
 
 
 def aside_path(target: str) -> str:
@@ -264,6 +280,11 @@ def recover(target: str) -> list[str]:
         if n.startswith(prefix) and _LEFTOVER_RE.match(n):
             shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
             done.append(f"removed {os.path.join(parent, n)}")
+    if os.path.isdir(target) and not os.path.islink(target):  # a mount point's own builds
+        for n in sorted(os.listdir(target)):
+            if n.startswith(f"{_INPLACE}-"):
+                shutil.rmtree(os.path.join(target, n), ignore_errors=True)
+                done.append(f"removed {os.path.join(target, n)}")
     if done:
         fsync_dir(parent)
         for line in done:
@@ -329,6 +350,11 @@ def publish(temp: str, target: str, keep: Callable[[str], bool] | None = None) -
         return
     if not os.path.isdir(target):
         raise NotADirectoryError(f"hf_megatrain: {target} exists and is not a folder")
+    if os.path.dirname(os.path.abspath(temp)) == target:
+        # Built inside the target (a mount point): its files move in on one file system; kept
+        # entries stay where they are.
+        _replace_files(temp, target, keep)
+        return
     if keep is not None:
         recover_children(target)
         _carry(target, temp, keep)
@@ -360,7 +386,10 @@ def _replace_files(temp: str, target: str, keep: Callable[[str], bool] | None) -
     if os.path.exists(old_manifest):
         os.remove(old_manifest)
         fsync_dir(target)
+    own = os.path.basename(os.path.abspath(temp))  # the build itself, where it is inside
     for n in os.listdir(target):
+        if n == own:
+            continue
         if not os.path.lexists(os.path.join(temp, n)) and (keep is None or not keep(n)):
             p = os.path.join(target, n)
             shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
@@ -382,7 +411,10 @@ def staged_folder(target: str, keep: Callable[[str], bool] | None = None) -> Ite
     target, parent, _ = _norm(target)
     os.makedirs(parent, exist_ok=True)
     recover(target)
-    temp = new_temp_path(target)
+    if _is_mount(target, parent):
+        temp = os.path.join(target, f"{_INPLACE}-{os.getpid()}-{next(_counter)}")
+    else:
+        temp = new_temp_path(target)
     os.makedirs(temp)
     try:
         yield temp
