@@ -189,6 +189,23 @@ def _dir_size_mb(path: str, suffix: str) -> tuple[int, float]:
     return len(files), sum(f.stat().st_size for f in files) / 1e6
 
 
+def _checkpoint_step(checkpoint: str) -> int | None:
+    """The optimizer step a Trainer checkpoint was saved at (None: no trainer_state.json)."""
+    path = Path(checkpoint) / "trainer_state.json"
+    if not path.is_file():
+        return None
+    from transformers.trainer_callback import TrainerState  # noqa: PLC0415
+
+    return TrainerState.load_from_json(str(path)).global_step
+
+
+def _holds_saved_model(folder: str) -> bool:
+    """Whether ``folder`` holds a model saved whole by hf_megatrain (its manifest)."""
+    from .core.publish import MANIFEST_NAME  # noqa: PLC0415
+
+    return (Path(folder) / MANIFEST_NAME).is_file() and (Path(folder) / "config.json").is_file()
+
+
 def _size(nbytes: float) -> str:
     """Bytes for a message: GB with one decimal, MB below 1 GB."""
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
@@ -222,6 +239,22 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     args, data_args = settings.training, settings.data
     device = args.device
     resume = resume_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    done_at = _checkpoint_step(resume) if resume is not None and args.max_steps > 0 else None
+    if done_at is not None and done_at >= args.max_steps:
+        # The Trainer would train one step past --max_steps from such a checkpoint.
+        if args.resume_from_checkpoint is not None:
+            raise CLIError(
+                f"--resume_from_checkpoint {resume} is at step {done_at} and --max_steps is "
+                f"{args.max_steps}: nothing is left to train; pass a larger --max_steps"
+            )
+        if _holds_saved_model(args.output_dir):
+            out = os.path.abspath(args.output_dir)
+            _say(
+                f"hf-megatrain: {out} already holds this run's final model (its last checkpoint "
+                f"is at step {done_at} of --max_steps {args.max_steps}): nothing to train. Pass "
+                "a larger --max_steps to continue it, or another --output_dir."
+            )
+            return {"output_dir": out, "resumed_from": resume, "already_done": True}
 
     tokenizer = load_tokenizer(settings)
     if args.disable_tqdm:

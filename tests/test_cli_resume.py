@@ -127,3 +127,28 @@ def test_killed_run_resumes_bit_exactly(tmp_path, capsys, kind):
         return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
 
     assert losses(whole) == losses(killed)
+
+
+def test_a_finished_run_run_again_trains_nothing(tmp_path, capsys):
+    """The same command again after it finished: its last checkpoint is at --max_steps and the
+    model is saved, so nothing is trained and the saved model is left as it is (the Trainer
+    would train one step past --max_steps from there and replace it). Resuming explicitly from
+    such a checkpoint is refused with the way on."""
+    flags = _chat_flags(tmp_path)
+    out = tmp_path / "run"
+    assert main(_argv(tmp_path, out, flags)) == 0
+    before = {f.name: f.stat().st_mtime_ns for f in out.iterdir() if f.is_file()}
+    weights = _weights(out)
+    capsys.readouterr()
+    assert main(_argv(tmp_path, out, flags)) == 0
+    said = capsys.readouterr().out
+    assert f"already holds this run's final model (its last checkpoint is at step {STEPS}" in said
+    assert {f.name: f.stat().st_mtime_ns for f in out.iterdir() if f.is_file()} == before
+    for name, value in _weights(out).items():
+        assert torch.equal(value, weights[name]), name
+    argv = _argv(tmp_path, out, flags) + [
+        "--resume_from_checkpoint",
+        str(out / f"checkpoint-{STEPS}"),
+    ]
+    with pytest.raises(SystemExit, match="nothing is left to train; pass a larger --max_steps"):
+        main(argv)
