@@ -352,6 +352,10 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         raise CLIError("learning_rate must be a positive number")
     if not 0.0 <= data.eval_fraction <= 0.5:
         raise CLIError("eval_fraction must be between 0 and 0.5")
+    if training.get("max_steps", -1) == 0 or (
+        training.get("max_steps", -1) < 0 and training.get("num_train_epochs", 1) <= 0
+    ):
+        raise CLIError("nothing to train: pass --max_steps N or --num_train_epochs > 0")
     if training.get("max_steps", -1) <= 0 and data.streaming:
         raise CLIError("--streaming needs --max_steps: a stream has no length to count epochs by")
     if model.max_new_tokens < 0:
@@ -387,6 +391,8 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
 
         if constants.HF_HUB_OFFLINE:
             raise CLIError("--push_to_hub needs the Hub, but HF_HUB_OFFLINE is set")
+    if not str(training.get("output_dir") or "").strip():
+        raise CLIError("output_dir is empty: pass --output_dir FOLDER")
     out = Path(training["output_dir"])
     if out.exists() and not out.is_dir():
         raise CLIError(f"output_dir exists and is not a folder: {out}")
@@ -417,6 +423,13 @@ def resume_checkpoint(value: str | None, output_dir: str) -> str | None:
         return last
     if not Path(value).is_dir():
         raise CLIError(f"--resume_from_checkpoint: no such checkpoint folder: {value}")
+    if not (Path(value) / "trainer_state.json").is_file():
+        inside = get_last_checkpoint(value)
+        hint = f"; the newest checkpoint in it is {inside}" if inside else ""
+        raise CLIError(
+            f"--resume_from_checkpoint {value} is not a Trainer checkpoint (no "
+            f"trainer_state.json){hint}"
+        )
     return value
 
 

@@ -53,5 +53,23 @@ def config_from_json(path: str):
         )
     try:
         return AutoConfig.for_model(model_type, **d)
-    except (TypeError, ValueError) as e:
-        raise CLIError(f"{path}: invalid config: {e}") from None
+    except CONFIG_ERRORS as e:
+        raise CLIError(f"{path}: invalid config: {error_summary(e)}") from None
+
+
+def error_summary(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What a config that transformers rejects raises (its strict validation: not a
+    ValueError in huggingface_hub's own class)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # noqa: PLC0415
+    except ImportError:
+        return (TypeError, ValueError)
+    return (TypeError, ValueError, StrictDataclassError)
+
+
+CONFIG_ERRORS = _config_errors()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_arguments import TrainSettings, resume_checkpoint
-from .cli_common import CLIError
+from .cli_common import CONFIG_ERRORS, CLIError, error_summary
 from .cli_common import config_from_json as _config_from_json
 from .cli_common import is_main_process as _is_main_process
 from .cli_common import say as _say
@@ -98,7 +98,10 @@ def build_model(settings: TrainSettings, tokenizer):
     model = settings.model
     if model.model_path is not None:
         folder = _model_folder(settings)
-        cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
+        try:
+            cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
+        except CONFIG_ERRORS as e:
+            raise CLIError(f"{folder}/config.json: invalid config: {error_summary(e)}") from None
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise CLIError(
                 f"{model.model_path}: model_type {cfg.model_type!r} is not supported; "
@@ -306,6 +309,10 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         )
     except ImportError as e:  # e.g. --report_to tensorboard without tensorboard installed
         raise CLIError(f"invalid training setting: {e}") from None
+    except RuntimeError as e:  # e.g. --report_to wandb: "WandbCallback requires wandb ..."
+        if "install" not in str(e):
+            raise
+        raise CLIError(f"invalid training setting: {error_summary(e)}") from None
     t_train = time.perf_counter()
     start_step = 0
     if resume is not None:
@@ -314,7 +321,8 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         start_step = TrainerState.load_from_json(f"{resume}/trainer_state.json").global_step
     train_out = trainer.train(resume_from_checkpoint=resume)
     train_s = time.perf_counter() - t_train
-    logs = [h for h in trainer.state.log_history if "loss" in h]
+    # This process's steps only: a resumed run's history starts with the earlier ones.
+    logs = [h for h in trainer.state.log_history if "loss" in h and h.get("step", 0) > start_step]
     eval_loss = trainer.evaluate()["eval_loss"] if data.eval is not None else None
     if eval_loss is not None and not math.isfinite(eval_loss):
         raise CLIError(

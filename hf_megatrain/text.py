@@ -34,9 +34,15 @@ def load_tokenizer(path: str | Path | None = None):
     if not p.exists():
         raise DataError(f"tokenizer not found: {p}")
     if p.is_file():
-        tok = PreTrainedTokenizerFast(
-            tokenizer_file=str(p), eos_token="<|endoftext|>", pad_token="<|pad|>"
-        )
+        try:
+            tok = PreTrainedTokenizerFast(
+                tokenizer_file=str(p), eos_token="<|endoftext|>", pad_token="<|pad|>"
+            )
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise DataError(
+                f"could not load a tokenizer from {p} (a tokenizer.json file or a tokenizer "
+                f"folder is expected): {e}"
+            ) from None
         tok.model_max_length = 1 << 30  # packed chunks set the length, not the tokenizer
     else:
         try:

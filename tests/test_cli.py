@@ -263,6 +263,26 @@ def test_bad_input_errors_are_clean(tmp_path):
     assert "resident_layers=99 but the model has 4 layers" in msg
 
 
+def test_more_bad_input_errors_are_clean(tmp_path):
+    """Found by an audit of the CLI with bad input: each is one line naming the fix, before
+    training starts."""
+    cfg = json.loads(DEFAULT_CONFIG.read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**cfg, "hidden_size": 100, "num_attention_heads": 3}))
+    assert "invalid config" in _error(["train", "--config", str(bad)])
+    not_tok = tmp_path / "tok.csv"
+    not_tok.write_text("a,b\n1,2\n")
+    assert "could not load a tokenizer from" in _error(["train", "--tokenizer", str(not_tok)])
+    assert "nothing to train" in _error(["train", "--max_steps", "0"])
+    assert "nothing to train" in _error(["train", "--max_steps", "-1", "--num_train_epochs", "0"])
+    assert "output_dir is empty" in _error(["train", "--output_dir", ""])
+    (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    msg = _error(["train", "--resume_from_checkpoint", str(tmp_path / "run")])
+    assert "is not a Trainer checkpoint (no trainer_state.json)" in msg
+    assert f"the newest checkpoint in it is {tmp_path / 'run' / 'checkpoint-2'}" in msg
+
+
 def test_uneven_multi_node_launch_is_refused(monkeypatch):
     # A node's ranks share its host store: every node runs the same number of processes.
     monkeypatch.setenv("WORLD_SIZE", "3")

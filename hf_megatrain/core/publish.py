@@ -119,10 +119,34 @@ def _sync_tree(folder: str) -> None:
 
 
 # ---- manifest ---------------------------------------------------------------------------------
+def _umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # (no /proc: read it by setting it, and put it back)
+    os.umask(mask)
+    return mask
+
+
+def _modes_by_umask(paths: list[str]) -> None:
+    """Files only their owner may read (safetensors writes its files 0600) get the modes the
+    process's umask gives new files, as the rest of a saved folder has: another user or a
+    container under another uid must be able to load the model."""
+    mode = 0o666 & ~_umask()
+    for p in paths:
+        if os.stat(p).st_mode & 0o077 == 0 and mode & 0o077:
+            os.chmod(p, mode)
+
+
 def write_manifest(folder: str) -> dict:
     """Hash and fsync every file under ``folder``, then write its manifest (fsynced, last)."""
     files = _files(folder)
     paths = [os.path.join(folder, *r.split("/")) for r in files]
+    _modes_by_umask(paths)
     order = sorted(range(len(paths)), key=lambda i: -os.path.getsize(paths[i]))
     with ThreadPoolExecutor(_workers()) as pool:
         hashed = dict(zip(order, pool.map(hash_file, [paths[i] for i in order])))

@@ -37,9 +37,15 @@ class _StopRecompute(Exception):
 
 
 class _Slot:
-    """Placeholder autograd keeps in place of one saved tensor (weakly referenced)."""
+    """Placeholder autograd keeps in place of one saved tensor (weakly referenced); the refill
+    puts the tensor in it, so the tensor goes with the placeholder, when autograd has used (and
+    released) the saved variable that holds it. No weakref callback: a Ctrl-C that arrives while
+    one runs is printed and lost (a WeakKeyDictionary's, as here before)."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("value", "__weakref__")
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
 
 
 class PlaceholderSaves:
@@ -48,22 +54,18 @@ class PlaceholderSaves:
     def __init__(self) -> None:
         self._slots: list[weakref.ref[_Slot]] = []
         self._meta: list[tuple[torch.Size, torch.dtype]] = []
-        # Keyed weakly by placeholder: a value goes as soon as autograd has used (and released)
-        # the saved variable that holds its placeholder, as during any backward.
-        self._values: weakref.WeakKeyDictionary[_Slot, torch.Tensor] = weakref.WeakKeyDictionary()
 
     def __len__(self) -> int:
         return len(self._slots)
 
     def _unpack(self, slot: _Slot) -> torch.Tensor:
-        try:
-            return self._values[slot]
-        except KeyError:
+        if slot.value is None:
             raise RuntimeError(
                 "hf_megatrain: a streamed layer's saved tensor was read before the layer was "
                 "recomputed (or read twice): its backward must run once, through the layer's "
                 "autograd Function"
-            ) from None
+            )
+        return slot.value
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -100,7 +102,7 @@ class PlaceholderSaves:
                 )
             slot = self._slots[k]()
             if slot is not None:
-                self._values[slot] = t
+                slot.value = t
             if count == n:
                 raise _StopRecompute
             # The recompute's own graph is never differentiated: its saves hold nothing.
