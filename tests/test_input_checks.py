@@ -65,6 +65,23 @@ def test_float64_model_is_refused(tmp_path):
         _trainer(tmp_path, make_data(), model=model)
 
 
+def test_rows_longer_than_learned_positions_are_refused(tmp_path):
+    """A model with a learned position table (GPTBigCode's wpe) has no position past it: a
+    longer row is refused before any work, naming the limit (it failed inside the embedding
+    lookup). Rotary models only warn (below)."""
+    model = tiny_model(tiny_config("gpt_bigcode"))
+    limit = model.config.n_positions
+    data = make_data(seq=limit + 8)
+    trainer = _trainer(tmp_path, data, model=model, max_steps=1)
+    before = mega_params(trainer)
+    with pytest.raises(ValueError, match=f"longer than the {limit} positions of the model's"):
+        trainer.train()
+    after = mega_params(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    _trainer(tmp_path, make_data(seq=limit), model=tiny_model(tiny_config("gpt_bigcode")),
+             max_steps=1).train()  # fmt: skip
+
+
 def test_rows_longer_than_positions_warn_once(tmp_path, caplog):
     model = tiny_model(tiny_config("llama"))  # max_position_embeddings=64
     with caplog.at_level(logging.WARNING, logger="hf_megatrain.hf.guards"):

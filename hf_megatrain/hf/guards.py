@@ -43,14 +43,31 @@ def _shape(t: Any) -> tuple[int, ...] | None:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else None
 
 
+def learned_position_limit(model: nn.Module) -> int | None:
+    """The longest row a model with learned absolute position embeddings takes (GPTBigCode's
+    ``wpe``, OPT's ``embed_positions`` less its offset): past it the embedding lookup fails
+    deep inside. None for models without such a table (rotary, ALiBi)."""
+    names = ("wpe", "embed_positions", "position_embeddings")
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and name.rsplit(".", 1)[-1] in names:
+            return module.num_embeddings - int(getattr(module, "offset", 0) or 0)
+    return None
+
+
 def check_batch(
-    inputs: Any, config: Any = None, *, check_values: bool = False, warned: set | None = None
+    inputs: Any,
+    config: Any = None,
+    *,
+    check_values: bool = False,
+    warned: set | None = None,
+    position_limit: int | None = None,
 ) -> None:
     """Refuse a training batch the model would fail on deep inside (or silently mis-train on).
 
     Shapes are compared for every batch (free). ``check_values``: also compare token ids and
     labels against the vocabulary (a device sync: the trainer does it for the first batch).
-    ``warned``: keys of warnings already given (each is given once).
+    ``warned``: keys of warnings already given (each is given once). ``position_limit``: the
+    longest row a learned position table takes (``learned_position_limit``).
     """
     if not isinstance(inputs, Mapping):
         return
@@ -75,6 +92,12 @@ def check_batch(
     warned = warned if warned is not None else set()
     max_pos = getattr(config, "max_position_embeddings", None)
     seq = ids_shape[-1]
+    if position_limit is not None and seq > position_limit:
+        raise ValueError(
+            f"hf_megatrain: training rows of {seq} tokens are longer than the {position_limit} "
+            "positions of the model's learned position embeddings (it has no position past "
+            f"them): use rows of at most {position_limit} tokens (--seq_len)"
+        )
     if max_pos and seq > max_pos and "positions" not in warned:
         warned.add("positions")
         logger.warning(

@@ -49,7 +49,13 @@ from .checkpoint import (
     write_streamed_pretrained,
 )
 from .flops import active_params, attention_flops_per_token
-from .guards import NonFiniteError, check_batch, check_model_dtype, check_weights_finite
+from .guards import (
+    NonFiniteError,
+    check_batch,
+    check_model_dtype,
+    check_weights_finite,
+    learned_position_limit,
+)
 from .long_context import apply_layer_kernels, apply_liger_kernels, install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss
 from .model import (
@@ -496,6 +502,8 @@ class MegaTrainerMixin:
         self._megatrain_skips_in_row = 0
         self._megatrain_batches_checked = 0
         self._megatrain_warned: set[str] = set()
+        # Rows longer than a learned position table are refused (the lookup fails inside).
+        self._megatrain_position_limit = learned_position_limit(model)
         self._megatrain_in_step = False
         # Without eager updates: whether this step's losses were finite, on the device (read at
         # the step's end, where the gradient norm syncs anyway).
@@ -705,6 +713,7 @@ class MegaTrainerMixin:
             getattr(self.model, "config", None),
             check_values=self._megatrain_batches_checked < 1,
             warned=self._megatrain_warned,
+            position_limit=self._megatrain_position_limit,
         )
         self._megatrain_batches_checked += 1
         if self.optimizer.nonfinite == "loss" and self.megatrain.engine.dp is None:
