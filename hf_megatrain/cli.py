@@ -101,6 +101,15 @@ def main(argv: list[str] | None = None) -> int:
             if not ours and not str(e).startswith("hf_megatrain: "):
                 raise
             raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
+        except Exception as e:
+            # A full disk while saving: safetensors raises its own error class for it.
+            if "No space left on device" not in str(e) or isinstance(e, CLIError):
+                raise
+            raise CLIError(
+                "no space left on the device of --output_dir while saving: free space or pass "
+                "an --output_dir on a bigger disk (the last complete checkpoint there is kept; a "
+                "re-run resumes from it)"
+            ) from None
         finally:
             end_process_group()
     except (CLIError, DataError) as e:

@@ -333,6 +333,8 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
     """User mistakes found before anything is built (a large model takes minutes to load)."""
     import importlib.util  # noqa: PLC0415
 
+    import torch  # noqa: PLC0415
+
     from .hf.hub import looks_like_repo_id  # noqa: PLC0415
 
     if model.model_path and model.config:
@@ -341,6 +343,11 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         raise CLIError(
             "attn: flash_attention_2 needs the flash-attn package (CUDA; pip install "
             "'hf_megatrain[flash-attn]'); sdpa, the default, runs PyTorch's fused kernels"
+        )
+    if model.attn == "flex_attention" and not torch.cuda.is_available():
+        raise CLIError(
+            "attn: flex_attention has no backward on a CPU in PyTorch; use sdpa (the default) "
+            "or eager here"
         )
     if data.seq_len < 2:
         raise CLIError("seq_len must be at least 2")

@@ -276,6 +276,10 @@ def test_more_bad_input_errors_are_clean(tmp_path):
     assert "nothing to train" in _error(["train", "--max_steps", "0"])
     assert "nothing to train" in _error(["train", "--max_steps", "-1", "--num_train_epochs", "0"])
     assert "output_dir is empty" in _error(["train", "--output_dir", ""])
+    if not torch.cuda.is_available():
+        assert "flex_attention has no backward on a CPU" in _error(
+            ["train", "--attn", "flex_attention"]
+        )
     (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
     (tmp_path / "run" / "checkpoint-2" / "trainer_state.json").write_text("{}")
     msg = _error(["train", "--resume_from_checkpoint", str(tmp_path / "run")])
@@ -343,3 +347,28 @@ def test_attn_flash_attention_2_needs_flash_attn(monkeypatch, installed):
         assert parse_train(["--attn", "flash_attention_2"]).model.attn == "flash_attention_2"
     else:
         assert r"hf_megatrain[flash-attn]" in _error(["train", "--attn", "flash_attention_2"])
+
+
+def test_a_full_disk_while_saving_is_one_line(tmp_path):
+    """A checkpoint that does not fit on the output disk (a 1 MiB tmpfs, where mounting is
+    allowed): one line saying so and what to do, no traceback from the safetensors writer."""
+    import subprocess
+
+    out = tmp_path / "small"
+    out.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(out)],
+            capture_output=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("cannot run mount here")
+    if done.returncode != 0:
+        pytest.skip("no permission to mount a tmpfs here")
+    try:
+        data = tmp_path / "text.txt"
+        data.write_text(TEXT)
+        msg = _error(["train", "--data", str(data), "--save_steps", "1"] + _fast_flags(out))
+        assert "no space left on the device of --output_dir while saving" in msg
+    finally:
+        subprocess.run(["umount", "-l", str(out)], capture_output=True, timeout=30)
