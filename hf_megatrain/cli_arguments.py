@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -351,6 +352,9 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         )
     if data.seq_len < 2:
         raise CLIError("seq_len must be at least 2")
+    strategy = training.get("eval_strategy", "no")
+    if getattr(strategy, "value", strategy) != "no" and data.max_eval_sequences == 0:
+        raise CLIError("--eval_strategy needs evaluation rows: --max_eval_sequences must be > 0")
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
         if training.get(name, 1) < 1:
             raise CLIError(f"{name} must be at least 1")
@@ -379,6 +383,7 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
             raise CLIError(f"{p} has no config.json: not a Hub-format checkpoint folder")
         if not any(p.glob("*.safetensors")):
             raise CLIError(f"{p} has no *.safetensors weights (only safetensors are read)")
+        _check_weight_files(p)
     if model.config is not None:
         p = Path(model.config)
         if p.suffix in (".yaml", ".yml"):
@@ -411,6 +416,28 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         raise CLIError(f"output_dir cannot be created: {out} ({e.strerror})") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise CLIError(f"output_dir is not writable: {out}")
+
+
+def _check_weight_files(folder: Path) -> None:
+    """Every shard the index lists is there and every safetensors header reads, before the
+    host store is built (a truncated or missing shard failed only after that)."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            listed = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, KeyError, TypeError) as e:
+            raise CLIError(f"{index} is not a valid safetensors index ({e})") from None
+        missing = sorted(n for n in listed if not (folder / n).is_file())
+        if missing:
+            raise CLIError(f"{folder}: shard(s) listed in {index.name} are missing: {missing}")
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - safetensors' own error class
+            raise CLIError(f"{f} is not a readable safetensors file ({e})") from None
 
 
 def resume_checkpoint(value: str | None, output_dir: str) -> str | None:

@@ -276,6 +276,23 @@ def test_more_bad_input_errors_are_clean(tmp_path):
     assert "nothing to train" in _error(["train", "--max_steps", "0"])
     assert "nothing to train" in _error(["train", "--max_steps", "-1", "--num_train_epochs", "0"])
     assert "output_dir is empty" in _error(["train", "--output_dir", ""])
+    assert "--eval_strategy needs evaluation rows" in _error(
+        ["train", "--eval_strategy", "steps", "--eval_steps", "1", "--max_eval_sequences", "0"]
+    )
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(DEFAULT_CONFIG.read_text())
+    (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    assert "is not a readable safetensors file" in _error(["train", "--model_path", str(model)])
+    (model / "model.safetensors").unlink()
+    (model / "model-00001-of-00002.safetensors").write_bytes(b"")
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                   "b": "model-00002-of-00002.safetensors"}})
+    )  # fmt: skip
+    assert "missing: ['model-00002-of-00002.safetensors']" in _error(
+        ["train", "--model_path", str(model)]
+    )
     if not torch.cuda.is_available():
         assert "flex_attention has no backward on a CPU" in _error(
             ["train", "--attn", "flex_attention"]
