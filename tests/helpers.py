@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -552,3 +554,27 @@ def run_then_resume(run, a, resume: str | None = None) -> None:
         # Left to interpreter exit, gloo's threads may be torn down while still joinable
         # ("terminate called without an active exception", SIGABRT).
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(point: Path, size: str):
+    """A tmpfs of ``size`` mounted at the new folder ``point`` (a container volume, a small
+    disk) for the block; the test is skipped where this process may not mount."""
+    import subprocess  # noqa: PLC0415
+
+    import pytest  # noqa: PLC0415
+
+    point.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+            capture_output=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("cannot run mount here")
+    if done.returncode != 0:
+        pytest.skip("no permission to mount a tmpfs here")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)

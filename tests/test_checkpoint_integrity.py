@@ -16,7 +16,7 @@ from hf_megatrain.cli import main as cli_main
 from hf_megatrain.core import publish as pub
 from hf_megatrain.core.publish import MANIFEST_NAME, IntegrityError
 
-from .helpers import mega_params, run_trainer, tiny_config, tiny_model
+from .helpers import mega_params, mounted_tmpfs, run_trainer, tiny_config, tiny_model
 
 
 def _write(folder, files: dict[str, bytes]) -> None:
@@ -92,23 +92,9 @@ def test_symlinked_target_is_published_where_it_points(tmp_path):
 
 @pytest.fixture
 def mount_point(tmp_path):
-    """A tmpfs mounted at a folder (a container volume as an output dir); skipped where this
-    process may not mount."""
-    import subprocess
-
-    point = tmp_path / "volume"
-    point.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(point)],
-            capture_output=True, timeout=30,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        pytest.skip("cannot run mount here")
-    if done.returncode != 0:
-        pytest.skip("no permission to mount a tmpfs here")
-    yield point
-    subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)
+    """A tmpfs mounted at a folder (a container volume as an output dir)."""
+    with mounted_tmpfs(tmp_path / "volume", "16M") as point:
+        yield point
 
 
 def test_mount_point_target_keeps_its_checkpoints(mount_point):

@@ -369,23 +369,10 @@ def test_attn_flash_attention_2_needs_flash_attn(monkeypatch, installed):
 def test_a_full_disk_while_saving_is_one_line(tmp_path):
     """A checkpoint that does not fit on the output disk (a 1 MiB tmpfs, where mounting is
     allowed): one line saying so and what to do, no traceback from the safetensors writer."""
-    import subprocess
+    from .helpers import mounted_tmpfs
 
-    out = tmp_path / "small"
-    out.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(out)],
-            capture_output=True, timeout=30,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        pytest.skip("cannot run mount here")
-    if done.returncode != 0:
-        pytest.skip("no permission to mount a tmpfs here")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "1M") as out:
         data = tmp_path / "text.txt"
         data.write_text(TEXT)
         msg = _error(["train", "--data", str(data), "--save_steps", "1"] + _fast_flags(out))
         assert "no space left on the device of --output_dir while saving" in msg
-    finally:
-        subprocess.run(["umount", "-l", str(out)], capture_output=True, timeout=30)
