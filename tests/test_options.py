@@ -201,3 +201,24 @@ def test_a_model_streamed_earlier_keeps_its_options_and_refuses_contradicting_ar
     )
     with pytest.raises(ValueError, match="megatrain_checkpoint_every=3"):
         HFMegaTrainer(model=other, args=_train_args(megatrain_checkpoint_every=3))
+
+
+def test_options_this_run_cannot_use_are_named():
+    """Said once at start, with why: a segment longer than the model, more chain attention
+    outputs than a chain has layers (or no chain), device updates on a CPU or with eager
+    updates; nothing for a run that uses what it asked for."""
+    from hf_megatrain.core.options import unused_option_notes
+
+    def notes(clipping=True, cuda=True, layers=4, **kw) -> list[str]:
+        run = EngineOptions(**kw).resolve(clipping=clipping, cuda=cuda)
+        return unused_option_notes(run, layers)
+
+    assert notes() == []
+    assert notes(checkpoint_every=3, chain_attention_outputs=2, device_update_lead=2) == []
+    assert "more than the model's 4 layers" in notes(checkpoint_every=9)[0]
+    assert "keeps 2: at most checkpoint_every - 1 = 2" in notes(
+        checkpoint_every=3, chain_attention_outputs=5
+    )[0]
+    assert "keeps 0: no checkpoint segment chain" in notes(chain_attention_outputs=1)[0]
+    assert "device updates need CUDA" in notes(cuda=False, device_update_lead=2)[0]
+    assert "device updates need CUDA" in notes(clipping=False, device_update_lead=2)[0]

@@ -911,6 +911,34 @@ def default_of(name: str) -> Any:
     raise KeyError(name)
 
 
+def unused_option_notes(run: ResolvedOptions, n_layers: int) -> list[str]:
+    """Options set to something this run cannot use, each with why (said once at start; the
+    run goes on without them)."""
+    o, notes = run.options, []
+    if o.checkpoint_every > max(n_layers, 1):
+        notes.append(
+            f"checkpoint_every={o.checkpoint_every} is more than the model's {n_layers} layers: "
+            "one segment of them all"
+        )
+    if o.chain_attention_outputs > run.chain_attention_layers:
+        why = (
+            f"at most checkpoint_every - 1 = {o.checkpoint_every - 1} layers"
+            if run.chain_attention_layers
+            else "no checkpoint segment chain recomputes with the early stop from inputs saved "
+            "as they are (checkpoint_every > 1, recompute_early_stop, boundary_dtype input)"
+        )
+        notes.append(
+            f"chain_attention_outputs={o.chain_attention_outputs} keeps "
+            f"{run.chain_attention_layers}: {why}"
+        )
+    if o.device_update_lead > 0 and not run.device_updates_possible:
+        notes.append(
+            f"device_update_lead={o.device_update_lead} has no effect: device updates need "
+            "CUDA and an update after backward (gradient clipping on, no eager updates)"
+        )
+    return notes
+
+
 def device_update_hint(
     run: ResolvedOptions, waited_s: float, elapsed_s: float, world_size: int = 1
 ) -> str | None:
@@ -952,4 +980,5 @@ __all__ = [
     "parse_boundary_dtype",
     "parse_keep_activations",
     "parse_resident_layers",
+    "unused_option_notes",
 ]

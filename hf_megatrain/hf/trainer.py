@@ -34,6 +34,7 @@ from ..core.options import (
     ResolvedOptions,
     StepShape,
     device_update_hint,
+    unused_option_notes,
 )
 from ..core.plan_types import MemoryPlanError
 from ..core.publish import publish, recover, verify_folder, write_manifest
@@ -485,6 +486,8 @@ class MegaTrainerMixin:
         self._megatrain_sp = setup_sequence_parallel(model, args, run.options.sequence_parallel)
         _check_grad_mode(self.megatrain, args, run)
         _warn_attention_outputs_unused(model, run)
+        for note in unused_option_notes(run, len(self.megatrain.stores)):
+            logger.warning("hf_megatrain: %s", note)
         self._wrapper = StreamedModelWrapper(
             model,
             compute_dtype,
