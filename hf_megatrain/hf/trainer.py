@@ -486,7 +486,7 @@ class MegaTrainerMixin:
         self._megatrain_sp = setup_sequence_parallel(model, args, run.options.sequence_parallel)
         _check_grad_mode(self.megatrain, args, run)
         _warn_attention_outputs_unused(model, run)
-        for note in unused_option_notes(run, len(self.megatrain.stores)):
+        for note in unused_option_notes(run, len(self.megatrain.engine.stores)):
             logger.warning("hf_megatrain: %s", note)
         self._wrapper = StreamedModelWrapper(
             model,
