@@ -51,6 +51,9 @@ def config_from_json(path: str):
             f"{path}: model_type {model_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    layers = d.get("num_hidden_layers", d.get("n_layer"))
+    if isinstance(layers, int) and layers < 1:
+        raise CLIError(f"{path}: num_hidden_layers is {layers}; a model needs at least 1 layer")
     try:
         return AutoConfig.for_model(model_type, **d)
     except CONFIG_ERRORS as e:

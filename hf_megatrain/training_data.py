@@ -270,6 +270,10 @@ def _too_little(args: DataArguments) -> DataError:
     )
 
 
+def _local_label(name: str | None) -> str:
+    return name if name else "(the bundled corpus)"
+
+
 def _load_splits(args: DataArguments) -> dict[str, Any]:
     """Every split of the named data (a DatasetDict, or an IterableDatasetDict when streaming)."""
     from datasets import load_dataset  # noqa: PLC0415
@@ -277,6 +281,11 @@ def _load_splits(args: DataArguments) -> dict[str, Any]:
     name = args.dataset_name
     path = Path(name).expanduser() if name else DEFAULT_CORPUS
     if name is None or path.exists():
+        if args.dataset_config:
+            raise DataError(
+                f"--dataset_config {args.dataset_config} names a configuration of a Hub "
+                f"dataset, but --dataset_name {_local_label(name)} is local files: drop it"
+            )
         builder, files = _local_files(path)
         # One row per text file, as text.read_texts: documents are packed (or padded) whole.
         extra = {"sample_by": "document"} if builder == "text" else {}

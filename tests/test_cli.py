@@ -276,6 +276,14 @@ def test_more_bad_input_errors_are_clean(tmp_path):
     assert "nothing to train" in _error(["train", "--max_steps", "0"])
     assert "nothing to train" in _error(["train", "--max_steps", "-1", "--num_train_epochs", "0"])
     assert "output_dir is empty" in _error(["train", "--output_dir", ""])
+    no_layers = tmp_path / "none.json"
+    no_layers.write_text(json.dumps({**cfg, "num_hidden_layers": 0}))
+    assert "num_hidden_layers is 0" in _error(["train", "--config", str(no_layers)])
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    assert "names a configuration of a Hub dataset" in _error(
+        ["train", "--dataset_name", str(text), "--dataset_config", "wikitext-2"]
+    )
     assert "--eval_strategy needs evaluation rows" in _error(
         ["train", "--eval_strategy", "steps", "--eval_steps", "1", "--max_eval_sequences", "0"]
     )
