@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -419,25 +418,13 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
 
 
 def _check_weight_files(folder: Path) -> None:
-    """Every shard the index lists is there and every safetensors header reads, before the
-    host store is built (a truncated or missing shard failed only after that)."""
-    from safetensors import safe_open  # noqa: PLC0415
+    """``check_checkpoint_files``'s refusal as the CLI's one line."""
+    from .hf.checkpoint import check_checkpoint_files  # noqa: PLC0415
 
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            listed = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        except (ValueError, KeyError, TypeError) as e:
-            raise CLIError(f"{index} is not a valid safetensors index ({e})") from None
-        missing = sorted(n for n in listed if not (folder / n).is_file())
-        if missing:
-            raise CLIError(f"{folder}: shard(s) listed in {index.name} are missing: {missing}")
-    for f in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt"):
-                pass
-        except Exception as e:  # noqa: BLE001 - safetensors' own error class
-            raise CLIError(f"{f} is not a readable safetensors file ({e})") from None
+    try:
+        check_checkpoint_files(str(folder))
+    except ValueError as e:
+        raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
 
 
 def resume_checkpoint(value: str | None, output_dir: str) -> str | None:

@@ -242,19 +242,19 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     args, data_args = settings.training, settings.data
     device = args.device
     resume = resume_checkpoint(args.resume_from_checkpoint, args.output_dir)
-    done_at = _checkpoint_step(resume) if resume is not None and args.max_steps > 0 else None
-    if done_at is not None and done_at >= args.max_steps:
+    resume_step = _checkpoint_step(resume) if resume is not None else None
+    if resume_step is not None and 0 < args.max_steps <= resume_step:
         # The Trainer would train one step past --max_steps from such a checkpoint.
         if args.resume_from_checkpoint is not None:
             raise CLIError(
-                f"--resume_from_checkpoint {resume} is at step {done_at} and --max_steps is "
+                f"--resume_from_checkpoint {resume} is at step {resume_step} and --max_steps is "
                 f"{args.max_steps}: nothing is left to train; pass a larger --max_steps"
             )
         if _holds_saved_model(args.output_dir):
             out = os.path.abspath(args.output_dir)
             _say(
                 f"hf-megatrain: {out} already holds this run's final model (its last checkpoint "
-                f"is at step {done_at} of --max_steps {args.max_steps}): nothing to train. Pass "
+                f"is at step {resume_step} of --max_steps {args.max_steps}): nothing to train. Pass "
                 "a larger --max_steps to continue it, or another --output_dir."
             )
             return {"output_dir": out, "resumed_from": resume, "already_done": True}
@@ -314,11 +314,7 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
             raise
         raise CLIError(f"invalid training setting: {error_summary(e)}") from None
     t_train = time.perf_counter()
-    start_step = 0
-    if resume is not None:
-        from transformers.trainer_callback import TrainerState  # noqa: PLC0415
-
-        start_step = TrainerState.load_from_json(f"{resume}/trainer_state.json").global_step
+    start_step = resume_step or 0
     train_out = trainer.train(resume_from_checkpoint=resume)
     train_s = time.perf_counter() - t_train
     # This process's steps only: a resumed run's history starts with the earlier ones.

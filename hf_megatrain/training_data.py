@@ -270,10 +270,6 @@ def _too_little(args: DataArguments) -> DataError:
     )
 
 
-def _local_label(name: str | None) -> str:
-    return name if name else "(the bundled corpus)"
-
-
 def _load_splits(args: DataArguments) -> dict[str, Any]:
     """Every split of the named data (a DatasetDict, or an IterableDatasetDict when streaming)."""
     from datasets import load_dataset  # noqa: PLC0415
@@ -284,7 +280,7 @@ def _load_splits(args: DataArguments) -> dict[str, Any]:
         if args.dataset_config:
             raise DataError(
                 f"--dataset_config {args.dataset_config} names a configuration of a Hub "
-                f"dataset, but --dataset_name {_local_label(name)} is local files: drop it"
+                f"dataset, but --dataset_name {name or '(the bundled corpus)'} is local files: drop it"
             )
         builder, files = _local_files(path)
         # One row per text file, as text.read_texts: documents are packed (or padded) whole.

@@ -192,7 +192,7 @@ def build_streamed_state(
         checkpoint_every=options.checkpoint_every,
         recompute_early_stop=options.recompute_early_stop,
         autocast_kernels=options.autocast_kernels,
-        chain_attention_outputs=options.chain_attention_outputs,
+        chain_attention_outputs=options.chain_attention_layers,
     )
     return StreamedState(
         stores=stores, engine=engine, n_resident=n_resident, plan=plan, options=options

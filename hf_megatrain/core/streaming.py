@@ -59,7 +59,8 @@ class StreamingEngine:
     ``recompute_early_stop`` (recompute into the forward's graph and stop after the last saved
     tensor, ``recompute.py``; False re-runs whole layers), ``chain_attention_outputs`` (a
     segment's chain keeps the attention outputs of its last N layers for their recompute,
-    ``segments.segment_input``). ``data_parallel``: streamed layers'
+    ``segments.segment_input``; the builder passes ``ResolvedOptions.chain_attention_layers``,
+    0 where no recompute would use them). ``data_parallel``: streamed layers'
     gradients reduced to their owner, replicated ones all-reduced, weights of layers another
     rank owns streamed once it has published their update (``distributed.py``).
     """
@@ -111,12 +112,8 @@ class StreamingEngine:
             d2h=d2h,
         )
         self.segments = SegmentTracker(
-            len(stores), checkpoint_every, self.activations.is_large,
-            # Kept only where a recompute would use them (``ResolvedOptions.chain_attention_layers``).
-            chain_attention=chain_attention_outputs
-            if self._recompute_early_stop and self.activations.boundary_dtype is None
-            else 0,
-        )  # fmt: skip
+            len(stores), checkpoint_every, self.activations.is_large, chain_attention_outputs
+        )
         # Set to a ``LayerTimeline`` (CUDA) to record each layer pass's compute interval.
         self.timeline: LayerTimeline | None = None
 

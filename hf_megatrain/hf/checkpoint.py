@@ -172,6 +172,35 @@ def _checkpoint_files(path: str) -> list[str]:
     )
 
 
+def check_checkpoint_files(path: str) -> None:
+    """Every weight file of the checkpoint folder ``path`` (``_checkpoint_files``) is there and
+    its safetensors header reads: a missing or truncated shard is named before anything is
+    allocated (reading its tensors would fail only then). Raises ``ValueError``."""
+    try:
+        files = _checkpoint_files(path)
+    except FileNotFoundError as e:  # neither an index nor model.safetensors
+        raise ValueError(str(e)) from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"hf_megatrain: {path}/model.safetensors.index.json is not a valid safetensors "
+            f"index ({e})"
+        ) from None
+    missing = sorted(os.path.basename(f) for f in files if not os.path.isfile(f))
+    if missing:
+        raise ValueError(
+            f"hf_megatrain: {path}: shard(s) listed in model.safetensors.index.json are "
+            f"missing: {missing}"
+        )
+    for f in files:
+        try:
+            with safe_open(f, framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - safetensors' own error class
+            raise ValueError(
+                f"hf_megatrain: {f} is not a readable safetensors file ({e})"
+            ) from None
+
+
 def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, tensor)`` one at a time from a safetensors checkpoint folder."""
     for file in _checkpoint_files(path):

@@ -500,6 +500,9 @@ class MegaTrainerMixin:
         self._time_of_log = time.perf_counter()
         self._host_wait_at_log = 0.0
         self._gpu_updates_at_log = 0
+        # The slow-host hint: said once, after two log intervals in a row have it.
+        self._device_update_hinted = False
+        self._device_update_hint_seen = False
         self._megatrain_pending = False
         # Non-finite guard: consecutive skipped steps; batches checked; warnings given once.
         self._megatrain_skips_in_row = 0
@@ -1054,15 +1057,12 @@ class MegaTrainerMixin:
     def _hint_device_updates(self, waited_s: float, elapsed_s: float) -> None:
         """Once per run: ``device_update_hint``'s advice, where two log intervals in a row
         have it (the first steps' waits can be start-up's)."""
-        if getattr(self, "_device_update_hinted", False):
+        if self._device_update_hinted:
             return
         hint = device_update_hint(
             self.megatrain_options, waited_s, elapsed_s, int(self.args.world_size)
         )
-        previous, self._device_update_hint_seen = (
-            getattr(self, "_device_update_hint_seen", False),
-            hint is not None,
-        )
+        previous, self._device_update_hint_seen = self._device_update_hint_seen, hint is not None
         if hint is not None and previous:
             self._device_update_hinted = True
             logger.warning("hf_megatrain: %s", hint)
