@@ -90,7 +90,8 @@ def main() -> None:
     }  # fmt: skip
     print(json.dumps(result))
     a.out.mkdir(parents=True, exist_ok=True)
-    tag = "-".join(filter(None, [a.family, a.sdpa_backend, "det" if a.deterministic else ""]))
+    parts = [a.family, a.sdpa_backend, "det" if a.deterministic else "", *(s.name for s in pairs)]
+    tag = "-".join(filter(None, parts))
     (a.out / f"repeat-{tag}.json").write_text(json.dumps({**result, "losses": losses}))
 
 
