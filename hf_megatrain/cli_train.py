@@ -192,14 +192,36 @@ def _dir_size_mb(path: str, suffix: str) -> tuple[int, float]:
     return len(files), sum(f.stat().st_size for f in files) / 1e6
 
 
-def _checkpoint_step(checkpoint: str) -> int | None:
-    """The optimizer step a Trainer checkpoint was saved at (None: no trainer_state.json)."""
+def _checkpoint_state(checkpoint: str):
+    """A Trainer checkpoint's ``TrainerState`` (None: no trainer_state.json)."""
     path = Path(checkpoint) / "trainer_state.json"
     if not path.is_file():
         return None
     from transformers.trainer_callback import TrainerState  # noqa: PLC0415
 
-    return TrainerState.load_from_json(str(path)).global_step
+    return TrainerState.load_from_json(str(path))
+
+
+def _run_shape(seq_len: int):
+    """A callback whose state (the row length) every checkpoint keeps in its trainer_state.json,
+    so that a resume with other rows can say so."""
+    from transformers.trainer_callback import ExportableState, TrainerCallback  # noqa: PLC0415
+
+    class RunShape(TrainerCallback, ExportableState):
+        def __init__(self, seq_len: int) -> None:
+            self.seq_len = seq_len
+
+        def state(self) -> dict:
+            return {"args": {"seq_len": self.seq_len}, "attributes": {}}
+
+    return RunShape(seq_len)
+
+
+def _saved_seq_len(state) -> int | None:
+    """The row length a checkpoint's run trained on, where it recorded one (``_run_shape``)."""
+    saved = (state.stateful_callbacks or {}).get("RunShape")
+    saved = saved[0] if isinstance(saved, list) and saved else saved
+    return saved.get("args", {}).get("seq_len") if isinstance(saved, dict) else None
 
 
 def _holds_saved_model(folder: str) -> bool:
@@ -242,7 +264,8 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     args, data_args = settings.training, settings.data
     device = args.device
     resume = resume_checkpoint(args.resume_from_checkpoint, args.output_dir)
-    resume_step = _checkpoint_step(resume) if resume is not None else None
+    resume_state = _checkpoint_state(resume) if resume is not None else None
+    resume_step = resume_state.global_step if resume_state is not None else None
     if resume_step is not None and 0 < args.max_steps <= resume_step:
         # The Trainer would train one step past --max_steps from such a checkpoint.
         if args.resume_from_checkpoint is not None:
@@ -291,6 +314,13 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     )
     if resume is not None:
         _say(f"  resuming from {resume} (its weights, optimizer, scheduler, data position, RNG)")
+        saved_len = _saved_seq_len(resume_state) if resume_state is not None else None
+        if saved_len is not None and saved_len != data_args.seq_len:
+            _say(
+                f"  note: that checkpoint trained on rows of {saved_len} tokens and this run uses "
+                f"--seq_len {data_args.seq_len}: the tokens per step change, and the data "
+                "position it resumes at counts rows of the new length"
+            )
     n_rows = data.num_train_rows
     if n_rows and args.max_steps > 0 and args.max_steps * batch * accum > 20 * n_rows:
         _say("  note: more than 20 epochs over this data; expect the model to memorize it")
@@ -306,6 +336,7 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
             # Rows are equal-length tensors: stack them. (With a tokenizer the Trainer would pick
             # a padding collator that returns a BatchEncoding instead of a dict.)
             data_collator=default_data_collator,
+            callbacks=[_run_shape(data_args.seq_len)],
         )
     except ImportError as e:  # e.g. --report_to tensorboard without tensorboard installed
         raise CLIError(f"invalid training setting: {e}") from None

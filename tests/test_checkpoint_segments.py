@@ -473,6 +473,40 @@ def test_chain_keeps_attention_outputs_for_the_recompute(tmp_path, arch, extra):
     assert [runs[k][2] for k in (0, 1, 2, 5)] == [2 * 8, 2 * 7, 2 * 6, 2 * 6]
 
 
+@pytest.mark.parametrize(
+    ("arch", "extra"),
+    [
+        ("llama", {}),
+        ("qwen3_moe", {}),
+        ("mistral", {}),
+        ("qwen2", {"bf16": True}),
+        ("llama", {"megatrain_offload_activations": True, "megatrain_mlp_tile_tokens": 8}),
+    ],
+    ids=["llama", "qwen3_moe", "mistral", "qwen2-bf16", "llama-offload-tiles"],
+)
+def test_chain_reads_the_attention_outputs_the_forward_kept(tmp_path, arch, extra):
+    """Layers whose forward kept the fused attention kernel's outputs (keep_attention_outputs)
+    hand them to the segment chain too (``KeptAttention.peek``), then to their own recompute:
+    the kernel runs once per layer and step, in the forward, and training is bitwise that of
+    running it in the chain and the recompute (fp32, and bf16 under autocast)."""
+    model = tiny_model(tiny_config(arch, num_hidden_layers=3))
+    runs = {}
+    for keep in ("off", "all"):
+        counter = CountAttentionKernels()
+        with counter:
+            logs, trainer = _train(
+                copy.deepcopy(model), tmp_path, f"kept-{keep}", k=3, steps=2,
+                megatrain_keep_attention_outputs=keep, **extra,
+            )  # fmt: skip
+        runs[keep] = (_track(logs), mega_params(trainer), counter.calls)
+    assert runs["all"][0] == runs["off"][0]
+    for name, value in runs["off"][1].items():
+        assert torch.equal(runs["all"][1][name], value), name
+    # One segment of 3 layers, 2 steps. Off: 3 forwards, the chain's 2 and 3 recomputes. All:
+    # the 3 forwards only.
+    assert (runs["off"][2], runs["all"][2]) == (2 * 8, 2 * 3)
+
+
 def test_chain_attention_outputs_option():
     """Counted only where a segment chain exists and its layers recompute with the early stop
     from inputs saved as they are; at most checkpoint_every - 1; negative counts refused."""

@@ -116,6 +116,7 @@ def test_killed_run_resumes_bit_exactly(tmp_path, capsys, kind):
     said = capsys.readouterr().out
     assert f"resuming from {killed / 'checkpoint-4'}" in said
     assert "trained 2 steps (from step 4)" in said
+    assert "note: that checkpoint trained on rows of" not in said  # the same --seq_len
     a, b = _weights(whole), _weights(killed)
     assert a.keys() == b.keys()
     for name in a:
@@ -152,3 +153,23 @@ def test_a_finished_run_run_again_trains_nothing(tmp_path, capsys):
     ]
     with pytest.raises(SystemExit, match="nothing is left to train; pass a larger --max_steps"):
         main(argv)
+
+
+def test_resume_with_another_seq_len_is_told(tmp_path, capsys):
+    """Checkpoints record the row length (trainer_state.json's stateful_callbacks); resuming
+    with another --seq_len trains, and says what changes."""
+    flags = _chat_flags(tmp_path)
+    out = tmp_path / "run"
+    assert main(_argv(tmp_path, out, flags)) == 0
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["stateful_callbacks"]["RunShape"]["args"] == {"seq_len": 32}
+    capsys.readouterr()
+    argv = _argv(tmp_path, out, flags) + [
+        "--resume_from_checkpoint", str(out / "checkpoint-4"), "--seq_len", "16",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert (
+        "note: that checkpoint trained on rows of 32 tokens and this run uses --seq_len 16" in said
+    )
+    assert "trained 2 steps (from step 4)" in said

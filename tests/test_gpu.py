@@ -1156,7 +1156,8 @@ def test_chain_attention_outputs_on_gpu(tmp_path):
     chain runs its layers' attention under grad, as their recompute does, and hands the kernel's
     outputs (log-sum-exp included) to that recompute. Losses and weights bitwise those of the
     run without; per step the kernel runs 4 (forward) + 3 (chain) + 1 (the last layer's
-    recompute) times instead of 4 + 3 + 4."""
+    recompute) times instead of 4 + 3 + 4. Where the forward kept the outputs
+    (keep_attention_outputs), the chain reads them as well: 4 runs per step, bitwise again."""
     from .helpers import CountAttentionKernels, mega_params
 
     def every_input_large(trainer):
@@ -1165,20 +1166,24 @@ def test_chain_attention_outputs_on_gpu(tmp_path):
     model = tiny_model(_tiny_gpu_config())
     data = _data(32, 128)
     runs = {}
-    for keep in (0, 3):
+    # (chain outputs, forward-kept outputs): the chain's own, and (test below) the forward's.
+    for name, chain, kept in (("none", 0, "off"), ("chain", 3, "off"), ("forward", 0, "all")):
         counter = CountAttentionKernels()
         with counter:
             trainer, losses = _mega_losses(
-                tmp_path, f"chain-{keep}", copy.deepcopy(model), data, setup=every_input_large,
+                tmp_path, name, copy.deepcopy(model), data, setup=every_input_large,
                 megatrain_resident_layers="0", megatrain_keep_activations="off",
-                megatrain_keep_attention_outputs="off", megatrain_checkpoint_every=4,
-                megatrain_chain_attention_outputs=keep,
+                megatrain_keep_attention_outputs=kept, megatrain_checkpoint_every=4,
+                megatrain_chain_attention_outputs=chain,
             )  # fmt: skip
-        runs[keep] = (losses, mega_params(trainer), counter.calls)
-    assert runs[3][0] == runs[0][0]
-    for name, value in runs[0][1].items():
-        assert torch.equal(runs[3][1][name], value), name
-    assert (runs[0][2], runs[3][2]) == (4 * 11, 4 * 8)
+        runs[name] = (losses, mega_params(trainer), counter.calls)
+    for name in ("chain", "forward"):
+        assert runs[name][0] == runs["none"][0], name
+        for key, value in runs["none"][1].items():
+            assert torch.equal(runs[name][1][key], value), (name, key)
+    # Forward-kept outputs (keep_attention_outputs): the chain and the recompute both read
+    # them (KeptAttention.peek, then replay), so the kernel runs in the forward only.
+    assert [runs[n][2] for n in ("none", "chain", "forward")] == [4 * 11, 4 * 8, 4 * 4]
 
 
 def test_keep_attention_outputs_auto_on_gpu(tmp_path):

@@ -15,8 +15,10 @@ torch, and checked: the recompute must save the same shapes and dtypes in the sa
 
 ``attention_output_cache`` (a layer's ``keep_attention``, option ``keep_attention_outputs``) goes one step further for
 attention: the fused SDPA kernel's outputs (the attention output and its log-sum-exp) are kept
-from the forward and handed back in the recompute instead of running the kernel again, through
-torch's selective-checkpoint dispatch modes. The attention node is still re-created in the
+from the forward and handed back in the recompute instead of running the kernel again, through two
+dispatch modes below autograd (as torch's selective checkpointing, which cannot hand the outputs
+back twice): a checkpoint segment's chain, which re-runs a layer before that layer's recompute,
+reads them too (``KeptAttention.peek``). The attention node is still re-created in the
 recompute, so its saves pair with the forward's placeholders as before; only the kernel is
 skipped. Memory: per layer and token, heads x head_dim in the compute dtype and 4 B per head.
 """
@@ -29,7 +31,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 
 class _StopRecompute(Exception):
@@ -146,17 +149,76 @@ def _sdpa_kernels() -> list:
     return [getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)]
 
 
-def attention_output_cache() -> tuple[
-    contextlib.AbstractContextManager, contextlib.AbstractContextManager
-]:
-    """``(forward, recompute)`` contexts for one layer call: run its forward in the first and its
-    recompute (``PlaceholderSaves.refill``) in the second; the fused attention kernels then run
-    once. An attention that does not go through these kernels (math fallback with an explicit
-    mask on some backends, flex attention, flash-attn) is recomputed as before.
+def _alias(out):
+    """Fresh views of a kernel's output tensors: autograd above the mode attaches its history to
+    the tensors an op returns, so the kept ones must never be those."""
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
 
-    The cache hands back what the forward's kernel returned whatever the recompute's arguments:
+
+class KeptAttention:
+    """The fused attention kernels' outputs of one layer call, in call order, from the forward
+    (``capture``) to the recompute (``replay``, once) and before it any segment chain
+    (``peek``, which leaves them in place)."""
+
+    def __init__(self) -> None:
+        self.kernels = frozenset(_sdpa_kernels())
+        self.outputs: list = []
+
+    def capture(self) -> contextlib.AbstractContextManager:
+        return _Capture(self)
+
+    def replay(self) -> contextlib.AbstractContextManager:
+        return _Replay(self, consume=True)
+
+    def peek(self) -> contextlib.AbstractContextManager:
+        return _Replay(self, consume=False)
+
+
+class _Capture(TorchDispatchMode):
+    def __init__(self, kept: KeptAttention) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.kept.kernels:
+            self.kept.outputs.append(_alias(out))
+        return out
+
+
+class _Replay(TorchDispatchMode):
+    def __init__(self, kept: KeptAttention, consume: bool) -> None:
+        super().__init__()
+        self.kept = kept
+        self.consume = consume
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self.kept.kernels:
+            return func(*args, **(kwargs or {}))
+        k, self.calls = self.calls, self.calls + 1
+        out = self.kept.outputs[k] if k < len(self.kept.outputs) else None
+        if out is None:
+            raise RuntimeError(
+                "hf_megatrain: a recomputed layer called the fused attention kernel more often "
+                "than its forward did, or its kept outputs were already used (backward twice "
+                "through one graph): the option keep_attention_outputs='off' recomputes them"
+            )
+        if self.consume:
+            self.kept.outputs[k] = None
+        return _alias(out)
+
+
+def attention_output_cache() -> tuple[contextlib.AbstractContextManager, KeptAttention]:
+    """``(forward context, kept outputs)`` for one layer call: run its forward in the context
+    and its recompute (``PlaceholderSaves.refill``) in ``kept.replay()``; the fused attention
+    kernels then run once. An attention that does not go through these kernels (math fallback
+    with an explicit mask on some backends, flex attention, flash-attn) is recomputed as before.
+
+    The replay hands back what the forward's kernel returned whatever the recompute's arguments:
     both must make the same call. The early-stop path does (the same ops on leaves with the
     same ``requires_grad``, both under grad). A forward without grad would not: the cuDNN and
     memory-efficient kernels compute the log-sum-exp only when an input requires grad, so the
     whole-layer recompute (forward without a graph) does not use this."""
-    return create_selective_checkpoint_contexts(_sdpa_kernels())
+    kept = KeptAttention()
+    return kept.capture(), kept

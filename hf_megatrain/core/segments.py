@@ -10,14 +10,13 @@ holds what a re-run needs.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
-from .recompute import attention_output_cache
+from .recompute import KeptAttention, attention_output_cache
 
 
 def tensor_sig(t: torch.Tensor) -> tuple:
@@ -34,7 +33,7 @@ class SegmentEntry:
 
     __slots__ = (
         "layer", "flat_args", "spec", "tensor_pos", "rng", "keys", "sources", "cast_back",
-        "out_sigs", "link_out", "input_requires_grad", "keeps_attention",
+        "out_sigs", "link_out", "input_requires_grad", "kept_attention", "keeps_attention",
     )  # fmt: skip
 
     def __init__(self, layer, ctx, sources: list, out_sigs: list) -> None:
@@ -49,9 +48,11 @@ class SegmentEntry:
         self.out_sigs = out_sigs
         self.link_out: int | None = None
         self.input_requires_grad = list(ctx.input_requires_grad)
-        # Whether the chain may keep this layer's attention outputs for its recompute: it
-        # recomputes with the early stop and keeps none from its own forward.
+        # The attention outputs this layer's forward kept for its recompute: the chain reads
+        # them too (``KeptAttention.peek``) instead of running the kernel. Where the forward
+        # kept none, whether the chain may keep them: it recomputes with the early stop.
         recompute = getattr(ctx, "recompute", None)
+        self.kept_attention: KeptAttention | None = None if recompute is None else recompute[5]
         self.keeps_attention = recompute is not None and recompute[5] is None
 
 
@@ -64,12 +65,12 @@ class Segment:
     def __init__(self) -> None:
         self.entries: list[SegmentEntry] = []
         self.cache: dict[int, torch.Tensor] = {}
-        # Position -> the recompute context handing back the attention outputs the chain kept
-        # (``recompute.attention_output_cache``), for that layer's own recompute.
-        self.attention: dict[int, contextlib.AbstractContextManager] = {}
+        # Position -> the attention outputs the chain kept (``recompute.KeptAttention``), for
+        # that layer's own recompute.
+        self.attention: dict[int, KeptAttention] = {}
         self.done = False
 
-    def take_attention(self, pos: int) -> contextlib.AbstractContextManager | None:
+    def take_attention(self, pos: int) -> KeptAttention | None:
         """The kept attention outputs of the layer at ``pos`` for its recompute (once), or None."""
         return self.attention.pop(pos, None)
 
@@ -217,8 +218,11 @@ def segment_input(seg: Segment | None, pos: int) -> torch.Tensor:
             weights = engine.acquire(e.layer.index, entries[q + 1].layer.index)
             tick = engine.timeline.start("recompute", e.layer.index) if engine.timeline else None
             with engine.restored_rng(e.rng):
-                if q >= keep_from and e.keeps_attention:
-                    out, seg.attention[q] = _run_keeping_attention(e, weights, args)
+                if e.kept_attention is not None:
+                    out = _run_under_grad(e, weights, args, e.kept_attention.peek())
+                elif q >= keep_from and e.keeps_attention:
+                    forward_ctx, seg.attention[q] = attention_output_cache()
+                    out = _run_under_grad(e, weights, args, forward_ctx)
                 else:
                     out, _, _ = e.layer.run(weights, args, e.spec, leaves=False, keys=e.keys)
             if tick is not None:
@@ -241,16 +245,15 @@ def _unreadable(_: None) -> torch.Tensor:
     raise RuntimeError("hf_megatrain: a segment chain's graph is not differentiable")
 
 
-def _run_keeping_attention(e: SegmentEntry, weights: torch.Tensor, args: list):
+def _run_under_grad(e: SegmentEntry, weights: torch.Tensor, args: list, mode):
     """Re-run one chain layer as its recompute will (under grad, on leaves requiring grad as the
     forward's did, so that the fused attention kernel makes the same call, log-sum-exp
-    included) while caching that kernel's outputs; the graph saves nothing. Returns the output
-    and the recompute context that hands the cached outputs back."""
+    included) inside ``mode``: capturing that kernel's outputs for the recompute, or handing
+    back those the forward kept. The graph saves nothing. Returns the output."""
     args = list(args)
     for pos, req in zip(e.tensor_pos, e.input_requires_grad):
         if isinstance(args[pos], torch.Tensor):
             args[pos] = args[pos].detach().requires_grad_(req)
-    forward_ctx, recompute_ctx = attention_output_cache()
-    with torch.enable_grad(), saved_tensors_hooks(_discard, _unreadable), forward_ctx:
+    with torch.enable_grad(), saved_tensors_hooks(_discard, _unreadable), mode:
         out, _, _ = e.layer.run(weights, args, e.spec, leaves=e.layer.trainable, keys=e.keys)
-    return out, recompute_ctx
+    return out

@@ -423,10 +423,10 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 if ctx.recompute is not None:
                     saves, roots, weight_leaves, inputs, res_leaves, cached = ctx.recompute
                     ctx.recompute = None
-                    cached = cached if cached is not None else chain_cached
-                    with cached if cached is not None else contextlib.nullcontext():
+                    kept = cached if cached is not None else chain_cached
+                    with kept.replay() if kept is not None else contextlib.nullcontext():
                         saves.refill(rerun)
-                    del cached
+                    del cached, kept
                 else:  # a graph of its own, from the whole layer again
                     out, captured, weight_leaves = rerun()
                     roots = _roots(out, captured, edges=False)
