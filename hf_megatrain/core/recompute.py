@@ -175,6 +175,10 @@ class KeptAttention:
 
 
 class _Capture(TorchDispatchMode):
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled layer kernels run as compiled, as under torch's own SAC modes
+
     def __init__(self, kept: KeptAttention) -> None:
         super().__init__()
         self.kept = kept
@@ -187,6 +191,10 @@ class _Capture(TorchDispatchMode):
 
 
 class _Replay(TorchDispatchMode):
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled layer kernels run as compiled, as under torch's own SAC modes
+
     def __init__(self, kept: KeptAttention, consume: bool) -> None:
         super().__init__()
         self.kept = kept
