@@ -55,6 +55,7 @@ def _engine_options(command: str):
         offload_activations="--offload-activations" in command,
         boundary_dtype="bfloat16" if "--bf16-boundaries" in command else "input",
         checkpoint_every=int(_flag(command, "--checkpoint-every") or 1),
+        chain_attention_outputs=int(_flag(command, "--chain-attention-outputs") or 0),
         keep_attention_outputs=_flag(command, "--keep-attention-outputs") or "off",
         recompute_early_stop="--no-recompute-early-stop" not in command,
         stream_fp32_master="--stream-fp32-master" in command,
@@ -306,6 +307,24 @@ KNOWN_OVERESTIMATES: dict[tuple[str, str, int], str] = {
         "reserved (94.19 allocated), +10.0%; the plan sums 5 cached segment inputs (33 GiB) with "
         "the tiled layer backward's working set at one peak; which of the two is lower at the "
         "measured peak is not traced (no probe at segments of 6 yet)"
+    ),
+    # dev/long_plan_probe.py (a CPU scale model of these rows, its live peak within 1-2% of
+    # their allocated peaks) traced all three over-estimates: the plan sums the boundary
+    # buffers, the segment cache and every kept attention output at one peak, but the offload
+    # buffers are in use only while the cache is empty and the kept outputs are freed layer by
+    # layer in backward; the tiled working set counts 8 B x hidden per token too many (the
+    # layer's own kept output again). docs/long_context.md has the corrected lines (not yet in
+    # the planner: the allocator's fragmentation, 6.5-11 GiB at these lengths, needs its own
+    # line first).
+    ("base262k", "qwen2.5-7b", 262144): (
+        "segments of 6, every layer streamed, 28 layers' attention outputs kept: first step "
+        "116.55 GiB expected against 98.09 reserved (91.58 allocated), +18.8%; the probe puts "
+        "81.3 GiB of activations alive at the peak where the plan's lines sum 106.5"
+    ),
+    ("chain262k", "qwen2.5-7b", 262144): (
+        "base262k with chain_attention_outputs 5: first step 121.88 GiB expected against 94.54 "
+        "reserved (88.03 allocated), +28.9%; as base262k, and the chain's 8.9 GiB line is not "
+        "alive at the peak (only segment 0's first two layers keep chain outputs)"
     ),
 }
 
