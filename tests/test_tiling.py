@@ -9,7 +9,15 @@ from hf_megatrain.core.tiling import TiledTokenwise
 from hf_megatrain.hf.long_context import install_mlp_tiling
 from hf_megatrain.hf.model import find_decoder_layers
 
-from .helpers import ARCHS, AUX_FREE_MOE_ARCHS, MOE_ARCHS, run_trainer, tiny_config, tiny_model
+from .helpers import (
+    ARCHS,
+    AUX_FREE_MOE_ARCHS,
+    MOE_ARCHS,
+    mega_params,
+    run_trainer,
+    tiny_config,
+    tiny_model,
+)
 
 
 @pytest.mark.parametrize("tile", [1, 5, 16, 64])
@@ -89,3 +97,47 @@ def test_install_skips_mlps_with_a_second_input():
     model = tiny_model(tiny_config("bloom"))
     assert install_mlp_tiling(model, 8) == 0
     assert install_mlp_tiling(tiny_model(tiny_config("falcon")), 8) == 2
+
+
+@pytest.mark.parametrize(("arch", "skips"), [("llama", True), ("qwen2", True), ("gemma2", False)])
+def test_recompute_skips_the_tiles_whose_output_it_never_reads(tmp_path, monkeypatch, arch, skips):
+    """The early-stop recompute stops once the tiled MLP's saves (its input and weights) are
+    re-made, right after the tiled Function returns, so the Function skips its tiles there
+    (``recompute.refill_remaining``): training bitwise as when it ran them, the tiles run in
+    forward and backward only. Gemma-2's post-feedforward norm saves the MLP's output, so its
+    recompute needs the tiles and runs them."""
+    import hf_megatrain.core.tiling as tiling
+
+    calls = {"n": 0}
+    run = tiling._run
+
+    def counted(*a):
+        calls["n"] += 1
+        return run(*a)
+
+    monkeypatch.setattr(tiling, "_run", counted)
+    model = tiny_model(tiny_config(arch, num_hidden_layers=2))
+    results = {}
+    for name in ("all-tiles", "skip"):
+        if name == "all-tiles":
+            monkeypatch.setattr(tiling, "refill_remaining", lambda: None)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(tiling, "_run", counted)
+        calls["n"] = 0
+        logs, trainer = run_trainer(
+            copy.deepcopy(model), tmp_path, name, mega=True, max_steps=2,
+            megatrain_mlp_tile_tokens=5, megatrain_resident_layers="0",
+            megatrain_keep_activations="off",
+        )  # fmt: skip
+        results[name] = (
+            [(r["loss"], r["grad_norm"]) for r in logs],
+            mega_params(trainer),
+            calls["n"],
+        )
+    assert results["skip"][0] == results["all-tiles"][0]
+    for key, value in results["all-tiles"][1].items():
+        assert torch.equal(results["skip"][1][key], value), key
+    # Forward, recompute and backward each run every tile; the skip takes the recompute's.
+    ran, skipped = results["all-tiles"][2], results["skip"][2]
+    assert (skipped == ran * 2 // 3) if skips else (skipped == ran), (ran, skipped)

@@ -26,6 +26,7 @@ skipped. Memory: per layer and token, heads x head_dim in the compute dtype and 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -49,6 +50,19 @@ class _Slot:
 
     def __init__(self) -> None:
         self.value: torch.Tensor | None = None
+
+
+# The running refill's saves still to re-make, per thread (CUDA backward runs on the autograd
+# engine's device thread).
+_refill = threading.local()
+
+
+def refill_remaining() -> int | None:
+    """How many saved tensors the refill running on this thread still has to re-make before it
+    stops (None: no refill runs). An autograd Function whose own saves are exactly that many may
+    skip its computation: the recompute stops as soon as they are packed, right after the
+    Function returns, so its output is never read (``tiling._TiledFunction``)."""
+    return getattr(_refill, "remaining", None)
 
 
 class PlaceholderSaves:
@@ -95,6 +109,7 @@ class PlaceholderSaves:
             nonlocal count
             k = count
             count += 1
+            _refill.remaining = n - count
             shape, dtype = self._meta[k]
             if t.shape != shape or t.dtype != dtype:
                 raise RuntimeError(
@@ -113,11 +128,15 @@ class PlaceholderSaves:
         def unpack(_: None) -> torch.Tensor:
             raise RuntimeError("hf_megatrain: the recompute graph is not differentiable")
 
+        outer = getattr(_refill, "remaining", None)
+        _refill.remaining = n
         try:
             with saved_tensors_hooks(pack, unpack):
                 run()
         except _StopRecompute:
             return
+        finally:
+            _refill.remaining = outer
         raise RuntimeError(
             f"hf_megatrain: a streamed layer's recompute saved {count} tensors, its forward {n} "
             "(the layer must run the same ops for the same inputs; "

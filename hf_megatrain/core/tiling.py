@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from .recompute import refill_remaining
+
 
 def _run(module: nn.Module, forward, names: list[str], params, x: torch.Tensor) -> torch.Tensor:
     with _reparametrize_module(module, dict(zip(names, params))):
@@ -33,6 +35,12 @@ class _TiledFunction(torch.autograd.Function):
         dev = x.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.save_for_backward(x, *params)
+        if refill_remaining() == 1 + len(params):
+            # An early-stop recompute whose last saves are these: it stops as soon as they are
+            # packed, right after this returns, so the tiles' output is never read. (Saves of a
+            # custom Function are packed only after its forward: without this every recompute
+            # ran all the tiles.)
+            return torch.empty_like(x)
         with torch.no_grad():
             outs = [_run(module, forward, names, params, xs) for xs in x.split(tile, dim=-2)]
         return torch.cat(outs, dim=-2)
