@@ -68,8 +68,15 @@ class _TiledFunction(torch.autograd.Function):
                 offset += n
                 grads = grads[1:]
             for i, g in enumerate(grads):
-                if g is not None:
-                    grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
+                if g is None:
+                    continue
+                if grad_params[i] is None:
+                    # Summed over the tiles in fp32 and rounded to the parameter's dtype once
+                    # (autograd casts what backward returns), as one GEMM over every token
+                    # accumulates and rounds once; a bf16 sum rounded at every tile.
+                    grad_params[i] = g.float() if g.is_floating_point() else g
+                else:
+                    grad_params[i].add_(g)
         it = iter(grad_params)
         param_grads = [next(it) if p.requires_grad else None for p in leaves]
         return (None, None, None, None, grad_x, *param_grads)
