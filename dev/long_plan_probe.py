@@ -28,9 +28,10 @@ from collections import Counter, defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+
+from tests.helpers import new_cpu_storages  # noqa: E402 - the plan accuracy tests' intake
 
 BF16 = torch.bfloat16
 
@@ -58,18 +59,8 @@ class Live(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.ignore:
             return out
-        inputs = {
-            x.untyped_storage().data_ptr()
-            for x in tree_flatten((args, kwargs))[0]
-            if isinstance(x, torch.Tensor) and x.device.type == "cpu"
-        }
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                continue
+        for key, t in new_cpu_storages(args, kwargs, out, self.live):
             st = t.untyped_storage()
-            key = st.data_ptr()
-            if key in inputs or key in self.live or not st.nbytes():
-                continue
             self.live[key] = st.nbytes()
             self.meta[key] = (tuple(t.shape), t.dtype, str(func.__name__), self.label)
             self.cur += st.nbytes()

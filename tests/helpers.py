@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import (
     ApertusConfig,
     ArceeConfig,
@@ -436,6 +437,26 @@ def assert_logs_match(stock: list[dict], mega: list[dict], rel: float = 1e-5) ->
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel), f"grad_norm at {step}"
         # The LR comes from the same scheduler reading the same step count: exactly equal.
         assert b["learning_rate"] == a["learning_rate"], f"learning_rate at step {step}"
+
+
+def new_cpu_storages(args, kwargs, out, known) -> list[tuple[int, torch.Tensor]]:
+    """``(storage key, tensor)`` for each CPU storage an op's outputs hold that is new: not one of
+    its inputs', not already in ``known``, not empty (a live-tensor tracker's intake)."""
+    inputs = {
+        x.untyped_storage().data_ptr()
+        for x in tree_flatten((args, kwargs))[0]
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu"
+    }
+    new = []
+    for t in tree_flatten(out)[0]:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            continue
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in inputs or key in known or not st.nbytes() or any(k == key for k, _ in new):
+            continue
+        new.append((key, t))
+    return new
 
 
 class CountAttentionKernels(TorchDispatchMode):

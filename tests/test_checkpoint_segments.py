@@ -436,7 +436,9 @@ def test_plan_cli_checkpoint_every(capsys):
         main([*argv, "--checkpoint-every", "0"])
 
 
-@pytest.mark.parametrize(
+# Families and features the attention-output tests run over: a dense model, an MoE, a sliding
+# window, bf16 under autocast, and offload with MLP tiles.
+ATTENTION_OUTPUT_CASES = pytest.mark.parametrize(
     ("arch", "extra"),
     [
         ("llama", {}),
@@ -447,6 +449,9 @@ def test_plan_cli_checkpoint_every(capsys):
     ],
     ids=["llama", "qwen3_moe", "mistral", "qwen2-bf16", "llama-offload-tiles"],
 )
+
+
+@ATTENTION_OUTPUT_CASES
 def test_chain_keeps_attention_outputs_for_the_recompute(tmp_path, arch, extra):
     """megatrain_chain_attention_outputs: a segment's chain (which re-runs its leader and
     followers but the last in backward) keeps the fused attention kernel's outputs of its last
@@ -473,17 +478,7 @@ def test_chain_keeps_attention_outputs_for_the_recompute(tmp_path, arch, extra):
     assert [runs[k][2] for k in (0, 1, 2, 5)] == [2 * 8, 2 * 7, 2 * 6, 2 * 6]
 
 
-@pytest.mark.parametrize(
-    ("arch", "extra"),
-    [
-        ("llama", {}),
-        ("qwen3_moe", {}),
-        ("mistral", {}),
-        ("qwen2", {"bf16": True}),
-        ("llama", {"megatrain_offload_activations": True, "megatrain_mlp_tile_tokens": 8}),
-    ],
-    ids=["llama", "qwen3_moe", "mistral", "qwen2-bf16", "llama-offload-tiles"],
-)
+@ATTENTION_OUTPUT_CASES
 def test_chain_reads_the_attention_outputs_the_forward_kept(tmp_path, arch, extra):
     """Layers whose forward kept the fused attention kernel's outputs (keep_attention_outputs)
     hand them to the segment chain too (``KeptAttention.peek``), then to their own recompute:

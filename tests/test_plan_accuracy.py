@@ -34,7 +34,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
 
 import hf_megatrain.core.chunked_loss as chunked_loss
@@ -52,6 +51,8 @@ from hf_megatrain.hf.model import (
     model_shape,
     prepare_streamed_model,
 )
+
+from .helpers import new_cpu_storages
 
 BF16 = torch.bfloat16
 #: Widths none of which equals a token count below, so every tensor's role shows in its shape.
@@ -83,18 +84,8 @@ class Live(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {
-            x.untyped_storage().data_ptr()
-            for x in tree_flatten((args, kwargs))[0]
-            if isinstance(x, torch.Tensor) and x.device.type == "cpu"
-        }
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                continue
+        for key, t in new_cpu_storages(args, kwargs, out, self.live):
             st = t.untyped_storage()
-            key = st.data_ptr()
-            if key in inputs or key in self.live or not st.nbytes():
-                continue
             self.live[key] = st.nbytes()
             self.cur += st.nbytes()
             if t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 128:
