@@ -74,7 +74,7 @@ class _TiledFunction(torch.autograd.Function):
                     # Summed over the tiles in fp32 and rounded to the parameter's dtype once
                     # (autograd casts what backward returns), as one GEMM over every token
                     # accumulates and rounds once; a bf16 sum rounded at every tile.
-                    grad_params[i] = g.float() if g.is_floating_point() else g
+                    grad_params[i] = g.float() if g.dtype in (torch.bfloat16, torch.float16) else g
                 else:
                     grad_params[i].add_(g)
         it = iter(grad_params)
