@@ -9,10 +9,13 @@ The arguments are in :mod:`hf_megatrain.cli_arguments`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -217,6 +220,60 @@ def _run_shape(seq_len: int):
     return RunShape(seq_len)
 
 
+def _stop_on_sigterm():
+    """A callback that turns a SIGTERM (a scheduler preempting the job) into a checkpoint at the
+    end of the running optimizer step and a stop, and its signal handler (``handling()``). A
+    second SIGTERM stops at once. Under data parallel every rank stops at the same step: the
+    request is all-reduced at each step's end."""
+    from transformers import TrainerCallback  # noqa: PLC0415
+
+    class StopOnSigterm(TrainerCallback):
+        def __init__(self) -> None:
+            self.requested = False
+            self.stopped_at: int | None = None
+
+        def _handle(self, signum, frame) -> None:
+            if self.requested:  # the second one: stop now, as without the handler
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            self.requested = True
+            _say(
+                "\nhf-megatrain: SIGTERM: saving a checkpoint at the end of this step, then "
+                "stopping (send it again to stop at once)"
+            )
+
+        @contextlib.contextmanager
+        def handling(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield  # (signal handlers can only be set on the main thread)
+                return
+            previous = signal.signal(signal.SIGTERM, self._handle)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            requested = self.requested
+            import torch.distributed as dist  # noqa: PLC0415
+
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                import torch  # noqa: PLC0415
+
+                gpu = dist.get_backend() == "nccl"
+                flag = torch.tensor([float(requested)], device=args.device if gpu else "cpu")
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                requested = bool(flag.item())
+            if requested:
+                control.should_save = True
+                control.should_training_stop = True
+                self.stopped_at = state.global_step
+            return control
+
+    return StopOnSigterm()
+
+
 def _saved_seq_len(state) -> int | None:
     """The row length a checkpoint's run trained on, where it recorded one (``_run_shape``)."""
     saved = (state.stateful_callbacks or {}).get("RunShape")
@@ -326,6 +383,7 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         _say("  note: more than 20 epochs over this data; expect the model to memorize it")
     _warn_checkpoint_disk(settings, n_params)
 
+    stop = _stop_on_sigterm()
     try:
         trainer = HFMegaTrainer(
             model=model,
@@ -336,7 +394,7 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
             # Rows are equal-length tensors: stack them. (With a tokenizer the Trainer would pick
             # a padding collator that returns a BatchEncoding instead of a dict.)
             data_collator=default_data_collator,
-            callbacks=[_run_shape(data_args.seq_len)],
+            callbacks=[_run_shape(data_args.seq_len), stop],
         )
     except ImportError as e:  # e.g. --report_to tensorboard without tensorboard installed
         raise CLIError(f"invalid training setting: {e}") from None
@@ -346,8 +404,16 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         raise CLIError(f"invalid training setting: {error_summary(e)}") from None
     t_train = time.perf_counter()
     start_step = resume_step or 0
-    train_out = trainer.train(resume_from_checkpoint=resume)
+    with stop.handling():
+        train_out = trainer.train(resume_from_checkpoint=resume)
     train_s = time.perf_counter() - t_train
+    if stop.stopped_at is not None:
+        checkpoint = os.path.join(os.path.abspath(args.output_dir), f"checkpoint-{stop.stopped_at}")
+        _say(
+            f"hf-megatrain: stopped by SIGTERM after step {stop.stopped_at} of this run; saved "
+            f"{checkpoint}. Run the same command again to resume from it."
+        )
+        return {"output_dir": os.path.abspath(args.output_dir), "stopped": checkpoint}
     # This process's steps only: a resumed run's history starts with the earlier ones.
     logs = [h for h in trainer.state.log_history if "loss" in h and h.get("step", 0) > start_step]
     eval_loss = trainer.evaluate()["eval_loss"] if data.eval is not None else None

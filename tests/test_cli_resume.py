@@ -173,3 +173,38 @@ def test_resume_with_another_seq_len_is_told(tmp_path, capsys):
         "note: that checkpoint trained on rows of 32 tokens and this run uses --seq_len 16" in said
     )
     assert "trained 2 steps (from step 4)" in said
+
+
+_TERMINATED_CHILD = _KILLED_CHILD.replace("signal.SIGKILL", "signal.SIGTERM").replace(
+    "\nmain(sys.argv[1:])", "\nsys.exit(main(sys.argv[1:]))"
+)
+
+
+def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes_bit_exactly(tmp_path, capsys):
+    """A SIGTERM (a scheduler preempting the job) during step 2 makes the run save
+    checkpoint-3 at the end of step 3, off the --save_steps grid, and exit with status 143
+    (not 0: the job is not done) without writing the final model; the same command then
+    resumes from it, bit-exactly as an uninterrupted run."""
+    flags = _chat_flags(tmp_path)
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert main(_argv(tmp_path, whole, flags)) == 0
+    env = dict(os.environ, KILL_AT="2", PYTHONPATH=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-c", _TERMINATED_CHILD, *_argv(tmp_path, stopped, flags)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 143, r.stderr[-2000:]
+    assert f"stopped by SIGTERM after step 3 of this run; saved {stopped / 'checkpoint-3'}" in (
+        r.stdout
+    )
+    assert sorted(p.name for p in stopped.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert not (stopped / "model.safetensors").exists()
+    capsys.readouterr()
+    assert main(_argv(tmp_path, stopped, flags)) == 0  # the same command, re-run
+    said = capsys.readouterr().out
+    assert f"resuming from {stopped / 'checkpoint-3'}" in said
+    assert "trained 3 steps (from step 3)" in said
+    a, b = _weights(whole), _weights(stopped)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
