@@ -231,6 +231,7 @@ def _stop_on_sigterm():
         def __init__(self) -> None:
             self.requested = False
             self.stopped_at: int | None = None
+            self.training_done = False
 
         def _handle(self, signum, frame) -> None:
             if self.requested:  # the second one: stop now, as without the handler
@@ -238,10 +239,12 @@ def _stop_on_sigterm():
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             self.requested = True
-            _say(
-                "\nhf-megatrain: SIGTERM: saving a checkpoint at the end of this step, then "
-                "stopping (send it again to stop at once)"
+            what = (
+                "training is done; saving the final model, then stopping"
+                if self.training_done
+                else "saving a checkpoint at the end of this step, then stopping"
             )
+            _say(f"\nhf-megatrain: SIGTERM: {what} (send it again to stop at once)")
 
         @contextlib.contextmanager
         def handling(self):
@@ -270,6 +273,9 @@ def _stop_on_sigterm():
                 control.should_training_stop = True
                 self.stopped_at = state.global_step
             return control
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.training_done = True
 
     return StopOnSigterm()
 
@@ -404,26 +410,33 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         raise CLIError(f"invalid training setting: {error_summary(e)}") from None
     t_train = time.perf_counter()
     start_step = resume_step or 0
+    # A SIGTERM during training: a checkpoint at the step's end, then stop. After training (the
+    # final eval and save): the final model is saved first, and the reload check skipped.
     with stop.handling():
         train_out = trainer.train(resume_from_checkpoint=resume)
-    train_s = time.perf_counter() - t_train
-    if stop.stopped_at is not None:
-        checkpoint = os.path.join(os.path.abspath(args.output_dir), f"checkpoint-{stop.stopped_at}")
-        _say(
-            f"hf-megatrain: stopped by SIGTERM after step {stop.stopped_at} of this run; saved "
-            f"{checkpoint}. Run the same command again to resume from it."
-        )
-        return {"output_dir": os.path.abspath(args.output_dir), "stopped": checkpoint}
-    # This process's steps only: a resumed run's history starts with the earlier ones.
-    logs = [h for h in trainer.state.log_history if "loss" in h and h.get("step", 0) > start_step]
-    eval_loss = trainer.evaluate()["eval_loss"] if data.eval is not None else None
-    if eval_loss is not None and not math.isfinite(eval_loss):
-        raise CLIError(
-            f"the final eval loss is {eval_loss}: training diverged (try a lower --lr); the "
-            "model was not saved"
-        )
-    trainer.save_model(args.output_dir)
+        train_s = time.perf_counter() - t_train
+        if stop.stopped_at is not None:
+            checkpoint = os.path.join(
+                os.path.abspath(args.output_dir), f"checkpoint-{stop.stopped_at}"
+            )
+            _say(
+                f"hf-megatrain: stopped by SIGTERM after step {stop.stopped_at} of this run; saved "
+                f"{checkpoint}. Run the same command again to resume from it."
+            )
+            return {"output_dir": os.path.abspath(args.output_dir), "stopped": checkpoint}
+        # This process's steps only: a resumed run's history starts with the earlier ones.
+        logs = [
+            h for h in trainer.state.log_history if "loss" in h and h.get("step", 0) > start_step
+        ]
+        eval_loss = trainer.evaluate()["eval_loss"] if data.eval is not None else None
+        if eval_loss is not None and not math.isfinite(eval_loss):
+            raise CLIError(
+                f"the final eval loss is {eval_loss}: training diverged (try a lower --lr); the "
+                "model was not saved"
+            )
+        trainer.save_model(args.output_dir)
     trainer.accelerator.wait_for_everyone()  # rank 0 wrote the model
+    stopped_after_training = stop.requested
     if not _is_main_process():
         # Data parallel: the report and the reload check are rank 0's.
         return {"output_dir": os.path.abspath(args.output_dir), "n_params": n_params}
@@ -455,7 +468,9 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     verify = settings.model.verify
     if verify is None:
         verify = n_params <= _AUTO_VERIFY_MAX_PARAMS
-    if verify:
+    if stopped_after_training:
+        _say("\n(SIGTERM after training: the final model is saved; the reload check is skipped.)")
+    elif verify:
         # Free the host store first: the check loads a second, ordinary copy of the model.
         del trainer, model
         gc.collect()

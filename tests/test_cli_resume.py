@@ -208,3 +208,25 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes_bit_exactly(tmp_path, 
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_sigterm_after_training_still_saves_the_final_model(tmp_path):
+    """A SIGTERM that arrives once training is done (during the final eval or save) lets the
+    final model be saved, skips the reload check and exits 0: the run is complete."""
+    child = _TERMINATED_CHILD.replace(
+        "def on_step_end(self, args, state, control, **kw):\n        if state.global_step == "
+        'int(os.environ["KILL_AT"]):',
+        "def on_train_end(self, args, state, control, **kw):\n        if True:",
+    )
+    assert "on_train_end" in child
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-c", child, *_argv(tmp_path, out, _chat_flags(tmp_path))],
+        env=dict(os.environ, KILL_AT="0", PYTHONPATH=str(REPO)),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "SIGTERM: training is done; saving the final model" in r.stdout
+    assert "the final model is saved; the reload check is skipped" in r.stdout
+    assert (out / "megatrain_manifest.json").is_file()
+    assert _weights(out)  # the final model, loadable
