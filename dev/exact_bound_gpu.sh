@@ -56,11 +56,11 @@
 #   chaintest  tests/test_gpu.py's chain-attention and keep-attention cases.
 #   paritytest tests/test_gpu_parity.py alone (lktests' second half).
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
-#              twice): the streamed run and stock, streamed without the overlapped host update,
-#              without Liger-Kernel, without the fused loss, without autocast_kernels, without
-#              bf16 gradient slots; then both with the SDPA backend pinned to math and with
-#              deterministic algorithms: which part does not repeat bitwise (at e90dc3c
-#              streamed first differed at step 34, stock repeats). ~10 min.
+#              twice): stock, streamed, streamed without the overlapped host update and without
+#              Liger-Kernel; then streamed with the SDPA backend pinned to math and with
+#              deterministic algorithms: which part does not repeat bitwise (at e90dc3c streamed
+#              first differed at step 34, stock repeats). ~5 min. repeatprobe2: streamed without
+#              the fused loss, without autocast_kernels, without bf16 gradient slots. ~3 min.
 #   warm8b     llama8b for one step, thrown away: the first bench process of a machine start runs
 #              slow (its host-update waits fall step by step), so A/Bs go after it.
 #   nolk8b     llama8b with --no-fused-loss-kernel (PyTorch's ops in the loss: the A/B).
@@ -160,11 +160,15 @@ item() {  # item <name>: one queue item
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
         -k "chain_attention or keep_attention_outputs_on_gpu" 2>&1 | grep -v '^DEBUG'
       ;;
-    repeatprobe)
-      for extra in "--stock --variant ovl:overlap_optimizer=false --variant torchk:layer_kernels=torch" \
-          "--no-streamed --variant nofl:fused_loss=false --variant noak:autocast_kernels=false
-          --variant nocompact:compact_host_grads=false" "--stock --sdpa-backend math" \
-          "--stock --deterministic"; do
+    repeatprobe|repeatprobe2)
+      if [ "$1" = repeatprobe ]; then
+        sets=("--stock --variant ovl:overlap_optimizer=false --variant torchk:layer_kernels=torch"
+              "--sdpa-backend math" "--deterministic")
+      else
+        sets=("--no-streamed --variant nofl:fused_loss=false --variant noak:autocast_kernels=false
+               --variant nocompact:compact_host_grads=false")
+      fi
+      for extra in "${sets[@]}"; do
         # shellcheck disable=SC2086
         timeout 300 python3 dev/repeat_probe.py --family llama --steps 150 --out "$work/results" \
           $extra 2>&1 | grep -aE '^\{"family|Error' | tail -3
