@@ -7,6 +7,7 @@ from .hf.arguments import MegaTrainArguments
 from .hf.checkpoint import save_streamed_pretrained
 from .hf.loading import frozen_streamed_copy, init_streamed_model, load_streamed_model
 from .hf.model import SUPPORTED_MODEL_TYPES, UnsupportedModelError, prepare_streamed_model
+from .hf.preemption import SaveOnSigterm
 from .hf.trainer import HFMegaTrainer
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "MegaTrainArguments",
     "MemoryPlanError",
     "SUPPORTED_MODEL_TYPES",
+    "SaveOnSigterm",
     "UnsupportedModelError",
     "StepShape",
     "frozen_streamed_copy",

@@ -9,13 +9,10 @@ The arguments are in :mod:`hf_megatrain.cli_arguments`.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import os
 import shutil
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -220,66 +217,6 @@ def _run_shape(seq_len: int):
     return RunShape(seq_len)
 
 
-def _stop_on_sigterm():
-    """A callback that turns a SIGTERM (a scheduler preempting the job) into a checkpoint at the
-    end of the running optimizer step and a stop, and its signal handler (``handling()``). A
-    second SIGTERM stops at once. Under data parallel every rank stops at the same step: the
-    request is all-reduced at each step's end."""
-    from transformers import TrainerCallback  # noqa: PLC0415
-
-    class StopOnSigterm(TrainerCallback):
-        def __init__(self) -> None:
-            self.requested = False
-            self.stopped_at: int | None = None
-            self.training_done = False
-
-        def _handle(self, signum, frame) -> None:
-            if self.requested:  # the second one: stop now, as without the handler
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            self.requested = True
-            what = (
-                "training is done; saving the final model, then stopping"
-                if self.training_done
-                else "saving a checkpoint at the end of this step, then stopping"
-            )
-            _say(f"\nhf-megatrain: SIGTERM: {what} (send it again to stop at once)")
-
-        @contextlib.contextmanager
-        def handling(self):
-            if threading.current_thread() is not threading.main_thread():
-                yield  # (signal handlers can only be set on the main thread)
-                return
-            previous = signal.signal(signal.SIGTERM, self._handle)
-            try:
-                yield
-            finally:
-                signal.signal(signal.SIGTERM, previous)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            requested = self.requested
-            import torch.distributed as dist  # noqa: PLC0415
-
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                import torch  # noqa: PLC0415
-
-                gpu = dist.get_backend() == "nccl"
-                flag = torch.tensor([float(requested)], device=args.device if gpu else "cpu")
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                requested = bool(flag.item())
-            if requested:
-                control.should_save = True
-                control.should_training_stop = True
-                self.stopped_at = state.global_step
-            return control
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.training_done = True
-
-    return StopOnSigterm()
-
-
 def _saved_seq_len(state) -> int | None:
     """The row length a checkpoint's run trained on, where it recorded one (``_run_shape``)."""
     saved = (state.stateful_callbacks or {}).get("RunShape")
@@ -389,7 +326,9 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         _say("  note: more than 20 epochs over this data; expect the model to memorize it")
     _warn_checkpoint_disk(settings, n_params)
 
-    stop = _stop_on_sigterm()
+    from .hf.preemption import SaveOnSigterm  # noqa: PLC0415
+
+    stop = SaveOnSigterm()
     try:
         trainer = HFMegaTrainer(
             model=model,

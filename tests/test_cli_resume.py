@@ -226,7 +226,39 @@ def test_sigterm_after_training_still_saves_the_final_model(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "SIGTERM: training is done; saving the final model" in r.stdout
+    assert "SIGTERM: training is done; saving the final model" in r.stderr
     assert "the final model is saved; the reload check is skipped" in r.stdout
     assert (out / "megatrain_manifest.json").is_file()
     assert _weights(out)  # the final model, loadable
+
+
+def test_save_on_sigterm_in_a_script(tmp_path):
+    """The callback alone, as a script uses it with HFMegaTrainer: a SIGTERM during step 2 ends
+    training at that step's end with checkpoint-2 saved (save_strategy 'no' notwithstanding); the
+    previous handler is back afterwards."""
+    import signal
+
+    from transformers import TrainerCallback
+
+    from hf_megatrain import HFMegaTrainer, MegaTrainArguments, SaveOnSigterm
+
+    from .helpers import common_args, make_data, tiny_config, tiny_model
+
+    class TermInStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 1:  # (the step being run is the second)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = SaveOnSigterm()
+    args = MegaTrainArguments(
+        output_dir=str(tmp_path / "run"), **common_args(max_steps=6, save_strategy="no")
+    )
+    trainer = HFMegaTrainer(
+        model=tiny_model(tiny_config("llama")), args=args, train_dataset=make_data(),
+        callbacks=[stop, TermInStep2()],
+    )  # fmt: skip
+    trainer.train()
+    assert stop.stopped_at == trainer.state.global_step == 2
+    assert (tmp_path / "run" / "checkpoint-2" / "trainer_state.json").is_file()
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -1,0 +1,99 @@
+"""A SIGTERM (a scheduler preempting or timing out the job) turned into a checkpoint.
+
+``SaveOnSigterm`` is a ``TrainerCallback``: from ``on_train_begin`` (or inside its
+``handling()`` context, which can reach past the end of training) a SIGTERM no longer kills the
+process. The running optimizer step finishes, the Trainer saves a checkpoint at it (off the
+``save_steps`` grid, whatever ``save_strategy`` says) and stops; ``stopped_at`` says at which
+step. A second SIGTERM stops at once, as without the callback. Under data parallel the request
+is all-reduced at each step's end, so every rank stops at the same step (the ranks' checkpoint
+save is collective). ``hf-megatrain train`` uses it; in a script::
+
+    trainer = HFMegaTrainer(model, args, train_dataset=rows, callbacks=[SaveOnSigterm()])
+    trainer.train()  # a SIGTERM: checkpoint-N, then train() returns
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+
+
+class SaveOnSigterm(TrainerCallback):
+    """Save a checkpoint at the end of the running step on SIGTERM, then stop training."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.stopped_at: int | None = None
+        self.training_done = False
+        self._previous = None  # the handler this one replaced (None: not installed)
+        self._own = False  # installed by on_train_begin (not by handling())
+
+    # ---- the signal handler -----------------------------------------------------------------
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # the second one: stop now, as without the handler
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.requested = True
+        what = (
+            "training is done; saving the final model, then stopping"
+            if self.training_done
+            else "saving a checkpoint at the end of this step, then stopping"
+        )
+        logger.warning("hf_megatrain: SIGTERM: %s (send it again to stop at once)", what)
+
+    def _install(self) -> bool:
+        if self._previous is not None or threading.current_thread() is not threading.main_thread():
+            return False  # (installed already; signal handlers are the main thread's)
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return True
+
+    def _uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """The handler from here to the end of the block (e.g. through a final save after
+        training), instead of from ``on_train_begin`` to ``on_train_end``."""
+        installed = self._install()
+        try:
+            yield
+        finally:
+            if installed:
+                self._uninstall()
+
+    # ---- the Trainer's side -----------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._own = self._install()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        requested = self.requested
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gpu = dist.get_backend() == "nccl"
+            flag = torch.tensor([float(requested)], device=args.device if gpu else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            requested = bool(flag.item())
+        if requested:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.training_done = True
+        if self._own:
+            self._own = False
+            self._uninstall()
