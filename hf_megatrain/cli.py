@@ -8,7 +8,6 @@ arguments are the Trainer's own (:mod:`cli_arguments`). User mistakes end in one
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from .cli_arguments import add_train_arguments, parse_train_arguments
@@ -90,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         from .core.optimizer import NonFiniteError  # noqa: PLC0415
 
         try:
-            if run_train(settings).get("stopped"):
-                # Stopped by SIGTERM with a checkpoint saved: not done, so not status 0 (a job
-                # script's next command must not take the run for finished).
-                return 128 + signal.SIGTERM
+            result = run_train(settings)
+            if result.get("stopped"):
+                # Stopped by SIGTERM / SIGUSR1 with a checkpoint saved: not done, so not status
+                # 0 (a job script's next command must not take the run for finished).
+                return 128 + result["signal"]
         except NonFiniteError as e:
             # Training stopped on NaN/inf (megatrain_nonfinite), or a save refused such weights.
             raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None

@@ -359,10 +359,14 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
                 os.path.abspath(args.output_dir), f"checkpoint-{stop.stopped_at}"
             )
             _say(
-                f"hf-megatrain: stopped by SIGTERM after step {stop.stopped_at} of this run; saved "
-                f"{checkpoint}. Run the same command again to resume from it."
+                f"hf-megatrain: stopped by {stop.received.name} after step {stop.stopped_at} of "
+                f"this run; saved {checkpoint}. Run the same command again to resume from it."
             )
-            return {"output_dir": os.path.abspath(args.output_dir), "stopped": checkpoint}
+            return {
+                "output_dir": os.path.abspath(args.output_dir),
+                "stopped": checkpoint,
+                "signal": int(stop.received),
+            }
         # This process's steps only: a resumed run's history starts with the earlier ones.
         logs = [
             h for h in trainer.state.log_history if "loss" in h and h.get("step", 0) > start_step
@@ -408,7 +412,10 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     if verify is None:
         verify = n_params <= _AUTO_VERIFY_MAX_PARAMS
     if stopped_after_training:
-        _say("\n(SIGTERM after training: the final model is saved; the reload check is skipped.)")
+        _say(
+            f"\n({stop.received.name} after training: the final model is saved; the reload "
+            "check is skipped.)"
+        )
     elif verify:
         # Free the host store first: the check loads a second, ordinary copy of the model.
         del trainer, model

@@ -232,10 +232,12 @@ def test_sigterm_after_training_still_saves_the_final_model(tmp_path):
     assert _weights(out)  # the final model, loadable
 
 
-def test_save_on_sigterm_in_a_script(tmp_path):
-    """The callback alone, as a script uses it with HFMegaTrainer: a SIGTERM during step 2 ends
-    training at that step's end with checkpoint-2 saved (save_strategy 'no' notwithstanding); the
-    previous handler is back afterwards."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
+def test_save_on_sigterm_in_a_script(tmp_path, signame):
+    """The callback alone, as a script uses it with HFMegaTrainer: a SIGTERM (or SIGUSR1, what
+    SLURM sends ahead of a time limit) during step 2 ends training at that step's end with
+    checkpoint-2 saved (save_strategy 'no' notwithstanding); the previous handlers are back
+    afterwards."""
     import signal
 
     from transformers import TrainerCallback
@@ -247,9 +249,9 @@ def test_save_on_sigterm_in_a_script(tmp_path):
     class TermInStep2(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == 1:  # (the step being run is the second)
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), getattr(signal, signame))
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = {name: signal.getsignal(getattr(signal, name)) for name in ("SIGTERM", "SIGUSR1")}
     stop = SaveOnSigterm()
     args = MegaTrainArguments(
         output_dir=str(tmp_path / "run"), **common_args(max_steps=6, save_strategy="no")
@@ -260,5 +262,7 @@ def test_save_on_sigterm_in_a_script(tmp_path):
     )  # fmt: skip
     trainer.train()
     assert stop.stopped_at == trainer.state.global_step == 2
+    assert stop.received == getattr(signal, signame)
     assert (tmp_path / "run" / "checkpoint-2" / "trainer_state.json").is_file()
-    assert signal.getsignal(signal.SIGTERM) is before
+    for name, handler in before.items():
+        assert signal.getsignal(getattr(signal, name)) is handler, name

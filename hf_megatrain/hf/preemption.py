@@ -1,10 +1,11 @@
 """A SIGTERM (a scheduler preempting or timing out the job) turned into a checkpoint.
 
 ``SaveOnSigterm`` is a ``TrainerCallback``: from ``on_train_begin`` (or inside its
-``handling()`` context, which can reach past the end of training) a SIGTERM no longer kills the
-process. The running optimizer step finishes, the Trainer saves a checkpoint at it (off the
-``save_steps`` grid, whatever ``save_strategy`` says) and stops; ``stopped_at`` says at which
-step. A second SIGTERM stops at once, as without the callback. Under data parallel the request
+``handling()`` context, which can reach past the end of training) a SIGTERM, or a SIGUSR1 (what
+SLURM's ``--signal=USR1@SECONDS`` sends ahead of a time limit), no longer kills the process. The
+running optimizer step finishes, the Trainer saves a checkpoint at it (off the ``save_steps``
+grid, whatever ``save_strategy`` says) and stops; ``stopped_at`` says at which step and
+``received`` which signal. A second signal stops at once, as without the callback. Under data parallel the request
 is all-reduced at each step's end, so every rank stops at the same step (the ranks' checkpoint
 save is collective). ``hf-megatrain train`` uses it; in a script::
 
@@ -27,41 +28,52 @@ from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
+#: The signals handled by default: termination, and the early warning schedulers can send.
+DEFAULT_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)
+)
 
 
 class SaveOnSigterm(TrainerCallback):
-    """Save a checkpoint at the end of the running step on SIGTERM, then stop training."""
+    """Save a checkpoint at the end of the running step on SIGTERM (or SIGUSR1), then stop
+    training."""
 
-    def __init__(self) -> None:
+    def __init__(self, signals: tuple[int, ...] = DEFAULT_SIGNALS) -> None:
+        self.signals = tuple(signals)
         self.requested = False
+        self.received: signal.Signals | None = None  # the first signal that arrived
         self.stopped_at: int | None = None
         self.training_done = False
-        self._previous = None  # the handler this one replaced (None: not installed)
+        self._previous: dict | None = None  # the handlers these replaced (None: not installed)
         self._own = False  # installed by on_train_begin (not by handling())
 
     # ---- the signal handler -----------------------------------------------------------------
     def _handle(self, signum, frame) -> None:
         if self.requested:  # the second one: stop now, as without the handler
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
             return
         self.requested = True
+        self.received = signal.Signals(signum)
         what = (
             "training is done; saving the final model, then stopping"
             if self.training_done
             else "saving a checkpoint at the end of this step, then stopping"
         )
-        logger.warning("hf_megatrain: SIGTERM: %s (send it again to stop at once)", what)
+        logger.warning(
+            "hf_megatrain: %s: %s (send it again to stop at once)", self.received.name, what
+        )
 
     def _install(self) -> bool:
         if self._previous is not None or threading.current_thread() is not threading.main_thread():
             return False  # (installed already; signal handlers are the main thread's)
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
         return True
 
     def _uninstall(self) -> None:
         if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
             self._previous = None
 
     @contextlib.contextmanager
