@@ -53,7 +53,7 @@
 #   chain262k  Qwen2.5-7B at 262,144 tokens with exact524k's options (segments of 6, every layer
 #              streamed), the segment chains keeping 5 layers' attention outputs for their
 #              recompute (--chain-attention-outputs 5); base262k: the same without. ~4 min each.
-#   chaintest  tests/test_gpu.py's chain-attention and keep-attention cases.
+#   chaintest  tests/test_gpu.py's chain-attention, keep-attention and recompute tile-skip cases.
 #   paritytest tests/test_gpu_parity.py alone (lktests' second half).
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
 #              twice): stock, streamed, streamed without the overlapped host update and without
@@ -158,7 +158,8 @@ item() {  # item <name>: one queue item
       ;;
     chaintest)
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
-        -k "chain_attention or keep_attention_outputs_on_gpu" 2>&1 | grep -v '^DEBUG'
+        -k "chain_attention or keep_attention_outputs_on_gpu or skips_the_tiles" 2>&1 \
+        | grep -v '^DEBUG'
       ;;
     repeatprobe|repeatprobe2)
       if [ "$1" = repeatprobe ]; then

@@ -1186,6 +1186,41 @@ def test_chain_attention_outputs_on_gpu(tmp_path):
     assert [runs[n][2] for n in ("none", "chain", "forward")] == [4 * 11, 4 * 8, 4 * 4]
 
 
+def test_recompute_skips_the_tiles_on_gpu(tmp_path, monkeypatch):
+    """The early-stop recompute skips the tiled MLP's tiles (recompute.refill_remaining) on the
+    CUDA path too, where backward, and so the refill, runs on the autograd engine's device
+    thread: bf16 training bitwise as when the tiles ran, a third fewer tile runs."""
+    import hf_megatrain.core.tiling as tiling
+
+    from .helpers import mega_params
+
+    calls = {"n": 0}
+    run = tiling._run
+
+    def counted(*a):
+        calls["n"] += 1
+        return run(*a)
+
+    model = tiny_model(_tiny_gpu_config())
+    data = _data(32, 128)
+    runs = {}
+    for name in ("all-tiles", "skip"):
+        monkeypatch.setattr(tiling, "_run", counted)
+        if name == "all-tiles":
+            monkeypatch.setattr(tiling, "refill_remaining", lambda: None)
+        calls["n"] = 0
+        trainer, losses = _mega_losses(
+            tmp_path, name, copy.deepcopy(model), data, megatrain_resident_layers="0",
+            megatrain_keep_activations="off", megatrain_mlp_tile_tokens=32,
+        )  # fmt: skip
+        runs[name] = (losses, mega_params(trainer), calls["n"])
+        monkeypatch.undo()
+    assert runs["skip"][0] == runs["all-tiles"][0]
+    for key, value in runs["all-tiles"][1].items():
+        assert torch.equal(runs["skip"][1][key], value), key
+    assert runs["skip"][2] == runs["all-tiles"][2] * 2 // 3, (runs["all-tiles"][2], runs["skip"][2])
+
+
 def test_keep_attention_outputs_auto_on_gpu(tmp_path):
     """'auto' takes the memory plan's count (a GPU plan of the step: resident_layers 'auto'):
     with a tiny model every recomputed layer fits, so all 4 keep them (kept activations off,
