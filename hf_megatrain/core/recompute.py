@@ -26,6 +26,7 @@ skipped. Memory: per layer and token, heads x head_dim in the compute dtype and 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -156,16 +157,20 @@ def release_storage(tensors: list[torch.Tensor]) -> None:
         t.data = stand_ins[key].expand(t.shape)
 
 
-def _sdpa_kernels() -> list:
+@functools.cache
+def _sdpa_kernels() -> frozenset:
     """The fused attention kernels ``F.scaled_dot_product_attention`` dispatches to (those this
-    torch build has): CUDA flash / memory-efficient / cuDNN, the CPU flash kernel."""
+    torch build has): CUDA flash / memory-efficient / cuDNN, the CPU flash kernel. Looked up
+    once: every kept layer's forward, chain and recompute reads the set."""
     names = (
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
     )
-    return [getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)]
+    return frozenset(
+        getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)
+    )
 
 
 def _alias(out):
@@ -180,7 +185,7 @@ class KeptAttention:
     (``peek``, which leaves them in place)."""
 
     def __init__(self) -> None:
-        self.kernels = frozenset(_sdpa_kernels())
+        self.kernels = _sdpa_kernels()
         self.outputs: list = []
 
     def capture(self) -> contextlib.AbstractContextManager:

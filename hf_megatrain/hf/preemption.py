@@ -5,9 +5,9 @@
 SLURM's ``--signal=USR1@SECONDS`` sends ahead of a time limit), no longer kills the process. The
 running optimizer step finishes, the Trainer saves a checkpoint at it (off the ``save_steps``
 grid, whatever ``save_strategy`` says) and stops; ``stopped_at`` says at which step and
-``received`` which signal. A second signal stops at once, as without the callback. Under data parallel the request
-is all-reduced at each step's end, so every rank stops at the same step (the ranks' checkpoint
-save is collective). ``hf-megatrain train`` uses it; in a script::
+``received`` which signal. A second signal stops at once, as without the callback. Under data
+parallel the request is all-reduced at each step's end, so every rank stops at the same step
+(the ranks' checkpoint save is collective). ``hf-megatrain train`` uses it; in a script::
 
     trainer = HFMegaTrainer(model, args, train_dataset=rows, callbacks=[SaveOnSigterm()])
     trainer.train()  # a SIGTERM: checkpoint-N, then train() returns
