@@ -28,6 +28,7 @@ matplotlib is an optional dependency (``pip install matplotlib``); ``--no-plot``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 import dataclasses
@@ -451,8 +452,10 @@ def run_all(
     out_dir: Path,
     seed: int = 0,
     lr: float = 6e-4,
+    sdpa: str | None = None,
 ) -> dict[str, list[float]]:
-    """Every run of ``runs`` from the same initial weights; ``{name: per-step losses}``."""
+    """Every run of ``runs`` from the same initial weights; ``{name: per-step losses}``.
+    ``sdpa`` pins PyTorch's attention kernel for every run (``SDPA_BACKENDS``)."""
     rows = load_rows(seq_len)
     torch.manual_seed(seed)
     # Soft-capped attention (Gemma-2) runs eager in every run: transformers 5.17 would give it
@@ -461,12 +464,33 @@ def run_all(
     capped = getattr(config, "attn_logit_softcapping", None)
     impl = {"attn_implementation": "eager"} if capped else {}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **impl)
-    return {
-        spec.name: train_run(
-            spec, model, rows, steps=steps, bf16=bf16, cpu=cpu, out_dir=out_dir, seed=seed, lr=lr
-        )
-        for spec in runs
-    }
+    with sdpa_backend(sdpa):
+        return {
+            spec.name: train_run(
+                spec, model, rows, steps=steps, bf16=bf16, cpu=cpu, out_dir=out_dir, seed=seed,
+                lr=lr,
+            )
+            for spec in runs
+        }  # fmt: skip
+
+
+SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
+
+
+def sdpa_backend(name: str | None) -> contextlib.AbstractContextManager:
+    """PyTorch's attention kernel pinned to ``name`` (one of ``SDPA_BACKENDS``; None: its own
+    choice). The setting is process-wide, so it holds on autograd's threads too."""
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
+    return sdpa_kernel([backend])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -500,6 +524,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME:FIELD=VALUE,...",
         help="one more streamed run with these engine options (repeatable), e.g. "
         "no-fused-loss:fused_loss=false or hbm:resident_layers=4",
+    )
+    p.add_argument(
+        "--sdpa-backend",
+        choices=SDPA_BACKENDS,
+        help="pin PyTorch's attention kernel for every run (math: deterministic on GPUs)",
     )
     p.add_argument("--no-plot", action="store_true", help="CSV and summary only")
     p.add_argument("--out", default="outputs/loss_curves", help="output folder")
@@ -536,7 +565,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     runs += [dataclasses.replace(parse_variant(v), batch=a.batch) for v in a.variant]
     losses = run_all(
         config, runs, steps=a.steps, seq_len=a.seq_len, bf16=bf16, cpu=cpu, out_dir=out,
-        seed=a.seed, lr=a.lr,
+        seed=a.seed, lr=a.lr, sdpa=a.sdpa_backend,
     )  # fmt: skip
     write_csv(losses, out / "loss_curves.csv")
     label = a.config or f"{a.family}-{size}"

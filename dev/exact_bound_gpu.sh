@@ -55,6 +55,8 @@
 #              recompute (--chain-attention-outputs 5); base262k: the same without. ~4 min each.
 #   chaintest  tests/test_gpu.py's chain-attention, keep-attention and recompute tile-skip cases.
 #   paritytest tests/test_gpu_parity.py alone (lktests' second half).
+#   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
+#              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
 #              twice): stock, streamed, streamed without the overlapped host update and without
 #              Liger-Kernel; then streamed with the SDPA backend pinned to math and with
@@ -176,8 +178,15 @@ item() {  # item <name>: one queue item
       done
       ;;
     paritytest)
-      timeout 330 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \
-        -q -s 2>&1 | grep -aE "band|took over|passed|failed|Error" | grep -v "^{"
+      timeout 420 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \
+        -q -s -rA 2>&1 | grep -aE "band|took over|differs|passed|failed|PASSED|FAILED|Error" \
+        | grep -v "^{"
+      ;;
+    old8b)  # long8b on the tree of $OLD_COMMIT, unpacked (git archive) into the carried .abold
+      (cd .abold && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
+        benchmarks/bench.py --tag old8b64k --run "llama-3.1-8b:65536:megatrain-hbm:16" \
+        --seq-len 4096 --streamed-init --timeout-s 300 --results-dir "$work/results" --steps 8 \
+        --warmup 1)
       ;;
     gemma2bisect)
       timeout 400 python3 benchmarks/loss_curves.py --family gemma2 --size small --seq-len 512 \

@@ -18,7 +18,6 @@ parity test's ratio from call to call (issue 21).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -28,27 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import loss_curves as lc  # noqa: E402
 
-BACKENDS = ("flash", "efficient", "cudnn", "math")
-
 
 def first_difference(a: list[float], b: list[float]) -> dict:
     diffs = [abs(x / y - 1.0) for x, y in zip(a, b)]
     first = next((i + 1 for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     return {"first_step": first, "max_rel": max(diffs), "equal": first is None}
-
-
-def sdpa_backend(name: str | None) -> contextlib.AbstractContextManager:
-    if name is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "math": SDPBackend.MATH,
-    }[name]
-    return sdpa_kernel([backend])
 
 
 def main() -> None:
@@ -60,7 +43,7 @@ def main() -> None:
     ap.add_argument("--stock", action="store_true", help="repeat the stock run too")
     ap.add_argument("--no-streamed", action="store_true", help="leave out the default pair")
     ap.add_argument("--variant", action="append", default=[], help="NAME:field=value,...")
-    ap.add_argument("--sdpa-backend", choices=BACKENDS)
+    ap.add_argument("--sdpa-backend", choices=lc.SDPA_BACKENDS)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="on the CPU (checks the script)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/repeat_probe"))
@@ -78,10 +61,10 @@ def main() -> None:
         lc.RunSpec(**{**vars(spec), "name": f"{spec.name}-{tag}"}) for spec in pairs for tag in "ab"
     ]
     config = lc.build_config(a.family, "small", a.seq_len)
-    with sdpa_backend(a.sdpa_backend):
-        losses = lc.run_all(
-            config, runs, steps=a.steps, seq_len=a.seq_len, bf16=True, cpu=a.cpu, out_dir=a.out
-        )
+    losses = lc.run_all(
+        config, runs, steps=a.steps, seq_len=a.seq_len, bf16=True, cpu=a.cpu, out_dir=a.out,
+        sdpa=a.sdpa_backend,
+    )  # fmt: skip
     result = {
         "family": a.family, "steps": a.steps, "sdpa_backend": a.sdpa_backend,
         "deterministic": a.deterministic,
