@@ -302,30 +302,11 @@ KNOWN_OVERESTIMATES: dict[tuple[str, str, int], str] = {
     # layer's backward they never overlap, and the tiled line counted the eager kernels' fp32
     # norm products (dev/long_peak_probe.py found where). Their first steps are now within
     # -2.5% to +8.5% of their plans.
-    ("exact500k", "qwen2.5-7b", 499712): (
-        "segments of 6, every layer streamed: first step 115.04 GiB expected against 104.55 "
-        "reserved (94.19 allocated), +10.0%; the plan sums 5 cached segment inputs (33 GiB) with "
-        "the tiled layer backward's working set at one peak; which of the two is lower at the "
-        "measured peak is not traced (no probe at segments of 6 yet)"
-    ),
-    # dev/long_plan_probe.py (a CPU scale model of these rows, its live peak within 1-2% of
-    # their allocated peaks) traced all three over-estimates: the plan sums the boundary
-    # buffers, the segment cache and every kept attention output at one peak, but the offload
-    # buffers are in use only while the cache is empty and the kept outputs are freed layer by
-    # layer in backward; the tiled working set counts 8 B x hidden per token too many (the
-    # layer's own kept output again). docs/long_context.md has the corrected lines (not yet in
-    # the planner: the allocator's fragmentation, 6.5-11 GiB at these lengths, needs its own
-    # line first).
-    ("base262k", "qwen2.5-7b", 262144): (
-        "segments of 6, every layer streamed, 28 layers' attention outputs kept: first step "
-        "116.55 GiB expected against 98.09 reserved (91.58 allocated), +18.8%; the probe puts "
-        "81.3 GiB of activations alive at the peak where the plan's lines sum 106.5"
-    ),
-    ("chain262k", "qwen2.5-7b", 262144): (
-        "base262k with chain_attention_outputs 5: first step 121.88 GiB expected against 94.54 "
-        "reserved (88.03 allocated), +28.9%; as base262k, and the chain's 8.9 GiB line is not "
-        "alive at the peak (only segment 0's first two layers keep chain outputs)"
-    ),
+    # Until this commit, Qwen2.5-7B's rows with segments of 6, offload and kept attention
+    # outputs (exact500k, base262k, chain262k) were planned 10-29% high: the plan summed the
+    # offload buffers, the segment cache and every kept attention output at one peak, and
+    # counted the layer's own kept output in its tiled working set (dev/long_plan_probe.py;
+    # activation_memory.segment_peak). Now +6.5% to +8.6% of what they needed.
 }
 
 
@@ -438,6 +419,24 @@ def errors_markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def measured_need_gib(row: dict) -> float:
+    """The GPU memory a row's step needed: its allocated peak plus the allocator's fragmentation
+    allowance, at most its reserved peak; the reserved peak where no allocated one was recorded.
+    Under expandable segments (core/allocator.py) the rest of the reserved peak is free holes,
+    which the allocator unmaps before an allocation fails: the runs' two out-of-memory reports
+    showed 96 and 363 MiB reserved beyond the allocated (``ALLOCATOR_FRAGMENTATION``), where
+    reserved peaks run up to 20 GiB over allocated ones (exact393k: 105.04 against 84.92) on
+    runs that never came near the GPU's size. The plan's expected peak (its lines plus that
+    allowance) is set against this."""
+    from hf_megatrain.core.plan_arithmetic import ALLOCATOR_FRAGMENTATION
+
+    reserved = float(row["peak_hbm_gib"])
+    allocated = row.get("peak_hbm_alloc_gib") or ""
+    if not allocated:
+        return reserved
+    return min(reserved, float(allocated) + ALLOCATOR_FRAGMENTATION / 2**30)
+
+
 def compare(csv_path: Path) -> list[dict]:
     from hf_megatrain.core.planner import GIB, NCCL_LINE
 
@@ -451,7 +450,8 @@ def compare(csv_path: Path) -> list[dict]:
         if not row.get("peak_hbm_gib") or row.get("gpu", "cpu") == "cpu":
             continue
         plan = plan_row(row)
-        hbm, host = float(row["peak_hbm_gib"]), float(row["peak_host_gib"])
+        reserved, host = float(row["peak_hbm_gib"]), float(row["peak_host_gib"])
+        hbm = measured_need_gib(row)
         outside = sum(ln.nbytes for ln in plan.gpu_lines if ln.name == NCCL_LINE)
         p_hbm, p_host = (plan.gpu_total - outside) / GIB, plan.host_peak_estimate / GIB
         e_hbm = (plan.gpu_peak_estimate - outside) / GIB
@@ -469,6 +469,7 @@ def compare(csv_path: Path) -> list[dict]:
                 tokens_per_step=int(row["tokens_per_step"]),
                 hbm_layers=plan.n_hbm,
                 hbm_gib=hbm,
+                reserved_gib=reserved,
                 # The bound a fit is judged by (with the margin for measured errors) and the
                 # expected peak (without it), which the error is of.
                 plan_hbm_gib=p_hbm,
@@ -527,12 +528,17 @@ def markdown(results: list[dict]) -> str:
         "watchdog (`OOM_RECOVERED`: their reserved peak is the whole GPU), rows marked rl "
         "reserved more above their live-tensor peak than the plan's fragmentation allowance "
         "(`RESERVED_OVER_LIVE`: live peaks measured on the CPU or by torch's allocated peak); "
-        "neither is used for the per-line errors.",
+        "neither is used for the per-line errors. HBM GiB needed: the allocated peak plus the "
+        "allocator's fragmentation allowance (at most the reserved peak), where the row recorded "
+        "its allocated peak (`measured_need_gib`: under expandable segments the rest of the "
+        "reserved peak is free holes the allocator unmaps before an allocation fails); the "
+        "reserved peak elsewhere.",
         "",
-        "| commit | tag | system | model | seq | tokens/step | HBM layers | HBM GiB meas. | "
+        "| commit | tag | system | model | seq | tokens/step | HBM layers | HBM GiB reserved | "
+        "needed | "
         "expected | err | bound | step 1 expected | err | step 1 bound | host GiB meas. | "
         "planned | err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         marks = "".join(
@@ -556,7 +562,8 @@ def markdown(results: list[dict]) -> str:
         lines.append(
             f"| {r['commit']}{marks} | {r['tag']} | {r['system']} | {r['model']} | "
             f"{r['seq_len']} | {r['tokens_per_step']} | {r['hbm_layers']} | "
-            f"{r['hbm_gib']:.2f} | {r['expected_hbm_gib']:.2f} | {100 * r['hbm_err']:+.1f}% | "
+            f"{r['reserved_gib']:.2f} | {r['hbm_gib']:.2f} | {r['expected_hbm_gib']:.2f} | "
+            f"{100 * r['hbm_err']:+.1f}% | "
             f"{r['plan_hbm_gib']:.2f} | "
             f"{step1} | {r['host_gib']:.2f} | {r['plan_host_gib']:.2f} | "
             f"{100 * r['host_err']:+.1f}% |"

@@ -353,10 +353,16 @@ def test_planner_counts_saved_inputs_and_segment_cache():
     host_line = next(ln for ln in p4.host_lines if ln.name.startswith("offloaded boundary"))
     assert host_line.nbytes == t * h * 4 * 7
     assert "7 saved (1 per 4 of 28 layers)" in host_line.name
-    # GPU: up to k - 1 recomputed fp32 inputs cached during a segment's backward.
+    # GPU: k - 1 recomputed fp32 inputs cached during a segment's backward, in the place of
+    # the two offload buffers (in use + prefetched: the chain's own output is the input in use):
+    # max(2, k - 1) inputs in all, never both.
     cache = next(ln for ln in p4.gpu_lines if ln.name.startswith("checkpoint segment"))
-    assert cache.nbytes == 3 * t * h * 4
+    buffers = next(ln for ln in p4.gpu_lines if ln.name.startswith("boundary activations"))
+    assert buffers.nbytes == 2 * t * h * 4 and cache.nbytes == (3 - 2) * t * h * 4
     assert not any(ln.name.startswith("checkpoint segment") for ln in p1.gpu_lines)
+    p3 = plan_memory(shape, step, opts(mlp_tile_tokens=16384, offload_activations=True,
+                                       checkpoint_every=3), BF16, hbm, host)  # fmt: skip
+    assert not any(ln.name.startswith("checkpoint segment") for ln in p3.gpu_lines)
     # Not fitting in host RAM with every layer saved, a segment length that fits is advised.
     assert not p1.fits and p1.checkpoint_every_fit is not None
     assert f"checkpoint_every={p1.checkpoint_every_fit}:" in str(p1.problems[-1])
@@ -547,3 +553,50 @@ def test_planner_counts_the_chain_attention_outputs():
     assert kept(checkpoint_every=3, chain_attention_outputs=2, boundary_dtype="bfloat16") == 0
     eager = replace(shape, sdpa_attention=False)
     assert kept(eager, checkpoint_every=3, chain_attention_outputs=2) == 0
+
+
+@pytest.mark.parametrize(
+    ("layers", "every", "attention", "chain"),
+    [(28, 6, 28, 0), (28, 6, 0, 0), (28, 6, 2, 5), (12, 4, 5, 3), (7, 1, 3, 0), (10, 3, 10, 2)],
+)
+def test_planner_counts_the_offloaded_segment_peak_once(layers, every, attention, chain):
+    """With fp32 boundaries offloaded, a segment's backward holds either the two offload
+    buffers or its chain's cached inputs (max(2, len - 1) layer inputs), the attention outputs
+    kept by layers up to its last (the later ones are freed by then) and its chain's own kept
+    outputs (for layers without forward-kept ones). The plan's lines for these come to the
+    largest such segment, not their sum over the step (the sum over-counted the H200's
+    base262k row by 14 GiB of 74)."""
+    from hf_megatrain.core.activation_memory import attention_output_bytes_per_token
+    from hf_megatrain.core.planner import GIB
+
+    h = 64
+    shape = ModelShape(
+        layer_numels=(1000,) * layers, non_layer_numel=1000, hidden_size=h, vocab_size=100,
+        intermediate_size=128, kv_size=32, head_dim=16, num_heads=4,
+    )  # fmt: skip
+    t = 512
+    step = StepShape(seq_len=t, micro_batch_tokens=t)
+    o = EngineOptions(
+        keep_attention_outputs=str(attention) if attention else "off", keep_activations="off",
+        checkpoint_every=every, chain_attention_outputs=chain, offload_activations=True,
+    ).resolve(clipping=True, cuda=True)  # fmt: skip
+    plan = plan_memory(shape, step, o, BF16, 8 * GIB, 8 * GIB, hbm_layers=0)
+    counted = sum(
+        ln.nbytes
+        for ln in plan.gpu_lines
+        if ln.name.startswith(("boundary activations", "checkpoint segment", "attention outputs"))
+    )
+    out = attention_output_bytes_per_token(shape, BF16)
+    kept_from = layers - attention
+    segments = [range(s, min(s + every, layers)) for s in range(0, layers, every)]
+
+    def held(seg: range) -> int:
+        inputs = max(2, len(seg) - 1) * t * h * 4
+        kept = sum(1 for i in range(seg[-1] + 1) if i >= kept_from)
+        chained = [i for i in seg[:-1][-min(chain, every - 1) :] if chain and i < kept_from]
+        return inputs + (kept + len(chained)) * t * out
+
+    assert plan.attention_layers == attention
+    assert counted == max(held(seg) for seg in segments)
+    summed = (2 + every - 1) * t * h * 4 + (attention + min(chain, every - 1)) * t * out
+    assert counted < summed if every > 1 else counted == summed  # (the old sum)

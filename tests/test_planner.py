@@ -545,7 +545,7 @@ def test_slack_is_fragmentation_plus_each_estimates_measured_error(qwen1_5b):
     # after its peak (with the tiled error at 16% that plan was 1.4 GiB short).
     assert plan.gpu_total >= 113.68 * GIB
     assert plan.gpu_total - 8 * qwen1_5b.non_layer_numel >= 113.68 * GIB
-    # The expected peak (what a run's reserved peak is set against) is the bound less the
+    # The expected peak (what a run's allocated peak plus fragmentation is set against) is the bound less the
     # estimates' margins: the allocator's fragmentation, part of reserved memory, stays.
     assert plan.gpu_peak_estimate == plan.gpu_total - margins
     expected = next(t for t in plan.table().splitlines() if "expected peak" in t)

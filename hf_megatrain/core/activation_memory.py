@@ -16,6 +16,7 @@ options that shape activations (:class:`~hf_megatrain.core.options.ResolvedOptio
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,7 @@ from .plan_types import MemoryLine, ModelShape, itemsize
 #: underestimate measured for them (``ESTIMATE_ERRORS``).
 BOUNDARY_KIND = "boundary activations"
 ROPE_KIND = "RoPE tables"
+TILED_WEIGHT_GRADS_KIND = "tiled MLP weight gradients"
 LOSS_KIND = "fused loss"
 WORKING_SET_KIND = "working set"
 PEAK_WORKING_SET_KIND = "working set, gated MLP peak"
@@ -257,6 +259,23 @@ FUSED_SWIGLU_BYTES_PER_TOKEN_INTER = 2
 #: off (the products' half), so the line stays above what was measured.
 FUSED_TILED_BYTES_PER_TOKEN_HIDDEN = 4
 
+#: The tiled line where the recomputed layer's attention output is kept (keep_attention_outputs,
+#: its own line) and the layer runs fused kernels: the recompute does not make the output nor
+#: what only its kernel call needed, 4h + 2q per token less. On the CPU scale model of the H200's
+#: base262k, chain262k and exact524k rows (dev/long_plan_probe.py, Liger-like kernels, peaks
+#: within 1-2% of the rows' allocated ones; docs/long_context.md, "The plan's long-context
+#: over-estimate") the kept case held 20h + 2q + 4kv with autocast_kernels' shared casts, 4h
+#: under this line; that 4h is not taken off, as the H200's own measurement of the fused line
+#: without kept outputs (27h, above) sits 3h over what the same model gives for it.
+KEPT_OUTPUT_TILED_BYTES_PER_TOKEN_HIDDEN = 4
+KEPT_OUTPUT_TILED_BYTES_PER_TOKEN_QUERY = 2
+#: Attention's backward in a tiled layer on CUDA (the same scale model plus what the CPU cannot
+#: see: the fused kernels' fp32 dq accumulator and dK/dV expanded for grouped heads, ~8q):
+#: 10h + 14q + 8kv per token; the working set is the larger of it and the MLP tile loop's.
+ATTN_BACKWARD_BYTES_PER_TOKEN_HIDDEN = 10
+ATTN_BACKWARD_BYTES_PER_TOKEN_QUERY = 14
+ATTN_BACKWARD_BYTES_PER_TOKEN_KV = 8
+
 
 def _kv_heads(shape: ModelShape) -> int:
     kv = shape.kv_size or shape.hidden_size
@@ -264,7 +283,11 @@ def _kv_heads(shape: ModelShape) -> int:
 
 
 def _working_set_line(
-    shape: ModelShape, t: int, tile: int, every_layer_recomputed: bool = True
+    shape: ModelShape,
+    t: int,
+    tile: int,
+    every_layer_recomputed: bool = True,
+    keeps_attention_output: bool = False,
 ) -> MemoryLine:
     """A layer's recompute working set: attention-side tensors scale with the micro-batch, the
     MLP's (tokens x intermediate) ones with the tile when MLP tiling is on; per-head q/k norms
@@ -312,9 +335,15 @@ def _working_set_line(
     if tiled:
         what, kind = f"MLP in tiles of {mlp_t} tokens", TILED_WORKING_SET_KIND
         per_h = TILED_BYTES_PER_TOKEN_HIDDEN
+        per_q = TILED_BYTES_PER_TOKEN_QUERY
         per_h -= FUSED_TILED_BYTES_PER_TOKEN_HIDDEN if shape.fused_layer_kernels else 0
-        per = per_h * h + TILED_BYTES_PER_TOKEN_QUERY * q + TILED_BYTES_PER_TOKEN_KV * kv
-        label = f"{per_h}h + {TILED_BYTES_PER_TOKEN_QUERY}q + {TILED_BYTES_PER_TOKEN_KV}kv"
+        if keeps_attention_output and shape.fused_layer_kernels and not k:
+            # The layer's attention output is kept (its own line) and not re-made.
+            per_h -= KEPT_OUTPUT_TILED_BYTES_PER_TOKEN_HIDDEN
+            per_q = KEPT_OUTPUT_TILED_BYTES_PER_TOKEN_QUERY
+            what += ", attention output kept"
+        per = per_h * h + per_q * q + TILED_BYTES_PER_TOKEN_KV * kv
+        label = f"{per_h}h + {per_q}q + {TILED_BYTES_PER_TOKEN_KV}kv"
     else:
         what = "untiled MLP" + (", its backward's peak" if mlp_peak else "")
         kind = PEAK_WORKING_SET_KIND if mlp_peak else WORKING_SET_KIND
@@ -366,10 +395,47 @@ def _working_set_line(
                 + (" + 4kv" if shape.gemma_norms else "")
                 + (f" + {fp32_out}(q + kv)" if fp32_out else "")
             )
+    if tiled and not k:
+        # Attention's backward, the other candidate peak of a tiled layer: CUDA's fused kernels
+        # hold an fp32 dq accumulator and dK/dV expanded to the query heads there, which the
+        # CPU tracker cannot see.
+        attention_peak = t * (
+            ATTN_BACKWARD_BYTES_PER_TOKEN_HIDDEN * h
+            + ATTN_BACKWARD_BYTES_PER_TOKEN_QUERY * q
+            + ATTN_BACKWARD_BYTES_PER_TOKEN_KV * kv
+        )
+        if attention_peak > nbytes:
+            what += ", peak in attention's backward"
+            nbytes, mlp = attention_peak, ""
+            label = (
+                f"{ATTN_BACKWARD_BYTES_PER_TOKEN_HIDDEN}h + {ATTN_BACKWARD_BYTES_PER_TOKEN_QUERY}q"
+                f" + {ATTN_BACKWARD_BYTES_PER_TOKEN_KV}kv"
+            )
     return estimate_line(
         f"one layer's backward working set (estimate, {what}: tokens x ({label}){mlp} B)",
         nbytes,
         kind,
+    )
+
+
+def kept_output_working_set_saving(shape: ModelShape, t: int, tile: int) -> int:
+    """How much smaller the working-set line is where the recomputing layer keeps its
+    attention output (``KEPT_OUTPUT_TILED_*``)."""
+    full = _working_set_line(shape, t, tile).nbytes
+    return full - _working_set_line(shape, t, tile, keeps_attention_output=True).nbytes
+
+
+def tiled_weight_grad_line(shape: ModelShape, dtype: torch.dtype) -> MemoryLine:
+    """The tiled MLP's weight gradients during a layer's backward: the fp32 sums over the tiles
+    and one tile's gradients in the compute dtype (``tiling``: bf16 tile gradients are summed in
+    fp32 and rounded once), for the gate, up and down projections."""
+    numel = 3 * shape.hidden_size * shape.intermediate_size
+    per = 4 + itemsize(dtype)
+    return MemoryLine(
+        f"tiled MLP weight gradients (fp32 sums + one tile's, {per} B x {numel / 1e6:.0f} M "
+        "weights)",
+        per * numel,
+        TILED_WEIGHT_GRADS_KIND,
     )
 
 
@@ -473,6 +539,85 @@ def segment_cache_layers(shape: ModelShape, options: ResolvedOptions) -> int:
     k = min(options.checkpoint_every, shape.num_layers)
     in_use_counted = 1 if options.boundary_bytes_per_element < 4 else 0
     return max(0, k - 1 - in_use_counted)
+
+
+@dataclass(frozen=True)
+class SegmentPeak:
+    """The checkpoint segment whose backward holds the most of the offloaded boundary buffers,
+    the segment's cached inputs and the kept attention outputs (``segment_peak``)."""
+
+    first: int  # the segment's layers, first..last
+    last: int
+    #: Whether ``last`` keeps its attention output (its backward's working set is smaller).
+    last_keeps_output: bool
+    #: fp32 layer inputs alive beyond the two offload buffers (in use + prefetched), which the
+    #: chain's cached inputs replace while the segment's backward runs (never both alive).
+    cache_beyond_buffers: int
+    #: Forward-kept attention outputs still alive there: those of the kept layers up to ``last``
+    #: (each is freed as its layer's backward passes).
+    kept_outputs: int
+    #: The chain's own kept outputs (``chain_attention_outputs``), for layers without
+    #: forward-kept ones: the chain reads those.
+    chain_outputs: int
+
+
+def segment_peak(
+    shape: ModelShape,
+    options: ResolvedOptions,
+    attention_layers: int,
+    chain_layers: int,
+    output_bytes_per_token: int,
+    kept_output_saving: int = 0,
+) -> SegmentPeak:
+    """Offloaded fp32 boundaries, every layer recomputed: the segment s (first..last) maximizing
+    max(2, len(s) - 1) layer inputs (the two offload buffers, or the chain's cached inputs,
+    never alive together) + the kept attention outputs of layers <= last + the chain's own
+    outputs, less ``kept_output_saving`` (per token) where the segment's last layer, whose
+    backward is the segment's peak, keeps its own output (its working set is smaller by that).
+    The plan once summed all three at one peak; on the CPU scale model of the H200's base262k
+    row (dev/long_plan_probe.py) that was 74 GiB where 60 were alive together."""
+    n_layers = shape.num_layers
+    k = min(max(1, options.checkpoint_every), n_layers)
+    kept_from = n_layers - min(max(0, attention_layers), n_layers)
+    best, best_bytes = None, -1
+    for first in range(0, n_layers, k):
+        last = min(first + k, n_layers) - 1
+        inputs = max(2, last - first)
+        kept = max(0, last - kept_from + 1)
+        # The chain keeps outputs for its last layers; those with forward-kept ones it reads.
+        chain_span = range(max(first, last - min(chain_layers, last - first)), last)
+        chain = sum(1 for i in chain_span if i < kept_from)
+        per_token = inputs * 4 * shape.hidden_size + (kept + chain) * output_bytes_per_token
+        per_token -= kept_output_saving if last >= kept_from else 0
+        if per_token > best_bytes:
+            best, best_bytes = (
+                SegmentPeak(first, last, last >= kept_from, inputs - 2, kept, chain),
+                per_token,
+            )
+    return best
+
+
+def joint_peak_lines(peak: SegmentPeak, t: int, h: int, per_token: int) -> list[MemoryLine]:
+    """The boundary buffers and the kept attention outputs at ``peak`` (the segment cache and
+    the chain's outputs are the caller's lines, at the same segment)."""
+    lines = [
+        MemoryLine(
+            f"boundary activations offloaded to host; in HBM: 2 (in use + prefetched), or the "
+            f"chain's cached inputs in their place (peak at layers {peak.first}-{peak.last})",
+            2 * t * h * 4,
+            BOUNDARY_KIND,
+        )
+    ]
+    if peak.kept_outputs:
+        lines.append(
+            MemoryLine(
+                f"attention outputs kept for the recompute, alive at that segment's backward: "
+                f"{peak.kept_outputs} layers x {t} tokens x {per_token} B",
+                peak.kept_outputs * t * per_token,
+                ATTENTION_OUTPUTS_KIND,
+            )
+        )
+    return lines
 
 
 def boundary_activation_bytes(shape: ModelShape, step: StepShape, options: ResolvedOptions) -> int:
@@ -824,9 +969,11 @@ def activation_lines(
     options: ResolvedOptions,
     dtype: torch.dtype,
     kept_layers: Sequence[int] = (),
+    attention_layers: int = 0,
 ) -> list[MemoryLine]:
     """Per-micro-batch activation costs (micro-batches run one after another); the s x s
-    tensors attention saves in ``kept_layers`` (the layers keeping their activations) too."""
+    tensors attention saves in ``kept_layers`` (the layers keeping their activations) too, and
+    the attention outputs the last ``attention_layers`` recomputed layers keep."""
     isz = itemsize(dtype)
     t, h, v = step.micro_batch_tokens, shape.hidden_size, shape.vocab_size
     lines = []
@@ -834,7 +981,15 @@ def activation_lines(
     # Saved narrower than the fp32 residual stream: backward recomputes each layer from its
     # saved input cast back to fp32, one more tokens x hidden x 4 B tensor while it runs.
     cast_back = 4 if b < 4 else 0
-    if not options.offload_activations:
+    per_token = attention_output_bytes_per_token(shape, dtype)
+    chain_layers = options.chain_attention_layers if shape.sdpa_attention else 0
+    joint = None
+    if options.offload_activations and not cast_back and not len(kept_layers):
+        saving = kept_output_working_set_saving(shape, t, options.mlp_tile_tokens) // max(t, 1)
+        joint = segment_peak(shape, options, attention_layers, chain_layers, per_token, saving)
+    if joint is not None:
+        lines += joint_peak_lines(joint, t, h, per_token)
+    elif not options.offload_activations:
         lines.append(
             MemoryLine(
                 f"boundary activations ({boundary_dtype_label(options)}): {t} tokens x hidden x "
@@ -877,34 +1032,49 @@ def activation_lines(
                 ROPE_KIND,
             )
         )
-    cached_layers = segment_cache_layers(shape, options)
+    if joint is None:
+        cached_layers = segment_cache_layers(shape, options)
+        what = f"up to {cached_layers} recomputed layer inputs"
+    else:
+        cached_layers = joint.cache_beyond_buffers
+        what = f"{cached_layers} recomputed layer inputs beyond the two offload buffers"
     cached = cached_layers * t * h * 4
     if cached:
         lines.append(
             estimate_line(
-                f"checkpoint segment backward: up to {cached_layers} recomputed layer inputs "
-                f"(fp32, {t} tokens x hidden x 4 B) cached",
+                f"checkpoint segment backward: {what} (fp32, {t} tokens x hidden x 4 B) cached",
                 cached,
                 SEGMENT_CACHE_KIND,
             )
         )
     # The attention outputs a segment chain keeps for its last layers' recompute
     # (``chain_attention_outputs``): alive from the chain to those layers' backward.
-    chain_layers = options.chain_attention_layers if shape.sdpa_attention else 0
-    per_token = attention_output_bytes_per_token(shape, dtype)
-    chain_attention = chain_layers * t * per_token
+    if joint is None:
+        if attention_layers:
+            lines.append(attention_output_line(shape, step, dtype, attention_layers))
+        chain_count, which = chain_layers, "up to "
+    else:
+        chain_count, which = joint.chain_outputs, "that segment's "
+    chain_attention = chain_count * t * per_token
     if chain_attention:
         lines.append(
             MemoryLine(
-                f"checkpoint segment backward: attention outputs of up to {chain_layers} chain "
+                f"checkpoint segment backward: attention outputs of {which}{chain_count} chain "
                 f"layers kept for their recompute ({t} tokens x {per_token} B each)",
                 chain_attention,
                 ATTENTION_OUTPUTS_KIND,
             )
         )
     # Layers keeping activations: the earlier, summed calibration (see the loss's lines).
-    work = _working_set_line(shape, t, options.mlp_tile_tokens, not len(kept_layers))
+    work = _working_set_line(
+        shape, t, options.mlp_tile_tokens, not len(kept_layers),
+        keeps_attention_output=joint is not None and joint.last_keeps_output,
+    )  # fmt: skip
     lines.append(work)
+    if 0 < options.mlp_tile_tokens < t and not shape.experts_per_token:
+        weight_grads = tiled_weight_grad_line(shape, dtype)
+        lines.append(weight_grads)
+        work = MemoryLine(work.name, work.nbytes + weight_grads.nbytes, work.kind, work.error)
     lines += attention_mask_lines(shape, step, dtype, kept_layers)
     if shape.fused_loss:
         # The loss's phase ends before any layer's backward starts: at its peak a chunk's bf16

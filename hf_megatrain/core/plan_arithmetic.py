@@ -33,7 +33,6 @@ import torch
 from .activation_memory import (
     KEPT_ACTIVATIONS_KIND,
     activation_lines,
-    attention_output_line,
     boundary_activation_bytes,
     boundary_dtype_label,
     embedding_grad_apart_bytes,
@@ -224,9 +223,9 @@ def gpu_lines(
     # The kept layers are the tier's last ``kept`` (``MemoryPlan.kept_layer_indices``): their
     # attention's saved s x s tensors (sliding-window masks, eager probabilities) are counted
     # per kept layer among the attention lines.
-    lines += activation_lines(shape, step, options, dtype, range(n_hbm - kept, n_hbm))
-    if attention_layers:
-        lines.append(attention_output_line(shape, step, dtype, attention_layers))
+    lines += activation_lines(
+        shape, step, options, dtype, range(n_hbm - kept, n_hbm), attention_layers
+    )
     if kept:
         # A kept layer's graph holds its fp32 input itself, also where the boundary line
         # counts it rounded to bf16.
