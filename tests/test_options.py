@@ -216,9 +216,10 @@ def test_options_this_run_cannot_use_are_named():
     assert notes() == []
     assert notes(checkpoint_every=3, chain_attention_outputs=2, device_update_lead=2) == []
     assert "more than the model's 4 layers" in notes(checkpoint_every=9)[0]
-    assert "keeps 2: at most checkpoint_every - 1 = 2" in notes(
-        checkpoint_every=3, chain_attention_outputs=5
-    )[0]
+    assert (
+        "keeps 2: at most checkpoint_every - 1 = 2"
+        in notes(checkpoint_every=3, chain_attention_outputs=5)[0]
+    )
     assert "keeps 0: no checkpoint segment chain" in notes(chain_attention_outputs=1)[0]
     assert "device updates need CUDA" in notes(cuda=False, device_update_lead=2)[0]
     assert "device updates need CUDA" in notes(clipping=False, device_update_lead=2)[0]
