@@ -28,6 +28,10 @@
 #              of 6, every layer streamed): the plan's GPU bound is 1.38 GiB over the H200's,
 #              only by its margin for measured errors (the upper bound: trains, or runs out of
 #              GPU memory with nothing for the watchdog to move). ~11 min if it trains.
+#   auto524k   Qwen2.5-7B at one 524,288-token sequence on the defaults: since af0cb86 the plan
+#              picks exact options itself (tiles, offload, segments of 4, 5 HBM-tier layers, 5
+#              layers' attention outputs; expected 128.10 GiB, bound 138.50). ~13-15 min: a
+#              start and one or two waits.
 #   exact524k  Qwen2.5-7B at one 524,288-token sequence, exact, --auto-fit off with segments of 6
 #              (every layer streamed): the plan expects 128.15 GiB of GPU (its bound, 144.19, is
 #              over the H200 by its margin; exact500k reserved 10.5 GiB under its first-step
@@ -278,6 +282,7 @@ PY
       timeout 240 python3 dev/host_update_probe.py --json "$work/results/host_update_probe.json"
       ;;
     exact500k) run exact500k qwen2.5-7b:499712 900 --streamed-init ;;
+    auto524k) run auto524k qwen2.5-7b:524288 1500 --streamed-init ;;
     exact524k)
       run exact524k qwen2.5-7b:524288 1000 --streamed-init --auto-fit off --resident-layers 0 \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6
