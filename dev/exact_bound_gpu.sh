@@ -59,6 +59,9 @@
 #              recompute (--chain-attention-outputs 5); base262k: the same without. ~4 min each.
 #   chaintest  tests/test_gpu.py's chain-attention, keep-attention and recompute tile-skip cases.
 #   paritytest tests/test_gpu_parity.py alone (lktests' second half).
+#   parityseeds the parity test's three families at seeds 1 and 2 (initial weights and data order),
+#              SDPA pinned to math: whether streamed's drift against stock has one sign over
+#              seeds (at 2defc34, seed 0: all three below stock, each inside its band). ~8 min.
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
@@ -185,6 +188,15 @@ item() {  # item <name>: one queue item
       timeout 420 python3 -m pytest tests/test_gpu_parity.py -o addopts="" -p no:cacheprovider \
         -q -s -rA 2>&1 | grep -aE "band|took over|differs|passed|failed|PASSED|FAILED|Error" \
         | grep -v "^{"
+      ;;
+    parityseeds)  # the parity test's runs at data-order/weight seeds 1 and 2 (math SDPA): the drift's sign
+      for seed in 1 2; do
+        for fam in llama gemma2 qwen3_moe; do
+          timeout 300 python3 benchmarks/loss_curves.py --family "$fam" --size small --seq-len 512 \
+            --steps 150 --bf16 --band-accums 2,4 --seed "$seed" --sdpa-backend math --no-plot \
+            --out "$work/results/seed$seed-$fam" 2>&1 | grep -aE "^  streamed|band_mean" | tail -2
+        done
+      done
       ;;
     old8b)  # long8b on the tree of $OLD_COMMIT, unpacked (git archive) into the carried .abold
       (cd .abold && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
