@@ -73,6 +73,8 @@ class Live(TorchDispatchMode):
         self.phase_start: dict[str, int] = {}
         self.phase_peak: dict[str, int] = {}
         self.square: dict[int, tuple] = {}
+        #: Above 0: the storages ops make are not counted (host memory on a GPU machine).
+        self.ignore = 0
 
     def _free(self, key: int) -> None:
         self.cur -= self.live.pop(key)
@@ -84,6 +86,8 @@ class Live(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.ignore:
+            return out
         for key, t in new_cpu_storages(args, kwargs, out, self.live):
             st = t.untyped_storage()
             self.live[key] = st.nbytes()
@@ -687,3 +691,74 @@ def test_plan_vs_measured_reads_the_validation_matrix():
         assert planned >= r["hbm_gib"], (r["tag"], r["model"], r["seq_len"])
     for kind, e in pvm.line_errors(rows).items():
         assert e["error"] <= ESTIMATE_ERRORS[kind], kind
+
+
+def _offloaded_segment_step(monkeypatch, keep: str, every: int) -> tuple[int, int, int]:
+    """(measured peak, planned, margin) of one streamed step with fp32 boundaries offloaded,
+    checkpoint segments of ``every``, MLP tiles and ``keep`` attention outputs, on this tracker;
+    offload's host copies are not counted (pinned host memory on a GPU machine)."""
+    from hf_megatrain.core.engine.activations import ActivationStash  # noqa: PLC0415
+    from hf_megatrain.hf.model import streamed_state  # noqa: PLC0415
+    from tests.helpers import tiny_config  # noqa: PLC0415
+
+    cfg = tiny_config(
+        "llama", num_hidden_layers=6, hidden_size=128, intermediate_size=256,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        max_position_embeddings=2 * JOINT_TOKENS,
+    )  # fmt: skip
+    options = dict(
+        offload_activations=True, checkpoint_every=every, mlp_tile_tokens=256,
+        keep_attention_outputs=keep,
+    )  # fmt: skip
+    model, shape = _streamed(cfg, **options)
+    # Tiny widths: offload (and let segments follow) every layer input, as at training sizes.
+    streamed_state(model).engine.offload_min_numel = 1
+    live = Live()
+    offload = ActivationStash.offload
+
+    def uncounted_offload(self, *a, **k):
+        live.ignore += 1
+        try:
+            return offload(self, *a, **k)
+        finally:
+            live.ignore -= 1
+
+    with monkeypatch.context() as m:
+        m.setattr(ActivationStash, "offload", uncounted_offload)
+        _step(model, JOINT_TOKENS, live)
+    step = StepShape(seq_len=JOINT_TOKENS, micro_batch_tokens=JOINT_TOKENS)
+    resolved = EngineOptions(
+        keep_activations="off", autocast_kernels=False, **options
+    ).resolve(clipping=True, cuda=True)  # fmt: skip
+    plan = plan_memory(shape, step, resolved, BF16, 1 << 50, 1 << 50, hbm_layers=0)
+    lines = [ln for ln in plan.gpu_lines if str(ln.kind) not in TRACKER_UNSEEN_KINDS]
+    planned = sum(ln.nbytes for ln in lines) + 4 * shape.non_layer_numel
+    return live.peak, planned, sum(int(ln.nbytes * ln.error) for ln in lines)
+
+
+JOINT_TOKENS = 2048
+
+
+def test_offloaded_segment_steps_stay_inside_the_joint_plan(monkeypatch):
+    """fp32 boundaries offloaded: a segment's backward holds the two offload buffers or its
+    chain's cached inputs (max(2, k - 1) layer inputs, never both) and the attention outputs kept
+    by layers up to it; the plan counts them at the largest segment's joint peak
+    (``activation_memory.segment_peak``). Each step stays within its plan plus margin; what
+    segments of 6 add over none (3 layer inputs held, 6 x 128 x 4 B per token) the plan adds
+    too, less than one input more (the sum the plan made before counted 5 more); what keeping
+    every layer's attention output adds the plan adds, at most 25% more (its 4 B per head of
+    log-sum-exp per token: a CPU kernel's is smaller)."""
+    unit = JOINT_TOKENS * 128 * 4  # one fp32 layer input
+    runs = {
+        (keep, every): _offloaded_segment_step(monkeypatch, keep, every)
+        for keep, every in (("all", 1), ("all", 6), ("off", 6), ("2", 4))
+    }
+    for key, (measured, planned, margin) in runs.items():
+        assert measured <= planned + margin, (key, measured, planned)
+    seg_measured = runs["all", 6][0] - runs["all", 1][0]
+    seg_planned = runs["all", 6][1] - runs["all", 1][1]
+    assert seg_measured == 3 * unit, seg_measured
+    assert 0 <= seg_planned - seg_measured < unit, (seg_measured, seg_planned)
+    kept_measured = runs["all", 6][0] - runs["off", 6][0]
+    kept_planned = runs["all", 6][1] - runs["off", 6][1]
+    assert 0 < kept_measured <= kept_planned <= 1.25 * kept_measured, (kept_measured, kept_planned)
