@@ -32,6 +32,11 @@
 #              picks exact options itself (tiles, offload, segments of 4, 5 HBM-tier layers, 5
 #              layers' attention outputs; expected 128.10 GiB, bound 138.50). ~13-15 min: a
 #              start and one or two waits.
+#   auto262k   Qwen2.5-7B at one 262,144-token sequence on the defaults: auto_fit's lightest exact
+#              set (tiles, offload, fp32-master streaming, no segments) leaves room for 21 HBM-tier
+#              layers and only 4 layers' attention outputs, where base262k's options (segments of
+#              6, every layer's outputs kept) ran 95.62 model TFLOP/s: the A/B of auto's choice.
+#              ~3 min.
 #   exact524k  Qwen2.5-7B at one 524,288-token sequence, exact, --auto-fit off with segments of 6
 #              (every layer streamed): the plan expects 128.15 GiB of GPU (its bound, 144.19, is
 #              over the H200 by its margin; exact500k reserved 10.5 GiB under its first-step
@@ -295,6 +300,7 @@ PY
       ;;
     exact500k) run exact500k qwen2.5-7b:499712 900 --streamed-init ;;
     auto524k) run auto524k qwen2.5-7b:524288 1500 --streamed-init ;;
+    auto262k) run auto262k qwen2.5-7b:262144 600 --streamed-init ;;
     exact524k)
       run exact524k qwen2.5-7b:524288 1000 --streamed-init --auto-fit off --resident-layers 0 \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6
