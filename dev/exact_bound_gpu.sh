@@ -28,15 +28,16 @@
 #              of 6, every layer streamed): the plan's GPU bound is 1.38 GiB over the H200's,
 #              only by its margin for measured errors (the upper bound: trains, or runs out of
 #              GPU memory with nothing for the watchdog to move). ~11 min if it trains.
-#   auto524k   Qwen2.5-7B at one 524,288-token sequence on the defaults: since af0cb86 the plan
-#              picks exact options itself (tiles, offload, segments of 4, 5 HBM-tier layers, 5
-#              layers' attention outputs; expected 128.10 GiB, bound 138.50). ~13-15 min: a
-#              start and one or two waits.
-#   auto262k   Qwen2.5-7B at one 262,144-token sequence on the defaults: auto_fit's lightest exact
-#              set (tiles, offload, fp32-master streaming, no segments) leaves room for 21 HBM-tier
-#              layers and only 4 layers' attention outputs, where base262k's options (segments of
-#              6, every layer's outputs kept) ran 95.62 model TFLOP/s: the A/B of auto's choice.
-#              ~3 min.
+#   auto524k   Qwen2.5-7B at one 524,288-token sequence on the defaults: the plan picks exact
+#              options itself (auto_fit's least recompute: tiles, offload, fp32-master streaming,
+#              segments of 6, 1 HBM-tier layer, 9 layers' attention outputs; expected 126.69 GiB).
+#              ~13-15 min: a start and one or two waits.
+#   auto262k   Qwen2.5-7B at one 262,144-token sequence on the defaults: auto_fit's least-recompute
+#              set (tiles, offload, segments of 2, 8 HBM-tier layers, every layer's attention
+#              outputs) against base262k's options (segments of 6, no tier: 95.62 model TFLOP/s).
+#              The lightest set (no segments, 21 tier layers, 4 layers' outputs) is
+#              `--checkpoint-every 1 --mlp-tile-tokens 16384 --offload-activations
+#              --stream-fp32-master --hbm-cast-weights --auto-fit off` (item light262k). ~3 min each.
 #   exact524k  Qwen2.5-7B at one 524,288-token sequence, exact, --auto-fit off with segments of 6
 #              (every layer streamed): the plan expects 128.15 GiB of GPU (its bound, 144.19, is
 #              over the H200 by its margin; exact500k reserved 10.5 GiB under its first-step
@@ -301,6 +302,8 @@ PY
     exact500k) run exact500k qwen2.5-7b:499712 900 --streamed-init ;;
     auto524k) run auto524k qwen2.5-7b:524288 1500 --streamed-init ;;
     auto262k) run auto262k qwen2.5-7b:262144 600 --streamed-init ;;
+    light262k) run light262k qwen2.5-7b:262144 600 --streamed-init --mlp-tile-tokens 16384 \
+      --offload-activations --stream-fp32-master --hbm-cast-weights --auto-fit off ;;
     exact524k)
       run exact524k qwen2.5-7b:524288 1000 --streamed-init --auto-fit off --resident-layers 0 \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6

@@ -25,6 +25,8 @@ from hf_megatrain.core.planner import (
     margin_only_advice,
     margin_only_options,
     plan_memory,
+    plan_with_auto_fit,
+    recompute_flops,
 )
 from hf_megatrain.hf.model import model_shape_from_config
 
@@ -207,9 +209,12 @@ def test_builder_refuses_a_step_that_fits_with_no_exact_option(monkeypatch, capl
     assert "may run out of GPU memory" not in caplog.text
 
 
-def test_builder_turns_on_the_lightest_exact_options_that_fit(monkeypatch, caplog):
+def test_builder_turns_on_the_fastest_exact_options_that_fit(monkeypatch, caplog):
     """A step that does not fit as asked but does with exact options: the builder turns on the
-    lightest such set (the planner's own advice), logs it, and plans with it."""
+    set auto_fit picks (of those that fit, the one with the least recompute; the lightest among
+    near-equals), logs it, and plans with it. At 262,144 tokens that keeps every layer's
+    attention output, where the lightest set (the planner's advice) kept fewer and recomputed
+    the rest: more recompute."""
     import logging  # noqa: PLC0415
 
     from hf_megatrain.core import builder  # noqa: PLC0415
@@ -224,8 +229,14 @@ def test_builder_turns_on_the_lightest_exact_options_that_fit(monkeypatch, caplo
         n_hbm, plan = _builder_plan(monkeypatch, shape, asked, step)
     assert plan.fits and "turning on" in caplog.text
     fitted = plan.options
-    expected = fitting_options(as_asked, asked.resolve(clipping=True, cuda=True), hbm_layers=0)
-    assert expected is not None and fitted.options == expected.options
+    resolved = asked.resolve(clipping=True, cuda=True)
+    auto, _ = plan_with_auto_fit(shape, step, resolved, BF16, HBM, HOST, hbm_layers=0)
+    assert fitted.options == auto.options.options
+    lightest = fitting_options(as_asked, resolved, hbm_layers=0)
+    assert lightest is not None and lightest.options != fitted.options
+    light = plan_memory(shape, step, lightest, BF16, HBM, HOST, hbm_layers=0)
+    assert recompute_flops(plan) < recompute_flops(light)
+    assert plan.attention_layers > light.attention_layers
     assert fitted.boundary_dtype is None and fitted.clipping  # exact: nothing approximate
     assert fitted.options.changed(asked)  # something was turned on
     assert set(fitted.options.changed(asked)) <= {

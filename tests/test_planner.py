@@ -679,3 +679,35 @@ def test_router_layers_are_those_with_experts():
     shape = model_shape_from_config(cfg, "qwen2-moe")
     assert shape.router_aux_loss and shape.fused_loss
     assert (shape.router_layers, shape.num_experts, shape.experts_per_token) == (2, 8, 2)
+
+
+@pytest.mark.parametrize(
+    ("kept", "every", "chain", "units"),
+    # (dense, attention) forwards beyond one forward and backward, worked by hand for 4 layers:
+    [
+        ("off", 1, 0, (4, 4)),  # each layer recomputed, attention too
+        ("off", 2, 0, (6, 6)),  # + each segment's chain: layers 0 and 2 once more
+        ("2", 2, 0, (6, 3)),  # layers 2-3 keep outputs: their recompute and layer 2's chain
+        ("all", 2, 0, (6, 0)),  # skip the kernel
+        ("off", 2, 1, (6, 4)),  # the chain keeps layers 0 and 2's: their recompute skips it
+    ],
+)
+def test_recompute_flops_counts_what_the_step_runs_again(kept, every, chain, units):
+    """``recompute_flops``, auto_fit's speed model: the dense forward (2 x tokens x parameters)
+    of every recomputed layer and chain layer, and causal attention's (2 x tokens x sequence x
+    heads x head_dim) where no kept output spares the kernel."""
+    from hf_megatrain.core.planner import recompute_flops
+
+    n, t = 1000, 1024
+    shape = ModelShape(
+        layer_numels=(n,) * 4, non_layer_numel=1000, hidden_size=64, vocab_size=100,
+        intermediate_size=128, kv_size=32, head_dim=16, num_heads=4,
+    )  # fmt: skip
+    step = StepShape(seq_len=t, micro_batch_tokens=t)
+    o = EngineOptions(
+        keep_attention_outputs=kept, keep_activations="off", checkpoint_every=every,
+        chain_attention_outputs=chain,
+    ).resolve(clipping=True, cuda=True)  # fmt: skip
+    plan = plan_memory(shape, step, o, BF16, 8 * GIB, 8 * GIB, hbm_layers=0)
+    dense, attention = 2.0 * t * n, 2.0 * t * t * 64
+    assert recompute_flops(plan) == units[0] * dense + units[1] * attention

@@ -279,10 +279,10 @@ class EngineOptions:
         default="exact",
         metadata=_help(
             """When the memory plan of the step (known on a GPU with a known row length) does
-            not fit: 'exact' (default) turns on the lightest set of exact memory options that
-            makes it fit (MLP tiles, hbm_cast_weights, activation offload, fp32-master
-            streaming, checkpoint segments; the same results, some more time) and logs what it
-            chose; 'approximate' may also save boundary activations rounded to bf16; 'off'
+            not fit: 'exact' (default) turns on the set of exact memory options that makes it
+            fit with the least recompute (MLP tiles, hbm_cast_weights, activation offload,
+            fp32-master streaming, checkpoint segments; the same results, some more time; the
+            lightest of near-equals) and logs what it chose; 'approximate' may also save boundary activations rounded to bf16; 'off'
             trains with the options as given (warning that it may run out of memory). When
             nothing allowed fits, the run is refused before anything is allocated, with what
             would fit.""",

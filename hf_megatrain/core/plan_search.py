@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .memory_options import BF16_BOUNDARIES, MemoryOptions, lightest_fit
+from .memory_options import BF16_BOUNDARIES, MemoryOptions, candidates, lightest_fit
 from .options import ALL_LAYERS, ResolvedOptions, StepShape
 from .plan_arithmetic import (
     DEFAULT_HOST_MARGIN,
@@ -385,6 +385,55 @@ def add_margin_only_advice(plan: MemoryPlan, options: ResolvedOptions, **where: 
         plan.problems[0].extend(margin_only_advice(found, options))
 
 
+def recompute_flops(plan: MemoryPlan) -> float:
+    """The layer FLOPs a planned step runs beyond one forward and one backward: each recomputed
+    layer's forward again in backward (the attention kernel not, where its outputs are kept) and
+    each checkpoint segment's chain (its layers but the last, forward again; the kernel not
+    where the forward or the chain keeps its outputs). Dense layer FLOPs 2 x tokens x
+    parameters, causal attention's 2 x tokens x sequence x heads x head_dim (``auto_fit``'s
+    speed model: at the lengths it acts, the step is bound by the GPU's compute). The MLP tiles'
+    recompute skip (``tiling``) is not counted: it holds for some families only."""
+    step, shape, options = plan.step, plan.shape, plan.options
+    if step is None:
+        return 0.0
+    t, s = step.micro_batch_tokens, step.seq_len
+    h = shape.hidden_size
+    q = (shape.num_heads * shape.head_dim) if shape.num_heads and shape.head_dim else h
+    attention = 2.0 * t * s * q
+    kept = set(plan.kept_layer_indices)
+    kept_outputs = set(plan.attention_layer_indices)
+    k = max(1, options.checkpoint_every)
+    chain = options.chain_attention_layers
+    total = 0.0
+    for i_layer, numel in enumerate(shape.layer_numels):
+        if i_layer in kept:
+            continue
+        dense = 2.0 * t * numel
+        total += dense
+        total += 0.0 if i_layer in kept_outputs else attention
+        first = i_layer - i_layer % k
+        last = min(first + k, shape.num_layers) - 1
+        if k > 1 and i_layer < last:  # a chain layer
+            chain_kept = i_layer >= last - chain
+            total += dense + (0.0 if i_layer in kept_outputs or chain_kept else attention)
+    return total
+
+
+#: Option sets within this fraction of the least recompute are equal to ``auto_fit``: the
+#: lightest of them (``MemoryOptions.cost``) is taken.
+RECOMPUTE_TIE = 0.02
+
+
+def _fastest_fit(plans: list[MemoryPlan]) -> MemoryPlan:
+    """Of fitting plans, lightest first: the lightest whose recompute is within
+    ``RECOMPUTE_TIE`` of the least (of one forward and backward's FLOPs)."""
+    flops = [recompute_flops(p) for p in plans]
+    step = plans[0].step
+    scale = 6.0 * step.micro_batch_tokens * sum(plans[0].shape.layer_numels) if step else 1.0
+    least = min(flops)
+    return next(p for p, f in zip(plans, flops) if f - least <= RECOMPUTE_TIE * scale)
+
+
 def plan_with_auto_fit(
     shape: ModelShape,
     step: StepShape | None,
@@ -402,10 +451,32 @@ def plan_with_auto_fit(
     plan = plan_memory(shape, step, options, compute_dtype, hbm_bytes, host_bytes, **where)
     if step is None or plan.fits or options.auto_fit == "off":
         return plan, None
-    fitted = fitting_options(plan, options, approximate=options.auto_fit == "approximate", **where)
+    approximate = options.auto_fit == "approximate"
+    fitted = fitting_options(plan, options, approximate=approximate, **where)
     if fitted is None:
         return plan, None
-    return plan_memory(shape, step, fitted, compute_dtype, hbm_bytes, host_bytes, **where), plan
+    # Every fitting set, lightest first; the one with the least recompute runs (within a tie).
+    base, lightest = MemoryOptions.of(options), MemoryOptions.of(fitted)
+    args = dict(
+        hbm_layers=None, reserve_bytes=0, input_model_bytes=0, ranks=1,
+        host_margin_bytes=DEFAULT_HOST_MARGIN,
+    ) | where  # fmt: skip
+    fits = []
+    for o in candidates(base, step.micro_batch_tokens):
+        allowed = o.no_clip == base.no_clip and (
+            approximate or o.boundary_dtype == base.boundary_dtype
+        )
+        if not allowed or o.cost(base) < lightest.cost(base):  # (lighter ones do not fit)
+            continue
+        applied = o.applied(options)
+        trial = _plan(
+            shape, step, applied, compute_dtype, hbm_bytes, host_bytes,
+            keep=applied.keep_activation_layers, advise=False, **args,
+        )  # fmt: skip
+        if trial.fits:
+            fits.append(trial)
+    chosen = _fastest_fit(fits).options
+    return plan_memory(shape, step, chosen, compute_dtype, hbm_bytes, host_bytes, **where), plan
 
 
 def longest_auto_fit_row(
@@ -423,12 +494,14 @@ def longest_auto_fit_row(
     accumulation kept) that fits with what ``options.auto_fit`` may turn on; 0 if none."""
     rows = max(1, step.micro_batch_tokens // step.seq_len)
 
-    def fits(k: int) -> bool:
+    def fits(k: int) -> bool:  # (whether some allowed set fits; which one runs does not matter)
         seq = k * multiple
         trial = StepShape(seq, seq * rows, step.grad_accum)
-        return plan_with_auto_fit(
-            shape, trial, options, compute_dtype, hbm_bytes, host_bytes, **where
-        )[0].fits
+        plan = plan_memory(shape, trial, options, compute_dtype, hbm_bytes, host_bytes, **where)
+        if plan.fits or options.auto_fit == "off":
+            return plan.fits
+        approximate = options.auto_fit == "approximate"
+        return fitting_options(plan, options, approximate=approximate, **where) is not None
 
     return _largest(fits, max(1, step.seq_len // multiple)) * multiple
 
@@ -598,4 +671,5 @@ __all__ = [
     "max_seq_len",
     "plan_memory",
     "plan_with_auto_fit",
+    "recompute_flops",
 ]

@@ -60,6 +60,7 @@ from .plan_search import (
     max_seq_len,
     plan_memory,
     plan_with_auto_fit,
+    recompute_flops,
 )
 from .plan_types import (
     FIELD_NAMER,
@@ -117,6 +118,7 @@ __all__ = [
     "parse_attention_layers",
     "plan_memory",
     "plan_with_auto_fit",
+    "recompute_flops",
     "saved_boundary_layers",
     "segment_advice",
     "segment_cache_layers",
