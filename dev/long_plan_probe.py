@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
-from tests.helpers import new_cpu_storages  # noqa: E402 - the plan accuracy tests' intake
+from tests.helpers import new_cpu_storages, offload_uncounted  # noqa: E402 - shared with the tests
 
 BF16 = torch.bfloat16
 
@@ -308,18 +308,7 @@ def label_hooks(model, live: Live):
     sl._StreamedLayerFunction.backward = staticmethod(backward)
 
     # Offload's host buffers (pinned host RAM on the GPU): not device memory.
-    from hf_megatrain.core.engine.activations import ActivationStash
-
-    orig_offload = ActivationStash.offload
-
-    def offload(self, *a, **k):
-        live.ignore += 1
-        try:
-            return orig_offload(self, *a, **k)
-        finally:
-            live.ignore -= 1
-
-    ActivationStash.offload = offload
+    offload_uncounted(live).__enter__()
     return state
 
 

@@ -439,6 +439,32 @@ def assert_logs_match(stock: list[dict], mega: list[dict], rel: float = 1e-5) ->
         assert b["learning_rate"] == a["learning_rate"], f"learning_rate at step {step}"
 
 
+def offload_uncounted(tracker) -> contextlib.AbstractContextManager:
+    """While active, what activation offload allocates (its host copies: pinned host memory on a
+    GPU machine, not device memory) is not counted by ``tracker``, a live-tensor tracker that
+    skips the storages ops make while its ``ignore`` is above 0."""
+    from hf_megatrain.core.engine.activations import ActivationStash  # noqa: PLC0415
+
+    offload = ActivationStash.offload
+
+    def uncounted(self, *a, **k):
+        tracker.ignore += 1
+        try:
+            return offload(self, *a, **k)
+        finally:
+            tracker.ignore -= 1
+
+    @contextlib.contextmanager
+    def patched():
+        ActivationStash.offload = uncounted
+        try:
+            yield
+        finally:
+            ActivationStash.offload = offload
+
+    return patched()
+
+
 def new_cpu_storages(args, kwargs, out, known) -> list[tuple[int, torch.Tensor]]:
     """``(storage key, tensor)`` for each CPU storage an op's outputs hold that is new: not one of
     its inputs', not already in ``known``, not empty (a live-tensor tracker's intake)."""

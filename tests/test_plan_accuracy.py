@@ -693,13 +693,12 @@ def test_plan_vs_measured_reads_the_validation_matrix():
         assert e["error"] <= ESTIMATE_ERRORS[kind], kind
 
 
-def _offloaded_segment_step(monkeypatch, keep: str, every: int) -> tuple[int, int, int]:
+def _offloaded_segment_step(keep: str, every: int) -> tuple[int, int, int]:
     """(measured peak, planned, margin) of one streamed step with fp32 boundaries offloaded,
     checkpoint segments of ``every``, MLP tiles and ``keep`` attention outputs, on this tracker;
     offload's host copies are not counted (pinned host memory on a GPU machine)."""
-    from hf_megatrain.core.engine.activations import ActivationStash  # noqa: PLC0415
     from hf_megatrain.hf.model import streamed_state  # noqa: PLC0415
-    from tests.helpers import tiny_config  # noqa: PLC0415
+    from tests.helpers import offload_uncounted, tiny_config  # noqa: PLC0415
 
     cfg = tiny_config(
         "llama", num_hidden_layers=6, hidden_size=128, intermediate_size=256,
@@ -714,17 +713,7 @@ def _offloaded_segment_step(monkeypatch, keep: str, every: int) -> tuple[int, in
     # Tiny widths: offload (and let segments follow) every layer input, as at training sizes.
     streamed_state(model).engine.offload_min_numel = 1
     live = Live()
-    offload = ActivationStash.offload
-
-    def uncounted_offload(self, *a, **k):
-        live.ignore += 1
-        try:
-            return offload(self, *a, **k)
-        finally:
-            live.ignore -= 1
-
-    with monkeypatch.context() as m:
-        m.setattr(ActivationStash, "offload", uncounted_offload)
+    with offload_uncounted(live):
         _step(model, JOINT_TOKENS, live)
     step = StepShape(seq_len=JOINT_TOKENS, micro_batch_tokens=JOINT_TOKENS)
     resolved = EngineOptions(
@@ -739,7 +728,7 @@ def _offloaded_segment_step(monkeypatch, keep: str, every: int) -> tuple[int, in
 JOINT_TOKENS = 2048
 
 
-def test_offloaded_segment_steps_stay_inside_the_joint_plan(monkeypatch):
+def test_offloaded_segment_steps_stay_inside_the_joint_plan():
     """fp32 boundaries offloaded: a segment's backward holds the two offload buffers or its
     chain's cached inputs (max(2, k - 1) layer inputs, never both) and the attention outputs kept
     by layers up to it; the plan counts them at the largest segment's joint peak
@@ -750,7 +739,7 @@ def test_offloaded_segment_steps_stay_inside_the_joint_plan(monkeypatch):
     log-sum-exp per token: a CPU kernel's is smaller)."""
     unit = JOINT_TOKENS * 128 * 4  # one fp32 layer input
     runs = {
-        (keep, every): _offloaded_segment_step(monkeypatch, keep, every)
+        (keep, every): _offloaded_segment_step(keep, every)
         for keep, every in (("all", 1), ("all", 6), ("off", 6), ("2", 4))
     }
     for key, (measured, planned, margin) in runs.items():
