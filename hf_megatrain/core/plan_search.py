@@ -475,7 +475,7 @@ def plan_with_auto_fit(
         )  # fmt: skip
         if trial.fits:
             fits.append(trial)
-    chosen = _fastest_fit(fits).options
+    chosen = _fastest_fit(fits).options if fits else fitted
     return plan_memory(shape, step, chosen, compute_dtype, hbm_bytes, host_bytes, **where), plan
 
 
