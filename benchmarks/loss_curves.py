@@ -281,6 +281,12 @@ def train_run(
     return log.losses
 
 
+def first_differing_step(run: list[float], ref: list[float]) -> int | None:
+    """The first step (1-based) whose loss differs at all between two runs (None: bitwise
+    equal over their common steps)."""
+    return next((i + 1 for i, (x, y) in enumerate(zip(run, ref)) if x != y), None)
+
+
 def rel_diff(run: list[float], ref: list[float]) -> list[float]:
     """Signed relative difference per step: run / ref - 1."""
     return [a / b - 1.0 for a, b in zip(run, ref)]

@@ -23,48 +23,36 @@ import argparse
 import json
 import sys
 import time
-import weakref
 from collections import Counter, defaultdict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
-from tests.helpers import new_cpu_storages, offload_uncounted  # noqa: E402 - shared with the tests
+from tests.helpers import LiveStorages, offload_uncounted  # noqa: E402 - shared with the tests
 
 BF16 = torch.bfloat16
 
 
 # ---- live-tensor tracker (tests/test_plan_accuracy.py's Live, with metadata) ----------------------
-class Live(TorchDispatchMode):
+class Live(LiveStorages):
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, int] = {}
         self.meta: dict[int, tuple] = {}
-        self.cur = self.peak = 0
         self.label = "start"
         self.peak_label = ""
         self.peak_snapshot: dict[int, tuple] = {}
         self.phase_peak: dict[str, int] = {}
         self.phase_order: list[str] = []
-        self.ignore = 0
         self.phase_snap: dict[str, tuple] = {}
 
-    def _free(self, key: int) -> None:
-        self.cur -= self.live.pop(key)
+    def on_new(self, key: int, t: torch.Tensor, func) -> None:
+        self.meta[key] = (tuple(t.shape), t.dtype, str(func.__name__), self.label)
+
+    def forget(self, key: int) -> None:
         self.meta.pop(key, None)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.ignore:
-            return out
-        for key, t in new_cpu_storages(args, kwargs, out, self.live):
-            st = t.untyped_storage()
-            self.live[key] = st.nbytes()
-            self.meta[key] = (tuple(t.shape), t.dtype, str(func.__name__), self.label)
-            self.cur += st.nbytes()
-            weakref.finalize(st, self._free, key)
+    def after_op(self) -> None:
         if self.cur > self.peak:
             self.peak = self.cur
             self.peak_label = self.label
@@ -75,7 +63,6 @@ class Live(TorchDispatchMode):
         if self.cur > self.phase_peak.get(self.label, -1):
             self.phase_peak[self.label] = self.cur
             self.phase_snap[self.label] = (dict(self.meta), dict(self.live))
-        return out
 
 
 LIVE: Live | None = None

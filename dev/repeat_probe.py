@@ -30,7 +30,7 @@ from benchmarks import loss_curves as lc  # noqa: E402
 
 def first_difference(a: list[float], b: list[float]) -> dict:
     diffs = [abs(x / y - 1.0) for x, y in zip(a, b)]
-    first = next((i + 1 for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    first = lc.first_differing_step(a, b)
     return {"first_step": first, "max_rel": max(diffs), "equal": first is None}
 
 

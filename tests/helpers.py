@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import weakref
 from pathlib import Path
 
 import torch
@@ -437,6 +438,45 @@ def assert_logs_match(stock: list[dict], mega: list[dict], rel: float = 1e-5) ->
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel), f"grad_norm at {step}"
         # The LR comes from the same scheduler reading the same step count: exactly equal.
         assert b["learning_rate"] == a["learning_rate"], f"learning_rate at step {step}"
+
+
+class LiveStorages(TorchDispatchMode):
+    """A live-tensor tracker: the bytes of the CPU storages ops make while it is active (not
+    views of storages made before), until each is freed, and their peak. Subclasses add what
+    they keep per storage (``on_new``, ``forget``) and per op (``after_op``). While ``ignore``
+    is above 0 nothing is counted (``offload_uncounted``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.cur = self.peak = 0
+        self.ignore = 0
+
+    def on_new(self, key: int, t: torch.Tensor, func) -> None:
+        """A new storage, ``t`` its tensor, ``func`` the op that made it."""
+
+    def forget(self, key: int) -> None:
+        """Storage ``key`` was freed."""
+
+    def after_op(self) -> None:
+        self.peak = max(self.peak, self.cur)
+
+    def _free(self, key: int) -> None:
+        self.cur -= self.live.pop(key)
+        self.forget(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.ignore:
+            return out
+        for key, t in new_cpu_storages(args, kwargs, out, self.live):
+            st = t.untyped_storage()
+            self.live[key] = st.nbytes()
+            self.cur += st.nbytes()
+            self.on_new(key, t, func)
+            weakref.finalize(st, self._free, key)
+        self.after_op()
+        return out
 
 
 def offload_uncounted(tracker) -> contextlib.AbstractContextManager:

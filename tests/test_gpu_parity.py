@@ -138,5 +138,5 @@ def test_streamed_bf16_repeats_bitwise(tmp_path):
         config, runs, steps=STEPS, seq_len=SEQ, bf16=True, cpu=False, out_dir=tmp_path, sdpa=SDPA
     )
     a, b = losses["streamed-a"], losses["streamed-b"]
-    first = next((i + 1 for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    first = lc.first_differing_step(a, b)
     assert len(a) == STEPS and first is None, f"the second run first differs at step {first}"

@@ -27,13 +27,11 @@ What these measurements say about the plan (``hf_megatrain/core/activation_memor
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
 
 import hf_megatrain.core.chunked_loss as chunked_loss
@@ -52,7 +50,7 @@ from hf_megatrain.hf.model import (
     prepare_streamed_model,
 )
 
-from .helpers import new_cpu_storages
+from .helpers import LiveStorages
 
 BF16 = torch.bfloat16
 #: Widths none of which equals a token count below, so every tensor's role shows in its shape.
@@ -61,44 +59,32 @@ WIDTHS = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4,
               max_position_embeddings=4096)  # fmt: skip
 
 
-class Live(TorchDispatchMode):
+class Live(LiveStorages):
     """Live bytes of the storages ops make (not views of storages made before), their peak, and
     the peak and starting bytes of each labelled phase."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, int] = {}
-        self.cur = self.peak = 0
         self.label = ""
         self.phase_start: dict[str, int] = {}
         self.phase_peak: dict[str, int] = {}
         self.square: dict[int, tuple] = {}
-        #: Above 0: the storages ops make are not counted (host memory on a GPU machine).
-        self.ignore = 0
-
-    def _free(self, key: int) -> None:
-        self.cur -= self.live.pop(key)
-        self.square.pop(key, None)
 
     def enter(self, label: str) -> None:
         self.label = label
         self.phase_start.setdefault(label, self.cur)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.ignore:
-            return out
-        for key, t in new_cpu_storages(args, kwargs, out, self.live):
-            st = t.untyped_storage()
-            self.live[key] = st.nbytes()
-            self.cur += st.nbytes()
-            if t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 128:
-                self.square[key] = (tuple(t.shape), t.dtype)
-            weakref.finalize(st, self._free, key)
-        self.peak = max(self.peak, self.cur)
+    def on_new(self, key: int, t: torch.Tensor, func) -> None:
+        if t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 128:
+            self.square[key] = (tuple(t.shape), t.dtype)
+
+    def forget(self, key: int) -> None:
+        self.square.pop(key, None)
+
+    def after_op(self) -> None:
+        super().after_op()
         if self.label:
             self.phase_peak[self.label] = max(self.phase_peak.get(self.label, 0), self.cur)
-        return out
 
 
 def _cuda_fp32_gemm(acc, a, b):

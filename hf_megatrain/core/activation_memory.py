@@ -418,13 +418,6 @@ def _working_set_line(
     )
 
 
-def kept_output_working_set_saving(shape: ModelShape, t: int, tile: int) -> int:
-    """How much smaller the working-set line is where the recomputing layer keeps its
-    attention output (``KEPT_OUTPUT_TILED_*``)."""
-    full = _working_set_line(shape, t, tile).nbytes
-    return full - _working_set_line(shape, t, tile, keeps_attention_output=True).nbytes
-
-
 def tiled_weight_grad_line(shape: ModelShape, dtype: torch.dtype) -> MemoryLine:
     """The tiled MLP's weight gradients during a layer's backward: the fp32 sums over the tiles
     and one tile's gradients in the compute dtype (``tiling``: bf16 tile gradients are summed in
@@ -983,10 +976,17 @@ def activation_lines(
     cast_back = 4 if b < 4 else 0
     per_token = attention_output_bytes_per_token(shape, dtype)
     chain_layers = options.chain_attention_layers if shape.sdpa_attention else 0
+    # A layer's backward working set (layers keeping activations: the earlier, summed
+    # calibration, see the loss's lines), and where the layer keeps its attention output.
+    work = _working_set_line(shape, t, options.mlp_tile_tokens, not len(kept_layers))
     joint = None
     if options.offload_activations and not cast_back and not len(kept_layers):
-        saving = kept_output_working_set_saving(shape, t, options.mlp_tile_tokens) // max(t, 1)
+        work_kept = _working_set_line(
+            shape, t, options.mlp_tile_tokens, keeps_attention_output=True
+        )
+        saving = (work.nbytes - work_kept.nbytes) // max(t, 1)
         joint = segment_peak(shape, options, attention_layers, chain_layers, per_token, saving)
+        work = work_kept if joint.last_keeps_output else work
     if joint is not None:
         lines += joint_peak_lines(joint, t, h, per_token)
     elif not options.offload_activations:
@@ -1065,11 +1065,6 @@ def activation_lines(
                 ATTENTION_OUTPUTS_KIND,
             )
         )
-    # Layers keeping activations: the earlier, summed calibration (see the loss's lines).
-    work = _working_set_line(
-        shape, t, options.mlp_tile_tokens, not len(kept_layers),
-        keeps_attention_output=joint is not None and joint.last_keeps_output,
-    )  # fmt: skip
     lines.append(work)
     if 0 < options.mlp_tile_tokens < t and not shape.experts_per_token:
         weight_grads = tiled_weight_grad_line(shape, dtype)

@@ -282,8 +282,9 @@ class EngineOptions:
             not fit: 'exact' (default) turns on the set of exact memory options that makes it
             fit with the least recompute (MLP tiles, hbm_cast_weights, activation offload,
             fp32-master streaming, checkpoint segments; the same results, some more time; the
-            lightest of near-equals) and logs what it chose; 'approximate' may also save boundary activations rounded to bf16; 'off'
-            trains with the options as given (warning that it may run out of memory). When
+            lightest of near-equals) and logs what it chose; 'approximate' may also save
+            boundary activations rounded to bf16; 'off' trains with the options as given
+            (warning that it may run out of memory). When
             nothing allowed fits, the run is refused before anything is allocated, with what
             would fit.""",
             choices=AUTO_FIT_MODES,

@@ -198,11 +198,13 @@ class KeptAttention:
         return _Replay(self, consume=False)
 
 
-class _Capture(TorchDispatchMode):
+class _KernelMode(TorchDispatchMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True  # compiled layer kernels run as compiled, as under torch's own SAC modes
 
+
+class _Capture(_KernelMode):
     def __init__(self, kept: KeptAttention) -> None:
         super().__init__()
         self.kept = kept
@@ -214,11 +216,7 @@ class _Capture(TorchDispatchMode):
         return out
 
 
-class _Replay(TorchDispatchMode):
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # compiled layer kernels run as compiled, as under torch's own SAC modes
-
+class _Replay(_KernelMode):
     def __init__(self, kept: KeptAttention, consume: bool) -> None:
         super().__init__()
         self.kept = kept
