@@ -240,6 +240,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         plan, as_asked = plan_with_auto_fit(shape, step, options, dtype, hbm, host, ranks=nproc)
     except ValueError as e:
         raise CLIError(_flag_message(str(e).removeprefix("hf_megatrain: "))) from None
+    asked = options  # ("what fits" below: with what auto_fit may turn on, as training would)
     if as_asked is not None:
         said.append(
             f"auto_fit {options.auto_fit}: the step does not fit with the options as given; "
@@ -252,13 +253,18 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"plan": plan}
     if ns.search:
         ga = step.grad_accum
-        seqs = max_micro_batch_sequences(shape, step.seq_len, ga, options, dtype, hbm, host, nproc)
-        longest = max_seq_len(search_shape, ga, options, dtype, hbm, host, nproc)
-        n_layers = max_num_layers(shape, step, options, dtype, hbm, host, nproc)
+        auto = asked.auto_fit != "off"
+        seqs = max_micro_batch_sequences(
+            shape, step.seq_len, ga, asked, dtype, hbm, host, nproc, allow_auto_fit=auto
+        )
+        longest = max_seq_len(search_shape, ga, asked, dtype, hbm, host, nproc, allow_auto_fit=auto)
+        n_layers = max_num_layers(shape, step, asked, dtype, hbm, host, nproc, allow_auto_fit=auto)
         result.update(max_sequences=seqs, max_seq_len=longest, max_layers=n_layers)
         big = shape.with_num_layers(n_layers)
         say(
-            "\nwhat fits on this memory (same plan rules):\n"
+            "\nwhat fits on this memory (same plan rules"
+            + (f"; auto_fit {asked.auto_fit}: with the options it may turn on" if auto else "")
+            + "):\n"
             f"  tokens per step at seq {step.seq_len}, grad-accum {ga}: "
             + (
                 f"{seqs * step.seq_len * ga} ({seqs} sequence(s) per micro-batch)"

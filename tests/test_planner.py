@@ -29,6 +29,7 @@ from hf_megatrain.core.planner import (
     max_num_layers,
     max_seq_len,
     plan_memory,
+    plan_with_auto_fit,
 )
 from hf_megatrain.hf.model import model_shape_from_config
 
@@ -711,3 +712,25 @@ def test_recompute_flops_counts_what_the_step_runs_again(kept, every, chain, uni
     plan = plan_memory(shape, step, o, BF16, 8 * GIB, 8 * GIB, hbm_layers=0)
     dense, attention = 2.0 * t * n, 2.0 * t * t * 64
     assert recompute_flops(plan) == units[0] * dense + units[1] * attention
+
+
+def test_what_fits_searches_allow_what_auto_fit_turns_on(qwen1_5b):
+    """With ``allow_auto_fit`` (what ``plan`` reports while auto_fit is on) the searches answer
+    for the run a user would start: the longest sequence is one some allowed option set fits,
+    the next is one none fits, and it reaches past the options chosen for a shorter step."""
+    hbm, host = 40 * GIB, 64 * GIB
+    exact = opts()
+    longest = max_seq_len(qwen1_5b, 1, exact, BF16, hbm, host, allow_auto_fit=True)
+    plain = max_seq_len(qwen1_5b, 1, exact, BF16, hbm, host)
+    assert longest > plain > 0  # (tiles, offload, segments reach further than the defaults)
+
+    def planned(seq: int):
+        return plan_with_auto_fit(qwen1_5b, StepShape(seq, seq), exact, BF16, hbm, host)[0]
+
+    assert planned(longest).fits and not planned(longest + 1024).fits
+    # The options auto_fit picks for half that length reach less far than auto_fit does.
+    chosen = planned(longest // 2048 * 1024).options
+    assert max_seq_len(qwen1_5b, 1, chosen, BF16, hbm, host) <= longest
+    # auto_fit off: the plain search.
+    off = opts(auto_fit="off")
+    assert max_seq_len(qwen1_5b, 1, off, BF16, hbm, host, allow_auto_fit=True) == plain

@@ -322,19 +322,58 @@ def fitting_options(
     step = plan.step
     if step is None:
         return None
+    fits = _allowed_fit(
+        plan.shape, step, options, plan.compute_dtype, plan.hbm_available, plan.host_available,
+        approximate, **where,
+    )  # fmt: skip
+    found = lightest_fit(fits, MemoryOptions.of(options), step.micro_batch_tokens)
+    return None if found is None else found.applied(options)
+
+
+def _allowed_fit(
+    shape: ModelShape,
+    step: StepShape,
+    options: ResolvedOptions,
+    dtype: torch.dtype,
+    hbm: int,
+    host: int,
+    approximate: bool,
+    **where: int | None,
+) -> Callable[[MemoryOptions], bool]:
+    """Whether a memory option set over ``options`` is one auto_fit may turn on and fits."""
     base = MemoryOptions.of(options)
 
     def fits(o: MemoryOptions) -> bool:
         allowed = o.no_clip == base.no_clip and (
             approximate or o.boundary_dtype == base.boundary_dtype
         )
-        return allowed and _fits(
-            plan.shape, step, o.applied(options), plan.compute_dtype, plan.hbm_available,
-            plan.host_available, **where,
-        )  # fmt: skip
+        return allowed and _fits(shape, step, o.applied(options), dtype, hbm, host, **where)
 
-    found = lightest_fit(fits, base, step.micro_batch_tokens)
-    return None if found is None else found.applied(options)
+    return fits
+
+
+def fits_allowing_auto_fit(
+    shape: ModelShape,
+    step: StepShape,
+    options: ResolvedOptions,
+    dtype: torch.dtype,
+    hbm: int,
+    host: int,
+    ranks: int = 1,
+    **where: int | None,
+) -> bool:
+    """Whether the run fits as asked or with a set of memory options ``options.auto_fit`` may
+    turn on (which set does not matter: the heaviest are tried first, the likeliest to fit)."""
+    if _fits(shape, step, options, dtype, hbm, host, ranks, **where):
+        return True
+    if options.auto_fit == "off":
+        return False
+    fits = _allowed_fit(
+        shape, step, options, dtype, hbm, host, options.auto_fit == "approximate", ranks=ranks,
+        **where,
+    )  # fmt: skip
+    heaviest_first = reversed(candidates(MemoryOptions.of(options), step.micro_batch_tokens))
+    return any(fits(o) for o in heaviest_first)
 
 
 def margin_only_options(
@@ -497,11 +536,9 @@ def longest_auto_fit_row(
     def fits(k: int) -> bool:  # (whether some allowed set fits; which one runs does not matter)
         seq = k * multiple
         trial = StepShape(seq, seq * rows, step.grad_accum)
-        plan = plan_memory(shape, trial, options, compute_dtype, hbm_bytes, host_bytes, **where)
-        if plan.fits or options.auto_fit == "off":
-            return plan.fits
-        approximate = options.auto_fit == "approximate"
-        return fitting_options(plan, options, approximate=approximate, **where) is not None
+        return fits_allowing_auto_fit(
+            shape, trial, options, compute_dtype, hbm_bytes, host_bytes, **where
+        )
 
     return _largest(fits, max(1, step.seq_len // multiple)) * multiple
 
@@ -603,10 +640,13 @@ def max_micro_batch_sequences(
     ranks: int = 1,
     *,
     limit: int = 1 << 20,
+    allow_auto_fit: bool = False,
 ) -> int:
-    """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one)."""
+    """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one); with
+    ``allow_auto_fit``, with whatever options ``options.auto_fit`` may turn on."""
+    fits = fits_allowing_auto_fit if allow_auto_fit else _fits
     return _largest(
-        lambda m: _fits(
+        lambda m: fits(
             shape, StepShape(seq_len, m * seq_len, grad_accum), options, compute_dtype,
             hbm_bytes, host_bytes, ranks,
         ),
@@ -625,10 +665,13 @@ def max_seq_len(
     *,
     multiple: int = 1024,
     limit: int = 1 << 26,
+    allow_auto_fit: bool = False,
 ) -> int:
-    """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none."""
+    """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none;
+    ``allow_auto_fit``: as for :func:`max_micro_batch_sequences`."""
+    fits = fits_allowing_auto_fit if allow_auto_fit else _fits
     m = _largest(
-        lambda k: _fits(
+        lambda k: fits(
             shape, StepShape(k * multiple, k * multiple, grad_accum), options, compute_dtype,
             hbm_bytes, host_bytes, ranks,
         ),
@@ -647,10 +690,13 @@ def max_num_layers(
     ranks: int = 1,
     *,
     limit: int = 4096,
+    allow_auto_fit: bool = False,
 ) -> int:
-    """Most layers of this family's layer shape that fit (same widths, vocab, step)."""
+    """Most layers of this family's layer shape that fit (same widths, vocab, step);
+    ``allow_auto_fit``: as for :func:`max_micro_batch_sequences`."""
+    fits = fits_allowing_auto_fit if allow_auto_fit else _fits
     return _largest(
-        lambda n: _fits(
+        lambda n: fits(
             shape.with_num_layers(n), step, options, compute_dtype, hbm_bytes, host_bytes, ranks
         ),
         limit,
@@ -663,6 +709,7 @@ __all__ = [
     "SEGMENT_ADVICE_LENGTHS",
     "auto_fit_changes",
     "add_margin_only_advice",
+    "fits_allowing_auto_fit",
     "fitting_options",
     "margin_only_options",
     "longest_auto_fit_row",
