@@ -68,6 +68,11 @@
 #   parityseeds the parity test's three families at seeds 1 and 2 (initial weights and data order),
 #              SDPA pinned to math: whether streamed's drift against stock has one sign over
 #              seeds (at 2defc34, seed 0: all three below stock, each inside its band). ~8 min.
+#   seed1bisect the Llama of the parity test at seed 1 (math SDPA), where streamed left the band
+#              (2.78x band_mean at c670e18; seeds 0 and 2: 0.46x, 0.49x): a third batching twin
+#              (8 x 1) and streamed with one feature off at a time (Liger's kernels, the fused
+#              loss, autocast_kernels, bf16 gradient slots, the overlapped host update) and with
+#              every layer in HBM (nothing streamed): which one moves streamed back. ~4 min.
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
@@ -203,6 +208,14 @@ item() {  # item <name>: one queue item
             --out "$work/results/seed$seed-$fam" 2>&1 | grep -aE "^  streamed|band_mean" | tail -2
         done
       done
+      ;;
+    seed1bisect)
+      timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
+        --steps 150 --bf16 --band-accums 2,4,8 --seed 1 --sdpa-backend math --no-plot \
+        --out "$work/results/seed1bisect" --variant torchk:layer_kernels=torch \
+        --variant nofl:fused_loss=false --variant noak:autocast_kernels=false \
+        --variant nocompact:compact_host_grads=false --variant ovl:overlap_optimizer=false \
+        --variant hbm:resident_layers=6 2>&1 | grep -v '^DEBUG' | tail -12
       ;;
     old8b)  # long8b on the tree of $OLD_COMMIT, unpacked (git archive) into the carried .abold
       (cd .abold && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
