@@ -209,15 +209,11 @@ def plan_cell(
     resolved = options.resolve(clipping=True, cuda=True)
     step = StepShape.from_step(cell.seq_len, cell.seq_len)
     hbm, host = int(hbm_gib * planner.GIB), int(host_gib * planner.GIB)
-    plan = planner.plan_memory(shape, step, resolved, torch.bfloat16, hbm, host)
-    auto = getattr(options, "auto_fit", "off")
-    fitting = getattr(planner, "fitting_options", None)
-    if not plan.fits and fitting is not None and auto != "off":
-        found = fitting(plan, resolved, approximate=auto == "approximate")
-        if found is not None:
-            changed = found.options.changed(resolved.options)
-            cell.auto_fit = " ".join(flag_text(k, v) for k, v in changed.items())
-            plan = planner.plan_memory(shape, step, found, torch.bfloat16, hbm, host)
+    # What the trainer runs: the options as given, or those auto_fit picks when they do not fit.
+    plan, asked = planner.plan_with_auto_fit(shape, step, resolved, torch.bfloat16, hbm, host)
+    if asked is not None:
+        changed = planner.auto_fit_changes(plan, asked).options
+        cell.auto_fit = " ".join(flag_text(k, v) for k, v in changed.items())
     cell.params = shape.total_numel
     cell.fits = plan.fits
     cell.plan_hbm_gib = plan.gpu_total / planner.GIB
