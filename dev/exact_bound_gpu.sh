@@ -30,8 +30,9 @@
 #              GPU memory with nothing for the watchdog to move). ~11 min if it trains.
 #   auto524k   Qwen2.5-7B at one 524,288-token sequence on the defaults: the plan picks exact
 #              options itself (auto_fit's least recompute: tiles, offload, fp32-master streaming,
-#              segments of 6, 1 HBM-tier layer, 9 layers' attention outputs; expected 126.69 GiB).
-#              ~13-15 min: a start and one or two waits.
+#              segments of 6, 1 HBM-tier layer, 9 layers' attention outputs; expected 126.69 GiB;
+#              since 2026-12-04 also the chain keeping 1 layer's outputs). At c670e18 (no chain
+#              outputs): 561.6 s, 42.65 model TFLOP/s, 34.1% MFU. ~12 min: a start and a wait.
 #   auto262k   Qwen2.5-7B at one 262,144-token sequence on the defaults: auto_fit's least-recompute
 #              set (tiles, offload, segments of 2, 8 HBM-tier layers, every layer's attention
 #              outputs) against base262k's options (segments of 6, no tier: 95.62 model TFLOP/s).

@@ -254,6 +254,8 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.search:
         ga = step.grad_accum
         auto = asked.auto_fit != "off"
+        # (Seconds to a minute for big models with auto_fit: it plans each option set it allows.)
+        say("\nsearching what fits on this memory (--no-search skips this) ...")
         seqs = max_micro_batch_sequences(
             shape, step.seq_len, ga, asked, dtype, hbm, host, nproc, allow_auto_fit=auto
         )

@@ -21,6 +21,7 @@ from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import (
     GIB,
     MemoryPlanError,
+    auto_fit_changes,
     fitting_options,
     margin_only_advice,
     margin_only_options,
@@ -240,8 +241,50 @@ def test_builder_turns_on_the_fastest_exact_options_that_fit(monkeypatch, caplog
     assert fitted.boundary_dtype is None and fitted.clipping  # exact: nothing approximate
     assert fitted.options.changed(asked)  # something was turned on
     assert set(fitted.options.changed(asked)) <= {
-        "mlp_tile_tokens", "offload_activations", "stream_fp32_master", "checkpoint_every"
+        "mlp_tile_tokens", "offload_activations", "stream_fp32_master", "checkpoint_every",
+        "chain_attention_outputs",
     }  # fmt: skip
+
+
+def test_auto_fit_segments_keep_the_chain_outputs_that_cut_recompute():
+    """Segments auto_fit turns on (none asked for) also keep their chains' attention outputs:
+    the count with the least recompute that still fits (the same gradients). Checked against
+    every count planned on the same options; segments the user asked for keep the user's count,
+    and attention outside SDPA's fused kernels keeps none (nothing to keep)."""
+    shape = _shape("qwen2.5-7b")
+    seq = 393216
+    step = StepShape(seq_len=seq, micro_batch_tokens=seq)
+    where = dict(hbm_layers=0)
+
+    def auto(s, **asked):
+        resolved = EngineOptions(resident_layers="0", **asked).resolve(clipping=True, cuda=True)
+        return plan_with_auto_fit(s, step, resolved, BF16, HBM, HOST, **where)
+
+    plan, asked = auto(shape)
+    fitted = plan.options
+    assert asked is not None and plan.fits and fitted.checkpoint_every > 1
+    chain = fitted.options.chain_attention_outputs
+    assert 0 < chain < fitted.checkpoint_every
+    assert auto_fit_changes(plan, asked).options["chain_attention_outputs"] == chain
+    trials = [
+        plan_memory(
+            shape, step, fitted.resolved_again(fitted.options.with_(chain_attention_outputs=n)),
+            BF16, HBM, HOST, **where,
+        )
+        for n in range(fitted.checkpoint_every)
+    ]  # fmt: skip
+    least = min(recompute_flops(p) for p in trials if p.fits)
+    assert recompute_flops(plan) == least < recompute_flops(trials[0])
+    # Segments asked for and kept (auto_fit adds other options): no chain outputs added; a
+    # count asked for stays.
+    mine, _ = auto(shape, checkpoint_every=8)
+    assert mine.fits and mine.options.checkpoint_every == 8
+    assert mine.options.options.chain_attention_outputs == 0
+    two, _ = auto(shape, chain_attention_outputs=2)
+    assert two.options.options.chain_attention_outputs == 2
+    # Attention the fused kernels do not run: no chain outputs, none counted.
+    eager, _ = auto(replace(shape, sdpa_attention=False))
+    assert eager.options.options.chain_attention_outputs == 0
 
 
 def test_public_names():

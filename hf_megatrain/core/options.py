@@ -255,7 +255,8 @@ class EngineOptions:
             per head per token and kept layer. For long sequences, where attention dominates
             (at most checkpoint_every - 1 count). 0: off. Needs recompute_early_stop and inputs
             saved as they are (boundary_dtype input); attention outside PyTorch SDPA's fused
-            kernels is recomputed as before."""
+            kernels is recomputed as before. Where auto_fit turns on or lengthens segments and
+            this is 0, it picks the count (the least recompute that fits)."""
         ),
     )
     mlp_tile_tokens: int = field(
@@ -281,8 +282,9 @@ class EngineOptions:
             """When the memory plan of the step (known on a GPU with a known row length) does
             not fit: 'exact' (default) turns on the set of exact memory options that makes it
             fit with the least recompute (MLP tiles, hbm_cast_weights, activation offload,
-            fp32-master streaming, checkpoint segments; the same results, some more time; the
-            lightest of near-equals) and logs what it chose; 'approximate' may also save
+            fp32-master streaming, checkpoint segments and their chains' kept attention
+            outputs; the same results, some more time; the lightest of near-equals) and logs
+            what it chose; 'approximate' may also save
             boundary activations rounded to bf16; 'off' trains with the options as given
             (warning that it may run out of memory). When
             nothing allowed fits, the run is refused before anything is allocated, with what

@@ -442,7 +442,7 @@ def recompute_flops(plan: MemoryPlan) -> float:
     kept = set(plan.kept_layer_indices)
     kept_outputs = set(plan.attention_layer_indices)
     k = max(1, options.checkpoint_every)
-    chain = options.chain_attention_layers
+    chain = options.chain_attention_layers if shape.sdpa_attention else 0
     total = 0.0
     for i_layer, numel in enumerate(shape.layer_numels):
         if i_layer in kept:
@@ -514,8 +514,37 @@ def plan_with_auto_fit(
         )  # fmt: skip
         if trial.fits:
             fits.append(trial)
-    chosen = _fastest_fit(fits).options if fits else fitted
-    return plan_memory(shape, step, chosen, compute_dtype, hbm_bytes, host_bytes, **where), plan
+    chosen = _fastest_fit(fits) if fits else None
+    if chosen is not None and chosen.options.checkpoint_every != base.checkpoint_every:
+        chosen = _with_chain_outputs(chosen, lambda o: _plan(
+            shape, step, o, compute_dtype, hbm_bytes, host_bytes,
+            keep=o.keep_activation_layers, advise=False, **args,
+        ))  # fmt: skip
+    options_to_run = fitted if chosen is None else chosen.options
+    return plan_memory(
+        shape, step, options_to_run, compute_dtype, hbm_bytes, host_bytes, **where
+    ), plan
+
+
+def _with_chain_outputs(
+    chosen: MemoryPlan, replan: Callable[[ResolvedOptions], MemoryPlan]
+) -> MemoryPlan:
+    """Segments auto_fit turned on or lengthened: unless ``chain_attention_outputs`` is set,
+    their chains also keep the attention outputs of as many of their layers as cut the
+    recompute most while the step still fits (identical gradients; they may crowd out
+    forward-kept outputs, which save more each, so the count is chosen by ``recompute_flops``,
+    not the most that fit)."""
+    options = chosen.options
+    if options is None or not chosen.shape.sdpa_attention or options.chain_attention_outputs:
+        return chosen
+    best, least = chosen, recompute_flops(chosen)
+    for n in range(1, options.checkpoint_every):
+        trial = replan(options.resolved_again(options.options.with_(chain_attention_outputs=n)))
+        if trial.options is None or trial.options.chain_attention_layers != n:
+            break  # (the early-stop recompute off or inputs saved rounded: no chain outputs)
+        if trial.fits and recompute_flops(trial) < least:
+            best, least = trial, recompute_flops(trial)
+    return best
 
 
 def longest_auto_fit_row(
@@ -544,8 +573,15 @@ def longest_auto_fit_row(
 
 
 def auto_fit_changes(fitted: MemoryPlan, asked: MemoryPlan) -> OptionChanges:
-    """The memory options auto_fit turned on (``plan_with_auto_fit``'s two plans)."""
-    return MemoryOptions.of(fitted.options).changes(MemoryOptions.of(asked.options))
+    """The memory options auto_fit turned on (``plan_with_auto_fit``'s two plans), with the
+    segment chains' kept attention outputs where it chose some."""
+    changes = MemoryOptions.of(fitted.options).changes(MemoryOptions.of(asked.options))
+    chain = fitted.options.options.chain_attention_outputs
+    if chain == asked.options.options.chain_attention_outputs:
+        return changes
+    return OptionChanges(
+        {**changes.options, "chain_attention_outputs": chain}, changes.clipping_off
+    )
 
 
 def _attention_why(
