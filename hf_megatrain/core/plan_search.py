@@ -344,12 +344,16 @@ def _allowed_fit(
     base = MemoryOptions.of(options)
 
     def fits(o: MemoryOptions) -> bool:
-        allowed = o.no_clip == base.no_clip and (
-            approximate or o.boundary_dtype == base.boundary_dtype
-        )
+        allowed = _auto_fit_allows(o, base, approximate)
         return allowed and _fits(shape, step, o.applied(options), dtype, hbm, host, **where)
 
     return fits
+
+
+def _auto_fit_allows(o: MemoryOptions, base: MemoryOptions, approximate: bool) -> bool:
+    """Whether auto_fit may run set ``o`` over ``base``: clipping as asked, and boundaries as
+    asked unless ``approximate``."""
+    return o.no_clip == base.no_clip and (approximate or o.boundary_dtype == base.boundary_dtype)
 
 
 def fits_allowing_auto_fit(
@@ -402,7 +406,7 @@ def margin_only_options(
         )  # fmt: skip
 
     def fits_expected(o: MemoryOptions) -> bool:
-        if (o.no_clip, o.boundary_dtype) != (base.no_clip, base.boundary_dtype):
+        if not _auto_fit_allows(o, base, approximate=False):
             return False
         trial = planned(o)
         return (
@@ -502,10 +506,9 @@ def plan_with_auto_fit(
     ) | where  # fmt: skip
     fits = []
     for o in candidates(base, step.micro_batch_tokens):
-        allowed = o.no_clip == base.no_clip and (
-            approximate or o.boundary_dtype == base.boundary_dtype
-        )
-        if not allowed or o.cost(base) < lightest.cost(base):  # (lighter ones do not fit)
+        if not _auto_fit_allows(o, base, approximate) or o.cost(base) < lightest.cost(
+            base
+        ):  # (lighter ones do not fit)
             continue
         applied = o.applied(options)
         trial = _plan(
