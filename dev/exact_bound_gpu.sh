@@ -74,6 +74,10 @@
 #              (8 x 1) and streamed with one feature off at a time (Liger's kernels, the fused
 #              loss, autocast_kernels, bf16 gradient slots, the overlapped host update) and with
 #              every layer in HBM (nothing streamed): which one moves streamed back. ~4 min.
+#   matrix9    the validation matrix's 9 cells whose plans changed since their rows (qwen3 and
+#              mistral at 4k-256k, moe 256k; `validation_matrix.py --dry-run` lists them), without
+#              liger-kernel as dev/matrix_gpu.sh runs them: rows and matrix.md in results/matrix.
+#              ~15 min by the dry run's estimate.
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
@@ -217,6 +221,17 @@ item() {  # item <name>: one queue item
         --variant nofl:fused_loss=false --variant noak:autocast_kernels=false \
         --variant nocompact:compact_host_grads=false --variant ovl:overlap_optimizer=false \
         --variant hbm:resident_layers=6 2>&1 | grep -v '^DEBUG' | tail -12
+      ;;
+    matrix9)  # (a site without liger-kernel: the defaults of a plain install, as matrix_gpu.sh)
+      compgen -G ".whl/*.whl" | grep -v liger_kernel | xargs -r python3 -m pip install -q \
+        --no-index --no-deps --target /tmp/site_noliger >/dev/null 2>&1
+      PYTHONPATH=/tmp/site_noliger:$PWD timeout 1500 python3 benchmarks/validation_matrix.py \
+        --cells qwen3:4k,qwen3:32k,qwen3:128k,qwen3:256k,mistral:4k,mistral:32k,mistral:128k,mistral:256k,moe:256k \
+        --max-wall-s 1400 --tag matrix-h200 --results-dir "$work/results/matrix" 2>&1 \
+        | grep -aE "^(matrix|Traceback|[A-Za-z.]*Error)"
+      PYTHONPATH=/tmp/site_noliger:$PWD python3 benchmarks/validation_matrix.py --summarize \
+        "$work/results/matrix/results.csv" --tag matrix-h200 \
+        --markdown "$work/results/matrix/matrix.md" >/dev/null 2>&1
       ;;
     old8b)  # long8b on the tree of $OLD_COMMIT, unpacked (git archive) into the carried .abold
       (cd .abold && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
@@ -370,6 +385,6 @@ while ! grep -q "queue done" "$work/queue.log" && [ "$waited" -lt "${WAIT_S:-555
 done
 grep -q "queue done" "$work/queue.log" || echo "queue still running after ${waited}s"
 free -g | head -2
-grep -aE "^bench|placement|auto_fit|Error|error:|Killed|out of memory|passed|failed|peak" \
+grep -aE "^bench|^matrix|placement|auto_fit|Error|error:|Killed|out of memory|passed|failed|peak" \
   "$work/queue.log" | tail -30
 tar czf "$out/exact-bound.tgz" -C "$work" .
