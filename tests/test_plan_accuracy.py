@@ -679,10 +679,11 @@ def test_plan_vs_measured_reads_the_validation_matrix():
         assert e["error"] <= ESTIMATE_ERRORS[kind], kind
 
 
-def _offloaded_segment_step(keep: str, every: int) -> tuple[int, int, int]:
+def _offloaded_segment_step(keep: str, every: int, chain: int = 0) -> tuple[int, int, int]:
     """(measured peak, planned, margin) of one streamed step with fp32 boundaries offloaded,
-    checkpoint segments of ``every``, MLP tiles and ``keep`` attention outputs, on this tracker;
-    offload's host copies are not counted (pinned host memory on a GPU machine)."""
+    checkpoint segments of ``every`` whose chains keep ``chain`` layers' attention outputs, MLP
+    tiles and ``keep`` attention outputs, on this tracker; offload's host copies are not counted
+    (pinned host memory on a GPU machine)."""
     from hf_megatrain.hf.model import streamed_state  # noqa: PLC0415
     from tests.helpers import offload_uncounted, tiny_config  # noqa: PLC0415
 
@@ -693,7 +694,7 @@ def _offloaded_segment_step(keep: str, every: int) -> tuple[int, int, int]:
     )  # fmt: skip
     options = dict(
         offload_activations=True, checkpoint_every=every, mlp_tile_tokens=256,
-        keep_attention_outputs=keep,
+        keep_attention_outputs=keep, chain_attention_outputs=chain,
     )  # fmt: skip
     model, shape = _streamed(cfg, **options)
     # Tiny widths: offload (and let segments follow) every layer input, as at training sizes.
@@ -722,18 +723,27 @@ def test_offloaded_segment_steps_stay_inside_the_joint_plan():
     segments of 6 add over none (3 layer inputs held, 6 x 128 x 4 B per token) the plan adds
     too, less than one input more (the sum the plan made before counted 5 more); what keeping
     every layer's attention output adds the plan adds, at most 25% more (its 4 B per head of
-    log-sum-exp per token: a CPU kernel's is smaller)."""
+    log-sum-exp per token: a CPU kernel's is smaller). The same for the outputs a segment's
+    chain keeps for its layers' recompute (``chain_attention_outputs``, which auto_fit turns on
+    with its segments), alone and beside forward-kept ones."""
     unit = JOINT_TOKENS * 128 * 4  # one fp32 layer input
     runs = {
-        (keep, every): _offloaded_segment_step(keep, every)
-        for keep, every in (("all", 1), ("all", 6), ("off", 6), ("2", 4))
-    }
+        (keep, every, chain): _offloaded_segment_step(keep, every, chain)
+        for keep, every, chain in (
+            ("all", 1, 0), ("all", 6, 0), ("off", 6, 0), ("2", 4, 0), ("off", 6, 5), ("2", 4, 3),
+        )
+    }  # fmt: skip
     for key, (measured, planned, margin) in runs.items():
         assert measured <= planned + margin, (key, measured, planned)
-    seg_measured = runs["all", 6][0] - runs["all", 1][0]
-    seg_planned = runs["all", 6][1] - runs["all", 1][1]
+    seg_measured = runs["all", 6, 0][0] - runs["all", 1, 0][0]
+    seg_planned = runs["all", 6, 0][1] - runs["all", 1, 0][1]
     assert seg_measured == 3 * unit, seg_measured
     assert 0 <= seg_planned - seg_measured < unit, (seg_measured, seg_planned)
-    kept_measured = runs["all", 6][0] - runs["off", 6][0]
-    kept_planned = runs["all", 6][1] - runs["off", 6][1]
-    assert 0 < kept_measured <= kept_planned <= 1.25 * kept_measured, (kept_measured, kept_planned)
+    for more, less in ((("all", 6, 0), ("off", 6, 0)), (("off", 6, 5), ("off", 6, 0))):
+        kept_measured = runs[more][0] - runs[less][0]
+        kept_planned = runs[more][1] - runs[less][1]
+        assert 0 < kept_measured <= kept_planned <= 1.25 * kept_measured, (
+            more,
+            kept_measured,
+            kept_planned,
+        )
