@@ -31,8 +31,10 @@
 #   auto524k   Qwen2.5-7B at one 524,288-token sequence on the defaults: the plan picks exact
 #              options itself (auto_fit's least recompute: tiles, offload, fp32-master streaming,
 #              segments of 6, 1 HBM-tier layer, 9 layers' attention outputs; expected 126.69 GiB;
-#              since 2026-12-04 also the chain keeping 1 layer's outputs). At c670e18 (no chain
-#              outputs): 561.6 s, 42.65 model TFLOP/s, 34.1% MFU. ~12 min: a start and a wait.
+#              since 2026-12-04 also the chains' kept outputs: 1 per segment at the peak, 2, 2,
+#              2, 4, 3 by segment). At c670e18 (no chain outputs): 561.6 s, 42.65 model TFLOP/s,
+#              34.1% MFU. ~12 min: a start and a wait.
+#   filltest   tests/test_gpu.py's chain-output cases (the per-segment fill below the peak).
 #   auto262k   Qwen2.5-7B at one 262,144-token sequence on the defaults: auto_fit's least-recompute
 #              set (tiles, offload, segments of 2, 8 HBM-tier layers, every layer's attention
 #              outputs) against base262k's options (segments of 6, no tier: 95.62 model TFLOP/s).
@@ -180,6 +182,10 @@ item() {  # item <name>: one queue item
       run "$1" qwen2.5-7b:262144 400 --streamed-init --auto-fit off --resident-layers 0 \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6 \
         --chain-attention-outputs "$([ "$1" = chain262k ] && echo 5 || echo 0)"
+      ;;
+    filltest)
+      timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "chain_attention or below_the_peak" 2>&1 | grep -v '^DEBUG'
       ;;
     chaintest)
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \

@@ -600,3 +600,65 @@ def test_planner_counts_the_offloaded_segment_peak_once(layers, every, attention
     assert counted == max(held(seg) for seg in segments)
     summed = (2 + every - 1) * t * h * 4 + (attention + min(chain, every - 1)) * t * out
     assert counted < summed if every > 1 else counted == summed  # (the old sum)
+
+
+@pytest.mark.parametrize(("layers", "every", "attention", "chain"), [(28, 6, 9, 1), (12, 4, 5, 1)])
+def test_chains_below_the_peak_keep_more_outputs(layers, every, attention, chain):
+    """``chain_attention_outputs`` N sets the step's joint peak; a segment whose backward holds
+    less (no forward-kept outputs alive yet: the early layers) keeps more of its chain's outputs,
+    up to all its chain layers, while it stays under that peak (``MemoryPlan.
+    chain_output_counts``, which the builder hands the engine). The plan's lines stay those of N
+    per segment; each kept output spares an attention forward (``recompute_flops``)."""
+    from hf_megatrain.core.activation_memory import attention_output_bytes_per_token
+    from hf_megatrain.core.planner import GIB, recompute_flops
+
+    h, t = 64, 512
+    shape = ModelShape(
+        layer_numels=(1000,) * layers, non_layer_numel=1000, hidden_size=h, vocab_size=100,
+        intermediate_size=128, kv_size=32, head_dim=16, num_heads=4,
+    )  # fmt: skip
+    step = StepShape(seq_len=t, micro_batch_tokens=t)
+
+    def planned(chain: int):
+        o = EngineOptions(
+            keep_attention_outputs=str(attention), keep_activations="off", checkpoint_every=every,
+            chain_attention_outputs=chain, offload_activations=True,
+        ).resolve(clipping=True, cuda=True)  # fmt: skip
+        return plan_memory(shape, step, o, BF16, 8 * GIB, 8 * GIB, hbm_layers=0)
+
+    plan = planned(chain)
+    counts = plan.chain_output_counts
+    out = attention_output_bytes_per_token(shape, BF16)
+    kept_from = layers - attention
+    segments = [range(s, min(s + every, layers)) for s in range(0, layers, every)]
+    assert sorted(counts) == [seg[0] for seg in segments]
+
+    def held(seg: range, n: int) -> int:  # as the test above: inputs, kept and chain outputs
+        inputs = max(2, len(seg) - 1) * t * h * 4
+        kept = sum(1 for i in range(seg[-1] + 1) if i >= kept_from)
+        chained = [i for i in seg[:-1][len(seg) - 1 - n :] if n and i < kept_from]
+        return inputs + (kept + len(chained)) * t * out
+
+    peak = max(held(seg, chain) for seg in segments)
+    for seg in segments:
+        assert chain <= counts[seg[0]] <= len(seg) - 1
+        if seg[-1] < kept_from:  # (no forward-kept output of its own: the filled ones)
+            assert held(seg, counts[seg[0]]) <= peak
+    assert max(counts.values()) > chain  # the early segments keep more
+    # The plan's lines for them stay those of N per segment: the peak is not raised.
+    counted = sum(
+        ln.nbytes
+        for ln in plan.gpu_lines
+        if ln.name.startswith(("boundary activations", "checkpoint segment", "attention outputs"))
+    )
+    assert counted == peak
+    # Each chain-kept output (of a layer without a forward-kept one) spares one attention
+    # forward: 2 x tokens x sequence x heads x head_dim FLOPs.
+    spared = sum(
+        1 for seg in segments for i in seg[:-1][len(seg) - 1 - counts[seg[0]] :] if i < kept_from
+    )
+    assert spared > sum(
+        1 for seg in segments for i in seg[:-1][len(seg) - 1 - chain :] if i < kept_from
+    )
+    attention_flops = 2.0 * t * t * 4 * 16
+    assert recompute_flops(planned(0)) - recompute_flops(plan) == spared * attention_flops

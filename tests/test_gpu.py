@@ -1186,6 +1186,49 @@ def test_chain_attention_outputs_on_gpu(tmp_path):
     assert [runs[n][2] for n in ("none", "chain", "forward")] == [4 * 11, 4 * 8, 4 * 4]
 
 
+def test_chains_below_the_peak_keep_more_outputs_on_gpu(tmp_path):
+    """With offloaded fp32 boundaries the plan fills each segment below the step's joint peak
+    with more chain-kept attention outputs (``MemoryPlan.chain_output_counts``) and the builder
+    hands them to the engine: 8 layers in segments of 4, the last 3 keeping their forward
+    outputs, chain_attention_outputs 1. The first segment (no forward-kept output alive at its
+    backward) keeps all 3 of its chain layers' outputs. Bitwise the training without chain
+    outputs; the kernel runs once less per chain-kept layer."""
+    from .helpers import CountAttentionKernels, mega_params
+
+    def every_input_large(trainer):
+        trainer.megatrain.engine.offload_min_numel = 1  # tiny shapes: segments engage
+
+    config = _tiny_gpu_config()
+    config.num_hidden_layers = 8
+    model = tiny_model(config)
+    data = _data(32, 128)
+    runs = {}
+    for chain in (0, 1):
+        counter = CountAttentionKernels()
+        with counter:
+            trainer, losses = _mega_losses(
+                tmp_path, f"fill-{chain}", copy.deepcopy(model), data, setup=every_input_large,
+                megatrain_resident_layers="0", megatrain_keep_activations="off",
+                megatrain_keep_attention_outputs="3", megatrain_checkpoint_every=4,
+                megatrain_offload_activations=True, megatrain_chain_attention_outputs=chain,
+            )  # fmt: skip
+        runs[chain] = (losses, mega_params(trainer), counter.calls, trainer.megatrain.plan)
+    assert runs[1][0] == runs[0][0]
+    for key, value in runs[0][1].items():
+        assert torch.equal(runs[1][1][key], value), key
+    plan = runs[1][3]
+    counts = plan.chain_output_counts
+    assert counts[0] == 3 and plan.attention_layer_indices == [5, 6, 7]
+    kept = set(plan.attention_layer_indices)
+    spared = sum(
+        1 for first, n in counts.items() for i in range(first + 3 - n, first + 3) if i not in kept
+    )
+    # Per step without chain outputs: 8 forwards, the chains' 3 + 1 (layers 5 and 6 read their
+    # forward-kept outputs) and the recomputes of layers 0-4 (5).
+    assert runs[0][2] == 4 * 17
+    assert runs[1][2] == 4 * (17 - spared) and spared == 3
+
+
 def test_recompute_skips_the_tiles_on_gpu(tmp_path, monkeypatch):
     """The early-stop recompute skips the tiled MLP's tiles (recompute.refill_remaining) on the
     CUDA path too, where backward, and so the refill, runs on the autograd engine's device

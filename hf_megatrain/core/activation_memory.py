@@ -15,7 +15,7 @@ options that shape activations (:class:`~hf_megatrain.core.options.ResolvedOptio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -554,6 +554,13 @@ class SegmentPeak:
     chain_outputs: int
 
 
+def _segments(n_layers: int, every: int) -> list[tuple[int, int]]:
+    """The checkpoint segments (first, last layer) of ``n_layers`` layers in segments of
+    ``every``, as the engine forms them."""
+    k = min(max(1, every), n_layers)
+    return [(first, min(first + k, n_layers) - 1) for first in range(0, n_layers, k)]
+
+
 def segment_peak(
     shape: ModelShape,
     options: ResolvedOptions,
@@ -561,6 +568,7 @@ def segment_peak(
     chain_layers: int,
     output_bytes_per_token: int,
     kept_output_saving: int = 0,
+    chain_counts: Mapping[int, int] | None = None,
 ) -> SegmentPeak:
     """Offloaded fp32 boundaries, every layer recomputed: the segment s (first..last) maximizing
     max(2, len(s) - 1) layer inputs (the two offload buffers, or the chain's cached inputs,
@@ -568,26 +576,73 @@ def segment_peak(
     outputs, less ``kept_output_saving`` (per token) where the segment's last layer, whose
     backward is the segment's peak, keeps its own output (its working set is smaller by that).
     The plan once summed all three at one peak; on the CPU scale model of the H200's base262k
-    row (dev/long_plan_probe.py) that was 74 GiB where 60 were alive together."""
+    row (dev/long_plan_probe.py) that was 74 GiB where 60 were alive together.
+    ``chain_counts``: per segment (its first layer), how many of its chain's last layers keep
+    their outputs (default: ``chain_layers`` each)."""
+    peaks = _segment_peaks(
+        shape, options, attention_layers, output_bytes_per_token, kept_output_saving,
+        chain_counts if chain_counts is not None else {},
+        chain_layers,
+    )  # fmt: skip
+    return max(peaks, key=lambda p: p[1])[0]
+
+
+def _segment_peaks(
+    shape: ModelShape,
+    options: ResolvedOptions,
+    attention_layers: int,
+    output_bytes_per_token: int,
+    kept_output_saving: int,
+    chain_counts: Mapping[int, int],
+    chain_default: int,
+) -> list[tuple[SegmentPeak, int]]:
+    """Each segment's joint term (``segment_peak``) and its bytes per token, in layer order."""
     n_layers = shape.num_layers
-    k = min(max(1, options.checkpoint_every), n_layers)
     kept_from = n_layers - min(max(0, attention_layers), n_layers)
-    best, best_bytes = None, -1
-    for first in range(0, n_layers, k):
-        last = min(first + k, n_layers) - 1
+    out = []
+    for first, last in _segments(n_layers, options.checkpoint_every):
         inputs = max(2, last - first)
         kept = max(0, last - kept_from + 1)
         # The chain keeps outputs for its last layers; those with forward-kept ones it reads.
-        chain_span = range(max(first, last - min(chain_layers, last - first)), last)
+        count = chain_counts.get(first, chain_default)
+        chain_span = range(max(first, last - min(count, last - first)), last)
         chain = sum(1 for i in chain_span if i < kept_from)
         per_token = inputs * 4 * shape.hidden_size + (kept + chain) * output_bytes_per_token
         per_token -= kept_output_saving if last >= kept_from else 0
-        if per_token > best_bytes:
-            best, best_bytes = (
-                SegmentPeak(first, last, last >= kept_from, inputs - 2, kept, chain),
-                per_token,
-            )
-    return best
+        peak = SegmentPeak(first, last, last >= kept_from, inputs - 2, kept, chain)
+        out.append((peak, per_token))
+    return out
+
+
+def chain_output_counts(
+    shape: ModelShape,
+    options: ResolvedOptions,
+    attention_layers: int,
+    output_bytes_per_token: int,
+    kept_output_saving: int = 0,
+) -> dict[int, int]:
+    """Per checkpoint segment (its first layer): how many of its chain's last layers keep their
+    attention outputs. ``chain_attention_outputs`` (N) sets the step's joint peak; a segment
+    below that peak (no forward-kept outputs alive yet at its backward: the early layers) keeps
+    more, up to all its chain layers, as long as it stays at or under the peak: the same peak,
+    fewer attention kernels run again. Offloaded fp32 boundaries only (``segment_peak``'s
+    accounting); {} where there is no chain to keep outputs."""
+    n = options.chain_attention_layers if shape.sdpa_attention else 0
+    if n <= 0:
+        return {}
+    args = (shape, options, attention_layers, output_bytes_per_token, kept_output_saving)
+    uniform = _segment_peaks(*args, {}, n)
+    peak = max(b for _, b in uniform)
+    counts = {}
+    for seg, _ in uniform:
+        count = n
+        while count < seg.last - seg.first:
+            more = _segment_peaks(*args, {seg.first: count + 1}, n)
+            if next(b for p, b in more if p.first == seg.first) > peak:
+                break
+            count += 1
+        counts[seg.first] = count
+    return counts
 
 
 def joint_peak_lines(peak: SegmentPeak, t: int, h: int, per_token: int) -> list[MemoryLine]:
@@ -956,6 +1011,40 @@ def embedding_grad_apart_bytes(
     return 4 * shape.vocab_size * shape.hidden_size if apart else 0
 
 
+def _joint_segment_peak(options: ResolvedOptions, kept_layers: int) -> bool:
+    """Whether the plan counts the boundary buffers, the segment cache and the kept attention
+    outputs at one segment's joint peak (``segment_peak``): offloaded fp32 boundaries, every
+    layer recomputed."""
+    return (
+        options.offload_activations and options.boundary_bytes_per_element >= 4 and not kept_layers
+    )
+
+
+def segment_chain_counts(
+    shape: ModelShape,
+    step: StepShape,
+    options: ResolvedOptions,
+    dtype: torch.dtype,
+    kept_layers: int = 0,
+    attention_layers: int = 0,
+) -> dict[int, int]:
+    """Per checkpoint segment (its first layer), how many of its chain's last layers keep their
+    attention outputs, as the plan counts them and the engine keeps them: filled per segment up
+    to the joint peak where the plan counts one (``chain_output_counts``), else
+    ``chain_attention_outputs`` each; {} without chain outputs."""
+    n = options.chain_attention_layers if shape.sdpa_attention else 0
+    if n <= 0:
+        return {}
+    if not _joint_segment_peak(options, kept_layers):
+        return {first: n for first, _ in _segments(shape.num_layers, options.checkpoint_every)}
+    t = step.micro_batch_tokens
+    work = _working_set_line(shape, t, options.mlp_tile_tokens)
+    work_kept = _working_set_line(shape, t, options.mlp_tile_tokens, keeps_attention_output=True)
+    per_token = attention_output_bytes_per_token(shape, dtype)
+    saving = (work.nbytes - work_kept.nbytes) // max(t, 1)
+    return chain_output_counts(shape, options, attention_layers, per_token, saving)
+
+
 def activation_lines(
     shape: ModelShape,
     step: StepShape,
@@ -980,12 +1069,15 @@ def activation_lines(
     # calibration, see the loss's lines), and where the layer keeps its attention output.
     work = _working_set_line(shape, t, options.mlp_tile_tokens, not len(kept_layers))
     joint = None
-    if options.offload_activations and not cast_back and not len(kept_layers):
+    if _joint_segment_peak(options, len(kept_layers)):
         work_kept = _working_set_line(
             shape, t, options.mlp_tile_tokens, keeps_attention_output=True
         )
         saving = (work.nbytes - work_kept.nbytes) // max(t, 1)
-        joint = segment_peak(shape, options, attention_layers, chain_layers, per_token, saving)
+        counts = chain_output_counts(shape, options, attention_layers, per_token, saving)
+        joint = segment_peak(
+            shape, options, attention_layers, chain_layers, per_token, saving, counts
+        )
         work = work_kept if joint.last_keeps_output else work
     if joint is not None:
         lines += joint_peak_lines(joint, t, h, per_token)

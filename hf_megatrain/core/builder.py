@@ -193,6 +193,7 @@ def build_streamed_state(
         recompute_early_stop=options.recompute_early_stop,
         autocast_kernels=options.autocast_kernels,
         chain_attention_outputs=options.chain_attention_layers,
+        chain_attention_by_segment=None if plan is None else plan.chain_output_counts,
     )
     return StreamedState(
         stores=stores, engine=engine, n_resident=n_resident, plan=plan, options=options

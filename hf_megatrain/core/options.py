@@ -255,8 +255,11 @@ class EngineOptions:
             per head per token and kept layer. For long sequences, where attention dominates
             (at most checkpoint_every - 1 count). 0: off. Needs recompute_early_stop and inputs
             saved as they are (boundary_dtype input); attention outside PyTorch SDPA's fused
-            kernels is recomputed as before. Where auto_fit turns on or lengthens segments and
-            this is 0, it picks the count (the least recompute that fits)."""
+            kernels is recomputed as before. With activation offload (fp32 boundaries) this sets
+            the step's peak, and segments whose backward holds less (no forward-kept outputs
+            alive yet) keep more, up to all their chain layers, under that peak. Where auto_fit
+            turns on or lengthens segments and this is 0, it picks the count (the least
+            recompute that fits)."""
         ),
     )
     mlp_tile_tokens: int = field(

@@ -23,6 +23,7 @@ from .activation_memory import (
     MASK_KIND,
     boundary_activation_bytes,
     saved_boundary_layers,
+    segment_chain_counts,
 )
 from .engine.staging import GRAD_STAGING_SLOTS
 from .host_store import format_bytes
@@ -117,6 +118,17 @@ class MemoryPlan:
         kept = set(self.kept_layer_indices)
         recomputed = [p.index for p in self.layers if p.index not in kept]
         return last_recomputed(recomputed, self.attention_layers)
+
+    @property
+    def chain_output_counts(self) -> dict[int, int]:
+        """Per checkpoint segment (its first layer): how many of its chain's last layers keep
+        their attention outputs (``activation_memory.segment_chain_counts``; {}: none)."""
+        if self.step is None or self.options is None:
+            return {}
+        return segment_chain_counts(
+            self.shape, self.step, self.options, self.compute_dtype, self.kept_layers,
+            self.attention_layers,
+        )  # fmt: skip
 
     @property
     def host_bytes_per_param(self) -> int:

@@ -446,7 +446,7 @@ def recompute_flops(plan: MemoryPlan) -> float:
     kept = set(plan.kept_layer_indices)
     kept_outputs = set(plan.attention_layer_indices)
     k = max(1, options.checkpoint_every)
-    chain = options.chain_attention_layers if shape.sdpa_attention else 0
+    chain = plan.chain_output_counts  # per segment (its first layer)
     total = 0.0
     for i_layer, numel in enumerate(shape.layer_numels):
         if i_layer in kept:
@@ -457,7 +457,7 @@ def recompute_flops(plan: MemoryPlan) -> float:
         first = i_layer - i_layer % k
         last = min(first + k, shape.num_layers) - 1
         if k > 1 and i_layer < last:  # a chain layer
-            chain_kept = i_layer >= last - chain
+            chain_kept = i_layer >= last - chain.get(first, 0)
             total += dense + (0.0 if i_layer in kept_outputs or chain_kept else attention)
     return total
 

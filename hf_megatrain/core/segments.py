@@ -10,7 +10,7 @@ holds what a re-run needs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -94,16 +94,24 @@ class SegmentTracker:
         every: int,
         is_large: Callable[[torch.Tensor], bool],
         chain_attention: int = 0,
+        chain_attention_by_segment: Mapping[int, int] | None = None,
     ) -> None:
         self._n_layers = n_layers
         self._every = every
         self._is_large = is_large
         #: How many of a chain's last layers keep their attention outputs for their recompute.
         self.chain_attention = max(0, chain_attention)
+        # Per segment (its first layer), where the plan fills segments below its peak.
+        self._chain_by_segment = dict(chain_attention_by_segment or {})
         self._open: Segment | None = None
         # Layer i's backward prefetches this layer's weights when it is not i - 1: the leader
         # of the segment below, whose chain runs next.
         self._backward_next: dict[int, int] = {}
+
+    def chain_count(self, first: int) -> int:
+        """How many of the chain's last layers keep their attention outputs in the segment that
+        starts at layer ``first``."""
+        return max(0, self._chain_by_segment.get(first, self.chain_attention))
 
     @property
     def every(self) -> int:
@@ -198,7 +206,7 @@ def segment_input(seg: Segment | None, pos: int) -> torch.Tensor:
         )
     entries = seg.entries
     engine = entries[0].layer.engine
-    keep_from = pos - engine.segments.chain_attention
+    keep_from = pos - engine.segments.chain_count(entries[0].layer.index)
     prev = None
     with torch.no_grad():
         for q in range(pos):

@@ -19,7 +19,7 @@ No ``transformers`` import here.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -60,7 +60,9 @@ class StreamingEngine:
     tensor, ``recompute.py``; False re-runs whole layers), ``chain_attention_outputs`` (a
     segment's chain keeps the attention outputs of its last N layers for their recompute,
     ``segments.segment_input``; the builder passes ``ResolvedOptions.chain_attention_layers``,
-    0 where no recompute would use them). ``data_parallel``: streamed layers'
+    0 where no recompute would use them; ``chain_attention_by_segment``: per segment, by its
+    first layer, where the plan keeps more in segments below its peak,
+    ``MemoryPlan.chain_output_counts``). ``data_parallel``: streamed layers'
     gradients reduced to their owner, replicated ones all-reduced, weights of layers another
     rank owns streamed once it has published their update (``distributed.py``).
     """
@@ -80,6 +82,7 @@ class StreamingEngine:
         recompute_early_stop: bool = _DEFAULT.recompute_early_stop,
         autocast_kernels: bool = _DEFAULT.autocast_kernels,
         chain_attention_outputs: int = _DEFAULT.chain_attention_outputs,
+        chain_attention_by_segment: Mapping[int, int] | None = None,
     ) -> None:
         self.stores = stores
         self.dp = data_parallel
@@ -112,8 +115,9 @@ class StreamingEngine:
             d2h=d2h,
         )
         self.segments = SegmentTracker(
-            len(stores), checkpoint_every, self.activations.is_large, chain_attention_outputs
-        )
+            len(stores), checkpoint_every, self.activations.is_large, chain_attention_outputs,
+            chain_attention_by_segment,
+        )  # fmt: skip
         # Set to a ``LayerTimeline`` (CUDA) to record each layer pass's compute interval.
         self.timeline: LayerTimeline | None = None
 
