@@ -662,3 +662,38 @@ def test_chains_below_the_peak_keep_more_outputs(layers, every, attention, chain
     )
     attention_flops = 2.0 * t * t * 4 * 16
     assert recompute_flops(planned(0)) - recompute_flops(plan) == spared * attention_flops
+
+
+def test_engine_keeps_chain_outputs_per_segment(tmp_path, monkeypatch):
+    """The engine's per-segment chain counts (what the builder hands it from
+    ``MemoryPlan.chain_output_counts`` on a GPU; on the CPU no plan is made, so given here):
+    8 layers in segments of 4, the last 3 keeping their forward outputs; the first segment's
+    chain keeps all 3 of its layers' outputs, the second 1 (layer 6: forward-kept already).
+    Bitwise the training without chain outputs; per step the kernel runs 3 times fewer."""
+    from hf_megatrain.core import builder  # noqa: PLC0415
+
+    real = builder.StreamingEngine
+
+    model = tiny_model(tiny_config("llama", num_hidden_layers=8))
+    runs = {}
+    for name, by_segment in (("none", None), ("per-segment", {0: 3, 4: 1})):
+
+        def engine(*args, by_segment=by_segment, **kw):
+            return real(*args, **{**kw, "chain_attention_by_segment": by_segment})
+
+        monkeypatch.setattr(builder, "StreamingEngine", engine)
+        counter = CountAttentionKernels()
+        with counter:
+            logs, trainer = _train(
+                copy.deepcopy(model), tmp_path, name, k=4, steps=2,
+                megatrain_keep_attention_outputs="3", megatrain_offload_activations=True,
+                megatrain_chain_attention_outputs=0 if by_segment is None else 1,
+            )  # fmt: skip
+        monkeypatch.undo()
+        runs[name] = (_track(logs), mega_params(trainer), counter.calls)
+    assert runs["per-segment"][0] == runs["none"][0]
+    for key, value in runs["none"][1].items():
+        assert torch.equal(runs["per-segment"][1][key], value), key
+    # Without: 8 forwards, the chains' 3 + 1 (layers 5 and 6 read their forward-kept outputs)
+    # and the recomputes of layers 0-4. With: layers 0-2's recomputes read the chain's.
+    assert (runs["none"][2], runs["per-segment"][2]) == (2 * 17, 2 * 14)
