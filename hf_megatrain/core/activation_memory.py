@@ -1074,7 +1074,7 @@ def activation_lines(
             shape, t, options.mlp_tile_tokens, keeps_attention_output=True
         )
         saving = (work.nbytes - work_kept.nbytes) // max(t, 1)
-        counts = chain_output_counts(shape, options, attention_layers, per_token, saving)
+        counts = segment_chain_counts(shape, step, options, dtype, 0, attention_layers)
         joint = segment_peak(
             shape, options, attention_layers, chain_layers, per_token, saving, counts
         )

@@ -506,9 +506,8 @@ def plan_with_auto_fit(
     ) | where  # fmt: skip
     fits = []
     for o in candidates(base, step.micro_batch_tokens):
-        if not _auto_fit_allows(o, base, approximate) or o.cost(base) < lightest.cost(
-            base
-        ):  # (lighter ones do not fit)
+        lighter = o.cost(base) < lightest.cost(base)  # (lighter ones do not fit)
+        if lighter or not _auto_fit_allows(o, base, approximate):
             continue
         applied = o.applied(options)
         trial = _plan(
