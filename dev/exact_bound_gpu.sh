@@ -31,9 +31,10 @@
 #   auto524k   Qwen2.5-7B at one 524,288-token sequence on the defaults: the plan picks exact
 #              options itself (auto_fit's least recompute: tiles, offload, fp32-master streaming,
 #              segments of 6, 1 HBM-tier layer, 9 layers' attention outputs; expected 126.69 GiB;
-#              since 2026-12-04 also the chains' kept outputs: 1 per segment at the peak, 2, 2,
-#              2, 4, 3 by segment). At c670e18 (no chain outputs): 561.6 s, 42.65 model TFLOP/s,
-#              34.1% MFU. ~12 min: a start and a wait.
+#              since 2026-12-04 weighed with the chains' kept outputs: segments of 4, 5 HBM-tier
+#              layers, 5 forward-kept outputs, chain outputs 1, filled to 2-3 per segment; bound
+#              138.50, expected 128.10). At c670e18 (segments of 6, 1 tier layer, 9 outputs, no
+#              chain outputs): 561.6 s, 42.65 model TFLOP/s, 34.1% MFU. ~12 min.
 #   filltest   tests/test_gpu.py's chain-output cases (the per-segment fill below the peak).
 #   auto262k   Qwen2.5-7B at one 262,144-token sequence on the defaults: auto_fit's least-recompute
 #              set (tiles, offload, segments of 2, 8 HBM-tier layers, every layer's attention

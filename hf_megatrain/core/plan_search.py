@@ -439,10 +439,8 @@ def recompute_flops(plan: MemoryPlan) -> float:
     step, shape, options = plan.step, plan.shape, plan.options
     if step is None:
         return 0.0
-    t, s = step.micro_batch_tokens, step.seq_len
-    h = shape.hidden_size
-    q = (shape.num_heads * shape.head_dim) if shape.num_heads and shape.head_dim else h
-    attention = 2.0 * t * s * q
+    attention = _attention_flops(plan)
+    t = step.micro_batch_tokens
     kept = set(plan.kept_layer_indices)
     kept_outputs = set(plan.attention_layer_indices)
     k = max(1, options.checkpoint_every)
@@ -460,6 +458,26 @@ def recompute_flops(plan: MemoryPlan) -> float:
             chain_kept = i_layer >= last - chain.get(first, 0)
             total += dense + (0.0 if i_layer in kept_outputs or chain_kept else attention)
     return total
+
+
+def _attention_flops(plan: MemoryPlan) -> float:
+    """One layer's causal attention forward (``recompute_flops``'s speed model)."""
+    step, shape = plan.step, plan.shape
+    if step is None:
+        return 0.0
+    h = shape.hidden_size
+    q = (shape.num_heads * shape.head_dim) if shape.num_heads and shape.head_dim else h
+    return 2.0 * step.micro_batch_tokens * step.seq_len * q
+
+
+def _chain_layers_without_outputs(plan: MemoryPlan) -> int:
+    """Layers a segment chain re-runs whose attention outputs the forward does not keep: what
+    chain-kept outputs could spare at most (none without segments)."""
+    k, n_layers = max(1, plan.options.checkpoint_every), plan.shape.num_layers
+    if k <= 1 or not plan.shape.sdpa_attention:
+        return 0
+    kept = set(plan.attention_layer_indices) | set(plan.kept_layer_indices)
+    return sum(1 for i in range(n_layers - 1) if i % k != k - 1 and i not in kept)
 
 
 #: Option sets within this fraction of the least recompute are equal to ``auto_fit``: the
@@ -498,7 +516,8 @@ def plan_with_auto_fit(
     fitted = fitting_options(plan, options, approximate=approximate, **where)
     if fitted is None:
         return plan, None
-    # Every fitting set, lightest first; the one with the least recompute runs (within a tie).
+    # Every fitting set, lightest first, segments it turns on with their chains' outputs; the one
+    # with the least recompute runs (within a tie).
     base, lightest = MemoryOptions.of(options), MemoryOptions.of(fitted)
     args = dict(
         hbm_layers=None, reserve_bytes=0, input_model_bytes=0, ranks=1,
@@ -516,12 +535,22 @@ def plan_with_auto_fit(
         )  # fmt: skip
         if trial.fits:
             fits.append(trial)
+    # Segments auto_fit turns on keep their chains' outputs too: searched where that could beat
+    # the least recompute found (each such output spares at most one attention forward).
+    least = min((recompute_flops(p) for p in fits), default=0.0)
+    bound = {id(p): recompute_flops(p) - _chain_layers_without_outputs(p) * _attention_flops(p)
+             for p in fits}  # fmt: skip
+    for i in sorted(range(len(fits)), key=lambda i: bound[id(fits[i])]):
+        trial = fits[i]
+        if bound[id(trial)] >= least:
+            break
+        if trial.options.checkpoint_every != base.checkpoint_every:
+            fits[i] = _with_chain_outputs(trial, lambda ro: _plan(
+                shape, step, ro, compute_dtype, hbm_bytes, host_bytes,
+                keep=ro.keep_activation_layers, advise=False, **args,
+            ))  # fmt: skip
+            least = min(least, recompute_flops(fits[i]))
     chosen = _fastest_fit(fits) if fits else None
-    if chosen is not None and chosen.options.checkpoint_every != base.checkpoint_every:
-        chosen = _with_chain_outputs(chosen, lambda o: _plan(
-            shape, step, o, compute_dtype, hbm_bytes, host_bytes,
-            keep=o.keep_activation_layers, advise=False, **args,
-        ))  # fmt: skip
     options_to_run = fitted if chosen is None else chosen.options
     return plan_memory(
         shape, step, options_to_run, compute_dtype, hbm_bytes, host_bytes, **where
@@ -539,12 +568,16 @@ def _with_chain_outputs(
     options = chosen.options
     if options is None or not chosen.shape.sdpa_attention or options.chain_attention_outputs:
         return chosen
+    if not _chain_layers_without_outputs(chosen):
+        return chosen  # (the chains read the forward's outputs: nothing to keep)
     best, least = chosen, recompute_flops(chosen)
     for n in range(1, options.checkpoint_every):
         trial = replan(options.resolved_again(options.options.with_(chain_attention_outputs=n)))
         if trial.options is None or trial.options.chain_attention_layers != n:
             break  # (the early-stop recompute off or inputs saved rounded: no chain outputs)
-        if trial.fits and recompute_flops(trial) < least:
+        if not trial.fits:
+            break  # (more outputs hold more at the peak)
+        if recompute_flops(trial) < least:
             best, least = trial, recompute_flops(trial)
     return best
 
