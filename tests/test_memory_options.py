@@ -3,6 +3,7 @@ yet that makes it fit, exact options before approximate ones."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from hf_megatrain.core.memory_options import (
     lightest_fit,
 )
 from hf_megatrain.core.options import EngineOptions, StepShape
+from hf_megatrain.core.plan_search import RECOMPUTE_TIE
 from hf_megatrain.core.planner import (
     GIB,
     MemoryPlanError,
@@ -307,3 +309,27 @@ def test_advice_when_nothing_fits():
     plan = plan_memory(_shape("qwen2.5-7b"), step, opts(), BF16, HBM, HOST)
     assert not plan.fits and plan.options_fit is None and plan.advice is None
     assert NOTHING_FITS_ADVICE in str(plan.problems[0])
+
+
+def test_auto_fit_weighs_each_set_with_its_chain_outputs():
+    """auto_fit's least recompute counts what each fitting set's chains could keep. At 425,984
+    tokens (PyTorch's kernels) the set it runs keeps chain outputs and recomputes less, by more
+    than a tie, than every exact set that fits without them (all planned here). (Against every
+    set with every chain count, 327,680-425,984 tokens: the same least; a probe, ~30 s a
+    length.)"""
+    shape = _shape("qwen2.5-7b")
+    seq = 425984
+    step = StepShape(seq_len=seq, micro_batch_tokens=seq)
+    asked = EngineOptions().resolve(clipping=True, cuda=True, single_backward=True)
+    plan, _ = plan_with_auto_fit(shape, step, asked, BF16, HBM, HOST)
+    assert plan.fits and plan.options.options.chain_attention_outputs > 0
+    base = MemoryOptions.of(asked)
+    without = math.inf  # the least recompute of the fitting sets without chain outputs
+    for o in candidates(base, seq):
+        if o.no_clip or o.boundary_dtype != base.boundary_dtype:
+            continue
+        trial = plan_memory(shape, step, o.applied(asked), BF16, HBM, HOST)
+        if trial.fits:
+            without = min(without, recompute_flops(trial))
+    scale = 6.0 * seq * sum(shape.layer_numels)
+    assert recompute_flops(plan) < without - RECOMPUTE_TIE * scale
