@@ -16,6 +16,7 @@ and the upper layers translate them into their own spelling.
 
 from __future__ import annotations
 
+import functools
 import math
 import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
@@ -590,6 +591,13 @@ class EngineOptions:
         )
 
 
+@functools.cache
+def _engine_field_set() -> frozenset[str]:
+    """EngineOptions' field names, once: ``ResolvedOptions`` reads raw options through them
+    (the planner's searches do so tens of thousands of times a second)."""
+    return frozenset(EngineOptions.field_names())
+
+
 @dataclass(frozen=True)
 class ResolvedOptions:
     """:class:`EngineOptions` with every derived rule applied, for one run."""
@@ -615,7 +623,7 @@ class ResolvedOptions:
 
     def __getattr__(self, name: str) -> Any:
         # Every raw option reads through (``resolved.mlp_tile_tokens``); derived ones above win.
-        if name != "options" and name in EngineOptions.field_names():
+        if name != "options" and name in _engine_field_set():
             return getattr(self.options, name)
         raise AttributeError(name)
 
