@@ -597,21 +597,40 @@ def _segment_peaks(
     chain_default: int,
 ) -> list[tuple[SegmentPeak, int]]:
     """Each segment's joint term (``segment_peak``) and its bytes per token, in layer order."""
-    n_layers = shape.num_layers
-    kept_from = n_layers - min(max(0, attention_layers), n_layers)
-    out = []
-    for first, last in _segments(n_layers, options.checkpoint_every):
-        inputs = max(2, last - first)
-        kept = max(0, last - kept_from + 1)
-        # The chain keeps outputs for its last layers; those with forward-kept ones it reads.
-        count = chain_counts.get(first, chain_default)
-        chain_span = range(max(first, last - min(count, last - first)), last)
-        chain = sum(1 for i in chain_span if i < kept_from)
-        per_token = inputs * 4 * shape.hidden_size + (kept + chain) * output_bytes_per_token
-        per_token -= kept_output_saving if last >= kept_from else 0
-        peak = SegmentPeak(first, last, last >= kept_from, inputs - 2, kept, chain)
-        out.append((peak, per_token))
-    return out
+    kept_from = shape.num_layers - min(max(0, attention_layers), shape.num_layers)
+    return [
+        _segment_term(
+            shape,
+            first,
+            last,
+            kept_from,
+            chain_counts.get(first, chain_default),
+            output_bytes_per_token,
+            kept_output_saving,
+        )  # fmt: skip
+        for first, last in _segments(shape.num_layers, options.checkpoint_every)
+    ]
+
+
+def _segment_term(
+    shape: ModelShape,
+    first: int,
+    last: int,
+    kept_from: int,
+    chain_count: int,
+    output_bytes_per_token: int,
+    kept_output_saving: int,
+) -> tuple[SegmentPeak, int]:
+    """One segment's joint term and its bytes per token: layers ``kept_from`` on keep their
+    forward outputs, the chain keeps ``chain_count`` of its last layers' (reading the
+    forward-kept ones)."""
+    inputs = max(2, last - first)
+    kept = max(0, last - kept_from + 1)
+    chain_span = range(max(first, last - min(chain_count, last - first)), last)
+    chain = sum(1 for i in chain_span if i < kept_from)
+    per_token = inputs * 4 * shape.hidden_size + (kept + chain) * output_bytes_per_token
+    per_token -= kept_output_saving if last >= kept_from else 0
+    return SegmentPeak(first, last, last >= kept_from, inputs - 2, kept, chain), per_token
 
 
 def chain_output_counts(
@@ -630,15 +649,20 @@ def chain_output_counts(
     n = options.chain_attention_layers if shape.sdpa_attention else 0
     if n <= 0:
         return {}
-    args = (shape, options, attention_layers, output_bytes_per_token, kept_output_saving)
-    uniform = _segment_peaks(*args, {}, n)
+    uniform = _segment_peaks(
+        shape, options, attention_layers, output_bytes_per_token, kept_output_saving, {}, n
+    )
     peak = max(b for _, b in uniform)
+    kept_from = shape.num_layers - min(max(0, attention_layers), shape.num_layers)
     counts = {}
     for seg, _ in uniform:
         count = n
         while count < seg.last - seg.first:
-            more = _segment_peaks(*args, {seg.first: count + 1}, n)
-            if next(b for p, b in more if p.first == seg.first) > peak:
+            _, more = _segment_term(
+                shape, seg.first, seg.last, kept_from, count + 1, output_bytes_per_token,
+                kept_output_saving,
+            )  # fmt: skip
+            if more > peak:
                 break
             count += 1
         counts[seg.first] = count
@@ -1037,12 +1061,20 @@ def segment_chain_counts(
         return {}
     if not _joint_segment_peak(options, kept_layers):
         return {first: n for first, _ in _segments(shape.num_layers, options.checkpoint_every)}
-    t = step.micro_batch_tokens
-    work = _working_set_line(shape, t, options.mlp_tile_tokens)
-    work_kept = _working_set_line(shape, t, options.mlp_tile_tokens, keeps_attention_output=True)
+    _, saving = _kept_output_working_set(shape, step.micro_batch_tokens, options.mlp_tile_tokens)
     per_token = attention_output_bytes_per_token(shape, dtype)
-    saving = (work.nbytes - work_kept.nbytes) // max(t, 1)
     return chain_output_counts(shape, options, attention_layers, per_token, saving)
+
+
+def _kept_output_working_set(
+    shape: ModelShape, t: int, tile: int, work: MemoryLine | None = None
+) -> tuple[MemoryLine, int]:
+    """Every layer recomputed: the working-set line of a layer that keeps its attention output,
+    and the bytes per token it holds less than ``work``, the line of one that does not (made
+    here when not given)."""
+    work = work if work is not None else _working_set_line(shape, t, tile)
+    work_kept = _working_set_line(shape, t, tile, keeps_attention_output=True)
+    return work_kept, (work.nbytes - work_kept.nbytes) // max(t, 1)
 
 
 def activation_lines(
@@ -1070,11 +1102,8 @@ def activation_lines(
     work = _working_set_line(shape, t, options.mlp_tile_tokens, not len(kept_layers))
     joint = None
     if _joint_segment_peak(options, len(kept_layers)):
-        work_kept = _working_set_line(
-            shape, t, options.mlp_tile_tokens, keeps_attention_output=True
-        )
-        saving = (work.nbytes - work_kept.nbytes) // max(t, 1)
-        counts = segment_chain_counts(shape, step, options, dtype, 0, attention_layers)
+        work_kept, saving = _kept_output_working_set(shape, t, options.mlp_tile_tokens, work)
+        counts = chain_output_counts(shape, options, attention_layers, per_token, saving)
         joint = segment_peak(
             shape, options, attention_layers, chain_layers, per_token, saving, counts
         )

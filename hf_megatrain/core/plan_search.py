@@ -452,9 +452,9 @@ def recompute_flops(plan: MemoryPlan) -> float:
         dense = 2.0 * t * numel
         total += dense
         total += 0.0 if i_layer in kept_outputs else attention
-        first = i_layer - i_layer % k
-        last = min(first + k, shape.num_layers) - 1
-        if k > 1 and i_layer < last:  # a chain layer
+        if _is_chain_layer(i_layer, k, shape.num_layers):
+            first = i_layer - i_layer % k
+            last = min(first + k, shape.num_layers) - 1
             chain_kept = i_layer >= last - chain.get(first, 0)
             total += dense + (0.0 if i_layer in kept_outputs or chain_kept else attention)
     return total
@@ -477,7 +477,13 @@ def _chain_layers_without_outputs(plan: MemoryPlan) -> int:
     if k <= 1 or not plan.shape.sdpa_attention:
         return 0
     kept = set(plan.attention_layer_indices) | set(plan.kept_layer_indices)
-    return sum(1 for i in range(n_layers - 1) if i % k != k - 1 and i not in kept)
+    return sum(1 for i in range(n_layers) if _is_chain_layer(i, k, n_layers) and i not in kept)
+
+
+def _is_chain_layer(i: int, every: int, n_layers: int) -> bool:
+    """Whether layer ``i`` is re-run by its checkpoint segment's chain (segments of ``every``:
+    every layer of one but its last)."""
+    return every > 1 and i % every != every - 1 and i != n_layers - 1
 
 
 #: Option sets within this fraction of the least recompute are equal to ``auto_fit``: the
@@ -485,10 +491,9 @@ def _chain_layers_without_outputs(plan: MemoryPlan) -> int:
 RECOMPUTE_TIE = 0.02
 
 
-def _fastest_fit(plans: list[MemoryPlan]) -> MemoryPlan:
-    """Of fitting plans, lightest first: the lightest whose recompute is within
-    ``RECOMPUTE_TIE`` of the least (of one forward and backward's FLOPs)."""
-    flops = [recompute_flops(p) for p in plans]
+def _fastest_fit(plans: list[MemoryPlan], flops: list[float]) -> MemoryPlan:
+    """Of fitting plans, lightest first, and their ``recompute_flops``: the lightest whose
+    recompute is within ``RECOMPUTE_TIE`` of the least (of one forward and backward's FLOPs)."""
     step = plans[0].step
     scale = 6.0 * step.micro_batch_tokens * sum(plans[0].shape.layer_numels) if step else 1.0
     least = min(flops)
@@ -537,20 +542,21 @@ def plan_with_auto_fit(
             fits.append(trial)
     # Segments auto_fit turns on keep their chains' outputs too: searched where that could beat
     # the least recompute found (each such output spares at most one attention forward).
-    least = min((recompute_flops(p) for p in fits), default=0.0)
-    bound = {id(p): recompute_flops(p) - _chain_layers_without_outputs(p) * _attention_flops(p)
-             for p in fits}  # fmt: skip
-    for i in sorted(range(len(fits)), key=lambda i: bound[id(fits[i])]):
-        trial = fits[i]
-        if bound[id(trial)] >= least:
+    flops = [recompute_flops(p) for p in fits]
+    least = min(flops, default=0.0)
+    bound = [
+        f - _chain_layers_without_outputs(p) * _attention_flops(p) for p, f in zip(fits, flops)
+    ]
+    for i in sorted(range(len(fits)), key=bound.__getitem__):
+        if bound[i] >= least:
             break
-        if trial.options.checkpoint_every != base.checkpoint_every:
-            fits[i] = _with_chain_outputs(trial, lambda ro: _plan(
+        if fits[i].options.checkpoint_every != base.checkpoint_every:
+            fits[i], flops[i] = _with_chain_outputs(fits[i], flops[i], lambda ro: _plan(
                 shape, step, ro, compute_dtype, hbm_bytes, host_bytes,
                 keep=ro.keep_activation_layers, advise=False, **args,
             ))  # fmt: skip
-            least = min(least, recompute_flops(fits[i]))
-    chosen = _fastest_fit(fits) if fits else None
+            least = min(least, flops[i])
+    chosen = _fastest_fit(fits, flops) if fits else None
     options_to_run = fitted if chosen is None else chosen.options
     return plan_memory(
         shape, step, options_to_run, compute_dtype, hbm_bytes, host_bytes, **where
@@ -558,28 +564,29 @@ def plan_with_auto_fit(
 
 
 def _with_chain_outputs(
-    chosen: MemoryPlan, replan: Callable[[ResolvedOptions], MemoryPlan]
-) -> MemoryPlan:
+    chosen: MemoryPlan, flops: float, replan: Callable[[ResolvedOptions], MemoryPlan]
+) -> tuple[MemoryPlan, float]:
     """Segments auto_fit turned on or lengthened: unless ``chain_attention_outputs`` is set,
     their chains also keep the attention outputs of as many of their layers as cut the
     recompute most while the step still fits (identical gradients; they may crowd out
     forward-kept outputs, which save more each, so the count is chosen by ``recompute_flops``,
-    not the most that fit)."""
+    not the most that fit). ``flops``: ``chosen``'s recompute; returns the plan and its."""
     options = chosen.options
     if options is None or not chosen.shape.sdpa_attention or options.chain_attention_outputs:
-        return chosen
+        return chosen, flops
     if not _chain_layers_without_outputs(chosen):
-        return chosen  # (the chains read the forward's outputs: nothing to keep)
-    best, least = chosen, recompute_flops(chosen)
+        return chosen, flops  # (the chains read the forward's outputs: nothing to keep)
+    best, least = chosen, flops
     for n in range(1, options.checkpoint_every):
         trial = replan(options.resolved_again(options.options.with_(chain_attention_outputs=n)))
         if trial.options is None or trial.options.chain_attention_layers != n:
             break  # (the early-stop recompute off or inputs saved rounded: no chain outputs)
         if not trial.fits:
             break  # (more outputs hold more at the peak)
-        if recompute_flops(trial) < least:
-            best, least = trial, recompute_flops(trial)
-    return best
+        trial_flops = recompute_flops(trial)
+        if trial_flops < least:
+            best, least = trial, trial_flops
+    return best, least
 
 
 def longest_auto_fit_row(
