@@ -10,6 +10,8 @@ Trains one config on the bundled corpus and tokenizer with:
   band: how far runs that should agree drift apart in this precision;
 * ``stock-seed`` (``--seed-run``): stock with another data order, for scale;
 * ``stock-repeat`` (``--repeat-stock``): stock again, unchanged (GPU kernels' nondeterminism);
+* ``stock-optim`` (``--optim-twin``): stock with torch's other AdamW implementation (fused vs
+  foreach): the same update rounded otherwise, as streamed's host AdamW rounds otherwise;
 * ``streamed``: ``HFMegaTrainer`` with every decoder layer streamed, same hyper-parameters.
 
 Writes ``loss_curves.csv`` (long format: run, step, loss) and ``loss_curves.png`` (the curves,
@@ -64,14 +66,17 @@ from hf_megatrain.text import build_chunks, load_tokenizer, read_texts, split_ch
 REFERENCE = "stock"
 BAND_RUN = "stock-accum"
 REPEAT_RUN = "stock-repeat"
+OPTIM_RUN = "stock-optim"
 SEED_RUN = "stock-seed"
 STREAMED = "streamed"
 #: Stock runs that differ from ``stock`` only in rounding: every pair of them is a sample of
 #: stock's own spread: ``stock``, the equivalent batchings (``stock-accum``: batch/2 x 2;
-#: ``stock-accum<k>``: batch/k x k) and ``stock-repeat``. ``stock-seed`` is not one: another
+#: ``stock-accum<k>``: batch/k x k), ``stock-repeat`` and ``stock-optim`` (the other torch AdamW
+#: kernel: at the parity test's seed 1 an fp32-ulp change of where AdamW runs moved a streamed
+#: curve as far as streamed was from stock). ``stock-seed`` is not one: another
 #: data order is another trajectory (8.8e-2 from stock vs a band of 6e-3 on the first H200
 #: measurement), it would make the band vacuous.
-STOCK_TWINS = (REFERENCE, BAND_RUN, REPEAT_RUN)
+STOCK_TWINS = (REFERENCE, BAND_RUN, REPEAT_RUN, OPTIM_RUN)
 #: Equivalent batchings of the band by default: batch/2 x 2 and batch/4 x 4. Two, not one
 #: batching plus ``stock-repeat``: where the GPU kernels are deterministic (Gemma-2's eager
 #: attention on the H200) a repeat is bitwise ``stock`` and the band was one pair.
@@ -170,6 +175,15 @@ class RunSpec:
     data_seed: int | None = None  # None: the run's seed
     #: Engine options of a streamed run beyond "every layer streamed" (bisecting a difference).
     options: tuple[tuple[str, object], ...] = ()
+    #: The Trainer's ``optim`` (None: its default).
+    optim: str | None = None
+
+
+def other_adamw() -> str:
+    """torch's AdamW kernel that the Trainer does not use by default (fused <-> foreach)."""
+    default = TrainingArguments.__dataclass_fields__["optim"].default
+    default = str(getattr(default, "value", default))  # an OptimizerNames or its string
+    return "adamw_torch" if default == "adamw_torch_fused" else "adamw_torch_fused"
 
 
 def parse_variant(text: str) -> RunSpec:
@@ -191,6 +205,7 @@ def default_runs(
     seed: int = 0,
     repeat_stock: bool = False,
     band_accums: tuple[int, ...] = BAND_ACCUMS,
+    optim_twin: bool = False,
 ) -> list[RunSpec]:
     """stock, its equivalent-batching twins (the band: batch/k x k for each k of
     ``band_accums``), optionally stock again and another data order, then streamed."""
@@ -208,6 +223,8 @@ def default_runs(
         runs.append(RunSpec(SEED_RUN, False, batch, data_seed=seed + 1))
     if repeat_stock:  # the same run again: what GPU kernels' nondeterminism alone does
         runs.append(RunSpec(REPEAT_RUN, False, batch))
+    if optim_twin:  # the same update from the other AdamW kernel: fp32 roundings only
+        runs.append(RunSpec(OPTIM_RUN, False, batch, optim=other_adamw()))
     runs.append(RunSpec(STREAMED, True, batch))
     return runs
 
@@ -262,6 +279,7 @@ def train_run(
         disable_tqdm=True,
         use_cpu=cpu,
         dataloader_num_workers=0,
+        **({"optim": spec.optim} if spec.optim else {}),
         **extra,
     )
     if args.n_gpu > 1:  # one device, as HFMegaTrainer: no DataParallel scaling the batch
@@ -519,6 +537,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed-run", action="store_true", help="also stock with another data order")
     p.add_argument("--repeat-stock", action="store_true", help="also stock again, unchanged")
     p.add_argument(
+        "--optim-twin",
+        action="store_true",
+        help="also stock with torch's other AdamW kernel (fused vs foreach), a band twin",
+    )
+    p.add_argument(
         "--band-accums",
         default=",".join(map(str, BAND_ACCUMS)),
         help="the band's equivalent batchings: batch/k x k for each k (comma-separated)",
@@ -567,7 +590,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     accums = tuple(int(k) for k in a.band_accums.split(",") if k.strip())
-    runs = default_runs(a.batch, a.seed_run, a.seed, a.repeat_stock, accums)
+    runs = default_runs(a.batch, a.seed_run, a.seed, a.repeat_stock, accums, a.optim_twin)
     runs += [dataclasses.replace(parse_variant(v), batch=a.batch) for v in a.variant]
     losses = run_all(
         config, runs, steps=a.steps, seq_len=a.seq_len, bf16=bf16, cpu=cpu, out_dir=out,

@@ -61,6 +61,7 @@ def _engine_options(command: str):
         stream_fp32_master="--stream-fp32-master" in command,
         hbm_cast_weights="--hbm-cast-weights" in command,
         device_update_lead=int(_flag(command, "--device-update-lead") or 0),
+        autocast_kernels="--no-autocast-kernels" not in command,
         keep_activations="off",
     )
 
@@ -91,6 +92,9 @@ COMPACT_GRADS_SINCE = "2026-12-03T12:50"
 DEVICE_UPDATES_SINCE = "2026-12-03T20:30"
 #: ... until here: from then on ``device_update_lead`` is 0 unless the command sets it.
 DEVICE_UPDATES_UNTIL = "2026-12-04T13:00"
+#: Rows from here on ran autocast_kernels' shared input casts (82a15e0; kept layers save one
+#: bf16 cast per normed input, not one per linear) unless the command turned them off.
+AUTOCAST_KERNELS_SINCE = "2026-12-04T07:48"
 MOE_FUSED_LOSS_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"})
 
 
@@ -135,6 +139,8 @@ def plan_row(row: dict):
         engine = engine.with_(device_update_lead=0)
     elif date < DEVICE_UPDATES_UNTIL and "--device-update-lead" not in command:
         engine = engine.with_(device_update_lead=2)  # that time's default
+    if date < AUTOCAST_KERNELS_SINCE:
+        engine = engine.with_(autocast_kernels=False)
     dp = re.search(r"-dp(\d+)$", row["system"])  # bench_dp rows: the host total of N ranks
     options = engine.with_(keep_activations=str(kept)).resolve(
         clipping="--no-clip" not in command,

@@ -81,6 +81,14 @@
 #              mistral at 4k-256k, moe 256k; `validation_matrix.py --dry-run` lists them), without
 #              liger-kernel as dev/matrix_gpu.sh runs them: rows and matrix.md in results/matrix.
 #              ~15 min by the dry run's estimate.
+#   matrixcasts the validation matrix's qwen3 and mistral cells at 4k, 32k and 128k again, planned
+#              with autocast_kernels' shared casts counted in kept layers (since 2026-12-04: at
+#              128k one more kept layer each; at 4k and 32k the same placement, expected 5-11
+#              GiB lower). ~6 min.
+#   seed1optim the parity Llama at seed 1 (math SDPA) with the 8 x 1 twin and stock trained by
+#              torch's other AdamW kernel (loss_curves.py --optim-twin) in the band: whether
+#              stock's own fp32-ulp change moves it as far as streamed's host AdamW moved the
+#              streamed curve (seed1bisect: every-layer-in-HBM 2e-3 from streamed). ~3 min.
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
@@ -239,6 +247,19 @@ item() {  # item <name>: one queue item
       PYTHONPATH=/tmp/site_noliger:$PWD python3 benchmarks/validation_matrix.py --summarize \
         "$work/results/matrix/results.csv" --tag matrix-h200 \
         --markdown "$work/results/matrix/matrix.md" >/dev/null 2>&1
+      ;;
+    matrixcasts)  # (a site without liger-kernel, as matrix9)
+      compgen -G ".whl/*.whl" | grep -v liger_kernel | xargs -r python3 -m pip install -q \
+        --no-index --no-deps --target /tmp/site_noliger >/dev/null 2>&1
+      PYTHONPATH=/tmp/site_noliger:$PWD timeout 900 python3 benchmarks/validation_matrix.py \
+        --cells qwen3:4k,qwen3:32k,qwen3:128k,mistral:4k,mistral:32k,mistral:128k \
+        --max-wall-s 800 --tag matrix-h200 --results-dir "$work/results/matrix" 2>&1 \
+        | grep -aE "^(matrix|Traceback|[A-Za-z.]*Error)"
+      ;;
+    seed1optim)
+      timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
+        --steps 150 --bf16 --band-accums 2,4,8 --optim-twin --seed 1 --sdpa-backend math \
+        --no-plot --out "$work/results/seed1optim" 2>&1 | grep -v '^DEBUG' | tail -8
       ;;
     old8b)  # long8b on the tree of $OLD_COMMIT, unpacked (git archive) into the carried .abold
       (cd .abold && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \

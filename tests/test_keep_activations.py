@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import inspect
+from contextlib import nullcontext
 
 import pytest
 import torch
 
+from hf_megatrain.core.autocast_kernels import AutocastKernels
 from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import ModelShape, plan_memory
 from hf_megatrain.hf.model import SUPPORTED_MODEL_TYPES, keep_activations
@@ -103,7 +105,7 @@ def test_keep_activations_refuses_streamed_layers(tmp_path):
 
 
 def test_planner_keeps_what_hbm_leaves():
-    h, i, kv = 1536, 8960, 256
+    h, i, kv = 1536, 10240, 256
     shape = ModelShape((50_000_000,) * 28, 200_000_000, h, 151_936, i, kv_size=kv)
     step = StepShape(seq_len=4096, micro_batch_tokens=32768)
 
@@ -111,7 +113,9 @@ def test_planner_keeps_what_hbm_leaves():
         engine = EngineOptions(keep_activations=keep, **changes)
         return engine.resolve(clipping=True, cuda=True)
 
-    per_layer = 32768 * (26 * h + 4 * kv + 8 * i + 8)  # (no head_dim here: no per-head term)
+    # (no head_dim here: no per-head term; autocast_kernels' shared casts, the default, save
+    # one bf16 cast per normed input, 2 x 2h, where autocast makes one per linear, 5 x 2h)
+    per_layer = 32768 * (26 * h - 6 * h + 4 * kv + 8 * i + 8)
     roomy = plan_memory(shape, step, opts("auto"), torch.bfloat16, 139 * 2**30, 200 * 2**30)
     assert roomy.n_hbm == 28 and roomy.kept_layers > 0
     assert roomy.kept_layer_indices == list(range(28 - roomy.kept_layers, 28))
@@ -190,14 +194,17 @@ def test_kept_activations_with_other_engine_options(tmp_path, extra):
         assert torch.equal(a[k], v), k
 
 
+@pytest.mark.parametrize("shared_casts", [False, True], ids=["autocast", "shared-casts"])
 @pytest.mark.parametrize("arch", sorted(SUPPORTED_MODEL_TYPES))
-def test_kept_bytes_per_token_match_saved_tensors(arch):
+def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
     """The planner's per-token bytes of a kept layer against what autograd really saves: one
     decoder layer under bf16 autocast (bf16 weights, fp32 residual input, SDPA), every tensor
     saved for backward counted once per storage, minus the layer input, the weights and the
     shared RoPE tables: exactly the planner's count for the Llama family (Qwen3's tiny config
     has head_dim 8, so its query width, 4 x 8, is not the hidden size, and it normalizes q and k
-    per head); Granite, SmolLM3 and Seed-OSS layers are Llama's; Gemma3's four fp32 norms have
+    per head); with autocast_kernels' shared input casts (the engine's default) q/k/v and
+    gate/up save one cast of their input each, as the count with ``shared_casts`` says;
+    Granite, SmolLM3 and Seed-OSS layers are Llama's; Gemma3's four fp32 norms have
     terms of their own; Phi-3's fused projections save a little less. The MoE families save more
     than the count (router, expert dispatch): they must not be marked audited, and "auto" then
     plans no kept activations for them, as for the families not measured here."""
@@ -209,7 +216,7 @@ def test_kept_bytes_per_token_match_saved_tensors(arch):
                       num_key_value_heads=2, num_hidden_layers=layers)  # fmt: skip
     model = tiny_model(cfg)
     shape = model_shape(model)
-    planned = kept_activation_bytes_per_token(shape)
+    planned = kept_activation_bytes_per_token(shape, shared_casts)
     if not shape.kept_bytes_audited:
         # Not audited (the MoE families save more than the count; the other families' layers
         # were not measured against it): "auto" plans no kept activations for them.
@@ -238,7 +245,9 @@ def test_kept_bytes_per_token_match_saved_tensors(arch):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
+            casts = AutocastKernels("cpu", torch.bfloat16) if shared_casts else nullcontext()
+            with casts:
+                layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
     shared = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *layer.parameters())}
     per_token = sum(n for ptr, n in saved.items() if ptr not in shared) / tokens
     if arch == "phi3":

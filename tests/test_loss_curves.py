@@ -227,3 +227,25 @@ def test_odd_batch_and_bf16_on_cpu_are_refused(tmp_path):
         loss_curves.default_runs(7)
     with pytest.raises(SystemExit, match="needs a GPU"):
         loss_curves.main(["--tiny", "--bf16", "--device", "cpu", "--no-plot"])
+
+
+def test_optim_twin_is_stock_with_the_other_adamw_kernel(tmp_path, monkeypatch):
+    """``--optim-twin``: one more stock twin trained by torch's other AdamW kernel (fused vs
+    foreach), in the band; in fp32 it follows stock to rounding."""
+    used = {}
+
+    class Recording(loss_curves.Trainer):
+        def __init__(self, *a, args=None, **kw):
+            used[args.output_dir.rsplit("/", 1)[-1]] = str(getattr(args.optim, "value", args.optim))
+            super().__init__(*a, args=args, **kw)
+
+    monkeypatch.setattr(loss_curves, "Trainer", Recording)
+    argv = ["--family", "llama", "--tiny", "--steps", "3", "--seq-len", "32", "--fp32",
+            "--device", "cpu", "--lr", "3e-3", "--band-accums", "2", "--optim-twin",
+            "--no-plot", "--out", str(tmp_path)]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary = loss_curves.main(argv)
+    other = loss_curves.other_adamw()
+    assert used[loss_curves.OPTIM_RUN] == other != used["stock"]
+    assert loss_curves.is_stock_twin(loss_curves.OPTIM_RUN)
+    assert summary[loss_curves.OPTIM_RUN]["max_rel"] < 1e-5

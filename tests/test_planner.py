@@ -462,6 +462,25 @@ def test_plan_cli_hbm_cast_weights(capsys):
     assert "activations kept, no recompute: layers 24-27" in out
 
 
+def test_plan_cli_counts_the_shared_casts_of_kept_layers(capsys):
+    """``plan`` takes autocast_kernels: on (the default) a kept layer saves one bf16 cast per
+    normed input (q/k/v share one, gate/up one), off one per linear: 6 x hidden B per token
+    more."""
+    import re
+
+    from hf_megatrain.cli import main
+
+    argv = ["plan", "benchmarks/configs/qwen2.5-7b", "--seq-len", "4096", "--tokens-per-step",
+            "8192", "--hbm-gib", "137", "--host-gib", "120", "--no-search",
+            "--layer-kernels", "torch", "--hbm-cast-weights"]  # fmt: skip
+    per_token = {}
+    for flag in ("--autocast-kernels", "--no-autocast-kernels"):
+        assert main([*argv, flag]) == 0
+        out = capsys.readouterr().out
+        per_token[flag] = int(re.search(r"kept activations of .* x (\d+) B each", out)[1])
+    assert per_token["--no-autocast-kernels"] - per_token["--autocast-kernels"] == 6 * 3584
+
+
 def test_advice_names_options_through_the_callers_namer(qwen7b):
     """Advice carries the option changes as fields and values; each layer spells them: field
     names in the core, its arguments in the HF layer, flags in ``plan``. The table's own lines

@@ -466,7 +466,30 @@ def attention_output_line(
     )
 
 
-def kept_activation_bytes_per_token(shape: ModelShape) -> int:
+def shares_input_casts(options: ResolvedOptions, dtype: torch.dtype) -> bool:
+    """Whether the layers run with autocast_kernels' shared input casts (a 16-bit compute
+    dtype: autocast on; the option on)."""
+    return bool(options.autocast_kernels) and dtype in (torch.bfloat16, torch.float16)
+
+
+def shared_cast_saving_per_token(shape: ModelShape) -> int:
+    """Bytes per token a kept layer's saved casts shrink by with shared input casts: the
+    normed inputs' readers (``normed_input_linears``, 5 for q/k/v and gate/up) cast once per
+    input (2) instead of once per linear, 2h each. Measured on the CPU: a kept layer's saved
+    tensors exactly this much less (tests/test_keep_activations.py); on the H200 the validation
+    matrix's kept-layer cells (Qwen3-1.7B and H2O-Danube-1.8B at 4k-32k, every layer kept,
+    compiled kernels) peaked 8.5h per token and kept layer under plans that counted a cast per
+    linear (95.21 GiB against 110.58 for the same plan before the shared casts).
+
+    Only the kept line counts it. A recomputed layer's backward peak also holds 6h less on the
+    CPU (tests/test_plan_accuracy.py), but on the H200 the H2O-Danube-1.8B cell at 262,144 tokens
+    (every layer recomputed, shared casts) reserved 121.86 GiB against 125.35 planned with a cast
+    per linear: without the 3.75 GiB of casts the plan would sit 0.2% under that peak. The GPU's
+    peak does not show the whole saving there, so the working sets keep their casts."""
+    return 2 * shape.hidden_size * max(0, shape.normed_input_linears - 2)
+
+
+def kept_activation_bytes_per_token(shape: ModelShape, shared_casts: bool = False) -> int:
     """Bytes a decoder layer's autograd graph saves per token when it is not recomputed.
 
     Counted for a pre-norm attention + gated-MLP layer (Llama/Qwen2 family) under bf16 autocast
@@ -511,6 +534,8 @@ def kept_activation_bytes_per_token(shape: ModelShape) -> int:
         # (2i; down_proj still saves the product as its input). Measured on the H200 for a
         # Qwen2.5-1.5B-wide layer: 82,486 B/token against 82,488 counted here.
         total -= 8 * h + 2 * i + (4 * q + 4 * kv if shape.qk_norm else 0)
+    if shared_casts:  # one bf16 cast per normed input instead of one per linear
+        total -= shared_cast_saving_per_token(shape)
     return total
 
 

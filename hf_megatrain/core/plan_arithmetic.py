@@ -39,6 +39,7 @@ from .activation_memory import (
     estimate_line,
     kept_activation_bytes_per_token,
     saved_layers_label,
+    shares_input_casts,
 )
 from .engine.staging import GRAD_STAGING_SLOTS
 from .host_store import device_layer_bytes, layer_store_bytes
@@ -230,7 +231,7 @@ def gpu_lines(
         # A kept layer's graph holds its fp32 input itself, also where the boundary line
         # counts it rounded to bf16.
         per_token = (
-            kept_activation_bytes_per_token(shape)
+            kept_activation_bytes_per_token(shape, shares_input_casts(options, dtype))
             + (4 - options.boundary_bytes_per_element) * shape.hidden_size
         )
         lines.append(

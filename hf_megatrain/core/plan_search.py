@@ -49,6 +49,9 @@ PLANNED_OPTIONS = (
     "mlp_tile_tokens",
     "offload_activations",
     "boundary_dtype",
+    # (kept layers save one bf16 cast per normed input with the shared casts, one per linear
+    # without)
+    "autocast_kernels",
     # (which options a plan that does not fit may add)
     "auto_fit",
     # (through the model shape: Liger's fused kernels save less for backward; FlexAttention

@@ -60,6 +60,10 @@ class ModelShape:
     # Whether RMSNorm and the gated MLP run as fused kernels (Liger-Kernel) that save their
     # inputs only, not their intermediate products (fewer kept-activation bytes).
     fused_layer_kernels: bool = False
+    # Linears of one decoder layer that read the fp32 residual stream's normed inputs (q, k, v,
+    # gate, up: 5; Phi-3's fused qkv and gate-up: 2). Under autocast each saves its own bf16
+    # cast of its input (2h per token); with autocast_kernels' shared casts one per input.
+    normed_input_linears: int = 5
     # Whether ``kept_activation_bytes_per_token`` is audited for this layer family (exact or
     # above autograd's saved tensors, tests/test_keep_activations.py). When not (Gemma3, the
     # MoE families) "auto" plans no kept activations rather than risk running out of memory.

@@ -253,6 +253,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     mlp = getattr(layers[0], "mlp", None) if layers else None
     compiled = bool(layers) and all(is_compiled_forward(getattr(x, "mlp", None)) for x in layers)
     fused = _liger_patched(mlp) or compiled
+    input_linears = _normed_input_linears(layers[0], text_cfg.hidden_size) if layers else 5
     window, full = attention_windows(text_cfg)
     types = getattr(text_cfg, "layer_types", None) or ()
     # Which layers attend through the window (their kept copies of its mask are planned).
@@ -293,6 +294,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         qk_norm=_q_norm(attention) is not None,
         qk_norm_fp32_output=attention is not None and _widens_to_fp32(attention),
         fused_layer_kernels=fused,
+        normed_input_linears=input_linears,
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
         hidden_size=text_cfg.hidden_size,
@@ -343,6 +345,27 @@ def _forward_source(cls: type) -> str:
         return inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return ""
+
+
+#: Last name parts of the linears that write a layer's branch outputs back to the hidden width
+#: (their inputs are the attention output or the MLP's product, already in the compute dtype).
+_OUTPUT_PROJECTIONS = frozenset(
+    {"o_proj", "down_proj", "out_proj", "dense", "c_proj", "wo", "w2", "fc2", "dense_4h_to_h"}
+)
+
+
+def _normed_input_linears(layer: nn.Module, hidden: int) -> int:
+    """Linears of ``layer`` that read the hidden-width normed inputs (``normed_input_linears``):
+    every ``in_features == hidden`` linear but the output projections, at most the 5 the
+    kept-activation count assumes (routed experts hold their weights otherwise: not counted).
+    None found (projections of another kind): 2, which takes nothing off."""
+    n = sum(
+        1
+        for name, module in layer.named_modules()
+        if getattr(module, "in_features", None) == hidden
+        and name.rpartition(".")[2] not in _OUTPUT_PROJECTIONS
+    )
+    return min(n, 5) if n else 2
 
 
 def _mlp_width(layer: nn.Module) -> int:

@@ -21,6 +21,7 @@ from torch import nn
 from ..core.activation_memory import (
     attention_output_bytes_per_token,
     kept_activation_bytes_per_token,
+    shares_input_casts,
 )
 from ..core.builder import move_to_host_tier
 from ..core.oom_recovery import (
@@ -104,7 +105,8 @@ def _holdings(model: nn.Module) -> StepHoldings:
     first = False
     if plan is not None and plan.step is not None:
         tokens = plan.step.micro_batch_tokens
-        kept_bytes = tokens * kept_activation_bytes_per_token(plan.shape)
+        shared = plan.options is not None and shares_input_casts(plan.options, plan.compute_dtype)
+        kept_bytes = tokens * kept_activation_bytes_per_token(plan.shape, shared)
         attention_bytes = tokens * attention_output_bytes_per_token(plan.shape, plan.compute_dtype)
         first = tokens >= ATTENTION_FIRST_TOKENS
     return StepHoldings(tier, kept, kept_bytes, attention, attention_bytes, first)
