@@ -264,3 +264,19 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
         assert per_token * tokens == planned * tokens + per_layer, (per_token, planned)
     else:  # the MoE families: router and expert dispatch save more than the count
         assert per_token > planned, (per_token, planned)
+
+
+@pytest.mark.parametrize(("arch", "linears"), [("llama", 5), ("qwen3", 5), ("phi3", 2)])
+def test_normed_input_linears_count_each_projection_once(arch, linears):
+    """The linears reading a layer's normed inputs (whose bf16 casts autocast_kernels shares):
+    q/k/v and gate/up, or Phi-3's fused qkv and gate-up; a LoRA-wrapped projection (its wrapper,
+    base layer and adapter all take the hidden width) still counts once."""
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415
+
+    from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
+
+    model = tiny_model(tiny_config(arch))
+    assert model_shape(model).normed_input_linears == linears
+    targets = ["qkv_proj", "gate_up_proj"] if arch == "phi3" else ["q_proj", "v_proj", "up_proj"]
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=targets))
+    assert model_shape(lora).normed_input_linears == linears

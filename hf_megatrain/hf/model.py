@@ -358,14 +358,18 @@ def _normed_input_linears(layer: nn.Module, hidden: int) -> int:
     """Linears of ``layer`` that read the hidden-width normed inputs (``normed_input_linears``):
     every ``in_features == hidden`` linear but the output projections, at most the 5 the
     kept-activation count assumes (routed experts hold their weights otherwise: not counted).
-    None found (projections of another kind): 2, which takes nothing off."""
-    n = sum(
-        1
-        for name, module in layer.named_modules()
-        if getattr(module, "in_features", None) == hidden
-        and name.rpartition(".")[2] not in _OUTPUT_PROJECTIONS
-    )
-    return min(n, 5) if n else 2
+    A wrapped projection (PEFT's LoRA layer around its base) counts once. None found
+    (projections of another kind): 2, which takes nothing off."""
+    counted: list[str] = []
+    for name, module in layer.named_modules():
+        if getattr(module, "in_features", None) != hidden:
+            continue
+        if name.rpartition(".")[2] in _OUTPUT_PROJECTIONS:
+            continue
+        if any(name.startswith(f"{c}.") for c in counted):
+            continue  # inside a counted wrapper
+        counted.append(name)
+    return min(len(counted), 5) if counted else 2
 
 
 def _mlp_width(layer: nn.Module) -> int:
