@@ -85,6 +85,8 @@
 #              with autocast_kernels' shared casts counted in kept layers (since 2026-12-04: at
 #              128k one more kept layer each; at 4k and 32k the same placement, expected 5-11
 #              GiB lower). ~6 min.
+#   keptgpu    tests/test_gpu.py's kept-activation memory cases: the kept layers' saves per token
+#              against the plan's count with the shared casts (one bf16 cast per normed input).
 #   seed1optim the parity Llama at seed 1 (math SDPA) with the 8 x 1 twin and stock trained by
 #              torch's other AdamW kernel (loss_curves.py --optim-twin) in the band: whether
 #              stock's own fp32-ulp change moves it as far as streamed's host AdamW moved the
@@ -255,6 +257,10 @@ item() {  # item <name>: one queue item
         --cells qwen3:4k,qwen3:32k,qwen3:128k,mistral:4k,mistral:32k,mistral:128k \
         --max-wall-s 800 --tag matrix-h200 --results-dir "$work/results/matrix" 2>&1 \
         | grep -aE "^(matrix|Traceback|[A-Za-z.]*Error)"
+      ;;
+    keptgpu)
+      timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q -s \
+        -k "kept_activation_memory" 2>&1 | grep -aE "kept bytes|passed|failed|Error" | tail -8
       ;;
     seed1optim)
       timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
