@@ -87,6 +87,8 @@
 #              GiB lower). ~6 min.
 #   keptgpu    tests/test_gpu.py's kept-activation memory cases: the kept layers' saves per token
 #              against the plan's count with the shared casts (one bf16 cast per normed input).
+#   wsgpu      tests/test_gpu.py's untiled working-set cases (Qwen3-1.7B- and Danube-wide layers,
+#              PyTorch's and compiled kernels): the measured per-token peak against the line.
 #   seed1optim the parity Llama at seed 1 (math SDPA) with the 8 x 1 twin and stock trained by
 #              torch's other AdamW kernel (loss_curves.py --optim-twin) in the band: whether
 #              stock's own fp32-ulp change moves it as far as streamed's host AdamW moved the
@@ -261,6 +263,10 @@ item() {  # item <name>: one queue item
     keptgpu)
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q -s \
         -k "kept_activation_memory" 2>&1 | grep -aE "kept bytes|passed|failed|Error" | tail -8
+      ;;
+    wsgpu)
+      timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q -s \
+        -k "untiled_working_set" 2>&1 | grep -aE "working set per token|passed|failed|Error" | tail -8
       ;;
     seed1optim)
       timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
