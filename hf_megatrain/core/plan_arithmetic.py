@@ -230,13 +230,15 @@ def gpu_lines(
     if kept:
         # A kept layer's graph holds its fp32 input itself, also where the boundary line
         # counts it rounded to bf16.
+        shared = shares_input_casts(options, dtype)
         per_token = (
-            kept_activation_bytes_per_token(shape, shares_input_casts(options, dtype))
+            kept_activation_bytes_per_token(shape, shared)
             + (4 - options.boundary_bytes_per_element) * shape.hidden_size
         )
+        casts = ", one bf16 cast per normed input" if shared else ""
         lines.append(
             estimate_line(
-                f"kept activations of {kept} HBM-tier layers (no recompute): "
+                f"kept activations of {kept} HBM-tier layers (no recompute{casts}): "
                 f"{step.micro_batch_tokens} tokens x {per_token} B each (estimate)",
                 kept * step.micro_batch_tokens * per_token,
                 KEPT_ACTIVATIONS_KIND,
