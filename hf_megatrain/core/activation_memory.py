@@ -658,6 +658,12 @@ def _segment_term(
     return SegmentPeak(first, last, last >= kept_from, inputs - 2, kept, chain), per_token
 
 
+def _chain_layers(shape: ModelShape, options: ResolvedOptions) -> int:
+    """How many of a segment chain's last layers keep their attention outputs as asked (only
+    PyTorch SDPA's fused kernels' outputs are kept)."""
+    return options.chain_attention_layers if shape.sdpa_attention else 0
+
+
 def chain_output_counts(
     shape: ModelShape,
     options: ResolvedOptions,
@@ -671,7 +677,7 @@ def chain_output_counts(
     more, up to all its chain layers, as long as it stays at or under the peak: the same peak,
     fewer attention kernels run again. Offloaded fp32 boundaries only (``segment_peak``'s
     accounting); {} where there is no chain to keep outputs."""
-    n = options.chain_attention_layers if shape.sdpa_attention else 0
+    n = _chain_layers(shape, options)
     if n <= 0:
         return {}
     uniform = _segment_peaks(
@@ -1081,7 +1087,7 @@ def segment_chain_counts(
     attention outputs, as the plan counts them and the engine keeps them: filled per segment up
     to the joint peak where the plan counts one (``chain_output_counts``), else
     ``chain_attention_outputs`` each; {} without chain outputs."""
-    n = options.chain_attention_layers if shape.sdpa_attention else 0
+    n = _chain_layers(shape, options)
     if n <= 0:
         return {}
     if not _joint_segment_peak(options, kept_layers):
@@ -1121,7 +1127,7 @@ def activation_lines(
     # saved input cast back to fp32, one more tokens x hidden x 4 B tensor while it runs.
     cast_back = 4 if b < 4 else 0
     per_token = attention_output_bytes_per_token(shape, dtype)
-    chain_layers = options.chain_attention_layers if shape.sdpa_attention else 0
+    chain_layers = _chain_layers(shape, options)
     # A layer's backward working set (layers keeping activations: the earlier, summed
     # calibration, see the loss's lines), and where the layer keeps its attention output.
     work = _working_set_line(shape, t, options.mlp_tile_tokens, not len(kept_layers))

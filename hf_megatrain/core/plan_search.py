@@ -531,16 +531,19 @@ def plan_with_auto_fit(
         hbm_layers=None, reserve_bytes=0, input_model_bytes=0, ranks=1,
         host_margin_bytes=DEFAULT_HOST_MARGIN,
     ) | where  # fmt: skip
+
+    def replan(ro: ResolvedOptions) -> MemoryPlan:  # (no advice: only whether it fits, and how)
+        return _plan(
+            shape, step, ro, compute_dtype, hbm_bytes, host_bytes,
+            keep=ro.keep_activation_layers, advise=False, **args,
+        )  # fmt: skip
+
     fits = []
     for o in candidates(base, step.micro_batch_tokens):
         lighter = o.cost(base) < lightest.cost(base)  # (lighter ones do not fit)
         if lighter or not _auto_fit_allows(o, base, approximate):
             continue
-        applied = o.applied(options)
-        trial = _plan(
-            shape, step, applied, compute_dtype, hbm_bytes, host_bytes,
-            keep=applied.keep_activation_layers, advise=False, **args,
-        )  # fmt: skip
+        trial = replan(o.applied(options))
         if trial.fits:
             fits.append(trial)
     # Segments auto_fit turns on keep their chains' outputs too: searched where that could beat
@@ -554,10 +557,7 @@ def plan_with_auto_fit(
         if bound[i] >= least:
             break
         if fits[i].options.checkpoint_every != base.checkpoint_every:
-            fits[i], flops[i] = _with_chain_outputs(fits[i], flops[i], lambda ro: _plan(
-                shape, step, ro, compute_dtype, hbm_bytes, host_bytes,
-                keep=ro.keep_activation_layers, advise=False, **args,
-            ))  # fmt: skip
+            fits[i], flops[i] = _with_chain_outputs(fits[i], flops[i], replan)
             least = min(least, flops[i])
     chosen = _fastest_fit(fits, flops) if fits else None
     options_to_run = fitted if chosen is None else chosen.options
