@@ -103,6 +103,7 @@ def plan_row(row: dict):
     import torch
 
     from benchmarks import bench
+    from hf_megatrain.cli_plan import compiled_kernels_of
     from hf_megatrain.core.options import EngineOptions, StepShape
     from hf_megatrain.core.planner import GIB, plan_memory
     from hf_megatrain.hf.attention import planned_attention
@@ -126,6 +127,8 @@ def plan_row(row: dict):
     fused_notes = ("Liger-Kernel layer kernels", "compiled layer kernels")
     if "--liger" in command.split() or any(n in note for n in fused_notes):
         shape = replace(shape, fused_layer_kernels=True)
+    if "compiled layer kernels" in note and "--liger" not in command.split():
+        shape = replace(shape, compiled_norms=compiled_kernels_of(cfg)[1])
     seq = int(row["seq_len"])
     micro = int(row["micro_batch"])
     step = StepShape(seq_len=seq, micro_batch_tokens=micro * seq, grad_accum=int(row["grad_accum"]))

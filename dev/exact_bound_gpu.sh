@@ -84,7 +84,9 @@
 #   matrixcasts the validation matrix's qwen3 and mistral cells at 4k, 32k and 128k again, planned
 #              with autocast_kernels' shared casts counted in kept layers (since 2026-12-04: at
 #              128k one more kept layer each; at 4k and 32k the same placement, expected 5-11
-#              GiB lower). ~6 min.
+#              GiB lower), and qwen3 at 256k, whose recomputed layers' working set now counts
+#              the compiled norms, the shared casts and the kept outputs (25-26 HBM-tier layers
+#              where it kept 12). ~9 min.
 #   keptgpu    tests/test_gpu.py's kept-activation memory cases: the kept layers' saves per token
 #              against the plan's count with the shared casts (one bf16 cast per normed input).
 #   wsgpu      tests/test_gpu.py's untiled working-set cases (Qwen3-1.7B- and Danube-wide layers,
@@ -255,9 +257,9 @@ item() {  # item <name>: one queue item
     matrixcasts)  # (a site without liger-kernel, as matrix9)
       compgen -G ".whl/*.whl" | grep -v liger_kernel | xargs -r python3 -m pip install -q \
         --no-index --no-deps --target /tmp/site_noliger >/dev/null 2>&1
-      PYTHONPATH=/tmp/site_noliger:$PWD timeout 900 python3 benchmarks/validation_matrix.py \
-        --cells qwen3:4k,qwen3:32k,qwen3:128k,mistral:4k,mistral:32k,mistral:128k \
-        --max-wall-s 800 --tag matrix-h200 --results-dir "$work/results/matrix" 2>&1 \
+      PYTHONPATH=/tmp/site_noliger:$PWD timeout 1100 python3 benchmarks/validation_matrix.py \
+        --cells qwen3:4k,qwen3:32k,qwen3:128k,qwen3:256k,mistral:4k,mistral:32k,mistral:128k \
+        --max-wall-s 1000 --tag matrix-h200 --results-dir "$work/results/matrix" 2>&1 \
         | grep -aE "^(matrix|Traceback|[A-Za-z.]*Error)"
       ;;
     keptgpu)

@@ -168,25 +168,30 @@ def _planned_layer_kernels(setting: str, liger: bool, model_type: str):
     )
 
 
-def _compiled_fuses_mlp(cfg) -> bool:
+def compiled_kernels_of(cfg) -> tuple[bool, bool]:
+    """Whether the compiled kernels would fuse ``cfg``'s MLPs and run every norm of its layers
+    (probed on the config's meta model)."""
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from .hf.compiled_kernels import fuses_mlp  # noqa: PLC0415
+    from .hf.compiled_kernels import compiles_norms, fuses_mlp  # noqa: PLC0415
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    return fuses_mlp(model)
+    return fuses_mlp(model), compiles_norms(model)
 
 
 def planned_kernel_shape(cfg, name: str, layer_kernels: str = "auto", liger: bool = False):
     """The model shape a CUDA run of ``cfg`` plans with, and the layer kernels it would use
     (``_planned_layer_kernels``): the fused SwiGLU's smaller saves where Liger's MLP kernel, or
-    compiled ones that fuse the family's MLP (probed on the config's meta model), run."""
+    compiled ones that fuse the family's MLP, run; the compiled norms' where they run."""
     shape = model_shape_from_config(cfg, name)
     kernels = _planned_layer_kernels(layer_kernels, liger, cfg.model_type)
-    if kernels.liger or (kernels.kind == "compiled" and _compiled_fuses_mlp(cfg)):
+    if kernels.liger:
         shape = dataclasses.replace(shape, fused_layer_kernels=True)
+    elif kernels.kind == "compiled":
+        fused, norms = compiled_kernels_of(cfg)
+        shape = dataclasses.replace(shape, fused_layer_kernels=fused, compiled_norms=norms)
     return shape, kernels
 
 

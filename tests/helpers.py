@@ -665,3 +665,54 @@ def mounted_tmpfs(point: Path, size: str):
         yield point
     finally:
         subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)
+
+
+# ---- allocation timeline: a memory tracker that sees into torch.compile'd code ---------------
+class AllocationTimeline:
+    """The CPU allocator's running total over a block, from the profiler's allocation events,
+    and its peak between marks (``mark(label)`` inside the block, e.g. from autograd hooks).
+    Unlike a dispatch-mode tracker (``LiveStorages``), under which torch.compile falls back to
+    eager, it measures compiled kernels as they run (Inductor's CPU build: its partition of
+    saved tensors and its fused backward buffers)."""
+
+    def __init__(self) -> None:
+        self._events: list[tuple[int, int]] = []  # (time ns, total allocated after)
+        self._marks: dict[str, int] = {}
+
+    def __enter__(self) -> AllocationTimeline:
+        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch._C._profiler import _EventType  # noqa: PLC0415
+
+        self._prof.__exit__(*exc)
+        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+                self._events.append((e.start_time_ns, e.extra_fields.total_allocated))
+            elif e.name.startswith("mark: "):
+                label = e.name.removeprefix("mark: ")
+                self._marks[label] = min(self._marks.get(label, 1 << 62), e.start_time_ns)
+            stack.extend(e.children)
+        self._events.sort()
+
+    @staticmethod
+    def mark(label: str) -> None:
+        """Record the moment ``label`` starts (its first mark counts)."""
+        from torch.profiler import record_function  # noqa: PLC0415
+
+        with record_function(f"mark: {label}"):
+            pass
+
+    def growth(self, start: str, end: str) -> int:
+        """Peak allocated between marks ``start`` and ``end`` over the total at ``start``."""
+        t0, t1 = self._marks[start], self._marks[end]
+        before = [total for t, total in self._events if t < t0]
+        inside = [total for t, total in self._events if t0 <= t < t1]
+        base = before[-1] if before else 0
+        return max([base, *inside]) - base

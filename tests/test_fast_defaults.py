@@ -257,7 +257,9 @@ def test_plan_says_which_layer_kernels_it_planned_for(monkeypatch, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "layer kernels: liger (Liger-Kernel installed here, llama)" in out
-    assert _working_set_gib(out) == compiled_set
+    # The compiled norms keep no fp32 normalized products (8h per token, measured on the CPU
+    # with Inductor's kernels); Liger's norms are not measured there and keep them in the plan.
+    assert _working_set_gib(out) - compiled_set == pytest.approx(8 * 4096 * 65536 / 2**30, abs=0.01)
 
 
 def _working_set_gib(plan_output: str) -> float:

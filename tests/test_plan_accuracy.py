@@ -195,6 +195,95 @@ def test_shared_casts_hold_less_than_the_plan_counts():
     assert grown[False] - grown[True] == 6 * h
 
 
+def _recomputed_layer_growth(cfg, kernels: str, tokens: int) -> tuple[int, object]:
+    """What the middle of three streamed layers' backward holds over its start (the profiler's
+    allocation timeline: it sees into compiled kernels), one ``tokens``-token sequence, bf16,
+    shared casts, every layer's attention output kept, untiled; and the model's plan shape."""
+    from hf_megatrain.hf.long_context import apply_layer_kernels  # noqa: PLC0415
+    from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
+
+    from .helpers import AllocationTimeline  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    model.config.use_cache = False
+    if kernels == "compiled":
+        assert apply_layer_kernels(model, "compiled", "cpu").kind == "compiled"
+    prepare_streamed_model(
+        model, "cpu", BF16, resident_layers="0", keep_activations="off",
+        keep_attention_outputs="all", autocast_kernels=True, layer_kernels=kernels,
+        mlp_tile_tokens=0,
+    )  # fmt: skip
+    shape = model_shape(model)
+    handles = []
+    for i, layer in enumerate(find_decoder_layers(model)[1]):
+
+        def post(mod, args, out, i=i):
+            o = out[0] if isinstance(out, tuple) else out
+            o.register_hook(lambda g: AllocationTimeline.mark(f"backward {i}"))
+
+        handles.append(layer.register_forward_hook(post))
+    wrapper = StreamedModelWrapper(model.train(), BF16, "cpu", loss_chunk_tokens=64)
+    for n in (tokens // 2, tokens):  # the first builds the compiled kernels
+        ids = torch.randint(0, cfg.vocab_size, (1, n))
+        with AllocationTimeline() as timeline:
+            wrapper(input_ids=ids, labels=ids.clone()).loss.backward()
+        model.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    return timeline.growth("backward 1", "backward 0"), shape
+
+
+@pytest.mark.parametrize("kernels", ["torch", "compiled"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_recomputed_peak_holds_what_its_saves_spare(family, kernels, monkeypatch):
+    """A recomputed layer's backward peak (untiled gated MLP, SDPA), per token, with what spares
+    saves there: autocast_kernels' shared casts (6h), the attention output kept (its own line:
+    2q and the log-sum-exp's 4 per head not re-made) and compiled norms (Inductor's own CPU
+    kernels: no fp32 normalized products, 8h; per-head q/k norms keep their bf16 input only,
+    4q + 4kv less). Exact at these widths (q = h, kv = h / 2, i = 3h, Qwen3-1.7B's ratios); the
+    plan's line is the same, plus for Qwen3 its q/k norms' fp32-output term (2q + 2kv), which
+    the MLP's peak does not hold (``QK_NORM_FP32_OUTPUT_BYTES_PER_TOKEN``)."""
+    import shutil  # noqa: PLC0415
+
+    import hf_megatrain.hf.compiled_kernels as compiled_kernels  # noqa: PLC0415
+    from hf_megatrain.core.activation_memory import _working_set_line  # noqa: PLC0415
+
+    if kernels == "compiled":
+        if not (shutil.which("g++") or shutil.which("c++")):
+            pytest.skip("Inductor's CPU kernels need a C++ compiler")
+        monkeypatch.setattr(compiled_kernels, "COMPILE_BACKEND", "inductor")
+        torch._dynamo.reset()  # this test's shapes compile afresh, inside the recompile limit
+    h, heads, kvh, d, inter = 256, 4, 2, 64, 768
+    q, kv = heads * d, kvh * d
+    widths = dict(
+        vocab_size=96, hidden_size=h, intermediate_size=inter, num_hidden_layers=3,
+        num_attention_heads=heads, num_key_value_heads=kvh, head_dim=d,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+    cfg = (Qwen3Config if family == "qwen3" else LlamaConfig)(**widths)
+    small, large = 512, 1024
+    grown = {t: _recomputed_layer_growth(cfg, kernels, t) for t in (small, large)}
+    shape = grown[large][1]
+    measured = (grown[large][0] - grown[small][0]) / (large - small)
+    compiled = kernels == "compiled"
+    assert shape.compiled_norms == shape.fused_layer_kernels == compiled
+    expected = (8 if compiled else 16) * h + 2 * q + 4 * kv + (10 if compiled else 12) * inter + 8
+    if family == "qwen3":
+        expected += (2 if compiled else 6) * (q + kv) + 4 * (heads + kvh)
+    assert measured == expected
+    line = _working_set_line(shape, large, 0, keeps_attention_output=True, shared_casts=True)
+    planned = (
+        line.nbytes
+        - _working_set_line(shape, small, 0, keeps_attention_output=True, shared_casts=True).nbytes
+    ) / (large - small)
+    fp32_out = 2 * (q + kv) if shape.qk_norm_fp32_output else 0
+    assert planned == expected + fp32_out
+
+
 #: Plan kinds the tracker cannot see (exact state, CUDA-only buffers, the slack); on CUDA the
 #: step's buffers are real, and parameters and state were allocated before the step.
 TRACKER_UNSEEN_KINDS = {"parameters", "stream buffers", "gradient buffers", "slack"}

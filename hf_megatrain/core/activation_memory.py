@@ -212,6 +212,37 @@ GATED_MLP_PEAK_BYTES_PER_TOKEN_KV = 4
 GATED_MLP_PEAK_BYTES_PER_HEAD = 4
 GATED_MLP_PEAK_BYTES_PER_TOKEN = 8
 
+#: What a recomputed layer's measured backward peak (untiled gated MLP, PyTorch SDPA) holds less
+#: than the line above, per token, where the layer's saves are smaller. Measured on the CPU with
+#: Inductor's own kernels (the profiler's allocation timeline, which sees into compiled code;
+#: dev/working_set_probe.py: Llama layers at 7 widths, q from h to 2h, kv from q/4 to q, i from 3h
+#: to 4h, exact at 6 and 1.3% under at one; Qwen3-1.7B's layer):
+#:
+#: * compiled norms keep no fp32 normalized product (2 x 4h), and per-head q/k norms keep their
+#:   bf16 input only (4q + 4kv);
+#: * autocast_kernels' shared casts hold one bf16 cast per normed input
+#:   (``shared_cast_saving_per_token``);
+#: * a layer whose attention output is kept (its own line) re-makes neither the output nor its
+#:   fp32 log-sum-exp (2q + 4 per head).
+#:
+#: Qwen3-1.7B's layer with compiled kernels, shared casts and its output kept: 92,264 B/token
+#: against 143,528 counted before (0.64x). On the H200 the validation matrix's Qwen3-1.7B at
+#: 262,144 tokens (4ae9c4f, that layout) needed 124.75 GiB, planned 137.29 without these and
+#: 126.28 with them. Kept whole:
+#:
+#: * FlexAttention, eager attention and masked SDPA: the matrix's H2O-Danube-1.8B at 262,144
+#:   tokens (FlexAttention, compiled kernels, shared casts) needed 8 kB per token more than these
+#:   would leave, and at 131,072 (SDPA with its window's mask, every output kept) its reserved
+#:   peak would put the masks' line 3.2% over;
+#: * Liger-Kernel's norms: the CPU cannot run them, and with the 8h off the H200's Llama-3.1-8B
+#:   at 64k micro-batches under Liger (speed8b-1524, 131,072 tokens a step) would be planned
+#:   under its peak (131.83 GiB bound, 132.84 measured).
+FUSED_NORMS_BYTES_PER_TOKEN_HIDDEN = 8
+FUSED_QK_NORMS_BYTES_PER_TOKEN = 4
+KEPT_OUTPUT_BYTES_PER_TOKEN_QUERY = 2
+KEPT_OUTPUT_BYTES_PER_HEAD = 4
+
+
 #: The fused loss's chunk at its peak, per logit (tests/test_plan_accuracy.py): bf16 logits,
 #: their fp32 copy and the fp32 log-probabilities; soft-capped logits keep the tanh output too.
 LOSS_BYTES_PER_LOGIT = 10
@@ -288,13 +319,15 @@ def _working_set_line(
     tile: int,
     every_layer_recomputed: bool = True,
     keeps_attention_output: bool = False,
+    shared_casts: bool = False,
 ) -> MemoryLine:
     """A layer's recompute working set: attention-side tensors scale with the micro-batch, the
     MLP's (tokens x intermediate) ones with the tile when MLP tiling is on; per-head q/k norms
     and Gemma's extra norms add their re-made saves (or, q much wider than h, the q norm's own
     backward is the peak). With ``every_layer_recomputed`` and an untiled gated MLP, the
-    measured peak of that MLP's backward (``GATED_MLP_PEAK_*``); else the earlier line, which
-    the plan's sum with the loss's lines covers."""
+    measured peak of that MLP's backward (``GATED_MLP_PEAK_*``), less what fused norms,
+    ``shared_casts`` and a kept attention output spare under SDPA (``_peak_saves_less``); else
+    the earlier line, which the plan's sum with the loss's lines covers."""
     h, inter = shape.hidden_size, shape.intermediate_size
     kv = shape.kv_size or h
     heads, q = _query_width(shape)
@@ -356,6 +389,10 @@ def _working_set_line(
                 f" + {GATED_MLP_PEAK_BYTES_PER_TOKEN_KV}kv + {GATED_MLP_PEAK_BYTES_PER_HEAD} x "
                 f"{max(heads, 1)} heads + {GATED_MLP_PEAK_BYTES_PER_TOKEN}"
             )
+            less, spared = _peak_saves_less(shape, keeps_attention_output, shared_casts)
+            if less:
+                per -= less
+                label += f" - {less} ({', '.join(spared)})"
     if shape.fused_layer_kernels:
         what += ", fused SwiGLU"
     if routed:
@@ -432,6 +469,31 @@ def tiled_weight_grad_line(shape: ModelShape, dtype: torch.dtype) -> MemoryLine:
     )
 
 
+def _peak_saves_less(
+    shape: ModelShape, keeps_attention_output: bool, shared_casts: bool
+) -> tuple[int, list[str]]:
+    """Bytes per token a recomputed layer's measured backward peak holds less than the gated-MLP
+    peak line, and what spares them (``FUSED_NORMS_BYTES_PER_TOKEN_HIDDEN``): PyTorch SDPA
+    without a mask (no sliding window, none always passed), non-Gemma layers, as measured."""
+    masked = shape.sliding_window > 0 or shape.sdpa_explicit_mask
+    if not shape.sdpa_attention or shape.gemma_norms or masked:
+        return 0, []
+    h, kv = shape.hidden_size, shape.kv_size or shape.hidden_size
+    heads, q = _query_width(shape)
+    less, spared = 0, []
+    if shape.compiled_norms:
+        less += FUSED_NORMS_BYTES_PER_TOKEN_HIDDEN * h
+        less += FUSED_QK_NORMS_BYTES_PER_TOKEN * (q + kv) if shape.qk_norm else 0
+        spared.append("fused norms")
+    if shared_casts and (cast := shared_cast_saving_per_token(shape)):
+        less += cast
+        spared.append("one bf16 cast per normed input")
+    if keeps_attention_output:
+        less += KEPT_OUTPUT_BYTES_PER_TOKEN_QUERY * q + KEPT_OUTPUT_BYTES_PER_HEAD * max(heads, 1)
+        spared.append("attention output kept")
+    return less, spared
+
+
 def _is_measured_peak(shape: ModelShape, t: int, tile: int) -> bool:
     """Whether the working-set line is a layer backward's measured peak: untiled MLPs of the
     audited dense families (``GATED_MLP_PEAK_BYTES_PER_TOKEN_INTER``)."""
@@ -481,11 +543,11 @@ def shared_cast_saving_per_token(shape: ModelShape) -> int:
     compiled kernels) peaked 8.5h per token and kept layer under plans that counted a cast per
     linear (95.21 GiB against 110.58 for the same plan before the shared casts).
 
-    Only the kept line counts it. A recomputed layer's backward peak also holds 6h less on the
-    CPU (tests/test_plan_accuracy.py), but on the H200 the H2O-Danube-1.8B cell at 262,144 tokens
-    (every layer recomputed, shared casts) reserved 121.86 GiB against 125.35 planned with a cast
-    per linear: without the 3.75 GiB of casts the plan would sit 0.2% under that peak. The GPU's
-    peak does not show the whole saving there, so the working sets keep their casts."""
+    A recomputed layer's backward peak holds the same 6h less (tests/test_plan_accuracy.py); the
+    gated-MLP peak line takes it off under SDPA without a mask (``_peak_saves_less``). Under
+    FlexAttention it stays: the H200's H2O-Danube-1.8B at 262,144 tokens (every layer
+    recomputed, shared casts) needed 118.44 GiB against 125.35 planned with a cast per linear,
+    less than the casts and compiled norms together would take off."""
     return 2 * shape.hidden_size * max(0, shape.normed_input_linears - 2)
 
 
@@ -1092,19 +1154,29 @@ def segment_chain_counts(
         return {}
     if not _joint_segment_peak(options, kept_layers):
         return {first: n for first, _ in _segments(shape.num_layers, options.checkpoint_every)}
-    _, saving = _kept_output_working_set(shape, step.micro_batch_tokens, options.mlp_tile_tokens)
+    shared = shares_input_casts(options, dtype)
+    _, saving = _kept_output_working_set(
+        shape, step.micro_batch_tokens, options.mlp_tile_tokens, shared_casts=shared
+    )
     per_token = attention_output_bytes_per_token(shape, dtype)
     return chain_output_counts(shape, options, attention_layers, per_token, saving)
 
 
 def _kept_output_working_set(
-    shape: ModelShape, t: int, tile: int, work: MemoryLine | None = None
+    shape: ModelShape,
+    t: int,
+    tile: int,
+    work: MemoryLine | None = None,
+    shared_casts: bool = False,
 ) -> tuple[MemoryLine, int]:
     """Every layer recomputed: the working-set line of a layer that keeps its attention output,
     and the bytes per token it holds less than ``work``, the line of one that does not (made
     here when not given)."""
-    work = work if work is not None else _working_set_line(shape, t, tile)
-    work_kept = _working_set_line(shape, t, tile, keeps_attention_output=True)
+    if work is None:
+        work = _working_set_line(shape, t, tile, shared_casts=shared_casts)
+    work_kept = _working_set_line(
+        shape, t, tile, keeps_attention_output=True, shared_casts=shared_casts
+    )
     return work_kept, (work.nbytes - work_kept.nbytes) // max(t, 1)
 
 
@@ -1130,15 +1202,29 @@ def activation_lines(
     chain_layers = _chain_layers(shape, options)
     # A layer's backward working set (layers keeping activations: the earlier, summed
     # calibration, see the loss's lines), and where the layer keeps its attention output.
-    work = _working_set_line(shape, t, options.mlp_tile_tokens, not len(kept_layers))
+    shared = shares_input_casts(options, dtype)
+    work = _working_set_line(
+        shape, t, options.mlp_tile_tokens, not len(kept_layers), shared_casts=shared
+    )
     joint = None
     if _joint_segment_peak(options, len(kept_layers)):
-        work_kept, saving = _kept_output_working_set(shape, t, options.mlp_tile_tokens, work)
+        work_kept, saving = _kept_output_working_set(
+            shape, t, options.mlp_tile_tokens, work, shared_casts=shared
+        )
         counts = chain_output_counts(shape, options, attention_layers, per_token, saving)
         joint = segment_peak(
             shape, options, attention_layers, chain_layers, per_token, saving, counts
         )
         work = work_kept if joint.last_keeps_output else work
+    elif (
+        not kept_layers
+        and attention_layers >= shape.num_layers
+        and _is_measured_peak(shape, t, options.mlp_tile_tokens)
+    ):
+        # Every layer keeps its attention output: whichever layer's backward peaks keeps its own.
+        work, _ = _kept_output_working_set(
+            shape, t, options.mlp_tile_tokens, work, shared_casts=shared
+        )
     if joint is not None:
         lines += joint_peak_lines(joint, t, h, per_token)
     elif not options.offload_activations:

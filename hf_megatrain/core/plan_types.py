@@ -60,6 +60,9 @@ class ModelShape:
     # Whether RMSNorm and the gated MLP run as fused kernels (Liger-Kernel) that save their
     # inputs only, not their intermediate products (fewer kept-activation bytes).
     fused_layer_kernels: bool = False
+    # Whether every norm of the decoder layers runs this library's compiled kernel (Inductor;
+    # not Liger-Kernel's): measured to keep no fp32 product in a recomputed layer's backward.
+    compiled_norms: bool = False
     # Linears of one decoder layer that read the fp32 residual stream's normed inputs (q, k, v,
     # gate, up: 5; Phi-3's fused qkv and gate-up: 2). Under autocast each saves its own bf16
     # cast of its input (2h per token); with autocast_kernels' shared casts one per input.

@@ -213,6 +213,26 @@ def _rotary_like(fn) -> bool:
     return _computes_like(fn, lambda: fn(q, k, cos, sin), lambda: rotary(q, k, cos, sin))
 
 
+def _layer_norms(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers' norm modules (by class name: RMSNorm, LayerNorm and the like)."""
+    _, layers = find_decoder_layers(model)
+    return [m for x in layers for m in x.modules() if "norm" in type(m).__name__.lower()]
+
+
+def compiles_norms(model: nn.Module) -> bool:
+    """Whether the compiled kernels would run every norm of ``model``'s decoder layers (each
+    computes like Llama's RMSNorm): what the memory plan needs to know before they are applied
+    (a ``meta`` model is fine)."""
+    norms = _layer_norms(model)
+    return bool(norms) and all(_norm_like(m) for m in norms)
+
+
+def runs_compiled_norms(model: nn.Module) -> bool:
+    """Whether every norm of ``model``'s decoder layers runs its compiled kernel now."""
+    norms = _layer_norms(model)
+    return bool(norms) and all(is_compiled_forward(m) for m in norms)
+
+
 def fuses_mlp(model: nn.Module) -> bool:
     """Whether the compiled kernels would fuse ``model``'s MLPs (they are SwiGLU ones): what
     the memory plan needs to know before they are applied (a ``meta`` model is fine)."""

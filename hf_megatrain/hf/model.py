@@ -37,7 +37,7 @@ from ..core.streamed_layer import StreamedLayer
 from ..core.streaming import StreamingEngine
 from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
-from .compiled_kernels import is_compiled_forward, stand_in
+from .compiled_kernels import is_compiled_forward, runs_compiled_norms, stand_in
 from .layers import UnsupportedModelError, find_decoder_layers, forward_function
 from .long_context import install_mlp_tiling
 from .loss import (
@@ -294,6 +294,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         qk_norm=_q_norm(attention) is not None,
         qk_norm_fp32_output=attention is not None and _widens_to_fp32(attention),
         fused_layer_kernels=fused,
+        compiled_norms=runs_compiled_norms(model),
         normed_input_linears=input_linears,
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
