@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_megatrain.hf.compiled_kernels as compiled_kernels  # noqa: E402
 from hf_megatrain.core.activation_memory import _working_set_line  # noqa: E402
 from hf_megatrain.hf.long_context import apply_layer_kernels  # noqa: E402
-from hf_megatrain.hf.model import find_decoder_layers, model_shape, prepare_streamed_model  # noqa: E402
+from hf_megatrain.hf.model import model_shape, prepare_streamed_model  # noqa: E402
 from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: E402
 from tests.helpers import AllocationTimeline  # noqa: E402
+from tests.test_plan_accuracy import mark_layer_backwards  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -62,13 +63,7 @@ def growth(cfg, kernels: str, shared: bool, keep: bool, tokens: int):
         keep_attention_outputs="all" if keep else "off", autocast_kernels=shared,
         layer_kernels=kernels, mlp_tile_tokens=0,
     )  # fmt: skip
-    for i, layer in enumerate(find_decoder_layers(model)[1]):
-
-        def post(mod, args, out, i=i):
-            o = out[0] if isinstance(out, tuple) else out
-            o.register_hook(lambda g: AllocationTimeline.mark(f"backward {i}"))
-
-        layer.register_forward_hook(post)
+    mark_layer_backwards(model, AllocationTimeline.mark)
     wrapper = StreamedModelWrapper(model.train(), BF16, "cpu", loss_chunk_tokens=64)
     for n in (tokens // 2, tokens):
         ids = torch.randint(0, cfg.vocab_size, (1, n))

@@ -115,18 +115,25 @@ def _streamed(cfg, attn: str = "sdpa", device: str = "cpu", **options):
     return model.train(), shape
 
 
-def _step(model, tokens: int, live: Live, chunk: int = 64) -> None:
-    """One streamed forward, fused loss and backward, each layer's backward a phase."""
-    from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
-
+def mark_layer_backwards(model, mark) -> list:
+    """Hooks that call ``mark(f"backward {i}")`` when layer i's output gradient arrives (its
+    backward starts); remove the returned handles when done."""
     handles = []
     for i, layer in enumerate(find_decoder_layers(model)[1]):
 
         def post(mod, args, out, i=i):
             o = out[0] if isinstance(out, tuple) else out
-            o.register_hook(lambda g: live.enter(f"backward {i}"))
+            o.register_hook(lambda g: mark(f"backward {i}"))
 
         handles.append(layer.register_forward_hook(post))
+    return handles
+
+
+def _step(model, tokens: int, live: Live, chunk: int = 64) -> None:
+    """One streamed forward, fused loss and backward, each layer's backward a phase."""
+    from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
+
+    handles = mark_layer_backwards(model, live.enter)
     wrapper = StreamedModelWrapper(model, BF16, "cpu", loss_chunk_tokens=chunk)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens))
     with live:
@@ -218,14 +225,7 @@ def _recomputed_layer_growth(cfg, kernels: str, tokens: int) -> tuple[int, objec
         mlp_tile_tokens=0,
     )  # fmt: skip
     shape = model_shape(model)
-    handles = []
-    for i, layer in enumerate(find_decoder_layers(model)[1]):
-
-        def post(mod, args, out, i=i):
-            o = out[0] if isinstance(out, tuple) else out
-            o.register_hook(lambda g: AllocationTimeline.mark(f"backward {i}"))
-
-        handles.append(layer.register_forward_hook(post))
+    handles = mark_layer_backwards(model, AllocationTimeline.mark)
     wrapper = StreamedModelWrapper(model.train(), BF16, "cpu", loss_chunk_tokens=64)
     for n in (tokens // 2, tokens):  # the first builds the compiled kernels
         ids = torch.randint(0, cfg.vocab_size, (1, n))
