@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from .cli_arguments import add_train_arguments, parse_train_arguments
-from .cli_common import CLIError
+from .cli_common import CLIError, Parser, ShortErrors
 from .cli_plan import add_plan_parser as _add_plan_parser
 from .cli_plan import run_plan as run_plan
 from .cli_train import check_launch, end_process_group, run_train
@@ -34,11 +34,11 @@ TRAIN_DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; ``train``'s own arguments are :func:`build_train_parser`'s."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hf-megatrain",
         description="Train decoder LLMs larger than the GPU with hf_megatrain.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     # Parsed by build_train_parser (an HfArgumentParser): here only for the command list.
     sub.add_parser("train", help="train a model (no argument: the embedded CPU-sized default)",
                    add_help=False)  # fmt: skip
@@ -54,9 +54,10 @@ def build_train_parser() -> argparse.ArgumentParser:
 
     from .cli_arguments import _dataclasses  # noqa: PLC0415
 
-    parser = HfArgumentParser(
-        _dataclasses(), prog="hf-megatrain train", description=TRAIN_DESCRIPTION
-    )
+    class TrainParser(ShortErrors, HfArgumentParser):
+        pass
+
+    parser = TrainParser(_dataclasses(), prog="hf-megatrain train", description=TRAIN_DESCRIPTION)
     add_train_arguments(parser)
     return parser
 
@@ -66,6 +67,21 @@ def parse_train(argv: list[str]):
     return parse_train_arguments(build_train_parser(), argv)
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str | None):
+    """The sub-parser of ``command`` (the top-level parser where there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
+def _as_flags(message: str) -> str:
+    """A library message that names a trainer argument, with the CLI's flag instead."""
+    return message.replace(
+        "set megatrain_resume_without_optimizer_state=True", "pass --resume-without-optimizer-state"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hf-megatrain`` and ``python3 -m hf_megatrain``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -73,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "train":
         ns = argparse.Namespace(command="train")
     else:
-        ns = parser.parse_args(argv)
+        ns, extra = parser.parse_known_args(argv)
+        if extra:  # the command's own parser names them, with its flags as suggestions
+            _command_parser(parser, ns.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command not in ("train", "plan", "verify"):
         parser.print_help()
         return 2
@@ -97,14 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         except NonFiniteError as e:
             # Training stopped on NaN/inf (megatrain_nonfinite), or a save refused such weights.
             raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
-        except (InsufficientHostMemoryError, ValueError) as e:
+        except (InsufficientHostMemoryError, ValueError, FileNotFoundError) as e:
             # The library's refusals (unsupported model, host RAM, a setting checked against
-            # the model such as resident layers beyond its count) say "hf_megatrain: ..."; any
-            # other ValueError is a bug to show.
-            ours = not isinstance(e, ValueError) or isinstance(e, UnsupportedModelError)
+            # the model such as resident layers beyond its count, a checkpoint missing files)
+            # say "hf_megatrain: ..."; any other ValueError is a bug to show.
+            ours = isinstance(e, (InsufficientHostMemoryError, UnsupportedModelError))
             if not ours and not str(e).startswith("hf_megatrain: "):
                 raise
-            raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
+            raise CLIError(_as_flags(str(e).removeprefix("hf_megatrain: "))) from None
         except Exception as e:
             # A full disk while saving: safetensors raises its own error class for it.
             if "No space left on device" not in str(e) or isinstance(e, CLIError):

@@ -258,7 +258,7 @@ def parse_train_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> T
     from .hf.arguments import MegaTrainArguments, as_arguments  # noqa: PLC0415
     from .text import use_bf16  # noqa: PLC0415
 
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--recipe")
     recipe_path = pre.parse_known_args(argv)[0].recipe
     recipe = _coerce(parser, load_recipe(recipe_path, parser)) if recipe_path else {}
@@ -427,33 +427,6 @@ def _check_weight_files(folder: Path) -> None:
         raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
 
 
-def resume_checkpoint(value: str | None, output_dir: str) -> str | None:
-    """The checkpoint to resume from: ``value`` None resumes from the newest complete
-    ``checkpoint-N`` in ``output_dir`` if there is one (a re-run of a killed command continues
-    it); "last" insists on one; anything else is a checkpoint folder."""
-    from transformers.trainer_utils import get_last_checkpoint  # noqa: PLC0415
-
-    # Publication is atomic (core/publish.py): a checkpoint-N folder is complete, and an
-    # interrupted one sits under a hidden name get_last_checkpoint does not match.
-    last = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
-    if value is None:
-        return last
-    if value.lower() in RESUME_LAST:
-        if last is None:
-            raise CLIError(f"--resume_from_checkpoint {value}: no checkpoint-N in {output_dir}")
-        return last
-    if not Path(value).is_dir():
-        raise CLIError(f"--resume_from_checkpoint: no such checkpoint folder: {value}")
-    if not (Path(value) / "trainer_state.json").is_file():
-        inside = get_last_checkpoint(value)
-        hint = f"; the newest checkpoint in it is {inside}" if inside else ""
-        raise CLIError(
-            f"--resume_from_checkpoint {value} is not a Trainer checkpoint (no "
-            f"trainer_state.json){hint}"
-        )
-    return value
-
-
 __all__ = [
     "ALIASES",
     "ATTENTION_BACKENDS",
@@ -463,5 +436,4 @@ __all__ = [
     "add_train_arguments",
     "load_recipe",
     "parse_train_arguments",
-    "resume_checkpoint",
 ]

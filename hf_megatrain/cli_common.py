@@ -3,6 +3,8 @@ main process, and reading a bare config.json."""
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import json
 import logging
 import os
@@ -12,6 +14,34 @@ from pathlib import Path
 
 class CLIError(Exception):
     """A user mistake: reported as one line on stderr, exit status 1."""
+
+
+class ShortErrors:
+    """A parser mixin: no abbreviated flags (``--max_step`` is not ``--max_steps``), and an error
+    as two lines (the problem, a pointer to --help), not the whole usage first (170 lines for
+    ``train``); an unknown flag gets the closest known one as a suggestion."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        unknown = "unrecognized arguments: "
+        if message.startswith(unknown):
+            message = self._unknown_message(message.removeprefix(unknown).split())
+        self.exit(2, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
+
+    def _unknown_message(self, tokens: list[str]) -> str:
+        flags = [t.split("=", 1)[0] for t in tokens if t.startswith("-")] or tokens
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(flags[0], known, n=1) if flags else []
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        noun = "argument" if len(flags) == 1 else "arguments"
+        return f"unrecognized {noun}: {' '.join(flags)}{hint}"
+
+
+class Parser(ShortErrors, argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with :class:`ShortErrors`."""
 
 
 def setup_logging() -> None:

@@ -17,12 +17,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cli_arguments import TrainSettings, resume_checkpoint
+from .cli_arguments import RESUME_LAST, TrainSettings
 from .cli_common import CONFIG_ERRORS, CLIError, error_summary
 from .cli_common import config_from_json as _config_from_json
 from .cli_common import is_main_process as _is_main_process
 from .cli_common import say as _say
 from .cli_common import setup_logging as _setup_logging
+from .cli_resume import (
+    check_same_run,
+    record_callback,
+    resume_checkpoint,
+    run_record,
+    seq_len_note,
+)
 from .text import DEFAULT_CONFIG, has_tokenizer_files
 from .text import load_tokenizer as _load_tokenizer_file
 
@@ -202,33 +209,21 @@ def _checkpoint_state(checkpoint: str):
     return TrainerState.load_from_json(str(path))
 
 
-def _run_shape(seq_len: int):
-    """A callback whose state (the row length) every checkpoint keeps in its trainer_state.json,
-    so that a resume with other rows can say so."""
-    from transformers.trainer_callback import ExportableState, TrainerCallback  # noqa: PLC0415
-
-    class RunShape(TrainerCallback, ExportableState):
-        def __init__(self, seq_len: int) -> None:
-            self.seq_len = seq_len
-
-        def state(self) -> dict:
-            return {"args": {"seq_len": self.seq_len}, "attributes": {}}
-
-    return RunShape(seq_len)
-
-
-def _saved_seq_len(state) -> int | None:
-    """The row length a checkpoint's run trained on, where it recorded one (``_run_shape``)."""
-    saved = (state.stateful_callbacks or {}).get("RunShape")
-    saved = saved[0] if isinstance(saved, list) and saved else saved
-    return saved.get("args", {}).get("seq_len") if isinstance(saved, dict) else None
-
-
 def _holds_saved_model(folder: str) -> bool:
-    """Whether ``folder`` holds a model saved whole by hf_megatrain (its manifest)."""
-    from .core.publish import MANIFEST_NAME  # noqa: PLC0415
+    """Whether ``folder`` holds a model saved whole by hf_megatrain: its manifest, and every
+    file the manifest lists there at its size (weights deleted since do not count)."""
+    from .core.publish import IntegrityError, read_manifest  # noqa: PLC0415
 
-    return (Path(folder) / MANIFEST_NAME).is_file() and (Path(folder) / "config.json").is_file()
+    try:
+        manifest = read_manifest(folder)
+    except IntegrityError:
+        return False
+    if manifest is None or not (Path(folder) / "config.json").is_file():
+        return False
+    return all(
+        (Path(folder) / rel).is_file() and (Path(folder) / rel).stat().st_size == int(e["size"])
+        for rel, e in manifest["files"].items()
+    )
 
 
 def _size(nbytes: float) -> str:
@@ -252,46 +247,26 @@ def _warn_checkpoint_disk(settings: TrainSettings, n_params: int) -> None:
         )
 
 
-def run_train(settings: TrainSettings) -> dict[str, Any]:
-    """Run one training job; return a summary (losses, paths, timings) for callers and tests."""
-    from transformers import default_data_collator  # noqa: PLC0415
+def _resume_point(settings: TrainSettings) -> tuple[str | None, int | None]:
+    """The checkpoint this run resumes from (None: a fresh run) and its step, checked to be
+    complete and of the same run."""
+    args = settings.training
+    resume, skipped = resume_checkpoint(
+        args.resume_from_checkpoint,
+        args.output_dir,
+        settings.engine.resume_without_optimizer_state,
+    )
+    if skipped:
+        _say(f"hf-megatrain: skipped incomplete {', '.join(skipped)}; resuming from {resume}")
+    if resume is None:
+        return None, None
+    check_same_run(resume, settings, explicit=args.resume_from_checkpoint is not None)
+    state = _checkpoint_state(resume)
+    return resume, (state.global_step if state is not None else None)
 
-    from . import HFMegaTrainer  # noqa: PLC0415
-    from .training_data import load_training_data  # noqa: PLC0415
 
-    t_start = time.perf_counter()
-    _setup_logging()
+def _say_header(settings: TrainSettings, data, model, n_params: int) -> None:
     args, data_args = settings.training, settings.data
-    device = args.device
-    resume = resume_checkpoint(args.resume_from_checkpoint, args.output_dir)
-    resume_state = _checkpoint_state(resume) if resume is not None else None
-    resume_step = resume_state.global_step if resume_state is not None else None
-    if resume_step is not None and 0 < args.max_steps <= resume_step:
-        # The Trainer would train one step past --max_steps from such a checkpoint.
-        if args.resume_from_checkpoint is not None:
-            raise CLIError(
-                f"--resume_from_checkpoint {resume} is at step {resume_step} and --max_steps is "
-                f"{args.max_steps}: nothing is left to train; pass a larger --max_steps"
-            )
-        if _holds_saved_model(args.output_dir):
-            out = os.path.abspath(args.output_dir)
-            _say(
-                f"hf-megatrain: {out} already holds this run's final model (its last checkpoint "
-                f"is at step {resume_step} of --max_steps {args.max_steps}): nothing to train. Pass "
-                "a larger --max_steps to continue it, or another --output_dir."
-            )
-            return {"output_dir": out, "resumed_from": resume, "already_done": True}
-
-    tokenizer = load_tokenizer(settings)
-    if args.disable_tqdm:
-        import datasets  # noqa: PLC0415
-
-        datasets.disable_progress_bars()
-    # Data parallel: rank 0 tokenizes into the datasets cache, the other ranks read it.
-    with args.main_process_first(desc="dataset"):
-        data = load_training_data(data_args, tokenizer, seed=args.seed)
-    model = build_model(settings, tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
     cfg = model.config
     what = settings.model.model_path or (
         "random init from " + (settings.model.config or "the bundled config")
@@ -303,43 +278,41 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         f"{args.max_steps} steps" if args.max_steps > 0 else f"{args.num_train_epochs:g} epochs"
     )
     _say(
-        f"hf-megatrain: {cfg.model_type} {n_params / 1e6:.1f}M params, "
+        f"hf-megatrain: {cfg.model_type} {_count(n_params)} params, "
         f"{cfg.num_hidden_layers} layers ({what})\n"
         f"  data: {data.description}\n"
         f"  {length} x {tokens_per_step} tokens "
         f"(batch {batch} x grad-accum {accum}"
         + (f" x {world} processes" if world > 1 else "")
         + f"), lr {args.learning_rate:g}, "
-        f"{'bf16 compute, fp32 masters' if args.bf16 else 'fp32'} on {device.type}"
+        f"{'bf16 compute, fp32 masters' if args.bf16 else 'fp32'} on {args.device.type}"
     )
-    if resume is not None:
-        _say(f"  resuming from {resume} (its weights, optimizer, scheduler, data position, RNG)")
-        saved_len = _saved_seq_len(resume_state) if resume_state is not None else None
-        if saved_len is not None and saved_len != data_args.seq_len:
-            _say(
-                f"  note: that checkpoint trained on rows of {saved_len} tokens and this run uses "
-                f"--seq_len {data_args.seq_len}: the tokens per step change, and the data "
-                "position it resumes at counts rows of the new length"
-            )
     n_rows = data.num_train_rows
     if n_rows and args.max_steps > 0 and args.max_steps * batch * accum > 20 * n_rows:
         _say("  note: more than 20 epochs over this data; expect the model to memorize it")
-    _warn_checkpoint_disk(settings, n_params)
 
-    from .hf.preemption import SaveOnSigterm  # noqa: PLC0415
 
-    stop = SaveOnSigterm()
+def _count(n: int) -> str:
+    """A parameter count for a message: 3.1M, 7.6B."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _make_trainer(settings: TrainSettings, model, data, tokenizer, stop):
+    from transformers import default_data_collator  # noqa: PLC0415
+
+    from . import HFMegaTrainer  # noqa: PLC0415
+
     try:
-        trainer = HFMegaTrainer(
+        return HFMegaTrainer(
             model=model,
-            args=args,
+            args=settings.training,
             train_dataset=data.train,
             eval_dataset=data.eval,
             processing_class=tokenizer,
             # Rows are equal-length tensors: stack them. (With a tokenizer the Trainer would pick
             # a padding collator that returns a BatchEncoding instead of a dict.)
             data_collator=default_data_collator,
-            callbacks=[_run_shape(data_args.seq_len), stop],
+            callbacks=[record_callback(run_record(settings)), stop],
         )
     except ImportError as e:  # e.g. --report_to tensorboard without tensorboard installed
         raise CLIError(f"invalid training setting: {e}") from None
@@ -347,12 +320,67 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         if "install" not in str(e):
             raise
         raise CLIError(f"invalid training setting: {error_summary(e)}") from None
+
+
+def run_train(settings: TrainSettings) -> dict[str, Any]:
+    """Run one training job; return a summary (losses, paths, timings) for callers and tests."""
+    from .training_data import load_training_data  # noqa: PLC0415
+
+    t_start = time.perf_counter()
+    _setup_logging()
+    args, data_args = settings.training, settings.data
+    device = args.device
+    resume, resume_step = _resume_point(settings)
+    # The Trainer would train one step past --max_steps from such a checkpoint: the run is
+    # finished from it instead, as its last step would have finished it.
+    finish_only = resume_step is not None and 0 < args.max_steps <= resume_step
+    named = (args.resume_from_checkpoint or "last").lower() not in RESUME_LAST  # a folder
+    if finish_only and not named and _holds_saved_model(args.output_dir):
+        out = os.path.abspath(args.output_dir)
+        _say(
+            f"hf-megatrain: {out} already holds this run's final model (its last checkpoint "
+            f"is at step {resume_step} of --max_steps {args.max_steps}): nothing to train. Pass "
+            "a larger --max_steps to continue it, or another --output_dir."
+        )
+        return {"output_dir": out, "resumed_from": resume, "already_done": True}
+
+    tokenizer = load_tokenizer(settings)
+    if args.disable_tqdm:
+        import datasets  # noqa: PLC0415
+
+        datasets.disable_progress_bars()
+    # Data parallel: rank 0 tokenizes into the datasets cache, the other ranks read it.
+    with args.main_process_first(desc="dataset"):
+        data = load_training_data(data_args, tokenizer, seed=args.seed)
+    model = build_model(settings, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    _say_header(settings, data, model, n_params)
+    if finish_only:
+        _say(
+            f"  {resume} is at step {resume_step} of --max_steps {args.max_steps}: nothing is "
+            "left to train; the final model is written from its weights"
+        )
+    elif resume is not None:
+        _say(f"  resuming from {resume} (its weights, optimizer, scheduler, data position, RNG)")
+        if note := seq_len_note(resume, data_args.seq_len):
+            _say(f"  {note}")
+    if not finish_only:
+        _warn_checkpoint_disk(settings, n_params)
+
+    from .hf.preemption import SaveOnSigterm  # noqa: PLC0415
+
+    stop = SaveOnSigterm()
+    trainer = _make_trainer(settings, model, data, tokenizer, stop)
     t_train = time.perf_counter()
     start_step = resume_step or 0
+    train_loss = None
     # A SIGTERM during training: a checkpoint at the step's end, then stop. After training (the
     # final eval and save): the final model is saved first, and the reload check skipped.
     with stop.handling():
-        train_out = trainer.train(resume_from_checkpoint=resume)
+        if finish_only:
+            trainer._load_from_checkpoint(resume)  # verified against its manifest, then read
+        else:
+            train_loss = trainer.train(resume_from_checkpoint=resume).training_loss
         train_s = time.perf_counter() - t_train
         if stop.stopped_at is not None:
             checkpoint = os.path.join(
@@ -367,10 +395,6 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
                 "stopped": checkpoint,
                 "signal": int(stop.received),
             }
-        # This process's steps only: a resumed run's history starts with the earlier ones.
-        logs = [
-            h for h in trainer.state.log_history if "loss" in h and h.get("step", 0) > start_step
-        ]
         eval_loss = trainer.evaluate()["eval_loss"] if data.eval is not None else None
         if eval_loss is not None and not math.isfinite(eval_loss):
             raise CLIError(
@@ -383,14 +407,54 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     if not _is_main_process():
         # Data parallel: the report and the reload check are rank 0's.
         return {"output_dir": os.path.abspath(args.output_dir), "n_params": n_params}
-    n_shards, mb = _dir_size_mb(args.output_dir, ".safetensors")
     out = os.path.abspath(args.output_dir)
-    steps_run = trainer.state.global_step - start_step
+    steps_run = 0 if finish_only else trainer.state.global_step - start_step
+    if finish_only:
+        done = f"\nhf-megatrain: finished the run from {resume} (step {resume_step}"
+    else:
+        done = f"\nhf-megatrain: trained {steps_run} steps" + (
+            f" (from step {start_step})" if start_step else ""
+        )
+        done += f" in {train_s:.1f} s (mean train loss {train_loss:.4f} over these steps"
+    _say_saved(out, done, eval_loss)
+    result: dict[str, Any] = {
+        "output_dir": out,
+        "n_params": n_params,
+        "train_loss": train_loss,
+        "log_history": list(trainer.state.log_history),
+        "eval_loss": eval_loss,
+        "train_seconds": train_s,
+        "resumed_from": resume,
+        "finished_from_checkpoint": finish_only,
+    }
+    verify = settings.model.verify
+    if stopped_after_training:
+        _say(
+            f"\n({stop.received.name} after training: the final model is saved; the reload "
+            "check is skipped.)"
+        )
+    elif verify is False:
+        _say("\n(Skipped reloading the saved model for the final check: --no-verify was given.)")
+    elif verify or n_params <= _AUTO_VERIFY_MAX_PARAMS:
+        # Free the host store first: the check loads a second, ordinary copy of the model.
+        del trainer, model
+        gc.collect()
+        _verify_saved(settings, out, data.eval, tokenizer, device, eval_loss, result)
+    else:
+        _say(
+            f"\n(Skipped reloading a {_count(n_params)}-parameter model for the final check: "
+            f"above {_count(_AUTO_VERIFY_MAX_PARAMS)} a second copy may not fit in host RAM; "
+            "pass --verify to force it.)"
+        )
+    _say(f"hf-megatrain: done in {time.perf_counter() - t_start:.1f} s")
+    return result
+
+
+def _say_saved(out: str, done: str, eval_loss: float | None) -> None:
+    """The end-of-run report: ``done`` (what was trained, an open parenthesis) and the save."""
+    n_shards, mb = _dir_size_mb(out, ".safetensors")
     _say(
-        f"\nhf-megatrain: trained {steps_run} steps"
-        + (f" (from step {start_step})" if start_step else "")
-        + f" in {train_s:.1f} s "
-        f"(final train loss {logs[-1]['loss'] if logs else float('nan'):.4f}"
+        done
         + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else "")
         + f").\nSaved {n_shards} safetensors shard(s), {mb:.1f} MB, and the tokenizer to {out}\n"
         "Load it with:\n"
@@ -399,35 +463,6 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         f'  tokenizer = AutoTokenizer.from_pretrained("{out}")\n'
         f"Continue training it with: hf-megatrain train --model_path {out} --dataset_name <data>"
     )
-    result: dict[str, Any] = {
-        "output_dir": out,
-        "n_params": n_params,
-        "train_loss": train_out.training_loss,
-        "log_history": list(trainer.state.log_history),
-        "eval_loss": eval_loss,
-        "train_seconds": train_s,
-        "resumed_from": resume,
-    }
-    verify = settings.model.verify
-    if verify is None:
-        verify = n_params <= _AUTO_VERIFY_MAX_PARAMS
-    if stopped_after_training:
-        _say(
-            f"\n({stop.received.name} after training: the final model is saved; the reload "
-            "check is skipped.)"
-        )
-    elif verify:
-        # Free the host store first: the check loads a second, ordinary copy of the model.
-        del trainer, model
-        gc.collect()
-        _verify_saved(settings, out, data.eval, tokenizer, device, eval_loss, result)
-    else:
-        _say(
-            f"\n(Skipped reloading a {n_params / 1e9:.1f}B-parameter model for the final check; "
-            "pass --verify to force it.)"
-        )
-    _say(f"hf-megatrain: done in {time.perf_counter() - t_start:.1f} s")
-    return result
 
 
 def _verify_saved(settings, out, eval_rows, tokenizer, device, eval_loss, result) -> None:

@@ -384,3 +384,50 @@ def test_a_full_disk_while_saving_is_one_line(tmp_path):
         data.write_text(TEXT)
         msg = _error(["train", "--data", str(data), "--save_steps", "1"] + _fast_flags(out))
         assert "no space left on the device of --output_dir while saving" in msg
+
+
+def test_unknown_flags_get_a_short_error(tmp_path, capsys):
+    """A misspelled flag: two lines (the flag with the closest known one, a pointer to --help),
+    not the whole usage first; a unique prefix of a flag is not taken for it, on every
+    command."""
+    cfg = _tiny_config(tmp_path / "config.json")
+    plan = ["plan", str(cfg), "--seq-len", "8", "--tokens-per-step", "16"]
+    cases = {
+        ("train", "--max_stpes", "2"): "train: error: unrecognized argument: --max_stpes (did "
+        "you mean --max_steps?)",
+        ("train", "--max_step", "2"): "unrecognized argument: --max_step (did you mean "
+        "--max_steps?)",
+        ("train", "--rec", "r.yaml"): "unrecognized argument: --rec",
+        (*plan, "--offload-activ"): "plan: error: unrecognized argument: --offload-activ (did "
+        "you mean --offload-activations?)",
+        (*plan, "--resident-layers", "2"): "plan: error: unrecognized argument: --resident-layers",
+        ("verify", str(tmp_path), "--bogus"): "verify: error: unrecognized argument: --bogus",
+    }
+    for argv, said in cases.items():
+        with pytest.raises(SystemExit) as e:
+            main(list(argv))
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert said in err, err
+        assert "usage:" not in err and len(err.strip().splitlines()) == 2, err
+        assert err.strip().endswith(f"see hf-megatrain {argv[0]} --help"), err
+
+
+def test_end_of_run_report(tmp_path, capsys):
+    """The summary's train loss is the mean over the steps trained (the Trainer's train_loss,
+    said so), whatever --logging_steps logged; --no-verify is named as the reason the reload
+    check is skipped; a tiny model's size reads in M."""
+    from hf_megatrain.cli_train import _count, run_train
+
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    cfg = _tiny_config(tmp_path / "config.json")
+    argv = ["--config", str(cfg), "--data", str(data), "--no-verify"] + _fast_flags(tmp_path)
+    result = run_train(parse_train(argv + ["--max_steps", "3"]))
+    said = capsys.readouterr().out
+    losses = [h["loss"] for h in result["log_history"] if "loss" in h]
+    assert len(losses) == 3 and result["train_loss"] == pytest.approx(sum(losses) / 3, abs=1e-3)
+    assert f"(mean train loss {result['train_loss']:.4f} over these steps" in said
+    assert "Skipped reloading the saved model for the final check: --no-verify was given" in said
+    assert f"llama {result['n_params'] / 1e6:.1f}M params" in said
+    assert (_count(3_100_000), _count(7_615_000_000)) == ("3.1M", "7.6B")

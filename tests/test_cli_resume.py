@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -130,49 +131,154 @@ def test_killed_run_resumes_bit_exactly(tmp_path, capsys, kind):
     assert losses(whole) == losses(killed)
 
 
-def test_a_finished_run_run_again_trains_nothing(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> tuple[Path, Path]:
+    """One uninterrupted run (checkpoints 2, 4 and 6, the final model) on the bundled corpus;
+    tests resume copies of it."""
+    root = tmp_path_factory.mktemp("finished")
+    out = root / "run"
+    assert main(_argv(root, out, ["--max_eval_sequences", "4"])) == 0
+    return root, out
+
+
+def _copy(finished: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path, list[str]]:
+    """A copy of the finished run's folder, and its command line (the same config file)."""
+    root, out = finished
+    shutil.copytree(out, tmp_path / "run")
+    return root, tmp_path / "run", ["--max_eval_sequences", "4"]
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {f.name: f.stat().st_mtime_ns for f in folder.iterdir() if f.is_file()}
+
+
+def test_a_finished_run_run_again_trains_nothing(finished, tmp_path, capsys):
     """The same command again after it finished: its last checkpoint is at --max_steps and the
     model is saved, so nothing is trained and the saved model is left as it is (the Trainer
-    would train one step past --max_steps from there and replace it). Resuming explicitly from
-    such a checkpoint is refused with the way on."""
-    flags = _chat_flags(tmp_path)
-    out = tmp_path / "run"
-    assert main(_argv(tmp_path, out, flags)) == 0
-    before = {f.name: f.stat().st_mtime_ns for f in out.iterdir() if f.is_file()}
-    weights = _weights(out)
+    would train one step past --max_steps from there and replace it)."""
+    root, out, flags = _copy(finished, tmp_path)
+    before = _files(out)
     capsys.readouterr()
-    assert main(_argv(tmp_path, out, flags)) == 0
+    assert main(_argv(root, out, flags)) == 0
     said = capsys.readouterr().out
     assert f"already holds this run's final model (its last checkpoint is at step {STEPS}" in said
-    assert {f.name: f.stat().st_mtime_ns for f in out.iterdir() if f.is_file()} == before
-    for name, value in _weights(out).items():
-        assert torch.equal(value, weights[name]), name
-    argv = _argv(tmp_path, out, flags) + [
-        "--resume_from_checkpoint",
-        str(out / f"checkpoint-{STEPS}"),
-    ]
-    with pytest.raises(SystemExit, match="nothing is left to train; pass a larger --max_steps"):
-        main(argv)
+    assert _files(out) == before
 
 
-def test_resume_with_another_seq_len_is_told(tmp_path, capsys):
-    """Checkpoints record the row length (trainer_state.json's stateful_callbacks); resuming
-    with another --seq_len trains, and says what changes."""
-    flags = _chat_flags(tmp_path)
-    out = tmp_path / "run"
-    assert main(_argv(tmp_path, out, flags)) == 0
-    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
-    assert state["stateful_callbacks"]["RunShape"]["args"] == {"seq_len": 32}
+@pytest.mark.parametrize("how", ["automatic", "explicit"])
+def test_a_checkpoint_at_max_steps_finishes_the_run(finished, tmp_path, capsys, how):
+    """Resuming from a checkpoint already at --max_steps trains nothing (no checkpoint-7): the
+    final model is written from its weights, as the uninterrupted run wrote it. The final
+    model deleted, the "already holds this run's final model" line is not claimed."""
+    root, out, flags = _copy(finished, tmp_path)
+    whole = _weights(out)
+    for f in out.iterdir():
+        if f.is_file():
+            f.unlink()
+    argv = _argv(root, out, flags)
+    if how == "explicit":
+        argv += ["--resume_from_checkpoint", str(out / f"checkpoint-{STEPS}")]
     capsys.readouterr()
-    argv = _argv(tmp_path, out, flags) + [
-        "--resume_from_checkpoint", str(out / "checkpoint-4"), "--seq_len", "16",
-    ]  # fmt: skip
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "already holds" not in said
+    assert f"checkpoint-{STEPS} is at step {STEPS} of --max_steps {STEPS}: nothing is left" in said
+    assert f"finished the run from {out / f'checkpoint-{STEPS}'} (step {STEPS}" in said
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    assert sorted(_files(out)) == sorted(_files(finished[1]))  # the files of the whole run
+    after = _weights(out)
+    assert after.keys() == whole.keys()
+    for name in whole:
+        assert torch.equal(after[name], whole[name]), name
+
+
+def test_resume_with_other_run_arguments_is_refused(finished, tmp_path, capsys):
+    """A resume continues the run its checkpoint was trained in: another learning rate or data
+    is refused with each difference named (the saved scheduler would keep the old rate, the data
+    position would apply to other rows); a larger --max_steps extends the run, and another
+    --seq_len trains with a note (a run may go on at a longer context)."""
+    root, out, flags = _copy(finished, tmp_path)
+    ckpt = out / f"checkpoint-{STEPS}"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    record = state["stateful_callbacks"]["RunShape"]["args"]
+    assert record["seq_len"] == 32 and record["learning_rate"] == 3e-3
+    longer = _argv(root, out, flags)
+    longer[longer.index("--max_steps") + 1] = str(STEPS + 2)
+    data = tmp_path / "other.txt"
+    data.write_text((DATA_DIR / "corpus.txt").read_text()[:20000])
+    msg = _error(longer + ["--lr", "1e-4", "--dataset_name", str(data), "--seq_len", "16"])
+    assert (
+        f"cannot resume from {ckpt}: it was trained with --learning_rate 0.003 (this run: 0.0001)"
+    ) in msg
+    assert f"--dataset_name the bundled corpus (this run: {data})" in msg
+    assert "--seq_len" not in msg
+    assert "Pass the checkpoint's values to continue that run, or pass a new --output_dir" in msg
+    # A checkpoint of an older version recorded only seq_len: the scheduler's rate is read.
+    state["stateful_callbacks"]["RunShape"]["args"] = {"seq_len": 32}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (ckpt / "megatrain_manifest.json").unlink()  # (the edited file no longer matches it)
+    assert "--learning_rate 0.003 (this run: 0.0001)" in _error(longer + ["--lr", "1e-4"])
+    capsys.readouterr()
+    assert main(longer + ["--logging_steps", "10"]) == 0  # no step of this run logged
+    said = capsys.readouterr().out
+    assert f"trained 2 steps (from step {STEPS})" in said
+    assert "nan" not in said and "mean train loss" in said
+    assert "note: that checkpoint trained on rows of" not in said
+
+
+def test_resume_at_another_seq_len_trains_and_says_what_changes(finished, tmp_path, capsys):
+    root, out, flags = _copy(finished, tmp_path)
+    argv = _argv(root, out, flags)
+    argv[argv.index("--max_steps") + 1] = str(STEPS + 1)
+    argv[argv.index("--seq_len") + 1] = "16"
     assert main(argv) == 0
     said = capsys.readouterr().out
     assert (
         "note: that checkpoint trained on rows of 32 tokens and this run uses --seq_len 16" in said
     )
+    assert f"trained 1 steps (from step {STEPS})" in said
+
+
+def _error(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert isinstance(e.value.code, str), e.value.code
+    assert e.value.code.startswith("hf-megatrain: error:") and "\n" not in e.value.code
+    return e.value.code
+
+
+@pytest.mark.parametrize("lost", ["megatrain_optimizer/layer_00001.safetensors", "scheduler.pt"])
+def test_incomplete_checkpoints_are_skipped_or_refused(finished, tmp_path, capsys, lost):
+    """A checkpoint missing a file, and an empty checkpoint folder: automatic resume picks the
+    newest complete one and names those it skipped; naming the incomplete one is refused in one
+    line that names the file and the flag allowing a resume without optimizer state."""
+    root, out, flags = _copy(finished, tmp_path)
+    (out / f"checkpoint-{STEPS}" / lost).unlink()
+    (out / "checkpoint-99").mkdir()
+    argv = _argv(root, out, flags)
+    msg = _error(argv + ["--resume_from_checkpoint", str(out / f"checkpoint-{STEPS}")])
+    assert f"checkpoint-{STEPS}: {lost} is missing; pass --resume-without-optimizer-state" in msg
+    assert "empty folder; resume from a complete checkpoint" in _error(
+        argv + ["--resume_from_checkpoint", str(out / "checkpoint-99")]
+    )
+    capsys.readouterr()
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"skipped incomplete checkpoint-99 (empty folder), checkpoint-{STEPS} ({lost} is "
+        f"missing); resuming from {out / 'checkpoint-4'}"
+    ) in said
     assert "trained 2 steps (from step 4)" in said
+    assert (out / f"checkpoint-{STEPS}" / lost).is_file()  # written again, complete
+
+
+def test_only_incomplete_checkpoints_are_refused(finished, tmp_path):
+    root, out, flags = _copy(finished, tmp_path)
+    for ckpt in out.glob("checkpoint-*"):
+        (ckpt / "scheduler.pt").unlink()
+    msg = _error(_argv(root, out, flags))
+    assert f"{out} holds no complete checkpoint: checkpoint-6 (scheduler.pt is missing)" in msg
+    assert "pass --resume-without-optimizer-state to resume from checkpoint-6 anyway" in msg
 
 
 _TERMINATED_CHILD = _KILLED_CHILD.replace("signal.SIGKILL", "signal.SIGTERM").replace(
