@@ -166,3 +166,25 @@ def test_training_with_compiled_kernels_equals_torch_kernels(tmp_path, family, f
         runs[kernels] = logs
     assert len([r for r in runs["torch"] if "loss" in r]) == 3
     assert_same_training_logs(runs["compiled"], runs["torch"], rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "cohere", "olmo2"])
+def test_plans_count_the_compiled_norms_only_where_every_layer_norm_runs_one(family):
+    """A recomputed layer holds no fp32 normalized product where every norm of the layers is a
+    compiled one (``ModelShape.compiled_norms``): the planner's probe on a meta model and the
+    patched model agree, and families with a norm the kernel does not compute (Gemma's
+    1 + weight, Cohere's LayerNorm; OLMo 2's norms of the whole q and k projection) keep it."""
+    from hf_megatrain.cli_plan import compiled_kernels_of
+    from hf_megatrain.hf.compiled_kernels import runs_compiled_norms
+
+    cfg = tiny_config(family, num_hidden_layers=2)
+    _, planned = compiled_kernels_of(cfg)
+    model = tiny_model(cfg)
+    assert not runs_compiled_norms(model) and not model_shape(model).compiled_norms
+    try:
+        apply_compiled_kernels(model)
+    except ValueError:  # nothing of the family computes like the kernels
+        pass
+    ran = runs_compiled_norms(model)
+    assert ran == planned == model_shape(model).compiled_norms
+    assert ran == (family in ("llama", "qwen3", "olmo2")), family
