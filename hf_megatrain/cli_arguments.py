@@ -231,6 +231,20 @@ def _typed(argv: list[str], parser: argparse.ArgumentParser) -> set[str]:
     return {a.dest for a in parser._actions if typed.intersection(a.option_strings)}
 
 
+def _refuse_opposite_flags(argv: list[str], parser: argparse.ArgumentParser) -> None:
+    """A yes and a no for one setting both typed (--bf16 --fp32, --packing --no_packing):
+    argparse would silently keep the last one. The same flag twice stays last-wins."""
+    seen: dict[str, tuple[str, Any]] = {}
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        action = parser._option_string_actions.get(flag) if flag.startswith("--") else None
+        if action is None or action.const is None:
+            continue  # not a switch: a value flag, or not a flag at all
+        first, const = seen.setdefault(action.dest, (flag, action.const))
+        if const != action.const:
+            raise CLIError(f"{first} and {flag} contradict each other: give only one of them")
+
+
 def _coerce(parser: argparse.ArgumentParser, values: dict[str, Any]) -> dict[str, Any]:
     """Recipe values through the flags' own types (YAML reads 3e-4 as a string)."""
     by_dest = {a.dest: a for a in parser._actions if a.option_strings}
@@ -267,6 +281,7 @@ def parse_train_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> T
     ns = parser.parse_args(argv)
     values = vars(ns)
     values.pop("recipe", None)
+    _refuse_opposite_flags(argv, parser)
     typed = _typed(argv, parser)
     source = {k: "recipe" for k in recipe} | {k: "flag" for k in typed}
 
@@ -373,6 +388,8 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
     if model.model_path is not None and not looks_like_repo_id(model.model_path):
         # A Hub repo id (org/name, no such local path) is resolved when the model is loaded.
         p = Path(model.model_path)
+        if p.is_file():
+            raise CLIError(_model_path_is_a_file(p))
         if not p.is_dir():
             raise CLIError(
                 f"model path not found (need a Hub-format checkpoint folder or a Hub repo id "
@@ -415,6 +432,21 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         raise CLIError(f"output_dir cannot be created: {out} ({e.strerror})") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise CLIError(f"output_dir is not writable: {out}")
+
+
+def _model_path_is_a_file(p: Path) -> str:
+    """The message for a --model_path that names a file (it exists: "not found" would mislead)."""
+    hint = ""
+    if p.name == "config.json":
+        # The likely intent: that folder, or random init from this config.
+        hint = (
+            f" (to continue that checkpoint: --model_path {p.parent}; to train from random "
+            f"init with this config: --config {p})"
+        )
+    return (
+        f"--model_path {p} is a file: it takes a Hub repo id (such as Qwen/Qwen2.5-7B) or a "
+        f"checkpoint folder holding config.json and *.safetensors weights{hint}"
+    )
 
 
 def _check_weight_files(folder: Path) -> None:

@@ -1,9 +1,10 @@
 """``hf-megatrain verify PATH``: check a saved model or checkpoint against its manifest.
 
 Exit status 0 and one ``OK`` line when every file listed in ``megatrain_manifest.json`` is present
-with its size and sha256; 1 with one ``hf-megatrain: error: ...`` line naming the first bad file;
-2 when the folder has no manifest (saved by an older version or not by hf_megatrain: nothing
-could be verified).
+with its size and sha256 (then a line naming the subfolders with manifests of their own, such as
+a run's checkpoint-N beside its final model: each verified on its own); 1 with one
+``hf-megatrain: error: ...`` line naming the first bad file; 2 when the folder has no manifest
+(saved by an older version or not by hf_megatrain: nothing could be verified).
 """
 
 from __future__ import annotations
@@ -53,4 +54,22 @@ def run_verify(ns: argparse.Namespace) -> int:
         return NO_MANIFEST
     extra = f", {result.unlisted} other files not in the manifest" if result.unlisted else ""
     say(f"hf-megatrain: OK {path}: {result.files} files, {_size(result.bytes)} verified{extra}")
+    if result.nested:
+        say(_nested_note(path, result.nested))
     return 0
+
+
+def _nested_note(path: str, nested: list[str]) -> str:
+    """Subfolders with their own manifest (a run's checkpoint-N): named, and how to verify
+    them. Not verified here: a checkpoint holds the optimizer state, several times the model."""
+    last = os.path.join(path, nested[-1])
+    if len(nested) == 1:
+        return (
+            f"hf-megatrain: not verified here: {nested[0]}, a folder with its own manifest "
+            f"(verify it with: hf-megatrain verify {last})"
+        )
+    shown = ", ".join(nested[:3]) + (f" and {len(nested) - 3} more" if len(nested) > 3 else "")
+    return (
+        f"hf-megatrain: not verified here: {len(nested)} folders with their own manifests "
+        f"({shown}); verify each with: hf-megatrain verify {last}"
+    )

@@ -9,6 +9,8 @@ line that names the flag to change.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -203,10 +205,7 @@ def _prepared_rows(
     if n == 0:
         raise _too_little(args)
     if n_held and n < 2:
-        raise DataError(
-            f"not enough data: 1 sequence of {args.seq_len} tokens, need at least 2 for a train "
-            "and an eval row: lower --seq_len, add data, or set --eval_fraction 0"
-        )
+        raise _one_row(args)
     # split_chunks' rules (at least one eval row, at least one train row), and at most
     # max_eval_sequences: the rest of the fraction stays in train.
     packed = packed.shuffle(seed=seed)
@@ -236,8 +235,8 @@ def _stream_rows(
     if len(head) <= n_held:
         raise DataError(
             f"{source} streams only {len(head)} sequence(s) of {args.seq_len} tokens, all needed "
-            "for eval: lower --max_eval_sequences or --seq_len, set --eval_fraction 0, or drop "
-            "--streaming"
+            f"for eval: lower --max_eval_sequences, {_more_rows(args)}, set --eval_fraction 0, "
+            "or drop --streaming"
         )
     held = None
     if n_held:
@@ -265,9 +264,33 @@ def _check_args(args: DataArguments) -> None:
 
 
 def _too_little(args: DataArguments) -> DataError:
+    if not args.packing:  # every non-empty document makes a row: there were none
+        return DataError("no text to train on: every document is empty")
     return DataError(
         f"not enough text for one sequence of {args.seq_len} tokens: lower --seq_len or add data"
     )
+
+
+def _one_row(args: DataArguments) -> DataError:
+    """One row, and a train and an eval row are needed."""
+    if args.packing:
+        return DataError(
+            f"not enough data: 1 sequence of {args.seq_len} tokens, need at least 2 for a train "
+            "and an eval row: lower --seq_len, add data, or set --eval_fraction 0"
+        )
+    # Without packing a row is one document, whatever --seq_len is: lowering it cannot help.
+    return DataError(
+        "not enough data: --no_packing makes one row per document and the data has 1 non-empty "
+        f"document, need 2 for a train and an eval row: {_more_rows(args)}, or set "
+        "--eval_fraction 0"
+    )
+
+
+def _more_rows(args: DataArguments) -> str:
+    """What gives more rows. Without packing a row is one document, whatever --seq_len is."""
+    if args.packing:
+        return "lower --seq_len or add data"
+    return f"add documents, drop --no_packing to pack the text into {args.seq_len}-token rows"
 
 
 def _load_splits(args: DataArguments) -> dict[str, Any]:
@@ -296,12 +319,15 @@ def _load_splits(args: DataArguments) -> dict[str, Any]:
     else:
         if name.startswith((".", "/", "~")) or Path(name).suffix.lower() in BUILDERS:
             raise DataError(f"data not found: {name} (--dataset_name)")
+        unreachable = _hub_unreachable()
         try:
-            splits = load_dataset(name, args.dataset_config, streaming=args.streaming)
+            with _offline_datasets(unreachable is not None):
+                splits = load_dataset(name, args.dataset_config, streaming=args.streaming)
         except ConnectionError as e:  # offline (HF_HUB_OFFLINE / no network) and not cached
+            why = unreachable or _one_line(e)
             raise DataError(
                 f"could not load the dataset {name!r} from the Hub or the local cache "
-                f"({_one_line(e)}): run once with network access so that datasets caches it, or "
+                f"({why}): run once with network access so that datasets caches it, or "
                 "pass a local file or folder as --dataset_name"
             ) from None
         except Exception as e:  # not found, gated, missing config, ...
@@ -310,6 +336,50 @@ def _load_splits(args: DataArguments) -> dict[str, Any]:
                 "--dataset_config)"
             ) from None
     return dict(splits)
+
+
+#: Seconds to wait for a connection to the Hub before loading a Hub dataset as offline.
+HUB_CONNECT_TIMEOUT = 3.0
+_PROXY_VARIABLES = ("https_proxy", "http_proxy", "all_proxy")  # either case
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached (one TCP connection, a few seconds at most), else None.
+
+    Without a network, datasets retries each request with backoff (~30 s) before it reads its
+    cache or fails. Not checked in offline mode (nothing to wait for) or behind a proxy (a
+    direct connection says nothing about the proxied one).
+    """
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    from datasets import config  # noqa: PLC0415
+
+    proxied = any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARIABLES)
+    if config.HF_HUB_OFFLINE or proxied:
+        return None
+    url = urlsplit(config.HF_ENDPOINT)
+    if not url.hostname:
+        return None
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=HUB_CONNECT_TIMEOUT).close()
+    except OSError as e:
+        return f"the Hub at {config.HF_ENDPOINT} cannot be reached: {e.strerror or e}"
+    return None
+
+
+@contextmanager
+def _offline_datasets(offline: bool) -> Iterator[None]:
+    """datasets in offline mode (what HF_HUB_OFFLINE=1 sets) for one load: it reads its cache
+    at once instead of retrying an unreachable Hub."""
+    from datasets import config  # noqa: PLC0415
+
+    before = config.HF_HUB_OFFLINE
+    config.HF_HUB_OFFLINE = before or offline
+    try:
+        yield
+    finally:
+        config.HF_HUB_OFFLINE = before
 
 
 def _local_files(path: Path) -> tuple[str, list[Path]]:

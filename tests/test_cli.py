@@ -431,3 +431,77 @@ def test_end_of_run_report(tmp_path, capsys):
     assert "Skipped reloading the saved model for the final check: --no-verify was given" in said
     assert f"llama {result['n_params'] / 1e6:.1f}M params" in said
     assert (_count(3_100_000), _count(7_615_000_000)) == ("3.1M", "7.6B")
+
+
+def test_model_path_that_is_a_file(tmp_path):
+    """An existing file is not "not found": the message says what --model_path takes, and for a
+    config.json, the folder and --config it probably meant."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    msg = _error(["train", "--model_path", str(weights)])
+    assert f"--model_path {weights} is a file" in msg and "not found" not in msg
+    assert "a Hub repo id" in msg and "folder holding config.json" in msg
+    cfg = _tiny_config(tmp_path / "config.json")
+    msg = _error(["train", "--model_path", str(cfg)])
+    assert f"--model_path {tmp_path};" in msg and f"--config {cfg})" in msg
+
+
+def test_opposite_flags_are_refused(tmp_path):
+    """A yes and a no for one setting typed together: refused naming both, not last-wins;
+    one of them, the same one twice, or a recipe overridden by a flag still parse."""
+    out = ["--output_dir", str(tmp_path), "--max_steps", "1"]  # (were it trained: briefly)
+    msg = _error(["train", "--bf16", "--fp32", *out])
+    assert msg.endswith("--bf16 and --fp32 contradict each other: give only one of them")
+    msg = _error(["train", "--no_packing", "--packing", *out])
+    assert "--no_packing and --packing contradict" in msg
+    msg = _error(["train", "--packing=true", "--no-packing", *out])
+    assert "--packing and --no-packing contradict" in msg
+    assert parse_train(["--fp32", "--fp32"] + out).training.bf16 is False
+    assert parse_train(["--no_packing"] + out).data.packing is False
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("packing: false\nbf16: true\n")
+    settings = parse_train(["--recipe", str(recipe), "--packing", "--fp32"] + out)
+    assert settings.data.packing is True and settings.training.bf16 is False
+
+
+def test_verify_names_checkpoint_folders_apart(tmp_path, capsys):
+    """A run's output folder: files of its checkpoint-N folders (manifests of their own) are
+    not counted as stray files of the final model; the folders are named, with the command
+    that verifies them."""
+    from hf_megatrain.core.publish import write_manifest
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"weights")
+    write_manifest(str(out))
+    for step in (10, 2):
+        ckpt = out / f"checkpoint-{step}"
+        (ckpt / "megatrain_optimizer").mkdir(parents=True)
+        (ckpt / "megatrain_optimizer" / "layer_00000.safetensors").write_bytes(b"state")
+        write_manifest(str(ckpt))
+    (out / "notes.txt").write_text("kept beside the model")
+    assert main(["verify", str(out)]) == 0
+    ok, note = capsys.readouterr().out.strip().splitlines()
+    assert ok.endswith("1 files, 7 B verified, 1 other files not in the manifest")
+    assert "2 folders with their own manifests (checkpoint-2, checkpoint-10)" in note
+    assert note.endswith(f"hf-megatrain verify {out / 'checkpoint-10'}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the wording of a CPU run")
+@pytest.mark.parametrize(
+    "resident, said_first", [("0", "2 layers streamed ("), ("1", "1 layers kept whole, 1 layers")]
+)
+def test_cpu_run_report_has_no_gpu_terms(tmp_path, caplog, resident, said_first):
+    """On a CPU the streaming report says nothing of HBM or pinned memory, and nothing of
+    keep_attention_outputs' GPU memory plan; layers kept whole are counted as such."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="hf_megatrain")
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    cfg = _tiny_config(tmp_path / "config.json")
+    argv = ["--config", str(cfg), "--data", str(data), "--no-verify", "--resident-layers", resident]
+    assert main(["train", *argv, *_fast_flags(tmp_path / "out")]) == 0
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("hf_megatrain")]
+    assert any(m.startswith(f"hf_megatrain: {said_first}") for m in said), said
+    assert not any("HBM" in m or "keep_attention_outputs" in m or "pageable" in m for m in said)

@@ -284,6 +284,43 @@ def test_recomputed_peak_holds_what_its_saves_spare(family, kernels, monkeypatch
     assert planned == expected + fp32_out
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_kept_layers_backward_ends_before_the_recomputed_ones(family):
+    """Every layer in HBM, the last two keeping their activations: their backward (and the
+    loss's before it) holds their saves and, per token, only 4 x intermediate more (the MLP's
+    gradients: ``KEPT_BACKWARD_BYTES_PER_TOKEN_INTER``); it frees them before the first
+    recomputed layer's backward starts, whose growth is the gated-MLP peak line. The plan holds
+    the two phases apart (``_kept_phases_apart``)."""
+    from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
+        KEPT_BACKWARD_BYTES_PER_TOKEN_INTER,
+        _kept_phases_apart,
+        kept_activation_bytes_per_token,
+    )
+
+    per_token: dict[str, list[float]] = {}
+    for tokens in (512, 1024):
+        model, shape = _streamed(
+            _config(family, num_hidden_layers=4), resident_layers="4", keep_activations="2",
+            autocast_kernels=True,
+        )  # fmt: skip
+        live = Live()
+        _step(model, tokens, live)
+        for phase in ("backward 3", "backward 2", "backward 1"):
+            grown = live.phase_peak[phase] - live.phase_start[phase]
+            per_token.setdefault(phase, []).append(grown)
+            per_token.setdefault(f"{phase} start", []).append(live.phase_start[phase])
+    growth = {k: (v[1] - v[0]) / 512 for k, v in per_token.items()}
+    i = shape.intermediate_size
+    assert growth["backward 3"] == growth["backward 2"] == KEPT_BACKWARD_BYTES_PER_TOKEN_INTER * i
+    # Both kept layers' saves are gone when the first recomputed layer's backward starts.
+    freed = growth["backward 3 start"] - growth["backward 1 start"]
+    assert freed >= 2 * kept_activation_bytes_per_token(shape, shared_casts=True)
+    step = StepShape(seq_len=1024, micro_batch_tokens=1024)
+    options = EngineOptions().resolve(clipping=True, cuda=True)
+    assert _kept_phases_apart(shape, step, options, [2, 3])
+    assert not _kept_phases_apart(shape, step, options, [1, 2])  # a recomputed layer after them
+
+
 #: Plan kinds the tracker cannot see (exact state, CUDA-only buffers, the slack); on CUDA the
 #: step's buffers are real, and parameters and state were allocated before the step.
 TRACKER_UNSEEN_KINDS = {"parameters", "stream buffers", "gradient buffers", "slack"}

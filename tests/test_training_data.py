@@ -308,3 +308,41 @@ def test_trains_with_hfmegatrainer(tmp_path, tok, streaming):
     assert trainer.state.global_step == 3 and len(losses) == 3
     assert all(torch.isfinite(torch.tensor(losses)))
     assert torch.isfinite(torch.tensor(trainer.evaluate()["eval_loss"]))
+
+
+def test_one_document_without_packing_names_what_helps(tok):
+    """--no_packing on one document (the bundled corpus): one row whatever --seq_len is, so the
+    message offers what gives rows (documents, packing), not a lower --seq_len."""
+    with pytest.raises(DataError) as e:
+        load_training_data(DataArguments(packing=False), tok)
+    msg = str(e.value)
+    assert "one row per document and the data has 1 non-empty document" in msg
+    assert "add documents, drop --no_packing" in msg and "--eval_fraction 0" in msg
+    assert "lower --seq_len" not in msg
+
+
+def test_hub_id_without_network_fails_fast(monkeypatch, tok):
+    """No network and no HF_HUB_OFFLINE: one short connection check, then datasets runs
+    offline (no ~30 s of retries) and the error says the Hub cannot be reached."""
+    import time
+    from types import SimpleNamespace
+
+    from hf_megatrain import training_data
+
+    def no_network(address, timeout=None):
+        raise OSError(101, "Network is unreachable")
+
+    for name in ("https_proxy", "http_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(training_data, "socket", SimpleNamespace(create_connection=no_network))
+    args = DataArguments(dataset_name="hf-megatrain-test/no-such-dataset")
+    start = time.perf_counter()
+    with pytest.raises(DataError, match="the Hub at .* cannot be reached: Network is unreachable"):
+        load_training_data(args, tok)
+    assert time.perf_counter() - start < 20  # datasets' retries alone sleep 23 s
+    assert datasets.config.HF_HUB_OFFLINE is False  # offline for that load only
+    # Behind a proxy a direct connection proves nothing: not checked.
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert training_data._hub_unreachable() is None

@@ -40,6 +40,7 @@ SEGMENT_CACHE_KIND = "segment cache"
 FULL_LOGITS_KIND = "full logits"
 ATTENTION_OUTPUTS_KIND = "attention outputs"
 KEPT_ACTIVATIONS_KIND = "kept activations"
+KEPT_APART_KIND = "kept activations, recompute apart"
 MASK_KIND = "attention masks"
 EAGER_SCORES_KIND = "eager attention scores"
 ROUTER_AUX_KIND = "router aux loss"
@@ -84,7 +85,12 @@ UNMEASURED_ERROR = 0.20
 #:   (4ced842) peaked 0.94-0.99x of it once the fused loss's and LM head's lines, freed before
 #:   any layer's backward, are set aside; with 14% they were planned 10.4% and 14.4% high.
 #: * kept activations, 5%: matrixds-1656 (Qwen2.5-3B at 64k tokens, 15 layers keeping theirs:
-#:   +4.3% of 65.2 GiB once the working set has its error).
+#:   +4.3% of 65.2 GiB once the working set has its error), where the sum of the kept and the
+#:   recomputed layers' lines covered it; 13% where the kept layers are the model's last and the
+#:   plan holds their backward apart from the recomputed layers' (``_kept_phases_apart``): 45
+#:   such rows, the worst the matrix's Qwen3-1.7B at 131,072 tokens (d53f3e3, a first-step row
+#:   with only its reserved peak: +13.0% of 45.8 GiB); the rows with an allocated peak are
+#:   planned -0.9% to +5.8% of it (4ae9c4f: Qwen3-1.7B and H2O-Danube-1.8B at 4k-128k).
 #: * kept attention outputs: exact, no longer an estimate kind (the fused kernel's output and
 #:   its fp32 log-sum-exp per head, the tensors the CPU tracker measures; every H200 row under).
 #: * segment cache, 13%: no H200 row has one (long7b-0759's segments of 2 with bf16 boundaries
@@ -117,6 +123,7 @@ ESTIMATE_ERRORS: dict[str, float] = {
     PEAK_WORKING_SET_KIND: 0.04,
     MOE_WORKING_SET_KIND: 0.05,
     KEPT_ACTIVATIONS_KIND: 0.05,
+    KEPT_APART_KIND: 0.13,
     SEGMENT_CACHE_KIND: 0.13,
     FULL_LOGITS_KIND: UNMEASURED_ERROR,
     ROUTER_AUX_KIND: UNMEASURED_ERROR,
@@ -242,6 +249,13 @@ FUSED_QK_NORMS_BYTES_PER_TOKEN = 4
 KEPT_OUTPUT_BYTES_PER_TOKEN_QUERY = 2
 KEPT_OUTPUT_BYTES_PER_HEAD = 4
 
+
+#: A kept layer's backward (no recompute) at its peak, per token, beyond its saves: its MLP's
+#: gradients (gate, up and their product's, and the input's, 4 x intermediate in all). Measured
+#: on the CPU tracker (Llama and Qwen3 layers at h 64-128, i 2.5h-3.5h, 512 and 1,024 tokens):
+#: each kept layer's backward phase grew by exactly 4i per token over its start, where a
+#: recomputed layer's grew by the whole gated-MLP peak line.
+KEPT_BACKWARD_BYTES_PER_TOKEN_INTER = 4
 
 #: The fused loss's chunk at its peak, per logit (tests/test_plan_accuracy.py): bf16 logits,
 #: their fp32 copy and the fp32 log-probabilities; soft-capped logits keep the tanh output too.
@@ -1180,6 +1194,47 @@ def _kept_output_working_set(
     return work_kept, (work.nbytes - work_kept.nbytes) // max(t, 1)
 
 
+def _kept_phases_apart(
+    shape: ModelShape, step: StepShape, options: ResolvedOptions, kept_layers: Sequence[int]
+) -> bool:
+    """Whether the layers keeping activations are the model's last (every layer in HBM), so
+    that their backward ends before any recomputed layer's, whose measured peak (an untiled
+    dense gated MLP of an audited family) the plan then holds apart from theirs (where every
+    layer keeps its activations, none is recomputed)."""
+    return (
+        bool(kept_layers)
+        and max(kept_layers) == shape.num_layers - 1
+        and shape.fused_loss
+        and not shape.experts_per_token
+        and _is_measured_peak(shape, step.micro_batch_tokens, options.mlp_tile_tokens)
+    )
+
+
+def kept_activations_line(
+    shape: ModelShape,
+    step: StepShape,
+    options: ResolvedOptions,
+    dtype: torch.dtype,
+    kept: int,
+    kind: str = KEPT_ACTIVATIONS_KIND,
+) -> MemoryLine:
+    """The saves of ``kept`` layers that keep their activations (no recompute)."""
+    # A kept layer's graph holds its fp32 input itself, also where the boundary line counts it
+    # rounded to bf16.
+    shared = shares_input_casts(options, dtype)
+    per_token = (
+        kept_activation_bytes_per_token(shape, shared)
+        + (4 - options.boundary_bytes_per_element) * shape.hidden_size
+    )
+    casts = ", one bf16 cast per normed input" if shared else ""
+    return estimate_line(
+        f"kept activations of {kept} HBM-tier layers (no recompute{casts}): "
+        f"{step.micro_batch_tokens} tokens x {per_token} B each (estimate)",
+        kept * step.micro_batch_tokens * per_token,
+        kind,
+    )
+
+
 def activation_lines(
     shape: ModelShape,
     step: StepShape,
@@ -1304,6 +1359,7 @@ def activation_lines(
             )
         )
     lines.append(work)
+    work_at = len(lines) - 1
     if 0 < options.mlp_tile_tokens < t and not shape.experts_per_token:
         weight_grads = tiled_weight_grad_line(shape, dtype)
         lines.append(weight_grads)
@@ -1389,6 +1445,41 @@ def activation_lines(
                 LOSS_KIND,
             )
         lines += [loss, head]
+        if kept_layers and _kept_phases_apart(shape, step, options, kept_layers):
+            # The kept layers are the model's last: their backward (and the loss's before it)
+            # ends before any recomputed layer's starts, and frees their saves. The GPU holds
+            # the larger of that phase (the kept saves and the loss's lines or a kept layer's
+            # MLP gradients) and a recomputed layer's backward (its measured peak), not both.
+            kept = kept_activations_line(shape, step, options, dtype, len(kept_layers))
+            loss_part = loss.nbytes + head.nbytes
+            kept_backward = KEPT_BACKWARD_BYTES_PER_TOKEN_INTER * shape.intermediate_size * t
+            if kept_backward > loss_part:
+                lines.append(
+                    MemoryLine(
+                        f"a kept layer's backward: its MLP's gradients, {t} tokens x "
+                        f"{KEPT_BACKWARD_BYTES_PER_TOKEN_INTER}i B, beyond the loss's lines",
+                        kept_backward - loss_part,
+                        LOSS_KIND,
+                    )
+                )
+            first = kept.nbytes + max(loss_part, kept_backward)
+            peak = _working_set_line(shape, t, options.mlp_tile_tokens, shared_casts=shared)
+            if len(kept_layers) == shape.num_layers:
+                lines[work_at] = MemoryLine(
+                    "one layer's backward working set: none, every layer keeps its activations",
+                    0,
+                    peak.kind,
+                    peak.error,
+                )
+            else:
+                lines[work_at] = MemoryLine(
+                    f"{peak.name.removesuffix(')')}: {peak.nbytes / 2**30:.2f} GiB, never alive "
+                    "with the kept layers' activations; the part beyond them and the loss's "
+                    "lines)",
+                    max(0, peak.nbytes - first),
+                    peak.kind,
+                    peak.error,
+                )
     else:
         # The model's own forward materializes the logits and upcasts them for the loss.
         lines.append(
@@ -1398,4 +1489,8 @@ def activation_lines(
                 FULL_LOGITS_KIND,
             )
         )
+    if kept_layers:
+        apart = _kept_phases_apart(shape, step, options, kept_layers)
+        kind = KEPT_APART_KIND if apart else KEPT_ACTIVATIONS_KIND
+        lines.append(kept_activations_line(shape, step, options, dtype, len(kept_layers), kind))
     return lines + router_aux_loss_lines(shape, step, dtype)

@@ -31,15 +31,11 @@ from __future__ import annotations
 import torch
 
 from .activation_memory import (
-    KEPT_ACTIVATIONS_KIND,
     activation_lines,
     boundary_activation_bytes,
     boundary_dtype_label,
     embedding_grad_apart_bytes,
-    estimate_line,
-    kept_activation_bytes_per_token,
     saved_layers_label,
-    shares_input_casts,
 )
 from .engine.staging import GRAD_STAGING_SLOTS
 from .host_store import device_layer_bytes, layer_store_bytes
@@ -227,23 +223,6 @@ def gpu_lines(
     lines += activation_lines(
         shape, step, options, dtype, range(n_hbm - kept, n_hbm), attention_layers
     )
-    if kept:
-        # A kept layer's graph holds its fp32 input itself, also where the boundary line
-        # counts it rounded to bf16.
-        shared = shares_input_casts(options, dtype)
-        per_token = (
-            kept_activation_bytes_per_token(shape, shared)
-            + (4 - options.boundary_bytes_per_element) * shape.hidden_size
-        )
-        casts = ", one bf16 cast per normed input" if shared else ""
-        lines.append(
-            estimate_line(
-                f"kept activations of {kept} HBM-tier layers (no recompute{casts}): "
-                f"{step.micro_batch_tokens} tokens x {per_token} B each (estimate)",
-                kept * step.micro_batch_tokens * per_token,
-                KEPT_ACTIVATIONS_KIND,
-            )
-        )
     lines.append(slack_line(lines))
     return lines
 

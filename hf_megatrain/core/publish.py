@@ -196,6 +196,9 @@ class Verified:
     bytes: int = 0
     missing: list[str] = field(default_factory=list)  # allowed missing files (relative paths)
     unlisted: int = 0  # files present but not in the manifest (e.g. kept beside a saved model)
+    #: Subfolders with a manifest of their own (a run's checkpoint-N beside its final model):
+    #: their files are not counted in ``unlisted``, nor verified here.
+    nested: list[str] = field(default_factory=list)
 
 
 def verify_folder(folder: str, allow_missing: Callable[[str], bool] | None = None) -> Verified:
@@ -238,8 +241,25 @@ def verify_folder(folder: str, allow_missing: Callable[[str], bool] | None = Non
             )
     result.files = len(present)
     result.bytes = sum(int(entries[r]["size"]) for r, _ in present)
-    result.unlisted = len(set(_files(folder)) - set(entries))
+    unlisted = set(_files(folder)) - set(entries)
+    result.nested = _nested_manifests(unlisted)
+    result.unlisted = sum(1 for r in unlisted if not _inside(r, result.nested))
     return result
+
+
+def _nested_manifests(unlisted: set[str]) -> list[str]:
+    """The outermost folders among ``unlisted``'s (relative paths) holding their own manifest."""
+    suffix = "/" + MANIFEST_NAME
+    folders = [r.removesuffix(suffix) for r in unlisted if r.endswith(suffix)]
+    outer = [f for f in folders if not _inside(f, [g for g in folders if g != f])]
+    # checkpoint-500 before checkpoint-1000: numbers compared as numbers.
+    return sorted(
+        outer, key=lambda f: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", f)]
+    )
+
+
+def _inside(rel: str, folders: list[str]) -> bool:
+    return any(rel.startswith(f + "/") for f in folders)
 
 
 def _sha256(path: str) -> str:

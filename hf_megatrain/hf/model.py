@@ -702,20 +702,23 @@ def prepare_streamed_model(
     keep_attention_outputs(
         model, options.keep_attention_outputs if options.recompute_early_stop else "off"
     )
-    stores = built.stores
-    logger.info(
-        "hf_megatrain: %d layers in HBM, %d streamed (%.2f GiB host store, %s%s%s); "
-        "%d resident tensors on %s",
-        built.n_resident,
-        len(stores) - built.n_resident,
-        model._megatrain.store.nbytes / 2**30,
-        "pinned" if any(s.pinned for s in stores) else "pageable",
-        _grad_slots_note(resolved, compute_dtype),
-        ", fp32 masters stream" if resolved.stream_fp32_master else "",
-        len(resident),
-        device,
-    )
+    logger.info("hf_megatrain: %s", _store_report(model, built, resolved, compute_dtype, device))
     return model
+
+
+def _store_report(model, built, resolved, compute_dtype, device) -> str:
+    """Where the layers went, in the device's terms (a CPU has no HBM tier nor pinned memory)."""
+    stores, n = built.stores, built.n_resident
+    store = f"{model._megatrain.store.nbytes / 2**30:.2f} GiB host store"
+    notes = _grad_slots_note(resolved, compute_dtype)
+    notes += ", fp32 masters stream" if resolved.stream_fp32_master else ""
+    if torch.device(device).type == "cuda":
+        pinned = "pinned" if any(s.pinned for s in stores) else "pageable"
+        layers = f"{n} layers in HBM, {len(stores) - n} streamed ({store}, {pinned}{notes})"
+    else:
+        whole = f"{n} layers kept whole, " if n else ""
+        layers = f"{whole}{len(stores) - n} layers streamed ({store}{notes})"
+    return f"{layers}; {len(model._megatrain.resident)} resident tensors on {device}"
 
 
 def _grad_slots_note(resolved: ResolvedOptions, compute_dtype: torch.dtype) -> str:
@@ -868,9 +871,9 @@ def keep_attention_outputs(model: nn.Module, value: object) -> int:
     ask = parse_attention_layers(value)
     recomputed = [i for i, layer in enumerate(layers) if not layer.keep_graph]
     if ask is None:
-        if state.plan is None or state.plan.step is None:
-            # "auto" is the default: without the step's plan (a CPU, an unknown row length) it
-            # quietly keeps none, as "off" would.
+        if (state.plan is None or state.plan.step is None) and state.engine.is_cuda:
+            # "auto" is the default: without the step's plan (an unknown row length; a CPU run
+            # never has one, and is not told) it quietly keeps none, as "off" would.
             logger.info(
                 "hf_megatrain: keep_attention_outputs='auto' without the memory plan of the step "
                 "(a GPU and a known row length): no layer keeps them"
