@@ -1206,6 +1206,7 @@ def _kept_phases_apart(
         and max(kept_layers) == shape.num_layers - 1
         and shape.fused_loss
         and not shape.experts_per_token
+        and not shape.gemma_norms  # (a kept GeGLU layer's backward is not measured)
         and _is_measured_peak(shape, step.micro_batch_tokens, options.mlp_tile_tokens)
     )
 
