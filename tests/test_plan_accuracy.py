@@ -284,25 +284,34 @@ def test_recomputed_peak_holds_what_its_saves_spare(family, kernels, monkeypatch
     assert planned == expected + fp32_out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "qwen2", "mistral", "phi3", "smollm3", "seed_oss", "ernie4_5"]
+)
 def test_kept_layers_backward_ends_before_the_recomputed_ones(family):
-    """Every layer in HBM, the last two keeping their activations: their backward (and the
-    loss's before it) holds their saves and, per token, only 4 x intermediate more (the MLP's
-    gradients: ``KEPT_BACKWARD_BYTES_PER_TOKEN_INTER``); it frees them before the first
-    recomputed layer's backward starts, whose growth is the gated-MLP peak line. The plan holds
-    the two phases apart (``_kept_phases_apart``)."""
+    """Every layer in HBM, the last two keeping their activations (families the plan holds
+    apart, ``_kept_phases_apart``): their backward (and the loss's before it) holds their saves
+    and, per token, only 4 x intermediate more (the MLP's gradients:
+    ``KEPT_BACKWARD_BYTES_PER_TOKEN_INTER``); it frees them before the first recomputed layer's
+    backward starts, whose growth is the gated-MLP peak line."""
     from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
         KEPT_BACKWARD_BYTES_PER_TOKEN_INTER,
         _kept_phases_apart,
         kept_activation_bytes_per_token,
     )
+    from tests.helpers import tiny_config  # noqa: PLC0415
 
+    if family in ("llama", "qwen3", "mistral"):
+        cfg = _config(family, num_hidden_layers=4)
+    else:  # the family's own tiny config at the same widths
+        cfg = tiny_config(
+            family, num_hidden_layers=4, hidden_size=64, intermediate_size=160,
+            max_position_embeddings=4096,
+        )  # fmt: skip
     per_token: dict[str, list[float]] = {}
     for tokens in (512, 1024):
         model, shape = _streamed(
-            _config(family, num_hidden_layers=4), resident_layers="4", keep_activations="2",
-            autocast_kernels=True,
-        )  # fmt: skip
+            cfg, resident_layers="4", keep_activations="2", autocast_kernels=True
+        )
         live = Live()
         _step(model, tokens, live)
         for phase in ("backward 3", "backward 2", "backward 1"):

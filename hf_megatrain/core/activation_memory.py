@@ -252,7 +252,8 @@ KEPT_OUTPUT_BYTES_PER_HEAD = 4
 
 #: A kept layer's backward (no recompute) at its peak, per token, beyond its saves: its MLP's
 #: gradients (gate, up and their product's, and the input's, 4 x intermediate in all). Measured
-#: on the CPU tracker (Llama and Qwen3 layers at h 64-128, i 2.5h-3.5h, 512 and 1,024 tokens):
+#: on the CPU tracker (Llama and Qwen3 layers at h 64-128, i 2.5h-3.5h, 512 and 1,024 tokens;
+#: Qwen2, Mistral, Phi-3, SmolLM3, Seed-OSS and ERNIE 4.5 at h 64):
 #: each kept layer's backward phase grew by exactly 4i per token over its start, where a
 #: recomputed layer's grew by the whole gated-MLP peak line.
 KEPT_BACKWARD_BYTES_PER_TOKEN_INTER = 4
