@@ -412,7 +412,8 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     if finish_only:
         done = f"\nhf-megatrain: finished the run from {resume} (step {resume_step}"
     else:
-        done = f"\nhf-megatrain: trained {steps_run} steps" + (
+        noun = "step" if steps_run == 1 else "steps"
+        done = f"\nhf-megatrain: trained {steps_run} {noun}" + (
             f" (from step {start_step})" if start_step else ""
         )
         done += f" in {train_s:.1f} s (mean train loss {train_loss:.4f} over these steps"

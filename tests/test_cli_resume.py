@@ -236,7 +236,7 @@ def test_resume_at_another_seq_len_trains_and_says_what_changes(finished, tmp_pa
     assert (
         "note: that checkpoint trained on rows of 32 tokens and this run uses --seq_len 16" in said
     )
-    assert f"trained 1 steps (from step {STEPS})" in said
+    assert f"trained 1 step (from step {STEPS})" in said
 
 
 def _error(argv: list[str]) -> str:
