@@ -13,6 +13,13 @@ import torch
 if not torch.cuda.is_available():
     torch.set_num_threads(1)
 
+# The compiled layer kernels are compiled once per static width (a run compiles each for its
+# model's few widths); a test process compiles them for every tiny config of the tests that
+# land on it (``--dist loadfile``: which files share a worker varies run to run). Dynamo's
+# default limit of 8 recompiles per function would then fail whichever test came ninth.
+torch._dynamo.config.recompile_limit = 256
+torch._dynamo.config.accumulated_recompile_limit = 4096
+
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (pyproject's addopts): one worker per CPU without CUDA; none with it.
