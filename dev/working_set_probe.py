@@ -2,9 +2,9 @@
 
 Three streamed layers of a Llama or Qwen3 config of the given widths, one sequence, bf16 autocast,
 untiled MLP, every layer recomputed; the middle layer's backward phase (from its output's gradient
-to its input's) measured from the profiler's allocation timeline (tests/helpers.py,
-``AllocationTimeline``), which, unlike a dispatch-mode tracker, sees into torch.compile'd kernels:
-``--kernels compiled`` builds Inductor's own CPU kernels (a C++ compiler is needed; the partition
+to its input's) measured from the profiler's allocation timeline (tests/test_plan_accuracy.py,
+``recomputed_layer_growth``), which, unlike a dispatch-mode tracker, sees into torch.compile'd
+kernels: ``--kernels compiled`` builds Inductor's own CPU kernels (a C++ compiler is needed; the partition
 of saved tensors is Inductor's, as on the GPU). The growth between two token counts, per token,
 cancels what does not scale with tokens (the weights' gradients). Qwen3-1.7B's widths:
 
@@ -28,13 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_megatrain.hf.compiled_kernels as compiled_kernels  # noqa: E402
 from hf_megatrain.core.activation_memory import _working_set_line  # noqa: E402
-from hf_megatrain.hf.long_context import apply_layer_kernels  # noqa: E402
-from hf_megatrain.hf.model import model_shape, prepare_streamed_model  # noqa: E402
-from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: E402
-from tests.helpers import AllocationTimeline  # noqa: E402
-from tests.test_plan_accuracy import mark_layer_backwards  # noqa: E402
-
-BF16 = torch.bfloat16
+from tests.test_plan_accuracy import recomputed_layer_growth  # noqa: E402
 
 
 def config(a: argparse.Namespace):
@@ -46,31 +40,6 @@ def config(a: argparse.Namespace):
         num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
         max_position_embeddings=2 * max(a.tokens),
     )  # fmt: skip
-
-
-def growth(cfg, kernels: str, shared: bool, keep: bool, tokens: int):
-    """The middle layer's backward growth at ``tokens`` (after a warm-up step) and the shape."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.config._attn_implementation = "sdpa"
-    model.config.use_cache = False
-    if kernels == "compiled":
-        apply_layer_kernels(model, "compiled", "cpu")
-    prepare_streamed_model(
-        model, "cpu", BF16, resident_layers="0", keep_activations="off",
-        keep_attention_outputs="all" if keep else "off", autocast_kernels=shared,
-        layer_kernels=kernels, mlp_tile_tokens=0,
-    )  # fmt: skip
-    mark_layer_backwards(model, AllocationTimeline.mark)
-    wrapper = StreamedModelWrapper(model.train(), BF16, "cpu", loss_chunk_tokens=64)
-    for n in (tokens // 2, tokens):
-        ids = torch.randint(0, cfg.vocab_size, (1, n))
-        with AllocationTimeline() as timeline:
-            wrapper(input_ids=ids, labels=ids.clone()).loss.backward()
-        model.zero_grad(set_to_none=True)
-    return timeline.growth("backward 1", "backward 0"), model_shape(model)
 
 
 def main() -> None:
@@ -90,7 +59,7 @@ def main() -> None:
     for kernels, shared, keep in itertools.product(
         a.kernels.split(","), (False, True), (False, True)
     ):
-        grown = {t: growth(cfg, kernels, shared, keep, t) for t in (small, large)}
+        grown = {t: recomputed_layer_growth(cfg, kernels, t, shared, keep) for t in (small, large)}
         shape = grown[large][1]
         measured = (grown[large][0] - grown[small][0]) / (large - small)
         lines = [

@@ -206,6 +206,13 @@ def checkpoint_problem(folder: str, allow_missing_state: bool = False) -> Incomp
         return Incomplete(str(e).removeprefix("hf_megatrain: "), False)
     if manifest is None:
         return _unlisted_problem(folder, allow_missing_state)
+    return listed_files_problem(folder, manifest, allow_missing_state)
+
+
+def listed_files_problem(
+    folder: str, manifest: dict, allow_missing_state: bool = False
+) -> Incomplete | None:
+    """The first file ``manifest`` lists that ``folder`` lacks or holds at another size."""
     for rel, entry in sorted(manifest["files"].items()):
         path = os.path.join(folder, *rel.split("/"))
         if not os.path.isfile(path):
@@ -322,6 +329,7 @@ __all__ = [
     "check_complete",
     "check_same_run",
     "checkpoint_problem",
+    "listed_files_problem",
     "newest_complete",
     "record_callback",
     "resume_checkpoint",

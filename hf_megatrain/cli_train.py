@@ -25,6 +25,7 @@ from .cli_common import say as _say
 from .cli_common import setup_logging as _setup_logging
 from .cli_resume import (
     check_same_run,
+    listed_files_problem,
     record_callback,
     resume_checkpoint,
     run_record,
@@ -220,10 +221,7 @@ def _holds_saved_model(folder: str) -> bool:
         return False
     if manifest is None or not (Path(folder) / "config.json").is_file():
         return False
-    return all(
-        (Path(folder) / rel).is_file() and (Path(folder) / rel).stat().st_size == int(e["size"])
-        for rel, e in manifest["files"].items()
-    )
+    return listed_files_problem(folder, manifest) is None
 
 
 def _size(nbytes: float) -> str:

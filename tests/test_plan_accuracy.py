@@ -202,10 +202,13 @@ def test_shared_casts_hold_less_than_the_plan_counts():
     assert grown[False] - grown[True] == 6 * h
 
 
-def _recomputed_layer_growth(cfg, kernels: str, tokens: int) -> tuple[int, object]:
+def recomputed_layer_growth(
+    cfg, kernels: str, tokens: int, shared_casts: bool = True, keep_outputs: bool = True
+) -> tuple[int, object]:
     """What the middle of three streamed layers' backward holds over its start (the profiler's
     allocation timeline: it sees into compiled kernels), one ``tokens``-token sequence, bf16,
-    shared casts, every layer's attention output kept, untiled; and the model's plan shape."""
+    untiled, with ``shared_casts`` and every layer's attention output kept (``keep_outputs``) or
+    none; and the model's plan shape. dev/working_set_probe.py runs it at any widths."""
     from hf_megatrain.hf.long_context import apply_layer_kernels  # noqa: PLC0415
     from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
 
@@ -221,7 +224,8 @@ def _recomputed_layer_growth(cfg, kernels: str, tokens: int) -> tuple[int, objec
         assert apply_layer_kernels(model, "compiled", "cpu").kind == "compiled"
     prepare_streamed_model(
         model, "cpu", BF16, resident_layers="0", keep_activations="off",
-        keep_attention_outputs="all", autocast_kernels=True, layer_kernels=kernels,
+        keep_attention_outputs="all" if keep_outputs else "off", autocast_kernels=shared_casts,
+        layer_kernels=kernels,
         mlp_tile_tokens=0,
     )  # fmt: skip
     shape = model_shape(model)
@@ -266,7 +270,7 @@ def test_recomputed_peak_holds_what_its_saves_spare(family, kernels, monkeypatch
     )  # fmt: skip
     cfg = (Qwen3Config if family == "qwen3" else LlamaConfig)(**widths)
     small, large = 512, 1024
-    grown = {t: _recomputed_layer_growth(cfg, kernels, t) for t in (small, large)}
+    grown = {t: recomputed_layer_growth(cfg, kernels, t) for t in (small, large)}
     shape = grown[large][1]
     measured = (grown[large][0] - grown[small][0]) / (large - small)
     compiled = kernels == "compiled"

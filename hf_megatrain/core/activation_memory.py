@@ -1260,6 +1260,11 @@ def activation_lines(
     # A layer's backward working set (layers keeping activations: the earlier, summed
     # calibration, see the loss's lines), and where the layer keeps its attention output.
     shared = shares_input_casts(options, dtype)
+    apart = _kept_phases_apart(shape, step, options, kept_layers)
+    kept = None
+    if kept_layers:
+        kind = KEPT_APART_KIND if apart else KEPT_ACTIVATIONS_KIND
+        kept = kept_activations_line(shape, step, options, dtype, len(kept_layers), kind)
     work = _working_set_line(
         shape, t, options.mlp_tile_tokens, not len(kept_layers), shared_casts=shared
     )
@@ -1447,12 +1452,11 @@ def activation_lines(
                 LOSS_KIND,
             )
         lines += [loss, head]
-        if kept_layers and _kept_phases_apart(shape, step, options, kept_layers):
+        if kept is not None and apart:
             # The kept layers are the model's last: their backward (and the loss's before it)
             # ends before any recomputed layer's starts, and frees their saves. The GPU holds
             # the larger of that phase (the kept saves and the loss's lines or a kept layer's
             # MLP gradients) and a recomputed layer's backward (its measured peak), not both.
-            kept = kept_activations_line(shape, step, options, dtype, len(kept_layers))
             loss_part = loss.nbytes + head.nbytes
             kept_backward = KEPT_BACKWARD_BYTES_PER_TOKEN_INTER * shape.intermediate_size * t
             if kept_backward > loss_part:
@@ -1491,8 +1495,6 @@ def activation_lines(
                 FULL_LOGITS_KIND,
             )
         )
-    if kept_layers:
-        apart = _kept_phases_apart(shape, step, options, kept_layers)
-        kind = KEPT_APART_KIND if apart else KEPT_ACTIVATIONS_KIND
-        lines.append(kept_activations_line(shape, step, options, dtype, len(kept_layers), kind))
+    if kept is not None:
+        lines.append(kept)
     return lines + router_aux_loss_lines(shape, step, dtype)
