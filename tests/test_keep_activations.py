@@ -204,8 +204,9 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
     has head_dim 8, so its query width, 4 x 8, is not the hidden size, and it normalizes q and k
     per head); with autocast_kernels' shared input casts (the engine's default) q/k/v and
     gate/up save one cast of their input each, as the count with ``shared_casts`` says;
-    Granite, SmolLM3 and Seed-OSS layers are Llama's; Gemma3's four fp32 norms have
-    terms of their own; Phi-3's fused projections save a little less. The MoE families save more
+    Granite, SmolLM3 and Seed-OSS layers are Llama's; ERNIE 4.5's and Helium's too, plus the
+    cos/sin copies their RoPE makes (``rope_saved_bytes_per_token``, measured by calling it);
+    Gemma3's four fp32 norms have terms of their own; Phi-3's fused projections save a little less. The MoE families save more
     than the count (router, expert dispatch): they must not be marked audited, and "auto" then
     plans no kept activations for them, as for the families not measured here."""
     from hf_megatrain.core.planner import kept_activation_bytes_per_token  # noqa: PLC0415
@@ -227,7 +228,11 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
         if arch not in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe"):
             return
     cfg._attn_implementation = "sdpa"
+    if arch == "helium":  # its o_proj is hidden x hidden: heads x head_dim must be the hidden size
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
     model = tiny_model(cfg)
+    shape = model_shape(model)
+    planned = kept_activation_bytes_per_token(shape, shared_casts)
     layer = find_decoder_layers(model)[1][layers - 1].to(torch.bfloat16)  # (full attention)
     tokens = 64
     x = torch.randn(1, tokens, cfg.hidden_size, requires_grad=True)
@@ -253,9 +258,24 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
     if arch == "phi3":
         assert shape.kept_bytes_audited
         assert per_token <= planned <= 1.03 * per_token, (per_token, planned)
-    elif arch in ("llama", "qwen2", "qwen3", "mistral", "granite", "smollm3", "seed_oss"):
+    elif arch in (
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "granite",
+        "smollm3",
+        "seed_oss",
+        "ernie4_5",
+    ):
         assert shape.kept_bytes_audited
         assert per_token == planned, (per_token, planned)
+        assert shape.rope_saved_bytes_per_token == (8 * cfg.head_dim if arch == "ernie4_5" else 0)
+    elif arch == "helium":
+        # Besides the per-token count (its RoPE's cos/sin copies in it), per layer: each of its
+        # 2 norms' weight cast to fp32.
+        assert shape.kept_bytes_audited and shape.rope_saved_bytes_per_token == 8 * cfg.head_dim
+        assert per_token * tokens == planned * tokens + 2 * 4 * cfg.hidden_size
     elif arch == "gemma3_text":
         # Besides the per-token count, per layer: each of its 4 norms' and 2 q/k norms' fp32
         # (1 + weight), which a 64-token audit spreads over the tokens.

@@ -210,8 +210,9 @@ MLP_BYTES_PER_TOKEN_INTER = 6
 #: (22h + 4q + 6i) are 1.3-1.5x below it: the plan's sum covered that with the fused loss's
 #: lines, freed before any layer's backward, until the working set outgrew them (Phi-3-mini at
 #: 131,072 tokens: 3.2 GiB over its expected peak, 1.0 over its bound). Families audited against
-#: it (``ModelShape.peak_working_set_audited``: within 4% on the tracker, Cohere's, ERNIE's and
-#: Helium's 3.8% the largest underestimate, its kind's error) use it; others keep the lines
+#: it (``ModelShape.peak_working_set_audited``: within 4% on the tracker, Cohere's 3.6% at the
+#: tiny widths the largest underestimate, its kind's error; ERNIE 4.5's and Helium's were 3.4%
+#: until their RoPE's cos/sin copies were counted, now exact) use it; others keep the lines
 #: above (non-gated MLPs hold less; some gated families more: hf/model.py names them).
 GATED_MLP_PEAK_BYTES_PER_TOKEN_INTER = 12
 GEMMA_MLP_PEAK_BYTES_PER_TOKEN_INTER = 14
@@ -432,6 +433,9 @@ def _working_set_line(
     if shape.extra_working_set_bytes_per_token:
         norms += shape.extra_working_set_bytes_per_token
         label += f" + {shape.extra_working_set_bytes_per_token} of {shape.extra_working_set_what}"
+    if shape.rope_saved_bytes_per_token:
+        norms += shape.rope_saved_bytes_per_token
+        label += f" + {shape.rope_saved_bytes_per_token} of the RoPE's own cos/sin copies"
     nbytes = t * (per + norms + routed) + mlp_t * mlp_i * inter
     mlp = f" + tile x {mlp_i}i"
     if shape.qk_norm:
@@ -577,8 +581,9 @@ def kept_activation_bytes_per_token(shape: ModelShape, shared_casts: bool = Fals
     of the normalized input (5 x 2h); attention saves its bf16 q (2q, q = heads x head_dim,
     usually h), rotated k and v (4kv) and output, which o_proj saves as its input (2q: the same
     storage); the MLP saves the gate and up outputs, the SiLU output and their product (4 x 2i).
-    RoPE saves nothing per layer: its products are with cos/sin, which need no gradient, so only
-    the (shared) tables are kept. Per token besides: attention's fp32 log-sum-exp per head and
+    Llama's RoPE saves nothing per layer: its products are with cos/sin, which need no gradient,
+    so only the (shared) tables are kept; a family whose RoPE function makes its own copies of
+    them keeps those (``ModelShape.rope_saved_bytes_per_token``). Per token besides: attention's fp32 log-sum-exp per head and
     the two norms' fp32 scales (4 x heads + 8). With per-head q/k norms (Qwen3), each saves its
     input cast to fp32, its bf16 output and a scale per head: 6q + 6kv + 4 x (heads + kv heads).
 
@@ -613,7 +618,7 @@ def kept_activation_bytes_per_token(shape: ModelShape, shared_casts: bool = Fals
         total -= 8 * h + 2 * i + (4 * q + 4 * kv if shape.qk_norm else 0)
     if shared_casts:  # one bf16 cast per normed input instead of one per linear
         total -= shared_cast_saving_per_token(shape)
-    return total
+    return total + shape.rope_saved_bytes_per_token
 
 
 def saved_boundary_layers(shape: ModelShape, options: ResolvedOptions) -> int:

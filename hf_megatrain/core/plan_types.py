@@ -114,6 +114,10 @@ class ModelShape:
     # ``extra_working_set_what``.
     extra_working_set_bytes_per_token: int = 0
     extra_working_set_what: str = ""
+    # Bytes per token the family's RoPE function saves per layer beyond the shared cos/sin
+    # tables (its own re-laid-out copies of them: ERNIE 4.5, Helium, GLM), measured by calling
+    # it (hf/rope_saves.py); held by every recomputed and kept layer.
+    rope_saved_bytes_per_token: int = 0
     # Whether the training loss adds an MoE router load-balancing ("aux") loss (a family's
     # ``output_router_logits`` on), whose temporaries ``router_aux_loss_lines`` plans from: the
     # layers that route (0: every layer), the experts per layer and per token, and whether

@@ -46,6 +46,7 @@ from .loss import (
     supports_fused_loss,
     unwrap_peft,
 )
+from .rope_saves import rope_saved_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ logger = logging.getLogger(__name__)
 #: (router and expert dispatch, data-dependent): for those "auto" keeps none, as for the families
 #: not measured (Gemma2, OLMo, StarCoder2, Cohere, GLM-4, ...).
 KEPT_BYTES_AUDITED_MODEL_TYPES = frozenset(
-    {"llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "seed_oss"}
-)
+    {"llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "seed_oss", "ernie4_5",
+     "helium"}
+)  # fmt: skip
 
 #: MoE families whose routed-experts working set the planner counts within 5% (the CPU
 #: live-tensor tracker, tests/test_plan_accuracy.py; OLMoE's H200 cells 0.94-0.99x); the others
@@ -329,6 +331,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         unused_window_mask_from=unused_window,
         extra_working_set_bytes_per_token=extra,
         extra_working_set_what=extra_what,
+        rope_saved_bytes_per_token=rope_saved_bytes_per_token(
+            model, heads, kv_heads, head_dim, torch.bfloat16
+        ),
         name=name,
     )
 
