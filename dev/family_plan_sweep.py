@@ -11,7 +11,11 @@ gradients (inside the plan's 16 B/param line). Not counted: parameters and optim
 GPU's kernels can differ (SDPA's CPU math path with a mask makes s x s scores its CUDA kernels
 do not), so it is a lead to check on the GPU, not a GPU measurement.
 
-    python3 dev/family_plan_sweep.py --tokens 4096 [--markdown FILE] [model_type ...]
+    python3 dev/family_plan_sweep.py --tokens 4096 [--widths 256,4,2,64,1024] [--markdown FILE] [model_type ...]
+
+``--widths`` (hidden, heads, kv heads, head_dim, MLP width) sets every family's widths: at the tiny
+configs' hidden 32 a layer's own terms hide under the constant parts (OLMo 2 at 1.01x there was
+1.37x at hidden 256, before its fitted term).
 
 ``--device cuda`` runs the same step on the GPU instead (second step measured, after a first
 that allocates what persists): the allocator's peak over what was allocated before the step,
@@ -33,15 +37,21 @@ import hf_megatrain.core.chunked_loss as chunked_loss  # noqa: E402
 from hf_megatrain.hf.attention import AttentionFacts  # noqa: E402
 from hf_megatrain.hf.model import SUPPORTED_MODEL_TYPES  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
-from tests.test_plan_accuracy import _cuda_fp32_gemm, step_vs_plan  # noqa: E402
+from tests.test_plan_accuracy import _cuda_fp32_gemm, family_config, step_vs_plan  # noqa: E402
 
 #: Soft-capped families: SDPA has no soft-capping, they run eager.
 EAGER = {"gemma2"}
 
 
-def sweep_one(model_type: str, tokens: int, device: str = "cpu", attn: str = "") -> dict:
+def sweep_one(
+    model_type: str, tokens: int, device: str = "cpu", attn: str = "", widths: tuple = ()
+) -> dict:
     layers = 2 if model_type == "gemma3_text" else 3  # its tiny config's two layer types
-    cfg = tiny_config(model_type, num_hidden_layers=layers, max_position_embeddings=2 * tokens)
+    if widths:  # the family's own terms show only at real-ish widths (hidden 32 hides them)
+        cfg = family_config(model_type, *widths, layers=layers, keep_window=True,
+                            positions=2 * tokens)  # fmt: skip
+    else:
+        cfg = tiny_config(model_type, num_hidden_layers=layers, max_position_embeddings=2 * tokens)
     # The loaders' choice: SDPA where the model class has it (BLOOM and MPT do not: eager).
     has_sdpa = AttentionFacts.of_config(cfg).supports_sdpa
     attn = attn or ("eager" if model_type in EAGER or not has_sdpa else "sdpa")
@@ -55,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--attn", default="", help="attention for every family (default: the loaders')")
+    ap.add_argument(
+        "--widths", default="", help="h,heads,kv_heads,head_dim,i (default: the tiny config's)"
+    )
     args = ap.parse_args(argv)
     if args.device == "cpu":
         chunked_loss._add_product_fp32 = _cuda_fp32_gemm
@@ -65,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     for mt in args.model_types or list(SUPPORTED_MODEL_TYPES):
         t0 = time.time()
         try:
-            r = sweep_one(mt, args.tokens, args.device, args.attn)
+            widths = tuple(int(v) for v in args.widths.split(",")) if args.widths else ()
+            r = sweep_one(mt, args.tokens, args.device, args.attn, widths)
         except Exception as exc:  # noqa: BLE001  (a family that fails is a row)
             print(f"{mt}: error {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             rows.append(f"| {mt} | error: {type(exc).__name__} | | | | |")
@@ -83,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         what = "the CUDA allocator" if args.device == "cuda" else "the CPU tracker"
         head = (f"# Plan vs {what}, every family, one {args.tokens}-token sequence\n\n"
                 f"`python3 dev/family_plan_sweep.py --tokens {args.tokens} --device "
-                f"{args.device} --markdown {args.markdown}` (torch {torch.__version__}). See "
+                f"{args.device}{' --widths ' + args.widths if args.widths else ''} --markdown "
+                f"{args.markdown}` (torch {torch.__version__}). See "
                 "the script's docstring for what is compared.\n\n")  # fmt: skip
         args.markdown.write_text(head + "\n".join(rows) + "\n")
     return 0

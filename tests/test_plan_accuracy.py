@@ -242,13 +242,17 @@ def recomputed_layer_growth(
     return timeline.growth("backward 1", "backward 0"), shape
 
 
-def family_config(model_type: str, h: int, heads: int, kv_heads: int, head_dim: int, inter: int):
-    """``model_type``'s tiny config with 3 layers at these widths (standard names: each config
-    maps its own; families whose head_dim is hidden / heads take ``heads`` at that width), its
-    window, if any, past the sequences (the window's s x s terms are lines of their own)."""
+def family_config(
+    model_type: str, h: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+    layers: int = 3, keep_window: bool = False, positions: int = 4096,
+):  # fmt: skip
+    """``model_type``'s tiny config with ``layers`` layers at these widths (standard names: each
+    config maps its own; families whose head_dim is hidden / heads take ``heads`` at that
+    width), its window, if any, past the sequences (the window's s x s terms are lines of their
+    own) unless ``keep_window``."""
     from tests.helpers import tiny_config  # noqa: PLC0415
 
-    cfg = tiny_config(model_type, num_hidden_layers=3, max_position_embeddings=4096)
+    cfg = tiny_config(model_type, num_hidden_layers=layers, max_position_embeddings=positions)
     cfg.hidden_size, cfg.num_attention_heads = h, heads
     if hasattr(cfg, "num_key_value_heads"):
         cfg.num_key_value_heads = kv_heads
@@ -257,8 +261,8 @@ def family_config(model_type: str, h: int, heads: int, kv_heads: int, head_dim: 
     for name in ("intermediate_size", "n_inner", "ffn_hidden_size"):
         if name in cfg.to_dict():
             setattr(cfg, name, inter)
-    if getattr(cfg, "sliding_window", None):
-        cfg.sliding_window = 4096
+    if getattr(cfg, "sliding_window", None) and not keep_window:
+        cfg.sliding_window = positions
     return cfg
 
 
