@@ -173,7 +173,8 @@ def test_plans_count_the_compiled_norms_only_where_every_layer_norm_runs_one(fam
     """A recomputed layer holds no fp32 normalized product where every norm of the layers is a
     compiled one (``ModelShape.compiled_norms``): the planner's probe on a meta model and the
     patched model agree, and families with a norm the kernel does not compute (Gemma's
-    1 + weight, Cohere's LayerNorm; OLMo 2's norms of the whole q and k projection) keep it."""
+    1 + weight, Cohere's LayerNorm; OLMo 2's, which multiplies by its bf16 weight in fp32 and
+    rounds once, where Llama's rounds the normalized input first) keep it."""
     from hf_megatrain.cli_plan import compiled_kernels_of
     from hf_megatrain.hf.compiled_kernels import runs_compiled_norms
 
@@ -187,4 +188,28 @@ def test_plans_count_the_compiled_norms_only_where_every_layer_norm_runs_one(fam
         pass
     ran = runs_compiled_norms(model)
     assert ran == planned == model_shape(model).compiled_norms
-    assert ran == (family in ("llama", "qwen3", "olmo2")), family
+    assert ran == (family in ("llama", "qwen3")), family
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "granite", "ernie4_5", "olmo2", "helium"])
+def test_patched_norms_equal_the_familys_in_bf16(family):
+    """The compiled norm replaces a family's norm only where it computes alike in bf16 too, as
+    the engine runs it under autocast (bf16 weights over the fp32 residual stream, and over bf16
+    q/k projections): bitwise equal outputs there. OLMo 2's and Helium's norms multiply by the
+    weight in fp32 and round once (equal to Llama's in fp32 only): they keep their own."""
+    model = tiny_model(tiny_config(family, num_hidden_layers=1)).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    try:
+        apply_compiled_kernels(model)
+    except ValueError:
+        pass
+    assert compiled_kernels.runs_compiled_norms(model) == (family not in ("olmo2", "helium"))
+    names = [n for n, m in model.named_modules() if "norm" in type(m).__name__.lower()]
+    g = torch.Generator().manual_seed(0)
+    for name in names:
+        mine, theirs = model.get_submodule(name), ref.get_submodule(name)
+        width = theirs.weight.shape[0]
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(2, 5, width, generator=g).to(dtype)
+            with torch.no_grad():
+                assert torch.equal(mine(x), theirs(x)), (name, dtype)

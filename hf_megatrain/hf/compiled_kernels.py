@@ -175,12 +175,21 @@ def _norm_like(module: nn.Module) -> bool:
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float):
         return False
     g = torch.Generator().manual_seed(0)
-    w = nn.Parameter(torch.randn(8, generator=g))
-    x = torch.randn(3, 8, generator=g)
-    proxy = stand_in(module, weight=w)
-    return _computes_like(
-        (type(module), "norm"), lambda: type(module).forward(proxy, x), lambda: rms_norm(x, w, eps)
-    )
+    w32 = torch.randn(8, generator=g)
+    x32 = torch.randn(3, 8, generator=g)
+    # fp32; and as the engine runs them under autocast: bf16 weights over the fp32 residual
+    # stream and over bf16 projections (per-head q/k norms), where a norm that multiplies in
+    # fp32 and rounds once (OLMo 2's, Helium's) differs from Llama's.
+    for x, wd in ((x32, torch.float32), (x32, torch.bfloat16), (x32.bfloat16(), torch.bfloat16)):
+        w = nn.Parameter(w32.to(wd))
+        proxy = stand_in(module, weight=w)
+        if not _computes_like(
+            (type(module), "norm", x.dtype, wd),
+            lambda proxy=proxy, x=x: type(module).forward(proxy, x),
+            lambda w=w, x=x: rms_norm(x, w, eps),
+        ):
+            return False
+    return True
 
 
 def _swiglu_like(module: nn.Module) -> bool:
