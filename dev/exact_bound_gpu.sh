@@ -91,6 +91,10 @@
 #              against the plan's count with the shared casts (one bf16 cast per normed input).
 #   wsgpu      tests/test_gpu.py's untiled working-set cases (Qwen3-1.7B- and Danube-wide layers,
 #              PyTorch's and compiled kernels): the measured per-token peak against the line.
+#   familygpu  dev/family_plan_sweep.py --device cuda at hidden 1,024 (8 heads of 128, 2 kv heads,
+#              MLP 4,096), 16,384 tokens: the families given a fitted working-set term or RoPE
+#              copies on the CPU tracker (2026-12-05) and Llama for reference, the CUDA
+#              allocator's step peak against the plan. ~2 min.
 #   seed1optim the parity Llama at seed 1 (math SDPA) with the 8 x 1 twin and stock trained by
 #              torch's other AdamW kernel (loss_curves.py --optim-twin) in the band: whether
 #              stock's own fp32-ulp change moves it as far as streamed's host AdamW moved the
@@ -269,6 +273,12 @@ item() {  # item <name>: one queue item
     wsgpu)
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q -s \
         -k "untiled_working_set" 2>&1 | grep -aE "working set per token|passed|failed|Error" | tail -8
+      ;;
+    familygpu)
+      timeout 300 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
+        --widths 1024,8,2,128,4096 --markdown "$work/results/family_plan_sweep_cuda_h1024.md" \
+        llama olmo2 olmo3 hunyuan_v1_dense exaone4 apertus gptj phi stablelm olmo arcee nemotron \
+        ernie4_5 helium 2>&1 | grep -aE "ratio|error"
       ;;
     seed1optim)
       timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
