@@ -242,7 +242,7 @@ def test_kept_layer_with_compiled_kernels_saves_what_the_plan_counts(family):
         cos, sin = model.model.rotary_emb(x, pos)
         saved: dict[int, int] = {}
 
-        def pack(t):
+        def pack(t, saved=saved):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
