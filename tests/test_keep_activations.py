@@ -210,7 +210,11 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
     than the count (router, expert dispatch): they must not be marked audited, and "auto" then
     plans no kept activations for them, as for the families not measured here."""
     from hf_megatrain.core.planner import kept_activation_bytes_per_token  # noqa: PLC0415
-    from hf_megatrain.hf.model import find_decoder_layers, model_shape  # noqa: PLC0415
+    from hf_megatrain.hf.model import (  # noqa: PLC0415
+        FITTED_KEPT_RESIDUALS,
+        find_decoder_layers,
+        model_shape,
+    )
 
     layers = 2 if arch == "gemma3_text" else 1  # its tiny config has one layer per kind
     cfg = tiny_config(arch, hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -271,6 +275,15 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
         assert shape.kept_bytes_audited
         assert per_token == planned, (per_token, planned)
         assert shape.rope_saved_bytes_per_token == (8 * cfg.head_dim if arch == "ernie4_5" else 0)
+    elif arch in FITTED_KEPT_RESIDUALS:
+        # Their saves less the shared count, fitted per family at other widths with the shared
+        # casts. Per layer besides, not per token: a norm's weight in fp32 (Gemma's 1 + weight),
+        # here spread over 64 tokens.
+        assert shape.kept_bytes_audited
+        per_layer = 2 * 4 * cfg.hidden_size
+        assert per_token * tokens <= planned * tokens + per_layer, (per_token, planned)
+        if shared_casts:  # what the residuals were fitted for: the saves within 0.5%
+            assert planned <= 1.005 * per_token, (per_token, planned)
     elif arch == "helium":
         # Besides the per-token count (its RoPE's cos/sin copies in it), per layer: each of its
         # 2 norms' weight cast to fp32.

@@ -618,7 +618,7 @@ def kept_activation_bytes_per_token(shape: ModelShape, shared_casts: bool = Fals
         total -= 8 * h + 2 * i + (4 * q + 4 * kv if shape.qk_norm else 0)
     if shared_casts:  # one bf16 cast per normed input instead of one per linear
         total -= shared_cast_saving_per_token(shape)
-    return total + shape.rope_saved_bytes_per_token
+    return max(0, total + shape.rope_saved_bytes_per_token + shape.extra_kept_bytes_per_token)
 
 
 def saved_boundary_layers(shape: ModelShape, options: ResolvedOptions) -> int:

@@ -118,6 +118,10 @@ class ModelShape:
     # tables (its own re-laid-out copies of them: ERNIE 4.5, Helium, GLM), measured by calling
     # it (hf/rope_saves.py); held by every recomputed and kept layer.
     rope_saved_bytes_per_token: int = 0
+    # Bytes per token a kept layer of the family saves beyond ``kept_activation_bytes_per_token``'s
+    # count (fitted per family on saved tensors, hf/model.py; may be negative where it saves
+    # less).
+    extra_kept_bytes_per_token: int = 0
     # Whether the training loss adds an MoE router load-balancing ("aux") loss (a family's
     # ``output_router_logits`` on), whose temporaries ``router_aux_loss_lines`` plans from: the
     # layers that route (0: every layer), the experts per layer and per token, and whether
