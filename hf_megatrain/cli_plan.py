@@ -187,12 +187,16 @@ def planned_kernel_shape(cfg, name: str, layer_kernels: str = "auto", liger: boo
     compiled ones that fuse the family's MLP, run; the compiled norms' where they run."""
     shape = model_shape_from_config(cfg, name)
     kernels = _planned_layer_kernels(layer_kernels, liger, cfg.model_type)
+    from .hf.model import kept_bytes_audited  # noqa: PLC0415
+
     if kernels.liger:
         shape = dataclasses.replace(shape, fused_layer_kernels=True)
     elif kernels.kind == "compiled":
         fused, norms = compiled_kernels_of(cfg)
         shape = dataclasses.replace(shape, fused_layer_kernels=fused, compiled_norms=norms)
-    return shape, kernels
+    fused = shape.fused_layer_kernels or shape.compiled_norms
+    audited = kept_bytes_audited(cfg.model_type, fused)
+    return dataclasses.replace(shape, kept_bytes_audited=audited), kernels
 
 
 def run_plan(ns: argparse.Namespace) -> dict[str, Any]:

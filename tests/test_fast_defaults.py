@@ -276,3 +276,18 @@ def test_plan_names_the_attention_layers_around_a_kept_one(llama8b):
     assert plan.kept_layer_indices == [last]
     assert plan.attention_layer_indices == [i for i in range(32) if i != last]
     assert f"31 layers, 0-{last - 1}, {last + 1}-31" in plan.table()
+
+
+@pytest.mark.parametrize(
+    "family, kernels, audited",
+    [("olmo2", "torch", True), ("olmo2", "compiled", False), ("llama", "compiled", True),
+     ("gemma3_text", "torch", True), ("gemma3_text", "liger", False)],
+)  # fmt: skip
+def test_planned_kept_bytes_audited_with_the_kernels_planned(family, kernels, audited):
+    """``plan`` plans kept activations for a family only where its count is audited under the
+    kernels the run would use: the fitted families' and Gemma3's under PyTorch's kernels only
+    (the fused count is the Llama family's), as the run's own model shape says."""
+    from hf_megatrain.cli_plan import planned_kernel_shape
+
+    shape, _ = planned_kernel_shape(tiny_config(family, num_hidden_layers=2), "m", kernels)
+    assert shape.kept_bytes_audited == audited

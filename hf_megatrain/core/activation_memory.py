@@ -583,8 +583,8 @@ def kept_activation_bytes_per_token(shape: ModelShape, shared_casts: bool = Fals
     storage); the MLP saves the gate and up outputs, the SiLU output and their product (4 x 2i).
     Llama's RoPE saves nothing per layer: its products are with cos/sin, which need no gradient,
     so only the (shared) tables are kept; a family whose RoPE function makes its own copies of
-    them keeps those (``ModelShape.rope_saved_bytes_per_token``). Per token besides: attention's fp32 log-sum-exp per head and
-    the two norms' fp32 scales (4 x heads + 8). With per-head q/k norms (Qwen3), each saves its
+    them keeps those (``ModelShape.rope_saved_bytes_per_token``). Per token besides:
+    attention's fp32 log-sum-exp per head and the two norms' fp32 scales (4 x heads + 8). With per-head q/k norms (Qwen3), each saves its
     input cast to fp32, its bf16 output and a scale per head: 6q + 6kv + 4 x (heads + kv heads).
 
     Not per token, so not here: the s x s tensors a kept layer's attention saves (under SDPA

@@ -141,6 +141,16 @@ FITTED_WORKING_SET_RESIDUALS: dict[str, tuple[float, float, float, float, int]] 
 }
 
 
+def kept_bytes_audited(model_type: str, fused_kernels: bool) -> bool:
+    """Whether the plan's kept-activation count is audited for ``model_type``'s layers, with
+    Liger's or the compiled kernels (``fused_kernels``) running or not: the Llama family's
+    either way; Gemma3's and the fitted families' under PyTorch's kernels only (the fused
+    count is the Llama family's)."""
+    if model_type in KEPT_BYTES_AUDITED_MODEL_TYPES:
+        return True
+    return model_type in ("gemma3_text", *FITTED_KEPT_RESIDUALS) and not fused_kernels
+
+
 def _fitted_bytes(row: tuple | None, h: int, q: int, kv: int, i: int) -> int:
     """A fitted residual row ``(ch, cq, ckv, ci, const)`` at these widths (0 without one)."""
     if row is None:
@@ -374,17 +384,14 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         moe_working_set_audited=cfg.model_type in MOE_WORKING_SET_AUDITED_MODEL_TYPES,
         fp32_routing_weights=cfg.model_type in MOE_FP32_ROUTING_MODEL_TYPES,
         shared_expert_size=_shared_expert_size(text_cfg) if experts else 0,
-        kept_bytes_audited=cfg.model_type in KEPT_BYTES_AUDITED_MODEL_TYPES
-        # (Liger's Gemma kernels are not audited: the fused count is the Llama family's.)
-        or (cfg.model_type == "gemma3_text" and not fused)
-        or (cfg.model_type in FITTED_KEPT_RESIDUALS and not (fused or runs_compiled_norms(model))),
+        kept_bytes_audited=kept_bytes_audited(cfg.model_type, fused or runs_compiled_norms(model)),
         extra_kept_bytes_per_token=_fitted_bytes(
             FITTED_KEPT_RESIDUALS.get(cfg.model_type),
             text_cfg.hidden_size,
             q_width,
             kv_heads * head_dim,
             inter,
-        ),  # fmt: skip
+        ),
         # Gemma-2/3's four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
         gemma_norms=cfg.model_type in ("gemma2", "gemma3_text"),
         peak_working_set_audited=cfg.model_type in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
