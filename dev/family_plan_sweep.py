@@ -11,7 +11,8 @@ gradients (inside the plan's 16 B/param line). Not counted: parameters and optim
 GPU's kernels can differ (SDPA's CPU math path with a mask makes s x s scores its CUDA kernels
 do not), so it is a lead to check on the GPU, not a GPU measurement.
 
-    python3 dev/family_plan_sweep.py --tokens 4096 [--widths 256,4,2,64,1024] [--markdown FILE] [model_type ...]
+    python3 dev/family_plan_sweep.py --tokens 4096 [--widths 256,4,2,64,1024] [--markdown FILE] \
+        [model_type ...]
 
 ``--widths`` (hidden, heads, kv heads, head_dim, MLP width) sets every family's widths: at the tiny
 configs' hidden 32 a layer's own terms hide under the constant parts (OLMo 2 at 1.01x there was

@@ -7,8 +7,8 @@ layer's backward per token from the profiler's allocation timeline
 (``tests/test_plan_accuracy.py::recomputed_layer_growth``), against the plan's working-set line
 without the family's own term. Prints, per family, the least-squares residual
 ``ch x h + cq x q + ckv x kv + ci x i`` (quarter bytes) and the constant that makes it an upper
-bound at every width: the row of ``hf/model.py::FITTED_WORKING_SET_RESIDUALS``. Then each width's
-planned / measured with that row (``--check`` at other widths: the plan as it stands).
+bound at every width: the row of ``hf/family_memory.py::FITTED_WORKING_SET_RESIDUALS``. Then
+each width's planned / measured with that row (``--check`` at other widths: the plan as it stands).
 
     python3 dev/family_working_set_fit.py olmo2 phi gptj
     python3 dev/family_working_set_fit.py --check --widths 320,5,1,64,1280 olmo2

@@ -187,7 +187,7 @@ def planned_kernel_shape(cfg, name: str, layer_kernels: str = "auto", liger: boo
     compiled ones that fuse the family's MLP, run; the compiled norms' where they run."""
     shape = model_shape_from_config(cfg, name)
     kernels = _planned_layer_kernels(layer_kernels, liger, cfg.model_type)
-    from .hf.model import kept_bytes_audited  # noqa: PLC0415
+    from .hf.family_memory import kept_bytes_audited  # noqa: PLC0415
 
     if kernels.liger:
         shape = dataclasses.replace(shape, fused_layer_kernels=True)

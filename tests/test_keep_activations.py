@@ -206,15 +206,14 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
     gate/up save one cast of their input each, as the count with ``shared_casts`` says;
     Granite, SmolLM3 and Seed-OSS layers are Llama's; ERNIE 4.5's and Helium's too, plus the
     cos/sin copies their RoPE makes (``rope_saved_bytes_per_token``, measured by calling it);
-    Gemma3's four fp32 norms have terms of their own; Phi-3's fused projections save a little less. The MoE families save more
-    than the count (router, expert dispatch): they must not be marked audited, and "auto" then
-    plans no kept activations for them, as for the families not measured here."""
+    Gemma3's four fp32 norms have terms of their own; Phi-3's fused projections save a little
+    less; the families of ``FITTED_KEPT_RESIDUALS`` differ from the count by their fitted
+    residual. The MoE families save more than the count (router, expert dispatch): they must
+    not be marked audited, and "auto" then plans no kept activations for them, as for the
+    families not measured here."""
     from hf_megatrain.core.planner import kept_activation_bytes_per_token  # noqa: PLC0415
-    from hf_megatrain.hf.model import (  # noqa: PLC0415
-        FITTED_KEPT_RESIDUALS,
-        find_decoder_layers,
-        model_shape,
-    )
+    from hf_megatrain.hf.family_memory import FITTED_KEPT_RESIDUALS  # noqa: PLC0415
+    from hf_megatrain.hf.model import find_decoder_layers, model_shape  # noqa: PLC0415
 
     layers = 2 if arch == "gemma3_text" else 1  # its tiny config has one layer per kind
     cfg = tiny_config(arch, hidden_size=256, intermediate_size=512, num_attention_heads=4,

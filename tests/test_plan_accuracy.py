@@ -43,9 +43,11 @@ from hf_megatrain.core.activation_memory import (
 )
 from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import plan_memory
-from hf_megatrain.hf.model import (
+from hf_megatrain.hf.family_memory import (
     FITTED_WORKING_SET_RESIDUALS,
     PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
+)
+from hf_megatrain.hf.model import (
     find_decoder_layers,
     model_shape,
     prepare_streamed_model,
@@ -273,7 +275,10 @@ def test_fitted_families_working_set_holds_at_other_widths(model_type):
     (``FITTED_WORKING_SET_RESIDUALS``, dev/family_working_set_fit.py). At widths the fit did not
     see (the MLP 4x the hidden size, 5 heads, one kv head), a recomputed layer's backward per
     token is within the line's error above it and at most 5% below it."""
-    from hf_megatrain.core.activation_memory import ESTIMATE_ERRORS, _working_set_line  # noqa: PLC0415
+    from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
+        ESTIMATE_ERRORS,
+        _working_set_line,
+    )
 
     cfg = family_config(model_type, 320, 5, 1, 64, 1280)
     grown = {t: recomputed_layer_growth(cfg, "torch", t, keep_outputs=False) for t in (512, 1024)}
@@ -490,8 +495,8 @@ def test_audited_families_working_set_is_the_measured_peak(model_type):
     """Each family audited for the working set's measured-peak line (untiled: 22h + 4q + 4kv +
     12i + 4 per head + 8, Gemma's 14i and norms) holds, per token of a recomputed layer's
     backward, between 95% of the line and the line plus its kind's error (4%: Cohere's 3.6% over
-    it the largest; ERNIE 4.5's and Helium's RoPE copies: the next test); on the H200 Phi-3-mini-wide layers held it exactly
-    (tests/test_gpu.py::test_working_set_on_gpu_phi3)."""
+    it the largest; ERNIE 4.5's and Helium's RoPE copies: the next test); on the H200
+    Phi-3-mini-wide layers held it exactly (tests/test_gpu.py::test_working_set_on_gpu_phi3)."""
     from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
         ESTIMATE_ERRORS,
         PEAK_WORKING_SET_KIND,

@@ -213,7 +213,7 @@ MLP_BYTES_PER_TOKEN_INTER = 6
 #: it (``ModelShape.peak_working_set_audited``: within 4% on the tracker, Cohere's 3.6% at the
 #: tiny widths the largest underestimate, its kind's error; ERNIE 4.5's and Helium's were 3.4%
 #: until their RoPE's cos/sin copies were counted, now exact) use it; others keep the lines
-#: above (non-gated MLPs hold less; some gated families more: hf/model.py names them).
+#: above (non-gated MLPs hold less; some gated families more: hf/family_memory.py names them).
 GATED_MLP_PEAK_BYTES_PER_TOKEN_INTER = 12
 GEMMA_MLP_PEAK_BYTES_PER_TOKEN_INTER = 14
 GATED_MLP_PEAK_BYTES_PER_TOKEN_KV = 4
@@ -584,8 +584,9 @@ def kept_activation_bytes_per_token(shape: ModelShape, shared_casts: bool = Fals
     Llama's RoPE saves nothing per layer: its products are with cos/sin, which need no gradient,
     so only the (shared) tables are kept; a family whose RoPE function makes its own copies of
     them keeps those (``ModelShape.rope_saved_bytes_per_token``). Per token besides:
-    attention's fp32 log-sum-exp per head and the two norms' fp32 scales (4 x heads + 8). With per-head q/k norms (Qwen3), each saves its
-    input cast to fp32, its bf16 output and a scale per head: 6q + 6kv + 4 x (heads + kv heads).
+    attention's fp32 log-sum-exp per head and the two norms' fp32 scales (4 x heads + 8). With
+    per-head q/k norms (Qwen3), each saves its input cast to fp32, its bf16 output and a scale
+    per head: 6q + 6kv + 4 x (heads + kv heads).
 
     Not per token, so not here: the s x s tensors a kept layer's attention saves (under SDPA
     with a sliding window shorter than the sequence its own additive copy of the mask,

@@ -103,14 +103,14 @@ class ModelShape:
     # window (Falcon: ``allow_is_causal_skip=False``), so every layer is masked as sliding ones.
     sdpa_explicit_mask: bool = False
     # Whether eager attention keeps one more compute-dtype copy of its scores beside the fp32
-    # softmax (BLOOM's and MPT's ALiBi product, gpt-oss's sinks: hf/model.py).
+    # softmax (BLOOM's and MPT's ALiBi product, gpt-oss's sinks: hf/family_memory.py).
     eager_score_copy: bool = False
     # The family's forward builds a sliding-window mask although no layer uses it (Qwen2-MoE's
     # mask dict; transformers' ``create_sliding_window_causal_mask``): from sequences of this
     # many tokens on (its config's window; 0: always); -1: it builds none.
     unused_window_mask_from: int = -1
     # Bytes per token a recomputed layer's backward holds beyond the working-set line's terms:
-    # what a family's own layer adds (measured per family in hf/model.py), described by
+    # what a family's own layer adds (measured per family in hf/family_memory.py), described by
     # ``extra_working_set_what``.
     extra_working_set_bytes_per_token: int = 0
     extra_working_set_what: str = ""
@@ -118,9 +118,9 @@ class ModelShape:
     # tables (its own re-laid-out copies of them: ERNIE 4.5, Helium, GLM), measured by calling
     # it (hf/rope_saves.py); held by every recomputed and kept layer.
     rope_saved_bytes_per_token: int = 0
-    # Bytes per token a kept layer of the family saves beyond ``kept_activation_bytes_per_token``'s
-    # count (fitted per family on saved tensors, hf/model.py; may be negative where it saves
-    # less).
+    # Bytes per token a kept layer of the family saves beyond the count of
+    # ``kept_activation_bytes_per_token`` (fitted per family on saved tensors,
+    # hf/family_memory.py; negative where it saves less).
     extra_kept_bytes_per_token: int = 0
     # Whether the training loss adds an MoE router load-balancing ("aux") loss (a family's
     # ``output_router_logits`` on), whose temporaries ``router_aux_loss_lines`` plans from: the

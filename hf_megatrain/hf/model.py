@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +38,16 @@ from ..core.streaming import StreamingEngine
 from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
 from .compiled_kernels import is_compiled_forward, runs_compiled_norms, stand_in
+from .family_memory import (
+    EAGER_SCORE_COPY_MODEL_TYPES,
+    FAMILY_WORKING_SET_EXTRA,
+    FITTED_KEPT_RESIDUALS,
+    MOE_FP32_ROUTING_MODEL_TYPES,
+    MOE_WORKING_SET_AUDITED_MODEL_TYPES,
+    PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
+    fitted_bytes,
+    kept_bytes_audited,
+)
 from .layers import UnsupportedModelError, find_decoder_layers, forward_function
 from .long_context import install_mlp_tiling
 from .loss import (
@@ -50,142 +59,6 @@ from .loss import (
 from .rope_saves import rope_saved_bytes_per_token
 
 logger = logging.getLogger(__name__)
-
-#: Families whose kept-activation bytes the planner counts exactly (or, Phi-3, 2% high), checked
-#: against autograd's saved tensors (tests/test_keep_activations.py); Gemma3 too, with its own
-#: terms, unless Liger's kernels replace its layers'. Qwen3-MoE saves 25% more and Mixtral 11%
-#: (router and expert dispatch, data-dependent): for those "auto" keeps none, as for the families
-#: not measured or off the count (Gemma2, StarCoder2, Cohere, Phi, GPT-J, ...; others fitted below).
-KEPT_BYTES_AUDITED_MODEL_TYPES = frozenset(
-    {"llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "seed_oss", "ernie4_5",
-     "helium"}
-)  # fmt: skip
-
-#: Families whose kept layers' saved tensors differ from the shared count by a residual fitted
-#: per family (tests/test_keep_activations.py measures them; 0: the count exactly), at eight
-#: widths (hidden 256-640, MLP 2.8-6x; the plan's count equal to the saves or up to 0.3% above).
-#: Fitted with autocast_kernels' shared input casts (the default; without them the count is
-#: higher than the saves for these). With it their kept activations are planned exactly, so
-#: "auto" keeps layers for them too; not under Liger's or the compiled kernels (their saves are
-#: measured for the families above only). Not Cohere: its parallel attention and MLP read one
-#: normed input, 2h per token more than the count without shared casts. (h, q, kv, i, per
-#: token) B.
-FITTED_KEPT_RESIDUALS: dict[str, tuple[float, float, float, float, int]] = {
-    "apertus": (-1, -1, 0, 3, 0),
-    "arcee": (-2, 0, 0, -4, 0),
-    "exaone4": (0, 0, 0, 0, 0),
-    "gemma": (0, 0, 0, 0, 0),
-    "glm4": (10, 2, 0, 0, 8),
-    "hunyuan_v1_dense": (0, 8, 8, 0, 48),
-    "olmo": (-4, -4, 0, 0, 8),
-    "olmo2": (3, 3, 2, 0, -16),
-}
-
-#: MoE families whose routed-experts working set the planner counts within 5% (the CPU
-#: live-tensor tracker, tests/test_plan_accuracy.py; OLMoE's H200 cells 0.94-0.99x); the others
-#: plan it with the dense line's larger error. Mixtral and GraniteMoE keep their routing weights
-#: in fp32 (``MOE_FP32_ROUTING_MODEL_TYPES``: the weighted expert outputs and their gradients are
-#: fp32, 8h more per token and chosen expert); Qwen2-MoE's shared expert is counted apart
-#: (``ModelShape.shared_expert_size``).
-MOE_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
-    {"olmoe", "qwen3_moe", "mixtral", "granitemoe", "qwen2_moe"}
-)
-MOE_FP32_ROUTING_MODEL_TYPES = frozenset({"mixtral", "granitemoe"})
-#: Dense families whose recomputed layer's backward the working set's measured-peak line
-#: (``activation_memory.GATED_MLP_PEAK_*``) is within 4% of (the CPU tracker; Phi-3 exactly on
-#: the H200 too). Others measured off it (GLM-4 +44%, Hunyuan +24%, OLMo2 +17%; non-gated MLPs
-#: and sliding-window families below or with s x s terms of their own) keep the earlier line.
-#: LFM2's attention layers are within 1% of it (its MLP width is the module's, not the config's).
-PEAK_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "cohere", "ernie4_5",
-     "helium", "seed_oss", "gemma", "gemma3_text", "lfm2"}
-)  # fmt: skip
-
-#: Families whose eager attention keeps one more compute-dtype copy of its scores beside the fp32
-#: softmax: BLOOM's and MPT's own ALiBi product (``baddbmm``), gpt-oss's scores concatenated with
-#: its sinks. 14 B per element and head at the backward's peak where the eager line counts 12
-#: (the CPU tracker, 4,096 tokens: BLOOM 1.14x, MPT 1.09x, gpt-oss 1.13x the plan without it).
-EAGER_SCORE_COPY_MODEL_TYPES = frozenset({"bloom", "mpt", "gpt_oss"})
-
-#: Per token, what a family's own decoder layer holds in its recomputed backward beyond the
-#: working-set line's terms, from its widths (h hidden, q query, kv key/value, i MLP). Measured on
-#: the CPU live-tensor tracker (``dev/family_plan_sweep.py``: three widths each, 2,048 tokens;
-#: coefficients rounded up) and seen on the H200 at 16,384 tokens (GLM-4 1.16x the plan without
-#: it at tiny widths, 1.7x at GLM-4-9B's by the fit):
-#:
-#: * GLM-4: its post-attention and post-MLP norms and the fused gate/up split: 28h + 4q + 4kv + 4i;
-#: * LFM2 with short-convolution layers: 12h (its attention layers are the audited peak line's);
-#: * Qwen3-Next's Gated DeltaNet layers under transformers' PyTorch fallback (no
-#:   flash-linear-attention): 13 B per element of the key width (heads x dim) and 113 of the
-#:   value width, per token (Qwen3-Next-80B's: 432 KiB per token, 16 GiB per 32k; fla's kernels
-#:   hold less: planned high with them).
-#: The other dense families whose layers the lines under-count, fitted by
-#: ``dev/family_working_set_fit.py`` (the CPU allocation timeline, a recomputed middle layer's
-#: backward per token at six widths with the MLP 3-6x the hidden size, as real models have;
-#: coefficients in quarter bytes, the constant the largest residual): a recomputed layer's
-#: backward held 1.12-1.73x the working-set line (OLMo 2 and 3: 1.50x; Hunyuan: 1.73x; Apertus:
-#: 1.66x; GPT-J: 1.37x; Phi: 1.36x), which at long context is more than the other lines' margin
-#: covers. (h, q, kv, i, per token) B; never below 0.
-FITTED_WORKING_SET_RESIDUALS: dict[str, tuple[float, float, float, float, int]] = {
-    "apertus": (-4, -4, 2, 12, 40),
-    "arcee": (-6, 0, 4, 4, 40),
-    "exaone4": (5, 5, 2, 2, 36),
-    "gptj": (-4.75, -4.75, -4.75, 8, 232),
-    "hunyuan_v1_dense": (-6, 8, 12, 6, 88),
-    "nemotron": (-14, 2, 4, 4, 48),
-    "olmo": (-7, -7, 4, 6, 48),
-    "olmo2": (8, 8, 6, 2, 4),
-    "olmo3": (8, 8, 6, 2, 4),
-    "phi": (-8, -8, 4, 8, 40),
-    "stablelm": (-6, -6, 4, 6, 48),
-}
-
-
-def kept_bytes_audited(model_type: str, fused_kernels: bool) -> bool:
-    """Whether the plan's kept-activation count is audited for ``model_type``'s layers, with
-    Liger's or the compiled kernels (``fused_kernels``) running or not: the Llama family's
-    either way; Gemma3's and the fitted families' under PyTorch's kernels only (the fused
-    count is the Llama family's)."""
-    if model_type in KEPT_BYTES_AUDITED_MODEL_TYPES:
-        return True
-    return model_type in ("gemma3_text", *FITTED_KEPT_RESIDUALS) and not fused_kernels
-
-
-def _fitted_bytes(row: tuple | None, h: int, q: int, kv: int, i: int) -> int:
-    """A fitted residual row ``(ch, cq, ckv, ci, const)`` at these widths (0 without one)."""
-    if row is None:
-        return 0
-    ch, cq, ckv, ci, const = row
-    return math.ceil(ch * h + cq * q + ckv * kv + ci * i) + const
-
-
-def _fitted_residual(model_type: str) -> tuple[str, Callable[[Any, int, int, int, int], int]]:
-    row = FITTED_WORKING_SET_RESIDUALS[model_type]
-    return (
-        f"{model_type}'s own layer (measured)",
-        lambda cfg, h, q, kv, i: max(0, _fitted_bytes(row, h, q, kv, i)),
-    )
-
-
-FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int], int]]] = {
-    **{t: _fitted_residual(t) for t in FITTED_WORKING_SET_RESIDUALS},
-    "glm4": ("GLM-4's extra norms", lambda cfg, h, q, kv, i: 28 * h + 4 * q + 4 * kv + 4 * i),
-    "lfm2": (
-        "LFM2's short-convolution layers",
-        lambda cfg, h, q, kv, i: (
-            12 * h if "conv" in (getattr(cfg, "layer_types", None) or ()) else 0
-        ),
-    ),
-    "qwen3_next": (
-        "the Gated DeltaNet layers (PyTorch fallback)",
-        lambda cfg, h, q, kv, i: (
-            13 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-            + 113 * cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            if "linear_attention" in (getattr(cfg, "layer_types", None) or ())
-            else 0
-        ),
-    ),
-}
 
 _EAGER_WINDOW_MASK = re.compile(r'"sliding_attention":\s*create_sliding_window_causal_mask\(')
 
@@ -385,7 +258,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         fp32_routing_weights=cfg.model_type in MOE_FP32_ROUTING_MODEL_TYPES,
         shared_expert_size=_shared_expert_size(text_cfg) if experts else 0,
         kept_bytes_audited=kept_bytes_audited(cfg.model_type, fused or runs_compiled_norms(model)),
-        extra_kept_bytes_per_token=_fitted_bytes(
+        extra_kept_bytes_per_token=fitted_bytes(
             FITTED_KEPT_RESIDUALS.get(cfg.model_type),
             text_cfg.hidden_size,
             q_width,
