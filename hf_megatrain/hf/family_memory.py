@@ -83,8 +83,9 @@ EAGER_SCORE_COPY_MODEL_TYPES = frozenset({"bloom", "mpt", "gpt_oss"})
 #:   hold less: planned high with them).
 #: The other dense families whose layers the lines under-count, fitted by
 #: ``dev/family_working_set_fit.py`` (the CPU allocation timeline, a recomputed middle layer's
-#: backward per token at six widths with the MLP 3-6x the hidden size, as real models have;
-#: coefficients in quarter bytes, the constant the largest residual): a recomputed layer's
+#: backward per token, fitted at five widths with the MLP 3-6x the hidden size, as real models
+#: have, and within 1.6% at a sixth with 2x; coefficients in quarter bytes, the constant the
+#: largest residual; two held-out widths within 0.2%): a recomputed layer's
 #: backward held 1.12-1.73x the working-set line (OLMo 2 and 3: 1.50x; Hunyuan: 1.73x; Apertus:
 #: 1.66x; GPT-J: 1.37x; Phi: 1.36x), which at long context is more than the other lines' margin
 #: covers. (h, q, kv, i, per token) B; never below 0.
