@@ -95,6 +95,8 @@
 #              MLP 4,096), 16,384 tokens: the families given a fitted working-set term or RoPE
 #              copies on the CPU tracker (2026-12-05) and Llama for reference, the CUDA
 #              allocator's step peak against the plan. ~2 min.
+#   compiledgpu tests/test_gpu.py's compiled-kernel cases: Llama's features and Qwen3, and the
+#              families 'auto' compiles for since 2026-12-05 (Granite, EXAONE 4, Hunyuan). ~2 min.
 #   seed1optim the parity Llama at seed 1 (math SDPA) with the 8 x 1 twin and stock trained by
 #              torch's other AdamW kernel (loss_curves.py --optim-twin) in the band: whether
 #              stock's own fp32-ulp change moves it as far as streamed's host AdamW moved the
@@ -273,6 +275,10 @@ item() {  # item <name>: one queue item
     wsgpu)
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q -s \
         -k "untiled_working_set" 2>&1 | grep -aE "working set per token|passed|failed|Error" | tail -8
+      ;;
+    compiledgpu)
+      timeout 400 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "compiled_kernels_on_gpu or defaults_on_gpu" 2>&1 | grep -aE "passed|failed|Error" | tail -12
       ;;
     familygpu)
       timeout 300 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \

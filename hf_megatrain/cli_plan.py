@@ -135,14 +135,16 @@ def detected_memory(hbm_gib: float | None, host_gib: float | None) -> tuple[int,
     return hbm, host, said
 
 
-def _planned_layer_kernels(setting: str, liger: bool, model_type: str):
+def _planned_layer_kernels(setting: str, liger: bool, model_type: str, whole_layers: bool):
     """The layer kernels the planned run would use, for a CUDA run: ``--layer-kernels auto``
     means Liger-Kernel's where it is installed here and used for the family automatically, else
-    torch.compile'd ones for the families verified with them; ``--liger`` (or
-    ``--layer-kernels liger``) plans with Liger's whether installed here or not."""
+    torch.compile'd ones for the families verified with them and those whose layers they
+    replace whole (``whole_layers``); ``--liger`` (or ``--layer-kernels liger``) plans with
+    Liger's whether installed here or not."""
     from .hf.compiled_kernels import COMPILED_AUTO_MODEL_TYPES  # noqa: PLC0415
     from .hf.long_context import (  # noqa: PLC0415
         LIGER_AUTO_MODEL_TYPES,
+        NOT_WHOLE_LAYERS,
         LayerKernels,
         liger_installed,
     )
@@ -157,15 +159,12 @@ def _planned_layer_kernels(setting: str, liger: bool, model_type: str):
         return LayerKernels("torch", "--layer-kernels torch")
     if setting == "compiled":
         return LayerKernels("compiled", f"asked for, {model_type}")
-    if model_type in COMPILED_AUTO_MODEL_TYPES:
-        if liger_installed() and model_type in LIGER_AUTO_MODEL_TYPES:
-            return LayerKernels("liger", f"Liger-Kernel installed here, {model_type}")
+    if liger_installed() and model_type in LIGER_AUTO_MODEL_TYPES:
+        return LayerKernels("liger", f"Liger-Kernel installed here, {model_type}")
+    if model_type in COMPILED_AUTO_MODEL_TYPES or whole_layers:
         return LayerKernels("compiled", f"torch.compile, {model_type}")
-    return LayerKernels(
-        "torch",
-        f"{model_type} is not a family the fused kernels are used for automatically; "
-        "--layer-kernels compiled or --liger plans with them",
-    )
+    return LayerKernels("torch", f"{NOT_WHOLE_LAYERS.format(model_type=model_type)}; "
+                        "--layer-kernels compiled or --liger plans with them")  # fmt: skip
 
 
 def compiled_kernels_of(cfg) -> tuple[bool, bool]:
@@ -184,18 +183,18 @@ def compiled_kernels_of(cfg) -> tuple[bool, bool]:
 def planned_kernel_shape(cfg, name: str, layer_kernels: str = "auto", liger: bool = False):
     """The model shape a CUDA run of ``cfg`` plans with, and the layer kernels it would use
     (``_planned_layer_kernels``): the fused SwiGLU's smaller saves where Liger's MLP kernel, or
-    compiled ones that fuse the family's MLP, run; the compiled norms' where they run."""
-    shape = model_shape_from_config(cfg, name)
-    kernels = _planned_layer_kernels(layer_kernels, liger, cfg.model_type)
+    compiled ones that fuse the family's MLP, run; the compiled norms' where they run; kept
+    activations audited as for the run's kernels."""
     from .hf.family_memory import kept_bytes_audited  # noqa: PLC0415
 
+    shape = model_shape_from_config(cfg, name)
+    fuses, norms = compiled_kernels_of(cfg)
+    kernels = _planned_layer_kernels(layer_kernels, liger, cfg.model_type, fuses and norms)
     if kernels.liger:
         shape = dataclasses.replace(shape, fused_layer_kernels=True)
     elif kernels.kind == "compiled":
-        fused, norms = compiled_kernels_of(cfg)
-        shape = dataclasses.replace(shape, fused_layer_kernels=fused, compiled_norms=norms)
-    fused = shape.fused_layer_kernels or shape.compiled_norms
-    audited = kept_bytes_audited(cfg.model_type, fused)
+        shape = dataclasses.replace(shape, fused_layer_kernels=fuses, compiled_norms=norms)
+    audited = kept_bytes_audited(cfg.model_type, shape.fused_layer_kernels or shape.compiled_norms)
     return dataclasses.replace(shape, kept_bytes_audited=audited), kernels
 
 

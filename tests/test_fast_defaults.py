@@ -21,6 +21,7 @@ from hf_megatrain.hf.long_context import (
     LIGER_INSTALL,
     LIGER_LAYER_KERNELS,
     choose_layer_kernels,
+    liger_installed,
 )
 
 from .helpers import patch_mlps_as_liger, run_trainer, simulate_liger, tiny_config, tiny_model
@@ -140,13 +141,18 @@ def test_the_trainer_defaults_on_cpu_keep_nothing_and_do_not_warn(tmp_path, capl
         (True, True, True, "llama", "liger", "Liger-Kernel installed, llama"),
         (True, True, True, "qwen3", "liger", "Liger-Kernel installed, qwen3"),
         (False, True, True, "qwen3", "compiled", "torch.compile (Triton), qwen3"),
-        (True, True, True, "gemma", "torch", "not a family the fused kernels are used for"),
-        (False, True, True, "olmo", "torch", "not a family the fused kernels are used for"),
+        (True, True, True, "gemma", "torch", "not all ones the compiled kernels compute exactly"),
+        (False, True, True, "olmo", "torch", "not all ones the compiled kernels compute exactly"),
+        # Layers the compiled kernels replace whole (probed on the model: whole_layers).
+        (False, True, True, "granite", "compiled", "torch.compile (Triton), granite"),
+        (True, True, True, "granite", "compiled", "torch.compile (Triton), granite"),
+        (False, True, False, "granite", "torch", "Triton is not installed"),
     ],
 )
 def test_auto_layer_kernels(monkeypatch, installed, cuda, compiles, family, kind, why):
     simulate_liger(monkeypatch, installed=installed, cuda=cuda, compiles=compiles)
-    choice = choose_layer_kernels("auto", family, "cuda" if cuda else "cpu")
+    whole = family in ("llama", "qwen3", "granite")  # what compiles_whole_layers says of them
+    choice = choose_layer_kernels("auto", family, "cuda" if cuda else "cpu", whole_layers=whole)
     assert choice.kind == kind and why in choice.why
     assert choice.fused == (kind != "torch") and choice.liger == (kind == "liger")
     assert choice.log_line() == f"hf_megatrain: layer kernels: {kind} ({choice.why})"
@@ -291,3 +297,26 @@ def test_planned_kept_bytes_audited_with_the_kernels_planned(family, kernels, au
 
     shape, _ = planned_kernel_shape(tiny_config(family, num_hidden_layers=2), "m", kernels)
     assert shape.kept_bytes_audited == audited
+
+
+@pytest.mark.parametrize(
+    "family, whole",
+    [("llama", True), ("qwen3", True), ("granite", True), ("smollm3", True), ("seed_oss", True),
+     ("exaone4", True), ("hunyuan_v1_dense", True), ("olmo2", False), ("helium", False),
+     ("phi3", False), ("gemma", False), ("cohere", False), ("qwen3_moe", False)],
+)  # fmt: skip
+def test_auto_compiles_the_families_whose_layers_the_kernels_replace_whole(family, whole):
+    """'auto' compiles, on CUDA without Liger-Kernel, for every family whose decoder-layer norms
+    and MLPs all compute exactly like the compiled kernels (bf16 too): the run (its model) and
+    ``plan`` (the config's meta model) agree. Not OLMo 2's or Helium's norms (fp32 product,
+    rounded once), Phi-3's fused gate-up, Gemma's 1 + weight norms, Cohere's LayerNorm, MoE
+    experts."""
+    from hf_megatrain.cli_plan import planned_kernel_shape
+    from hf_megatrain.hf.compiled_kernels import compiles_whole_layers
+
+    cfg = tiny_config(family, num_hidden_layers=2)
+    assert compiles_whole_layers(tiny_model(cfg)) == whole
+    if liger_installed():  # plan's auto would name Liger's for the Llama family here
+        return
+    _, kernels = planned_kernel_shape(cfg, "m")
+    assert kernels.kind == ("compiled" if whole else "torch")

@@ -446,20 +446,34 @@ def test_liger_kernels_on_gpu(tmp_path, tile):
 
 @pytest.mark.parametrize(
     "feature",
-    [{}, {"megatrain_mlp_tile_tokens": 32}, {"megatrain_offload_activations": True}, "qwen3"],
-    ids=["untiled", "mlp-tiles", "offload", "qwen3-qk-norms"],
-)
+    [{}, {"megatrain_mlp_tile_tokens": 32}, {"megatrain_offload_activations": True}, "qwen3",
+     "granite", "exaone4", "hunyuan_v1_dense"],
+    ids=["untiled", "mlp-tiles", "offload", "qwen3-qk-norms", "granite", "exaone4-post-norms",
+         "hunyuan-qk-norms"],
+)  # fmt: skip
 def test_compiled_kernels_on_gpu(tmp_path, feature):
     """layer_kernels='compiled' (what 'auto' runs without Liger-Kernel): Inductor's Triton
     kernels for RMSNorm, SwiGLU and RoPE inside the streamed layers (tiled, offloaded too),
     training like PyTorch's kernels within bf16 tolerance (fused, they round once where eager
     ops round per op: 1e-2 rel on the loss, as for Liger's). The norms' weights, per-head q/k
-    norms' too (Qwen3), run at their fp32 master values, as stock's."""
-    from hf_megatrain.hf.compiled_kernels import is_compiled_forward
+    norms' too (Qwen3), run at their fp32 master values, as stock's. The other families 'auto'
+    compiles for (their layers replaced whole: Granite's multipliers, EXAONE 4's post-norms,
+    Hunyuan's per-head q/k norms) alike."""
+    from hf_megatrain.hf.compiled_kernels import compiles_whole_layers, runs_compiled_norms
     from hf_megatrain.hf.model import layer_kernels_of
 
     if feature == "qwen3":
         feature, cfg = {}, Qwen3Config(**{**_tiny_gpu_config().to_dict(), "head_dim": 32})
+    elif isinstance(feature, str):
+        widths = {k: v for k, v in _tiny_gpu_config().to_dict().items()
+                  if k in ("vocab_size", "hidden_size", "intermediate_size",
+                           "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                           "max_position_embeddings")}  # fmt: skip
+        cfg = tiny_config(feature, **widths)
+        if getattr(cfg, "head_dim", None):
+            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        assert compiles_whole_layers(tiny_model(cfg))
+        feature = {}
     else:
         cfg = _tiny_gpu_config()
     model = tiny_model(cfg)
@@ -472,8 +486,7 @@ def test_compiled_kernels_on_gpu(tmp_path, feature):
         tmp_path, "compiled", model, data, megatrain_layer_kernels="compiled", **feature
     )
     assert layer_kernels_of(trainer.model) == "compiled"
-    layer = trainer.model.model.layers[0]
-    assert is_compiled_forward(layer.input_layernorm)
+    assert runs_compiled_norms(trainer.model)
     assert dtypes and set(dtypes) == {torch.float32}
     assert len(got) == len(base) == 4
     assert got == pytest.approx(base, rel=1e-2)

@@ -33,10 +33,11 @@ from .scoped_globals import attention_scopes, original_global, scope_global
 
 logger = logging.getLogger(__name__)
 
-#: Families ``layer_kernels="auto"`` compiles for (where Liger-Kernel is not installed): every
-#: norm, MLP and RoPE of theirs passes the probes, and their compiled kernels are verified on the
-#: GPU (tests/test_gpu.py, benchmarks). ``"compiled"`` asks for them in any family: whatever of
-#: its modules passes the probes is patched.
+#: Families whose compiled kernels are verified on the GPU (tests/test_gpu.py, benchmarks).
+#: ``layer_kernels="auto"`` compiles for any family whose layers the kernels replace whole
+#: (``compiles_whole_layers``: every norm and MLP computes exactly like them, bf16 too; these
+#: four do), where Liger-Kernel is not installed. ``"compiled"`` asks for them in any family:
+#: whatever of its modules passes the probes is patched.
 COMPILED_AUTO_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 #: The ``torch.compile`` backend. Tests on the CPU set "aot_eager": the same traced graphs and
@@ -248,6 +249,14 @@ def fuses_mlp(model: nn.Module) -> bool:
     _, layers = find_decoder_layers(model)
     mlps = [getattr(layer, "mlp", None) for layer in layers]
     return bool(mlps) and all(m is not None and _swiglu_like(m) for m in mlps)
+
+
+def compiles_whole_layers(model: nn.Module) -> bool:
+    """Whether the compiled kernels would replace every norm and MLP of ``model``'s decoder
+    layers (the RoPE too where it computes like theirs): what ``layer_kernels="auto"`` compiles
+    for (Granite, SmolLM3, Seed-OSS, EXAONE 4 and Hunyuan besides Llama, Mistral and Qwen2/3; a
+    ``meta`` model is fine)."""
+    return fuses_mlp(model) and compiles_norms(model)
 
 
 def apply_compiled_kernels(model: nn.Module) -> int:

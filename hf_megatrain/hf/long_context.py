@@ -16,6 +16,7 @@ from .compiled_kernels import (
     COMPILED_AUTO_MODEL_TYPES,
     apply_compiled_kernels,
     compile_available,
+    compiles_whole_layers,
 )
 from .layers import find_decoder_layers
 from .loss import unwrap_peft
@@ -40,6 +41,12 @@ LIGER_LAYER_KERNELS = {
 #: like the default kernels within bf16 tolerance on the GPU. Other families Liger patches
 #: (Gemma's offset norms and GeGLU, MoE experts, ...) run them only when asked for ("liger").
 LIGER_AUTO_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+#: Why "auto" runs PyTorch's kernels for a family the fused ones do not replace whole.
+NOT_WHOLE_LAYERS = (
+    "{model_type}'s norms and MLPs are not all ones the compiled kernels compute exactly "
+    "(Llama's RMSNorm and SwiGLU)"
+)
 
 #: How to get Liger-Kernel, for messages.
 LIGER_INSTALL = "pip install 'hf_megatrain[liger]'"
@@ -84,14 +91,20 @@ class LayerKernels:
 
 
 def choose_layer_kernels(
-    setting: str, model_type: str | None, device: torch.device | str, *, requested: bool = False
+    setting: str,
+    model_type: str | None,
+    device: torch.device | str,
+    *,
+    requested: bool = False,
+    whole_layers: bool = False,
 ) -> LayerKernels:
     """The ``layer_kernels`` option resolved for a model of ``model_type`` on ``device``.
 
     ``requested``: the Trainer's ``use_liger_kernel=True``, an explicit request like "liger".
     "auto" takes Liger's kernels where they are installed, run (CUDA) and are used for the
     family automatically (``LIGER_AUTO_MODEL_TYPES``), else compiled ones on CUDA for the
-    families verified with them (``COMPILED_AUTO_MODEL_TYPES``); an explicit request is an
+    families verified with them (``COMPILED_AUTO_MODEL_TYPES``) and any whose layers they
+    replace whole (``whole_layers``: ``compiles_whole_layers``); an explicit request is an
     error where the kernels cannot run, and Liger's for a family Liger-Kernel does not know
     (the compiled ones probe each module when applied)."""
     if requested and setting in ("torch", "compiled"):
@@ -129,15 +142,13 @@ def choose_layer_kernels(
     liger_auto = model_type in LIGER_AUTO_MODEL_TYPES
     if liger_installed() and liger_auto and model_type in liger_model_types():
         return LayerKernels("liger", f"Liger-Kernel installed, {model_type}")
-    if model_type in COMPILED_AUTO_MODEL_TYPES and can_compile:
+    compiles = model_type in COMPILED_AUTO_MODEL_TYPES or whole_layers
+    if compiles and can_compile:
         return LayerKernels("compiled", f"torch.compile ({compiler}), {model_type}")
-    if not can_compile and model_type in COMPILED_AUTO_MODEL_TYPES:
+    if compiles:
         return LayerKernels("torch", f"{compiler}; Liger-Kernel not installed: {LIGER_INSTALL}")
-    return LayerKernels(
-        "torch",
-        f"{model_type} is not a family the fused kernels are used for automatically; "
-        "megatrain_layer_kernels='liger' asks for Liger-Kernel's",
-    )
+    return LayerKernels("torch", f"{NOT_WHOLE_LAYERS.format(model_type=model_type)}; "
+                        "megatrain_layer_kernels='liger' asks for Liger-Kernel's")  # fmt: skip
 
 
 def apply_layer_kernels(
@@ -154,7 +165,10 @@ def apply_layer_kernels(
     needed: training batches use hf_megatrain's chunked loss); an explicit
     ``use_liger_kernel`` request keeps its ``liger_kernel_config``."""
     model_type = _model_type(model)
-    choice = choose_layer_kernels(setting, model_type, device, requested=use_liger_kernel)
+    whole = setting == "auto" and compiles_whole_layers(unwrap_peft(model))
+    choice = choose_layer_kernels(
+        setting, model_type, device, requested=use_liger_kernel, whole_layers=whole
+    )
     logger.info(choice.log_line())
     if choice.liger:
         config = liger_kernel_config if use_liger_kernel else dict(LIGER_LAYER_KERNELS)
