@@ -320,3 +320,15 @@ def test_auto_compiles_the_families_whose_layers_the_kernels_replace_whole(famil
         return
     _, kernels = planned_kernel_shape(cfg, "m")
     assert kernels.kind == ("compiled" if whole else "torch")
+
+
+def test_whole_layer_probe_of_a_model_without_decoder_layers_is_false():
+    """The probe runs before the support check: a model whose decoder layers are not found
+    (BERT) has none the kernels replace, and the support check names its model_type."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from hf_megatrain.hf.compiled_kernels import compiles_whole_layers
+
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64)  # fmt: skip
+    assert compiles_whole_layers(BertForMaskedLM(cfg)) is False

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import find_decoder_layers, forward_function
+from .layers import UnsupportedModelError, find_decoder_layers, forward_function
 from .scoped_globals import attention_scopes, original_global, scope_global
 
 logger = logging.getLogger(__name__)
@@ -255,8 +255,12 @@ def compiles_whole_layers(model: nn.Module) -> bool:
     """Whether the compiled kernels would replace every norm and MLP of ``model``'s decoder
     layers (the RoPE too where it computes like theirs): what ``layer_kernels="auto"`` compiles
     for (Granite, SmolLM3, Seed-OSS, EXAONE 4 and Hunyuan besides Llama, Mistral and Qwen2/3; a
-    ``meta`` model is fine)."""
-    return fuses_mlp(model) and compiles_norms(model)
+    ``meta`` model is fine). False where no decoder layers are found (the support check says
+    why)."""
+    try:
+        return fuses_mlp(model) and compiles_norms(model)
+    except UnsupportedModelError:
+        return False
 
 
 def apply_compiled_kernels(model: nn.Module) -> int:

@@ -165,7 +165,9 @@ def apply_layer_kernels(
     needed: training batches use hf_megatrain's chunked loss); an explicit
     ``use_liger_kernel`` request keeps its ``liger_kernel_config``."""
     model_type = _model_type(model)
-    whole = setting == "auto" and compiles_whole_layers(unwrap_peft(model))
+    # (Probed only where 'auto' may compile: CUDA.)
+    cuda = torch.device(device).type == "cuda"
+    whole = setting == "auto" and cuda and compiles_whole_layers(unwrap_peft(model))
     choice = choose_layer_kernels(
         setting, model_type, device, requested=use_liger_kernel, whole_layers=whole
     )
