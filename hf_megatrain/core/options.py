@@ -359,10 +359,12 @@ class EngineOptions:
         default="auto",
         metadata=_help(
             """Kernels of the decoder layers' RMSNorm, RoPE and SwiGLU. 'auto' (default), on
-            CUDA for the llama, mistral, qwen2 and qwen3 families: Liger-Kernel's fused Triton
+            CUDA: for the llama, mistral, qwen2 and qwen3 families Liger-Kernel's fused Triton
             kernels when the liger_kernel package is installed (pip install
             'hf_megatrain[liger]'), else the same three fused by torch.compile (Inductor,
-            compiled on the first step); PyTorch's eager ops otherwise. The memory plan counts
+            compiled on the first step), also for any family whose every layer norm and MLP
+            they reproduce exactly (Granite, SmolLM3, Seed-OSS, EXAONE 4, Hunyuan); PyTorch's
+            eager ops otherwise. The memory plan counts
             what the fused kernels save. 'liger': Liger's, for any family Liger-Kernel patches
             (an error without the package or CUDA); the Trainer's use_liger_kernel=True asks for
             this too. 'compiled': the torch.compile'd ones for any family, on the modules whose

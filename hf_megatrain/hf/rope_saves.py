@@ -68,6 +68,6 @@ def rope_saved_bytes_per_token(
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
             fn(q, k, cos, sin)
-    except (TypeError, ValueError, RuntimeError, IndexError):
-        return 0  # another signature (the family's attention calls it its own way)
+    except Exception:  # noqa: BLE001 - the family's own code: another signature, a partial rotation
+        return 0  # (its attention calls it its own way): nothing known to add
     return -(-sum(saved.values()) // t)
