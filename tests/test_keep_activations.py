@@ -237,14 +237,21 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
     shape = model_shape(model)
     planned = kept_activation_bytes_per_token(shape, shared_casts)
     layer = find_decoder_layers(model)[1][layers - 1].to(torch.bfloat16)  # (full attention)
+    for norm in layer.modules():  # autocast runs LayerNorm in fp32 (CUDA's: it casts the weight)
+        if isinstance(norm, torch.nn.LayerNorm):
+            norm.float()
     tokens = 64
     x = torch.randn(1, tokens, cfg.hidden_size, requires_grad=True)
     pos = torch.arange(tokens)[None]
-    rope = model.model.rotary_emb
-    if "layer_type" in inspect.signature(rope.forward).parameters:
-        cos, sin = rope(x, pos, layer_type="full_attention")
-    else:
-        cos, sin = rope(x, pos)
+    rope, tables, kwargs = getattr(model.base_model, "rotary_emb", None), (), {}
+    if rope is not None:
+        if "layer_type" in inspect.signature(rope.forward).parameters:
+            tables = rope(x, pos, layer_type="full_attention")
+        else:
+            tables = rope(x, pos)
+        kwargs["position_embeddings"] = tables
+    if "position_ids" in inspect.signature(layer.forward).parameters:
+        kwargs["position_ids"] = pos  # (GPT-J makes its sin/cos from them, in each layer)
     saved: dict[int, int] = {}
 
     def pack(t):
@@ -255,8 +262,8 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             casts = AutocastKernels("cpu", torch.bfloat16) if shared_casts else nullcontext()
             with casts:
-                layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
-    shared = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *layer.parameters())}
+                layer(x, attention_mask=None, **kwargs)
+    shared = {t.untyped_storage().data_ptr() for t in (x, *tables, *layer.parameters())}
     per_token = sum(n for ptr, n in saved.items() if ptr not in shared) / tokens
     if arch == "phi3":
         assert shape.kept_bytes_audited

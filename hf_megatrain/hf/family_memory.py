@@ -29,9 +29,9 @@ KEPT_BYTES_AUDITED_MODEL_TYPES = frozenset(
 #: Fitted with autocast_kernels' shared input casts (the default; without them the count is
 #: higher than the saves for these). With it their kept activations are planned exactly, so
 #: "auto" keeps layers for them too; not under Liger's or the compiled kernels (their saves are
-#: measured for the families above only). Not Cohere: its parallel attention and MLP read one
-#: normed input, 2h per token more than the count without shared casts. (h, q, kv, i, per
-#: token) B.
+#: measured for the families above only). Not Cohere, GPT-J or Phi: their parallel attention
+#: and MLP read one normed input, 2h per token more than the count without shared casts. (h, q,
+#: kv, i, per token) B.
 FITTED_KEPT_RESIDUALS: dict[str, tuple[float, float, float, float, int]] = {
     "apertus": (-1, -1, 0, 3, 0),
     "arcee": (-2, 0, 0, -4, 0),
@@ -41,6 +41,11 @@ FITTED_KEPT_RESIDUALS: dict[str, tuple[float, float, float, float, int]] = {
     "hunyuan_v1_dense": (0, 8, 8, 0, 48),
     "olmo": (-4, -4, 0, 0, 8),
     "olmo2": (3, 3, 2, 0, -16),
+    # Non-gated MLPs, LayerNorm: they save less than the count (0.53-0.84x of it).
+    "gpt_neox": (-4, -4, -4, -4, 8),
+    "nemotron": (-10, 2, 0, -4, 8),
+    "stablelm": (-3, -3, 0, 0, 8),
+    "starcoder2": (-5, -5, 0, -4, 8),
 }
 
 #: MoE families whose routed-experts working set the planner counts within 5% (the CPU
