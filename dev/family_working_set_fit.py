@@ -10,9 +10,12 @@ without the family's own term. Prints, per family, the least-squares residual
 ``ch x h + cq x q + ckv x kv + ci x i`` (quarter bytes) and the constant that makes it an upper
 bound at every width: the row of ``hf/family_memory.py::FITTED_WORKING_SET_RESIDUALS``. Then
 each width's planned / measured with that row (``--check`` at other widths: the plan as it stands).
+``--kept`` fits a kept layer's saved tensors over the plan's kept count the same way (eight
+widths, the constant bounding all): the rows of ``FITTED_KEPT_RESIDUALS``.
 
     python3 dev/family_working_set_fit.py olmo2 phi gptj
     python3 dev/family_working_set_fit.py --check --widths 320,5,1,64,1280 olmo2
+    python3 dev/family_working_set_fit.py --kept olmo2 stablelm
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_megatrain.core.activation_memory import _working_set_line  # noqa: E402
+from hf_megatrain.core.activation_memory import (  # noqa: E402
+    _working_set_line,
+    kept_activation_bytes_per_token,
+)
+from tests.test_keep_activations import kept_layer_saved_bytes  # noqa: E402
 from tests.test_plan_accuracy import family_config, recomputed_layer_growth  # noqa: E402
 
 #: (hidden, heads, kv heads, head_dim, intermediate): families whose head_dim is hidden / heads
@@ -35,6 +42,24 @@ WIDTHS = [
     (256, 4, 2, 64, 768), (256, 8, 2, 64, 768), (256, 4, 4, 64, 768), (256, 4, 2, 64, 1024),
     (384, 6, 2, 64, 768), (512, 8, 4, 64, 1536),
 ]  # fmt: skip
+#: Widths the working-set fit does not see (the held-out test's and one more); ``--kept`` bounds
+#: its constant over them too.
+HELD_OUT = [(320, 5, 1, 64, 1280), (640, 10, 2, 64, 1792)]
+
+
+def measure_kept(model_type: str, widths) -> dict:
+    """Per-token saves of a kept layer (the growth from 64 to 128 tokens: per-layer constants
+    cancel), with the shared casts, the plan's count and its family term."""
+    cfg = family_config(model_type, *widths, layers=1)
+    cfg._attn_implementation = "sdpa"
+    saved = {t: kept_layer_saved_bytes(cfg, True, t) for t in (64, 128)}
+    shape = saved[128][1]
+    return {
+        "h": shape.hidden_size, "q": shape.num_heads * shape.head_dim, "kv": shape.kv_size,
+        "i": shape.intermediate_size, "measured": (saved[128][0] - saved[64][0]) / 64,
+        "line": kept_activation_bytes_per_token(shape, shared_casts=True),
+        "family": shape.extra_kept_bytes_per_token,
+    }  # fmt: skip
 
 
 def measure(model_type: str, widths) -> dict:
@@ -55,16 +80,18 @@ def measure(model_type: str, widths) -> dict:
     }  # fmt: skip
 
 
-def fit(rows: list[dict]) -> tuple[list[float], int]:
+def fit(coef_rows: list[dict], bound_rows: list[dict]) -> tuple[list[float], int]:
     """Quarter-byte least-squares coefficients of (h, q, kv, i) for the residual over the line
-    without the family's term, and the constant that bounds every row, from the rows whose MLP
-    is at least 3x the hidden size (real models' 2.7-7x; at 2x the attention's phase can be the
-    backward's peak instead, a second regime that one linear form would blur)."""
-    rows = [r for r in rows if r["i"] >= 3 * r["h"]]
-    x = np.array([[r["h"], r["q"], r["kv"], r["i"], 1.0] for r in rows])
-    y = np.array([r["measured"] - (r["line"] - r["family"]) for r in rows])
+    without the family's term, from ``coef_rows``, and the constant that bounds ``bound_rows``."""
+
+    def xy(rows):
+        x = np.array([[r["h"], r["q"], r["kv"], r["i"], 1.0] for r in rows])
+        return x, np.array([r["measured"] - (r["line"] - r["family"]) for r in rows])
+
+    x, y = xy(coef_rows)
     coef = np.round(np.linalg.lstsq(x, y, rcond=None)[0][:4] * 4) / 4
-    return coef.tolist(), int(np.ceil(np.max(y - x[:, :4] @ coef)))
+    xb, yb = xy(bound_rows)
+    return coef.tolist(), int(np.ceil(np.max(yb - xb[:, :4] @ coef)))
 
 
 def main() -> None:
@@ -72,13 +99,19 @@ def main() -> None:
     p.add_argument("model_types", nargs="+")
     p.add_argument("--check", action="store_true", help="only planned / measured, no fit")
     p.add_argument("--widths", action="append", default=[], help="h,heads,kv_heads,head_dim,i")
+    p.add_argument("--kept", action="store_true", help="a kept layer's saves, not the working set")
     a = p.parse_args()
-    widths = [tuple(int(v) for v in w.split(",")) for w in a.widths] or WIDTHS
+    widths = [tuple(int(v) for v in w.split(",")) for w in a.widths]
+    widths = widths or (WIDTHS + HELD_OUT if a.kept else WIDTHS)
     torch._dynamo.config.recompile_limit = 256
     for model_type in a.model_types:
-        rows = [measure(model_type, w) for w in widths]
+        rows = [(measure_kept if a.kept else measure)(model_type, w) for w in widths]
         if not a.check:
-            coef, const = fit(rows)
+            if a.kept:  # saved bytes are linear in the widths: fit on the six, bound all
+                coef, const = fit(rows[: len(WIDTHS)], rows)
+            else:  # the MLP's regime (3x the hidden size or more), as real models have
+                regime = [r for r in rows if r["i"] >= 3 * r["h"]]
+                coef, const = fit(regime, regime)
             row = ", ".join(f"{c:g}" for c in coef)
             print(f'    "{model_type}": ({row}, {const}),')
         for r in rows:

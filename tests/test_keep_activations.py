@@ -194,6 +194,48 @@ def test_kept_activations_with_other_engine_options(tmp_path, extra):
         assert torch.equal(a[k], v), k
 
 
+def kept_layer_saved_bytes(
+    cfg, shared_casts: bool, tokens: int, layer: int = 0
+) -> tuple[int, object]:
+    """What decoder layer ``layer`` of ``cfg``'s model saves for its backward on one
+    ``tokens``-token sequence under bf16 autocast (bf16 weights, LayerNorm in fp32 as autocast
+    runs it, fp32 residual input, the config's attention), with ``shared_casts`` or not: every
+    saved tensor once per storage, less the layer input, its weights and the model's RoPE tables;
+    and the model's plan shape. dev/family_working_set_fit.py --kept fits families with it."""
+    from hf_megatrain.hf.model import find_decoder_layers, model_shape  # noqa: PLC0415
+
+    model = tiny_model(cfg)
+    shape = model_shape(model)
+    block = find_decoder_layers(model)[1][layer].to(torch.bfloat16)
+    for norm in block.modules():  # autocast runs LayerNorm in fp32 (CUDA's: it casts the weight)
+        if isinstance(norm, torch.nn.LayerNorm):
+            norm.float()
+    x = torch.randn(1, tokens, cfg.hidden_size, requires_grad=True)
+    pos = torch.arange(tokens)[None]
+    rope, tables, kwargs = getattr(model.base_model, "rotary_emb", None), (), {}
+    if rope is not None:
+        if "layer_type" in inspect.signature(rope.forward).parameters:
+            tables = rope(x, pos, layer_type="full_attention")
+        else:
+            tables = rope(x, pos)
+        kwargs["position_embeddings"] = tables
+    if "position_ids" in inspect.signature(block.forward).parameters:
+        kwargs["position_ids"] = pos  # (GPT-J makes its sin/cos from them, in each layer)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            casts = AutocastKernels("cpu", torch.bfloat16) if shared_casts else nullcontext()
+            with casts:
+                block(x, attention_mask=None, **kwargs)
+    shared = {t.untyped_storage().data_ptr() for t in (x, *tables, *block.parameters())}
+    return sum(n for ptr, n in saved.items() if ptr not in shared), shape
+
+
 @pytest.mark.parametrize("shared_casts", [False, True], ids=["autocast", "shared-casts"])
 @pytest.mark.parametrize("arch", sorted(SUPPORTED_MODEL_TYPES))
 def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
@@ -213,7 +255,7 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
     families not measured here."""
     from hf_megatrain.core.planner import kept_activation_bytes_per_token  # noqa: PLC0415
     from hf_megatrain.hf.family_memory import FITTED_KEPT_RESIDUALS  # noqa: PLC0415
-    from hf_megatrain.hf.model import find_decoder_layers, model_shape  # noqa: PLC0415
+    from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
 
     layers = 2 if arch == "gemma3_text" else 1  # its tiny config has one layer per kind
     cfg = tiny_config(arch, hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -233,38 +275,10 @@ def test_kept_bytes_per_token_match_saved_tensors(arch, shared_casts):
     cfg._attn_implementation = "sdpa"
     if arch == "helium":  # its o_proj is hidden x hidden: heads x head_dim must be the hidden size
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-    model = tiny_model(cfg)
-    shape = model_shape(model)
-    planned = kept_activation_bytes_per_token(shape, shared_casts)
-    layer = find_decoder_layers(model)[1][layers - 1].to(torch.bfloat16)  # (full attention)
-    for norm in layer.modules():  # autocast runs LayerNorm in fp32 (CUDA's: it casts the weight)
-        if isinstance(norm, torch.nn.LayerNorm):
-            norm.float()
     tokens = 64
-    x = torch.randn(1, tokens, cfg.hidden_size, requires_grad=True)
-    pos = torch.arange(tokens)[None]
-    rope, tables, kwargs = getattr(model.base_model, "rotary_emb", None), (), {}
-    if rope is not None:
-        if "layer_type" in inspect.signature(rope.forward).parameters:
-            tables = rope(x, pos, layer_type="full_attention")
-        else:
-            tables = rope(x, pos)
-        kwargs["position_embeddings"] = tables
-    if "position_ids" in inspect.signature(layer.forward).parameters:
-        kwargs["position_ids"] = pos  # (GPT-J makes its sin/cos from them, in each layer)
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            casts = AutocastKernels("cpu", torch.bfloat16) if shared_casts else nullcontext()
-            with casts:
-                layer(x, attention_mask=None, **kwargs)
-    shared = {t.untyped_storage().data_ptr() for t in (x, *tables, *layer.parameters())}
-    per_token = sum(n for ptr, n in saved.items() if ptr not in shared) / tokens
+    saved_bytes, shape = kept_layer_saved_bytes(cfg, shared_casts, tokens, layer=layers - 1)
+    planned = kept_activation_bytes_per_token(shape, shared_casts)
+    per_token = saved_bytes / tokens
     if arch == "phi3":
         assert shape.kept_bytes_audited
         assert per_token <= planned <= 1.03 * per_token, (per_token, planned)

@@ -17,15 +17,16 @@ from typing import Any
 #: against autograd's saved tensors (tests/test_keep_activations.py); Gemma3 too, with its own
 #: terms, unless Liger's kernels replace its layers'. Qwen3-MoE saves 25% more and Mixtral 11%
 #: (router and expert dispatch, data-dependent): for those "auto" keeps none, as for the families
-#: not measured or off the count (Gemma2, StarCoder2, Cohere, Phi, GPT-J, ...; others fitted below).
+#: not measured or off the count (Gemma2, Cohere, Phi, GPT-J, ...; others are fitted below).
 KEPT_BYTES_AUDITED_MODEL_TYPES = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "seed_oss", "ernie4_5",
      "helium"}
 )  # fmt: skip
 
 #: Families whose kept layers' saved tensors differ from the shared count by a residual fitted
-#: per family (tests/test_keep_activations.py measures them; 0: the count exactly), at eight
-#: widths (hidden 256-640, MLP 2.8-6x; the plan's count equal to the saves or up to 0.3% above).
+#: per family (``dev/family_working_set_fit.py --kept``; tests/test_keep_activations.py checks
+#: them; 0: the count exactly), at eight widths (hidden 256-640, MLP 2-4x; the plan's count
+#: equal to the saves or up to 0.3% above).
 #: Fitted with autocast_kernels' shared input casts (the default; without them the count is
 #: higher than the saves for these). With it their kept activations are planned exactly, so
 #: "auto" keeps layers for them too; not under Liger's or the compiled kernels (their saves are
