@@ -116,8 +116,10 @@ def main() -> None:
             print(f'    "{model_type}": ({row}, {const}),')
         for r in rows:
             ratio = r["line"] / r["measured"]
-            print(f"  {model_type} h {r['h']} q {r['q']} kv {r['kv']} i {r['i']}: measured "
-                  f"{r['measured']:.0f} B/token, planned {r['line']:.0f} ({ratio:.3f})")  # fmt: skip
+            print(
+                f"  {model_type} h {r['h']} q {r['q']} kv {r['kv']} i {r['i']}: measured "
+                f"{r['measured']:.0f} B/token, planned {r['line']:.0f} ({ratio:.3f})"
+            )
 
 
 if __name__ == "__main__":
