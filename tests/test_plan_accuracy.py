@@ -44,6 +44,7 @@ from hf_megatrain.core.activation_memory import (
 from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import plan_memory
 from hf_megatrain.hf.family_memory import (
+    CUDA_ACTIVATION_EXTRA_PER_INTER,
     FITTED_WORKING_SET_RESIDUALS,
     PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
 )
@@ -289,7 +290,9 @@ def test_fitted_families_working_set_holds_at_other_widths(model_type):
     measured = (grown[1024][0] - grown[512][0]) / 512
     assert shape.extra_working_set_bytes_per_token > 0
     assert measured <= planned * (1 + ESTIMATE_ERRORS[line[1024].kind]), (measured, planned)
-    assert planned <= 1.05 * measured, (measured, planned)
+    # (less what their activations hold on the GPU only, measured on the H200)
+    cuda_only = CUDA_ACTIVATION_EXTRA_PER_INTER.get(model_type, 0) * shape.intermediate_size
+    assert planned - cuda_only <= 1.05 * measured, (measured, planned)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "compiled"])
