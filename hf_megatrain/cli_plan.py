@@ -97,11 +97,16 @@ def plan_config(path: str):
 
 def model_shape_from_config(cfg, name: str = "model"):
     """``hf.model.model_shape_from_config``, its refusal as a command-line error."""
-    from .hf.model import UnsupportedModelError  # noqa: PLC0415
-    from .hf.model import model_shape_from_config as shape_of  # noqa: PLC0415
+    return _meta_model_and_shape(cfg, name)[1]
+
+
+def _meta_model_and_shape(cfg, name: str):
+    """``cfg``'s meta model and its plan shape; a refusal as a command-line error."""
+    from .hf.model import UnsupportedModelError, meta_model, model_shape  # noqa: PLC0415
 
     try:
-        return shape_of(cfg, name)
+        model = meta_model(cfg)
+        return model, model_shape(model, name)
     except UnsupportedModelError as e:
         raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
 
@@ -170,13 +175,14 @@ def _planned_layer_kernels(setting: str, liger: bool, model_type: str, whole_lay
 def compiled_kernels_of(cfg) -> tuple[bool, bool]:
     """Whether the compiled kernels would fuse ``cfg``'s MLPs and run every norm of its layers
     (probed on the config's meta model)."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from .hf.model import meta_model  # noqa: PLC0415
 
+    return _compiled_kernels_of(meta_model(cfg))
+
+
+def _compiled_kernels_of(model) -> tuple[bool, bool]:
     from .hf.compiled_kernels import compiles_norms, fuses_mlp  # noqa: PLC0415
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
     return fuses_mlp(model), compiles_norms(model)
 
 
@@ -187,8 +193,9 @@ def planned_kernel_shape(cfg, name: str, layer_kernels: str = "auto", liger: boo
     activations audited as for the run's kernels."""
     from .hf.family_memory import kept_bytes_audited  # noqa: PLC0415
 
-    shape = model_shape_from_config(cfg, name)
-    fuses, norms = compiled_kernels_of(cfg)
+    # (One meta model: the shape and the kernel probes read the same skeleton.)
+    model, shape = _meta_model_and_shape(cfg, name)
+    fuses, norms = _compiled_kernels_of(model)
     kernels = _planned_layer_kernels(layer_kernels, liger, cfg.model_type, fuses and norms)
     if kernels.liger:
         shape = dataclasses.replace(shape, fused_layer_kernels=True)

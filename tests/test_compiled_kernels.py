@@ -222,37 +222,16 @@ def test_kept_layer_with_compiled_kernels_saves_what_the_plan_counts(family):
     bytes with ``fused_layer_kernels`` and the compiled norms (no fp32 normalized products, no
     SiLU output; ERNIE 4.5's RoPE copies included). Measured as the growth between two token
     counts, so the weights and the per-layer norm scales cancel."""
-    from hf_megatrain.core.autocast_kernels import AutocastKernels
     from hf_megatrain.core.planner import kept_activation_bytes_per_token
-    from hf_megatrain.hf.model import find_decoder_layers
+
+    from .test_keep_activations import kept_layer_saved_bytes
 
     cfg = tiny_config(family, hidden_size=256, intermediate_size=768, num_attention_heads=4,
                       num_key_value_heads=2, num_hidden_layers=1)  # fmt: skip
     cfg._attn_implementation = "sdpa"
     cfg.head_dim = 64
-    model = tiny_model(cfg)
-    apply_compiled_kernels(model)
-    shape = model_shape(model)
+    saved = {t: kept_layer_saved_bytes(cfg, True, t, compiled=True) for t in (64, 128)}
+    shape = saved[128][1]
     assert shape.fused_layer_kernels and shape.compiled_norms
-    layer = find_decoder_layers(model)[1][0].to(torch.bfloat16)
-    saved_bytes = []
-    for tokens in (64, 128):
-        x = torch.randn(1, tokens, cfg.hidden_size, requires_grad=True)
-        pos = torch.arange(tokens)[None]
-        cos, sin = model.model.rotary_emb(x, pos)
-        saved: dict[int, int] = {}
-
-        def pack(t, saved=saved):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with (
-                torch.autocast("cpu", dtype=torch.bfloat16),
-                AutocastKernels("cpu", torch.bfloat16),
-            ):
-                layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
-        shared = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *layer.parameters())}
-        saved_bytes.append(sum(n for ptr, n in saved.items() if ptr not in shared))
-    per_token = (saved_bytes[1] - saved_bytes[0]) / 64
+    per_token = (saved[128][0] - saved[64][0]) / 64
     assert per_token == kept_activation_bytes_per_token(shape, shared_casts=True)

@@ -195,16 +195,20 @@ def test_kept_activations_with_other_engine_options(tmp_path, extra):
 
 
 def kept_layer_saved_bytes(
-    cfg, shared_casts: bool, tokens: int, layer: int = 0
+    cfg, shared_casts: bool, tokens: int, layer: int = 0, compiled: bool = False
 ) -> tuple[int, object]:
     """What decoder layer ``layer`` of ``cfg``'s model saves for its backward on one
     ``tokens``-token sequence under bf16 autocast (bf16 weights, LayerNorm in fp32 as autocast
     runs it, fp32 residual input, the config's attention), with ``shared_casts`` or not: every
     saved tensor once per storage, less the layer input, its weights and the model's RoPE tables;
-    and the model's plan shape. dev/family_working_set_fit.py --kept fits families with it."""
+    and the model's plan shape. ``compiled``: under the compiled layer kernels (applied first).
+    dev/family_working_set_fit.py --kept fits families with it."""
+    from hf_megatrain.hf.compiled_kernels import apply_compiled_kernels  # noqa: PLC0415
     from hf_megatrain.hf.model import find_decoder_layers, model_shape  # noqa: PLC0415
 
     model = tiny_model(cfg)
+    if compiled:
+        apply_compiled_kernels(model)
     shape = model_shape(model)
     block = find_decoder_layers(model)[1][layer].to(torch.bfloat16)
     for norm in block.modules():  # autocast runs LayerNorm in fp32 (CUDA's: it casts the weight)

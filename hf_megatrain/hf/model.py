@@ -198,6 +198,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     mlp = getattr(layers[0], "mlp", None) if layers else None
     compiled = bool(layers) and all(is_compiled_forward(getattr(x, "mlp", None)) for x in layers)
     fused = _liger_patched(mlp) or compiled
+    compiled_norms = runs_compiled_norms(model)
     input_linears = _normed_input_linears(layers[0], text_cfg.hidden_size) if layers else 5
     window, full = attention_windows(text_cfg)
     types = getattr(text_cfg, "layer_types", None) or ()
@@ -239,7 +240,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         qk_norm=_q_norm(attention) is not None,
         qk_norm_fp32_output=attention is not None and _widens_to_fp32(attention),
         fused_layer_kernels=fused,
-        compiled_norms=runs_compiled_norms(model),
+        compiled_norms=compiled_norms,
         normed_input_linears=input_linears,
         layer_numels=layer_numels,
         non_layer_numel=total - sum(layer_numels),
@@ -257,7 +258,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         moe_working_set_audited=cfg.model_type in MOE_WORKING_SET_AUDITED_MODEL_TYPES,
         fp32_routing_weights=cfg.model_type in MOE_FP32_ROUTING_MODEL_TYPES,
         shared_expert_size=_shared_expert_size(text_cfg) if experts else 0,
-        kept_bytes_audited=kept_bytes_audited(cfg.model_type, fused or runs_compiled_norms(model)),
+        kept_bytes_audited=kept_bytes_audited(cfg.model_type, fused or compiled_norms),
         extra_kept_bytes_per_token=fitted_bytes(
             FITTED_KEPT_RESIDUALS.get(cfg.model_type),
             text_cfg.hidden_size,
@@ -369,19 +370,23 @@ def attention_windows(text_cfg) -> tuple[int, bool]:
     return window, not window
 
 
-def model_shape_from_config(config, name: str = "model") -> ModelShape:
-    """:func:`model_shape` of ``config``'s causal LM, built on ``meta`` (no weight is allocated,
-    so a 70B config is fine). Raises ``UnsupportedModelError`` when the config cannot be built."""
+def meta_model(config) -> nn.Module:
+    """``config``'s causal LM built on ``meta`` (no weight is allocated, so a 70B config is
+    fine). Raises ``UnsupportedModelError`` when the config cannot be built."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config)
     except (TypeError, ValueError, RuntimeError) as e:
         raise UnsupportedModelError(
             f"hf_megatrain: could not build {config.model_type} from this config: {e}"
         ) from None
-    return model_shape(model, name)
+
+
+def model_shape_from_config(config, name: str = "model") -> ModelShape:
+    """:func:`model_shape` of ``config``'s causal LM, built on ``meta`` (``meta_model``)."""
+    return model_shape(meta_model(config), name)
 
 
 def check_supported(model: nn.Module) -> str:
