@@ -57,6 +57,7 @@
 #   lead14b    compact14b with --device-update-lead 2 (the A/B of device updates).
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
 #   qwen7b     Qwen2.5-7B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
+#   familygpu2 dev/family_plan_sweep.py on CUDA at hidden 768 (familygpu's second width).
 #   aktests    tests/test_gpu.py's autocast_kernels cases (bitwise), with the Liger and compiled ones.
 #   ligerbits  dev/liger_bitwise.py: the weights autocast_kernels on vs off change under Liger.
 #   noak8b, noak14b  llama8b and compact14b with --no-autocast-kernels (PyTorch's cast kernels).
@@ -285,6 +286,12 @@ item() {  # item <name>: one queue item
         --widths 1024,8,2,128,4096 --markdown "$work/results/family_plan_sweep_cuda_h1024.md" \
         llama olmo2 olmo3 hunyuan_v1_dense exaone4 apertus gptj phi stablelm olmo arcee nemotron \
         ernie4_5 helium 2>&1 | grep -aE "ratio|error"
+      ;;
+    familygpu2)  # familygpu at a second width: the CUDA activation terms off their fitted point
+      timeout 300 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
+        --widths 768,6,2,128,3072 --markdown "$work/results/family_plan_sweep_cuda_h768.md" \
+        llama apertus arcee nemotron phi gptj olmo2 hunyuan_v1_dense exaone4 2>&1 \
+        | grep -aE "ratio|error"
       ;;
     seed1optim)
       timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
