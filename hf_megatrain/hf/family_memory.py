@@ -73,7 +73,11 @@ PEAK_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
 #: softmax: BLOOM's and MPT's own ALiBi product (``baddbmm``), gpt-oss's scores concatenated with
 #: its sinks. 14 B per element and head at the backward's peak where the eager line counts 12
 #: (the CPU tracker, 4,096 tokens: BLOOM 1.14x, MPT 1.09x, gpt-oss 1.13x the plan without it).
-EAGER_SCORE_COPY_MODEL_TYPES = frozenset({"bloom", "mpt", "gpt_oss"})
+#: GPT-J's eager attention as transformers 5.17 has it (no SDPA there) holds 1.5-1.6 B per
+#: element more than the line: 1.09x the plan without it on the H200 at hidden 768 and 1,024
+#: (16,384 tokens, CUDA allocator); newer transformers give GPT-J SDPA, where no eager line is
+#: planned.
+EAGER_SCORE_COPY_MODEL_TYPES = frozenset({"bloom", "mpt", "gpt_oss", "gptj"})
 
 #: Per token, what a family's own decoder layer holds in its recomputed backward beyond the
 #: working-set line's terms, from its widths (h hidden, q query, kv key/value, i MLP). Measured on
