@@ -239,7 +239,7 @@ class _LossLog(TrainerCallback):
             self.losses.append(float(logs["loss"]))
 
 
-def train_run(
+def make_trainer(
     spec: RunSpec,
     model: torch.nn.Module,
     rows: list[dict],
@@ -250,8 +250,11 @@ def train_run(
     out_dir: Path,
     seed: int = 0,
     lr: float = 6e-4,
-) -> list[float]:
-    """Train a deep copy of ``model`` under ``spec``; the per-step training losses."""
+    max_grad_norm: float = 1.0,
+    callbacks: list[TrainerCallback] | None = None,
+) -> Trainer:
+    """The Trainer of ``spec`` over a deep copy of ``model`` (``HFMegaTrainer`` for a streamed
+    run: every layer streamed unless its options say otherwise), the curves' hyper-parameters."""
     cls, args_cls = (
         (HFMegaTrainer, MegaTrainArguments) if spec.streamed else (Trainer, TrainingArguments)
     )
@@ -270,7 +273,7 @@ def train_run(
         lr_scheduler_type="cosine",
         warmup_steps=10,
         weight_decay=0.1,
-        max_grad_norm=1.0,
+        max_grad_norm=max_grad_norm,
         bf16=bf16,
         seed=seed,
         data_seed=spec.data_seed,
@@ -285,8 +288,29 @@ def train_run(
     )
     if args.n_gpu > 1:  # one device, as HFMegaTrainer: no DataParallel scaling the batch
         args._n_gpu = 1
+    return cls(
+        model=copy.deepcopy(model), args=args, train_dataset=rows, callbacks=callbacks or []
+    )
+
+
+def train_run(
+    spec: RunSpec,
+    model: torch.nn.Module,
+    rows: list[dict],
+    *,
+    steps: int,
+    bf16: bool,
+    cpu: bool,
+    out_dir: Path,
+    seed: int = 0,
+    lr: float = 6e-4,
+) -> list[float]:
+    """Train a deep copy of ``model`` under ``spec``; the per-step training losses."""
     log = _LossLog()
-    trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=rows, callbacks=[log])
+    trainer = make_trainer(
+        spec, model, rows, steps=steps, bf16=bf16, cpu=cpu, out_dir=out_dir, seed=seed, lr=lr,
+        callbacks=[log],
+    )  # fmt: skip
     trainer.train()
     if len(log.losses) != steps:
         raise RuntimeError(f"{spec.name}: logged {len(log.losses)} losses for {steps} steps")

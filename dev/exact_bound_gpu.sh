@@ -58,6 +58,7 @@
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
 #   qwen7b     Qwen2.5-7B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
 #   familygpu2 dev/family_plan_sweep.py on CUDA at hidden 768 (familygpu's second width).
+#   gradprobe  dev/grad_band_probe.py at the parity test's seed 1 (one step's gradients).
 #   aktests    tests/test_gpu.py's autocast_kernels cases (bitwise), with the Liger and compiled ones.
 #   ligerbits  dev/liger_bitwise.py: the weights autocast_kernels on vs off change under Liger.
 #   noak8b, noak14b  llama8b and compact14b with --no-autocast-kernels (PyTorch's cast kernels).
@@ -292,6 +293,13 @@ item() {  # item <name>: one queue item
         --widths 768,6,2,128,3072 --markdown "$work/results/family_plan_sweep_cuda_h768.md" \
         llama apertus arcee nemotron phi gptj olmo2 hunyuan_v1_dense exaone4 2>&1 \
         | grep -aE "ratio|error"
+      ;;
+    gradprobe)  # one step's gradients at seed 1 (steps 0, 64, 100): streamed vs stock's twins
+      timeout 540 python3 dev/grad_band_probe.py --family llama --size small --seq-len 512 \
+        --seed 1 --at-steps 0,64,100 --batches 3 --band-accums 2,4,8 --sdpa-backend math \
+        --variant nofl:fused_loss=false --variant torchk:layer_kernels=torch \
+        --variant hbm:resident_layers=6 --out "$work/results/gradprobe" 2>&1 \
+        | grep -aE "^step|^  |wrote|Error" | grep -v "^  device updates"
       ;;
     seed1optim)
       timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \

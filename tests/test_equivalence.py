@@ -10,7 +10,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from hf_megatrain import prepare_streamed_model
-from hf_megatrain.hf.model import streamed_state
+from hf_megatrain.hf.model import streamed_gradients, streamed_state
 
 from .helpers import (
     ARCHS,
@@ -32,17 +32,11 @@ def _batch(n: int = 4):
 
 
 def _streamed_grads(model) -> dict[str, torch.Tensor]:
-    """Every gradient of a streamed model: layers from the host store, residents from ``.grad``."""
+    """Every gradient of a streamed model; every layer must have got one."""
     state = streamed_state(model)
-    grads = {}
-    for i, store in enumerate(state.store.layers):
+    for i in range(len(state.store.layers)):
         assert state.engine.layer_has_grad(i), f"layer {i} got no gradient"
-        for rel, g in store.param_views(store.grad).items():
-            grads[state.full_name(i, rel)] = g.clone()
-    for name, p, _ in state.resident:
-        if p.grad is not None:
-            grads[name] = p.grad.clone()
-    return grads
+    return streamed_gradients(model)
 
 
 def _stock_and_streamed_grads(arch: str, **config_overrides):

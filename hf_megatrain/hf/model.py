@@ -547,6 +547,29 @@ def streamed_state(model: nn.Module) -> StreamedModelState | None:
     return getattr(model, "_megatrain", None)
 
 
+def streamed_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient from the backward passes since the last optimizer step, by
+    its name in the model, as fp32 host tensors: the decoder layers' from their host stores
+    (compact bf16 slots widened with their fp32 parts), the resident parameters' from
+    ``.grad``. Layers that got no gradient are left out. For checks and probes: read it before
+    the optimizer step consumes the gradients."""
+    state = streamed_state(model)
+    if state is None:
+        raise ValueError("hf_megatrain: not a streamed model (see prepare_streamed_model)")
+    state.engine.finish_grads()
+    grads: dict[str, torch.Tensor] = {}
+    for i, store in enumerate(state.store.layers):
+        if not state.engine.layer_has_grad(i):
+            continue
+        flat = store.widen_grad(0, store.numel, torch.empty(store.numel), state.engine.final_grad(i))
+        for rel, g in store.param_views(flat).items():
+            grads[state.full_name(i, rel)] = g
+    for name, p, _ in state.resident:
+        if p.grad is not None:
+            grads[name] = p.grad.detach().float().cpu().clone()
+    return grads
+
+
 def prepare_streamed_model(
     model: nn.Module,
     device: torch.device | str,
