@@ -288,9 +288,7 @@ def make_trainer(
     )
     if args.n_gpu > 1:  # one device, as HFMegaTrainer: no DataParallel scaling the batch
         args._n_gpu = 1
-    return cls(
-        model=copy.deepcopy(model), args=args, train_dataset=rows, callbacks=callbacks or []
-    )
+    return cls(model=copy.deepcopy(model), args=args, train_dataset=rows, callbacks=callbacks or [])
 
 
 def train_run(

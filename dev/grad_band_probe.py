@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.loss_curves import (  # noqa: E402
     FAMILIES,
-    SHAPES,
     SDPA_BACKENDS,
+    SHAPES,
     RunSpec,
     band_run_name,
     build_config,

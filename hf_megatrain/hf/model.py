@@ -561,7 +561,9 @@ def streamed_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     for i, store in enumerate(state.store.layers):
         if not state.engine.layer_has_grad(i):
             continue
-        flat = store.widen_grad(0, store.numel, torch.empty(store.numel), state.engine.final_grad(i))
+        flat = store.widen_grad(
+            0, store.numel, torch.empty(store.numel), state.engine.final_grad(i)
+        )
         for rel, g in store.param_views(flat).items():
             grads[state.full_name(i, rel)] = g
     for name, p, _ in state.resident:
