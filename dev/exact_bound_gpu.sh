@@ -266,7 +266,7 @@ item() {  # item <name>: one queue item
       compgen -G ".whl/*.whl" | grep -v liger_kernel | xargs -r python3 -m pip install -q \
         --no-index --no-deps --target /tmp/site_noliger >/dev/null 2>&1
       PYTHONPATH=/tmp/site_noliger:$PWD timeout 1100 python3 benchmarks/validation_matrix.py \
-        --cells qwen3:4k,qwen3:32k,qwen3:128k,qwen3:256k,mistral:4k,mistral:32k,mistral:128k \
+        --cells ${MATRIX_CELLS:-qwen3:4k,qwen3:32k,qwen3:128k,qwen3:256k,mistral:4k,mistral:32k,mistral:128k} \
         --max-wall-s 1000 --tag matrix-h200 --results-dir "$work/results/matrix" 2>&1 \
         | grep -aE "^(matrix|Traceback|[A-Za-z.]*Error)"
       ;;
