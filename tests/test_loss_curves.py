@@ -261,17 +261,20 @@ def _grad_band_probe():
 def test_grad_band_probe_reads_every_runs_step_gradient(tmp_path):
     """The probe's gradients are the runs' real ones: in fp32 on the CPU the accumulation twin
     differs from stock by fp32 rounding only (> 0: the probe sees a rounding change, < 1e-5
-    relative), streamed too, at the initial weights and at stock's after 2 steps."""
+    relative), streamed too (host and HBM-tier layers), at the initial weights and at stock's
+    after 2 steps."""
     probe = _grad_band_probe()
     out = probe.main(
         ["--tiny", "--seq-len", "32", "--batch", "4", "--fp32", "--batches", "1",
-         "--at-steps", "0,2", "--steps", "4", "--band-accums", "2", "--out", str(tmp_path)]
+         "--at-steps", "0,2", "--steps", "4", "--band-accums", "2", "--out", str(tmp_path),
+         "--variant", "hbm:resident_layers=1"]
     )  # fmt: skip
     for step in (0, 2):
         runs = out[step]
-        assert set(runs) == {"stock", "stock-accum", "streamed"}
+        assert set(runs) == {"stock", "stock-accum", "streamed", "hbm"}
         assert runs["stock"]["all"]["err"] == 0.0  # stock in fp32 is the fp32 reference
         assert 0 < runs["stock-accum"]["all"]["err"] < 1e-5
         assert runs["streamed"]["all"]["err"] < 1e-5
+        assert runs["hbm"]["all"]["err"] < 1e-5  # an HBM-tier layer's gradient is read too
         assert set(runs["streamed"]) == {*probe.GROUPS, "all"}
     assert (tmp_path / "grad_band_probe.json").exists()

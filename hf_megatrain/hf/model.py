@@ -561,9 +561,12 @@ def streamed_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     for i, store in enumerate(state.store.layers):
         if not state.engine.layer_has_grad(i):
             continue
-        flat = store.widen_grad(
-            0, store.numel, torch.empty(store.numel), state.engine.final_grad(i)
-        )
+        flat = torch.empty(store.numel)
+        grad = state.engine.final_grad(i)
+        if store.fp32_grad_slots:  # a compact slot: bf16 with fp32 parts
+            store.widen_grad(0, store.numel, flat, grad)
+        else:  # fp32 (a host slot, or an HBM-tier layer's on the device)
+            flat.copy_(grad)
         for rel, g in store.param_views(flat).items():
             grads[state.full_name(i, rel)] = g
     for name, p, _ in state.resident:
