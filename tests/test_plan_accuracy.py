@@ -881,7 +881,7 @@ def test_plan_vs_measured_reads_the_validation_matrix():
 
     rows = [r for path in pvm.DEFAULT_CSVS for r in pvm.compare(path)]
     matrix = [r for r in rows if r["tag"] == "matrix-h200"]
-    assert len(matrix) == 53
+    assert len(matrix) == 59
     gemma = next(
         r
         for r in matrix
