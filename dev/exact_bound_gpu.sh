@@ -59,6 +59,7 @@
 #   qwen7b     Qwen2.5-7B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
 #   familygpu2 dev/family_plan_sweep.py on CUDA at hidden 768 (familygpu's second width).
 #   gradprobe  dev/grad_band_probe.py at the parity test's seed 1 (one step's gradients).
+#   familymoe  dev/family_plan_sweep.py on CUDA for MoE families with wide experts (4x, 8x h).
 #   aktests    tests/test_gpu.py's autocast_kernels cases (bitwise), with the Liger and compiled ones.
 #   ligerbits  dev/liger_bitwise.py: the weights autocast_kernels on vs off change under Liger.
 #   noak8b, noak14b  llama8b and compact14b with --no-autocast-kernels (PyTorch's cast kernels).
@@ -300,6 +301,13 @@ item() {  # item <name>: one queue item
         --variant nofl:fused_loss=false --variant torchk:layer_kernels=torch \
         --variant hbm:resident_layers=6 --out "$work/results/gradprobe" 2>&1 \
         | grep -aE "^step|^  |wrote|Error" | grep -v "^  device updates"
+      ;;
+    familymoe)  # MoE families with experts 4x and 8x the hidden size on CUDA (the wide-expert peak)
+      for w in 1024,8,2,128,4096 512,4,2,128,4096; do
+        timeout 200 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 --widths "$w" \
+          --markdown "$work/results/family_plan_sweep_cuda_moe_${w%%,*}.md" mixtral olmoe \
+          granitemoe qwen2_moe 2>&1 | grep -aE "ratio|error"
+      done
       ;;
     seed1optim)
       timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
