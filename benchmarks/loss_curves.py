@@ -292,23 +292,12 @@ def make_trainer(
 
 
 def train_run(
-    spec: RunSpec,
-    model: torch.nn.Module,
-    rows: list[dict],
-    *,
-    steps: int,
-    bf16: bool,
-    cpu: bool,
-    out_dir: Path,
-    seed: int = 0,
-    lr: float = 6e-4,
+    spec: RunSpec, model: torch.nn.Module, rows: list[dict], *, steps: int, **trainer_kw
 ) -> list[float]:
-    """Train a deep copy of ``model`` under ``spec``; the per-step training losses."""
+    """Train a deep copy of ``model`` under ``spec`` (``make_trainer``'s keywords); the
+    per-step training losses."""
     log = _LossLog()
-    trainer = make_trainer(
-        spec, model, rows, steps=steps, bf16=bf16, cpu=cpu, out_dir=out_dir, seed=seed, lr=lr,
-        callbacks=[log],
-    )  # fmt: skip
+    trainer = make_trainer(spec, model, rows, steps=steps, callbacks=[log], **trainer_kw)
     trainer.train()
     if len(log.losses) != steps:
         raise RuntimeError(f"{spec.name}: logged {len(log.losses)} losses for {steps} steps")
