@@ -306,7 +306,8 @@ item() {  # item <name>: one queue item
       for w in 1024,8,2,128,4096 512,4,2,128,4096; do
         timeout 200 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 --widths "$w" \
           --markdown "$work/results/family_plan_sweep_cuda_moe_${w%%,*}.md" mixtral olmoe \
-          granitemoe qwen2_moe 2>&1 | grep -aE "ratio|error"
+          granitemoe qwen2_moe qwen3_moe deepseek_v2 deepseek_v3 glm4_moe dots1 2>&1 \
+          | grep -aE "ratio|error"
       done
       ;;
     seed1optim)

@@ -9,7 +9,12 @@ gradients (inside the plan's 16 B/param line). Not counted: parameters and optim
 (exact lines), the GPU's stream and gradient buffers (none on the CPU), the slack. A ratio over
 1 + the lines' error margin is a family whose activations the plan under-counts on the CPU; the
 GPU's kernels can differ (SDPA's CPU math path with a mask makes s x s scores its CUDA kernels
-do not), so it is a lead to check on the GPU, not a GPU measurement.
+do not; so does multi-head latent attention's, whose value width differs from the query's:
+DeepSeek 2.3x here at hidden 256, 0.86x on the H200), so it is a lead to check on the GPU, not
+a GPU measurement. Small steps read a little high besides: the layer's weight gradients, made
+one weight at a time (a down projection's in bf16 at the MLP backward's peak), are in the GPU's
+gradient-buffer line, not counted here (Llama-like families 1.04-1.06x at hidden 256, 2,048
+tokens; 0.93-0.96x on the H200 with every line).
 
     python3 dev/family_plan_sweep.py --tokens 4096 [--widths 256,4,2,64,1024] [--markdown FILE] \
         [model_type ...]

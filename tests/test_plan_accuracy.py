@@ -251,18 +251,30 @@ def family_config(
 ):  # fmt: skip
     """``model_type``'s tiny config with ``layers`` layers at these widths (standard names: each
     config maps its own; families whose head_dim is hidden / heads take ``heads`` at that
-    width), its window, if any, past the sequences (the window's s x s terms are lines of their
-    own) unless ``keep_window``."""
+    width; multi-head latent attention takes ``head_dim`` for its no-RoPE and value parts and half
+    of it for the RoPE part; MoE experts take ``inter`` too), its window, if any, past the
+    sequences (the window's s x s terms are lines of their own) unless ``keep_window``."""
     from tests.helpers import tiny_config  # noqa: PLC0415
 
     cfg = tiny_config(model_type, num_hidden_layers=layers, max_position_embeddings=positions)
     cfg.hidden_size, cfg.num_attention_heads = h, heads
-    if hasattr(cfg, "num_key_value_heads"):
-        cfg.num_key_value_heads = kv_heads
-    if "head_dim" in cfg.to_dict():
-        cfg.head_dim = head_dim
-    for name in ("intermediate_size", "n_inner", "ffn_hidden_size"):
-        if name in cfg.to_dict():
+    fields = cfg.to_dict()
+    if "qk_rope_head_dim" in fields:  # multi-head latent attention (DeepSeek's proportions)
+        cfg.num_key_value_heads = heads
+        cfg.qk_nope_head_dim = cfg.v_head_dim = head_dim
+        cfg.qk_rope_head_dim = cfg.head_dim = head_dim // 2
+        cfg.kv_lora_rank = 4 * head_dim
+        if cfg.q_lora_rank:
+            cfg.q_lora_rank = 3 * h // 4
+    else:
+        if hasattr(cfg, "num_key_value_heads"):
+            cfg.num_key_value_heads = kv_heads
+        if "head_dim" in fields:
+            cfg.head_dim = head_dim
+    # The MLP width, and a MoE family's expert width where it has its own (its dense layers
+    # take the MLP width too).
+    for name in ("intermediate_size", "n_inner", "ffn_hidden_size", "moe_intermediate_size"):
+        if name in fields:
             setattr(cfg, name, inter)
     if getattr(cfg, "sliding_window", None) and not keep_window:
         cfg.sliding_window = positions
