@@ -62,10 +62,11 @@ def measure_kept(model_type: str, widths) -> dict:
     }  # fmt: skip
 
 
-def measure(model_type: str, widths) -> dict:
-    """Per-token growth of the middle layer's backward, the plan's line and its family term."""
+def measure(model_type: str, widths, kernels: str = "torch") -> dict:
+    """Per-token growth of the middle layer's backward, the plan's line and its family term,
+    under ``kernels`` (PyTorch's or the compiled ones)."""
     cfg = family_config(model_type, *widths)
-    grown = {t: recomputed_layer_growth(cfg, "torch", t, keep_outputs=False) for t in (512, 1024)}
+    grown = {t: recomputed_layer_growth(cfg, kernels, t, keep_outputs=False) for t in (512, 1024)}
     shape = grown[1024][1]
     lines = {
         t: _working_set_line(shape, t, 0, keeps_attention_output=False, shared_casts=True)
@@ -100,12 +101,16 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="only planned / measured, no fit")
     p.add_argument("--widths", action="append", default=[], help="h,heads,kv_heads,head_dim,i")
     p.add_argument("--kept", action="store_true", help="a kept layer's saves, not the working set")
+    p.add_argument("--kernels", choices=("torch", "compiled"), default="torch")
     a = p.parse_args()
     widths = [tuple(int(v) for v in w.split(",")) for w in a.widths]
     widths = widths or (WIDTHS + HELD_OUT if a.kept else WIDTHS)
     torch._dynamo.config.recompile_limit = 256
     for model_type in a.model_types:
-        rows = [(measure_kept if a.kept else measure)(model_type, w) for w in widths]
+        if a.kept:
+            rows = [measure_kept(model_type, w) for w in widths]
+        else:
+            rows = [measure(model_type, w, a.kernels) for w in widths]
         if not a.check:
             if a.kept:  # saved bytes are linear in the widths: fit on the six, bound all
                 coef, const = fit(rows[: len(WIDTHS)], rows)

@@ -382,11 +382,17 @@ def _working_set_line(
             if shape.gemma_norms
             else GATED_MLP_PEAK_BYTES_PER_TOKEN_INTER
         )
-    routed, shared = 0, shape.shared_expert_size
+    routed, shared, wide_experts = 0, shape.shared_expert_size, False
     if k:  # routed experts: their whole MLP (8i), per chosen expert, the shared expert
         mlp_i = MOE_BYTES_PER_TOKEN_INTER
         slot_h = MOE_BYTES_PER_SLOT_HIDDEN
         slot_h += MOE_FP32_ROUTING_BYTES_PER_SLOT_HIDDEN if shape.fp32_routing_weights else 0
+        # Wide experts: the larger candidate is the expert MLP backward's peak (the same
+        # attention side and norms in both).
+        wide_h, wide_i = MOE_WIDE_BYTES_PER_SLOT_HIDDEN, MOE_WIDE_BYTES_PER_TOKEN_INTER
+        wide_experts = k * wide_h * h + wide_i * inter > k * slot_h * h + mlp_i * inter
+        if wide_experts:
+            slot_h, mlp_i = wide_h, wide_i
         routed = k * (slot_h * h + MOE_BYTES_PER_SLOT)
         if shared:
             routed += MOE_SHARED_BYTES_PER_INTER * shared + MOE_SHARED_BYTES_PER_HIDDEN * h
@@ -423,6 +429,7 @@ def _working_set_line(
     if routed:
         kind = MOE_WORKING_SET_KIND if shape.moe_working_set_audited else kind
         what += f", {k} routed experts per token"
+        what += ", peak in the wide experts' MLP backward" if wide_experts else ""
         label += f" + {k} x ({slot_h}h + {MOE_BYTES_PER_SLOT})"
         if shared:
             label += f" + {MOE_SHARED_BYTES_PER_INTER} x {shared} + {MOE_SHARED_BYTES_PER_HIDDEN}h (shared)"
@@ -447,13 +454,6 @@ def _working_set_line(
         label += f" + {shape.rope_saved_bytes_per_token} of the RoPE's own cos/sin copies"
     nbytes = t * (per + norms + routed) + mlp_t * mlp_i * inter
     mlp = f" + tile x {mlp_i}i"
-    if routed:
-        wide = routed - k * (slot_h - MOE_WIDE_BYTES_PER_SLOT_HIDDEN) * h
-        wide_nbytes = t * (per + norms + wide) + t * MOE_WIDE_BYTES_PER_TOKEN_INTER * inter
-        if wide_nbytes > nbytes:
-            what += ", peak in the wide experts' MLP backward"
-            nbytes, mlp = wide_nbytes, f" + {MOE_WIDE_BYTES_PER_TOKEN_INTER}i"
-            label = label.replace(f"{k} x ({slot_h}h", f"{k} x ({MOE_WIDE_BYTES_PER_SLOT_HIDDEN}h")
     if shape.qk_norm:
         peak = QK_NORM_PEAK_BYTES_PER_TOKEN_HIDDEN * h + QK_NORM_PEAK_BYTES_PER_TOKEN_QUERY * q
         peak += 4 * kv if shape.gemma_norms else 0
