@@ -1,5 +1,5 @@
-"""Norm weights (residual-stream and per-head q/k norms) run at their fp32 master values with
-fp32 gradients in bf16 runs (hf/model.py ``_norm_weights``, ``StreamingEngine.bind_exact``), as
+"""Norm weights (residual-stream and per-head q/k norms) and the other parameters autocast never
+casts run at their fp32 master values with fp32 gradients in bf16 runs (hf/model.py ``_exact_params``, ``StreamingEngine.bind_exact``), as
 the stock Trainer runs them: autocast casts matmul weights to bf16, never a norm's weight."""
 
 from __future__ import annotations
@@ -88,3 +88,80 @@ def test_plan_knows_which_qk_norms_return_fp32():
     model = tiny_model(tiny_config("olmo2"))
     model.model.layers[0].self_attn.q_norm = OddRMSNorm()
     assert model_shape(model).qk_norm_fp32_output
+
+
+def _one_bf16_step_gradients(arch: str) -> tuple[dict, dict]:
+    """One bf16 backward (CPU autocast) of stock and of the streamed model over the same batch:
+    every parameter's gradient, by name."""
+    from hf_megatrain import prepare_streamed_model
+    from hf_megatrain.hf.model import streamed_gradients
+    from hf_megatrain.hf.trainer import StreamedModelWrapper
+
+    from .helpers import make_data
+
+    stock = tiny_model(tiny_config(arch))
+    ids = torch.stack([r["input_ids"] for r in make_data(4)])
+    items = int(ids[:, 1:].numel())
+    model = copy.deepcopy(stock).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids, num_items_in_batch=items, use_cache=False).loss.backward()
+    reference = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    streamed = prepare_streamed_model(copy.deepcopy(stock), "cpu", torch.bfloat16)
+    wrapper = StreamedModelWrapper(streamed.train(), torch.bfloat16, "cpu")
+    wrapper(input_ids=ids, labels=ids, num_items_in_batch=items).loss.backward()
+    return reference, streamed_gradients(streamed)
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "llama",
+        "qwen3",
+        "gemma2",
+        "phi3",
+        "cohere",
+        "olmo2",
+        "apertus",
+        "falcon",
+        "gptj",
+        "stablelm",
+    ],
+)
+def test_bf16_gradients_are_stock_autocasts_bit_for_bit(arch):
+    """One bf16 step of dense families on the CPU: every streamed gradient equals stock
+    autocast's bit for bit (the casts, bound parameters, fused loss and shared input casts all
+    round where autocast does; stock's own 2 x 4 batching is ~3e-3 relative away). Apertus's
+    xIELU alphas, bound as the bf16 copy, made its activation bf16 where stock's is fp32 and
+    every gradient differed."""
+    reference, streamed = _one_bf16_step_gradients(arch)
+    assert set(streamed) == set(reference)
+    differ = [n for n in reference if not torch.equal(streamed[n], reference[n])]
+    assert not differ, differ[:5]
+
+
+def test_vector_parameters_outside_matmuls_are_bound_in_fp32():
+    """Not only norms: every vector or scalar parameter that no autocast op casts (xIELU's
+    alphas, gpt-oss's attention sinks and router bias) computes at its fp32 value in a bf16
+    streamed forward, while matmul weights run as the bf16 copy."""
+    from hf_megatrain import prepare_streamed_model
+
+    from .helpers import make_data
+
+    ids = torch.stack([r["input_ids"] for r in make_data(2)])
+    for arch, module_of, names in [
+        ("apertus", lambda layer: layer.mlp.act_fn, ("alpha_p", "alpha_n")),
+        ("gpt_oss", lambda layer: layer.self_attn, ("sinks",)),
+        ("gpt_oss", lambda layer: layer.mlp.router, ("bias",)),
+    ]:
+        model = prepare_streamed_model(tiny_model(tiny_config(arch)), "cpu", torch.bfloat16)
+        seen: dict[str, torch.dtype] = {}
+
+        def record(module, args, names=names, seen=seen, layer=model.model.layers[0]):
+            seen.update({n: getattr(module, n).dtype for n in names})
+            seen["q_proj"] = layer.self_attn.q_proj.weight.dtype
+
+        module_of(model.model.layers[0]).register_forward_pre_hook(record)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+        assert all(seen[n] == torch.float32 for n in names), (arch, seen)
+        assert seen["q_proj"] == torch.bfloat16, (arch, seen)

@@ -451,30 +451,41 @@ def _shared_expert_size(config) -> int:
     return int(n) * int(getattr(config, "moe_intermediate_size", 0) or 0)
 
 
-def _norm_weights(layer: nn.Module, streamed: set[str]) -> list[str]:
-    """The layer's norm parameters (RMSNorm / LayerNorm weights and biases, residual-stream and
-    per-head q/k norms alike, the family's own class or a fused kernel's: Liger's, the compiled
-    forwards), to be bound at their fp32 master values (``StreamingEngine.bind_exact``): the
-    stock Trainer's autocast casts matmul weights to bf16, never a norm's, so a weight of
-    1 + 1e-3 computes as that and its gradient comes back in fp32. (Bound as the bf16 copy, bf16
-    Gemma-2 drifted to 3x stock's own spread over 150 steps.) Where a norm of bf16 activations
-    returns ``weight * x`` (Llama-style per-head q/k norms: Qwen3), its output is then fp32 as in
-    stock; the planner counts those bytes (``activation_memory``, exact q/k norms)."""
+#: Modules whose parameters autocast casts to the compute dtype (matmul and convolution weights
+#: and biases): every other parameter, stock computes with at its fp32 value.
+_AUTOCAST_CAST_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
+
+
+def _exact_params(layer: nn.Module, streamed: set[str]) -> list[str]:
+    """The layer's parameters to bind at their fp32 master values
+    (``StreamingEngine.bind_exact``), as the stock Trainer's autocast uses them: the norms'
+    (RMSNorm / LayerNorm weights and biases, residual-stream and per-head q/k norms alike, the
+    family's own class or a fused kernel's: Liger's, the compiled forwards) and every other
+    vector or scalar parameter outside a matmul or convolution module (xIELU's alphas, gpt-oss's
+    attention sinks and router bias, Qwen3-Next's decay parameters). Autocast casts matmul
+    weights to bf16, never these, so a weight of 1 + 1e-3 computes as that and its gradient
+    comes back in fp32; one an autocast op does consume is cast from the fp32 value to the same
+    bf16 as the stream copy. (Bound as the bf16 copy, bf16 Gemma-2 drifted to 3x stock's own
+    spread over 150 steps; Apertus's xIELU ran in bf16 where stock's runs in fp32.) Where a norm
+    of bf16 activations returns ``weight * x`` (Llama-style per-head q/k norms: Qwen3), its
+    output is then fp32 as in stock; the planner counts those bytes (``activation_memory``,
+    exact q/k norms)."""
     names = []
     for mod_name, module in layer.named_modules():
         cls = type(module).__name__
-        if not ("RMSNorm" in cls or "LayerNorm" in cls):  # (Nemotron's LayerNorm1P too)
-            continue
-        for attr in ("weight", "bias"):
-            p = getattr(module, attr, None)
+        norm = "RMSNorm" in cls or "LayerNorm" in cls  # (Nemotron's LayerNorm1P too)
+        cast = isinstance(module, _AUTOCAST_CAST_MODULES)
+        for attr, p in module.named_parameters(recurse=False):
             name = f"{mod_name}.{attr}" if mod_name else attr
-            if isinstance(p, nn.Parameter) and p.dtype.is_floating_point and name in streamed:
+            if not (p.dtype.is_floating_point and name in streamed):
+                continue
+            if (norm and attr in ("weight", "bias")) or (not cast and p.dim() <= 1):
                 names.append(name)
     return names
 
 
 def _widens_to_fp32(attention: nn.Module | None) -> bool:
-    """Whether the attention's q norm, its weight bound in fp32 (``_norm_weights``), returns
+    """Whether the attention's q norm, its weight bound in fp32 (``_exact_params``), returns
     fp32 for a bf16 input: probed with the family's own forward (the compiled kernels restate
     it) on a small stand-in. Liger's kernel writes its input's dtype (and runs only on CUDA). A
     forward the stand-in cannot run is taken to widen: the plan then errs high, not low."""
@@ -670,7 +681,7 @@ def prepare_streamed_model(
             capture=capture,
             trainable=layouts[i].trainable and bool(streamed[i]),
             resident=layer_resident,
-            fp32_params=_norm_weights(layer, streamed[i]),
+            fp32_params=_exact_params(layer, streamed[i]),
         )
     resident = list(_named_resident(model, decay_names if decay_names is not None else set()))
     model._megatrain = StreamedModelState(
@@ -780,7 +791,7 @@ def prepare_frozen_streamed_model(
             layer,
             capture=capture,
             trainable=False,
-            fp32_params=_norm_weights(layer, streamed[i]),
+            fp32_params=_exact_params(layer, streamed[i]),
         )
     model._megatrain = StreamedModelState(
         engine=engine,
