@@ -1,6 +1,7 @@
 """Norm weights (residual-stream and per-head q/k norms) and the other parameters autocast never
-casts run at their fp32 master values with fp32 gradients in bf16 runs (hf/model.py ``_exact_params``, ``StreamingEngine.bind_exact``), as
-the stock Trainer runs them: autocast casts matmul weights to bf16, never a norm's weight."""
+casts run at their fp32 master values with fp32 gradients in bf16 runs (hf/model.py
+``_exact_params``, ``StreamingEngine.bind_exact``), as the stock Trainer runs them: autocast
+casts matmul weights to bf16, never a norm's weight."""
 
 from __future__ import annotations
 
