@@ -28,11 +28,14 @@ names where it rounds differently.
     python3 dev/grad_band_probe.py --family llama --size small --seq-len 512 --seed 1 \\
         --at-steps 0,64 --batches 4 --sdpa-backend math --variant nofl:fused_loss=false
     python3 dev/grad_band_probe.py --family llama --tiny --seq-len 32 --batch 4 --fp32 --batches 1
+    python3 dev/grad_band_probe.py --direct --size small --seq-len 256 --batch 4 --seed 1 \\
+        --batches 2 --variant nofl:fused_loss=false   # CPU bf16 (autocast), no Trainer
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -55,7 +58,10 @@ from benchmarks.loss_curves import (  # noqa: E402
     parse_variant,
     sdpa_backend,
 )
-from hf_megatrain.hf.model import streamed_gradients  # noqa: E402
+from hf_megatrain import prepare_streamed_model  # noqa: E402
+from hf_megatrain.hf.model import streamed_gradients, streamed_state  # noqa: E402
+from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: E402
+from hf_megatrain.option_flags import options_from_mapping  # noqa: E402
 
 REFERENCE = "fp32"
 GROUPS = ("embed", "attn", "mlp", "norm", "head")
@@ -131,6 +137,37 @@ def step_gradients(spec: RunSpec, model, batch_rows, *, bf16: bool, cpu: bool, o
     return grads.grads
 
 
+def direct_gradients(spec: RunSpec, model, batch_rows, *, bf16: bool) -> dict[str, torch.Tensor]:
+    """``step_gradients`` without a Trainer, on the CPU (``--direct``; HFMegaTrainer refuses bf16
+    there): stock's forward and backward under CPU autocast, the accumulation twins' k slices
+    scaled by the batch's token count as the Trainer's ``num_items_in_batch``; a streamed run
+    through ``prepare_streamed_model`` and the Trainer's own wrapper (its fused loss)."""
+    ids = torch.stack([r["input_ids"] for r in batch_rows])
+    labels = torch.stack([r["labels"] for r in batch_rows])
+    items = int((labels[:, 1:] != -100).sum())
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if spec.streamed:
+        fields = {"resident_layers": "0", "attention": "model", **dict(spec.options)}
+        options = options_from_mapping(fields)
+        streamed = prepare_streamed_model(copy.deepcopy(model), "cpu", dtype, options)
+        run = streamed_state(streamed).options
+        wrapper = StreamedModelWrapper(streamed.train(), dtype, "cpu", fused_loss=run.fused_loss)
+        wrapper(input_ids=ids, labels=labels, num_items_in_batch=items).loss.backward()
+        return streamed_gradients(streamed)
+    stock = copy.deepcopy(model).train()
+    rows = len(batch_rows) // spec.accum
+    for k in range(spec.accum):
+        part = slice(k * rows, (k + 1) * rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = stock(input_ids=ids[part], labels=labels[part], num_items_in_batch=items)
+        out.loss.backward()
+    return {
+        n: p.grad.detach().float().clone()
+        for n, p in stock.named_parameters()
+        if p.grad is not None
+    }
+
+
 def _norm(tensors) -> float:
     return float(sum(float(t.double().square().sum()) for t in tensors) ** 0.5)
 
@@ -189,6 +226,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--band-accums", default="2,4")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp32", action="store_true", help="every run in fp32 (CPU plumbing check)")
+    p.add_argument("--direct", action="store_true", help="CPU: gradients without a Trainer")
     p.add_argument("--sdpa-backend", choices=SDPA_BACKENDS)
     p.add_argument("--variant", action="append", default=[], help="NAME:field=value,...")
     p.add_argument("--out", default="outputs/grad_band_probe")
@@ -199,8 +237,10 @@ def main(argv=None) -> dict:
     a = parse_args(argv)
     cpu = not torch.cuda.is_available()
     bf16 = not a.fp32
-    if bf16 and cpu:
-        raise SystemExit("grad_band_probe.py: bf16 needs a GPU (or pass --fp32)")
+    if bf16 and cpu and not a.direct:
+        raise SystemExit("grad_band_probe.py: bf16 on a CPU needs --direct (or pass --fp32)")
+    if a.direct and not cpu:
+        raise SystemExit("grad_band_probe.py: --direct is the CPU's path")
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is fp32 arithmetic
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -226,10 +266,17 @@ def main(argv=None) -> dict:
             per_batch = []
             for b in range(a.batches):
                 batch_rows = rows[b * a.batch : (b + 1) * a.batch]
-                grads = {REFERENCE: step_gradients(RunSpec(REFERENCE, False, a.batch), weights,
-                                                   batch_rows, bf16=False, **kw)}  # fmt: skip
-                for spec in runs:
-                    grads[spec.name] = step_gradients(spec, weights, batch_rows, bf16=bf16, **kw)
+                ref = RunSpec(REFERENCE, False, a.batch)
+                if a.direct:
+                    grads = {REFERENCE: direct_gradients(ref, weights, batch_rows, bf16=False)}
+                    for spec in runs:
+                        grads[spec.name] = direct_gradients(spec, weights, batch_rows, bf16=bf16)
+                else:
+                    grads = {REFERENCE: step_gradients(ref, weights, batch_rows, bf16=False, **kw)}
+                    for spec in runs:
+                        grads[spec.name] = step_gradients(
+                            spec, weights, batch_rows, bf16=bf16, **kw
+                        )
                 per_batch.append(compare(grads))
             result[step] = mean_rows(per_batch)
             print(f"step {step} ({a.batches} batches of {a.batch} x {a.seq_len}): "
