@@ -299,6 +299,7 @@ item() {  # item <name>: one queue item
       timeout 540 python3 dev/grad_band_probe.py --family llama --size small --seq-len 512 \
         --seed 1 --at-steps ${GRADPROBE_STEPS:-0,64} --batches ${GRADPROBE_BATCHES:-2} --band-accums 2,4,8 --sdpa-backend math \
         --variant nofl:fused_loss=false --variant torchk:layer_kernels=torch \
+        --variant plain:layer_kernels=torch,fused_loss_kernel=false \
         --variant hbm:resident_layers=6 --out "$work/results/gradprobe" 2>&1 \
         | grep -aE "^step|^  |wrote|Error" | grep -v "^  device updates"
       ;;
