@@ -296,6 +296,22 @@ def test_wide_experts_peak_in_their_mlp_backward_is_planned(model_type):
     assert r["measured"] > 0.9 * r["planned"]  # and not by planning far too much
 
 
+@pytest.mark.parametrize("model_type", ["glm4_moe", "qwen3_moe"])
+def test_an_moe_models_dense_layers_are_planned(model_type):
+    """An MoE model whose dense layers (GLM-4-MoE's first, Qwen3-MoE's ``mlp_only_layers``) have
+    an MLP far wider than its experts peaks in those layers' backward: planned as a gated MLP's
+    of that width, the larger of the two lines (the step was 1.29x and 1.21x its plan plus
+    margin with the routed line alone)."""
+    cfg = family_config(model_type, 256, 4, 2, 64, 2048, keep_window=True, positions=8192)
+    cfg.moe_intermediate_size = 64
+    if model_type == "qwen3_moe":
+        cfg.mlp_only_layers = [0]
+    r = step_vs_plan(cfg, 2048, "sdpa")
+    assert r["shape"].dense_mlp_size == 2048
+    assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
+    assert r["measured"] > 0.85 * r["planned"]
+
+
 @pytest.mark.parametrize("model_type", sorted(FITTED_WORKING_SET_RESIDUALS))
 def test_fitted_families_working_set_holds_at_other_widths(model_type):
     """Dense families whose layers hold more than the shared working-set line (OLMo 2 and 3,

@@ -15,6 +15,7 @@ options that shape activations (:class:`~hf_megatrain.core.options.ResolvedOptio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -483,11 +484,24 @@ def _working_set_line(
                 f"{ATTN_BACKWARD_BYTES_PER_TOKEN_HIDDEN}h + {ATTN_BACKWARD_BYTES_PER_TOKEN_QUERY}q"
                 f" + {ATTN_BACKWARD_BYTES_PER_TOKEN_KV}kv"
             )
-    return estimate_line(
+    line = estimate_line(
         f"one layer's backward working set (estimate, {what}: tokens x ({label}){mlp} B)",
         nbytes,
         kind,
     )
+    if k and shape.dense_mlp_size:
+        # An MoE model's dense layers run a gated MLP of their own width, whose backward peaks
+        # as the audited dense families' does: the larger layer.
+        dense = dataclasses.replace(
+            shape, experts_per_token=0, intermediate_size=shape.dense_mlp_size,
+            shared_expert_size=0, dense_mlp_size=0, peak_working_set_audited=True,
+        )  # fmt: skip
+        dense_line = _working_set_line(
+            dense, t, tile, every_layer_recomputed, keeps_attention_output, shared_casts
+        )
+        if dense_line.nbytes > line.nbytes:
+            return dataclasses.replace(dense_line, name=f"{dense_line.name} (the dense layers)")
+    return line
 
 
 def tiled_weight_grad_line(shape: ModelShape, dtype: torch.dtype) -> MemoryLine:

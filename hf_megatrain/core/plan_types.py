@@ -140,6 +140,9 @@ class ModelShape:
     fp32_routing_weights: bool = False
     # MLP width of the shared expert(s) every token runs besides the routed ones (0: none).
     shared_expert_size: int = 0
+    # In an MoE model, the MLP width of its dense layers (DeepSeek's and GLM-4-MoE's first
+    # layers, Qwen-MoE's ``mlp_only_layers``); 0 where every layer routes.
+    dense_mlp_size: int = 0
     router_aux_one_hot: bool = True
 
     @property

@@ -258,6 +258,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         moe_working_set_audited=cfg.model_type in MOE_WORKING_SET_AUDITED_MODEL_TYPES,
         fp32_routing_weights=cfg.model_type in MOE_FP32_ROUTING_MODEL_TYPES,
         shared_expert_size=_shared_expert_size(text_cfg) if experts else 0,
+        dense_mlp_size=_dense_mlp_size(layers, text_cfg) if experts else 0,
         kept_bytes_audited=kept_bytes_audited(cfg.model_type, fused or compiled_norms),
         extra_kept_bytes_per_token=fitted_bytes(
             FITTED_KEPT_RESIDUALS.get(cfg.model_type),
@@ -347,13 +348,24 @@ def _q_norm(attention: nn.Module | None) -> nn.Module | None:
     return None
 
 
+def _has_experts(layer: nn.Module) -> bool:
+    return any(name.rsplit(".", 1)[-1] == "experts" for name, _ in layer.named_modules())
+
+
+def _dense_mlp_size(layers: list[nn.Module], config) -> int:
+    """In an MoE model, the widest MLP of its layers without routed experts (their gate/up
+    projection, else the config's ``intermediate_size``); 0 where every layer routes."""
+    dense = [layer for layer in layers if not _has_experts(layer)]
+    if not dense or len(dense) == len(layers):  # (none found routing: not told apart)
+        return 0
+    widths = [_mlp_width(layer) for layer in dense]
+    return max(widths) or int(getattr(config, "intermediate_size", 0) or 0)
+
+
 def _router_layers(layers: list[nn.Module]) -> int:
     """Decoder layers with routed experts (each records router logits for the aux loss; Qwen2-
     and Qwen3-MoE can have dense ones); all of them where none is found (an upper bound)."""
-    n = sum(
-        any(name.rsplit(".", 1)[-1] == "experts" for name, _ in layer.named_modules())
-        for layer in layers
-    )
+    n = sum(_has_experts(layer) for layer in layers)
     return n or len(layers)
 
 
