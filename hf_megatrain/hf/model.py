@@ -464,8 +464,9 @@ def _shared_expert_size(config) -> int:
 
 
 #: Modules whose parameters autocast casts to the compute dtype (matmul and convolution weights
-#: and biases): every other parameter, stock computes with at its fp32 value.
-_AUTOCAST_CAST_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
+#: and biases): a vector or scalar parameter of any other module, stock computes with at its
+#: fp32 value.
+_AUTOCAST_CAST_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
 
 def _exact_params(layer: nn.Module, streamed: set[str]) -> list[str]:
