@@ -10,7 +10,20 @@ import copy
 import pytest
 import torch
 
-from .helpers import mega_params, run_trainer, stock_params, tiny_config, tiny_model
+from .helpers import (
+    ARCHS,
+    AUX_FREE_MOE_ARCHS,
+    MOE_ARCHS,
+    mega_params,
+    run_trainer,
+    stock_params,
+    tiny_config,
+    tiny_model,
+)
+
+#: Families without routed experts (transformers' grouped experts are not on autocast's list:
+#: stock runs them in fp32, the streamed run with the bf16 copy, by design: docs/design.md).
+DENSE_ARCHS = [a for a in ARCHS if a not in MOE_ARCHS and a not in AUX_FREE_MOE_ARCHS]
 
 
 def _train(tmp_path, model, mega: bool, bound: list | None = None):
@@ -114,23 +127,9 @@ def _one_bf16_step_gradients(arch: str, layers: int = 2, **options) -> tuple[dic
     return reference, streamed_gradients(streamed)
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [
-        "llama",
-        "qwen3",
-        "gemma2",
-        "phi3",
-        "cohere",
-        "olmo2",
-        "apertus",
-        "falcon",
-        "gptj",
-        "stablelm",
-    ],
-)
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
 def test_bf16_gradients_are_stock_autocasts_bit_for_bit(arch):
-    """One bf16 step of dense families on the CPU: every streamed gradient equals stock
+    """One bf16 step of every dense family on the CPU: every streamed gradient equals stock
     autocast's bit for bit (the casts, bound parameters, fused loss and shared input casts all
     round where autocast does; stock's own 2 x 4 batching is ~3e-3 relative away). Apertus's
     xIELU alphas, bound as the bf16 copy, made its activation bf16 where stock's is fp32 and
