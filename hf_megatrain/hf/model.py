@@ -575,8 +575,9 @@ def streamed_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient from the backward passes since the last optimizer step, by
     its name in the model, as fp32 host tensors: the decoder layers' from their host stores
     (compact bf16 slots widened with their fp32 parts), the resident parameters' from
-    ``.grad``. Layers that got no gradient are left out. For checks and probes: read it before
-    the optimizer step consumes the gradients."""
+    ``.grad``. Layers that got no gradient are left out. For checks and probes: read it after
+    the step's last backward (it finishes the device-to-host copies, as the optimizer step
+    does first) and before the optimizer step consumes the gradients."""
     state = streamed_state(model)
     if state is None:
         raise ValueError("hf_megatrain: not a streamed model (see prepare_streamed_model)")
