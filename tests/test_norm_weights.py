@@ -106,7 +106,7 @@ def test_plan_knows_which_qk_norms_return_fp32():
 
 def _one_bf16_step_gradients(arch: str, layers: int = 2, **options) -> tuple[dict, dict]:
     """One bf16 backward (CPU autocast) of stock and of the streamed model (engine ``options``)
-    over the same batch: every parameter's gradient, by name."""
+    over the same batch: every parameter's gradient, by name, and the loss (key ``"loss"``)."""
     from hf_megatrain import prepare_streamed_model
     from hf_megatrain.hf.model import streamed_gradients, streamed_state
     from hf_megatrain.hf.trainer import StreamedModelWrapper
@@ -118,22 +118,26 @@ def _one_bf16_step_gradients(arch: str, layers: int = 2, **options) -> tuple[dic
     items = int(ids[:, 1:].numel())
     model = copy.deepcopy(stock).train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(input_ids=ids, labels=ids, num_items_in_batch=items, use_cache=False).loss.backward()
+        loss = model(input_ids=ids, labels=ids, num_items_in_batch=items, use_cache=False).loss
+    loss.backward()
     reference = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    reference["loss"] = loss.detach().float()
     streamed = prepare_streamed_model(copy.deepcopy(stock), "cpu", torch.bfloat16, **options)
     streamed_state(streamed).engine.offload_min_numel = 1  # tiny shapes: offload every input
     wrapper = StreamedModelWrapper(streamed.train(), torch.bfloat16, "cpu")
-    wrapper(input_ids=ids, labels=ids, num_items_in_batch=items).loss.backward()
-    return reference, streamed_gradients(streamed)
+    streamed_loss = wrapper(input_ids=ids, labels=ids, num_items_in_batch=items).loss
+    streamed_loss.backward()
+    return reference, {**streamed_gradients(streamed), "loss": streamed_loss.detach().float()}
 
 
 @pytest.mark.parametrize("arch", DENSE_ARCHS)
 def test_bf16_gradients_are_stock_autocasts_bit_for_bit(arch):
-    """One bf16 step of every dense family on the CPU: every streamed gradient equals stock
-    autocast's bit for bit (the casts, bound parameters, fused loss and shared input casts all
-    round where autocast does; stock's own 2 x 4 batching is ~3e-3 relative away). Apertus's
+    """One bf16 step of every dense family on the CPU: the loss and every streamed gradient equal
+    stock autocast's bit for bit (the casts, bound parameters, fused loss and shared input casts
+    all round where autocast does; stock's own 2 x 4 batching is ~3e-3 relative away). Apertus's
     xIELU alphas, bound as the bf16 copy, made its activation bf16 where stock's is fp32 and
-    every gradient differed."""
+    every gradient differed; the fused loss summed its tokens in another order than stock's
+    (the loss an ulp off in 11 families)."""
     reference, streamed = _one_bf16_step_gradients(arch)
     assert set(streamed) == set(reference)
     differ = [n for n in reference if not torch.equal(streamed[n], reference[n])]
@@ -200,8 +204,10 @@ def test_bf16_training_is_stock_bit_for_bit_while_clipping_does_not_bind(tmp_pat
     parameters ~6e-8 relative (test_bf16_streamed_trains_like_stock_autocast)."""
     model = tiny_model(tiny_config(arch))
     kw = dict(max_steps=6, bf16=True, learning_rate=1e-3, max_grad_norm=1e9)
-    _, stock = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, **kw)
-    _, mega = run_trainer(copy.deepcopy(model), tmp_path, "mega", mega=True, **kw)
+    stock_logs, stock = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, **kw)
+    mega_logs, mega = run_trainer(copy.deepcopy(model), tmp_path, "mega", mega=True, **kw)
+    # The logged losses too: the fused loss sums its tokens with the stock loss's reduction.
+    assert [r["loss"] for r in mega_logs] == [r["loss"] for r in stock_logs]
     reference, streamed = stock_params(stock.model), mega_params(mega)
     assert set(streamed) == set(reference)
     differ = [n for n in reference if not torch.equal(streamed[n].float(), reference[n].float())]

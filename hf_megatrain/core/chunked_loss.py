@@ -190,9 +190,12 @@ def logit_gradient(
     # bf16 input is cast to an fp32 copy first: 4 B per logit while it runs).
     logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     del logits
-    valid = targets != IGNORE_INDEX
-    safe = torch.where(valid, targets, 0)
-    picked = torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
+    # The stock loss's own reduction (cross_entropy's nll_loss, summed), so that one chunk's
+    # loss is stock's to the bit, not a sum in another order.
+    picked = -torch.nn.functional.nll_loss(
+        logp, targets, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    safe = torch.where(targets != IGNORE_INDEX, targets, 0)
     if not write_grad:
         return picked, None
     # d(sum of token losses)/d logits = softmax - onehot, in place.
