@@ -35,7 +35,6 @@ names where it rounds differently.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import sys
@@ -58,10 +57,9 @@ from benchmarks.loss_curves import (  # noqa: E402
     parse_variant,
     sdpa_backend,
 )
-from hf_megatrain import prepare_streamed_model  # noqa: E402
-from hf_megatrain.hf.model import streamed_gradients, streamed_state  # noqa: E402
-from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: E402
+from hf_megatrain.hf.model import streamed_gradients  # noqa: E402
 from hf_megatrain.option_flags import options_from_mapping  # noqa: E402
+from tests.helpers import one_step_gradients  # noqa: E402
 
 REFERENCE = "fp32"
 GROUPS = ("embed", "attn", "mlp", "norm", "head")
@@ -139,33 +137,15 @@ def step_gradients(spec: RunSpec, model, batch_rows, *, bf16: bool, cpu: bool, o
 
 def direct_gradients(spec: RunSpec, model, batch_rows, *, bf16: bool) -> dict[str, torch.Tensor]:
     """``step_gradients`` without a Trainer, on the CPU (``--direct``; HFMegaTrainer refuses bf16
-    there): stock's forward and backward under CPU autocast, the accumulation twins' k slices
-    scaled by the batch's token count as the Trainer's ``num_items_in_batch``; a streamed run
-    through ``prepare_streamed_model`` and the Trainer's own wrapper (its fused loss)."""
+    there): ``tests/helpers.py::one_step_gradients`` of the batch, stock (the accumulation twins
+    in ``spec.accum`` slices) or streamed with ``spec``'s options (every layer streamed)."""
     ids = torch.stack([r["input_ids"] for r in batch_rows])
     labels = torch.stack([r["labels"] for r in batch_rows])
-    items = int((labels[:, 1:] != -100).sum())
-    dtype = torch.bfloat16 if bf16 else torch.float32
     if spec.streamed:
         fields = {"resident_layers": "0", "attention": "model", **dict(spec.options)}
-        options = options_from_mapping(fields)
-        streamed = prepare_streamed_model(copy.deepcopy(model), "cpu", dtype, options)
-        run = streamed_state(streamed).options
-        wrapper = StreamedModelWrapper(streamed.train(), dtype, "cpu", fused_loss=run.fused_loss)
-        wrapper(input_ids=ids, labels=labels, num_items_in_batch=items).loss.backward()
-        return streamed_gradients(streamed)
-    stock = copy.deepcopy(model).train()
-    rows = len(batch_rows) // spec.accum
-    for k in range(spec.accum):
-        part = slice(k * rows, (k + 1) * rows)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = stock(input_ids=ids[part], labels=labels[part], num_items_in_batch=items)
-        out.loss.backward()
-    return {
-        n: p.grad.detach().float().clone()
-        for n, p in stock.named_parameters()
-        if p.grad is not None
-    }
+        options_from_mapping(fields)  # unknown fields and bad values fail here
+        return one_step_gradients(model, ids, labels, bf16=bf16, streamed=fields)[1]
+    return one_step_gradients(model, ids, labels, bf16=bf16, accum=spec.accum)[1]
 
 
 def _norm(tensors) -> float:

@@ -716,3 +716,43 @@ class AllocationTimeline:
         inside = [total for t, total in self._events if t0 <= t < t1]
         base = before[-1] if before else 0
         return max([base, *inside]) - base
+
+
+def one_step_gradients(
+    model, ids: torch.Tensor, labels: torch.Tensor, *, bf16: bool = True, accum: int = 1,
+    streamed: dict | None = None, offload_min_numel: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """One step's summed loss and every gradient (fp32, by name) of a deep copy of ``model`` on
+    the CPU, under bf16 autocast where ``bf16``: stock over ``accum`` equal slices of the batch,
+    each loss scaled by the batch's token count as the Trainer's ``num_items_in_batch``; or,
+    given ``streamed`` engine options, the streamed model through the Trainer's own wrapper (its
+    fused loss), with ``offload_min_numel`` for tiny shapes."""
+    from hf_megatrain import prepare_streamed_model  # noqa: PLC0415
+    from hf_megatrain.hf.model import streamed_gradients, streamed_state  # noqa: PLC0415
+    from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
+
+    items = int((labels[:, 1:] != -100).sum())
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if streamed is not None:
+        model = prepare_streamed_model(copy.deepcopy(model), "cpu", dtype, **streamed)
+        state = streamed_state(model)
+        if offload_min_numel is not None:
+            state.engine.offload_min_numel = offload_min_numel
+        wrapper = StreamedModelWrapper(
+            model.train(), dtype, "cpu", fused_loss=state.options.fused_loss
+        )
+        loss = wrapper(input_ids=ids, labels=labels, num_items_in_batch=items).loss
+        loss.backward()
+        return loss.detach().float(), streamed_gradients(model)
+    model = copy.deepcopy(model).train()
+    rows, loss = ids.shape[0] // accum, torch.zeros(())
+    for k in range(accum):
+        part = slice(k * rows, (k + 1) * rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(
+                input_ids=ids[part], labels=labels[part], num_items_in_batch=items, use_cache=False
+            )
+        out.loss.backward()
+        loss = loss + out.loss.detach().float()
+    named = model.named_parameters()
+    return loss, {n: p.grad.detach().float().clone() for n, p in named if p.grad is not None}

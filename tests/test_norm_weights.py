@@ -107,27 +107,16 @@ def test_plan_knows_which_qk_norms_return_fp32():
 def _one_bf16_step_gradients(arch: str, layers: int = 2, **options) -> tuple[dict, dict]:
     """One bf16 backward (CPU autocast) of stock and of the streamed model (engine ``options``)
     over the same batch: every parameter's gradient, by name, and the loss (key ``"loss"``)."""
-    from hf_megatrain import prepare_streamed_model
-    from hf_megatrain.hf.model import streamed_gradients, streamed_state
-    from hf_megatrain.hf.trainer import StreamedModelWrapper
-
-    from .helpers import make_data
+    from .helpers import make_data, one_step_gradients
 
     stock = tiny_model(tiny_config(arch, num_hidden_layers=layers))
     ids = torch.stack([r["input_ids"] for r in make_data(4)])
-    items = int(ids[:, 1:].numel())
-    model = copy.deepcopy(stock).train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids, num_items_in_batch=items, use_cache=False).loss
-    loss.backward()
-    reference = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-    reference["loss"] = loss.detach().float()
-    streamed = prepare_streamed_model(copy.deepcopy(stock), "cpu", torch.bfloat16, **options)
-    streamed_state(streamed).engine.offload_min_numel = 1  # tiny shapes: offload every input
-    wrapper = StreamedModelWrapper(streamed.train(), torch.bfloat16, "cpu")
-    streamed_loss = wrapper(input_ids=ids, labels=ids, num_items_in_batch=items).loss
-    streamed_loss.backward()
-    return reference, {**streamed_gradients(streamed), "loss": streamed_loss.detach().float()}
+    loss, reference = one_step_gradients(stock, ids, ids)
+    # (tiny shapes: offload every input)
+    streamed_loss, streamed = one_step_gradients(
+        stock, ids, ids, streamed=options, offload_min_numel=1
+    )
+    return {**reference, "loss": loss}, {**streamed, "loss": streamed_loss}
 
 
 @pytest.mark.parametrize("arch", DENSE_ARCHS)

@@ -136,8 +136,10 @@ def fitted_bytes(row: tuple | None, h: int, q: int, kv: int, i: int) -> int:
 #: xIELU, ReLU-squared or tanh-GELU activations) held on the H200 beyond the CPU-fitted
 #: residual: `dev/family_plan_sweep.py --device cuda --widths 1024,8,2,128,4096 --tokens 16384`
 #: (2026-12-05) measured their whole step 1.41x (Apertus), 1.50x (Arcee), 1.49x (Nemotron) and
-#: 1.64x (Phi) the plan; the excess per token over the MLP width, rounded up. Not traced to its
-#: op (CUDA autocast runs pow, tanh and exp in fp32 where the CPU's does not: a likely cause).
+#: 1.64x (Phi) the plan; the excess per token over the MLP width, rounded up. CUDA autocast runs
+#: pow, tanh, exp, expm1 and softplus in fp32 where the CPU's does not: Apertus's xIELU so ran in
+#: fp32 on the GPU, and since its alphas are bound in fp32 (as stock's) on the CPU too, which
+#: then holds 12 of its 13 (traced for Apertus only).
 CUDA_ACTIVATION_EXTRA_PER_INTER: dict[str, int] = {"apertus": 13, "arcee": 11, "nemotron": 10,
                                                    "phi": 15}  # fmt: skip
 

@@ -229,6 +229,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     # The router aux loss's temporaries: which of transformers' two load-balancing losses the
     # family has (before 5.16 one-hot over every layer's top-k at once, then layer by layer).
     aux = router_aux_loss_on(model)
+    # Which layers route to experts: each records router logits for the aux loss (where none is
+    # found, every layer: an upper bound); the others are dense (Qwen-MoE's, DeepSeek's first).
+    routes = [_has_experts(layer) for layer in layers] if experts or aux else []
     balance = load_balancing_loss_function(model) if aux else None
     one_hot = "one_hot" in getattr(getattr(balance, "__code__", None), "co_names", ())
     causal_lm = unwrap_peft(model)  # (the attributes its forward passes the aux loss)
@@ -250,7 +253,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         tied_embeddings=tied,
         fused_loss=supports_fused_loss(model),
         router_aux_loss=aux,
-        router_layers=_router_layers(layers) if aux else 0,
+        router_layers=(sum(routes) or len(layers)) if aux else 0,
         num_experts=getattr(causal_lm, "num_experts", 0) if aux else 0,
         # Routed experts per token (the working set's; 0 for dense models).
         experts_per_token=experts or 0,
@@ -258,7 +261,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         moe_working_set_audited=cfg.model_type in MOE_WORKING_SET_AUDITED_MODEL_TYPES,
         fp32_routing_weights=cfg.model_type in MOE_FP32_ROUTING_MODEL_TYPES,
         shared_expert_size=_shared_expert_size(text_cfg) if experts else 0,
-        dense_mlp_size=_dense_mlp_size(layers, text_cfg) if experts else 0,
+        dense_mlp_size=_dense_mlp_size(layers, routes, text_cfg) if experts else 0,
         kept_bytes_audited=kept_bytes_audited(cfg.model_type, fused or compiled_norms),
         extra_kept_bytes_per_token=fitted_bytes(
             FITTED_KEPT_RESIDUALS.get(cfg.model_type),
@@ -352,21 +355,15 @@ def _has_experts(layer: nn.Module) -> bool:
     return any(name.rsplit(".", 1)[-1] == "experts" for name, _ in layer.named_modules())
 
 
-def _dense_mlp_size(layers: list[nn.Module], config) -> int:
-    """In an MoE model, the widest MLP of its layers without routed experts (their gate/up
-    projection, else the config's ``intermediate_size``); 0 where every layer routes."""
-    dense = [layer for layer in layers if not _has_experts(layer)]
+def _dense_mlp_size(layers: list[nn.Module], routes: list[bool], config) -> int:
+    """In an MoE model, the widest MLP of its layers without routed experts (``routes``: which
+    layers have them; their gate/up projection, else the config's ``intermediate_size``); 0
+    where every layer routes."""
+    dense = [layer for layer, routed in zip(layers, routes) if not routed]
     if not dense or len(dense) == len(layers):  # (none found routing: not told apart)
         return 0
     widths = [_mlp_width(layer) for layer in dense]
     return max(widths) or int(getattr(config, "intermediate_size", 0) or 0)
-
-
-def _router_layers(layers: list[nn.Module]) -> int:
-    """Decoder layers with routed experts (each records router logits for the aux loss; Qwen2-
-    and Qwen3-MoE can have dense ones); all of them where none is found (an upper bound)."""
-    n = sum(_has_experts(layer) for layer in layers)
-    return n or len(layers)
 
 
 def attention_windows(text_cfg) -> tuple[int, bool]:
