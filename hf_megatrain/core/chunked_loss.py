@@ -21,8 +21,10 @@ the target's log-probability and the scaled, rounded logit gradient, written ove
 two reads and one write of the chunk's logits where PyTorch's ops (upcast, softmax, exp,
 subtract, scale, round) make about seven passes over fp32 copies; measured 7.1 ms -> ~1 ms per
 4k-token chunk at a 128k vocabulary on the H200. The same arithmetic in the same order per
-logit; only the fp32 row sum is reduced in another order (a few fp32 ulps before the bf16
-rounding). Engine option ``fused_loss_kernel`` (default on); elsewhere PyTorch's ops.
+logit as the stock loss's CUDA kernels, with CUDA's own expf and logf (libdevice: Triton's
+tl.exp is ex2.approx, several fp32 ulps off for the log-probabilities' range); only the fp32 row
+sum is reduced in another order (a few fp32 ulps before the bf16 rounding). Engine option
+``fused_loss_kernel`` (default on); elsewhere PyTorch's ops.
 """
 
 from __future__ import annotations
@@ -88,6 +90,13 @@ def _softmax_grad_kernel():
         import triton.language as tl
     except ImportError:
         return None
+    try:  # CUDA's own expf / logf: tl.exp is ex2.approx.f32 (several fp32 ulps off)
+        from triton.language.extra import libdevice
+    except ImportError:
+        try:
+            from triton.language.extra.cuda import libdevice
+        except ImportError:
+            return None
 
     @triton.jit
     def softmax_grad(
@@ -104,9 +113,9 @@ def _softmax_grad_kernel():
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            d = d * libdevice.exp(m - m_new) + tl.sum(libdevice.exp(x - m_new), 0)
             m = m_new
-        log_d = tl.log(d)
+        log_d = libdevice.log(d)
         valid = target != ignore_index
         safe = tl.where(valid, target, 0)
         # A target outside the vocabulary reads nothing: its loss is NaN (the Trainer's
@@ -120,10 +129,12 @@ def _softmax_grad_kernel():
                 cols = start + tl.arange(0, BLOCK)
                 mask = cols < n_cols
                 x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                # exp(log-softmax) - onehot, times 1/divisor, rounded: the PyTorch path's order.
-                p = tl.exp((x - m) - log_d)
-                p = tl.where(cols == safe, p - 1.0, p)
-                tl.store(base + cols, (p * inv).to(logits.dtype.element_ty), mask=mask)
+                # The stock loss's log_softmax backward, gO - exp(logp) * sum(gO) with gO = -inv
+                # at the target: exp(logp) * inv, minus inv at the target (the compiler may fuse
+                # the two into one fma, as nvcc may ATen's), rounded to the logits' dtype.
+                g = libdevice.exp((x - m) - log_d) * inv
+                g = tl.where(cols == safe, g - inv, g)
+                tl.store(base + cols, g.to(logits.dtype.element_ty), mask=mask)
 
     return triton, softmax_grad
 
@@ -198,10 +209,13 @@ def logit_gradient(
     safe = torch.where(targets != IGNORE_INDEX, targets, 0)
     if not write_grad:
         return picked, None
-    # d(sum of token losses)/d logits = softmax - onehot, in place.
-    grad = logp.exp_()
-    grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
-    g = grad.mul_(inv_divisor).to(dtype)
+    # d(sum of token losses)/d logits, in place, in the order of the stock loss's log_softmax
+    # backward (gO - exp(logp) * sum(gO), gO = -inv at the target): exp(logp) * inv, then minus
+    # inv at the target. (softmax - onehot) * inv rounds the target's entry differently in ~15%
+    # of rows.
+    grad = logp.exp_().mul_(inv_divisor)
+    grad[torch.arange(grad.shape[0], device=grad.device), safe] -= inv_divisor
+    g = grad.to(dtype)
     del grad, logp
     if capped is not None:
         # Back through cap * tanh(logits / cap), op by op in the compute dtype.
