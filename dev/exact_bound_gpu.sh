@@ -100,6 +100,11 @@
 #              allocator's step peak against the plan. ~2 min.
 #   compiledgpu tests/test_gpu.py's compiled-kernel cases: Llama's features and Qwen3, and the
 #              families 'auto' compiles for since 2026-12-05 (Granite, EXAONE 4, Hunyuan). ~2 min.
+#   lossexp    the fused loss kernel with CUDA's expf (was tl.exp's ex2.approx): its logit gradient
+#              against the stock loss's (tests/test_gpu.py -k fused_loss_kernel prints the share of
+#              entries that differ), then the parity Llama at seed 1 (math SDPA, twins 2,4,8) with
+#              the kernel and without the fused loss: does the kernel's curve rejoin stock's group
+#              (seed1bisect: defaults 1.66x band, without the fused loss 0.53x)? ~4 min.
 #   seed1optim the parity Llama at seed 1 (math SDPA) with the 8 x 1 twin and stock trained by
 #              torch's other AdamW kernel (loss_curves.py --optim-twin) in the band: whether
 #              stock's own fp32-ulp change moves it as far as streamed's host AdamW moved the
@@ -310,6 +315,14 @@ item() {  # item <name>: one queue item
           granitemoe qwen2_moe qwen3_moe deepseek_v2 deepseek_v3 glm4_moe dots1 2>&1 \
           | grep -aE "ratio|error"
       done
+      ;;
+    lossexp)
+      timeout 180 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q -s \
+        -k "fused_loss_kernel" 2>&1 | grep -aE "differ|passed|failed|Error" | tail -10
+      timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
+        --steps 150 --bf16 --band-accums 2,4,8 --seed 1 --sdpa-backend math --no-plot \
+        --out "$work/results/seed1exp" --variant nofl:fused_loss=false 2>&1 \
+        | grep -v '^DEBUG' | tail -8
       ;;
     seed1optim)
       timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
