@@ -104,7 +104,8 @@
 #              against the stock loss's (tests/test_gpu.py -k fused_loss_kernel prints the share of
 #              entries that differ), then the parity Llama at seed 1 (math SDPA, twins 2,4,8) with
 #              the kernel and without the fused loss: does the kernel's curve rejoin stock's group
-#              (seed1bisect: defaults 1.66x band, without the fused loss 0.53x)? ~4 min.
+#              (seed1bisect: defaults 1.66x band, without the fused loss 0.53x)? And
+#              dev/loss_gemm_probe.py: is the head's weight gradient stock's GEMM bit for bit? ~4 min.
 #   seed1optim the parity Llama at seed 1 (math SDPA) with the 8 x 1 twin and stock trained by
 #              torch's other AdamW kernel (loss_curves.py --optim-twin) in the band: whether
 #              stock's own fp32-ulp change moves it as far as streamed's host AdamW moved the
@@ -317,6 +318,7 @@ item() {  # item <name>: one queue item
       done
       ;;
     lossexp)
+      timeout 60 python3 dev/loss_gemm_probe.py 2>&1 | tail -8
       timeout 180 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q -s \
         -k "fused_loss_kernel" 2>&1 | grep -aE "differ|passed|failed|Error" | tail -10
       timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
