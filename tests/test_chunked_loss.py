@@ -6,32 +6,58 @@ import torch.nn.functional as F
 
 from hf_megatrain.core.chunked_loss import chunked_linear_cross_entropy
 
+#: The heads families put before their loss: a bias (Phi, GPT-J), a logit scale (Cohere
+#: multiplies), a logit scaling (Granite divides). (name, chunked_linear_cross_entropy's
+#: arguments, the reference's map of the head's output).
+HEADS = {
+    "plain": ({}, lambda x, b: x),
+    "bias": ({"bias": True}, lambda x, b: x + b),
+    "scale": ({"logit_scale": 0.0625 * 3}, lambda x, b: x * (0.0625 * 3)),
+    "scaling": ({"logits_scaling": 1.7}, lambda x, b: x / 1.7),
+}
 
+
+def _head(name: str, vocab: int):
+    """``name``'s keyword arguments (a bias tensor where it has one), the bias, the map."""
+    kw, ref_map = HEADS[name]
+    bias = (0.3 * torch.randn(vocab)).requires_grad_() if kw.get("bias") else None
+    return {**kw, "bias": bias}, bias, ref_map
+
+
+def _grads(loss, h, w, bias):
+    got = torch.autograd.grad(loss, [h, w] + ([bias] if bias is not None else []))
+    return got if bias is not None else (*got, None)
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("divisor", [None, 17.0])
 @pytest.mark.parametrize("chunk", [1, 8, 64])
-def test_chunked_equals_reference(softcap, divisor, chunk):
+def test_chunked_equals_reference(softcap, divisor, chunk, head):
     torch.manual_seed(0)
     n, h_dim, vocab = 50, 16, 37
     h = torch.randn(n, h_dim, requires_grad=True)
     w = torch.randn(vocab, h_dim, requires_grad=True)
+    kw, bias, ref_map = _head(head, vocab)
     t = torch.randint(0, vocab, (n,))
     t[::7] = -100  # ignored positions (padding, prompt tokens)
     loss = chunked_linear_cross_entropy(
-        h, w, t, divisor=divisor, softcap=softcap, chunk_tokens=chunk
+        h, w, t, divisor=divisor, softcap=softcap, chunk_tokens=chunk, **kw
     )
-    gh, gw = torch.autograd.grad(loss * 2.5, [h, w])
+    gh, gw, gb = _grads(loss * 2.5, h, w, bias)
 
-    logits = h @ w.t()
+    logits = ref_map(h @ w.t(), bias)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     denom = divisor if divisor else (t != -100).sum()
     ref = F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / denom
-    rh, rw = torch.autograd.grad(ref * 2.5, [h, w])
+    rh, rw, rb = _grads(ref * 2.5, h, w, bias)
     # fp32 throughout; only the summation order differs (per chunk, then across chunks).
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
+    if bias is not None:
+        torch.testing.assert_close(gb, rb, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_shapes_are_refused():
@@ -39,6 +65,11 @@ def test_bad_shapes_are_refused():
         chunked_linear_cross_entropy(
             torch.randn(4, 3), torch.randn(5, 2), torch.zeros(4, dtype=torch.long)
         )
+    with pytest.raises(ValueError, match="bias"):
+        chunked_linear_cross_entropy(
+            torch.randn(4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long),
+            bias=torch.randn(4),
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])
@@ -81,11 +112,10 @@ def _families():
 
 @pytest.mark.parametrize("arch", _families())
 def test_fused_loss_is_each_familys_own_loss(arch):
-    """Every family the trainer gives the fused chunked loss computes the same loss with its own
-    forward (head bias, logit scales and soft-capping would show), an MoE family's router aux
-    loss on (the tiny configs') and off; every supported family outside the set (Granite-MoE's
-    logit scale), and an aux-free MoE family with ``output_router_logits`` on, keeps its own
-    forward."""
+    """Every family the trainer gives the fused chunked loss (all supported ones) computes the
+    same loss with its own forward (a head bias, logit scales and soft-capping would show), an
+    MoE family's router aux loss on (the tiny configs') and off; an aux-free MoE family with
+    ``output_router_logits`` on keeps its own forward."""
     from hf_megatrain import SUPPORTED_MODEL_TYPES
     from hf_megatrain.hf.loss import (
         FUSED_LOSS_MODEL_TYPES,
@@ -96,14 +126,10 @@ def test_fused_loss_is_each_familys_own_loss(arch):
 
     from .helpers import make_data, tiny_config, tiny_model
 
-    assert FUSED_LOSS_MODEL_TYPES <= set(SUPPORTED_MODEL_TYPES)
+    assert FUSED_LOSS_MODEL_TYPES == set(SUPPORTED_MODEL_TYPES)
     model = tiny_model(tiny_config(arch)).eval()
     config = model.config
-    model_type = config.model_type
     has_router_aux = hasattr(config, "output_router_logits")
-    if model_type not in FUSED_LOSS_MODEL_TYPES:
-        assert not supports_fused_loss(model)
-        return
     with torch.no_grad():  # zero-initialized biases or scales must not hide a term
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -132,12 +158,13 @@ def test_fused_loss_is_each_familys_own_loss(arch):
             assert getattr(got, "aux_loss", None) is None
 
 
+@pytest.mark.parametrize("head", sorted(HEADS))
 @pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("with_divisor", [True, False], ids=["num_items", "mean"])
-def test_bf16_gradients_follow_autocast_rounding(with_divisor, softcap):
+def test_bf16_gradients_follow_autocast_rounding(with_divisor, softcap, head):
     """bf16 fidelity (issue 21): the fused loss rounds where stock autocast training rounds: the
     logit gradient after the 1/num_items scaling, the head's weight gradient once, in bf16, and
-    soft-capping in bf16 both ways. Its
+    soft-capping and the heads' bias and logit scales in bf16 both ways. Its
     gradients then equal stock's bit for bit almost everywhere (one chunk). Measured before this
     rounding order: 0% of the weight gradient and 2% of the hidden gradient equal, and on the
     GPU a 25M Llama drifted to 3.2x stock's own run-to-run band over 150 steps."""
@@ -145,22 +172,26 @@ def test_bf16_gradients_follow_autocast_rounding(with_divisor, softcap):
     n, h_dim, vocab = 1000, 32, 512
     h = torch.randn(n, h_dim, requires_grad=True)
     w = (torch.randn(vocab, h_dim) * 0.05).requires_grad_()
+    kw, bias, ref_map = _head(head, vocab)
     t = torch.randint(0, vocab, (n,))
     t[::50] = -100
     items = int((t != -100).sum())
     loss = chunked_linear_cross_entropy(
         h, w, t, divisor=torch.tensor(items) if with_divisor else None, softcap=softcap,
-        compute_dtype=torch.bfloat16,
+        compute_dtype=torch.bfloat16, **kw,
     )  # fmt: skip
-    gh, gw = torch.autograd.grad(loss, [h, w])
+    gh, gw, gb = _grads(loss, h, w, bias)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # what HF training under autocast runs
-        logits = F.linear(h, w)
+        logits = F.linear(h, w, bias)  # the head's bias inside its linear, as nn.Linear's
+        logits = ref_map(logits, 0.0)
         if softcap:  # Gemma-2's final logit soft-capping, on its bf16 logits
             logits = torch.tanh(logits / softcap) * softcap
     ref = F.cross_entropy(logits.float(), t, ignore_index=-100, reduction="sum") / items
-    rh, rw = torch.autograd.grad(ref, [h, w])
+    rh, rw, rb = _grads(ref, h, w, bias)
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     # Not all: the fp32 log-softmax / exp kernels of the two paths may differ in the last bit,
     # which flips a bf16 rounding now and then.
     assert (gh == rh).float().mean() > 0.99
     assert (gw == rw).float().mean() > 0.99
+    if bias is not None:  # summed over the tokens in fp32, rounded once
+        assert (gb == rb).float().mean() > 0.99

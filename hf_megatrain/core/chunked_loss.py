@@ -30,6 +30,7 @@ sum is reduced in another order (a few fp32 ulps before the bf16 rounding). Engi
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -223,16 +224,57 @@ def logit_gradient(
     return picked, g
 
 
+@dataclass(frozen=True)
+class LogitMap:
+    """What a family's forward does to its head's output ``hidden @ W.T (+ bias)`` before the
+    loss, op by op in the compute dtype as the forward does: ``* scale`` (Cohere's
+    ``logit_scale``), ``/ divide_by`` (Granite's ``logits_scaling``), then ``softcap *
+    tanh(x / softcap)`` (Gemma's ``final_logit_softcapping``). None: not done."""
+
+    scale: float | None = None
+    divide_by: float | None = None
+    softcap: float | None = None
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        """The scaled logits (the soft-cap is :func:`logit_gradient`'s)."""
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.divide_by is not None:
+            logits = logits / self.divide_by
+        return logits
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """The scaled logits' gradient taken back to the head's output, as autograd's
+        ``DivBackward`` / ``MulBackward`` do it (one rounding each)."""
+        if self.divide_by is not None:
+            grad = grad / self.divide_by
+        if self.scale is not None:
+            grad = grad * self.scale
+        return grad
+
+
+def _head_logits(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, logit_map: LogitMap
+) -> torch.Tensor:
+    """One chunk's logits before the soft-cap, as the model's head makes them (``F.linear``
+    is the head's own op; the intermediate is freed as each step's result exists)."""
+    return logit_map.forward(torch.nn.functional.linear(h, w, b))
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, divisor, softcap, chunk, compute_dtype, use_kernel):
+    def forward(ctx, hidden, weight, bias, targets, divisor, logit_map, chunk, compute_dtype,
+                use_kernel):  # fmt: skip
         n = hidden.shape[0]
         cd = compute_dtype or hidden.dtype
         w = weight.to(cd)
+        b = bias.to(cd) if bias is not None else None
         need_h = hidden.requires_grad
         need_w = weight.requires_grad
+        need_b = bias is not None and bias.requires_grad
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = None  # fp32, made by the first chunk's product
+        grad_bias = None  # fp32, summed over the chunks
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         if divisor is None:
             divisor = (targets != IGNORE_INDEX).sum().clamp(min=1)
@@ -245,12 +287,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             t = targets[start:end]
             # The logits' only reference is the callee's (freed once their fp32 copy exists).
             picked, g = logit_gradient(
-                h @ w.t(), t, inv_divisor, softcap=softcap, write_grad=need_h or need_w,
-                kernel=use_kernel,
+                _head_logits(h, w, b, logit_map), t, inv_divisor, softcap=logit_map.softcap,
+                write_grad=need_h or need_w or need_b, kernel=use_kernel,
             )  # fmt: skip
             loss_sum -= picked
             if g is None:
                 continue
+            g = logit_map.backward(g)
+            if need_b:
+                # Ignored rows hold values (the products below mask them out): zeroed for the
+                # bias's sum, in place, as the stock loss's zero gradient rows.
+                g.masked_fill_((t == IGNORE_INDEX)[:, None], 0)
+                part = g.sum(0, dtype=torch.float32)
+                grad_bias = part if grad_bias is None else grad_bias.add_(part)
             # Ignored rows are masked out of the two (tokens x hidden) products instead of an
             # extra pass over the (tokens x vocab) gradient.
             keep = (t != IGNORE_INDEX)[:, None].to(cd)
@@ -263,19 +312,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         elif need_w and cd != torch.float32:
             grad_weight = grad_weight.to(cd).float()  # one rounding, as autocast's GEMM output
-        ctx.save_for_backward(*(x for x in (grad_hidden, grad_weight) if x is not None))
-        ctx.need = (need_h, need_w)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
+        if need_b and grad_bias is None:  # no tokens
+            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        elif need_b and cd != torch.float32:
+            grad_bias = grad_bias.to(cd).float()  # one rounding, as autocast's bf16 sum
+        saved = (grad_hidden, grad_weight, grad_bias)
+        ctx.save_for_backward(*(x for x in saved if x is not None))
+        ctx.need = (need_h, need_w, need_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return loss_sum / divisor
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = list(ctx.saved_tensors)
         scale = grad_out  # the stored gradients already hold 1/divisor
-        need_h, need_w = ctx.need
-        gh = (saved.pop(0) * scale).to(ctx.dtypes[0]) if need_h else None
-        gw = (saved.pop(0) * scale).to(ctx.dtypes[1]) if need_w else None
-        return gh, gw, None, None, None, None, None, None
+        grads = [
+            (saved.pop(0) * scale).to(dtype) if need else None
+            for need, dtype in zip(ctx.need, ctx.dtypes, strict=True)
+        ]
+        return grads[0], grads[1], grads[2], None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -287,8 +342,12 @@ def chunked_linear_cross_entropy(
     chunk_tokens: int | None = None,
     compute_dtype: torch.dtype | None = None,
     kernel: bool = True,
+    bias: torch.Tensor | None = None,
+    logit_scale: float | None = None,
+    logits_scaling: float | None = None,
 ) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T`` against ``targets`` without materializing logits.
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets`` without materializing
+    logits.
 
     Args:
         hidden: ``(N, H)`` final hidden states.
@@ -301,6 +360,9 @@ def chunked_linear_cross_entropy(
         compute_dtype: dtype of the head matmuls (bf16 under mixed precision).
         kernel: the one-pass Triton kernel where it applies (CUDA, 16-bit logits, no
             soft-cap); False: PyTorch's ops everywhere.
+        bias: ``(V,)`` the LM head's bias (Phi's, GPT-J's), if it has one.
+        logit_scale: if set, logits are multiplied by it (Cohere's ``logit_scale``).
+        logits_scaling: if set, logits are divided by it (Granite's ``logits_scaling``).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
         raise ValueError(
@@ -311,7 +373,10 @@ def chunked_linear_cross_entropy(
             f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
             f"targets {tuple(targets.shape)}"
         )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match weight {tuple(weight.shape)}")
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    logit_map = LogitMap(scale=logit_scale, divide_by=logits_scaling, softcap=softcap)
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, targets, divisor, softcap, chunk, compute_dtype, kernel
+        hidden, weight, bias, targets, divisor, logit_map, chunk, compute_dtype, kernel
     )

@@ -1,8 +1,8 @@
 """Fused chunked LM loss for HF causal LMs: the model's own base forward, then the head+loss fused.
 
 Used for training batches that carry labels, on the architectures whose ``*ForCausalLM.forward``
-is exactly ``lm_head(base(...))`` (+ Gemma's final soft-capping) followed by HF's
-``ForCausalLMLoss``: shifted labels, ``-100`` ignored, ``sum / num_items_in_batch`` when the
+is exactly ``lm_head(base(...))`` (the head's bias included; then Cohere's logit scale,
+Granite's logit scaling or Gemma's final soft-capping) followed by HF's ``ForCausalLMLoss``: shifted labels, ``-100`` ignored, ``sum / num_items_in_batch`` when the
 Trainer passes it, else the mean over non-ignored tokens. MoE families whose forward then adds the
 router load-balancing ("aux") loss when ``output_router_logits`` is on (Mixtral, Qwen2/3-MoE,
 OLMoE, gpt-oss, Qwen3-Next) get it added here the same way, from their own
@@ -20,19 +20,24 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from ..core.chunked_loss import IGNORE_INDEX, chunked_linear_cross_entropy
 
-#: Families whose causal-LM loss is plain cross-entropy over ``lm_head(hidden)`` (Gemma's
-#: final soft-capping included): the chunked loss computes the same. The MoE ones among them add
-#: their router aux loss, when it is on, exactly as their forward does (see
-#: ``load_balancing_loss_function``); the aux-free DeepSeek-style ones have none. Not here: heads
-#: with a bias (Phi, GPT-J), logit scales (Granite, Granite-MoE, Cohere).
-#: tests/test_chunked_loss.py checks each against the model's own loss, aux loss on and off.
+#: Families whose causal-LM loss is plain cross-entropy over ``lm_head(hidden)`` (its bias
+#: included: Phi's, GPT-J's), then the maps below and Gemma's final soft-capping: the chunked
+#: loss computes the same. The MoE ones among them add their router aux loss, when it is on,
+#: exactly as their forward does (see ``load_balancing_loss_function``); the aux-free
+#: DeepSeek-style ones have none. tests/test_chunked_loss.py checks each against the model's own
+#: loss, aux loss on and off.
 FUSED_LOSS_MODEL_TYPES = {
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "gemma2", "olmo2", "olmo3",
     "smollm3", "starcoder2", "glm4", "ernie4_5", "helium", "exaone4", "seed_oss", "gemma",
     "olmo", "stablelm", "gpt_neox", "nemotron", "arcee", "apertus", "hunyuan_v1_dense", "lfm2",
     "glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "falcon", "bloom", "mpt", "gpt_bigcode",
-    "qwen3_next", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss",
+    "qwen3_next", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "phi", "gptj",
+    "cohere", "granite", "granitemoe",
 }  # fmt: skip
+#: Families whose forward multiplies the head's logits by ``model.logit_scale`` (Cohere) ...
+LOGIT_SCALE_MODEL_TYPES = {"cohere"}
+#: ... or divides them by ``config.logits_scaling`` (Granite, Granite-MoE).
+LOGITS_SCALING_MODEL_TYPES = {"granite", "granitemoe"}
 
 #: The ``*ForCausalLM`` attributes an MoE family's forward passes to its router aux loss.
 _ROUTER_AUX_ATTRS = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
@@ -116,6 +121,7 @@ def fused_causal_lm_forward(
     targets = shift_labels.reshape(-1).to(hidden.device)
     if num_items is not None and torch.is_tensor(num_items):
         num_items = num_items.to(hidden.device)
+    model_type = model.config.model_type
     loss = chunked_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),
         model.lm_head.weight,
@@ -125,6 +131,11 @@ def fused_causal_lm_forward(
         chunk_tokens=chunk_tokens,
         compute_dtype=compute_dtype,
         kernel=loss_kernel,
+        bias=model.lm_head.bias,
+        logit_scale=model.logit_scale if model_type in LOGIT_SCALE_MODEL_TYPES else None,
+        logits_scaling=(
+            model.config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None
+        ),
     )
     if balance is not None:
         aux_loss = None
