@@ -755,3 +755,15 @@ def test_what_fits_searches_allow_what_auto_fit_turns_on(qwen1_5b):
     # auto_fit off: the plain search.
     off = opts(auto_fit="off")
     assert max_seq_len(qwen1_5b, 1, off, BF16, hbm, host, allow_auto_fit=True) == plain
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_device_tier_bytes_is_the_per_layer_sum(dtype):
+    """The tier's bytes in two sums (the planner tries every tier size) are the per-layer
+    ``device_layer_bytes`` summed, the first ``uncopied`` layers without a compute copy."""
+    from hf_megatrain.core.host_store import device_tier_bytes
+
+    numels = (7, 1_000_003, 64, 5 * 10**8, 3)
+    for uncopied in range(len(numels) + 2):
+        want = sum(device_layer_bytes(n, dtype, i >= uncopied) for i, n in enumerate(numels))
+        assert device_tier_bytes(numels, dtype, uncopied) == want

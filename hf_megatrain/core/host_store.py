@@ -31,7 +31,7 @@ import logging
 import mmap
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -294,6 +294,13 @@ def device_layer_bytes(numel: int, stream_dtype: torch.dtype, compute_copy: bool
     """Device bytes one ``DeviceLayerStore`` takes."""
     copy = compute_copy and stream_dtype != torch.float32
     return numel * (16 + (stream_dtype.itemsize if copy else 0))
+
+
+def device_tier_bytes(numels: Sequence[int], stream_dtype: torch.dtype, uncopied: int) -> int:
+    """``device_layer_bytes`` summed over layers of ``numels``, the first ``uncopied`` without a
+    compute copy: in two C-level sums (the planner sizes the tier by trying every count)."""
+    copy = stream_dtype.itemsize if stream_dtype != torch.float32 else 0
+    return 16 * sum(numels) + copy * sum(numels[uncopied:])
 
 
 def shared_layer_bytes(numel: int, stream_dtype: torch.dtype, stream_master: bool = False) -> int:

@@ -28,6 +28,8 @@ how a plan is shown, ``plan_report``'s.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .activation_memory import (
@@ -38,7 +40,7 @@ from .activation_memory import (
     saved_layers_label,
 )
 from .engine.staging import GRAD_STAGING_SLOTS
-from .host_store import device_layer_bytes, layer_store_bytes
+from .host_store import device_layer_bytes, device_tier_bytes, layer_store_bytes
 from .options import ResolvedOptions, StepShape
 from .plan_types import HBM, HOST, LayerPlacement, MemoryLine, ModelShape, itemsize
 
@@ -153,7 +155,7 @@ def gpu_lines(
         ),
         MemoryLine(
             f"HBM-tier layers ({len(hbm)}): fp32 master+grad+2 moments, {tier_copy}",
-            sum(device_layer_bytes(n, dtype, i >= n_cast) for i, n in enumerate(hbm)),
+            device_tier_bytes(hbm, dtype, n_cast),
             PARAMS_KIND,
         ),
         MemoryLine(
@@ -220,11 +222,25 @@ def gpu_lines(
     # The kept layers are the tier's last ``kept`` (``MemoryPlan.kept_layer_indices``): their
     # attention's saved s x s tensors (sliding-window masks, eager probabilities) are counted
     # per kept layer among the attention lines.
-    lines += activation_lines(
-        shape, step, options, dtype, range(n_hbm - kept, n_hbm), attention_layers
-    )
+    kept_layers = range(n_hbm - kept, n_hbm) if kept else range(0)
+    lines += _activation_lines(shape, step, options, dtype, kept_layers, attention_layers)
     lines.append(slack_line(lines))
     return lines
+
+
+@functools.lru_cache(maxsize=512)
+def _activation_lines(
+    shape: ModelShape,
+    step: StepShape,
+    options: ResolvedOptions,
+    dtype: torch.dtype,
+    kept_layers: range,
+    attention_layers: int,
+) -> tuple[MemoryLine, ...]:
+    """``activation_lines``, once per distinct argument set: the searches size the tier by
+    trying every layer count, and the activations do not depend on it (only on which layers
+    keep theirs), so without this a 400-layer plan recomputed them ~10**5 times (43 s)."""
+    return tuple(activation_lines(shape, step, options, dtype, kept_layers, attention_layers))
 
 
 #: fp32 elements of a device update's buffer for widening a compact gradient, per fused AdamW
