@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_megatrain.cli import main
 from hf_megatrain.core.options import EngineOptions, OptionError
+from hf_megatrain.hf.checkpoint import save_streamed_pretrained
 
 from .helpers import assert_logs_match, mega_params, run_trainer, tiny_config, tiny_model
 from .test_cli import TEXT, _fast_flags, _tiny_config
@@ -96,3 +97,25 @@ def test_cli_export_dtype(tmp_path):
     assert _file_dtypes(out) == {torch.bfloat16}
     assert _config_dtype(out) == "bfloat16"
     assert AutoModelForCausalLM.from_pretrained(str(out)).dtype == torch.bfloat16
+
+
+def _weight_keys(folder: Path) -> set[str]:
+    keys: set[str] = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+def test_bf16_export_keeps_tied_embeddings_tied(tmp_path):
+    """Tied input and output embeddings are written once in bf16 too, as in fp32 and as the
+    stock ``save_pretrained`` of a bf16 model writes them: the cast keeps aliases aliases (a
+    per-key cast made a second copy, an extra ``lm_head.weight``)."""
+    model = tiny_model(tiny_config("llama", tie_word_embeddings=True))
+    _, trainer = run_trainer(model, tmp_path, "run", True, max_steps=1)
+    for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        save_streamed_pretrained(trainer.model, str(tmp_path / name), dtype=dtype)
+    assert "lm_head.weight" not in _weight_keys(tmp_path / "fp32")
+    assert _weight_keys(tmp_path / "bf16") == _weight_keys(tmp_path / "fp32")
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"))
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()

@@ -67,9 +67,24 @@ def host_state_dict(model, dtype: torch.dtype | None = None) -> dict[str, torch.
             out[key] = value.detach().to("cpu")
     if dtype is not None:
         keep = _fp32_module_re(model) if dtype in (torch.float16, torch.bfloat16) else None
+        # One cast per aliased tensor: tied weights (lm_head.weight and embed_tokens.weight)
+        # must stay one storage, as save_pretrained drops tied keys by shared storage.
+        cast: dict[tuple, torch.Tensor] = {}
         for key, value in out.items():
             if value.is_floating_point() and not (keep is not None and keep.search(key)):
-                out[key] = value.to(dtype)
+                alias = (
+                    value.untyped_storage().data_ptr(),
+                    value.storage_offset(),
+                    tuple(value.shape),
+                    value.stride(),
+                    value.dtype,
+                )
+                if value.numel() == 0:  # (no storage to share: data_ptr 0 for all)
+                    out[key] = value.to(dtype)
+                    continue
+                if alias not in cast:
+                    cast[alias] = value.to(dtype)
+                out[key] = cast[alias]
     return out
 
 
