@@ -11,11 +11,10 @@ from .helpers import make_data, run_trainer, tiny_config, tiny_model
 peft = pytest.importorskip("peft")
 
 
-def _lora_model():
+def _lora_model(**lora):
     base = tiny_model(tiny_config("llama"))
-    cfg = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj"]
-    )
+    lora = {"target_modules": ["q_proj", "v_proj", "gate_proj"], **lora}
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **lora)
     model = peft.get_peft_model(base, cfg)
     # Non-zero B so the adapters matter from step one (peft initializes B to zero).
     with torch.no_grad():
@@ -78,3 +77,29 @@ def test_lora_resume_continues_the_run(tmp_path):
         # Adapters, their AdamW moments and the scheduler are restored exactly (fp32 CPU).
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         assert b["learning_rate"] == a["learning_rate"]
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [{"target_modules": ["q_proj", "lm_head"]}, {"modules_to_save": ["lm_head"]}],
+    ids=["lora-on-head", "head-trained-whole"],
+)
+def test_an_adapted_lm_head_trains_as_stock(tmp_path, lora):
+    """A LoRA-adapted LM head computes more than ``F.linear(x, weight, bias)``: the fused loss
+    (which reads the head's weight) would drop the adapter's term, so such a model keeps its own
+    forward; a head trained whole (``modules_to_save``, a plain copy) keeps the fused loss. Both
+    train as the stock Trainer does (the head's adapters or copy included)."""
+    from hf_megatrain.hf.loss import supports_fused_loss
+
+    model = _lora_model(**lora)
+    assert supports_fused_loss(model) is ("modules_to_save" in lora)
+    stock, stock_trainer = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False)
+    mega, trainer = run_trainer(model, tmp_path, "mega", mega=True)
+    for a, b in zip(stock, mega, strict=True):
+        # fp32 on CPU: summation orders only (as the test above).
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    trained = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert any("lm_head" in n for n in trained)
+    for n, p in stock_trainer.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(trained[n].detach().cpu(), p.detach(), rtol=1e-4, atol=1e-6)

@@ -69,6 +69,22 @@ def router_aux_loss_on(model) -> bool:
     return bool(on) and load_balancing_loss_function(model) is not None
 
 
+def _linear_head(head) -> bool:
+    """Whether ``head`` computes ``F.linear(x, head.weight, head.bias)`` and nothing else: a
+    plain ``nn.Linear`` (a subclass may quantize or adapt), also behind PEFT's modules_to_save
+    wrapper, which hands ``weight`` and ``bias`` to the copy that runs. Not a LoRA-adapted head:
+    the fused loss would drop its adapter's term (and train it not at all)."""
+    try:
+        from peft.utils.other import ModulesToSaveWrapper  # noqa: PLC0415
+    except ImportError:  # (peft is optional for the library's core use)
+        ModulesToSaveWrapper = ()  # noqa: N806
+    if isinstance(head, ModulesToSaveWrapper):
+        if not head.active_adapters:  # (its forward then runs the original module)
+            return type(head.original_module) is torch.nn.Linear
+        return type(head.modules_to_save[head.active_adapters[0]]) is torch.nn.Linear
+    return type(head) is torch.nn.Linear
+
+
 def supports_fused_loss(model) -> bool:
     """Whether training may run ``fused_causal_lm_forward`` instead of the model's forward (the
     memory plan's ``ModelShape.fused_loss`` is this too)."""
@@ -76,7 +92,7 @@ def supports_fused_loss(model) -> bool:
     config = model.config
     return (
         config.model_type in FUSED_LOSS_MODEL_TYPES
-        and getattr(model, "lm_head", None) is not None
+        and _linear_head(getattr(model, "lm_head", None))
         and getattr(model, model.base_model_prefix, None) is not None
         # A model-specific loss (set by the user) is theirs to keep.
         and getattr(config, "loss_type", None) in (None, "ForCausalLM", "ForCausalLMLoss")
