@@ -226,7 +226,7 @@ def listed_files_problem(
 
 def _unlisted_problem(folder: str, allow_missing_state: bool) -> Incomplete | None:
     """``checkpoint_problem`` for a checkpoint without a manifest (an older version's)."""
-    from .hf.checkpoint import check_checkpoint_files  # noqa: PLC0415
+    from .hf.checkpoint import check_checkpoint_files, optimizer_state_problem  # noqa: PLC0415
 
     if not os.path.isfile(os.path.join(folder, "trainer_state.json")):
         return Incomplete("trainer_state.json is missing", False)
@@ -237,6 +237,11 @@ def _unlisted_problem(folder: str, allow_missing_state: bool) -> Incomplete | No
     for rel in (f"{_OPTIMIZER_DIR}/meta.json", _SCHEDULER_NAME):
         if not allow_missing_state and not os.path.isfile(os.path.join(folder, rel)):
             return Incomplete(f"{rel} is missing", True)
+    # No manifest says their sizes: a truncated optimizer file is found by reading its header.
+    if os.path.isfile(os.path.join(folder, _OPTIMIZER_DIR, "meta.json")):
+        problem = optimizer_state_problem(folder)
+        if problem is not None:
+            return Incomplete(problem, True)
     return None
 
 

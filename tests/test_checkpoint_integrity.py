@@ -287,3 +287,31 @@ def test_verify_ok_line(trained, capsys):
 def test_verify_missing_path(tmp_path):
     with pytest.raises(SystemExit, match="hf-megatrain: error: .*not a folder"):
         cli_main(["verify", str(tmp_path / "nope")])
+
+
+@pytest.mark.parametrize("rel", ["megatrain_optimizer/layer_00001.safetensors",
+                                 "megatrain_optimizer/resident.safetensors"])  # fmt: skip
+def test_unverified_truncated_optimizer_file_is_named(trained, rel):
+    """A checkpoint without a manifest (an older version's) whose optimizer file is truncated
+    or missing: the CLI's completeness check finds it (a resume then skips that checkpoint, as
+    for a missing file), and loading it is refused naming the file, not with safetensors' own
+    error."""
+    from hf_megatrain.cli_resume import checkpoint_problem
+
+    model, tmp, kw, _ = trained
+    for how, cut in (
+        ("truncated", lambda p: p.write_bytes(p.read_bytes()[:-9])),
+        ("missing", os.remove),
+    ):
+        ckpt = _copy_ckpt(tmp, f"no-manifest-{how}-{rel.replace('/', '_')}")
+        os.remove(ckpt / MANIFEST_NAME)
+        cut(ckpt / rel)
+        problem = checkpoint_problem(str(ckpt))
+        if how == "truncated" or rel.endswith("resident.safetensors"):
+            # (Which layers have a file is not recorded: a frozen layer has none.)
+            assert problem is not None and problem.state_only, how
+            assert problem.reason.startswith(f"{rel} is {how}"), problem.reason
+        with pytest.raises(
+            (ValueError, FileNotFoundError), match=f"hf_megatrain: .*{rel} is {how}"
+        ):
+            run_trainer(copy.deepcopy(model), tmp, "refused3", True, resume=str(ckpt), **kw)

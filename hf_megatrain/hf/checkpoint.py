@@ -386,11 +386,55 @@ def has_optimizer_state(checkpoint: str) -> bool:
     return os.path.isfile(os.path.join(checkpoint, OPTIMIZER_STATE_DIR, "meta.json"))
 
 
+def _open_state_file(checkpoint: str, name: str):
+    """``safe_open`` of an optimizer-state file of ``checkpoint``; a missing, truncated or
+    unreadable one raises an error that names it (safetensors' own names no file)."""
+    path = os.path.join(checkpoint, OPTIMIZER_STATE_DIR, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"hf_megatrain: {path} is missing")
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as e:  # noqa: BLE001 - safetensors' own error class
+        raise ValueError(
+            f"hf_megatrain: {path} is truncated or not a readable safetensors file ({e})"
+        ) from None
+
+
+def _read_optimizer_meta(checkpoint: str) -> dict:
+    path = os.path.join(checkpoint, OPTIMIZER_STATE_DIR, "meta.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        int(meta["num_layers"]), dict(meta["steps"]), list(meta["param_groups"])
+    except FileNotFoundError:
+        raise FileNotFoundError(f"hf_megatrain: {path} is missing") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"hf_megatrain: {path} is truncated or corrupt ({e})") from None
+    return meta
+
+
+def optimizer_state_problem(checkpoint: str) -> str | None:
+    """Why ``checkpoint``'s optimizer state cannot be read, naming the file relative to the
+    checkpoint (None: every file is there and its safetensors header reads). For checkpoints
+    without a manifest, whose sizes nothing else checks; layers without a file (frozen, or
+    under data parallel written by their owners) are not required."""
+    folder = os.path.join(checkpoint, OPTIMIZER_STATE_DIR)
+    try:
+        _read_optimizer_meta(checkpoint)
+        names = ["resident.safetensors"] + sorted(
+            n for n in os.listdir(folder) if n.startswith("layer_") and n.endswith(".safetensors")
+        )
+        for name in names:
+            with _open_state_file(checkpoint, name):
+                pass
+    except (OSError, ValueError) as e:
+        return str(e).removeprefix("hf_megatrain: ").replace(os.path.join(checkpoint, ""), "", 1)
+    return None
+
+
 def load_optimizer_state(optimizer, checkpoint: str) -> None:
     optimizer.wait()
-    folder = os.path.join(checkpoint, OPTIMIZER_STATE_DIR)
-    with open(os.path.join(folder, "meta.json")) as f:
-        meta = json.load(f)
+    meta = _read_optimizer_meta(checkpoint)
     stores = optimizer.engine.stores
     if meta["num_layers"] != len(stores):
         raise ValueError(
@@ -401,13 +445,13 @@ def load_optimizer_state(optimizer, checkpoint: str) -> None:
     for i, store in enumerate(stores):
         if store.exp_avg is None:
             continue
-        with safe_open(os.path.join(folder, f"layer_{i:05d}.safetensors"), "pt") as f:
+        with _open_state_file(checkpoint, f"layer_{i:05d}.safetensors") as f:
             store.exp_avg.copy_(f.get_tensor("exp_avg"))
             store.exp_avg_sq.copy_(f.get_tensor("exp_avg_sq"))
             if "step" in f.keys():
                 steps[i] = float(f.get_tensor("step")[0])
     resident = {}
-    with safe_open(os.path.join(folder, "resident.safetensors"), "pt") as f:
+    with _open_state_file(checkpoint, "resident.safetensors") as f:
         for k in f.keys():
             resident[k] = f.get_tensor(k)
     optimizer.load_streamed_state(steps, resident)
