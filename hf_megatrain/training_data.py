@@ -41,6 +41,8 @@ PACK_BATCH = 1000
 # pieces that the fast tokenizer encodes in parallel, as text.build_chunks does.
 PIECE_PARAGRAPHS = 64
 EVAL_SPLITS = ("validation", "test")
+# Documentation that Hub dataset folders carry next to their data files (README.md dataset card).
+DOC_SUFFIXES = (".md", ".rst")
 
 
 @dataclass
@@ -52,7 +54,9 @@ class DataArguments:
         metadata={
             "help": "a Hub dataset id (org/name) or a local file or folder: .txt/.md/.rst/.text "
             "(one document per file), .json/.jsonl, .parquet or .csv; a folder: its files of "
-            "one such kind, searched recursively. Default: the bundled English corpus"
+            "one such kind, searched recursively, split by name as datasets does (train.jsonl, "
+            "validation.jsonl, data/test-*.parquet; else all train). Default: the bundled "
+            "English corpus"
         },
     )
     dataset_config: str | None = field(
@@ -63,7 +67,8 @@ class DataArguments:
         default=None,
         metadata={
             "help": "the split to evaluate on. Default: a 'validation' or 'test' split if the "
-            "dataset has one, else rows held out of the train split (--eval_fraction)"
+            "dataset has one, else rows held out of the train split (--eval_fraction; also "
+            "when this names the train split)"
         },
     )
     dataset_text_field: str = field(default="text", metadata={"help": "the text column"})
@@ -133,9 +138,20 @@ def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> Trai
                 f"{source} has no split {split!r} (its splits: {', '.join(splits)}); choose one "
                 f"with --dataset_{flag}_split"
             )
-    eval_split = args.dataset_eval_split or next(
-        (s for s in EVAL_SPLITS if s in splits and s != args.dataset_train_split), None
-    )
+    # An eval split that is the train split would evaluate on training rows: rows of it are held
+    # out instead (TrainingData.eval is never also in train).
+    held_from_train = args.dataset_eval_split == args.dataset_train_split
+    if held_from_train and not (args.eval_fraction > 0 and args.max_eval_sequences):
+        raise DataError(
+            f"--dataset_eval_split {args.dataset_eval_split} is the split trained on: its rows are "
+            "held out for eval, but --eval_fraction or --max_eval_sequences is 0. Name another "
+            "split, or drop --dataset_eval_split"
+        )
+    eval_split = None
+    if not held_from_train:
+        eval_split = args.dataset_eval_split or next(
+            (s for s in EVAL_SPLITS if s in splits and s != args.dataset_train_split), None
+        )
     raw = splits[args.dataset_train_split]
     where = f"{source} (split {args.dataset_train_split!r})"
     if not args.streaming and len(raw) == 0:
@@ -162,6 +178,8 @@ def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> Trai
             train, held = _prepared_rows(raw, columns, encode, n_held, args, seed)
     if held is not None:
         eval_rows, eval_from = held, " (head of the stream)" if args.streaming else ""
+        if held_from_train:
+            eval_from += f" (held out of split {args.dataset_train_split!r})"
     n_eval = len(eval_rows) if eval_rows is not None else 0
     if args.streaming:
         description = (
@@ -312,12 +330,12 @@ def _load_splits(args: DataArguments) -> dict[str, Any]:
         with _reading(what):
             splits = load_dataset(
                 builder,
-                data_files={"train": [str(f) for f in files]},
+                data_files={split: [str(f) for f in fs] for split, fs in files.items()},
                 streaming=args.streaming,
                 **extra,
             )
     else:
-        if name.startswith((".", "/", "~")) or Path(name).suffix.lower() in BUILDERS:
+        if _looks_local(name):
             raise DataError(f"data not found: {name} (--dataset_name)")
         unreachable = _hub_unreachable()
         try:
@@ -336,6 +354,19 @@ def _load_splits(args: DataArguments) -> dict[str, Any]:
                 "--dataset_config)"
             ) from None
     return dict(splits)
+
+
+def _looks_local(name: str) -> bool:
+    """Whether a --dataset_name that does not exist meant a local path, not a Hub id: a path
+    prefix (./ ../ / ~), a folder's trailing slash, a backslash or a data file suffix (as
+    hf.hub.looks_like_repo_id tells a model folder from a repo id)."""
+    return (
+        name.startswith((".", "/", "~"))
+        or name.endswith(("/", os.sep))
+        or "\\" in name
+        or ".." in name
+        or Path(name).suffix.lower() in BUILDERS
+    )
 
 
 #: Seconds to wait for a connection to the Hub before loading a Hub dataset as offline.
@@ -382,21 +413,39 @@ def _offline_datasets(offline: bool) -> Iterator[None]:
         config.HF_HUB_OFFLINE = before
 
 
-def _local_files(path: Path) -> tuple[str, list[Path]]:
-    """The builder and the files of a local file or folder (one kind of file)."""
+def _local_files(path: Path) -> tuple[str, dict[str, list[Path]]]:
+    """The builder and the files of each split of a local file (all train) or folder.
+
+    A folder's splits are what ``datasets.load_dataset(folder)`` infers from file and folder
+    names (train.jsonl / validation.jsonl, data/train-*.parquet, ...; else all train), so held-out
+    files are never trained on. Its files must be of one kind; documentation (README.md) next to
+    non-text data files is not data.
+    """
     if path.is_file():
-        files = [path]
+        splits = {"train": [path]}
     else:
-        # Hidden files and folders (.git, .cache) are not data.
-        files = sorted(
-            f
-            for f in path.rglob("*")
-            if f.is_file()
-            and f.suffix.lower() in BUILDERS
-            and not any(part.startswith(".") for part in f.relative_to(path).parts)
-        )
-        if not files:
+        from datasets.data_files import DataFilesDict, get_data_patterns  # noqa: PLC0415
+
+        base = str(path.resolve())
+        try:
+            patterns = get_data_patterns(base)
+        except FileNotFoundError:  # no file at all, hidden ones aside
+            patterns = {}
+        found = DataFilesDict.from_patterns(patterns, base_path=base) if patterns else {}
+        # datasets leaves out hidden files and folders (.git, .cache); unknown kinds are no data.
+        splits = {
+            str(split): [Path(f) for f in fs if Path(f).suffix.lower() in BUILDERS]
+            for split, fs in found.items()
+        }
+        if any(BUILDERS[f.suffix.lower()] != "text" for fs in splits.values() for f in fs):
+            splits = {
+                k: [f for f in fs if f.suffix.lower() not in DOC_SUFFIXES]
+                for k, fs in splits.items()
+            }
+        splits = {k: fs for k, fs in splits.items() if fs}
+        if not splits:
             raise DataError(f"no data files ({', '.join(BUILDERS)}) under {path} (--dataset_name)")
+    files = [f for fs in splits.values() for f in fs]
     kinds = {BUILDERS.get(f.suffix.lower()) for f in files}
     if None in kinds:
         raise DataError(
@@ -409,7 +458,7 @@ def _local_files(path: Path) -> tuple[str, list[Path]]:
         )
     if all(f.stat().st_size == 0 for f in files):
         raise DataError(f"{path} is empty: no data (--dataset_name)")
-    return kinds.pop(), files
+    return kinds.pop(), splits
 
 
 def _encoder(

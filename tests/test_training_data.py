@@ -346,3 +346,58 @@ def test_hub_id_without_network_fails_fast(monkeypatch, tok):
     # Behind a proxy a direct connection proves nothing: not checked.
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
     assert training_data._hub_unreachable() is None
+
+
+def test_folder_splits_follow_datasets_file_names(tmp_path, monkeypatch, tok):
+    """A folder's splits are the ones datasets infers from its file names: validation.jsonl is
+    the eval split (never trained on); a Hub download (README.md + data/train-*.parquet) loads."""
+    folder = tmp_path / "splitdir"
+    folder.mkdir()
+    jsonl(folder / "train.jsonl", [{"text": doc(i)} for i in range(40)])
+    jsonl(folder / "validation.jsonl", [{"text": doc(500 + i)} for i in range(40)])
+    args = DataArguments(dataset_name=str(folder), seq_len=16)
+    data = load_training_data(args, tok)
+    assert "40 documents" in data.description and "(split 'validation')" in data.description
+    alone = load_training_data(
+        DataArguments(dataset_name=str(folder / "train.jsonl"), seq_len=16, eval_fraction=0), tok
+    )
+    assert sorted(ids(data.train)) == sorted(ids(alone.train))  # validation is not trained on
+    held = load_training_data(
+        DataArguments(**{**vars(args), "dataset_eval_split": "validation"}), tok
+    )
+    assert ids(held.eval) == ids(data.eval)
+
+    hub = tmp_path / "hubdl"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("---\nlicense: mit\n---\n# A dataset card\n")
+    table = datasets.Dataset.from_dict({"text": [doc(i) for i in range(30)]})
+    table.to_parquet(hub / "data" / "train-00000-of-00001.parquet")
+    datasets.Dataset.from_dict({"text": [doc(900 + i) for i in range(30)]}).to_parquet(
+        hub / "data" / "test-00000-of-00001.parquet"
+    )
+    data = load_training_data(DataArguments(dataset_name=str(hub), seq_len=16), tok)
+    assert "30 documents" in data.description and "(split 'test')" in data.description
+
+
+def test_eval_split_that_is_the_train_split_is_held_out(tmp_path, tok):
+    path = jsonl(tmp_path / "d.jsonl", [{"text": doc(i)} for i in range(60)])
+    args = DataArguments(dataset_name=str(path), seq_len=16, dataset_eval_split="train")
+    data = load_training_data(args, tok)
+    everything = load_training_data(DataArguments(**{**vars(args), "eval_fraction": 0,
+                                                     "dataset_eval_split": None}), tok)  # fmt: skip
+    assert sorted(ids(data.train) + ids(data.eval)) == sorted(ids(everything.train))
+    assert "held out of split 'train'" in data.description
+    with pytest.raises(DataError, match="is the split trained on.*--dataset_eval_split"):
+        load_training_data(DataArguments(**{**vars(args), "eval_fraction": 0}), tok)
+
+
+@pytest.mark.parametrize("name", ["my_texts/", "./my_texts", "../my_texts", "/no/such/dir"])
+def test_missing_local_paths_are_not_hub_ids(monkeypatch, tok, name):
+    from hf_megatrain import training_data
+
+    def no_hub(*a, **k):
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(training_data, "_hub_unreachable", no_hub)
+    with pytest.raises(DataError, match=f"data not found: {name} \\(--dataset_name\\)"):
+        load_training_data(DataArguments(dataset_name=name), tok)
