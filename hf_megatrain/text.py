@@ -22,6 +22,11 @@ class DataError(ValueError):
     """The data or tokenizer the user pointed at cannot be used; the message says why."""
 
 
+# A bare tokenizer.json names no EOS or pad token: the usual names, when its vocabulary has them.
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+PAD_NAMES = ("<|pad|>", "<pad>")
+
+
 def load_tokenizer(path: str | Path | None = None):
     """A tokenizer from a ``tokenizer.json`` file or a tokenizer folder; None: the bundled one.
 
@@ -35,9 +40,10 @@ def load_tokenizer(path: str | Path | None = None):
         raise DataError(f"tokenizer not found: {p}")
     if p.is_file():
         try:
-            tok = PreTrainedTokenizerFast(
-                tokenizer_file=str(p), eos_token="<|endoftext|>", pad_token="<|pad|>"
-            )
+            specials = _file_special_tokens(p)
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(p), **specials)
+        except DataError:
+            raise
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
             raise DataError(
                 f"could not load a tokenizer from {p} (a tokenizer.json file or a tokenizer "
@@ -54,6 +60,46 @@ def load_tokenizer(path: str | Path | None = None):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _file_special_tokens(path: Path) -> dict[str, str]:
+    """The EOS, pad and BOS tokens of a bare tokenizer.json (its tokenizer_config.json, which
+    names them, is not there): EOS and pad by their usual names when the vocabulary has them
+    (a name it lacks would become a new id past the model's vocabulary), BOS the token its
+    post-processor puts before a text."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    raw = Tokenizer.from_file(str(path))
+    eos = next((n for n in EOS_NAMES if raw.token_to_id(n) is not None), None)
+    if eos is None:
+        raise DataError(
+            f"the tokenizer file {path} has no EOS token of a usual name ({', '.join(EOS_NAMES)}) "
+            "and names none itself: pass its tokenizer folder (with the tokenizer_config.json "
+            "that names eos_token) instead"
+        )
+    out = {"eos_token": eos}
+    pad = next((n for n in PAD_NAMES if raw.token_to_id(n) is not None), None)
+    if pad is not None:
+        out["pad_token"] = pad
+    with_specials = raw.encode("x").ids
+    plain = raw.encode("x", add_special_tokens=False).ids
+    if len(with_specials) > len(plain) and with_specials[1 : len(plain) + 1] == plain:
+        out["bos_token"] = raw.id_to_token(with_specials[0])
+    return out
+
+
+def bos_token_id(tokenizer) -> int | None:
+    """The BOS id that ``tokenizer(text)`` puts before a text (Llama, Gemma, Mistral), None when
+    it puts none (GPT-2, Qwen): documents start with it as they do in run_clm and TRL, while
+    tokenizing with add_special_tokens=False (long texts go in pieces)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    with_specials = tokenizer("x")["input_ids"]
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    if with_specials[:1] == [bos] and plain[:1] != [bos]:
+        return bos
+    return None
 
 
 def has_tokenizer_files(folder: str | Path) -> bool:
@@ -92,11 +138,12 @@ def read_texts(path: str | Path | None = None) -> list[tuple[str, str]]:
 
 def build_chunks(tokenizer, docs: list[tuple[str, str]], seq_len: int) -> list[list[int]]:
     """Tokenize, join documents with EOS, cut into ``seq_len`` blocks (the remainder dropped).
+    Each document starts with the tokenizer's BOS when ``tokenizer(text)`` adds one.
 
     Packing without document masking lets attention cross document boundaries; for pretraining on
     a text corpus that is the usual trade against padding waste.
     """
-    eos = tokenizer.eos_token_id
+    eos, bos = tokenizer.eos_token_id, bos_token_id(tokenizer)
     stream: list[int] = []
     for _, text in docs:
         # Paragraph batches keep every call small (fast tokenizers parallelize over the batch).
@@ -104,6 +151,8 @@ def build_chunks(tokenizer, docs: list[tuple[str, str]], seq_len: int) -> list[l
         pieces = ["\n\n".join(paras[i : i + 64]) for i in range(0, len(paras), 64)]
         pieces = [pc + "\n\n" for pc in pieces[:-1]] + pieces[-1:]
         enc = tokenizer(pieces, add_special_tokens=False, verbose=False)["input_ids"]
+        if bos is not None and enc[0][:1] != [bos]:  # a text may start with the BOS text
+            stream.append(bos)
         for ids in enc:
             stream.extend(ids)
         if eos is not None:
@@ -156,6 +205,7 @@ __all__ = [
     "DEFAULT_CORPUS",
     "DEFAULT_TOKENIZER",
     "DataError",
+    "bos_token_id",
     "build_chunks",
     "has_tokenizer_files",
     "load_tokenizer",

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .text import DEFAULT_CORPUS, TEXT_SUFFIXES, DataError
+from .text import DEFAULT_CORPUS, TEXT_SUFFIXES, DataError, bos_token_id
 
 if TYPE_CHECKING:
     import datasets
@@ -487,7 +487,12 @@ def _encoder(
             "Choose one with --dataset_text_field or --dataset_messages_field"
         )
     kwargs = dict(
-        tokenizer=tokenizer, column=column, chat=chat, seq_len=args.seq_len, packing=args.packing
+        tokenizer=tokenizer,
+        column=column,
+        chat=chat,
+        seq_len=args.seq_len,
+        packing=args.packing,
+        bos=bos_token_id(tokenizer),
     )
     return kwargs, columns
 
@@ -518,7 +523,14 @@ def _rows_dataset(rows: list[dict]) -> datasets.Dataset:
 
 
 def _encode(
-    batch: dict[str, list], *, tokenizer, column: str, chat: bool, seq_len: int, packing: bool
+    batch: dict[str, list],
+    *,
+    tokenizer,
+    column: str,
+    chat: bool,
+    seq_len: int,
+    packing: bool,
+    bos: int | None,
 ) -> dict[str, list[np.ndarray]]:
     """A batch of documents -> training rows. A module-level function of its arguments only, so
     the datasets cache recognizes it (fingerprint) across runs.
@@ -539,7 +551,7 @@ def _encode(
             )
         if doc and doc.strip():
             texts.append(doc)
-    docs = _tokenize(tokenizer, texts)
+    docs = _tokenize(tokenizer, texts, bos)
     if packing:
         # As text.build_chunks: documents joined (each ends in EOS), cut into seq_len blocks.
         stream = np.fromiter(chain.from_iterable(docs), dtype=np.int32)
@@ -556,9 +568,10 @@ def _encode(
     return out
 
 
-def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, EOS appended; long texts go in paragraph pieces (the same tokens
-    as text.build_chunks: pieces split after a blank line, where BPE pre-tokenization splits)."""
+def _tokenize(tokenizer, texts: list[str], bos: int | None = None) -> list[list[int]]:
+    """Token ids of each text, ``bos`` (text.bos_token_id) first unless the text starts with it,
+    EOS appended; long texts go in paragraph pieces (the same tokens as text.build_chunks: pieces
+    split after a blank line, where BPE pre-tokenization splits)."""
     pieces, owner = [], []
     for d, text in enumerate(texts):
         paras = text.split("\n\n")
@@ -570,8 +583,10 @@ def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
     docs: list[list[int]] = [[] for _ in texts]
     for d, ids in zip(owner, enc):
         docs[d].extend(ids)
-    if tokenizer.eos_token_id is not None:
-        for ids in docs:
+    for ids in docs:
+        if bos is not None and ids[:1] != [bos]:  # a rendered chat may start with its BOS
+            ids.insert(0, bos)
+        if tokenizer.eos_token_id is not None:
             ids.append(tokenizer.eos_token_id)
     return docs
 

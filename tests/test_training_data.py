@@ -401,3 +401,68 @@ def test_missing_local_paths_are_not_hub_ids(monkeypatch, tok, name):
     monkeypatch.setattr(training_data, "_hub_unreachable", no_hub)
     with pytest.raises(DataError, match=f"data not found: {name} \\(--dataset_name\\)"):
         load_training_data(DataArguments(dataset_name=name), tok)
+
+
+def word_tokenizer_file(path: Path, specials: list[str], bos: str | None = None) -> Path:
+    """A tokenizer.json of the words of doc() and ``specials`` (ids 0, 1, ...), no config: as a
+    bare --tokenizer FILE. ``bos``: its post-processor puts that token before a text (Llama)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    raw = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=[*specials, "<unk>"])
+    raw.train_from_iterator([doc(i) for i in range(50)], trainer)
+    if bos is not None:
+        raw.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, raw.token_to_id(bos))]
+        )
+    raw.save(str(path))
+    return path
+
+
+def test_bare_tokenizer_file_keeps_its_own_special_tokens(tmp_path):
+    """EOS and pad come from the file's vocabulary; names it lacks are not added as new ids."""
+    path = word_tokenizer_file(tmp_path / "tokenizer.json", ["<s>", "</s>", "<pad>"])
+    tok = load_tokenizer(path)
+    n_vocab = tok.backend_tokenizer.get_vocab_size()
+    assert (tok.eos_token, tok.pad_token) == ("</s>", "<pad>")
+    assert (tok.eos_token_id, tok.pad_token_id) == (1, 2) and len(tok) == n_vocab
+    bare = word_tokenizer_file(tmp_path / "bare.json", ["[SEP]"])
+    with pytest.raises(DataError, match="no EOS token .*tokenizer folder"):
+        load_tokenizer(bare)
+    bundled = load_tokenizer(None)  # as before: its own <|endoftext|> and <|pad|>, no BOS
+    assert (bundled.eos_token, bundled.pad_token, bundled.bos_token) == (
+        "<|endoftext|>", "<|pad|>", None,
+    )  # fmt: skip
+    assert len(bundled) == bundled.backend_tokenizer.get_vocab_size() == 4096
+
+
+def test_documents_start_with_the_tokenizers_bos(tmp_path, tok):
+    """A tokenizer that puts BOS before a text (Llama, Gemma) gets it at the start of each
+    document, once (a chat template that writes it is not doubled); the bundled one (no BOS)
+    gives the same rows as the plain token stream."""
+    from hf_megatrain.text import bos_token_id
+
+    bos_tok = load_tokenizer(word_tokenizer_file(tmp_path / "t.json", ["<s>", "</s>"], bos="<s>"))
+    assert bos_tok.bos_token == "<s>" and bos_token_id(bos_tok) == 0
+    texts = [doc(i) for i in range(6)]
+    path = jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    args = DataArguments(dataset_name=str(path), packing=False, seq_len=64, eval_fraction=0)
+    for row in load_training_data(args, bos_tok).train:
+        ids_ = row["input_ids"].tolist()
+        assert ids_[0] == 0 and ids_.count(0) == 1
+    chunks = build_chunks(bos_tok, [("a", t) for t in texts], 8)
+    assert sum(c.count(0) for c in chunks) >= 5 and chunks[0][0] == 0
+
+    bos_tok.chat_template = "{{ bos_token }}" + CHAT_TEMPLATE
+    convs = [{"messages": [{"role": "user", "content": doc(i)}]} for i in range(4)]
+    chat = DataArguments(**{**vars(args), "dataset_name": str(jsonl(tmp_path / "c.jsonl", convs))})
+    for row in load_training_data(chat, bos_tok).train:
+        assert row["input_ids"][0] == 0 and row["input_ids"][1] != 0
+
+    assert bos_token_id(tok) is None
+    packed = load_training_data(DataArguments(**{**vars(args), "packing": True}), tok)
+    eos = [tok.eos_token_id]
+    stream = [i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"] + eos]
+    rows = [stream[i : i + 64] for i in range(0, len(stream) // 64 * 64, 64)]
+    assert sorted(ids(packed.train)) == sorted(rows)
