@@ -25,9 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cli_common import CLIError
+from .cli_common import CLIError, check_config_builds, config_from_json
 from .core.options import EngineOptions, OptionError
-from .option_flags import add_option_arguments, flag_name, options_from_mapping
+from .option_flags import (
+    DefaultOnceHelpFormatter,
+    add_option_arguments,
+    flag_name,
+    options_from_mapping,
+)
 
 #: ``--attn`` values: the model's ``attn_implementation``. flash_attention_2 only where the
 #: optional flash-attn package is installed (it cannot be built on every machine).
@@ -174,6 +179,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             kw.update(action="store_const", const=const)
         short.add_argument(flag, **kw)
     add_option_arguments(parser.add_argument_group("engine options (memory tiers, long sequences)"))
+    if issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter):
+        parser.formatter_class = DefaultOnceHelpFormatter  # each default said once
     for action in parser._actions:
         if "--verify" in action.option_strings:
             # HfArgumentParser gives an Optional[bool] no bare form: "--verify" alone means yes.
@@ -233,16 +240,42 @@ def _typed(argv: list[str], parser: argparse.ArgumentParser) -> set[str]:
 
 def _refuse_opposite_flags(argv: list[str], parser: argparse.ArgumentParser) -> None:
     """A yes and a no for one setting both typed (--bf16 --fp32, --packing --no_packing):
-    argparse would silently keep the last one. The same flag twice stays last-wins."""
-    seen: dict[str, tuple[str, Any]] = {}
-    for token in argv:
+    argparse would silently keep the last one. Compared by the values they set, so flags that
+    agree (--bf16 false --fp32) pass. The same flag twice stays last-wins."""
+    seen: dict[str, list[tuple[Any, str, Any]]] = {}
+    for i, token in enumerate(argv):
         flag = token.split("=", 1)[0]
         action = parser._option_string_actions.get(flag) if flag.startswith("--") else None
-        if action is None or action.const is None:
-            continue  # not a switch: a value flag, or not a flag at all
-        first, const = seen.setdefault(action.dest, (flag, action.const))
-        if const != action.const:
-            raise CLIError(f"{first} and {flag} contradict each other: give only one of them")
+        if action is None or not _is_switch(action):
+            continue  # a value flag, or not a flag at all
+        value = _switch_value(action, flag, token, argv[i + 1 : i + 2])
+        # One flag, however spelled (--no_packing, --no-packing); a BooleanOptionalAction is
+        # two flags (--offload-activations, --no-offload-activations) in one action.
+        same = (action, value) if isinstance(action, argparse.BooleanOptionalAction) else action
+        for other, first, before in seen.setdefault(action.dest, []):
+            if other != same and before != value:
+                raise CLIError(f"{first} and {flag} contradict each other: give only one of them")
+        seen[action.dest].append((same, flag, value))
+
+
+def _is_switch(action: argparse.Action) -> bool:
+    """A flag that can stand alone for a setting (--fp32, --packing, --no-offload-activations)."""
+    return isinstance(action, argparse.BooleanOptionalAction) or action.const is not None
+
+
+def _switch_value(action: argparse.Action, flag: str, token: str, rest: list[str]) -> Any:
+    """The value that ``token`` (``rest``: the next token) sets, as argparse parses it."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return not flag.startswith("--no-")
+    given = token.split("=", 1)[1] if "=" in token else None
+    if given is None and action.nargs == "?" and rest and not rest[0].startswith("-"):
+        given = rest[0]  # "--bf16 false": argparse takes the next token as the value
+    if given is None:
+        return action.const
+    try:
+        return action.type(given) if action.type is not None else given
+    except (TypeError, ValueError, argparse.ArgumentTypeError):
+        return given  # (argparse has refused it already)
 
 
 def _coerce(parser: argparse.ArgumentParser, values: dict[str, Any]) -> dict[str, Any]:
@@ -252,15 +285,17 @@ def _coerce(parser: argparse.ArgumentParser, values: dict[str, Any]) -> dict[str
     for k, v in values.items():
         action = by_dest.get(k)
         kind = getattr(action, "type", None)
-        if kind is not None and isinstance(v, str):
-            try:
-                v = kind(v)
-            except (TypeError, ValueError, argparse.ArgumentTypeError):
-                raise CLIError(f"{k}: invalid value {v!r}") from None
-        elif kind in (int, float) and v is not None:
+        if kind in (int, float) and v is not None and not isinstance(v, str):
             if isinstance(v, bool) or (kind is int and float(v) != int(v)):
                 raise CLIError(f"{k}: invalid value {v!r}")
             v = kind(v)
+        elif kind is not None and isinstance(v, (str, int, float)):
+            # Any other scalar as the text it was typed as: YAML reads `dataset_name: 2024` (a
+            # folder) as an int, `resume_from_checkpoint: true` as a bool.
+            try:
+                v = kind(v if isinstance(v, str) else str(v))
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                raise CLIError(f"{k}: invalid value {v!r}") from None
         out[k] = v
     return out
 
@@ -366,12 +401,22 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         )
     if data.seq_len < 2:
         raise CLIError("seq_len must be at least 2")
-    strategy = training.get("eval_strategy", "no")
-    if getattr(strategy, "value", strategy) != "no" and data.max_eval_sequences == 0:
-        raise CLIError("--eval_strategy needs evaluation rows: --max_eval_sequences must be > 0")
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
+    _check_eval_rows(data, training)
+    for name in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",  # (it failed in the final evaluate, after training)
+        "gradient_accumulation_steps",
+        "logging_steps",
+    ):
         if training.get(name, 1) < 1:
             raise CLIError(f"{name} must be at least 1")
+    for name in ("seed", "data_seed"):
+        # numpy's seed range: the Trainer seeds numpy with it (a negative seed failed deep in
+        # the data loader, as "could not read" the data).
+        seed = training.get(name)
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise CLIError(f"{name} must be an integer from 0 to {MAX_SEED}, not {seed}")
+    _check_report_to(training.get("report_to"))
     lr = training.get("learning_rate", 1.0)
     if lr <= 0 or not math.isfinite(lr):
         raise CLIError("learning_rate must be a positive number")
@@ -412,13 +457,13 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         if not p.is_file():
             raise CLIError(f"config file not found: {model.config}")
         model.config = str(p)
+        # Read and built on meta now (a large config: seconds), not after the data is
+        # tokenized: a bad size or any construction error is one line before any work.
+        check_config_builds(config_from_json(model.config), model.config)
     if model.tokenizer is not None and not Path(model.tokenizer).exists():
         raise CLIError(f"tokenizer not found: {model.tokenizer}")
     if training.get("push_to_hub"):
-        from huggingface_hub import constants  # noqa: PLC0415
-
-        if constants.HF_HUB_OFFLINE:
-            raise CLIError("--push_to_hub needs the Hub, but HF_HUB_OFFLINE is set")
+        _check_hub_access(training.get("hub_token"))
     if not str(training.get("output_dir") or "").strip():
         raise CLIError("output_dir is empty: pass --output_dir FOLDER")
     out = Path(training["output_dir"])
@@ -432,6 +477,105 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         raise CLIError(f"output_dir cannot be created: {out} ({e.strerror})") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise CLIError(f"output_dir is not writable: {out}")
+
+
+#: The largest --seed / --data_seed: numpy's seeds are 32-bit.
+MAX_SEED = 2**32 - 1
+
+
+def _wants_eval(training: dict[str, Any]) -> str | None:
+    """The flag that asks for evaluation rows (None: nothing does)."""
+    strategy = training.get("eval_strategy", "no")
+    strategy = getattr(strategy, "value", strategy)
+    if strategy != "no":
+        return f"--eval_strategy {strategy}"
+    save = training.get("save_strategy")
+    if getattr(save, "value", save) == "best":
+        return "--save_strategy best"
+    if training.get("load_best_model_at_end"):
+        return "--load_best_model_at_end"
+    if training.get("metric_for_best_model") is not None:
+        return "--metric_for_best_model"
+    return None
+
+
+def _check_eval_rows(data, training: dict[str, Any]) -> None:
+    """Evaluation asked for where the data can have no eval rows: the Trainer refused it only
+    once the model was built ("didn't pass an eval_dataset")."""
+    wants = _wants_eval(training)
+    if wants is None:
+        return
+    if data.max_eval_sequences == 0:
+        raise CLIError(f"{wants} needs evaluation rows: --max_eval_sequences must be > 0")
+    name = data.dataset_name
+    # Local files and the bundled corpus have one split (train): without --eval_fraction no
+    # row is held out. A Hub dataset may have its own eval split: known once loaded.
+    local = name is None or Path(name).expanduser().exists()
+    if data.eval_fraction == 0 and data.dataset_eval_split is None and local:
+        raise CLIError(
+            f"{wants} needs evaluation rows, but --eval_fraction is 0 and "
+            f"{name or 'the bundled corpus'} has no eval split: set --eval_fraction above 0 "
+            "(e.g. 0.05), or --eval_strategy no"
+        )
+
+
+def _check_report_to(report_to: Any) -> None:
+    """``--report_to`` against transformers' integrations (it refused an unknown name only
+    once the model was built)."""
+    from transformers.integrations.integration_utils import (  # noqa: PLC0415
+        INTEGRATION_TO_CALLBACK,
+    )
+
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    if names in (["all"], ["none"]):
+        return
+    for name in names:
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise CLIError(
+                f"--report_to {name}: not a known integration; choose from "
+                f"{', '.join(INTEGRATION_TO_CALLBACK)}, or all or none"
+            )
+
+
+def _check_hub_access(hub_token: str | None) -> None:
+    """--push_to_hub: the Hub reachable and a token at hand, checked as the dataset loader
+    checks the Hub; the Trainer would find out with a traceback once the model is built."""
+    from huggingface_hub import constants  # noqa: PLC0415
+
+    from . import training_data  # noqa: PLC0415
+
+    if constants.HF_HUB_OFFLINE:
+        raise CLIError("--push_to_hub needs the Hub, but HF_HUB_OFFLINE is set")
+    unreachable = training_data._hub_unreachable()
+    if unreachable:
+        raise CLIError(
+            f"--push_to_hub needs the Hub, and {unreachable} (connect, or drop --push_to_hub "
+            "and upload the saved folder later)"
+        )
+    import huggingface_hub  # noqa: PLC0415
+
+    if not hub_token and not huggingface_hub.get_token():
+        raise CLIError(
+            "--push_to_hub needs a Hub token: run 'hf auth login', set HF_TOKEN, or pass "
+            "--hub_token"
+        )
+
+
+def check_batch_size(batch: int, num_train_rows: int | None, world: int = 1) -> None:
+    """Refuse a per-device batch larger than the training rows each process reads: every step
+    would see all of them, not the batch (and the tokens per step) that was asked for.
+    ``num_train_rows`` None (streaming): nothing to check."""
+    if num_train_rows is None:
+        return
+    per_process = num_train_rows // max(world, 1)
+    if batch > per_process:
+        rows = f"{num_train_rows} training rows"
+        if world > 1:
+            rows += f" ({per_process} rows per process, {world} processes)"
+        raise CLIError(
+            f"--per_device_train_batch_size {batch} is more than the {rows}: a step would read "
+            f"each row once, not {batch}; use at most {per_process}, or more data"
+        )
 
 
 def _model_path_is_a_file(p: Path) -> str:
@@ -466,6 +610,7 @@ __all__ = [
     "TRAIN_DEFAULTS",
     "TrainSettings",
     "add_train_arguments",
+    "check_batch_size",
     "load_recipe",
     "parse_train_arguments",
 ]

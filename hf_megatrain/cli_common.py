@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 class CLIError(Exception):
@@ -84,10 +85,54 @@ def config_from_json(path: str):
     layers = d.get("num_hidden_layers", d.get("n_layer"))
     if isinstance(layers, int) and layers < 1:
         raise CLIError(f"{path}: num_hidden_layers is {layers}; a model needs at least 1 layer")
+    check_config_sizes(d, path)  # before the config divides by them (head_dim)
     try:
-        return AutoConfig.for_model(model_type, **d)
-    except CONFIG_ERRORS as e:
+        cfg = AutoConfig.for_model(model_type, **d)
+    except (*CONFIG_ERRORS, ArithmeticError) as e:
         raise CLIError(f"{path}: invalid config: {error_summary(e)}") from None
+    check_config_sizes(cfg, path)  # and the sizes it derives, under every alias
+    return cfg
+
+
+#: Config sizes that must be at least 1 where set (None: the family's own default or derived).
+#: A 0 or a negative one failed far from the config: a TypeError in the host store, a "negative
+#: dimension" from torch.
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "n_embd",
+    "n_head",
+    "n_inner",
+    "n_positions",
+)
+
+
+def check_config_sizes(config: Any, where: str) -> None:
+    """Refuse a size field of ``config`` (a config or its JSON dict) below 1, naming it."""
+    for name in SIZE_FIELDS:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise CLIError(f"{where}: {name} is {value}; it must be at least 1")
+
+
+def check_config_builds(config: Any, where: str) -> None:
+    """Build ``config``'s model on ``meta`` (nothing allocated) and refuse one that cannot be
+    built in one line, as ``plan`` does, instead of a traceback from inside transformers."""
+    from .hf.model import UnsupportedModelError, meta_model  # noqa: PLC0415
+
+    try:
+        meta_model(config)
+    except UnsupportedModelError as e:
+        raise CLIError(f"{where}: {str(e).removeprefix('hf_megatrain: ')}") from None
+    except (ArithmeticError, LookupError, AttributeError) as e:  # meta_model lets these through
+        raise CLIError(
+            f"{where}: could not build {config.model_type} from this config: {error_summary(e)}"
+        ) from None
 
 
 def error_summary(e: BaseException) -> str:

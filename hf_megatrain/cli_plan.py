@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .cli_common import CLIError, config_from_json, say, setup_logging
+from .cli_common import CLIError, check_config_sizes, config_from_json, say, setup_logging
 from .core.options import OptionError, StepShape
 from .core.planner import PLANNED_OPTIONS, OptionNamer
 from .option_flags import add_option_arguments, flag_name, flag_text, options_from_namespace
@@ -89,10 +89,20 @@ def plan_config(path: str):
                 f"{p}: model_type {cfg.model_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        check_config_sizes(cfg, str(p / "config.json"))
         return cfg
     if not p.is_file():
         raise CLIError(f"config not found: {path} (give a config.json or a folder with one)")
     return config_from_json(str(p))
+
+
+def plan_label(path: str) -> str:
+    """The model's name in the plan: a checkpoint folder's (given as the folder or its
+    config.json), else the config file's (``cfgs/huge200.json``: huge200, not cfgs)."""
+    src = Path(path).resolve()
+    if src.is_file():
+        return src.parent.name if src.name == "config.json" else src.stem
+    return src.name
 
 
 def model_shape_from_config(cfg, name: str = "model"):
@@ -236,8 +246,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         raise CLIError(_flag_message(str(e))) from None
     hbm, host, said = detected_memory(ns.hbm_gib, ns.host_gib)
     cfg = plan_config(ns.model)
-    src = Path(ns.model).resolve()
-    label = src.parent.name if src.is_file() else src.name
+    label = plan_label(ns.model)
     setup_logging()
     shape, kernels = planned_kernel_shape(
         cfg, f"{label} [{cfg.model_type}]", options.layer_kernels, getattr(ns, "liger", False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from collections.abc import Iterable
 from typing import Any
@@ -69,6 +70,22 @@ def add_option_arguments(
     return names
 
 
+#: A help text that names its default already: "(default: X)", "Default: ...", "Default (None)".
+_SAYS_DEFAULT = re.compile(r"\bdefault\s*[:(]|%\(default\)", re.IGNORECASE)
+
+
+class DefaultOnceHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``ArgumentDefaultsHelpFormatter`` (HfArgumentParser's) that adds no "(default: ...)" to
+    a help that already names its default: an engine flag's argparse default is None (so that
+    an untyped flag keeps the options' own default), and its help says the options' default;
+    the stock formatter printed "(default: True) (default: None)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and _SAYS_DEFAULT.search(action.help):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def options_from_namespace(
     ns: argparse.Namespace, base: EngineOptions | None = None
 ) -> EngineOptions:
@@ -108,6 +125,7 @@ def options_from_mapping(
 
 
 __all__ = [
+    "DefaultOnceHelpFormatter",
     "add_option_arguments",
     "flag_name",
     "flag_text",

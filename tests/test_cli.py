@@ -284,7 +284,7 @@ def test_more_bad_input_errors_are_clean(tmp_path):
     assert "names a configuration of a Hub dataset" in _error(
         ["train", "--dataset_name", str(text), "--dataset_config", "wikitext-2"]
     )
-    assert "--eval_strategy needs evaluation rows" in _error(
+    assert "--eval_strategy steps needs evaluation rows" in _error(
         ["train", "--eval_strategy", "steps", "--eval_steps", "1", "--max_eval_sequences", "0"]
     )
     model = tmp_path / "model"
@@ -505,3 +505,156 @@ def test_cpu_run_report_has_no_gpu_terms(tmp_path, caplog, resident, said_first)
     said = [r.getMessage() for r in caplog.records if r.name.startswith("hf_megatrain")]
     assert any(m.startswith(f"hf_megatrain: {said_first}") for m in said), said
     assert not any("HBM" in m or "keep_attention_outputs" in m or "pageable" in m for m in said)
+
+
+def test_bad_settings_are_refused_before_the_model_loads(tmp_path):
+    """Found by an audit: each failed after training (eval batch 0), in the Trainer (no eval
+    rows, an unknown --report_to) or deep in the data loader (a negative seed); now one line
+    from parsing, before anything is loaded."""
+    out = ["--output_dir", str(tmp_path / "out")]
+    msg = _error(["train", "--per_device_eval_batch_size", "0", *out])
+    assert "per_device_eval_batch_size must be at least 1" in msg
+    no_eval = ["--eval_fraction", "0", *out]  # the bundled corpus has no eval split
+    msg = _error(["train", "--eval_strategy", "steps", "--eval_steps", "1", *no_eval])
+    assert "--eval_strategy steps needs evaluation rows" in msg and "--eval_fraction" in msg
+    best = ["--eval_strategy", "steps", "--save_strategy", "steps", "--load_best_model_at_end"]
+    assert "--eval_strategy steps needs evaluation rows" in _error(["train", *best, *no_eval])
+    msg = _error(["train", "--metric_for_best_model", "loss", *no_eval])
+    assert "--metric_for_best_model needs evaluation rows" in msg
+    assert parse_train(["--eval_strategy", "steps", "--eval_fraction", "0.1", *out])
+    # A Hub dataset may have an eval split of its own: not known before it is loaded.
+    hub = ["--dataset_name", "org/some-dataset", "--eval_strategy", "steps", *no_eval]
+    assert parse_train(hub).data.eval_fraction == 0
+    msg = _error(["train", "--report_to", "bogus", *out])
+    assert "--report_to bogus: not a known integration" in msg and "tensorboard" in msg
+    assert parse_train(["--report_to", "tensorboard", *out]).training.report_to == ["tensorboard"]
+    assert parse_train(["--report_to", "all", *out])
+    for flag, value in (("--seed", "-1"), ("--data_seed", "-5"), ("--seed", str(2**32))):
+        msg = _error(["train", flag, value, *out])
+        assert f"{flag.lstrip('-')} must be an integer from 0 to 4294967295" in msg, msg
+    assert parse_train(["--data_seed", "7", *out]).training.data_seed == 7
+
+
+def test_push_to_hub_is_checked_before_training(tmp_path, monkeypatch):
+    """--push_to_hub without a reachable Hub failed with an httpx traceback once the model was
+    loaded; without credentials, likewise. Now both are refused up front, in one line."""
+    import huggingface_hub
+
+    import hf_megatrain.training_data as training_data
+
+    push = ["--push_to_hub", "--hub_model_id", "me/x", "--output_dir", str(tmp_path / "out")]
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(
+        training_data,
+        "_hub_unreachable",
+        lambda: "the Hub at https://huggingface.co cannot be reached: Name or service not known",
+    )
+    msg = _error(["train", *push])
+    assert "--push_to_hub needs the Hub, and the Hub at https://huggingface.co cannot be" in msg
+    monkeypatch.setattr(training_data, "_hub_unreachable", lambda: None)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    assert "--push_to_hub needs a Hub token" in _error(["train", *push])
+    assert parse_train([*push, "--hub_token", "hf_x"]).training.push_to_hub
+
+
+def test_recipe_numbers_for_string_settings(tmp_path):
+    """YAML reads `dataset_name: 2024` (a folder named 2024) as an int; a str setting gets it
+    as the text it was typed as (it failed deep in the data loader)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("dataset_name: 2024\nresident_layers: 1\nresume_from_checkpoint: true\n")
+    s = parse_train(["--recipe", str(recipe), "--output_dir", str(tmp_path / "out")])
+    assert s.data.dataset_name == "2024" and s.engine.resident_layers == "1"
+    assert s.training.resume_from_checkpoint == "True"  # "true": resume from the newest
+    recipe.write_text("eval_strategy: 3\n")
+    assert "3 is not a valid IntervalStrategy" in _error(["train", "--recipe", str(recipe)])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("hidden_size", 0), ("num_attention_heads", -3), ("intermediate_size", -5),
+     ("vocab_size", 0), ("num_key_value_heads", 0)],
+)  # fmt: skip
+def test_degenerate_config_sizes_are_refused(tmp_path, capsys, field, value):
+    """A size of 0 or below in --config failed inside the host store or torch (a TypeError, a
+    negative dimension) once the data was loaded; now train and plan name the field."""
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({**json.loads(DEFAULT_CONFIG.read_text()), field: value}))
+    said = f"{cfg}: {field} is {value}; it must be at least 1"
+    assert said in _error(["train", "--config", str(cfg), "--output_dir", str(tmp_path / "o")])
+    plan = ["plan", str(cfg), "--seq-len", "64", "--tokens-per-step", "128", "--no-search"]
+    assert said in _error(plan + ["--hbm-gib", "80", "--host-gib", "64"])
+
+
+def test_config_that_cannot_be_built_is_refused_at_parse_time(tmp_path, monkeypatch):
+    """Any other construction error of a --config model: one line, before the data is read."""
+    import hf_megatrain.training_data as training_data
+
+    cfg = json.loads(DEFAULT_CONFIG.read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**cfg, "hidden_act": "no_such_activation"}))
+    monkeypatch.setattr(training_data, "load_training_data", None)  # never reached
+    msg = _error(["train", "--config", str(bad), "--output_dir", str(tmp_path / "o")])
+    assert f"{bad}: could not build llama from this config" in msg
+
+
+def test_agreeing_flags_are_not_contradictory(tmp_path):
+    """--bf16 false with --fp32, --no_packing with --packing false: the same setting twice, not
+    a contradiction (the check compared the switches' constants, not the values given)."""
+    out = ["--output_dir", str(tmp_path), "--max_steps", "1"]
+    assert parse_train(["--bf16", "false", "--fp32", *out]).training.bf16 is False
+    assert parse_train(["--no_packing", "--packing", "false", *out]).data.packing is False
+    assert parse_train(["--packing=false", "--no-packing", *out]).data.packing is False
+    assert parse_train(["--no-verify", "--verify", "false", *out]).model.verify is False
+    msg = _error(["train", "--bf16", "true", "--fp32", *out])
+    assert "--bf16 and --fp32 contradict each other" in msg
+    msg = _error(["train", "--fp32", "--bf16=yes", *out])
+    assert "--fp32 and --bf16 contradict each other" in msg
+    msg = _error(["train", "--offload-activations", "--no-offload-activations", *out])
+    assert "--offload-activations and --no-offload-activations contradict" in msg
+    # One flag given twice stays last-wins.
+    assert parse_train(["--bf16", "true", "--bf16", "false", *out]).training.bf16 is False
+
+
+def test_help_says_each_default_once(capsys):
+    """Engine flags' help named their default, then argparse's formatter added the parser's
+    own default too: "(default: True) (default: None)"."""
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert not re.search(r"\(default: [^()]*\) \(default:", text)
+    assert "--offload-activations, --no-offload-activations" in text
+    assert "(default: False)" in text and "--max_steps MAX_STEPS" in text
+
+
+def test_plan_names_the_model_after_its_config_file(tmp_path, capsys):
+    """`plan cfgs/big.json` named the model "cfgs" (the folder); a file is named after
+    itself, a checkpoint folder (or its config.json) after the folder."""
+    folder = tmp_path / "cfgs"
+    folder.mkdir()
+    cfg = _tiny_config(folder / "huge200.json")
+    flags = ["--seq-len", "64", "--tokens-per-step", "128", "--no-search"]
+    flags += ["--hbm-gib", "80", "--host-gib", "64"]
+    assert main(["plan", str(cfg), *flags]) == 0
+    assert "memory plan: huge200 [llama]" in capsys.readouterr().out
+    _tiny_config(folder / "config.json")
+    for target in (folder, folder / "config.json"):
+        assert main(["plan", str(target), *flags]) == 0
+        assert "memory plan: cfgs [llama]" in capsys.readouterr().out
+
+
+def test_batch_larger_than_the_data_is_refused():
+    """A per-device batch beyond the training rows: each step sees every row once, not the
+    batch the summary claimed (2 steps x 12800000 tokens of 550 rows)."""
+    from hf_megatrain.cli_arguments import check_batch_size
+    from hf_megatrain.cli_common import CLIError
+
+    with pytest.raises(
+        CLIError, match=r"--per_device_train_batch_size 100000 is more than the 550"
+    ):
+        check_batch_size(100000, 550)
+    with pytest.raises(CLIError, match=r"275 rows per process"):
+        check_batch_size(300, 550, world=2)
+    check_batch_size(550, 550)
+    check_batch_size(10**6, None)  # streaming: no row count
