@@ -578,6 +578,31 @@ def check_batch_size(batch: int, num_train_rows: int | None, world: int = 1) -> 
         )
 
 
+def check_loaded_data(settings: TrainSettings, data: Any) -> None:
+    """What can be checked only once the data is loaded (``data``: a ``TrainingData``), before
+    the model is built: a batch beyond the rows, and evaluation asked for where a Hub dataset
+    turned out to have no eval split (the Trainer refused that once the model was built)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_batch_size(settings.training.per_device_train_batch_size, data.num_train_rows, world)
+    args = settings.training
+    given_metric = "metric_for_best_model" in settings.source
+    wants = _wants_eval(
+        {
+            "eval_strategy": args.eval_strategy,
+            "save_strategy": args.save_strategy,
+            "load_best_model_at_end": args.load_best_model_at_end,
+            # Only a given one: the arguments set it themselves for some schedulers.
+            "metric_for_best_model": args.metric_for_best_model if given_metric else None,
+        }
+    )
+    if wants is not None and data.eval is None:
+        raise CLIError(
+            f"{wants} needs evaluation rows, but {settings.data.dataset_name or 'the data'} has no "
+            "eval split and --eval_fraction is 0: set --eval_fraction above 0 (e.g. 0.05), "
+            "name one with --dataset_eval_split, or --eval_strategy no"
+        )
+
+
 def _model_path_is_a_file(p: Path) -> str:
     """The message for a --model_path that names a file (it exists: "not found" would mislead)."""
     hint = ""
@@ -611,6 +636,7 @@ __all__ = [
     "TrainSettings",
     "add_train_arguments",
     "check_batch_size",
+    "check_loaded_data",
     "load_recipe",
     "parse_train_arguments",
 ]

@@ -658,3 +658,26 @@ def test_batch_larger_than_the_data_is_refused():
         check_batch_size(300, 550, world=2)
     check_batch_size(550, 550)
     check_batch_size(10**6, None)  # streaming: no row count
+
+
+def test_checks_once_the_data_is_loaded(tmp_path):
+    """check_loaded_data (run_train's call after loading the data, before the model): evaluation
+    asked for where a Hub dataset turned out to have no eval split, and a batch beyond the rows,
+    refused in one line."""
+    from types import SimpleNamespace
+
+    from hf_megatrain.cli_arguments import check_loaded_data
+    from hf_megatrain.cli_common import CLIError
+
+    out = ["--output_dir", str(tmp_path / "out")]
+    hub = ["--dataset_name", "org/some-dataset", "--eval_fraction", "0", *out]
+    settings = parse_train(["--eval_strategy", "steps", *hub])
+    with pytest.raises(CLIError, match="--eval_strategy steps needs evaluation rows, but org/"):
+        check_loaded_data(settings, SimpleNamespace(num_train_rows=100, eval=None))
+    check_loaded_data(settings, SimpleNamespace(num_train_rows=100, eval=[0]))
+    metric = parse_train(["--metric_for_best_model", "loss", *hub])
+    with pytest.raises(CLIError, match="--metric_for_best_model needs evaluation rows"):
+        check_loaded_data(metric, SimpleNamespace(num_train_rows=100, eval=None))
+    check_loaded_data(parse_train(hub), SimpleNamespace(num_train_rows=100, eval=None))
+    with pytest.raises(CLIError, match="--per_device_train_batch_size 8 is more than the 5 "):
+        check_loaded_data(parse_train(out), SimpleNamespace(num_train_rows=5, eval=[0]))
