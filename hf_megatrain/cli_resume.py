@@ -257,6 +257,11 @@ def _checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
+def checkpoints_after(output_dir: str, step: int) -> list[str]:
+    """The ``checkpoint-N`` folders of ``output_dir`` with N above ``step``, complete or not."""
+    return [p for p in _checkpoints(output_dir) if int(os.path.basename(p).split("-")[1]) > step]
+
+
 def _way_on(problem: Incomplete) -> str:
     if problem.state_only:
         return (
@@ -334,6 +339,7 @@ __all__ = [
     "check_complete",
     "check_same_run",
     "checkpoint_problem",
+    "checkpoints_after",
     "listed_files_problem",
     "newest_complete",
     "record_callback",

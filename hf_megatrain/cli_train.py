@@ -25,6 +25,7 @@ from .cli_common import say as _say
 from .cli_common import setup_logging as _setup_logging
 from .cli_resume import (
     check_same_run,
+    checkpoints_after,
     listed_files_problem,
     record_callback,
     resume_checkpoint,
@@ -210,18 +211,54 @@ def _checkpoint_state(checkpoint: str):
     return TrainerState.load_from_json(str(path))
 
 
-def _holds_saved_model(folder: str) -> bool:
-    """Whether ``folder`` holds a model saved whole by hf_megatrain: its manifest, and every
-    file the manifest lists there at its size (weights deleted since do not count)."""
+def _saved_model_record(folder: str) -> dict | None:
+    """What the model saved whole in ``folder`` was saved from (its manifest's ``saved_from``:
+    the training step and the checkpoint whose weights it holds, if loaded back at the end);
+    None where there is no such model: no manifest, a listed file missing or of another size,
+    or saved by a version that did not record it."""
     from .core.publish import IntegrityError, read_manifest  # noqa: PLC0415
 
     try:
         manifest = read_manifest(folder)
     except IntegrityError:
-        return False
+        return None
     if manifest is None or not (Path(folder) / "config.json").is_file():
-        return False
-    return listed_files_problem(folder, manifest) is None
+        return None
+    record = manifest.get("saved_from")
+    if not isinstance(record, dict) or not isinstance(record.get("global_step"), int):
+        return None
+    return record if listed_files_problem(folder, manifest) is None else None
+
+
+def _best_checkpoint(resume: str, state, args) -> str | None:
+    """The checkpoint whose weights this run's final model holds instead of ``resume``'s: the
+    best one ``resume``'s trainer state records, under --load_best_model_at_end (as the
+    Trainer loads it at the end of training). Looked up beside ``resume`` (the recorded path
+    may be relative to another working directory); None where it is gone."""
+    if not args.load_best_model_at_end or state is None or not state.best_model_checkpoint:
+        return None
+    name = os.path.basename(os.path.normpath(state.best_model_checkpoint))
+    path = os.path.join(os.path.dirname(os.path.abspath(resume)), name)
+    return path if os.path.isdir(path) else None
+
+
+def _finishes_run(record: dict, resume: str, resume_step: int, args) -> bool:
+    """Whether the final model ``record`` describes is this run's: saved at --max_steps or
+    later, at the step of the newest complete checkpoint ``resume`` or past every checkpoint
+    (the Trainer deletes the last one at the end under --load_best_model_at_end
+    --save_total_limit 1), holding the weights this run's end would pick."""
+    step, weights_from = record["global_step"], record.get("weights_from")
+    if args.max_steps <= 0 or step < args.max_steps or step < resume_step:
+        return False  # a shorter run's model, or a newer checkpoint not yet exported
+    if step > resume_step:
+        if checkpoints_after(os.path.dirname(os.path.abspath(resume)), resume_step):
+            return False  # newer ones are incomplete: the run goes on from resume to mend them
+        if not args.load_best_model_at_end:
+            return weights_from is None
+        best = os.path.join(os.path.dirname(os.path.abspath(resume)), str(weights_from))
+        return weights_from is not None and os.path.isdir(best)
+    best = _best_checkpoint(resume, _checkpoint_state(resume), args)
+    return weights_from == (os.path.basename(best) if best is not None else None)
 
 
 def _size(nbytes: float) -> str:
@@ -333,12 +370,14 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     # finished from it instead, as its last step would have finished it.
     finish_only = resume_step is not None and 0 < args.max_steps <= resume_step
     named = (args.resume_from_checkpoint or "last").lower() not in RESUME_LAST  # a folder
-    if finish_only and not named and _holds_saved_model(args.output_dir):
+    record = _saved_model_record(args.output_dir) if resume_step is not None else None
+    if not named and record is not None and _finishes_run(record, resume, resume_step, args):
         out = os.path.abspath(args.output_dir)
         _say(
-            f"hf-megatrain: {out} already holds this run's final model (its last checkpoint "
-            f"is at step {resume_step} of --max_steps {args.max_steps}): nothing to train. Pass "
-            "a larger --max_steps to continue it, or another --output_dir."
+            f"hf-megatrain: {out} already holds this run's final model (saved at step "
+            f"{record['global_step']} of --max_steps {args.max_steps}; its last checkpoint is "
+            f"{os.path.basename(resume)}): nothing to train. Pass a larger --max_steps to "
+            "continue it, or another --output_dir."
         )
         return {"output_dir": out, "resumed_from": resume, "already_done": True}
 
@@ -357,6 +396,11 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         _say(
             f"  {resume} is at step {resume_step} of --max_steps {args.max_steps}: nothing is "
             "left to train; the final model is written from its weights"
+            + (
+                f" (the one in {args.output_dir} is step {record['global_step']}'s)"
+                if record is not None and record["global_step"] != resume_step
+                else ""
+            )
         )
     elif resume is not None:
         _say(f"  resuming from {resume} (its weights, optimizer, scheduler, data position, RNG)")
@@ -376,7 +420,7 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     # final eval and save): the final model is saved first, and the reload check skipped.
     with stop.handling():
         if finish_only:
-            trainer._load_from_checkpoint(resume)  # verified against its manifest, then read
+            _load_final_weights(trainer, resume, resume_step, args)
         else:
             train_loss = trainer.train(resume_from_checkpoint=resume).training_loss
         train_s = time.perf_counter() - t_train
@@ -447,6 +491,26 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         )
     _say(f"hf-megatrain: done in {time.perf_counter() - t_start:.1f} s")
     return result
+
+
+def _load_final_weights(trainer, resume: str, resume_step: int, args) -> None:
+    """Load what the end of training from ``resume`` would leave in the model: the best
+    checkpoint's weights under --load_best_model_at_end, else ``resume``'s; the trainer is put
+    at ``resume``'s step, which the final model's manifest records."""
+    state = _checkpoint_state(resume)
+    trainer.state.global_step = resume_step
+    best = _best_checkpoint(resume, state, args)
+    if best is None:
+        if args.load_best_model_at_end and state is not None and state.best_model_checkpoint:
+            _say(
+                f"  warning: the best checkpoint {state.best_model_checkpoint} is gone: the "
+                f"final model is {resume}'s weights"
+            )
+        trainer._load_from_checkpoint(resume)  # verified against its manifest, then read
+        return
+    _say(f"  --load_best_model_at_end: the final model is the best checkpoint, {best}")
+    trainer.state.best_model_checkpoint = best
+    trainer._load_best_model()  # verified, then read; recorded as the weights' origin
 
 
 def _say_saved(out: str, done: str, eval_loss: float | None) -> None:

@@ -161,7 +161,10 @@ def test_a_finished_run_run_again_trains_nothing(finished, tmp_path, capsys):
     capsys.readouterr()
     assert main(_argv(root, out, flags)) == 0
     said = capsys.readouterr().out
-    assert f"already holds this run's final model (its last checkpoint is at step {STEPS}" in said
+    assert (
+        f"already holds this run's final model (saved at step {STEPS} of --max_steps {STEPS}; "
+        f"its last checkpoint is checkpoint-{STEPS})"
+    ) in said
     assert _files(out) == before
 
 
@@ -190,6 +193,84 @@ def test_a_checkpoint_at_max_steps_finishes_the_run(finished, tmp_path, capsys, 
     assert after.keys() == whole.keys()
     for name in whole:
         assert torch.equal(after[name], whole[name]), name
+
+
+def test_an_extended_run_killed_before_its_final_save_writes_it_on_rerun(
+    finished, tmp_path, capsys
+):
+    """A finished run extended with a larger --max_steps and killed after its last checkpoint
+    was published but before the final model was: the folder holds the shorter run's final
+    model beside checkpoint-8. The re-run must not take that model for this run's (its
+    manifest records step 6): it writes the final model from checkpoint-8."""
+    root, out, flags = _copy(finished, tmp_path)
+
+    def longer(folder: Path) -> list[str]:
+        argv = _argv(root, folder, flags)
+        argv[argv.index("--max_steps") + 1] = str(STEPS + 2)
+        return argv
+
+    extended = tmp_path / "extended"
+    shutil.copytree(out, extended)
+    assert main(longer(extended)) == 0
+    # The killed state: the extension's checkpoint-8 published, the final model still step 6's.
+    shutil.copytree(extended / f"checkpoint-{STEPS + 2}", out / f"checkpoint-{STEPS + 2}")
+    capsys.readouterr()
+    assert main(longer(out)) == 0
+    said = capsys.readouterr().out
+    assert "already holds" not in said
+    assert f"is at step {STEPS + 2} of --max_steps {STEPS + 2}: nothing is left" in said
+    assert f"(the one in {out} is step {STEPS}'s)" in said
+    final, want = _weights(out), _weights(out / f"checkpoint-{STEPS + 2}")
+    assert final.keys() == want.keys()
+    for name in want:
+        assert torch.equal(final[name], want[name]), name
+    capsys.readouterr()
+    assert main(longer(out)) == 0  # and now it is done
+    assert "already holds this run's final model (saved at step 8" in capsys.readouterr().out
+
+
+# The worst eval loss counts as the best: checkpoint-2, not the last one.
+_BEST_FLAGS = ["--max_eval_sequences", "4", "--eval_strategy", "steps", "--eval_steps", "2",
+               "--load_best_model_at_end", "true", "--metric_for_best_model", "eval_loss",
+               "--greater_is_better", "true"]  # fmt: skip
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_load_best_model_at_end_is_kept_by_a_rerun(tmp_path, capsys):
+    """--load_best_model_at_end: a run killed after training (its final model not written)
+    finishes on re-run with the BEST checkpoint's weights, as the uninterrupted run's final
+    model; a finished run whose last checkpoint the Trainer deleted at the end (it does under
+    --save_total_limit 1, keeping only the best) trains nothing when run again."""
+    out = tmp_path / "run"
+    argv = _argv(tmp_path, out, _BEST_FLAGS)
+    assert main(argv) == 0
+    best = out / "checkpoint-2"
+    assert best.is_dir() and (out / f"checkpoint-{STEPS}").is_dir()
+    assert _same_weights(out, best) and not _same_weights(out, out / f"checkpoint-{STEPS}")
+    # Killed after training: no final model.
+    for f in out.iterdir():
+        if f.is_file():
+            f.unlink()
+    capsys.readouterr()
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert _same_weights(out, best)
+    assert f"the final model is the best checkpoint, {best}" in said
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "already holds this run's final model" in capsys.readouterr().out
+    # The end of a --save_total_limit 1 run: only the best checkpoint is left.
+    shutil.rmtree(out / f"checkpoint-{STEPS}")
+    before = _files(out)
+    capsys.readouterr()
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "already holds this run's final model" in said and "trained" not in said
+    assert _files(out) == before
 
 
 def test_resume_with_other_run_arguments_is_refused(finished, tmp_path, capsys):

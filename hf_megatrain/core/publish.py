@@ -142,8 +142,12 @@ def _modes_by_umask(paths: list[str]) -> None:
             os.chmod(p, mode)
 
 
-def write_manifest(folder: str) -> dict:
-    """Hash and fsync every file under ``folder``, then write its manifest (fsynced, last)."""
+def write_manifest(folder: str, saved_from: dict | None = None) -> dict:
+    """Hash and fsync every file under ``folder``, then write its manifest (fsynced, last).
+
+    ``saved_from``: what the set was saved from (JSON values, e.g. a final model's training
+    step), recorded with it in the manifest: published together, it cannot describe another set.
+    """
     files = _files(folder)
     paths = [os.path.join(folder, *r.split("/")) for r in files]
     _modes_by_umask(paths)
@@ -158,6 +162,8 @@ def write_manifest(folder: str) -> dict:
         "total_bytes": sum(e["size"] for e in entries.values()),
         "files": entries,
     }
+    if saved_from is not None:
+        manifest["saved_from"] = saved_from
     tmp = os.path.join(folder, f".{MANIFEST_NAME}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
@@ -448,10 +454,13 @@ def _replace_files(temp: str, target: str, keep: Callable[[str], bool] | None) -
 
 
 @contextmanager
-def staged_folder(target: str, keep: Callable[[str], bool] | None = None) -> Iterator[str]:
+def staged_folder(
+    target: str, keep: Callable[[str], bool] | None = None, saved_from: dict | None = None
+) -> Iterator[str]:
     """Yield an empty hidden folder beside ``target`` to write into; when the block ends without
-    an exception, its manifest is written and it is published as ``target``. On an exception
-    (a full disk, ...) it is deleted and ``target`` is left as it was."""
+    an exception, its manifest (with ``saved_from``, see :func:`write_manifest`) is written and
+    it is published as ``target``. On an exception (a full disk, ...) it is deleted and
+    ``target`` is left as it was."""
     target, parent, _ = _norm(target)
     os.makedirs(parent, exist_ok=True)
     recover(target)
@@ -462,7 +471,7 @@ def staged_folder(target: str, keep: Callable[[str], bool] | None = None) -> Ite
     os.makedirs(temp)
     try:
         yield temp
-        write_manifest(temp)
+        write_manifest(temp, saved_from)
         publish(temp, target, keep)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)

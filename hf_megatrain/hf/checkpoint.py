@@ -140,11 +140,11 @@ def keep_beside_model(name: str) -> bool:
 
 
 @contextmanager
-def staged_model_folder(output_dir: str):
+def staged_model_folder(output_dir: str, saved_from: dict | None = None):
     """A hidden folder beside ``output_dir`` to write a model save into; published whole (with
-    its manifest) over ``output_dir`` when the block ends, entries of ``keep_beside_model``
-    kept. See ``core/publish.py``."""
-    with staged_folder(output_dir, keep=keep_beside_model) as folder:
+    its manifest, which records ``saved_from``) over ``output_dir`` when the block ends, entries
+    of ``keep_beside_model`` kept. See ``core/publish.py``."""
+    with staged_folder(output_dir, keep=keep_beside_model, saved_from=saved_from) as folder:
         yield folder
 
 

@@ -545,6 +545,7 @@ class MegaTrainerMixin:
         liger = getattr(self.args, "use_liger_kernel", False)
         if liger:
             self.args.use_liger_kernel = False
+        self._megatrain_best_loaded = None  # the weights train from here on
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -1087,7 +1088,14 @@ class MegaTrainerMixin:
         # Model, tokenizer and training_args.bin are written into one hidden folder beside
         # output_dir and swapped in together (other entries of output_dir are kept).
         export = EXPORT_DTYPES[self.megatrain_options.export_dtype]
-        with staged_model_folder(output_dir) as folder:
+        # The manifest records which step (and which checkpoint's weights, after
+        # load_best_model_at_end) the model is: a re-run of the CLI compares it with its
+        # newest checkpoint to know whether the final model is still to be written.
+        saved_from = {
+            "global_step": self.state.global_step,
+            "weights_from": getattr(self, "_megatrain_best_loaded", None),
+        }
+        with staged_model_folder(output_dir, saved_from) as folder:
             self._megatrain_write_model(folder, export)
 
     def _megatrain_write_model(self, folder: str, dtype: torch.dtype) -> None:
@@ -1226,8 +1234,10 @@ class MegaTrainerMixin:
         logger.info("hf_megatrain: loading best model from %s", best)
         self._megatrain_verify(best, allow_missing_state=True)  # the weights must be intact
         if _is_peft(self.model):
-            return super()._load_from_checkpoint(best, self.model)
-        load_weights_into_store(self.model, best)
+            super()._load_from_checkpoint(best, self.model)
+        else:
+            load_weights_into_store(self.model, best)
+        self._megatrain_best_loaded = os.path.basename(os.path.normpath(best))
 
 
 class HFMegaTrainer(MegaTrainerMixin, Trainer):
