@@ -364,6 +364,9 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     t_start = time.perf_counter()
     _setup_logging()
     args, data_args = settings.training, settings.data
+    # Absolute from here on: what the run records (checkpoint paths in trainer_state.json) and
+    # reports must not depend on the working folder, e.g. under --output_dir .
+    args.output_dir = os.path.abspath(args.output_dir)
     device = args.device
     resume, resume_step = _resume_point(settings)
     # The Trainer would train one step past --max_steps from such a checkpoint: the run is

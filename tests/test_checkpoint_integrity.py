@@ -113,6 +113,74 @@ def test_mount_point_target_keeps_its_checkpoints(mount_point):
     assert sorted(os.listdir(mount_point.parent)) == ["volume"]  # nothing built beside it
 
 
+@pytest.fixture
+def unwritable_parent(tmp_path):
+    """A folder ``parent/out`` that is writable while ``parent`` is not (a cluster's
+    /scratch/USER under a /scratch users cannot write): as root ``chattr +i`` on the parent
+    (root ignores modes), else mode 0555; skipped where neither applies."""
+    import subprocess
+
+    parent = tmp_path / "parent"
+    (parent / "out").mkdir(parents=True)
+    root = os.geteuid() == 0
+    if root:
+        try:
+            done = subprocess.run(["chattr", "+i", str(parent)], capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            pytest.skip("cannot run chattr here")
+        if done.returncode != 0:
+            pytest.skip(f"chattr +i failed: {done.stderr.decode(errors='replace').strip()}")
+    else:
+        parent.chmod(0o555)
+    try:
+        yield parent / "out"
+    finally:
+        if root:
+            subprocess.run(["chattr", "-i", str(parent)], capture_output=True, timeout=30)
+        else:
+            parent.chmod(0o755)
+
+
+def test_target_with_unwritable_parent_is_built_inside(unwritable_parent, caplog):
+    """No folder can be made beside the target: the new set is built inside it and its files
+    moved in (as for a mount point), kept entries left in place, and a warning says the save
+    is not atomic. Before, every save into such an output folder failed."""
+    from hf_megatrain.hf.checkpoint import keep_beside_model
+
+    target = unwritable_parent
+    _write(target, {"checkpoint-2/x": b"ck", "notes.txt": b"mine"})
+    with caplog.at_level("WARNING", logger="hf_megatrain"):
+        _save(target, OLD, keep=keep_beside_model)
+        _save(target, NEW, keep=keep_beside_model)
+    assert _sets(target) == {**NEW, "checkpoint-2/x": b"ck", "notes.txt": b"mine"}
+    assert pub.verify_folder(str(target)).files == 2
+    assert not [n for n in os.listdir(target) if n.startswith(".")]
+    assert "is not writable" in caplog.text and "not atomic" in caplog.text
+
+
+def test_target_holding_the_working_folder_keeps_it(tmp_path, monkeypatch):
+    """A target that is (or holds) the process's working folder: its files are replaced in
+    place, so the working folder is still the target afterwards, not a deleted old copy
+    (a swap would move the folder itself away)."""
+    target = tmp_path / "out"
+    _save(target, OLD)
+    (target / "runs" / "deeper").mkdir(parents=True)
+    for cwd in (target, target / "runs" / "deeper"):
+        monkeypatch.chdir(cwd)
+        inode = os.stat(target).st_ino
+        _save(target, NEW, keep=lambda name: name == "runs")
+        assert os.stat(target).st_ino == inode  # the same folder
+        assert os.path.samefile(os.getcwd(), cwd) and os.listdir(".") is not None
+        assert _sets(target)["a.bin"] == NEW["a.bin"]
+        assert pub.verify_folder(str(target)).manifest
+    # A checkpoint published over one that holds the working folder (the trainer's publish).
+    staged = tmp_path / "staged"
+    _write(staged, NEW)
+    monkeypatch.chdir(target)
+    pub.publish(str(staged), str(target))
+    assert os.path.samefile(os.getcwd(), target) and _read(target) == NEW
+
+
 @pytest.mark.parametrize("exchange", [True, False])
 @pytest.mark.parametrize("fail_at", range(6))
 def test_interrupted_swap_leaves_old_or_new(tmp_path, monkeypatch, exchange, fail_at):

@@ -273,6 +273,27 @@ def test_load_best_model_at_end_is_kept_by_a_rerun(tmp_path, capsys):
     assert _files(out) == before
 
 
+def test_output_dir_holding_the_working_folder(tmp_path, monkeypatch, capsys):
+    """--output_dir . (a job script working in its run folder): the final save replaces the
+    files in that folder rather than swapping the folder away, so the run ends normally and
+    the working folder is still the run folder, with the user's files, the model and the
+    checkpoints; a re-run finds them (before, the run crashed after its save and left its
+    caller in a deleted folder)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    argv = _argv(tmp_path, Path("."), ["--max_eval_sequences", "4"])
+    argv[argv.index("--max_steps") + 1] = "2"
+    monkeypatch.chdir(run)
+    assert main(argv) == 0
+    assert os.path.samefile(os.getcwd(), run)
+    names = set(os.listdir("."))
+    assert {"notes.txt", "model.safetensors", "checkpoint-2", "megatrain_manifest.json"} <= names
+    assert "Saved 1 safetensors shard(s)" in capsys.readouterr().out
+    assert main(argv) == 0
+    assert f"{run} already holds this run's final model" in capsys.readouterr().out
+
+
 def test_resume_with_other_run_arguments_is_refused(finished, tmp_path, capsys):
     """A resume continues the run its checkpoint was trained in: another learning rate or data
     is refused with each difference named (the saved scheduler would keep the old rate, the data

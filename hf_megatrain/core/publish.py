@@ -20,7 +20,9 @@ moved in one by one instead, with a warning: the old manifest goes first and the
 so a set mixed by a kill has no manifest and ``verify`` reports it unverified. A target that is
 a mount point (a container volume) is built inside itself instead (``.megatrain-inplace-PID-K``,
 on its own file system) and its files moved in the same way; entries kept beside the new set
-(checkpoints) are left where they are. A target that is a symbolic link is published where it
+(checkpoints) are left where they are. So is a target whose parent folder is not writable (a
+folder beside it cannot be made) or that holds the process's working folder (a swap would leave
+the process in the old, deleted folder). A target that is a symbolic link is published where it
 points (the link stays).
 
 No transformers import here: the CLI's ``verify`` uses it without loading a model.
@@ -295,6 +297,31 @@ def _is_mount(target: str, parent: str) -> bool:
         return False
 
 
+def _holds_cwd(target: str) -> bool:
+    """Whether the process's working folder is ``target`` or inside it: swapping ``target``
+    out would leave the process (and a calling shell) in the old, deleted folder."""
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:  # the working folder is already gone
+        return False
+    target = os.path.realpath(target)
+    return cwd == target or cwd.startswith(target.rstrip(os.sep) + os.sep)
+
+
+def _build_inside_reason(target: str, parent: str) -> str | None:
+    """Why ``target``'s next version must be built inside it and its files moved in, rather
+    than built beside it and swapped in (None: it can be swapped)."""
+    if not os.path.isdir(target):
+        return None
+    if _is_mount(target, parent):
+        return "mount point"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"its parent folder {parent} is not writable"
+    if _holds_cwd(target):
+        return "it holds the working folder"
+    return None
+
+
 def aside_path(target: str) -> str:
     target, parent, name = _norm(target)
     return os.path.join(parent, f".{name}{_OLD}")
@@ -400,9 +427,9 @@ def publish(temp: str, target: str, keep: Callable[[str], bool] | None = None) -
         return
     if not os.path.isdir(target):
         raise NotADirectoryError(f"hf_megatrain: {target} exists and is not a folder")
-    if os.path.dirname(os.path.abspath(temp)) == target:
-        # Built inside the target (a mount point): its files move in on one file system; kept
-        # entries stay where they are.
+    if os.path.dirname(os.path.abspath(temp)) == target or _holds_cwd(target):
+        # Built inside the target (a mount point, ...), or the target holds the working
+        # folder: its files move in; the folder itself and kept entries stay where they are.
         _replace_files(temp, target, keep)
         return
     if keep is not None:
@@ -464,7 +491,16 @@ def staged_folder(
     target, parent, _ = _norm(target)
     os.makedirs(parent, exist_ok=True)
     recover(target)
-    if _is_mount(target, parent):
+    inside = _build_inside_reason(target, parent)
+    if inside is not None and inside != "mount point":
+        logger.warning(
+            "hf_megatrain: %s: %s, so the new set is built inside it and its files are moved "
+            "in one by one (not atomic: a kill during the save can leave a mixed set without "
+            "a manifest)",
+            target,
+            inside,
+        )
+    if inside is not None:
         temp = os.path.join(target, f"{_INPLACE}-{os.getpid()}-{next(_counter)}")
     else:
         temp = new_temp_path(target)
