@@ -8,6 +8,9 @@ arguments are the Trainer's own (:mod:`cli_arguments`). User mistakes end in one
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import re
 import sys
 
 from .cli_arguments import add_train_arguments, parse_train_arguments
@@ -82,6 +85,50 @@ def _as_flags(message: str) -> str:
     )
 
 
+_WRITE_ELSEWHERE = "check that you may write there, or pass another --output_dir"
+#: OS errors a run ends in where the disk, not the program, failed (mostly while saving): what
+#: happened, and what to do.
+_OS_ERRORS = {
+    errno.ENOSPC: (
+        "no space left on the device of --output_dir while saving",
+        "free space or pass an --output_dir on a bigger disk",
+    ),
+    errno.EDQUOT: (
+        "disk quota exceeded on the file system of --output_dir while saving",
+        "free space within the quota, or pass an --output_dir elsewhere",
+    ),
+    errno.EROFS: (
+        "the file system of --output_dir is read-only",
+        "pass an --output_dir on a writable file system",
+    ),
+    errno.EIO: (
+        "input/output error (a failing disk or network file system)",
+        "check the disk, or pass an --output_dir on another one",
+    ),
+    errno.EACCES: ("permission denied", _WRITE_ELSEWHERE),
+    errno.EPERM: ("operation not permitted", _WRITE_ELSEWHERE),
+}
+# safetensors' writer reports an OS error in its own exception class, as Rust words it.
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _os_error_message(e: BaseException) -> str | None:
+    """The one-line message for ``e`` where it is one of the OS errors of ``_OS_ERRORS``
+    (None: another error, shown with its traceback)."""
+    code, filename = getattr(e, "errno", None), getattr(e, "filename", None)
+    if not isinstance(e, OSError) or code is None:
+        match = _RUST_OS_ERROR.search(str(e))
+        code = int(match.group(1)) if match else None
+    if code not in _OS_ERRORS:
+        return None
+    what, todo = _OS_ERRORS[code]
+    where = f" ({os.fsdecode(filename)})" if filename else ""
+    return (
+        f"{what}{where}: {todo}. Checkpoints published before the error are intact (saves are "
+        "swapped in only when complete); a re-run resumes from the last complete one"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hf-megatrain`` and ``python3 -m hf_megatrain``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -124,14 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             raise CLIError(_as_flags(str(e).removeprefix("hf_megatrain: "))) from None
         except Exception as e:
-            # A full disk while saving: safetensors raises its own error class for it.
-            if "No space left on device" not in str(e) or isinstance(e, CLIError):
+            message = None if isinstance(e, CLIError) else _os_error_message(e)
+            if message is None:
                 raise
-            raise CLIError(
-                "no space left on the device of --output_dir while saving: free space or pass "
-                "an --output_dir on a bigger disk (the last complete checkpoint there is kept; a "
-                "re-run resumes from it)"
-            ) from None
+            raise CLIError(message) from None
         finally:
             end_process_group()
     except (CLIError, DataError) as e:

@@ -328,5 +328,70 @@ def test_enospc_in_final_save_keeps_previous_model(tmp_path, monkeypatch, at):
     TALLY["outcomes"]["ENOSPC: clean failure, old model intact"] += 1
 
 
+# ---- other OS errors: one line, not a traceback -----------------------------------------------
+@pytest.mark.parametrize(
+    "code, words",
+    [(errno.ENOSPC, "no space left"), (errno.EDQUOT, "disk quota exceeded"),
+     (errno.EROFS, "read-only"), (errno.EIO, "input/output error"),
+     (errno.EACCES, "permission denied"), (errno.EPERM, "operation not permitted")],
+)  # fmt: skip
+def test_os_errors_end_in_one_line(monkeypatch, code, words):
+    """The OS errors a failing disk gives (as OSError, or as safetensors' writer words them):
+    one line saying what happened, what to do and that earlier checkpoints are intact."""
+    from hf_megatrain import cli
+
+    for error in (
+        OSError(code, os.strerror(code), "/out/checkpoint-4/model.safetensors"),
+        RuntimeError(f"Error while serializing: IoError({os.strerror(code)} (os error {code}))"),
+    ):
+
+        def fail(_settings, error=error):
+            raise error
+
+        monkeypatch.setattr(cli, "run_train", fail)
+        with pytest.raises(SystemExit) as e:
+            cli.main(["train", "--max_steps", "1"])
+        msg = e.value.code
+        assert isinstance(msg, str) and msg.startswith("hf-megatrain: error: "), msg
+        assert "\n" not in msg and words in msg
+        assert "Checkpoints published before the error are intact" in msg
+        if isinstance(error, OSError):
+            assert "(/out/checkpoint-4/model.safetensors)" in msg
+    monkeypatch.setattr(
+        cli, "run_train", lambda _s: (_ for _ in ()).throw(OSError(errno.EBADF, "x"))
+    )
+    with pytest.raises(OSError):  # another OS error is a bug to show
+        cli.main(["train", "--max_steps", "1"])
+
+
+def test_quota_exceeded_in_the_final_save(tmp_path, monkeypatch):
+    """EDQUOT at an fsync of the final model's staging folder, in a real run: one line, the
+    checkpoint intact and no staging left; the same command then finishes the run from it."""
+    from hf_megatrain.cli import main
+
+    from .test_cli_resume import _argv
+
+    out = tmp_path / "run"
+    argv = _argv(tmp_path, out, ["--max_eval_sequences", "4"])
+    argv[argv.index("--max_steps") + 1] = "2"
+    real = os.fsync
+
+    def fsync(fd):
+        if ".megatrain-new" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        return real(fd)
+
+    monkeypatch.setattr(pub.os, "fsync", fsync)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    monkeypatch.undo()
+    assert str(e.value.code).startswith("hf-megatrain: error: disk quota exceeded")
+    assert sorted(os.listdir(out)) == ["checkpoint-2"]
+    assert pub.verify_folder(str(out / "checkpoint-2")).manifest
+    assert not [n for n in os.listdir(tmp_path) if ".megatrain-" in n]
+    assert main(argv) == 0
+    assert pub.verify_folder(str(out)).manifest
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
     _serve()
