@@ -9,6 +9,8 @@ line that names the flag to change.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 from collections.abc import Iterator
@@ -41,6 +43,8 @@ PACK_BATCH = 1000
 # pieces that the fast tokenizer encodes in parallel, as text.build_chunks does.
 PIECE_PARAGRAPHS = 64
 EVAL_SPLITS = ("validation", "test")
+# Rows checked for the column's kind (text, or chat turns) before tokenizing.
+FIRST_ROWS = 16
 # Documentation that Hub dataset folders carry next to their data files (README.md dataset card).
 DOC_SUFFIXES = (".md", ".rst")
 
@@ -160,6 +164,10 @@ def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> Trai
         encode, columns = _encoder(raw, args, tokenizer, where)
     kind = "chat" if encode["chat"] else "text"
     label = f"{kind} column {encode['column']!r}"
+    if encode["chat"] and not args.streaming:
+        n_empty = _empty_conversations(raw, encode["column"])
+        if n_empty:
+            label += f", {n_empty:,} empty conversation{'s' if n_empty != 1 else ''} skipped"
     if not args.packing:
         label += ", one padded row per document"
 
@@ -217,6 +225,7 @@ def _prepared_rows(
         batch_size=PACK_BATCH,
         remove_columns=columns,
         fn_kwargs=encode,
+        with_indices=True,
         desc=f"Tokenizing into {args.seq_len}-token rows",
     )
     n = len(packed)
@@ -243,31 +252,65 @@ def _stream_rows(
     seed: int,
     source: str,
 ) -> tuple[datasets.IterableDataset, datasets.Dataset | None]:
-    """(train, held-out eval or None) of a stream: eval rows materialized from its head."""
+    """(train, held-out eval or None) of a stream: eval rows materialized from its head.
+
+    The documents of the eval rows are left out of train by their content (_digest), not by
+    their position: a stream read by several DataLoader workers is split over them by shards,
+    and IterableDataset.skip would skip some rows of each worker's part instead of the head.
+    A copy of an eval document later in the stream is left out too (eval is never trained on).
+    """
+    held = None
+    exclude: frozenset[str] = frozenset()
+    if n_held:
+        rows, exclude = _stream_head(raw, encode, n_held, args)
+        if not rows:
+            raise _too_little(args)
+        held = _rows_dataset(rows)
     packed = raw.map(
-        _encode, batched=True, batch_size=PACK_BATCH, remove_columns=columns, fn_kwargs=encode
+        _encode,
+        batched=True,
+        batch_size=PACK_BATCH,
+        remove_columns=columns,
+        fn_kwargs={**encode, "exclude": exclude},
+        with_indices=True,
     )
-    head = list(packed.take(n_held + 1))  # + 1: at least one row must be left to train on
-    if not head:
+    n_left = len(list(packed.take(1)))
+    if n_left == 0 and not n_held:
         raise _too_little(args)
-    if len(head) <= n_held:
+    if n_left == 0 or (held is not None and len(held) < n_held):
+        n = len(held) if held is not None else 0
         raise DataError(
-            f"{source} streams only {len(head)} sequence(s) of {args.seq_len} tokens, all needed "
+            f"{source} streams only {n} sequence(s) of {args.seq_len} tokens, all needed "
             f"for eval: lower --max_eval_sequences, {_more_rows(args)}, set --eval_fraction 0, "
             "or drop --streaming"
         )
-    held = None
-    if n_held:
-        held = _rows_dataset(head[:n_held])
-        # skip() drops exactly the head while the stream is read as one (dataloader_num_workers
-        # 0; accelerate dispatches an IterableDataset's batches from one process). A stream
-        # sharded over workers or processes splits the skip over its shards.
-        packed = packed.skip(n_held)
     if args.shuffle_buffer:
-        # Seeded (the buffer, and the shard order unless skip() fixed it): a resume that re-reads
-        # the stream sees the same rows.
+        # Seeded (the buffer and the shard order): a resume that re-reads the stream sees the
+        # same rows.
         packed = packed.shuffle(seed=seed, buffer_size=args.shuffle_buffer)
     return packed.with_format("torch"), held
+
+
+def _stream_head(
+    raw: datasets.IterableDataset, encode: dict[str, Any], n_held: int, args: DataArguments
+) -> tuple[list[dict], frozenset[str]]:
+    """The first ``n_held`` rows of the stream (fewer if it is that short) and the digests of
+    the documents they come from, read document by document: only as many as needed."""
+    column = encode["column"]
+    kwargs = {k: encode[k] for k in ("tokenizer", "column", "chat", "bos", "where")}
+    docs: list[list[int]] = []
+    digests: set[str] = set()
+    need, have = (n_held * args.seq_len if args.packing else n_held), 0
+    for i, row in enumerate(raw):
+        digests.add(_digest(row[column]))
+        new = _documents([row[column]], [i], **kwargs)
+        docs += new
+        have += sum(map(len, new)) if args.packing else len(new)
+        if have >= need:
+            break
+    rows = _rows(docs, tokenizer=encode["tokenizer"], seq_len=args.seq_len, packing=args.packing)
+    head = [dict(zip(rows, values)) for values in zip(*rows.values())][:n_held]
+    return head, frozenset(digests)
 
 
 def _check_args(args: DataArguments) -> None:
@@ -471,6 +514,12 @@ def _encoder(
         if first is None:
             raise DataError(f"{where} has no rows: the data is empty")
         columns = list(first)
+    named = args.dataset_text_field != DataArguments.dataset_text_field  # given, not the default
+    if named and args.dataset_text_field not in columns:
+        raise DataError(
+            f"{where} has no column {args.dataset_text_field!r} (--dataset_text_field); its "
+            f"columns: {', '.join(columns)}"
+        )
     if args.dataset_text_field in columns:
         column, chat = args.dataset_text_field, False
     elif args.dataset_messages_field in columns:
@@ -493,8 +542,31 @@ def _encoder(
         seq_len=args.seq_len,
         packing=args.packing,
         bos=bos_token_id(tokenizer),
+        where=where,
     )
+    _check_first_rows(ds, column, chat, where)
     return kwargs, columns
+
+
+def _check_first_rows(
+    ds: datasets.Dataset | datasets.IterableDataset, column: str, chat: bool, where: str
+) -> None:
+    """A column of the wrong kind (or chat turns of another format) fails here, before any
+    training, with the flag to change; one bad row later on fails as itself, in _documents."""
+    from datasets import Dataset  # noqa: PLC0415
+
+    n = min(len(ds), FIRST_ROWS) if isinstance(ds, Dataset) else FIRST_ROWS
+    values = [row[column] for row in ds.take(n)]
+    if chat:
+        for i, conv in enumerate(values):
+            _chat_turns(conv, i, column, where)
+        return
+    values = [v for v in values if v is not None]
+    if values and not any(isinstance(v, str) for v in values):
+        raise DataError(
+            f"{where}: column {column!r} holds {type(values[0]).__name__}, not text: choose the "
+            "text column with --dataset_text_field"
+        )
 
 
 def _eval_split_rows(
@@ -505,7 +577,12 @@ def _eval_split_rows(
     if not args.streaming:
         ds = ds.to_iterable_dataset()  # lazily: only the documents that the head needs
     rows = ds.map(
-        _encode, batched=True, batch_size=PACK_BATCH, remove_columns=columns, fn_kwargs=encode
+        _encode,
+        batched=True,
+        batch_size=PACK_BATCH,
+        remove_columns=columns,
+        fn_kwargs=encode,
+        with_indices=True,
     )
     head = list(rows.take(args.max_eval_sequences))
     if not head:
@@ -524,6 +601,7 @@ def _rows_dataset(rows: list[dict]) -> datasets.Dataset:
 
 def _encode(
     batch: dict[str, list],
+    indices: list[int],
     *,
     tokenizer,
     column: str,
@@ -531,27 +609,60 @@ def _encode(
     seq_len: int,
     packing: bool,
     bos: int | None,
+    where: str,
+    exclude: frozenset[str] = frozenset(),
 ) -> dict[str, list[np.ndarray]]:
-    """A batch of documents -> training rows. A module-level function of its arguments only, so
-    the datasets cache recognizes it (fingerprint) across runs.
+    """A batch of documents (rows ``indices`` of the data) -> training rows, documents whose
+    :func:`_digest` is in ``exclude`` left out. A module-level function of its arguments only, so
+    the datasets cache recognizes it (fingerprint) across runs."""
+    docs = _documents(
+        batch[column], indices, tokenizer=tokenizer, column=column, chat=chat, bos=bos,
+        where=where, exclude=exclude,
+    )  # fmt: skip
+    return _rows(docs, tokenizer=tokenizer, seq_len=seq_len, packing=packing)
+
+
+def _documents(
+    values: list,
+    indices: list[int],
+    *,
+    tokenizer,
+    column: str,
+    chat: bool,
+    bos: int | None,
+    where: str,
+    exclude: frozenset[str] = frozenset(),
+) -> list[list[int]]:
+    """Token ids of each non-empty document of ``values`` (chats rendered with the template)."""
+    texts = []
+    for i, doc in zip(indices, values):
+        if exclude and _digest(doc) in exclude:
+            continue
+        if chat:
+            turns = _chat_turns(doc, i, column, where)
+            if not turns:  # an empty conversation: nothing to learn (counted in the banner)
+                continue
+            doc = tokenizer.apply_chat_template(turns, tokenize=False)
+        elif doc is not None and not isinstance(doc, str):
+            raise DataError(
+                f"{where}: row {i} (from 0) of column {column!r} holds {type(doc).__name__} "
+                f"{_short(doc)}, not text: fix or drop that row"
+            )
+        if doc and doc.strip():
+            texts.append(doc)
+    return _tokenize(tokenizer, texts, bos)
+
+
+def _rows(
+    docs: list[list[int]], *, tokenizer, seq_len: int, packing: bool
+) -> dict[str, list[np.ndarray]]:
+    """Documents' token ids -> training rows: packed, or one padded row per document.
 
     Rows are int32 arrays of their own (not views of the batch: a streamed shuffle buffer would
     keep whole batches alive), labels the same array as input_ids when packing: a buffer of
     10,000 rows of 4,096 tokens holds 160 MB (Python int lists: ~3 GB). The torch format makes
     them int64 tensors.
     """
-    texts = []
-    for doc in batch[column]:
-        if chat and doc:
-            doc = tokenizer.apply_chat_template(doc, tokenize=False)
-        if doc is not None and not isinstance(doc, str):
-            raise DataError(
-                f"column {column!r} holds {type(doc).__name__}, not text: choose the text "
-                "column with --dataset_text_field"
-            )
-        if doc and doc.strip():
-            texts.append(doc)
-    docs = _tokenize(tokenizer, texts, bos)
     if packing:
         # As text.build_chunks: documents joined (each ends in EOS), cut into seq_len blocks.
         stream = np.fromiter(chain.from_iterable(docs), dtype=np.int32)
@@ -566,6 +677,86 @@ def _encode(
         out["labels"].append(np.pad(row, fill, constant_values=-100))  # no loss on padding
         out["attention_mask"].append(np.pad(np.ones_like(row), fill))
     return out
+
+
+def _chat_turns(conv: Any, i: int, column: str, where: str) -> list[dict] | None:
+    """A conversation as the turns a chat template takes ({'role', 'content'} dicts with text
+    content), or None when it is empty. Content given as text parts ([{'type': 'text', 'text':
+    ...}], the multimodal layout) is joined, as the templates that take parts render it."""
+    if not conv:
+        return None
+    row = f"{where}: row {i} (from 0) of column {column!r}"
+    fix = "choose the chat column with --dataset_messages_field"
+    if not isinstance(conv, list):
+        raise DataError(
+            f"{row} holds {type(conv).__name__} {_short(conv)}, not a list of chat turns "
+            f"({{'role', 'content'}} dicts): {fix}, or a text column with --dataset_text_field"
+        )
+    turns = []
+    for j, turn in enumerate(conv):
+        if not isinstance(turn, dict):
+            raise DataError(
+                f"{row}: turn {j} is {type(turn).__name__} {_short(turn)}, not a "
+                f"{{'role', 'content'}} dict: {fix}"
+            )
+        # (datasets gives every turn of a column every key seen: absent ones are None)
+        if turn.get("role") is None and isinstance(turn.get("from"), str) and "value" in turn:
+            raise DataError(
+                f"{where}: column {column!r} holds ShareGPT-style turns {{'from', 'value'}} (row "
+                f"{i}), not the {{'role', 'content'}} turns that chat templates take: convert "
+                "them (from -> role, with human -> user and gpt -> assistant; value -> content), "
+                f"or {fix}"
+            )
+        role, content = turn.get("role"), turn.get("content")
+        if not isinstance(role, str):
+            keys = ", ".join(sorted(map(str, turn)))
+            raise DataError(
+                f"{row}: turn {j} has no text 'role' (its keys: {keys}); chat templates take "
+                f"{{'role', 'content'}} turns: {fix}"
+            )
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            if len(texts) != len(content) or not all(
+                p.get("type") == "text" and isinstance(t, str) for p, t in zip(content, texts)
+            ):
+                raise DataError(
+                    f"{row}: turn {j} ({role}) holds content parts other than text "
+                    f"({_short(content)}): only text turns can be trained on"
+                )
+            turn = {**turn, "content": "".join(texts)}
+        elif content is None and turn.get("tool_calls"):
+            pass  # an assistant's tool call: the template renders it
+        elif not isinstance(content, str):
+            raise DataError(
+                f"{row}: turn {j} ({role}) holds content {_short(content)}, not text: fix or "
+                "drop that row"
+            )
+        turns.append(turn)
+    return turns
+
+
+def _empty_conversations(ds: datasets.Dataset, column: str) -> int:
+    """How many rows of a chat column are empty (null or no turns): skipped, not an error.
+    Counted on the Arrow column, without reading the rows into Python."""
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.compute as pc  # noqa: PLC0415
+
+    values = ds.with_format("arrow")[column]
+    if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
+        return 0
+    lengths = pc.fill_null(pc.list_value_length(values), 0)
+    return len(values) - pc.count(pc.filter(lengths, pc.greater(lengths, 0))).as_py()
+
+
+def _digest(value: Any) -> str:
+    """A document's identity across processes (Python's hash() is salted per process)."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _tokenize(tokenizer, texts: list[str], bos: int | None = None) -> list[list[int]]:

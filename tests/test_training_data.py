@@ -130,14 +130,16 @@ def test_streaming_eval_from_head_disjoint_and_repeatable(tmp_path, tok):
     assert plain.num_train_rows is None
     assert isinstance(plain.train, datasets.IterableDataset)
     assert "head of the stream" in plain.description and "train streamed" in plain.description
-    # The same rows as the non-streaming load (one pack batch), in stream order.
-    full = load_training_data(
-        DataArguments(dataset_name=str(path), seq_len=16, eval_fraction=0), tok
-    )
-    stream = ids(plain.eval) + ids(plain.train)
-    assert sorted(stream) == sorted(ids(full.train))
-    # Eval is the head; train the rest, each row once (a multiset: rows may repeat).
-    assert len(plain.eval) == 5 and ids(plain.eval) == stream[:5]
+    # Eval is the head of the stream (in order); train the documents after the ones it comes
+    # from, packed as a stream of its own: those documents are left out whole.
+    whole = DataArguments(**{**base, "max_eval_sequences": 0, "shuffle_buffer": 0})
+    whole = load_training_data(whole, tok)
+    assert len(plain.eval) == 5 and ids(plain.eval) == ids(whole.train)[:5]
+    lengths = [len(tok(doc(i), add_special_tokens=False)["input_ids"]) + 1 for i in range(60)]
+    n_docs = next(k for k in range(1, 61) if sum(lengths[:k]) >= 5 * 16)
+    rest = jsonl(tmp_path / "rest.jsonl", [{"text": doc(i)} for i in range(n_docs, 60)])
+    rest_args = {**base, "dataset_name": str(rest), "max_eval_sequences": 0, "shuffle_buffer": 0}
+    assert ids(plain.train) == ids(load_training_data(DataArguments(**rest_args), tok).train)
 
     shuffled = load_training_data(DataArguments(**base, shuffle_buffer=50), tok, seed=0)
     first = ids(shuffled.train)
@@ -466,3 +468,77 @@ def test_documents_start_with_the_tokenizers_bos(tmp_path, tok):
     stream = [i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"] + eos]
     rows = [stream[i : i + 64] for i in range(0, len(stream) // 64 * 64, 64)]
     assert sorted(ids(packed.train)) == sorted(rows)
+
+
+def test_streamed_eval_documents_stay_out_of_train_across_workers(tmp_path, tok):
+    """The held-out head of a stream read by two DataLoader workers (the shards split between
+    them): none of its documents is trained on, the others are."""
+    import re
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for s in range(4):
+        jsonl(folder / f"part{s}.jsonl", [{"text": doc(s * 100 + i)} for i in range(25)])
+    args = DataArguments(
+        dataset_name=str(folder), streaming=True, seq_len=16, max_eval_sequences=6,
+        shuffle_buffer=0,
+    )  # fmt: skip
+    data = load_training_data(args, tok)
+    loader = torch.utils.data.DataLoader(data.train, batch_size=None, num_workers=2)
+    train = [row["input_ids"].tolist() for row in loader]
+
+    def documents(rows: list[list[int]]) -> set[int]:
+        return {int(n) for r in rows for n in re.findall(r"Document (\d+), part", tok.decode(r))}
+
+    held = documents(ids(data.eval))
+    assert held and not held & documents(train)
+    assert not {tuple(r) for r in ids(data.eval)} & {tuple(r) for r in train}
+    assert len(documents(train) | held) >= 90  # of 100 (a row may cut a name in each part)
+
+
+def test_chat_turns_are_checked(tmp_path, tok):
+    """ShareGPT turns, non-text content and None content are refused with the row and the
+    format; text parts are joined; empty conversations are skipped and counted."""
+    tok.chat_template = CHAT_TEMPLATE
+
+    def load(convs: list, **kwargs):
+        path = jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in convs])
+        args = DataArguments(dataset_name=str(path), seq_len=8, eval_fraction=0, **kwargs)
+        return load_training_data(args, tok)
+
+    chats = [[{"role": "user", "content": f"Question {i}?"},
+              {"role": "assistant", "content": f"Answer {i}, in full."}] for i in range(20)]  # fmt: skip
+    share = [[{"from": "human", "value": t[0]["content"]}] for t in chats]
+    for streaming in (False, True):
+        with pytest.raises(DataError, match="ShareGPT-style.*'role', 'content'.*--dataset_messag"):
+            load(share, streaming=streaming, max_eval_sequences=0)
+    parts = [[{**t, "content": [{"type": "text", "text": t["content"]}]} for t in c] for c in chats]
+    assert ids(load(parts).train) == ids(load(chats).train)
+    bad = chats[:3] + [[chats[3][0], {"role": "assistant", "content": None}]] + chats[4:]
+    with pytest.raises(DataError, match=r"row 3 \(from 0\).*turn 1 \(assistant\).*None, not text"):
+        load(bad)
+    image = [[{"role": "user", "content": [{"type": "image", "text": None}]}]]
+    with pytest.raises(DataError, match="content parts other than text"):
+        load(chats[:2] + image)
+    data = load(chats[:5] + [[], None] + chats[5:])
+    assert "2 empty conversations skipped" in data.description
+    assert ids(data.train) == ids(load(chats).train)
+
+
+def test_one_bad_row_is_named_not_the_column(tmp_path, tok):
+    rows = [{"text": doc(i)} for i in range(30)]
+    rows[20] = {"text": 12345}
+    path = jsonl(tmp_path / "m.jsonl", rows)
+    for streaming in (False, True):
+        args = DataArguments(dataset_name=str(path), streaming=streaming)
+        with pytest.raises(DataError, match=r"row 20 \(from 0\) of column 'text' holds int 12345"):
+            data = load_training_data(args, tok)
+            list(data.train)
+
+
+def test_a_named_text_field_must_exist(tmp_path, tok):
+    tok.chat_template = CHAT_TEMPLATE
+    path = jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "Hi"}]}] * 50)
+    args = DataArguments(dataset_name=str(path), dataset_text_field="body", seq_len=4)
+    with pytest.raises(DataError, match="no column 'body' \\(--dataset_text_field\\).*messages"):
+        load_training_data(args, tok)
