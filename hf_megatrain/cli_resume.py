@@ -226,7 +226,11 @@ def listed_files_problem(
 
 def _unlisted_problem(folder: str, allow_missing_state: bool) -> Incomplete | None:
     """``checkpoint_problem`` for a checkpoint without a manifest (an older version's)."""
-    from .hf.checkpoint import check_checkpoint_files, optimizer_state_problem  # noqa: PLC0415
+    from .hf.checkpoint import (  # noqa: PLC0415
+        check_checkpoint_files,
+        optimizer_state_problem,
+        stock_optimizer_note,
+    )
 
     if not os.path.isfile(os.path.join(folder, "trainer_state.json")):
         return Incomplete("trainer_state.json is missing", False)
@@ -236,7 +240,10 @@ def _unlisted_problem(folder: str, allow_missing_state: bool) -> Incomplete | No
         return Incomplete(str(e).removeprefix("hf_megatrain: "), False)
     for rel in (f"{_OPTIMIZER_DIR}/meta.json", _SCHEDULER_NAME):
         if not allow_missing_state and not os.path.isfile(os.path.join(folder, rel)):
-            return Incomplete(f"{rel} is missing", True)
+            note = stock_optimizer_note(folder) if rel != _SCHEDULER_NAME else ""
+            # (The note names the file by its path: relative here, as the reason's other files.)
+            note = note.replace(os.path.join(folder, ""), "", 1)
+            return Incomplete(f"{rel} is missing{note}", True)
     # No manifest says their sizes: a truncated optimizer file is found by reading its header.
     if os.path.isfile(os.path.join(folder, _OPTIMIZER_DIR, "meta.json")):
         problem = optimizer_state_problem(folder)

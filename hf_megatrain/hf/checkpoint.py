@@ -382,6 +382,18 @@ def save_optimizer_state(optimizer, output_dir: str) -> None:
         json.dump(meta, f)
 
 
+def stock_optimizer_note(checkpoint: str) -> str:
+    """Where ``checkpoint`` holds the stock Trainer's ``optimizer.pt`` instead of hf_megatrain's
+    optimizer state: a clause saying so, for a message ("" otherwise)."""
+    path = os.path.join(checkpoint, "optimizer.pt")
+    if not os.path.isfile(path):
+        return ""
+    return (
+        f" ({path} is the stock Trainer's optimizer state, which hf_megatrain cannot read: it "
+        f"keeps AdamW moments per streamed layer in {OPTIMIZER_STATE_DIR}/)"
+    )
+
+
 def has_optimizer_state(checkpoint: str) -> bool:
     return os.path.isfile(os.path.join(checkpoint, OPTIMIZER_STATE_DIR, "meta.json"))
 

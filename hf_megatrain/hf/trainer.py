@@ -47,6 +47,7 @@ from .checkpoint import (
     load_weights_into_store,
     save_optimizer_state,
     staged_model_folder,
+    stock_optimizer_note,
     write_streamed_pretrained,
 )
 from .flops import active_params, attention_flops_per_token
@@ -1214,7 +1215,8 @@ class MegaTrainerMixin:
         if missing and not self.megatrain_options.resume_without_optimizer_state:
             raise FileNotFoundError(
                 f"hf_megatrain: cannot resume from {checkpoint}: {' and '.join(missing)} "
-                "missing. Resume from a complete checkpoint, or set "
+                f"missing{stock_optimizer_note(checkpoint) if not has_opt else ''}. Resume from "
+                "a complete checkpoint, or set "
                 "megatrain_resume_without_optimizer_state=True to go on with AdamW moments at "
                 "zero and the learning-rate schedule restarted."
             )
