@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cli_arguments import RESUME_LAST, TrainSettings
+from .cli_arguments import RESUME_LAST, TrainSettings, check_loaded_data
 from .cli_common import CONFIG_ERRORS, CLIError, error_summary
 from .cli_common import config_from_json as _config_from_json
 from .cli_common import is_main_process as _is_main_process
@@ -392,6 +392,8 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     # Data parallel: rank 0 tokenizes into the datasets cache, the other ranks read it.
     with args.main_process_first(desc="dataset"):
         data = load_training_data(data_args, tokenizer, seed=args.seed)
+    if not finish_only:  # (what only the loaded data tells, before the model is built)
+        check_loaded_data(settings, data)
     model = build_model(settings, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     _say_header(settings, data, model, n_params)
