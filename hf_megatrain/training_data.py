@@ -219,15 +219,7 @@ def _prepared_rows(
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """(train, held-out eval or None) of a prepared Dataset: tokenized through the datasets cache,
     shuffled with the seed, eval split off as text.split_chunks does."""
-    packed = raw.map(
-        _encode,
-        batched=True,
-        batch_size=PACK_BATCH,
-        remove_columns=columns,
-        fn_kwargs=encode,
-        with_indices=True,
-        desc=f"Tokenizing into {args.seq_len}-token rows",
-    )
+    packed = _packed(raw, encode, columns, desc=f"Tokenizing into {args.seq_len}-token rows")
     n = len(packed)
     if n == 0:
         raise _too_little(args)
@@ -266,14 +258,7 @@ def _stream_rows(
         if not rows:
             raise _too_little(args)
         held = _rows_dataset(rows)
-    packed = raw.map(
-        _encode,
-        batched=True,
-        batch_size=PACK_BATCH,
-        remove_columns=columns,
-        fn_kwargs={**encode, "exclude": exclude},
-        with_indices=True,
-    )
+    packed = _packed(raw, {**encode, "exclude": exclude}, columns)
     n_left = len(list(packed.take(1)))
     if n_left == 0 and not n_held:
         raise _too_little(args)
@@ -569,6 +554,20 @@ def _check_first_rows(
         )
 
 
+def _packed(ds, encode: dict[str, Any], columns: list[str], **kwargs: Any):
+    """``ds`` tokenized and packed into rows by ``_encode`` (batched, with row indices), its
+    source ``columns`` dropped; ``kwargs`` to ``map`` (a Dataset's ``desc``)."""
+    return ds.map(
+        _encode,
+        batched=True,
+        batch_size=PACK_BATCH,
+        remove_columns=columns,
+        fn_kwargs=encode,
+        with_indices=True,
+        **kwargs,
+    )
+
+
 def _eval_split_rows(
     ds: datasets.Dataset | datasets.IterableDataset, args: DataArguments, tokenizer, where: str
 ) -> datasets.Dataset:
@@ -576,14 +575,7 @@ def _eval_split_rows(
     encode, columns = _encoder(ds, args, tokenizer, where)
     if not args.streaming:
         ds = ds.to_iterable_dataset()  # lazily: only the documents that the head needs
-    rows = ds.map(
-        _encode,
-        batched=True,
-        batch_size=PACK_BATCH,
-        remove_columns=columns,
-        fn_kwargs=encode,
-        with_indices=True,
-    )
+    rows = _packed(ds, encode, columns)
     head = list(rows.take(args.max_eval_sequences))
     if not head:
         raise DataError(
