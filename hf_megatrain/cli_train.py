@@ -548,6 +548,12 @@ def _verify_saved(settings, out, eval_rows, tokenizer, device, eval_loss, result
             f"\nCheck: AutoModelForCausalLM.from_pretrained loaded the saved model; its eval "
             f"loss is {reloaded_loss:.4f} (perplexity {math.exp(min(reloaded_loss, 50)):.1f})"
             + (f" vs {eval_loss:.4f} from the streamed model" if eval_loss is not None else "")
+            + (
+                " (which averaged per-batch losses over the processes, whose last batches are "
+                "evened out with repeated rows: not quite the same mean)"
+                if eval_loss is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+                else ""
+            )
         )
         if not math.isfinite(reloaded_loss):
             raise RuntimeError("the reloaded model gives a non-finite loss")
