@@ -250,15 +250,18 @@ def _stream_rows(
     their position: a stream read by several DataLoader workers is split over them by shards,
     and IterableDataset.skip would skip some rows of each worker's part instead of the head.
     A copy of an eval document later in the stream is left out too (eval is never trained on).
+    The document that the head ends in the middle of trains from where the head stopped (its
+    tokens after the head's last row): left out whole, a one-document corpus had nothing left.
     """
     held = None
     exclude: frozenset[str] = frozenset()
+    cut: tuple = ()
     if n_held:
-        rows, exclude = _stream_head(raw, encode, n_held, args)
+        rows, exclude, cut = _stream_head(raw, encode, n_held, args)
         if not rows:
             raise _too_little(args)
         held = _rows_dataset(rows)
-    packed = _packed(raw, {**encode, "exclude": exclude}, columns)
+    packed = _packed(raw, {**encode, "exclude": exclude, "cut": cut}, columns)
     n_left = len(list(packed.take(1)))
     if n_left == 0 and not n_held:
         raise _too_little(args)
@@ -278,24 +281,31 @@ def _stream_rows(
 
 def _stream_head(
     raw: datasets.IterableDataset, encode: dict[str, Any], n_held: int, args: DataArguments
-) -> tuple[list[dict], frozenset[str]]:
-    """The first ``n_held`` rows of the stream (fewer if it is that short) and the digests of
-    the documents they come from, read document by document: only as many as needed."""
+) -> tuple[list[dict], frozenset[str], tuple]:
+    """The first ``n_held`` rows of the stream (fewer if it is that short), the digests of the
+    documents wholly in them, and (digest, tokens in the head) of the packed document the head
+    ends inside of, else (): read document by document, only as many as needed."""
     column = encode["column"]
     kwargs = {k: encode[k] for k in ("tokenizer", "column", "chat", "bos", "where")}
     docs: list[list[int]] = []
     digests: set[str] = set()
+    cut: tuple = ()
     need, have = (n_held * args.seq_len if args.packing else n_held), 0
     for i, row in enumerate(raw):
-        digests.add(_digest(row[column]))
+        digest = _digest(row[column])
         new = _documents([row[column]], [i], **kwargs)
         docs += new
+        used = need - have
         have += sum(map(len, new)) if args.packing else len(new)
+        if args.packing and have > need and digest not in digests:
+            cut = (digest, used)  # its first `used` tokens end the head; the rest trains
+        else:
+            digests.add(digest)
         if have >= need:
             break
     rows = _rows(docs, tokenizer=encode["tokenizer"], seq_len=args.seq_len, packing=args.packing)
     head = [dict(zip(rows, values)) for values in zip(*rows.values())][:n_held]
-    return head, frozenset(digests)
+    return head, frozenset(digests), cut
 
 
 def _check_args(args: DataArguments) -> None:
@@ -603,13 +613,15 @@ def _encode(
     bos: int | None,
     where: str,
     exclude: frozenset[str] = frozenset(),
+    cut: tuple = (),
 ) -> dict[str, list[np.ndarray]]:
     """A batch of documents (rows ``indices`` of the data) -> training rows, documents whose
-    :func:`_digest` is in ``exclude`` left out. A module-level function of its arguments only, so
+    :func:`_digest` is in ``exclude`` left out, the first ``cut[1]`` tokens of the one whose
+    digest is ``cut[0]`` too. A module-level function of its arguments only, so
     the datasets cache recognizes it (fingerprint) across runs."""
     docs = _documents(
         batch[column], indices, tokenizer=tokenizer, column=column, chat=chat, bos=bos,
-        where=where, exclude=exclude,
+        where=where, exclude=exclude, cut=cut,
     )  # fmt: skip
     return _rows(docs, tokenizer=tokenizer, seq_len=seq_len, packing=packing)
 
@@ -624,11 +636,14 @@ def _documents(
     bos: int | None,
     where: str,
     exclude: frozenset[str] = frozenset(),
+    cut: tuple = (),
 ) -> list[list[int]]:
-    """Token ids of each non-empty document of ``values`` (chats rendered with the template)."""
-    texts = []
+    """Token ids of each non-empty document of ``values`` (chats rendered with the template);
+    those whose digest is in ``exclude`` left out, the first ``cut[1]`` tokens of ``cut[0]``'s."""
+    texts, skips = [], []
     for i, doc in zip(indices, values):
-        if exclude and _digest(doc) in exclude:
+        digest = _digest(doc) if exclude or cut else None
+        if digest is not None and digest in exclude:
             continue
         if chat:
             turns = _chat_turns(doc, i, column, where)
@@ -642,7 +657,9 @@ def _documents(
             )
         if doc and doc.strip():
             texts.append(doc)
-    return _tokenize(tokenizer, texts, bos)
+            skips.append(cut[1] if cut and digest == cut[0] else 0)
+    tokens = _tokenize(tokenizer, texts, bos)
+    return [ids[skip:] if skip else ids for ids, skip in zip(tokens, skips)]
 
 
 def _rows(

@@ -130,16 +130,14 @@ def test_streaming_eval_from_head_disjoint_and_repeatable(tmp_path, tok):
     assert plain.num_train_rows is None
     assert isinstance(plain.train, datasets.IterableDataset)
     assert "head of the stream" in plain.description and "train streamed" in plain.description
-    # Eval is the head of the stream (in order); train the documents after the ones it comes
-    # from, packed as a stream of its own: those documents are left out whole.
+    # Eval is the head of the stream (in order); train the stream after it: the documents wholly
+    # in the head are left out, the one it ends inside of trains from where the head stopped.
     whole = DataArguments(**{**base, "max_eval_sequences": 0, "shuffle_buffer": 0})
     whole = load_training_data(whole, tok)
     assert len(plain.eval) == 5 and ids(plain.eval) == ids(whole.train)[:5]
     lengths = [len(tok(doc(i), add_special_tokens=False)["input_ids"]) + 1 for i in range(60)]
-    n_docs = next(k for k in range(1, 61) if sum(lengths[:k]) >= 5 * 16)
-    rest = jsonl(tmp_path / "rest.jsonl", [{"text": doc(i)} for i in range(n_docs, 60)])
-    rest_args = {**base, "dataset_name": str(rest), "max_eval_sequences": 0, "shuffle_buffer": 0}
-    assert ids(plain.train) == ids(load_training_data(DataArguments(**rest_args), tok).train)
+    assert sum(lengths[: next(k for k in range(61) if sum(lengths[:k]) >= 80)]) > 80  # one cut
+    assert ids(plain.train) == ids(whole.train)[5:]
 
     shuffled = load_training_data(DataArguments(**base, shuffle_buffer=50), tok, seed=0)
     first = ids(shuffled.train)
@@ -151,6 +149,17 @@ def test_streaming_eval_from_head_disjoint_and_repeatable(tmp_path, tok):
     assert ids(again.train) == first and ids(other.train) != first
     batch = default_data_collator(list(shuffled.train.take(2)))
     assert batch["input_ids"].shape == (2, 16) and batch["labels"].dtype == torch.long
+
+
+def test_a_one_document_stream_trains_after_its_eval_head(tmp_path, tok):
+    """README's `--dataset_name corpus.txt --streaming`: one document, the eval head from its
+    start, train the rest of it (leaving the document out whole left no train row: an error)."""
+    path = tmp_path / "one.txt"
+    path.write_text("".join(doc(i) for i in range(40)))
+    base = dict(dataset_name=str(path), streaming=True, seq_len=16, shuffle_buffer=0)
+    data = load_training_data(DataArguments(**base, max_eval_sequences=3), tok)
+    whole = load_training_data(DataArguments(**base, max_eval_sequences=0), tok)
+    assert ids(data.eval) == ids(whole.train)[:3] and ids(data.train) == ids(whole.train)[3:]
 
 
 def test_seeded_split_is_deterministic(tmp_path, tok):
@@ -472,7 +481,8 @@ def test_documents_start_with_the_tokenizers_bos(tmp_path, tok):
 
 def test_streamed_eval_documents_stay_out_of_train_across_workers(tmp_path, tok):
     """The held-out head of a stream read by two DataLoader workers (the shards split between
-    them): none of its documents is trained on, the others are."""
+    them): none of its rows or documents is trained on (but the rest of the one it ends
+    inside of), the others are."""
     import re
 
     folder = tmp_path / "shards"
@@ -490,8 +500,8 @@ def test_streamed_eval_documents_stay_out_of_train_across_workers(tmp_path, tok)
     def documents(rows: list[list[int]]) -> set[int]:
         return {int(n) for r in rows for n in re.findall(r"Document (\d+), part", tok.decode(r))}
 
-    held = documents(ids(data.eval))
-    assert held and not held & documents(train)
+    held = documents(ids(data.eval))  # the last one's rest, after the head, is trained
+    assert held and held & documents(train) == {max(held)}
     assert not {tuple(r) for r in ids(data.eval)} & {tuple(r) for r in train}
     assert len(documents(train) | held) >= 90  # of 100 (a row may cut a name in each part)
 
