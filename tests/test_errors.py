@@ -90,6 +90,21 @@ def test_unsupported_optimizer_refused(tmp_path):
     _assert_untouched(model, tmp_path)
 
 
+def test_optimizer_given_to_the_trainer_refused(tmp_path):
+    """An optimizer passed to the Trainer (instance or class) is refused before streaming: it was
+    ignored (optimizer_cls_and_kwargs: AdamW trained instead) or failed in the first step
+    (optimizers=: an AttributeError about 'nonfinite')."""
+    model = tiny_model(tiny_config("llama"))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for kw, name in (
+        (dict(optimizers=(sgd, None)), r"optimizers=\(SGD"),
+        (dict(optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1})), r"optimizer_cls_and_kw"),
+    ):
+        with pytest.raises(ValueError, match=name + r".*not supported.*engine's own AdamW"):
+            HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4), **kw)
+        _assert_untouched(model, tmp_path)
+
+
 def test_insufficient_host_memory(tmp_path):
     model = tiny_model(tiny_config("llama"))
     args = _args(tmp_path, megatrain_host_memory_limit_gb=1e-6)  # ~1 KiB

@@ -59,7 +59,7 @@ from .guards import (
     learned_position_limit,
 )
 from .long_context import apply_layer_kernels, apply_liger_kernels, install_mlp_tiling
-from .loss import fused_causal_lm_forward, supports_fused_loss
+from .loss import fused_causal_lm_forward, supports_fused_loss, unwrap_peft
 from .model import (
     _is_peft,
     find_decoder_layers,
@@ -127,6 +127,12 @@ class StreamedModelWrapper(nn.Module):
                 **kwargs,
             )
         return self.module(*args, **kwargs)
+
+    def _get_name(self) -> str:
+        # The Trainer names the model it calls (``unwrap_model(model)._get_name()``) to decide
+        # whether label smoothing shifts the labels (causal LMs): the wrapped model's name, as
+        # stock under PEFT (its base model's).
+        return unwrap_peft(self.module)._get_name()
 
     def forward(self, *args, **kwargs):
         kwargs["use_cache"] = False
@@ -235,6 +241,28 @@ def _validate_args(args: TrainingArguments) -> None:
         )
     # Refuses invalid engine options, and host_grads=False where the update needs the grads.
     _run_options(args, engine_options(args))
+
+
+def _refuse_own_optimizer(optimizer: Any, optimizer_cls_and_kwargs: Any) -> None:
+    """Refuse an optimizer given to the Trainer (``optimizers=(opt, sched)`` or
+    ``optimizer_cls_and_kwargs``): the streamed layers' weights live in the host store, which
+    only the engine's own AdamW updates. Ignored, it would train with other settings than the
+    ones asked for; used, it would fail inside the first step."""
+    from ..core.optimizer import HostAdamW  # noqa: PLC0415
+
+    given = []
+    if optimizer is not None and not isinstance(optimizer, HostAdamW):
+        given.append(f"optimizers=({type(optimizer).__name__}, ...)")
+    if optimizer_cls_and_kwargs is not None:
+        given.append(f"optimizer_cls_and_kwargs=({optimizer_cls_and_kwargs[0].__name__}, ...)")
+    if given:
+        raise ValueError(
+            f"hf_megatrain: {' and '.join(given)} is not supported: the streamed layers' weights "
+            "live in the host store and are updated by the engine's own AdamW (optim="
+            f"{'/'.join(sorted(_SUPPORTED_OPTIMS))}), configured by the TrainingArguments "
+            "(learning_rate, adam_beta1/2, adam_epsilon, weight_decay). Leave the optimizer to "
+            "the trainer; a scheduler alone (optimizers=(None, scheduler)) is not refused."
+        )
 
 
 def _clipping(args: TrainingArguments) -> bool:
@@ -400,6 +428,9 @@ class MegaTrainerMixin:
         if args is None:
             args = self._megatrain_default_args(model)
         _setup_args(args)
+        # By keyword before streaming (a large model takes a while); positionally, below.
+        optimizers = kw.get("optimizers") or (None, None)
+        _refuse_own_optimizer(optimizers[0], kw.get("optimizer_cls_and_kwargs"))
         if kw.get("peft_config") is not None and streamed_state(model) is not None:
             # The adapters would be built over the meta placeholders of the streamed layers.
             raise ValueError(
@@ -423,6 +454,9 @@ class MegaTrainerMixin:
             # By keyword: trainers whose second parameter is not ``args`` (TRL's DPOTrainer:
             # ref_model, GRPOTrainer: reward_funcs) get it in the right place.
             super().__init__(model, args=args, **kw)
+        _refuse_own_optimizer(
+            getattr(self, "optimizer", None), getattr(self, "optimizer_cls_and_kwargs", None)
+        )
         if getattr(self.args, "use_liger_kernel", False):
             # Trainers that patch Liger in __init__ (older transformers) replaced the MLP
             # tiling's forward: tile the (fused) forward again.
