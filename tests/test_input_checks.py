@@ -95,3 +95,13 @@ def test_negative_host_memory_limit_is_refused(tmp_path):
         EngineOptions(host_memory_limit_gb=-1.0)
     with pytest.raises(ValueError, match="host_memory_limit_gb"):
         _trainer(tmp_path, make_data(), megatrain_host_memory_limit_gb=-1.0)
+
+
+def test_torch_compile_is_said_to_be_not_applied(tmp_path, caplog):
+    """torch_compile=True was silently ignored (the stock Trainer compiles the model it prepares;
+    the streamed wrapper is never prepared): the run says so, and trains as without it."""
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain.hf.trainer"):
+        trainer = _trainer(tmp_path, make_data(), torch_compile=True, max_steps=1)
+    hits = [r for r in caplog.records if "torch_compile=True is not applied" in r.getMessage()]
+    assert len(hits) == 1
+    trainer.train()

@@ -521,6 +521,15 @@ class MegaTrainerMixin:
         self._megatrain_sp = setup_sequence_parallel(model, args, run.options.sequence_parallel)
         _check_grad_mode(self.megatrain, args, run)
         _warn_attention_outputs_unused(model, run)
+        if getattr(args, "torch_compile", False):
+            # The Trainer compiles the model it prepares with accelerate; the wrapper is never
+            # prepared (a whole-model graph cannot span layers that stream in and out).
+            logger.warning(
+                "hf_megatrain: torch_compile=True is not applied: the model is not compiled as a "
+                "whole, its decoder layers stream through the device one at a time. On CUDA the "
+                "layers' RMSNorm, RoPE and SwiGLU are fused by default (Liger-Kernel or "
+                "torch.compile; megatrain_layer_kernels='compiled' compiles them for any family)."
+            )
         for note in unused_option_notes(run, len(self.megatrain.engine.stores)):
             logger.warning("hf_megatrain: %s", note)
         self._wrapper = StreamedModelWrapper(
