@@ -60,6 +60,19 @@ def test_lora_matches_stock_trainer_and_saves_loadable_adapters(tmp_path):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_lora_with_label_smoothing_matches_stock(tmp_path):
+    """Label smoothing shifts the labels of a causal LM, which the Trainer tells by the name of
+    the model it calls: under PEFT its base model's (the streamed wrapper's name before)."""
+    model = _lora_model()
+    kw = dict(max_steps=2, label_smoothing_factor=0.1)
+    stock, _ = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, **kw)
+    mega, _ = run_trainer(model, tmp_path, "mega", mega=True, **kw)
+    assert len(stock) == len(mega) == 2
+    for a, b in zip(stock, mega):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
 def test_lora_resume_continues_the_run(tmp_path):
     model = _lora_model()
     kw = dict(max_steps=6, save_strategy="steps", save_steps=3)
