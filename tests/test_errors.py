@@ -105,6 +105,17 @@ def test_optimizer_given_to_the_trainer_refused(tmp_path):
         _assert_untouched(model, tmp_path)
 
 
+def test_model_init_refused(tmp_path):
+    """model_init (the Trainer rebuilds the model from it at every train()) is named, not
+    answered with 'needs a model'."""
+    with pytest.raises(ValueError, match="model_init is not supported"):
+        HFMegaTrainer(
+            model_init=lambda: tiny_model(tiny_config("llama")),
+            args=_args(tmp_path),
+            train_dataset=make_data(4),
+        )
+
+
 def test_insufficient_host_memory(tmp_path):
     model = tiny_model(tiny_config("llama"))
     args = _args(tmp_path, megatrain_host_memory_limit_gb=1e-6)  # ~1 KiB

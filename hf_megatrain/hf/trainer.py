@@ -423,6 +423,14 @@ class MegaTrainerMixin:
     def __init__(
         self, model: nn.Module | str | None = None, args: TrainingArguments | None = None, *a, **kw
     ):
+        if kw.get("model_init") is not None:
+            # The Trainer calls model_init again at every train() (hyperparameter search): a new
+            # model each time, which would have to be streamed again under the running trainer.
+            raise ValueError(
+                f"hf_megatrain: model_init is not supported by {type(self).__name__} (the "
+                "Trainer builds a new model from it at every train(), for hyperparameter "
+                "search); pass model=, and build a new trainer per trial."
+            )
         if model is None:
             raise ValueError(f"hf_megatrain: {type(self).__name__} needs a model")
         if args is None:
