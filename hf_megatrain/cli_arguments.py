@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cli_common import CLIError, check_config_builds, config_from_json
+from .cli_common import CLIError, check_config_builds, config_from_json, world_size
 from .core.options import EngineOptions, OptionError
 from .option_flags import (
     DefaultOnceHelpFormatter,
@@ -582,7 +582,7 @@ def check_loaded_data(settings: TrainSettings, data: Any) -> None:
     """What can be checked only once the data is loaded (``data``: a ``TrainingData``), before
     the model is built: a batch beyond the rows, and evaluation asked for where a Hub dataset
     turned out to have no eval split (the Trainer refused that once the model was built)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     check_batch_size(settings.training.per_device_train_batch_size, data.num_train_rows, world)
     args = settings.training
     given_metric = "metric_for_best_model" in settings.source

@@ -61,6 +61,11 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def world_size() -> int:
+    """Data-parallel processes of the launch (one per GPU; 1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def say(msg: str) -> None:
     # Under a data-parallel launch every rank runs this code: one report, from rank 0.
     if is_main_process():

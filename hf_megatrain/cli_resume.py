@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .cli_common import CLIError
+from .cli_common import CLIError, world_size
 
 #: The stateful callback's name in trainer_state.json (the name it has had since it recorded
 #: only ``seq_len``: older checkpoints are read the same way).
@@ -70,7 +70,7 @@ def run_record(settings) -> dict[str, Any]:
     for key in _PATH_KEYS:
         if record.get(key) is not None and os.path.exists(record[key]):
             record[key] = os.path.abspath(record[key])
-    record["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+    record["world_size"] = world_size()
     return record
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_arguments import RESUME_LAST, TrainSettings, check_loaded_data
-from .cli_common import CONFIG_ERRORS, CLIError, error_summary
+from .cli_common import CONFIG_ERRORS, CLIError, error_summary, world_size
 from .cli_common import config_from_json as _config_from_json
 from .cli_common import is_main_process as _is_main_process
 from .cli_common import say as _say
@@ -170,7 +170,7 @@ def check_launch() -> None:
     """Refuse launch layouts data parallel cannot run (a node's ranks share its host store)."""
     from .core.distributed import launch_layout_error  # noqa: PLC0415
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     problem = launch_layout_error(world, local)
     if problem:
@@ -251,12 +251,14 @@ def _finishes_run(record: dict, resume: str, resume_step: int, args) -> bool:
     if args.max_steps <= 0 or step < args.max_steps or step < resume_step:
         return False  # a shorter run's model, or a newer checkpoint not yet exported
     if step > resume_step:
-        if checkpoints_after(os.path.dirname(os.path.abspath(resume)), resume_step):
+        checkpoints = os.path.dirname(os.path.abspath(resume))
+        if checkpoints_after(checkpoints, resume_step):
             return False  # newer ones are incomplete: the run goes on from resume to mend them
         if not args.load_best_model_at_end:
             return weights_from is None
-        best = os.path.join(os.path.dirname(os.path.abspath(resume)), str(weights_from))
-        return weights_from is not None and os.path.isdir(best)
+        return weights_from is not None and os.path.isdir(
+            os.path.join(checkpoints, str(weights_from))
+        )
     best = _best_checkpoint(resume, _checkpoint_state(resume), args)
     return weights_from == (os.path.basename(best) if best is not None else None)
 
@@ -306,7 +308,7 @@ def _say_header(settings: TrainSettings, data, model, n_params: int) -> None:
     what = settings.model.model_path or (
         "random init from " + (settings.model.config or "the bundled config")
     )
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # data-parallel processes, one per GPU
+    world = world_size()
     batch, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
     tokens_per_step = data_args.seq_len * batch * accum * world
     length = (
@@ -375,7 +377,7 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     named = (args.resume_from_checkpoint or "last").lower() not in RESUME_LAST  # a folder
     record = _saved_model_record(args.output_dir) if resume_step is not None else None
     if not named and record is not None and _finishes_run(record, resume, resume_step, args):
-        out = os.path.abspath(args.output_dir)
+        out = args.output_dir
         _say(
             f"hf-megatrain: {out} already holds this run's final model (saved at step "
             f"{record['global_step']} of --max_steps {args.max_steps}; its last checkpoint is "
@@ -430,15 +432,13 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
             train_loss = trainer.train(resume_from_checkpoint=resume).training_loss
         train_s = time.perf_counter() - t_train
         if stop.stopped_at is not None:
-            checkpoint = os.path.join(
-                os.path.abspath(args.output_dir), f"checkpoint-{stop.stopped_at}"
-            )
+            checkpoint = os.path.join(args.output_dir, f"checkpoint-{stop.stopped_at}")
             _say(
                 f"hf-megatrain: stopped by {stop.received.name} after step {stop.stopped_at} of "
                 f"this run; saved {checkpoint}. Run the same command again to resume from it."
             )
             return {
-                "output_dir": os.path.abspath(args.output_dir),
+                "output_dir": args.output_dir,
                 "stopped": checkpoint,
                 "signal": int(stop.received),
             }
@@ -453,8 +453,8 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     stopped_after_training = stop.requested
     if not _is_main_process():
         # Data parallel: the report and the reload check are rank 0's.
-        return {"output_dir": os.path.abspath(args.output_dir), "n_params": n_params}
-    out = os.path.abspath(args.output_dir)
+        return {"output_dir": args.output_dir, "n_params": n_params}
+    out = args.output_dir
     steps_run = 0 if finish_only else trainer.state.global_step - start_step
     if finish_only:
         done = f"\nhf-megatrain: finished the run from {resume} (step {resume_step}"
@@ -551,7 +551,7 @@ def _verify_saved(settings, out, eval_rows, tokenizer, device, eval_loss, result
             + (
                 " (which averaged per-batch losses over the processes, whose last batches are "
                 "evened out with repeated rows: not quite the same mean)"
-                if eval_loss is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+                if eval_loss is not None and world_size() > 1
                 else ""
             )
         )

@@ -71,20 +71,22 @@ def host_state_dict(model, dtype: torch.dtype | None = None) -> dict[str, torch.
         # must stay one storage, as save_pretrained drops tied keys by shared storage.
         cast: dict[tuple, torch.Tensor] = {}
         for key, value in out.items():
-            if value.is_floating_point() and not (keep is not None and keep.search(key)):
-                alias = (
-                    value.untyped_storage().data_ptr(),
-                    value.storage_offset(),
-                    tuple(value.shape),
-                    value.stride(),
-                    value.dtype,
-                )
-                if value.numel() == 0:  # (no storage to share: data_ptr 0 for all)
-                    out[key] = value.to(dtype)
-                    continue
-                if alias not in cast:
-                    cast[alias] = value.to(dtype)
-                out[key] = cast[alias]
+            if not value.is_floating_point() or (keep is not None and keep.search(key)):
+                continue
+            if value.numel() == 0:  # (no storage to share: data_ptr 0 for all)
+                out[key] = value.to(dtype)
+                continue
+            storage = value.untyped_storage().data_ptr()
+            alias = (
+                storage,
+                value.storage_offset(),
+                tuple(value.shape),
+                value.stride(),
+                value.dtype,
+            )
+            if alias not in cast:
+                cast[alias] = value.to(dtype)
+            out[key] = cast[alias]
     return out
 
 
