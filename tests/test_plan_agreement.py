@@ -1,0 +1,48 @@
+"""What ``hf-megatrain plan`` says is what training does: the CLI's plan against the builder's
+(the road every streamed model takes on a GPU), on meta-device models and pretended memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_megatrain.cli_plan import plan_config
+from hf_megatrain.core import builder
+from hf_megatrain.core.options import EngineOptions, StepShape
+from hf_megatrain.core.planner import GIB
+from hf_megatrain.hf.model import model_shape_from_config
+from tests.test_planner import CONFIGS
+
+BF16 = torch.bfloat16
+H200, HOST = 139 * GIB, 128 * GIB
+
+
+def _builder_plan(monkeypatch, shape, options, step, *, trainable=True, hbm=H200, host=HOST):
+    """The builder's plan of a run on a pretended GPU (nothing allocated)."""
+    monkeypatch.setattr(builder, "device_free_bytes", lambda device: hbm)
+    monkeypatch.setattr(builder, "available_host_bytes", lambda: host)
+    layers = [
+        builder.LayerLayout(slots=[], numel=n, decay_numel=n, trainable=trainable)
+        for n in shape.layer_numels
+    ]
+    resolved = options.resolve(clipping=True, cuda=True, single_backward=step.grad_accum == 1)
+    cuda = torch.device("cuda")
+    return builder._resident_layer_count(layers, resolved, cuda, BF16, shape, step, 0, None)
+
+
+@pytest.fixture(scope="module")
+def qwen1_5b():
+    return model_shape_from_config(plan_config(str(CONFIGS / "qwen2.5-1.5b")), "qwen2.5-1.5b")
+
+
+def test_frozen_layers_are_planned_streamed(monkeypatch, qwen1_5b):
+    """A LoRA base (every layer frozen) cannot join the HBM tier (it holds optimizer state):
+    the plan streams every layer and keeps no activations. It planned all 28 layers in HBM,
+    keeping their activations, which the builder then streamed; keep_activations 'auto' asked
+    the empty tier for the plan's 28 layers and the run failed before its first step."""
+    step = StepShape(seq_len=4096, micro_batch_tokens=4 * 4096)
+    n_hbm, plan = _builder_plan(monkeypatch, qwen1_5b, EngineOptions(), step)
+    assert n_hbm == plan.n_hbm > 0 and plan.kept_layers > 0  # trainable: the tier as before
+    n_hbm, plan = _builder_plan(monkeypatch, qwen1_5b, EngineOptions(), step, trainable=False)
+    assert n_hbm == plan.n_hbm == 0 and plan.kept_layers == 0
+    assert plan.fits
