@@ -46,3 +46,23 @@ def test_frozen_layers_are_planned_streamed(monkeypatch, qwen1_5b):
     n_hbm, plan = _builder_plan(monkeypatch, qwen1_5b, EngineOptions(), step, trainable=False)
     assert n_hbm == plan.n_hbm == 0 and plan.kept_layers == 0
     assert plan.fits
+
+
+def test_kept_activations_beyond_the_tier_are_one_line_refusals(monkeypatch, qwen1_5b, capsys):
+    """keep_activations pinned above the HBM tier the memory holds: `plan` and training refuse
+    it alike, as a library refusal ("hf_megatrain: ..."), which `hf-megatrain train` shows as
+    one line; the builder's was a bare ValueError, which the CLI shows with its traceback."""
+    from hf_megatrain.cli import main  # noqa: PLC0415
+
+    step = StepShape(seq_len=4096, micro_batch_tokens=4096)
+    options = EngineOptions(keep_activations="2")
+    with pytest.raises(ValueError, match=r"^hf_megatrain: keep_activations=2: only the 0 HBM"):
+        _builder_plan(monkeypatch, qwen1_5b, options, step, hbm=GIB // 2)
+    argv = ["plan", str(CONFIGS / "qwen2.5-1.5b"), "--seq-len", "4096", "--tokens-per-step"]
+    argv += ["4096", "--hbm-gib", "0.5", "--host-gib", "128", "--keep-activations", "2"]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert str(refused.value) == (
+        "hf-megatrain: error: --keep-activations 2: only the 0 HBM-tier layers can keep their "
+        "activations"
+    )

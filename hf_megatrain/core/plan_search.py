@@ -205,8 +205,8 @@ def _plan(
     else:
         if not 0 <= keep <= n_hbm:
             raise ValueError(
-                f"keep_activations={keep}: only the {n_hbm} HBM-tier layers can keep their "
-                "activations"
+                f"hf_megatrain: keep_activations={keep}: only the {n_hbm} HBM-tier layers can "
+                "keep their activations"
             )
         kept = keep
     attn = attn_fixed(kept)
