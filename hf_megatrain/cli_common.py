@@ -134,7 +134,8 @@ def check_config_builds(config: Any, where: str) -> None:
         meta_model(config)
     except UnsupportedModelError as e:
         raise CLIError(f"{where}: {str(e).removeprefix('hf_megatrain: ')}") from None
-    except (ArithmeticError, LookupError, AttributeError) as e:  # meta_model lets these through
+    # meta_model lets these through (torch asserts a padding index within the vocabulary)
+    except (ArithmeticError, LookupError, AttributeError, AssertionError) as e:
         raise CLIError(
             f"{where}: could not build {config.model_type} from this config: {error_summary(e)}"
         ) from None
