@@ -8,7 +8,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .cli_common import CLIError, check_config_sizes, config_from_json, say, setup_logging
+from .cli_common import (
+    CLIError,
+    check_config_sizes,
+    config_from_json,
+    error_summary,
+    say,
+    setup_logging,
+)
 from .core.options import OptionError, StepShape
 from .core.planner import PLANNED_OPTIONS, OptionNamer
 from .option_flags import add_option_arguments, flag_name, flag_text, options_from_namespace
@@ -119,6 +126,11 @@ def _meta_model_and_shape(cfg, name: str):
         return model, model_shape(model, name)
     except UnsupportedModelError as e:
         raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
+    except (ArithmeticError, LookupError, AttributeError, AssertionError) as e:
+        # (meta_model lets these through: check_config_builds, as train refuses them)
+        raise CLIError(
+            f"could not build {cfg.model_type} from this config: {error_summary(e)}"
+        ) from None
 
 
 def detected_memory(hbm_gib: float | None, host_gib: float | None) -> tuple[int, int, list[str]]:

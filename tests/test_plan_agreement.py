@@ -66,3 +66,24 @@ def test_kept_activations_beyond_the_tier_are_one_line_refusals(monkeypatch, qwe
         "hf-megatrain: error: --keep-activations 2: only the 0 HBM-tier layers can keep their "
         "activations"
     )
+
+
+def test_a_config_that_cannot_be_built_is_a_one_line_refusal(tmp_path):
+    """A vocabulary below the family's default pad_token_id (GLM-4's 151329): torch asserts
+    while building the embedding. `plan` showed that AssertionError's traceback, and so did
+    `train`'s config check; both now refuse in one line."""
+    import json  # noqa: PLC0415
+
+    from hf_megatrain.cli import main  # noqa: PLC0415
+    from hf_megatrain.cli_common import CLIError, check_config_builds  # noqa: PLC0415
+
+    sizes = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128)
+    sizes |= dict(intermediate_size=512, num_hidden_layers=2, vocab_size=32000)
+    path = tmp_path / "glm4.json"
+    path.write_text(json.dumps({"model_type": "glm4", **sizes}))
+    expected = "could not build glm4 from this config: Padding_idx must be within num_embeddings"
+    with pytest.raises(SystemExit) as refused:
+        main(["plan", str(path), "--seq-len", "4096", "--tokens-per-step", "4096", "--no-search"])
+    assert str(refused.value) == f"hf-megatrain: error: {expected}"
+    with pytest.raises(CLIError, match=expected):
+        check_config_builds(plan_config(str(path)), str(path))
