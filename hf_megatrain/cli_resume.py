@@ -71,6 +71,8 @@ def run_record(settings) -> dict[str, Any]:
         if record.get(key) is not None and os.path.exists(record[key]):
             record[key] = os.path.abspath(record[key])
     record["world_size"] = world_size()
+    # Ranks sharing each sequence: with WORLD_SIZE, the rows of a step and the data position.
+    record["sequence_parallel"] = settings.engine.sequence_parallel
     return record
 
 
@@ -170,6 +172,8 @@ def seq_len_note(checkpoint: str, seq_len: int) -> str | None:
 
 
 def _flag(key: str) -> str:
+    if key == "sequence_parallel":
+        return "--sequence-parallel"
     return "WORLD_SIZE (processes)" if key == "world_size" else f"--{key}"
 
 
