@@ -6,6 +6,8 @@ one ``torchrun --nnodes 2 --node_rank K --nproc_per_node 2 ...`` per node (multi
 tests/test_multinode.py). Each rank writes ``DIR/rank{r}.json`` (its logs, host-store bytes,
 reduced bytes and a digest of the weights it sees); ``trainer.save_model`` writes ``DIR/final``.
 ``--per-device-batch`` is per rank: pass world x it to the single run for the same global batch.
+``--rows`` / ``--epochs`` / ``--eval-rows`` / ``--also-iterable`` make the partial last global
+batch (rows not a multiple of the global batch) for tests/test_distributed.py.
 """
 
 from __future__ import annotations
@@ -60,9 +62,37 @@ def main() -> None:
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--stream-fp32-master", action="store_true")
     p.add_argument("--keep-attention-outputs", action="store_true")
+    p.add_argument("--rows", type=int, default=64, help="training rows")
+    p.add_argument("--epochs", type=float, default=0, help="train epochs (not --steps) if > 0")
+    p.add_argument("--eval-rows", type=int, default=0, help="evaluate on N rows after training")
+    p.add_argument("--iterable", action="store_true", help="the rows as an IterableDataset")
+    p.add_argument(
+        "--also-iterable",
+        metavar="OUT",
+        help="afterwards, in the same processes: train on the rows as an IterableDataset "
+        "(accelerate dispatches its batches from rank 0), --steps steps, into OUT",
+    )
     add_then_resume_argument(p)
     a = p.parse_args()
-    run_then_resume(run, a, a.resume)
+    run_then_resume(run_all, a, a.resume)
+
+
+def run_all(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) -> None:
+    """``run``; after the first training, with ``--also-iterable``, the streamed-rows one."""
+    run(a, out, resume, save_steps)
+    if a.also_iterable and out == a.out:
+        stream = argparse.Namespace(**{**vars(a), "iterable": True, "epochs": 0, "eval_rows": 0})
+        run(stream, a.also_iterable, None, 0)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """The rows as a stream without a length (accelerate dispatches its batches)."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        yield from self.rows
 
 
 def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) -> None:
@@ -70,24 +100,34 @@ def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) ->
     os.makedirs(out, exist_ok=True)
     model = tiny_model(tiny_config(a.arch, num_hidden_layers=a.layers))
     save = dict(save_strategy="steps", save_steps=save_steps) if save_steps else {}
+    if a.epochs > 0:
+        save |= dict(max_steps=-1, num_train_epochs=a.epochs)
     args = MegaTrainArguments(
         output_dir=os.path.join(out, "run"),
         **common_args(
             per_device_train_batch_size=a.per_device_batch,
             gradient_accumulation_steps=a.grad_accum,
-            max_steps=a.steps,
+            **{"max_steps": a.steps, **save},
             max_grad_norm=a.max_grad_norm,
             use_cpu=not a.cuda,
             bf16=a.bf16,
             megatrain_resident_layers=a.resident_layers,
             megatrain_stream_fp32_master=a.stream_fp32_master,
             megatrain_keep_attention_outputs=a.keep_attention_outputs,
-            **save,
+            per_device_eval_batch_size=a.per_device_batch,
         ),
     )
     rec = LogRecorder()
-    trainer = HFMegaTrainer(model=model, args=args, train_dataset=make_data(64), callbacks=[rec])
+    rows = make_data(a.rows)
+    trainer = HFMegaTrainer(
+        model=model,
+        args=args,
+        train_dataset=Stream(rows) if a.iterable else rows,
+        eval_dataset=make_data(a.eval_rows, seed=3) if a.eval_rows else None,
+        callbacks=[rec],
+    )
     trainer.train(resume_from_checkpoint=resume)
+    evaluated = trainer.evaluate() if a.eval_rows else {}
     trainer.save_model(os.path.join(out, "final"))
     state = trainer.megatrain
     dp = state.engine.dp
@@ -114,6 +154,7 @@ def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) ->
         "grad_slots": [s.grad is not None for s in layers if not s.resident and s.owned],
         "streams_fp32_master": state.engine.streams_fp32_master,
         "threads": torch.get_num_threads(),
+        "eval_loss": evaluated.get("eval_loss"),
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

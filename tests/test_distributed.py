@@ -161,6 +161,121 @@ def test_dp_keep_attention_outputs_trains_identically(runs, tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
+def test_dp_partial_last_batch_equals_single_process(tmp_path):
+    """29 rows at a global batch of 4: each epoch's last global batch holds 1 row. accelerate's
+    even_batches gives rank 0 that row plus a repeated one and rank 1 two repeated rows; they are
+    masked (labels -100), so 2 ranks train and evaluate as 1 process. Covered: 2 epochs with
+    gradient accumulation 2 (the partial micro-batch is the second of its step's two, and the
+    Trainer's gathered token count is the real rows'), the final evaluation over 5 rows (its last
+    batch partial too), a resume mid-epoch (the data skip) from checkpoint-6 before the second
+    epoch's partial batch, and the rows as an IterableDataset (accelerate dispatches its batches
+    from rank 0 and pads the last one differently). Unmasked, step 4 (the first partial batch)
+    differs from one process by ~1% in loss."""
+    common = ("--rows", "29", "--epochs", "2", "--grad-accum", "2", "--eval-rows", "5")
+    common += ("--steps", "8", "--save-steps", "6")
+    single = _run(tmp_path / "single", 1, *common, "--also-iterable", str(tmp_path / "single_it"))
+    ckpt = tmp_path / "dp" / "run" / "checkpoint-6"
+    resumed = tmp_path / "resumed"
+    dp = _run(
+        tmp_path / "dp", 2, *common, "--also-iterable", str(tmp_path / "dp_it"),
+        "--then-resume", str(ckpt), str(resumed),
+    )  # fmt: skip
+    assert len(single[0]["logs"]) == 8 and dp[0]["optimizer_steps"] == 8
+    _assert_same_training(single[0]["logs"], dp[0]["logs"])
+    _assert_close_weights(
+        _weights(tmp_path / "single" / "final"), _weights(tmp_path / "dp" / "final")
+    )
+    # Evaluation: per-batch mean losses, repeated per row and gathered (the duplicates dropped by
+    # gather_for_metrics): the same numbers as one process's up to fp32 summation order
+    # (observed equal; the repeated rows counted in moved it by 2e-3).
+    assert dp[0]["eval_loss"] == pytest.approx(single[0]["eval_loss"], rel=1e-6)
+    # The resume skips the first 4 micro-batches of epoch 2 and masks its partial batch as the
+    # uninterrupted run did: bitwise the same steps 7 and 8 and final weights.
+    after = [json.loads((resumed / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [x["loss"] for x in after[0]["logs"]] == [x["loss"] for x in dp[0]["logs"][6:]]
+    a, b = _weights(tmp_path / "dp" / "final"), _weights(resumed / "final")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # The streamed rows (8 steps: 2 passes of 8 micro-batches, the last of 1 row).
+    it_single, it_dp = (
+        [json.loads((tmp_path / d / f"rank{r}.json").read_text()) for r in range(w)]
+        for d, w in (("single_it", 1), ("dp_it", 2))
+    )
+    assert len(it_single[0]["logs"]) == 8
+    _assert_same_training(it_single[0]["logs"], it_dp[0]["logs"])
+    _assert_close_weights(
+        _weights(tmp_path / "single_it" / "final"), _weights(tmp_path / "dp_it" / "final")
+    )
+
+
+class _Rows(torch.utils.data.IterableDataset):
+    """range(n) as a stream with a length (accelerate's IterableDatasetShard reads it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        yield from range(self.n)
+
+
+@pytest.mark.parametrize("kind", ["sampler", "split", "stream"])
+def test_last_batch_layout_marks_exactly_the_repeated_rows(kind):
+    """What the trainer masks, against what accelerate's shards really yield (no processes:
+    each rank's shard iterated here): the rows it keeps from every rank's epoch, earlier batches
+    whole and the last batch's first ``clamp(real - r * per_rank, 0, per_rank)``, are every row
+    of the data once (with drop_last, every row of the full global batches), over dataset
+    sizes, batch sizes, process counts and skipped batches (a resume)."""
+    from accelerate.data_loader import (
+        BatchSamplerShard,
+        DataLoaderShard,
+        IterableDatasetShard,
+        SkipBatchSampler,
+    )
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from hf_megatrain.hf.trainer import _last_batch_rows
+
+    for n, b, world, drop_last, skip in (
+        (rows, b, world, drop, skip)
+        for rows in range(1, 14)
+        for b in (1, 2, 3)
+        for world in (2, 3)
+        for drop in (False, True)
+        for skip in (0, 1)
+    ):
+        kept, batches = [], None
+        for rank in range(world):
+            if kind == "stream":
+                data = IterableDatasetShard(
+                    _Rows(n), b, drop_last, num_processes=world, process_index=rank
+                )
+                loader = DataLoaderShard(data, batch_size=b, drop_last=False)
+            else:
+                split = kind == "split"
+                inner = BatchSampler(
+                    SequentialSampler(range(n)), b * (world if split else 1), drop_last
+                )
+                shard = BatchSamplerShard(inner, world, rank, split_batches=split)
+                sampler = SkipBatchSampler(shard, skip) if skip else shard
+                loader = DataLoaderShard(range(n), batch_sampler=sampler)
+            mine = [batch.tolist() for batch in loader]
+            assert batches is None or len(mine) == batches  # even_batches: as many per rank
+            batches = len(mine)
+            if not mine:
+                continue
+            layout = _last_batch_rows(loader, world)
+            real, per_rank = layout if layout != (0, 0) else (world * b, b)
+            assert len(mine[-1]) == per_rank
+            first_real = max(0, min(per_rank, real - rank * per_rank))
+            kept += [row for batch in mine[:-1] for row in batch] + mine[-1][:first_real]
+        full = n - n % (world * b) if drop_last else n
+        skipped = skip * world * b if kind != "stream" else 0
+        assert sorted(kept) == list(range(skipped, full)), (n, b, world, drop_last, skip)
+
+
 def test_refuses_unequal_nodes_and_too_many_ranks():
     # Several nodes run (tests/test_multinode.py), but each with as many ranks.
     with pytest.raises(DataParallelError, match="same number of processes on every node"):

@@ -74,3 +74,32 @@ def test_evaluation_during_training(tmp_path):
     for a, b in zip(stock.logs, mega.logs):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)  # same reason
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+def test_metric_keys_match_stock(tmp_path):
+    """evaluate() and predict() return stock's metric keys: ``*_model_preparation_time`` from an
+    evaluation before any training on (the stock Trainer prepares the model with accelerate
+    there and reports the time from then on), none where train() came first."""
+    model = tiny_model(tiny_config("llama"))
+    keys = {}
+    for name, mega in (("stock", False), ("mega", True)):
+        cls, argcls = (HFMegaTrainer, MegaTrainArguments) if mega else (Trainer, TrainingArguments)
+        args = argcls(
+            output_dir=str(tmp_path / name),
+            per_device_eval_batch_size=4,
+            **common_args(max_steps=1),
+        )
+        runs = []
+        for evaluate_first in (True, False):
+            trainer = cls(
+                model=copy.deepcopy(model), args=args, train_dataset=make_data(4), eval_dataset=EVAL
+            )
+            if evaluate_first:
+                runs.append(trainer.evaluate())
+            trainer.train()
+            runs += [trainer.evaluate(), trainer.predict(EVAL).metrics]
+        keys[name] = [sorted(metrics) for metrics in runs]
+    assert keys["mega"] == keys["stock"]
+    # What the comparison is about: stock has the key in the first three, not in the last two.
+    has = ["model_preparation_time" in " ".join(k) for k in keys["stock"]]
+    assert has == [True, True, True, False, False]

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import BatchSampler
 from transformers import Trainer, TrainingArguments
 
 from ..core.distributed import DataParallelError, launch_layout_error
@@ -52,6 +53,7 @@ from .checkpoint import (
 )
 from .flops import active_params, attention_flops_per_token
 from .guards import (
+    IGNORE_INDEX,
     NonFiniteError,
     check_batch,
     check_model_dtype,
@@ -401,6 +403,57 @@ def _check_data_parallel(state, args: TrainingArguments) -> None:
         )
 
 
+def _last_batch_rows(loader: Any, world: int) -> tuple[int, int] | None:
+    """How accelerate's ``even_batches`` filled the last global batch of an epoch of ``loader``
+    (a prepared data-parallel dataloader, read when it yields that batch): ``(real, per_rank)``,
+    the data's rows in the global batch and each rank's share of it. The global batch is the
+    real rows, then rows repeated from the epoch's start, cut into ``world`` consecutive shares:
+    rank r's share holds ``clamp(real - r * per_rank, 0, per_rank)`` real rows, first.
+    ``real == per_rank * world`` where the last batch is full; ``(0, 0)`` where no row is ever
+    repeated (``drop_last``, ``even_batches=False``); None where the layout is unknown (a
+    loader or sampler accelerate did not shard, a stream without a length)."""
+    from accelerate.data_loader import (  # noqa: PLC0415
+        BatchSamplerShard,
+        DataLoaderDispatcher,
+        DataLoaderShard,
+        IterableDatasetShard,
+        SkipBatchSampler,
+    )
+
+    if isinstance(loader, DataLoaderDispatcher):
+        # Rank 0 fetched ``remainder`` rows for the last global batch; every rank gets a slice
+        # of ceil(remainder / world) rows of them followed by the epoch's first rows.
+        if loader._drop_last:
+            return (0, 0)
+        if loader.remainder <= 0:
+            return None
+        return loader.remainder, -(-loader.remainder // world)
+    if not isinstance(loader, DataLoaderShard):
+        return None
+    shard = loader.sampler if isinstance(loader.sampler, BatchSampler) else loader.batch_sampler
+    while isinstance(shard, SkipBatchSampler):  # a resume's skipped batches
+        shard = shard.batch_sampler
+    dataset = loader.dataset
+    try:
+        if isinstance(shard, BatchSamplerShard) and shard.batch_size is not None:
+            # A map-style dataset: the rows are the indices of the sampler the shard batches.
+            if shard.drop_last or not shard.even_batches:
+                return (0, 0)
+            total = shard.batch_size * (1 if shard.split_batches else shard.num_processes)
+            rows = len(shard.batch_sampler.sampler)
+        elif isinstance(dataset, IterableDatasetShard):
+            # Every rank iterates the stream and keeps its slice of each global batch.
+            if dataset.drop_last:
+                return (0, 0)
+            total = dataset.batch_size * (1 if dataset.split_batches else dataset.num_processes)
+            rows = len(dataset.dataset)
+        else:
+            return None
+    except (AttributeError, TypeError):  # a sampler or stream without a length
+        return None
+    return rows % total or total, total // world
+
+
 class MegaTrainerMixin:
     """Every ``HFMegaTrainer`` override, for composing with other ``Trainer`` subclasses.
 
@@ -598,6 +651,9 @@ class MegaTrainerMixin:
         if liger:
             self.args.use_liger_kernel = False
         self._megatrain_best_loaded = None  # the weights train from here on
+        # (Where the stock Trainer prepares the model: an evaluation after this reports no
+        # model_preparation_time unless one before it did, as stock.)
+        self._megatrain_model_prepared = True
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -610,8 +666,96 @@ class MegaTrainerMixin:
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
         sp = getattr(self, "_megatrain_sp", None)
+        if sp is not None and self.args.world_size > 1:
+            layout = _last_batch_rows(loader, self.args.world_size)
+            if layout is None or layout[0] < layout[1] * self.args.world_size:
+                self._megatrain_warn_repeats(
+                    "sequence_parallel",
+                    "under sequence parallelism the repeated rows are not masked",
+                )
         # Sequence parallelism: each rank gets its shard of every row of its group's batches.
         return loader if sp is None else sp.wrap_dataloader(loader, self.args.device)
+
+    # ---- the partial last global batch of an epoch ----------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self.args.world_size > 1 and getattr(self, "_megatrain_sp", None) is None:
+            # Each batch as it leaves the loader (while the loader still tells whether it is the
+            # epoch's last), before the Trainer counts its label tokens for num_items_in_batch.
+            epoch_iterator = map(lambda batch: self._megatrain_unrepeat(batch)[0], epoch_iterator)
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _megatrain_unrepeat(self, batch: Any) -> tuple[Any, bool]:
+        """``batch`` with the rows accelerate's ``even_batches`` repeated into the epoch's (or
+        the evaluation's) partial last global batch masked (every label -100): no loss, no
+        gradient, and not counted in the Trainer's ``num_items_in_batch``, the real target
+        tokens of all ranks (gathered), by which every rank's loss is divided, so N processes
+        compute what one process computes on the real rows. Returns ``(batch, masked)``:
+        ``masked`` where the batch is such a last batch (the same on every rank, even where this
+        rank's rows are all real); other batches are returned as they are.
+
+        Where the loss is not divided by the gathered count (``average_tokens_across_devices``
+        off, a model without ``num_items_in_batch``), a rank of repeated rows only would divide
+        by no token: the rows are left in and counted, as by the stock Trainer, and a warning
+        says so once; likewise where the padding or the rows cannot be known. Every decision
+        here is the same on every rank (the evaluation reduces over the ranks when masked)."""
+        loader = self.accelerator.gradient_state.active_dataloader
+        if loader is None or not loader.end_of_dataloader:
+            return batch, False
+        world = self.accelerator.num_processes
+        layout = _last_batch_rows(loader, world)
+        if layout is None:
+            self._megatrain_warn_repeats(
+                "layout", "the loader's padding is unknown here (a stream without a length?)"
+            )
+            return batch, False
+        real, per_rank = layout
+        if real == per_rank * world:
+            return batch, False  # a full last batch (or drop_last): nothing repeated
+        keys = []
+        if isinstance(batch, Mapping):
+            keys = [k for k in (*self.label_names, "shift_labels") if torch.is_tensor(batch.get(k))]
+        if not keys or any(batch[k].dim() == 0 or batch[k].shape[0] != per_rank for k in keys):
+            self._megatrain_warn_repeats(
+                "rows", f"the batch has no labels of {per_rank} rows to mask (packed rows?)"
+            )
+            return batch, False
+        if not (
+            self.args.average_tokens_across_devices
+            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+        ):
+            self._megatrain_warn_repeats(
+                "num_items",
+                "the loss is divided by each process's own token count "
+                "(average_tokens_across_devices=False, or a model without num_items_in_batch)",
+            )
+            return batch, False
+        mine = max(0, min(per_rank, real - self.accelerator.process_index * per_rank))
+        for key in keys if mine < per_rank else ():
+            labels = batch[key].clone()
+            labels[mine:] = IGNORE_INDEX
+            batch[key] = labels
+        if "masked" not in self._megatrain_warned:
+            self._megatrain_warned.add("masked")
+            logger.info(
+                "hf_megatrain: a last global batch of %d rows for %d processes: the rows "
+                "accelerate's even_batches repeated to fill it are masked (labels -100)",
+                real,
+                world,
+            )
+        return batch, True
+
+    def _megatrain_warn_repeats(self, key: str, why: str) -> None:
+        if f"repeats-{key}" in self._megatrain_warned:
+            return
+        self._megatrain_warned.add(f"repeats-{key}")
+        logger.warning(
+            "hf_megatrain: the last global batch of an epoch is (or may be) partial, and "
+            "accelerate's even_batches fills the processes' shares with rows repeated from the "
+            "epoch's start; %s, so they are trained and evaluated on as by the stock Trainer "
+            "and that step differs from one process. dataloader_drop_last=True drops the "
+            "partial batch instead (docs/design.md, 'What is exact').",
+            why,
+        )
 
     # ---- placement and wrapping ---------------------------------------------------------------
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
@@ -967,15 +1111,52 @@ class MegaTrainerMixin:
         finally:
             self._megatrain_in_step = False
 
+    # ---- evaluation ----------------------------------------------------------------------------
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        # The stock Trainer prepares the model with accelerate at its first evaluation before
+        # any training (train() prepares it otherwise), times that as model_preparation_time and
+        # reports it in that and every later evaluation's metrics. The streamed model is never
+        # prepared (``_wrap_model`` returns its wrapper, built with the trainer): the same
+        # metric keys, with the time of what stands for the preparation here.
+        if not getattr(self, "_megatrain_model_prepared", False):
+            start = time.time()
+            self._wrap_model(self.model, training=False)
+            self.model_preparation_time = round(time.time() - start, 4)
+            self._megatrain_model_prepared = True
+        self._megatrain_in_eval_loop = True
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self._megatrain_in_eval_loop = False
+
     # ---- out of memory in evaluation ----------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The Trainer's evaluation batch with the watchdog: out of GPU memory, HBM-tier layers
         move to the host tier (an evaluation forward holds no activations to give up) and the
         batch runs again, once per relief, with the same inputs and random state: the same
-        outputs, which the evaluation loop had not taken yet."""
+        outputs, which the evaluation loop had not taken yet. Data parallel: the rows
+        ``even_batches`` repeated into a partial last batch are masked (``_megatrain_unrepeat``)."""
         state = getattr(self, "megatrain", None)
         if state is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        masked = False
+        if self.args.world_size > 1 and getattr(self, "_megatrain_in_eval_loop", False):
+            # The evaluation's partial last batch: rows even_batches repeated out of the loss.
+            inputs, masked = self._megatrain_unrepeat(inputs)
+        loss, logits, labels = self._megatrain_prediction_step(
+            model, inputs, prediction_loss_only, ignore_keys
+        )
+        if masked and loss is not None:
+            # Each rank's loss is its real tokens' loss sum x world / all ranks' real tokens;
+            # the loop repeats it eval_batch_size times per rank and keeps the first R values
+            # of the gathered ones (R rows are real), which weighs the ranks unlike their rows.
+            # Every rank reports the batch's loss over all its real tokens instead: the mean
+            # over the ranks, which the R values then carry as one process's batch of R rows.
+            loss = self.accelerator.reduce(loss, reduction="mean")
+        return loss, logits, labels
+
+    def _megatrain_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys):
+        state = self.megatrain
         rng = rng_state(state.engine.device)
         for _ in range(len(state.engine.stores) + 1):
             failure = None
