@@ -87,3 +87,20 @@ def test_a_config_that_cannot_be_built_is_a_one_line_refusal(tmp_path):
     assert str(refused.value) == f"hf-megatrain: error: {expected}"
     with pytest.raises(CLIError, match=expected):
         check_config_builds(plan_config(str(path)), str(path))
+
+
+def test_a_process_that_does_not_fit_the_host_is_told_only_more_ram_helps(qwen1_5b):
+    """Every layer in HBM and host RAM below the process baseline and margin: the refusal says
+    what the host needs and that only more RAM helps. It told of "0 streamed layers", an HBM
+    "which is full", and to try fewer tokens, no clipping or fp32-master streaming, each of
+    which `plan` then refused the same way."""
+    from hf_megatrain.core.planner import plan_memory  # noqa: PLC0415
+
+    step = StepShape(seq_len=4096, micro_batch_tokens=4096)
+    options = EngineOptions().resolve(clipping=True, cuda=True, single_backward=True)
+    plan = plan_memory(qwen1_5b, step, options, BF16, H200, 2 * GIB)
+    assert plan.n_host == 0 and [p.tier for p in plan.problems] == ["host"]
+    text = plan.problems[0].message()
+    assert text.startswith("hf_megatrain: the process needs 4.00 GiB of host RAM (every layer")
+    assert "only 2.00 GiB is available. Use a machine with more RAM." in text
+    assert "fewer tokens" not in text and "fp32-master streaming (no" not in text

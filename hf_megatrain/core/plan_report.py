@@ -308,7 +308,25 @@ def add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
             )
         )
     host_needed = plan.host_total
-    if host_needed > plan.host_available:
+    process_only = not any(line.nbytes for line in plan.host_lines[:-2])  # (baseline, margin)
+    if host_needed > plan.host_available and process_only:
+        # Every layer in HBM, nothing offloaded: the process alone does not fit, which no
+        # option changes.
+        plan.problems.append(
+            MemoryPlanError(
+                Message.of(
+                    f"hf_megatrain: the process needs {format_bytes(host_needed)} of host RAM "
+                    f"(every layer in HBM, none streamed: the process baseline and the "
+                    f"{format_bytes(plan.host_lines[-1].nbytes)} margin) but only "
+                    f"{format_bytes(plan.host_available)} is available. Use a machine with more "
+                    "RAM."
+                ),
+                "host",
+                host_needed,
+                plan.host_available,
+            )
+        )
+    elif host_needed > plan.host_available:
         plan.problems.append(
             MemoryPlanError(
                 Message.of(
