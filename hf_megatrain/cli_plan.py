@@ -73,6 +73,9 @@ def add_plan_parser(sub) -> None:
 def _flag_message(message: str) -> str:
     """An options message with field names spelled as this command's flags."""
     for name in sorted(PLANNED_OPTIONS, key=len, reverse=True):
+        # (a switch as it is typed: --no-host-grads, not "--host-grads False")
+        for value in (False, True):
+            message = message.replace(f"{name}={value}", flag_text(name, value))
         message = message.replace(f"{name}=", f"{flag_name(name)} ")
     return message
 

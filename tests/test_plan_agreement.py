@@ -104,3 +104,17 @@ def test_a_process_that_does_not_fit_the_host_is_told_only_more_ram_helps(qwen1_
     assert text.startswith("hf_megatrain: the process needs 4.00 GiB of host RAM (every layer")
     assert "only 2.00 GiB is available. Use a machine with more RAM." in text
     assert "fewer tokens" not in text and "fp32-master streaming (no" not in text
+
+
+def test_contradictory_switches_are_named_as_typed():
+    """Contradictory pins are one-line refusals naming the switches as they are typed
+    (--no-host-grads), not as "--host-grads False", which plan's parser would not take."""
+    from hf_megatrain.cli import main  # noqa: PLC0415
+
+    argv = ["plan", str(CONFIGS / "qwen2.5-1.5b"), "--seq-len", "4096", "--tokens-per-step"]
+    argv += ["4096", "--no-clip", "--no-eager-update", "--no-host-grads", "--no-search"]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    message = str(refused.value)
+    assert message.startswith("hf-megatrain: error: --no-host-grads needs eager layer updates")
+    assert "but --no-eager-update:" in message and "False" not in message
