@@ -18,12 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, TrainingArguments
 
+from hf_megatrain import HFMegaTrainer
 from hf_megatrain.core.distributed import DataParallel, DataParallelError
 
 from .helpers import assert_close_weights as _assert_close_weights
 from .helpers import assert_same_training_logs as _assert_same_training
 from .helpers import saved_weights as _weights
+from .helpers import tiny_config
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 ROOT = WORKER.parent.parent
@@ -287,3 +290,25 @@ def test_refuses_unequal_nodes_and_too_many_ranks():
     dp = DataParallel(rank=0, world_size=2, local_world_size=2)
     dp.assign_owners([100, 10, 10, 10, 100])
     assert dp.owners == [0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_uneven_batches_are_refused_before_training(tmp_path, drop_last):
+    # even_batches=False leaves a rank short of the partial last batch: the others would wait in
+    # its gradient reduction forever. Refused at construction unless the partial batch is dropped.
+    class TwoProcessArguments(TrainingArguments):
+        world_size = 2  # as under a 2-process launch
+
+    args = TwoProcessArguments(
+        output_dir=str(tmp_path),
+        report_to="none",
+        accelerator_config={"even_batches": False},
+        dataloader_drop_last=drop_last,
+        use_cpu=True,
+    )
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    # With the partial batch dropped the ranks run equal steps; the check after it (the model was
+    # streamed in this one process) is what refuses then.
+    match = "streamed for 1 process" if drop_last else "even_batches=False"
+    with pytest.raises(DataParallelError, match=match):
+        HFMegaTrainer(model=model, args=args, train_dataset=[])

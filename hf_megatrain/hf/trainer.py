@@ -392,7 +392,18 @@ def _check_grad_mode(state, args: TrainingArguments, run: ResolvedOptions) -> No
 
 
 def _check_data_parallel(state, args: TrainingArguments) -> None:
-    """The streamed model must have been prepared for this launch's number of processes."""
+    """The streamed model must have been prepared for this launch's number of processes, and
+    every process must run as many steps (each step's gradients are reduced over all of them)."""
+    accelerator_config = getattr(args, "accelerator_config", None)
+    uneven = getattr(accelerator_config, "even_batches", True) is False
+    if args.world_size > 1 and uneven and not args.dataloader_drop_last:
+        raise DataParallelError(
+            "hf_megatrain: accelerator_config even_batches=False gives the processes unequal "
+            "numbers of batches where an epoch's last batch is partial, and every step reduces "
+            "its gradients over all of them (the ones with fewer batches would wait forever). "
+            "Keep even_batches (the rows it repeats into a partial last batch are masked), or "
+            "set dataloader_drop_last=True."
+        )
     dp = state.engine.dp
     have = 1 if dp is None else dp.world_size
     if have != args.world_size:
