@@ -27,10 +27,18 @@ from safetensors.torch import load_file
 import hf_megatrain.hf.trainer as trainer_module
 from hf_megatrain import HFMegaTrainer
 from hf_megatrain.cli import parse_train
+from hf_megatrain.cli_common import CLIError
+from hf_megatrain.cli_resume import RECORD_NAME, check_same_run, run_record
 from hf_megatrain.cli_train import _loader_arguments
 from hf_megatrain.core.options import EngineOptions, OptionError
-from hf_megatrain.hf.sequence_parallel import SequenceParallelError, check_sequence_parallel
-from tests.helpers import tiny_config
+from hf_megatrain.hf.sequence_parallel import (
+    SequenceParallelError,
+    batch_problem,
+    check_sequence_parallel,
+    check_sequence_parallel_arguments,
+    pad_to_shards,
+)
+from tests.helpers import tiny_config, tiny_model
 
 WORKER = Path(__file__).with_name("sp_worker.py")
 ROOT = WORKER.parent.parent
@@ -164,6 +172,45 @@ def test_sequence_parallel_refuses_indivisible_heads(tmp_path):
         assert "num_attention_heads=1" in r["error"]
 
 
+def test_sequence_parallel_pads_rows_mixtral(tmp_path):
+    """Rows of 63 tokens, right-padded by 3 to 7 (attention_mask, labels -100), on Mixtral (MoE
+    without its router aux loss, see test_check_families_ulysses_cannot_split; its config says
+    head_dim=None): the 2-rank run pads each row to 64 at the end and trains as one process on
+    the 63-token rows. Before: DeepSpeed's adapter raised "seqlen=63 isn't divisible by
+    sp-size=2", and its attention wrapper failed on head_dim=None."""
+    pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    common = ("--arch", "mixtral", "--router-aux-off", "--seq", "63", "--rows-kind", "right_pad")
+    common += ("--steps", "2")
+    single = _run(tmp_path / "single", 1, *common)
+    sp = _run(tmp_path / "sp", 2, *common)
+    assert single[0]["seq_len_seen"] == 63 and all(r["seq_len_seen"] == 32 for r in sp)
+    for step, (x, y) in enumerate(zip(single[0]["logs"], sp[0]["logs"], strict=True), 1):
+        # Same argument as test_sequence_parallel_equals_single_process (observed 1e-7).
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), f"loss at step {step}"
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), f"grad_norm at {step}"
+    _weights_close(tmp_path / "single", tmp_path / "sp", atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        # The dropped mask would let every token attend to the pads before it.
+        (("--rows-kind", "left_pad"), "left padding"),
+        # GPT-BigCode's layers pass their attention no position_ids (DeepSpeed asserted).
+        (("--arch", "gpt_bigcode"), "without position_ids"),
+        # Multi-head latent attention: query heads of 16, value heads of 8 (DeepSpeed asserted).
+        (("--arch", "deepseek_v2"), "one head size for all three"),
+    ],
+    ids=["left_pad", "gpt_bigcode", "deepseek_v2"],
+)
+def test_sequence_parallel_refuses_what_it_would_train_wrongly(tmp_path, extra, said):
+    """Both ranks stop with the reason (none left waiting in a collective)."""
+    pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    reports = _run(tmp_path, 2, *extra, "--steps", "1", check=False)
+    for r in reports:
+        assert "SequenceParallelError" in r["error"] and said in r["error"], r["error"]
+
+
 # ---- what cannot run (no processes, no deepspeed) ------------------------------------------------
 
 
@@ -244,3 +291,94 @@ def test_mfu_attention_over_the_whole_row(monkeypatch):
     # 2000 tokens/s over 2 GPUs; per token 6 x 100 params + 6 x 2 layers x 8 hidden x row.
     assert mfu(None) == pytest.approx((600 + 96 * 32) * 2000 / 2e6)
     assert mfu(SimpleNamespace(size=2)) == pytest.approx((600 + 96 * 64) * 2000 / 2e6)
+
+
+# ---- batches Ulysses cannot take as they are (no processes, no deepspeed) ------------------------
+
+
+def test_rows_padded_to_a_multiple_of_the_group():
+    """A row of 63 tokens cannot be split over 2 ranks (DeepSpeed's adapter raises): it is padded
+    at the end, which changes nothing a real token computes (causal attention, no label)."""
+    ids = torch.arange(2 * 63).reshape(2, 63)
+    batch = {
+        "input_ids": ids,
+        "labels": ids.clone(),
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(63).expand(2, -1),
+    }
+    out = pad_to_shards(batch, 4, pad_token_id=7)
+    assert {k: tuple(v.shape) for k, v in out.items()} == dict.fromkeys(batch, (2, 64))
+    assert out["input_ids"][:, -1].tolist() == [7, 7]
+    assert out["labels"][:, -1].tolist() == [-100, -100]
+    assert out["attention_mask"][:, -1].tolist() == [0, 0]
+    assert out["position_ids"][:, -1].tolist() == [63, 63]  # the positions go on
+    for key in batch:
+        assert torch.equal(out[key][:, :63], batch[key]), key
+    assert pad_to_shards(out, 2) is out  # already a multiple
+
+
+def test_batches_ulysses_would_train_wrongly_are_refused():
+    ids = torch.ones(2, 8, dtype=torch.long)
+    right = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    assert batch_problem({"input_ids": ids, "attention_mask": right}, "sdpa") is None
+    # Left padding: the dropped mask would let real tokens attend to the pads.
+    left = right.flip(-1)
+    assert "left padding" in batch_problem({"input_ids": ids, "attention_mask": left}, "sdpa")
+    # Packed documents without a mask: SDPA separates them only through the dropped mask.
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)
+    assert "packs several documents" in batch_problem(
+        {"input_ids": ids, "position_ids": packed}, "sdpa"
+    )
+    assert batch_problem({"input_ids": ids, "position_ids": packed}, "flash_attention_2") is None
+    plain = torch.arange(8).expand(2, -1)
+    assert batch_problem({"input_ids": ids, "position_ids": plain}, "sdpa") is None
+    # Tensors that cannot be split along the sequence, named instead of failing in the adapter.
+    assert "'input_ids'" in batch_problem({"input_ids": torch.ones(8)}, "sdpa")
+    odd = {"input_ids": ids, "pixel_values": torch.ones(2, 3)}
+    assert "'pixel_values' has shape (2, 3)" in batch_problem(odd, "sdpa")
+
+
+def test_cli_resume_at_another_sequence_parallel_degree_is_refused(tmp_path):
+    """The CLI records the ranks sharing each sequence with the processes: with the same
+    WORLD_SIZE another --sequence-parallel changes the rows of a step (2 ranks: one group
+    sharing each row, or two data-parallel ranks) and the data position a resume skips to."""
+    argv = ["--seq_len", "64"]
+    saved = run_record(parse_train([*argv, "--sequence-parallel", "2"]))
+    assert saved["sequence_parallel"] == 2
+    state = {"stateful_callbacks": {RECORD_NAME: {"args": saved, "attributes": {}}}}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CLIError, match=r"--sequence-parallel 2 \(this run: 1\)"):
+        check_same_run(str(tmp_path), parse_train(argv), explicit=True)
+    check_same_run(str(tmp_path), parse_train([*argv, "--sequence-parallel", "2"]), explicit=True)
+
+
+def test_check_families_ulysses_cannot_split():
+    """Ulysses wraps transformers' attention functions and drops their mask: a family whose
+    layers mix tokens elsewhere, or whose position bias rides in the mask, would train each rank
+    on its shard alone, silently. Qwen3-Next's linear-attention layers run on the shard;
+    Falcon's ALiBi variant adds its bias through the mask (its RoPE one trains exactly)."""
+    falcon = tiny_config("falcon")
+    check_sequence_parallel(falcon, 2, 2, 2, model=tiny_model(falcon))
+    falcon.alibi = True
+    with pytest.raises(SequenceParallelError, match="ALiBi"):
+        check_sequence_parallel(falcon, 2, 2, 2)
+    with pytest.raises(SequenceParallelError, match="type linear_attention"):
+        check_sequence_parallel(tiny_config("qwen3_next"), 2, 2, 2)
+    # The router aux loss over each shard is another loss (observed: 5.650 instead of one
+    # process's 5.250 on the tiny Mixtral); without it the family trains exactly.
+    mixtral = tiny_model(tiny_config("mixtral"))
+    with pytest.raises(SequenceParallelError, match="output_router_logits=True"):
+        check_sequence_parallel(mixtral.config, 2, 2, 2, model=mixtral)
+    mixtral.config.output_router_logits = False
+    check_sequence_parallel(mixtral.config, 2, 2, 2, model=mixtral)
+    llama = tiny_config("llama")
+    check_sequence_parallel(llama, 2, 2, 2, model=tiny_model(llama))
+
+
+def test_label_smoothing_refused():
+    """The Trainer's label smoother shifts the labels again (they are already shifted for the
+    shard boundary): observed 3% off one process's loss before the check."""
+    check_sequence_parallel_arguments(SimpleNamespace(label_smoothing_factor=0.1), 1)
+    check_sequence_parallel_arguments(SimpleNamespace(label_smoothing_factor=0.0), 2)
+    with pytest.raises(SequenceParallelError, match="label_smoothing_factor=0.1"):
+        check_sequence_parallel_arguments(SimpleNamespace(label_smoothing_factor=0.1), 2)
