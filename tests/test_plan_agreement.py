@@ -118,3 +118,53 @@ def test_contradictory_switches_are_named_as_typed():
     message = str(refused.value)
     assert message.startswith("hf-megatrain: error: --no-host-grads needs eager layer updates")
     assert "but --no-eager-update:" in message and "False" not in message
+
+
+def _cli_plan(argv):
+    """``hf-megatrain plan``'s plan for ``argv`` (after "plan"), as it prints it."""
+    from hf_megatrain.cli import build_parser  # noqa: PLC0415
+    from hf_megatrain.cli_plan import run_plan  # noqa: PLC0415
+
+    return run_plan(build_parser().parse_args(["plan", *argv]))["plan"]
+
+
+def _lines_of(plan, *kinds):
+    return [line for line in plan.gpu_lines if line.kind in kinds]
+
+
+def test_the_loss_is_planned_as_the_run_makes_it(monkeypatch, qwen1_5b, capsys):
+    """The loss's lines are the run's: a larger ``loss_chunk_tokens`` chunk, and with the fused
+    loss turned off the full logits (compute-dtype logits, fp32 copy and log-probabilities).
+    Both the builder and ``plan`` counted the default 3,533-token chunk whatever the run used:
+    a 32,768-token chunk (45 GiB of logits at Qwen's 151,936 vocabulary, 40 more) or the full
+    logits of 65,536 tokens (93 GiB) could run out of memory where the plan said it fits."""
+    from hf_megatrain.core.activation_memory import FULL_LOGITS_KIND, LOSS_KIND  # noqa: PLC0415
+
+    t, v = 65536, qwen1_5b.vocab_size
+    step = StepShape(seq_len=4096, micro_batch_tokens=t)
+    plans = {
+        name: _builder_plan(monkeypatch, qwen1_5b, EngineOptions(**o), step)[1]
+        for name, o in {
+            "default": {},
+            "chunk": {"loss_chunk_tokens": 32768},
+            "unfused": {"fused_loss": False},
+        }.items()
+    }
+    loss = {name: _lines_of(plan, LOSS_KIND) for name, plan in plans.items()}
+    assert any("3533 tokens" in line.name for line in loss["default"])
+    assert any("32768 tokens" in line.name for line in loss["chunk"])
+    more = sum(line.nbytes for line in loss["chunk"]) - sum(ln.nbytes for ln in loss["default"])
+    assert more > 24 * GIB, more / GIB  # (the part beyond a layer's backward phase)
+    assert not _lines_of(plans["unfused"], LOSS_KIND)
+    (full,) = _lines_of(plans["unfused"], FULL_LOGITS_KIND)
+    assert full.nbytes == t * v * (2 + 4 + 4)
+    # The room left: fewer layers keep their activations, or fewer join the HBM tier.
+    assert plans["chunk"].kept_layers < plans["default"].kept_layers
+    assert plans["unfused"].n_hbm < plans["chunk"].n_hbm
+    # `plan` takes both options and plans the same lines.
+    argv = [str(CONFIGS / "qwen2.5-1.5b"), "--seq-len", "4096", "--tokens-per-step", str(t)]
+    argv += ["--hbm-gib", "139", "--host-gib", "128", "--no-search"]
+    cli_chunk = _lines_of(_cli_plan([*argv, "--loss-chunk-tokens", "32768"]), LOSS_KIND)
+    assert any("32768 tokens" in line.name for line in cli_chunk)
+    (cli_full,) = _lines_of(_cli_plan([*argv, "--no-fused-loss"]), FULL_LOGITS_KIND)
+    assert cli_full.nbytes == full.nbytes

@@ -1149,6 +1149,19 @@ def router_aux_loss_lines(
     ]
 
 
+def fused_loss_runs(shape: ModelShape, options: ResolvedOptions) -> bool:
+    """Whether training runs the fused, chunked LM head + loss: the model's head and loss allow
+    it (``ModelShape.fused_loss``) and the run leaves ``fused_loss`` on."""
+    return shape.fused_loss and options.fused_loss
+
+
+def loss_chunk_tokens(shape: ModelShape, step: StepShape, options: ResolvedOptions) -> int:
+    """Tokens per chunk of the fused loss as the run makes them: ``loss_chunk_tokens``, else
+    about 2 GiB of fp32 logits (``default_chunk_tokens``), at most the micro-batch."""
+    chunk = options.loss_chunk_tokens or default_chunk_tokens(shape.vocab_size)
+    return min(chunk, step.micro_batch_tokens)
+
+
 def loss_phase_apart(
     shape: ModelShape, step: StepShape, options: ResolvedOptions, kept: int
 ) -> bool:
@@ -1158,7 +1171,7 @@ def loss_phase_apart(
     their activations). See ``activation_lines``."""
     t, tile = step.micro_batch_tokens, options.mlp_tile_tokens
     return (
-        shape.fused_loss
+        fused_loss_runs(shape, options)
         and 0 < tile < t
         and shape.fused_layer_kernels
         and not kept
@@ -1241,7 +1254,7 @@ def _kept_phases_apart(
     return (
         bool(kept_layers)
         and max(kept_layers) == shape.num_layers - 1
-        and shape.fused_loss
+        and fused_loss_runs(shape, options)
         and not shape.experts_per_token
         and not shape.gemma_norms  # (a kept GeGLU layer's backward is not measured)
         and _is_measured_peak(shape, step.micro_batch_tokens, options.mlp_tile_tokens)
@@ -1408,7 +1421,7 @@ def activation_lines(
         lines.append(weight_grads)
         work = MemoryLine(work.name, work.nbytes + weight_grads.nbytes, work.kind, work.error)
     lines += attention_mask_lines(shape, step, dtype, kept_layers)
-    if shape.fused_loss:
+    if fused_loss_runs(shape, options):
         # The loss's phase ends before any layer's backward starts: at its peak a chunk's bf16
         # logits, their fp32 copy (log_softmax(dtype=float32) makes it from bf16 on CUDA too)
         # and the fp32 log-probabilities, 10 B per logit (12 soft-capped: Gemma's), measured on
@@ -1425,7 +1438,7 @@ def activation_lines(
         # over its line and whose 1M-token 1.5B and 512k-token 3B runs needed the sum; MoE,
         # non-gated MLPs; layers keeping activations, whose backward has its own unmeasured
         # temporaries) the sum keeps covering it, as before.
-        chunk = min(default_chunk_tokens(v), t)
+        chunk = loss_chunk_tokens(shape, step, options)
         per_logit = SOFTCAPPED_LOSS_BYTES_PER_LOGIT if shape.gemma_norms else LOSS_BYTES_PER_LOGIT
         head_copy = 0 if dtype == torch.float32 else v * h * isz
         hidden_grad = t * h * 4
@@ -1523,10 +1536,14 @@ def activation_lines(
                     peak.error,
                 )
     else:
-        # The model's own forward materializes the logits and upcasts them for the loss.
+        # The model's own forward materializes the logits and upcasts them for the loss (the
+        # fused loss turned off, or not used: a LoRA-adapted or quantized head, a loss of the
+        # user's): the compute-dtype logits, an fp32 copy and the fp32 log-probabilities, whose
+        # gradient replaces them in backward (the matrix's unfused OLMoE rows: within the line).
+        why = "the fused loss turned off" if shape.fused_loss else "no fused loss for this model"
         lines.append(
             estimate_line(
-                "full logits (no fused loss for this architecture; estimate)",
+                f"full logits ({why}; estimate)",
                 t * v * (isz + 4 + 4),
                 FULL_LOGITS_KIND,
             )

@@ -58,6 +58,9 @@ PLANNED_OPTIONS = (
     # makes no s x s mask or scores)
     "layer_kernels",
     "attention",
+    # (the loss's lines: the fused loss's chunk, or the full logits without it)
+    "fused_loss",
+    "loss_chunk_tokens",
 )
 
 #: Micro-batch tokens from which "auto" attention outputs take HBM before the tier (see _plan).
