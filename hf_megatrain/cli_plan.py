@@ -260,6 +260,17 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     except OptionError as e:
         raise CLIError(_flag_message(str(e))) from None
     hbm, host, said = detected_memory(ns.hbm_gib, ns.host_gib)
+    limit = options.host_memory_limit_bytes
+    if limit is not None and limit < host:
+        # As training: the host store is held to the limit, so the plan counts on no more.
+        from .core.host_store import planned_host_bytes  # noqa: PLC0415
+        from .core.planner import GIB  # noqa: PLC0415
+
+        host = planned_host_bytes(host, limit)
+        said.append(
+            f"host RAM planned: {host / GIB:.2f} GiB ({flag_name('host_memory_limit_gb')} "
+            f"{options.host_memory_limit_gb:g})"
+        )
     cfg = plan_config(ns.model)
     label = plan_label(ns.model)
     setup_logging()

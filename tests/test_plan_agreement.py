@@ -168,3 +168,23 @@ def test_the_loss_is_planned_as_the_run_makes_it(monkeypatch, qwen1_5b, capsys):
     assert any("32768 tokens" in line.name for line in cli_chunk)
     (cli_full,) = _lines_of(_cli_plan([*argv, "--no-fused-loss"]), FULL_LOGITS_KIND)
     assert cli_full.nbytes == full.nbytes
+
+
+def test_the_host_is_planned_within_the_host_memory_limit(monkeypatch, qwen1_5b, capsys):
+    """With host_memory_limit_gb set, the host store is held to it (``HostStore.check_fits``):
+    the plan counts on no more host RAM than that, so auto_fit makes the store fit it (here an
+    HBM tier without bf16 copies, which holds 2 more layers) instead of planning a store the
+    check then refuses. Training planned with all the machine's available RAM (128 GiB here),
+    and `plan` took no such option."""
+    step = StepShape(seq_len=4096, micro_batch_tokens=4096)
+    unlimited = _builder_plan(monkeypatch, qwen1_5b, EngineOptions(), step, hbm=24 * GIB)[1]
+    limited = EngineOptions(host_memory_limit_gb=12)
+    _, plan = _builder_plan(monkeypatch, qwen1_5b, limited, step, hbm=24 * GIB)
+    assert plan.host_available == 12 * GIB and plan.host_total <= 12 * GIB < unlimited.host_total
+    assert plan.fits and plan.options.hbm_cast_weights and plan.n_hbm > unlimited.n_hbm
+    argv = [str(CONFIGS / "qwen2.5-1.5b"), "--seq-len", "4096", "--tokens-per-step", "4096"]
+    argv += ["--hbm-gib", "24", "--host-gib", "128", "--no-search", "--layer-kernels", "torch"]
+    cli = _cli_plan([*argv, "--host-memory-limit-gb", "12"])
+    assert cli.host_available == 12 * GIB and cli.host_total <= 12 * GIB
+    assert cli.n_hbm == plan.n_hbm > _cli_plan(argv).n_hbm
+    assert "host RAM planned: 12.00 GiB (--host-memory-limit-gb 12)" in capsys.readouterr().out

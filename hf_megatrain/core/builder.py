@@ -26,6 +26,7 @@ from .host_store import (
     available_host_bytes,
     frozen_layer_bytes,
     layer_store_bytes,
+    planned_host_bytes,
 )
 from .options import ResolvedOptions, StepShape
 from .plan_types import ModelShape, OptionNamer
@@ -296,7 +297,9 @@ def _resident_layer_count(
         input_model_bytes=input_model_bytes,
         ranks=1 if dp is None else dp.local_world_size,  # the ranks sharing this host
     )
-    where = dict(hbm_bytes=free, host_bytes=available_host_bytes(), **placement)
+    # (Within host_memory_limit_gb where set: the store is then held to it.)
+    host = planned_host_bytes(available_host_bytes(), options.host_memory_limit_bytes)
+    where = dict(hbm_bytes=free, host_bytes=host, **placement)
     plan, as_asked = plan_with_auto_fit(shape, step, options, compute_dtype, **where)
     # The tier holds optimizer state: only leading trainable layers join it (the caller trims
     # to them), so the plan (its kept activations, GPU and host lines) is made for those only

@@ -89,6 +89,13 @@ def available_host_bytes() -> int:
     return avail
 
 
+def planned_host_bytes(available: int, limit_bytes: int | None) -> int:
+    """The host RAM a memory plan counts on: what is ``available``, at most the run's
+    ``host_memory_limit_gb`` (``limit_bytes``) where one is set, as the host store is then held
+    to it (``HostStore.check_fits``)."""
+    return available if limit_bytes is None else min(available, limit_bytes)
+
+
 @dataclass(frozen=True)
 class TensorSlot:
     """Where one named parameter lives inside its layer's flat buffers."""

@@ -61,6 +61,8 @@ PLANNED_OPTIONS = (
     # (the loss's lines: the fused loss's chunk, or the full logits without it)
     "fused_loss",
     "loss_chunk_tokens",
+    # (the host RAM planned: at most this where set)
+    "host_memory_limit_gb",
 )
 
 #: Micro-batch tokens from which "auto" attention outputs take HBM before the tier (see _plan).
