@@ -248,18 +248,35 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     if nproc < 1:
         raise CLIError(f"--nproc {nproc}: need at least 1 process")
     try:
+        engine = options_from_namespace(ns)
         step = StepShape.from_step(
             ns.seq_len, ns.tokens_per_step, ns.micro_batch_tokens, ns.grad_accum
         )
         # The plan is for a GPU run: what CUDA decides (the optimizer's overlap) plans the same.
-        options = options_from_namespace(ns).resolve(
+        options = engine.resolve(
             clipping=not getattr(ns, "no_clip", False),
             cuda=True,
             single_backward=step.grad_accum == 1 and nproc == 1,
         )
     except OptionError as e:
         raise CLIError(_flag_message(str(e))) from None
+    sp = engine.sequence_parallel
+    if nproc % sp:
+        raise CLIError(
+            f"{flag_text('sequence_parallel', sp)}: the ranks sharing a sequence are processes "
+            f"of this host: give --nproc as a multiple of {sp}"
+        )
+    row_len, rows = step.seq_len, step.micro_batch_tokens // step.seq_len
+    if sp > 1:
+        # As the trainer plans: each rank's layers run on its shard of every row.
+        shard = -(-row_len // sp)
+        step = StepShape(shard, rows * shard, step.grad_accum)
     hbm, host, said = detected_memory(ns.hbm_gib, ns.host_gib)
+    if sp > 1:
+        said.append(
+            f"sequence parallel {sp}: planned per rank, for its {step.seq_len}-token shard of "
+            f"each {row_len}-token row"
+        )
     limit = options.host_memory_limit_bytes
     if limit is not None and limit < host:
         # As training: the host store is held to the limit, so the plan counts on no more.
@@ -282,12 +299,23 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     # the search's longer rows take the choice for rows of any length.
     from .hf.attention import planned_attention  # noqa: PLC0415
 
-    search_shape, _ = planned_attention(shape, cfg, options.attention, 2**62)
-    shape, attention = planned_attention(shape, cfg, options.attention, step.seq_len)
+    search_shape, _ = planned_attention(shape, cfg, options.attention, 2**62, sequence_parallel=sp)
+    shape, attention = planned_attention(
+        shape, cfg, options.attention, step.seq_len, sequence_parallel=sp
+    )
     said.append(attention.log_line().replace("hf_megatrain: ", "", 1))
     dtype = torch.float32 if ns.fp32 else torch.bfloat16
+    where: dict[str, int] = {"ranks": nproc}
+    if options.resident_layers != "auto":
+        # A count: that many in HBM, as training's builder takes it.
+        if options.resident_layers > shape.num_layers:
+            raise CLIError(
+                f"{flag_text('resident_layers', options.resident_layers)}: the model has "
+                f"{shape.num_layers} layers"
+            )
+        where["hbm_layers"] = options.resident_layers
     try:
-        plan, as_asked = plan_with_auto_fit(shape, step, options, dtype, hbm, host, ranks=nproc)
+        plan, as_asked = plan_with_auto_fit(shape, step, options, dtype, hbm, host, **where)
     except ValueError as e:
         raise CLIError(_flag_message(str(e).removeprefix("hf_megatrain: "))) from None
     asked = options  # ("what fits" below: with what auto_fit may turn on, as training would)
@@ -310,6 +338,7 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             shape, step.seq_len, ga, asked, dtype, hbm, host, nproc, allow_auto_fit=auto
         )
         longest = max_seq_len(search_shape, ga, asked, dtype, hbm, host, nproc, allow_auto_fit=auto)
+        longest *= sp  # (the rows whose shards fit)
         n_layers = max_num_layers(shape, step, asked, dtype, hbm, host, nproc, allow_auto_fit=auto)
         result.update(max_sequences=seqs, max_seq_len=longest, max_layers=n_layers)
         big = shape.with_num_layers(n_layers)
@@ -317,18 +346,14 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             "\nwhat fits on this memory (same plan rules"
             + (f"; auto_fit {asked.auto_fit}: with the options it may turn on" if auto else "")
             + "):\n"
-            f"  tokens per step at seq {step.seq_len}, grad-accum {ga}: "
-            + (
-                f"{seqs * step.seq_len * ga} ({seqs} sequence(s) per micro-batch)"
-                if seqs
-                else "none"
-            )
+            f"  tokens per step at seq {row_len}, grad-accum {ga}: "
+            + (f"{seqs * row_len * ga} ({seqs} sequence(s) per micro-batch)" if seqs else "none")
             + f"\n  longest sequence (one per micro-batch, grad-accum {ga}): "
             + (f"{longest} tokens" if longest else "none (below 1024)")
             + f"\n  most layers of this shape at this step: {n_layers} "
             f"({big.total_numel / 1e9:.2f}B params; the config has {shape.num_layers})"
         )
     if not plan.fits:
-        add_margin_only_advice(plan, options, ranks=nproc)
+        add_margin_only_advice(plan, options, **where)
         raise CLIError(plan.problems[0].message(CLI_NAMER).removeprefix("hf_megatrain: "))
     return result

@@ -400,7 +400,8 @@ def test_unknown_flags_get_a_short_error(tmp_path, capsys):
         ("train", "--rec", "r.yaml"): "unrecognized argument: --rec",
         (*plan, "--offload-activ"): "plan: error: unrecognized argument: --offload-activ (did "
         "you mean --offload-activations?)",
-        (*plan, "--resident-layers", "2"): "plan: error: unrecognized argument: --resident-layers",
+        (*plan, "--host-update-threads", "2"): "plan: error: unrecognized argument: "
+        "--host-update-threads",
         ("verify", str(tmp_path), "--bogus"): "verify: error: unrecognized argument: --bogus",
     }
     for argv, said in cases.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_megatrain.cli_common import CLIError
 from hf_megatrain.cli_plan import plan_config
 from hf_megatrain.core import builder
 from hf_megatrain.core.options import EngineOptions, StepShape
@@ -188,3 +189,41 @@ def test_the_host_is_planned_within_the_host_memory_limit(monkeypatch, qwen1_5b,
     assert cli.host_available == 12 * GIB and cli.host_total <= 12 * GIB
     assert cli.n_hbm == plan.n_hbm > _cli_plan(argv).n_hbm
     assert "host RAM planned: 12.00 GiB (--host-memory-limit-gb 12)" in capsys.readouterr().out
+
+
+def test_plan_takes_every_option_its_plan_depends_on(monkeypatch, capsys):
+    """`plan` has a flag for each option marked ``planned`` in the options' metadata, and plans
+    with it as training does. It had none for resident_layers (a count: that many in HBM),
+    compact_host_grads (fp32 host gradient slots), overlap_optimizer and device_update_lead (the
+    device updates' staging), sequence_parallel (each rank's shard of a row) and
+    host_memory_limit_gb, so it planned another run than the one asked for."""
+    from hf_megatrain.cli import build_parser  # noqa: PLC0415
+    from hf_megatrain.core.options import planned_options  # noqa: PLC0415
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command" or a.choices)
+    flags = {a.dest for a in sub.choices["plan"]._actions}
+    reported = {"resident_layers", "compact_host_grads", "overlap_optimizer"}
+    reported |= {"device_update_lead", "sequence_parallel", "host_memory_limit_gb"}
+    assert reported | {"fused_loss", "loss_chunk_tokens"} <= set(planned_options()) <= flags
+    assert not {"pin_memory", "max_shard_size", "host_update_threads", "nonfinite"} & flags
+    argv = [str(CONFIGS / "qwen2.5-7b"), "--seq-len", "4096", "--tokens-per-step", "16384"]
+    argv += ["--hbm-gib", "80", "--host-gib", "250", "--no-search"]
+    assert _cli_plan([*argv, "--resident-layers", "4"]).n_hbm == 4
+    shape = model_shape_from_config(plan_config(str(CONFIGS / "qwen2.5-7b")), "qwen2.5-7b")
+    step = StepShape(seq_len=4096, micro_batch_tokens=16384)
+    builder_plan = _builder_plan(monkeypatch, shape, EngineOptions(resident_layers="4"), step)[1]
+    assert builder_plan.n_hbm == 4
+    default = _cli_plan(argv)
+    assert default.host_grad_dtype == BF16 and not default.device_updates
+    assert _cli_plan([*argv, "--no-compact-host-grads"]).host_grad_dtype == torch.float32
+    assert _cli_plan([*argv, "--device-update-lead", "2"]).device_updates
+    assert not _cli_plan(
+        [*argv, "--device-update-lead", "2", "--no-overlap-optimizer"]
+    ).device_updates
+    sp = _cli_plan([*argv, "--sequence-parallel", "2", "--nproc", "2"])
+    assert (sp.step.seq_len, sp.step.micro_batch_tokens, sp.ranks) == (2048, 8192, 2)
+    assert "its 2048-token shard of each 4096-token row" in capsys.readouterr().out
+    with pytest.raises(CLIError, match="give --nproc as a multiple of 2"):
+        _cli_plan([*argv, "--sequence-parallel", "2"])
+    with pytest.raises(CLIError, match="--resident-layers 40: the model has 28 layers"):
+        _cli_plan([*argv, "--resident-layers", "40"])

@@ -70,7 +70,8 @@ class EngineOptions:
     Field metadata: ``help`` (shown by every generated parser); optionally ``choices``,
     ``bare_value`` (the value of a bare command-line switch) and ``run_time`` (the option acts
     while training, not when the model is streamed: a model streamed earlier takes it from the
-    trainer's arguments). Values are checked on construction (:class:`OptionError` naming the
+    trainer's arguments) and ``planned`` (the memory plan depends on it: ``hf-megatrain plan``
+    takes it as a flag). Values are checked on construction (:class:`OptionError` naming the
     field); cross-option and run-level rules are applied by :meth:`resolve`.
     """
 
@@ -88,7 +89,8 @@ class EngineOptions:
         metadata=_help(
             """Host RAM (GiB) the host store may use. Default: what the OS reports as available
             (MemAvailable, capped by a cgroup limit). The run is refused before any allocation
-            when the store does not fit."""
+            when the store does not fit.""",
+            planned=True,
         ),
     )
     max_shard_size: str = field(
@@ -120,7 +122,8 @@ class EngineOptions:
             master (twice the H2D bytes) into an fp32 GPU staging buffer and cast it to bf16 on
             the GPU's copy stream. 2 bytes/param less host RAM, for when host RAM, not PCIe, is
             the limit. Same weights: the cast rounds exactly as the host copy does. No effect in
-            fp32 runs."""
+            fp32 runs.""",
+            planned=True,
         ),
     )
     host_grads: bool | None = field(
@@ -131,7 +134,8 @@ class EngineOptions:
             clipping on or eager_update off; with eager updates each layer's final gradient passes
             through a ring of 2 pinned staging buffers into its CPU update instead (14 instead of
             18 bytes/param in bf16 runs). True: always keep it. False: never (refused with
-            clipping on or eager_update off)."""
+            clipping on or eager_update off).""",
+            planned=True,
         ),
     )
     compact_host_grads: bool = field(
@@ -142,7 +146,8 @@ class EngineOptions:
             holds bf16, 2 instead of 4 bytes/param (and half the D2H bytes). Exact: that backward
             computes each layer's gradient in bf16, so the slot holds it bit for bit; the update
             widens it to fp32 as it reads it. Runs that accumulate or reduce gradients in fp32
-            keep fp32 slots. False: always fp32 slots."""
+            keep fp32 slots. False: always fp32 slots.""",
+            planned=True,
         ),
     )
     # ---- HBM tier -----------------------------------------------------------------------------
@@ -157,7 +162,8 @@ class EngineOptions:
             (none on a CPU): the memory planner sizes activations, loss and resident embeddings
             for the micro-batch (batch size x plan_seq_len tokens), or, when that length is
             unknown, reserves hbm_reserve_gb for them. An integer for that many; 0 streams
-            every layer."""
+            every layer.""",
+            planned=True,
         ),
     )
     plan_seq_len: int | None = field(
@@ -182,7 +188,8 @@ class EngineOptions:
             master, gradient and moments (16 instead of 18 bytes/param, what stock training
             keeps), so more layers fit in HBM; each is cast from its master into a stream buffer
             on the GPU's copy stream when it runs. Same weights. The tier's layers that keep their
-            activations (keep_activations) keep their bf16 copy. No effect in fp32 runs."""
+            activations (keep_activations) keep their bf16 copy. No effect in fp32 runs.""",
+            planned=True,
         ),
     )
     keep_activations: str = field(
@@ -193,7 +200,8 @@ class EngineOptions:
             as many as the HBM left after the layer tier holds (needs the memory plan: a known
             row length and a GPU; the last layers of the tier are chosen), else none. An integer:
             that many (at most the HBM-tier layer count). 'off' or 0: recompute every layer.
-            Streamed layers always recompute: their GPU buffer is reused by the next layer."""
+            Streamed layers always recompute: their GPU buffer is reused by the next layer.""",
+            planned=True,
         ),
     )
     keep_attention_outputs: str = field(
@@ -211,6 +219,7 @@ class EngineOptions:
             PyTorch SDPA's fused kernels is recomputed as before.""",
             # Given without a value (a bare command-line switch), the option means every layer.
             bare_value="all",
+            planned=True,
         ),
     )
     # ---- recompute and long context -----------------------------------------------------------
@@ -221,7 +230,8 @@ class EngineOptions:
             needs is re-made, as torch's checkpointing does: the MLP's down projection and the
             residual add are not run twice. Identical gradients either way; False re-runs the
             whole layer (for comparisons). Layers whose inputs are saved rounded (boundary_dtype
-            bfloat16) always re-run whole."""
+            bfloat16) always re-run whole.""",
+            planned=True,
         ),
     )
     autocast_kernels: bool = field(
@@ -232,7 +242,8 @@ class EngineOptions:
             as autocast does for q/k/v and gate/up), each cast's gradient is widened back to
             fp32 and each fp32 + bf16 residual add is made by one vectorized Triton kernel
             (PyTorch's dtype-converting kernels are not vectorized). False: autocast and
-            PyTorch's kernels as they are (for comparisons)."""
+            PyTorch's kernels as they are (for comparisons).""",
+            planned=True,
         ),
     )
     checkpoint_every: int = field(
@@ -242,7 +253,8 @@ class EngineOptions:
             each run of k saves its residual-stream input; the others get theirs in backward by
             re-running the segment's forward from it. Memory: ceil(layers / k) saved inputs
             instead of one per layer, plus up to k - 1 fp32 layer inputs in HBM during a segment's
-            backward. Compute: (k - 1) / k of a layer forward more per layer. Exact."""
+            backward. Compute: (k - 1) / k of a layer forward more per layer. Exact.""",
+            planned=True,
         ),
     )
     chain_attention_outputs: int = field(
@@ -260,7 +272,8 @@ class EngineOptions:
             the step's peak, and segments whose backward holds less (no forward-kept outputs
             alive yet) keep more, up to all their chain layers, under that peak. Where auto_fit
             turns on or lengthens segments and this is 0, it picks the count (the least
-            recompute that fits)."""
+            recompute that fits).""",
+            planned=True,
         ),
     )
     mlp_tile_tokens: int = field(
@@ -268,7 +281,8 @@ class EngineOptions:
         metadata=_help(
             """Run each decoder layer's dense MLP in tiles of this many tokens along the sequence
             (forward and backward recompute), so its (tokens x intermediate) intermediates exist
-            for one tile at a time: for very long sequences. 0 = off."""
+            for one tile at a time: for very long sequences. 0 = off.""",
+            planned=True,
         ),
     )
     offload_activations: bool = field(
@@ -277,7 +291,8 @@ class EngineOptions:
             """Keep each decoder layer's saved input (the boundary hidden states) in pinned host
             memory instead of HBM between forward and backward; backward prefetches layer i-1's
             input while layer i recomputes. For sequences whose boundary activations do not fit
-            in HBM."""
+            in HBM.""",
+            planned=True,
         ),
     )
     auto_fit: str = field(
@@ -294,6 +309,7 @@ class EngineOptions:
             nothing allowed fits, the run is refused before anything is allocated, with what
             would fit.""",
             choices=AUTO_FIT_MODES,
+            planned=True,
         ),
     )
     oom_recovery: bool = field(
@@ -319,6 +335,7 @@ class EngineOptions:
             each layer from its rounded input, so gradients are approximate (1e-3 to 3e-3
             relative). No effect on inputs already in bf16.""",
             choices=tuple(BOUNDARY_DTYPES),
+            planned=True,
         ),
     )
     sequence_parallel: int = field(
@@ -331,6 +348,7 @@ class EngineOptions:
             SDPA or flash attention, no sliding window). The launch's processes must be a
             multiple of N; the groups of N are data parallel to each other. 1 = off.""",
             run_time=True,
+            planned=True,
         ),
     )
     fused_loss: bool = field(
@@ -342,6 +360,7 @@ class EngineOptions:
             MoE family's router aux loss added as its forward adds it); evaluation uses the
             model's own forward.""",
             run_time=True,
+            planned=True,
         ),
     )
     fused_loss_kernel: bool = field(
@@ -372,6 +391,7 @@ class EngineOptions:
             there). 'torch': neither. Fused kernels round at other points than PyTorch's eager
             ops (bf16-level differences), like the stock Trainer's use_liger_kernel.""",
             choices=LAYER_KERNELS,
+            planned=True,
         ),
     )
     attention: str = field(
@@ -391,6 +411,7 @@ class EngineOptions:
             counts the chosen implementation; one log line says which and why. 'model': always
             the model's own implementation.""",
             choices=ATTENTION_CHOICES,
+            planned=True,
         ),
     )
     loss_chunk_tokens: int | None = field(
@@ -399,6 +420,7 @@ class EngineOptions:
             """Tokens per chunk of the fused loss. Default: about 2 GiB of fp32 logits per chunk
             (3.5k tokens at a 152k vocabulary).""",
             run_time=True,
+            planned=True,
         ),
     )
     # ---- optimizer ----------------------------------------------------------------------------
@@ -409,6 +431,7 @@ class EngineOptions:
             layer i streams in as soon as its update is done. Exact (same arithmetic, same order
             per layer). Default: on with CUDA, off on CPU.""",
             run_time=True,
+            planned=True,
         ),
     )
     host_update_threads: int = field(
@@ -440,6 +463,7 @@ class EngineOptions:
             qualifies, their stores pinned whole at start-up. CUDA, one process, gradient
             clipping on.""",
             run_time=True,
+            planned=True,
         ),
     )
     eager_update: bool = field(
@@ -449,6 +473,7 @@ class EngineOptions:
             final, during the backward of the layers below it (nothing waits for a global norm).
             Same arithmetic as the update after backward.""",
             run_time=True,
+            planned=True,
         ),
     )
     # ---- resume -------------------------------------------------------------------------------
@@ -917,6 +942,11 @@ def _is_size(text: str) -> bool:
             except ValueError:
                 return False
     return False
+
+
+def planned_options() -> tuple[str, ...]:
+    """The options the memory plan depends on (field metadata ``planned``), in field order."""
+    return tuple(f.name for f in fields(EngineOptions) if f.metadata.get("planned"))
 
 
 def default_of(name: str) -> Any:

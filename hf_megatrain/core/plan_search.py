@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .memory_options import BF16_BOUNDARIES, MemoryOptions, candidates, lightest_fit
-from .options import ALL_LAYERS, ResolvedOptions, StepShape
+from .options import ALL_LAYERS, ResolvedOptions, StepShape, planned_options
 from .plan_arithmetic import (
     DEFAULT_HOST_MARGIN,
     gpu_lines,
@@ -34,36 +34,12 @@ from .plan_report import (
 )
 from .plan_types import MemoryLine, ModelShape, OptionChanges
 
-#: The engine options (``EngineOptions`` fields) a plan depends on: the host-store mode, the HBM
-#: tier's, and what shapes activations. ``resident_layers`` is the caller's ``hbm_layers``.
-PLANNED_OPTIONS = (
-    "stream_fp32_master",
-    "host_grads",
-    "eager_update",
-    "hbm_cast_weights",
-    "keep_activations",
-    "keep_attention_outputs",
-    "recompute_early_stop",
-    "checkpoint_every",
-    "chain_attention_outputs",
-    "mlp_tile_tokens",
-    "offload_activations",
-    "boundary_dtype",
-    # (kept layers save one bf16 cast per normed input with the shared casts, one per linear
-    # without)
-    "autocast_kernels",
-    # (which options a plan that does not fit may add)
-    "auto_fit",
-    # (through the model shape: Liger's fused kernels save less for backward; FlexAttention
-    # makes no s x s mask or scores)
-    "layer_kernels",
-    "attention",
-    # (the loss's lines: the fused loss's chunk, or the full logits without it)
-    "fused_loss",
-    "loss_chunk_tokens",
-    # (the host RAM planned: at most this where set)
-    "host_memory_limit_gb",
-)
+#: The engine options (``EngineOptions`` fields) a plan depends on, marked ``planned`` in their
+#: metadata (``hf-megatrain plan`` takes each as a flag): the host-store mode and the RAM it may
+#: use, the HBM tier (``resident_layers``: the caller's ``hbm_layers``), what shapes activations
+#: and the loss, the kernels and attention (through the model shape), the device updates'
+#: staging, the ranks sharing a sequence (the step's shard), which options auto_fit may add.
+PLANNED_OPTIONS = planned_options()
 
 #: Micro-batch tokens from which "auto" attention outputs take HBM before the tier (see _plan).
 ATTENTION_FIRST_TOKENS = 65536

@@ -192,12 +192,15 @@ def apply_attention(
     return choice
 
 
-def planned_attention(shape, config, setting: str, seq_len: int | None, device="cuda"):
+def planned_attention(
+    shape, config, setting: str, seq_len: int | None, device="cuda", *, sequence_parallel: int = 1
+):
     """``(shape, choice)``: a ``ModelShape`` of ``config`` (``hf.model.model_shape_from_config``)
-    with the attention ``setting`` would choose for rows of ``seq_len`` on ``device``, as the
-    trainer would switch the model before its memory plan (a plan is for a GPU: CUDA)."""
+    with the attention ``setting`` would choose for rows of ``seq_len`` on ``device`` (with
+    ``sequence_parallel`` ranks sharing each row), as the trainer would switch the model before
+    its memory plan (a plan is for a GPU: CUDA)."""
     facts = AttentionFacts.of_config(config, shape.attn_implementation)
-    choice = choose_attention(setting, facts, device, seq_len)
+    choice = choose_attention(setting, facts, device, seq_len, sequence_parallel=sequence_parallel)
     if choice.impl != shape.attn_implementation:
         shape = dataclasses.replace(
             shape, attn_implementation=choice.impl, sdpa_attention=choice.impl == "sdpa"
