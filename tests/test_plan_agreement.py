@@ -227,3 +227,28 @@ def test_plan_takes_every_option_its_plan_depends_on(monkeypatch, capsys):
         _cli_plan([*argv, "--sequence-parallel", "2"])
     with pytest.raises(CLIError, match="--resident-layers 40: the model has 28 layers"):
         _cli_plan([*argv, "--resident-layers", "40"])
+
+
+def test_frozen_layers_are_planned_at_what_their_store_holds(monkeypatch, qwen1_5b):
+    """A frozen layer's host store holds its fp32 master and bf16 copy (6 B/param), no gradient
+    or moments: the plan counts that, so a LoRA base that fits is not refused. It counted every
+    streamed layer at the trainable store's 16 B/param: Qwen2.5-1.5B's frozen layers as 20 GiB
+    where the store allocates 7.3, and 14 GiB of host RAM was refused."""
+    from hf_megatrain.core.host_store import layer_store_bytes  # noqa: PLC0415
+
+    step = StepShape(seq_len=4096, micro_batch_tokens=4096)
+    _, plan = _builder_plan(
+        monkeypatch, qwen1_5b, EngineOptions(), step, trainable=False, host=14 * GIB
+    )
+    assert plan.fits and plan.n_hbm == 0
+    store = sum(layer_store_bytes(n, BF16, False) for n in qwen1_5b.layer_numels)
+    line = next(ln for ln in plan.host_lines if ln.name.startswith("host-tier layers"))
+    assert line.nbytes == store == sum(p.host_bytes for p in plan.layers) < 8 * GIB
+    assert "frozen params 1.31B: fp32 master + copy, 6 B/param" in line.name
+    # Trainable layers: the trainable store's bytes, as before.
+    _, trained = _builder_plan(monkeypatch, qwen1_5b, EngineOptions(), step, hbm=12 * GIB)
+    streamed = qwen1_5b.layer_numels[trained.n_hbm :]
+    store = dict(hold_grad=True, stream_master=False, grad_dtype=BF16)
+    assert sum(p.host_bytes for p in trained.layers) == sum(
+        layer_store_bytes(n, BF16, True, **store) for n in streamed
+    )

@@ -280,6 +280,10 @@ def _resident_layer_count(
     elif device.type != "cuda":
         return 0, None
     free = device_free_bytes(device)
+    if shape is not None:
+        # What the store holds frozen (a LoRA base: no gradient or moments), layer by layer.
+        frozen = tuple(0 if layer.trainable else layer.numel for layer in layers)
+        shape = replace(shape, frozen_layer_numels=frozen if any(frozen) else ())
     if shape is None or step is None:
         # Only the layer sizes are known here; the reserve covers everything else.
         shape = ModelShape(
@@ -289,6 +293,7 @@ def _resident_layer_count(
             vocab_size=0,
             intermediate_size=0,
             name="streamed model",
+            frozen_layer_numels=tuple(0 if layer.trainable else layer.numel for layer in layers),
         )
         step = None
     placement = dict(

@@ -346,13 +346,17 @@ def host_lines(
     if dtype != torch.float32 and not stream_master:
         parts.append("bf16 copy" if dtype == torch.bfloat16 else "stream copy")
     b = host_bytes_per_param(dtype, host_grads, stream_master, grad_dtype)
+    store = dict(hold_grad=host_grads, stream_master=stream_master, grad_dtype=grad_dtype)
+    frozen = sum(shape.layer_frozen_numel(i) for i in range(n_hbm, shape.num_layers))
+    if frozen:
+        f = host_bytes_per_param(dtype, False, stream_master) - 8  # (master + copy only)
+        what = f"; frozen params {frozen / 1e9:.2f}B: fp32 master + copy, {f} B/param"
+    else:
+        what = ""
     lines = offload + [
         MemoryLine(
-            f"host-tier layers ({len(host)}): {' + '.join(parts)}, {b} B/param",
-            sum(
-                layer_store_bytes(n, dtype, True, host_grads, stream_master, grad_dtype)
-                for n in host
-            ),
+            f"host-tier layers ({len(host)}): {' + '.join(parts)}, {b} B/param{what}",
+            sum(host_layer_bytes(shape, i, dtype, store) for i in range(n_hbm, shape.num_layers)),
         )
     ]
     if not host_grads and host:
@@ -384,6 +388,17 @@ def host_lines(
         ),
         MemoryLine(f"{SAFETY_MARGIN_LINE} (headroom, not expected use)", margin - baseline),
     ]
+
+
+def host_layer_bytes(shape: ModelShape, i: int, dtype: torch.dtype, store: dict) -> int:
+    """Host-store bytes of layer ``i`` in the host tier: its frozen parameters' (a frozen
+    store: fp32 master and compute-dtype copy) and the others' (``store``: the trainable
+    store's mode, ``layer_store_bytes``' keywords)."""
+    n, frozen = shape.layer_numels[i], shape.layer_frozen_numel(i)
+    trainable = layer_store_bytes(n - frozen, dtype, True, **store) if n > frozen else 0
+    if not frozen:
+        return trainable
+    return trainable + layer_store_bytes(frozen, dtype, False, stream_master=store["stream_master"])
 
 
 def pcie_bytes(
@@ -434,7 +449,7 @@ def layer_placements(
     return [
         LayerPlacement(i, n, HBM, device_layer_bytes(n, dtype, i >= n_cast), 0)
         if i < n_hbm
-        else LayerPlacement(i, n, HOST, 0, layer_store_bytes(n, dtype, True, **store))
+        else LayerPlacement(i, n, HOST, 0, host_layer_bytes(shape, i, dtype, store))
         for i, n in enumerate(shape.layer_numels)
     ]
 
@@ -460,6 +475,7 @@ __all__ = [
     "h2d_bytes_per_param",
     "grad_dtype_label",
     "host_bytes_per_param",
+    "host_layer_bytes",
     "host_lines",
     "layer_placements",
     "pcie_bytes",

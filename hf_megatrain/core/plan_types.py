@@ -144,6 +144,13 @@ class ModelShape:
     # layers, Qwen-MoE's ``mlp_only_layers``); 0 where every layer routes.
     dense_mlp_size: int = 0
     router_aux_one_hot: bool = True
+    # Per layer, its parameters that stream frozen (a LoRA base's: the host store keeps their
+    # fp32 master and compute-dtype copy, no gradient or moments); empty: none is frozen.
+    frozen_layer_numels: tuple[int, ...] = ()
+
+    def layer_frozen_numel(self, i: int) -> int:
+        """Frozen parameters of layer ``i`` (``frozen_layer_numels``; 0 when none are)."""
+        return self.frozen_layer_numels[i] if self.frozen_layer_numels else 0
 
     @property
     def num_layers(self) -> int:
@@ -160,11 +167,15 @@ class ModelShape:
     def with_num_layers(self, n: int) -> ModelShape:
         """The same family shape with ``n`` layers (each like the largest current one)."""
         big = max(self.layer_numels, default=0)
+        frozen = self.frozen_layer_numels
+        if frozen:  # (each like the largest layer, its frozen part too)
+            frozen = (frozen[self.layer_numels.index(big)],) * n
         pattern = self.sliding_layers
         sliding = tuple(pattern[i % len(pattern)] for i in range(n)) if pattern else ()
         return replace(
             self,
             layer_numels=(big,) * n,
+            frozen_layer_numels=frozen,
             sliding_layers=sliding,
             # Every layer like the largest: a routing one where some route.
             router_layers=n if self.router_layers else 0,
