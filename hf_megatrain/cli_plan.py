@@ -222,6 +222,13 @@ def planned_kernel_shape(cfg, name: str, layer_kernels: str = "auto", liger: boo
     model, shape = _meta_model_and_shape(cfg, name)
     fuses, norms = _compiled_kernels_of(model)
     kernels = _planned_layer_kernels(layer_kernels, liger, cfg.model_type, fuses and norms)
+    if kernels.kind == "compiled":
+        from .hf.compiled_kernels import check_compiled_kernels_apply  # noqa: PLC0415
+
+        try:  # (as training refuses them when applying them)
+            check_compiled_kernels_apply(model)
+        except ValueError as e:
+            raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
     if kernels.liger:
         shape = dataclasses.replace(shape, fused_layer_kernels=True)
     elif kernels.kind == "compiled":

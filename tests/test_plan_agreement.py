@@ -252,3 +252,27 @@ def test_frozen_layers_are_planned_at_what_their_store_holds(monkeypatch, qwen1_
     assert sum(p.host_bytes for p in trained.layers) == sum(
         layer_store_bytes(n, BF16, True, **store) for n in streamed
     )
+
+
+def test_compiled_kernels_that_cannot_apply_are_refused_by_plan(tmp_path):
+    """``--layer-kernels compiled`` on a family none of whose norms, MLPs or RoPE compute like
+    the compiled kernels (BLOOM's LayerNorm and GELU MLP): `plan` refuses it in one line, with
+    the check training refuses it by when applying them. `plan` planned it."""
+    import json  # noqa: PLC0415
+
+    from hf_megatrain.cli import main  # noqa: PLC0415
+    from hf_megatrain.hf.compiled_kernels import apply_compiled_kernels  # noqa: PLC0415
+    from hf_megatrain.hf.model import meta_model  # noqa: PLC0415
+
+    path = tmp_path / "bloom.json"
+    sizes = dict(hidden_size=64, n_head=4, n_layer=2, vocab_size=256)
+    path.write_text(json.dumps({"model_type": "bloom", **sizes}))
+    argv = ["plan", str(path), "--seq-len", "128", "--tokens-per-step", "128", "--no-search"]
+    assert main(argv) == 0
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--layer-kernels", "compiled"])
+    with pytest.raises(ValueError) as applied:  # training's refusal, where it applies them
+        apply_compiled_kernels(meta_model(plan_config(str(path))))
+    said = str(applied.value).removeprefix("hf_megatrain: ")
+    assert said.startswith("megatrain_layer_kernels='compiled': no norm, MLP or RoPE of Bloom")
+    assert str(refused.value) == f"hf-megatrain: error: {said}"

@@ -263,25 +263,21 @@ def compiles_whole_layers(model: nn.Module) -> bool:
         return False
 
 
-def apply_compiled_kernels(model: nn.Module) -> int:
-    """Patch the compiled forwards onto every RMSNorm and SwiGLU MLP of the decoder layers and
-    the final norm that compute like them (instances, like Liger-Kernel), and onto the family's
-    RoPE function if it does (its module's global, as Liger-Kernel does: the attention forward
-    looks it up per call; only the patched models' attention uses it). Returns how many modules
-    were patched; raises ``ValueError`` when none computes like these kernels."""
+def _compiled_targets(model: nn.Module) -> tuple[list[nn.Module], tuple | None]:
+    """What the compiled kernels replace in ``model`` (a ``meta`` model is fine): the norms and
+    SwiGLU MLPs of its decoder layers and final norm that compute like them, and the family's
+    RoPE function where it does (its modeling module and the function), else None."""
     prefix, layers = find_decoder_layers(model)
     base = model.get_submodule(prefix.rpartition(".")[0])
-    count = 0
     roots = [*layers, getattr(base, "norm", None)]
-    for root in (r for r in roots if r is not None):
-        for module in root.modules():
-            if _norm_like(module):
-                module.forward = types.MethodType(_norm_forward, module)
-                count += 1
-            elif _swiglu_like(module):
-                module.forward = types.MethodType(_swiglu_forward, module)
-                count += 1
-    rope = False
+    modules = [
+        module
+        for root in roots
+        if root is not None
+        for module in root.modules()
+        if _norm_like(module) or _swiglu_like(module)
+    ]
+    rope = None
     if layers:
         # The family's RoPE is a global of its modeling module (the attention looks it up per
         # call): the compiled one runs only inside this model's attention (scope_global).
@@ -289,15 +285,39 @@ def apply_compiled_kernels(model: nn.Module) -> int:
         family = original_global(modeling, "apply_rotary_pos_emb")
         # the family's own function, not one Liger-Kernel (or another patch) put there
         if getattr(family, "__module__", None) == modeling.__name__ and _rotary_like(family):
-            scope = attention_scopes(model)
-            scope_global(modeling, "apply_rotary_pos_emb", _compiled_rotary(family), scope)
-            rope = True
-    if not count and not rope:
+            rope = (modeling, family)
+    return modules, rope
+
+
+def check_compiled_kernels_apply(model: nn.Module) -> None:
+    """Raise ``ValueError`` (a library refusal) when no norm, MLP or RoPE of ``model`` computes
+    like the compiled kernels: ``layer_kernels='compiled'`` cannot apply to it (``train``
+    refuses it when applying them, ``plan`` on the config's meta model)."""
+    modules, rope = _compiled_targets(model)
+    if not modules and rope is None:
         raise ValueError(
             f"hf_megatrain: megatrain_layer_kernels='compiled': no norm, MLP or RoPE of "
             f"{type(model).__name__} computes like the compiled kernels (Llama's RMSNorm, SwiGLU, "
             "RoPE); use 'auto' or 'torch'"
         )
+
+
+def apply_compiled_kernels(model: nn.Module) -> int:
+    """Patch the compiled forwards onto every RMSNorm and SwiGLU MLP of the decoder layers and
+    the final norm that compute like them (instances, like Liger-Kernel), and onto the family's
+    RoPE function if it does (its module's global, as Liger-Kernel does: the attention forward
+    looks it up per call; only the patched models' attention uses it). Returns how many modules
+    were patched; raises ``ValueError`` when none computes like these kernels."""
+    check_compiled_kernels_apply(model)
+    modules, rope = _compiled_targets(model)
+    for module in modules:
+        forward = _norm_forward if _norm_like(module) else _swiglu_forward
+        module.forward = types.MethodType(forward, module)
+    count = len(modules)
+    if rope is not None:
+        modeling, family = rope
+        scope = attention_scopes(model)
+        scope_global(modeling, "apply_rotary_pos_emb", _compiled_rotary(family), scope)
     logger.info(
         "hf_megatrain: %d norms and MLPs%s run torch.compile'd kernels",
         count,
