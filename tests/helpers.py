@@ -668,6 +668,26 @@ def mounted_tmpfs(point: Path, size: str):
 
 
 # ---- allocation timeline: a memory tracker that sees into torch.compile'd code ---------------
+# Matrix products whose CPU kernels allocate and free a buffer of their own where the CPU lacks
+# native bf16 (oneDNN's fp32 output before the cast to bf16: a per-token size that depends on the
+# machine); a GPU GEMM's workspace is a fixed size. Not counted by AllocationTimeline.
+_GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+
+
+def _without_scratch(events: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A GEMM's allocation events less each buffer it allocated and freed itself (a free of a
+    size it allocated earlier inside it); what it returns (its output) stays."""
+    kept: list[tuple[int, int]] = []
+    for event in sorted(events):
+        size = event[1]
+        match = next((k for k in reversed(kept) if size < 0 and k[1] == -size), None)
+        if match is None:
+            kept.append(event)
+        else:
+            kept.remove(match)
+    return kept
+
+
 class AllocationTimeline:
     """The CPU allocator's running total over a block, from the profiler's allocation events,
     and its peak between marks (``mark(label)`` inside the block, e.g. from autograd hooks).
@@ -690,16 +710,30 @@ class AllocationTimeline:
         from torch._C._profiler import _EventType  # noqa: PLC0415
 
         self._prof.__exit__(*exc)
-        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        deltas: list[tuple[int, int]] = []  # (time ns, bytes allocated (+) or freed (-))
+        first: tuple[int, int] | None = None  # the earliest event: (time, total before it)
+        gemm_scratch: dict[int, list[tuple[int, int]]] = {}  # a GEMM's own events
+        stack = [(e, None) for e in self._prof.profiler.kineto_results.experimental_event_tree()]
         while stack:
-            e = stack.pop()
+            e, gemm = stack.pop()
             if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-                self._events.append((e.start_time_ns, e.extra_fields.total_allocated))
+                event = (e.start_time_ns, e.extra_fields.alloc_size)
+                if first is None or event[0] < first[0]:
+                    first = (event[0], e.extra_fields.total_allocated - event[1])
+                (deltas if gemm is None else gemm_scratch.setdefault(gemm, [])).append(event)
             elif e.name.startswith("mark: "):
                 label = e.name.removeprefix("mark: ")
                 self._marks[label] = min(self._marks.get(label, 1 << 62), e.start_time_ns)
-            stack.extend(e.children)
-        self._events.sort()
+            if e.name in _GEMM_OPS:
+                gemm = id(e)  # the innermost GEMM holds what its children allocate
+            stack.extend((child, gemm) for child in e.children)
+        for events in gemm_scratch.values():
+            deltas += _without_scratch(events)
+        deltas.sort()
+        total = 0 if first is None else first[1]
+        for t, size in deltas:
+            total += size
+            self._events.append((t, total))
 
     @staticmethod
     def mark(label: str) -> None:
