@@ -91,12 +91,33 @@ def config_from_json(path: str):
     if isinstance(layers, int) and layers < 1:
         raise CLIError(f"{path}: num_hidden_layers is {layers}; a model needs at least 1 layer")
     check_config_sizes(d, path)  # before the config divides by them (head_dim)
+    # A field the family's config derives (a read-only property: Falcon's head_dim) cannot be
+    # set: said before transformers logs the whole config and raises an AttributeError.
+    derived = _derived_fields(model_type, d)
+    if derived:
+        raise CLIError(
+            f"{path}: invalid config: {', '.join(derived)} cannot be set in a {model_type} "
+            "config (the family's config derives it from the other fields)"
+        )
     try:
         cfg = AutoConfig.for_model(model_type, **d)
-    except (*CONFIG_ERRORS, ArithmeticError) as e:
+    except (*CONFIG_ERRORS, ArithmeticError, AttributeError) as e:
         raise CLIError(f"{path}: invalid config: {error_summary(e)}") from None
     check_config_sizes(cfg, path)  # and the sizes it derives, under every alias
     return cfg
+
+
+def _derived_fields(model_type: str, values: dict) -> list[str]:
+    """The keys of ``values`` that ``model_type``'s config class derives (read-only
+    properties), which it cannot take."""
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+
+    cls = CONFIG_MAPPING[model_type]
+    return [
+        key
+        for key in values
+        if isinstance(getattr(cls, key, None), property) and getattr(cls, key).fset is None
+    ]
 
 
 #: Config sizes that must be at least 1 where set (None: the family's own default or derived).

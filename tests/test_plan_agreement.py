@@ -276,3 +276,25 @@ def test_compiled_kernels_that_cannot_apply_are_refused_by_plan(tmp_path):
     said = str(applied.value).removeprefix("hf_megatrain: ")
     assert said.startswith("megatrain_layer_kernels='compiled': no norm, MLP or RoPE of Bloom")
     assert str(refused.value) == f"hf-megatrain: error: {said}"
+
+
+def test_a_config_field_the_family_derives_is_a_one_line_refusal(tmp_path, capsys):
+    """A config.json setting a field its family's config derives (Falcon's head_dim, a
+    read-only property): one line naming the field. transformers logged the whole config and
+    `plan` (and train's config_from_json) showed its AttributeError's traceback."""
+    import json  # noqa: PLC0415
+
+    from hf_megatrain.cli import main  # noqa: PLC0415
+    from hf_megatrain.cli_common import config_from_json  # noqa: PLC0415
+
+    path = tmp_path / "falcon.json"
+    sizes = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256)
+    path.write_text(json.dumps({"model_type": "falcon", **sizes, "head_dim": 32}))
+    expected = f"{path}: invalid config: head_dim cannot be set in a falcon config"
+    with pytest.raises(CLIError, match=f"^{expected}"):
+        config_from_json(str(path))
+    argv = ["plan", str(path), "--seq-len", "128", "--tokens-per-step", "128", "--no-search"]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert str(refused.value).startswith(f"hf-megatrain: error: {expected}")
+    assert "\n" not in str(refused.value) and "FalconConfig {" not in capsys.readouterr().err
