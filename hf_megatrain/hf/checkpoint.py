@@ -183,6 +183,15 @@ def _checkpoint_files(path: str) -> list[str]:
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
+    names = os.listdir(path) if os.path.isdir(path) else []
+    pickled = sorted(f for f in names if re.fullmatch(r"pytorch_model.*\.bin", f))
+    if pickled:
+        # Never unpickled here: a pickle can run code, and torch.load reads it whole.
+        raise FileNotFoundError(
+            f"hf_megatrain: {path} holds PyTorch pickle weights ({', '.join(pickled[:3])}), not "
+            "safetensors, which are all hf_megatrain reads: convert them once, e.g. "
+            "AutoModelForCausalLM.from_pretrained(path).save_pretrained(new_folder)"
+        )
     raise FileNotFoundError(
         f"hf_megatrain: no model.safetensors or model.safetensors.index.json in {path} "
         f"(only safetensors checkpoints are supported)"
@@ -240,23 +249,30 @@ _EXPERT_TARGET = {
 }
 
 
-def _resolve_target(key: str, targets: dict[str, torch.Tensor]):
-    """Map a checkpoint key to ``(destination tensor, index expression)`` or None."""
-    if key in targets:
-        return targets[key], None
-    for alt in (f"model.{key}", key.removeprefix("model.")):
-        if alt in targets:
-            return targets[alt], None
-    m = _EXPERT_RE.match(key)
-    if m:
-        fused, block, blocks = _EXPERT_TARGET[m["proj"]]
-        name = f"{m['base']}.{fused}"
-        if name in targets:
-            dest = targets[name]
-            e = int(m["e"])
-            rows = dest.shape[1] // blocks
-            return dest, (e, slice(block * rows, (block + 1) * rows))
+def resolve_checkpoint_key(key: str, names, prefix: str = "model"):
+    """Map a checkpoint key to ``(target name in names, index expression)`` or None.
+
+    As ``from_pretrained``: the key as is, with or without the model's ``base_model_prefix``
+    (``model``, ``transformer``, ``gpt_neox``: a checkpoint saved from the base model has none),
+    and per-expert tensors into their fused expert tensor (an index into it)."""
+    pre = f"{prefix}."
+    for cand in dict.fromkeys((key, pre + key, key.removeprefix(pre))):
+        if cand in names:
+            return cand, None
+        m = _EXPERT_RE.match(cand)
+        if m:
+            fused, block, blocks = _EXPERT_TARGET[m["proj"]]
+            name = f"{m['base']}.{fused}"
+            if name in names:
+                rows = names[name].shape[1] // blocks
+                return name, (int(m["e"]), slice(block * rows, (block + 1) * rows))
     return None
+
+
+def _resolve_target(key: str, targets: dict[str, torch.Tensor], prefix: str = "model"):
+    """Map a checkpoint key to ``(destination tensor, index expression)`` or None."""
+    hit = resolve_checkpoint_key(key, targets, prefix)
+    return None if hit is None else (targets[hit[0]], hit[1])
 
 
 def _checkpoint_renamings(model) -> list:
@@ -280,6 +296,7 @@ def load_weights_into_store(model, path: str) -> None:
     """Read a safetensors checkpoint tensor by tensor into the host store and resident params."""
     state = _require_state(model)
     renamings = _checkpoint_renamings(model)
+    prefix = getattr(model, "base_model_prefix", "model") or "model"
     targets: dict[str, torch.Tensor] = {}
     # Data parallel: a layer's shared weights are written by its owner only (every rank still
     # reads and checks the whole checkpoint, so a mismatch fails on every rank alike).
@@ -310,7 +327,9 @@ def load_weights_into_store(model, path: str) -> None:
         for key, tensor in iter_checkpoint_tensors(path):
             # Checkpoint names may predate the module names (renamed by transformers on load and
             # reverted on save); the expert merge itself is handled in _resolve_target.
-            hit = _resolve_target(_rename(key, renamings), targets) or _resolve_target(key, targets)
+            hit = _resolve_target(_rename(key, renamings), targets, prefix) or _resolve_target(
+                key, targets, prefix
+            )
             if hit is None:
                 unknown.append(key)
                 continue
