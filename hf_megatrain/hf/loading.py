@@ -8,7 +8,9 @@ stays close to the store's own size, never store + full model.
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,10 +21,18 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..core.options import EngineOptions, StepShape
 from .attention import apply_attention
-from .checkpoint import load_weights_into_store
+from .checkpoint import (
+    _checkpoint_files,
+    _checkpoint_renamings,
+    _rename,
+    check_checkpoint_files,
+    load_weights_into_store,
+    resolve_checkpoint_key,
+)
 from .hub import resolve_model_folder
 from .long_context import apply_layer_kernels
 from .model import (
+    SUPPORTED_MODEL_TYPES,
     UnsupportedModelError,
     _is_peft,
     find_decoder_layers,
@@ -154,6 +164,7 @@ def load_streamed_model(
     options, config_overrides = _split_options(options, kwargs)
     attn = config_overrides.pop("attn_implementation", "sdpa")
     path = resolve_model_folder(path, revision=config_overrides.pop("revision", None))
+    _check_model_type(path)
     config = AutoConfig.from_pretrained(path, **config_overrides)
     quant = getattr(config, "quantization_config", None)
     if quant:
@@ -164,6 +175,10 @@ def load_streamed_model(
             f"hf_megatrain: {path} is a quantized checkpoint ({method}); full-precision training "
             "starts from bf16/fp16/fp32 weights: use the model's unquantized (e.g. BF16) release"
         )
+    # Before the store is allocated: a missing, truncated or unreadable shard, and checkpoint
+    # tensors that do not fit the model (missing, unexpected, another shape), from the headers.
+    check_checkpoint_files(path)
+    check_checkpoint_tensors(config, path)
     model = _streamed_skeleton(
         config, options, device=device, bf16=bf16, attn_implementation=attn, step=step,
         clipping=clipping, use_liger_kernel=use_liger_kernel,
@@ -171,6 +186,122 @@ def load_streamed_model(
     )  # fmt: skip
     load_weights_into_store(model, path)
     return model
+
+
+def _check_model_type(path: str) -> None:
+    """Refuse, in one line, a folder whose ``config.json`` names a model_type hf_megatrain does
+    not stream (custom code behind ``auto_map`` included) before transformers is asked to resolve
+    it (whose errors span lines, and which would prompt to run the custom code)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"hf_megatrain: {path} has no config.json: not a Hub-format model folder")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"hf_megatrain: {file} is not valid JSON ({e})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type is None or model_type in SUPPORTED_MODEL_TYPES:
+        return  # (no model_type: transformers decides; the model is checked when streamed)
+    custom = " (custom code: config.json's auto_map)" if raw.get("auto_map") else ""
+    raise UnsupportedModelError(
+        f"hf_megatrain: {path}: model_type {model_type!r}{custom} is not supported. Supported "
+        f"decoder architectures: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}."
+    )
+
+
+def _headers(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every checkpoint tensor's shape and file, from the safetensors headers alone."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    out = {}
+    for file in _checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                out[key] = (tuple(f.get_slice(key).get_shape()), file)
+    return out
+
+
+def _same_values(a: tuple[str, str], b: tuple[str, str], rows_per_chunk: int = 4096) -> bool:
+    """Whether checkpoint tensors ``a`` and ``b`` (key, file) hold equal values (compared in
+    fp32, as ``from_pretrained`` compares the loaded parameters), a few rows at a time."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    with safe_open(a[1], framework="pt") as fa, safe_open(b[1], framework="pt") as fb:
+        sa, sb = fa.get_slice(a[0]), fb.get_slice(b[0])
+        shape = tuple(sa.get_shape())
+        if shape != tuple(sb.get_shape()):
+            return False
+        rows = shape[0] if shape else 1
+        for i in range(0, rows, rows_per_chunk):
+            x = sa[i : i + rows_per_chunk] if shape else sa[:]
+            y = sb[i : i + rows_per_chunk] if shape else sb[:]
+            if not torch.equal(x.to(torch.float32), y.to(torch.float32)):
+                return False
+    return True
+
+
+def check_checkpoint_tensors(config, path: str) -> None:
+    """Match the checkpoint's tensors (headers only) to ``config``'s model built on meta, as
+    :func:`load_weights_into_store` will: raises ``ValueError`` (one line) for a missing tensor,
+    an unexpected one, or another shape, before anything is allocated.
+
+    A config that ties the LM head to the embedding, with both in the checkpoint holding
+    different values, is untied (``config.tie_word_embeddings = False``) with a warning, as
+    ``from_pretrained`` does, rather than one overwriting the other."""
+    with init_empty_weights(include_buffers=False):
+        meta = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    meta.tie_weights()
+    prefix = getattr(meta, "base_model_prefix", "model") or "model"
+    renamings = _checkpoint_renamings(meta)
+    targets: dict[str, torch.Tensor] = dict(meta.named_parameters(remove_duplicate=False))
+    optional: set[int] = set()
+    for mod_name, module in meta.named_modules():
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf_name not in module._non_persistent_buffers_set:
+                full = f"{mod_name}.{buf_name}" if mod_name else buf_name
+                targets.setdefault(full, buf)
+                optional.add(id(buf))
+    found: dict[str, tuple[str, str]] = {}  # target name -> (checkpoint key, file)
+    filled: set[int] = set()
+    unknown: list[str] = []
+    for key, (shape, file) in _headers(path).items():
+        hit = resolve_checkpoint_key(_rename(key, renamings), targets, prefix)
+        hit = hit or resolve_checkpoint_key(key, targets, prefix)
+        if hit is None:
+            unknown.append(key)
+            continue
+        name, index = hit
+        dest = targets[name]
+        want = tuple((dest if index is None else dest[index]).shape)
+        if shape != want:
+            raise ValueError(
+                f"hf_megatrain: checkpoint tensor {key} ({os.path.basename(file)}) has shape "
+                f"{shape}, the model expects {want}"
+            )
+        found.setdefault(name, (key, file))
+        filled.add(id(dest))
+    if unknown:
+        raise ValueError(
+            f"hf_megatrain: {len(unknown)} checkpoint tensors in {path} do not match the "
+            f"{type(meta).__name__} model, e.g. {unknown[:5]}"
+        )
+    missing = [n for n, t in targets.items() if id(t) not in filled and id(t) not in optional]
+    if missing:
+        raise ValueError(
+            f"hf_megatrain: the checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:5]}"
+        )
+    tied = getattr(meta, "all_tied_weights_keys", None) or {}
+    for target, source in tied.items():
+        if target in found and source in found and not _same_values(found[target], found[source]):
+            logger.warning(
+                "hf_megatrain: config.json ties %s to %s, but the checkpoint holds both with "
+                "different values: loading them untied (tie_word_embeddings=False), as "
+                "from_pretrained does",
+                target,
+                source,
+            )
+            config.tie_word_embeddings = False
 
 
 def frozen_streamed_copy(

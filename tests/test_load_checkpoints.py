@@ -1,0 +1,275 @@
+"""Checkpoint folders as the Hub has them, loaded by ``load_streamed_model``.
+
+Each folder is a tiny model's ``save_pretrained``, then altered: stored dtypes, config dtype
+fields, tied / untied heads, base-model saves, legacy names, broken or pickled weights, custom
+code, unsupported families. A folder ``from_pretrained`` loads gives the same logits (and, for a
+few, the same training steps as the stock Trainer); any other is refused in one line, before
+the host store is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from hf_megatrain import UnsupportedModelError, load_streamed_model
+from hf_megatrain.hf import loading
+from hf_megatrain.hf.checkpoint import host_state_dict
+
+from .helpers import assert_logs_match, run_trainer, tiny_config, tiny_model
+
+
+def _ids(vocab: int = 128) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def _logits(model, ids) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _save(path: Path, arch: str = "llama", dtype=None, shard=None, **overrides) -> Path:
+    model = tiny_model(tiny_config(arch, **overrides))
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(str(path), **({} if shard is None else {"max_shard_size": shard}))
+    return path
+
+
+def _edit_config(path: Path, **fields) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in fields.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(file: Path, edit) -> None:
+    sd = load_file(str(file))
+    edit(sd)
+    save_file(sd, str(file), metadata={"format": "pt"})
+
+
+def _shard_of(path: Path, key: str) -> Path:
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    return path / index["weight_map"][key]
+
+
+def _assert_same_as_from_pretrained(path: Path) -> None:
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    streamed = load_streamed_model(str(path), device="cpu", bf16=False)
+    ids = _ids(ref.config.vocab_size)
+    torch.testing.assert_close(_logits(streamed, ids), _logits(ref, ids), rtol=0, atol=0)
+
+
+# ---- folders from_pretrained loads: the same model ------------------------------------------
+@pytest.mark.parametrize(
+    "dtype,shard,tie,config_dtype",
+    [
+        (torch.bfloat16, None, True, None),
+        (torch.bfloat16, "20KB", False, "float16"),  # config.json's dtype is not the stored one
+        (torch.float16, "20KB", True, None),
+        (torch.float16, None, False, "bfloat16"),
+        (torch.float32, None, True, "bfloat16"),
+    ],
+)
+def test_stored_dtypes_and_layouts_load_as_from_pretrained(
+    tmp_path, dtype, shard, tie, config_dtype
+):
+    path = _save(tmp_path / "ckpt", dtype=dtype, shard=shard, tie_word_embeddings=tie)
+    if config_dtype is not None:  # the legacy field, or transformers 5's
+        _edit_config(path, dtype=config_dtype, torch_dtype=config_dtype)
+    _assert_same_as_from_pretrained(path)
+
+
+@pytest.mark.parametrize("same_values", [False, True])
+def test_tied_config_with_lm_head_in_the_checkpoint(tmp_path, same_values):
+    """config.json ties the head, the file holds ``lm_head.weight`` too. Different values:
+    from_pretrained does not tie them (a warning) and neither may the loader; before, both keys
+    were written into the one tied tensor and the head overwrote the embedding. Equal values (as
+    .bin conversions have): tied."""
+    path = _save(tmp_path / "ckpt", tie_word_embeddings=True)
+    file = path / "model.safetensors"
+    assert "lm_head.weight" not in load_file(str(file))
+
+    def add_head(sd):
+        emb = sd["model.embed_tokens.weight"]
+        sd["lm_head.weight"] = emb.clone() if same_values else torch.randn_like(emb)
+
+    _edit_tensors(file, add_head)
+    _assert_same_as_from_pretrained(path)
+    streamed = load_streamed_model(str(path), device="cpu", bf16=False)
+    head, emb = streamed.lm_head.weight, streamed.get_input_embeddings().weight
+    assert (head is emb) == same_values
+    assert streamed.config.tie_word_embeddings == same_values
+
+
+@pytest.mark.parametrize("arch", ["llama", "falcon", "bloom", "mpt"])
+def test_a_base_model_checkpoint_loads_as_from_pretrained(tmp_path, arch):
+    """Saved from the base model (``LlamaModel``, ``FalconModel``: no ``model.`` /
+    ``transformer.`` prefix) with a tied head: from_pretrained adds the model's own
+    ``base_model_prefix``; the loader only knew ``model.`` and refused Falcon, BLOOM and MPT."""
+    model = tiny_model(tiny_config(arch, tie_word_embeddings=True))
+    model.base_model.save_pretrained(str(tmp_path / "base"))
+    keys = load_file(str(tmp_path / "base" / "model.safetensors"))
+    assert not any(k.startswith(model.base_model_prefix + ".") for k in keys)
+    _assert_same_as_from_pretrained(tmp_path / "base")
+
+
+def test_legacy_expert_and_head_names_load_as_from_pretrained(tmp_path):
+    """Mixtral's per-expert ``block_sparse_moe.experts.N.w1`` (fused on load by transformers 5)
+    and GPT-NeoX's ``embed_out`` (renamed to ``lm_head``)."""
+    mixtral = _save(tmp_path / "mixtral", "mixtral", dtype=torch.bfloat16, shard="20KB")
+    index = json.loads((mixtral / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.block_sparse_moe.experts.1.w3.weight" in index
+    _assert_same_as_from_pretrained(mixtral)
+    neox = _save(tmp_path / "neox", "gpt_neox")
+    assert "embed_out.weight" in load_file(str(neox / "model.safetensors"))
+    _assert_same_as_from_pretrained(neox)
+
+
+@pytest.mark.parametrize(
+    "arch,dtype,tie", [("llama", torch.bfloat16, True), ("qwen3_moe", torch.float16, False)]
+)
+def test_a_loaded_checkpoint_trains_as_the_stock_trainer(tmp_path, arch, dtype, tie):
+    path = _save(tmp_path / "ckpt", arch, dtype=dtype, shard="20KB", tie_word_embeddings=tie)
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    stock, _ = run_trainer(ref, tmp_path, "stock", False, max_steps=2)
+    streamed = load_streamed_model(str(path), device="cpu", bf16=False)
+    mega, _ = run_trainer(streamed, tmp_path, "mega", True, max_steps=2)
+    assert_logs_match(stock, mega)
+
+
+def test_saved_output_round_trip(tmp_path):
+    """Train 2 steps, save_model, load it: the same fp32 weights and logits; 2 more steps from
+    the loaded folder are the stock Trainer's 2 steps from the same folder."""
+    path = _save(tmp_path / "ckpt", shard="20KB")
+    _, trainer = run_trainer(
+        load_streamed_model(str(path), device="cpu", bf16=False), tmp_path, "a", True, max_steps=2
+    )
+    trainer.save_model(str(tmp_path / "saved"))
+    trained = {k: v.clone() for k, v in host_state_dict(trainer.model).items()}
+    loaded = load_streamed_model(str(tmp_path / "saved"), device="cpu", bf16=False)
+    got = host_state_dict(loaded)
+    assert sorted(got) == sorted(trained)
+    for k, v in trained.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    ids = _ids()
+    torch.testing.assert_close(_logits(loaded, ids), _logits(trainer.model, ids), rtol=0, atol=0)
+    mega, _ = run_trainer(loaded, tmp_path, "b", True, max_steps=2)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32)
+    stock, _ = run_trainer(ref, tmp_path, "c", False, max_steps=2)
+    assert_logs_match(stock, mega)
+
+
+# ---- folders that are refused: one line, before the store is allocated ----------------------
+def _drop(key):
+    return lambda sd: sd.pop(key)
+
+
+def _truncate(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+KEY = "model.layers.1.mlp.up_proj.weight"
+Q = "model.layers.0.self_attn.q_proj.weight"
+BROKEN = {
+    "missing tensor": (
+        lambda p: _edit_tensors(_shard_of(p, KEY), _drop(KEY)),
+        rf"lacks 1 tensors, e.g. \['{KEY}'\]",
+    ),
+    "unexpected tensor": (
+        lambda p: _edit_tensors(
+            _shard_of(p, KEY), lambda sd: sd.__setitem__("model.layers.1.extra", torch.zeros(2))
+        ),
+        r"1 checkpoint tensors in .* do not match the LlamaForCausalLM model, e.g. "
+        r"\['model.layers.1.extra'\]",
+    ),
+    "shape mismatch": (
+        lambda p: _edit_tensors(_shard_of(p, Q), lambda sd: sd.__setitem__(Q, sd[Q][:-1])),
+        rf"{Q} \(model-\d+-of-\d+.safetensors\) has shape \(31, 32\), the model expects "
+        r"\(32, 32\)",
+    ),
+    "truncated shard": (
+        lambda p: _truncate(_shard_of(p, KEY)),
+        r"model-\d+-of-\d+.safetensors is not a readable safetensors file",
+    ),
+    "corrupt shard": (
+        lambda p: _shard_of(p, KEY).write_bytes(b"not a safetensors file" * 4),
+        r"model-\d+-of-\d+.safetensors is not a readable safetensors file",
+    ),
+    "index names a missing shard": (
+        lambda p: _shard_of(p, KEY).unlink(),
+        r"shard\(s\) listed in model.safetensors.index.json are missing: \['model-",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_checkpoints_are_refused_before_allocating(tmp_path, monkeypatch, case):
+    alter, message = BROKEN[case]
+    path = _save(tmp_path / "ckpt", shard="20KB")
+    alter(path)
+    monkeypatch.setattr(loading, "_streamed_skeleton", lambda *a, **k: pytest.fail("allocated"))
+    with pytest.raises(ValueError, match=message) as err:
+        load_streamed_model(str(path), device="cpu", bf16=False)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_pickled_weights_are_refused_unread(tmp_path, monkeypatch, sharded):
+    """``pytorch_model.bin`` (and its sharded form): never unpickled; the message says how to
+    convert them."""
+    model = tiny_model(tiny_config("llama"))
+    model.config.save_pretrained(str(tmp_path))
+    sd = model.state_dict()
+    if sharded:
+        names = ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]
+        keys = list(sd)
+        halves = {names[0]: keys[: len(keys) // 2], names[1]: keys[len(keys) // 2 :]}
+        for name, part in halves.items():
+            torch.save({k: sd[k] for k in part}, tmp_path / name)
+        weight_map = {k: name for name, part in halves.items() for k in part}
+        (tmp_path / "pytorch_model.bin.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
+    else:
+        torch.save(sd, tmp_path / "pytorch_model.bin")
+    AutoModelForCausalLM.from_pretrained(str(tmp_path))  # a folder transformers loads
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("unpickled"))
+    monkeypatch.setattr(loading, "_streamed_skeleton", lambda *a, **k: pytest.fail("allocated"))
+    with pytest.raises(ValueError, match=r"holds PyTorch pickle weights \(pytorch_model") as err:
+        load_streamed_model(str(tmp_path), device="cpu", bf16=False)
+    assert "save_pretrained" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("case", ["unknown type", "custom code", "gpt2"])
+def test_unsupported_model_types_are_refused_in_one_line(tmp_path, monkeypatch, case):
+    """An architecture transformers does not know, custom code (``auto_map``, which
+    transformers would prompt to run), and one it knows that is not streamed: all an
+    ``UnsupportedModelError`` listing the supported families, before transformers builds a
+    config (its errors span lines)."""
+    if case == "gpt2":
+        cfg = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+        tiny_model(cfg).save_pretrained(str(tmp_path))
+    else:
+        _save(tmp_path)
+        auto_map = {"AutoConfig": "c.MyConfig", "AutoModelForCausalLM": "m.MyForCausalLM"}
+        _edit_config(
+            tmp_path, model_type="my_arch", auto_map=auto_map if "custom" in case else None
+        )
+    monkeypatch.setattr(loading.AutoConfig, "from_pretrained", lambda *a, **k: pytest.fail("cfg"))
+    with pytest.raises(UnsupportedModelError) as err:
+        load_streamed_model(str(tmp_path), device="cpu", bf16=False)
+    msg = str(err.value)
+    assert "\n" not in msg and "is not supported" in msg and "llama, " in msg
+    assert ("auto_map" in msg) == (case == "custom code")
