@@ -47,11 +47,15 @@ def _model_folder(settings: TrainSettings) -> str:
     """The local folder of --model_path: itself, or a Hub repo id's cached (or downloaded)
     snapshot; both the tokenizer and the weights come from it."""
     from .hf.hub import ModelNotFoundError, resolve_model_folder  # noqa: PLC0415
+    from .hf.loading import check_model_type  # noqa: PLC0415
 
     try:
-        return resolve_model_folder(settings.model.model_path)
-    except ModelNotFoundError as e:
+        folder = resolve_model_folder(settings.model.model_path)
+        # Before the tokenizer or config is read: transformers would prompt to run custom code.
+        check_model_type(folder)
+    except (ModelNotFoundError, ValueError) as e:
         raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
+    return folder
 
 
 def load_tokenizer(settings: TrainSettings):
