@@ -273,3 +273,22 @@ def test_unsupported_model_types_are_refused_in_one_line(tmp_path, monkeypatch, 
     msg = str(err.value)
     assert "\n" not in msg and "is not supported" in msg and "llama, " in msg
     assert ("auto_map" in msg) == (case == "custom code")
+
+
+def test_cli_refuses_custom_code_in_one_line_without_a_prompt(tmp_path, capsys):
+    """``--model_path`` of a custom-code folder: before, transformers' tokenizer and config
+    loaders printed "Do you wish to run the custom code? [y/N]" (waiting for an answer on a
+    terminal) and the error suggested trust_remote_code, which cannot help."""
+    from hf_megatrain.cli import main  # noqa: PLC0415
+    from hf_megatrain.text import load_tokenizer  # noqa: PLC0415
+
+    _save(tmp_path / "ckpt")
+    load_tokenizer(None).save_pretrained(str(tmp_path / "ckpt"))
+    auto_map = {"AutoConfig": "c.MyConfig", "AutoModelForCausalLM": "m.MyForCausalLM"}
+    _edit_config(tmp_path / "ckpt", model_type="my_arch", auto_map=auto_map)
+    with pytest.raises(SystemExit) as err:
+        main(["train", "--model-path", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "o")])
+    msg = str(err.value.code)
+    assert "\n" not in msg and "model_type 'my_arch' (custom code" in msg, msg
+    out = capsys.readouterr()
+    assert "Do you wish to run the custom code" not in out.out + out.err

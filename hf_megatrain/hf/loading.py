@@ -164,7 +164,7 @@ def load_streamed_model(
     options, config_overrides = _split_options(options, kwargs)
     attn = config_overrides.pop("attn_implementation", "sdpa")
     path = resolve_model_folder(path, revision=config_overrides.pop("revision", None))
-    _check_model_type(path)
+    check_model_type(path)
     config = AutoConfig.from_pretrained(path, **config_overrides)
     quant = getattr(config, "quantization_config", None)
     if quant:
@@ -188,7 +188,7 @@ def load_streamed_model(
     return model
 
 
-def _check_model_type(path: str) -> None:
+def check_model_type(path: str) -> None:
     """Refuse, in one line, a folder whose ``config.json`` names a model_type hf_megatrain does
     not stream (custom code behind ``auto_map`` included) before transformers is asked to resolve
     it (whose errors span lines, and which would prompt to run the custom code)."""
