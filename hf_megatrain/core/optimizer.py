@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -143,6 +144,10 @@ def _adamw_host_chunks(
             store.refresh_stream_copy(a, b)
 
 
+#: Layer stores whose moments an optimizer has owned (and may have written).
+_STORES_WITH_AN_OPTIMIZER: weakref.WeakSet = weakref.WeakSet()
+
+
 @dataclass
 class _Segment:
     layer: int
@@ -198,6 +203,14 @@ class HostAdamW(torch.optim.Optimizer):
                 continue  # frozen: no moments, never updated
             if not getattr(store, "owned", True):
                 continue  # data parallel: another rank owns and updates this layer
+            if store in _STORES_WITH_AN_OPTIMIZER:
+                # A new optimizer over a store an earlier one stepped or loaded into (a second
+                # trainer on the same streamed model): it starts from zero moments, as a new
+                # torch AdamW does. The first one finds the store's fresh zeros (not rewritten:
+                # that would touch every page of the moments before the first step).
+                store.exp_avg.zero_()
+                store.exp_avg_sq.zero_()
+            _STORES_WITH_AN_OPTIMIZER.add(store)
             for decay, start, end in store.segments():
                 view = store.master[start:end]
                 (decay_params if decay else no_decay_params).append(view)
