@@ -433,6 +433,32 @@ def check_supported(model: nn.Module) -> str:
     return model_type
 
 
+#: PEFT methods that fold adapters into (or strip them from) the base weights, which a streamed
+#: model does not hold in its layers (their base weights are ``meta`` placeholders bound from the
+#: host store): merging would compute on the placeholders and leave a model that fails, or skips
+#: the adapters, at its next forward.
+_MERGING_METHODS = ("merge_and_unload", "merge_adapter", "unload")
+
+
+def _refuse_merge(method: str, *args: Any, **kwargs: Any) -> None:
+    raise UnsupportedModelError(
+        f"hf_megatrain: {method}() cannot run on a streamed PEFT model: its frozen base weights "
+        f"live in the host store, not in its layers. Save the adapters (trainer.save_model(dir)) "
+        f"and apply them to a loaded base: PeftModel.from_pretrained("
+        f"AutoModelForCausalLM.from_pretrained(base_path), dir).{method}()."
+    )
+
+
+def _refuse_merging(model: nn.Module) -> None:
+    """Make ``model``'s merging methods (``_MERGING_METHODS``, reached through the PeftModel or
+    its tuner) raise one clear error instead of failing deep inside peft or torch."""
+    tuner = model.base_model
+    for method in _MERGING_METHODS:
+        if hasattr(tuner, method):
+            # An instance attribute: found before PeftModel / the tuner forward to their class's.
+            object.__setattr__(tuner, method, functools.partial(_refuse_merge, method))
+
+
 def _is_peft(model: nn.Module) -> bool:
     try:
         from peft import PeftModel  # noqa: PLC0415 - optional dependency
@@ -525,6 +551,17 @@ def _has_dropout(config) -> bool:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             return True
     return False
+
+
+def _has_dropout_modules(layers: nn.ModuleList) -> bool:
+    """Whether a decoder layer holds a dropout module that drops (``p > 0``) which its config does
+    not tell of: PEFT's LoRA dropout (``LoraConfig(lora_dropout=...)``) on each adapted
+    projection. Its recompute must replay the forward's masks too (``_has_dropout``)."""
+    return any(
+        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+        for layer in layers
+        for m in layer.modules()
+    )
 
 
 def streamed_names(layer: nn.Module) -> set[str]:
@@ -673,7 +710,7 @@ def prepare_streamed_model(
         ),
         # Not gated on model.training: from_pretrained returns the model in eval mode and the
         # Trainer switches it to train mode only later, so the flag says nothing about training.
-        preserve_rng=_has_dropout(config),
+        preserve_rng=_has_dropout(config) or _has_dropout_modules(layers),
         namer=ARGUMENT_NAMER,
     )
     engine = built.engine
@@ -704,6 +741,8 @@ def prepare_streamed_model(
         options=resolved,
         step=step,
     )
+    if _is_peft(model):
+        _refuse_merging(model)
     # The layer-level options: MLP tiles, kept activations, kept attention outputs.
     install_mlp_tiling(model, resolved.mlp_tile_tokens)
     keep_activations(model, options.keep_activations)

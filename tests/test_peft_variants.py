@@ -1,0 +1,134 @@
+"""PEFT variants a user reaches for, each trained against the stock Trainer (fp32, CPU, gradient
+accumulation 2), and the PEFT uses that a streamed model refuses in one line."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_megatrain import HFMegaTrainer, MegaTrainArguments, UnsupportedModelError
+
+from .helpers import common_args, make_data, one_gpu, run_trainer, tiny_config, tiny_model
+
+peft = pytest.importorskip("peft")
+
+
+def _peft_model(arch: str = "llama", config=None, second=None, active="default", **lora):
+    """``get_peft_model`` over a tiny ``arch`` with LoRA ``lora`` (or ``config``); ``second``: a
+    LoRA config added as adapter "other"; ``active``: the adapter that trains."""
+    base = tiny_model(tiny_config(arch, **lora.pop("base", {})))
+    config = config or peft.LoraConfig(r=4, lora_alpha=8, **{"lora_dropout": 0.0, **lora})
+    model = peft.get_peft_model(base, config)
+    if second is not None:
+        model.add_adapter("other", second)
+    model.set_adapter(active)
+    # Non-zero B so the adapters matter from step one (peft initializes B to zero).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+VARIANTS = {
+    "attention": dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp": dict(target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "all-linear-rslora": dict(target_modules="all-linear", use_rslora=True),
+    "dora": dict(target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True),
+    "layers_to_transform": dict(target_modules=["q_proj", "v_proj"], layers_to_transform=[1]),
+    "save-embed-and-head": dict(
+        target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"]
+    ),
+    "tied-save-head": dict(
+        target_modules=["q_proj"], modules_to_save=["lm_head"], base=dict(tie_word_embeddings=True)
+    ),
+    # The adapted projections' biases (Qwen2's) train too, resident beside the adapters. (Not
+    # bias="all": k_proj's bias then trains, whose gradient is 0 up to rounding, softmax being
+    # blind to it; AdamW normalizes that noise into steps of order lr that no order reproduces.)
+    "qwen2-bias": dict(arch="qwen2", target_modules=["q_proj", "v_proj"], bias="lora_only"),
+    # Adapter "default" is frozen, streamed with the base; "other" trains, resident.
+    "second-adapter-active": dict(
+        target_modules=["q_proj", "v_proj"],
+        second=peft.LoraConfig(r=2, target_modules=["q_proj", "gate_proj"]),
+        active="other",
+    ),
+    # PEFT's LoRA on the fused expert tensors (target_parameters) beside a projection.
+    "qwen3_moe-experts": dict(
+        arch="qwen3_moe",
+        target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    ),
+    # Dropout masks drawn in the forward must be replayed by the backward's recompute.
+    "lora-dropout": dict(target_modules="all-linear", lora_dropout=0.1),
+    # Training options (``train``): the stock side recomputes too; bf16 under CPU autocast.
+    "gradient-checkpointing": dict(
+        target_modules="all-linear", train=dict(gradient_checkpointing=True)
+    ),
+    "bf16": dict(target_modules="all-linear", modules_to_save=["lm_head"], train=dict(bf16=True)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_peft_variant_trains_as_stock(tmp_path, variant):
+    kw = copy.deepcopy(VARIANTS[variant])
+    args = dict(max_steps=3, gradient_accumulation_steps=2, **kw.pop("train", {}))
+    model = _peft_model(**kw)
+    # fp32 on CPU, same kernels and, under dropout, the same CPU generator drawing the same
+    # masks in the same order: only summation orders differ (the gradient norm per layer vs per
+    # tensor); measured at most 7e-7 relative. bf16: the same casts as stock's autocast (the
+    # stream copy is the master rounded once), measured 1e-7; 1e-3 leaves room for the bf16
+    # kernels of another CPU.
+    rel = 1e-3 if args.get("bf16") else 1e-5
+    stock, stock_trainer = run_trainer(copy.deepcopy(model), tmp_path, "stock", False, **args)
+    mega, trainer = run_trainer(model, tmp_path, "mega", True, **args)
+    for a, b in zip(stock, mega, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=rel)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel)
+    want = {n: p for n, p in stock_trainer.model.named_parameters() if p.requires_grad}
+    got = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and got
+    for n, p in got.items():
+        # Three AdamW steps of those gradients (lr 1e-2): measured at most 4e-7 apart.
+        torch.testing.assert_close(p.detach().cpu(), want[n].detach(), rtol=rel * 10, atol=1e-6)
+
+
+def test_merging_a_streamed_peft_model_is_refused_and_the_saved_adapters_merge(tmp_path):
+    """The streamed model's base weights are placeholders bound from the host store: peft's
+    merge ran on them and the next forward failed deep in torch (merge_and_unload, unload) or,
+    merged in place (merge_adapter), would skip the adapters. One clear error instead; the way
+    it names (the saved adapters over a loaded base) merges to the trained model's logits."""
+    model = _peft_model(target_modules="all-linear")
+    base = copy.deepcopy(model).unload()  # the same frozen base, materialized
+    _, trainer = run_trainer(model, tmp_path, "mega", True, max_steps=2)
+    for method in ("merge_and_unload", "merge_adapter", "unload"):
+        with pytest.raises(UnsupportedModelError, match=f"{method}\\(\\) cannot run on a streamed"):
+            getattr(trainer.model, method)()
+    ids = make_data(1)[0]["input_ids"][None]
+    trainer.model.eval()
+    with torch.no_grad():
+        ref = trainer.model(input_ids=ids).logits.cpu()  # still streams, adapters applied
+    trainer.save_model(str(tmp_path / "adapters"))
+    merged = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapters")).merge_and_unload()
+    with torch.no_grad():
+        got = merged.eval()(input_ids=ids).logits
+    # fp32: merging (W + s BA) rounds differently from adding the adapter's output.
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        lambda: peft.IA3Config(target_modules=["k_proj", "v_proj"], feedforward_modules=[]),
+        lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    ],
+    ids=["ia3", "prompt-tuning", "prefix-tuning"],
+)
+def test_other_peft_methods_are_refused_before_streaming(tmp_path, config):
+    model = peft.get_peft_model(tiny_model(tiny_config("llama")), config())
+    args = one_gpu(MegaTrainArguments(output_dir=str(tmp_path), **common_args()))
+    with pytest.raises(UnsupportedModelError, match=r"PEFT method\(s\) .* not supported; LoRA"):
+        HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
+    # Refused before the layers moved into a host store: the model is as it was.
+    assert getattr(model, "_megatrain", None) is None
+    assert all(p.device.type == "cpu" for p in model.parameters())
