@@ -142,6 +142,8 @@
 #              deferred prefetch, bf16 slots, slim stores, eager updates, the timeline, resume).
 #   updateprobe dev/host_update_probe.py: the host AdamW update's speed per page size, chunk,
 #              stream-copy refresh and thread count, on one layer-sized store. ~1 min.
+#   loratest   tests/test_gpu.py's LoRA / PEFT cases (since 2026-12-05 a frozen base is planned
+#              streamed, as the builder places it).
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
 #              layers, the exact426k options): the phases' peaks and what is live at the peak.
 # Every call packs what has finished into $OUT/exact-bound.tgz (rows, markdown, JSON, the log).
@@ -453,6 +455,10 @@ PY
         --tokens 131072 --hbm-layers 9 --option checkpoint_every=4 \
         --option mlp_tile_tokens=16384 --option offload_activations=true \
         --option stream_fp32_master=true --json "$work/results/probe28.json"
+      ;;
+    loratest)  # tests/test_gpu.py's LoRA / PEFT cases (a frozen base is planned streamed)
+      timeout 200 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "lora or peft or adapter" 2>&1 | grep -aE "passed|failed|Error" | tail -8
       ;;
     *) echo "unknown item: $1" ;;
   esac
