@@ -144,6 +144,10 @@
 #              stream-copy refresh and thread count, on one layer-sized store. ~1 min.
 #   loratest   tests/test_gpu.py's LoRA / PEFT cases (since 2026-12-05 a frozen base is planned
 #              streamed, as the builder places it).
+#   gpuaudit   tests/test_gpu.py's and test_peft_variants.py's cases for the 2026-12-05 CPU fixes
+#              (a second trainer's new AdamW, LoRA variants with dropout), the loss kernel's
+#              cases with their output, and GraniteMoE's row of familymoe (aux off where the
+#              installed transformers cannot compute it).
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
 #              layers, the exact426k options): the phases' peaks and what is live at the peak.
 # Every call packs what has finished into $OUT/exact-bound.tgz (rows, markdown, JSON, the log).
@@ -459,6 +463,14 @@ PY
     loratest)  # tests/test_gpu.py's LoRA / PEFT cases (a frozen base is planned streamed)
       timeout 200 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
         -k "lora or peft or adapter" 2>&1 | grep -aE "passed|failed|Error" | tail -8
+      ;;
+    gpuaudit)  # the thirtieth session's CPU fixes on CUDA, and the loss kernel's cases in full
+      timeout 300 python3 -m pytest tests/test_gpu.py tests/test_peft_variants.py -o addopts="" \
+        -p no:cacheprovider -rA -q -s -m gpu \
+        -k "second_trainer or peft_variant or fused_loss_kernel" 2>&1 \
+        | grep -aE "^loss|^max|differ|^E  |passed|failed|Error" | tail -60
+      timeout 200 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
+        --widths 1024,8,2,128,4096 granitemoe 2>&1 | grep -aE "ratio|error"
       ;;
     *) echo "unknown item: $1" ;;
   esac

@@ -74,6 +74,21 @@ def test_supported_family_but_not_causal_lm(tmp_path):
     _assert_untouched(model, tmp_path)
 
 
+def test_router_aux_loss_without_router_logits_refused(tmp_path, monkeypatch):
+    """An MoE decoder that does not return its router logits (transformers 5.17's GraniteMoE)
+    with output_router_logits on: its own forward fails adding an int aux "loss"; refused in
+    one line before streaming, and accepted with the aux loss off."""
+    model = tiny_model(tiny_config("mixtral"))
+    decoder = type(model.model)
+    recorded = {k: v for k, v in decoder._can_record_outputs.items() if k != "router_logits"}
+    monkeypatch.setattr(decoder, "_can_record_outputs", recorded)
+    with pytest.raises(UnsupportedModelError, match="output_router_logits = False"):
+        HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4))
+    _assert_untouched(model, tmp_path)
+    model.config.output_router_logits = False
+    HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4))
+
+
 def test_fp16_refused(tmp_path):
     model = tiny_model(tiny_config("llama"))
     args = _args(tmp_path)

@@ -430,7 +430,28 @@ def check_supported(model: nn.Module) -> str:
         )
     if getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False):
         raise UnsupportedModelError("hf_megatrain: quantized (8/4-bit) models are not supported.")
+    if router_aux_loss_on(model) and not _returns_router_logits(model):
+        import transformers  # noqa: PLC0415  (only its version, for the message)
+
+        raise UnsupportedModelError(
+            f"hf_megatrain: transformers {transformers.__version__}'s {type(model).__name__} does "
+            f"not return its layers' router logits, so the router aux loss that "
+            f"config.output_router_logits=True asks for cannot be computed (the model's own "
+            f"forward fails on it too). Set model.config.output_router_logits = False to train "
+            f"without it, or upgrade transformers."
+        )
     return model_type
+
+
+def _returns_router_logits(model: nn.Module) -> bool:
+    """Whether ``model``'s decoder returns the layers' router logits when asked: transformers'
+    output recorder collects them, or its forward takes ``output_router_logits`` (GraniteMoE
+    before transformers 5.24 does neither, and its ``ForCausalLM`` then fails adding an int)."""
+    decoder = type(getattr(model, model.base_model_prefix, model))
+    recorded = getattr(decoder, "_can_record_outputs", None) or {}
+    return "router_logits" in recorded or (
+        "output_router_logits" in inspect.signature(decoder.forward).parameters
+    )
 
 
 #: PEFT methods that fold adapters into (or strip them from) the base weights, which a streamed
