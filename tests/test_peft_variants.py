@@ -22,11 +22,14 @@ def _peft_model(arch: str = "llama", config=None, second=None, active="default",
     if second is not None:
         model.add_adapter("other", second)
     model.set_adapter(active)
-    # Non-zero B so the adapters matter from step one (peft initializes B to zero).
+    # Adapters away from their identity start so that they matter from step one (peft
+    # initializes LoRA's B to zero; the other methods to an identity too).
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
+            elif p.requires_grad and "lora_" not in name:
+                p.add_(torch.randn_like(p), alpha=0.05)
     return model
 
 
@@ -60,6 +63,53 @@ VARIANTS = {
     ),
     # Dropout masks drawn in the forward must be replayed by the backward's recompute.
     "lora-dropout": dict(target_modules="all-linear", lora_dropout=0.1),
+    # PEFT's other adapter methods over a streamed frozen base (SUPPORTED_PEFT_TYPES).
+    "ia3": dict(
+        config=peft.IA3Config(
+            target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+        )
+    ),
+    # With their random rank and module dropout (torch.rand, no dropout module): the recompute
+    # must replay them as LoRA's dropout masks.
+    "loha": dict(
+        config=peft.LoHaConfig(
+            r=4,
+            alpha=8,
+            rank_dropout=0.2,
+            module_dropout=0.3,
+            target_modules=["q_proj", "gate_proj"],
+        )
+    ),
+    "lokr": dict(
+        config=peft.LoKrConfig(
+            r=4,
+            alpha=8,
+            rank_dropout=0.2,
+            module_dropout=0.3,
+            target_modules=["q_proj", "gate_proj"],
+        )
+    ),
+    "adalora": dict(
+        config=peft.AdaLoraConfig(
+            r=4, init_r=6, target_r=2, total_step=10, target_modules=["q_proj", "v_proj"]
+        )
+    ),
+    # Its frozen random projections are buffers shared by every adapted layer.
+    "vera": dict(
+        config=peft.VeraConfig(r=8, vera_dropout=0.2, target_modules=["q_proj", "v_proj"])
+    ),
+    "oft": dict(
+        config=peft.OFTConfig(
+            r=0, oft_block_size=8, module_dropout=0.3, target_modules=["q_proj", "v_proj"]
+        )
+    ),
+    "boft": dict(
+        config=peft.BOFTConfig(
+            boft_block_size=8, boft_dropout=0.3, target_modules=["q_proj", "v_proj"]
+        )
+    ),
+    "hra": dict(config=peft.HRAConfig(r=4, target_modules=["q_proj", "v_proj"])),
+    "fourierft": dict(config=peft.FourierFTConfig(n_frequency=50, target_modules=["q_proj"])),
     # Training options (``train``): the stock side recomputes too; bf16 under CPU autocast.
     "gradient-checkpointing": dict(
         target_modules="all-linear", train=dict(gradient_checkpointing=True)
@@ -118,16 +168,18 @@ def test_merging_a_streamed_peft_model_is_refused_and_the_saved_adapters_merge(t
 @pytest.mark.parametrize(
     "config",
     [
-        lambda: peft.IA3Config(target_modules=["k_proj", "v_proj"], feedforward_modules=[]),
         lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
         lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
     ],
-    ids=["ia3", "prompt-tuning", "prefix-tuning"],
+    ids=["prompt-tuning", "prefix-tuning"],
 )
 def test_other_peft_methods_are_refused_before_streaming(tmp_path, config):
     model = peft.get_peft_model(tiny_model(tiny_config("llama")), config())
     args = one_gpu(MegaTrainArguments(output_dir=str(tmp_path), **common_args()))
-    with pytest.raises(UnsupportedModelError, match=r"PEFT method\(s\) .* not supported; LoRA"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"PEFT method\(s\) .* not supported; adapter methods are: ADALORA",
+    ):
         HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
     # Refused before the layers moved into a host store: the model is as it was.
     assert getattr(model, "_megatrain", None) is None
@@ -137,8 +189,10 @@ def test_other_peft_methods_are_refused_before_streaming(tmp_path, config):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
-    "variant", ["lora-dropout", "dora", "save-embed-and-head", "qwen3_moe-experts"]
-)
+    "variant",
+    ["lora-dropout", "dora", "save-embed-and-head", "qwen3_moe-experts", "ia3", "loha", "lokr",
+     "adalora", "vera", "oft", "boft", "hra", "fourierft"],
+)  # fmt: skip
 def test_peft_variant_trains_as_stock_on_gpu(tmp_path, variant):
     """The CUDA path with the defaults (the HBM tier, CUDA's dropout generator replayed by the
     recompute, the layer kernels 'auto' picks) against the stock Trainer on the same GPU, fp32."""

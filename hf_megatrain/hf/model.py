@@ -398,16 +398,26 @@ def model_shape_from_config(config, name: str = "model") -> ModelShape:
     return model_shape(meta_model(config), name)
 
 
+#: PEFT methods whose adapters stay resident and trainable over a streamed frozen base: the
+#: adapter layers wrap the base projections and read their (bound) weights in the forward.
+#: Each trains as stock does (tests/test_peft_variants.py). Not the prompt/prefix methods,
+#: which change the inputs or the attention cache instead.
+SUPPORTED_PEFT_TYPES = frozenset(
+    {"LORA", "IA3", "LOHA", "LOKR", "ADALORA", "VERA", "OFT", "BOFT", "HRA", "FOURIERFT"}
+)
+
+
 def check_supported(model: nn.Module) -> str:
     """Raise ``UnsupportedModelError`` naming the problem, before anything is allocated."""
     if _is_peft(model):
-        # LoRA: adapters stay resident and trainable, the frozen base streams.
+        # Adapters (LoRA and its kin) stay resident and trainable, the frozen base streams.
         peft_types = {
             str(getattr(c.peft_type, "value", c.peft_type)) for c in model.peft_config.values()
         }
-        if peft_types != {"LORA"}:
+        if not peft_types <= SUPPORTED_PEFT_TYPES:
             raise UnsupportedModelError(
-                f"hf_megatrain: PEFT method(s) {sorted(peft_types)} are not supported; LoRA is."
+                f"hf_megatrain: PEFT method(s) {sorted(peft_types - SUPPORTED_PEFT_TYPES)} are "
+                f"not supported; adapter methods are: {', '.join(sorted(SUPPORTED_PEFT_TYPES))}."
             )
         model = model.get_base_model()
     config = getattr(model, "config", None)
@@ -585,6 +595,18 @@ def _has_dropout_modules(layers: nn.ModuleList) -> bool:
     )
 
 
+def _has_adapter_layers(layers: nn.ModuleList) -> bool:
+    """Whether a decoder layer holds a PEFT adapter layer: several draw random numbers in
+    training outside any dropout module (LoHa's and LoKr's ``module_dropout`` skip the adapter
+    by ``torch.rand``, BOFT's multiplicative dropout), so their recompute replays the forward's
+    generator state too. Saving it per recomputed layer is cheap beside the layer."""
+    return any(
+        any(c.__name__ == "BaseTunerLayer" for c in type(m).__mro__)
+        for layer in layers
+        for m in layer.modules()
+    )
+
+
 def streamed_names(layer: nn.Module) -> set[str]:
     """The parameters of ``layer`` that go to the host store.
 
@@ -731,7 +753,9 @@ def prepare_streamed_model(
         ),
         # Not gated on model.training: from_pretrained returns the model in eval mode and the
         # Trainer switches it to train mode only later, so the flag says nothing about training.
-        preserve_rng=_has_dropout(config) or _has_dropout_modules(layers),
+        preserve_rng=(
+            _has_dropout(config) or _has_dropout_modules(layers) or _has_adapter_layers(layers)
+        ),
         namer=ARGUMENT_NAMER,
     )
     engine = built.engine
