@@ -252,6 +252,54 @@ def test_pickled_weights_are_refused_unread(tmp_path, monkeypatch, sharded):
     assert "save_pretrained" in str(err.value) and "\n" not in str(err.value)
 
 
+QUANTIZATION = {
+    # from_pretrained: "The model's quantization config ... has no `quant_method` attribute".
+    "empty": ({}, ValueError, r"quantization_config \{\} has no quant_method"),
+    "no method": ({"bits": 4}, ValueError, r"\{\"bits\": 4\} has no quant_method"),
+    # from_pretrained quantizes these (bitsandbytes without a quant_method, by its flags).
+    "bnb flags": ({"load_in_4bit": True}, UnsupportedModelError, r"\(bitsandbytes_4bit\)"),
+    "known method": ({"quant_method": "fp8"}, UnsupportedModelError, r"checkpoint \(fp8\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(QUANTIZATION))
+def test_quantization_config_refused_as_from_pretrained_refuses(tmp_path, monkeypatch, case):
+    """config.json's ``quantization_config`` read as transformers reads it: ``{}`` (or any
+    without a quant_method) is an error in ``from_pretrained``, and was loaded here; a method
+    transformers quantizes with is a quantized checkpoint. One line, before the store."""
+    quant, error, message = QUANTIZATION[case]
+    path = _save(tmp_path / "ckpt")
+    _edit_config(path, quantization_config=quant)
+    if error is ValueError:
+        with pytest.raises(ValueError, match="quant_method"):
+            AutoModelForCausalLM.from_pretrained(str(path))
+    monkeypatch.setattr(loading, "_streamed_skeleton", lambda *a, **k: pytest.fail("allocated"))
+    with pytest.raises(error, match=message) as err:
+        load_streamed_model(str(path), device="cpu", bf16=False)
+    assert str(err.value).startswith("hf_megatrain: ") and "\n" not in str(err.value)
+
+
+def test_unknown_quantization_method_loads_as_from_pretrained(tmp_path, caplog):
+    """A quant_method transformers does not know: ``from_pretrained`` warns, skips the
+    quantization and loads the weights as stored; so does the loader (it refused the folder as
+    a quantized checkpoint)."""
+    path = _save(tmp_path / "ckpt", dtype=torch.bfloat16)
+    _edit_config(path, quantization_config={"quant_method": "my_own_int3"})
+    with caplog.at_level("WARNING", logger="hf_megatrain.hf.loading"):
+        _assert_same_as_from_pretrained(path)
+    assert "unknown quantization type 'my_own_int3'" in caplog.text
+
+
+def test_quantization_config_not_a_mapping_refused_in_one_line(tmp_path, monkeypatch):
+    """Transformers' config class fails on it with a traceback (AttributeError in to_dict)."""
+    path = _save(tmp_path / "ckpt")
+    _edit_config(path, quantization_config="int4")
+    monkeypatch.setattr(loading.AutoConfig, "from_pretrained", lambda *a, **k: pytest.fail("cfg"))
+    with pytest.raises(ValueError, match=r'quantization_config is "int4", not a mapping') as err:
+        load_streamed_model(str(path), device="cpu", bf16=False)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("case", ["unknown type", "custom code", "gpt2"])
 def test_unsupported_model_types_are_refused_in_one_line(tmp_path, monkeypatch, case):
     """An architecture transformers does not know, custom code (``auto_map``, which

@@ -166,15 +166,7 @@ def load_streamed_model(
     path = resolve_model_folder(path, revision=config_overrides.pop("revision", None))
     check_model_type(path)
     config = AutoConfig.from_pretrained(path, **config_overrides)
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        # Before the store is allocated and gigabytes are read: packed low-bit tensors (e.g.
-        # gpt-oss's MXFP4 experts) are no fp32 master weights.
-        method = quant.get("quant_method") if isinstance(quant, dict) else type(quant).__name__
-        raise UnsupportedModelError(
-            f"hf_megatrain: {path} is a quantized checkpoint ({method}); full-precision training "
-            "starts from bf16/fp16/fp32 weights: use the model's unquantized (e.g. BF16) release"
-        )
+    check_quantization(config, path)
     # Before the store is allocated: a missing, truncated or unreadable shard, and checkpoint
     # tensors that do not fit the model (missing, unexpected, another shape), from the headers.
     check_checkpoint_files(path)
@@ -188,10 +180,63 @@ def load_streamed_model(
     return model
 
 
+def check_quantization(config, path: str) -> None:
+    """Refuse a quantized checkpoint before the store is allocated and gigabytes are read (packed
+    low-bit tensors, e.g. gpt-oss's MXFP4 experts, are no fp32 master weights), reading its
+    ``quantization_config`` as ``from_pretrained`` does (transformers' quantizers/auto.py): one
+    without a ``quant_method`` (``{}`` included) is refused as there; one of a method transformers
+    does not know is skipped with a warning, and the weights load as they are stored."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    quant = getattr(config, "quantization_config", None) or getattr(
+        text, "quantization_config", None
+    )
+    if quant is None:
+        return
+    if not isinstance(quant, dict):  # a transformers QuantizationConfig
+        method = getattr(quant, "quant_method", None) or type(quant).__name__
+    elif quant.get("load_in_8bit") or quant.get("load_in_4bit"):
+        method = "bitsandbytes_4bit" if quant.get("load_in_4bit") else "bitsandbytes_8bit"
+    else:
+        method = quant.get("quant_method")
+        if method is None:
+            raise ValueError(
+                f"hf_megatrain: {path}: config.json's quantization_config "
+                f"{json.dumps(quant, default=str)} has no quant_method, and from_pretrained "
+                "refuses it too; if the weights are not quantized, delete quantization_config "
+                "from config.json"
+            )
+        known = _known_quant_methods()
+        if known is not None and str(method) not in known:
+            logger.warning(
+                "hf_megatrain: %s: config.json names an unknown quantization type %r: it is "
+                "skipped and the weights load as stored, as from_pretrained does (delete "
+                "quantization_config from config.json to remove this warning)",
+                path,
+                method,
+            )
+            return
+    method = getattr(method, "value", method)
+    raise UnsupportedModelError(
+        f"hf_megatrain: {path} is a quantized checkpoint ({method}); full-precision training "
+        "starts from bf16/fp16/fp32 weights: use the model's unquantized (e.g. BF16) release"
+    )
+
+
+def _known_quant_methods() -> set[str] | None:
+    """The quant_method values transformers loads (its registered quantization configs); None
+    where this version has no such table (then every method counts as a quantization)."""
+    try:
+        from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING  # noqa: PLC0415
+    except ImportError:
+        return None
+    return {str(getattr(k, "value", k)) for k in AUTO_QUANTIZATION_CONFIG_MAPPING}
+
+
 def check_model_type(path: str) -> None:
     """Refuse, in one line, a folder whose ``config.json`` names a model_type hf_megatrain does
-    not stream (custom code behind ``auto_map`` included) before transformers is asked to resolve
-    it (whose errors span lines, and which would prompt to run the custom code)."""
+    not stream (custom code behind ``auto_map`` included), or a ``quantization_config`` that is
+    not a mapping, before transformers is asked to resolve it (whose errors span lines, and which
+    would prompt to run the custom code)."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ValueError(f"hf_megatrain: {path} has no config.json: not a Hub-format model folder")
@@ -200,6 +245,14 @@ def check_model_type(path: str) -> None:
             raw = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"hf_megatrain: {file} is not valid JSON ({e})") from None
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if quant is not None and not isinstance(quant, dict):
+        # AutoConfig (and so from_pretrained) fails on it with an AttributeError traceback.
+        raise ValueError(
+            f"hf_megatrain: {file}: quantization_config is {json.dumps(quant)}, not a mapping "
+            "(transformers cannot read this config either); delete it if the weights are not "
+            "quantized"
+        )
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type is None or model_type in SUPPORTED_MODEL_TYPES:
         return  # (no model_type: transformers decides; the model is checked when streamed)
