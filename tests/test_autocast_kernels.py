@@ -117,6 +117,23 @@ def test_a_cast_is_redone_after_its_input_changes_in_place():
     assert not torch.equal(first, second)
 
 
+def test_a_linear_called_by_keyword_shares_the_cast():
+    """``F.linear(input=x, weight=w)`` (PEFT's HRA) as positional: autocast's value and gradient
+    (it failed indexing the empty positional arguments)."""
+    w = torch.randn(4, 8).to(BF16)
+    got = torch.randn(3, 8, requires_grad=True)
+    ref_x = got.detach().requires_grad_()
+    with torch.autocast("cpu", dtype=BF16):
+        ref = torch.nn.functional.linear(ref_x, w)
+        with AutocastKernels("cpu", BF16):
+            out = torch.nn.functional.linear(input=got, weight=w)
+            again = torch.nn.functional.linear(got, weight=w)
+    assert torch.equal(out, ref) and torch.equal(again, ref)
+    (out.float().sum() + again.float().sum()).backward()
+    (2 * ref.float().sum()).backward()
+    assert torch.equal(got.grad, ref_x.grad)
+
+
 def test_mixed_add_either_order_and_its_gradients():
     a = torch.randn(5, 7, requires_grad=True)
     b = torch.randn(5, 7).to(BF16).requires_grad_(True)

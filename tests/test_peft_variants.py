@@ -110,6 +110,10 @@ VARIANTS = {
     ),
     "hra": dict(config=peft.HRAConfig(r=4, target_modules=["q_proj", "v_proj"])),
     "fourierft": dict(config=peft.FourierFTConfig(n_frequency=50, target_modules=["q_proj"])),
+    # bf16: HRA calls F.linear by keyword (autocast_kernels failed on it).
+    "hra-bf16": dict(
+        config=peft.HRAConfig(r=4, target_modules=["q_proj", "v_proj"]), train=dict(bf16=True)
+    ),
     # Training options (``train``): the stock side recomputes too; bf16 under CPU autocast.
     "gradient-checkpointing": dict(
         target_modules="all-linear", train=dict(gradient_checkpointing=True)

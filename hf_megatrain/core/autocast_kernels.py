@@ -163,7 +163,9 @@ class AutocastKernels(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and torch.is_autocast_enabled(self.device_type):
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+            # Positional or by keyword (PEFT's HRA calls ``F.linear(input=x, weight=w, ...)``).
+            x = args[0] if args else kwargs.get("input")
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
             if (
                 isinstance(x, torch.Tensor)
                 and x.dtype == torch.float32
@@ -171,7 +173,10 @@ class AutocastKernels(TorchFunctionMode):
                 and isinstance(weight, torch.Tensor)
                 and weight.dtype == self.dtype
             ):
-                args = (self._shared_cast(x), *args[1:])
+                if args:
+                    args = (self._shared_cast(x), *args[1:])
+                else:
+                    kwargs = {**kwargs, "input": self._shared_cast(x)}
         elif func in _ADDS and len(args) == 2 and not kwargs:
             a, b = args  # either order (__radd__ too): the fp32 operand is picked below
             if (
