@@ -3,8 +3,8 @@
     python3 benchmarks/merge_results.py /work/.device/N/results-*.tgz [...]
 
 Each archive holds a ``benchmarks/results`` tree. Rows of its ``results.csv`` not yet in ours
-(keyed by tag, system, model, sequence length, tokens per step and micro-batch: one sweep may
-run a system at two micro-batches) are appended; sweep summaries
+(keyed by date, tag, system, model, sequence length, tokens per step and micro-batch: one sweep
+may run a system at two micro-batches; a tag re-run later is a new row) are appended; sweep summaries
 (``<date>-<tag>.md``) and sweep logs (``logs/<date>-<tag>.log``) that ours lacks are copied beside
 the CSV (logs of phases, ``*-phase-*.log``, stay in the git-ignored logs folder); traces go to
 ``traces/``. Prints what it added.
@@ -32,7 +32,8 @@ RESULTS = BENCH_DIR / "results"
 def _key(row: dict) -> tuple[str, ...]:
     return tuple(
         row.get(k, "")
-        for k in ("tag", "system", "model", "seq_len", "tokens_per_step", "micro_batch")
+        # The date (to the second) too: a tag re-run at a later start is a new measurement.
+        for k in ("date", "tag", "system", "model", "seq_len", "tokens_per_step", "micro_batch")
     )
 
 

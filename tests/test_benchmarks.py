@@ -531,6 +531,15 @@ def test_merge_results_adds_only_what_is_new(tmp_path):
     assert merge_main([str(archive), "--into", str(ours)]) == 0
     with (ours / "results.csv").open() as f:
         assert [(r["tag"], r["micro_batch"]) for r in csv.DictReader(f)][-1] == ("new", "2")
+    # The same tag measured again at a later machine start: a new row, not a duplicate.
+    bench.append_csv(src / "results.csv", [dict(row("old"), date="2026-12-05T11:46:17Z")])
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "src" / "benchmarks", arcname="benchmarks")
+    assert merge_main([str(archive), "--into", str(ours)]) == 0
+    with (ours / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert (rows[-1]["tag"], rows[-1]["date"]) == ("old", "2026-12-05T11:46:17Z")
+    assert len(rows) == 4
 
 
 def test_device_scripts_parse_and_every_phase_has_a_branch():
