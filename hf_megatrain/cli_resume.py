@@ -49,6 +49,9 @@ _MODEL_KEYS = ("model_path", "config", "tokenizer")
 #: Recorded and allowed to change: a run may go on at a longer (or shorter) row length, e.g. to
 #: extend its context; ``seq_len_note`` says what changes.
 _ALLOWED_CHANGES = ("seq_len",)
+#: How the steps take their rows (with the batch size and gradient accumulation): they may
+#: change together where every step still trains the same rows (``check_same_run``).
+_LAYOUT_KEYS = ("world_size", "sequence_parallel")
 #: Values that name files: compared as absolute paths (a re-run from another folder is the same).
 _PATH_KEYS = ("model_path", "config", "tokenizer", "dataset_name")
 #: What a None value means, for the message.
@@ -136,15 +139,43 @@ def _scheduler_base_lr(checkpoint: str) -> float | None:
 
 
 def check_same_run(checkpoint: str, settings, explicit: bool) -> None:
-    """Refuse a resume whose run-defining arguments differ from ``checkpoint``'s."""
+    """Refuse a resume whose run-defining arguments differ from ``checkpoint``'s.
+
+    The processes and the ranks sharing each sequence may change together where every step
+    still trains the same rows (``hf.step_layout.layout_change``, the check the trainer makes
+    for a resume at another sequence-parallel degree): e.g. 2 processes sharing each sequence
+    resumed by 1 process on whole sequences."""
+    from .hf.step_layout import (  # noqa: PLC0415
+        StepLayout,
+        layout_change,
+        processes,
+        processes_keeping_steps,
+    )
+
     saved, now = saved_record(checkpoint), run_record(settings)
+    before, after = StepLayout.from_record(saved), StepLayout.from_record(now)
+    problem = None if before is None or after is None else layout_change(before, after)
     diffs = [  # in run_record's order
-        k for k in now if k in saved and saved[k] != now[k] and k not in _ALLOWED_CHANGES
+        k
+        for k in now
+        if k in saved
+        and saved[k] != now[k]
+        and k not in _ALLOWED_CHANGES
+        and (k not in _LAYOUT_KEYS or before is None or after is None or problem is not None)
     ]
     if not diffs:
         return
     listed = ", ".join(
         f"{_flag(k)} {_shown(k, saved[k])} (this run: {_shown(k, now[k])})" for k in diffs
+    )
+    why = f"; {problem}" if problem is not None and set(diffs) & set(_LAYOUT_KEYS) else ""
+    size = None
+    if before is not None and after is not None and "sequence_parallel" in diffs:
+        size = processes_keeping_steps(before, after)
+    other = (
+        f" (--sequence-parallel {after.sequence_parallel} on {processes(size)} continues it too)"
+        if size
+        else ""
     )
     elsewhere = (
         "drop --resume_from_checkpoint and pass a new --output_dir"
@@ -152,9 +183,9 @@ def check_same_run(checkpoint: str, settings, explicit: bool) -> None:
         else "pass a new --output_dir"
     )
     raise CLIError(
-        f"cannot resume from {checkpoint}: it was trained with {listed}. Pass the checkpoint's "
-        f"value{'s' if len(diffs) > 1 else ''} to continue that run, or {elsewhere} to start "
-        f"another (--model_path {checkpoint} starts it from those weights)"
+        f"cannot resume from {checkpoint}: it was trained with {listed}{why}. Pass the "
+        f"checkpoint's value{'s' if len(diffs) > 1 else ''} to continue that run{other}, or "
+        f"{elsewhere} to start another (--model_path {checkpoint} starts it from those weights)"
     )
 
 

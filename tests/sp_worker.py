@@ -3,8 +3,8 @@ rank of ``torchrun --nproc_per_node N tests/sp_worker.py --sequence-parallel N``
 
 Each rank writes ``DIR/rank{r}.json`` (its logs, the planned step); rank 0's
 ``trainer.save_model`` writes ``DIR/final``; ``--save-steps K`` checkpoints into
-``DIR/run/checkpoint-K`` and ``--then-resume CHECKPOINT OUT`` resumes from one afterwards, in the
-same processes. The batch arguments are per rank and the same for both runs: with sequence
+``DIR/run/checkpoint-K``, ``--resume CHECKPOINT`` starts from one, and ``--then-resume CHECKPOINT
+OUT`` resumes from one afterwards, in the same processes. The batch arguments are per rank and the same for both runs: with sequence
 parallelism a group's ranks process their batches one after the other, each split along the
 sequence, so a step sees the rows a single process sees (see tests/test_sequence_parallel.py).
 """
@@ -60,8 +60,10 @@ def main() -> None:
         "packed into each row (position_ids restart at each document)",
     )
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: none)")
+    p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
     add_then_resume_argument(p)
-    run_then_resume(run, p.parse_args(), None)
+    a = p.parse_args()
+    run_then_resume(run, a, a.resume)
 
 
 def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) -> None:

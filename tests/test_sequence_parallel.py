@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import hf_megatrain.cli_resume as cli_resume
 import hf_megatrain.hf.trainer as trainer_module
 from hf_megatrain import HFMegaTrainer
 from hf_megatrain.cli import parse_train
@@ -38,6 +39,7 @@ from hf_megatrain.hf.sequence_parallel import (
     check_sequence_parallel_arguments,
     pad_to_shards,
 )
+from hf_megatrain.hf.step_layout import StepLayout, layout_change, processes_keeping_steps
 from tests.helpers import tiny_config, tiny_model
 
 WORKER = Path(__file__).with_name("sp_worker.py")
@@ -70,7 +72,8 @@ def runs(request, tmp_path_factory):
 
     The Ulysses run checkpoints at step 2 and, in the same processes, resumes from it into
     ``sp_resumed``; the single process then resumes from that 2-rank checkpoint into
-    ``single_from_sp`` (another layout: whole rows, no sharding)."""
+    ``single_from_sp`` (another layout: whole rows, no sharding), having checkpointed at step 2
+    itself (``single/run/checkpoint-2``)."""
     pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
     arch = request.param
     root = tmp_path_factory.mktemp(f"sp-{arch}")
@@ -78,7 +81,8 @@ def runs(request, tmp_path_factory):
     ckpt = str(root / "sp" / "run" / "checkpoint-2")
     resume = ("--then-resume", ckpt, str(root / "sp_resumed"))
     sp = _run(root / "sp", 2, *common, "--save-steps", "2", *resume)
-    single = _run(root / "single", 1, *common, "--then-resume", ckpt, str(root / "single_from_sp"))
+    resume = ("--then-resume", ckpt, str(root / "single_from_sp"))
+    single = _run(root / "single", 1, *common, "--save-steps", "2", *resume)
     return root, single, sp
 
 
@@ -136,6 +140,42 @@ def test_sequence_parallel_resumes(runs):
     for k in ("loss", "grad_norm"):
         assert last[k] == pytest.approx(single[0]["logs"][-1][k], rel=1e-5), k
     _weights_close(root / "single", root / "single_from_sp", atol=1e-6)
+
+
+def test_sequence_parallel_resume_at_another_degree(runs, tmp_path):
+    """A checkpoint resumed at another sequence-parallel degree trains as a run at the new
+    degree from the start would, or is refused. The step's rows are batch x accumulation x the
+    groups of ranks sharing each sequence, and the resume counts its data position in steps of
+    the new layout. 1 process and 2 ranks sharing each sequence take the same 4 rows a step:
+    the single-process checkpoint resumed by 2 Ulysses ranks ends as the single run (the reverse
+    is test_sequence_parallel_resumes). 2 ranks without sequence parallelism take 8 rows a step:
+    resumed from the 2-rank Ulysses checkpoint, step 3 would train rows 16-23 of the order and
+    rows 8-15 never (measured: exactly as a single-process checkpoint resumed at 2 ranks, which
+    the stock Trainer allows); it was accepted without a word. Now refused on both ranks, before
+    training, naming both layouts and the ways on."""
+    root, single, _ = runs
+    arch = ("--arch", "qwen3" if "qwen3" in root.name else "llama")
+    common = (*arch, "--seq", "64", "--grad-accum", "2", "--steps", "3")
+    ckpt = root / "single" / "run" / "checkpoint-2"
+    sp = _run(tmp_path / "sp_from_single", 2, *common, "--resume", str(ckpt))
+    for r in sp:
+        assert r["optimizer_steps"] == 3 and r["seq_len_seen"] == 32
+        (last,) = r["logs"]
+        for k in ("loss", "grad_norm"):  # observed equal to all printed digits
+            assert last[k] == pytest.approx(single[0]["logs"][-1][k], rel=1e-5), k
+    _weights_close(root / "single", tmp_path / "sp_from_single", atol=1e-6)
+
+    ckpt = root / "sp" / "run" / "checkpoint-2"
+    out = tmp_path / "dp_from_sp"
+    reports = _run(out, 2, *common, "--resume", str(ckpt), check=False, sp=1)
+    for r in reports:
+        msg = r["error"]
+        assert msg.startswith("ValueError: hf_megatrain: cannot resume ") and "\n" not in msg
+        assert "at megatrain_sequence_parallel=1 on 2 processes: it was saved at " in msg
+        assert "megatrain_sequence_parallel=2 on 2 processes" in msg
+        assert "a step trained 4 rows there and would train 8 here" in msg
+        assert "(or megatrain_sequence_parallel=1 on 1 process)" in msg
+    assert not (out / "final").exists()  # nothing trained or written
 
 
 def _weights_close(a: Path, b: Path, atol: float) -> None:
@@ -350,6 +390,67 @@ def test_cli_resume_at_another_sequence_parallel_degree_is_refused(tmp_path):
     with pytest.raises(CLIError, match=r"--sequence-parallel 2 \(this run: 1\)"):
         check_same_run(str(tmp_path), parse_train(argv), explicit=True)
     check_same_run(str(tmp_path), parse_train([*argv, "--sequence-parallel", "2"]), explicit=True)
+
+
+def test_cli_resume_at_another_sequence_parallel_degree_keeping_its_steps(tmp_path, monkeypatch):
+    """Processes and --sequence-parallel may change together where every step still trains the
+    same rows (the check the trainer makes, hf/step_layout.py): 2 processes sharing each
+    sequence resumed by 1 process, and the reverse. They were refused as another run."""
+
+    def saved_at(world: int, sp: int) -> None:
+        monkeypatch.setattr(cli_resume, "world_size", lambda: world)  # WORLD_SIZE, as launched
+        record = run_record(parse_train(["--seq_len", "64", "--sequence-parallel", str(sp)]))
+        state = {"stateful_callbacks": {RECORD_NAME: {"args": record, "attributes": {}}}}
+        (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+
+    def resume_at(world: int, sp: int) -> None:
+        monkeypatch.setattr(cli_resume, "world_size", lambda: world)
+        settings = parse_train(["--seq_len", "64", "--sequence-parallel", str(sp)])
+        check_same_run(str(tmp_path), settings, explicit=True)
+
+    saved_at(2, 2)
+    resume_at(1, 1)
+    resume_at(2, 2)
+    with pytest.raises(CLIError) as err:  # 2 data-parallel ranks: twice the rows a step
+        resume_at(2, 1)
+    msg = str(err.value)
+    assert "WORLD_SIZE" not in msg and "2 (this run: 1); a step trained 8 rows there" in msg
+    assert "(--sequence-parallel 1 on 1 process continues it too)" in msg
+    saved_at(1, 1)
+    resume_at(2, 2)
+    with pytest.raises(CLIError, match=r"WORLD_SIZE \(processes\) 1 \(this run: 2\)"):
+        resume_at(2, 1)  # data parallel alone: refused as before (another batch per step)
+
+
+def test_resume_layouts_that_train_the_same_steps():
+    """``layout_change``: None exactly where a resume at ``now`` trains as a run at ``now`` from
+    the start (measured with tests/sp_worker.py: 32 or 30 rows, batch 2; see the module)."""
+
+    def at(world, sp, accum=2, drop=None):
+        return StepLayout(world, sp, 2, accum, sp > 1 if drop is None else drop)
+
+    single, ulysses, dp = at(1, 1), at(2, 2), at(2, 1)
+    assert layout_change(ulysses, single) is None and layout_change(single, ulysses) is None
+    assert "4 rows there and would train 8 here" in layout_change(ulysses, dp)
+    assert "8 rows there and would train 4 here" in layout_change(dp, ulysses)
+    assert processes_keeping_steps(ulysses, dp) == 1
+    # 2 groups of 2 take a step's rows as 2 data-parallel ranks do when the accumulation is a
+    # multiple of 2 (measured: the same rows, resumes either way equal the uninterrupted runs);
+    # with accumulation 1 each step takes one batch of each group's round (rows 0-1 and 4-5).
+    assert layout_change(at(4, 2), dp) is None and layout_change(dp, at(4, 2)) is None
+    assert "another order" in layout_change(at(4, 2, accum=1), at(2, 1, accum=1))
+    # An epoch of 30 rows: sequence parallelism drops the last round (28 trained, 7 steps), one
+    # process trains all 30 in 8 steps. Steps 1-7 are the same: a resume from them at a fixed
+    # max_steps goes on as the new layout's run; past them, or an epoch-based run (its schedule
+    # is laid out over the epochs' steps), would not.
+    assert layout_change(ulysses, single, rows=30, step=2, max_steps=10) is None
+    assert "trained 28 of them there and would train 30" in layout_change(
+        ulysses, single, rows=30, step=8, max_steps=10
+    )
+    assert "other steps" in layout_change(ulysses, single, rows=30, step=2, max_steps=-1)
+    assert layout_change(ulysses, single, rows=32, step=8, max_steps=-1) is None
+    # Batch and accumulation may trade places while the step's rows stay.
+    assert layout_change(StepLayout(1, 1, 4, 2), StepLayout(2, 1, 2, 2)) is None
 
 
 def test_check_families_ulysses_cannot_split():

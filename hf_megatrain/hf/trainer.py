@@ -13,6 +13,7 @@ the optimizer step that run out of GPU memory go through the out-of-memory watch
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -78,6 +79,14 @@ from .oom_watchdog import (
     set_rng_state,
 )
 from .sequence_parallel import setup_sequence_parallel
+from .step_layout import (
+    MANIFEST_KEY,
+    StepLayout,
+    layout_change,
+    processes,
+    processes_keeping_steps,
+    saved_layout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -414,6 +423,16 @@ def _check_data_parallel(state, args: TrainingArguments) -> None:
         )
 
 
+def _rows_of(dataset: Any) -> int | None:
+    """The number of rows of a map-style ``dataset`` (None: a stream, or no length)."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return None
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
 def _last_batch_rows(loader: Any, world: int) -> tuple[int, int] | None:
     """How accelerate's ``even_batches`` filled the last global batch of an epoch of ``loader``
     (a prepared data-parallel dataloader, read when it yields that batch): ``(real, per_rank)``,
@@ -656,6 +675,13 @@ class MegaTrainerMixin:
         super().create_accelerator_and_postprocess()
 
     def train(self, *args: Any, **kwargs: Any):
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if resume is True:
+            from transformers.trainer_utils import get_last_checkpoint  # noqa: PLC0415
+
+            resume = get_last_checkpoint(self.args.output_dir)  # (None: the Trainer says so)
+        if isinstance(resume, (str, os.PathLike)) and resume:
+            self._megatrain_check_layout(os.fspath(resume))
         # Liger kernels went in when the model was streamed (before the MLP tiling); the
         # Trainer's own application at the start of train() would undo the tiling.
         liger = getattr(self.args, "use_liger_kernel", False)
@@ -673,6 +699,55 @@ class MegaTrainerMixin:
             # The last optimizer step may still be updating the host store on its thread:
             # finish it so weights are final (and no thread outlives the run).
             self.megatrain.engine.wait_updates()
+
+    def _megatrain_layout(self) -> StepLayout:
+        """How this run's steps take their rows (recorded in each checkpoint's manifest)."""
+        return StepLayout.of(self.args, self.megatrain_options.options.sequence_parallel)
+
+    def _megatrain_check_layout(self, checkpoint: str) -> None:
+        """Refuse to resume ``checkpoint`` at another sequence-parallel degree unless the run
+        goes on as one at this layout from the start would (``layout_change``). Another world
+        size alone is resumed as the Trainer resumes it (its data position counted in steps of
+        the new size), with a warning where that skips or repeats rows."""
+        saved = saved_layout(checkpoint)
+        if saved is None or self.args.ignore_data_skip:
+            return  # not recorded (an older checkpoint); or no data position carried over
+        now = self._megatrain_layout()
+        rows = _rows_of(self.train_dataset)
+        try:
+            with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
+                step = int(json.load(f).get("global_step") or 0)
+        except (OSError, ValueError, AttributeError, TypeError):
+            return  # not a Trainer checkpoint: the Trainer's own resume says so
+        max_steps = self.args.max_steps
+        problem = layout_change(saved, now, rows, step, max_steps)
+        if problem is None:
+            return
+        if saved.sequence_parallel == now.sequence_parallel:
+            logger.warning(
+                "hf_megatrain: resuming %s, saved on %s, on %s as the Trainer resumes at another "
+                "world size: %s",
+                checkpoint,
+                saved.describe(),
+                now.describe(),
+                problem,
+            )
+            return
+        size = processes_keeping_steps(saved, now, rows, step, max_steps)
+        other = (
+            f" (or megatrain_sequence_parallel={now.sequence_parallel} on {processes(size)})"
+            if size
+            else ""
+        )
+        raise ValueError(
+            f"hf_megatrain: cannot resume {checkpoint} at megatrain_sequence_parallel="
+            f"{now.sequence_parallel} on {now.processes()}: it was saved at "
+            f"megatrain_sequence_parallel={saved.sequence_parallel} on "
+            f"{saved.processes()}, and {problem}. Resume it at "
+            f"megatrain_sequence_parallel={saved.sequence_parallel} on "
+            f"{saved.processes()}{other}, or with ignore_data_skip=True (the epoch starts "
+            "over at this layout), or train a new run from its weights"
+        )
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -1394,7 +1469,9 @@ class MegaTrainerMixin:
                 if self.args.should_save:
                     # trainer_state.json as published: final paths, before the manifest.
                     self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
-                write_manifest(staged)
+                # The layout its steps took their rows at: a resume at another one is
+                # checked against it (_megatrain_check_layout).
+                write_manifest(staged, {MANIFEST_KEY: self._megatrain_layout().record()})
                 publish(staged, final)
             finally:
                 shutil.rmtree(staging_root, ignore_errors=True)

@@ -1,0 +1,199 @@
+"""Which rows a run's optimizer steps take, and whether a resume at another layout (processes,
+sequence-parallel degree, batch size, gradient accumulation) trains as a run that had used that
+layout from the start.
+
+The sampler's order of the rows does not depend on the layout (accelerate seeds it alike for
+every process count). Rank r of W takes the per-device batches r, r + W, ... of that order; a
+sequence-parallel group of N ranks trains its members' batches one after the other (N times as
+many items, each a 1/N shard of every row), and the Trainer's gradient accumulation counts those
+items. So with G = W / N groups, a step trains ``rows_per_step`` = batch x accumulation x G rows,
+and they are the next run of that many rows of the order when G is 1 or the accumulation is a
+multiple of N (``in_order``); otherwise a step takes each group's part of a round of batches, in
+an order that depends on N. An epoch trains every row (padded, the repeats masked, under data
+parallelism), or, with ``dataloader_drop_last`` (turned on by sequence parallelism), only whole
+rounds of W batches (``epoch_rows``).
+
+A resume counts its data position in steps of its own layout (the Trainer skips global_step x
+accumulation of its batches). From a checkpoint saved at another layout it therefore trains as an
+uninterrupted run at the new layout exactly when both take the same rows in every step up to the
+checkpoint and the epochs agree (``layout_change``); else rows are skipped or trained twice (and
+the epoch's step count, which an epoch-based run's schedule is laid out over, differs). Measured
+on the CPU with tests/sp_worker.py (32 rows, batch 2, accumulation 2): 2 ranks sharing each
+sequence resumed in 1 process, and the reverse, equal the uninterrupted runs; resumed at 2
+data-parallel ranks (8 rows a step instead of 4) step 3 trains rows 16-23 of the order, and rows
+8-15 are never trained in that epoch, exactly as the stock Trainer resumes at another world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+#: Where a checkpoint's manifest records its layout (``saved_from``, see core/publish.py).
+MANIFEST_KEY = "step_layout"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """How a run takes its rows: its processes, the ranks sharing each sequence, the rows of a
+    rank's batch, the batches (items) accumulated per step, and whether an epoch's incomplete
+    last round of batches is dropped."""
+
+    world_size: int
+    sequence_parallel: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    dataloader_drop_last: bool = False
+
+    @classmethod
+    def of(cls, args, sequence_parallel: int) -> StepLayout:
+        """The layout of a run with TrainingArguments ``args`` (after the trainer adjusted them)."""
+        return cls(
+            world_size=int(args.world_size),
+            sequence_parallel=int(sequence_parallel),
+            per_device_train_batch_size=int(args.per_device_train_batch_size),
+            gradient_accumulation_steps=int(args.gradient_accumulation_steps),
+            dataloader_drop_last=bool(args.dataloader_drop_last),
+        )
+
+    @classmethod
+    def from_record(cls, record: Any) -> StepLayout | None:
+        """The layout ``record`` (``record()``'s dict, or a CLI run record) describes; None when
+        it lacks a field or holds another type."""
+        if not isinstance(record, dict):
+            return None
+        try:
+            return cls(
+                world_size=int(record["world_size"]),
+                sequence_parallel=int(record.get("sequence_parallel") or 1),
+                per_device_train_batch_size=int(record["per_device_train_batch_size"]),
+                gradient_accumulation_steps=int(record["gradient_accumulation_steps"]),
+                dataloader_drop_last=bool(record.get("dataloader_drop_last", False)),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def groups(self) -> int:
+        """Sequence-parallel groups (data parallel to each other); ranks, without it."""
+        return max(1, self.world_size // self.sequence_parallel)
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.groups
+
+    @property
+    def in_order(self) -> bool:
+        """Whether each step trains the next ``rows_per_step`` rows of the sampler's order."""
+        return self.groups == 1 or self.gradient_accumulation_steps % self.sequence_parallel == 0
+
+    def epoch_rows(self, rows: int) -> int:
+        """How many of ``rows`` rows an epoch trains (the rest: an incomplete round dropped)."""
+        if not self.dataloader_drop_last:
+            return rows  # the last batch partial, or padded with masked repeats
+        batches = rows // self.per_device_train_batch_size
+        return (batches - batches % self.world_size) * self.per_device_train_batch_size
+
+    def processes(self) -> str:
+        return processes(self.world_size)
+
+    def describe(self) -> str:
+        sp = f", sequence_parallel={self.sequence_parallel}" if self.sequence_parallel > 1 else ""
+        return self.processes() + sp
+
+
+def processes(count: int) -> str:
+    """``count`` processes, in words."""
+    return f"{count} process{'es' if count != 1 else ''}"
+
+
+def layout_change(
+    saved: StepLayout,
+    now: StepLayout,
+    rows: int | None = None,
+    step: int = 0,
+    max_steps: int = -1,
+) -> str | None:
+    """Why a run saved at layout ``saved`` and resumed at ``now`` from its step ``step`` would
+    not train as a run at ``now`` from the start would (None: it would, step for step).
+
+    ``rows``: the training rows (None: unknown, e.g. a stream; the epochs are then not compared);
+    ``max_steps`` the run's (0 or less: its length is epochs, whose step count sets the learning
+    rate schedule)."""
+    if saved == now:
+        return None
+    for layout in (saved, now):
+        if layout.world_size % layout.sequence_parallel:
+            return (
+                f"{layout.processes()} cannot form groups of {layout.sequence_parallel} ranks "
+                "sharing each sequence"
+            )
+    had, has = saved.rows_per_step, now.rows_per_step
+    if had != has:
+        return (
+            f"a step trained {had} rows there and would train {has} here, and the data position "
+            "is counted in steps of the new size: rows would be skipped or trained twice"
+        )
+    for layout in (saved, now):
+        if not layout.in_order:
+            return (
+                f"with {layout.groups} groups of {layout.sequence_parallel} ranks sharing each "
+                f"sequence and gradient_accumulation_steps={layout.gradient_accumulation_steps}, "
+                f"not a multiple of {layout.sequence_parallel}, a step takes its rows in another "
+                "order than at the other layout"
+            )
+    if rows is None:
+        return None
+    had, has = saved.epoch_rows(rows), now.epoch_rows(rows)
+    common = min(had, has) // now.rows_per_step  # the first steps, the same at both layouts
+    if had != has and (max_steps <= 0 or step > common):
+        return (
+            f"an epoch of the {rows} rows trained {had} of them there and would train {has} "
+            "here, so the epochs have other steps: dataloader_drop_last, which sequence "
+            "parallelism turns on, drops an incomplete last round of batches"
+        )
+    return None
+
+
+def processes_keeping_steps(
+    saved: StepLayout, now: StepLayout, rows: int | None = None, step: int = 0, max_steps: int = -1
+) -> int | None:
+    """The process count at ``now``'s sequence-parallel degree (and batch, accumulation) that
+    resumes ``saved`` step for step (its groups kept), where that is not ``now``'s own; else
+    None."""
+    size = now.sequence_parallel * saved.groups
+    kept = dataclasses.replace(now, world_size=size)
+    if size == now.world_size or layout_change(saved, kept, rows, step, max_steps) is not None:
+        return None
+    return size
+
+
+def saved_layout(checkpoint: str) -> StepLayout | None:
+    """The layout ``checkpoint`` was saved at, from its manifest (None: not recorded, e.g. saved
+    by an older version, or no manifest)."""
+    from ..core.publish import MANIFEST_NAME  # noqa: PLC0415
+
+    try:
+        with open(os.path.join(checkpoint, MANIFEST_NAME), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None  # (an unreadable manifest is reported when the checkpoint is verified)
+    saved_from = manifest.get("saved_from") if isinstance(manifest, dict) else None
+    if not isinstance(saved_from, dict):
+        return None
+    return StepLayout.from_record(saved_from.get(MANIFEST_KEY))
+
+
+__all__ = [
+    "MANIFEST_KEY",
+    "StepLayout",
+    "layout_change",
+    "processes",
+    "processes_keeping_steps",
+    "saved_layout",
+]
