@@ -4,7 +4,8 @@
 ``torchrun --nproc_per_node 2 tests/dp_worker.py --out DIR ...`` (data parallel on one host) or
 one ``torchrun --nnodes 2 --node_rank K --nproc_per_node 2 ...`` per node (multi-node, see
 tests/test_multinode.py). Each rank writes ``DIR/rank{r}.json`` (its logs, host-store bytes,
-reduced bytes and a digest of the weights it sees); ``trainer.save_model`` writes ``DIR/final``.
+reduced bytes, a digest of the weights it sees, the rows each step trained);
+``trainer.save_model`` writes ``DIR/final``.
 ``--per-device-batch`` is per rank: pass world x it to the single run for the same global batch.
 ``--rows`` / ``--epochs`` / ``--eval-rows`` / ``--also-iterable`` make the partial last global
 batch (rows not a multiple of the global batch) for tests/test_distributed.py.
@@ -95,6 +96,23 @@ class Stream(torch.utils.data.IterableDataset):
         yield from self.rows
 
 
+class RowsSeen(HFMegaTrainer):
+    """Records which rows (their index in ``make_data``'s list) each optimizer step trains;
+    the repeats that pad an epoch's last global batch (every label -100) are not counted."""
+
+    def __init__(self, *args, rows: list[dict], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.index = {tuple(r["input_ids"].tolist()): i for i, r in enumerate(rows)}
+        self.rows_seen: dict[int, list[int]] = {}
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        step = self.rows_seen.setdefault(self.state.global_step + 1, [])
+        for ids, labels in zip(inputs["input_ids"], inputs["labels"], strict=True):
+            if (labels != -100).any():
+                step.append(self.index[tuple(ids.tolist())])
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
 def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) -> None:
     """One training into ``out`` (resumed from ``resume``); writes this rank's report there."""
     os.makedirs(out, exist_ok=True)
@@ -119,12 +137,13 @@ def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) ->
     )
     rec = LogRecorder()
     rows = make_data(a.rows)
-    trainer = HFMegaTrainer(
+    trainer = RowsSeen(
         model=model,
         args=args,
         train_dataset=Stream(rows) if a.iterable else rows,
         eval_dataset=make_data(a.eval_rows, seed=3) if a.eval_rows else None,
         callbacks=[rec],
+        rows=rows,
     )
     trainer.train(resume_from_checkpoint=resume)
     evaluated = trainer.evaluate() if a.eval_rows else {}
@@ -155,6 +174,8 @@ def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) ->
         "streams_fp32_master": state.engine.streams_fp32_master,
         "threads": torch.get_num_threads(),
         "eval_loss": evaluated.get("eval_loss"),
+        # Optimizer step -> the rows this rank trained in it.
+        "rows": trainer.rows_seen,
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -107,6 +107,42 @@ def test_dp_checkpoint_matches_single_and_resumes(runs):
         assert torch.equal(a[name], b[name]), name
 
 
+def _rows_by_step(reports: list[dict]) -> dict[int, list[int]]:
+    """Optimizer step -> the rows every rank trained in it, sorted."""
+    steps: dict[int, list[int]] = {}
+    for r in reports:
+        for step, rows in r["rows"].items():
+            steps.setdefault(int(step), []).extend(rows)
+    return {step: sorted(rows) for step, rows in sorted(steps.items())}
+
+
+def test_dp_resume_at_another_world_size_as_the_trainer(runs, tmp_path):
+    """A checkpoint resumed under another process count, as the stock Trainer resumes it: its
+    data position is counted in steps of the new layout (global_step x accumulation of the new
+    per-rank batches skipped). Where a step still trains the same rows (1 process x 4 rows, now
+    2 x 2) the run goes on as the uninterrupted one; where it trains more (2 x 4: 16 rows a
+    step, not 8), steps 3-4 train what a run at 16 rows a step trains in its steps 3-4, and the
+    rows between are never trained in that epoch. Checked by hand against the stock Trainer
+    (DDP over gloo, 2 processes): it trains the same rows at each step, both ways."""
+    root, single, dp = runs
+    ckpt = str(root / "single" / "run" / "checkpoint-2")
+    steps = ("--grad-accum", "2", "--steps", "4")
+    same = _run(tmp_path / "same", 2, *steps, "--resume", ckpt)
+    assert _rows_by_step(same) == {k: v for k, v in _rows_by_step(dp).items() if k > 2}
+    assert [x["loss"] for x in same[0]["logs"]] == pytest.approx(
+        [x["loss"] for x in dp[0]["logs"][2:]], rel=1e-6
+    )
+    _assert_close_weights(_weights(root / "dp" / "final"), _weights(tmp_path / "same" / "final"))
+
+    bigger = _run(tmp_path / "bigger", 2, *steps, "--resume", ckpt, batch=4)
+    uninterrupted = _rows_by_step(_run(tmp_path / "sixteen", 1, *steps, batch=4))
+    resumed = _rows_by_step(bigger)
+    assert resumed == {3: uninterrupted[3], 4: uninterrupted[4]}
+    before = _rows_by_step(single)  # steps 1-2: the first 16 rows of the order
+    trained = before[1] + before[2] + resumed[3] + resumed[4]
+    assert len(set(trained)) == len(trained) == 48  # of the 64 rows: 16 never trained
+
+
 def test_dp_eager_updates_and_hbm_tier(tmp_path):
     """No clipping (layers update during backward) and one replicated HBM-tier layer."""
     extra = ("--grad-accum", "2", "--steps", "3", "--max-grad-norm", "0", "--resident-layers", "1")
