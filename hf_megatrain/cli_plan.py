@@ -341,12 +341,15 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         auto = asked.auto_fit != "off"
         # (Seconds to a minute for big models with auto_fit: it plans each option set it allows.)
         say("\nsearching what fits on this memory (--no-search skips this) ...")
+        # With the tier the run pins (and its kept-activation count, from the options): what
+        # training with these flags accepts.
+        search = dict(allow_auto_fit=auto, hbm_layers=where.get("hbm_layers"))
         seqs = max_micro_batch_sequences(
-            shape, step.seq_len, ga, asked, dtype, hbm, host, nproc, allow_auto_fit=auto
+            shape, step.seq_len, ga, asked, dtype, hbm, host, nproc, **search
         )
-        longest = max_seq_len(search_shape, ga, asked, dtype, hbm, host, nproc, allow_auto_fit=auto)
+        longest = max_seq_len(search_shape, ga, asked, dtype, hbm, host, nproc, **search)
         longest *= sp  # (the rows whose shards fit)
-        n_layers = max_num_layers(shape, step, asked, dtype, hbm, host, nproc, allow_auto_fit=auto)
+        n_layers = max_num_layers(shape, step, asked, dtype, hbm, host, nproc, **search)
         result.update(max_sequences=seqs, max_seq_len=longest, max_layers=n_layers)
         big = shape.with_num_layers(n_layers)
         say(

@@ -298,3 +298,41 @@ def test_a_config_field_the_family_derives_is_a_one_line_refusal(tmp_path, capsy
         main(argv)
     assert str(refused.value).startswith(f"hf-megatrain: error: {expected}")
     assert "\n" not in str(refused.value) and "FalconConfig {" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "pin", [("--resident-layers", "8"), ("--keep-activations", "6")], ids=["tier", "kept"]
+)
+def test_what_fits_is_what_plan_accepts_with_the_same_flags(tmp_path, pin):
+    """`plan`'s search of what fits planned the HBM tier and the layers keeping activations as
+    its own choice whatever the flags pinned: for Qwen2.5-7B on 80 GiB with --resident-layers 8
+    it named 89 sequences of 4,096 tokens, 365,568-token rows and 94 layers, which `plan` (and
+    train) with the same flags refuse (8 tier layers beside 364,544 tokens' 28 fp32 boundaries
+    need 273 GiB); with --keep-activations 6 the same, too few tier layers left to keep them.
+    Now each is the most that `plan` with the same flags accepts."""
+    import json  # noqa: PLC0415
+
+    from hf_megatrain.cli import build_parser  # noqa: PLC0415
+    from hf_megatrain.cli_plan import run_plan  # noqa: PLC0415
+
+    config = CONFIGS / "qwen2.5-7b"
+    machine = ["--hbm-gib", "80", "--host-gib", "250", *pin]
+
+    def accepted(seq_len: int, tokens: int, model=config) -> bool:
+        argv = [str(model), "--seq-len", str(seq_len), "--tokens-per-step", str(tokens)]
+        try:
+            return _cli_plan([*argv, *machine, "--no-search"]).fits
+        except CLIError:
+            return False
+
+    argv = ["plan", str(config), "--seq-len", "4096", "--tokens-per-step", "4096", *machine]
+    found = run_plan(build_parser().parse_args(argv))
+    seqs, longest, layers = found["max_sequences"], found["max_seq_len"], found["max_layers"]
+    assert 0 < seqs < 89 and 0 < longest < 365568 and 28 <= layers < 94
+    assert accepted(4096, seqs * 4096) and not accepted(4096, (seqs + 1) * 4096)
+    assert accepted(longest, longest) and not accepted(longest + 1024, longest + 1024)
+    deeper = json.loads((config / "config.json").read_text())
+    for n, fits in ((layers, True), (layers + 1, False)):
+        path = tmp_path / f"{n}.json"
+        path.write_text(json.dumps({**deeper, "num_hidden_layers": n}))
+        assert accepted(4096, 4096, path) is fits, n

@@ -681,14 +681,22 @@ def _fits(
     reserve_bytes: int = 0,
     input_model_bytes: int = 0,
     host_margin_bytes: int = DEFAULT_HOST_MARGIN,
+    keep: int = 0,
 ) -> bool:
-    """Whether the run fits (``plan_memory``'s arguments; no advice searched)."""
-    # Kept activations only fill the HBM a plan leaves: they never decide what fits.
-    return _plan(
-        shape, step, options, dtype, hbm, host, hbm_layers=hbm_layers,
-        reserve_bytes=reserve_bytes, input_model_bytes=input_model_bytes, ranks=ranks,
-        host_margin_bytes=host_margin_bytes, keep=0, advise=False,
-    ).fits  # fmt: skip
+    """Whether the run fits (``plan_memory``'s arguments; no advice searched) with ``keep``
+    layers keeping their activations: 0 but where the run pins a count (``_pinned``), as
+    kept activations "auto" only fill the HBM a plan leaves and never decide what fits."""
+    try:
+        plan = _plan(
+            shape, step, options, dtype, hbm, host, hbm_layers=hbm_layers,
+            reserve_bytes=reserve_bytes, input_model_bytes=input_model_bytes, ranks=ranks,
+            host_margin_bytes=host_margin_bytes, keep=keep, advise=False,
+        )  # fmt: skip
+    except ValueError:
+        if not keep:
+            raise
+        return False  # (fewer tier layers than the count: the run is refused)
+    return plan.fits
 
 
 def max_micro_batch_sequences(
@@ -703,17 +711,27 @@ def max_micro_batch_sequences(
     *,
     limit: int = 1 << 20,
     allow_auto_fit: bool = False,
+    hbm_layers: int | None = None,
 ) -> int:
     """Most sequences of ``seq_len`` per micro-batch that fit (0: not even one); with
-    ``allow_auto_fit``, with whatever options ``options.auto_fit`` may turn on."""
+    ``allow_auto_fit``, with whatever options ``options.auto_fit`` may turn on. ``hbm_layers``:
+    the HBM tier the run pins (``plan_memory``'s); a kept-activation count it pins is
+    ``options``'."""
     fits = fits_allowing_auto_fit if allow_auto_fit else _fits
+    pinned = _pinned(options, hbm_layers)
     return _largest(
         lambda m: fits(
             shape, StepShape(seq_len, m * seq_len, grad_accum), options, compute_dtype,
-            hbm_bytes, host_bytes, ranks,
+            hbm_bytes, host_bytes, ranks, **pinned,
         ),
         limit,
     )  # fmt: skip
+
+
+def _pinned(options: ResolvedOptions, hbm_layers: int | None) -> dict[str, int | None]:
+    """What the searches of what fits plan with as the run pins it, as training would: the HBM
+    tier's layer count and the count of them keeping their activations."""
+    return dict(hbm_layers=hbm_layers, keep=options.keep_activation_layers or 0)
 
 
 def max_seq_len(
@@ -728,14 +746,16 @@ def max_seq_len(
     multiple: int = 1024,
     limit: int = 1 << 26,
     allow_auto_fit: bool = False,
+    hbm_layers: int | None = None,
 ) -> int:
     """Longest sequence (a multiple of ``multiple``, one per micro-batch) that fits; 0 if none;
-    ``allow_auto_fit``: as for :func:`max_micro_batch_sequences`."""
+    ``allow_auto_fit``, ``hbm_layers``: as for :func:`max_micro_batch_sequences`."""
     fits = fits_allowing_auto_fit if allow_auto_fit else _fits
+    pinned = _pinned(options, hbm_layers)
     m = _largest(
         lambda k: fits(
             shape, StepShape(k * multiple, k * multiple, grad_accum), options, compute_dtype,
-            hbm_bytes, host_bytes, ranks,
+            hbm_bytes, host_bytes, ranks, **pinned,
         ),
         limit // multiple,
     )  # fmt: skip
@@ -753,16 +773,22 @@ def max_num_layers(
     *,
     limit: int = 4096,
     allow_auto_fit: bool = False,
+    hbm_layers: int | None = None,
 ) -> int:
     """Most layers of this family's layer shape that fit (same widths, vocab, step);
-    ``allow_auto_fit``: as for :func:`max_micro_batch_sequences`."""
+    ``allow_auto_fit``, ``hbm_layers``: as for :func:`max_micro_batch_sequences` (a model with
+    fewer layers than the run pins to its tier or keeping activations is refused: the count is
+    searched from there)."""
     fits = fits_allowing_auto_fit if allow_auto_fit else _fits
+    pinned = _pinned(options, hbm_layers)
+    least = max(hbm_layers or 0, pinned["keep"])
     return _largest(
         lambda n: fits(
-            shape.with_num_layers(n), step, options, compute_dtype, hbm_bytes, host_bytes, ranks
+            shape.with_num_layers(max(n, least)), step, options, compute_dtype, hbm_bytes,
+            host_bytes, ranks, **pinned,
         ),
         limit,
-    )
+    )  # fmt: skip
 
 
 __all__ = [
