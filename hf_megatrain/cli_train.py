@@ -312,9 +312,8 @@ def _say_header(settings: TrainSettings, data, model, n_params: int) -> None:
     what = settings.model.model_path or (
         "random init from " + (settings.model.config or "the bundled config")
     )
-    world = world_size()
     batch, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    tokens_per_step = data_args.seq_len * batch * accum * world
+    rows, split = step_rows(batch, accum, world_size(), settings.engine.sequence_parallel)
     length = (
         f"{args.max_steps} steps" if args.max_steps > 0 else f"{args.num_train_epochs:g} epochs"
     )
@@ -322,15 +321,27 @@ def _say_header(settings: TrainSettings, data, model, n_params: int) -> None:
         f"hf-megatrain: {cfg.model_type} {_count(n_params)} params, "
         f"{cfg.num_hidden_layers} layers ({what})\n"
         f"  data: {data.description}\n"
-        f"  {length} x {tokens_per_step} tokens "
-        f"(batch {batch} x grad-accum {accum}"
-        + (f" x {world} processes" if world > 1 else "")
-        + f"), lr {args.learning_rate:g}, "
+        f"  {length} x {data_args.seq_len * rows} tokens ({split}), lr {args.learning_rate:g}, "
         f"{'bf16 compute, fp32 masters' if args.bf16 else 'fp32'} on {args.device.type}"
     )
     n_rows = data.num_train_rows
-    if n_rows and args.max_steps > 0 and args.max_steps * batch * accum > 20 * n_rows:
+    if n_rows and args.max_steps > 0 and args.max_steps * rows > 20 * n_rows:
         _say("  note: more than 20 epochs over this data; expect the model to memorize it")
+
+
+def step_rows(batch: int, accum: int, world: int, sequence_parallel: int) -> tuple[int, str]:
+    """The rows one optimizer step trains (hf/step_layout.py), and how they split: ``world``
+    processes, each group of ``sequence_parallel`` of them sharing every row of its batch."""
+    from .hf.step_layout import StepLayout  # noqa: PLC0415
+
+    layout = StepLayout(world, sequence_parallel, batch, accum)
+    split = f"batch {batch} x grad-accum {accum}"
+    if sequence_parallel > 1:
+        groups = f"{layout.groups} group{'s' if layout.groups != 1 else ''}"
+        split += f" x {groups} of {sequence_parallel} processes sharing each row"
+    elif world > 1:
+        split += f" x {world} processes"
+    return layout.rows_per_step, split
 
 
 def _count(n: int) -> str:

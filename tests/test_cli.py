@@ -682,3 +682,20 @@ def test_checks_once_the_data_is_loaded(tmp_path):
     check_loaded_data(parse_train(hub), SimpleNamespace(num_train_rows=100, eval=None))
     with pytest.raises(CLIError, match="--per_device_train_batch_size 8 is more than the 5 "):
         check_loaded_data(parse_train(out), SimpleNamespace(num_train_rows=5, eval=[0]))
+
+
+@pytest.mark.parametrize(
+    "world,sp,rows,split",
+    [
+        (1, 1, 8, "batch 2 x grad-accum 4"),
+        (4, 1, 32, "batch 2 x grad-accum 4 x 4 processes"),
+        # Ranks sharing a sequence train one row among them: 4 processes at N=2 take 2 groups'
+        # rows (the header said 4 processes' worth, twice the tokens a step trains).
+        (4, 2, 16, "batch 2 x grad-accum 4 x 2 groups of 2 processes sharing each row"),
+        (2, 2, 8, "batch 2 x grad-accum 4 x 1 group of 2 processes sharing each row"),
+    ],
+)
+def test_the_header_counts_the_rows_a_step_trains(world, sp, rows, split):
+    from hf_megatrain.cli_train import step_rows
+
+    assert step_rows(2, 4, world, sp) == (rows, split)
