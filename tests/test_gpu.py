@@ -1681,6 +1681,34 @@ def test_family_step_stays_inside_the_plan_on_gpu(model_type, attn):
     assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
 
 
+@pytest.mark.parametrize("dropout", [None, 0.0, 0.1], ids=["no-lora", "lora", "lora-dropout"])
+def test_lora_step_stays_inside_the_plan_on_gpu(dropout):
+    """PEFT's LoRA, rank 64 on every linear of a Llama of hidden 1024, one 16,384-token step on
+    the CUDA allocator (autocast_kernels on, CUDA's fused dropout): within the plan's lines plus
+    their margin (``adapter_activation_line``; tests/test_plan_accuracy.py measures it on the
+    CPU tracker), and the same model without adapters for comparison."""
+    from tests.test_plan_accuracy import step_vs_plan
+
+    tokens = 16384
+    cfg = tiny_config(
+        "llama", num_hidden_layers=3, hidden_size=1024, intermediate_size=2816,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+        max_position_embeddings=2 * tokens,
+    )  # fmt: skip
+    lora = None
+    if dropout is not None:
+        pytest.importorskip("peft")
+        lora = dict(r=64, lora_alpha=128, lora_dropout=dropout, target_modules="all-linear")
+    r = step_vs_plan(cfg, tokens, "sdpa", device="cuda", lora=lora, autocast_kernels=True)
+    adapters = sum(
+        ln.nbytes for ln in r["plan"].gpu_lines if ln.kind == "LoRA adapters' activations"
+    )
+    print(f"lora dropout {dropout}: measured {r['measured'] / 1e6:.1f} MB, planned "
+          f"{r['planned'] / 1e6:.1f} (+{r['margin'] / 1e6:.1f}), of it LoRA's line "
+          f"{adapters / 1e6:.1f}: {r['measured'] / r['planned']:.3f}x")  # fmt: skip
+    assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_autocast_kernels_are_pytorchs_values_on_gpu(dtype):
     """The Triton widening and mixed add give PyTorch's values bit for bit: sizes that do not

@@ -36,6 +36,7 @@ from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralCon
 
 import hf_megatrain.core.chunked_loss as chunked_loss
 from hf_megatrain.core.activation_memory import (
+    ADAPTER_KIND,
     EAGER_SCORES_KIND,
     MASK_KIND,
     attention_mask_lines,
@@ -101,13 +102,19 @@ def _cuda_fp32_gemm(acc, a, b):
     return out
 
 
-def _streamed(cfg, attn: str = "sdpa", device: str = "cpu", **options):
+def _streamed(cfg, attn: str = "sdpa", device: str = "cpu", lora: dict | None = None, **options):
+    """``cfg``'s model streamed (under PEFT's LoRA where ``lora``, LoraConfig's arguments, is
+    given) and its plan shape."""
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.config._attn_implementation = attn
     model.config.use_cache = False
+    if lora is not None:
+        import peft  # noqa: PLC0415
+
+        model = peft.get_peft_model(model, peft.LoraConfig(**lora))
     shape = model_shape(model)
     # autocast_kernels off: the layout the plan counts, autocast's one bf16 cast per linear (the
     # option's shared casts hold less: test_shared_casts_hold_less_than_the_plan_counts).
@@ -437,13 +444,17 @@ TRACKER_UNSEEN_KINDS = {"parameters", "stream buffers", "gradient buffers", "sla
 CUDA_UNSEEN_KINDS = {"parameters", "slack"}
 
 
-def _cuda_step_peak(cfg, attn: str, tokens: int, chunk: int = 64) -> tuple[int, object]:
+def _cuda_step_peak(
+    cfg, attn: str, tokens: int, chunk: int = 64, lora: dict | None = None, **options
+) -> tuple[int, object]:
     """The CUDA allocator's peak of one streamed step over what was allocated before it (the
     second step: the first allocates what persists), every layer streamed, the model's own
     attention."""
     from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
 
-    model, shape = _streamed(cfg, attn, "cuda", resident_layers=0, attention="model")
+    model, shape = _streamed(
+        cfg, attn, "cuda", lora, resident_layers=0, attention="model", **options
+    )
     wrapper = StreamedModelWrapper(model, BF16, "cuda", loss_chunk_tokens=chunk)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
     peak = 0
@@ -460,30 +471,40 @@ def _cuda_step_peak(cfg, attn: str, tokens: int, chunk: int = 64) -> tuple[int, 
     return peak, shape
 
 
-def step_vs_plan(cfg, tokens: int, attn: str, device: str = "cpu") -> dict:
+def step_vs_plan(
+    cfg, tokens: int, attn: str, device: str = "cpu", lora: dict | None = None, **options
+) -> dict:
     """One streamed step of one ``tokens``-token sequence, measured (the CPU tracker, or on
     ``device="cuda"`` the allocator's peak), against the plan's lines that measurement sees
     (activations, masks, attention, working set, loss, head; on CUDA the stream and gradient
-    buffers too) plus the non-layer parameters' fp32 gradients: measured, planned and the lines'
-    error margin (bytes). ``dev/family_plan_sweep.py`` runs it for every family."""
+    buffers too) plus the fp32 gradients of the resident parameters that train (non-layer ones,
+    LoRA adapters): measured, planned and the lines' error margin (bytes), the plan and shape.
+    ``lora``: under PEFT's LoRA (LoraConfig's arguments); ``options``: engine options over
+    ``_streamed``'s. ``dev/family_plan_sweep.py`` runs it for every family."""
     if device == "cuda":
-        measured, shape = _cuda_step_peak(cfg, attn, tokens)
+        measured, shape = _cuda_step_peak(cfg, attn, tokens, lora=lora, **options)
         unseen = CUDA_UNSEEN_KINDS
     else:
-        model, shape = _streamed(cfg, attn=attn)
+        model, shape = _streamed(cfg, attn=attn, lora=lora, **options)
         live = Live()
         _step(model, tokens, live)
         measured, unseen = live.peak, TRACKER_UNSEEN_KINDS
     step = StepShape(seq_len=tokens, micro_batch_tokens=tokens)
     # The layout ``_streamed`` runs: no kept activations, autocast's one cast per linear.
     options = EngineOptions(
-        keep_activations="off", keep_attention_outputs="off", autocast_kernels=False
-    ).resolve(clipping=True, cuda=True)
+        **{
+            "keep_activations": "off", "keep_attention_outputs": "off",
+            "autocast_kernels": False, **options,
+        }
+    ).resolve(clipping=True, cuda=True)  # fmt: skip
     plan = plan_memory(shape, step, options, BF16, 1 << 50, 1 << 50, hbm_layers=0)
     lines = [ln for ln in plan.gpu_lines if str(ln.kind) not in unseen]
-    planned = sum(ln.nbytes for ln in lines) + 4 * shape.non_layer_numel
+    trained = shape.non_layer_numel - shape.frozen_non_layer_numel + shape.adapter_numel
+    planned = sum(ln.nbytes for ln in lines) + 4 * trained
     margin = sum(ln.nbytes * ln.error for ln in lines)
-    return {"measured": measured, "planned": planned, "margin": margin, "shape": shape}
+    return {
+        "measured": measured, "planned": planned, "margin": margin, "shape": shape, "plan": plan,
+    }  # fmt: skip
 
 
 def _lfm2_with_convolutions():
@@ -534,6 +555,47 @@ def test_families_with_their_own_attention_or_layers_stay_inside_the_plan(model_
         assert shape.extra_working_set_bytes_per_token > 0
     if model_type == "lfm2-conv":  # the MLP module's width, q/k layer norms seen
         assert shape.qk_norm and shape.intermediate_size != cfg.intermediate_size
+
+
+def cuda_dropout(monkeypatch) -> None:
+    """Dropout as CUDA runs it, a fused kernel that saves a bool mask (1 B per element), in
+    place of the CPU's, which saves an fp32 noise tensor (4 B): the plan counts the GPU's."""
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        return torch.native_dropout(x, p, training)[0] if training and p > 0 else x
+
+    monkeypatch.setattr(torch.nn.functional, "dropout", dropout)
+
+
+#: A tiny Llama wide enough that LoRA adapters of rank 64 on every linear are a visible share of
+#: its layers (40% of the base's parameters) and of a layer's backward.
+LORA_WIDTHS = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=32, vocab_size=512)  # fmt: skip
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("shared_casts", [False, True], ids=["casts-per-linear", "shared-casts"])
+def test_lora_step_stays_inside_the_plan(monkeypatch, dropout, shared_casts):
+    """PEFT's LoRA (rank 64 on every linear): the frozen base streams, the adapters train
+    resident. A step holds the adapters' fp32 gradients and, per token, what each adapter saves
+    (its own cast of its input, its A output, a dropout's mask) and passes back (the widest
+    dropout input's fp32 gradient), and their bf16 weight copies: the plan counts them
+    (``adapter_activation_line``, the adapters' parameter line). It planned the layers as if
+    the adapters streamed with them: the step measured 1.12-1.24x (with dropout 1.36-1.49x) the
+    lines that cover it. Now 0.78-0.86x at these 1,024 tokens (0.84-0.92x at 2,048): the
+    working-set line counts the base's linears as trained, and a frozen one keeps no input for
+    its weight gradient."""
+    pytest.importorskip("peft")
+    cuda_dropout(monkeypatch)
+    lora = dict(r=64, lora_alpha=128, lora_dropout=dropout, target_modules="all-linear")
+    cfg = _config("llama", **LORA_WIDTHS)
+    r = step_vs_plan(cfg, 1024, "sdpa", lora=lora, autocast_kernels=shared_casts)
+    assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
+    assert r["measured"] >= 0.75 * r["planned"], (r["measured"], r["planned"])
+    shape = r["shape"]
+    assert shape.adapter_numel == 3 * 311296 and shape.frozen_layer_numels == shape.layer_numels
+    (line,) = [ln for ln in r["plan"].gpu_lines if ln.kind == ADAPTER_KIND]
+    assert ("masks 2304" in line.name) is (dropout > 0)
 
 
 @pytest.mark.parametrize("model_type", sorted(PEAK_WORKING_SET_AUDITED_MODEL_TYPES))

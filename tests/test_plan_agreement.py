@@ -300,6 +300,74 @@ def test_a_config_field_the_family_derives_is_a_one_line_refusal(tmp_path, capsy
     assert "\n" not in str(refused.value) and "FalconConfig {" not in capsys.readouterr().err
 
 
+def test_lora_resident_parameters_are_planned_at_what_training_holds(tmp_path):
+    """Under LoRA the frozen base's non-layer parameters (embeddings, final norm, the head's
+    original) stay on the GPU in fp32 with no gradient or moments (4 B/param); the adapters and
+    a ``modules_to_save`` copy of the head train there, fp32 with gradient and two AdamW moments
+    (16 B/param). The plan's parameter lines are what the second step holds before its update.
+    They counted every non-layer parameter at 16 B/param and the adapters not at all (as if they
+    streamed in their layer's host store): 197,120 B planned of the 360,576 held here, the
+    adapters' 262,144 missing (and Llama-3.1-8B's frozen embeddings and head planned at 16.8 GB
+    for the 4.2 they hold)."""
+    from transformers import TrainerCallback  # noqa: PLC0415
+
+    from hf_megatrain.core.plan_arithmetic import PARAMS_KIND  # noqa: PLC0415
+    from hf_megatrain.core.planner import plan_memory  # noqa: PLC0415
+    from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
+    from tests.helpers import run_trainer, tiny_config, tiny_model  # noqa: PLC0415
+
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=16, target_modules="all-linear", modules_to_save=["lm_head"])
+    model = peft.get_peft_model(tiny_model(tiny_config("llama")), lora)
+
+    class Held(TrainerCallback):
+        """Bytes of the resident parameters, their gradients and AdamW moments, per step."""
+
+        def __init__(self) -> None:
+            self.bytes: list[int] = []
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            params = [p for p in kwargs["model"].parameters() if p.device.type != "meta"]
+            moments = [
+                t
+                for st in getattr(optimizer, "optimizer", optimizer).state.values()
+                for k, t in st.items()
+                if k.startswith("exp_avg")
+            ]
+            grads = [p.grad for p in params if p.grad is not None]
+            self.bytes.append(sum(t.numel() * t.element_size() for t in params + grads + moments))
+
+    held = Held()
+    _, trainer = run_trainer(model, tmp_path, "mega", True, max_steps=2, callbacks=[held])
+    shape = model_shape(trainer.model)
+    step = StepShape(seq_len=16, micro_batch_tokens=32)
+    options = EngineOptions().resolve(clipping=True, cuda=True, single_backward=True)
+    plan = plan_memory(shape, step, options, BF16, H200, HOST, hbm_layers=0)
+    planned = sum(line.nbytes for line in _lines_of(plan, PARAMS_KIND))
+    assert shape.adapter_numel and shape.frozen_non_layer_numel
+    assert held.bytes[1] == planned, (held.bytes, planned)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_a_frozen_base_is_planned_without_gradients(monkeypatch, qwen1_5b, grad_accum):
+    """A frozen layer (a LoRA base) makes no gradient: none drains to the host or accumulates
+    over micro-batches on the GPU, none crosses PCIe, and the CPU has no update of it to fall
+    behind on (no device-update staging). The plan counted a trained base's for it: for
+    Qwen2.5-1.5B's layers 0.35 GiB draining (4.9 GiB of accumulators with 2 micro-batches),
+    2.6 GB D2H per step (5.2) and, with device_update_lead, the staging."""
+    from hf_megatrain.core.plan_arithmetic import GRADS_KIND  # noqa: PLC0415
+
+    step = StepShape(seq_len=4096, micro_batch_tokens=4096, grad_accum=grad_accum)
+    options = EngineOptions(device_update_lead=2)
+    _, trained = _builder_plan(monkeypatch, qwen1_5b, options, step, hbm=24 * GIB)
+    assert sum(line.nbytes for line in _lines_of(trained, GRADS_KIND)) > 0
+    assert trained.d2h_bytes_per_step > 0
+    _, frozen = _builder_plan(monkeypatch, qwen1_5b, options, step, trainable=False)
+    assert frozen.n_hbm == 0 and frozen.fits
+    assert sum(line.nbytes for line in _lines_of(frozen, GRADS_KIND)) == 0
+    assert frozen.d2h_bytes_per_step == 0 and not frozen.device_updates
+
+
 @pytest.mark.parametrize(
     "pin", [("--resident-layers", "8"), ("--keep-activations", "6")], ids=["tier", "kept"]
 )

@@ -45,6 +45,7 @@ KEPT_APART_KIND = "kept activations, recompute apart"
 MASK_KIND = "attention masks"
 EAGER_SCORES_KIND = "eager attention scores"
 ROUTER_AUX_KIND = "router aux loss"
+ADAPTER_KIND = "LoRA adapters' activations"
 
 #: For estimate kinds nothing measured on the H200 (the full logits of models without the fused
 #: loss, an MoE router aux loss's temporaries): the largest error measured on any kind (the tiled
@@ -128,6 +129,7 @@ ESTIMATE_ERRORS: dict[str, float] = {
     SEGMENT_CACHE_KIND: 0.13,
     FULL_LOGITS_KIND: UNMEASURED_ERROR,
     ROUTER_AUX_KIND: UNMEASURED_ERROR,
+    ADAPTER_KIND: UNMEASURED_ERROR,
     MASK_KIND: 0.03,
     EAGER_SCORES_KIND: 0.02,
 }
@@ -1187,6 +1189,7 @@ def embedding_grad_apart_bytes(
     apart = (
         step is not None
         and not shape.tied_embeddings
+        and not shape.frozen_embedding
         and loss_phase_apart(shape, step, options, kept)
     )
     return 4 * shape.vocab_size * shape.hidden_size if apart else 0
@@ -1283,6 +1286,32 @@ def kept_activations_line(
         f"{step.micro_batch_tokens} tokens x {per_token} B each (estimate)",
         kept * step.micro_batch_tokens * per_token,
         kind,
+    )
+
+
+def adapter_activation_line(shape: ModelShape, step: StepShape, dtype: torch.dtype) -> MemoryLine:
+    """What LoRA adapters add to a recomputed layer's backward (``ModelShape.adapter_*``; every
+    layer under LoRA is recomputed: a frozen layer cannot join the HBM tier), beside the
+    working-set line, which counts the base's linears as trained: per token, each adapted
+    linear's own compute-dtype cast of its input (A's saved input) and its A output (B's), each
+    dropout's mask (1 B per input element, CUDA's fused dropout) and the fp32 gradient the
+    widest of them passes back; and the adapters' compute-dtype weight copies (autocast's cache,
+    alive through the forward and the loss). Measured on the CPU with the live-tensor tracker
+    (tests/test_plan_accuracy.py; CUDA's dropout in place of the CPU's, which keeps an fp32
+    noise tensor instead of the mask): at three Llama shapes, with every linear or some adapted,
+    ranks 8 to 128, with and without dropout, a layer's backward grows by this per token less
+    4h, or by less (a frozen base's linears keep no input for a weight gradient)."""
+    t, isz = step.micro_batch_tokens, itemsize(dtype)
+    inputs, ranks = shape.adapter_input_width, shape.adapter_rank_width
+    masks, widest = shape.adapter_dropout_width, shape.adapter_widest_dropout_input
+    per_token = isz * (inputs + ranks) + masks + 4 * widest
+    copies = 0 if dtype == torch.float32 else isz * shape.adapter_numel
+    return estimate_line(
+        f"LoRA adapters: {t} tokens x ({isz} B x (inputs {inputs} + ranks {ranks})"
+        + (f" + masks {masks} + 4 B x widest dropout input {widest}" if masks else "")
+        + (") (estimate)" if dtype == torch.float32 else ") + their weight copies (estimate)"),
+        t * per_token + copies,
+        ADAPTER_KIND,
     )
 
 
@@ -1420,6 +1449,8 @@ def activation_lines(
         weight_grads = tiled_weight_grad_line(shape, dtype)
         lines.append(weight_grads)
         work = MemoryLine(work.name, work.nbytes + weight_grads.nbytes, work.kind, work.error)
+    if shape.adapter_input_width:
+        lines.append(adapter_activation_line(shape, step, dtype))
     lines += attention_mask_lines(shape, step, dtype, kept_layers)
     if fused_loss_runs(shape, options):
         # The loss's phase ends before any layer's backward starts: at its peak a chunk's bf16
@@ -1442,7 +1473,7 @@ def activation_lines(
         per_logit = SOFTCAPPED_LOSS_BYTES_PER_LOGIT if shape.gemma_norms else LOSS_BYTES_PER_LOGIT
         head_copy = 0 if dtype == torch.float32 else v * h * isz
         hidden_grad = t * h * 4
-        head_grad = v * h * 4
+        head_grad = 0 if shape.frozen_head else v * h * 4  # (a frozen head gets none)
         backward_phase = work.nbytes + cached + chain_attention
         if loss_phase_apart(shape, step, options, len(kept_layers)):
             # The head's compute copy and the loss's fp32 weight gradient are gone by then too

@@ -132,6 +132,9 @@ def gpu_lines(
     hbm = shape.layer_numels[:n_hbm]
     host = shape.layer_numels[n_hbm:]
     max_host = max(host, default=0)
+    # The host layers' gradients: of those that train (a frozen LoRA base makes none).
+    trained = [shape.layer_trained_numel(i) for i in range(n_hbm, shape.num_layers)]
+    max_trained = max(trained, default=0)
     cast = options.hbm_cast_weights and dtype != torch.float32
     # Cast on use: the tier's layers that do not keep activations (the first n_hbm - kept).
     n_cast = n_hbm - kept if cast else 0
@@ -146,11 +149,13 @@ def gpu_lines(
     )
     # A non-tied embedding's gradient planned as its own phase leaves this line (see there).
     embed_grad = embedding_grad_apart_bytes(shape, step, options, kept)
+    frozen = shape.frozen_non_layer_numel
     lines = [
         MemoryLine(
             "non-layer params (embed/norm/head): fp32 param+grad+2 moments, 16 B/param"
+            + (f"; {frozen / 1e6:.1f}M frozen: fp32 only, 4 B/param" if frozen else "")
             + (" (the embedding's gradient below)" if embed_grad else ""),
-            16 * shape.non_layer_numel - embed_grad,
+            16 * (shape.non_layer_numel - frozen) + 4 * frozen - embed_grad,
             PARAMS_KIND,
         ),
         MemoryLine(
@@ -158,6 +163,19 @@ def gpu_lines(
             device_tier_bytes(hbm, dtype, n_cast),
             PARAMS_KIND,
         ),
+    ]
+    if shape.adapter_numel:
+        # Real parameters of the layers, placed on the GPU with the non-layer ones
+        # (hf/model.py ``_place_resident``) and updated by the GPU AdamW.
+        lines.append(
+            MemoryLine(
+                f"LoRA adapters of the layers ({shape.adapter_numel / 1e6:.1f}M params, "
+                "resident): fp32 param+grad+2 moments, 16 B/param",
+                16 * shape.adapter_numel,
+                PARAMS_KIND,
+            )
+        )
+    lines += [
         MemoryLine(
             f"stream double buffer: 2 x largest {'streamed or cast' if n_cast else 'host'} layer "
             f"x {isz} B",
@@ -177,16 +195,16 @@ def gpu_lines(
         options.device_updates
         and ranks == 1
         and options.host_grads
-        and device_updates_pay(sum(host), sum(hbm), step)
+        and device_updates_pay(sum(trained), sum(hbm), step)
     ):
-        lines.append(device_update_line(max_host, options, dtype, shape.hidden_size))
+        lines.append(device_update_line(max_trained, options, dtype, shape.hidden_size))
     ga = step.grad_accum if step is not None else 1
     if ga > 1:
         # Non-final micro-batches keep every host layer's gradient on the GPU (one D2H per step).
         lines.append(
             MemoryLine(
                 f"fp32 grad accumulators of host layers (grad-accum {ga} > 1), 4 B/param",
-                4 * sum(host),
+                4 * sum(trained),
                 GRADS_KIND,
             )
         )
@@ -197,7 +215,7 @@ def gpu_lines(
         lines.append(
             MemoryLine(
                 "fp32 grads reducing to their owner rank / draining to host (~4 layers)",
-                4 * max_host * 4,
+                4 * max_trained * 4,
                 GRADS_KIND,
             )
         )
@@ -205,7 +223,9 @@ def gpu_lines(
         # Each layer's gradient leaves on the D2H stream right away; ~2 can be in flight.
         lines.append(
             MemoryLine(
-                "fp32 grads draining to host (~2 layers in flight)", 2 * max_host * 4, GRADS_KIND
+                "fp32 grads draining to host (~2 layers in flight)",
+                2 * max_trained * 4,
+                GRADS_KIND,
             )
         )
     if ranks > 1:
@@ -359,12 +379,13 @@ def host_lines(
             sum(host_layer_bytes(shape, i, dtype, store) for i in range(n_hbm, shape.num_layers)),
         )
     ]
-    if not host_grads and host:
+    trained = [shape.layer_trained_numel(i) for i in range(n_hbm, shape.num_layers)]
+    if not host_grads and any(trained):
         lines.append(
             MemoryLine(
                 f"pinned grad staging ring: {GRAD_STAGING_SLOTS} x largest host layer x 4 B"
                 f"{per_rank}",
-                ranks * GRAD_STAGING_SLOTS * 4 * max(host),
+                ranks * GRAD_STAGING_SLOTS * 4 * max(trained),
             )
         )
     if input_model_bytes:
@@ -433,7 +454,8 @@ def pcie_bytes(
     n = shape.num_layers
     again = [i for s in range(0, n, k) for i in range(s, min(s + k, n) - 2) if i >= n_hbm]
     h2d += ga * sum(shape.layer_numels[i] for i in again) * isz
-    return h2d, itemsize(options.host_grad_dtype(dtype)) * sum(host)
+    trained = sum(shape.layer_trained_numel(i) for i in range(n_hbm, n))
+    return h2d, itemsize(options.host_grad_dtype(dtype)) * trained
 
 
 def layer_placements(

@@ -37,7 +37,8 @@ def itemsize(dtype: torch.dtype) -> int:
 class ModelShape:
     """What the planner needs to know about a decoder model (parameter counts, not weights)."""
 
-    layer_numels: tuple[int, ...]  # parameters per decoder layer, in layer order
+    # Parameters each decoder layer streams, in layer order (LoRA adapters apart, below).
+    layer_numels: tuple[int, ...]
     non_layer_numel: int  # embeddings, final norm, LM head (a tied head counted once)
     hidden_size: int
     vocab_size: int
@@ -147,10 +148,37 @@ class ModelShape:
     # Per layer, its parameters that stream frozen (a LoRA base's: the host store keeps their
     # fp32 master and compute-dtype copy, no gradient or moments); empty: none is frozen.
     frozen_layer_numels: tuple[int, ...] = ()
+    # LoRA (PEFT): per layer, its adapters' parameters, which train resident on the GPU beside
+    # the frozen base that streams (not in ``layer_numels``); empty: none.
+    adapter_layer_numels: tuple[int, ...] = ()
+    # Per token, of the layer whose adapters hold the most in a recomputed layer's backward: the
+    # adapted linears' input widths (each adapter saves its own cast of its input) and ranks
+    # (the A outputs) summed, the input widths of those with dropout summed (their masks) and
+    # the widest of them (its dropout's fp32 input gradient): ``adapter_activation_line``.
+    adapter_input_width: int = 0
+    adapter_rank_width: int = 0
+    adapter_dropout_width: int = 0
+    adapter_widest_dropout_input: int = 0
+    # Non-layer parameters that do not train (a LoRA base's embeddings, norm and head): fp32 on
+    # the GPU, no gradient or moments; whether the input embedding and the LM head are among
+    # them (no embedding gradient, no fp32 head gradient in the fused loss).
+    frozen_non_layer_numel: int = 0
+    frozen_embedding: bool = False
+    frozen_head: bool = False
 
     def layer_frozen_numel(self, i: int) -> int:
         """Frozen parameters of layer ``i`` (``frozen_layer_numels``; 0 when none are)."""
         return self.frozen_layer_numels[i] if self.frozen_layer_numels else 0
+
+    def layer_trained_numel(self, i: int) -> int:
+        """Streamed parameters of layer ``i`` that train (gradient and moments; a frozen layer's
+        none)."""
+        return max(0, self.layer_numels[i] - self.layer_frozen_numel(i))
+
+    @property
+    def adapter_numel(self) -> int:
+        """Every layer's LoRA adapter parameters (``adapter_layer_numels``)."""
+        return sum(self.adapter_layer_numels)
 
     @property
     def num_layers(self) -> int:
@@ -162,20 +190,23 @@ class ModelShape:
 
     @property
     def total_numel(self) -> int:
-        return self.layer_numel + self.non_layer_numel
+        return self.layer_numel + self.non_layer_numel + self.adapter_numel
 
     def with_num_layers(self, n: int) -> ModelShape:
         """The same family shape with ``n`` layers (each like the largest current one)."""
         big = max(self.layer_numels, default=0)
-        frozen = self.frozen_layer_numels
-        if frozen:  # (each like the largest layer, its frozen part too)
+        frozen, adapters = self.frozen_layer_numels, self.adapter_layer_numels
+        if frozen:  # (each like the largest layer, its frozen part and adapters too)
             frozen = (frozen[self.layer_numels.index(big)],) * n
+        if adapters:
+            adapters = (adapters[self.layer_numels.index(big)],) * n
         pattern = self.sliding_layers
         sliding = tuple(pattern[i % len(pattern)] for i in range(n)) if pattern else ()
         return replace(
             self,
             layer_numels=(big,) * n,
             frozen_layer_numels=frozen,
+            adapter_layer_numels=adapters,
             sliding_layers=sliding,
             # Every layer like the largest: a routing one where some route.
             router_layers=n if self.router_layers else 0,

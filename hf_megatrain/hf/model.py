@@ -165,9 +165,13 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     parameters are ``meta`` placeholders of the right shapes).
     """
     _, layers = find_decoder_layers(model)
-    layer_numels = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    layer_numels, adapter_numels, frozen_numels = _layer_numels(layers)
     # parameters() yields a shared (tied) tensor once, so a tied head is counted once.
     total = sum(p.numel() for p in model.parameters())
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    frozen_non_layer = sum(
+        p.numel() for p in model.parameters() if id(p) not in in_layers and not p.requires_grad
+    )
     cfg = model.config
     text_cfg = _text_config(cfg)
     # GPT-style configs name the MLP width otherwise or leave it at the 4 x hidden default.
@@ -246,7 +250,13 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         compiled_norms=compiled_norms,
         normed_input_linears=input_linears,
         layer_numels=layer_numels,
-        non_layer_numel=total - sum(layer_numels),
+        non_layer_numel=total - sum(layer_numels) - sum(adapter_numels),
+        frozen_layer_numels=frozen_numels if any(frozen_numels) else (),
+        adapter_layer_numels=adapter_numels if any(adapter_numels) else (),
+        **_adapter_widths(layers),
+        frozen_non_layer_numel=frozen_non_layer,
+        frozen_embedding=embed is not None and not embed.weight.requires_grad,
+        frozen_head=head is not None and not head.weight.requires_grad,
         hidden_size=text_cfg.hidden_size,
         vocab_size=text_cfg.vocab_size,
         intermediate_size=inter,
@@ -289,6 +299,57 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         ),
         name=name,
     )
+
+
+def _layer_numels(layers: nn.ModuleList) -> tuple[tuple[int, ...], ...]:
+    """Per layer: the parameters it streams (``streamed_names``), its resident trainable ones
+    (LoRA adapters, in a layer that mixes both) and its streamed frozen ones (0 where they
+    train)."""
+    streamed, adapters, frozen = [], [], []
+    for layer in layers:
+        names = streamed_names(layer)
+        params = dict(layer.named_parameters())
+        n = sum(p.numel() for name, p in params.items() if name in names)
+        streamed.append(n)
+        adapters.append(sum(p.numel() for name, p in params.items() if name not in names))
+        frozen.append(0 if any(params[name].requires_grad for name in names) else n)
+    return tuple(streamed), tuple(adapters), tuple(frozen)
+
+
+def _adapter_widths(layers: nn.ModuleList) -> dict[str, int]:
+    """``ModelShape.adapter_*`` of the layer whose adapters hold the most per token: PEFT's LoRA
+    layers around an ``nn.Linear``, their active adapters that train. (Adapters on parameters,
+    ``target_parameters``, add their product to the weight at each forward: nothing per token,
+    and that weight-sized product is not counted.)"""
+    best: dict[str, int] = {}
+    most = 0
+    for layer in layers:
+        inputs = ranks = masks = widest = 0
+        for module in layer.modules():
+            lora_a = getattr(module, "lora_A", None)
+            if not isinstance(getattr(module, "base_layer", None), nn.Linear) or not isinstance(
+                lora_a, nn.ModuleDict
+            ):
+                continue
+            for name in getattr(module, "active_adapters", ()):
+                a = lora_a[name] if name in lora_a else None
+                if not isinstance(a, nn.Linear) or not a.weight.requires_grad:
+                    continue
+                inputs += a.in_features
+                ranks += a.out_features
+                if getattr(module.lora_dropout[name], "p", 0) > 0:
+                    masks += a.in_features
+                    widest = max(widest, a.in_features)
+        held = 2 * (inputs + ranks) + masks + 4 * widest  # (bytes per token in bf16 runs)
+        if held > most:
+            most = held
+            best = dict(
+                adapter_input_width=inputs,
+                adapter_rank_width=ranks,
+                adapter_dropout_width=masks,
+                adapter_widest_dropout_input=widest,
+            )
+    return best
 
 
 def _decoder_forward_source(model: nn.Module) -> str:
