@@ -71,24 +71,18 @@ VARIANTS = {
     ),
     # With their random rank and module dropout (torch.rand, no dropout module): the recompute
     # must replay them as LoRA's dropout masks.
-    "loha": dict(
-        config=peft.LoHaConfig(
-            r=4,
-            alpha=8,
-            rank_dropout=0.2,
-            module_dropout=0.3,
-            target_modules=["q_proj", "gate_proj"],
+    **{
+        name: dict(
+            config=cls(
+                r=4,
+                alpha=8,
+                rank_dropout=0.2,
+                module_dropout=0.3,
+                target_modules=["q_proj", "gate_proj"],
+            )
         )
-    ),
-    "lokr": dict(
-        config=peft.LoKrConfig(
-            r=4,
-            alpha=8,
-            rank_dropout=0.2,
-            module_dropout=0.3,
-            target_modules=["q_proj", "gate_proj"],
-        )
-    ),
+        for name, cls in (("loha", peft.LoHaConfig), ("lokr", peft.LoKrConfig))
+    },  # fmt: skip
     "adalora": dict(
         config=peft.AdaLoraConfig(
             r=4, init_r=6, target_r=2, total_step=10, target_modules=["q_proj", "v_proj"]
