@@ -84,15 +84,18 @@ def test_mega_sft_matches_stock_sft_trainer(tmp_path):
     assert "mean_token_accuracy" in mega[-1] and "tokens_per_s" in mega[-1]
 
 
-def test_mega_sft_with_peft_config_matches_stock(tmp_path):
+@pytest.mark.parametrize("method", ["lora", "loha"])
+def test_mega_sft_with_peft_config_matches_stock(tmp_path, method):
     peft = pytest.importorskip("peft")
-    lora = peft.LoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=["q_proj", "v_proj", "gate_proj"],
-        task_type="CAUSAL_LM",
-    )
+    targets = ["q_proj", "v_proj", "gate_proj"]
+    if method == "lora":
+        lora = peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
+        )
+    else:  # another adapter method, with its random module dropout
+        lora = peft.LoHaConfig(
+            r=4, alpha=8, module_dropout=0.3, target_modules=targets, task_type="CAUSAL_LM"
+        )
     stock, stock_trainer = _run(False, tmp_path, "stock", peft_config=copy.deepcopy(lora))
     mega, trainer = _run(True, tmp_path, "mega", peft_config=copy.deepcopy(lora))
     assert len(mega) == STEPS
