@@ -144,6 +144,10 @@
 #              stream-copy refresh and thread count, on one layer-sized store. ~1 min.
 #   loratest   tests/test_gpu.py's LoRA / PEFT cases (since 2026-12-05 a frozen base is planned
 #              streamed, as the builder places it).
+#   trace8b    llama8b with the CUDA allocator's history (benchmarks/memory_trace.py's summary in
+#              $work/trace8b.txt): which of the plan's lines holds the ~8.6 GiB the plan expects
+#              above the measured peak at 64k (+6.7-6.9% in every llama8b64k row since e814603);
+#              one more HBM-tier layer fits in it.
 #   gpuaudit   tests/test_gpu.py's and test_peft_variants.py's cases for the 2026-12-05 CPU fixes
 #              (a second trainer's new AdamW, LoRA variants with dropout), the loss kernel's
 #              cases with their output, and GraniteMoE's row of familymoe (aux off where the
@@ -463,6 +467,10 @@ PY
     loratest)  # tests/test_gpu.py's LoRA / PEFT cases (a frozen base is planned streamed)
       timeout 200 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
         -k "lora or peft or adapter" 2>&1 | grep -aE "passed|failed|Error" | tail -8
+      ;;
+    trace8b)  # llama8b's allocator history summarized (what is live at the reserved peak)
+      BENCH_MEMORY_TRACE="$work/trace8b.txt" run64k trace8b64k llama-3.1-8b 300 --steps 1 \
+        --warmup 1
       ;;
     gpuaudit)  # the thirtieth session's CPU fixes on CUDA, and the loss kernel's cases in full
       timeout 300 python3 -m pytest tests/test_gpu.py tests/test_peft_variants.py -o addopts="" \
