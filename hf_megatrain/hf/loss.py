@@ -7,18 +7,27 @@ Trainer passes it, else the mean over non-ignored tokens. MoE families whose for
 router load-balancing ("aux") loss when ``output_router_logits`` is on (Mixtral, Qwen2/3-MoE,
 OLMoE, gpt-oss, Qwen3-Next) get it added here the same way, from their own
 ``load_balancing_loss_func``. Evaluation keeps the model's own forward.
+
+The output has no logits until they are read: ``outputs.logits``, ``outputs["logits"]`` or a
+positional read (``outputs[1]``) computes them then from the final hidden states, as the model's
+forward does (a ``compute_loss`` override adding a term on the logits, or logging from them).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from ..core.chunked_loss import IGNORE_INDEX, chunked_linear_cross_entropy
+from ..core.chunked_loss import IGNORE_INDEX, LogitMap, chunked_linear_cross_entropy
+
+logger = logging.getLogger(__name__)
 
 #: Families whose causal-LM loss is plain cross-entropy over ``lm_head(hidden)`` (its bias
 #: included: Phi's, GPT-J's), then the maps below and Gemma's final soft-capping: the chunked
@@ -116,7 +125,7 @@ def fused_causal_lm_forward(
     labels = kwargs.pop("labels")
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
-    kwargs.pop("logits_to_keep", None)
+    logits_to_keep = kwargs.pop("logits_to_keep", 0)
     kwargs.pop("return_dict", None)
     balance = load_balancing_loss_function(model)
     router = False
@@ -153,6 +162,7 @@ def fused_causal_lm_forward(
             model.config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None
         ),
     )
+    make_logits = _logits_maker(model, hidden, compute_dtype, logits_to_keep)
     if balance is not None:
         aux_loss = None
         if router:
@@ -163,17 +173,98 @@ def fused_causal_lm_forward(
                 kwargs.get("attention_mask"),
             )
             loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
-        return MoeCausalLMOutputWithPast(
+        return _LazyMoeOutput.of(
+            make_logits,
             loss=loss,
             aux_loss=aux_loss,
-            logits=None,
             hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
             router_logits=getattr(outputs, "router_logits", None),
         )
-    return CausalLMOutputWithPast(
+    return _LazyCausalLMOutput.of(
+        make_logits,
         loss=loss,
-        logits=None,
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
     )
+
+
+def _logits_maker(
+    model, hidden: torch.Tensor, compute_dtype: torch.dtype | None, logits_to_keep
+) -> Callable[[], torch.Tensor]:
+    """What computes the logits the model's own forward returns from ``hidden``, its base's
+    output (still in the autograd graph: a loss term on them trains the model as stock's does):
+    the head (under the run's autocast, as the forward ran), then the family's maps in the same
+    ops (``LogitMap``; Gemma's soft-cap as ``/ cap``, ``tanh``, ``* cap``)."""
+    device_type = hidden.device.type
+    model_type = model.config.model_type
+    logit_map = LogitMap(
+        scale=model.logit_scale if model_type in LOGIT_SCALE_MODEL_TYPES else None,
+        divide_by=model.config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None,
+    )
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def make() -> torch.Tensor:
+        _warn_logits_read()
+        keep = logits_to_keep
+        h = hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
+        autocast = compute_dtype is not None and compute_dtype != torch.float32
+        with torch.autocast(device_type, dtype=compute_dtype, enabled=autocast):
+            logits = logit_map.forward(model.lm_head(h))
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    return make
+
+
+@functools.cache
+def _warn_logits_read() -> None:
+    """Once per process: logits read from a training forward cost memory the plan left out."""
+    logger.warning(
+        "hf_megatrain: the training forward's logits were read (a compute_loss that uses "
+        "outputs.logits): computed from the final hidden states, tokens x vocab of them, which "
+        "the memory plan does not count (the fused loss never makes them)"
+    )
+
+
+class _LazyLogits:
+    """A model output whose ``logits`` are computed the first time they are read, by attribute,
+    key or position (reading by position needs them: they are the second entry), and then kept
+    as an ordinary entry in the field order of the output class."""
+
+    @classmethod
+    def of(cls, make_logits: Callable[[], torch.Tensor], **values):
+        out = cls(**values)
+        out.__dict__["_make_logits"] = make_logits
+        return out
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        make = self.__dict__.pop("_make_logits", None)
+        if make is not None:
+            self["logits"] = make()  # (sets the attribute too, through the setter)
+            for field in fields(self):  # the entries in the order of the class's fields
+                if field.name in self.keys():
+                    self.move_to_end(field.name)
+        return self.__dict__.get("logits")
+
+    @logits.setter
+    def logits(self, value: torch.Tensor | None) -> None:
+        self.__dict__["logits"] = value
+
+    def __getitem__(self, k):
+        if k == "logits" or not isinstance(k, str):
+            self.logits  # noqa: B018 - computed now
+        return super().__getitem__(k)
+
+    def __contains__(self, key) -> bool:
+        return (key == "logits" and "_make_logits" in self.__dict__) or super().__contains__(key)
+
+
+class _LazyCausalLMOutput(_LazyLogits, CausalLMOutputWithPast):
+    pass
+
+
+class _LazyMoeOutput(_LazyLogits, MoeCausalLMOutputWithPast):
+    pass
