@@ -484,6 +484,16 @@ def _last_batch_rows(loader: Any, world: int) -> tuple[int, int] | None:
     return rows % total or total, total // world
 
 
+def _weights_only_note(checkpoint: str, missing: list[str]) -> str:
+    """Why a checkpoint lacks its optimizer and scheduler state, where it is one that
+    ``save_only_model=True`` wrote (no optimizer, scheduler or RNG state: weights only)."""
+    sched = os.path.join(checkpoint, _SCHEDULER_NAME)
+    rng = any(name.startswith("rng_state") for name in os.listdir(checkpoint))
+    if sched not in missing or len(missing) < 2 or rng:
+        return ""
+    return " (a weights-only checkpoint, as save_only_model=True writes; stock goes on silently)"
+
+
 class MegaTrainerMixin:
     """Every ``HFMegaTrainer`` override, for composing with other ``Trainer`` subclasses.
 
@@ -699,6 +709,16 @@ class MegaTrainerMixin:
             # The last optimizer step may still be updating the host store on its thread:
             # finish it so weights are final (and no thread outlives the run).
             self.megatrain.engine.wait_updates()
+
+    def hyperparameter_search(self, *args: Any, **kwargs: Any):
+        # The Trainer's search builds a new model from model_init for every trial (refused in
+        # __init__); without this it asked to install a search backend first.
+        raise ValueError(
+            f"hf_megatrain: hyperparameter_search is not supported by {type(self).__name__}: it "
+            "builds a new model from model_init for every trial, and the trainer streams the one "
+            "model it is given. Build the model and a new trainer inside each trial instead (e.g. "
+            "an Optuna objective that calls train() and returns the metric)."
+        )
 
     def _megatrain_layout(self) -> StepLayout:
         """How this run's steps take their rows (recorded in each checkpoint's manifest)."""
@@ -1535,7 +1555,8 @@ class MegaTrainerMixin:
         if missing and not self.megatrain_options.resume_without_optimizer_state:
             raise FileNotFoundError(
                 f"hf_megatrain: cannot resume from {checkpoint}: {' and '.join(missing)} "
-                f"missing{stock_optimizer_note(checkpoint) if not has_opt else ''}. Resume from "
+                f"missing{stock_optimizer_note(checkpoint) if not has_opt else ''}"
+                f"{_weights_only_note(checkpoint, missing)}. Resume from "
                 "a complete checkpoint, or set "
                 "megatrain_resume_without_optimizer_state=True to go on with AdamW moments at "
                 "zero and the learning-rate schedule restarted."
