@@ -348,6 +348,39 @@ def test_lora_resident_parameters_are_planned_at_what_training_holds(tmp_path):
     assert held.bytes[1] == planned, (held.bytes, planned)
 
 
+@pytest.mark.parametrize("method", ["boft", "vera"])
+def test_peft_adapter_buffers_are_planned_resident(method):
+    """Adapter layers' buffers go to the GPU with the adapters (``_place_resident``): BOFT's
+    butterfly permutations (fp32, input width squared per adapted linear and factor; with every
+    linear of Llama-3.1-8B adapted, 32 x (6 x 4096^2 + 14336^2) x 4 B = 39 GB) and VeRA's frozen
+    projections, which every adapted linear shares (counted once). The plan's adapters line now
+    holds them beside the adapters' 16 B/param; it counted none."""
+    from hf_megatrain.core.planner import plan_memory  # noqa: PLC0415
+    from hf_megatrain.hf.model import model_shape, prepare_streamed_model  # noqa: PLC0415
+    from tests.helpers import tiny_config, tiny_model  # noqa: PLC0415
+
+    peft = pytest.importorskip("peft")
+    base = tiny_model(tiny_config("llama"))
+    before = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in base.buffers()}
+    config = (
+        peft.BOFTConfig(boft_block_size=8, target_modules="all-linear")
+        if method == "boft"
+        else peft.VeraConfig(r=16, target_modules="all-linear")
+    )
+    model = peft.get_peft_model(base, config)
+    prepare_streamed_model(model, "cpu", BF16, resident_layers="0")
+    # What the streamed model holds in buffers beyond the base model's (its rotary tables),
+    # each storage once (VeRA's projections are the same tensors in every layer).
+    held = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}
+    adapters = sum(held.values()) - sum(before.values())
+    shape = model_shape(model)
+    step = StepShape(seq_len=16, micro_batch_tokens=16)
+    options = EngineOptions().resolve(clipping=True, cuda=True, single_backward=True)
+    plan = plan_memory(shape, step, options, BF16, H200, HOST, hbm_layers=0)
+    (line,) = [ln for ln in plan.gpu_lines if ln.name.startswith("LoRA adapters of the layers")]
+    assert adapters > 0 and line.nbytes == 16 * shape.adapter_numel + adapters
+
+
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_a_frozen_base_is_planned_without_gradients(monkeypatch, qwen1_5b, grad_accum):
     """A frozen layer (a LoRA base) makes no gradient: none drains to the host or accumulates

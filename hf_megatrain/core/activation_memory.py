@@ -1290,27 +1290,65 @@ def kept_activations_line(
 
 
 def adapter_activation_line(shape: ModelShape, step: StepShape, dtype: torch.dtype) -> MemoryLine:
-    """What LoRA adapters add to a recomputed layer's backward (``ModelShape.adapter_*``; every
-    layer under LoRA is recomputed: a frozen layer cannot join the HBM tier), beside the
-    working-set line, which counts the base's linears as trained: per token, each adapted
-    linear's own compute-dtype cast of its input (A's saved input) and its A output (B's), each
-    dropout's mask (1 B per input element, CUDA's fused dropout) and the fp32 gradient the
-    widest of them passes back; and the adapters' compute-dtype weight copies (autocast's cache,
-    alive through the forward and the loss). Measured on the CPU with the live-tensor tracker
-    (tests/test_plan_accuracy.py; CUDA's dropout in place of the CPU's, which keeps an fp32
-    noise tensor instead of the mask): at three Llama shapes, with every linear or some adapted,
-    ranks 8 to 128, with and without dropout, a layer's backward grows by this per token less
-    4h, or by less (a frozen base's linears keep no input for a weight gradient)."""
+    """What PEFT adapters add to a recomputed layer's backward (``ModelShape.adapter_*``, read
+    from each method's adapter layers by hf/adapter_memory.py; every layer under PEFT is
+    recomputed: a frozen layer cannot join the HBM tier), beside the working-set line, which
+    counts the base's linears as trained.
+
+    What they save for their gradients, alive through the layer's backward: per token, in the
+    compute dtype and in fp32 (LoRA: each adapted linear's own cast of its input and its A
+    output) and 1 B per dropout mask element (CUDA's fused dropout); per forward, the
+    weight-sized tensors some methods make and save (a delta weight, a rotated weight: every
+    adapted linear's). Then the larger of two moments: the MLP's backward, with the adapters'
+    largest per-token temporary (a dropout's fp32 input gradient, DoRA's fp32 output gradients)
+    and, where a method hands an MLP input projection's output back in fp32, the gated MLP's
+    backward in fp32 (its 6 width-sized tensors at 4 B, not the compute dtype's); or the largest
+    weight-sized temporary, in an adapted linear's recompute or its own backward (after the
+    MLP's peak). And the adapters' compute-dtype weight copies (autocast's cache, alive through
+    the forward and the loss).
+
+    Measured on the CPU with the live-tensor tracker (tests/test_plan_accuracy.py; CUDA's
+    dropout in place of the CPU's, which keeps an fp32 noise tensor instead of the mask): LoRA
+    at three Llama shapes, with every linear or some adapted, ranks 8 to 128, with and without
+    dropout, a layer's backward grows by this per token less 4h, or by less (a frozen base's
+    linears keep no input for a weight gradient); every other method (all linears of a tiny
+    Llama adapted, DoRA too, 1,024 and 2,048 tokens) a whole step at 0.78-0.98x its plan's lines
+    that cover it; one adapted linear's saved tensors exactly these terms, its weight-sized
+    temporaries within 1% (dev/adapter_memory_probe.py)."""
     t, isz = step.micro_batch_tokens, itemsize(dtype)
-    inputs, ranks = shape.adapter_input_width, shape.adapter_rank_width
-    masks, widest = shape.adapter_dropout_width, shape.adapter_widest_dropout_input
-    per_token = isz * (inputs + ranks) + masks + 4 * widest
+    elements, fp32 = shape.adapter_token_elements, shape.adapter_token_fp32
+    masks, mlp = shape.adapter_token_masks, shape.adapter_fp32_mlp_width
+    w_elements, w_fp32 = shape.adapter_weight_elements, shape.adapter_weight_fp32
+    saved = t * (isz * elements + 4 * fp32 + masks) + isz * w_elements + 4 * w_fp32
+    widened = 6 * (4 - isz) if isz < 4 else 0  # (in fp32 runs the MLP is fp32 anyway)
+    peak_elements, peak_fp32 = shape.adapter_token_peak
+    token_peak = t * (isz * peak_elements + 4 * peak_fp32 + widened * mlp)
+    weight_elements, weight_fp32 = shape.adapter_weight_peak
+    weight_peak = isz * weight_elements + 4 * weight_fp32
     copies = 0 if dtype == torch.float32 else isz * shape.adapter_numel
+    what = f"{isz} B x {elements}" + (f" + 4 B x {fp32}" if fp32 else "")
+    what += f" + masks {masks}" if masks else ""
+    if peak_elements or peak_fp32 or (widened and mlp):
+        what += " + peak " + " + ".join(
+            term
+            for term, n in (
+                (f"{isz} B x {peak_elements}", peak_elements),
+                (f"4 B x {peak_fp32}", peak_fp32),
+                (f"fp32 MLP {widened} B x {mlp}", widened * mlp),
+            )
+            if n
+        )
+    per_forward = isz * w_elements + 4 * w_fp32
+    forward = f" + per forward {per_forward / 2**20:.1f} MiB" if per_forward else ""
+    forward += (
+        f" + or the largest weight-sized temporary {weight_peak / 2**20:.1f} MiB"
+        if weight_peak > token_peak
+        else ""
+    )
     return estimate_line(
-        f"LoRA adapters: {t} tokens x ({isz} B x (inputs {inputs} + ranks {ranks})"
-        + (f" + masks {masks} + 4 B x widest dropout input {widest}" if masks else "")
-        + (") (estimate)" if dtype == torch.float32 else ") + their weight copies (estimate)"),
-        t * per_token + copies,
+        f"PEFT adapters ({shape.adapter_methods or 'lora'}): {t} tokens x ({what}){forward}"
+        + (" (estimate)" if dtype == torch.float32 else " + their weight copies (estimate)"),
+        saved + max(token_peak, weight_peak) + copies,
         ADAPTER_KIND,
     )
 
@@ -1449,7 +1487,7 @@ def activation_lines(
         weight_grads = tiled_weight_grad_line(shape, dtype)
         lines.append(weight_grads)
         work = MemoryLine(work.name, work.nbytes + weight_grads.nbytes, work.kind, work.error)
-    if shape.adapter_input_width:
+    if shape.adapter_activations:
         lines.append(adapter_activation_line(shape, step, dtype))
     lines += attention_mask_lines(shape, step, dtype, kept_layers)
     if fused_loss_runs(shape, options):

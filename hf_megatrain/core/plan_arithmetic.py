@@ -166,12 +166,15 @@ def gpu_lines(
     ]
     if shape.adapter_numel:
         # Real parameters of the layers, placed on the GPU with the non-layer ones
-        # (hf/model.py ``_place_resident``) and updated by the GPU AdamW.
+        # (hf/model.py ``_place_resident``) and updated by the GPU AdamW; their layers' buffers
+        # (BOFT's permutations, VeRA's projections) placed there too.
+        buffers = shape.adapter_buffer_bytes
         lines.append(
             MemoryLine(
                 f"LoRA adapters of the layers ({shape.adapter_numel / 1e6:.1f}M params, "
-                "resident): fp32 param+grad+2 moments, 16 B/param",
-                16 * shape.adapter_numel,
+                "resident): fp32 param+grad+2 moments, 16 B/param"
+                + (f"; their buffers {buffers / 2**20:.1f} MiB" if buffers else ""),
+                16 * shape.adapter_numel + buffers,
                 PARAMS_KIND,
             )
         )

@@ -151,14 +151,26 @@ class ModelShape:
     # LoRA (PEFT): per layer, its adapters' parameters, which train resident on the GPU beside
     # the frozen base that streams (not in ``layer_numels``); empty: none.
     adapter_layer_numels: tuple[int, ...] = ()
-    # Per token, of the layer whose adapters hold the most in a recomputed layer's backward: the
-    # adapted linears' input widths (each adapter saves its own cast of its input) and ranks
-    # (the A outputs) summed, the input widths of those with dropout summed (their masks) and
-    # the widest of them (its dropout's fp32 input gradient): ``adapter_activation_line``.
-    adapter_input_width: int = 0
-    adapter_rank_width: int = 0
-    adapter_dropout_width: int = 0
-    adapter_widest_dropout_input: int = 0
+    # What a layer's PEFT adapters hold in its recomputed backward (hf/adapter_memory.py; the
+    # most any layer's hold, term by term): per token, the compute-dtype and fp32 elements and
+    # 1-byte dropout masks they save for their gradients, their largest temporary (compute-dtype,
+    # fp32 elements) and the MLP width whose gated backward runs in fp32 (methods that hand an
+    # fp32 output back); per forward, the weight-sized tensors some methods make: the elements
+    # saved and the largest temporary (compute-dtype, fp32). The adapter methods, for the line's
+    # name: ``adapter_activation_line``.
+    adapter_token_elements: int = 0
+    adapter_token_fp32: int = 0
+    adapter_token_masks: int = 0
+    adapter_token_peak: tuple[int, int] = (0, 0)
+    adapter_fp32_mlp_width: int = 0
+    adapter_weight_elements: int = 0
+    adapter_weight_fp32: int = 0
+    adapter_weight_peak: tuple[int, int] = (0, 0)
+    adapter_methods: str = ""
+    # Buffers of the adapter layers, resident on the GPU (BOFT's permutation matrices): per
+    # layer its own, and those several layers share (VeRA's projections) once.
+    adapter_layer_buffer_bytes: tuple[int, ...] = ()
+    adapter_shared_buffer_bytes: int = 0
     # Non-layer parameters that do not train (a LoRA base's embeddings, norm and head): fp32 on
     # the GPU, no gradient or moments; whether the input embedding and the LM head are among
     # them (no embedding gradient, no fp32 head gradient in the fused loss).
@@ -181,6 +193,21 @@ class ModelShape:
         return sum(self.adapter_layer_numels)
 
     @property
+    def adapter_buffer_bytes(self) -> int:
+        """The adapter layers' resident buffers (``adapter_layer_buffer_bytes`` and the shared)."""
+        return sum(self.adapter_layer_buffer_bytes) + self.adapter_shared_buffer_bytes
+
+    @property
+    def adapter_activations(self) -> bool:
+        """Whether the layers' adapters hold anything in a recomputed backward."""
+        return bool(
+            self.adapter_token_elements or self.adapter_token_fp32 or self.adapter_token_masks
+            or any(self.adapter_token_peak) or self.adapter_fp32_mlp_width
+            or self.adapter_weight_elements or self.adapter_weight_fp32
+            or any(self.adapter_weight_peak)
+        )  # fmt: skip
+
+    @property
     def num_layers(self) -> int:
         return len(self.layer_numels)
 
@@ -196,10 +223,13 @@ class ModelShape:
         """The same family shape with ``n`` layers (each like the largest current one)."""
         big = max(self.layer_numels, default=0)
         frozen, adapters = self.frozen_layer_numels, self.adapter_layer_numels
+        buffers = self.adapter_layer_buffer_bytes
         if frozen:  # (each like the largest layer, its frozen part and adapters too)
             frozen = (frozen[self.layer_numels.index(big)],) * n
         if adapters:
             adapters = (adapters[self.layer_numels.index(big)],) * n
+        if buffers:
+            buffers = (buffers[self.layer_numels.index(big)],) * n
         pattern = self.sliding_layers
         sliding = tuple(pattern[i % len(pattern)] for i in range(n)) if pattern else ()
         return replace(
@@ -207,6 +237,7 @@ class ModelShape:
             layer_numels=(big,) * n,
             frozen_layer_numels=frozen,
             adapter_layer_numels=adapters,
+            adapter_layer_buffer_bytes=buffers,
             sliding_layers=sliding,
             # Every layer like the largest: a routing one where some route.
             router_layers=n if self.router_layers else 0,

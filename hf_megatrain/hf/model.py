@@ -35,6 +35,7 @@ from ..core.plan_types import ModelShape, last_recomputed
 from ..core.planner import MemoryPlan
 from ..core.streamed_layer import StreamedLayer
 from ..core.streaming import StreamingEngine
+from .adapter_memory import adapter_shape_fields
 from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
 from .compiled_kernels import is_compiled_forward, runs_compiled_norms, stand_in
@@ -253,7 +254,12 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         non_layer_numel=total - sum(layer_numels) - sum(adapter_numels),
         frozen_layer_numels=frozen_numels if any(frozen_numels) else (),
         adapter_layer_numels=adapter_numels if any(adapter_numels) else (),
-        **_adapter_widths(layers),
+        **adapter_shape_fields(  # (the MLP's own width, not the routed experts' sum above)
+            layers,
+            text_cfg.hidden_size,
+            getattr(text_cfg, "intermediate_size", None) or inter,
+            experts or 0,
+        ),
         frozen_non_layer_numel=frozen_non_layer,
         frozen_embedding=embed is not None and not embed.weight.requires_grad,
         frozen_head=head is not None and not head.weight.requires_grad,
@@ -314,42 +320,6 @@ def _layer_numels(layers: nn.ModuleList) -> tuple[tuple[int, ...], ...]:
         adapters.append(sum(p.numel() for name, p in params.items() if name not in names))
         frozen.append(0 if any(params[name].requires_grad for name in names) else n)
     return tuple(streamed), tuple(adapters), tuple(frozen)
-
-
-def _adapter_widths(layers: nn.ModuleList) -> dict[str, int]:
-    """``ModelShape.adapter_*`` of the layer whose adapters hold the most per token: PEFT's LoRA
-    layers around an ``nn.Linear``, their active adapters that train. (Adapters on parameters,
-    ``target_parameters``, add their product to the weight at each forward: nothing per token,
-    and that weight-sized product is not counted.)"""
-    best: dict[str, int] = {}
-    most = 0
-    for layer in layers:
-        inputs = ranks = masks = widest = 0
-        for module in layer.modules():
-            lora_a = getattr(module, "lora_A", None)
-            if not isinstance(getattr(module, "base_layer", None), nn.Linear) or not isinstance(
-                lora_a, nn.ModuleDict
-            ):
-                continue
-            for name in getattr(module, "active_adapters", ()):
-                a = lora_a[name] if name in lora_a else None
-                if not isinstance(a, nn.Linear) or not a.weight.requires_grad:
-                    continue
-                inputs += a.in_features
-                ranks += a.out_features
-                if getattr(module.lora_dropout[name], "p", 0) > 0:
-                    masks += a.in_features
-                    widest = max(widest, a.in_features)
-        held = 2 * (inputs + ranks) + masks + 4 * widest  # (bytes per token in bf16 runs)
-        if held > most:
-            most = held
-            best = dict(
-                adapter_input_width=inputs,
-                adapter_rank_width=ranks,
-                adapter_dropout_width=masks,
-                adapter_widest_dropout_input=widest,
-            )
-    return best
 
 
 def _decoder_forward_source(model: nn.Module) -> str:
