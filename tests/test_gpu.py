@@ -1709,6 +1709,35 @@ def test_lora_step_stays_inside_the_plan_on_gpu(dropout):
     assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
 
 
+@pytest.mark.parametrize("method", ["dora", "loha", "oft", "hra"])
+def test_peft_step_stays_inside_the_plan_on_gpu(method):
+    """PEFT methods that make more than LoRA on the GPU, every linear of the LoRA case's Llama
+    adapted, one 16,384-token step on the CUDA allocator (autocast_kernels on): DoRA (the fp32
+    weight norm from W + s B A each forward, fp32 output products), LoHa (a delta weight saved
+    per linear, fp32 products in its backward), OFT (the input rotated block by block, fp32
+    outputs), HRA (an input-width square Householder product per linear, saved step by step):
+    within the plan's lines plus their margin (``adapter_activation_line``;
+    tests/test_plan_accuracy.py measures each on the CPU tracker)."""
+    from tests.test_plan_accuracy import PEFT_METHODS, step_vs_plan
+
+    peft = pytest.importorskip("peft")
+    tokens = 16384
+    cfg = tiny_config(
+        "llama", num_hidden_layers=3, hidden_size=1024, intermediate_size=2816,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+        max_position_embeddings=2 * tokens,
+    )  # fmt: skip
+    config = PEFT_METHODS[method](peft)
+    r = step_vs_plan(cfg, tokens, "sdpa", device="cuda", peft_config=config, autocast_kernels=True)
+    adapters = sum(
+        ln.nbytes for ln in r["plan"].gpu_lines if ln.kind == "LoRA adapters' activations"
+    )
+    print(f"{method}: measured {r['measured'] / 1e6:.1f} MB, planned {r['planned'] / 1e6:.1f} "
+          f"(+{r['margin'] / 1e6:.1f}), of it the adapters' line {adapters / 1e6:.1f}: "
+          f"{r['measured'] / r['planned']:.3f}x")  # fmt: skip
+    assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_autocast_kernels_are_pytorchs_values_on_gpu(dtype):
     """The Triton widening and mixed add give PyTorch's values bit for bit: sizes that do not
