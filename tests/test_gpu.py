@@ -1681,12 +1681,10 @@ def test_family_step_stays_inside_the_plan_on_gpu(model_type, attn):
     assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
 
 
-@pytest.mark.parametrize("dropout", [None, 0.0, 0.1], ids=["no-lora", "lora", "lora-dropout"])
-def test_lora_step_stays_inside_the_plan_on_gpu(dropout):
-    """PEFT's LoRA, rank 64 on every linear of a Llama of hidden 1024, one 16,384-token step on
-    the CUDA allocator (autocast_kernels on, CUDA's fused dropout): within the plan's lines plus
-    their margin (``adapter_activation_line``; tests/test_plan_accuracy.py measures it on the
-    CPU tracker), and the same model without adapters for comparison."""
+def _adapted_step_vs_plan(what: str, **adapters) -> None:
+    """One 16,384-token step of a 3-layer Llama of hidden 1024 under ``adapters`` (step_vs_plan's
+    ``lora`` or ``peft_config``) on the CUDA allocator, autocast_kernels on: within the plan's
+    lines plus their margin."""
     from tests.test_plan_accuracy import step_vs_plan
 
     tokens = 16384
@@ -1695,47 +1693,37 @@ def test_lora_step_stays_inside_the_plan_on_gpu(dropout):
         num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000,
         max_position_embeddings=2 * tokens,
     )  # fmt: skip
+    r = step_vs_plan(cfg, tokens, "sdpa", device="cuda", autocast_kernels=True, **adapters)
+    line = sum(ln.nbytes for ln in r["plan"].gpu_lines if ln.kind == "LoRA adapters' activations")
+    print(f"{what}: measured {r['measured'] / 1e6:.1f} MB, planned {r['planned'] / 1e6:.1f} "
+          f"(+{r['margin'] / 1e6:.1f}), of it the adapters' line {line / 1e6:.1f}: "
+          f"{r['measured'] / r['planned']:.3f}x")  # fmt: skip
+    assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
+
+
+@pytest.mark.parametrize("dropout", [None, 0.0, 0.1], ids=["no-lora", "lora", "lora-dropout"])
+def test_lora_step_stays_inside_the_plan_on_gpu(dropout):
+    """PEFT's LoRA, rank 64 on every linear, CUDA's fused dropout (``adapter_activation_line``;
+    tests/test_plan_accuracy.py measures it on the CPU tracker), and the same model without
+    adapters for comparison."""
     lora = None
     if dropout is not None:
         pytest.importorskip("peft")
         lora = dict(r=64, lora_alpha=128, lora_dropout=dropout, target_modules="all-linear")
-    r = step_vs_plan(cfg, tokens, "sdpa", device="cuda", lora=lora, autocast_kernels=True)
-    adapters = sum(
-        ln.nbytes for ln in r["plan"].gpu_lines if ln.kind == "LoRA adapters' activations"
-    )
-    print(f"lora dropout {dropout}: measured {r['measured'] / 1e6:.1f} MB, planned "
-          f"{r['planned'] / 1e6:.1f} (+{r['margin'] / 1e6:.1f}), of it LoRA's line "
-          f"{adapters / 1e6:.1f}: {r['measured'] / r['planned']:.3f}x")  # fmt: skip
-    assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
+    _adapted_step_vs_plan(f"lora dropout {dropout}", lora=lora)
 
 
 @pytest.mark.parametrize("method", ["dora", "loha", "oft", "hra"])
 def test_peft_step_stays_inside_the_plan_on_gpu(method):
-    """PEFT methods that make more than LoRA on the GPU, every linear of the LoRA case's Llama
-    adapted, one 16,384-token step on the CUDA allocator (autocast_kernels on): DoRA (the fp32
+    """PEFT methods that make more than LoRA on the GPU, every linear adapted: DoRA (the fp32
     weight norm from W + s B A each forward, fp32 output products), LoHa (a delta weight saved
     per linear, fp32 products in its backward), OFT (the input rotated block by block, fp32
-    outputs), HRA (an input-width square Householder product per linear, saved step by step):
-    within the plan's lines plus their margin (``adapter_activation_line``;
-    tests/test_plan_accuracy.py measures each on the CPU tracker)."""
-    from tests.test_plan_accuracy import PEFT_METHODS, step_vs_plan
+    outputs), HRA (an input-width square Householder product per linear, saved step by step)
+    (tests/test_plan_accuracy.py measures each on the CPU tracker)."""
+    from tests.test_plan_accuracy import PEFT_METHODS
 
     peft = pytest.importorskip("peft")
-    tokens = 16384
-    cfg = tiny_config(
-        "llama", num_hidden_layers=3, hidden_size=1024, intermediate_size=2816,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000,
-        max_position_embeddings=2 * tokens,
-    )  # fmt: skip
-    config = PEFT_METHODS[method](peft)
-    r = step_vs_plan(cfg, tokens, "sdpa", device="cuda", peft_config=config, autocast_kernels=True)
-    adapters = sum(
-        ln.nbytes for ln in r["plan"].gpu_lines if ln.kind == "LoRA adapters' activations"
-    )
-    print(f"{method}: measured {r['measured'] / 1e6:.1f} MB, planned {r['planned'] / 1e6:.1f} "
-          f"(+{r['margin'] / 1e6:.1f}), of it the adapters' line {adapters / 1e6:.1f}: "
-          f"{r['measured'] / r['planned']:.3f}x")  # fmt: skip
-    assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
+    _adapted_step_vs_plan(method, peft_config=PEFT_METHODS[method](peft))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
