@@ -147,22 +147,26 @@ def fused_causal_lm_forward(
     if num_items is not None and torch.is_tensor(num_items):
         num_items = num_items.to(hidden.device)
     model_type = model.config.model_type
+    # The family's maps of the head's output, for the loss and for logits read later alike.
+    logit_map = LogitMap(
+        scale=model.logit_scale if model_type in LOGIT_SCALE_MODEL_TYPES else None,
+        divide_by=model.config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None,
+        softcap=getattr(model.config, "final_logit_softcapping", None),
+    )
     loss = chunked_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),
         model.lm_head.weight,
         targets,
         divisor=num_items,
-        softcap=getattr(model.config, "final_logit_softcapping", None),
+        softcap=logit_map.softcap,
         chunk_tokens=chunk_tokens,
         compute_dtype=compute_dtype,
         kernel=loss_kernel,
         bias=model.lm_head.bias,
-        logit_scale=model.logit_scale if model_type in LOGIT_SCALE_MODEL_TYPES else None,
-        logits_scaling=(
-            model.config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None
-        ),
+        logit_scale=logit_map.scale,
+        logits_scaling=logit_map.divide_by,
     )
-    make_logits = _logits_maker(model, hidden, compute_dtype, logits_to_keep)
+    make_logits = _logits_maker(model, hidden, compute_dtype, logits_to_keep, logit_map)
     if balance is not None:
         aux_loss = None
         if router:
@@ -190,19 +194,18 @@ def fused_causal_lm_forward(
 
 
 def _logits_maker(
-    model, hidden: torch.Tensor, compute_dtype: torch.dtype | None, logits_to_keep
+    model,
+    hidden: torch.Tensor,
+    compute_dtype: torch.dtype | None,
+    logits_to_keep,
+    logit_map: LogitMap,
 ) -> Callable[[], torch.Tensor]:
     """What computes the logits the model's own forward returns from ``hidden``, its base's
     output (still in the autograd graph: a loss term on them trains the model as stock's does):
     the head (under the run's autocast, as the forward ran), then the family's maps in the same
-    ops (``LogitMap``; Gemma's soft-cap as ``/ cap``, ``tanh``, ``* cap``)."""
+    ops (``logit_map``; Gemma's soft-cap as ``/ cap``, ``tanh``, ``* cap``)."""
     device_type = hidden.device.type
-    model_type = model.config.model_type
-    logit_map = LogitMap(
-        scale=model.logit_scale if model_type in LOGIT_SCALE_MODEL_TYPES else None,
-        divide_by=model.config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None,
-    )
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    softcap = logit_map.softcap
 
     def make() -> torch.Tensor:
         _warn_logits_read()
