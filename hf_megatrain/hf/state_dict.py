@@ -1,0 +1,92 @@
+"""``state_dict()`` and ``load_state_dict()`` of a streamed model read and write its layer stores.
+
+A streamed decoder layer's parameters are meta placeholders: its weights live in the layer's
+store (the fp32 master; on the device for HBM-tier layers). Left alone, ``model.state_dict()``
+returns the placeholders (``torch.save`` of it writes no weights; ``save_pretrained`` fails
+inside torch, "Cannot copy out of meta tensor") and ``load_state_dict`` copies into them as a
+no-op: both lose data without saying so. With these hooks, on each streamed layer (so also a
+layer's or a block's own ``state_dict()``):
+
+- ``state_dict()`` holds the layer's weights as views of its store's master (no copy; on the
+  device for HBM-tier layers), after any pending optimizer update has written them;
+- ``load_state_dict()`` writes the given values into the master and re-derives the compute copy
+  the layer streams; the optimizer's moments are left as they are, as stock's load leaves them.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def install_state_dict_hooks(model: nn.Module, layers: Sequence[nn.Module]) -> None:
+    """Hook each streamed layer of ``model`` (``layers``, in store order)."""
+    ref = weakref.ref(model)
+    for i, layer in enumerate(layers):
+        layer.register_state_dict_post_hook(functools.partial(_read_layer, ref, i))
+        layer.register_load_state_dict_pre_hook(functools.partial(_write_layer, ref, i))
+
+
+def _layer_store(ref: weakref.ref, index: int):
+    from .model import streamed_state  # noqa: PLC0415 - model.py installs these hooks
+
+    model = ref()
+    state = None if model is None else streamed_state(model)
+    # Looked up per call: the OOM watchdog may have moved the layer to another store.
+    return (None, None) if state is None else (state, state.store.layers[index])
+
+
+def _read_layer(ref, index, module, state_dict, prefix, local_metadata) -> None:
+    state, store = _layer_store(ref, index)
+    if store is None:
+        return
+    state.engine.wait_all_weights()
+    for rel, view in store.param_views(store.master).items():
+        if prefix + rel in state_dict:
+            state_dict[prefix + rel] = view.detach()
+
+
+def _write_layer(
+    ref, index, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+) -> None:
+    state, store = _layer_store(ref, index)
+    if store is None:
+        return
+    views = {prefix + rel: view for rel, view in store.param_views(store.master).items()}
+    given = [k for k in views if k in state_dict and isinstance(state_dict[k], torch.Tensor)]
+    if not given:
+        return
+    if local_metadata.get("assign_to_params_buffers", False):
+        raise ValueError(
+            "hf_megatrain: load_state_dict(assign=True) would replace the placeholders of a "
+            "streamed layer, whose weights live in its layer store: call it with assign=False "
+            "(the default), which writes the values into the store"
+        )
+    if state.engine.dp is not None:
+        raise ValueError(
+            "hf_megatrain: load_state_dict on a data-parallel streamed model: the layers' "
+            "weights are shared between the ranks; load them before training starts, "
+            "with hf_megatrain.load_streamed_model(path), or resume from a checkpoint"
+        )
+    # Only tensors of the right shape are written: torch reports the others (size mismatch)
+    # after this hook, and the load then raises with this layer unchanged.
+    fits = [k for k in given if tuple(state_dict[k].shape) == tuple(views[k].shape)]
+    if len(fits) < len(given):
+        return
+    state.engine.wait_all_weights()
+    state.engine.wait_weight_copies()  # no H2D copy may still read the compute copy
+    with torch.no_grad():
+        for key in fits:
+            value = state_dict[key]
+            views[key].copy_(value.detach())  # to the store's dtype and device
+            # What the placeholder's own load then copies: nothing (meta to meta), no warning.
+            state_dict[key] = value.detach().to("meta")
+    store.refresh_stream_copy()
+    state.engine.invalidate_weights()
+
+
+__all__ = ["install_state_dict_hooks"]

@@ -1,0 +1,111 @@
+"""``model.state_dict()`` / ``load_state_dict()`` / ``save_pretrained()`` on a streamed model.
+
+A streamed layer's parameters are meta placeholders; its weights live in the layer store. These
+calls, which callbacks and scripts make on ``trainer.model``, must read and write the store:
+before, ``torch.save(model.state_dict())`` wrote no layer weights, ``model.save_pretrained``
+failed inside torch and ``load_state_dict`` was a silent no-op.
+
+Tolerances: fp32 on the CPU. Reads are views of the fp32 masters (compared exactly); a trained
+model is compared with the stock Trainer's at ``assert_close_weights``' 1e-6 (a few AdamW steps
+at lr 1e-2 move weights ~1e-2; the two differ in summation order only, ~1e-7).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from .helpers import (
+    assert_close_weights,
+    make_data,
+    mega_params,
+    run_trainer,
+    stock_params,
+    tiny_config,
+    tiny_model,
+)
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A streamed and a stock run of the same tiny Llama, STEPS steps each."""
+    model = tiny_model(tiny_config("llama"))
+    root = tmp_path_factory.mktemp("sd")
+    _, stock = run_trainer(copy.deepcopy(model), root, "stock", False, max_steps=STEPS)
+    _, mega = run_trainer(copy.deepcopy(model), root, "mega", True, max_steps=STEPS)
+    return stock, mega
+
+
+def _layer_keys(state: dict) -> list[str]:
+    return [k for k in state if ".layers." in k]
+
+
+def test_state_dict_holds_the_trained_weights(trained):
+    stock, mega = trained
+    state = mega.model.state_dict()
+    assert _layer_keys(state) and not any(v.is_meta for v in state.values())
+    expected = mega_params(mega)  # what save_model writes, from the host store
+    assert sorted(state) == sorted(expected)
+    for key, value in state.items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
+    assert_close_weights(stock_params(stock.model), {k: v.clone() for k, v in state.items()})
+    # A layer's own state_dict (a callback walking modules) reads the store too.
+    layer = mega.model.model.layers[1].state_dict()
+    assert layer and all(not v.is_meta for v in layer.values())
+    torch.testing.assert_close(
+        layer["mlp.down_proj.weight"], expected["model.layers.1.mlp.down_proj.weight"]
+    )
+
+
+def test_torch_save_and_save_pretrained_write_the_weights(trained, tmp_path):
+    stock, mega = trained
+    expected = mega_params(mega)
+    torch.save(mega.model.state_dict(), tmp_path / "sd.pt")
+    loaded = torch.load(tmp_path / "sd.pt")
+    assert sorted(loaded) == sorted(expected)
+    for key in _layer_keys(expected):
+        torch.testing.assert_close(loaded[key], expected[key], rtol=0, atol=0, msg=key)
+    # transformers' own save, as a script or callback would call it on trainer.model.
+    mega.model.save_pretrained(tmp_path / "direct")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "direct", dtype=torch.float32)
+    assert_close_weights(expected, stock_params(reloaded), atol=0)
+
+
+def test_load_state_dict_writes_the_store(trained):
+    _, mega = trained
+    other = tiny_model(tiny_config("llama"), seed=7)  # other weights, the same shapes
+    values = stock_params(other)
+    result = mega.model.load_state_dict(values)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert_close_weights(values, mega_params(mega), atol=0)
+    # The forward streams the new weights: the same loss as the model they came from.
+    batch = make_data(2, seed=5)
+    ids = torch.stack([r["input_ids"] for r in batch])
+    with torch.no_grad():
+        want = other(input_ids=ids, labels=ids).loss
+        mega.model.eval()
+        got = mega.model(input_ids=ids, labels=ids).loss
+        mega.model.train()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_load_state_dict_refuses_what_it_cannot_write(trained):
+    _, mega = trained
+    before = mega_params(mega)
+    values = stock_params(tiny_model(tiny_config("llama"), seed=9))
+    key = "model.layers.0.self_attn.q_proj.weight"
+    bad = dict(values)
+    bad[key] = values[key][:-1]  # one row short
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        mega.model.load_state_dict(bad)
+    for k in _layer_keys(before):
+        if k.startswith("model.layers.0."):  # the layer with the bad tensor is left as it was
+            torch.testing.assert_close(mega_params(mega)[k], before[k], rtol=0, atol=0, msg=k)
+    with pytest.raises(ValueError, match="assign=False"):
+        mega.model.load_state_dict(values, assign=True)
+    assert mega.model.model.layers[0].self_attn.q_proj.weight.is_meta  # placeholders kept
