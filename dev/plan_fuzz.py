@@ -20,6 +20,17 @@ Known tracker noise (dev/family_plan_sweep.py's docstring): the layer's weight g
 weight at a time, are in the GPU's gradient-buffer line, which the tracker's comparison leaves
 out; at tiny widths and few tokens they read a few percent high. ``wgrad`` is an upper bound of
 that noise: the largest layer's parameters in fp32, over the planned bytes.
+
+What the CPU cannot say (2026-12-05's audit, 112 cases: 10 over the plan plus margin): the
+tracker runs PyTorch's loss ops, whose chunk holds 10-12 B per logit and the final norm's fp32
+saves; bf16 runs on CUDA take the fused loss kernel (fused_loss_kernel), which holds less per
+logit. The cases that peaked in the loss's chunk (short micro-batches, vocab many times hidden:
+Mixtral 1.40x, Qwen3-MoE 1.13x, Llama 1.06x) are that path's. Adding those lines to the plan
+raised every CUDA plan where the loss phase binds (Gemma-2-2B at 4,096 tokens +2.4 GiB, already
+4.6% over its measured H200 peak; Qwen2.5-7B at 8,192 tokens kept 1 layer's activations, not 3),
+so it was not applied: the H200 rows are the evidence on CUDA. Five cases with query widths of
+4-10x hidden (no real model) under-count in attention's backward; an untiled attention-backward
+line would need GPU calibration.
 """
 
 from __future__ import annotations

@@ -266,14 +266,6 @@ KEPT_BACKWARD_BYTES_PER_TOKEN_INTER = 4
 #: their fp32 copy and the fp32 log-probabilities; soft-capped logits keep the tanh output too.
 LOSS_BYTES_PER_LOGIT = 10
 SOFTCAPPED_LOSS_BYTES_PER_LOGIT = 12
-#: Alive through the fused loss's phase beside its chunk, per token of the micro-batch: the final
-#: norm's saves (its fp32 input, the last layer's output, which no boundary line counts; its fp32
-#: normalized product and output; its fp32 scale), 12h + 4, and the chunk's hidden rows in the
-#: compute dtype. Measured on the CPU tracker (dev/plan_fuzz.py: Llama at hidden 160, vocab 512,
-#: 2 x 1,536 tokens, the default chunk: the step peaked in the loss's chunk 1.06x its plan plus
-#: margin without them; tests/test_plan_accuracy.py, ``test_loss_phase_holds_its_chunk_...``).
-FINAL_NORM_BYTES_PER_TOKEN_HIDDEN = 12
-FINAL_NORM_BYTES_PER_TOKEN = 4
 
 #: Routed MoE experts (``ModelShape.experts_per_token`` k): transformers' grouped experts gather
 #: each token's hidden state once per chosen expert (fp32, 4h), cast it (2h), and make the down
@@ -1519,9 +1511,6 @@ def activation_lines(
         per_logit = SOFTCAPPED_LOSS_BYTES_PER_LOGIT if shape.gemma_norms else LOSS_BYTES_PER_LOGIT
         head_copy = 0 if dtype == torch.float32 else v * h * isz
         hidden_grad = t * h * 4
-        # The final norm's saves and the chunk's compute-dtype hidden rows, alive with the chunk.
-        final_norm = t * (FINAL_NORM_BYTES_PER_TOKEN_HIDDEN * h + FINAL_NORM_BYTES_PER_TOKEN)
-        final_norm += chunk * h * isz
         head_grad = 0 if shape.frozen_head else v * h * 4  # (a frozen head gets none)
         backward_phase = work.nbytes + cached + chain_attention
         if loss_phase_apart(shape, step, options, len(kept_layers)):
@@ -1532,7 +1521,7 @@ def activation_lines(
             # (the saved fp32 weight gradient and a scaled copy of the hidden-state gradient),
             # with the saved hidden-state gradient alive through both.
             forward_part = chunk * v * per_logit + head_copy + head_grad
-            loss_phase = max(forward_part, head_grad + hidden_grad) + hidden_grad + final_norm
+            loss_phase = max(forward_part, head_grad + hidden_grad) + hidden_grad
             lines.append(
                 MemoryLine(
                     f"fused loss phase (a {chunk}-token chunk x vocab x {per_logit} B, LM head "
@@ -1558,11 +1547,11 @@ def activation_lines(
                 )
             return lines + router_aux_loss_lines(shape, step, dtype)
         if work.kind == PEAK_WORKING_SET_KIND:
-            loss_phase = chunk * v * per_logit + hidden_grad + final_norm
+            loss_phase = chunk * v * per_logit + hidden_grad
             loss = MemoryLine(
                 f"fused loss chunk ({chunk} tokens x vocab x {per_logit} B) + hidden-state grad "
-                f"(fp32) + the final norm's saves: {loss_phase / 2**30:.2f} GiB, never alive with "
-                "a layer's backward; the part beyond it",
+                f"(fp32): {loss_phase / 2**30:.2f} GiB, never alive with a layer's backward; "
+                "the part beyond it",
                 max(0, loss_phase - backward_phase),
                 LOSS_KIND,
             )
@@ -1581,36 +1570,12 @@ def activation_lines(
                 LOSS_KIND,
             )
         lines += [loss, head]
-        beyond = 0
-        if work.kind != PEAK_WORKING_SET_KIND:
-            # The chunk holds 10 B per logit (12 soft-capped), not the 6 counted above, beside
-            # the final norm's saves: the sum with a layer's backward covers that only where
-            # the working set is large next to a chunk's logits. With the vocabulary many times
-            # the hidden size and short micro-batches (the default chunk is all of them) it is
-            # not: on the CPU tracker (dev/plan_fuzz.py) Mixtral at hidden 48, vocab 4,099,
-            # 8 x 128 tokens peaked in the loss's chunk at 1.40x its plan plus margin, Qwen3-MoE
-            # at hidden 96, vocab 3,072 at 1.13x.
-            loss_phase = chunk * v * per_logit + head_copy + head_grad + hidden_grad + final_norm
-            # (Kept layers apart: the larger of their phase and a layer's backward is taken
-            # below, the loss's lines part of the former.)
-            summed = loss.nbytes + head.nbytes
-            summed += 0 if kept is not None and apart else work.nbytes + cached + chain_attention
-            beyond = max(0, loss_phase - summed)
-            lines.append(
-                MemoryLine(
-                    f"fused loss phase ({chunk} tokens x vocab x {per_logit} B, LM head copy and "
-                    f"grads, the final norm's saves): {loss_phase / 2**30:.2f} GiB; the part "
-                    "beyond the loss's lines and a layer's backward",
-                    beyond,
-                    LOSS_KIND,
-                )
-            )
         if kept is not None and apart:
             # The kept layers are the model's last: their backward (and the loss's before it)
             # ends before any recomputed layer's starts, and frees their saves. The GPU holds
             # the larger of that phase (the kept saves and the loss's lines or a kept layer's
             # MLP gradients) and a recomputed layer's backward (its measured peak), not both.
-            loss_part = loss.nbytes + head.nbytes + beyond
+            loss_part = loss.nbytes + head.nbytes
             kept_backward = KEPT_BACKWARD_BYTES_PER_TOKEN_INTER * shape.intermediate_size * t
             if kept_backward > loss_part:
                 lines.append(
