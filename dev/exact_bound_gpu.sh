@@ -475,7 +475,7 @@ PY
     gpuaudit)  # the thirtieth session's CPU fixes on CUDA, and the loss kernel's cases in full
       timeout 300 python3 -m pytest tests/test_gpu.py tests/test_peft_variants.py -o addopts="" \
         -p no:cacheprovider -rA -q -s -m gpu \
-        -k "second_trainer or peft_variant or fused_loss_kernel or state_dict_round_trip" 2>&1 \
+        -k "second_trainer or peft_variant or fused_loss_kernel or module_calls_on_gpu" 2>&1 \
         | grep -aE "^loss|^max|differ|^E  |passed|failed|Error" | tail -60
       timeout 200 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
         --widths 1024,8,2,128,4096 granitemoe 2>&1 | grep -aE "ratio|error"

@@ -301,10 +301,11 @@ def test_save_resume_on_gpu(tmp_path, resident):
 
 
 @pytest.mark.parametrize("resident", ["0", "2"], ids=["streamed", "hbm-tier-2"])
-def test_state_dict_round_trip_on_gpu(tmp_path, resident):
+def test_module_calls_on_gpu(tmp_path, resident):
     """model.state_dict() reads the trained masters (HBM-tier layers as device views, streamed
     ones from the pinned host store) and load_state_dict() writes them back into both tiers: the
-    next forward runs on the loaded weights (tests/test_state_dict.py on the CPU)."""
+    next forward runs on the loaded weights; .to() where the model is does nothing, elsewhere it
+    is refused (tests/test_module_calls.py on the CPU)."""
     from hf_megatrain.hf.checkpoint import host_state_dict
 
     model = tiny_model(_tiny_gpu_config())
@@ -322,6 +323,10 @@ def test_state_dict_round_trip_on_gpu(tmp_path, resident):
     assert devices == {"cuda" if resident != "0" else "cpu"}
     for key, value in state.items():
         torch.testing.assert_close(value.cpu(), saved[key].cpu(), rtol=0, atol=0, msg=key)
+    # Where the model is already: nothing to do. Elsewhere: refused, nothing moved.
+    assert trainer.model.to("cuda") is trainer.model and trainer.model.cuda() is trainer.model
+    with pytest.raises(ValueError, match="save_pretrained"):
+        trainer.model.to("cpu")
     values = {k: v.clone() for k, v in other.state_dict().items()}
     trainer.model.load_state_dict(values)
     for key, value in host_state_dict(trainer.model).items():

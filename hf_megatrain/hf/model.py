@@ -57,8 +57,8 @@ from .loss import (
     supports_fused_loss,
     unwrap_peft,
 )
+from .module_calls import install_module_calls
 from .rope_saves import rope_saved_bytes_per_token
-from .state_dict import install_state_dict_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -818,7 +818,7 @@ def prepare_streamed_model(
         options=resolved,
         step=step,
     )
-    install_state_dict_hooks(model, layers)
+    install_module_calls(model, layers, engine.device)
     if _is_peft(model):
         _refuse_merging(model)
     # The layer-level options: MLP tiles, kept activations, kept attention outputs.
@@ -929,7 +929,7 @@ def prepare_frozen_streamed_model(
         resident=list(_named_resident(model, set())),
         frozen=True,
     )
-    install_state_dict_hooks(model, layers)
+    install_module_calls(model, layers, engine.device)
     install_mlp_tiling(model, options.mlp_tile_tokens)
     logger.info(
         "hf_megatrain: frozen streamed model, %d layers (%.2f GiB host store, %s weights only)",

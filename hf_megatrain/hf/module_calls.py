@@ -1,4 +1,5 @@
-"""``state_dict()`` and ``load_state_dict()`` of a streamed model read and write its layer stores.
+"""``nn.Module`` calls on a streamed model: ``state_dict()`` and ``load_state_dict()`` read and
+write its layer stores; moves, casts and copies answer in one line.
 
 A streamed decoder layer's parameters are meta placeholders: its weights live in the layer's
 store (the fp32 master; on the device for HBM-tier layers). Left alone, ``model.state_dict()``
@@ -11,6 +12,12 @@ layer's or a block's own ``state_dict()``):
   device for HBM-tier layers), after any pending optimizer update has written them;
 - ``load_state_dict()`` writes the given values into the master and re-derives the compute copy
   the layer streams; the optimizer's moments are left as they are, as stock's load leaves them.
+
+The other ``nn.Module`` calls that would reach the placeholders or the store answer in one line:
+``.to()`` / ``.cuda()`` / ``.cpu()`` to where the model already is, in its dtype, do nothing (they
+failed inside torch, "Cannot copy out of meta tensor"); a move or cast (``.half()``, ``.to(bf16)``)
+is refused (it cast the resident weights the optimizer updates in fp32, silently); so are
+``copy.deepcopy`` and pickling (they failed on the store's shared memory).
 """
 
 from __future__ import annotations
@@ -23,12 +30,51 @@ import torch
 from torch import nn
 
 
-def install_state_dict_hooks(model: nn.Module, layers: Sequence[nn.Module]) -> None:
-    """Hook each streamed layer of ``model`` (``layers``, in store order)."""
+def install_module_calls(
+    model: nn.Module, layers: Sequence[nn.Module], device: torch.device
+) -> None:
+    """Hook ``model`` and each of its streamed ``layers`` (in store order); ``device``: where
+    the model computes (its resident parameters' device)."""
     ref = weakref.ref(model)
     for i, layer in enumerate(layers):
         layer.register_state_dict_post_hook(functools.partial(_read_layer, ref, i))
         layer.register_load_state_dict_pre_hook(functools.partial(_write_layer, ref, i))
+    for module in (model, *layers):
+        # Instance attributes: copy and pickle look them up on the object, torch's .to() / .half()
+        # / .cuda() all go through _apply.
+        module._apply = functools.partial(_apply_in_place, module._apply, device)
+        module.__deepcopy__ = _refuse_copy
+        module.__reduce_ex__ = _refuse_copy
+
+
+def _apply_in_place(apply, device: torch.device, fn, *args, **kwargs):
+    """``nn.Module._apply`` of a streamed model: ``fn`` (the conversion of ``.to()``, ``.half()``,
+    ``.cuda()`` ...) tried on a probe tensor; one that changes nothing is a no-op, any other is
+    refused before it touches a tensor."""
+    probe = torch.zeros(1, dtype=torch.float32, device=device)
+    try:
+        out = fn(probe)
+    except Exception:  # noqa: BLE001 - a conversion that does not apply to a tensor: let torch say
+        return apply(fn, *args, **kwargs)
+    if out is None or (out.dtype == probe.dtype and out.device == probe.device):
+        # share_memory_() and the like return None or the tensor as it was: nothing to convert.
+        return apply.__self__ if out is not None else apply(fn, *args, **kwargs)
+    raise ValueError(
+        f"hf_megatrain: a streamed model stays on {device} in fp32 (its layers' weights live in "
+        f"the layer stores, the optimizer updates the resident ones in fp32): moving or casting "
+        f"it (to {out.device} / {str(out.dtype).removeprefix('torch.')}) is not possible. For "
+        "inference elsewhere or in another dtype, save it (save_pretrained) and load that with "
+        "from_pretrained; bf16 compute is the bf16=True of its training arguments"
+    )
+
+
+def _refuse_copy(*args, **kwargs):
+    raise TypeError(
+        "hf_megatrain: a streamed model cannot be copied or pickled (its weights live in the "
+        "layer stores, in shared host memory): save it with save_pretrained (or "
+        "trainer.save_model) and load a second copy with from_pretrained or "
+        "hf_megatrain.load_streamed_model"
+    )
 
 
 def _layer_store(ref: weakref.ref, index: int):
@@ -89,4 +135,4 @@ def _write_layer(
     state.engine.invalidate_weights()
 
 
-__all__ = ["install_state_dict_hooks"]
+__all__ = ["install_module_calls"]

@@ -1,9 +1,11 @@
-"""``model.state_dict()`` / ``load_state_dict()`` / ``save_pretrained()`` on a streamed model.
+"""``nn.Module`` calls that callbacks and scripts make on ``trainer.model``, on a streamed model.
 
-A streamed layer's parameters are meta placeholders; its weights live in the layer store. These
-calls, which callbacks and scripts make on ``trainer.model``, must read and write the store:
+A streamed layer's parameters are meta placeholders; its weights live in the layer store.
+``state_dict()`` / ``load_state_dict()`` / ``save_pretrained()`` must read and write the store:
 before, ``torch.save(model.state_dict())`` wrote no layer weights, ``model.save_pretrained``
-failed inside torch and ``load_state_dict`` was a silent no-op.
+failed inside torch and ``load_state_dict`` was a silent no-op. Moves and casts: ``.to(device)``
+to where it is failed inside torch, ``.half()`` silently cast the resident fp32 weights the
+optimizer updates; ``copy.deepcopy`` and pickling failed on the store's shared memory.
 
 Tolerances: fp32 on the CPU. Reads are views of the fp32 masters (compared exactly); a trained
 model is compared with the stock Trainer's at ``assert_close_weights``' 1e-6 (a few AdamW steps
@@ -13,6 +15,7 @@ at lr 1e-2 move weights ~1e-2; the two differ in summation order only, ~1e-7).
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -109,3 +112,35 @@ def test_load_state_dict_refuses_what_it_cannot_write(trained):
     with pytest.raises(ValueError, match="assign=False"):
         mega.model.load_state_dict(values, assign=True)
     assert mega.model.model.layers[0].self_attn.q_proj.weight.is_meta  # placeholders kept
+
+
+def test_moves_to_where_it_is_do_nothing_and_casts_are_refused(trained):
+    _, mega = trained
+    model = mega.model
+    before = mega_params(mega)
+    ids = make_data(1, seed=5)[0]["input_ids"][None]
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    # What scripts call before inference: the model is there already, in this dtype.
+    assert model.to("cpu") is model and model.cpu() is model and model.float() is model
+    layer = model.model.layers[0]
+    assert model.to(torch.float32) is model and layer.to("cpu") is layer
+    for cast in (model.half, model.bfloat16, model.double, lambda: model.to(torch.float16)):
+        with pytest.raises(ValueError, match="save_pretrained"):
+            cast()
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # nothing was cast
+    assert_close_weights(before, mega_params(mega), atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, loss, rtol=0, atol=0)
+
+
+def test_copies_and_pickles_are_refused_in_one_line(trained, tmp_path):
+    _, mega = trained
+    for copy_it in (
+        lambda: copy.deepcopy(mega.model),
+        lambda: pickle.dumps(mega.model),
+        lambda: torch.save(mega.model, tmp_path / "m.pt"),
+        lambda: copy.deepcopy(mega.model.model.layers[1]),
+    ):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            copy_it()
