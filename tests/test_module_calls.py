@@ -5,7 +5,9 @@ A streamed layer's parameters are meta placeholders; its weights live in the lay
 before, ``torch.save(model.state_dict())`` wrote no layer weights, ``model.save_pretrained``
 failed inside torch and ``load_state_dict`` was a silent no-op. Moves and casts: ``.to(device)``
 to where it is failed inside torch, ``.half()`` silently cast the resident fp32 weights the
-optimizer updates; ``copy.deepcopy`` and pickling failed on the store's shared memory.
+optimizer updates; ``copy.deepcopy`` and pickling failed on the store's shared memory. The
+optimizer's ``state_dict()`` held no streamed layer's AdamW moments (a manual
+``torch.save(trainer.optimizer.state_dict())`` lost them).
 
 Tolerances: fp32 on the CPU. Reads are views of the fp32 masters (compared exactly); a trained
 model is compared with the stock Trainer's at ``assert_close_weights``' 1e-6 (a few AdamW steps
@@ -144,3 +146,48 @@ def test_copies_and_pickles_are_refused_in_one_line(trained, tmp_path):
     ):
         with pytest.raises(TypeError, match="cannot be copied or pickled"):
             copy_it()
+
+
+def test_optimizer_state_dict_holds_and_restores_the_streamed_moments(tmp_path):
+    from safetensors.torch import load_file
+
+    from hf_megatrain.core.optimizer import STREAMED_STATE_KEY
+
+    model = tiny_model(tiny_config("llama"))
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=2)
+    _, mega = run_trainer(model, tmp_path, "mega", True, **kw)
+    state = mega.optimizer.state_dict()
+    layers = state[STREAMED_STATE_KEY]["layers"]
+    assert sorted(layers) == list(range(model.config.num_hidden_layers))
+    # The same moments the trainer's checkpoint wrote (its own format, one file per layer).
+    saved = tmp_path / "mega" / "checkpoint-2" / "megatrain_optimizer"
+    for i, entry in layers.items():
+        on_disk = load_file(saved / f"layer_{i:05d}.safetensors")
+        assert entry["exp_avg"].abs().sum() > 0 and entry["step"] == 2.0
+        torch.testing.assert_close(entry["exp_avg"], on_disk["exp_avg"], rtol=0, atol=0)
+        torch.testing.assert_close(entry["exp_avg_sq"], on_disk["exp_avg_sq"], rtol=0, atol=0)
+    snapshot = copy.deepcopy(state)  # (the entries are views of the store: copied)
+    torch.save(snapshot, tmp_path / "opt.pt")
+    mega.train()  # two more updates move every moment
+    moved = mega.optimizer.state_dict()[STREAMED_STATE_KEY]["layers"]
+    assert not torch.equal(
+        moved[0]["exp_avg"], snapshot[STREAMED_STATE_KEY]["layers"][0]["exp_avg"]
+    )
+    mega.optimizer.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    back = mega.optimizer.state_dict()
+    for i, entry in back[STREAMED_STATE_KEY]["layers"].items():
+        want = snapshot[STREAMED_STATE_KEY]["layers"][i]
+        torch.testing.assert_close(entry["exp_avg"], want["exp_avg"], rtol=0, atol=0)
+        torch.testing.assert_close(entry["exp_avg_sq"], want["exp_avg_sq"], rtol=0, atol=0)
+        assert entry["step"] == want["step"]
+    for key, value in snapshot["state"].items():  # the resident parameters' state too
+        torch.testing.assert_close(back["state"][key]["exp_avg"], value["exp_avg"])
+    # A state dict without the streamed layers' state (a stock optimizer's) is refused.
+    with pytest.raises(ValueError, match="holds no streamed layer"):
+        mega.optimizer.load_state_dict(
+            {k: v for k, v in snapshot.items() if k != STREAMED_STATE_KEY}
+        )
+    wrong = copy.deepcopy(snapshot)
+    del wrong[STREAMED_STATE_KEY]["layers"][1]
+    with pytest.raises(ValueError, match="the state of layers"):
+        mega.optimizer.load_state_dict(wrong)

@@ -32,6 +32,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.optim.adam import adam as _adam_functional
@@ -155,6 +156,10 @@ class _Segment:
     start: int
     end: int
     step: torch.Tensor  # fp32 scalar, what the fused kernel increments
+
+
+#: ``HostAdamW.state_dict()``'s entry for the streamed layers' AdamW state.
+STREAMED_STATE_KEY = "megatrain_streamed_layers"
 
 
 class HostAdamW(torch.optim.Optimizer):
@@ -699,6 +704,57 @@ class HostAdamW(torch.optim.Optimizer):
         )
 
     # ---- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict (the resident parameters' state and the param groups)
+        and, under ``STREAMED_STATE_KEY``, the streamed layers' AdamW state: per layer this
+        process updates, its moments (views of the store, no copy) and step count.
+
+        torch's own covers only parameters it holds state for: without the streamed layers,
+        ``torch.save(optimizer.state_dict())`` kept no moments of any streamed layer. Under data
+        parallel each rank's holds the layers it owns (``load_state_dict`` takes it back on the
+        same layout)."""
+        out = super().state_dict()
+        steps, _ = self.streamed_state()  # (after any pending update)
+        layers = {
+            i: {"exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq, "step": steps.get(i, 0.0)}
+            for i, store in enumerate(self.engine.stores)
+            if store.exp_avg is not None
+        }
+        out[STREAMED_STATE_KEY] = {"num_layers": len(self.engine.stores), "layers": layers}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (into the layer stores and the resident
+        parameters' state); one without the streamed layers' state is refused, as loading it
+        would keep every streamed layer's moments as they are without a word."""
+        streamed = state_dict.get(STREAMED_STATE_KEY)
+        if streamed is None:
+            raise ValueError(
+                "hf_megatrain: this optimizer state dict holds no streamed layer's AdamW state "
+                "(not one from HostAdamW.state_dict(), e.g. a stock optimizer's): resume from a "
+                "checkpoint of this trainer instead"
+            )
+        stores = self.engine.stores
+        layers = streamed["layers"]
+        expected = [i for i, store in enumerate(stores) if store.exp_avg is not None]
+        problem = None
+        if streamed["num_layers"] != len(stores):
+            problem = f"{streamed['num_layers']} layers, the model has {len(stores)}"
+        elif sorted(layers) != expected:
+            problem = f"the state of layers {sorted(layers)}, this process updates {expected}"
+        else:
+            bad = [i for i in expected if layers[i]["exp_avg"].shape != stores[i].exp_avg.shape]
+            problem = f"layer {bad[0]}'s moments of another size" if bad else None
+        if problem is not None:
+            raise ValueError(f"hf_megatrain: the optimizer state dict holds {problem}")
+        self.wait()
+        with torch.no_grad():
+            for i in expected:
+                stores[i].exp_avg.copy_(layers[i]["exp_avg"])
+                stores[i].exp_avg_sq.copy_(layers[i]["exp_avg_sq"])
+        self.load_streamed_state({i: float(layers[i]["step"]) for i in expected}, {})
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != STREAMED_STATE_KEY})
+
     def streamed_state(self) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
         """Step counts per layer and resident moments by name (streamed moments live in the store)."""
         self.wait()
