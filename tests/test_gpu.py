@@ -323,6 +323,18 @@ def test_module_calls_on_gpu(tmp_path, resident):
     assert devices == {"cuda" if resident != "0" else "cpu"}
     for key, value in state.items():
         torch.testing.assert_close(value.cpu(), saved[key].cpu(), rtol=0, atol=0, msg=key)
+    # The optimizer's state dict: every layer's moments (HBM-tier ones on the device), restored.
+    from hf_megatrain.core.optimizer import STREAMED_STATE_KEY
+
+    opt_state = copy.deepcopy(trainer.optimizer.state_dict())
+    layers = opt_state[STREAMED_STATE_KEY]["layers"]
+    assert sorted(layers) == list(range(len(layers))) and len(layers) == 4
+    if resident != "0":
+        assert layers[0]["exp_avg"].device.type == "cuda"
+    trainer.optimizer.load_state_dict(opt_state)
+    back = trainer.optimizer.state_dict()[STREAMED_STATE_KEY]["layers"]
+    for i, entry in layers.items():
+        torch.testing.assert_close(back[i]["exp_avg_sq"], entry["exp_avg_sq"], rtol=0, atol=0)
     # Where the model is already: nothing to do. Elsewhere: refused, nothing moved.
     assert trainer.model.to("cuda") is trainer.model and trainer.model.cuda() is trainer.model
     with pytest.raises(ValueError, match="save_pretrained"):
