@@ -67,7 +67,55 @@ def add_plan_parser(sub) -> None:
     pl.add_argument(
         "--no-search", dest="search", action="store_false", help="skip the what-fits search"
     )
+    lora = pl.add_argument_group(
+        "LoRA (plan a peft LoRA run on this base: frozen base, resident adapters)"
+    )
+    lora.add_argument(
+        "--lora-r", type=int, help="the adapters' rank (default: no adapters, full training)"
+    )
+    lora.add_argument(
+        "--lora-target-modules",
+        default="all-linear",
+        help="LoraConfig.target_modules: comma-separated module names, or all-linear (default)",
+    )
+    lora.add_argument(
+        "--lora-dropout", type=float, default=0.0, help="LoraConfig.lora_dropout (default 0)"
+    )
+    lora.add_argument("--use-dora", action="store_true", help="LoraConfig.use_dora")
+    lora.add_argument(
+        "--lora-modules-to-save",
+        help="LoraConfig.modules_to_save: comma-separated modules trained whole (embed_tokens, "
+        "lm_head)",
+    )
     add_option_arguments(pl.add_argument_group("engine options"), only=PLANNED_OPTIONS)
+
+
+def lora_config(ns: argparse.Namespace):
+    """The ``peft.LoraConfig`` the plan's ``--lora-*`` flags describe, or None."""
+    r = getattr(ns, "lora_r", None)
+    if r is None:
+        return None
+    if r < 1:
+        raise CLIError(f"--lora-r {r}: a rank of at least 1")
+    if not 0 <= ns.lora_dropout < 1:
+        raise CLIError(f"--lora-dropout {ns.lora_dropout:g}: in [0, 1)")
+    try:
+        from peft import LoraConfig  # noqa: PLC0415
+    except ImportError:
+        raise CLIError("--lora-r needs peft: pip install 'hf_megatrain[peft]'") from None
+
+    def names(text: str | None) -> list[str] | None:
+        return [n.strip() for n in text.split(",") if n.strip()] if text else None
+
+    targets = ns.lora_target_modules
+    return LoraConfig(
+        r=r,
+        target_modules=targets if targets == "all-linear" else names(targets),
+        lora_dropout=ns.lora_dropout,
+        use_dora=ns.use_dora,
+        modules_to_save=names(ns.lora_modules_to_save),
+        task_type="CAUSAL_LM",
+    )
 
 
 def _flag_message(message: str) -> str:
@@ -120,12 +168,20 @@ def model_shape_from_config(cfg, name: str = "model"):
     return _meta_model_and_shape(cfg, name)[1]
 
 
-def _meta_model_and_shape(cfg, name: str):
-    """``cfg``'s meta model and its plan shape; a refusal as a command-line error."""
+def _meta_model_and_shape(cfg, name: str, lora=None):
+    """``cfg``'s meta model (with ``lora``'s adapters: a ``peft.LoraConfig``) and its plan
+    shape; a refusal as a command-line error."""
     from .hf.model import UnsupportedModelError, meta_model, model_shape  # noqa: PLC0415
 
     try:
         model = meta_model(cfg)
+        if lora is not None:
+            from peft import get_peft_model  # noqa: PLC0415
+
+            try:
+                model = get_peft_model(model, lora)
+            except ValueError as e:  # (peft's own refusals: a target module the model lacks)
+                raise CLIError(f"LoRA: {error_summary(e)}") from None
         return model, model_shape(model, name)
     except UnsupportedModelError as e:
         raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
@@ -211,7 +267,9 @@ def _compiled_kernels_of(model) -> tuple[bool, bool]:
     return fuses_mlp(model), compiles_norms(model)
 
 
-def planned_kernel_shape(cfg, name: str, layer_kernels: str = "auto", liger: bool = False):
+def planned_kernel_shape(
+    cfg, name: str, layer_kernels: str = "auto", liger: bool = False, lora=None
+):
     """The model shape a CUDA run of ``cfg`` plans with, and the layer kernels it would use
     (``_planned_layer_kernels``): the fused SwiGLU's smaller saves where Liger's MLP kernel, or
     compiled ones that fuse the family's MLP, run; the compiled norms' where they run; kept
@@ -219,7 +277,7 @@ def planned_kernel_shape(cfg, name: str, layer_kernels: str = "auto", liger: boo
     from .hf.family_memory import kept_bytes_audited  # noqa: PLC0415
 
     # (One meta model: the shape and the kernel probes read the same skeleton.)
-    model, shape = _meta_model_and_shape(cfg, name)
+    model, shape = _meta_model_and_shape(cfg, name, lora)
     fuses, norms = _compiled_kernels_of(model)
     kernels = _planned_layer_kernels(layer_kernels, liger, cfg.model_type, fuses and norms)
     if kernels.kind == "compiled":
@@ -298,8 +356,10 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     cfg = plan_config(ns.model)
     label = plan_label(ns.model)
     setup_logging()
+    lora = lora_config(ns)
+    name = f"{label} [{cfg.model_type}]" + (f", LoRA r{lora.r}" if lora is not None else "")
     shape, kernels = planned_kernel_shape(
-        cfg, f"{label} [{cfg.model_type}]", options.layer_kernels, getattr(ns, "liger", False)
+        cfg, name, options.layer_kernels, getattr(ns, "liger", False), lora
     )
     said.append(kernels.log_line().replace("hf_megatrain: ", "", 1))
     # The attention the trainer would switch the model to before its plan (on CUDA, as above);

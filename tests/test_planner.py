@@ -767,3 +767,45 @@ def test_device_tier_bytes_is_the_per_layer_sum(dtype):
     for uncopied in range(len(numels) + 2):
         want = sum(device_layer_bytes(n, dtype, i >= uncopied) for i, n in enumerate(numels))
         assert device_tier_bytes(numels, dtype, uncopied) == want
+
+
+def test_plan_cli_plans_a_lora_run_as_the_trainer_streams_it(capsys):
+    """``plan --lora-r``: the adapters' shape the plan reads from the meta skeleton is the one
+    the trainer reads from the materialized peft model (adapter and frozen parameter counts,
+    what the adapters save per token), and the plan prints their lines."""
+    import argparse
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hf_megatrain.cli_plan import lora_config, planned_kernel_shape
+    from hf_megatrain.hf.model import model_shape
+
+    path = "benchmarks/configs/tiny-qwen2"
+    argv = ["plan", path, "--seq-len", "64", "--tokens-per-step", "256", "--hbm-gib", "4",
+            "--host-gib", "16", "--no-search", "--layer-kernels", "torch"]  # fmt: skip
+    lora_flags = ["--lora-r", "8", "--lora-target-modules", "q_proj,v_proj,down_proj",
+                  "--lora-dropout", "0.1", "--lora-modules-to-save", "lm_head"]  # fmt: skip
+    # (The namespace those flags parse to.)
+    ns = argparse.Namespace(lora_r=8, lora_target_modules="q_proj,v_proj,down_proj",
+                            lora_dropout=0.1, use_dora=False,
+                            lora_modules_to_save="lm_head")  # fmt: skip
+    cfg = plan_config(path)
+    lora = lora_config(ns)
+    planned, _ = planned_kernel_shape(cfg, "m", "torch", False, lora)
+    real = get_peft_model(AutoModelForCausalLM.from_config(cfg), lora_config(ns))
+    streamed = model_shape(real, "m")
+    for field in ("adapter_layer_numels", "frozen_layer_numels", "frozen_non_layer_numel",
+                  "adapter_token_elements", "adapter_methods", "frozen_head",
+                  "frozen_embedding", "layer_numels"):  # fmt: skip
+        assert getattr(planned, field) == getattr(streamed, field), field
+    assert planned.adapter_numel > 0 and not planned.frozen_head  # lm_head trained whole
+    assert main(argv + lora_flags) == 0
+    out = capsys.readouterr().out
+    assert "LoRA r8" in out and "LoRA adapters of the layers" in out and "PEFT adapters" in out
+    assert main(argv) == 0
+    assert "LoRA adapters" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="a rank of at least 1"):
+        main(argv + ["--lora-r", "0"])
+    with pytest.raises(SystemExit, match="LoRA: Target modules"):
+        main(argv + ["--lora-r", "8", "--lora-target-modules", "nonexistent"])
