@@ -803,6 +803,10 @@ def test_plan_cli_plans_a_lora_run_as_the_trainer_streams_it(capsys):
     assert main(argv + lora_flags) == 0
     out = capsys.readouterr().out
     assert "LoRA r8" in out and "LoRA adapters of the layers" in out and "PEFT adapters" in out
+    # As the trainer's builder: the tier holds optimizer state, a frozen base's layers stream.
+    assert "layers: 0 in HBM" in out and "HBM tier: at most 0 layers" in out
+    assert main(argv + lora_flags + ["--resident-layers", "2"]) == 0
+    assert "layers: 0 in HBM" in capsys.readouterr().out
     assert main(argv) == 0
     assert "LoRA adapters" not in capsys.readouterr().out
     with pytest.raises(SystemExit, match="a rank of at least 1"):

@@ -188,6 +188,13 @@ class ModelShape:
         return max(0, self.layer_numels[i] - self.layer_frozen_numel(i))
 
     @property
+    def tier_layers(self) -> int:
+        """How many layers the HBM tier can take: the leading ones that train (the tier holds
+        their optimizer state; the layers of a frozen LoRA base all stream)."""
+        frozen = (i for i in range(self.num_layers) if self.layer_frozen_numel(i))
+        return next(frozen, self.num_layers)
+
+    @property
     def adapter_numel(self) -> int:
         """Every layer's LoRA adapter parameters (``adapter_layer_numels``)."""
         return sum(self.adapter_layer_numels)
