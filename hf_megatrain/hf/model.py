@@ -818,7 +818,7 @@ def prepare_streamed_model(
         options=resolved,
         step=step,
     )
-    install_module_calls(model, layers, engine.device)
+    install_module_calls(model, layers, engine.device, streamed_state)
     if _is_peft(model):
         _refuse_merging(model)
     # The layer-level options: MLP tiles, kept activations, kept attention outputs.
@@ -929,7 +929,7 @@ def prepare_frozen_streamed_model(
         resident=list(_named_resident(model, set())),
         frozen=True,
     )
-    install_module_calls(model, layers, engine.device)
+    install_module_calls(model, layers, engine.device, streamed_state)
     install_mlp_tiling(model, options.mlp_tile_tokens)
     logger.info(
         "hf_megatrain: frozen streamed model, %d layers (%.2f GiB host store, %s weights only)",

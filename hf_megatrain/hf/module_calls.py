@@ -24,21 +24,27 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 
 def install_module_calls(
-    model: nn.Module, layers: Sequence[nn.Module], device: torch.device
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    device: torch.device,
+    state_of: Callable[[nn.Module], Any],
 ) -> None:
     """Hook ``model`` and each of its streamed ``layers`` (in store order); ``device``: where
-    the model computes (its resident parameters' device)."""
+    the model computes (its resident parameters' device); ``state_of``: the model's streamed
+    state (``hf.model.streamed_state``), looked up per call: the OOM watchdog may have moved a
+    layer to another store."""
     ref = weakref.ref(model)
     for i, layer in enumerate(layers):
-        layer.register_state_dict_post_hook(functools.partial(_read_layer, ref, i))
-        layer.register_load_state_dict_pre_hook(functools.partial(_write_layer, ref, i))
+        layer.register_state_dict_post_hook(functools.partial(_read_layer, ref, state_of, i))
+        layer.register_load_state_dict_pre_hook(functools.partial(_write_layer, ref, state_of, i))
     for module in (model, *layers):
         # Instance attributes: copy and pickle look them up on the object, torch's .to() / .half()
         # / .cuda() all go through _apply.
@@ -77,17 +83,14 @@ def _refuse_copy(*args, **kwargs):
     )
 
 
-def _layer_store(ref: weakref.ref, index: int):
-    from .model import streamed_state  # noqa: PLC0415 - model.py installs these hooks
-
+def _layer_store(ref: weakref.ref, state_of, index: int):
     model = ref()
-    state = None if model is None else streamed_state(model)
-    # Looked up per call: the OOM watchdog may have moved the layer to another store.
+    state = None if model is None else state_of(model)
     return (None, None) if state is None else (state, state.store.layers[index])
 
 
-def _read_layer(ref, index, module, state_dict, prefix, local_metadata) -> None:
-    state, store = _layer_store(ref, index)
+def _read_layer(ref, state_of, index, module, state_dict, prefix, local_metadata) -> None:
+    state, store = _layer_store(ref, state_of, index)
     if store is None:
         return
     state.engine.wait_all_weights()
@@ -97,9 +100,10 @@ def _read_layer(ref, index, module, state_dict, prefix, local_metadata) -> None:
 
 
 def _write_layer(
-    ref, index, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
-) -> None:
-    state, store = _layer_store(ref, index)
+    ref, state_of, index, module, state_dict, prefix, local_metadata, strict, missing,
+    unexpected, errors,
+) -> None:  # fmt: skip
+    state, store = _layer_store(ref, state_of, index)
     if store is None:
         return
     views = {prefix + rel: view for rel, view in store.param_views(store.master).items()}
