@@ -499,10 +499,12 @@ def step_vs_plan(
         measured, unseen = live.peak, TRACKER_UNSEEN_KINDS
     step = StepShape(seq_len=tokens, micro_batch_tokens=tokens)
     # The layout ``_streamed`` runs: no kept activations, autocast's one cast per linear.
+    # On the CPU, the loss's chunk the step ran (``_step``'s 64 tokens), not the default.
+    chunk = {} if device == "cuda" else {"loss_chunk_tokens": 64}
     options = EngineOptions(
         **{
             "keep_activations": "off", "keep_attention_outputs": "off",
-            "autocast_kernels": False, **options,
+            "autocast_kernels": False, **chunk, **options,
         }
     ).resolve(clipping=True, cuda=True)  # fmt: skip
     plan = plan_memory(shape, step, options, BF16, 1 << 50, 1 << 50, hbm_layers=0)
