@@ -191,3 +191,23 @@ def test_optimizer_state_dict_holds_and_restores_the_streamed_moments(tmp_path):
     del wrong[STREAMED_STATE_KEY]["layers"][1]
     with pytest.raises(ValueError, match="the state of layers"):
         mega.optimizer.load_state_dict(wrong)
+
+
+def test_a_streamed_peft_models_state_dict_holds_its_frozen_base(tmp_path):
+    """Under PEFT the layers' base weights stream from frozen stores: state_dict() reads them
+    (unchanged by training, so equal to the base's own), beside the trained adapters."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    base = tiny_model(tiny_config("llama"))
+    original = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))
+    _, mega = run_trainer(model, tmp_path, "mega", True, max_steps=STEPS)
+    state = mega.model.state_dict()
+    assert not any(v.is_meta for v in state.values())
+    layer_base = [k for k in state if ".layers." in k and ".base_layer." in k]
+    assert layer_base
+    for key in layer_base:
+        name = key.removeprefix("base_model.model.").replace(".base_layer", "")
+        torch.testing.assert_close(state[key], original[name], rtol=0, atol=0, msg=key)
+    adapters = get_peft_model_state_dict(mega.model)
+    assert adapters and all(v.abs().sum() > 0 for k, v in adapters.items() if "lora_B" in k)
