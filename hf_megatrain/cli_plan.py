@@ -380,10 +380,8 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
                 f"{flag_text('resident_layers', options.resident_layers)}: the model has "
                 f"{shape.num_layers} layers"
             )
-        where["hbm_layers"] = min(options.resident_layers, shape.tier_layers)
-    elif shape.tier_layers < shape.num_layers:
-        where["hbm_layers"] = shape.tier_layers
-    if shape.tier_layers < shape.num_layers:
+        where["hbm_layers"] = options.resident_layers
+    if shape.tier_layers < shape.num_layers:  # (the plan caps the tier there, as training does)
         said.append(
             f"HBM tier: at most {shape.tier_layers} layers (the leading ones that train: it holds "
             "optimizer state; a frozen base's layers stream)"

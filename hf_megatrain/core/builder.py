@@ -305,14 +305,8 @@ def _resident_layer_count(
     # (Within host_memory_limit_gb where set: the store is then held to it.)
     host = planned_host_bytes(available_host_bytes(), options.host_memory_limit_bytes)
     where = dict(hbm_bytes=free, host_bytes=host, **placement)
+    # (The plan's tier takes only the leading trainable layers: ``ModelShape.tier_layers``.)
     plan, as_asked = plan_with_auto_fit(shape, step, options, compute_dtype, **where)
-    # The tier holds optimizer state: only leading trainable layers join it (the caller trims
-    # to them), so the plan (its kept activations, GPU and host lines) is made for those only
-    # (a frozen LoRA base: none).
-    trainable = next((i for i, layer in enumerate(layers) if not layer.trainable), n)
-    if plan.n_hbm > trainable:
-        placement["hbm_layers"] = where["hbm_layers"] = trainable
-        plan, as_asked = plan_with_auto_fit(shape, step, options, compute_dtype, **where)
     if step is not None and not plan.fits and options.auto_fit != "off":
         logger.info("hf_megatrain: memory plan (resident_layers=%r)\n%s", asked, plan.table(namer))
         # Nothing auto_fit allows fits: refused before allocating, with what would fit.

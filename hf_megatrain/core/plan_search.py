@@ -156,12 +156,16 @@ def _plan(
     if hbm_layers is not None and not 0 <= hbm_layers <= n:
         raise ValueError(f"hbm_layers={hbm_layers} but the model has {n} layers")
 
+    # The tier holds optimizer state: only the leading layers that train join it, a pinned count
+    # too (a frozen LoRA base: none; the builder makes the same cut).
+    most = shape.tier_layers
+
     def tier(attn: int) -> int:
         if hbm_layers is not None:
-            return hbm_layers
+            return min(hbm_layers, most)
         # Largest prefix that fits. Not monotone in k (an all-HBM plan drops the stream buffers),
         # so try every count instead of stopping at the first miss.
-        return next((k for k in range(n, -1, -1) if total(gpu(k, 0, attn)) <= hbm_bytes), 0)
+        return next((k for k in range(most, -1, -1) if total(gpu(k, 0, attn)) <= hbm_bytes), 0)
 
     if attention_first:
 
