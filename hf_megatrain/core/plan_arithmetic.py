@@ -133,7 +133,7 @@ def gpu_lines(
     host = shape.layer_numels[n_hbm:]
     max_host = max(host, default=0)
     # The host layers' gradients: of those that train (a frozen LoRA base makes none).
-    trained = [shape.layer_trained_numel(i) for i in range(n_hbm, shape.num_layers)]
+    trained = shape.trained_numels(n_hbm)
     max_trained = max(trained, default=0)
     cast = options.hbm_cast_weights and dtype != torch.float32
     # Cast on use: the tier's layers that do not keep activations (the first n_hbm - kept).
@@ -382,7 +382,7 @@ def host_lines(
             sum(host_layer_bytes(shape, i, dtype, store) for i in range(n_hbm, shape.num_layers)),
         )
     ]
-    trained = [shape.layer_trained_numel(i) for i in range(n_hbm, shape.num_layers)]
+    trained = shape.trained_numels(n_hbm)
     if not host_grads and any(trained):
         lines.append(
             MemoryLine(
@@ -457,7 +457,7 @@ def pcie_bytes(
     n = shape.num_layers
     again = [i for s in range(0, n, k) for i in range(s, min(s + k, n) - 2) if i >= n_hbm]
     h2d += ga * sum(shape.layer_numels[i] for i in again) * isz
-    trained = sum(shape.layer_trained_numel(i) for i in range(n_hbm, n))
+    trained = sum(shape.trained_numels(n_hbm))
     return h2d, itemsize(options.host_grad_dtype(dtype)) * trained
 
 

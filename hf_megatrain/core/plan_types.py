@@ -187,6 +187,11 @@ class ModelShape:
         none)."""
         return max(0, self.layer_numels[i] - self.layer_frozen_numel(i))
 
+    def trained_numels(self, first: int) -> list[int]:
+        """``layer_trained_numel`` of layers ``first`` onwards (the host layers after a tier of
+        ``first``): what their gradients hold."""
+        return [self.layer_trained_numel(i) for i in range(first, self.num_layers)]
+
     @property
     def tier_layers(self) -> int:
         """How many layers the HBM tier can take: the leading ones that train (the tier holds

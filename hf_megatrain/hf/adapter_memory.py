@@ -51,6 +51,18 @@ class _Held:
     fp32_mlp: int = 0
     methods: tuple[str, ...] = ()  # (of every layer: the line's name)
 
+    def absorb(self, other: _Held, methods: set[str]) -> None:
+        """Keep each term's larger of this and ``other`` (another layer's), and ``methods``."""
+        self.token = max(self.token, other.token)
+        self.token_fp32 = max(self.token_fp32, other.token_fp32)
+        self.masks = max(self.masks, other.masks)
+        self.peak("token_peak", *other.token_peak)
+        self.weight = max(self.weight, other.weight)
+        self.weight_fp32 = max(self.weight_fp32, other.weight_fp32)
+        self.peak("weight_peak", *other.weight_peak)
+        self.fp32_mlp = max(self.fp32_mlp, other.fp32_mlp)
+        self.methods = tuple(sorted(set(self.methods) | methods))
+
     def peak(self, which: str, compute: int, fp32: int) -> None:
         """Keep the larger temporary (by its bf16 bytes)."""
         old = getattr(self, which)
@@ -238,15 +250,7 @@ def adapter_shape_fields(
                     if method in UPCASTING_METHODS and _feeds_mlp(name, module, hidden):
                         held.fp32_mlp = max(held.fp32_mlp, min(module.out_features, mlp_width))
         own_buffers.append(buffers)
-        best.token = max(best.token, held.token)
-        best.token_fp32 = max(best.token_fp32, held.token_fp32)
-        best.masks = max(best.masks, held.masks)
-        best.peak("token_peak", *held.token_peak)
-        best.weight = max(best.weight, held.weight)
-        best.weight_fp32 = max(best.weight_fp32, held.weight_fp32)
-        best.peak("weight_peak", *held.weight_peak)
-        best.fp32_mlp = max(best.fp32_mlp, held.fp32_mlp)
-        best.methods = tuple(sorted(set(best.methods) | methods))
+        best.absorb(held, methods)
     fields = dict(
         adapter_token_elements=best.token,
         adapter_token_fp32=best.token_fp32,
