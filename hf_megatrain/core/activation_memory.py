@@ -1319,7 +1319,8 @@ def adapter_activation_line(shape: ModelShape, step: StepShape, dtype: torch.dty
     elements, fp32 = shape.adapter_token_elements, shape.adapter_token_fp32
     masks, mlp = shape.adapter_token_masks, shape.adapter_fp32_mlp_width
     w_elements, w_fp32 = shape.adapter_weight_elements, shape.adapter_weight_fp32
-    saved = t * (isz * elements + 4 * fp32 + masks) + isz * w_elements + 4 * w_fp32
+    per_forward = isz * w_elements + 4 * w_fp32
+    saved = t * (isz * elements + 4 * fp32 + masks) + per_forward
     widened = 6 * (4 - isz) if isz < 4 else 0  # (in fp32 runs the MLP is fp32 anyway)
     peak_elements, peak_fp32 = shape.adapter_token_peak
     token_peak = t * (isz * peak_elements + 4 * peak_fp32 + widened * mlp)
@@ -1338,7 +1339,6 @@ def adapter_activation_line(shape: ModelShape, step: StepShape, dtype: torch.dty
             )
             if n
         )
-    per_forward = isz * w_elements + 4 * w_fp32
     forward = f" + per forward {per_forward / 2**20:.1f} MiB" if per_forward else ""
     forward += (
         f" + or the largest weight-sized temporary {weight_peak / 2**20:.1f} MiB"
