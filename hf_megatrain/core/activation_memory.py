@@ -1169,13 +1169,18 @@ def loss_phase_apart(
 ) -> bool:
     """Whether the plan holds the fused loss's phase (and a non-tied embedding's gradient, made
     after the last layer's backward) apart from a layer's backward, as the larger of the two:
-    a dense layer with MLP tiles and fused kernels, every layer recomputed (``kept`` layers keep
-    their activations). See ``activation_lines``."""
+    a dense layer with fused kernels, MLP tiles or (Liger-Kernel's) untiled with its measured
+    peak, every layer recomputed (``kept`` layers keep their activations), one micro-batch per
+    step (with more, the first micro-batch's head and embedding gradients are alive in the next
+    one's backward). See ``activation_lines``."""
     t, tile = step.micro_batch_tokens, options.mlp_tile_tokens
+    tiled_fused = 0 < tile < t and shape.fused_layer_kernels
+    # Liger-Kernel's (fused kernels, norms not this library's compiled ones).
+    liger = shape.fused_layer_kernels and not shape.compiled_norms
     return (
         fused_loss_runs(shape, options)
-        and 0 < tile < t
-        and shape.fused_layer_kernels
+        and (tiled_fused or (liger and _is_measured_peak(shape, t, tile)))
+        and step.grad_accum == 1
         and not kept
         and not shape.experts_per_token
     )
@@ -1503,10 +1508,15 @@ def activation_lines(
         # 131,072 tokens, tiles, segments of 4, offload: the loss phase peaked 8 and 10 GiB
         # under the first layer backward, whose live blocks held no logit chunk;
         # dev/long_peak_probe.py; the fused kernels' tiled working set is 14% under its line,
-        # tests/test_gpu.py). Elsewhere (PyTorch's kernels, whose tiled working set measured 8%
-        # over its line and whose 1M-token 1.5B and 512k-token 3B runs needed the sum; MoE,
-        # non-gated MLPs; layers keeping activations, whose backward has its own unmeasured
-        # temporaries) the sum keeps covering it, as before.
+        # tests/test_gpu.py). Untiled with Liger's kernels too: 62 H200 rows (Llama-3.1-8B,
+        # Qwen2.5-7B and 14B at 65,536- and 131,072-token micro-batches) peaked 4.5-9.2% under
+        # the summed plan and 0.7-3.5% under this one (plan_vs_measured.md). Elsewhere
+        # (PyTorch's and the compiled kernels: Llama-3.1-8B's 64k rows with them peaked 1-2%
+        # over this one; PyTorch's tiled working set measured 8% over its line and its 1M-token
+        # 1.5B and 512k-token 3B runs needed the sum; MoE, non-gated MLPs; layers keeping
+        # activations, whose backward has its own unmeasured temporaries; gradient
+        # accumulation, whose head and embedding gradients outlive the micro-batch: a 2 x 64k
+        # Liger row peaked 3% over this one) the sum keeps covering it, as before.
         chunk = loss_chunk_tokens(shape, step, options)
         per_logit = SOFTCAPPED_LOSS_BYTES_PER_LOGIT if shape.gemma_norms else LOSS_BYTES_PER_LOGIT
         head_copy = 0 if dtype == torch.float32 else v * h * isz
