@@ -471,7 +471,7 @@ PY
         -k "lora or peft or adapter" 2>&1 | grep -aE "passed|failed|Error" | tail -8
       ;;
     tier8b)  # llama8b with 16 and 17 HBM-tier layers (auto picks 15), every attention output
-      for n in 16 17; do  # kept as auto keeps them: the speed the plan's over-estimate costs
+      for n in ${TIER8B_LAYERS:-16 17}; do  # kept as auto keeps them (the plan's over-estimate)
         run64k "tier${n}_8b64k" llama-3.1-8b 240 --steps 3 --warmup 1 --resident-layers "$n" \
           --keep-attention-outputs all --auto-fit off
       done
