@@ -120,6 +120,7 @@
 #              the fused loss, without autocast_kernels, without bf16 gradient slots. ~3 min.
 #   warm8b     llama8b for one step, thrown away: the first bench process of a machine start runs
 #              slow (its host-update waits fall step by step), so A/Bs go after it.
+#   cast8b     llama8b with --hbm-cast-weights: HBM-tier layers cast on use, 2 more in the tier.
 #   nolk8b     llama8b with --no-fused-loss-kernel (PyTorch's ops in the loss: the A/B).
 #   compiled8b llama8b with --layer-kernels compiled: the defaults as without liger-kernel.
 #   gemma2bisect benchmarks/loss_curves.py, Gemma2 small (parity's config): stock, its two
@@ -385,6 +386,9 @@ PY
       ;;
     warm8b)
       run64k warm8b64k llama-3.1-8b 240 --steps 1 --warmup 1
+      ;;
+    cast8b)  # llama8b with --hbm-cast-weights (18 HBM-tier layers instead of 16: less host update)
+      run64k cast8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --hbm-cast-weights
       ;;
     nolk8b)
       run64k nolk8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --no-fused-loss-kernel
