@@ -206,13 +206,26 @@ def _dir_size_mb(path: str, suffix: str) -> tuple[int, float]:
 
 
 def _checkpoint_state(checkpoint: str):
-    """A Trainer checkpoint's ``TrainerState`` (None: no trainer_state.json)."""
+    """A Trainer checkpoint's ``TrainerState`` (None: no trainer_state.json), checked against
+    the checkpoint's manifest first: the resume point is read from it before the trainer checks
+    the whole checkpoint, and an altered file must not decide it."""
+    from .core.publish import IntegrityError, hash_file, read_manifest  # noqa: PLC0415
+
     path = Path(checkpoint) / "trainer_state.json"
     if not path.is_file():
         return None
+    listed = (read_manifest(checkpoint) or {}).get("files", {}).get(path.name)
+    if listed is not None and hash_file(str(path)) != (int(listed["size"]), listed["sha256"]):
+        raise IntegrityError(
+            f"hf_megatrain: {path} is corrupt: it differs from the one in its checkpoint's "
+            "manifest (resume from an earlier checkpoint with --resume_from_checkpoint)"
+        )
     from transformers.trainer_callback import TrainerState  # noqa: PLC0415
 
-    return TrainerState.load_from_json(str(path))
+    try:
+        return TrainerState.load_from_json(str(path))
+    except (ValueError, TypeError, KeyError) as e:  # (no manifest: an older version's save)
+        raise IntegrityError(f"hf_megatrain: {path} is not a trainer state ({e})") from None
 
 
 def _saved_model_record(folder: str) -> dict | None:
@@ -232,6 +245,19 @@ def _saved_model_record(folder: str) -> dict | None:
     if not isinstance(record, dict) or not isinstance(record.get("global_step"), int):
         return None
     return record if listed_files_problem(folder, manifest) is None else None
+
+
+def _final_model_damage(folder: str) -> str | None:
+    """What is wrong with the final model saved in ``folder`` (every file against the sha256
+    of its manifest), None if nothing: a run that finds its final model already written ends
+    there, so that model is checked whole first."""
+    from .core.publish import IntegrityError, verify_folder  # noqa: PLC0415
+
+    try:
+        verify_folder(folder)
+    except (IntegrityError, FileNotFoundError) as e:
+        return str(e).removeprefix("hf_megatrain: ")
+    return None
 
 
 def _best_checkpoint(resume: str, state, args) -> str | None:
@@ -301,8 +327,8 @@ def _resume_point(settings: TrainSettings) -> tuple[str | None, int | None]:
         _say(f"hf-megatrain: skipped incomplete {', '.join(skipped)}; resuming from {resume}")
     if resume is None:
         return None, None
+    state = _checkpoint_state(resume)  # (checked against its manifest before anything reads it)
     check_same_run(resume, settings, explicit=args.resume_from_checkpoint is not None)
-    state = _checkpoint_state(resume)
     return resume, (state.global_step if state is not None else None)
 
 
@@ -390,8 +416,16 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     # finished from it instead, as its last step would have finished it.
     finish_only = resume_step is not None and 0 < args.max_steps <= resume_step
     named = (args.resume_from_checkpoint or "last").lower() not in RESUME_LAST  # a folder
+    if _is_main_process():
+        from .core.publish import recover  # noqa: PLC0415
+
+        recover(args.output_dir)  # a publish of the final model killed half way: its leftovers
     record = _saved_model_record(args.output_dir) if resume_step is not None else None
-    if not named and record is not None and _finishes_run(record, resume, resume_step, args):
+    done = not named and record is not None and _finishes_run(record, resume, resume_step, args)
+    if done and (damage := _final_model_damage(args.output_dir)) is not None:
+        _say(f"hf-megatrain: {damage}; writing it again from {os.path.basename(resume)}")
+        done = False
+    if done:
         out = args.output_dir
         _say(
             f"hf-megatrain: {out} already holds this run's final model (saved at step "

@@ -168,6 +168,57 @@ def test_a_finished_run_run_again_trains_nothing(finished, tmp_path, capsys):
     assert _files(out) == before
 
 
+def _flip_bytes(path: Path, text: bool = False) -> None:
+    """Alter ``path`` in place, its size unchanged: a JSON file made invalid, else 16 bytes."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2
+    data[at : at + 16] = b"#" * 16 if text else bytes(b ^ 0xFF for b in data[at : at + 16])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_final_model_is_written_again(finished, tmp_path, capsys):
+    """The same command again after it finished, its final model altered on disk (same size):
+    the model is not taken as done; it is written again from the last checkpoint, equal to the
+    uninterrupted run's."""
+    root, out, flags = _copy(finished, tmp_path)
+    whole = {k: v.clone() for k, v in _weights(out).items()}  # (not views of the file altered)
+    _flip_bytes(out / "model.safetensors")
+    capsys.readouterr()
+    assert main(_argv(root, out, flags)) == 0
+    said = capsys.readouterr().out
+    assert "already holds" not in said
+    assert "model.safetensors is corrupt" in said and f"again from checkpoint-{STEPS}" in said
+    after = _weights(out)
+    assert after.keys() == whole.keys()
+    for name in whole:
+        assert torch.equal(after[name], whole[name]), name
+
+
+def test_an_altered_trainer_state_is_refused_in_one_line(finished, tmp_path):
+    """The resume point is read from the newest checkpoint's trainer_state.json before the
+    trainer checks the checkpoint: that file made invalid JSON (same size) is named in one
+    error line, not a traceback from json."""
+    root, out, flags = _copy(finished, tmp_path)
+    (out / "model.safetensors").unlink()  # (not finished: the run resumes)
+    _flip_bytes(out / f"checkpoint-{STEPS}" / "trainer_state.json", text=True)
+    with pytest.raises(SystemExit) as e:
+        main(_argv(root, out, flags))
+    assert str(e.value).startswith("hf-megatrain: error: ")
+    assert f"checkpoint-{STEPS}/trainer_state.json is corrupt" in str(e.value)
+
+
+def test_a_rerun_clears_a_killed_publish_of_the_final_model(finished, tmp_path, capsys):
+    """A kill after the final model's folders were exchanged leaves the old set in a hidden
+    folder beside the output folder (hard links to checkpoints since rotated away): the next
+    run clears it, also when it finds the run done and saves nothing."""
+    root, out, flags = _copy(finished, tmp_path)
+    leftover = tmp_path / f".{out.name}.megatrain-new-{os.getpid()}-0"
+    shutil.copytree(out / f"checkpoint-{STEPS}", leftover)
+    assert main(_argv(root, out, flags)) == 0
+    assert "already holds" in capsys.readouterr().out
+    assert not leftover.exists()
+
+
 @pytest.mark.parametrize("how", ["automatic", "explicit"])
 def test_a_checkpoint_at_max_steps_finishes_the_run(finished, tmp_path, capsys, how):
     """Resuming from a checkpoint already at --max_steps trains nothing (no checkpoint-7): the
