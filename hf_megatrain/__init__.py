@@ -5,8 +5,9 @@ from .core.options import EngineOptions, StepShape
 from .core.planner import MemoryPlanError
 from .hf.arguments import MegaTrainArguments
 from .hf.checkpoint import save_streamed_pretrained
+from .hf.families import SUPPORTED_MODEL_TYPES
 from .hf.loading import frozen_streamed_copy, init_streamed_model, load_streamed_model
-from .hf.model import SUPPORTED_MODEL_TYPES, UnsupportedModelError, prepare_streamed_model
+from .hf.model import UnsupportedModelError, prepare_streamed_model
 from .hf.preemption import SaveOnSigterm
 from .hf.trainer import HFMegaTrainer
 

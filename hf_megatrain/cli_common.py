@@ -75,18 +75,15 @@ def say(msg: str) -> None:
 def config_from_json(path: str):
     from transformers import AutoConfig  # noqa: PLC0415
 
-    from . import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
+    from .hf.families import model_family, unsupported_model_type  # noqa: PLC0415
 
     try:
         d = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise CLIError(f"{path} is not valid JSON: {e}") from None
     model_type = d.pop("model_type", None) if isinstance(d, dict) else None
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CLIError(
-            f"{path}: model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    if model_family(model_type) is None:
+        raise CLIError(unsupported_model_type(path, model_type))
     layers = d.get("num_hidden_layers", d.get("n_layer"))
     if isinstance(layers, int) and layers < 1:
         raise CLIError(f"{path}: num_hidden_layers is {layers}; a model needs at least 1 layer")

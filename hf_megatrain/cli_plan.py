@@ -132,7 +132,7 @@ def plan_config(path: str):
     """The model config of ``hf-megatrain plan``'s argument: a config.json or a folder with one."""
     from transformers import AutoConfig  # noqa: PLC0415
 
-    from . import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
+    from .hf.families import model_family, unsupported_model_type  # noqa: PLC0415
 
     p = Path(path)
     if p.is_dir():
@@ -142,11 +142,8 @@ def plan_config(path: str):
             cfg = AutoConfig.from_pretrained(str(p), local_files_only=True)
         except (OSError, ValueError, KeyError) as e:
             raise CLIError(f"{p}: could not read config.json: {e}") from None
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise CLIError(
-                f"{p}: model_type {cfg.model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        if model_family(cfg.model_type) is None:
+            raise CLIError(unsupported_model_type(str(p), cfg.model_type))
         check_config_sizes(cfg, str(p / "config.json"))
         return cfg
     if not p.is_file():
@@ -274,6 +271,7 @@ def planned_kernel_shape(
     (``_planned_layer_kernels``): the fused SwiGLU's smaller saves where Liger's MLP kernel, or
     compiled ones that fuse the family's MLP, run; the compiled norms' where they run; kept
     activations audited as for the run's kernels."""
+    from .hf.families import model_family  # noqa: PLC0415
     from .hf.family_memory import kept_bytes_audited  # noqa: PLC0415
 
     # (One meta model: the shape and the kernel probes read the same skeleton.)
@@ -291,7 +289,8 @@ def planned_kernel_shape(
         shape = dataclasses.replace(shape, fused_layer_kernels=True)
     elif kernels.kind == "compiled":
         shape = dataclasses.replace(shape, fused_layer_kernels=fuses, compiled_norms=norms)
-    audited = kept_bytes_audited(cfg.model_type, shape.fused_layer_kernels or shape.compiled_norms)
+    family = model_family(cfg.model_type) or cfg.model_type
+    audited = kept_bytes_audited(family, shape.fused_layer_kernels or shape.compiled_norms)
     return dataclasses.replace(shape, kept_bytes_audited=audited), kernels
 
 

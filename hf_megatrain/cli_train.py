@@ -106,7 +106,8 @@ def build_model(settings: TrainSettings, tokenizer):
     import torch  # noqa: PLC0415
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
 
-    from . import SUPPORTED_MODEL_TYPES, load_streamed_model  # noqa: PLC0415
+    from . import load_streamed_model  # noqa: PLC0415
+    from .hf.families import model_family, unsupported_model_type  # noqa: PLC0415
 
     model = settings.model
     if model.model_path is not None:
@@ -115,11 +116,8 @@ def build_model(settings: TrainSettings, tokenizer):
             cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
         except CONFIG_ERRORS as e:
             raise CLIError(f"{folder}/config.json: invalid config: {error_summary(e)}") from None
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise CLIError(
-                f"{model.model_path}: model_type {cfg.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        if model_family(cfg.model_type) is None:
+            raise CLIError(unsupported_model_type(model.model_path, cfg.model_type))
         _check_vocab(cfg, tokenizer)
         return load_streamed_model(folder, **_loader_arguments(settings))
     cfg = _config_from_json(model.config or str(DEFAULT_CONFIG))

@@ -29,7 +29,7 @@ def model_config(path: str, parser: argparse.ArgumentParser):
     """The config of ``--config`` (a config.json, or a folder holding one); usage errors exit."""
     from transformers import AutoConfig  # noqa: PLC0415
 
-    from . import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
+    from .hf.families import model_family, unsupported_model_type  # noqa: PLC0415
 
     p = Path(path)
     file = p / "config.json" if p.is_dir() else p
@@ -43,11 +43,8 @@ def model_config(path: str, parser: argparse.ArgumentParser):
         cfg = AutoConfig.from_pretrained(str(p if p.is_dir() else file))
     except (OSError, ValueError) as e:
         parser.error(f"--config {path}: not a model config ({e})")
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        parser.error(
-            f"--config {path}: model_type {cfg.model_type!r} is not supported; supported: "
-            + ", ".join(sorted(SUPPORTED_MODEL_TYPES))
-        )
+    if model_family(cfg.model_type) is None:
+        parser.error(unsupported_model_type(f"--config {path}", cfg.model_type))
     return cfg
 
 

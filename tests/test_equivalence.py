@@ -9,7 +9,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from hf_megatrain import prepare_streamed_model
+from hf_megatrain import SUPPORTED_MODEL_TYPES, prepare_streamed_model
+from hf_megatrain.hf.families import model_family
 from hf_megatrain.hf.model import streamed_gradients, streamed_state
 
 from .helpers import (
@@ -114,6 +115,43 @@ def test_trainer_matches_stock(arch, tmp_path):
         # to 1e-2 (1.3e-4). 5e-4 for those, 20x below an update of lr 1e-2.
         atol = 5e-4 if arch in ("glm4", "exaone4", "gpt_neox", "gpt_bigcode") else 1e-5
         torch.testing.assert_close(final[name], p, rtol=0, atol=atol, msg=name)
+
+
+def _class_aliases() -> list[tuple[str, str]]:
+    """(model_type, family): the types the installed transformers builds with a supported
+    family's model class (``model_family``), e.g. 'internlm3' as ``LlamaForCausalLM``."""
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    return sorted(
+        (t, model_family(t))
+        for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if t not in SUPPORTED_MODEL_TYPES and model_family(t) and t in CONFIG_MAPPING
+    )
+
+
+@pytest.mark.parametrize(
+    "alias,family",
+    _class_aliases() or [pytest.param("", "", marks=pytest.mark.skip("no such model types"))],
+)
+def test_types_built_with_a_supported_class_match_stock(alias, family, tmp_path):
+    """A model_type transformers builds with a supported family's class, with its own config
+    class (the family's tiny shape), trains as that family: streamed equal to stock."""
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+
+    shape = tiny_config(family).to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
+        shape.pop(key, None)
+    config = CONFIG_MAPPING[alias](**shape)
+    assert config.model_type == alias
+    (stock, st), (mega, mt) = train_both(tiny_model(config), tmp_path, steps=3)
+    assert_logs_match(stock, mega)
+    final = mega_params(mt)
+    for name, p in st.model.state_dict().items():
+        # As test_trainer_matches_stock's tolerance (3 steps at lr 1e-2).
+        torch.testing.assert_close(final[name], p, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize(

@@ -29,10 +29,10 @@ from .checkpoint import (
     load_weights_into_store,
     resolve_checkpoint_key,
 )
+from .families import model_family, unsupported_model_type
 from .hub import resolve_model_folder
 from .long_context import apply_layer_kernels
 from .model import (
-    SUPPORTED_MODEL_TYPES,
     UnsupportedModelError,
     _is_peft,
     find_decoder_layers,
@@ -254,13 +254,10 @@ def check_model_type(path: str) -> None:
             "quantized"
         )
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
-    if model_type is None or model_type in SUPPORTED_MODEL_TYPES:
+    if model_type is None or model_family(model_type) is not None:
         return  # (no model_type: transformers decides; the model is checked when streamed)
     custom = " (custom code: config.json's auto_map)" if raw.get("auto_map") else ""
-    raise UnsupportedModelError(
-        f"hf_megatrain: {path}: model_type {model_type!r}{custom} is not supported. Supported "
-        f"decoder architectures: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}."
-    )
+    raise UnsupportedModelError(unsupported_model_type(f"hf_megatrain: {path}", model_type, custom))
 
 
 def _headers(path: str) -> dict[str, tuple[tuple[int, ...], str]]:

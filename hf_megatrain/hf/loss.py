@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ..core.chunked_loss import IGNORE_INDEX, LogitMap, chunked_linear_cross_entropy
+from .families import model_family
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def supports_fused_loss(model) -> bool:
     model = unwrap_peft(model)
     config = model.config
     return (
-        config.model_type in FUSED_LOSS_MODEL_TYPES
+        model_family(config.model_type) in FUSED_LOSS_MODEL_TYPES
         and _linear_head(getattr(model, "lm_head", None))
         and getattr(model, model.base_model_prefix, None) is not None
         # A model-specific loss (set by the user) is theirs to keep.
@@ -146,7 +147,7 @@ def fused_causal_lm_forward(
     targets = shift_labels.reshape(-1).to(hidden.device)
     if num_items is not None and torch.is_tensor(num_items):
         num_items = num_items.to(hidden.device)
-    model_type = model.config.model_type
+    model_type = model_family(model.config.model_type)
     # The family's maps of the head's output, for the loss and for logits read later alike.
     logit_map = LogitMap(
         scale=model.logit_scale if model_type in LOGIT_SCALE_MODEL_TYPES else None,

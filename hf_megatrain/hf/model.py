@@ -39,6 +39,7 @@ from .adapter_memory import adapter_shape_fields
 from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
 from .compiled_kernels import is_compiled_forward, runs_compiled_norms, stand_in
+from .families import model_family, unsupported_model_type
 from .family_memory import (
     EAGER_SCORE_COPY_MODEL_TYPES,
     FAMILY_WORKING_SET_EXTRA,
@@ -64,53 +65,6 @@ logger = logging.getLogger(__name__)
 
 _EAGER_WINDOW_MASK = re.compile(r'"sliding_attention":\s*create_sliding_window_causal_mask\(')
 
-#: model_type -> short description; each has a tiny-config equivalence test.
-SUPPORTED_MODEL_TYPES = {
-    "llama": "Llama",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "mistral": "Mistral",
-    "gemma3_text": "Gemma3 (text, sliding + full attention layers)",
-    "phi3": "Phi3",
-    "qwen3_moe": "Qwen3-MoE (router aux loss keeps its gradient)",
-    "mixtral": "Mixtral (router aux loss keeps its gradient)",
-    "gemma2": "Gemma2 (sliding + full attention layers, soft-capping)",
-    "granite": "Granite (embedding, residual, attention and logit multipliers)",
-    "phi": "Phi (parallel attention and MLP, partial rotary)",
-    "olmo2": "OLMo 2",
-    "olmo3": "OLMo 3 (sliding + full attention layers)",
-    "smollm3": "SmolLM3 (NoPE layers)",
-    "starcoder2": "StarCoder2",
-    "cohere": "Cohere / Command R (parallel attention and MLP)",
-    "glm4": "GLM-4",
-    "ernie4_5": "ERNIE 4.5 (dense)",
-    "helium": "Helium",
-    "exaone4": "EXAONE 4",
-    "seed_oss": "Seed-OSS",
-    "qwen2_moe": "Qwen2-MoE (shared expert; router aux loss keeps its gradient)",
-    "olmoe": "OLMoE (router aux loss keeps its gradient)",
-    "gpt_oss": "gpt-oss (attention sinks; bf16 checkpoints, not MXFP4; router aux loss kept)",
-    "gemma": "Gemma",
-    "olmo": "OLMo",
-    "stablelm": "StableLM",
-    "gpt_neox": "GPT-NeoX / Pythia (parallel attention and MLP)",
-    "nemotron": "Nemotron",
-    "arcee": "Arcee (AFM)",
-    "apertus": "Apertus",
-    "hunyuan_v1_dense": "Hunyuan (dense)",
-    "lfm2": "LFM2 (short gated convolutions + attention)",
-    "granitemoe": "Granite-MoE (router aux loss keeps its gradient)",
-    "glm4_moe": "GLM-4.5 MoE (shared expert, grouped routing)",
-    "dots1": "dots.llm1 (MoE, shared expert)",
-    "deepseek_v2": "DeepSeek-V2 (multi-head latent attention, MoE)",
-    "deepseek_v3": "DeepSeek-V3 / Kimi K2 shape (multi-head latent attention, MoE)",
-    "falcon": "Falcon (new and old decoder architectures)",
-    "bloom": "BLOOM (ALiBi)",
-    "mpt": "MPT (ALiBi)",
-    "gptj": "GPT-J (parallel attention and MLP)",
-    "gpt_bigcode": "GPTBigCode / StarCoder (multi-query attention)",
-    "qwen3_next": "Qwen3-Next (Gated DeltaNet linear + gated full attention, MoE)",
-}
 _MOE_TYPES = {"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"}
 
 
@@ -175,6 +129,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         p.numel() for p in model.parameters() if id(p) not in in_layers and not p.requires_grad
     )
     cfg = model.config
+    family = model_family(cfg.model_type) or cfg.model_type  # (the per-family tables' key)
     text_cfg = _text_config(cfg)
     # GPT-style configs name the MLP width otherwise or leave it at the 4 x hidden default.
     inter = (
@@ -229,8 +184,8 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
             unused_window = int(getattr(text_cfg, "sliding_window", 0) or 0)
     q_width = heads * head_dim
     extra_what, extra = "", 0
-    if cfg.model_type in FAMILY_WORKING_SET_EXTRA:
-        extra_what, per_token = FAMILY_WORKING_SET_EXTRA[cfg.model_type]
+    if family in FAMILY_WORKING_SET_EXTRA:
+        extra_what, per_token = FAMILY_WORKING_SET_EXTRA[family]
         extra = per_token(text_cfg, text_cfg.hidden_size, q_width, kv_heads * head_dim, inter)
     # The router aux loss's temporaries: which of transformers' two load-balancing losses the
     # family has (before 5.16 one-hot over every layer's top-k at once, then layer by layer).
@@ -275,21 +230,21 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         # Routed experts per token (the working set's; 0 for dense models).
         experts_per_token=experts or 0,
         router_aux_one_hot=one_hot,
-        moe_working_set_audited=cfg.model_type in MOE_WORKING_SET_AUDITED_MODEL_TYPES,
-        fp32_routing_weights=cfg.model_type in MOE_FP32_ROUTING_MODEL_TYPES,
+        moe_working_set_audited=family in MOE_WORKING_SET_AUDITED_MODEL_TYPES,
+        fp32_routing_weights=family in MOE_FP32_ROUTING_MODEL_TYPES,
         shared_expert_size=_shared_expert_size(text_cfg) if experts else 0,
         dense_mlp_size=_dense_mlp_size(layers, routes, text_cfg) if experts else 0,
-        kept_bytes_audited=kept_bytes_audited(cfg.model_type, fused or compiled_norms),
+        kept_bytes_audited=kept_bytes_audited(family, fused or compiled_norms),
         extra_kept_bytes_per_token=fitted_bytes(
-            FITTED_KEPT_RESIDUALS.get(cfg.model_type),
+            FITTED_KEPT_RESIDUALS.get(family),
             text_cfg.hidden_size,
             q_width,
             kv_heads * head_dim,
             inter,
         ),
         # Gemma-2/3's four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
-        gemma_norms=cfg.model_type in ("gemma2", "gemma3_text"),
-        peak_working_set_audited=cfg.model_type in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
+        gemma_norms=family in ("gemma2", "gemma3_text"),
+        peak_working_set_audited=family in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
         sdpa_attention=runs == "sdpa",
         attn_implementation=attn,
         sliding_window=window,
@@ -297,7 +252,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         sliding_layers=sliding,
         attn_softcapping=bool(getattr(text_cfg, "attn_logit_softcapping", None)),
         sdpa_explicit_mask=explicit_mask,
-        eager_score_copy=cfg.model_type in EAGER_SCORE_COPY_MODEL_TYPES,
+        eager_score_copy=family in EAGER_SCORE_COPY_MODEL_TYPES,
         unused_window_mask_from=unused_window,
         extra_working_set_bytes_per_token=extra,
         extra_working_set_what=extra_what,
@@ -453,12 +408,12 @@ def check_supported(model: nn.Module) -> str:
             )
         model = model.get_base_model()
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+    model_type = model_family(getattr(config, "model_type", None))
+    if model_type is None:
         raise UnsupportedModelError(
-            f"hf_megatrain: model_type '{model_type}' ({type(model).__name__}) is not supported. "
-            f"Supported decoder architectures: {supported}."
+            unsupported_model_type(f"hf_megatrain: {type(model).__name__}", config.model_type)
+            if config is not None
+            else f"hf_megatrain: {type(model).__name__} has no config: not a transformers model"
         )
     if not type(model).__name__.endswith("ForCausalLM"):
         raise UnsupportedModelError(
