@@ -1735,6 +1735,31 @@ def test_family_step_stays_inside_the_plan_on_gpu(model_type, attn):
     assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
 
 
+@pytest.mark.parametrize("hidden,vocab", [(1024, 128256), (2048, 32000)], ids=["vocab", "wide"])
+def test_liger_step_stays_inside_the_plan_on_gpu(hidden, vocab):
+    """Liger's untiled layers in one micro-batch: the plan holds the fused loss's phase (its
+    chunk, the LM head's copy and fp32 weight gradient) apart from a layer's backward, as the
+    larger of the two (from 62 H200 rows of 7-14B models, where the layer's backward is the
+    larger). Here a vocabulary 125 times the hidden size, where the loss's phase is the larger,
+    and wider layers: one 16,384-token step with the default loss chunk within the plan's lines
+    plus their margin."""
+    pytest.importorskip("liger_kernel")
+    from tests.test_plan_accuracy import step_vs_plan
+
+    tokens = 16384
+    cfg = tiny_config(
+        "llama", num_hidden_layers=3, hidden_size=hidden, intermediate_size=hidden * 7 // 2,
+        num_attention_heads=hidden // 128, num_key_value_heads=hidden // 512, head_dim=128,
+        vocab_size=vocab, max_position_embeddings=2 * tokens,
+    )  # fmt: skip
+    r = step_vs_plan(cfg, tokens, "sdpa", device="cuda", liger=True, default_chunk=True)
+    assert r["shape"].fused_layer_kernels and not r["shape"].compiled_norms
+    assert any(ln.name.startswith("fused loss phase") for ln in r["plan"].gpu_lines)
+    print(f"liger h {hidden} vocab {vocab}: measured {r['measured'] / 1e6:.1f} MB, planned "
+          f"{r['planned'] / 1e6:.1f} (+{r['margin'] / 1e6:.1f})")  # fmt: skip
+    assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
+
+
 def _adapted_step_vs_plan(what: str, **adapters) -> None:
     """One 16,384-token step of a 3-layer Llama of hidden 1024 under ``adapters`` (step_vs_plan's
     ``lora`` or ``peft_config``) on the CUDA allocator, autocast_kernels on: within the plan's

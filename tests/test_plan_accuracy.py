@@ -104,10 +104,11 @@ def _cuda_fp32_gemm(acc, a, b):
 
 def _streamed(
     cfg, attn: str = "sdpa", device: str = "cpu", lora: dict | None = None, peft_config=None,
-    **options,
+    liger: bool = False, **options,
 ):  # fmt: skip
     """``cfg``'s model streamed (under PEFT's LoRA where ``lora``, LoraConfig's arguments, is
-    given, or any PEFT config ``peft_config``) and its plan shape."""
+    given, or any PEFT config ``peft_config``; with Liger-Kernel's layer kernels where
+    ``liger``, as the loaders apply them) and its plan shape."""
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
@@ -118,6 +119,13 @@ def _streamed(
         import peft  # noqa: PLC0415
 
         model = peft.get_peft_model(model, peft_config or peft.LoraConfig(**lora))
+    if liger:
+        from hf_megatrain.hf.long_context import (  # noqa: PLC0415
+            LIGER_LAYER_KERNELS,
+            apply_liger_kernels,
+        )
+
+        apply_liger_kernels(model, dict(LIGER_LAYER_KERNELS))
     shape = model_shape(model)
     # autocast_kernels off: the layout the plan counts, autocast's one bf16 cast per linear (the
     # option's shared casts hold less: test_shared_casts_hold_less_than_the_plan_counts).
@@ -448,17 +456,18 @@ CUDA_UNSEEN_KINDS = {"parameters", "slack"}
 
 
 def _cuda_step_peak(
-    cfg, attn: str, tokens: int, chunk: int = 64, lora: dict | None = None, peft_config=None,
-    **options,
+    cfg, attn: str, tokens: int, chunk: int | None = 64, lora: dict | None = None,
+    peft_config=None, liger: bool = False, **options,
 ) -> tuple[int, object]:  # fmt: skip
     """The CUDA allocator's peak of one streamed step over what was allocated before it (the
     second step: the first allocates what persists), every layer streamed, the model's own
-    attention."""
+    attention; the loss in ``chunk``-token chunks (None: the default chunk)."""
     from hf_megatrain.hf.trainer import StreamedModelWrapper  # noqa: PLC0415
 
     model, shape = _streamed(
-        cfg, attn, "cuda", lora, peft_config, resident_layers=0, attention="model", **options
-    )
+        cfg, attn, "cuda", lora, peft_config, liger, resident_layers=0, attention="model",
+        **options,
+    )  # fmt: skip
     wrapper = StreamedModelWrapper(model, BF16, "cuda", loss_chunk_tokens=chunk)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
     peak = 0
@@ -477,7 +486,7 @@ def _cuda_step_peak(
 
 def step_vs_plan(
     cfg, tokens: int, attn: str, device: str = "cpu", lora: dict | None = None, peft_config=None,
-    **options,
+    liger: bool = False, default_chunk: bool = False, **options,
 ) -> dict:  # fmt: skip
     """One streamed step of one ``tokens``-token sequence, measured (the CPU tracker, or on
     ``device="cuda"`` the allocator's peak), against the plan's lines that measurement sees
@@ -486,10 +495,12 @@ def step_vs_plan(
     LoRA adapters): measured, planned and the lines' error margin (bytes), the plan and shape.
     ``lora``: under PEFT's LoRA (LoraConfig's arguments), ``peft_config``: under any PEFT config
     (a fresh one: get_peft_model resolves it in place); ``options``: engine options over
-    ``_streamed``'s. ``dev/family_plan_sweep.py`` runs it for every family."""
+    ``_streamed``'s; ``liger``: Liger-Kernel's layer kernels; ``default_chunk`` (CUDA): the
+    loss in the default chunk, as planned (else 64-token chunks, planned at the default's).
+    ``dev/family_plan_sweep.py`` runs it for every family."""
     if device == "cuda":
         measured, shape = _cuda_step_peak(
-            cfg, attn, tokens, lora=lora, peft_config=peft_config, **options
+            cfg, attn, tokens, None if default_chunk else 64, lora, peft_config, liger, **options
         )
         unseen = CUDA_UNSEEN_KINDS
     else:
