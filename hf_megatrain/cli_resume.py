@@ -299,9 +299,24 @@ def _checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
+def earlier_complete(checkpoint: str, allow_missing_state: bool) -> str | None:
+    """The newest complete checkpoint beside ``checkpoint`` that is older than it (files and
+    sizes against its manifest), None if there is none."""
+    output_dir, name = os.path.split(os.path.abspath(checkpoint))
+    step = _CHECKPOINT_RE.match(name)
+    if step is None:
+        return None
+    older = [p for p in _checkpoints(output_dir) if _step_of(p) < int(step.group(1))]
+    return next((p for p in older if checkpoint_problem(p, allow_missing_state) is None), None)
+
+
+def _step_of(path: str) -> int:
+    return int(os.path.basename(path).split("-")[1])
+
+
 def checkpoints_after(output_dir: str, step: int) -> list[str]:
     """The ``checkpoint-N`` folders of ``output_dir`` with N above ``step``, complete or not."""
-    return [p for p in _checkpoints(output_dir) if int(os.path.basename(p).split("-")[1]) > step]
+    return [p for p in _checkpoints(output_dir) if _step_of(p) > step]
 
 
 def _way_on(problem: Incomplete) -> str:

@@ -9,6 +9,7 @@ The arguments are in :mod:`hf_megatrain.cli_arguments`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -26,6 +27,7 @@ from .cli_common import setup_logging as _setup_logging
 from .cli_resume import (
     check_same_run,
     checkpoints_after,
+    earlier_complete,
     listed_files_problem,
     record_callback,
     resume_checkpoint,
@@ -245,6 +247,28 @@ def _saved_model_record(folder: str) -> dict | None:
     return record if listed_files_problem(folder, manifest) is None else None
 
 
+@contextlib.contextmanager
+def _damage_names_an_earlier(resume: str | None, settings: TrainSettings):
+    """A checkpoint found altered on disk (a file whose sha256 differs from its manifest's) is
+    refused in one line that names the newest complete checkpoint before it, to resume from
+    instead (the sizes match, so it was taken as complete; nothing is chosen silently)."""
+    from .core.publish import IntegrityError  # noqa: PLC0415
+
+    try:
+        yield
+    except IntegrityError as e:
+        if resume is None:
+            raise
+        allow = settings.engine.resume_without_optimizer_state
+        earlier = earlier_complete(resume, allow)
+        way = (
+            f"to resume from the checkpoint before it, pass --resume_from_checkpoint {earlier}"
+            if earlier
+            else "no earlier complete checkpoint is there: pass a new --output_dir"
+        )
+        raise CLIError(f"{str(e).removeprefix('hf_megatrain: ')}; {way}") from None
+
+
 def _final_model_damage(folder: str) -> str | None:
     """What is wrong with the final model saved in ``folder`` (every file against the sha256
     of its manifest), None if nothing: a run that finds its final model already written ends
@@ -325,7 +349,8 @@ def _resume_point(settings: TrainSettings) -> tuple[str | None, int | None]:
         _say(f"hf-megatrain: skipped incomplete {', '.join(skipped)}; resuming from {resume}")
     if resume is None:
         return None, None
-    state = _checkpoint_state(resume)  # (checked against its manifest before anything reads it)
+    with _damage_names_an_earlier(resume, settings):
+        state = _checkpoint_state(resume)  # (checked against its manifest before it is read)
     check_same_run(resume, settings, explicit=args.resume_from_checkpoint is not None)
     return resume, (state.global_step if state is not None else None)
 
@@ -473,10 +498,11 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     # A SIGTERM during training: a checkpoint at the step's end, then stop. After training (the
     # final eval and save): the final model is saved first, and the reload check skipped.
     with stop.handling():
-        if finish_only:
-            _load_final_weights(trainer, resume, resume_step, args)
-        else:
-            train_loss = trainer.train(resume_from_checkpoint=resume).training_loss
+        with _damage_names_an_earlier(resume, settings):
+            if finish_only:
+                _load_final_weights(trainer, resume, resume_step, args)
+            else:
+                train_loss = trainer.train(resume_from_checkpoint=resume).training_loss
         train_s = time.perf_counter() - t_train
         if stop.stopped_at is not None:
             checkpoint = os.path.join(args.output_dir, f"checkpoint-{stop.stopped_at}")

@@ -203,8 +203,32 @@ def test_an_altered_trainer_state_is_refused_in_one_line(finished, tmp_path):
     _flip_bytes(out / f"checkpoint-{STEPS}" / "trainer_state.json", text=True)
     with pytest.raises(SystemExit) as e:
         main(_argv(root, out, flags))
-    assert str(e.value).startswith("hf-megatrain: error: ")
-    assert f"checkpoint-{STEPS}/trainer_state.json is corrupt" in str(e.value)
+    said = str(e.value)
+    assert said.startswith("hf-megatrain: error: ") and "\n" not in said
+    assert f"checkpoint-{STEPS}/trainer_state.json is corrupt" in said
+    # The way on: the checkpoint before it, named.
+    assert f"--resume_from_checkpoint {out / f'checkpoint-{STEPS - SAVE_STEPS}'}" in said
+
+
+def test_an_altered_checkpoint_names_the_one_before_it(finished, tmp_path):
+    """A weight file of the newest checkpoint altered on disk (same size: taken as complete) is
+    refused when the trainer checks its sha256, in one line naming the checkpoint before it;
+    resuming from that one as named trains on to the uninterrupted run's weights."""
+    root, out, flags = _copy(finished, tmp_path)
+    whole = {k: v.clone() for k, v in _weights(out).items()}
+    (out / "model.safetensors").unlink()  # (not finished: the run resumes)
+    _flip_bytes(out / f"checkpoint-{STEPS}" / "model.safetensors")
+    with pytest.raises(SystemExit) as e:
+        main(_argv(root, out, flags))
+    said = str(e.value)
+    earlier = out / f"checkpoint-{STEPS - SAVE_STEPS}"
+    assert "model.safetensors is corrupt" in said and "\n" not in said
+    assert f"--resume_from_checkpoint {earlier}" in said
+    shutil.rmtree(out / f"checkpoint-{STEPS}")
+    assert main(_argv(root, out, flags) + ["--resume_from_checkpoint", str(earlier)]) == 0
+    after = _weights(out)
+    for name in whole:
+        assert torch.equal(after[name], whole[name]), name
 
 
 def test_a_rerun_clears_a_killed_publish_of_the_final_model(finished, tmp_path, capsys):
