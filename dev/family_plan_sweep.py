@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_megatrain.core.chunked_loss as chunked_loss  # noqa: E402
+from hf_megatrain import SUPPORTED_MODEL_TYPES  # noqa: E402
 from hf_megatrain.hf.attention import AttentionFacts  # noqa: E402
-from hf_megatrain.hf.model import SUPPORTED_MODEL_TYPES  # noqa: E402
 from tests.helpers import stock_aux_loss_trains, tiny_config  # noqa: E402
 from tests.test_plan_accuracy import _cuda_fp32_gemm, family_config, step_vs_plan  # noqa: E402
 

@@ -14,10 +14,11 @@ from contextlib import nullcontext
 import pytest
 import torch
 
+from hf_megatrain import SUPPORTED_MODEL_TYPES
 from hf_megatrain.core.autocast_kernels import AutocastKernels
 from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import ModelShape, plan_memory
-from hf_megatrain.hf.model import SUPPORTED_MODEL_TYPES, keep_activations
+from hf_megatrain.hf.model import keep_activations
 
 from .helpers import (
     assert_logs_match,
