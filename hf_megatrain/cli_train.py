@@ -217,8 +217,7 @@ def _checkpoint_state(checkpoint: str):
     listed = (read_manifest(checkpoint) or {}).get("files", {}).get(path.name)
     if listed is not None and hash_file(str(path)) != (int(listed["size"]), listed["sha256"]):
         raise IntegrityError(
-            f"hf_megatrain: {path} is corrupt: it differs from the one in its checkpoint's "
-            "manifest (resume from an earlier checkpoint with --resume_from_checkpoint)"
+            f"hf_megatrain: {path} is corrupt: it differs from the one in its checkpoint's manifest"
         )
     from transformers.trainer_callback import TrainerState  # noqa: PLC0415
 
