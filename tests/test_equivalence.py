@@ -154,6 +154,31 @@ def test_types_built_with_a_supported_class_match_stock(alias, family, tmp_path)
         torch.testing.assert_close(final[name], p, rtol=0, atol=1e-5, msg=name)
 
 
+def test_a_type_taken_as_a_family_must_be_its_transformers_class():
+    """A model_type taken as a supported family's (``model_family``) streams only as the class
+    transformers builds for it: the same type on a class of other code (a checkpoint's custom
+    code, say) is refused, as any unsupported model is."""
+    from transformers import CONFIG_MAPPING, LlamaForCausalLM  # noqa: PLC0415
+
+    from hf_megatrain import UnsupportedModelError  # noqa: PLC0415
+    from hf_megatrain.hf.model import check_supported  # noqa: PLC0415
+
+    alias = next((a for a, family in _class_aliases() if family == "llama"), None)
+    if alias is None:
+        pytest.skip("this transformers builds no other model_type as LlamaForCausalLM")
+    shape = tiny_config("llama").to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
+        shape.pop(key, None)
+
+    class CustomCausalLM(LlamaForCausalLM):  # (defined here: not transformers' module)
+        pass
+
+    config = CONFIG_MAPPING[alias](**shape)
+    assert check_supported(LlamaForCausalLM(config)) == "llama"
+    with pytest.raises(UnsupportedModelError, match=f"model_type '{alias}' is not supported"):
+        check_supported(CustomCausalLM(config))
+
+
 @pytest.mark.parametrize(
     "arch,overrides",
     [("llama", {"attention_dropout": 0.2}), ("mixtral", {"router_jitter_noise": 0.2})],

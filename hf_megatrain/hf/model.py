@@ -409,6 +409,8 @@ def check_supported(model: nn.Module) -> str:
         model = model.get_base_model()
     config = getattr(model, "config", None)
     model_type = model_family(getattr(config, "model_type", None))
+    if model_type != getattr(config, "model_type", None) and not _from_transformers(model):
+        model_type = None  # a type taken as a family's: only as transformers' own class builds it
     if model_type is None:
         raise UnsupportedModelError(
             unsupported_model_type(f"hf_megatrain: {type(model).__name__}", config.model_type)
@@ -438,6 +440,10 @@ def check_supported(model: nn.Module) -> str:
             f"without it, or upgrade transformers."
         )
     return model_type
+
+
+def _from_transformers(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("transformers.")
 
 
 def _returns_router_logits(model: nn.Module) -> bool:
