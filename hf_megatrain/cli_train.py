@@ -274,6 +274,7 @@ def _final_model_damage(folder: str) -> str | None:
     there, so that model is checked whole first."""
     from .core.publish import IntegrityError, verify_folder  # noqa: PLC0415
 
+    _say(f"hf-megatrain: checking the final model in {folder} against its manifest ...")
     try:
         verify_folder(folder)
     except (IntegrityError, FileNotFoundError) as e:
