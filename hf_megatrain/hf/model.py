@@ -408,12 +408,13 @@ def check_supported(model: nn.Module) -> str:
             )
         model = model.get_base_model()
     config = getattr(model, "config", None)
-    model_type = model_family(getattr(config, "model_type", None))
-    if model_type != getattr(config, "model_type", None) and not _from_transformers(model):
+    named = getattr(config, "model_type", None)
+    model_type = model_family(named)
+    if model_type != named and not _from_transformers(model):
         model_type = None  # a type taken as a family's: only as transformers' own class builds it
     if model_type is None:
         raise UnsupportedModelError(
-            unsupported_model_type(f"hf_megatrain: {type(model).__name__}", config.model_type)
+            unsupported_model_type(f"hf_megatrain: {type(model).__name__}", named)
             if config is not None
             else f"hf_megatrain: {type(model).__name__} has no config: not a transformers model"
         )

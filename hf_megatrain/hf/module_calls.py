@@ -62,9 +62,10 @@ def _apply_in_place(apply, device: torch.device, fn, *args, **kwargs):
         out = fn(probe)
     except Exception:  # noqa: BLE001 - a conversion that does not apply to a tensor: let torch say
         return apply(fn, *args, **kwargs)
-    if out is None or (out.dtype == probe.dtype and out.device == probe.device):
-        # share_memory_() and the like return None or the tensor as it was: nothing to convert.
-        return apply.__self__ if out is not None else apply(fn, *args, **kwargs)
+    if out is None:  # share_memory_() and the like: in place, nothing converted
+        return apply(fn, *args, **kwargs)
+    if out.dtype == probe.dtype and out.device == probe.device:
+        return apply.__self__  # where and as it already is: nothing to do
     raise ValueError(
         f"hf_megatrain: a streamed model stays on {device} in fp32 (its layers' weights live in "
         f"the layer stores, the optimizer updates the resident ones in fp32): moving or casting "
