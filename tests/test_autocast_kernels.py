@@ -16,7 +16,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_megatrain.core.autocast_kernels import AutocastKernels, add_widened, widen
+from hf_megatrain.core.autocast_kernels import (
+    AutocastKernels,
+    add_two_widened,
+    add_widened,
+    widen,
+)
 
 from .helpers import mega_params, run_trainer, tiny_config, tiny_model
 
@@ -105,6 +110,100 @@ def test_q_k_v_and_gate_up_share_one_cast():
     assert counts == [5, 2]
 
 
+def _widenings_in_backward(arch: str, fast: bool) -> int:
+    """bf16 -> fp32 copies of hidden-sized gradients in one layer's backward (CPU)."""
+    layer, rotary, config = _layer(arch)
+    shape = (2, 16, config.hidden_size)
+
+    class Widenings(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (
+                func is torch.ops.aten._to_copy.default
+                and out.dtype == torch.float32
+                and args[0].dtype == BF16
+                and tuple(out.shape) == shape
+            ):
+                Widenings.count += 1
+            return out
+
+    torch.manual_seed(3)
+    x = torch.randn(*shape, requires_grad=True) * 1.0
+    pos = torch.arange(16).unsqueeze(0).expand(2, -1)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", dtype=BF16))
+        emb = rotary(x, pos)
+        if fast:
+            stack.enter_context(AutocastKernels("cpu", BF16))
+        out = layer(x, position_embeddings=emb, attention_mask=None, position_ids=pos)
+    out = out[0] if isinstance(out, tuple) else out
+    with Widenings():
+        out.square().sum().backward()
+    return Widenings.count
+
+
+@pytest.mark.parametrize(
+    ("arch", "autocasts", "shared"),
+    [("llama", 5, 4), ("cohere", 5, 2), ("olmo2", 8, 8)],
+)
+def test_a_shared_casts_gradients_reach_autograd_summed(arch, autocasts, shared):
+    """The consumers of one shared cast hand autograd their gradients' sum at the last one: the
+    first two are widened and added, each later one is added narrow (on the GPU one kernel each;
+    on the CPU PyTorch's mixed add). Llama: q/k/v 3 -> 2 widenings, gate/up 2 -> 2; Cohere (one
+    normed input for q, k, v, gate, up) 5 -> 2. Olmo2 (post-norm: q/k/v read the layer input,
+    which the residual add reads too) keeps autocast's one widening per consumer, so autograd
+    interleaves the residual's gradient as in stock. Values: the bitwise test above."""
+    assert _widenings_in_backward(arch, fast=False) == autocasts
+    assert _widenings_in_backward(arch, fast=True) == shared
+
+
+def _three_consumers(x: torch.Tensor, weights, use: tuple[bool, bool, bool], fast: bool):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", dtype=BF16))
+        if fast:
+            stack.enter_context(AutocastKernels("cpu", BF16))
+        outs = [torch.nn.functional.linear(x, w) for w in weights]
+    return sum(o.float().square().sum() for o, u in zip(outs, use) if u)
+
+
+@pytest.mark.parametrize("use", [(True, True, True), (True, False, True), (False, True, False)])
+def test_a_consumer_outside_the_loss_is_not_waited_for(use):
+    """Only the consumers whose outputs reach the loss send gradients: the sum is handed on at
+    the last of those (a wait for the others would drop the input's gradient)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(6, 8).to(BF16) for _ in range(3)]
+    base = torch.randn(4, 8)
+    grads = []
+    for fast in (False, True):
+        x = base.clone().requires_grad_()
+        _three_consumers(x * 1.0, weights, use, fast).backward()
+        grads.append(x.grad)
+    assert grads[1].abs().sum() > 0
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_a_shared_cast_backward_twice_and_through_autograd_grad():
+    """The sum starts afresh in each backward (``retain_graph``), and ``torch.autograd.grad``
+    (which runs only the nodes its inputs need) gives autocast's gradient too."""
+    torch.manual_seed(1)
+    weights = [torch.randn(6, 8).to(BF16) for _ in range(3)]
+    base = torch.randn(4, 8)
+    got, want = [], []
+    for fast, out in ((True, got), (False, want)):
+        x = base.clone().requires_grad_()
+        mid = x * 1.0
+        loss = _three_consumers(mid, weights, (True, True, True), fast)
+        out.append(torch.autograd.grad(loss, [x], retain_graph=True)[0])
+        out.append(torch.autograd.grad(loss, [mid], retain_graph=True)[0])
+        loss.backward(retain_graph=True)
+        loss.backward()
+        out.append(x.grad)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_a_cast_is_redone_after_its_input_changes_in_place():
     w = torch.randn(4, 8).to(BF16)
     x = torch.randn(3, 8)
@@ -162,6 +261,8 @@ def test_widen_and_add_widened_are_pytorchs_values():
     a = torch.randn(64)
     b = torch.randn(64).to(BF16)
     assert torch.equal(add_widened(a, b), a + b)
+    c = torch.randn(64).to(BF16)
+    assert torch.equal(add_two_widened(b, c), b.float() + c.float())
 
 
 @pytest.mark.parametrize("arch", ["llama", "olmo2"])

@@ -1807,9 +1807,9 @@ def test_peft_step_stays_inside_the_plan_on_gpu(method):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_autocast_kernels_are_pytorchs_values_on_gpu(dtype):
-    """The Triton widening and mixed add give PyTorch's values bit for bit: sizes that do not
+    """The Triton widening and mixed adds give PyTorch's values bit for bit: sizes that do not
     fill the last block, signed zeros, infinities, NaN, subnormals, the narrow type's extremes."""
-    from hf_megatrain.core.autocast_kernels import add_widened, widen
+    from hf_megatrain.core.autocast_kernels import add_two_widened, add_widened, widen
 
     info = torch.finfo(dtype)
     special = torch.tensor(
@@ -1824,6 +1824,10 @@ def test_autocast_kernels_are_pytorchs_values_on_gpu(dtype):
         a = torch.randn(x.numel(), device="cuda") * 1e3
         a[:3] = torch.tensor([float("inf"), -0.0, float("nan")])
         got, want = add_widened(a, x), a + x
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        y = x.flip(0)
+        got, want = add_two_widened(x, y), x.float() + y.float()
+        assert got.dtype == torch.float32
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
         # Into a slice of a flat fp32 buffer, as the gradient accumulation writes and adds.
         flat = torch.zeros(x.numel() + 8, device="cuda")
