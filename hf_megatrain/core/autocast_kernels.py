@@ -286,6 +286,8 @@ class AutocastKernels(TorchFunctionMode):
                         return _AddWidened.apply(a, b)
                     return add_widened(a, b)
         result = func(*args, **kwargs)
-        if self._casts and _joins_graph(result):
+        # (Inside a compiled region, which dynamo traces with this mode, tensors have no ids to
+        # look up; the compiled kernels (norms, RoPE, activations) take no linear's input.)
+        if self._casts and not torch.compiler.is_compiling() and _joins_graph(result):
             self._note_other_uses(args, kwargs)
         return result
