@@ -277,7 +277,8 @@ def planned_kernel_shape(
     # (One meta model: the shape and the kernel probes read the same skeleton.)
     model, shape = _meta_model_and_shape(cfg, name, lora)
     fuses, norms = _compiled_kernels_of(model)
-    kernels = _planned_layer_kernels(layer_kernels, liger, cfg.model_type, fuses and norms)
+    family = model_family(cfg.model_type) or cfg.model_type  # (whose kernels its layers take)
+    kernels = _planned_layer_kernels(layer_kernels, liger, family, fuses and norms)
     if kernels.kind == "compiled":
         from .hf.compiled_kernels import check_compiled_kernels_apply  # noqa: PLC0415
 
@@ -289,7 +290,6 @@ def planned_kernel_shape(
         shape = dataclasses.replace(shape, fused_layer_kernels=True)
     elif kernels.kind == "compiled":
         shape = dataclasses.replace(shape, fused_layer_kernels=fuses, compiled_norms=norms)
-    family = model_family(cfg.model_type) or cfg.model_type
     audited = kept_bytes_audited(family, shape.fused_layer_kernels or shape.compiled_norms)
     return dataclasses.replace(shape, kept_bytes_audited=audited), kernels
 

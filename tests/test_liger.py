@@ -361,3 +361,48 @@ def test_liger_global_patches_stay_with_the_model_that_asked(tmp_path, monkeypat
     with torch.no_grad():
         trainer.model(input_ids=torch.arange(8)[None])
     assert len(rope_calls) > calls
+
+
+def test_liger_patches_a_type_built_as_a_supported_family(monkeypatch):
+    """A model_type transformers builds with a supported family's classes (InternLM3 and
+    EXAONE as ``LlamaForCausalLM``) takes the family's Liger kernels: 'auto' picks them as for
+    the family, and Liger-Kernel, which dispatches on ``config.model_type``, is called with the
+    family's instance patching (its keywords filtered to the function's, as Liger does)."""
+    import sys  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+
+    import hf_megatrain.hf.long_context as long_context  # noqa: PLC0415
+
+    from .test_equivalence import _class_aliases  # noqa: PLC0415
+
+    alias = next((a for a, family in _class_aliases() if family == "llama"), None)
+    if alias is None:
+        pytest.skip("this transformers builds no other model_type as LlamaForCausalLM")
+    shape = tiny_config("llama").to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
+        shape.pop(key, None)
+    model = tiny_model(CONFIG_MAPPING[alias](**shape))
+
+    calls = []
+
+    def apply_to_llama(rope=True, rms_norm=True, swiglu=True, model=None):
+        calls.append((type(model).__name__, rope, rms_norm, swiglu))
+
+    table = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    table.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": apply_to_llama}
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", table)
+    monkeypatch.setattr(long_context, "liger_installed", lambda: True)
+
+    choice = long_context.apply_layer_kernels(model, "liger", "cuda")
+    assert choice.liger and "llama" in choice.why
+    # LIGER_LAYER_KERNELS' keywords the function does not take (the losses) are left out.
+    assert calls == [("LlamaForCausalLM", True, True, True)]
+    long_context.apply_liger_kernels(model, {"rope": False, "cross_entropy": True})
+    assert calls[-1] == ("LlamaForCausalLM", False, True, True)
+    # 'auto' takes them for the alias as for Llama.
+    auto = long_context.apply_layer_kernels(model, "auto", "cuda")
+    assert auto.liger and len(calls) == 3

@@ -18,6 +18,7 @@ from .compiled_kernels import (
     compile_available,
     compiles_whole_layers,
 )
+from .families import model_family
 from .layers import find_decoder_layers
 from .loss import unwrap_peft
 from .scoped_globals import confine_global_patches
@@ -40,6 +41,7 @@ LIGER_LAYER_KERNELS = {
 #: plan counts what those kernels save (tests/test_liger.py, tests/test_gpu.py), and they train
 #: like the default kernels within bf16 tolerance on the GPU. Other families Liger patches
 #: (Gemma's offset norms and GeGLU, MoE experts, ...) run them only when asked for ("liger").
+#: Types transformers builds with these families' classes (``model_family``) take them too.
 LIGER_AUTO_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 #: Why "auto" runs PyTorch's kernels for a family the fused ones do not replace whole.
@@ -164,7 +166,7 @@ def apply_layer_kernels(
     ``layer_kernels`` chosen automatically, Liger's layer kernels only (its losses are not
     needed: training batches use hf_megatrain's chunked loss); an explicit
     ``use_liger_kernel`` request keeps its ``liger_kernel_config``."""
-    model_type = _model_type(model)
+    model_type = _kernel_family(model)
     # (Probed only where 'auto' may compile: CUDA.)
     cuda = torch.device(device).type == "cuda"
     whole = setting == "auto" and cuda and compiles_whole_layers(unwrap_peft(model))
@@ -182,6 +184,13 @@ def apply_layer_kernels(
 
 def _model_type(model: nn.Module) -> str | None:
     return getattr(getattr(unwrap_peft(model), "config", None), "model_type", None)
+
+
+def _kernel_family(model: nn.Module) -> str | None:
+    """The model type whose kernels the layers take: the supported family transformers builds
+    the model as (``model_family``), else its own type."""
+    model_type = _model_type(model)
+    return model_family(model_type) or model_type
 
 
 def liger_layer_kernel_arguments(enabled: bool) -> dict:
@@ -242,9 +251,29 @@ def apply_liger_kernels(model: nn.Module, kernel_config: dict | None) -> None:
     serves the model's own forward (evaluation)."""
     # Liger-Kernel also replaces the family's norm and MLP classes and RoPE function in its
     # modeling module: confined, only this model runs them (scoped_globals).
+    model_type = _model_type(model)
+    family = model_family(model_type)
     with confine_global_patches(model):
-        liger_apply_function()(model, kernel_config)
+        if family not in (None, model_type) and liger_installed() and family in liger_model_types():
+            _apply_liger_as(family, model, kernel_config)
+        else:
+            liger_apply_function()(model, kernel_config)
     logger.info("hf_megatrain: Liger kernels applied (%s)", kernel_config or "defaults")
+
+
+def _apply_liger_as(family: str, model: nn.Module, kernel_config: dict | None) -> None:
+    """Liger's instance patching of ``family`` for a model transformers builds with that
+    family's classes under another ``model_type`` (InternLM3 and EXAONE as ``LlamaForCausalLM``):
+    Liger-Kernel dispatches on ``config.model_type``, so its table is read here with the family,
+    and its keywords filtered to the function's as Liger's own dispatch filters them."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: PLC0415
+
+    apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN[family]
+    accepted = inspect.signature(apply_fn).parameters
+    apply_fn(
+        model=unwrap_peft(model),
+        **{k: v for k, v in (kernel_config or {}).items() if k in accepted},
+    )
 
 
 def liger_apply_function():
