@@ -574,6 +574,42 @@ def test_defaults_on_gpu(tmp_path):
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
 
 
+def test_a_type_built_as_llama_trains_with_liger_on_gpu(tmp_path):
+    """A model_type transformers builds as ``LlamaForCausalLM`` (InternLM3, EXAONE) takes
+    Liger-Kernel's layer kernels by default, as Llama does, and trains bit for bit as the same
+    weights under Llama's own config (eager attention: cuDNN's SDPA backward is not
+    deterministic run to run)."""
+    pytest.importorskip("liger_kernel")
+    from transformers import CONFIG_MAPPING
+
+    from hf_megatrain.hf.model import layer_kernels_of
+
+    from .test_equivalence import _class_aliases
+
+    alias = next((a for a, family in _class_aliases() if family == "llama"), None)
+    if alias is None:
+        pytest.skip("this transformers builds no other model_type as LlamaForCausalLM")
+    shape = _tiny_gpu_config().to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
+        shape.pop(key, None)
+    llama = tiny_model(_tiny_gpu_config())
+    other = tiny_model(CONFIG_MAPPING[alias](**shape))
+    other.load_state_dict(llama.state_dict())
+    data = _data(32, 128)
+    runs = []
+    for name, model in (("llama", llama), (alias, other)):
+        model.config._attn_implementation = "eager"
+        trainer, losses = _mega_losses(
+            tmp_path, name, model, data, megatrain_layer_kernels="auto", megatrain_attention="model"
+        )
+        assert layer_kernels_of(model) == "liger", name
+        runs.append((losses, mega_params(trainer)))
+    (losses, params), (alias_losses, alias_params) = runs
+    assert len(losses) == 4 and alias_losses == losses
+    for k in params:
+        assert torch.equal(alias_params[k], params[k]), k
+
+
 def _wide_two_layer_trainer(tmp_path, family: str = "qwen2", **kw) -> HFMegaTrainer:
     """Two Qwen2.5-1.5B-wide layers (bf16 autocast, fp32 residual, SDPA) for memory audits; or
     two Qwen3-1.7B-wide ones (per-head q/k norms, q = 2h)."""
