@@ -204,6 +204,33 @@ def test_a_shared_cast_backward_twice_and_through_autograd_grad():
         assert torch.equal(a, b)
 
 
+def test_gradients_of_an_input_changed_in_place_between_its_casts_are_autocasts():
+    """An input changed in place without grad between its linears gets a second cast; both
+    casts' consumers send gradients to the same graph node, interleaved (here l3, then l2 and
+    l1). The in-place op is a use of the input whose result joins the graph (the input itself),
+    so each consumer hands on its own widened gradient and autograd sums them in stock's order
+    (summed per cast, l3's would come first and l1 + l2 after: another rounding)."""
+    torch.manual_seed(2)
+    # Gradients 2^16 apart: sums of three of them round in fp32 by the order they meet in.
+    weights = [(torch.randn(512, 256) * 2.0**e).to(BF16) for e in (-16, 0, 16)]
+    base = torch.randn(64, 256)
+    grads = []
+    for fast in (False, True):
+        x = base.clone().requires_grad_()
+        mid = x * 1.0
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autocast("cpu", dtype=BF16))
+            if fast:
+                stack.enter_context(AutocastKernels("cpu", BF16))
+            first = [torch.nn.functional.linear(mid, w) for w in weights[:2]]
+            with torch.no_grad():
+                mid.mul_(1.5)
+            last = torch.nn.functional.linear(mid, weights[2])
+        sum((o.float() * 1e-3).sin().sum() for o in (*first, last)).backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_a_cast_is_redone_after_its_input_changes_in_place():
     w = torch.randn(4, 8).to(BF16)
     x = torch.randn(3, 8)
