@@ -315,6 +315,44 @@ class LogRecorder(TrainerCallback):
             self.eval_logs.append(dict(logs))
 
 
+def class_aliases() -> list[tuple[str, str]]:
+    """(model_type, family): the types the installed transformers builds with a supported
+    family's model class (``model_family``), e.g. 'internlm3' as ``LlamaForCausalLM``."""
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    from hf_megatrain import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
+    from hf_megatrain.hf.families import model_family  # noqa: PLC0415
+
+    return sorted(
+        (t, model_family(t))
+        for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if t not in SUPPORTED_MODEL_TYPES and model_family(t) and t in CONFIG_MAPPING
+    )
+
+
+def alias_config(alias: str, shape):
+    """``alias``'s own config class with the shape of the family config ``shape``."""
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+
+    values = shape.to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
+        values.pop(key, None)
+    return CONFIG_MAPPING[alias](**values)
+
+
+def llama_alias() -> str:
+    """A model_type transformers builds as ``LlamaForCausalLM`` (skips the test if none)."""
+    import pytest  # noqa: PLC0415
+
+    alias = next((a for a, family in class_aliases() if family == "llama"), None)
+    if alias is None:
+        pytest.skip("this transformers builds no other model_type as LlamaForCausalLM")
+    return alias
+
+
 def make_data(n: int = 32, seq: int = SEQ, seed: int = 1) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     rows = []

@@ -61,9 +61,17 @@ def _layer(arch: str):
     return layer, rotary, model.config
 
 
-def _run(layer, rotary, config, fast: bool, counter: _CastCounter | None = None):
+def _run(
+    layer,
+    rotary,
+    config,
+    fast: bool,
+    counter: TorchDispatchMode | None = None,
+    backward_counter: TorchDispatchMode | None = None,
+):
     """The layer's output and gradients (input first) under CPU autocast, as in a stock model:
-    its input the output of something before it, not a leaf (autocast caches casts of leaves)."""
+    its input the output of something before it, not a leaf (autocast caches casts of leaves).
+    ``counter`` watches the forward, ``backward_counter`` the backward."""
     torch.manual_seed(3)
     leaf = torch.randn(2, 16, config.hidden_size, requires_grad=True)
     x = leaf * 1.0
@@ -78,7 +86,8 @@ def _run(layer, rotary, config, fast: bool, counter: _CastCounter | None = None)
         out = layer(x, position_embeddings=emb, attention_mask=None, position_ids=pos)
     out = out[0] if isinstance(out, tuple) else out
     assert out.dtype == torch.float32  # the residual stream stays fp32, as under autocast
-    grads = torch.autograd.grad(out.square().sum(), [leaf, *layer.parameters()])
+    with backward_counter or contextlib.nullcontext():
+        grads = torch.autograd.grad(out.square().sum(), [leaf, *layer.parameters()])
     return out.detach(), grads
 
 
@@ -110,38 +119,31 @@ def test_q_k_v_and_gate_up_share_one_cast():
     assert counts == [5, 2]
 
 
+class _Widenings(TorchDispatchMode):
+    """Counts bf16 -> fp32 copies of tensors of ``shape``."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.count = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (
+            func is torch.ops.aten._to_copy.default
+            and out.dtype == torch.float32
+            and args[0].dtype == BF16
+            and tuple(out.shape) == self.shape
+        ):
+            self.count += 1
+        return out
+
+
 def _widenings_in_backward(arch: str, fast: bool) -> int:
     """bf16 -> fp32 copies of hidden-sized gradients in one layer's backward (CPU)."""
     layer, rotary, config = _layer(arch)
-    shape = (2, 16, config.hidden_size)
-
-    class Widenings(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if (
-                func is torch.ops.aten._to_copy.default
-                and out.dtype == torch.float32
-                and args[0].dtype == BF16
-                and tuple(out.shape) == shape
-            ):
-                Widenings.count += 1
-            return out
-
-    torch.manual_seed(3)
-    x = torch.randn(*shape, requires_grad=True) * 1.0
-    pos = torch.arange(16).unsqueeze(0).expand(2, -1)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.autocast("cpu", dtype=BF16))
-        emb = rotary(x, pos)
-        if fast:
-            stack.enter_context(AutocastKernels("cpu", BF16))
-        out = layer(x, position_embeddings=emb, attention_mask=None, position_ids=pos)
-    out = out[0] if isinstance(out, tuple) else out
-    with Widenings():
-        out.square().sum().backward()
-    return Widenings.count
+    widenings = _Widenings((2, 16, config.hidden_size))
+    _run(layer, rotary, config, fast=fast, backward_counter=widenings)
+    return widenings.count
 
 
 @pytest.mark.parametrize(

@@ -9,15 +9,17 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from hf_megatrain import SUPPORTED_MODEL_TYPES, prepare_streamed_model
-from hf_megatrain.hf.families import model_family
+from hf_megatrain import prepare_streamed_model
 from hf_megatrain.hf.model import streamed_gradients, streamed_state
 
 from .helpers import (
     ARCHS,
     MOE_ARCHS,
+    alias_config,
     assert_close_weights,
     assert_logs_match,
+    class_aliases,
+    llama_alias,
     make_data,
     mega_params,
     run_trainer,
@@ -117,34 +119,14 @@ def test_trainer_matches_stock(arch, tmp_path):
         torch.testing.assert_close(final[name], p, rtol=0, atol=atol, msg=name)
 
 
-def _class_aliases() -> list[tuple[str, str]]:
-    """(model_type, family): the types the installed transformers builds with a supported
-    family's model class (``model_family``), e.g. 'internlm3' as ``LlamaForCausalLM``."""
-    from transformers import CONFIG_MAPPING  # noqa: PLC0415
-    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    )
-
-    return sorted(
-        (t, model_family(t))
-        for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        if t not in SUPPORTED_MODEL_TYPES and model_family(t) and t in CONFIG_MAPPING
-    )
-
-
 @pytest.mark.parametrize(
     "alias,family",
-    _class_aliases() or [pytest.param("", "", marks=pytest.mark.skip("no such model types"))],
+    class_aliases() or [pytest.param("", "", marks=pytest.mark.skip("no such model types"))],
 )
 def test_types_built_with_a_supported_class_match_stock(alias, family, tmp_path):
     """A model_type transformers builds with a supported family's class, with its own config
     class (the family's tiny shape), trains as that family: streamed equal to stock."""
-    from transformers import CONFIG_MAPPING  # noqa: PLC0415
-
-    shape = tiny_config(family).to_dict()
-    for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
-        shape.pop(key, None)
-    config = CONFIG_MAPPING[alias](**shape)
+    config = alias_config(alias, tiny_config(family))
     assert config.model_type == alias
     (stock, st), (mega, mt) = train_both(tiny_model(config), tmp_path, steps=3)
     assert_logs_match(stock, mega)
@@ -158,22 +140,17 @@ def test_a_type_taken_as_a_family_must_be_its_transformers_class():
     """A model_type taken as a supported family's (``model_family``) streams only as the class
     transformers builds for it: the same type on a class of other code (a checkpoint's custom
     code, say) is refused, as any unsupported model is."""
-    from transformers import CONFIG_MAPPING, LlamaForCausalLM  # noqa: PLC0415
+    from transformers import LlamaForCausalLM  # noqa: PLC0415
 
     from hf_megatrain import UnsupportedModelError  # noqa: PLC0415
     from hf_megatrain.hf.model import check_supported  # noqa: PLC0415
 
-    alias = next((a for a, family in _class_aliases() if family == "llama"), None)
-    if alias is None:
-        pytest.skip("this transformers builds no other model_type as LlamaForCausalLM")
-    shape = tiny_config("llama").to_dict()
-    for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
-        shape.pop(key, None)
+    alias = llama_alias()
 
     class CustomCausalLM(LlamaForCausalLM):  # (defined here: not transformers' module)
         pass
 
-    config = CONFIG_MAPPING[alias](**shape)
+    config = alias_config(alias, tiny_config("llama"))
     assert check_supported(LlamaForCausalLM(config)) == "llama"
     with pytest.raises(UnsupportedModelError, match=f"model_type '{alias}' is not supported"):
         check_supported(CustomCausalLM(config))

@@ -580,20 +580,13 @@ def test_a_type_built_as_llama_trains_with_liger_on_gpu(tmp_path):
     weights under Llama's own config (eager attention: cuDNN's SDPA backward is not
     deterministic run to run)."""
     pytest.importorskip("liger_kernel")
-    from transformers import CONFIG_MAPPING
-
     from hf_megatrain.hf.model import layer_kernels_of
 
-    from .test_equivalence import _class_aliases
+    from .helpers import alias_config, llama_alias
 
-    alias = next((a for a, family in _class_aliases() if family == "llama"), None)
-    if alias is None:
-        pytest.skip("this transformers builds no other model_type as LlamaForCausalLM")
-    shape = _tiny_gpu_config().to_dict()
-    for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
-        shape.pop(key, None)
+    alias = llama_alias()
     llama = tiny_model(_tiny_gpu_config())
-    other = tiny_model(CONFIG_MAPPING[alias](**shape))
+    other = tiny_model(alias_config(alias, _tiny_gpu_config()))
     other.load_state_dict(llama.state_dict())
     data = _data(32, 128)
     runs = []

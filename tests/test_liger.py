@@ -18,7 +18,9 @@ from hf_megatrain.core.tiling import TiledTokenwise
 from hf_megatrain.hf.model import streamed_state
 
 from .helpers import (
+    alias_config,
     liger_like_mlp_forward,
+    llama_alias,
     patch_mlps_as_liger,
     run_trainer,
     simulate_liger,
@@ -371,19 +373,9 @@ def test_liger_patches_a_type_built_as_a_supported_family(monkeypatch):
     import sys  # noqa: PLC0415
     import types  # noqa: PLC0415
 
-    from transformers import CONFIG_MAPPING  # noqa: PLC0415
-
     import hf_megatrain.hf.long_context as long_context  # noqa: PLC0415
 
-    from .test_equivalence import _class_aliases  # noqa: PLC0415
-
-    alias = next((a for a, family in _class_aliases() if family == "llama"), None)
-    if alias is None:
-        pytest.skip("this transformers builds no other model_type as LlamaForCausalLM")
-    shape = tiny_config("llama").to_dict()
-    for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
-        shape.pop(key, None)
-    model = tiny_model(CONFIG_MAPPING[alias](**shape))
+    model = tiny_model(alias_config(llama_alias(), tiny_config("llama")))
 
     calls = []
 
