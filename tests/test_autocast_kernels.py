@@ -29,21 +29,21 @@ BF16 = torch.bfloat16
 
 
 class _CastCounter(TorchDispatchMode):
-    """Counts fp32 -> bf16 casts of tensors of ``shape``."""
+    """Counts casts of tensors of ``shape`` from ``source`` to ``target`` dtype (fp32 -> bf16
+    by default; bf16 -> fp32: widenings)."""
 
-    def __init__(self, shape: tuple[int, ...]) -> None:
+    def __init__(self, shape: tuple[int, ...], source=torch.float32, target=torch.bfloat16) -> None:
         super().__init__()
-        self.shape, self.casts = shape, 0
+        self.shape, self.source, self.target, self.casts = shape, source, target, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if (
             func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
             and isinstance(out, torch.Tensor)
-            and out.dtype == BF16
+            and out.dtype == self.target
             and tuple(out.shape) == self.shape
-            and (args[-1] if func is torch.ops.aten.copy_.default else args[0]).dtype
-            == torch.float32
+            and (args[-1] if func is torch.ops.aten.copy_.default else args[0]).dtype == self.source
         ):
             self.casts += 1
         return out
@@ -119,31 +119,12 @@ def test_q_k_v_and_gate_up_share_one_cast():
     assert counts == [5, 2]
 
 
-class _Widenings(TorchDispatchMode):
-    """Counts bf16 -> fp32 copies of tensors of ``shape``."""
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        super().__init__()
-        self.shape, self.count = shape, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if (
-            func is torch.ops.aten._to_copy.default
-            and out.dtype == torch.float32
-            and args[0].dtype == BF16
-            and tuple(out.shape) == self.shape
-        ):
-            self.count += 1
-        return out
-
-
 def _widenings_in_backward(arch: str, fast: bool) -> int:
     """bf16 -> fp32 copies of hidden-sized gradients in one layer's backward (CPU)."""
     layer, rotary, config = _layer(arch)
-    widenings = _Widenings((2, 16, config.hidden_size))
+    widenings = _CastCounter((2, 16, config.hidden_size), source=BF16, target=torch.float32)
     _run(layer, rotary, config, fast=fast, backward_counter=widenings)
-    return widenings.count
+    return widenings.casts
 
 
 @pytest.mark.parametrize(
