@@ -187,6 +187,85 @@ def test_a_shared_cast_backward_twice_and_through_autograd_grad():
         assert torch.equal(a, b)
 
 
+def _outer_and_inner_gradients(weights, base: torch.Tensor, fast: bool):
+    """x's gradient through three consumers of one cast, and that of a second backward started
+    from a hook on the first consumer's output (the others' gradients have come by then)."""
+    x = base.clone().requires_grad_()
+    mid = x * 1.0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", dtype=BF16))
+        if fast:
+            stack.enter_context(AutocastKernels("cpu", BF16))
+        outs = [torch.nn.functional.linear(mid, w) for w in weights]
+
+    def loss():
+        return sum((o.float() * 1e-2).sin().sum() for o in outs)
+
+    inner = []
+
+    def hook(grad):
+        if not inner:  # (the inner backward runs this hook too: once only)
+            inner.append(None)
+            with torch.enable_grad():
+                inner[0] = torch.autograd.grad(loss(), [x], retain_graph=True)[0]
+        return grad
+
+    outs[0].register_hook(hook)
+    outer = torch.autograd.grad(loss(), [x], retain_graph=True)[0]
+    return outer, inner[0]
+
+
+def test_a_backward_inside_a_backward_sums_apart():
+    """A backward started inside another (each its own graph task) through the same shared
+    cast: each gets autocast's gradient (one running sum for both lost the outer's)."""
+    torch.manual_seed(1)
+    weights = [torch.randn(6, 8).to(BF16) for _ in range(3)]
+    base = torch.randn(4, 8)
+    want = _outer_and_inner_gradients(weights, base, fast=False)
+    got = _outer_and_inner_gradients(weights, base, fast=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_double_backward_through_a_shared_cast():
+    """``create_graph``: the consumers hand on their own widened gradients (differentiable), as
+    autocast's casts do; the first and second derivatives are autocast's."""
+    torch.manual_seed(0)
+    weights = [torch.randn(6, 8).to(BF16) for _ in range(3)]
+    base = torch.randn(4, 8)
+    got = []
+    for fast in (False, True):
+        x = base.clone().requires_grad_()
+        loss = _three_consumers(x * 1.0, weights, (True, True, True), fast)
+        (g,) = torch.autograd.grad(loss, [x], create_graph=True)
+        got.append((g.detach(), torch.autograd.grad(g.square().sum(), [x])[0]))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_a_compiled_region_under_the_mode_compiles_once():
+    """Dynamo traces the mode inside a ``torch.compile``'d function (the compiled kernels'
+    RoPE and norms): the mode must not read its table of live casts there, or dynamo guards on
+    the inputs' ids and recompiles every call until ``fullgraph`` fails at its recompile
+    limit (seen at the second training step with compiled kernels; the tests' limit is raised,
+    so the compiles are counted)."""
+    compiles = []
+
+    def backend(graph, example_inputs):  # (counts what dynamo hands on to compile)
+        compiles.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    rotary = torch.compile(lambda q, k, cos, sin: q * cos + k * sin, backend=backend)
+    weights = [torch.randn(8, 8).to(BF16) for _ in range(2)]
+    cos, sin = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(12):  # (the default recompile limit is 8)
+        x = torch.randn(4, 8, requires_grad=True) * 1.0  # a new input each call, as per layer
+        with torch.autocast("cpu", dtype=BF16), AutocastKernels("cpu", BF16):
+            q, k = (torch.nn.functional.linear(x, w) for w in weights)
+            out = rotary(q, k, cos, sin)
+        out.float().sum().backward()
+    assert len(compiles) == 1
+
+
 def test_gradients_of_an_input_changed_in_place_between_its_casts_are_autocasts():
     """An input changed in place without grad between its linears gets a second cast; both
     casts' consumers send gradients to the same graph node, interleaved (here l3, then l2 and

@@ -235,3 +235,28 @@ def test_kept_layer_with_compiled_kernels_saves_what_the_plan_counts(family):
     assert shape.fused_layer_kernels and shape.compiled_norms
     per_token = (saved[128][0] - saved[64][0]) / 64
     assert per_token == kept_activation_bytes_per_token(shape, shared_casts=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "exaone4"])
+def test_bf16_training_with_compiled_kernels_is_bitwise_with_and_without_autocast_kernels(
+    tmp_path, family
+):
+    """bf16 (CPU autocast) with the compiled kernels, whose traced regions run inside
+    autocast_kernels' mode: the same losses and weights with the mode and without it (its
+    shared casts and gradient sums round as autocast's), over steps that call the compiled
+    kernels with new inputs."""
+    from .helpers import mega_params  # noqa: PLC0415
+
+    model = tiny_model(tiny_config(family, num_hidden_layers=3))
+    runs = []
+    for on in (True, False):
+        logs, trainer = run_trainer(
+            copy.deepcopy(model), tmp_path, f"run-{on}", mega=True, max_steps=3, bf16=True,
+            megatrain_layer_kernels="compiled", megatrain_autocast_kernels=on,
+        )  # fmt: skip
+        assert layer_kernels_of(trainer.model) == "compiled"
+        runs.append(([r["loss"] for r in logs if "loss" in r], mega_params(trainer)))
+    (loss_on, params_on), (loss_off, params_off) = runs
+    assert len(loss_on) == 3 and loss_on == loss_off
+    for k in params_off:
+        assert torch.equal(params_on[k], params_off[k]), k

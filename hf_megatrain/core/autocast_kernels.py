@@ -143,41 +143,46 @@ class _CastGradSum:
     asks it): a consumer whose output reaches no loss, or which ``torch.autograd.grad`` prunes,
     is not waited for. Where the input has uses other than these casts (``other_uses``), their
     gradients would fall between the consumers' in autograd's buffer, so each consumer hands back
-    its own widened gradient, as autocast's casts do."""
+    its own widened gradient, as autocast's casts do; so it does in a backward that builds a
+    graph (``create_graph``: the sums here are not differentiable). Each backward (graph task)
+    sums apart: one started inside another, or beside it in another thread, keeps its own."""
 
     def __init__(self) -> None:
         self.nodes: list[weakref.ref] = []
         self.other_uses = False
-        self._task: int | None = None
-        self._waiting = 0
-        self._held: torch.Tensor | None = None  # the first gradient, still narrow
-        self._sum: torch.Tensor | None = None  # fp32, from the second on
+        # graph task id -> [consumers still to come, the first gradient (narrow) until the
+        # second comes, then the fp32 sum]; an entry goes when its backward's last one came.
+        self._tasks: dict[int, list] = {}
 
     def add_consumer(self, out: torch.Tensor) -> None:
         self.nodes.append(weakref.ref(out.grad_fn))
 
     def arrive(self, grad: torch.Tensor) -> torch.Tensor | None:
         """The gradient the arriving consumer hands autograd for the fp32 input."""
-        if self.other_uses or len(self.nodes) < 2:
+        if self.other_uses or len(self.nodes) < 2 or torch.is_grad_enabled():
             return widen(grad)
         task = torch._C._current_graph_task_id()
-        if task != self._task:  # (a new backward: a failed earlier one leaves nothing behind)
-            self._task, self._held, self._sum = task, None, None
+        state = self._tasks.get(task)
+        if state is None:
             will_run = torch._C._will_engine_execute_node
-            self._waiting = sum(1 for r in self.nodes if (n := r()) is not None and will_run(n))
-        self._waiting -= 1
-        if self._sum is not None:
-            add_widened(self._sum, grad, out=self._sum)
-        elif self._held is not None:
-            self._sum, self._held = add_two_widened(self._held, grad), None
-        elif self._waiting > 0:
-            self._held = grad
-        else:
-            return widen(grad)
-        if self._waiting > 0:
+            waiting = sum(1 for r in self.nodes if (n := r()) is not None and will_run(n))
+            state = self._tasks[task] = [waiting, None]
+        state[0] -= 1
+        partial = state[1]
+        if partial is None:
+            if state[0] == 0:
+                del self._tasks[task]
+                return widen(grad)
+            state[1] = grad
             return None
-        total, self._sum, self._task = self._sum, None, None
-        return total
+        if partial.dtype == torch.float32:
+            add_widened(partial, grad, out=partial)
+        else:
+            state[1] = add_two_widened(partial, grad)
+        if state[0] > 0:
+            return None
+        del self._tasks[task]
+        return state[1]
 
 
 class _SharedCast(torch.autograd.Function):
@@ -282,12 +287,15 @@ class AutocastKernels(TorchFunctionMode):
                     a, b = b, a
                 if a.dtype == torch.float32 and b.dtype == self.dtype:
                     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-                        self._note_other_uses((a,), {})
+                        if not torch.compiler.is_compiling():
+                            self._note_other_uses((a,), {})
                         return _AddWidened.apply(a, b)
                     return add_widened(a, b)
         result = func(*args, **kwargs)
-        # (Inside a compiled region, which dynamo traces with this mode, tensors have no ids to
-        # look up; the compiled kernels (norms, RoPE, activations) take no linear's input.)
-        if self._casts and not torch.compiler.is_compiling() and _joins_graph(result):
+        # Not inside a compiled region, which dynamo traces with this mode: its tensors have no
+        # ids to look up, and reading the table there would make dynamo guard on its keys (the
+        # ids of live inputs: a recompile per call, then its recompile limit). The compiled
+        # kernels (norms, RoPE, activations) take no linear's input.
+        if not torch.compiler.is_compiling() and self._casts and _joins_graph(result):
             self._note_other_uses(args, kwargs)
         return result

@@ -57,7 +57,10 @@ class _TiledFunction(torch.autograd.Function):
             xs = xs.detach().requires_grad_(x.requires_grad)
             dev, enabled, dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
-                out = _run(ctx.module, ctx.forward_fn, ctx.names, leaves, xs)
+                # On an alias: autocast caches its casts of a leaf that requires grad, and the
+                # gate and up projections would then sum their input gradients in bf16 (untiled,
+                # the input is no leaf: each cast's gradient is widened and summed in fp32).
+                out = _run(ctx.module, ctx.forward_fn, ctx.names, leaves, xs.view_as(xs))
             wrt = ([xs] if x.requires_grad else []) + trainable
             if not wrt:
                 break
