@@ -142,22 +142,30 @@ def test_a_shared_casts_gradients_reach_autograd_summed(arch, autocasts, shared)
     assert _widenings_in_backward(arch, fast=True) == shared
 
 
+@contextlib.contextmanager
+def _autocast(fast: bool):
+    """CPU autocast to bf16, with autocast_kernels' mode inside it when ``fast``."""
+    with torch.autocast("cpu", dtype=BF16):
+        with AutocastKernels("cpu", BF16) if fast else contextlib.nullcontext():
+            yield
+
+
 def _three_consumers(x: torch.Tensor, weights, use: tuple[bool, bool, bool], fast: bool):
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.autocast("cpu", dtype=BF16))
-        if fast:
-            stack.enter_context(AutocastKernels("cpu", BF16))
+    with _autocast(fast):
         outs = [torch.nn.functional.linear(x, w) for w in weights]
     return sum(o.float().square().sum() for o, u in zip(outs, use) if u)
+
+
+def _three_weights_and_input(seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    torch.manual_seed(seed)
+    return [torch.randn(6, 8).to(BF16) for _ in range(3)], torch.randn(4, 8)
 
 
 @pytest.mark.parametrize("use", [(True, True, True), (True, False, True), (False, True, False)])
 def test_a_consumer_outside_the_loss_is_not_waited_for(use):
     """Only the consumers whose outputs reach the loss send gradients: the sum is handed on at
     the last of those (a wait for the others would drop the input's gradient)."""
-    torch.manual_seed(0)
-    weights = [torch.randn(6, 8).to(BF16) for _ in range(3)]
-    base = torch.randn(4, 8)
+    weights, base = _three_weights_and_input(0)
     grads = []
     for fast in (False, True):
         x = base.clone().requires_grad_()
@@ -170,9 +178,7 @@ def test_a_consumer_outside_the_loss_is_not_waited_for(use):
 def test_a_shared_cast_backward_twice_and_through_autograd_grad():
     """The sum starts afresh in each backward (``retain_graph``), and ``torch.autograd.grad``
     (which runs only the nodes its inputs need) gives autocast's gradient too."""
-    torch.manual_seed(1)
-    weights = [torch.randn(6, 8).to(BF16) for _ in range(3)]
-    base = torch.randn(4, 8)
+    weights, base = _three_weights_and_input(1)
     got, want = [], []
     for fast, out in ((True, got), (False, want)):
         x = base.clone().requires_grad_()
@@ -192,10 +198,7 @@ def _outer_and_inner_gradients(weights, base: torch.Tensor, fast: bool):
     from a hook on the first consumer's output (the others' gradients have come by then)."""
     x = base.clone().requires_grad_()
     mid = x * 1.0
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.autocast("cpu", dtype=BF16))
-        if fast:
-            stack.enter_context(AutocastKernels("cpu", BF16))
+    with _autocast(fast):
         outs = [torch.nn.functional.linear(mid, w) for w in weights]
 
     def loss():
@@ -218,9 +221,7 @@ def _outer_and_inner_gradients(weights, base: torch.Tensor, fast: bool):
 def test_a_backward_inside_a_backward_sums_apart():
     """A backward started inside another (each its own graph task) through the same shared
     cast: each gets autocast's gradient (one running sum for both lost the outer's)."""
-    torch.manual_seed(1)
-    weights = [torch.randn(6, 8).to(BF16) for _ in range(3)]
-    base = torch.randn(4, 8)
+    weights, base = _three_weights_and_input(1)
     want = _outer_and_inner_gradients(weights, base, fast=False)
     got = _outer_and_inner_gradients(weights, base, fast=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -229,9 +230,7 @@ def test_a_backward_inside_a_backward_sums_apart():
 def test_double_backward_through_a_shared_cast():
     """``create_graph``: the consumers hand on their own widened gradients (differentiable), as
     autocast's casts do; the first and second derivatives are autocast's."""
-    torch.manual_seed(0)
-    weights = [torch.randn(6, 8).to(BF16) for _ in range(3)]
-    base = torch.randn(4, 8)
+    weights, base = _three_weights_and_input(0)
     got = []
     for fast in (False, True):
         x = base.clone().requires_grad_()
@@ -280,10 +279,7 @@ def test_gradients_of_an_input_changed_in_place_between_its_casts_are_autocasts(
     for fast in (False, True):
         x = base.clone().requires_grad_()
         mid = x * 1.0
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.autocast("cpu", dtype=BF16))
-            if fast:
-                stack.enter_context(AutocastKernels("cpu", BF16))
+        with _autocast(fast):
             first = [torch.nn.functional.linear(mid, w) for w in weights[:2]]
             with torch.no_grad():
                 mid.mul_(1.5)
