@@ -271,13 +271,13 @@ def planned_kernel_shape(
     (``_planned_layer_kernels``): the fused SwiGLU's smaller saves where Liger's MLP kernel, or
     compiled ones that fuse the family's MLP, run; the compiled norms' where they run; kept
     activations audited as for the run's kernels."""
-    from .hf.families import model_family  # noqa: PLC0415
+    from .hf.families import family_key  # noqa: PLC0415
     from .hf.family_memory import kept_bytes_audited  # noqa: PLC0415
 
     # (One meta model: the shape and the kernel probes read the same skeleton.)
     model, shape = _meta_model_and_shape(cfg, name, lora)
     fuses, norms = _compiled_kernels_of(model)
-    family = model_family(cfg.model_type) or cfg.model_type  # (whose kernels its layers take)
+    family = family_key(cfg.model_type)  # (whose kernels its layers take)
     kernels = _planned_layer_kernels(layer_kernels, liger, family, fuses and norms)
     if kernels.kind == "compiled":
         from .hf.compiled_kernels import check_compiled_kernels_apply  # noqa: PLC0415

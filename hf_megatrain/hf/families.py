@@ -67,6 +67,12 @@ def model_family(model_type: str | None) -> str | None:
     return next((t for t in SUPPORTED_MODEL_TYPES if cls and causal_lm.get(t) == cls), None)
 
 
+def family_key(model_type: str | None) -> str | None:
+    """The key of the per-family tables (memory lines, layer kernels) for ``model_type``: the
+    supported family it trains as (``model_family``), else the type itself."""
+    return model_family(model_type) or model_type
+
+
 def unsupported_model_type(what: str, model_type: object, note: str = "") -> str:
     """The one-line refusal of a config whose ``model_type`` no supported family trains."""
     return (

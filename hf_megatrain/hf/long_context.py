@@ -18,7 +18,7 @@ from .compiled_kernels import (
     compile_available,
     compiles_whole_layers,
 )
-from .families import model_family
+from .families import family_key
 from .layers import find_decoder_layers
 from .loss import unwrap_peft
 from .scoped_globals import confine_global_patches
@@ -166,7 +166,7 @@ def apply_layer_kernels(
     ``layer_kernels`` chosen automatically, Liger's layer kernels only (its losses are not
     needed: training batches use hf_megatrain's chunked loss); an explicit
     ``use_liger_kernel`` request keeps its ``liger_kernel_config``."""
-    model_type = _kernel_family(model)
+    model_type = family_key(_model_type(model))
     # (Probed only where 'auto' may compile: CUDA.)
     cuda = torch.device(device).type == "cuda"
     whole = setting == "auto" and cuda and compiles_whole_layers(unwrap_peft(model))
@@ -184,13 +184,6 @@ def apply_layer_kernels(
 
 def _model_type(model: nn.Module) -> str | None:
     return getattr(getattr(unwrap_peft(model), "config", None), "model_type", None)
-
-
-def _kernel_family(model: nn.Module) -> str | None:
-    """The model type whose kernels the layers take: the supported family transformers builds
-    the model as (``model_family``), else its own type."""
-    model_type = _model_type(model)
-    return model_family(model_type) or model_type
 
 
 def liger_layer_kernel_arguments(enabled: bool) -> dict:
@@ -252,9 +245,9 @@ def apply_liger_kernels(model: nn.Module, kernel_config: dict | None) -> None:
     # Liger-Kernel also replaces the family's norm and MLP classes and RoPE function in its
     # modeling module: confined, only this model runs them (scoped_globals).
     model_type = _model_type(model)
-    family = model_family(model_type)
+    family = family_key(model_type)
     with confine_global_patches(model):
-        if family not in (None, model_type) and liger_installed() and family in liger_model_types():
+        if family != model_type and liger_installed() and family in liger_model_types():
             _apply_liger_as(family, model, kernel_config)
         else:
             liger_apply_function()(model, kernel_config)

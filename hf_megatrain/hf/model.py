@@ -39,7 +39,7 @@ from .adapter_memory import adapter_shape_fields
 from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
 from .compiled_kernels import is_compiled_forward, runs_compiled_norms, stand_in
-from .families import model_family, unsupported_model_type
+from .families import family_key, model_family, unsupported_model_type
 from .family_memory import (
     EAGER_SCORE_COPY_MODEL_TYPES,
     FAMILY_WORKING_SET_EXTRA,
@@ -129,7 +129,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         p.numel() for p in model.parameters() if id(p) not in in_layers and not p.requires_grad
     )
     cfg = model.config
-    family = model_family(cfg.model_type) or cfg.model_type  # (the per-family tables' key)
+    family = family_key(cfg.model_type)
     text_cfg = _text_config(cfg)
     # GPT-style configs name the MLP width otherwise or leave it at the 4 x hidden default.
     inter = (
