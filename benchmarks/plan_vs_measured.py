@@ -90,8 +90,10 @@ COMPACT_GRADS_SINCE = "2026-12-03T12:50"
 #: Rows from here on staged device updates where the plan counts them (``device_update_lead``,
 #: ``MemoryPlan.device_updates``); the rows before allocated no such staging.
 DEVICE_UPDATES_SINCE = "2026-12-03T20:30"
-#: ... until here: from then on ``device_update_lead`` is 0 unless the command sets it.
+#: ... until here: from then on ``device_update_lead`` is 0 unless the command sets it ...
 DEVICE_UPDATES_UNTIL = "2026-12-04T13:00"
+#: ... and from here on 2 again (the GPU's AdamW rounds as the CPU's: ``core/exact_adamw``).
+DEVICE_UPDATES_AGAIN_SINCE = "2026-12-05T22:40"
 #: Rows from here on ran autocast_kernels' shared input casts (82a15e0; kept layers save one
 #: bf16 cast per normed input, not one per linear) unless the command turned them off.
 AUTOCAST_KERNELS_SINCE = "2026-12-04T07:48"
@@ -140,7 +142,9 @@ def plan_row(row: dict):
     date = row.get("date", "")
     if date < DEVICE_UPDATES_SINCE:
         engine = engine.with_(device_update_lead=0)
-    elif date < DEVICE_UPDATES_UNTIL and "--device-update-lead" not in command:
+    elif "--device-update-lead" not in command and (
+        date < DEVICE_UPDATES_UNTIL or date >= DEVICE_UPDATES_AGAIN_SINCE
+    ):
         engine = engine.with_(device_update_lead=2)  # that time's default
     if date < AUTOCAST_KERNELS_SINCE:
         engine = engine.with_(autocast_kernels=False)

@@ -52,8 +52,12 @@
 #   llama8b    Llama-3.1-8B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
 #   slow14b    compact14b with the host update on 8 threads: a host whose AdamW runs ~2.2 G params/s
 #              (some machine starts run 2.4), where the update falls behind the forward; with
-#              --device-update-lead 2 (device updates are off by default since 2026-12-04).
-#   nodevice14b compact14b with --device-update-lead 0 (the default since 2026-12-04).
+#              --device-update-lead 2 (off by default 2026-12-04 to 12-05, on again since: the
+#              GPU's AdamW rounds as the CPU's, core/exact_adamw.py).
+#   nodevice14b compact14b with --device-update-lead 0 (the default 2026-12-04 to 12-05).
+#   exacttests tests/test_exact_adamw.py's GPU kernel against the CPU kernel, tests/test_gpu.py's
+#              device-update training (bitwise the CPU-only run), the alias-type Liger test and
+#              tests/test_tiling.py's bf16 tile-gradient case on CUDA.
 #   lead14b    compact14b with --device-update-lead 2 (the A/B of device updates).
 #   timeline8b The same with --layer-timing (diagnostic: where the GPU waits). ~2 min.
 #   qwen7b     Qwen2.5-7B at 65,536 tokens/step (16 rows of 4,096), the defaults. ~2 min.
@@ -433,6 +437,11 @@ PY
       ;;
     qwen7b)
       run64k qwen7b64k qwen2.5-7b 240 --steps 3 --warmup 1
+      ;;
+    exacttests)
+      timeout 500 python3 -m pytest tests/test_exact_adamw.py tests/test_gpu.py tests/test_tiling.py \
+        -o addopts="" -p no:cacheprovider -rA -q \
+        -k "gpu_kernel or device_updates or built_as_llama or untiled_ones" 2>&1 | grep -v '^DEBUG'
       ;;
     updatetests)
       timeout 500 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \

@@ -46,9 +46,10 @@ def test_staging_where_the_host_tier_share_outruns_the_forward():
 
 
 def test_option_is_checked():
-    # Off by default: takeovers depend on timing, so bf16 runs with them are not repeatable.
-    assert EngineOptions().device_update_lead == 0
-    assert not EngineOptions().resolve(clipping=True, cuda=True).device_updates
+    # On by default: the GPU's AdamW rounds as the CPU's, so timing decides only who updates.
+    assert EngineOptions().device_update_lead == 2
+    assert EngineOptions().resolve(clipping=True, cuda=True).device_updates
+    assert not EngineOptions(device_update_lead=0).resolve(clipping=True, cuda=True).device_updates
     with pytest.raises(OptionError, match="device_update_lead"):
         EngineOptions(device_update_lead=-1)
     lead = EngineOptions(device_update_lead=2)
@@ -272,17 +273,48 @@ def test_plan_stages_device_updates_where_the_cpu_paces_the_forward():
     )
 
 
+def test_staging_goes_first_where_the_step_does_not_fit_with_it():
+    """The staging only speeds up a slow host: on a GPU where the step fits without it (and not
+    with it) the plan drops it, before turning on a memory option or refusing the step; where
+    the step does not fit either way, the plan keeps it (the refusal names the same lines)."""
+    from hf_megatrain.core.plan_search import plan_with_auto_fit  # noqa: PLC0415
+
+    shape = qwen14b_shape()
+    step = StepShape(seq_len=4096, micro_batch_tokens=4096)
+
+    def plan(hbm_gib: float, lead: int = 2):
+        opts = EngineOptions(
+            device_update_lead=lead, resident_layers=0, keep_activations="off",
+            keep_attention_outputs="0", auto_fit="off",
+        )  # fmt: skip
+        ro = opts.resolve(clipping=True, cuda=True, single_backward=True)
+        hbm = int(hbm_gib * 2**30)
+        return plan_with_auto_fit(shape, step, ro, torch.bfloat16, hbm, 2**40, hbm_layers=0)[0]
+
+    staged, bare = plan(80), plan(80, lead=0)
+    assert staged.device_updates and staged.fits and bare.fits
+    extra = staged.gpu_total - bare.gpu_total
+    assert extra > 0
+    tight = (bare.gpu_total + extra / 2) / 2**30  # fits without the staging only
+    dropped = plan(tight)
+    assert dropped.fits and not dropped.device_updates
+    assert dropped.options.device_update_lead == 0
+    refused = plan(bare.gpu_total / 2 / 2**30)
+    assert not refused.fits and refused.device_updates
+
+
 def test_a_host_that_sets_the_pace_gets_the_option_named():
-    """Off by default, device updates are named to a run whose training thread waited over a
+    """Turned off, device updates are named to a run whose training thread waited over a
     fifth of the time for the host AdamW; not where the GPU cannot take over (CPU, eager
     updates), where the option is on already, under data parallel, or with short waits."""
-    cuda = EngineOptions().resolve(clipping=True, cuda=True)
+    cuda = EngineOptions(device_update_lead=0).resolve(clipping=True, cuda=True)
     hint = device_update_hint(cuda, 3.0, 10.0)
     assert hint is not None and "device_update_lead=2" in hint and "3.0 of the last 10.0 s" in hint
     assert device_update_hint(cuda, 1.5, 10.0) is None  # a fifth or less
     assert device_update_hint(cuda, 3.0, 10.0, world_size=2) is None
     assert device_update_hint(cuda, 3.0, 0.0) is None
-    assert device_update_hint(EngineOptions().resolve(clipping=True, cuda=False), 3.0, 10.0) is None
-    assert device_update_hint(EngineOptions().resolve(clipping=False, cuda=True), 3.0, 10.0) is None
-    on = EngineOptions(device_update_lead=2).resolve(clipping=True, cuda=True)
+    off = EngineOptions(device_update_lead=0)
+    assert device_update_hint(off.resolve(clipping=True, cuda=False), 3.0, 10.0) is None
+    assert device_update_hint(off.resolve(clipping=False, cuda=True), 3.0, 10.0) is None
+    on = EngineOptions().resolve(clipping=True, cuda=True)
     assert device_update_hint(on, 3.0, 10.0) is None

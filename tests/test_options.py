@@ -221,5 +221,5 @@ def test_options_this_run_cannot_use_are_named():
         in notes(checkpoint_every=3, chain_attention_outputs=5)[0]
     )
     assert "keeps 0: no checkpoint segment chain" in notes(chain_attention_outputs=1)[0]
-    assert "device updates need CUDA" in notes(cuda=False, device_update_lead=2)[0]
-    assert "device updates need CUDA" in notes(clipping=False, device_update_lead=2)[0]
+    assert "device updates need CUDA" in notes(cuda=False, device_update_lead=3)[0]
+    assert "device updates need CUDA" in notes(clipping=False, device_update_lead=3)[0]

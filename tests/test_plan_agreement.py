@@ -214,12 +214,10 @@ def test_plan_takes_every_option_its_plan_depends_on(monkeypatch, capsys):
     builder_plan = _builder_plan(monkeypatch, shape, EngineOptions(resident_layers="4"), step)[1]
     assert builder_plan.n_hbm == 4
     default = _cli_plan(argv)
-    assert default.host_grad_dtype == BF16 and not default.device_updates
+    assert default.host_grad_dtype == BF16 and default.device_updates
     assert _cli_plan([*argv, "--no-compact-host-grads"]).host_grad_dtype == torch.float32
-    assert _cli_plan([*argv, "--device-update-lead", "2"]).device_updates
-    assert not _cli_plan(
-        [*argv, "--device-update-lead", "2", "--no-overlap-optimizer"]
-    ).device_updates
+    assert not _cli_plan([*argv, "--device-update-lead", "0"]).device_updates
+    assert not _cli_plan([*argv, "--no-overlap-optimizer"]).device_updates
     sp = _cli_plan([*argv, "--sequence-parallel", "2", "--nproc", "2"])
     assert (sp.step.seq_len, sp.step.micro_batch_tokens, sp.ranks) == (2048, 8192, 2)
     assert "its 2048-token shard of each 4096-token row" in capsys.readouterr().out

@@ -63,7 +63,17 @@ def test_tiled_backward_recomputes_under_the_forward_autocast():
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
 
 
-def test_tiled_gated_mlp_input_gradient_is_the_untiled_ones_in_bf16():
+_CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_tiled_gated_mlp_input_gradient_is_the_untiled_ones_in_bf16(device):
     """A gated MLP's gate and up projections read one input: untiled (its input no leaf), under
     autocast each cast's gradient is widened and the two are summed in fp32. The tile recompute
     must not sum them in bf16 (autocast caches its casts of a leaf that requires grad). Gate and
@@ -73,14 +83,14 @@ def test_tiled_gated_mlp_input_gradient_is_the_untiled_ones_in_bf16():
     with torch.no_grad():
         mlp.gate_proj.weight.mul_(2.0**-12)
         mlp.up_proj.weight.mul_(2.0**12)
-    mlp.to(torch.bfloat16)
+    mlp.to(device=device, dtype=torch.bfloat16)
     tiled = copy.deepcopy(mlp)
     tiled.forward = TiledTokenwise(tiled, 4)
-    base = torch.randn(2, 16, mlp.gate_proj.in_features)
+    base = torch.randn(2, 16, mlp.gate_proj.in_features, device=device)
     grads = []
     for module in (mlp, tiled):
         x = base.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             out = module(x * 1.0)
         out.float().square().sum().backward()
         grads.append(x.grad)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as _adam_functional
 
+from . import exact_adamw
 from .engine.updates import background_threads
 from .grad_norm import squared_norm
 from .host_store import LayerStore
@@ -115,20 +116,19 @@ def _adamw_host_chunks(
     costs more than a chunk's kernel launch, and a large model makes thousands per step).
 
     ``state`` (a device update): the layer's master, moments and gradient staged on a device
-    (``WeightStreamer``), updated there instead; the caller casts the new master for the GPU and
-    copies master and moments back."""
+    (``WeightStreamer``), updated there instead by ``exact_adamw.adamw_``, which rounds as the
+    CPU kernel does (whichever device updates a layer, the result is the same); the caller
+    casts the new master for the GPU and copies master and moments back."""
     hyper = {k: v for k, v in kw.items() if k != "decoupled_weight_decay"}  # (the "w" in adamw)
     store = seg.store
     seg.step.add_(1)
     if state is None:
         master, exp_avg, exp_avg_sq = store.master, store.exp_avg, store.exp_avg_sq
-        step, chunk = seg.step, WIDEN_CHUNK
+        chunk = WIDEN_CHUNK
     else:
         master, exp_avg, exp_avg_sq = state["master"], state["exp_avg"], state["exp_avg_sq"]
-        # A fill on the device, not a copy: no host synchronization on the training thread,
-        # and no allocation (the update runs once: nothing may fail between count and kernel).
-        step = state["step"].fill_(float(seg.step))
         chunk = state["widen"].numel()
+        exact = {k: float(hyper[k]) for k in ("lr", "beta1", "beta2", "weight_decay", "eps")}
     for a in range(seg.start, seg.end, chunk):
         b = min(a + chunk, seg.end)
         if grad.dtype == torch.float32:
@@ -137,12 +137,17 @@ def _adamw_host_chunks(
             part = store.widen_grad(a, b, _widen_buffer(b - a))
         else:
             part = store.widen_grad(a, b, state["widen"][: b - a], grad, state["fp32_grad"])
+        if state is not None:
+            exact_adamw.adamw_(
+                master[a:b], part, exp_avg[a:b], exp_avg_sq[a:b], step=float(seg.step),
+                grad_scale=scale, **exact,
+            )  # fmt: skip
+            continue
         torch._fused_adamw_(
-            [master[a:b]], [part], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [step],
+            [master[a:b]], [part], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [seg.step],
             grad_scale=scale, found_inf=None, **hyper,
         )  # fmt: skip
-        if state is None:
-            store.refresh_stream_copy(a, b)
+        store.refresh_stream_copy(a, b)
 
 
 #: Layer stores whose moments an optimizer has owned (and may have written).
@@ -197,6 +202,11 @@ class HostAdamW(torch.optim.Optimizer):
         self.overlap_update = overlap_update
         self.update_threads = update_threads
         self.device_update_lead = device_update_lead if engine.dp is None else 0
+        if self.device_update_lead and engine.is_cuda:
+            # Only with a GPU kernel that rounds as the CPU's (checked here, logged if not):
+            # which layers the GPU takes depends on timing, the result must not.
+            if not exact_adamw.matches_cpu_adamw(engine.device):
+                self.device_update_lead = 0
         resident = list(resident)
         self.resident_names = {id(p): n for n, p, _ in resident}
         decay_params: list[torch.Tensor] = [p for _, p, d in resident if d]

@@ -446,21 +446,19 @@ class EngineOptions:
         ),
     )
     device_update_lead: int = field(
-        default=0,
+        default=2,
         metadata=_help(
             """For a host whose CPU AdamW is slower than the forward it overlaps (where
             ``host_update_wait_s`` stays above zero): the GPU updates the host layers the CPU
-            has not started within this many layers ahead of the forward (2 is a good value).
-            Their fp32 master, moments and gradient cross PCIe into a staging buffer (HBM: 12-14
-            B per parameter of the largest host layer), the fused GPU AdamW updates them, and
-            master and moments go back. Off (0) by default: the GPU's AdamW rounds apart from
-            the CPU's by an ulp and which layers it takes depends on timing, so bf16 runs with
-            it are not bitwise repeatable, and a tiny Gemma2 with it ran outside the stock
-            Trainer's band (docs/benchmarks.md); on the H200 host the CPU keeps up (the 14B at
-            64k: 403 model TFLOP/s without it, 402 with). On an 8-thread update it took the 14B
-            from 383 to 400. Only where the plan counts the staging (the host tier's share of
-            the layer parameters outruns the forward); the later half of the host layers
-            qualifies, their stores pinned whole at start-up. CUDA, one process, gradient
+            has not started within this many layers ahead of the forward; 0: never. Their fp32
+            master, moments and gradient cross PCIe into a staging buffer (HBM: 12-14 B per
+            parameter of the largest host layer), a GPU AdamW that rounds exactly as the CPU's
+            updates them (checked against it at start-up; where it does not, device updates
+            stay off, logged), and master and moments go back: the same training whichever
+            device updated a layer. Only where the plan counts the staging (the host tier's
+            share of the layer parameters outruns the forward); the later half of the host
+            layers qualifies, their stores pinned whole at start-up. On an 8-thread update it
+            took the 14B at 64k from 383 to 400 model TFLOP/s. CUDA, one process, gradient
             clipping on.""",
             run_time=True,
             planned=True,
@@ -977,7 +975,9 @@ def unused_option_notes(run: ResolvedOptions, n_layers: int) -> list[str]:
             f"chain_attention_outputs={o.chain_attention_outputs} keeps "
             f"{run.chain_attention_layers}: {why}"
         )
-    if o.device_update_lead > 0 and not run.device_updates_possible:
+    # (Not for the default, which applies wherever device updates are possible.)
+    default_lead = EngineOptions.__dataclass_fields__["device_update_lead"].default
+    if o.device_update_lead not in (0, default_lead) and not run.device_updates_possible:
         notes.append(
             f"device_update_lead={o.device_update_lead} has no effect: device updates need "
             "CUDA and an update after backward (gradient clipping on, no eager updates)"
@@ -1004,8 +1004,8 @@ def device_update_hint(
         f"the training thread waited {waited_s:.1f} of the last {elapsed_s:.1f} s for the host "
         "AdamW (this host's CPU update is slower than the forward it overlaps); "
         "with megatrain_device_update_lead=2 (CLI: --device-update-lead 2) the GPU may update "
-        "the host layers the CPU has not reached, where the plan counts its staging (runs with "
-        "it are not bitwise repeatable)"
+        "the host layers the CPU has not reached, where the plan counts its staging (the same "
+        "training: its AdamW rounds as the CPU's)"
     )
 
 

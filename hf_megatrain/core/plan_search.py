@@ -9,6 +9,7 @@ splits and option sets. ``plan_report`` words the result.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -99,6 +100,28 @@ def _plan(
     compute_dtype: torch.dtype,
     hbm_bytes: int,
     host_bytes: int,
+    **kw: Any,
+) -> MemoryPlan:
+    """``plan_memory`` with the kept-activation count ``keep`` given apart from the options (the
+    searches plan without kept activations, which only fill room and never decide a fit), and
+    the advice search on or off. A plan that fits only without the device updates' staging is
+    planned without it (its options then have ``device_update_lead`` 0): the staging only speeds
+    up a slow host, so it goes before any memory option is turned on or the step refused."""
+    plan = _plan_as_given(shape, step, options, compute_dtype, hbm_bytes, host_bytes, **kw)
+    if plan.fits or not plan.device_updates:
+        return plan
+    options = options.resolved_again(options.options.with_(device_update_lead=0))
+    bare = _plan_as_given(shape, step, options, compute_dtype, hbm_bytes, host_bytes, **kw)
+    return bare if bare.fits else plan
+
+
+def _plan_as_given(
+    shape: ModelShape,
+    step: StepShape | None,
+    options: ResolvedOptions,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
     *,
     hbm_layers: int | None,
     reserve_bytes: int,
@@ -108,9 +131,7 @@ def _plan(
     keep: int | None,
     advise: bool,
 ) -> MemoryPlan:
-    """``plan_memory`` with the kept-activation count ``keep`` given apart from the options (the
-    searches plan without kept activations, which only fill room and never decide a fit), and
-    the advice search on or off."""
+    """:func:`_plan` with the options as given."""
     if ranks < 1:
         raise ValueError(f"ranks={ranks} must be >= 1")
     if compute_dtype not in (torch.bfloat16, torch.float32):

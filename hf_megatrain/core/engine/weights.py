@@ -331,7 +331,6 @@ class WeightStreamer:
             "grad": torch.empty(grad_bytes, dtype=torch.uint8, device=dev),
             "fp32_grad": torch.empty(max(fp32_grad, 1), dtype=torch.float32, device=dev),
             "widen": torch.empty(widen_numel, dtype=torch.float32, device=dev),
-            "step": torch.zeros((), dtype=torch.float32, device=dev),
         }
         self._writeback = torch.cuda.Stream(dev)
         # Allocated on the compute stream: their use (copy stream) waits for its work so far.
@@ -357,7 +356,6 @@ class WeightStreamer:
             "grad": stage["grad"][: n * store.grad.element_size()].view(store.grad.dtype),
             "fp32_grad": None,
             "widen": stage["widen"],
-            "step": stage["step"],
         }
         for key in ("master", "exp_avg", "exp_avg_sq", "grad"):
             state[key].copy_(getattr(store, key), non_blocking=True)

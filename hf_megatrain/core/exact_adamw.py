@@ -1,0 +1,234 @@
+"""AdamW on a CUDA device that rounds exactly as torch's fused CPU AdamW.
+
+Device updates (``device_update_lead``) let the GPU update a host layer the CPU AdamW has not
+reached in time. Which layers it takes depends on timing, so unless both devices round alike a
+run's result would depend on timing too. torch's CUDA fused AdamW does not round as its CPU
+kernel does (another operation order, other fused multiply-adds); this one does.
+
+The CPU kernel (``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``, its vectorized fp32 path, as
+the compiler contracts it) computes, each operation rounded to fp32 once::
+
+    g = g / grad_scale                                  (where a scale is given)
+    p = p * f32(1 - lr * weight_decay)                  (where weight_decay != 0)
+    m = fma(c1, g - m, m)                               (c1 = f32(1 - beta1) below 0.5; else
+                                                         fma(c1 - 1, g - m, g))
+    v = fma(f32(1 - beta2) * g, g, v * f32(beta2))
+    p = p + (f32(-lr / (1 - beta1^step)) * m) / (sqrt(v) / f32(sqrt(1 - beta2^step)) + f32(eps))
+
+except in the last ``numel % W`` elements of a call (``W``: the CPU's fp32 vector width), which
+its scalar loop updates, where ``v = fma(v, f32(beta2), (f32(1 - beta2) * g) * g)``. The
+optimizer calls both kernels on the same slices in chunks of a multiple of ``W``, so the tails
+fall on the same elements.
+
+The Triton kernel below spells each of those as one PTX instruction with round-to-nearest
+(``.rn`` keeps the assembler from fusing a multiply into an add). Because the contraction is the
+CPU compiler's choice, :func:`matches_cpu_adamw` checks the two bitwise on one sample per
+device and process before any device update uses it; ``tests/test_exact_adamw.py`` pins the
+order against the CPU kernel on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_BLOCK = 2048
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, or None where Triton is not importable."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _binary(a, b, asm: tl.constexpr):
+        return tl.inline_asm_elementwise(
+            asm, "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def _fma(a, b, c):
+        return tl.inline_asm_elementwise(
+            "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [a, b, c],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
+    def _sqrt(a):
+        return tl.inline_asm_elementwise(
+            "sqrt.rn.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def adamw(
+        p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, tail_start,
+        wd_factor, lerp_coeff, one_minus_beta2, beta2, bc2_sqrt, eps, neg_step_size,
+        HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, LERP_FROM_GRAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask)
+        m = tl.load(m_ptr + offs, mask=mask)
+        v = tl.load(v_ptr + offs, mask=mask)
+        if HAS_SCALE:
+            g = _binary(g, tl.load(scale_ptr), "div.rn.f32 $0, $1, $2;")
+        if HAS_DECAY:
+            p = _binary(p, wd_factor, "mul.rn.f32 $0, $1, $2;")
+        diff = _binary(g, m, "sub.rn.f32 $0, $1, $2;")
+        if LERP_FROM_GRAD:
+            m = _fma(lerp_coeff, diff, g)
+        else:
+            m = _fma(lerp_coeff, diff, m)
+        grad_part = _binary(one_minus_beta2, g, "mul.rn.f32 $0, $1, $2;")
+        vector = _fma(grad_part, g, _binary(v, beta2, "mul.rn.f32 $0, $1, $2;"))
+        scalar = _fma(v, beta2, _binary(grad_part, g, "mul.rn.f32 $0, $1, $2;"))
+        v = tl.where(offs >= tail_start, scalar, vector)
+        den = _binary(_sqrt(v), bc2_sqrt, "div.rn.f32 $0, $1, $2;")
+        den = _binary(den, eps, "add.rn.f32 $0, $1, $2;")
+        move = _binary(_binary(neg_step_size, m, "mul.rn.f32 $0, $1, $2;"), den,
+                       "div.rn.f32 $0, $1, $2;")  # fmt: skip
+        p = _binary(p, move, "add.rn.f32 $0, $1, $2;")
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+    return triton, adamw
+
+
+def cpu_vector_width() -> int:
+    """fp32 elements per vector of torch's CPU kernels here (``at::vec::Vectorized<float>``):
+    16 with AVX-512, else 8 (AVX2 and the generic build); the start-up check catches a build
+    where that is not so."""
+    return 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to fp32 (as the CPU kernel's ``scalar_t(x)``), as a Python float."""
+    return torch.tensor(x, dtype=torch.float64).float().item()
+
+
+def adamw_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
+    """One AdamW step (decoupled weight decay) of fp32 CUDA tensors in place, rounded as
+    ``torch._fused_adamw_`` rounds on the CPU; ``step`` is the count after this step's
+    increment, ``grad_scale`` (a one-element fp32 tensor on the device) divides the gradient
+    (which, unlike the CPU kernel's, is not written back)."""
+    kernel = _kernel()
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    if kernel is None or not all(
+        t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
+    ):
+        raise ValueError("hf_megatrain: exact_adamw needs Triton and contiguous fp32 CUDA tensors")
+    n = param.numel()
+    if not n:
+        return
+    # The CPU kernel's constants, in double as it computes them, then rounded to fp32.
+    bias_correction1 = 1 - math.pow(beta1, step)
+    bias_correction2 = 1 - math.pow(beta2, step)
+    lerp_weight = _f32(1 - beta1)
+    lerp_from_grad = not abs(lerp_weight) < 0.5
+    triton, adamw = kernel
+    with torch.cuda.device(param.device):
+        adamw[(triton.cdiv(n, _BLOCK),)](
+            param, grad, exp_avg, exp_avg_sq,
+            grad_scale if grad_scale is not None else param, n, n - n % cpu_vector_width(),
+            _f32(1 - lr * weight_decay),
+            _f32(lerp_weight - 1) if lerp_from_grad else lerp_weight,
+            _f32(1 - beta2), _f32(beta2), _f32(math.sqrt(bias_correction2)), _f32(eps),
+            _f32(-(lr / bias_correction1)),
+            HAS_SCALE=grad_scale is not None, HAS_DECAY=weight_decay != 0,
+            LERP_FROM_GRAD=lerp_from_grad, BLOCK=_BLOCK, num_warps=8,
+        )  # fmt: skip
+
+
+def _sample(numel: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Master, gradient and moments over many magnitudes (zeros and subnormals among them)."""
+
+    def spread(low: int, high: int) -> torch.Tensor:
+        exponent = torch.randint(low, high, (numel,), generator=generator).float()
+        return torch.randn(numel, generator=generator) * torch.pow(2.0, exponent)
+
+    master, grad, exp_avg = spread(-20, 4), spread(-40, 2), spread(-40, -4)
+    exp_avg_sq = spread(-80, -8).abs()
+    for t in (master, grad, exp_avg, exp_avg_sq):
+        t[: numel // 64] = 0.0
+        t[numel // 64 : numel // 32] *= 2.0**-126  # subnormal or near it
+    return [master, grad, exp_avg, exp_avg_sq]
+
+
+#: Hyper-parameters the check covers: each branch of the kernel (scale, decay, lerp side).
+_CHECKED = (
+    dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, step=3.0, scale=1.3),
+    dict(lr=3e-4, beta1=0.9, beta2=0.95, weight_decay=0.0, eps=1e-6, step=1.0, scale=None),
+    dict(lr=0.1, beta1=0.3, beta2=0.5, weight_decay=0.1, eps=1e-8, step=40.0, scale=0.7),
+)
+
+
+def _cpu_adamw_(tensors: list[torch.Tensor], hyper: dict) -> None:
+    """torch's fused CPU AdamW on ``tensors`` (master, gradient, moments) in place."""
+    scale = hyper["scale"]
+    torch._fused_adamw_(
+        [tensors[0]], [tensors[1]], [tensors[2]], [tensors[3]], [],
+        [torch.tensor(hyper["step"])], lr=hyper["lr"], beta1=hyper["beta1"],
+        beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
+        amsgrad=False, maximize=False,
+        grad_scale=None if scale is None else torch.tensor(scale), found_inf=None,
+    )  # fmt: skip
+
+
+@functools.cache
+def matches_cpu_adamw(device: torch.device) -> bool:
+    """Whether :func:`adamw_` on ``device`` gives bitwise what torch's fused CPU AdamW gives,
+    checked once per process on 2^18 + 13 elements for each kernel branch; False (logged) where it
+    does not, or where Triton or CUDA is missing."""
+    device = torch.device(device)
+    if device.type != "cuda" or _kernel() is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    for hyper in _CHECKED:
+        cpu = _sample((1 << 18) + 13, generator)  # (a tail of 13 for the scalar loop)
+        gpu = [t.to(device) for t in cpu]
+        _cpu_adamw_(cpu, hyper)
+        scale = hyper["scale"]
+        adamw_(
+            *gpu, step=hyper["step"], lr=hyper["lr"], beta1=hyper["beta1"],
+            beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
+            grad_scale=None if scale is None else torch.tensor([scale], device=device),
+        )  # fmt: skip
+        names = ("master", "exp_avg", "exp_avg_sq")
+        for name, a, b in zip(names, (cpu[0], cpu[2], cpu[3]), (gpu[0], gpu[2], gpu[3])):
+            differ = (a.view(torch.int32) != b.cpu().view(torch.int32)).sum().item()
+            if differ:
+                logger.warning(
+                    "hf_megatrain: the GPU's AdamW kernel rounds %d of %d %s values apart from "
+                    "this torch's CPU AdamW (%s): device updates stay off",
+                    differ, a.numel(), name, torch.__version__,
+                )  # fmt: skip
+                return False
+    return True
+
+
+__all__ = ["adamw_", "cpu_vector_width", "matches_cpu_adamw"]
