@@ -106,11 +106,11 @@ def _kernel():
     return triton, adamw
 
 
-def cpu_vector_width() -> int:
-    """fp32 elements per vector of torch's CPU kernels here (``at::vec::Vectorized<float>``):
-    16 with AVX-512, else 8 (AVX2 and the generic build); the start-up check catches a build
-    where that is not so."""
-    return 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+def cpu_vector_width() -> int | None:
+    """fp32 elements per vector of torch's CPU kernels here (``at::vec::Vectorized<float>``): 16
+    with AVX-512, 8 with AVX2; None for the other builds (the generic one multiplies and adds
+    apart where these fuse: not the order the kernel below spells out)."""
+    return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())
 
 
 def _f32(x: float) -> float:
@@ -142,7 +142,9 @@ def adamw_(
         t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
     ):
         raise ValueError("hf_megatrain: exact_adamw needs Triton and contiguous fp32 CUDA tensors")
-    n = param.numel()
+    n, width = param.numel(), cpu_vector_width()
+    if width is None:
+        raise ValueError("hf_megatrain: exact_adamw follows torch's AVX2 and AVX-512 CPU kernels")
     if not n:
         return
     # The CPU kernel's constants, in double as it computes them, then rounded to fp32.
@@ -154,7 +156,7 @@ def adamw_(
     with torch.cuda.device(param.device):
         adamw[(triton.cdiv(n, _BLOCK),)](
             param, grad, exp_avg, exp_avg_sq,
-            grad_scale if grad_scale is not None else param, n, n - n % cpu_vector_width(),
+            grad_scale if grad_scale is not None else param, n, n - n % width,
             _f32(1 - lr * weight_decay),
             _f32(lerp_weight - 1) if lerp_from_grad else lerp_weight,
             _f32(1 - beta2), _f32(beta2), _f32(math.sqrt(bias_correction2)), _f32(eps),
@@ -164,8 +166,9 @@ def adamw_(
         )  # fmt: skip
 
 
-def _sample(numel: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """Master, gradient and moments over many magnitudes (zeros and subnormals among them)."""
+def sample_state(numel: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Master, gradient and moments over many magnitudes (zeros and subnormals among them): what
+    the check compares the kernels on."""
 
     def spread(low: int, high: int) -> torch.Tensor:
         exponent = torch.randint(low, high, (numel,), generator=generator).float()
@@ -205,11 +208,23 @@ def matches_cpu_adamw(device: torch.device) -> bool:
     checked once per process on 2^18 + 13 elements for each kernel branch; False (logged) where it
     does not, or where Triton or CUDA is missing."""
     device = torch.device(device)
-    if device.type != "cuda" or _kernel() is None:
+    if device.type != "cuda" or _kernel() is None or cpu_vector_width() is None:
         return False
+    try:
+        return _check(device)
+    except Exception as exc:  # a kernel that fails to build or run here: the CPU updates all
+        logger.warning(
+            "hf_megatrain: the GPU's AdamW kernel failed its check (%s: %s): device updates "
+            "stay off", type(exc).__name__, exc,
+        )  # fmt: skip
+        return False
+
+
+def _check(device: torch.device) -> bool:
+    """:func:`matches_cpu_adamw`'s comparison."""
     generator = torch.Generator().manual_seed(0)
     for hyper in _CHECKED:
-        cpu = _sample((1 << 18) + 13, generator)  # (a tail of 13 for the scalar loop)
+        cpu = sample_state((1 << 18) + 13, generator)  # (a tail of 13 for the scalar loop)
         gpu = [t.to(device) for t in cpu]
         _cpu_adamw_(cpu, hyper)
         scale = hyper["scale"]
@@ -231,4 +246,4 @@ def matches_cpu_adamw(device: torch.device) -> bool:
     return True
 
 
-__all__ = ["adamw_", "cpu_vector_width", "matches_cpu_adamw"]
+__all__ = ["adamw_", "cpu_vector_width", "matches_cpu_adamw", "sample_state"]
