@@ -18,13 +18,15 @@ the compiler contracts it) computes, each operation rounded to fp32 once::
 except in the last ``numel % W`` elements of a call (``W``: the CPU's fp32 vector width), which
 its scalar loop updates, where ``v = fma(v, f32(beta2), (f32(1 - beta2) * g) * g)``. The
 optimizer calls both kernels on the same slices in chunks of a multiple of ``W``, so the tails
-fall on the same elements.
+fall on the same elements. That is torch 2.13's x86 build; how the second moment's multiplies
+and add are contracted is the CPU compiler's choice (``SECOND_MOMENT_ORDERS``).
 
 The Triton kernel below spells each of those as one PTX instruction with round-to-nearest
-(``.rn`` keeps the assembler from fusing a multiply into an add). Because the contraction is the
-CPU compiler's choice, :func:`matches_cpu_adamw` checks the two bitwise on one sample per
-device and process before any device update uses it; ``tests/test_exact_adamw.py`` pins the
-order against the CPU kernel on CPU.
+(``.rn`` keeps the assembler from fusing a multiply into an add). :func:`matches_cpu_adamw`
+checks it bitwise against the CPU kernel once per device and process, trying each contraction
+of the second moment in the vector loop and in the tail (the documented ones first), before any
+device update uses it; ``tests/test_exact_adamw.py`` pins the documented order against the CPU
+kernel on CPU.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 _BLOCK = 2048
+
+#: How a build may contract the second moment ``v * beta2 + (1 - beta2) * g * g`` (the kernel's
+#: ``ORDER`` index): fused into the gradient's product, fused into the decayed moment, or not.
+SECOND_MOMENT_ORDERS = ("fma((1-b2) g, g, v b2)", "fma(v, b2, (1-b2) g g)", "v b2 + (1-b2) g g")
+#: (vector loop, scalar tail) orders: the documented ones until a check finds others.
+_orders: dict[torch.device, tuple[int, int]] = {}
+_DOCUMENTED = (0, 1)
 
 
 @functools.cache
@@ -69,11 +78,26 @@ def _kernel():
         )
 
     @triton.jit
+    def _second_moment(v, g, grad_part, beta2, ORDER: tl.constexpr):
+        # SECOND_MOMENT_ORDERS, by index.
+        if ORDER == 0:
+            out = _fma(grad_part, g, _binary(v, beta2, "mul.rn.f32 $0, $1, $2;"))
+        elif ORDER == 1:
+            out = _fma(v, beta2, _binary(grad_part, g, "mul.rn.f32 $0, $1, $2;"))
+        else:
+            out = _binary(
+                _binary(v, beta2, "mul.rn.f32 $0, $1, $2;"),
+                _binary(grad_part, g, "mul.rn.f32 $0, $1, $2;"),
+                "add.rn.f32 $0, $1, $2;",
+            )
+        return out
+
+    @triton.jit
     def adamw(
         p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, tail_start,
         wd_factor, lerp_coeff, one_minus_beta2, beta2, bc2_sqrt, eps, neg_step_size,
         HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, LERP_FROM_GRAD: tl.constexpr,
-        BLOCK: tl.constexpr,
+        VECTOR_ORDER: tl.constexpr, TAIL_ORDER: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -91,9 +115,12 @@ def _kernel():
         else:
             m = _fma(lerp_coeff, diff, m)
         grad_part = _binary(one_minus_beta2, g, "mul.rn.f32 $0, $1, $2;")
-        vector = _fma(grad_part, g, _binary(v, beta2, "mul.rn.f32 $0, $1, $2;"))
-        scalar = _fma(v, beta2, _binary(grad_part, g, "mul.rn.f32 $0, $1, $2;"))
-        v = tl.where(offs >= tail_start, scalar, vector)
+        vector = _second_moment(v, g, grad_part, beta2, VECTOR_ORDER)
+        if TAIL_ORDER != VECTOR_ORDER:
+            v = tl.where(offs >= tail_start, _second_moment(v, g, grad_part, beta2, TAIL_ORDER),
+                         vector)  # fmt: skip
+        else:
+            v = vector
         den = _binary(_sqrt(v), bc2_sqrt, "div.rn.f32 $0, $1, $2;")
         den = _binary(den, eps, "add.rn.f32 $0, $1, $2;")
         move = _binary(_binary(neg_step_size, m, "mul.rn.f32 $0, $1, $2;"), den,
@@ -131,11 +158,14 @@ def adamw_(
     weight_decay: float,
     eps: float,
     grad_scale: torch.Tensor | None = None,
+    orders: tuple[int, int] | None = None,
 ) -> None:
     """One AdamW step (decoupled weight decay) of fp32 CUDA tensors in place, rounded as
     ``torch._fused_adamw_`` rounds on the CPU; ``step`` is the count after this step's
     increment, ``grad_scale`` (a one-element fp32 tensor on the device) divides the gradient
-    (which, unlike the CPU kernel's, is not written back)."""
+    (which, unlike the CPU kernel's, is not written back). ``orders``: the second moment's
+    contraction in the vector loop and the tail (``SECOND_MOMENT_ORDERS``); by default the ones
+    :func:`matches_cpu_adamw` found for the device, else the documented ones."""
     kernel = _kernel()
     tensors = (param, grad, exp_avg, exp_avg_sq)
     if kernel is None or not all(
@@ -153,6 +183,8 @@ def adamw_(
     lerp_weight = _f32(1 - beta1)
     lerp_from_grad = not abs(lerp_weight) < 0.5
     triton, adamw = kernel
+    if orders is None:
+        orders = _orders.get(param.device, _DOCUMENTED)
     with torch.cuda.device(param.device):
         adamw[(triton.cdiv(n, _BLOCK),)](
             param, grad, exp_avg, exp_avg_sq,
@@ -162,7 +194,8 @@ def adamw_(
             _f32(1 - beta2), _f32(beta2), _f32(math.sqrt(bias_correction2)), _f32(eps),
             _f32(-(lr / bias_correction1)),
             HAS_SCALE=grad_scale is not None, HAS_DECAY=weight_decay != 0,
-            LERP_FROM_GRAD=lerp_from_grad, BLOCK=_BLOCK, num_warps=8,
+            LERP_FROM_GRAD=lerp_from_grad, VECTOR_ORDER=orders[0], TAIL_ORDER=orders[1],
+            BLOCK=_BLOCK, num_warps=8,
         )  # fmt: skip
 
 
@@ -210,6 +243,8 @@ def matches_cpu_adamw(device: torch.device) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or _kernel() is None or cpu_vector_width() is None:
         return False
+    if device.index is None:  # (the key tensors' devices give: with their index)
+        device = torch.device("cuda", torch.cuda.current_device())
     try:
         return _check(device)
     except Exception as exc:  # a kernel that fails to build or run here: the CPU updates all
@@ -221,29 +256,57 @@ def matches_cpu_adamw(device: torch.device) -> bool:
 
 
 def _check(device: torch.device) -> bool:
-    """:func:`matches_cpu_adamw`'s comparison."""
+    """:func:`matches_cpu_adamw`'s comparison: the first pair of second-moment orders that gives
+    the CPU kernel's bits on every checked branch is kept for ``device``."""
     generator = torch.Generator().manual_seed(0)
-    for hyper in _CHECKED:
-        cpu = sample_state((1 << 18) + 13, generator)  # (a tail of 13 for the scalar loop)
+    # (A tail of 13 elements for the scalar loop: of 16 and of 8.)
+    samples = [sample_state((1 << 18) + 13, generator) for _ in _CHECKED]
+    wanted = []
+    for hyper, cpu in zip(_CHECKED, samples):
         gpu = [t.to(device) for t in cpu]
         _cpu_adamw_(cpu, hyper)
-        scale = hyper["scale"]
-        adamw_(
-            *gpu, step=hyper["step"], lr=hyper["lr"], beta1=hyper["beta1"],
-            beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
-            grad_scale=None if scale is None else torch.tensor([scale], device=device),
-        )  # fmt: skip
-        names = ("master", "exp_avg", "exp_avg_sq")
-        for name, a, b in zip(names, (cpu[0], cpu[2], cpu[3]), (gpu[0], gpu[2], gpu[3])):
-            differ = (a.view(torch.int32) != b.cpu().view(torch.int32)).sum().item()
-            if differ:
-                logger.warning(
-                    "hf_megatrain: the GPU's AdamW kernel rounds %d of %d %s values apart from "
-                    "this torch's CPU AdamW (%s): device updates stay off",
-                    differ, a.numel(), name, torch.__version__,
+        wanted.append((gpu, [cpu[0], cpu[2], cpu[3]]))
+    pairs = [_DOCUMENTED] + [
+        (a, b) for a in range(len(SECOND_MOMENT_ORDERS)) for b in range(len(SECOND_MOMENT_ORDERS))
+    ]
+    documented = None
+    for orders in dict.fromkeys(pairs):  # (the documented pair first, once)
+        differ = sum(
+            _differing(hyper, gpu, cpu, orders) for hyper, (gpu, cpu) in zip(_CHECKED, wanted)
+        )
+        documented = differ if documented is None else documented
+        if not differ:
+            _orders[device] = orders
+            if orders != _DOCUMENTED:
+                logger.info(
+                    "hf_megatrain: the CPU AdamW here computes the second moment as %s (%s in "
+                    "its scalar tail)", *(SECOND_MOMENT_ORDERS[i] for i in orders),
                 )  # fmt: skip
-                return False
-    return True
+            return True
+    logger.warning(
+        "hf_megatrain: the GPU's AdamW kernel rounds apart from this torch's CPU AdamW (%s, "
+        "%s; %d values of the documented order differ): device updates stay off",
+        torch.__version__, torch.backends.cpu.get_cpu_capability(), documented,
+    )  # fmt: skip
+    return False
+
+
+def _differing(
+    hyper: dict, gpu: list[torch.Tensor], cpu: list[torch.Tensor], orders: tuple[int, int]
+) -> int:
+    """How many of master and moments come out other bits than ``cpu`` (the CPU kernel's) when
+    the kernel with ``orders`` updates a copy of ``gpu`` (the inputs) with ``hyper``."""
+    state = [t.clone() for t in gpu]
+    scale = hyper["scale"]
+    adamw_(
+        *state, step=hyper["step"], lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"],
+        weight_decay=hyper["weight_decay"], eps=hyper["eps"], orders=orders,
+        grad_scale=None if scale is None else torch.tensor([scale], device=state[0].device),
+    )  # fmt: skip
+    got = [state[0], state[2], state[3]]
+    return sum(
+        int((a.view(torch.int32) != b.cpu().view(torch.int32)).sum()) for a, b in zip(cpu, got)
+    )
 
 
 __all__ = ["adamw_", "cpu_vector_width", "matches_cpu_adamw", "sample_state"]
