@@ -55,6 +55,7 @@
 #              --device-update-lead 2 (off by default 2026-12-04 to 12-05, on again since: the
 #              GPU's AdamW rounds as the CPU's, core/exact_adamw.py).
 #   nodevice14b compact14b with --device-update-lead 0 (the default 2026-12-04 to 12-05).
+#   exactprobe dev/exact_adamw_probe.py (diagnostic: the CPU, and the elements the kernels round apart).
 #   exacttests tests/test_exact_adamw.py's GPU kernel against the CPU kernel, tests/test_gpu.py's
 #              device-update training (bitwise the CPU-only run), the alias-type Liger test and
 #              tests/test_tiling.py's bf16 tile-gradient case on CUDA.
@@ -437,6 +438,9 @@ PY
       ;;
     qwen7b)
       run64k qwen7b64k qwen2.5-7b 240 --steps 3 --warmup 1
+      ;;
+    exactprobe)  # where the device updates' AdamW and the CPU's round apart, if anywhere
+      timeout 200 python3 dev/exact_adamw_probe.py 2>&1 | grep -v '^DEBUG' | tail -40
       ;;
     exacttests)
       timeout 500 python3 -m pytest tests/test_exact_adamw.py tests/test_gpu.py tests/test_tiling.py \
