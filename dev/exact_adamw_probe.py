@@ -39,7 +39,7 @@ def main() -> None:
         scale = None if h["scale"] is None else torch.tensor([h["scale"]], device="cuda")
         exact_adamw.adamw_(
             *gpu,
-            orders=(0, 1),
+            rounding=exact_adamw.DOCUMENTED_ROUNDING,
             step=h["step"],
             lr=h["lr"],
             beta1=h["beta1"],
@@ -67,7 +67,7 @@ def main() -> None:
         for idx in sorted(set(sum(bad.values(), [])))[:12]:
             row = {k: float(c[idx]) for k, c in cands.items()}
             print(
-                f"  [{idx}] tail={idx >= numel - numel % (exact_adamw.cpu_vector_width() or 8)}"
+                f"  [{idx}] tail={idx >= numel - numel % exact_adamw.DOCUMENTED_ROUNDING[2]}"
                 f" p={orig[0][idx].item():.9g} g={orig[1][idx].item():.9g}"
                 f" m={orig[2][idx].item():.9g} v={orig[3][idx].item():.9g}"
                 f" | cpu v={tensors[3][idx].item():.9g} gpu v={gpu[3][idx].item():.9g}"

@@ -274,9 +274,10 @@ def test_plan_stages_device_updates_where_the_cpu_paces_the_forward():
 
 
 def test_staging_goes_first_where_the_step_does_not_fit_with_it():
-    """The staging only speeds up a slow host: on a GPU where the step fits without it (and not
-    with it) the plan drops it, before turning on a memory option or refusing the step; where
-    the step does not fit either way, the plan keeps it (the refusal names the same lines)."""
+    """The staging only speeds up a slow host: on a GPU where the step fits without it (and in
+    no way auto_fit allows with it) the plan drops it, with a note, before refusing the step;
+    where the step does not fit either way, the plan keeps it (the refusal names the same
+    lines)."""
     from hf_megatrain.core.plan_search import plan_with_auto_fit  # noqa: PLC0415
 
     shape = qwen14b_shape()
@@ -299,6 +300,7 @@ def test_staging_goes_first_where_the_step_does_not_fit_with_it():
     dropped = plan(tight)
     assert dropped.fits and not dropped.device_updates
     assert dropped.options.device_update_lead == 0
+    assert any("fits only without it" in note for note in dropped.notes)
     refused = plan(bare.gpu_total / 2 / 2**30)
     assert not refused.fits and refused.device_updates
 

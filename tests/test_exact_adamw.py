@@ -72,11 +72,10 @@ def _emulated(tensors: list[torch.Tensor], h: dict) -> list[torch.Tensor]:
         m = _fma32(_f32(lerp - 1).expand_as(diff), diff, g)
     grad_part = _f32(const(1 - h["beta2"]) * g)
     vector = _fma32(grad_part, g, _f32(v * const(h["beta2"])))
-    # The last numel % W elements: the CPU kernel's scalar loop, contracted otherwise.
-    tail = v.numel() - v.numel() % exact_adamw.cpu_vector_width()
-    v = torch.cat(
-        [vector[:tail], _fma32(v, const(h["beta2"]).expand_as(v), _f32(grad_part * g))[tail:]]
-    )
+    # The last elements (numel modulo 8): the CPU kernel's scalar loop, contracted otherwise.
+    tail = v.numel() - v.numel() % exact_adamw.DOCUMENTED_ROUNDING[2]
+    scalar = _fma32(v, const(h["beta2"]).expand_as(v), _f32(grad_part * g))
+    v = torch.cat([vector[:tail], scalar[tail:]])
     bc1, bc2 = 1 - math.pow(h["beta1"], h["step"]), 1 - math.pow(h["beta2"], h["step"])
     den = _f32(_f32(_f32(torch.sqrt(v)) / const(math.sqrt(bc2))) + const(h["eps"]))
     p = _f32(p + _f32(_f32(const(-(h["lr"] / bc1)) * m) / den))
@@ -99,6 +98,29 @@ def test_the_documented_order_is_the_cpu_kernels(h, numel):
     _cpu_fused(tensors, h)
     got = [tensors[0], tensors[2], tensors[3]]
     assert [_bitwise_equal(a, b) for a, b in zip(got, want)] == [0, 0, 0]
+
+
+@pytest.mark.skipif(
+    exact_adamw.cpu_vector_width() is None, reason="the order of torch's AVX2/AVX-512 kernels"
+)
+def test_every_tail_length_rounds_as_documented():
+    """Calls whose vector loop leaves 1 to W - 1 elements (the compiler runs 8 of them in vectors
+    of its own, the rest one by one): each call as the documented rounding, element by element."""
+    h = HYPERS[0]
+    width = exact_adamw.cpu_vector_width()
+    for left in range(1, width):
+        call_len = 4 * width + left
+        tensors = _sample(call_len * 64, seed=left)
+        calls = [list(t.split(call_len)) for t in tensors]
+        want = [_emulated(list(call), h) for call in zip(*calls)]
+        torch._fused_adamw_(
+            *calls, [], [torch.tensor(h["step"]) for _ in calls[0]], lr=h["lr"],
+            beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"], eps=h["eps"],
+            amsgrad=False, maximize=False, grad_scale=torch.tensor(h["scale"]), found_inf=None,
+        )  # fmt: skip
+        for i, (name, j) in enumerate((("master", 0), ("exp_avg", 2), ("exp_avg_sq", 3))):
+            got, expected = torch.cat(calls[j]), torch.cat([w[i] for w in want])
+            assert _bitwise_equal(got, expected) == 0, (left, name)
 
 
 def test_the_emulation_sees_a_rounding_apart():

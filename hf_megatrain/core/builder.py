@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import exact_adamw
 from .allocator import prefer_expandable_segments
 from .distributed import DataParallel
 from .host_store import (
@@ -104,6 +105,9 @@ def build_streamed_state(
         options = replace(options, single_backward=False)
     if device.type == "cuda":
         prefer_expandable_segments()  # before the HBM tier and the stream buffers are allocated
+    if options.device_updates and dp is None and not exact_adamw.matches_cpu_adamw(device):
+        # (Logged.) No staging planned or stores pinned for updates the GPU may not take.
+        options = options.resolved_again(options.options.with_(device_update_lead=0))
     trainable = [layer.trainable for layer in layers]
     n_resident, plan = _resident_layer_count(
         layers, options, device, compute_dtype, shape, step, input_model_bytes, dp, namer

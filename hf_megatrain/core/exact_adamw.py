@@ -15,17 +15,20 @@ the compiler contracts it) computes, each operation rounded to fp32 once::
     v = fma(f32(1 - beta2) * g, g, v * f32(beta2))
     p = p + (f32(-lr / (1 - beta1^step)) * m) / (sqrt(v) / f32(sqrt(1 - beta2^step)) + f32(eps))
 
-except in the last ``numel % W`` elements of a call (``W``: the CPU's fp32 vector width), which
-its scalar loop updates, where ``v = fma(v, f32(beta2), (f32(1 - beta2) * g) * g)``. The
-optimizer calls both kernels on the same slices in chunks of a multiple of ``W``, so the tails
-fall on the same elements. That is torch 2.13's x86 build; how the second moment's multiplies
-and add are contracted is the CPU compiler's choice (``SECOND_MOMENT_ORDERS``).
+except in the last ``numel % 8`` elements of a call, which its scalar loop updates, where
+``v = fma(v, f32(beta2), (f32(1 - beta2) * g) * g)`` (the vector loop leaves ``numel % W``
+elements, ``W`` the CPU's fp32 vector width; the compiler runs 8 of them at a time in vectors of
+its own, contracted as the vector loop). The optimizer calls both kernels on the same slices in
+chunks of a multiple of ``W``, so the tails fall on the same elements. That is torch 2.13's x86
+build (AVX2 and AVX-512); how the second moment's multiplies and add are contracted, and how
+much of the scalar loop the compiler vectorizes, are its compiler's choices
+(``DOCUMENTED_ROUNDING``, ``SECOND_MOMENT_ORDERS``).
 
 The Triton kernel below spells each of those as one PTX instruction with round-to-nearest
 (``.rn`` keeps the assembler from fusing a multiply into an add). :func:`matches_cpu_adamw`
 checks it bitwise against the CPU kernel once per device and process, trying each contraction
-of the second moment in the vector loop and in the tail (the documented ones first), before any
-device update uses it; ``tests/test_exact_adamw.py`` pins the documented order against the CPU
+of the second moment in the vector loop and in the tail, and tail lengths (the documented
+rounding first), before any device update uses it; ``tests/test_exact_adamw.py`` pins the documented order against the CPU
 kernel on CPU.
 """
 
@@ -44,9 +47,11 @@ _BLOCK = 2048
 #: How a build may contract the second moment ``v * beta2 + (1 - beta2) * g * g`` (the kernel's
 #: ``ORDER`` index): fused into the gradient's product, fused into the decayed moment, or not.
 SECOND_MOMENT_ORDERS = ("fma((1-b2) g, g, v b2)", "fma(v, b2, (1-b2) g g)", "v b2 + (1-b2) g g")
-#: (vector loop, scalar tail) orders: the documented ones until a check finds others.
-_orders: dict[torch.device, tuple[int, int]] = {}
-_DOCUMENTED = (0, 1)
+#: The CPU kernel's rounding: the second moment's order in its vectors and in its scalar tail
+#: (``SECOND_MOMENT_ORDERS`` indices) and the tail's length as the call's length modulo this.
+DOCUMENTED_ROUNDING = (0, 1, 8)
+#: Per device, the rounding its check found (the documented one until then).
+_rounding: dict[torch.device, tuple[int, int, int]] = {}
 
 
 @functools.cache
@@ -92,9 +97,11 @@ def _kernel():
             )
         return out
 
-    @triton.jit
+    # (Not specialized on the sizes' divisibility: no compile on the training thread for a size
+    # the check did not meet.)
+    @triton.jit(do_not_specialize=["n", "call_len", "tail_len"])
     def adamw(
-        p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, tail_start,
+        p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, call_len, tail_len,
         wd_factor, lerp_coeff, one_minus_beta2, beta2, bc2_sqrt, eps, neg_step_size,
         HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, LERP_FROM_GRAD: tl.constexpr,
         VECTOR_ORDER: tl.constexpr, TAIL_ORDER: tl.constexpr, BLOCK: tl.constexpr,
@@ -117,8 +124,8 @@ def _kernel():
         grad_part = _binary(one_minus_beta2, g, "mul.rn.f32 $0, $1, $2;")
         vector = _second_moment(v, g, grad_part, beta2, VECTOR_ORDER)
         if TAIL_ORDER != VECTOR_ORDER:
-            v = tl.where(offs >= tail_start, _second_moment(v, g, grad_part, beta2, TAIL_ORDER),
-                         vector)  # fmt: skip
+            tail = offs % call_len >= call_len - tail_len
+            v = tl.where(tail, _second_moment(v, g, grad_part, beta2, TAIL_ORDER), vector)
         else:
             v = vector
         den = _binary(_sqrt(v), bc2_sqrt, "div.rn.f32 $0, $1, $2;")
@@ -158,43 +165,48 @@ def adamw_(
     weight_decay: float,
     eps: float,
     grad_scale: torch.Tensor | None = None,
-    orders: tuple[int, int] | None = None,
+    rounding: tuple[int, int, int] | None = None,
+    call_len: int | None = None,
 ) -> None:
     """One AdamW step (decoupled weight decay) of fp32 CUDA tensors in place, rounded as
     ``torch._fused_adamw_`` rounds on the CPU; ``step`` is the count after this step's
     increment, ``grad_scale`` (a one-element fp32 tensor on the device) divides the gradient
-    (which, unlike the CPU kernel's, is not written back). ``orders``: the second moment's
-    contraction in the vector loop and the tail (``SECOND_MOMENT_ORDERS``); by default the ones
-    :func:`matches_cpu_adamw` found for the device, else the documented ones."""
+    (which, unlike the CPU kernel's, is not written back). ``rounding``: as
+    ``DOCUMENTED_ROUNDING``; by default what :func:`matches_cpu_adamw` found for the device,
+    else the documented one. ``call_len``: the
+    CPU kernel's calls these elements stand for, consecutive calls of that many elements each
+    (default: one call of all; which elements are tails)."""
     kernel = _kernel()
     tensors = (param, grad, exp_avg, exp_avg_sq)
     if kernel is None or not all(
         t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
     ):
         raise ValueError("hf_megatrain: exact_adamw needs Triton and contiguous fp32 CUDA tensors")
-    n, width = param.numel(), cpu_vector_width()
-    if width is None:
+    n = param.numel()
+    if cpu_vector_width() is None:
         raise ValueError("hf_megatrain: exact_adamw follows torch's AVX2 and AVX-512 CPU kernels")
     if not n:
         return
+    call_len = n if call_len is None else call_len
     # The CPU kernel's constants, in double as it computes them, then rounded to fp32.
     bias_correction1 = 1 - math.pow(beta1, step)
     bias_correction2 = 1 - math.pow(beta2, step)
     lerp_weight = _f32(1 - beta1)
     lerp_from_grad = not abs(lerp_weight) < 0.5
     triton, adamw = kernel
-    if orders is None:
-        orders = _orders.get(param.device, _DOCUMENTED)
+    if rounding is None:
+        rounding = _rounding.get(param.device, DOCUMENTED_ROUNDING)
+    vector_order, tail_order, tail_modulus = rounding
     with torch.cuda.device(param.device):
         adamw[(triton.cdiv(n, _BLOCK),)](
             param, grad, exp_avg, exp_avg_sq,
-            grad_scale if grad_scale is not None else param, n, n - n % width,
+            grad_scale if grad_scale is not None else param, n, call_len, call_len % tail_modulus,
             _f32(1 - lr * weight_decay),
             _f32(lerp_weight - 1) if lerp_from_grad else lerp_weight,
             _f32(1 - beta2), _f32(beta2), _f32(math.sqrt(bias_correction2)), _f32(eps),
             _f32(-(lr / bias_correction1)),
             HAS_SCALE=grad_scale is not None, HAS_DECAY=weight_decay != 0,
-            LERP_FROM_GRAD=lerp_from_grad, VECTOR_ORDER=orders[0], TAIL_ORDER=orders[1],
+            LERP_FROM_GRAD=lerp_from_grad, VECTOR_ORDER=vector_order, TAIL_ORDER=tail_order,
             BLOCK=_BLOCK, num_warps=8,
         )  # fmt: skip
 
@@ -223,14 +235,15 @@ _CHECKED = (
 )
 
 
-def _cpu_adamw_(tensors: list[torch.Tensor], hyper: dict) -> None:
-    """torch's fused CPU AdamW on ``tensors`` (master, gradient, moments) in place."""
+def _cpu_adamw_(tensors: list[torch.Tensor], hyper: dict, call_len: int) -> None:
+    """torch's fused CPU AdamW on ``tensors`` (master, gradient, moments) in place, one kernel
+    call per ``call_len`` elements (each with its scalar tail)."""
+    calls = [list(t.split(call_len)) for t in tensors]
     scale = hyper["scale"]
     torch._fused_adamw_(
-        [tensors[0]], [tensors[1]], [tensors[2]], [tensors[3]], [],
-        [torch.tensor(hyper["step"])], lr=hyper["lr"], beta1=hyper["beta1"],
-        beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
-        amsgrad=False, maximize=False,
+        *calls, [], [torch.tensor(hyper["step"]) for _ in calls[0]], lr=hyper["lr"],
+        beta1=hyper["beta1"], beta2=hyper["beta2"], weight_decay=hyper["weight_decay"],
+        eps=hyper["eps"], amsgrad=False, maximize=False,
         grad_scale=None if scale is None else torch.tensor(scale), found_inf=None,
     )  # fmt: skip
 
@@ -238,10 +251,17 @@ def _cpu_adamw_(tensors: list[torch.Tensor], hyper: dict) -> None:
 @functools.cache
 def matches_cpu_adamw(device: torch.device) -> bool:
     """Whether :func:`adamw_` on ``device`` gives bitwise what torch's fused CPU AdamW gives,
-    checked once per process on 2^18 + 13 elements for each kernel branch; False (logged) where it
-    does not, or where Triton or CUDA is missing."""
+    checked once per process on ~2^18 elements for each kernel branch (one in 65 a scalar-tail
+    element); False (logged) where it does not, or where Triton, CUDA or a CPU kernel it
+    follows is missing."""
     device = torch.device(device)
-    if device.type != "cuda" or _kernel() is None or cpu_vector_width() is None:
+    if device.type != "cuda":
+        return False
+    missing = "Triton" if _kernel() is None else None
+    if cpu_vector_width() is None:
+        missing = f"torch's AVX2 or AVX-512 CPU kernels ({torch.backends.cpu.get_cpu_capability()})"
+    if missing:
+        logger.warning("hf_megatrain: device updates stay off: their AdamW needs %s", missing)
         return False
     if device.index is None:  # (the key tensors' devices give: with their index)
         device = torch.device("cuda", torch.cuda.current_device())
@@ -256,31 +276,42 @@ def matches_cpu_adamw(device: torch.device) -> bool:
 
 
 def _check(device: torch.device) -> bool:
-    """:func:`matches_cpu_adamw`'s comparison: the first pair of second-moment orders that gives
-    the CPU kernel's bits on every checked branch is kept for ``device``."""
+    """:func:`matches_cpu_adamw`'s comparison: the first rounding (the documented one, then each
+    combination of second-moment orders and tail lengths) that gives the CPU kernel's bits on
+    every checked branch is kept for ``device``."""
     generator = torch.Generator().manual_seed(0)
-    # (A tail of 13 elements for the scalar loop: of 16 and of 8.)
-    samples = [sample_state((1 << 18) + 13, generator) for _ in _CHECKED]
+    # Calls of 64 vectors and a tail of W - 1 elements: one element in 65 is a tail element
+    # (where contraction orders differ on some 10% of elements).
+    width = cpu_vector_width()
+    call_len = 65 * width - 1
+    samples = [sample_state(call_len * ((1 << 18) // call_len), generator) for _ in _CHECKED]
     wanted = []
     for hyper, cpu in zip(_CHECKED, samples):
         gpu = [t.to(device) for t in cpu]
-        _cpu_adamw_(cpu, hyper)
+        _cpu_adamw_(cpu, hyper, call_len)
         wanted.append((gpu, [cpu[0], cpu[2], cpu[3]]))
-    pairs = [_DOCUMENTED] + [
-        (a, b) for a in range(len(SECOND_MOMENT_ORDERS)) for b in range(len(SECOND_MOMENT_ORDERS))
+    n_orders = len(SECOND_MOMENT_ORDERS)
+    candidates = [DOCUMENTED_ROUNDING] + [
+        (a, b, t)
+        for t in dict.fromkeys((8, width, width // 2, 4))
+        for a in range(n_orders)
+        for b in range(n_orders)
     ]
     documented = None
-    for orders in dict.fromkeys(pairs):  # (the documented pair first, once)
+    for rounding in dict.fromkeys(candidates):  # (the documented one first, once)
         differ = sum(
-            _differing(hyper, gpu, cpu, orders) for hyper, (gpu, cpu) in zip(_CHECKED, wanted)
+            _differing(hyper, gpu, cpu, rounding, call_len)
+            for hyper, (gpu, cpu) in zip(_CHECKED, wanted)
         )
         documented = differ if documented is None else documented
         if not differ:
-            _orders[device] = orders
-            if orders != _DOCUMENTED:
+            _rounding[device] = rounding
+            _warm_up(device)
+            if rounding != DOCUMENTED_ROUNDING:
                 logger.info(
                     "hf_megatrain: the CPU AdamW here computes the second moment as %s (%s in "
-                    "its scalar tail)", *(SECOND_MOMENT_ORDERS[i] for i in orders),
+                    "the last elements of a call modulo %d)",
+                    *(SECOND_MOMENT_ORDERS[i] for i in rounding[:2]), rounding[2],
                 )  # fmt: skip
             return True
     logger.warning(
@@ -291,16 +322,31 @@ def _check(device: torch.device) -> bool:
     return False
 
 
+def _warm_up(device: torch.device) -> None:
+    """Compile the kernel's variants a clipped run meets that the check did not (the norm
+    weights': scaled, no decay), not on the training thread's first device update."""
+    for lerp_beta1 in (0.9, 0.3):
+        state = sample_state(16, torch.Generator().manual_seed(1))
+        adamw_(
+            *(t.to(device) for t in state), step=1.0, lr=1e-3, beta1=lerp_beta1, beta2=0.999,
+            weight_decay=0.0, eps=1e-8, grad_scale=torch.ones(1, device=device),
+        )  # fmt: skip
+
+
 def _differing(
-    hyper: dict, gpu: list[torch.Tensor], cpu: list[torch.Tensor], orders: tuple[int, int]
+    hyper: dict,
+    gpu: list[torch.Tensor],
+    cpu: list[torch.Tensor],
+    rounding: tuple[int, int, int],
+    call_len: int,
 ) -> int:
     """How many of master and moments come out other bits than ``cpu`` (the CPU kernel's) when
-    the kernel with ``orders`` updates a copy of ``gpu`` (the inputs) with ``hyper``."""
+    the kernel with ``rounding`` updates a copy of ``gpu`` (the inputs) with ``hyper``."""
     state = [t.clone() for t in gpu]
     scale = hyper["scale"]
     adamw_(
         *state, step=hyper["step"], lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"],
-        weight_decay=hyper["weight_decay"], eps=hyper["eps"], orders=orders,
+        weight_decay=hyper["weight_decay"], eps=hyper["eps"], rounding=rounding, call_len=call_len,
         grad_scale=None if scale is None else torch.tensor([scale], device=state[0].device),
     )  # fmt: skip
     got = [state[0], state[2], state[3]]
@@ -309,4 +355,11 @@ def _differing(
     )
 
 
-__all__ = ["adamw_", "cpu_vector_width", "matches_cpu_adamw", "sample_state"]
+__all__ = [
+    "DOCUMENTED_ROUNDING",
+    "SECOND_MOMENT_ORDERS",
+    "adamw_",
+    "cpu_vector_width",
+    "matches_cpu_adamw",
+    "sample_state",
+]

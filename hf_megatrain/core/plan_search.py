@@ -9,7 +9,6 @@ splits and option sets. ``plan_report`` words the result.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -100,28 +99,6 @@ def _plan(
     compute_dtype: torch.dtype,
     hbm_bytes: int,
     host_bytes: int,
-    **kw: Any,
-) -> MemoryPlan:
-    """``plan_memory`` with the kept-activation count ``keep`` given apart from the options (the
-    searches plan without kept activations, which only fill room and never decide a fit), and
-    the advice search on or off. A plan that fits only without the device updates' staging is
-    planned without it (its options then have ``device_update_lead`` 0): the staging only speeds
-    up a slow host, so it goes before any memory option is turned on or the step refused."""
-    plan = _plan_as_given(shape, step, options, compute_dtype, hbm_bytes, host_bytes, **kw)
-    if plan.fits or not plan.device_updates:
-        return plan
-    options = options.resolved_again(options.options.with_(device_update_lead=0))
-    bare = _plan_as_given(shape, step, options, compute_dtype, hbm_bytes, host_bytes, **kw)
-    return bare if bare.fits else plan
-
-
-def _plan_as_given(
-    shape: ModelShape,
-    step: StepShape | None,
-    options: ResolvedOptions,
-    compute_dtype: torch.dtype,
-    hbm_bytes: int,
-    host_bytes: int,
     *,
     hbm_layers: int | None,
     reserve_bytes: int,
@@ -131,7 +108,9 @@ def _plan_as_given(
     keep: int | None,
     advise: bool,
 ) -> MemoryPlan:
-    """:func:`_plan` with the options as given."""
+    """``plan_memory`` with the kept-activation count ``keep`` given apart from the options (the
+    searches plan without kept activations, which only fill room and never decide a fit), and
+    the advice search on or off."""
     if ranks < 1:
         raise ValueError(f"ranks={ranks} must be >= 1")
     if compute_dtype not in (torch.bfloat16, torch.float32):
@@ -522,7 +501,39 @@ def plan_with_auto_fit(
     asked is planned again with the lightest set of memory options it allows
     (:func:`fitting_options`). Returns the plan to run (its ``options``: what to build with) and,
     when auto_fit changed the options, the plan as asked (else None). A plan that still does not
-    fit is returned as is: ``check()`` raises its problem, with what would fit."""
+    fit is returned as is: ``check()`` raises its problem, with what would fit.
+
+    The device updates' staging only speeds up a slow host: a step that fits in no way auto_fit
+    allows with it is planned without it (``device_update_lead`` 0 in its options, and a note)
+    before it is refused."""
+    plan, as_asked = _auto_fitted(
+        shape, step, options, compute_dtype, hbm_bytes, host_bytes, **where
+    )
+    if plan.fits or not plan.device_updates:
+        return plan, as_asked
+    bare = options.resolved_again(options.options.with_(device_update_lead=0))
+    plan_bare, as_asked_bare = _auto_fitted(
+        shape, step, bare, compute_dtype, hbm_bytes, host_bytes, **where
+    )
+    if not plan_bare.fits:
+        return plan, as_asked
+    plan_bare.notes.append(
+        f"without the device updates' staging (device_update_lead={options.device_update_lead} "
+        "asked): the step fits only without it"
+    )
+    return plan_bare, as_asked_bare
+
+
+def _auto_fitted(
+    shape: ModelShape,
+    step: StepShape | None,
+    options: ResolvedOptions,
+    compute_dtype: torch.dtype,
+    hbm_bytes: int,
+    host_bytes: int,
+    **where: int | None,
+) -> tuple[MemoryPlan, MemoryPlan | None]:
+    """:func:`plan_with_auto_fit` with the options' device updates as they are."""
     plan = plan_memory(shape, step, options, compute_dtype, hbm_bytes, host_bytes, **where)
     if step is None or plan.fits or options.auto_fit == "off":
         return plan, None
@@ -721,6 +732,13 @@ def _fits(
         if not keep:
             raise
         return False  # (fewer tier layers than the count: the run is refused)
+    if not plan.fits and plan.device_updates:  # (training drops the staging where it must)
+        bare = options.resolved_again(options.options.with_(device_update_lead=0))
+        return _fits(
+            shape, step, bare, dtype, hbm, host, ranks, hbm_layers=hbm_layers,
+            reserve_bytes=reserve_bytes, input_model_bytes=input_model_bytes,
+            host_margin_bytes=host_margin_bytes, keep=keep,
+        )  # fmt: skip
     return plan.fits
 
 
