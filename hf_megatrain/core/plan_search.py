@@ -525,15 +525,11 @@ def plan_with_auto_fit(
 
 
 def _auto_fitted(
-    shape: ModelShape,
-    step: StepShape | None,
-    options: ResolvedOptions,
-    compute_dtype: torch.dtype,
-    hbm_bytes: int,
-    host_bytes: int,
-    **where: int | None,
+    shape: ModelShape, step: StepShape | None, options: ResolvedOptions, *machine, **where
 ) -> tuple[MemoryPlan, MemoryPlan | None]:
-    """:func:`plan_with_auto_fit` with the options' device updates as they are."""
+    """:func:`plan_with_auto_fit` with the options' device updates as they are (``machine``:
+    its compute dtype, HBM and host bytes)."""
+    compute_dtype, hbm_bytes, host_bytes = machine
     plan = plan_memory(shape, step, options, compute_dtype, hbm_bytes, host_bytes, **where)
     if step is None or plan.fits or options.auto_fit == "off":
         return plan, None
