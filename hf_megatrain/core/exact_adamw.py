@@ -28,8 +28,8 @@ The Triton kernel below spells each of those as one PTX instruction with round-t
 (``.rn`` keeps the assembler from fusing a multiply into an add). :func:`matches_cpu_adamw`
 checks it bitwise against the CPU kernel once per device and process, trying each contraction
 of the second moment in the vector loop and in the tail, and tail lengths (the documented
-rounding first), before any device update uses it; ``tests/test_exact_adamw.py`` pins the documented order against the CPU
-kernel on CPU.
+rounding first), before any device update uses it; ``tests/test_exact_adamw.py`` pins the
+documented rounding against the CPU kernel on CPU.
 """
 
 from __future__ import annotations
@@ -173,9 +173,9 @@ def adamw_(
     increment, ``grad_scale`` (a one-element fp32 tensor on the device) divides the gradient
     (which, unlike the CPU kernel's, is not written back). ``rounding``: as
     ``DOCUMENTED_ROUNDING``; by default what :func:`matches_cpu_adamw` found for the device,
-    else the documented one. ``call_len``: the
-    CPU kernel's calls these elements stand for, consecutive calls of that many elements each
-    (default: one call of all; which elements are tails)."""
+    else the documented one. ``call_len``: the CPU kernel's calls these elements stand for,
+    consecutive calls of that many elements each (default: one call of all; which elements are
+    tails)."""
     kernel = _kernel()
     tensors = (param, grad, exp_avg, exp_avg_sq)
     if kernel is None or not all(
