@@ -105,13 +105,17 @@ def build_streamed_state(
         options = replace(options, single_backward=False)
     if device.type == "cuda":
         prefer_expandable_segments()  # before the HBM tier and the stream buffers are allocated
-    if options.device_updates and dp is None and not exact_adamw.matches_cpu_adamw(device):
-        # (Logged.) No staging planned or stores pinned for updates the GPU may not take.
-        options = options.resolved_again(options.options.with_(device_update_lead=0))
     trainable = [layer.trainable for layer in layers]
     n_resident, plan = _resident_layer_count(
         layers, options, device, compute_dtype, shape, step, input_model_bytes, dp, namer
     )
+    # Checked only where the plan stages device updates (no start-up work for other runs); where
+    # the GPU's AdamW may not take them (logged), planned again: no staging, no stores pinned.
+    if plan is not None and plan.device_updates and not exact_adamw.matches_cpu_adamw(device):
+        options = options.without_device_updates()
+        n_resident, plan = _resident_layer_count(
+            layers, options, device, compute_dtype, shape, step, input_model_bytes, dp, namer
+        )
     if plan is not None and plan.options is not None:
         options = plan.options  # with the memory options auto_fit turned on
     # The HBM tier holds optimizer state: only leading fully trainable layers qualify.

@@ -676,6 +676,10 @@ class ResolvedOptions:
             single_backward=self.single_backward,
         )
 
+    def without_device_updates(self) -> ResolvedOptions:
+        """This run with ``device_update_lead`` 0 (no staging planned, no stores pinned)."""
+        return self.resolved_again(self.options.with_(device_update_lead=0))
+
     @property
     def chain_attention_layers(self) -> int:
         """Layers of a checkpoint segment's chain whose attention outputs its backward keeps

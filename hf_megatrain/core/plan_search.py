@@ -511,7 +511,7 @@ def plan_with_auto_fit(
     )
     if plan.fits or not plan.device_updates:
         return plan, as_asked
-    bare = options.resolved_again(options.options.with_(device_update_lead=0))
+    bare = options.without_device_updates()
     plan_bare, as_asked_bare = _auto_fitted(
         shape, step, bare, compute_dtype, hbm_bytes, host_bytes, **where
     )
@@ -729,7 +729,7 @@ def _fits(
             raise
         return False  # (fewer tier layers than the count: the run is refused)
     if not plan.fits and plan.device_updates:  # (training drops the staging where it must)
-        bare = options.resolved_again(options.options.with_(device_update_lead=0))
+        bare = options.without_device_updates()
         return _fits(
             shape, step, bare, dtype, hbm, host, ranks, hbm_layers=hbm_layers,
             reserve_bytes=reserve_bytes, input_model_bytes=input_model_bytes,
