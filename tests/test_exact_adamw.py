@@ -6,6 +6,8 @@ kernel changes its order fails here). On CUDA: the kernel itself against the CPU
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -144,6 +146,41 @@ def test_without_cuda_the_kernel_is_not_used():
             *_sample(64, 0), step=1.0, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0,
             eps=1e-8,
         )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _flushing_subnormals():
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_flushing_subnormals_changes_the_cpu_kernel_and_the_probe_sees_it():
+    """``torch.set_flush_denormal(True)`` changes the CPU kernel's bits on the checked sample
+    (subnormals among its values), so device updates must stop while it is on: the probe the
+    optimizer asks every step follows it."""
+    kept = exact_adamw.sample_state(1 << 14, torch.Generator().manual_seed(2))
+    flushed = [t.clone() for t in kept]
+    assert not exact_adamw.cpu_flushes_subnormals()
+    _cpu_fused(kept, HYPERS[0])
+    with _flushing_subnormals():
+        assert exact_adamw.cpu_flushes_subnormals()
+        _cpu_fused(flushed, HYPERS[0])
+    assert not exact_adamw.cpu_flushes_subnormals()
+    assert sum(_bitwise_equal(a, b) for a, b in zip(kept, flushed)) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_updates_stop_while_the_cpu_flushes_subnormals_on_gpu():
+    cuda = torch.device("cuda")
+    assert exact_adamw.matches_cpu_adamw(cuda)
+    with _flushing_subnormals():
+        assert not exact_adamw.matches_cpu_adamw(cuda)
+    assert exact_adamw.matches_cpu_adamw(cuda)
 
 
 @pytest.mark.gpu

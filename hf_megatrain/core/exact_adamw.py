@@ -248,15 +248,39 @@ def _cpu_adamw_(tensors: list[torch.Tensor], hyper: dict, call_len: int) -> None
     )  # fmt: skip
 
 
-@functools.cache
+def cpu_flushes_subnormals() -> bool:
+    """Whether this thread's CPU arithmetic flushes subnormal floats to zero now
+    (``torch.set_flush_denormal(True)``); a few microseconds."""
+    return torch.tensor(1e-40, dtype=torch.float32).mul(1.0).item() == 0.0
+
+
 def matches_cpu_adamw(device: torch.device) -> bool:
     """Whether :func:`adamw_` on ``device`` gives bitwise what torch's fused CPU AdamW gives,
     checked once per process on ~2^18 elements for each kernel branch (one in 65 a scalar-tail
     element); False (logged) where it does not, or where Triton, CUDA or a CPU kernel it
-    follows is missing."""
+    follows is missing. Cheap after the first call: the optimizer asks again every step, as
+    ``torch.set_flush_denormal(True)`` at any time makes the CPU round apart (the kernel keeps
+    subnormals)."""
     device = torch.device(device)
     if device.type != "cuda":
         return False
+    if cpu_flushes_subnormals():
+        _log_once(
+            "hf_megatrain: device updates are off while the CPU flushes subnormals to zero "
+            "(torch.set_flush_denormal(True)): the GPU's AdamW keeps them"
+        )
+        return False
+    return _matches_cpu_adamw(device)
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.warning(message)
+
+
+@functools.cache
+def _matches_cpu_adamw(device: torch.device) -> bool:
+    """:func:`matches_cpu_adamw` once per device, where the CPU keeps subnormals."""
     missing = "Triton" if _kernel() is None else None
     if cpu_vector_width() is None:
         missing = f"torch's AVX2 or AVX-512 CPU kernels ({torch.backends.cpu.get_cpu_capability()})"

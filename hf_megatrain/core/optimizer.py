@@ -457,7 +457,7 @@ class HostAdamW(torch.optim.Optimizer):
             self.engine.start_updates(
                 update_layer, layers, self.update_threads,
                 device_update=functools.partial(self._device_job, jobs, scale_by_device),
-                lead=self.device_update_lead, claimable=self._device_claimable,
+                lead=self._device_lead(), claimable=self._device_claimable,
             )  # fmt: skip
         else:
             for idx in layers:
@@ -484,6 +484,13 @@ class HostAdamW(torch.optim.Optimizer):
                 _adamw_host_chunks(seg, state["grad"], scale, kw, state)
 
         return run
+
+    def _device_lead(self) -> int:
+        """This step's ``device_update_lead``: 0 while the GPU's AdamW would round apart from the
+        CPU's (the check is cached; ``torch.set_flush_denormal`` may change that at any time)."""
+        if not self.device_update_lead or not self.engine.is_cuda:
+            return self.device_update_lead
+        return self.device_update_lead if exact_adamw.matches_cpu_adamw(self.engine.device) else 0
 
     def _device_claimable(self, idx: int) -> bool:
         """Whether the device may take layer ``idx``'s update: its state is pinned (CUDA)."""
