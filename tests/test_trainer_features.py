@@ -456,3 +456,85 @@ def test_hyperparameter_search_refused(model, tmp_path):
     trainer = _build(model, tmp_path, "mega", True)
     with pytest.raises(ValueError, match="hyperparameter_search is not supported.*inside each"):
         trainer.hyperparameter_search(n_trials=1)
+
+
+def _mlp_decay_only(trainer_cls):
+    """``trainer_cls`` with its own weight-decay set (only the MLPs' weights): a common override."""
+
+    class MlpDecayOnly(trainer_cls):
+        def get_decay_parameter_names(self, model) -> list[str]:
+            return [n for n, _ in model.named_parameters() if ".mlp." in n]
+
+    return MlpDecayOnly
+
+
+def test_a_weight_decay_override_is_honoured(model, tmp_path):
+    """A subclass's ``get_decay_parameter_names`` decides the decayed set, as in the stock
+    Trainer (it was the base class's set, silently). A high weight decay makes the sets' results
+    far apart: the override's run matches stock's override, not the default set."""
+    weights = {}
+    for name, mega in (("stock", False), ("mega", True)):
+        cls, argcls = (HFMegaTrainer, MegaTrainArguments) if mega else (Trainer, TrainingArguments)
+        args = argcls(output_dir=str(tmp_path / name), **common_args(max_steps=3, weight_decay=0.5))
+        trainer = _mlp_decay_only(cls)(
+            model=copy.deepcopy(model), args=args, train_dataset=make_data()
+        )
+        trainer.train()
+        weights[name] = mega_params(trainer) if mega else stock_params(trainer.model)
+    default = _build(model, tmp_path, "default", False, max_steps=3, weight_decay=0.5)
+    default.train()
+    plain = stock_params(default.model)
+    key = "model.embed_tokens.weight"  # decayed by default, not by the override
+    for k in weights["stock"]:
+        torch.testing.assert_close(weights["mega"][k], weights["stock"][k], rtol=0, atol=1e-6)
+    assert (weights["mega"][key] - plain[key]).abs().max() > 1e-4
+
+
+def test_a_weight_decay_override_on_an_already_streamed_model_is_refused(model, tmp_path):
+    """A model streamed before the trainer keeps the default decayed set in its layer stores:
+    an override asking for another set is refused (not ignored)."""
+    from hf_megatrain import load_streamed_model
+
+    folder = tmp_path / "saved"
+    copy.deepcopy(model).save_pretrained(str(folder))
+    streamed = load_streamed_model(str(folder), device="cpu")
+    args = MegaTrainArguments(output_dir=str(tmp_path / "out"), **common_args(max_steps=1))
+    with pytest.raises(ValueError, match="get_decay_parameter_names gives another weight-decay"):
+        _mlp_decay_only(HFMegaTrainer)(model=streamed, args=args, train_dataset=make_data())
+    # The default set on an already streamed model is accepted.
+    HFMegaTrainer(model=streamed, args=args, train_dataset=make_data())
+
+
+class _OwnOptimizer(HFMegaTrainer):
+    def create_optimizer(self, model=None):
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        return self.optimizer
+
+
+@pytest.mark.parametrize("how", ["create_optimizer override", "assigned", "clipping turned on"])
+def test_what_changed_after_construction_is_refused_before_any_update(model, tmp_path, how):
+    """An optimizer other than the engine's (a ``create_optimizer`` override, or assigned to
+    ``trainer.optimizer``) failed inside the first step ('no attribute nonfinite'); clipping
+    turned on through ``trainer.args`` after the trainer was built for eager updates failed
+    after the first backward had updated the layers. Both are refused before any work."""
+    cls = _OwnOptimizer if how == "create_optimizer override" else HFMegaTrainer
+    args = MegaTrainArguments(
+        output_dir=str(tmp_path / "out"),
+        **common_args(max_steps=2, max_grad_norm=0.0 if how == "clipping turned on" else 1.0),
+    )
+    trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=make_data())
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    if how == "assigned":
+        trainer.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    if how == "clipping turned on":
+        trainer.args.max_grad_norm = 1.0
+    match = (
+        "max_grad_norm=1.0, but the trainer was built"
+        if how == "clipping turned on"
+        else (r"the optimizer is torch\.optim\..*only the engine's own AdamW")
+    )
+    with pytest.raises(ValueError, match=match):
+        trainer.train()
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert trainer.state.global_step == 0

@@ -89,6 +89,13 @@ class StreamedModelState:
     def full_name(self, layer: int, rel: str) -> str:
         return f"{self.layers_prefix}.{layer}.{rel}"
 
+    def decay_names(self) -> set[str]:
+        """The parameters the engine's AdamW decays (fixed when the model was streamed)."""
+        names = {name for name, _, decay in self.resident if decay}
+        for i, layer in enumerate(self.store.layers):
+            names.update(self.full_name(i, slot.name) for slot in layer.slots if slot.decay)
+        return names
+
 
 def _liger_patched(module: nn.Module | None) -> bool:
     """Whether ``module`` runs a Liger-Kernel forward: patched onto the instance (the Trainer's

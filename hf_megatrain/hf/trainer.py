@@ -594,7 +594,7 @@ class MegaTrainerMixin:
                 device,
                 compute_dtype,
                 options,
-                decay_names=set(Trainer.get_decay_parameter_names(None, model)),
+                decay_names=self._megatrain_decay_names(model, args),
                 step=step,
                 clipping=run.clipping,
                 single_backward=run.single_backward,
@@ -614,6 +614,7 @@ class MegaTrainerMixin:
                 _warn_plan_without_liger(model)
                 apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
             run = _run_options(args, _options_of_streamed(state, args))
+            self._megatrain_check_decay_names(model, args, state)
         self.megatrain = streamed_state(model)
         #: The engine options of this run (resolved: see ``EngineOptions.resolve``).
         self.megatrain_options = run
@@ -663,6 +664,7 @@ class MegaTrainerMixin:
         self._megatrain_replay = StepReplay(self.megatrain.engine.device)
         self._megatrain_replay_step: int | None = None
         self._megatrain_eager_before = 0
+        self._megatrain_checked = None  # the optimizer _megatrain_check_run last passed
         # The optimizer step's parts (clipping, norm, update) done so far, for its step: run again
         # after the step's micro-batches when one ran out of GPU memory.
         self._megatrain_parts_step: int | None = None
@@ -672,6 +674,54 @@ class MegaTrainerMixin:
             self.megatrain.engine.device,
             plan.gpu_total if plan is not None and plan.step is not None else None,
         )
+
+    def _megatrain_decay_names(self, model: nn.Module, args: TrainingArguments) -> set[str]:
+        """The parameters that get weight decay: this trainer's ``get_decay_parameter_names``
+        (a subclass may override it, as with the stock Trainer)."""
+        if "args" not in self.__dict__:  # (an override may read it; Trainer.__init__ sets it)
+            self.args = args
+        return set(self.get_decay_parameter_names(model))
+
+    def _megatrain_check_decay_names(self, model: nn.Module, args: TrainingArguments, state):
+        """A model streamed before this trainer keeps the weight-decay set it was streamed with
+        (the Trainer's default): refused where this trainer's override asks for another."""
+        if type(self).get_decay_parameter_names is Trainer.get_decay_parameter_names:
+            return
+        wanted = self._megatrain_decay_names(model, args)
+        have = state.decay_names()
+        if wanted != have:
+            differ = sorted(wanted ^ have)
+            raise ValueError(
+                f"hf_megatrain: {type(self).__name__}.get_decay_parameter_names gives another "
+                f"weight-decay set ({len(differ)} parameters differ, e.g. {differ[0]}) than the "
+                "one the model was streamed with (the Trainer's default, fixed in its layer "
+                "stores): pass the materialized model to the trainer, which streams it with "
+                "the override's set."
+            )
+
+    def _megatrain_check_run(self) -> None:
+        """What the trainer was built for still holds at train(): the engine's own AdamW (a
+        subclass's create_optimizer or an assigned ``trainer.optimizer`` cannot replace it) and
+        the clipping the streamed model was prepared for."""
+        from ..core.optimizer import HostAdamW  # noqa: PLC0415
+
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and not isinstance(optimizer, HostAdamW):
+            inner = type(getattr(optimizer, "optimizer", optimizer))  # (accelerate's wrapper)
+            raise ValueError(
+                f"hf_megatrain: the optimizer is {inner.__module__}.{inner.__qualname__} (set by a "
+                "create_optimizer override or assigned to trainer.optimizer): the streamed "
+                "layers' weights live in the host store and only the engine's own AdamW updates "
+                "them. Leave create_optimizer to the trainer, configured by the TrainingArguments "
+                "(learning_rate, adam_beta1/2, adam_epsilon, weight_decay)."
+            )
+        if _clipping(self.args) and self.megatrain_options.eager_update:
+            raise ValueError(
+                f"hf_megatrain: max_grad_norm={self.args.max_grad_norm}, but the trainer was "
+                "built for a run without clipping (its layers update during the backward, "
+                "before any global gradient norm): set max_grad_norm in the TrainingArguments "
+                "before building the trainer, not on trainer.args afterwards."
+            )
 
     def create_accelerator_and_postprocess(self) -> None:
         # Trainer.__init__ calls this first, with ``self.model`` / ``self.args`` the final ones
@@ -701,6 +751,7 @@ class MegaTrainerMixin:
         # (Where the stock Trainer prepares the model: an evaluation after this reports no
         # model_preparation_time unless one before it did, as stock.)
         self._megatrain_model_prepared = True
+        self._megatrain_check_run()  # (an optimizer given before train(); clipping)
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -1025,6 +1076,9 @@ class MegaTrainerMixin:
             position_limit=self._megatrain_position_limit,
         )
         self._megatrain_batches_checked += 1
+        if self.optimizer is not self._megatrain_checked:
+            self._megatrain_check_run()  # (create_optimizer ran inside train(): before any work)
+            self._megatrain_checked = self.optimizer
         if self.optimizer.nonfinite == "loss" and self.megatrain.engine.dp is None:
             # An earlier micro-batch of this step had a non-finite loss: the step is skipped,
             # the rest of its micro-batches need not run.
