@@ -57,6 +57,9 @@ _rounding: dict[torch.device, tuple[int, int, int]] = {}
 @functools.cache
 def _kernel():
     """The Triton kernel, or None where Triton is not importable."""
+    # Module-global: Triton evaluates a jit function's annotations (strings here, with
+    # postponed evaluation) in its module's globals, where a local import is not seen.
+    global tl
     try:
         import triton
         import triton.language as tl
