@@ -361,6 +361,13 @@ def parse_train_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> T
         training = MegaTrainArguments(**training_values, **as_arguments(engine))
     except (ValueError, OptionError) as e:
         raise CLIError(f"invalid training setting: {e}") from None
+    from .hf.trainer import check_training_arguments  # noqa: PLC0415
+
+    try:
+        # What the trainer would refuse after the data and the model are loaded: now.
+        check_training_arguments(training)
+    except ValueError as e:
+        raise CLIError(flag_message(str(e).removeprefix("hf_megatrain: "))) from None
     return TrainSettings(model_args, data_args, training, engine, source)
 
 
@@ -389,6 +396,12 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
 
     if model.model_path and model.config:
         raise CLIError("give either --model_path (continue a checkpoint) or --config (random init)")
+    label_names = training.get("label_names")
+    if label_names and list(label_names) != ["labels"]:
+        raise CLIError(
+            f"--label_names {' '.join(label_names)}: this command's rows carry their labels as "
+            "'labels' (evaluation would find none); drop --label_names"
+        )
     if model.attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise CLIError(
             "attn: flash_attention_2 needs the flash-attn package (CUDA; pip install "

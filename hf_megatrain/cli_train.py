@@ -515,7 +515,8 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
                 "stopped": checkpoint,
                 "signal": int(stop.received),
             }
-        eval_loss = trainer.evaluate()["eval_loss"] if data.eval is not None else None
+        # (None where the evaluation computed no loss: the model is still saved.)
+        eval_loss = trainer.evaluate().get("eval_loss") if data.eval is not None else None
         if eval_loss is not None and not math.isfinite(eval_loss):
             raise CLIError(
                 f"the final eval loss is {eval_loss}: training diverged (try a lower --lr); the "

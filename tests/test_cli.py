@@ -536,6 +536,29 @@ def test_bad_settings_are_refused_before_the_model_loads(tmp_path):
     assert parse_train(["--data_seed", "7", *out]).training.data_seed == 7
 
 
+@pytest.mark.parametrize(
+    "flags,said",
+    [
+        (["--adam_epsilon", "-1"], "adam_epsilon=-1.0 must be >= 0"),
+        (["--adam_beta2", "1.5"], "adam_beta2=1.5 must be in [0, 1)"),
+        (["--adam_beta1", "-0.5", "--weight_decay", "-0.1"], "adam_beta1=-0.5 must be in [0, 1); "),
+        (["--optim", "sgd"], "optim='sgd' is not supported"),
+        (["--lr_scheduler_type", "cosine_with_min_lr"], "One of min_lr or min_lr_rate"),
+        (["--save_strategy", "best"], "save_strategy='best' needs metric_for_best_model"),
+        (["--fsdp", "full_shard"], "fsdp and deepspeed are not supported"),
+        (["--label_names", "foo"], "--label_names foo: this command's rows carry their labels"),
+    ],
+)
+def test_settings_the_trainer_refuses_are_refused_when_parsed(tmp_path, flags, said):
+    """Found by an audit: out-of-range AdamW settings trained without learning (eps -1: rc 0);
+    the others were refused only after the data and the model were loaded, most as a traceback
+    (--label_names: after training, before the final model was saved). Now one line each,
+    from parsing."""
+    msg = _error(["train", *flags, "--output_dir", str(tmp_path / "out")])
+    assert said in msg, msg
+    assert "Traceback" not in msg
+
+
 def test_push_to_hub_is_checked_before_training(tmp_path, monkeypatch):
     """--push_to_hub without a reachable Hub failed with an httpx traceback once the model was
     loaded; without credentials, likewise. Now both are refused up front, in one line."""

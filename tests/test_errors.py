@@ -120,6 +120,24 @@ def test_optimizer_given_to_the_trainer_refused(tmp_path):
         _assert_untouched(model, tmp_path)
 
 
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (dict(adam_epsilon=-1.0), r"adam_epsilon=-1.0 must be >= 0"),
+        (dict(learning_rate=float("nan")), r"learning_rate=nan must be >= 0"),
+        (dict(adam_beta2=1.0), r"adam_beta2=1.0 must be in \[0, 1\)"),
+        (dict(lr_scheduler_type="cosine_with_min_lr"), r"cosine_with_min_lr.*min_lr"),
+    ],
+)
+def test_settings_that_would_fail_or_not_train_refused_before_streaming(tmp_path, args, said):
+    """AdamW settings torch.optim.AdamW refuses trained without learning (a negative eps), and a
+    scheduler missing its kwargs failed at train(): refused when the trainer is built."""
+    model = tiny_model(tiny_config("llama"))
+    with pytest.raises(ValueError, match=said):
+        HFMegaTrainer(model=model, args=_args(tmp_path, **args), train_dataset=make_data(4))
+    _assert_untouched(model, tmp_path)
+
+
 def test_model_init_refused(tmp_path):
     """model_init (the Trainer rebuilds the model from it at every train()) is named, not
     answered with 'needs a model'."""

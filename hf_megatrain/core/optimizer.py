@@ -167,6 +167,21 @@ class _Segment:
 STREAMED_STATE_KEY = "megatrain_streamed_layers"
 
 
+def adamw_setting_errors(
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> list[tuple[str, float, str]]:
+    """``(setting, value, valid range)`` of each AdamW setting ``torch.optim.AdamW`` would refuse
+    (NaN included): out of range, the update runs but does not train (a negative eps)."""
+    checks = (
+        ("lr", lr, ">= 0", lr >= 0),
+        ("beta1", betas[0], "in [0, 1)", 0 <= betas[0] < 1),
+        ("beta2", betas[1], "in [0, 1)", 0 <= betas[1] < 1),
+        ("eps", eps, ">= 0", eps >= 0),
+        ("weight_decay", weight_decay, ">= 0", weight_decay >= 0),
+    )
+    return [(name, value, valid) for name, value, valid, ok in checks if not ok]
+
+
 class HostAdamW(torch.optim.Optimizer):
     """AdamW whose streamed-layer state lives in the host store.
 
@@ -198,6 +213,11 @@ class HostAdamW(torch.optim.Optimizer):
         update_threads: int = 0,
         device_update_lead: int = 0,
     ) -> None:
+        if errors := adamw_setting_errors(lr, betas, eps, weight_decay):
+            raise ValueError(
+                "hf_megatrain: invalid AdamW setting: "
+                + "; ".join(f"{name}={value} (must be {valid})" for name, value, valid in errors)
+            )
         self.engine = engine
         self.overlap_update = overlap_update
         self.update_threads = update_threads

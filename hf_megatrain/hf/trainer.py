@@ -29,6 +29,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..core.distributed import DataParallelError, launch_layout_error
 from ..core.host_store import InsufficientHostMemoryError
+from ..core.optimizer import adamw_setting_errors
 from ..core.options import (
     EXPORT_DTYPES,
     EngineOptions,
@@ -221,6 +222,43 @@ def _setup_args(args: TrainingArguments) -> None:
     args._n_gpu = 1
 
 
+#: The TrainingArguments behind each AdamW setting.
+_ADAMW_ARGUMENTS = {
+    "lr": "learning_rate",
+    "beta1": "adam_beta1",
+    "beta2": "adam_beta2",
+    "eps": "adam_epsilon",
+    "weight_decay": "weight_decay",
+}
+
+
+def _check_scheduler(args: TrainingArguments) -> None:
+    """Build the LR schedule on a stand-in optimizer now: a type that needs settings from
+    ``lr_scheduler_kwargs`` (``cosine_with_min_lr``: min_lr) fails here, not at train()."""
+    from transformers import get_scheduler  # noqa: PLC0415
+
+    stand_in = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    steps = max(args.max_steps, 10)
+    try:
+        get_scheduler(
+            args.lr_scheduler_type, optimizer=stand_in,
+            num_warmup_steps=args.get_warmup_steps(steps), num_training_steps=steps,
+            scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+        )  # fmt: skip
+    except (ValueError, TypeError, KeyError) as e:
+        kind = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+        raise ValueError(
+            f"hf_megatrain: lr_scheduler_type='{kind}' with lr_scheduler_kwargs="
+            f"{args.lr_scheduler_kwargs or {}}: {e}"
+        ) from None
+
+
+def check_training_arguments(args: TrainingArguments) -> None:
+    """Refuse (``ValueError``, "hf_megatrain: ...") the arguments this trainer cannot run,
+    before any model is streamed: the command line calls it when it parses them."""
+    _validate_args(args)
+
+
 def _validate_args(args: TrainingArguments) -> None:
     world = args.world_size
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -249,6 +287,31 @@ def _validate_args(args: TrainingArguments) -> None:
         raise ValueError(
             f"hf_megatrain: optim='{optim}' is not supported; the host optimizer implements "
             f"AdamW exactly ({', '.join(sorted(_SUPPORTED_OPTIMS))})."
+        )
+    betas = (args.adam_beta1, args.adam_beta2)
+    if errors := adamw_setting_errors(
+        args.learning_rate, betas, args.adam_epsilon, args.weight_decay
+    ):
+        raise ValueError(
+            "hf_megatrain: "
+            + "; ".join(
+                f"{_ADAMW_ARGUMENTS[name]}={value} must be {valid}" for name, value, valid in errors
+            )
+            + " (torch.optim.AdamW refuses it; the run would not train)"
+        )
+    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+        raise ValueError(
+            "hf_megatrain: fsdp and deepspeed are not supported: the engine streams the layers "
+            "and runs the optimizer itself (data parallel: accelerate launch --num_processes N; "
+            "sequence parallel: megatrain_sequence_parallel)"
+        )
+    _check_scheduler(args)
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best" and (
+        args.metric_for_best_model is None
+    ):
+        raise ValueError(
+            "hf_megatrain: save_strategy='best' needs metric_for_best_model (the metric whose "
+            "best value decides which checkpoint is saved, e.g. eval_loss)"
         )
     # Refuses invalid engine options, and host_grads=False where the update needs the grads.
     _run_options(args, engine_options(args))
