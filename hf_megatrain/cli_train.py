@@ -423,16 +423,52 @@ def _make_trainer(settings: TrainSettings, model, data, tokenizer, stop):
         raise CLIError(f"invalid training setting: {error_summary(e)}") from None
 
 
+@contextlib.contextmanager
+def _one_run_in(folder: str):
+    """Hold ``folder`` for this run: a second run into it (which would resume from this one's
+    unfinished checkpoints and write the same names) is refused. A ``flock`` on the folder
+    itself: no file left behind, and the kernel drops it when the process ends, however."""
+    import fcntl  # noqa: PLC0415
+
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield  # (the run itself reports a folder it cannot use)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CLIError(
+                f"output_dir {folder} is in use by another hf-megatrain run (it would resume "
+                "from that run's checkpoints and overwrite them): wait for it to end, or pass "
+                "another --output_dir"
+            ) from None
+        except OSError:
+            pass  # a filesystem without locks (some network mounts): not held
+        yield
+    finally:
+        os.close(fd)  # (drops the lock)
+
+
 def run_train(settings: TrainSettings) -> dict[str, Any]:
     """Run one training job; return a summary (losses, paths, timings) for callers and tests."""
+    # Absolute from here on: what the run records (checkpoint paths in trainer_state.json) and
+    # reports must not depend on the working folder, e.g. under --output_dir .
+    args = settings.training
+    args.output_dir = os.path.abspath(args.output_dir)
+    # (Data parallel: the ranks of one run share the folder; rank 0 holds it for them.)
+    held = _one_run_in(args.output_dir) if _is_main_process() else contextlib.nullcontext()
+    with held:
+        return _run_train(settings)
+
+
+def _run_train(settings: TrainSettings) -> dict[str, Any]:
     from .training_data import load_training_data  # noqa: PLC0415
 
     t_start = time.perf_counter()
     _setup_logging()
     args, data_args = settings.training, settings.data
-    # Absolute from here on: what the run records (checkpoint paths in trainer_state.json) and
-    # reports must not depend on the working folder, e.g. under --output_dir .
-    args.output_dir = os.path.abspath(args.output_dir)
     device = args.device
     resume, resume_step = _resume_point(settings)
     # The Trainer would train one step past --max_steps from such a checkpoint: the run is

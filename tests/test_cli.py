@@ -319,6 +319,33 @@ def test_uneven_multi_node_launch_is_refused(monkeypatch):
     assert "same number of processes on every node" in _error(["train", "--max-steps", "1"])
 
 
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
+    """Found by an audit: two runs into one --output_dir were not refused (the second resumed
+    from the first's unfinished checkpoint, both wrote the same names, or both crashed at their
+    first save). The running one holds the folder; the second is refused in one line, and the
+    folder is free again once the first has ended."""
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    cfg = _tiny_config(tmp_path / "config.json")
+    out = tmp_path / "out"
+    flags = ["--config", str(cfg), "--data", str(data), *_fast_flags(out)]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "hf_megatrain", "train", *flags, "--max-steps", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        for line in first.stdout:  # until it trains
+            if "'loss'" in line:
+                break
+        assert first.poll() is None
+        msg = _error(["train", *flags])
+        assert f"output_dir {out} is in use by another hf-megatrain run" in msg, msg
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    assert main(["train", *flags, "--max-steps", "1", "--save_strategy", "no"]) == 0
+
+
 def test_module_entry_point_prints_one_line_error():
     # `python3 -m hf_megatrain` goes through __main__.py; a user mistake gives no traceback.
     r = subprocess.run(
