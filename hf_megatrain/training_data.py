@@ -164,10 +164,15 @@ def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> Trai
         encode, columns = _encoder(raw, args, tokenizer, where)
     kind = "chat" if encode["chat"] else "text"
     label = f"{kind} column {encode['column']!r}"
-    if encode["chat"] and not args.streaming:
-        n_empty = _empty_conversations(raw, encode["column"])
+    n_empty = 0
+    if not args.streaming:
+        count = _empty_conversations if encode["chat"] else _empty_texts
+        n_empty = count(raw, encode["column"])
         if n_empty:
-            label += f", {n_empty:,} empty conversation{'s' if n_empty != 1 else ''} skipped"
+            what = "conversation" if encode["chat"] else "row"
+            label += f", {n_empty:,} empty {what}{'s' if n_empty != 1 else ''} skipped"
+            if not encode["chat"]:  # (e.g. rows that keep their text under another key)
+                label += " (no text: missing, null or blank)"
     if not args.packing:
         label += ", one padded row per document"
 
@@ -195,7 +200,7 @@ def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> Trai
             f"tokens{eval_from}; train streamed"
         )
     else:
-        n_docs = len(raw)
+        n_docs = len(raw) - n_empty  # (the skipped rows are named in the label)
         description = (
             f"{source}{f' ({label})' if args.dataset_name else ''}: {n_docs:,} "
             f"document{'s' if n_docs != 1 else ''} -> {len(train):,} train / {n_eval:,} "
@@ -755,6 +760,19 @@ def _empty_conversations(ds: datasets.Dataset, column: str) -> int:
         return 0
     lengths = pc.fill_null(pc.list_value_length(values), 0)
     return len(values) - pc.count(pc.filter(lengths, pc.greater(lengths, 0))).as_py()
+
+
+def _empty_texts(ds: datasets.Dataset, column: str) -> int:
+    """How many rows of a text column hold no text (null, or only whitespace): skipped, not an
+    error. Counted on the Arrow column."""
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.compute as pc  # noqa: PLC0415
+
+    values = ds.with_format("arrow")[column]
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        return values.null_count
+    blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(values), ""), True)
+    return pc.sum(blank).as_py() or 0
 
 
 def _digest(value: Any) -> str:

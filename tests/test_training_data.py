@@ -104,6 +104,22 @@ def test_tabular_files(tmp_path, tok, kind):
     assert set(data.train.column_names) == {"input_ids", "labels"}
 
 
+def test_rows_without_text_are_counted_as_skipped(tmp_path, tok):
+    """Found by an audit: rows whose text sat under another key (or was null or blank) were
+    dropped silently while the banner counted them as documents."""
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"text": doc(i)} if i % 3 else {"content": doc(i)} for i in range(30)]
+    rows[1] = {"text": None}
+    rows[2] = {"text": "   "}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_training_data(DataArguments(dataset_name=str(path), seq_len=32), tok)
+    assert "12 empty rows skipped (no text: missing, null or blank)" in data.description
+    assert "18 documents" in data.description
+    kept = "".join(r["text"] for r in rows if (r.get("text") or "").strip())
+    n_tokens = len(tok(kept)["input_ids"]) + 18  # plus one EOS per document
+    assert data.num_train_rows + len(data.eval) == n_tokens // 32
+
+
 def test_chat_messages_use_the_chat_template(tmp_path, tok):
     convs = [
         {"messages": [{"role": "user", "content": f"Question {i}?"},
