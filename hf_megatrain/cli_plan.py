@@ -189,6 +189,14 @@ def _meta_model_and_shape(cfg, name: str, lora=None):
         ) from None
 
 
+def _learned_positions(cfg) -> int | None:
+    """The longest row ``cfg``'s learned position table takes (None: rotary or ALiBi)."""
+    from .hf.guards import learned_position_limit  # noqa: PLC0415
+    from .hf.model import meta_model  # noqa: PLC0415
+
+    return learned_position_limit(meta_model(cfg))
+
+
 def detected_memory(hbm_gib: float | None, host_gib: float | None) -> tuple[int, int, list[str]]:
     """(HBM bytes, host bytes, lines saying where each figure came from)."""
     import torch  # noqa: PLC0415
@@ -360,6 +368,13 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
     shape, kernels = planned_kernel_shape(
         cfg, name, options.layer_kernels, getattr(ns, "liger", False), lora
     )
+    positions = _learned_positions(cfg)
+    if positions is not None and row_len > positions:
+        # (As train refuses such rows: past the table the embedding lookup fails.)
+        raise CLIError(
+            f"--seq-len {row_len} is longer than the {positions} positions of this model's "
+            f"learned position embeddings: plan rows of at most {positions} tokens"
+        )
     said.append(kernels.log_line().replace("hf_megatrain: ", "", 1))
     # The attention the trainer would switch the model to before its plan (on CUDA, as above);
     # the search's longer rows take the choice for rows of any length.
@@ -413,6 +428,8 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
         )
         longest = max_seq_len(search_shape, ga, asked, dtype, hbm, host, nproc, **search)
         longest *= sp  # (the rows whose shards fit)
+        if positions is not None and longest > positions:
+            longest = positions  # (memory would fit longer rows; the position table does not)
         n_layers = max_num_layers(shape, step, asked, dtype, hbm, host, nproc, **search)
         result.update(max_sequences=seqs, max_seq_len=longest, max_layers=n_layers)
         big = shape.with_num_layers(n_layers)

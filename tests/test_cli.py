@@ -636,6 +636,24 @@ def test_degenerate_config_sizes_are_refused(tmp_path, capsys, field, value):
     assert said in _error(plan + ["--hbm-gib", "80", "--host-gib", "64"])
 
 
+def test_plan_keeps_to_a_learned_position_table(tmp_path, capsys):
+    """Found by an audit: for a model with learned positions, plan accepted rows longer than its
+    table (which train refuses) and its search reported a longest sequence far past it."""
+    cfg = tmp_path / "bigcode.json"
+    cfg.write_text(json.dumps(dict(
+        model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"], vocab_size=512,
+        n_positions=32, n_embd=32, n_layer=2, n_head=2, multi_query=True,
+    )))  # fmt: skip
+    memory = ["--hbm-gib", "8", "--host-gib", "8"]
+    msg = _error(["plan", str(cfg), "--seq-len", "64", "--tokens-per-step", "128", *memory])
+    assert "--seq-len 64 is longer than the 32 positions" in msg
+    from hf_megatrain.cli import build_parser
+    from hf_megatrain.cli_plan import run_plan
+
+    plan = ["plan", str(cfg), "--seq-len", "16", "--tokens-per-step", "64", *memory]
+    assert run_plan(build_parser().parse_args(plan))["max_seq_len"] == 32
+
+
 def test_config_that_cannot_be_built_is_refused_at_parse_time(tmp_path, monkeypatch):
     """Any other construction error of a --config model: one line, before the data is read."""
     import hf_megatrain.training_data as training_data
