@@ -121,6 +121,7 @@ def build_model(settings: TrainSettings, tokenizer):
         if model_family(cfg.model_type) is None:
             raise CLIError(unsupported_model_type(model.model_path, cfg.model_type))
         _check_vocab(cfg, tokenizer)
+        _check_against_manifest(folder)
         return load_streamed_model(folder, **_loader_arguments(settings))
     cfg = _config_from_json(model.config or str(DEFAULT_CONFIG))
     _check_vocab(cfg, tokenizer)
@@ -139,6 +140,25 @@ def build_model(settings: TrainSettings, tokenizer):
     from .hf.loading import init_streamed_model  # noqa: PLC0415
 
     return init_streamed_model(cfg, seed=seed, **_loader_arguments(settings))
+
+
+def _check_against_manifest(folder: str) -> None:
+    """A --model_path folder that hf-megatrain saved (it has a manifest) is checked against it
+    before loading, as a checkpoint is before a resume: damaged weights that still parse would
+    otherwise train (or fail only at the first save, non-finite)."""
+    from .core.publish import MANIFEST_NAME, IntegrityError, read_manifest, verify_folder  # noqa: PLC0415
+
+    if read_manifest(folder) is None:
+        return
+    _say(f"hf-megatrain: checking {folder} against its manifest ...")
+    try:
+        verify_folder(folder)
+    except IntegrityError as e:
+        raise CLIError(
+            f"--model_path: {str(e).removeprefix('hf_megatrain: ')}: the folder changed after "
+            f"hf-megatrain saved it. Restore it, or delete its {MANIFEST_NAME} to train from it "
+            "as it is"
+        ) from None
 
 
 def _init_in_store() -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -634,6 +635,23 @@ def test_degenerate_config_sizes_are_refused(tmp_path, capsys, field, value):
     assert said in _error(["train", "--config", str(cfg), "--output_dir", str(tmp_path / "o")])
     plan = ["plan", str(cfg), "--seq-len", "64", "--tokens-per-step", "128", "--no-search"]
     assert said in _error(plan + ["--hbm-gib", "80", "--host-gib", "64"])
+
+
+def test_a_damaged_model_path_is_refused_by_its_manifest(tiny_run, tmp_path):
+    """Found by an audit: --model_path on a folder hf-megatrain saved, with weights altered
+    after (finite bytes: they still load), trained and saved without a word; a resume checks
+    its checkpoint's manifest, --model_path now checks the folder's the same way."""
+    out, data = tiny_run
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    shard = sorted(damaged.glob("*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size - 64)
+        f.write(bytes(range(64)))
+    msg = _error(["train", "--model_path", str(damaged), "--data", str(data),
+                  *_fast_flags(tmp_path / "out")])  # fmt: skip
+    assert f"--model_path: {shard} is corrupt: its sha256 differs" in msg
+    assert "delete its megatrain_manifest.json to train from it as it is" in msg
 
 
 def test_plan_keeps_to_a_learned_position_table(tmp_path, capsys):
