@@ -827,7 +827,32 @@ def _reading(what: str) -> Iterator[None]:
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"could not read {what}: {_one_line(e)}") from None
+        message = _one_line(e)
+        if "JSON parse error" in message:  # (pyarrow's row is counted within a read block)
+            message = _first_bad_json_line(what) or message
+        raise DataError(f"could not read {what}: {message}") from None
+
+
+def _first_bad_json_line(what: str) -> str | None:
+    """Where the first line that is not JSON is, in the JSON-lines files of ``what`` (a local
+    file or folder, as the messages name it: "path (split ...)"); None where none is found."""
+    import gzip  # noqa: PLC0415
+
+    path = Path(what.split(" (split ")[0]).expanduser()
+    files = [path] if path.is_file() else sorted(path.rglob("*")) if path.is_dir() else []
+    for file in files:
+        if not file.name.endswith((".jsonl", ".jsonl.gz")):
+            continue
+        opener = gzip.open if file.name.endswith(".gz") else open
+        with opener(file, "rt", encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except ValueError as e:
+                    return f"{file}, line {number}, is not JSON ({e}): fix or drop that line"
+    return None
 
 
 __all__ = ["DataArguments", "TrainingData", "load_training_data"]

@@ -120,6 +120,19 @@ def test_rows_without_text_are_counted_as_skipped(tmp_path, tok):
     assert data.num_train_rows + len(data.eval) == n_tokens // 32
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_broken_json_line_is_named_by_its_line(tmp_path, tok, streaming):
+    """Found by an audit: pyarrow names a parse error's row within its read block (row 407 for
+    line 2,001); the error now names the file's line."""
+    path = tmp_path / "data.jsonl"
+    lines = [json.dumps({"text": doc(i)}) for i in range(3000)]
+    lines[2000] = '{"text": "broken'
+    path.write_text("\n".join(lines) + "\n")
+    args = DataArguments(dataset_name=str(path), seq_len=32, streaming=streaming)
+    with pytest.raises(DataError, match=f"{path}, line 2001, is not JSON"):
+        load_training_data(args, tok)
+
+
 def test_chat_messages_use_the_chat_template(tmp_path, tok):
     convs = [
         {"messages": [{"role": "user", "content": f"Question {i}?"},
