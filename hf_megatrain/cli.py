@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         # A string SystemExit prints one line on stderr and exits with status 1.
         raise SystemExit(f"hf-megatrain: error: {e}") from None
     except KeyboardInterrupt:
-        raise SystemExit("hf-megatrain: interrupted") from None
+        # 128 + SIGINT, as shells report an interrupted command (1 would read as an error).
+        print("hf-megatrain: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
     return 0
 
 

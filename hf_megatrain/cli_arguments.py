@@ -243,9 +243,25 @@ def _refuse_opposite_flags(argv: list[str], parser: argparse.ArgumentParser) -> 
     argparse would silently keep the last one. Compared by the values they set, so flags that
     agree (--bf16 false --fp32) pass. The same flag twice stays last-wins."""
     seen: dict[str, list[tuple[Any, str, Any]]] = {}
+    given: dict[str, list[tuple[str, str, str | None]]] = {}
     for i, token in enumerate(argv):
         flag = token.split("=", 1)[0]
         action = parser._option_string_actions.get(flag) if flag.startswith("--") else None
+        if action is not None and not _is_switch(action) and action.nargs is None:
+            # Two names of one value flag (--lr and --learning_rate, --data and --dataset_name)
+            # with different values: which was meant is not known.
+            value = (
+                token.split("=", 1)[1] if "=" in token else next(iter(argv[i + 1 : i + 2]), None)
+            )
+            name = flag.lstrip("-").replace("-", "_")
+            for other, first, before in given.setdefault(action.dest, []):
+                if other != name and before != value:
+                    raise CLIError(
+                        f"{first} {before} and {flag} {value} set the same setting: give only "
+                        "one of them"
+                    )
+            given[action.dest].append((name, flag, value))
+            continue
         if action is None or not _is_switch(action):
             continue  # a value flag, or not a flag at all
         value = _switch_value(action, flag, token, argv[i + 1 : i + 2])
