@@ -851,7 +851,8 @@ def _first_bad_json_line(what: str) -> str | None:
                 try:
                     json.loads(line)
                 except ValueError as e:
-                    return f"{file}, line {number}, is not JSON ({e}): fix or drop that line"
+                    where = "" if file == path else f"{file}, "  # (the folder's file)
+                    return f"{where}line {number} is not JSON ({e}): fix or drop that line"
     return None
 
 

@@ -129,7 +129,7 @@ def test_a_broken_json_line_is_named_by_its_line(tmp_path, tok, streaming):
     lines[2000] = '{"text": "broken'
     path.write_text("\n".join(lines) + "\n")
     args = DataArguments(dataset_name=str(path), seq_len=32, streaming=streaming)
-    with pytest.raises(DataError, match=f"{path}, line 2001, is not JSON"):
+    with pytest.raises(DataError, match=f"could not read {path}.*: line 2001 is not JSON"):
         load_training_data(args, tok)
 
 
@@ -287,10 +287,13 @@ def errors(tmp_path: Path, tok) -> list[tuple[dict, str]]:
             ),
             "need at least 2.*--eval_fraction 0",
         ),
-        (dict(dataset_name=str(tmp_path / "bad.jsonl")), "could not read .*JSON parse error"),
+        (
+            dict(dataset_name=str(tmp_path / "bad.jsonl")),
+            "could not read .*bad.jsonl.*: line 2 is not JSON",
+        ),
         (
             dict(dataset_name=str(tmp_path / "bad.jsonl"), streaming=True),
-            "could not read .*JSON parse error",
+            "could not read .*bad.jsonl.*: line 2 is not JSON",
         ),
         (dict(dataset_name=str(tmp_path / "latin1.txt")), "could not read .*'utf-8' codec"),
         (dict(dataset_train_split="dev"), "no split 'dev'.*--dataset_train_split"),
