@@ -490,19 +490,51 @@ def test_a_weight_decay_override_is_honoured(model, tmp_path):
     assert (weights["mega"][key] - plain[key]).abs().max() > 1e-4
 
 
-def test_a_weight_decay_override_on_an_already_streamed_model_is_refused(model, tmp_path):
-    """A model streamed before the trainer keeps the default decayed set in its layer stores:
-    an override asking for another set is refused (not ignored)."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_weight_decay_override_on_an_already_streamed_model_is_refused(model, tmp_path, tied):
+    """A model streamed before the trainer keeps its decayed set in its layer stores: an
+    override asking for another set of trainable parameters is refused (not ignored); one that
+    gives the same set (with a tied head named twice, as the Trainer's own names it) is not,
+    and without weight decay the set changes nothing."""
     from hf_megatrain import load_streamed_model
 
     folder = tmp_path / "saved"
-    copy.deepcopy(model).save_pretrained(str(folder))
-    streamed = load_streamed_model(str(folder), device="cpu")
+    base = tiny_model(tiny_config("llama", tie_word_embeddings=True)) if tied else model
+    copy.deepcopy(base).save_pretrained(str(folder))
+
+    class SameAsStock(HFMegaTrainer):
+        def get_decay_parameter_names(self, model) -> list[str]:
+            return super().get_decay_parameter_names(model)
+
+    def build(cls, **overrides):
+        args = MegaTrainArguments(
+            output_dir=str(tmp_path / "out"), **common_args(max_steps=1, **overrides)
+        )
+        streamed = load_streamed_model(str(folder), device="cpu")
+        return cls(model=streamed, args=args, train_dataset=make_data())
+
+    with pytest.raises(ValueError, match="would decay another set of parameters"):
+        build(_mlp_decay_only(HFMegaTrainer), weight_decay=0.1)
+    build(_mlp_decay_only(HFMegaTrainer), weight_decay=0.0)
+    build(SameAsStock, weight_decay=0.1)
+    build(HFMegaTrainer, weight_decay=0.1)
+
+
+def test_an_override_reading_attributes_set_after_init_is_named(model, tmp_path):
+    """The trainer streams the model inside __init__, so the override runs then: one that reads
+    an attribute the subclass sets after super().__init__() gets a clear error."""
+
+    class Late(HFMegaTrainer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.no_decay = ("embed",)
+
+        def get_decay_parameter_names(self, model) -> list[str]:
+            return [n for n, _ in model.named_parameters() if not n.startswith(self.no_decay)]
+
     args = MegaTrainArguments(output_dir=str(tmp_path / "out"), **common_args(max_steps=1))
-    with pytest.raises(ValueError, match="get_decay_parameter_names gives another weight-decay"):
-        _mlp_decay_only(HFMegaTrainer)(model=streamed, args=args, train_dataset=make_data())
-    # The default set on an already streamed model is accepted.
-    HFMegaTrainer(model=streamed, args=args, train_dataset=make_data())
+    with pytest.raises(ValueError, match="before calling super"):
+        Late(model=copy.deepcopy(model), args=args, train_dataset=make_data())
 
 
 class _OwnOptimizer(HFMegaTrainer):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..core.options import EngineOptions, StepShape
@@ -113,7 +113,6 @@ def _streamed_skeleton(
         device,
         torch.bfloat16 if bf16 else torch.float32,
         options,
-        decay_names=set(Trainer.get_decay_parameter_names(None, model)),
         step=step,
         clipping=clipping,
     )

@@ -621,6 +621,13 @@ def streamed_names(layer: nn.Module) -> set[str]:
     return {n for n, f in flags.items() if not f}
 
 
+def default_decay_names(model: nn.Module) -> set[str]:
+    """The parameters the stock Trainer decays (its ``get_decay_parameter_names``)."""
+    from transformers import Trainer  # noqa: PLC0415
+
+    return set(Trainer.get_decay_parameter_names(None, model))
+
+
 def layer_layouts(layers: nn.ModuleList, decay_names: set[str], prefix: str) -> list[LayerLayout]:
     """Per layer: the store layout of its streamed parameters (``core.builder.LayerLayout``)."""
     out = []
@@ -700,7 +707,8 @@ def prepare_streamed_model(
     applied over it, are resolved for a run that clips gradients (``clipping``) or not; the model
     remembers them (``streamed_state(model).options``). ``step`` (the micro-batch split) lets the
     memory plan size activations and the loss line by line instead of reserving
-    ``hbm_reserve_gb`` for them. ``single_backward``: every optimizer step's gradients come from
+    ``hbm_reserve_gb`` for them. ``decay_names``: the parameters AdamW decays (default: the
+    stock Trainer's set; a trainer with another one refuses the model). ``single_backward``: every optimizer step's gradients come from
     one backward pass of one process (default: the step's ``grad_accum`` is 1), which lets bf16
     runs keep compact gradient slots (``compact_host_grads``).
     """
@@ -708,6 +716,8 @@ def prepare_streamed_model(
     if existing is not None:
         return model
     check_supported(model)
+    if decay_names is None:
+        decay_names = default_decay_names(model)
     options = options if options is not None else EngineOptions()
     if option_fields:
         options = options.with_(**option_fields)
@@ -726,7 +736,7 @@ def prepare_streamed_model(
     # A cache would be written through shared templates: never train with it.
     config.use_cache = False
     prefix, layers = find_decoder_layers(model)
-    layouts = layer_layouts(layers, decay_names if decay_names is not None else set(), prefix)
+    layouts = layer_layouts(layers, decay_names, prefix)
     streamed = [streamed_names(layer) for layer in layers]
 
     def fill(i: int, store) -> None:
@@ -777,7 +787,7 @@ def prepare_streamed_model(
             resident=layer_resident,
             fp32_params=_exact_params(layer, streamed[i]),
         )
-    resident = list(_named_resident(model, decay_names if decay_names is not None else set()))
+    resident = list(_named_resident(model, decay_names))
     model._megatrain = StreamedModelState(
         engine=engine,
         store=HostStore(built.stores),

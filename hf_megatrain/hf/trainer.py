@@ -740,26 +740,37 @@ class MegaTrainerMixin:
 
     def _megatrain_decay_names(self, model: nn.Module, args: TrainingArguments) -> set[str]:
         """The parameters that get weight decay: this trainer's ``get_decay_parameter_names``
-        (a subclass may override it, as with the stock Trainer)."""
+        (a subclass may override it, as with the stock Trainer). Called while the trainer is
+        built (the model streams inside ``__init__``)."""
         if "args" not in self.__dict__:  # (an override may read it; Trainer.__init__ sets it)
             self.args = args
-        return set(self.get_decay_parameter_names(model))
+        try:
+            return set(self.get_decay_parameter_names(model))
+        except AttributeError as e:
+            raise ValueError(
+                f"hf_megatrain: {type(self).__name__}.get_decay_parameter_names failed while the "
+                f"trainer was being built ({e}): {type(self).__name__} streams the model inside "
+                "__init__ and needs the weight-decay set then. Set what the override reads "
+                "before calling super().__init__()."
+            ) from None
 
     def _megatrain_check_decay_names(self, model: nn.Module, args: TrainingArguments, state):
         """A model streamed before this trainer keeps the weight-decay set it was streamed with
-        (the Trainer's default): refused where this trainer's override asks for another."""
-        if type(self).get_decay_parameter_names is Trainer.get_decay_parameter_names:
-            return
-        wanted = self._megatrain_decay_names(model, args)
-        have = state.decay_names()
+        (in its layer stores): refused where this trainer decays another set of trainable
+        parameters (an override, or a model streamed with other ``decay_names``)."""
+        if not args.weight_decay:
+            return  # (no decay: the set changes nothing)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        wanted = self._megatrain_decay_names(model, args) & trainable
+        have = state.decay_names() & trainable
         if wanted != have:
             differ = sorted(wanted ^ have)
             raise ValueError(
-                f"hf_megatrain: {type(self).__name__}.get_decay_parameter_names gives another "
-                f"weight-decay set ({len(differ)} parameters differ, e.g. {differ[0]}) than the "
-                "one the model was streamed with (the Trainer's default, fixed in its layer "
-                "stores): pass the materialized model to the trainer, which streams it with "
-                "the override's set."
+                f"hf_megatrain: weight_decay={args.weight_decay} would decay another set of "
+                f"parameters ({type(self).__name__}.get_decay_parameter_names: {len(wanted)}) "
+                f"than the model was streamed with ({len(have)}; {len(differ)} differ, e.g. "
+                f"{differ[0]}), fixed in its layer stores: pass the materialized model to the "
+                "trainer, which streams it with the trainer's set."
             )
 
     def _megatrain_check_run(self) -> None:
