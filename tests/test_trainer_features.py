@@ -543,13 +543,23 @@ class _OwnOptimizer(HFMegaTrainer):
         return self.optimizer
 
 
-@pytest.mark.parametrize("how", ["create_optimizer override", "assigned", "clipping turned on"])
+@pytest.mark.parametrize(
+    "how", ["create_optimizer override", "assigned", "clipping turned on", "override, resumed"]
+)
 def test_what_changed_after_construction_is_refused_before_any_update(model, tmp_path, how):
     """An optimizer other than the engine's (a ``create_optimizer`` override, or assigned to
     ``trainer.optimizer``) failed inside the first step ('no attribute nonfinite'); clipping
     turned on through ``trainer.args`` after the trainer was built for eager updates failed
     after the first backward had updated the layers. Both are refused before any work."""
-    cls = _OwnOptimizer if how == "create_optimizer override" else HFMegaTrainer
+    cls = _OwnOptimizer if "override" in how else HFMegaTrainer
+    resume = None
+    if how == "override, resumed":  # (a resume loads optimizer state before the first step)
+        args = MegaTrainArguments(
+            output_dir=str(tmp_path / "first"),
+            **common_args(max_steps=1, save_strategy="steps", save_steps=1),
+        )
+        HFMegaTrainer(model=copy.deepcopy(model), args=args, train_dataset=make_data()).train()
+        resume = str(tmp_path / "first" / "checkpoint-1")
     args = MegaTrainArguments(
         output_dir=str(tmp_path / "out"),
         **common_args(max_steps=2, max_grad_norm=0.0 if how == "clipping turned on" else 1.0),
@@ -566,7 +576,8 @@ def test_what_changed_after_construction_is_refused_before_any_update(model, tmp
         else (r"the optimizer is torch\.optim\..*only the engine's own AdamW")
     )
     with pytest.raises(ValueError, match=match):
-        trainer.train()
-    after = trainer.model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    assert trainer.state.global_step == 0
+        trainer.train(resume_from_checkpoint=resume)
+    if resume is None:  # (a resume loads the checkpoint's weights first)
+        after = trainer.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert trainer.state.global_step == 0

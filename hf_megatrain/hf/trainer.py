@@ -1671,6 +1671,9 @@ class MegaTrainerMixin:
         load_weights_into_store(self.model, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # (Right after create_optimizer, before a resume loads state into the optimizer.)
+        self._megatrain_check_run()
+        self._megatrain_checked = self.optimizer
         if checkpoint is None:
             return
         sched = os.path.join(checkpoint, _SCHEDULER_NAME)
