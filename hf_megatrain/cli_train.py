@@ -446,14 +446,20 @@ def _make_trainer(settings: TrainSettings, model, data, tokenizer, stop):
 @contextlib.contextmanager
 def _one_run_in(folder: str):
     """Hold ``folder`` for this run: a second run into it (which would resume from this one's
-    unfinished checkpoints and write the same names) is refused. A ``flock`` on the folder
-    itself: no file left behind, and the kernel drops it when the process ends, however."""
+    unfinished checkpoints and write the same names) is refused. A ``flock`` on a file beside
+    the folder (the folder itself is swapped for a new one when the final model is published);
+    the kernel drops it when the process ends, however it ends."""
     import fcntl  # noqa: PLC0415
 
+    parent, name = os.path.split(os.path.normpath(folder))
+    lock = os.path.join(parent, f".{name}.hf-megatrain.lock")
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        yield  # (the run itself reports a folder it cannot use)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        _say(
+            f"hf-megatrain: (not locking {folder} for this run: cannot create {lock}: {e.strerror})"
+        )
+        yield
         return
     try:
         try:
@@ -464,11 +470,11 @@ def _one_run_in(folder: str):
                 "from that run's checkpoints and overwrite them): wait for it to end, or pass "
                 "another --output_dir"
             ) from None
-        except OSError:
-            pass  # a filesystem without locks (some network mounts): not held
+        except OSError as e:  # a filesystem without locks
+            _say(f"hf-megatrain: (not locking {folder} for this run: {e.strerror})")
         yield
     finally:
-        os.close(fd)  # (drops the lock)
+        os.close(fd)  # (drops the lock; the empty file stays: removing it could race a start)
 
 
 def run_train(settings: TrainSettings) -> dict[str, Any]:
