@@ -143,21 +143,24 @@ def build_model(settings: TrainSettings, tokenizer):
 
 
 def _check_against_manifest(folder: str) -> None:
-    """A --model_path folder that hf-megatrain saved (it has a manifest) is checked against it
-    before loading, as a checkpoint is before a resume: damaged weights that still parse would
-    otherwise train (or fail only at the first save, non-finite)."""
+    """The weights of a --model_path folder that hf-megatrain saved (it has a manifest) are
+    checked against it before loading, as a checkpoint's are before a resume: damaged weights
+    that still parse would otherwise train (or fail only at the first save, non-finite). Its
+    other files (config, tokenizer) may be edited on purpose: not checked. Rank 0 checks."""
     from .core.publish import MANIFEST_NAME, IntegrityError, read_manifest, verify_folder  # noqa: PLC0415
 
-    if read_manifest(folder) is None:
+    if not _is_main_process() or read_manifest(folder) is None:
         return
-    _say(f"hf-megatrain: checking {folder} against its manifest ...")
+    _say(f"hf-megatrain: checking the weights in {folder} against its manifest ...")
     try:
-        verify_folder(folder)
+        verify_folder(
+            folder, only=lambda rel: rel.endswith((".safetensors", ".safetensors.index.json"))
+        )
     except IntegrityError as e:
         raise CLIError(
-            f"--model_path: {str(e).removeprefix('hf_megatrain: ')}: the folder changed after "
-            f"hf-megatrain saved it. Restore it, or delete its {MANIFEST_NAME} to train from it "
-            "as it is"
+            f"--model_path: {str(e).removeprefix('hf_megatrain: ')}: the weights changed after "
+            f"hf-megatrain saved them. Restore them, or delete {MANIFEST_NAME} to train from "
+            "the folder as it is"
         ) from None
 
 

@@ -655,7 +655,14 @@ def test_a_damaged_model_path_is_refused_by_its_manifest(tiny_run, tmp_path):
     msg = _error(["train", "--model_path", str(damaged), "--data", str(data),
                   *_fast_flags(tmp_path / "out")])  # fmt: skip
     assert f"--model_path: {shard} is corrupt: its sha256 differs" in msg
-    assert "delete its megatrain_manifest.json to train from it as it is" in msg
+    assert "delete megatrain_manifest.json to train from the folder as it is" in msg
+    # Its config edited on purpose (not its weights): trains.
+    edited = tmp_path / "edited"
+    shutil.copytree(out, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "use_cache": False}))
+    flags = _fast_flags(tmp_path / "out2")
+    assert main(["train", "--model_path", str(edited), "--data", str(data), *flags]) == 0
 
 
 def test_plan_keeps_to_a_learned_position_table(tmp_path, capsys):

@@ -209,12 +209,17 @@ class Verified:
     nested: list[str] = field(default_factory=list)
 
 
-def verify_folder(folder: str, allow_missing: Callable[[str], bool] | None = None) -> Verified:
+def verify_folder(
+    folder: str,
+    allow_missing: Callable[[str], bool] | None = None,
+    only: Callable[[str], bool] | None = None,
+) -> Verified:
     """Check every file of ``folder``'s manifest: present, of its size, of its sha256.
 
     A problem raises :class:`MissingFileError` / :class:`IntegrityError` naming the file (the
     first in path order); ``allow_missing(relative_path)`` lets listed files be absent (they are
-    returned in ``missing``). A folder without a manifest returns ``manifest=False``.
+    returned in ``missing``); ``only(relative_path)``: check just those. A folder without a
+    manifest returns ``manifest=False``.
     """
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"hf_megatrain: {folder} is not a folder")
@@ -223,6 +228,8 @@ def verify_folder(folder: str, allow_missing: Callable[[str], bool] | None = Non
         return Verified(folder, manifest=False)
     where = os.path.join(folder, MANIFEST_NAME)
     entries = manifest["files"]
+    if only is not None:
+        entries = {rel: entry for rel, entry in entries.items() if only(rel)}
     result = Verified(folder, manifest=True)
     present = []
     for rel in sorted(entries):
