@@ -255,7 +255,7 @@ def _refuse_opposite_flags(argv: list[str], parser: argparse.ArgumentParser) -> 
             )
             name = flag.lstrip("-").replace("-", "_")
             for other, first, before in given.setdefault(action.dest, []):
-                if other != name and before != value:
+                if other != name and _parsed(action, before) != _parsed(action, value):
                     raise CLIError(
                         f"{first} {before} and {flag} {value} set the same setting: give only "
                         "one of them"
@@ -272,6 +272,14 @@ def _refuse_opposite_flags(argv: list[str], parser: argparse.ArgumentParser) -> 
             if other != same and before != value:
                 raise CLIError(f"{first} and {flag} contradict each other: give only one of them")
         seen[action.dest].append((same, flag, value))
+
+
+def _parsed(action: argparse.Action, value: str | None) -> Any:
+    """``value`` as the flag's type reads it (1e-3 and 0.001 agree); the text where it fails."""
+    try:
+        return action.type(value) if callable(action.type) and value is not None else value
+    except (TypeError, ValueError, argparse.ArgumentTypeError):
+        return value
 
 
 def _is_switch(action: argparse.Action) -> bool:
@@ -377,12 +385,13 @@ def parse_train_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> T
         training = MegaTrainArguments(**training_values, **as_arguments(engine))
     except (ValueError, OptionError) as e:
         raise CLIError(f"invalid training setting: {e}") from None
+    from .core.distributed import DataParallelError  # noqa: PLC0415
     from .hf.trainer import check_training_arguments  # noqa: PLC0415
 
     try:
         # What the trainer would refuse after the data and the model are loaded: now.
         check_training_arguments(training)
-    except ValueError as e:
+    except (ValueError, DataParallelError) as e:
         raise CLIError(flag_message(str(e).removeprefix("hf_megatrain: "))) from None
     return TrainSettings(model_args, data_args, training, engine, source)
 

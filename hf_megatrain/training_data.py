@@ -771,8 +771,13 @@ def _empty_texts(ds: datasets.Dataset, column: str) -> int:
     values = ds.with_format("arrow")[column]
     if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
         return values.null_count
-    blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(values), ""), True)
-    return pc.sum(blank).as_py() or 0
+    chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+    blank = 0
+    for chunk in chunks:  # (a trimmed copy of one chunk at a time, not of the whole column)
+        blank += (
+            pc.sum(pc.fill_null(pc.equal(pc.utf8_trim_whitespace(chunk), ""), True)).as_py() or 0
+        )
+    return blank
 
 
 def _digest(value: Any) -> str:
@@ -841,15 +846,18 @@ def _first_bad_json_line(what: str) -> str | None:
     path = Path(what.split(" (split ")[0]).expanduser()
     files = [path] if path.is_file() else sorted(path.rglob("*")) if path.is_dir() else []
     for file in files:
-        if not file.name.endswith((".jsonl", ".jsonl.gz")):
+        if not file.name.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz")):
             continue
         opener = gzip.open if file.name.endswith(".gz") else open
         with opener(file, "rt", encoding="utf-8", errors="replace") as lines:
             for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
+                if number == 1 and not line.lstrip().startswith("{"):
+                    break  # (one JSON document, not JSON lines: pyarrow's message stands)
                 try:
-                    json.loads(line)
+                    if not isinstance(json.loads(line), dict):
+                        raise ValueError("not an object")
                 except ValueError as e:
                     where = "" if file == path else f"{file}, "  # (the folder's file)
                     return f"{where}line {number} is not JSON ({e}): fix or drop that line"

@@ -558,6 +558,8 @@ def test_bad_settings_are_refused_before_the_model_loads(tmp_path):
     msg = _error(["train", "--lr", "1e-3", "--learning_rate", "2e-3", *out])
     assert "--lr 1e-3 and --learning_rate 2e-3 set the same setting" in msg
     assert parse_train(["--lr", "1e-3", "--lr", "2e-3", *out]).training.learning_rate == 2e-3
+    agree = parse_train(["--lr", "1e-3", "--learning_rate", "0.001", *out])
+    assert agree.training.learning_rate == 1e-3
     msg = _error(["train", "--report_to", "bogus", *out])
     assert "--report_to bogus: not a known integration" in msg and "tensorboard" in msg
     assert parse_train(["--report_to", "tensorboard", *out]).training.report_to == ["tensorboard"]

@@ -237,7 +237,8 @@ def _check_scheduler(args: TrainingArguments) -> None:
     ``lr_scheduler_kwargs`` (``cosine_with_min_lr``: min_lr) fails here, not at train()."""
     from transformers import get_scheduler  # noqa: PLC0415
 
-    stand_in = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    # (The run's rate: the polynomial schedule checks its lr_end against it.)
+    stand_in = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=args.learning_rate or 1.0)
     steps = max(args.max_steps, 10)
     try:
         get_scheduler(
