@@ -347,6 +347,20 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
     assert main(["train", *flags, "--max-steps", "1", "--save_strategy", "no"]) == 0
 
 
+def test_ctrl_c_exits_130_in_one_line(tmp_path, monkeypatch, capsys):
+    """An interrupt (Ctrl-C) exits with 128 + SIGINT, as shells report it (it was 1, an error)."""
+    import hf_megatrain.cli as cli
+
+    def interrupted(settings):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_train", interrupted)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--output_dir", str(tmp_path / "out")])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip() == "hf-megatrain: interrupted"
+
+
 def test_module_entry_point_prints_one_line_error():
     # `python3 -m hf_megatrain` goes through __main__.py; a user mistake gives no traceback.
     r = subprocess.run(
