@@ -229,3 +229,71 @@ def test_mixin_passes_args_by_keyword(tmp_path):
     trainer = Mega(model=tiny_model(tiny_config("llama")), args=args)
     assert seen == {"ref_model": None, "args": args}
     assert trainer.args is args
+
+
+def _streamed(tmp_path, **config):
+    from hf_megatrain import load_streamed_model
+
+    folder = tmp_path / "saved"
+    tiny_model(tiny_config("llama", **config)).save_pretrained(str(folder))
+    return load_streamed_model(str(folder), device="cpu", bf16=False)
+
+
+def _resize(model):
+    model.resize_token_embeddings(model.config.vocab_size + 8)
+
+
+def _freeze_layer(model):
+    model.model.layers[0].requires_grad_(False)
+
+
+def _add_adapters(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+
+
+@pytest.mark.parametrize(
+    "change,said",
+    [
+        (_resize, "lm_head.weight was replaced"),
+        (_freeze_layer, "decoder layer 0's streamed parameters were frozen"),
+        (_add_adapters, "PEFT adapters were added to an already streamed model"),
+    ],
+    ids=["resized head", "frozen layer", "adapters"],
+)
+def test_changes_after_streaming_are_refused(tmp_path, change, said):
+    """Found by an audit: a head replaced by resize_token_embeddings never trained, a layer frozen
+    after streaming trained on, adapters added to a streamed model failed deep in torch. Training
+    would not follow such changes: refused when the trainer is built."""
+    model = _streamed(tmp_path)
+    model = change(model) or model
+    with pytest.raises(ValueError, match=said + ".*after the model was streamed"):
+        HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4))
+
+
+def test_gradient_checkpointing_of_a_streamed_model_is_left_to_the_engine(tmp_path):
+    """Found by an audit: the model's own gradient checkpointing (as peft's
+    prepare_model_for_kbit_training turns it on) recomputed a streamed layer outside the engine
+    and failed ('not on the expected device meta'). Before streaming it is turned off, after it
+    is a no-op: the gradients are the ones without it."""
+
+    def loss_and_grad(model):
+        ids = make_data(1)[0]["input_ids"][None]
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), model.lm_head.weight.grad.clone()
+
+    plain = _streamed(tmp_path)
+    want = loss_and_grad(plain)
+    after = _streamed(tmp_path)
+    after.gradient_checkpointing_enable()
+    before = tiny_model(tiny_config("llama"))
+    before.gradient_checkpointing_enable()
+    HFMegaTrainer(model=before, args=_args(tmp_path), train_dataset=make_data(4))
+    assert not getattr(before, "is_activation_checkpointing", before.is_gradient_checkpointing)
+    for model in (after, before):
+        model.train()
+        got = loss_and_grad(model)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

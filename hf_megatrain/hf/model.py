@@ -85,9 +85,30 @@ class StreamedModelState:
     step: StepShape | None = None
     #: Streamed frozen (``prepare_frozen_streamed_model``): weights only, never trained.
     frozen: bool = False
+    #: Streamed with PEFT adapters in it (a ``PeftModel``): adapters added later are refused.
+    adapters: bool = False
 
     def full_name(self, layer: int, rel: str) -> str:
         return f"{self.layers_prefix}.{layer}.{rel}"
+
+    def changed_since_streaming(self, model: nn.Module) -> str | None:
+        """What was changed in ``model`` after it was streamed that training would not follow
+        (None: nothing): a parameter replaced (``resize_token_embeddings``: the new head would
+        never update), a streamed layer frozen or unfrozen (its store trains or not as it was
+        built), adapters added to the streamed model."""
+        if _is_peft(model) and not self.adapters:
+            return "PEFT adapters were added to an already streamed model (get_peft_model)"
+        resident = {id(p) for _, p, _ in self.resident}
+        for name, p in model.named_parameters():
+            if p.device.type != "meta" and id(p) not in resident:
+                return f"{name} was replaced (e.g. by resize_token_embeddings)"
+        _, layers = find_decoder_layers(model)
+        for i, (layer, store) in enumerate(zip(layers, self.store.layers)):
+            streamed = [p for p in layer.parameters() if p.device.type == "meta"]
+            if any(p.requires_grad != store.trainable for p in streamed):
+                way = "frozen" if store.trainable else "unfrozen"
+                return f"decoder layer {i}'s streamed parameters were {way}"
+        return None
 
     def decay_names(self) -> set[str]:
         """The parameters the engine's AdamW decays (fixed when the model was streamed)."""
@@ -491,6 +512,24 @@ def _refuse_merging(model: nn.Module) -> None:
             object.__setattr__(tuner, method, functools.partial(_refuse_merge, method))
 
 
+def disable_gradient_checkpointing(model: nn.Module) -> None:
+    """Turn the model's own gradient checkpointing off (``gradient_checkpointing_enable``, as
+    peft's ``prepare_model_for_kbit_training`` calls it): its recompute would run a streamed
+    layer outside the engine (its weights are meta placeholders). The engine recomputes."""
+    model = unwrap_peft(model)
+    # (transformers 5.x renamed these activation_checkpointing; older 5.x has only the first.)
+    on = getattr(model, "is_activation_checkpointing", None)
+    if on is None:
+        on = getattr(model, "is_gradient_checkpointing", False)
+    if on:
+        off = getattr(model, "activation_checkpointing_disable", None)
+        (off or model.gradient_checkpointing_disable)()
+        logger.info(
+            "hf_megatrain: the model's gradient checkpointing is turned off: streamed layers "
+            "recompute in the engine (checkpoint segments)"
+        )
+
+
 def _is_peft(model: nn.Module) -> bool:
     try:
         from peft import PeftModel  # noqa: PLC0415 - optional dependency
@@ -714,8 +753,14 @@ def prepare_streamed_model(
     """
     existing = streamed_state(model)
     if existing is not None:
+        if _is_peft(model) and not existing.adapters:
+            raise ValueError(
+                "hf_megatrain: PEFT adapters were added to an already streamed model: add them "
+                "first (get_peft_model on the materialized model), then stream it"
+            )
         return model
     check_supported(model)
+    disable_gradient_checkpointing(model)
     if decay_names is None:
         decay_names = default_decay_names(model)
     options = options if options is not None else EngineOptions()
@@ -796,6 +841,7 @@ def prepare_streamed_model(
         plan=built.plan,
         options=resolved,
         step=step,
+        adapters=_is_peft(model),
     )
     install_module_calls(model, layers, engine.device, streamed_state)
     if _is_peft(model):

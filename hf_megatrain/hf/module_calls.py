@@ -23,12 +23,15 @@ is refused (it cast the resident weights the optimizer updates in fp32, silently
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def install_module_calls(
@@ -45,12 +48,31 @@ def install_module_calls(
     for i, layer in enumerate(layers):
         layer.register_state_dict_post_hook(functools.partial(_read_layer, ref, state_of, i))
         layer.register_load_state_dict_pre_hook(functools.partial(_write_layer, ref, state_of, i))
+    for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+        # (transformers' checkpointing would recompute a layer outside the engine, whose weights
+        # are meta placeholders there: the engine recomputes the streamed layers itself.)
+        if hasattr(model, name):
+            setattr(model, name, _checkpointing_ignored)
     for module in (model, *layers):
         # Instance attributes: copy and pickle look them up on the object, torch's .to() / .half()
         # / .cuda() all go through _apply.
         module._apply = functools.partial(_apply_in_place, module._apply, device)
         module.__deepcopy__ = _refuse_copy
         module.__reduce_ex__ = _refuse_copy
+
+
+def _checkpointing_ignored(*args, **kwargs) -> None:
+    """``gradient_checkpointing_enable`` of a streamed model (peft's
+    ``prepare_model_for_kbit_training`` calls it): a no-op, said once."""
+    if not _checkpointing_ignored.said:
+        _checkpointing_ignored.said = True
+        logger.info(
+            "hf_megatrain: gradient_checkpointing_enable() is ignored on a streamed model: its "
+            "layers recompute in the engine (checkpoint segments)"
+        )
+
+
+_checkpointing_ignored.said = False
 
 
 def _apply_in_place(apply, device: torch.device, fn, *args, **kwargs):

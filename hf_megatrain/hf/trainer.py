@@ -66,6 +66,7 @@ from .long_context import apply_layer_kernels, apply_liger_kernels, install_mlp_
 from .loss import fused_causal_lm_forward, supports_fused_loss, unwrap_peft
 from .model import (
     _is_peft,
+    disable_gradient_checkpointing,
     find_decoder_layers,
     prepare_streamed_model,
     runs_liger,
@@ -678,6 +679,13 @@ class MegaTrainerMixin:
                 _warn_plan_without_liger(model)
                 apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
             run = _run_options(args, _options_of_streamed(state, args))
+            if (change := state.changed_since_streaming(model)) is not None:
+                raise ValueError(
+                    f"hf_megatrain: {change} after the model was streamed, which training would "
+                    "not follow: make such changes before streaming (pass the materialized "
+                    "model to the trainer)"
+                )
+            disable_gradient_checkpointing(model)
             self._megatrain_check_decay_names(model, args, state)
         self.megatrain = streamed_state(model)
         #: The engine options of this run (resolved: see ``EngineOptions.resolve``).
