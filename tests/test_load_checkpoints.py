@@ -340,3 +340,18 @@ def test_cli_refuses_custom_code_in_one_line_without_a_prompt(tmp_path, capsys):
     assert "\n" not in msg and "model_type 'my_arch' (custom code" in msg, msg
     out = capsys.readouterr()
     assert "Do you wish to run the custom code" not in out.out + out.err
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_saved_model_keeps_its_use_cache(tmp_path, use_cache):
+    """Found by an audit: streaming turns config.use_cache off (training must not write a cache
+    through the shared layer templates) and every saved config.json recorded that. The model
+    saves the value it came with."""
+    from hf_megatrain import save_streamed_pretrained
+
+    tiny_model(tiny_config("llama", use_cache=use_cache)).save_pretrained(tmp_path / "in")
+    model = load_streamed_model(str(tmp_path / "in"), device="cpu", bf16=False)
+    assert model.config.use_cache is False
+    save_streamed_pretrained(model, str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["use_cache"] is use_cache
+    assert model.config.use_cache is False  # (still training without one)

@@ -115,17 +115,22 @@ def write_streamed_pretrained(
         options = state.options.options if state is not None and state.options else EngineOptions()
         max_shard_size = options.max_shard_size
     tensors = host_state_dict(model, dtype)
-    model.save_pretrained(folder, state_dict=tensors, max_shard_size=max_shard_size)
-    # save_pretrained records the in-memory model's dtype (its fp32 masters' here): record the
-    # dtype of the files written instead, as from_pretrained(dtype="auto") reads it.
-    written = str(dtype).removeprefix("torch.")
-    in_memory = model.config.dtype
-    if str(in_memory).removeprefix("torch.") != written:
-        model.config.dtype = written
-        try:
-            model.config.save_pretrained(folder)
-        finally:
-            model.config.dtype = in_memory
+    # The config as the model came (streaming turned use_cache off for training), and the dtype
+    # of the files written (save_pretrained records the in-memory fp32 masters'), as
+    # from_pretrained(dtype="auto") reads it.
+    state = streamed_state(model)
+    config = model.config
+    saved = dict(use_cache=config.use_cache, dtype=config.dtype)
+    if state is not None and state.use_cache is not None:
+        config.use_cache = state.use_cache
+    try:
+        model.save_pretrained(folder, state_dict=tensors, max_shard_size=max_shard_size)
+        written = str(dtype).removeprefix("torch.")
+        if str(config.dtype).removeprefix("torch.") != written:
+            config.dtype = written
+            config.save_pretrained(folder)
+    finally:
+        config.use_cache, config.dtype = saved["use_cache"], saved["dtype"]
 
 
 #: Files of an earlier save in a model folder that a new save replaces even where it does not

@@ -87,6 +87,8 @@ class StreamedModelState:
     frozen: bool = False
     #: Streamed with PEFT adapters in it (a ``PeftModel``): adapters added later are refused.
     adapters: bool = False
+    #: ``config.use_cache`` before streaming turned it off (saved models record this one).
+    use_cache: bool | None = None
 
     def full_name(self, layer: int, rel: str) -> str:
         return f"{self.layers_prefix}.{layer}.{rel}"
@@ -778,6 +780,7 @@ def prepare_streamed_model(
         ),
     )
     config = model.config
+    use_cache = getattr(config, "use_cache", None)
     # A cache would be written through shared templates: never train with it.
     config.use_cache = False
     prefix, layers = find_decoder_layers(model)
@@ -842,6 +845,7 @@ def prepare_streamed_model(
         options=resolved,
         step=step,
         adapters=_is_peft(model),
+        use_cache=use_cache,
     )
     install_module_calls(model, layers, engine.device, streamed_state)
     if _is_peft(model):
