@@ -514,6 +514,17 @@ def _refuse_merging(model: nn.Module) -> None:
             object.__setattr__(tuner, method, functools.partial(_refuse_merge, method))
 
 
+def refuse_changes_since_streaming(model: nn.Module, state: StreamedModelState) -> None:
+    """Refuse ``model`` (streamed, ``state``) where it was changed after streaming in a way
+    training would not follow (:meth:`StreamedModelState.changed_since_streaming`)."""
+    if (change := state.changed_since_streaming(model)) is not None:
+        raise ValueError(
+            f"hf_megatrain: {change} after the model was streamed, which training would not "
+            "follow: make such changes before streaming (pass the materialized model to the "
+            "trainer)"
+        )
+
+
 def disable_gradient_checkpointing(model: nn.Module) -> None:
     """Turn the model's own gradient checkpointing off (``gradient_checkpointing_enable``, as
     peft's ``prepare_model_for_kbit_training`` calls it): its recompute would run a streamed
@@ -755,11 +766,7 @@ def prepare_streamed_model(
     """
     existing = streamed_state(model)
     if existing is not None:
-        if _is_peft(model) and not existing.adapters:
-            raise ValueError(
-                "hf_megatrain: PEFT adapters were added to an already streamed model: add them "
-                "first (get_peft_model on the materialized model), then stream it"
-            )
+        refuse_changes_since_streaming(model, existing)
         return model
     check_supported(model)
     disable_gradient_checkpointing(model)

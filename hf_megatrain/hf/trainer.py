@@ -69,6 +69,7 @@ from .model import (
     disable_gradient_checkpointing,
     find_decoder_layers,
     prepare_streamed_model,
+    refuse_changes_since_streaming,
     runs_liger,
     streamed_state,
 )
@@ -199,7 +200,7 @@ def _warn_plan_without_liger(model: nn.Module) -> None:
 
 def _setup_args(args: TrainingArguments) -> None:
     """Refuse what the engine cannot run and adjust what it replaces (idempotent)."""
-    _validate_args(args)
+    check_training_arguments(args)
     # Newer transformers renamed the flag to activation_checkpointing and keep
     # gradient_checkpointing as a mirror set once in __post_init__: turn both off (TRL's configs
     # default it on).
@@ -258,10 +259,6 @@ def _check_scheduler(args: TrainingArguments) -> None:
 def check_training_arguments(args: TrainingArguments) -> None:
     """Refuse (``ValueError``, "hf_megatrain: ...") the arguments this trainer cannot run,
     before any model is streamed: the command line calls it when it parses them."""
-    _validate_args(args)
-
-
-def _validate_args(args: TrainingArguments) -> None:
     world = args.world_size
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     # A node's ranks share its host store (core/distributed.py): as many ranks on every node.
@@ -679,12 +676,7 @@ class MegaTrainerMixin:
                 _warn_plan_without_liger(model)
                 apply_liger_kernels(model, getattr(args, "liger_kernel_config", None))
             run = _run_options(args, _options_of_streamed(state, args))
-            if (change := state.changed_since_streaming(model)) is not None:
-                raise ValueError(
-                    f"hf_megatrain: {change} after the model was streamed, which training would "
-                    "not follow: make such changes before streaming (pass the materialized "
-                    "model to the trainer)"
-                )
+            refuse_changes_since_streaming(model, state)
             disable_gradient_checkpointing(model)
             self._megatrain_check_decay_names(model, args, state)
         self.megatrain = streamed_state(model)
