@@ -160,6 +160,8 @@
 #              (a second trainer's new AdamW, LoRA variants with dropout), the loss kernel's
 #              cases with their output, and GraniteMoE's row of familymoe (aux off where the
 #              installed transformers cannot compute it).
+#   apitests   tests/test_gpu.py's stock-parity, save/resume, second-trainer and module-call cases
+#              (the trainer, CLI and Python-API paths on CUDA). ~3 min.
 #   probe28    dev/long_peak_probe.py with the 7B's 28 layers at 131,072 tokens (9 HBM-tier
 #              layers, the exact426k options): the phases' peaks and what is live at the peak.
 # Every call packs what has finished into $OUT/exact-bound.tgz (rows, markdown, JSON, the log).
@@ -496,6 +498,10 @@ PY
     trace8b)  # llama8b's allocator history summarized (what is live at the reserved peak)
       BENCH_MEMORY_TRACE="$work/trace8b.txt" run64k trace8b64k llama-3.1-8b 300 --steps 1 \
         --warmup 1
+      ;;
+    apitests)  # the trainer, CLI and module-call paths on CUDA (stock parity, save/resume)
+      timeout 400 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q -m gpu \
+        -k "like_stock or save_resume or second_trainer or module_calls" 2>&1 | grep -v '^DEBUG'
       ;;
     gpuaudit)  # the thirtieth session's CPU fixes on CUDA, and the loss kernel's cases in full
       timeout 300 python3 -m pytest tests/test_gpu.py tests/test_peft_variants.py -o addopts="" \
