@@ -123,6 +123,7 @@ def test_load_streamed_model_matches_from_pretrained(arch, shard, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     streamed = load_streamed_model(str(tmp_path), device="cpu", bf16=False)
     assert streamed_state(streamed) is not None
+    assert not streamed.training and not ref.training  # eval mode, as from_pretrained's
     ids = _ids()
     # Same fp32 weights, same forward: identical logits.
     torch.testing.assert_close(_logits(streamed, ids), _logits(ref, ids), rtol=0, atol=0)

@@ -211,3 +211,123 @@ def test_a_streamed_peft_models_state_dict_holds_its_frozen_base(tmp_path):
         torch.testing.assert_close(state[key], original[name], rtol=0, atol=0, msg=key)
     adapters = get_peft_model_state_dict(mega.model)
     assert adapters and all(v.abs().sum() > 0 for k, v in adapters.items() if "lora_B" in k)
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.stack([r["input_ids"] for r in make_data(2, seed=seed)])
+
+
+def test_model_zero_grad_clears_the_streamed_layers_gradients(tmp_path):
+    """A backward outside the trainer (a probe, a custom loss), then training: the trainer's
+    model.zero_grad() at the start clears every gradient in stock. The streamed layers'
+    gradients accumulate in the engine, not on their placeholders, and leaked into the first
+    step (weights ~1e-3 off stock's after 3 steps)."""
+    from hf_megatrain import prepare_streamed_model
+
+    start = tiny_model(tiny_config("llama"))
+    runs = {}
+    for name, mega in (("stock", False), ("mega", True)):
+        model = copy.deepcopy(start)
+        if mega:
+            model = prepare_streamed_model(model, "cpu", torch.float32)
+        ids = _batch(11)
+        model(input_ids=ids, labels=ids).loss.backward()  # the stray backward
+        _, runs[name] = run_trainer(model, tmp_path, name, mega, max_steps=STEPS)
+    assert_close_weights(stock_params(runs["stock"].model), mega_params(runs["mega"]))
+
+
+def test_casting_a_submodule_is_refused_before_anything_is_cast(trained):
+    """``model.model.half()`` recursed into the embedding (cast it) before a streamed layer
+    refused: the resident fp32 weights the optimizer updates were left half cast."""
+    _, mega = trained
+    before = mega_params(mega)
+    model = mega.model
+    for cast in (
+        model.model.half,
+        lambda: model.model.to(torch.bfloat16),
+        model.model.embed_tokens.half,
+        model.model.layers[0].mlp.half,
+        model.lm_head.double,
+    ):
+        with pytest.raises(ValueError, match="save_pretrained"):
+            cast()
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # placeholders too
+    assert model.model.to("cpu") is model.model  # where it is: nothing to do
+    assert_close_weights(before, mega_params(mega), atol=0)
+
+
+def _init_linears(module: torch.nn.Module) -> None:
+    if isinstance(module, torch.nn.Linear):
+        torch.nn.init.normal_(module.weight, std=0.05)
+
+
+def _replace_norms(module: torch.nn.Module) -> None:
+    if type(module).__name__.endswith("RMSNorm"):
+        module.weight = torch.nn.Parameter(torch.full_like(module.weight, 0.5))
+
+
+def test_apply_reaches_the_streamed_layers_weights(tmp_path):
+    """``model.apply(init_fn)``: the function saw the streamed layers' meta placeholders, so
+    its writes were lost (only the resident tensors changed). It now sees the fp32 masters;
+    what it writes, in place or as a new parameter, is what the layers stream."""
+    from hf_megatrain import prepare_streamed_model
+
+    start = tiny_model(tiny_config("llama"))
+    stock = copy.deepcopy(start)
+    mega = prepare_streamed_model(copy.deepcopy(start), "cpu", torch.float32)
+    for model in (stock, mega):
+        torch.manual_seed(3)  # the same draws: apply visits the modules in the same order
+        assert model.apply(_init_linears) is model
+        model.apply(_replace_norms)
+    from hf_megatrain.hf.checkpoint import host_state_dict
+
+    got = {k: v.detach().clone() for k, v in host_state_dict(mega).items()}
+    want = stock_params(stock)
+    assert not torch.equal(want["model.layers.1.mlp.up_proj.weight"], stock_params(start)[
+        "model.layers.1.mlp.up_proj.weight"])  # fmt: skip
+    assert_close_weights(want, got, atol=0)
+    assert mega.model.layers[0].mlp.up_proj.weight.is_meta  # the placeholders are back
+    ids = _batch(5)
+    with torch.no_grad():
+        stock.eval(), mega.eval()
+        torch.testing.assert_close(
+            mega(input_ids=ids, labels=ids).loss, stock(input_ids=ids, labels=ids).loss,
+            rtol=1e-6, atol=0,  # fp32, the same weights; the streamed forward's own order
+        )  # fmt: skip
+    # One layer's apply binds that layer; a reshaping function is refused, the weights kept.
+    mega.model.layers[1].apply(_init_linears)
+
+    def reshape(module):
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight[:1].clone())
+
+    before = {k: v.detach().clone() for k, v in host_state_dict(mega).items()}
+    with pytest.raises(ValueError, match="removed or reshaped"):
+        mega.model.layers[1].apply(reshape)
+    after = host_state_dict(mega)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_in_place_writes_to_state_dict_views_reach_the_bf16_stream(tmp_path):
+    """With bf16 compute copies, ``state_dict()`` views are of the fp32 master: writes into
+    them changed the saved weights but the layers kept streaming the old bf16 copy."""
+    from hf_megatrain import prepare_streamed_model
+
+    start = tiny_model(tiny_config("llama"))
+    values = stock_params(tiny_model(tiny_config("llama"), seed=7))
+    ids = _batch(5)
+    losses = []
+    for write in ("in_place", "load_state_dict"):
+        model = prepare_streamed_model(copy.deepcopy(start), "cpu", torch.bfloat16)
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, labels=ids)  # the old weights are in use once
+            if write == "in_place":
+                state = model.state_dict()
+                for key, value in values.items():
+                    state[key].copy_(value)
+            else:
+                model.load_state_dict(values)
+            losses.append(model(input_ids=ids, labels=ids).loss)
+    # load_state_dict re-derives the bf16 copies: in-place writes must stream the same bits.
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)

@@ -120,6 +120,8 @@ class StreamingEngine:
         )  # fmt: skip
         # Set to a ``LayerTimeline`` (CUDA) to record each layer pass's compute interval.
         self.timeline: LayerTimeline | None = None
+        # Layer -> its master's version when views of it were handed out (``watch_master``).
+        self._watched: dict[int, int] = {}
 
     # ---- settings (read-only) and per-step state ----------------------------------------------
     @property
@@ -209,7 +211,32 @@ class StreamingEngine:
     # ---- weights and updates -------------------------------------------------------------------
     def acquire(self, idx: int, next_idx: int | None) -> torch.Tensor:
         """Layer ``idx``'s flat compute-dtype weights; starts copying ``next_idx``'s."""
+        if self._watched:
+            self._refresh_written_masters()
         return self.weights.acquire(idx, next_idx)
+
+    def watch_master(self, idx: int) -> None:
+        """Views of layer ``idx``'s fp32 master were handed out (``state_dict()``): if they are
+        written in place before the layer next runs, its compute-dtype copy is re-derived then
+        (fp32 runs stream the master itself: nothing to follow)."""
+        store = self.stores[idx]
+        if store.stream is not store.master:
+            self._watched[idx] = store.master._version
+
+    def _refresh_written_masters(self) -> None:
+        # In-place writes share the master's version counter with its views (the optimizer's
+        # updates bump it too: a watched layer updated since then is re-derived as well, the
+        # same values at the cost of one cast).
+        changed = [i for i, v in self._watched.items() if self.stores[i].master._version != v]
+        self._watched.clear()
+        if not changed:
+            return
+        self.wait_all_weights()
+        self.wait_weight_copies()  # no H2D copy may still read a compute copy
+        with torch.no_grad():
+            for idx in changed:
+                self.stores[idx].refresh_stream_copy()
+        self.invalidate_weights()
 
     def release(self, idx: int) -> None:
         """Mark the end of the work that reads layer ``idx``'s device buffer."""

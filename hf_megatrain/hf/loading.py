@@ -176,6 +176,7 @@ def load_streamed_model(
         liger_kernel_config=liger_kernel_config, trainable=trainable,
     )  # fmt: skip
     load_weights_into_store(model, path)
+    model.eval()  # as from_pretrained returns it (the trainer turns training mode on)
     return model
 
 

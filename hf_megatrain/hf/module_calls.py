@@ -11,13 +11,20 @@ layer's or a block's own ``state_dict()``):
 - ``state_dict()`` holds the layer's weights as views of its store's master (no copy; on the
   device for HBM-tier layers), after any pending optimizer update has written them;
 - ``load_state_dict()`` writes the given values into the master and re-derives the compute copy
-  the layer streams; the optimizer's moments are left as they are, as stock's load leaves them.
+  the layer streams; the optimizer's moments are left as they are, as stock's load leaves them;
+- in-place writes into the ``state_dict()`` views reach the compute copy before the layer next
+  runs (``StreamingEngine.watch_master``).
+
+On the model: ``apply(fn)`` (an init function) sees the streamed layers' parameters as their fp32
+masters, and what it writes streams; ``zero_grad()`` also clears the streamed layers' gradients
+(accumulated in the engine, not on the placeholders).
 
 The other ``nn.Module`` calls that would reach the placeholders or the store answer in one line:
 ``.to()`` / ``.cuda()`` / ``.cpu()`` to where the model already is, in its dtype, do nothing (they
 failed inside torch, "Cannot copy out of meta tensor"); a move or cast (``.half()``, ``.to(bf16)``)
-is refused (it cast the resident weights the optimizer updates in fp32, silently); so are
-``copy.deepcopy`` and pickling (they failed on the store's shared memory).
+is refused, on every submodule, before a tensor is touched (it cast the resident weights the
+optimizer updates in fp32, silently); so are ``copy.deepcopy`` and pickling (they failed on the
+store's shared memory).
 """
 
 from __future__ import annotations
@@ -48,15 +55,22 @@ def install_module_calls(
     for i, layer in enumerate(layers):
         layer.register_state_dict_post_hook(functools.partial(_read_layer, ref, state_of, i))
         layer.register_load_state_dict_pre_hook(functools.partial(_write_layer, ref, state_of, i))
+        layer.apply = functools.partial(_apply_bound, layer.apply, ref, state_of, {i: layer})
+    model.apply = functools.partial(
+        _apply_bound, model.apply, ref, state_of, dict(enumerate(layers))
+    )
+    model.zero_grad = functools.partial(_zero_grad, model.zero_grad, ref, state_of)
     for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
         # (transformers' checkpointing would recompute a layer outside the engine, whose weights
         # are meta placeholders there: the engine recomputes the streamed layers itself.)
         if hasattr(model, name):
             setattr(model, name, _checkpointing_ignored)
-    for module in (model, *layers):
-        # Instance attributes: copy and pickle look them up on the object, torch's .to() / .half()
-        # / .cuda() all go through _apply.
+    for module in model.modules():
+        # Instance attributes: torch's .to() / .half() / .cuda() all go through _apply, on every
+        # module (``model.model.half()`` must be refused before it casts the embedding).
         module._apply = functools.partial(_apply_in_place, module._apply, device)
+    for module in (model, *layers):
+        # Copy and pickle look these up on the object.
         module.__deepcopy__ = _refuse_copy
         module.__reduce_ex__ = _refuse_copy
 
@@ -120,6 +134,86 @@ def _read_layer(ref, state_of, index, module, state_dict, prefix, local_metadata
     for rel, view in store.param_views(store.master).items():
         if prefix + rel in state_dict:
             state_dict[prefix + rel] = view.detach()
+    # The views may be written in place, as a module's state_dict() tensors may: the layer's
+    # compute copy then follows before it next runs.
+    state.engine.watch_master(index)
+
+
+def _zero_grad(zero_grad, ref, state_of, set_to_none: bool = True) -> None:
+    """``model.zero_grad()``: the resident parameters' gradients, and the streamed layers'
+    (accumulated in the engine, not on their placeholders), as stock's clears them all."""
+    zero_grad(set_to_none=set_to_none)
+    model = ref()
+    state = None if model is None else state_of(model)
+    if state is None:
+        return
+    if state.engine.on_grad_final is not None and state.engine.has_grads():
+        raise RuntimeError(
+            "hf_megatrain: model.zero_grad() with eager layer updates, after a backward whose "
+            "layers already updated: their gradients were applied as they came (call it "
+            "before backward, or train with eager_update=False)"
+        )
+    state.engine.reset_grads()
+
+
+#: Stores whose placeholders are bound to their masters now (nested ``apply`` calls).
+_BOUND: set[int] = set()
+
+
+def _apply_bound(apply, ref, state_of, layers: dict[int, nn.Module], fn) -> nn.Module:
+    """``module.apply(fn)`` (an init function, ``model.apply(model._init_weights)``): ``fn``
+    sees each streamed layer's parameters as its fp32 master (not the meta placeholders, where
+    its writes were lost) and what it writes is what the layer streams from then on."""
+    model = ref()
+    state = None if model is None else state_of(model)
+    if state is None:
+        return apply(fn)
+    stores = {i: state.store.layers[i] for i in layers}
+    todo = {i: layer for i, layer in layers.items() if id(stores[i]) not in _BOUND}
+    if not todo:
+        return apply(fn)
+    if state.engine.dp is not None:
+        raise ValueError(
+            "hf_megatrain: apply() on a data-parallel streamed model: the layers' weights are "
+            "shared between the ranks; change them before streaming, or load them with "
+            "hf_megatrain.load_streamed_model(path)"
+        )
+    state.engine.wait_all_weights()
+    state.engine.wait_weight_copies()  # no H2D copy may still read a compute copy
+    bound: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter, torch.Tensor, str]] = []
+    for i, layer in todo.items():
+        _BOUND.add(id(stores[i]))
+        for rel, view in stores[i].param_views(stores[i].master).items():
+            owner, _, name = rel.rpartition(".")
+            module = layer.get_submodule(owner)
+            placeholder = module._parameters[name]
+            master = nn.Parameter(view.detach(), requires_grad=placeholder.requires_grad)
+            module._parameters[name] = master
+            bound.append((module, name, placeholder, master, view, f"layer {i}'s {rel}"))
+    try:
+        result = apply(fn)
+    finally:
+        replaced = []
+        for module, name, placeholder, master, view, what in bound:
+            now = module._parameters.get(name)
+            module._parameters[name] = placeholder
+            if now is not master:  # fn assigned a new parameter: its value goes to the master
+                if now is None or tuple(now.shape) != tuple(view.shape):
+                    replaced.append(what)
+                else:
+                    with torch.no_grad():
+                        view.copy_(now.detach())
+        with torch.no_grad():
+            for i in todo:
+                _BOUND.discard(id(stores[i]))
+                stores[i].refresh_stream_copy()
+        state.engine.invalidate_weights()
+    if replaced:
+        raise ValueError(
+            f"hf_megatrain: apply() removed or reshaped {', '.join(replaced)} of a streamed "
+            "model, whose layers' shapes are fixed by their stores: their weights were kept"
+        )
+    return result
 
 
 def _write_layer(

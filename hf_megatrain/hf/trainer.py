@@ -148,6 +148,11 @@ class StreamedModelWrapper(nn.Module):
         # stock under PEFT (its base model's).
         return unwrap_peft(self.module)._get_name()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The model's own: it also clears the streamed layers' gradients (``module_calls``),
+        # which the Trainer's model.zero_grad() before the first step must drop.
+        self.module.zero_grad(set_to_none=set_to_none)
+
     def forward(self, *args, **kwargs):
         kwargs["use_cache"] = False
         if self.compute_dtype == torch.float32:
