@@ -353,6 +353,33 @@ def test_module_calls_on_gpu(tmp_path, resident):
     # autocast keeps them fp32 (as in test_save_resume_on_gpu): 1e-2 relative on the loss.
     torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
 
+    def loss() -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            return trainer.model(input_ids=ids, labels=ids).loss.float()
+
+    # In-place writes into the state_dict() views (device views for HBM-tier layers, host ones
+    # for streamed layers), and an init function through apply(), stream from the next forward
+    # on: the same bits as load_state_dict (which re-derives the bf16 copies) of those values.
+    third = {k: v.cuda() for k, v in tiny_model(_tiny_gpu_config(), seed=9).state_dict().items()}
+    views = trainer.model.state_dict()
+    for key, value in third.items():
+        views[key].copy_(value)
+    in_place = loss()
+    trainer.model.load_state_dict(third)
+    torch.testing.assert_close(in_place, loss(), rtol=0, atol=0)
+
+    def init_linears(module):
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.05)
+
+    trainer.model.apply(init_linears)
+    applied = loss()
+    values = {k: v.clone() for k, v in host_state_dict(trainer.model).items()}
+    assert not torch.equal(values["model.layers.0.mlp.up_proj.weight"].cpu(), third[
+        "model.layers.0.mlp.up_proj.weight"].cpu())  # fmt: skip
+    trainer.model.load_state_dict(values)
+    torch.testing.assert_close(applied, loss(), rtol=0, atol=0)
+
 
 def _record_norm_weight_dtypes(model) -> list[torch.dtype]:
     """The dtypes the first layer's norms (residual and per-head q/k) run with, as they run."""
