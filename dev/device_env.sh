@@ -10,6 +10,9 @@ compgen -G ".whl/*.whl" | grep -v liger_kernel | xargs -r python3 -m pip install
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BENCH_MIRROR=0 HF_HUB_OFFLINE=1
 
 with_liger() {
+  # (../shared/tools/device-wheels.sh does not fetch it: `pip download liger-kernel --no-deps
+  # -d .whl` does; without it the runs are a plain install's, so say so in every log.)
+  compgen -G ".whl/liger_kernel-*.whl" >/dev/null || echo "with_liger: no .whl/liger_kernel-*.whl: runs without liger-kernel"
   compgen -G ".whl/liger_kernel-*.whl" | xargs -r python3 -m pip install -q --no-index \
     --no-deps --target /tmp/site >/dev/null 2>&1
 }
