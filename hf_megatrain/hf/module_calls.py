@@ -145,9 +145,11 @@ def _zero_grad(zero_grad, ref, state_of, set_to_none: bool = True) -> None:
     zero_grad(set_to_none=set_to_none)
     model = ref()
     state = None if model is None else state_of(model)
-    if state is None:
+    if state is None or not state.engine.has_grads():
+        # (After an optimizer step, which drops them itself: the trainer's call each step then
+        # leaves the engine alone while the step's host updates still run.)
         return
-    if state.engine.on_grad_final is not None and state.engine.has_grads():
+    if state.engine.on_grad_final is not None:
         raise RuntimeError(
             "hf_megatrain: model.zero_grad() with eager layer updates, after a backward whose "
             "layers already updated: their gradients were applied as they came (call it "
