@@ -507,13 +507,16 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
     out = Path(training["output_dir"])
     if out.exists() and not out.is_dir():
         raise CLIError(f"output_dir exists and is not a folder: {out}")
-    # Made now, not by the Trainer after the model is built (minutes for a large one), and
-    # checked writable: the run must not fail, or train for hours, with nowhere to save.
+    # Its parent made now, not by the Trainer after the model is built (minutes for a large
+    # one), and checked writable: the run must not fail, or train for hours, with nowhere to
+    # save. The folder itself is made once the run holds it (``cli_train.run_train``): a final
+    # model's publish killed half way may have left it renamed aside, to be restored first.
+    parent = out.absolute().parent
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CLIError(f"output_dir cannot be created: {out} ({e.strerror})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
+    if not os.access(out if out.exists() else parent, os.W_OK | os.X_OK):
         raise CLIError(f"output_dir is not writable: {out}")
 
 

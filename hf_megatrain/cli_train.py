@@ -454,7 +454,8 @@ def _one_run_in(folder: str):
     the kernel drops it when the process ends, however it ends."""
     import fcntl  # noqa: PLC0415
 
-    parent, name = os.path.split(os.path.normpath(folder))
+    # Beside the folder's real path: a second run through a symlink to it is refused too.
+    parent, name = os.path.split(os.path.realpath(folder))
     lock = os.path.join(parent, f".{name}.hf-megatrain.lock")
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -489,6 +490,19 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
     # (Data parallel: the ranks of one run share the folder; rank 0 holds it for them.)
     held = _one_run_in(args.output_dir) if _is_main_process() else contextlib.nullcontext()
     with held:
+        _setup_logging()
+        if _is_main_process():
+            from .core.publish import recover  # noqa: PLC0415
+
+            # Before anything reads or makes the folder: a publish of the final model killed
+            # half way may have left it renamed aside (restored here) or leftovers (removed).
+            recover(args.output_dir)
+            try:
+                os.makedirs(args.output_dir, exist_ok=True)
+            except OSError as e:
+                raise CLIError(
+                    f"output_dir cannot be created: {args.output_dir} ({e.strerror})"
+                ) from None
         return _run_train(settings)
 
 
@@ -504,10 +518,6 @@ def _run_train(settings: TrainSettings) -> dict[str, Any]:
     # finished from it instead, as its last step would have finished it.
     finish_only = resume_step is not None and 0 < args.max_steps <= resume_step
     named = (args.resume_from_checkpoint or "last").lower() not in RESUME_LAST  # a folder
-    if _is_main_process():
-        from .core.publish import recover  # noqa: PLC0415
-
-        recover(args.output_dir)  # a publish of the final model killed half way: its leftovers
     record = _saved_model_record(args.output_dir) if resume_step is not None else None
     done = not named and record is not None and _finishes_run(record, resume, resume_step, args)
     if done and (damage := _final_model_damage(args.output_dir)) is not None:

@@ -341,6 +341,12 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
         assert first.poll() is None
         msg = _error(["train", *flags])
         assert f"output_dir {out} is in use by another hf-megatrain run" in msg, msg
+        # Through a symlink to the folder: the same folder, refused too (found by an audit: it
+        # resumed from the first run's checkpoint, then failed when rotation removed it).
+        link = tmp_path / "link"
+        link.symlink_to(out)
+        linked = ["--config", str(cfg), "--data", str(data), *_fast_flags(link)]
+        assert "is in use by another hf-megatrain run" in _error(["train", *linked])
     finally:
         first.kill()
         first.wait(timeout=60)

@@ -243,6 +243,37 @@ def test_a_rerun_clears_a_killed_publish_of_the_final_model(finished, tmp_path, 
     assert not leftover.exists()
 
 
+def test_a_kill_between_the_renames_of_a_publish_restores_the_old_folder(
+    finished, tmp_path, capsys
+):
+    """Where the filesystem cannot exchange two folders in one step (NFS, Lustre, some FUSE),
+    the publish renames the output folder aside, then the new one in. Killed between the two
+    (found by an audit): the re-run's argument check made the output folder again, empty, so
+    the recovery took it for the new set and deleted the aside copy with every checkpoint, and
+    the run trained again from step 0. The folder is now made only after the recovery, and an
+    empty folder never beats the aside copy: the run resumes from its last checkpoint."""
+    from hf_megatrain.core import publish
+
+    root, out, flags = _copy(finished, tmp_path)
+    whole = {k: v.clone() for k, v in _weights(out).items()}
+    (out / "model.safetensors").unlink()  # (not finished: the publish was still to come)
+    os.rename(out, publish.aside_path(str(out)))  # killed right after the first rename
+    capsys.readouterr()
+    assert main(_argv(root, out, flags)) == 0
+    said = capsys.readouterr().out
+    assert f"finished the run from {out / f'checkpoint-{STEPS}'}" in said, said
+    assert (out / f"checkpoint-{STEPS}").is_dir()
+    assert not os.path.lexists(publish.aside_path(str(out)))
+    after = _weights(out)
+    for name in whole:
+        assert torch.equal(after[name], whole[name]), name
+    # The same left behind by hand with an empty output folder made since: restored as well.
+    os.rename(out, publish.aside_path(str(out)))
+    out.mkdir()
+    assert any("restored" in line for line in publish.recover(str(out)))
+    assert (out / f"checkpoint-{STEPS}").is_dir()
+
+
 @pytest.mark.parametrize("how", ["automatic", "explicit"])
 def test_a_checkpoint_at_max_steps_finishes_the_run(finished, tmp_path, capsys, how):
     """Resuming from a checkpoint already at --max_steps trains nothing (no checkpoint-7): the

@@ -353,6 +353,8 @@ def recover(target: str) -> list[str]:
     done = []
     aside = aside_path(target)
     if os.path.lexists(aside):
+        if _empty_folder(target):  # made again since (an empty folder never beats the old set)
+            os.rmdir(target)
         if not os.path.lexists(target):
             os.rename(aside, target)
             done.append(f"restored {target} from {aside} (a swap was interrupted)")
@@ -374,6 +376,13 @@ def recover(target: str) -> list[str]:
         for line in done:
             logger.warning("hf_megatrain: %s", line)
     return done
+
+
+def _empty_folder(path: str) -> bool:
+    try:
+        return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+    except OSError:
+        return False
 
 
 def recover_children(folder: str) -> list[str]:
