@@ -44,6 +44,14 @@ _TRAINING_KEYS = (
     "seed",
     "data_seed",
     "bf16",
+    # The objective, the optimizer and the order of the rows (found by an audit: a resume at
+    # another --label_smoothing_factor trained on silently).
+    "label_smoothing_factor",
+    "neftune_noise_alpha",
+    "optim",
+    "optim_args",
+    "train_sampling_strategy",
+    "dataloader_drop_last",
 )
 _MODEL_KEYS = ("model_path", "config", "tokenizer")
 #: Recorded and allowed to change: a run may go on at a longer (or shorter) row length, e.g. to
@@ -224,7 +232,9 @@ class Incomplete:
     state_only: bool
 
 
-def _is_state(rel: str) -> bool:
+def is_optimizer_state(rel: str) -> bool:
+    """Whether a checkpoint's file ``rel`` (its path inside the folder) is optimizer or
+    scheduler state, not weights."""
     return rel == _SCHEDULER_NAME or rel.startswith(f"{_OPTIMIZER_DIR}/")
 
 
@@ -251,11 +261,11 @@ def listed_files_problem(
     for rel, entry in sorted(manifest["files"].items()):
         path = os.path.join(folder, *rel.split("/"))
         if not os.path.isfile(path):
-            if allow_missing_state and _is_state(rel):
+            if allow_missing_state and is_optimizer_state(rel):
                 continue
-            return Incomplete(f"{rel} is missing", _is_state(rel))
+            return Incomplete(f"{rel} is missing", is_optimizer_state(rel))
         if os.path.getsize(path) != int(entry["size"]):
-            return Incomplete(f"{rel} is truncated", _is_state(rel))
+            return Incomplete(f"{rel} is truncated", is_optimizer_state(rel))
     return None
 
 

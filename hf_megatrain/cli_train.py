@@ -28,6 +28,7 @@ from .cli_resume import (
     check_same_run,
     checkpoints_after,
     earlier_complete,
+    is_optimizer_state,
     listed_files_problem,
     record_callback,
     resume_checkpoint,
@@ -153,8 +154,12 @@ def _check_against_manifest(folder: str) -> None:
         return
     _say(f"hf-megatrain: checking the weights in {folder} against its manifest ...")
     try:
-        verify_folder(
-            folder, only=lambda rel: rel.endswith((".safetensors", ".safetensors.index.json"))
+        verify_folder(  # (a checkpoint's optimizer state is not loaded: not checked)
+            folder,
+            only=lambda rel: (
+                rel.endswith((".safetensors", ".safetensors.index.json"))
+                and not is_optimizer_state(rel)
+            ),
         )
     except IntegrityError as e:
         raise CLIError(
@@ -288,6 +293,13 @@ def _damage_names_an_earlier(resume: str | None, settings: TrainSettings):
             if earlier
             else "no earlier complete checkpoint is there: pass a new --output_dir"
         )
+        if getattr(e, "rel", None) is not None and is_optimizer_state(e.rel):
+            # A new run can start from its weights (--model_path checks them against the
+            # manifest in turn).
+            way += (
+                f", or start a new run from its weights: --model_path {resume} with a new "
+                "--output_dir (AdamW moments at zero, the learning-rate schedule restarted)"
+            )
         raise CLIError(f"{str(e).removeprefix('hf_megatrain: ')}; {way}") from None
 
 

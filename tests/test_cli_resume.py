@@ -231,6 +231,26 @@ def test_an_altered_checkpoint_names_the_one_before_it(finished, tmp_path):
         assert torch.equal(after[name], whole[name]), name
 
 
+def test_altered_optimizer_state_offers_the_weights(finished, tmp_path):
+    """An optimizer file of the only usable checkpoint altered on disk: the refusal offered
+    only a new --output_dir (found by an audit); it now offers to start a new run from the
+    checkpoint's weights, which --model_path checks against the manifest in turn."""
+    root, out, flags = _copy(finished, tmp_path)
+    (out / "model.safetensors").unlink()  # (not finished: the run resumes)
+    for n in range(SAVE_STEPS, STEPS, SAVE_STEPS):
+        shutil.rmtree(out / f"checkpoint-{n}", ignore_errors=True)  # none earlier to name
+    ckpt = out / f"checkpoint-{STEPS}"
+    _flip_bytes(ckpt / "megatrain_optimizer" / "layer_00001.safetensors")
+    with pytest.raises(SystemExit) as e:
+        main(_argv(root, out, flags))
+    said = str(e.value)
+    assert "layer_00001.safetensors is corrupt" in said and "\n" not in said
+    assert f"start a new run from its weights: --model_path {ckpt} with a new --output_dir" in said
+    again = _argv(root, tmp_path / "again", flags) + ["--model_path", str(ckpt)]
+    again[again.index("--config") : again.index("--config") + 2] = []  # (the checkpoint's)
+    assert main(again) == 0
+
+
 def test_a_rerun_clears_a_killed_publish_of_the_final_model(finished, tmp_path, capsys):
     """A kill after the final model's folders were exchanged leaves the old set in a hidden
     folder beside the output folder (hard links to checkpoints since rotated away): the next
@@ -421,6 +441,9 @@ def test_resume_with_other_run_arguments_is_refused(finished, tmp_path, capsys):
     assert f"--dataset_name the bundled corpus (this run: {data})" in msg
     assert "--seq_len" not in msg
     assert "Pass the checkpoint's values to continue that run, or pass a new --output_dir" in msg
+    # The objective too (found by an audit: another label smoothing trained on silently).
+    smoothed = _error(longer + ["--label_smoothing_factor", "0.1"])
+    assert "--label_smoothing_factor 0 (this run: 0.1)" in smoothed, smoothed
     # A checkpoint of an older version recorded only seq_len: the scheduler's rate is read.
     state["stateful_callbacks"]["RunShape"]["args"] = {"seq_len": 32}
     (ckpt / "trainer_state.json").write_text(json.dumps(state))

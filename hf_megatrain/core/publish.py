@@ -59,7 +59,13 @@ _counter = itertools.count()
 
 
 class IntegrityError(ValueError):
-    """A published folder does not match its manifest (a truncated, altered or corrupt file)."""
+    """A published folder does not match its manifest (a truncated, altered or corrupt file).
+
+    ``rel``: the file's path inside the folder, where one file is at fault (else None)."""
+
+    def __init__(self, message: str, rel: str | None = None) -> None:
+        super().__init__(message)
+        self.rel = rel
 
 
 class MissingFileError(IntegrityError, FileNotFoundError):
@@ -243,7 +249,8 @@ def verify_folder(
         have = os.path.getsize(path)
         if have != want:
             raise IntegrityError(
-                f"hf_megatrain: {path} is truncated or altered: {have} bytes, {where} says {want}"
+                f"hf_megatrain: {path} is truncated or altered: {have} bytes, {where} says {want}",
+                rel,
             )
         present.append((rel, path))
     order = sorted(present, key=lambda rp: -int(entries[rp[0]]["size"]))
@@ -252,7 +259,7 @@ def verify_folder(
     for rel, path in present:
         if digests[rel] != entries[rel]["sha256"]:
             raise IntegrityError(
-                f"hf_megatrain: {path} is corrupt: its sha256 differs from the one in {where}"
+                f"hf_megatrain: {path} is corrupt: its sha256 differs from the one in {where}", rel
             )
     result.files = len(present)
     result.bytes = sum(int(entries[r]["size"]) for r, _ in present)
