@@ -197,6 +197,30 @@ def check_same_run(checkpoint: str, settings, explicit: bool) -> None:
     )
 
 
+#: The record's key for the train rows' identity (``training_data.rows_digest``).
+ROWS_KEY = "rows_digest"
+
+
+def check_same_rows(checkpoint: str, digest: str | None, seq_len: int, explicit: bool) -> None:
+    """Refuse a resume whose train rows are not ``checkpoint``'s (its data files edited,
+    reordered or replaced since; the path alone is compared by ``check_same_run``). Not
+    compared at another ``seq_len`` (allowed: the rows change with it) or when streaming."""
+    saved = saved_record(checkpoint)
+    if digest is None or saved.get(ROWS_KEY) in (None, digest) or saved.get("seq_len") != seq_len:
+        return
+    elsewhere = (
+        "drop --resume_from_checkpoint and pass a new --output_dir"
+        if explicit
+        else "pass a new --output_dir"
+    )
+    raise CLIError(
+        f"cannot resume from {checkpoint}: its training rows differ from this run's (the data "
+        "under the same name was edited, reordered or replaced since: the data position it "
+        "resumes at would apply to other rows). Restore that data to continue the run, or "
+        f"{elsewhere} to start another (--model_path {checkpoint} starts it from those weights)"
+    )
+
+
 def seq_len_note(checkpoint: str, seq_len: int) -> str | None:
     """What changes when a run resumes from ``checkpoint`` at another ``seq_len``; None: the
     same length (or not recorded)."""

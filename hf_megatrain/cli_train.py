@@ -25,6 +25,8 @@ from .cli_common import is_main_process as _is_main_process
 from .cli_common import say as _say
 from .cli_common import setup_logging as _setup_logging
 from .cli_resume import (
+    ROWS_KEY,
+    check_same_rows,
     check_same_run,
     checkpoints_after,
     earlier_complete,
@@ -448,7 +450,7 @@ def _make_trainer(settings: TrainSettings, model, data, tokenizer, stop):
             # Rows are equal-length tensors: stack them. (With a tokenizer the Trainer would pick
             # a padding collator that returns a BatchEncoding instead of a dict.)
             data_collator=default_data_collator,
-            callbacks=[record_callback(run_record(settings)), stop],
+            callbacks=[record_callback(run_record(settings) | {ROWS_KEY: data.rows_digest}), stop],
         )
     except ImportError as e:  # e.g. --report_to tensorboard without tensorboard installed
         raise CLIError(f"invalid training setting: {e}") from None
@@ -555,6 +557,9 @@ def _run_train(settings: TrainSettings) -> dict[str, Any]:
         data = load_training_data(data_args, tokenizer, seed=args.seed)
     if not finish_only:  # (what only the loaded data tells, before the model is built)
         check_loaded_data(settings, data)
+        if resume is not None:
+            explicit = args.resume_from_checkpoint is not None
+            check_same_rows(resume, data.rows_digest, data_args.seq_len, explicit)
     model = build_model(settings, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     _say_header(settings, data, model, n_params)

@@ -127,6 +127,8 @@ class TrainingData:
     eval: datasets.Dataset | None  # at most max_eval_sequences rows, never also in train
     description: str  # one line for the run banner
     num_train_rows: int | None  # None when streaming
+    #: The train rows' identity (``rows_digest``; None when streaming): a resume compares it.
+    rows_digest: str | None = None
 
 
 def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> TrainingData:
@@ -211,7 +213,25 @@ def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> Trai
         eval=eval_rows,
         description=description,
         num_train_rows=None if args.streaming else len(train),
+        rows_digest=None if args.streaming else rows_digest(train),
     )
+
+
+#: Rows read for ``rows_digest``, spread evenly over the data (milliseconds at any size).
+DIGEST_ROWS = 64
+
+
+def rows_digest(rows: datasets.Dataset) -> str:
+    """The identity of packed train rows: their count and the token ids of ``DIGEST_ROWS``
+    rows spread over them. Files edited, reordered or replaced since a checkpoint change it
+    (a resume's data position would apply to other rows); the same content copied elsewhere
+    (a new modification time) does not."""
+    n = len(rows)
+    h = hashlib.blake2b(str(n).encode(), digest_size=16)
+    for i in sorted({(n - 1) * k // max(DIGEST_ROWS - 1, 1) for k in range(DIGEST_ROWS)}):
+        if n:
+            h.update(np.asarray(rows[i]["input_ids"], dtype=np.int64).tobytes())
+    return h.hexdigest()
 
 
 def _prepared_rows(

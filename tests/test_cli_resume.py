@@ -444,6 +444,23 @@ def test_resume_with_other_run_arguments_is_refused(finished, tmp_path, capsys):
     # The objective too (found by an audit: another label smoothing trained on silently).
     smoothed = _error(longer + ["--label_smoothing_factor", "0.1"])
     assert "--label_smoothing_factor 0 (this run: 0.1)" in smoothed, smoothed
+    # The same data file edited in place (found by an audit: resumed silently, on other rows);
+    # the same content under a new modification time resumes.
+    edited = tmp_path / "edited.txt"
+    text = (DATA_DIR / "corpus.txt").read_text()
+    edited.write_text(text)
+    other = tmp_path / "edited-run"
+    assert (
+        main(_argv(root, other, ["--dataset_name", str(edited), "--max_eval_sequences", "4"])) == 0
+    )
+    (other / "model.safetensors").unlink()  # (not finished: the run resumes)
+    again = _argv(root, other, ["--dataset_name", str(edited), "--max_eval_sequences", "4"])
+    again[again.index("--max_steps") + 1] = str(STEPS + 2)  # (trains on: reads rows)
+    edited.write_text(text[len(text) // 2 :] + text[: len(text) // 2])  # reordered
+    msg = _error(again)
+    assert "its training rows differ from this run's" in msg and "\n" not in msg, msg
+    edited.write_text(text)
+    assert main(again) == 0
     # A checkpoint of an older version recorded only seq_len: the scheduler's rate is read.
     state["stateful_callbacks"]["RunShape"]["args"] = {"seq_len": 32}
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
