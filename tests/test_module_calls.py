@@ -23,6 +23,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_megatrain.hf.model import streamed_state
+
 from .helpers import (
     assert_close_weights,
     make_data,
@@ -331,3 +333,48 @@ def test_in_place_writes_to_state_dict_views_reach_the_bf16_stream(tmp_path):
             losses.append(model(input_ids=ids, labels=ids).loss)
     # load_state_dict re-derives the bf16 copies: in-place writes must stream the same bits.
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+class _InputSaliency:
+    """A callback that, after each step, takes the loss's gradient with respect to a probe
+    batch's input embeddings (saliency, a gradient penalty's first half) with
+    ``torch.autograd.grad``, which leaves every parameter's gradient as it is."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, model=None, **kw):
+                ids = _batch(13)
+                embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+                loss = model(inputs_embeds=embeds, labels=ids).loss
+                (g,) = torch.autograd.grad(loss, embeds)
+                assert g.abs().sum() > 0
+
+        self.callback = Callback()
+
+
+def test_autograd_grad_with_respect_to_inputs_leaves_the_layers_gradients(tmp_path):
+    """``torch.autograd.grad(loss, inputs)`` (and ``backward(inputs=...)`` without the model's
+    parameters) accumulated the streamed layers' weight gradients into the engine anyway: a
+    callback taking input gradients after a step added them to the next step's (weights
+    ~1e-3 off stock's)."""
+    from hf_megatrain import prepare_streamed_model
+
+    start = tiny_model(tiny_config("llama"))
+    runs = {}
+    for name, mega in (("stock", False), ("mega", True)):
+        _, runs[name] = run_trainer(
+            copy.deepcopy(start), tmp_path, name, mega, max_steps=STEPS,
+            callbacks=[_InputSaliency().callback],
+        )  # fmt: skip
+    assert_close_weights(stock_params(runs["stock"].model), mega_params(runs["mega"]))
+    # backward(inputs=...): the named parameters' gradients only; with every parameter named
+    # (the streamed layers' placeholders among them), the layers' gradients too, as backward().
+    model = prepare_streamed_model(copy.deepcopy(start), "cpu", torch.float32)
+    engine = streamed_state(model).engine
+    ids = _batch(5)
+    model(input_ids=ids, labels=ids).loss.backward(inputs=[model.lm_head.weight])
+    assert model.lm_head.weight.grad is not None and not engine.has_grads()
+    model(input_ids=ids, labels=ids).loss.backward(inputs=list(model.parameters()))
+    assert engine.has_grads()

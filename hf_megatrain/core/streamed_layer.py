@@ -141,9 +141,18 @@ class StreamedLayer:
         return self.index - 1 if backward else self.index + 1
 
     def _grad_anchor(self) -> torch.Tensor:
+        """The Function input that stands for the streamed weights: one of the layer's own
+        placeholder parameters where it has one (``backward(inputs=model.parameters())`` then
+        asks for this layer's weight gradients, as it asks stock for them), else an empty leaf
+        that needs a gradient."""
         anchor = getattr(self, "_anchor", None)
         if anchor is None:
-            anchor = self._anchor = torch.empty(0, device=self.engine.device, requires_grad=True)
+            anchor = next(
+                (p for p in self.module.parameters() if p.is_meta and p.requires_grad), None
+            )
+            if anchor is None:
+                anchor = torch.empty(0, device=self.engine.device, requires_grad=True)
+            self._anchor = anchor
         return anchor
 
     def __call__(self, *args, **kwargs):
@@ -175,6 +184,22 @@ class StreamedLayer:
         if len(results) > n_out:
             self.capture.publish(box["captured_keys"], list(results[n_out:]))
         return tree_unflatten(out_flat, box["out_spec"])
+
+
+_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def asks_weight_grads(anchor_node) -> bool:
+    """Whether the running backward accumulates the layer's weight gradients: ``backward()``
+    does; ``torch.autograd.grad(out, inputs)`` and ``backward(inputs=...)`` without the layer's
+    parameters do not (they accumulated into the engine anyway, and leaked into the next
+    optimizer step). Asked of autograd's engine: will it run the anchor's gradient edge."""
+    if anchor_node is None or _will_execute is None:
+        return True
+    try:
+        return bool(_will_execute(anchor_node))
+    except RuntimeError:  # autograd.grad() with respect to the anchor itself: as asked
+        return True
 
 
 def _roots(out, captured, edges: bool) -> list:
@@ -342,6 +367,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
         ctx.keys = box["keys"]
         n_args = len(tensor_pos)
         ctx.n_anchor = box["n_anchor"]  # 1 when StreamedLayer added its anchor
+        # The anchor's gradient edge: whether a backward asks for the weight gradients.
+        ctx.anchor_node = get_gradient_edge(tensors[len(tensor_pos)]).node if ctx.n_anchor else None
         ctx.n_args = n_args
         ctx.input_requires_grad = [t.requires_grad for t in tensors[:n_args]]
         inputs, resident = tensors[:n_args], tensors[n_args + ctx.n_anchor :]
@@ -439,13 +466,15 @@ class _StreamedLayerFunction(torch.autograd.Function):
             if g is not None and root is not None:
                 outs.append(root)
                 grads.append(g)
+        if not (layer.trainable and asks_weight_grads(ctx.anchor_node)):
+            weight_leaves = []  # (neither computed nor accumulated)
         wrt = weight_leaves + inputs + res_trainable
         if outs and wrt:
             computed = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
         else:
             computed = [None] * len(wrt)
         engine.release(layer.index)
-        if layer.trainable:
+        if weight_leaves:
             engine.add_grads(layer.index, list(computed[: len(weight_leaves)]))
         if tick is not None:
             engine.timeline.end(tick)
