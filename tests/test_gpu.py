@@ -379,6 +379,14 @@ def test_module_calls_on_gpu(tmp_path, resident):
         "model.layers.0.mlp.up_proj.weight"].cpu())  # fmt: skip
     trainer.model.load_state_dict(values)
     torch.testing.assert_close(applied, loss(), rtol=0, atol=0)
+    # Input gradients (autograd.grad, on the CUDA backward's threads) leave the layers' alone.
+    from hf_megatrain.hf.model import streamed_state
+
+    trainer.model.train()
+    embeds = trainer.model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (g,) = torch.autograd.grad(trainer.model(inputs_embeds=embeds, labels=ids).loss, embeds)
+    assert g.abs().sum() > 0 and not streamed_state(trainer.model).engine.has_grads()
 
 
 def _record_norm_weight_dtypes(model) -> list[torch.dtype]:
