@@ -378,3 +378,17 @@ def test_autograd_grad_with_respect_to_inputs_leaves_the_layers_gradients(tmp_pa
     assert model.lm_head.weight.grad is not None and not engine.has_grads()
     model(input_ids=ids, labels=ids).loss.backward(inputs=list(model.parameters()))
     assert engine.has_grads()
+
+
+@pytest.mark.parametrize("streamed_bf16", [True, False], ids=["bf16-weights", "fp32-weights"])
+def test_a_model_streamed_in_another_precision_is_refused(tmp_path, streamed_bf16):
+    """Found by an audit: a model streamed with bf16 weights (``load_streamed_model``'s default)
+    and trained with fp32 arguments (the Trainer's default) ran in neither precision, silently;
+    the reverse failed deep in the recompute, naming another option. One line naming both."""
+    from hf_megatrain import prepare_streamed_model
+
+    dtype = torch.bfloat16 if streamed_bf16 else torch.float32
+    model = prepare_streamed_model(tiny_model(tiny_config("llama")), "cpu", dtype)
+    with pytest.raises(ValueError, match="but the training arguments compute in") as e:
+        run_trainer(model, tmp_path, "mega", True, max_steps=1, bf16=not streamed_bf16)
+    assert f"bf16={not streamed_bf16}" in str(e.value)

@@ -151,6 +151,11 @@ def test_merging_a_streamed_peft_model_is_refused_and_the_saved_adapters_merge(t
     for method in ("merge_and_unload", "merge_adapter", "unload"):
         with pytest.raises(UnsupportedModelError, match=f"{method}\\(\\) cannot run on a streamed"):
             getattr(trainer.model, method)()
+    # (Found by an audit: it failed deep in peft and left a half-built adapter that blocked
+    # the save below.)
+    with pytest.raises(UnsupportedModelError, match="add_weighted_adapter\\(\\) cannot run"):
+        trainer.model.add_weighted_adapter(["default"], [0.5], "combo", combination_type="linear")
+    assert list(trainer.model.peft_config) == ["default"]
     ids = make_data(1)[0]["input_ids"][None]
     trainer.model.eval()
     with torch.no_grad():

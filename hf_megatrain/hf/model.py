@@ -492,7 +492,10 @@ def _returns_router_logits(model: nn.Module) -> bool:
 #: model does not hold in its layers (their base weights are ``meta`` placeholders bound from the
 #: host store): merging would compute on the placeholders and leave a model that fails, or skips
 #: the adapters, at its next forward.
-_MERGING_METHODS = ("merge_and_unload", "merge_adapter", "unload")
+#: peft methods that read or write the base weights in the layers (meta placeholders there):
+#: refused in one line (``add_weighted_adapter`` failed deep in peft and left a half-built
+#: adapter that blocked saving).
+_MERGING_METHODS = ("merge_and_unload", "merge_adapter", "unload", "add_weighted_adapter")
 
 
 def _refuse_merge(method: str, *args: Any, **kwargs: Any) -> None:

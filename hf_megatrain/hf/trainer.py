@@ -675,6 +675,18 @@ class MegaTrainerMixin:
                     "load_streamed_model(trainable=False): weights only, for a reference model) "
                     "and cannot be trained; stream it trainable."
                 )
+            engine = state.engine
+            if engine.compute_dtype != compute_dtype or engine.device.type != device.type:
+                # (Found by an audit: bf16 weights trained with fp32 arguments ran in neither
+                # precision, silently; the reverse failed deep in the recompute.)
+                raise ValueError(
+                    f"hf_megatrain: the model streams {str(engine.compute_dtype)[6:]} weights "
+                    f"on {engine.device.type}, but the training arguments compute in "
+                    f"{str(compute_dtype)[6:]} (bf16={bool(args.bf16)}) on {device.type}: "
+                    "stream it with the run's precision and device (load_streamed_model("
+                    f"..., bf16={bool(args.bf16)}), or pass bf16="
+                    f"{engine.compute_dtype == torch.bfloat16} in the training arguments)"
+                )
             # (Liger's kernels already in, chosen by the loader: not applied twice, which would
             # replace the MLP tiling installed over them.)
             if getattr(args, "use_liger_kernel", False) and not runs_liger(model):
