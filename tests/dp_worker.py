@@ -17,15 +17,18 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 
 # Run as a script by torchrun: make the repository importable (tests.helpers, hf_megatrain).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments  # noqa: E402
 from hf_megatrain.hf.checkpoint import host_state_dict  # noqa: E402
+from hf_megatrain.hf.preemption import SaveOnSigterm  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LogRecorder,
     add_then_resume_argument,
@@ -73,6 +76,9 @@ def main() -> None:
         help="afterwards, in the same processes: train on the rows as an IterableDataset "
         "(accelerate dispatches its batches from rank 0), --steps steps, into OUT",
     )
+    p.add_argument(
+        "--sigterm-rank", type=int, default=-1, help="this rank sends itself SIGTERM at step 2"
+    )
     add_then_resume_argument(p)
     a = p.parse_args()
     run_then_resume(run_all, a, a.resume)
@@ -84,6 +90,17 @@ def run_all(a: argparse.Namespace, out: str, resume: str | None, save_steps: int
     if a.also_iterable and out == a.out:
         stream = argparse.Namespace(**{**vars(a), "iterable": True, "epochs": 0, "eval_rows": 0})
         run(stream, a.also_iterable, None, 0)
+
+
+class _SigtermAt(TrainerCallback):
+    """Rank ``rank`` sends itself SIGTERM at the end of step ``step`` (-1: none)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if int(os.environ.get("RANK", "0")) == self.rank and state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -137,12 +154,13 @@ def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) ->
     )
     rec = LogRecorder()
     rows = make_data(a.rows)
+    stop = SaveOnSigterm()
     trainer = RowsSeen(
         model=model,
         args=args,
         train_dataset=Stream(rows) if a.iterable else rows,
         eval_dataset=make_data(a.eval_rows, seed=3) if a.eval_rows else None,
-        callbacks=[rec],
+        callbacks=[rec, _SigtermAt(a.sigterm_rank, 2), stop],
         rows=rows,
     )
     trainer.train(resume_from_checkpoint=resume)
@@ -176,6 +194,8 @@ def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) ->
         "eval_loss": evaluated.get("eval_loss"),
         # Optimizer step -> the rows this rank trained in it.
         "rows": trainer.rows_seen,
+        "stopped_at": stop.stopped_at,
+        "received": None if stop.received is None else stop.received.name,
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

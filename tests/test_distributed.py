@@ -348,3 +348,14 @@ def test_uneven_batches_are_refused_before_training(tmp_path, drop_last):
     match = "streamed for 1 process" if drop_last else "even_batches=False"
     with pytest.raises(DataParallelError, match=match):
         HFMegaTrainer(model=model, args=args, train_dataset=[])
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_naming_it(tmp_path):
+    """Found by an audit: one rank preempted (SIGTERM to it alone): every rank stopped at the
+    same step and the checkpoint was saved, but the ranks that got no signal had ``received``
+    None (the CLI then failed on it, exit 1 and a traceback, not 143)."""
+    reports = _run(tmp_path / "term", 2, "--steps", "6", "--save-steps", "0", "--sigterm-rank", "1")
+    assert [r["received"] for r in reports] == ["SIGTERM", "SIGTERM"]
+    stopped = {r["stopped_at"] for r in reports}
+    assert len(stopped) == 1 and stopped.pop() in (2, 3)
+    assert (tmp_path / "term" / "run" / f"checkpoint-{reports[0]['stopped_at']}").is_dir()

@@ -7,7 +7,8 @@ running optimizer step finishes, the Trainer saves a checkpoint at it (off the `
 grid, whatever ``save_strategy`` says) and stops; ``stopped_at`` says at which step and
 ``received`` which signal. A second signal stops at once, as without the callback. Under data
 parallel the request is all-reduced at each step's end, so every rank stops at the same step
-(the ranks' checkpoint save is collective). ``hf-megatrain train`` uses it; in a script::
+(the ranks' checkpoint save is collective) and ``received`` is the signal a rank got on every
+rank. ``hf-megatrain train`` uses it; in a script::
 
     trainer = HFMegaTrainer(model, args, train_dataset=rows, callbacks=[SaveOnSigterm()])
     trainer.train()  # a SIGTERM: checkpoint-N, then train() returns
@@ -94,10 +95,15 @@ class SaveOnSigterm(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         requested = self.requested
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # The signal's number (0: none), so that every rank says which one stopped the
+            # run (found by an audit: the ranks that got none failed on ``received`` None).
             gpu = dist.get_backend() == "nccl"
-            flag = torch.tensor([float(requested)], device=args.device if gpu else "cpu")
+            number = float(self.received.value) if self.received is not None else 0.0
+            flag = torch.tensor([number], device=args.device if gpu else "cpu")
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            requested = bool(flag.item())
+            requested = requested or flag.item() > 0
+            if self.received is None and flag.item() > 0:
+                self.received = signal.Signals(int(flag.item()))  # another rank's
         if requested:
             control.should_save = True
             control.should_training_stop = True
