@@ -88,6 +88,18 @@ VARIANTS = {
             r=4, init_r=6, target_r=2, total_step=10, target_modules=["q_proj", "v_proj"]
         )
     ),
+    # The task type peft's examples give it: its forward then adds the orthogonal
+    # regularization to the loss (found by an audit: the fused loss dropped it, silently).
+    "adalora-causal-lm": dict(
+        config=peft.AdaLoraConfig(
+            r=4,
+            init_r=6,
+            target_r=2,
+            total_step=10,
+            target_modules=["q_proj", "v_proj"],
+            task_type="CAUSAL_LM",
+        )
+    ),  # fmt: skip
     # Its frozen random projections are buffers shared by every adapted layer.
     "vera": dict(
         config=peft.VeraConfig(r=8, vera_dropout=0.2, target_modules=["q_proj", "v_proj"])

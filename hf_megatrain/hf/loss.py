@@ -98,6 +98,8 @@ def _linear_head(head) -> bool:
 def supports_fused_loss(model) -> bool:
     """Whether training may run ``fused_causal_lm_forward`` instead of the model's forward (the
     memory plan's ``ModelShape.fused_loss`` is this too)."""
+    if _tuner_changes_loss(model):
+        return False
     model = unwrap_peft(model)
     config = model.config
     return (
@@ -109,6 +111,18 @@ def supports_fused_loss(model) -> bool:
         # A router aux loss turned on is added here only where the family's own is found.
         and (not getattr(config, "output_router_logits", False) or router_aux_loss_on(model))
     )
+
+
+def _tuner_changes_loss(model) -> bool:
+    """Whether ``model`` is a PEFT model whose tuner has a forward of its own, which may add to
+    the loss (AdaLoRA's orthogonal regularization): the fused loss, which calls the base model
+    directly, would drop it (found by an audit: AdaLoRA trained without it, silently)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTuner  # noqa: PLC0415
+    except ImportError:
+        return False
+    tuner = getattr(model, "base_model", None)
+    return isinstance(tuner, BaseTuner) and type(tuner).forward is not BaseTuner.forward
 
 
 def fused_causal_lm_forward(
