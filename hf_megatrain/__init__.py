@@ -7,7 +7,7 @@ from .hf.arguments import MegaTrainArguments
 from .hf.checkpoint import save_streamed_pretrained
 from .hf.families import SUPPORTED_MODEL_TYPES
 from .hf.loading import frozen_streamed_copy, init_streamed_model, load_streamed_model
-from .hf.model import UnsupportedModelError, prepare_streamed_model
+from .hf.model import UnsupportedModelError, prepare_streamed_model, streamed_optimizer
 from .hf.preemption import SaveOnSigterm
 from .hf.trainer import HFMegaTrainer
 
@@ -30,5 +30,6 @@ __all__ = [
     "init_streamed_model",
     "load_streamed_model",
     "prepare_streamed_model",
+    "streamed_optimizer",
     "save_streamed_pretrained",
 ]

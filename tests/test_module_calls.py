@@ -392,3 +392,43 @@ def test_a_model_streamed_in_another_precision_is_refused(tmp_path, streamed_bf1
     with pytest.raises(ValueError, match="but the training arguments compute in") as e:
         run_trainer(model, tmp_path, "mega", True, max_steps=1, bf16=not streamed_bf16)
     assert f"bf16={not streamed_bf16}" in str(e.value)
+
+
+def test_a_loop_of_ones_own_trains_with_streamed_optimizer(tmp_path):
+    """Found by an audit: ``torch.optim.AdamW(model.parameters())`` over a streamed model saw
+    the layers' placeholders and left the decoder layers untrained, silently. It is refused at
+    its first step; ``streamed_optimizer`` trains as torch's AdamW trains the stock model
+    (fp32: the fused and foreach kernels and the norm's summation order round apart, ~1e-7)."""
+    from hf_megatrain import prepare_streamed_model, streamed_optimizer
+
+    start = tiny_model(tiny_config("llama"))
+    stock = copy.deepcopy(start)
+    mega = prepare_streamed_model(copy.deepcopy(start), "cpu", torch.float32)
+    foreign = torch.optim.AdamW(mega.parameters(), lr=1e-2)
+    ids = _batch(3)
+    mega(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(ValueError, match="streamed_optimizer"):
+        foreign.step()
+    mega.zero_grad()
+    optimizers = {
+        "stock": torch.optim.AdamW(stock.parameters(), lr=1e-2, weight_decay=0.0),
+        "mega": streamed_optimizer(mega, lr=1e-2, weight_decay=0.0),
+    }
+    losses = {"stock": [], "mega": []}
+    for step in range(STEPS):
+        ids = _batch(20 + step)
+        for name, model in (("stock", stock), ("mega", mega)):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if name == "stock":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            else:
+                optimizers[name].clip_grad_norm_(0.5)
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+            losses[name].append(loss.item())
+    assert losses["mega"] == pytest.approx(losses["stock"], rel=1e-6)
+    from hf_megatrain.hf.checkpoint import host_state_dict
+
+    got = {k: v.detach().clone() for k, v in host_state_dict(mega).items()}
+    assert_close_weights(stock_params(stock), got)

@@ -711,6 +711,76 @@ def streamed_state(model: nn.Module) -> StreamedModelState | None:
     return getattr(model, "_megatrain", None)
 
 
+def host_adamw(
+    state: StreamedModelState,
+    resolved: ResolvedOptions,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+):
+    """The engine's AdamW (``HostAdamW``) for a streamed model's run with options ``resolved``:
+    the layers in their stores, the resident parameters (decayed as streamed), the host update's
+    overlap and threads, device updates where the plan counted their staging, eager updates
+    where the run has no clipping."""
+    from ..core.optimizer import HostAdamW  # noqa: PLC0415
+
+    options = resolved.options
+    optimizer = HostAdamW(
+        state.engine,
+        state.resident,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        overlap_update=options.overlap_optimizer,
+        update_threads=options.host_update_threads,
+        device_update_lead=(
+            options.device_update_lead
+            if resolved.device_updates and state.plan is not None and state.plan.device_updates
+            else 0
+        ),
+    )
+    if resolved.eager_update:
+        # No global norm to wait for: each layer updates as soon as its gradient of the step
+        # is final, overlapping the rest of the backward.
+        optimizer.enable_eager_updates()
+    return optimizer
+
+
+def streamed_optimizer(
+    model: nn.Module,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+):
+    """AdamW for a training loop of your own over a streamed model (``load_streamed_model``,
+    ``prepare_streamed_model``): torch's optimizers see its decoder layers' placeholders, not
+    their weights (which live in the host store), and are refused at their first step. The
+    same update as the trainer's (fp32 masters and moments, exact); ``weight_decay`` applies
+    to the parameters the model was streamed to decay (``decay_names``). Per step::
+
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.clip_grad_norm_(1.0)  # the whole model's norm (clip_grad_norm_ of
+        optimizer.step()                # model.parameters() misses the streamed layers)
+        optimizer.zero_grad()
+    """
+    state = streamed_state(model)
+    if state is None or state.options is None:
+        raise ValueError(
+            "hf_megatrain: streamed_optimizer() needs a streamed model: load it with "
+            "load_streamed_model(path) or stream it with prepare_streamed_model(model, ...)"
+        )
+    if state.frozen:
+        raise ValueError(
+            "hf_megatrain: the model streams frozen (weights only, for a reference model) and "
+            "cannot be trained; stream it trainable"
+        )
+    return host_adamw(state, state.options, lr, betas, eps, weight_decay)
+
+
 def streamed_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient from the backward passes since the last optimizer step, by
     its name in the model, as fp32 host tensors: the decoder layers' from their host stores

@@ -73,6 +73,46 @@ def install_module_calls(
         # Copy and pickle look these up on the object.
         module.__deepcopy__ = _refuse_copy
         module.__reduce_ex__ = _refuse_copy
+    _watch_foreign_optimizers(layers)
+
+
+#: id -> weak reference of each streamed layer's placeholder parameters that train.
+_PLACEHOLDERS: dict[int, weakref.ref] = {}
+_STEP_HOOK: list = []  # the global optimizer-step hook, once registered
+
+
+def _watch_foreign_optimizers(layers: Sequence[nn.Module]) -> None:
+    """Refuse, at its first step, a torch optimizer over a streamed model's parameters: it sees
+    the layers' placeholders, not their weights, and left the decoder layers untrained without
+    a word (found by an audit: ``torch.optim.AdamW(model.parameters())`` in a loop of one's
+    own). The engine's AdamW (``HostAdamW``, ``streamed_optimizer``) is exempt."""
+    for layer in layers:
+        for p in layer.parameters():
+            if p.is_meta and p.requires_grad:
+                key = id(p)
+                _PLACEHOLDERS[key] = weakref.ref(p, lambda _, key=key: _PLACEHOLDERS.pop(key, None))
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: PLC0415
+
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_foreign_step))
+
+
+def _foreign_step(optimizer, args, kwargs) -> None:
+    from ..core.optimizer import HostAdamW  # noqa: PLC0415
+
+    if isinstance(optimizer, HostAdamW) or not _PLACEHOLDERS:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _PLACEHOLDERS.get(id(p))
+            if ref is not None and ref() is p and p.requires_grad:
+                raise ValueError(
+                    f"hf_megatrain: {type(optimizer).__name__} was given a streamed model's "
+                    "parameters: its decoder layers' are placeholders (their weights live in "
+                    "the host store), so its step would leave the layers untrained. Use "
+                    "hf_megatrain.streamed_optimizer(model, lr=...) (the engine's AdamW), or "
+                    "HFMegaTrainer"
+                )
 
 
 def _checkpointing_ignored(*args, **kwargs) -> None:

@@ -68,6 +68,7 @@ from .model import (
     _is_peft,
     disable_gradient_checkpointing,
     find_decoder_layers,
+    host_adamw,
     prepare_streamed_model,
     refuse_changes_since_streaming,
     runs_liger,
@@ -1017,31 +1018,15 @@ class MegaTrainerMixin:
     # ---- optimizer ---------------------------------------------------------------------------
     def create_optimizer(self, model: nn.Module | None = None):
         if self.optimizer is None:
-            from ..core.optimizer import HostAdamW  # noqa: PLC0415
-
             args = self.args
-            self.optimizer = HostAdamW(
-                self.megatrain.engine,
-                self.megatrain.resident,
+            self.optimizer = host_adamw(
+                self.megatrain,
+                self.megatrain_options,
                 lr=args.learning_rate,
                 betas=(args.adam_beta1, args.adam_beta2),
                 eps=args.adam_epsilon,
                 weight_decay=args.weight_decay,
-                overlap_update=self.megatrain_options.options.overlap_optimizer,
-                update_threads=self.megatrain_options.options.host_update_threads,
-                # The GPU's staging for the updates it takes over is what the plan counted.
-                device_update_lead=(
-                    self.megatrain_options.options.device_update_lead
-                    if self.megatrain_options.device_updates  # this run's clipping and device
-                    and self.megatrain.plan is not None
-                    and self.megatrain.plan.device_updates  # the staging the plan counted
-                    else 0
-                ),
             )
-            if self.megatrain_options.eager_update:
-                # No global norm to wait for: each layer updates as soon as its gradient of
-                # the step is final, overlapping the rest of the backward.
-                self.optimizer.enable_eager_updates()
             # The Trainer calls optimizer.step() itself: through the out-of-memory watchdog.
             # (A bound method: LR schedulers wrap optimizer.step through its __func__.)
             self._megatrain_plain_step = self.optimizer.step
