@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .hf.data_identity import rows_digest
 from .text import DEFAULT_CORPUS, TEXT_SUFFIXES, DataError, bos_token_id
 
 if TYPE_CHECKING:
@@ -215,23 +216,6 @@ def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> Trai
         num_train_rows=None if args.streaming else len(train),
         rows_digest=None if args.streaming else rows_digest(train),
     )
-
-
-#: Rows read for ``rows_digest``, spread evenly over the data (milliseconds at any size).
-DIGEST_ROWS = 64
-
-
-def rows_digest(rows: datasets.Dataset) -> str:
-    """The identity of packed train rows: their count and the token ids of ``DIGEST_ROWS``
-    rows spread over them. Files edited, reordered or replaced since a checkpoint change it
-    (a resume's data position would apply to other rows); the same content copied elsewhere
-    (a new modification time) does not."""
-    n = len(rows)
-    h = hashlib.blake2b(str(n).encode(), digest_size=16)
-    for i in sorted({(n - 1) * k // max(DIGEST_ROWS - 1, 1) for k in range(DIGEST_ROWS)}):
-        if n:
-            h.update(np.asarray(rows[i]["input_ids"], dtype=np.int64).tobytes())
-    return h.hexdigest()
 
 
 def _prepared_rows(

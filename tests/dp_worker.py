@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument(
         "--sigterm-rank", type=int, default=-1, help="this rank sends itself SIGTERM at step 2"
     )
+    p.add_argument("--rank1-lr", type=float, default=None, help="rank 1's learning rate")
     add_then_resume_argument(p)
     a = p.parse_args()
     run_then_resume(run_all, a, a.resume)
@@ -150,6 +151,11 @@ def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) ->
             megatrain_stream_fp32_master=a.stream_fp32_master,
             megatrain_keep_attention_outputs=a.keep_attention_outputs,
             per_device_eval_batch_size=a.per_device_batch,
+            **(
+                {"learning_rate": a.rank1_lr}
+                if a.rank1_lr is not None and os.environ.get("RANK") == "1"
+                else {}
+            ),
         ),
     )
     rec = LogRecorder()

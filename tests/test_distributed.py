@@ -359,3 +359,16 @@ def test_a_sigterm_to_one_rank_stops_every_rank_naming_it(tmp_path):
     stopped = {r["stopped_at"] for r in reports}
     assert len(stopped) == 1 and stopped.pop() in (2, 3)
     assert (tmp_path / "term" / "run" / f"checkpoint-{reports[0]['stopped_at']}").is_dir()
+
+
+def test_ranks_launched_with_other_arguments_are_refused(tmp_path):
+    """Found by an audit: nodes launched with different arguments trained apart without a word
+    (another learning rate: each node's copy of the layers its own), or hung at the end
+    (another --max_steps). Every rank refuses the launch at once, naming what differs."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(WORKER), "--out", str(tmp_path / "lr"), "--steps", "2", "--rank1-lr", "1e-3"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    assert "launched with different settings: learning_rate (rank 0: 0.01, rank 1: 0.001)" in said

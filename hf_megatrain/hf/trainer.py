@@ -491,6 +491,62 @@ def _check_data_parallel(state, args: TrainingArguments) -> None:
         )
 
 
+#: TrainingArguments every data-parallel rank must run with alike: the update, the steps and
+#: their rows, and the collective saves and evaluations.
+SAME_ON_EVERY_RANK = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "optim",
+    "label_smoothing_factor",
+    "neftune_noise_alpha",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "num_train_epochs",
+    "seed",
+    "data_seed",
+    "train_sampling_strategy",
+    "dataloader_drop_last",
+    "bf16",
+    "save_strategy",
+    "save_steps",
+    "eval_strategy",
+    "eval_steps",
+)
+
+
+def check_same_on_every_rank(args: TrainingArguments, train_dataset: Any) -> None:
+    """Refuse, on every rank at once, a launch whose ranks (nodes launched apart) were given
+    different training arguments or train rows (found by an audit: another learning rate on one
+    node trained its copy of the layers apart, silently; another --max_steps hung at the end).
+    A collective: every rank of the default process group calls it."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from .data_identity import rows_digest  # noqa: PLC0415
+
+    mine = {k: repr(getattr(args, k, None)) for k in SAME_ON_EVERY_RANK}
+    mine["train rows"] = repr(rows_digest(train_dataset) if train_dataset is not None else None)
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, mine)
+    differ = [
+        f"{k} ({', '.join(f'rank {r}: {v[k]}' for r, v in enumerate(views))})"
+        for k in mine
+        if len({v[k] for v in views}) > 1
+    ]
+    if differ:
+        raise DataParallelError(
+            "hf_megatrain: the data-parallel ranks were launched with different settings: "
+            f"{'; '.join(differ)}. Launch every node with the same command and data"
+        )
+
+
 def _rows_of(dataset: Any) -> int | None:
     """The number of rows of a map-style ``dataset`` (None: a stream, or no length)."""
     if isinstance(dataset, torch.utils.data.IterableDataset):
@@ -701,6 +757,8 @@ class MegaTrainerMixin:
         #: The engine options of this run (resolved: see ``EngineOptions.resolve``).
         self.megatrain_options = run
         _check_data_parallel(self.megatrain, args)
+        if self.megatrain.engine.dp is not None:
+            check_same_on_every_rank(args, getattr(self, "_megatrain_dataset", None))
         # Ulysses (DeepSpeed's): attention wrapped now; batches sharded in get_train_dataloader.
         self._megatrain_sp = setup_sequence_parallel(model, args, run.options.sequence_parallel)
         _check_grad_mode(self.megatrain, args, run)
