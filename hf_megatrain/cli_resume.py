@@ -57,9 +57,15 @@ _MODEL_KEYS = ("model_path", "config", "tokenizer")
 #: Recorded and allowed to change: a run may go on at a longer (or shorter) row length, e.g. to
 #: extend its context; ``seq_len_note`` says what changes.
 _ALLOWED_CHANGES = ("seq_len",)
-#: How the steps take their rows (with the batch size and gradient accumulation): they may
+#: How the steps take their rows (processes, ranks per sequence, batch, accumulation): they may
 #: change together where every step still trains the same rows (``check_same_run``).
-_LAYOUT_KEYS = ("world_size", "sequence_parallel")
+_LAYOUT_KEYS = (
+    "world_size",
+    "sequence_parallel",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "dataloader_drop_last",
+)
 #: Values that name files: compared as absolute paths (a re-run from another folder is the same).
 _PATH_KEYS = ("model_path", "config", "tokenizer", "dataset_name")
 #: What a None value means, for the message.

@@ -474,6 +474,33 @@ def test_resume_with_other_run_arguments_is_refused(finished, tmp_path, capsys):
     assert "note: that checkpoint trained on rows of" not in said
 
 
+def test_resume_at_another_process_count_with_the_same_rows_per_step(finished, tmp_path, capsys):
+    """Found by an audit: a 2-process checkpoint (batch 1 per process) could not be resumed by
+    1 process at batch 2 (the same rows in every step, as the trainer resumes it): the batch
+    was refused, and with the checkpoint's batch the process count. They may now change
+    together where every step trains the same rows; a batch alone changing is still refused."""
+    root, out, flags = _copy(finished, tmp_path)
+    ckpt = out / f"checkpoint-{STEPS}"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    record = state["stateful_callbacks"]["RunShape"]["args"]
+    assert record["per_device_train_batch_size"] == 2 and record["world_size"] == 1
+    record.update(world_size=2, per_device_train_batch_size=1)  # as 2 processes saved it
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (ckpt / "megatrain_manifest.json").unlink()  # (the edited file no longer matches it)
+    longer = _argv(root, out, flags)
+    longer[longer.index("--max_steps") + 1] = str(STEPS + 2)
+    capsys.readouterr()
+    assert main(longer) == 0
+    assert f"trained 2 steps (from step {STEPS})" in capsys.readouterr().out
+    # The same checkpoint, its process count as this run's: the batch alone changed.
+    record.update(world_size=1)
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (out / "model.safetensors").unlink()
+    shutil.rmtree(out / f"checkpoint-{STEPS + 2}", ignore_errors=True)
+    msg = _error(_argv(root, out, flags) + ["--resume_from_checkpoint", str(ckpt)])
+    assert "--per_device_train_batch_size 1 (this run: 2)" in msg, msg
+
+
 def test_resume_at_another_seq_len_trains_and_says_what_changes(finished, tmp_path, capsys):
     root, out, flags = _copy(finished, tmp_path)
     argv = _argv(root, out, flags)
