@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_common import CLIError, world_size
+from .hf.step_layout import RUN_DEFINING_ARGUMENTS
 
 #: The stateful callback's name in trainer_state.json (the name it has had since it recorded
 #: only ``seq_len``: older checkpoints are read the same way).
@@ -29,30 +30,7 @@ _RESUME_FLAG = "--resume-without-optimizer-state"
 
 #: TrainingArguments whose change makes a resumed run another run. --max_steps and
 #: --num_train_epochs may change: that is how a run is extended.
-_TRAINING_KEYS = (
-    "learning_rate",
-    "lr_scheduler_type",
-    "lr_scheduler_kwargs",
-    "warmup_steps",
-    "weight_decay",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_epsilon",
-    "max_grad_norm",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "seed",
-    "data_seed",
-    "bf16",
-    # The objective, the optimizer and the order of the rows (found by an audit: a resume at
-    # another --label_smoothing_factor trained on silently).
-    "label_smoothing_factor",
-    "neftune_noise_alpha",
-    "optim",
-    "optim_args",
-    "train_sampling_strategy",
-    "dataloader_drop_last",
-)
+_TRAINING_KEYS = RUN_DEFINING_ARGUMENTS
 _MODEL_KEYS = ("model_path", "config", "tokenizer")
 #: Recorded and allowed to change: a run may go on at a longer (or shorter) row length, e.g. to
 #: extend its context; ``seq_len_note`` says what changes.

@@ -34,6 +34,34 @@ from typing import Any
 #: Where a checkpoint's manifest records its layout (``saved_from``, see core/publish.py).
 MANIFEST_KEY = "step_layout"
 
+#: TrainingArguments that define a run: the update, the objective, the steps' rows and their
+#: order. A resume with others is another run (``cli_resume.check_same_run``, where the layout's
+#: may change together as ``layout_change`` allows); every data-parallel rank runs with the same
+#: (``trainer.check_same_on_every_rank``).
+RUN_DEFINING_ARGUMENTS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "data_seed",
+    "bf16",
+    # (Found by an audit: a resume at another --label_smoothing_factor trained on silently.)
+    "label_smoothing_factor",
+    "neftune_noise_alpha",
+    "optim",
+    "optim_args",
+    "train_sampling_strategy",
+    "dataloader_drop_last",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:

@@ -85,6 +85,7 @@ from .oom_watchdog import (
 from .sequence_parallel import setup_sequence_parallel
 from .step_layout import (
     MANIFEST_KEY,
+    RUN_DEFINING_ARGUMENTS,
     StepLayout,
     layout_change,
     processes,
@@ -491,30 +492,12 @@ def _check_data_parallel(state, args: TrainingArguments) -> None:
         )
 
 
-#: TrainingArguments every data-parallel rank must run with alike: the update, the steps and
-#: their rows, and the collective saves and evaluations.
+#: TrainingArguments every data-parallel rank must run with alike: the run's, and the steps
+#: and the collective saves and evaluations.
 SAME_ON_EVERY_RANK = (
-    "learning_rate",
-    "lr_scheduler_type",
-    "lr_scheduler_kwargs",
-    "warmup_steps",
-    "weight_decay",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_epsilon",
-    "max_grad_norm",
-    "optim",
-    "label_smoothing_factor",
-    "neftune_noise_alpha",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
+    *RUN_DEFINING_ARGUMENTS,
     "max_steps",
     "num_train_epochs",
-    "seed",
-    "data_seed",
-    "train_sampling_strategy",
-    "dataloader_drop_last",
-    "bf16",
     "save_strategy",
     "save_steps",
     "eval_strategy",
