@@ -376,7 +376,17 @@ def test_autograd_grad_with_respect_to_inputs_leaves_the_layers_gradients(tmp_pa
     ids = _batch(5)
     model(input_ids=ids, labels=ids).loss.backward(inputs=[model.lm_head.weight])
     assert model.lm_head.weight.grad is not None and not engine.has_grads()
-    model(input_ids=ids, labels=ids).loss.backward(inputs=list(model.parameters()))
+    # autograd.grad never accumulates, also with respect to the parameters (allow_unused: the
+    # streamed layers' placeholders get no gradient of their own).
+    params = list(model.parameters())
+    torch.autograd.grad(model(input_ids=ids, labels=ids).loss, params, allow_unused=True)
+    assert not engine.has_grads()
+    model(input_ids=ids, labels=ids).loss.backward(inputs=params)
+    assert engine.has_grads()
+    model.zero_grad()
+    # One of a layer's weights named (not its first): the layer's gradients accumulate.
+    up = model.model.layers[1].mlp.up_proj.weight
+    model(input_ids=ids, labels=ids).loss.backward(inputs=[up])
     assert engine.has_grads()
 
 

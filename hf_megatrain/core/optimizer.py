@@ -457,7 +457,7 @@ class HostAdamW(torch.optim.Optimizer):
 
         for idx in self._owned_layers:
             if idx not in jobs:  # no gradient, or already updated eagerly: final now
-                self.engine.publish_update(idx, version)
+                self.engine.publish_update(idx, version, rederived=False)
 
         # The device tier updates right here on the GPU (fast); host layers go to the CPU.
         for idx in sorted(jobs):

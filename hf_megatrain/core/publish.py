@@ -245,7 +245,7 @@ def verify_folder(
             if allow_missing is not None and allow_missing(rel):
                 result.missing.append(rel)
                 continue
-            raise MissingFileError(f"hf_megatrain: {path} is missing (listed in {where})")
+            raise MissingFileError(f"hf_megatrain: {path} is missing (listed in {where})", rel)
         have = os.path.getsize(path)
         if have != want:
             raise IntegrityError(

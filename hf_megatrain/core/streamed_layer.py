@@ -140,20 +140,18 @@ class StreamedLayer:
     def next_index(self, backward: bool) -> int:
         return self.index - 1 if backward else self.index + 1
 
-    def _grad_anchor(self) -> torch.Tensor:
-        """The Function input that stands for the streamed weights: one of the layer's own
-        placeholder parameters where it has one (``backward(inputs=model.parameters())`` then
-        asks for this layer's weight gradients, as it asks stock for them), else an empty leaf
-        that needs a gradient."""
+    def _grad_anchors(self) -> list[torch.Tensor]:
+        """The Function inputs that stand for the streamed weights: the layer's own placeholder
+        parameters that train (``backward(inputs=[...])`` naming any of them then asks for this
+        layer's weight gradients), else an empty leaf that needs a gradient. Read per call: a
+        parameter frozen since is no anchor."""
+        anchors = [p for p in self.module.parameters() if p.is_meta and p.requires_grad]
+        if anchors:
+            return anchors
         anchor = getattr(self, "_anchor", None)
         if anchor is None:
-            anchor = next(
-                (p for p in self.module.parameters() if p.is_meta and p.requires_grad), None
-            )
-            if anchor is None:
-                anchor = torch.empty(0, device=self.engine.device, requires_grad=True)
-            self._anchor = anchor
-        return anchor
+            anchor = self._anchor = torch.empty(0, device=self.engine.device, requires_grad=True)
+        return [anchor]
 
     def __call__(self, *args, **kwargs):
         flat_args, spec = tree_flatten((args, kwargs))
@@ -173,7 +171,7 @@ class StreamedLayer:
             # embeddings, or a frozen layer before this one), autograd would never call backward
             # and this layer would get no weight gradient. A grad-requiring empty anchor input
             # keeps the node in the graph; it receives no gradient itself.
-            tensors.append(self._grad_anchor())
+            tensors.extend(self._grad_anchors())
         box["n_anchor"] = len(tensors) - len(tensor_pos)
         tensors.extend(t for _, t in self.resident)
         results = _StreamedLayerFunction.apply(self, flat_args, spec, tensor_pos, box, *tensors)
@@ -189,17 +187,18 @@ class StreamedLayer:
 _will_execute = getattr(torch._C, "_will_engine_execute_node", None)
 
 
-def asks_weight_grads(anchor_node) -> bool:
+def asks_weight_grads(anchor_nodes) -> bool:
     """Whether the running backward accumulates the layer's weight gradients: ``backward()``
-    does; ``torch.autograd.grad(out, inputs)`` and ``backward(inputs=...)`` without the layer's
-    parameters do not (they accumulated into the engine anyway, and leaked into the next
-    optimizer step). Asked of autograd's engine: will it run the anchor's gradient edge."""
-    if anchor_node is None or _will_execute is None:
+    does, and ``backward(inputs=...)`` naming one of the layer's parameters; neither
+    ``torch.autograd.grad`` (which never accumulates) nor ``backward(inputs=...)`` without them
+    do (they accumulated into the engine anyway, and leaked into the next optimizer step).
+    Asked of autograd's engine: will it run one of the anchors' gradient edges."""
+    if not anchor_nodes or _will_execute is None:
         return True
     try:
-        return bool(_will_execute(anchor_node))
-    except RuntimeError:  # autograd.grad() with respect to the anchor itself: as asked
-        return True
+        return any(bool(_will_execute(node)) for node in anchor_nodes)
+    except RuntimeError:  # autograd.grad() with respect to an anchor: it never accumulates
+        return False
 
 
 def _roots(out, captured, edges: bool) -> list:
@@ -366,9 +365,10 @@ class _StreamedLayerFunction(torch.autograd.Function):
         ctx.rng = engine.rng_state()
         ctx.keys = box["keys"]
         n_args = len(tensor_pos)
-        ctx.n_anchor = box["n_anchor"]  # 1 when StreamedLayer added its anchor
-        # The anchor's gradient edge: whether a backward asks for the weight gradients.
-        ctx.anchor_node = get_gradient_edge(tensors[len(tensor_pos)]).node if ctx.n_anchor else None
+        ctx.n_anchor = box["n_anchor"]  # the anchors StreamedLayer added (0: none)
+        # The anchors' gradient edges: whether a backward asks for the weight gradients.
+        anchors = tensors[n_args : n_args + ctx.n_anchor]
+        ctx.anchor_nodes = [get_gradient_edge(t).node for t in anchors]
         ctx.n_args = n_args
         ctx.input_requires_grad = [t.requires_grad for t in tensors[:n_args]]
         inputs, resident = tensors[:n_args], tensors[n_args + ctx.n_anchor :]
@@ -466,7 +466,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
             if g is not None and root is not None:
                 outs.append(root)
                 grads.append(g)
-        if not (layer.trainable and asks_weight_grads(ctx.anchor_node)):
+        if not (layer.trainable and asks_weight_grads(ctx.anchor_nodes)):
             weight_leaves = []  # (neither computed nor accumulated)
         wrt = weight_leaves + inputs + res_trainable
         if outs and wrt:

@@ -120,7 +120,8 @@ class StreamingEngine:
         )  # fmt: skip
         # Set to a ``LayerTimeline`` (CUDA) to record each layer pass's compute interval.
         self.timeline: LayerTimeline | None = None
-        # Layer -> its master's version when views of it were handed out (``watch_master``).
+        # Layer -> its master's version when views of it were handed out (``watch_master``), or
+        # when the optimizer last wrote it (``publish_update``).
         self._watched: dict[int, int] = {}
 
     # ---- settings (read-only) and per-step state ----------------------------------------------
@@ -218,15 +219,13 @@ class StreamingEngine:
     def watch_master(self, idx: int) -> None:
         """Views of layer ``idx``'s fp32 master were handed out (``state_dict()``): if they are
         written in place before the layer next runs, its compute-dtype copy is re-derived then
-        (fp32 runs stream the master itself: nothing to follow)."""
-        store = self.stores[idx]
-        if store.stream is not store.master:
-            self._watched[idx] = store.master._version
+        and the device's copies of the layers are dropped."""
+        self._watched[idx] = self.stores[idx].master._version
 
     def _refresh_written_masters(self) -> None:
-        # In-place writes share the master's version counter with its views (the optimizer's
-        # updates bump it too: a watched layer updated since then is re-derived as well, the
-        # same values at the cost of one cast).
+        # In-place writes share the master's version counter with its views (so do the
+        # optimizer's, but it re-derives the compute copy itself and its publish_update takes a
+        # new snapshot; an update it did not publish costs one redundant cast here).
         changed = [i for i, v in self._watched.items() if self.stores[i].master._version != v]
         self._watched.clear()
         if not changed:
@@ -235,7 +234,7 @@ class StreamingEngine:
         self.wait_weight_copies()  # no H2D copy may still read a compute copy
         with torch.no_grad():
             for idx in changed:
-                self.stores[idx].refresh_stream_copy()
+                self.stores[idx].refresh_stream_copy()  # (fp32: the master itself, no-op)
         self.invalidate_weights()
 
     def release(self, idx: int) -> None:
@@ -357,8 +356,11 @@ class StreamingEngine:
         self.updates.wait()
         self.weights.flush_device_updates(self.updates.pending_device_updates())
 
-    def publish_update(self, idx: int, version: int) -> None:
-        """Owner side: layer ``idx``'s shared weights hold optimizer step ``version``."""
+    def publish_update(self, idx: int, version: int, rederived: bool = True) -> None:
+        """Owner side: layer ``idx``'s shared weights hold optimizer step ``version``
+        (``rederived``: this call follows the update's write of them, compute copy included)."""
+        if rederived and idx in self._watched:  # (its write of the master: not one outside)
+            self._watched[idx] = self.stores[idx].master._version
         self.updates.publish(idx, version)
 
     def wait_all_weights(self) -> None:
@@ -414,6 +416,11 @@ class StreamingEngine:
 
     def has_grads(self) -> bool:
         return self.grads.has_grads()
+
+    def finals_sent(self) -> int:
+        """Layers whose final gradient of this step went to ``on_grad_final`` (eager updates:
+        they may already be updated)."""
+        return self.grads.finals_sent
 
     def reset_grads(self) -> None:
         self.segments.reset()

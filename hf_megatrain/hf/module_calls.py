@@ -189,7 +189,7 @@ def _zero_grad(zero_grad, ref, state_of, set_to_none: bool = True) -> None:
         # (After an optimizer step, which drops them itself: the trainer's call each step then
         # leaves the engine alone while the step's host updates still run.)
         return
-    if state.engine.on_grad_final is not None:
+    if state.engine.finals_sent():
         raise RuntimeError(
             "hf_megatrain: model.zero_grad() with eager layer updates, after a backward whose "
             "layers already updated: their gradients were applied as they came (call it "

@@ -99,11 +99,14 @@ class SaveOnSigterm(TrainerCallback):
             # run (found by an audit: the ranks that got none failed on ``received`` None).
             gpu = dist.get_backend() == "nccl"
             number = float(self.received.value) if self.received is not None else 0.0
-            flag = torch.tensor([number], device=args.device if gpu else "cpu")
+            flag = torch.tensor(
+                [max(number, float(requested))], device=args.device if gpu else "cpu"
+            )
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            requested = requested or flag.item() > 0
-            if self.received is None and flag.item() > 0:
-                self.received = signal.Signals(int(flag.item()))  # another rank's
+            number = flag.item()
+            requested = requested or number > 0
+            if self.received is None and number > 1:
+                self.received = signal.Signals(int(number))  # another rank's
         if requested:
             control.should_save = True
             control.should_training_stop = True

@@ -512,10 +512,12 @@ def check_same_on_every_rank(args: TrainingArguments, train_dataset: Any) -> Non
     A collective: every rank of the default process group calls it."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from .data_identity import rows_digest  # noqa: PLC0415
+    from .data_identity import rows_identity  # noqa: PLC0415
 
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
     mine = {k: repr(getattr(args, k, None)) for k in SAME_ON_EVERY_RANK}
-    mine["train rows"] = repr(rows_digest(train_dataset) if train_dataset is not None else None)
+    mine["train rows"] = rows_identity(train_dataset)
     views: list = [None] * dist.get_world_size()
     dist.all_gather_object(views, mine)
     differ = [
@@ -677,6 +679,9 @@ class MegaTrainerMixin:
         """Stream ``model`` and build what the Trainer will call (``StreamedModelWrapper``)."""
         compute_dtype = torch.bfloat16 if args.bf16 else torch.float32
         device = args.device
+        # First: streaming and the checks below are collectives or plan from these arguments,
+        # which ranks given others would split or hang in.
+        check_same_on_every_rank(args, getattr(self, "_megatrain_dataset", None))
         state = streamed_state(model)
         if state is None:
             check_model_dtype(model)  # before streaming rounds it to fp32 masters
@@ -740,8 +745,6 @@ class MegaTrainerMixin:
         #: The engine options of this run (resolved: see ``EngineOptions.resolve``).
         self.megatrain_options = run
         _check_data_parallel(self.megatrain, args)
-        if self.megatrain.engine.dp is not None:
-            check_same_on_every_rank(args, getattr(self, "_megatrain_dataset", None))
         # Ulysses (DeepSpeed's): attention wrapped now; batches sharded in get_train_dataloader.
         self._megatrain_sp = setup_sequence_parallel(model, args, run.options.sequence_parallel)
         _check_grad_mode(self.megatrain, args, run)

@@ -79,6 +79,8 @@ class GradientSink:
         self._d2h = d2h
         self.sync = True
         self.on_final: Callable[[int, Any], None] | None = None
+        #: Layers whose final gradient of this step went to ``on_final`` (eager updates).
+        self.finals_sent = 0
         self.staging = GradStaging(stores, self._cuda)
         self.d2h_bytes = 0
         self._acc: dict[int, torch.Tensor] = {}
@@ -114,7 +116,7 @@ class GradientSink:
                     else:
                         dst.copy_(g.reshape(-1))
             if self.sync and self.on_final is not None:
-                self.on_final(idx, None)
+                self._final(idx, None)
             return
         acc = self._accumulate(idx, store, grads)
         if acc is not None:
@@ -212,7 +214,7 @@ class GradientSink:
         self._d2h_events.append(ev)
         self._on_host[idx] = True
         if self.on_final is not None:
-            self.on_final(idx, ev)
+            self._final(idx, ev)
 
     # ---- data parallel --------------------------------------------------------------------------
     def _add_dp(self, idx: int, store: LayerStore, grads: list[torch.Tensor | None]) -> None:
@@ -234,7 +236,7 @@ class GradientSink:
                 self._dp.all_reduce_mean_([store.grad])
                 self._on_host[idx] = True
                 if self.on_final is not None:
-                    self.on_final(idx, None)
+                    self._final(idx, None)
             return
         acc = self._accumulate(idx, store, grads)
         if acc is not None:
@@ -264,7 +266,7 @@ class GradientSink:
                     return
                 torch.mul(acc, inv, out=store.grad)
                 if self.on_final is not None:
-                    self.on_final(idx, None)
+                    self._final(idx, None)
             return
         work = dp.reduce_to_owner(acc, idx, async_op=True)
         if not mine:
@@ -298,7 +300,7 @@ class GradientSink:
         self._d2h_events.append(ev)
         self.d2h_bytes += acc.numel() * 4
         if self.on_final is not None:
-            self.on_final(idx, ev)
+            self._final(idx, ev)
 
     # ---- staging (host stores without a grad slot) ----------------------------------------------
     def _no_slot_check(self, idx: int) -> None:
@@ -324,7 +326,7 @@ class GradientSink:
         self._add_sq(squared_norm(grad))
         self._on_host[idx] = True
         self.staging.hold(idx, grad)
-        self.on_final(idx, None)
+        self._final(idx, None)
 
     def _take_staging(self, idx: int, numel: int) -> torch.Tensor:
         self._no_slot_check(idx)
@@ -413,8 +415,13 @@ class GradientSink:
         """The copy stream (None on the CPU)."""
         return self._d2h
 
+    def _final(self, idx: int, event) -> None:
+        self.finals_sent += 1
+        self.on_final(idx, event)
+
     def reset(self) -> None:
         """Forget the step's gradients (the next backward starts a new step)."""
+        self.finals_sent = 0
         self.staging.release_all()  # e.g. after a failed update: its buffer is free again
         self._acc.clear()
         self._on_host = [False] * len(self._stores)
