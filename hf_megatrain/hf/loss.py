@@ -114,15 +114,23 @@ def supports_fused_loss(model) -> bool:
 
 
 def _tuner_changes_loss(model) -> bool:
-    """Whether ``model`` is a PEFT model whose tuner has a forward of its own, which may add to
-    the loss (AdaLoRA's orthogonal regularization): the fused loss, which calls the base model
-    directly, would drop it (found by an audit: AdaLoRA trained without it, silently)."""
+    """Whether ``model`` is a PEFT model whose forward runs its tuner's own forward, which may
+    add to the loss (AdaLoRA's orthogonal regularization, under a task type's PeftModel, e.g.
+    ``PeftModelForCausalLM``; a plain ``PeftModel`` calls the base model, past the tuner): the
+    fused loss, which calls the base model directly, would drop it (found by an audit: AdaLoRA
+    trained without it, silently)."""
     try:
+        from peft import PeftModel  # noqa: PLC0415
         from peft.tuners.tuners_utils import BaseTuner  # noqa: PLC0415
     except ImportError:
         return False
     tuner = getattr(model, "base_model", None)
-    return isinstance(tuner, BaseTuner) and type(tuner).forward is not BaseTuner.forward
+    return (
+        isinstance(model, PeftModel)
+        and type(model).forward is not PeftModel.forward
+        and isinstance(tuner, BaseTuner)
+        and type(tuner).forward is not BaseTuner.forward
+    )
 
 
 def fused_causal_lm_forward(
