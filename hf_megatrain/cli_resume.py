@@ -130,6 +130,13 @@ def _scheduler_base_lr(checkpoint: str) -> float | None:
     return float(base[0]) if base else None
 
 
+def _elsewhere(explicit: bool) -> str:
+    """How to start another run instead of resuming (the checkpoint named, or found)."""
+    if explicit:
+        return "drop --resume_from_checkpoint and pass a new --output_dir"
+    return "pass a new --output_dir"
+
+
 def check_same_run(checkpoint: str, settings, explicit: bool) -> None:
     """Refuse a resume whose run-defining arguments differ from ``checkpoint``'s.
 
@@ -169,11 +176,7 @@ def check_same_run(checkpoint: str, settings, explicit: bool) -> None:
         if size
         else ""
     )
-    elsewhere = (
-        "drop --resume_from_checkpoint and pass a new --output_dir"
-        if explicit
-        else "pass a new --output_dir"
-    )
+    elsewhere = _elsewhere(explicit)
     raise CLIError(
         f"cannot resume from {checkpoint}: it was trained with {listed}{why}. Pass the "
         f"checkpoint's value{'s' if len(diffs) > 1 else ''} to continue that run{other}, or "
@@ -192,11 +195,7 @@ def check_same_rows(checkpoint: str, digest: str | None, seq_len: int, explicit:
     saved = saved_record(checkpoint)
     if digest is None or saved.get(ROWS_KEY) in (None, digest) or saved.get("seq_len") != seq_len:
         return
-    elsewhere = (
-        "drop --resume_from_checkpoint and pass a new --output_dir"
-        if explicit
-        else "pass a new --output_dir"
-    )
+    elsewhere = _elsewhere(explicit)
     raise CLIError(
         f"cannot resume from {checkpoint}: its training rows differ from this run's (the data "
         "under the same name was edited, reordered or replaced since: the data position it "

@@ -145,7 +145,10 @@ class StreamedLayer:
         parameters that train (``backward(inputs=[...])`` naming any of them then asks for this
         layer's weight gradients), else an empty leaf that needs a gradient. Read per call: a
         parameter frozen since is no anchor."""
-        anchors = [p for p in self.module.parameters() if p.is_meta and p.requires_grad]
+        placeholders = getattr(self, "_placeholders", None)
+        if placeholders is None:  # (fixed once streamed: walked once, not per forward)
+            placeholders = self._placeholders = [p for p in self.module.parameters() if p.is_meta]
+        anchors = [p for p in placeholders if p.requires_grad]
         if anchors:
             return anchors
         anchor = getattr(self, "_anchor", None)

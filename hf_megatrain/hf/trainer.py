@@ -505,6 +505,10 @@ SAME_ON_EVERY_RANK = (
 )
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def check_same_on_every_rank(args: TrainingArguments, train_dataset: Any) -> None:
     """Refuse, on every rank at once, a launch whose ranks (nodes launched apart) were given
     different training arguments or train rows (found by an audit: another learning rate on one
@@ -725,9 +729,9 @@ class MegaTrainerMixin:
                 # (Found by an audit: bf16 weights trained with fp32 arguments ran in neither
                 # precision, silently; the reverse failed deep in the recompute.)
                 raise ValueError(
-                    f"hf_megatrain: the model streams {str(engine.compute_dtype)[6:]} weights "
+                    f"hf_megatrain: the model streams {_dtype_name(engine.compute_dtype)} weights "
                     f"on {engine.device.type}, but the training arguments compute in "
-                    f"{str(compute_dtype)[6:]} (bf16={bool(args.bf16)}) on {device.type}: "
+                    f"{_dtype_name(compute_dtype)} (bf16={bool(args.bf16)}) on {device.type}: "
                     "stream it with the run's precision and device (load_streamed_model("
                     f"..., bf16={bool(args.bf16)}), or pass bf16="
                     f"{engine.compute_dtype == torch.bfloat16} in the training arguments)"
