@@ -150,11 +150,15 @@ _SHAPES: dict[str, Any] = {}
 
 
 def model_shape(model: str):
-    """The planner's ``ModelShape`` of a config (built on meta), cached per model."""
+    """The planner's ``ModelShape`` of a config as a CUDA run on this site plans it (built on
+    meta, with the layer kernels the run would use: Liger-Kernel's where it is installed, else
+    the compiled ones; ``cli_plan.planned_kernel_shape``), cached per model."""
     if model not in _SHAPES:
-        from hf_megatrain.hf.model import model_shape_from_config
+        from hf_megatrain.cli_plan import planned_kernel_shape
+        from hf_megatrain.hf.long_context import liger_installed
 
-        _SHAPES[model] = model_shape_from_config(bench.load_model_config(model), model)
+        config = bench.load_model_config(model)
+        _SHAPES[model], _ = planned_kernel_shape(config, model, liger=liger_installed())
     return _SHAPES[model]
 
 
@@ -206,7 +210,9 @@ def plan_cell(
     # The attention the trainer would switch the model to before its plan (FlexAttention for
     # soft-capping and long sliding windows on CUDA).
     shape, _ = planned_attention(model_shape(cell.model), config, options.attention, cell.seq_len)
-    resolved = options.resolve(clipping=True, cuda=True)
+    # As the trainer resolves a cell's step (one sequence, no accumulation, one process): one
+    # backward makes each step's gradients, so the host tier's bf16 gradient slot is exact.
+    resolved = options.resolve(clipping=True, cuda=True, single_backward=True)
     step = StepShape.from_step(cell.seq_len, cell.seq_len)
     hbm, host = int(hbm_gib * planner.GIB), int(host_gib * planner.GIB)
     # What the trainer runs: the options as given, or those auto_fit picks when they do not fit.

@@ -89,6 +89,10 @@
 #              mistral at 4k-256k, moe 256k; `validation_matrix.py --dry-run` lists them), without
 #              liger-kernel as dev/matrix_gpu.sh runs them: rows and matrix.md in results/matrix.
 #              ~15 min by the dry run's estimate.
+#   unseen     the matrix tool on configs no issue or matrix names (benchmarks/configs:
+#              gemma-3-12b, mistral-nemo-12b, phi-4, deepseek-v2-lite, llama-3.2-3b), without
+#              liger-kernel, cells UNSEEN_CELLS (default below); rows and unseen.md in
+#              results/unseen, tag unseen-h200.
 #   matrixcasts the validation matrix's qwen3 and mistral cells at 4k, 32k and 128k again, planned
 #              with autocast_kernels' shared casts counted in kept layers (since 2026-12-04: at
 #              128k one more kept layer each; at 4k and 32k the same placement, expected 5-11
@@ -288,6 +292,19 @@ item() {  # item <name>: one queue item
       PYTHONPATH=/tmp/site_noliger:$PWD python3 benchmarks/validation_matrix.py --summarize \
         "$work/results/matrix/results.csv" --tag matrix-h200 \
         --markdown "$work/results/matrix/matrix.md" >/dev/null 2>&1
+      ;;
+    unseen)  # (a site without liger-kernel, as matrix9)
+      compgen -G ".whl/*.whl" | grep -v liger_kernel | xargs -r python3 -m pip install -q \
+        --no-index --no-deps --target /tmp/site_noliger >/dev/null 2>&1
+      PYTHONPATH=/tmp/site_noliger:$PWD timeout 1500 python3 benchmarks/validation_matrix.py \
+        --config g3=gemma-3-12b --config nemo=mistral-nemo-12b --config phi4=phi-4 \
+        --config dsv2l=deepseek-v2-lite --config l3b=llama-3.2-3b \
+        --cells ${UNSEEN_CELLS:-dsv2l:32k,phi4:32k,l3b:128k,g3:32k,nemo:128k} \
+        --max-wall-s 1400 --tag unseen-h200 --results-dir "$work/results/unseen" 2>&1 \
+        | grep -aE "^(matrix|Traceback|[A-Za-z.]*Error)"
+      PYTHONPATH=/tmp/site_noliger:$PWD python3 benchmarks/validation_matrix.py --summarize \
+        "$work/results/unseen/results.csv" --tag unseen-h200 \
+        --markdown "$work/results/unseen/unseen.md" >/dev/null 2>&1
       ;;
     matrixcasts)  # (a site without liger-kernel, as matrix9)
       compgen -G ".whl/*.whl" | grep -v liger_kernel | xargs -r python3 -m pip install -q \

@@ -257,3 +257,28 @@ def test_window_fraction_counts_windowed_layers():
     assert vm.window_fraction(gemma2, 131072) == pytest.approx(0.5 + 0.5 * 8192 / 131072)
     assert vm.window_fraction(danube, 262144) == pytest.approx(8192 / 262144)
     assert vm.window_fraction(danube, 4096) == vm.window_fraction(qwen3, 262144) == 1.0
+
+
+@pytest.mark.parametrize(
+    "model, seq_len, hbm_gib, host_gib",
+    [("qwen2.5-1.5b", 4096, 16, 30), ("olmoe-1b-7b-0924", 8192, 60, 90)],
+)
+def test_a_cells_verdict_is_the_plan_training_makes(model, seq_len, hbm_gib, host_gib, capsys):
+    """The dry run's verdict is `hf-megatrain plan`'s (which resolves the options as training
+    does): the same tier, peaks and host total. It once planned every cell with a host
+    gradient slot per accumulation (one backward makes a cell's step) and without the run's
+    layer kernels, and so refused cells that train (Qwen2.5-14B at one 64k sequence)."""
+    from hf_megatrain.cli import build_parser
+    from hf_megatrain.cli_plan import run_plan
+    from hf_megatrain.core.planner import GIB
+
+    cell = vm.plan_cell(vm.Cell("x", model, seq_len), hbm_gib, host_gib, vm.TFLOPS)
+    argv = ["plan", str(bench.model_config_path(model)), "--seq-len", str(seq_len)]
+    argv += ["--tokens-per-step", str(seq_len), "--hbm-gib", str(hbm_gib)]
+    argv += ["--host-gib", str(host_gib), "--no-search"]
+    plan = run_plan(build_parser().parse_args(argv))["plan"]
+    capsys.readouterr()
+    assert cell.fits and plan.fits
+    assert cell.verdict.startswith(f"fits: {plan.n_hbm}/")
+    assert cell.plan_hbm_est_gib == pytest.approx(plan.gpu_peak_estimate / GIB, abs=1e-9)
+    assert cell.plan_host_gib == pytest.approx(plan.host_peak_estimate / GIB, abs=1e-9)
