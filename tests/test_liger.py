@@ -398,3 +398,26 @@ def test_liger_patches_a_type_built_as_a_supported_family(monkeypatch):
     # 'auto' takes them for the alias as for Llama.
     auto = long_context.apply_layer_kernels(model, "auto", "cuda")
     assert auto.liger and len(calls) == 3
+
+
+def test_liger_warns_only_of_its_triton_backend(caplog):
+    """On an op's first call Liger-Kernel imports every backend it declares; the CuTe DSL and
+    Ascend ones fail on a CUDA machine without those extras and each warned in every run,
+    though the Triton kernel ran. Applying Liger silences those; a Triton failure still shows."""
+    import logging
+
+    from hf_megatrain.hf.long_context import LIGER_REGISTRY_LOGGER, quiet_liger_backend_discovery
+
+    quiet_liger_backend_discovery()
+    quiet_liger_backend_discovery()  # (once: applying Liger twice adds no second filter)
+    registry = logging.getLogger(LIGER_REGISTRY_LOGGER)
+    assert len(registry.filters) == 1
+    msg = "Backend impl '%s' for op '%s' could not be imported: %s: %s"
+    with caplog.at_level(logging.WARNING, logger=LIGER_REGISTRY_LOGGER):
+        for path in ("liger_kernel.ops.backends._cutedsl.rope", "x.backends._ascend.rope"):
+            registry.warning(msg, path, "rope", "ImportError", "no CuTe DSL")
+        registry.warning(msg, "liger_kernel.ops.backends._triton.rope", "rope", "E", "broken")
+        registry.warning("a registration problem of op %s", "rope")
+    shown = [r.getMessage() for r in caplog.records]
+    assert len(shown) == 2
+    assert "_triton.rope" in shown[0] and shown[1] == "a registration problem of op rope"

@@ -246,12 +246,39 @@ def apply_liger_kernels(model: nn.Module, kernel_config: dict | None) -> None:
     # modeling module: confined, only this model runs them (scoped_globals).
     model_type = _model_type(model)
     family = family_key(model_type)
+    quiet_liger_backend_discovery()
     with confine_global_patches(model):
         if family != model_type and liger_installed() and family in liger_model_types():
             _apply_liger_as(family, model, kernel_config)
         else:
             liger_apply_function()(model, kernel_config)
     logger.info("hf_megatrain: Liger kernels applied (%s)", kernel_config or "defaults")
+
+
+LIGER_REGISTRY_LOGGER = "liger_kernel.backends.registry"
+
+
+class _OtherBackendImports(logging.Filter):
+    """Drops Liger-Kernel's warnings that an op's non-Triton backend (CuTe DSL, Ascend, ...)
+    could not be imported: on its first call an op imports every backend it declares, and on a
+    CUDA machine without those extras each one warns, though the Triton kernel runs. A Triton
+    backend's failure still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Backend impl ") or not record.args:
+            return True
+        return "._triton" in str(record.args[0])
+
+
+_BACKEND_FILTER = _OtherBackendImports()
+
+
+def quiet_liger_backend_discovery() -> None:
+    """Installs the filter of :class:`_OtherBackendImports` on Liger's backend registry logger
+    (once; applying Liger's kernels calls it)."""
+    registry = logging.getLogger(LIGER_REGISTRY_LOGGER)
+    if _BACKEND_FILTER not in registry.filters:
+        registry.addFilter(_BACKEND_FILTER)
 
 
 def _apply_liger_as(family: str, model: nn.Module, kernel_config: dict | None) -> None:
