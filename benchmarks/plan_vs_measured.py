@@ -12,8 +12,8 @@ max_memory_reserved cannot see. Rows measured before the
 planner was calibrated on them are calibration points, later ones tests of it: the ``commit``
 column says which is which.
 
-The validation matrix's rows (``validation_matrix.csv``, status ``trained``) are read the same
-way. Rows that measured only their first optimizer step (one step, no warm-up: the matrix's
+The validation matrix's rows (``validation_matrix.csv``, status ``trained``) and those of the
+models no issue names (``unseen_models.csv``) are read the same way. Rows that measured only their first optimizer step (one step, no warm-up: the matrix's
 cells, the long single-sequence runs) are also set against the plan less the resident
 parameters' AdamW moments, which that step's update makes after its forward/backward peak
 (``FIRST_STEP_ABSENT``); their per-line attribution takes those moments off the exact lines.
@@ -584,17 +584,19 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n" + errors_markdown(results)
 
 
-#: What the script reads by default: the benchmark rows and the validation matrix's cells.
+#: What the script reads by default: the benchmark rows, the validation matrix's cells and the
+#: matrix tool's cells of models no issue names (``unseen_models.csv``).
 DEFAULT_CSVS = (
     BENCH_DIR / "results" / "results.csv",
     BENCH_DIR / "results" / "validation_matrix.csv",
+    BENCH_DIR / "results" / "unseen_models.csv",
 )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("csv", nargs="*", type=Path, default=list(DEFAULT_CSVS),
-                   help="result CSVs (default: results.csv and validation_matrix.csv)")  # fmt: skip
+                   help="result CSVs (default: results.csv, validation_matrix.csv, unseen_models.csv)")  # fmt: skip
     p.add_argument("--markdown", type=Path, help="also write the table here")
     a = p.parse_args(argv)
     text = markdown([r for path in a.csv for r in compare(path)])

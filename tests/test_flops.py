@@ -110,7 +110,7 @@ def test_use_sliding_window_false_attends_fully():
 
 
 def _recorded_rows():
-    for name in ("results.csv", "validation_matrix.csv"):
+    for name in ("results.csv", "validation_matrix.csv", "unseen_models.csv"):
         with (RESULTS / name).open(newline="") as f:
             for row in csv.DictReader(f):
                 # DPO rows count their reference model's forward too: another numerator.
