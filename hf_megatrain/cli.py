@@ -105,6 +105,10 @@ _OS_ERRORS = {
         "input/output error (a failing disk or network file system)",
         "check the disk, or pass an --output_dir on another one",
     ),
+    errno.ENAMETOOLONG: (
+        "a file name under --output_dir is too long for its file system",
+        "pass a shorter --output_dir",
+    ),
     errno.EACCES: ("permission denied", _WRITE_ELSEWHERE),
     errno.EPERM: ("operation not permitted", _WRITE_ELSEWHERE),
 }

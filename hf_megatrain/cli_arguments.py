@@ -505,6 +505,7 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
     if not str(training.get("output_dir") or "").strip():
         raise CLIError("output_dir is empty: pass --output_dir FOLDER")
     out = Path(training["output_dir"])
+    _check_name_length(out)
     if out.exists() and not out.is_dir():
         raise CLIError(f"output_dir exists and is not a folder: {out}")
     # Its parent made now, not by the Trainer after the model is built (minutes for a large
@@ -518,6 +519,33 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         raise CLIError(f"output_dir cannot be created: {out} ({e.strerror})") from None
     if not os.access(out if out.exists() else parent, os.W_OK | os.X_OK):
         raise CLIError(f"output_dir is not writable: {out}")
+
+
+def _check_name_length(out: Path) -> None:
+    """Refuses an output folder whose name leaves no room for the names staged beside it
+    (``publish.STAGED_NAME_EXTRA`` bytes more) on its file system: the run would train, then
+    fail at its final save."""
+    from .core.publish import STAGED_NAME_EXTRA  # noqa: PLC0415
+
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if _exists(p))
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    size = len(os.fsencode(out.absolute().name))
+    if size + STAGED_NAME_EXTRA > name_max:
+        raise CLIError(
+            f"output_dir's name is {size} bytes: saves are staged beside it under names up to "
+            f"{STAGED_NAME_EXTRA} bytes longer, past this file system's {name_max}-byte limit; "
+            "pass a shorter --output_dir name"
+        )
+
+
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists()
+    except OSError:  # (a name too long for the file system)
+        return False
 
 
 #: The largest --seed / --data_seed: numpy's seeds are 32-bit.

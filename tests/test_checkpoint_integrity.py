@@ -181,6 +181,33 @@ def test_target_holding_the_working_folder_keeps_it(tmp_path, monkeypatch):
     assert os.path.samefile(os.getcwd(), target) and _read(target) == NEW
 
 
+def test_ctrl_c_while_files_move_in_finishes_the_set(tmp_path, monkeypatch):
+    """Ctrl-C while a set built inside its target (a mount point, the working folder) moves in
+    one file at a time: the moves finish and then the interrupt is raised. Before, it stopped
+    after the first file and the staging with the rest was deleted: a mixed set without a
+    manifest that from_pretrained loaded (found by an audit on a tmpfs output folder)."""
+    import signal
+
+    target = tmp_path / "out"
+    _save(target, OLD)
+    monkeypatch.chdir(target)  # (built inside: files moved in one by one)
+    real = os.replace
+    sent = []
+
+    def replace(src, dst):
+        if not sent and os.path.dirname(dst) == str(target):  # (the first file moved in)
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, delivered at the next bytecode
+        return real(src, dst)
+
+    monkeypatch.setattr(pub.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        _save(target, NEW)
+    assert sent and _sets(target) == NEW
+    assert pub.verify_folder(str(target)).manifest
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @pytest.mark.parametrize("exchange", [True, False])
 @pytest.mark.parametrize("fail_at", range(6))
 def test_interrupted_swap_leaves_old_or_new(tmp_path, monkeypatch, exchange, fail_at):

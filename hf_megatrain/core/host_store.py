@@ -27,9 +27,11 @@ This module is deliberately free of ``transformers`` imports.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import resource
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -59,8 +61,21 @@ class InsufficientHostMemoryError(MemoryError):
     """Raised before any allocation when the host store would not fit in host RAM."""
 
 
+def _address_space_bytes() -> int:
+    """This process's mapped address space (VmSize), 0 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def available_host_bytes() -> int:
-    """Bytes of host RAM this process can still take: MemAvailable, capped by a cgroup limit."""
+    """Bytes of host RAM this process can still take: MemAvailable, capped by a cgroup limit
+    and by the process's address-space limit (RLIMIT_AS)."""
     avail = None
     try:
         with open("/proc/meminfo") as f:
@@ -72,6 +87,11 @@ def available_host_bytes() -> int:
         pass
     if avail is None:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    # A per-process address-space limit (ulimit -v, a scheduler's h_vmem): the OS refuses
+    # mappings past it however much RAM is free.
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        avail = min(avail, max(soft - _address_space_bytes(), 0))
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             with open(path) as f:
@@ -384,7 +404,16 @@ class LayerStore(_FlatLayerState):
             numel, stream_dtype, trainable, hold_grad, stream_master, grad_dtype
         )
         grad_bytes = _round_up(numel * grad_dtype.itemsize, PAGE)
-        self._mmap = mmap.mmap(-1, max(total, PAGE))
+        try:
+            self._mmap = mmap.mmap(-1, max(total, PAGE))
+        except OSError as e:
+            if e.errno != errno.ENOMEM:
+                raise
+            raise InsufficientHostMemoryError(
+                f"hf_megatrain: the OS refused {total / 2**30:.2f} GiB of host memory for a "
+                "layer's store (out of memory, or a process limit such as ulimit -v): free "
+                "host RAM, raise the limit, or plan the run with --host-memory-limit-gb"
+            ) from None
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total) if total else None
 
         def view(start: int, dtype: torch.dtype) -> torch.Tensor:

@@ -39,6 +39,8 @@ import logging
 import os
 import re
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +55,9 @@ MANIFEST_VERSION = 1
 _NEW = ".megatrain-new"
 _OLD = ".megatrain-old"
 _INPLACE = ".megatrain-inplace"
+#: The most bytes a name beside a published folder adds to the folder's own name (its staging
+#: folder ``.NAME.megatrain-new-PID-K``; the CLI's lock ``.NAME.hf-megatrain.lock``).
+STAGED_NAME_EXTRA = 1 + len(_NEW) + 24
 _LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.megatrain-(new-\d+-\d+|old)$")
 _CHUNK = 8 << 20
 _counter = itertools.count()
@@ -481,7 +486,30 @@ def publish(temp: str, target: str, keep: Callable[[str], bool] | None = None) -
     shutil.rmtree(aside, ignore_errors=True)
 
 
+@contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C (SIGINT) held back until the block ends, then raised: the one-by-one moves of
+    ``_replace_files`` must not stop half way (a mixed set, its staging deleted). Only the
+    main thread receives signals; elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+    if received:
+        raise KeyboardInterrupt
+
+
 def _replace_files(temp: str, target: str, keep: Callable[[str], bool] | None) -> None:
+    with _interrupts_deferred():
+        _move_files_in(temp, target, keep)
+
+
+def _move_files_in(temp: str, target: str, keep: Callable[[str], bool] | None) -> None:
     old_manifest = os.path.join(target, MANIFEST_NAME)
     if os.path.exists(old_manifest):
         os.remove(old_manifest)
