@@ -247,9 +247,9 @@ def test_bad_input_errors_are_clean(tmp_path):
     )
     bad_recipe.write_text("max_steps: many\n")
     assert "max_steps: invalid value" in _error(["train", "--recipe", str(bad_recipe)])
-    gpt2 = tmp_path / "gpt2.json"
-    gpt2.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 4096}))
-    assert "not supported" in _error(["train", "--config", str(gpt2), "--data", str(txt)])
+    biogpt = tmp_path / "biogpt.json"
+    biogpt.write_text(json.dumps({"model_type": "biogpt", "vocab_size": 4096}))
+    assert "not supported" in _error(["train", "--config", str(biogpt), "--data", str(txt)])
     short = tmp_path / "short.txt"
     short.write_text("too short")
     assert "not enough text" in _error(["train", "--data", str(short), "--seq-len", "512"])
@@ -818,3 +818,14 @@ def test_the_header_counts_the_rows_a_step_trains(world, sp, rows, split):
     from hf_megatrain.cli_train import step_rows
 
     assert step_rows(2, 4, world, sp) == (rows, split)
+
+
+def test_an_output_dir_name_too_long_for_its_staging_is_refused_at_parse_time(tmp_path):
+    """Saves are staged beside the output folder under names some 40 bytes longer: a name of
+    240 bytes trained, published its checkpoints, then failed its final save with a traceback
+    (ENAMETOOLONG), on every re-run. Now one line before any work; one over the file system's
+    limit too (it was a traceback from the argument check)."""
+    for n in (240, 300):
+        msg = _error(["train", "--output_dir", str(tmp_path / ("c" * n)), "--max_steps", "1"])
+        assert "pass a shorter --output_dir name" in msg and "\n" not in msg
+    assert not list(tmp_path.iterdir())

@@ -83,7 +83,9 @@ def test_router_aux_loss_reaches_router_gradients(arch):
     _, _, gs0, gm0 = _stock_and_streamed_grads(arch, router_aux_loss_coef=0.0)
     assert out_m.aux_loss is not None and out_m.aux_loss.requires_grad
     torch.testing.assert_close(out_m.aux_loss, out_s.aux_loss, rtol=0, atol=0)
-    routers = [n for n in gs if n.endswith(("mlp.gate.weight", "router.weight"))]
+    routers = [
+        n for n in gs if n.endswith(("mlp.gate.weight", "router.weight", "router.layer.weight"))
+    ]
     assert routers, "no router weights found"
     for name in routers:
         # The aux term must change the router gradient by far more than the tolerance below,
@@ -115,7 +117,11 @@ def test_trainer_matches_stock(arch, tmp_path):
         # QKV biases of GPT-NeoX 1.6e-5 and GPTBigCode 1.2e-5; an EXAONE-4 embedding element got
         # 6.8e-8 (stock) vs 7.5e-8 (streamed) in one step, the rounding noise of a row summing
         # to 1e-2 (1.3e-4). 5e-4 for those, 20x below an update of lr 1e-2.
-        atol = 5e-4 if arch in ("glm4", "exaone4", "gpt_neox", "gpt_bigcode") else 1e-5
+        # The same for OPT's and GLM's k_proj biases (1.2e-5, 1.8e-5), Persimmon's key LayerNorm
+        # bias (1.2e-4: a constant added to every key, as a key bias) and a CodeGen embedding
+        # element (2.6e-5).
+        noisy = ("glm4", "exaone4", "gpt_neox", "gpt_bigcode", "opt", "glm", "persimmon", "codegen")
+        atol = 5e-4 if arch in noisy else 1e-5
         torch.testing.assert_close(final[name], p, rtol=0, atol=atol, msg=name)
 
 

@@ -7,8 +7,8 @@ import torch
 from transformers import (
     BertConfig,
     BertForMaskedLM,
-    GPT2Config,
-    GPT2LMHeadModel,
+    BioGptConfig,
+    BioGptForCausalLM,
     LlamaForSequenceClassification,
 )
 
@@ -40,8 +40,16 @@ def _assert_untouched(model, tmp_path) -> None:
     "model_type,build",
     [
         (
-            "gpt2",
-            lambda: GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4)),
+            "biogpt",
+            lambda: BioGptForCausalLM(
+                BioGptConfig(
+                    vocab_size=128,
+                    hidden_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    intermediate_size=64,
+                )
+            ),
         ),
         (
             "bert",
@@ -297,3 +305,38 @@ def test_gradient_checkpointing_of_a_streamed_model_is_left_to_the_engine(tmp_pa
         model.train()
         got = loss_and_grad(model)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_an_address_space_limit_is_host_memory_too(monkeypatch):
+    """Under ``ulimit -v`` (a scheduler's h_vmem) the OS refuses mappings past the limit
+    however much RAM is free: the plan counts on no more than the limit leaves, and a mapping
+    the OS still refuses is the one-line host-memory error (it was mmap's traceback)."""
+    import errno
+    import mmap
+    import resource
+
+    from hf_megatrain import prepare_streamed_model
+    from hf_megatrain.core.host_store import available_host_bytes
+
+    with open("/proc/self/status") as f:
+        used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    limit = used + (1 << 30)  # 1 GiB of address space left
+    real_getrlimit = resource.getrlimit
+    with monkeypatch.context() as m:
+        m.setattr(
+            resource,
+            "getrlimit",
+            lambda which: (
+                (limit, resource.RLIM_INFINITY)
+                if which == resource.RLIMIT_AS
+                else real_getrlimit(which)
+            ),
+        )
+        assert 0 < available_host_bytes() <= 1 << 30
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refused)
+    with pytest.raises(InsufficientHostMemoryError, match="the OS refused .* host memory"):
+        prepare_streamed_model(tiny_model(tiny_config("llama")), "cpu", torch.float32)

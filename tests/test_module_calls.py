@@ -441,4 +441,7 @@ def test_a_loop_of_ones_own_trains_with_streamed_optimizer(tmp_path):
     from hf_megatrain.hf.checkpoint import host_state_dict
 
     got = {k: v.detach().clone() for k, v in host_state_dict(mega).items()}
-    assert_close_weights(stock_params(stock), got)
+    # AdamW divides by each element's RMS: an element whose gradient is near rounding turns the
+    # kernels' ulp differences into update differences (1.3e-6 measured with transformers
+    # 5.25's initial weights, 1e-7 elsewhere); a missed or doubled update leaves ~1e-2.
+    assert_close_weights(stock_params(stock), got, atol=1e-5)

@@ -236,11 +236,11 @@ def test_recipes_refuse_bad_config_arguments(name, tmp_path, capsys):
         recipe.main(["--config", str(tmp_path / "empty"), *out])
     assert e.value.code == 2 and "has no config.json" in capsys.readouterr().err
 
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "biogpt").mkdir()
+    (tmp_path / "biogpt" / "config.json").write_text(json.dumps({"model_type": "biogpt"}))
     with pytest.raises(SystemExit) as e:
-        recipe.main(["--config", str(tmp_path / "gpt2"), *out])
-    assert e.value.code == 2 and "'gpt2' is not supported" in capsys.readouterr().err
+        recipe.main(["--config", str(tmp_path / "biogpt"), *out])
+    assert e.value.code == 2 and "'biogpt' is not supported" in capsys.readouterr().err
 
     # tiny-qwen2's vocab (128) cannot index the bundled tokenizer's 4096 ids.
     with pytest.raises(SystemExit, match="vocab_size is 128"):

@@ -99,12 +99,18 @@ def test_tiled_gated_mlp_input_gradient_is_the_untiled_ones_in_bf16(device):
 
 @pytest.mark.parametrize(
     "arch",
-    [a for a in ARCHS if a not in (*MOE_ARCHS, *AUX_FREE_MOE_ARCHS, "lfm2", "mpt", "bloom")],
+    [
+        a
+        for a in ARCHS
+        if a not in (*MOE_ARCHS, *AUX_FREE_MOE_ARCHS, "lfm2", "mpt", "bloom", "opt", "xglm")
+    ],
 )
 def test_streamed_training_with_tiled_mlp_matches_stock(tmp_path, arch):
     """Every dense family's MLP is token-wise (MoE blocks are left untiled; LFM2 and MPT call
-    theirs feed_forward / ffn, which are not tiled; BLOOM's takes the residual too: see
-    test_install_skips_mlps_with_a_second_input)."""
+    theirs feed_forward / ffn, which are not tiled; OPT and XGLM have no MLP module, their
+    layers call fc1 and fc2 themselves; BLOOM's takes the residual too: see
+    test_install_skips_mlps_with_a_second_input). GPT-2's MLP views its input: a tile of
+    several rows is made contiguous for it."""
     model = tiny_model(tiny_config(arch))
     stock, _ = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, max_steps=4)
     mega, trainer = run_trainer(
@@ -205,3 +211,33 @@ def test_tiled_bf16_weight_gradients_round_once(seed):
     untiled, tiled = error(grads(mlp)), error(grads(mlp, tile=128))
     for u, t in zip(untiled, tiled):
         assert t <= 1.25 * u, (untiled, tiled)
+
+
+@pytest.mark.parametrize("arch, tiles_apply", [("llama", True), ("bloom", False), ("opt", False)])
+def test_the_plan_counts_tiles_only_where_they_apply(arch, tiles_apply):
+    """A model whose MLPs tiling cannot split (BLOOM's takes the residual, OPT's layers call
+    fc1/fc2 themselves) runs untiled whatever mlp_tile_tokens asks: its plan must count the
+    untiled MLP (it counted tiles, and so planned less than the layers use)."""
+    from hf_megatrain.core.options import EngineOptions, StepShape
+    from hf_megatrain.core.planner import plan_memory
+    from hf_megatrain.hf.model import model_shape
+
+    model = tiny_model(tiny_config(arch))
+    shape = model_shape(model)
+    assert shape.mlp_tileable == tiles_apply
+    assert (install_mlp_tiling(model, 8) > 0) == tiles_apply
+    step = StepShape.from_step(4096, 4096)
+    peaks = [
+        plan_memory(
+            shape,
+            step,
+            EngineOptions(mlp_tile_tokens=tile).resolve(clipping=True, cuda=True),
+            torch.float32,
+            1 << 40,
+            1 << 40,
+        ).gpu_total
+        for tile in (0, 512)
+    ]
+    # (Where tiles apply they change the plan: a smaller MLP working set, their weight
+    # gradients' sums; on this tiny model the latter weigh more.)
+    assert (peaks[1] != peaks[0]) == tiles_apply

@@ -1157,6 +1157,12 @@ def fused_loss_runs(shape: ModelShape, options: ResolvedOptions) -> bool:
     return shape.fused_loss and options.fused_loss
 
 
+def mlp_tile(shape: ModelShape, options: ResolvedOptions) -> int:
+    """The MLP tile the layers run (tokens; 0: untiled): ``mlp_tile_tokens`` where tiles apply
+    to the model's MLPs (``ModelShape.mlp_tileable``)."""
+    return options.mlp_tile_tokens if shape.mlp_tileable else 0
+
+
 def loss_chunk_tokens(shape: ModelShape, step: StepShape, options: ResolvedOptions) -> int:
     """Tokens per chunk of the fused loss as the run makes them: ``loss_chunk_tokens``, else
     about 2 GiB of fp32 logits (``default_chunk_tokens``), at most the micro-batch."""
@@ -1173,7 +1179,7 @@ def loss_phase_apart(
     peak, every layer recomputed (``kept`` layers keep their activations), one micro-batch per
     step (with more, the first micro-batch's head and embedding gradients are alive in the next
     one's backward). See ``activation_lines``."""
-    t, tile = step.micro_batch_tokens, options.mlp_tile_tokens
+    t, tile = step.micro_batch_tokens, mlp_tile(shape, options)
     tiled_fused = 0 < tile < t and shape.fused_layer_kernels
     # Liger-Kernel's (fused kernels, norms not this library's compiled ones).
     liger = shape.fused_layer_kernels and not shape.compiled_norms
@@ -1228,7 +1234,7 @@ def segment_chain_counts(
         return {first: n for first, _ in _segments(shape.num_layers, options.checkpoint_every)}
     shared = shares_input_casts(options, dtype)
     _, saving = _kept_output_working_set(
-        shape, step.micro_batch_tokens, options.mlp_tile_tokens, shared_casts=shared
+        shape, step.micro_batch_tokens, mlp_tile(shape, options), shared_casts=shared
     )
     per_token = attention_output_bytes_per_token(shape, dtype)
     return chain_output_counts(shape, options, attention_layers, per_token, saving)
@@ -1265,7 +1271,7 @@ def _kept_phases_apart(
         and fused_loss_runs(shape, options)
         and not shape.experts_per_token
         and not shape.gemma_norms  # (a kept GeGLU layer's backward is not measured)
-        and _is_measured_peak(shape, step.micro_batch_tokens, options.mlp_tile_tokens)
+        and _is_measured_peak(shape, step.micro_batch_tokens, mlp_tile(shape, options))
     )
 
 
@@ -1387,12 +1393,12 @@ def activation_lines(
         kind = KEPT_APART_KIND if apart else KEPT_ACTIVATIONS_KIND
         kept = kept_activations_line(shape, step, options, dtype, len(kept_layers), kind)
     work = _working_set_line(
-        shape, t, options.mlp_tile_tokens, not len(kept_layers), shared_casts=shared
+        shape, t, mlp_tile(shape, options), not len(kept_layers), shared_casts=shared
     )
     joint = None
     if _joint_segment_peak(options, len(kept_layers)):
         work_kept, saving = _kept_output_working_set(
-            shape, t, options.mlp_tile_tokens, work, shared_casts=shared
+            shape, t, mlp_tile(shape, options), work, shared_casts=shared
         )
         counts = chain_output_counts(shape, options, attention_layers, per_token, saving)
         joint = segment_peak(
@@ -1402,11 +1408,11 @@ def activation_lines(
     elif (
         not kept_layers
         and attention_layers >= shape.num_layers
-        and _is_measured_peak(shape, t, options.mlp_tile_tokens)
+        and _is_measured_peak(shape, t, mlp_tile(shape, options))
     ):
         # Every layer keeps its attention output: whichever layer's backward peaks keeps its own.
         work, _ = _kept_output_working_set(
-            shape, t, options.mlp_tile_tokens, work, shared_casts=shared
+            shape, t, mlp_tile(shape, options), work, shared_casts=shared
         )
     if joint is not None:
         lines += joint_peak_lines(joint, t, h, per_token)
@@ -1488,7 +1494,7 @@ def activation_lines(
         )
     lines.append(work)
     work_at = len(lines) - 1
-    if 0 < options.mlp_tile_tokens < t and not shape.experts_per_token:
+    if 0 < mlp_tile(shape, options) < t and not shape.experts_per_token:
         weight_grads = tiled_weight_grad_line(shape, dtype)
         lines.append(weight_grads)
         work = MemoryLine(work.name, work.nbytes + weight_grads.nbytes, work.kind, work.error)
@@ -1597,7 +1603,7 @@ def activation_lines(
                     )
                 )
             first = kept.nbytes + max(loss_part, kept_backward)
-            peak = _working_set_line(shape, t, options.mlp_tile_tokens, shared_casts=shared)
+            peak = _working_set_line(shape, t, mlp_tile(shape, options), shared_casts=shared)
             if len(kept_layers) == shape.num_layers:
                 lines[work_at] = MemoryLine(
                     "one layer's backward working set: none, every layer keeps its activations",

@@ -134,6 +134,10 @@ class ModelShape:
     # Routed experts per token (MoE; 0 for a dense model): the working set's routed-experts term
     # and, with the aux loss on, its temporaries.
     experts_per_token: int = 0
+    # Whether MLP tiles apply to every dense layer (its MLP a one-input module: not BLOOM's,
+    # which takes the residual, nor OPT's fc1/fc2 called by the layer itself); where not, the
+    # plan counts the untiled MLP whatever ``mlp_tile_tokens`` asks.
+    mlp_tileable: bool = True
     # Whether that term is audited for the family (within 5%: its own estimate kind); else the
     # line carries the dense working set's larger error.
     moe_working_set_audited: bool = False

@@ -26,6 +26,13 @@ def _run(module: nn.Module, forward, names: list[str], params, x: torch.Tensor) 
         return forward(module, x)
 
 
+def _tiles(x: torch.Tensor, tile: int) -> list[torch.Tensor]:
+    """``x`` in tiles of ``tile`` tokens (dim -2), each contiguous: a tile of several rows is a
+    strided view, and an MLP may ``view`` its input (GPT-2's Conv1D). One row's tiles (long
+    context) are contiguous already: no copy."""
+    return [xs.contiguous() for xs in x.split(tile, dim=-2)]
+
+
 class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, forward, names, tile, x, *params):
@@ -42,7 +49,7 @@ class _TiledFunction(torch.autograd.Function):
             # ran all the tiles.)
             return torch.empty_like(x)
         with torch.no_grad():
-            outs = [_run(module, forward, names, params, xs) for xs in x.split(tile, dim=-2)]
+            outs = [_run(module, forward, names, params, xs) for xs in _tiles(x, tile)]
         return torch.cat(outs, dim=-2)
 
     @staticmethod
@@ -53,7 +60,7 @@ class _TiledFunction(torch.autograd.Function):
         grad_x = torch.empty_like(x) if x.requires_grad else None
         grad_params: list[torch.Tensor | None] = [None] * len(trainable)
         offset = 0
-        for xs, gs in zip(x.split(ctx.tile, dim=-2), grad_out.split(ctx.tile, dim=-2)):
+        for xs, gs in zip(_tiles(x, ctx.tile), grad_out.split(ctx.tile, dim=-2)):
             xs = xs.detach().requires_grad_(x.requires_grad)
             dev, enabled, dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
@@ -111,7 +118,7 @@ class TiledTokenwise:
         names = [n for n, _ in named]
         params = [p for _, p in named]
         if not torch.is_grad_enabled():
-            outs = [self.forward_impl(self.module, xs) for xs in x.split(self.tile_tokens, dim=-2)]
+            outs = [self.forward_impl(self.module, xs) for xs in _tiles(x, self.tile_tokens)]
             return torch.cat(outs, dim=-2)
         return _TiledFunction.apply(
             self.module, self.forward_impl, names, self.tile_tokens, x, *params

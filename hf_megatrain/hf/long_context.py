@@ -213,6 +213,19 @@ def _takes_one_input(module: nn.Module) -> bool:
     return len(required) == 1
 
 
+def tileable_mlp(layer: nn.Module) -> nn.Module | None:
+    """The decoder layer's dense, token-wise MLP module that tiling splits, or None: no such
+    module (OPT's and XGLM's layers call fc1 and fc2 themselves; LFM2's and MPT's are named
+    otherwise), an MoE block, or an MLP with a second input (BLOOM's adds the residual)."""
+    for attr in _MLP_ATTRS:
+        mlp = getattr(layer, attr, None)
+        if mlp is None or any(hasattr(mlp, m) for m in _MOE_MARKERS):
+            continue
+        if _takes_one_input(mlp):
+            return mlp
+    return None
+
+
 def install_mlp_tiling(model: nn.Module, tile_tokens: int) -> int:
     """Tile every decoder layer's dense MLP along the sequence; returns how many were tiled."""
     if tile_tokens <= 0:
@@ -220,15 +233,10 @@ def install_mlp_tiling(model: nn.Module, tile_tokens: int) -> int:
     _, layers = find_decoder_layers(model)
     count = 0
     for layer in layers:
-        for attr in _MLP_ATTRS:
-            mlp = getattr(layer, attr, None)
-            if mlp is None or any(hasattr(mlp, m) for m in _MOE_MARKERS):
-                continue
-            if not _takes_one_input(mlp):
-                continue  # e.g. BLOOM's MLP adds the residual itself: (hidden_states, residual)
-            if not isinstance(mlp.forward, TiledTokenwise):
-                mlp.forward = TiledTokenwise(mlp, tile_tokens)
-                count += 1
+        mlp = tileable_mlp(layer)
+        if mlp is not None and not isinstance(mlp.forward, TiledTokenwise):
+            mlp.forward = TiledTokenwise(mlp, tile_tokens)
+            count += 1
     if count:
         logger.info("hf_megatrain: MLPs of %d layers tiled by %d tokens", count, tile_tokens)
     return count

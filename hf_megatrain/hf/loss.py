@@ -42,12 +42,15 @@ FUSED_LOSS_MODEL_TYPES = {
     "olmo", "stablelm", "gpt_neox", "nemotron", "arcee", "apertus", "hunyuan_v1_dense", "lfm2",
     "glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "falcon", "bloom", "mpt", "gpt_bigcode",
     "qwen3_next", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "phi", "gptj",
-    "cohere", "granite", "granitemoe",
+    "cohere", "granite", "granitemoe", "gpt2", "gpt_neo", "codegen", "opt", "xglm",
+    "persimmon", "glm", "ministral", "ministral3", "cohere2", "vaultgemma", "cwm", "bitnet",
+    "diffllama", "nanochat", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "lfm2_moe",
+    "flex_olmo", "glm4_moe_lite", "solar_open",
 }  # fmt: skip
 #: Families whose forward multiplies the head's logits by ``model.logit_scale`` (Cohere) ...
-LOGIT_SCALE_MODEL_TYPES = {"cohere"}
+LOGIT_SCALE_MODEL_TYPES = {"cohere", "cohere2"}
 #: ... or divides them by ``config.logits_scaling`` (Granite, Granite-MoE).
-LOGITS_SCALING_MODEL_TYPES = {"granite", "granitemoe"}
+LOGITS_SCALING_MODEL_TYPES = {"granite", "granitemoe", "granitemoeshared"}
 
 #: The ``*ForCausalLM`` attributes an MoE family's forward passes to its router aux loss.
 _ROUTER_AUX_ATTRS = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")

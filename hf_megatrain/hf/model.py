@@ -51,7 +51,7 @@ from .family_memory import (
     kept_bytes_audited,
 )
 from .layers import UnsupportedModelError, find_decoder_layers, forward_function
-from .long_context import install_mlp_tiling
+from .long_context import install_mlp_tiling, tileable_mlp
 from .loss import (
     load_balancing_loss_function,
     router_aux_loss_on,
@@ -65,7 +65,10 @@ logger = logging.getLogger(__name__)
 
 _EAGER_WINDOW_MASK = re.compile(r'"sliding_attention":\s*create_sliding_window_causal_mask\(')
 
-_MOE_TYPES = {"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"}
+_MOE_TYPES = {
+    "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "granitemoeshared",
+    "flex_olmo",
+}  # fmt: skip
 
 
 @dataclass
@@ -259,6 +262,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         num_experts=getattr(causal_lm, "num_experts", 0) if aux else 0,
         # Routed experts per token (the working set's; 0 for dense models).
         experts_per_token=experts or 0,
+        mlp_tileable=all(
+            tileable_mlp(layer) is not None for layer in layers if not _has_experts(layer)
+        ),
         router_aux_one_hot=one_hot,
         moe_working_set_audited=family in MOE_WORKING_SET_AUDITED_MODEL_TYPES,
         fp32_routing_weights=family in MOE_FP32_ROUTING_MODEL_TYPES,
@@ -424,6 +430,17 @@ SUPPORTED_PEFT_TYPES = frozenset(
 )
 
 
+def _causal_lm_class(model: nn.Module, model_type: str | None) -> bool:
+    """Whether ``model`` is a causal LM class (with its head): a ``*ForCausalLM``, or the class
+    transformers' causal-LM mapping builds for its type (GPT-2's ``GPT2LMHeadModel``)."""
+    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal_lm,
+    )
+
+    name = type(model).__name__
+    return name.endswith("ForCausalLM") or name == causal_lm.get(model_type or "")
+
+
 def check_supported(model: nn.Module) -> str:
     """Raise ``UnsupportedModelError`` naming the problem, before anything is allocated."""
     if _is_peft(model):
@@ -448,7 +465,7 @@ def check_supported(model: nn.Module) -> str:
             if config is not None
             else f"hf_megatrain: {type(model).__name__} has no config: not a transformers model"
         )
-    if not type(model).__name__.endswith("ForCausalLM"):
+    if not _causal_lm_class(model, named):
         raise UnsupportedModelError(
             f"hf_megatrain: {type(model).__name__} is not a *ForCausalLM model; "
             f"load it with AutoModelForCausalLM."
