@@ -151,14 +151,12 @@ _SHAPES: dict[str, Any] = {}
 
 def model_shape(model: str):
     """The planner's ``ModelShape`` of a config as a CUDA run on this site plans it (built on
-    meta, with the layer kernels the run would use: Liger-Kernel's where it is installed, else
-    the compiled ones; ``cli_plan.planned_kernel_shape``), cached per model."""
+    meta, with the layer kernels ``layer_kernels="auto"`` gives the family here:
+    ``cli_plan.planned_kernel_shape``), cached per model."""
     if model not in _SHAPES:
         from hf_megatrain.cli_plan import planned_kernel_shape
-        from hf_megatrain.hf.long_context import liger_installed
 
-        config = bench.load_model_config(model)
-        _SHAPES[model], _ = planned_kernel_shape(config, model, liger=liger_installed())
+        _SHAPES[model], _ = planned_kernel_shape(bench.load_model_config(model), model)
     return _SHAPES[model]
 
 

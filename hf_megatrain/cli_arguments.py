@@ -522,17 +522,26 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
 
 
 def _check_name_length(out: Path) -> None:
-    """Refuses an output folder whose name leaves no room for the names staged beside it
-    (``publish.STAGED_NAME_EXTRA`` bytes more) on its file system: the run would train, then
-    fail at its final save."""
+    """Refuses an output folder whose path has a name too long for its file system, or whose
+    own name (its real path's: saves and the lock go beside that) leaves no room for the names
+    staged beside it (``publish.STAGED_NAME_EXTRA`` bytes more): the run would train, then fail
+    at its final save."""
     from .core.publish import STAGED_NAME_EXTRA  # noqa: PLC0415
 
-    existing = next(p for p in (out.absolute(), *out.absolute().parents) if _exists(p))
+    real = Path(os.path.realpath(out))
+    parents = [p for p in real.parents if _exists(p)]
     try:
-        name_max = os.pathconf(existing, "PC_NAME_MAX")
+        name_max = os.pathconf(parents[0] if parents else "/", "PC_NAME_MAX")
     except (OSError, ValueError):
         name_max = 255
-    size = len(os.fsencode(out.absolute().name))
+    name_max = name_max if name_max > 0 else 255
+    longest = max(real.parts[1:] or [""], key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(longest)) > name_max:
+        raise CLIError(
+            f"output_dir has a name of {len(os.fsencode(longest))} bytes, past this file "
+            f"system's {name_max}-byte limit: pass a shorter --output_dir name"
+        )
+    size = len(os.fsencode(real.name))
     if size + STAGED_NAME_EXTRA > name_max:
         raise CLIError(
             f"output_dir's name is {size} bytes: saves are staged beside it under names up to "

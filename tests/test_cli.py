@@ -828,4 +828,12 @@ def test_an_output_dir_name_too_long_for_its_staging_is_refused_at_parse_time(tm
     for n in (240, 300):
         msg = _error(["train", "--output_dir", str(tmp_path / ("c" * n)), "--max_steps", "1"])
         assert "pass a shorter --output_dir name" in msg and "\n" not in msg
-    assert not list(tmp_path.iterdir())
+    # A name too long in the middle of the path; a short link to a long-named folder (saves
+    # and the lock go beside the folder's real path).
+    msg = _error(["train", "--output_dir", str(tmp_path / ("m" * 300) / "run")])
+    assert "past this file system's" in msg and "\n" not in msg
+    (tmp_path / ("d" * 230)).mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / ("d" * 230))
+    msg = _error(["train", "--output_dir", str(tmp_path / "link"), "--max_steps", "1"])
+    assert "pass a shorter --output_dir name" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d" * 230, "link"]

@@ -109,6 +109,21 @@ def available_host_bytes() -> int:
     return avail
 
 
+def anonymous_map(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of anonymous host memory; the OS refusing them (out of memory, or a process
+    limit such as ulimit -v) is an :class:`InsufficientHostMemoryError`, not mmap's traceback."""
+    try:
+        return mmap.mmap(-1, nbytes)
+    except OSError as e:
+        if e.errno != errno.ENOMEM:
+            raise
+        raise InsufficientHostMemoryError(
+            f"hf_megatrain: the OS refused {nbytes / 2**30:.2f} GiB of host memory for the host "
+            "store (out of memory, or a process limit such as ulimit -v): free host RAM, raise "
+            "the limit, or plan the run with host_memory_limit_gb (--host-memory-limit-gb)"
+        ) from None
+
+
 def planned_host_bytes(available: int, limit_bytes: int | None) -> int:
     """The host RAM a memory plan counts on: what is ``available``, at most the run's
     ``host_memory_limit_gb`` (``limit_bytes``) where one is set, as the host store is then held
@@ -220,7 +235,7 @@ class PinnedBuffer:
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.nbytes = _round_up(max(nbytes, 1), PAGE)
-        self._mmap = mmap.mmap(-1, self.nbytes)
+        self._mmap = anonymous_map(self.nbytes)
         self.raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)
         ptr = self.raw.data_ptr()
         self.pinned = pin and _cuda_register(ptr, self.nbytes)
@@ -404,16 +419,7 @@ class LayerStore(_FlatLayerState):
             numel, stream_dtype, trainable, hold_grad, stream_master, grad_dtype
         )
         grad_bytes = _round_up(numel * grad_dtype.itemsize, PAGE)
-        try:
-            self._mmap = mmap.mmap(-1, max(total, PAGE))
-        except OSError as e:
-            if e.errno != errno.ENOMEM:
-                raise
-            raise InsufficientHostMemoryError(
-                f"hf_megatrain: the OS refused {total / 2**30:.2f} GiB of host memory for a "
-                "layer's store (out of memory, or a process limit such as ulimit -v): free "
-                "host RAM, raise the limit, or plan the run with --host-memory-limit-gb"
-            ) from None
+        self._mmap = anonymous_map(max(total, PAGE))
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total) if total else None
 
         def view(start: int, dtype: torch.dtype) -> torch.Tensor:
@@ -525,7 +531,7 @@ class LayerStore(_FlatLayerState):
         if not (self.trainable and self.owned):
             return
         total = owned_layer_bytes(numel, True, self.holds_grad)
-        self._mmap = mmap.mmap(-1, total)
+        self._mmap = anonymous_map(total)
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total)
         cursor = 0
         if self.holds_grad:
@@ -583,7 +589,7 @@ class FrozenLayerStore(LayerStore):
         self.grad = self.exp_avg = self.exp_avg_sq = None
         self._finalizers = []
         self.nbytes = frozen_layer_bytes(numel, stream_dtype)
-        self._mmap = mmap.mmap(-1, max(self.nbytes, PAGE))
+        self._mmap = anonymous_map(max(self.nbytes, PAGE))
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=max(self.nbytes, PAGE))
         self.master = self.stream = raw[: numel * stream_dtype.itemsize].view(stream_dtype)
         self.pinned = pin and self._register(raw.data_ptr(), self.nbytes)

@@ -488,7 +488,7 @@ def publish(temp: str, target: str, keep: Callable[[str], bool] | None = None) -
 
 @contextmanager
 def _interrupts_deferred() -> Iterator[None]:
-    """Ctrl-C (SIGINT) held back until the block ends, then raised: the one-by-one moves of
+    """Ctrl-C (SIGINT) held back until the block ends, then delivered: the one-by-one moves of
     ``_replace_files`` must not stop half way (a mixed set, its staging deleted). Only the
     main thread receives signals; elsewhere the block runs as is."""
     if threading.current_thread() is not threading.main_thread():
@@ -500,8 +500,8 @@ def _interrupts_deferred() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
-    if received:
-        raise KeyboardInterrupt
+    if received and previous is not signal.SIG_IGN:
+        signal.raise_signal(signal.SIGINT)  # (to the handler it was meant for)
 
 
 def _replace_files(temp: str, target: str, keep: Callable[[str], bool] | None) -> None:

@@ -26,11 +26,12 @@ def _run(module: nn.Module, forward, names: list[str], params, x: torch.Tensor) 
         return forward(module, x)
 
 
-def _tiles(x: torch.Tensor, tile: int) -> list[torch.Tensor]:
+def _tiles(x: torch.Tensor, tile: int):
     """``x`` in tiles of ``tile`` tokens (dim -2), each contiguous: a tile of several rows is a
     strided view, and an MLP may ``view`` its input (GPT-2's Conv1D). One row's tiles (long
-    context) are contiguous already: no copy."""
-    return [xs.contiguous() for xs in x.split(tile, dim=-2)]
+    context) are contiguous already: no copy. Made one at a time (a generator): several rows'
+    copies never all exist at once."""
+    return (xs.contiguous() for xs in x.split(tile, dim=-2))
 
 
 class _TiledFunction(torch.autograd.Function):
