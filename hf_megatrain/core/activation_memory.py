@@ -1377,6 +1377,7 @@ def activation_lines(
     the attention outputs the last ``attention_layers`` recomputed layers keep."""
     isz = itemsize(dtype)
     t, h, v = step.micro_batch_tokens, shape.hidden_size, shape.vocab_size
+    tile = mlp_tile(shape, options)  # (0 where the MLPs run untiled)
     lines = []
     b = options.boundary_bytes_per_element
     # Saved narrower than the fp32 residual stream: backward recomputes each layer from its
@@ -1392,14 +1393,10 @@ def activation_lines(
     if kept_layers:
         kind = KEPT_APART_KIND if apart else KEPT_ACTIVATIONS_KIND
         kept = kept_activations_line(shape, step, options, dtype, len(kept_layers), kind)
-    work = _working_set_line(
-        shape, t, mlp_tile(shape, options), not len(kept_layers), shared_casts=shared
-    )
+    work = _working_set_line(shape, t, tile, not len(kept_layers), shared_casts=shared)
     joint = None
     if _joint_segment_peak(options, len(kept_layers)):
-        work_kept, saving = _kept_output_working_set(
-            shape, t, mlp_tile(shape, options), work, shared_casts=shared
-        )
+        work_kept, saving = _kept_output_working_set(shape, t, tile, work, shared_casts=shared)
         counts = chain_output_counts(shape, options, attention_layers, per_token, saving)
         joint = segment_peak(
             shape, options, attention_layers, chain_layers, per_token, saving, counts
@@ -1408,12 +1405,10 @@ def activation_lines(
     elif (
         not kept_layers
         and attention_layers >= shape.num_layers
-        and _is_measured_peak(shape, t, mlp_tile(shape, options))
+        and _is_measured_peak(shape, t, tile)
     ):
         # Every layer keeps its attention output: whichever layer's backward peaks keeps its own.
-        work, _ = _kept_output_working_set(
-            shape, t, mlp_tile(shape, options), work, shared_casts=shared
-        )
+        work, _ = _kept_output_working_set(shape, t, tile, work, shared_casts=shared)
     if joint is not None:
         lines += joint_peak_lines(joint, t, h, per_token)
     elif not options.offload_activations:
@@ -1494,7 +1489,7 @@ def activation_lines(
         )
     lines.append(work)
     work_at = len(lines) - 1
-    if 0 < mlp_tile(shape, options) < t and not shape.experts_per_token:
+    if 0 < tile < t and not shape.experts_per_token:
         weight_grads = tiled_weight_grad_line(shape, dtype)
         lines.append(weight_grads)
         work = MemoryLine(work.name, work.nbytes + weight_grads.nbytes, work.kind, work.error)
@@ -1603,7 +1598,7 @@ def activation_lines(
                     )
                 )
             first = kept.nbytes + max(loss_part, kept_backward)
-            peak = _working_set_line(shape, t, mlp_tile(shape, options), shared_casts=shared)
+            peak = _working_set_line(shape, t, tile, shared_casts=shared)
             if len(kept_layers) == shape.num_layers:
                 lines[work_at] = MemoryLine(
                     "one layer's backward working set: none, every layer keeps its activations",

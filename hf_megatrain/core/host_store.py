@@ -61,16 +61,17 @@ class InsufficientHostMemoryError(MemoryError):
     """Raised before any allocation when the host store would not fit in host RAM."""
 
 
-def _address_space_bytes() -> int:
-    """This process's mapped address space (VmSize), 0 where /proc does not say."""
+def process_memory_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (``VmSize``, ``VmRSS``, ``VmHWM``) in bytes; None
+    where /proc does not say."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmSize:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return None
 
 
 def available_host_bytes() -> int:
@@ -91,7 +92,7 @@ def available_host_bytes() -> int:
     # mappings past it however much RAM is free.
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
-        avail = min(avail, max(soft - _address_space_bytes(), 0))
+        avail = min(avail, max(soft - (process_memory_bytes("VmSize") or 0), 0))
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             with open(path) as f:

@@ -28,7 +28,7 @@ from torch.utils.data import BatchSampler
 from transformers import Trainer, TrainingArguments
 
 from ..core.distributed import DataParallelError, launch_layout_error
-from ..core.host_store import InsufficientHostMemoryError
+from ..core.host_store import InsufficientHostMemoryError, process_memory_bytes
 from ..core.optimizer import adamw_setting_errors
 from ..core.options import (
     EXPORT_DTYPES,
@@ -180,14 +180,10 @@ def _rotate_checkpoints(trainer: Trainer, run_dir: str) -> None:
 
 def _host_memory_gib() -> tuple[float | None, float | None]:
     """(current RSS, peak RSS) of this process in GiB, from /proc (None where unavailable)."""
-    try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        rss = int(fields["VmRSS"].split()[0]) / 2**20
-        hwm = int(fields["VmHWM"].split()[0]) / 2**20
-        return round(rss, 2), round(hwm, 2)
-    except (OSError, KeyError, ValueError):
+    rss, hwm = process_memory_bytes("VmRSS"), process_memory_bytes("VmHWM")
+    if rss is None or hwm is None:
         return None, None
+    return round(rss / 2**30, 2), round(hwm / 2**30, 2)
 
 
 def _warn_plan_without_liger(model: nn.Module) -> None:
