@@ -121,6 +121,8 @@
 #              streamed curve (seed1bisect: every-layer-in-HBM 2e-3 from streamed). ~3 min.
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
+#   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
+#   tilegpu    tests/test_tiling.py (CUDA cases) and tests/test_gpu.py's tile cases. ~2 min.
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
 #              twice): stock, streamed, streamed without the overlapped host update and without
 #              Liger-Kernel; then streamed with the SDPA backend pinned to math and with
@@ -373,6 +375,16 @@ item() {  # item <name>: one queue item
         benchmarks/bench.py --tag old8b64k --run "llama-3.1-8b:65536:megatrain-hbm:16" \
         --seq-len 4096 --streamed-init --timeout-s 300 --results-dir "$work/results" --steps 8 \
         --warmup 1)
+      ;;
+    old14b)  # compact14b on the tree of $OLD_COMMIT, as old8b
+      (cd .abold && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
+        benchmarks/bench.py --tag old14b64k --run "qwen2.5-14b:65536:megatrain-hbm:16" \
+        --seq-len 4096 --streamed-init --timeout-s 300 --results-dir "$work/results" --steps 3 \
+        --warmup 1)
+      ;;
+    tilegpu)
+      timeout 300 python3 -m pytest tests/test_tiling.py tests/test_gpu.py -o addopts="" \
+        -p no:cacheprovider -rA -q -k "tile or tiled" 2>&1 | grep -v '^DEBUG' | tail -30
       ;;
     gemma2bisect)
       timeout 400 python3 benchmarks/loss_curves.py --family gemma2 --size small --seq-len 512 \

@@ -40,6 +40,52 @@ def test_tiled_module_equals_untiled(tile):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+class _TokenCounter(torch.nn.Module):
+    """A token-wise MLP that records how many tokens each of its calls gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.calls: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.numel() // x.shape[-1])
+        return torch.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize(("rows", "length", "tile"), [(4, 8, 8), (3, 5, 4), (1, 37, 16)])
+def test_tiles_count_the_micro_batchs_tokens_not_each_rows(rows, length, tile):
+    """The plan counts an MLP tile over a micro-batch's tokens; the tiles must be those: rows no
+    longer than the tile (packed 4k rows under 16k tiles) run tiled too, and tiles may span
+    rows. Outputs, a later in-place add (Falcon's layer) and gradients as untiled."""
+    torch.manual_seed(0)
+    mlp = _TokenCounter()
+    ref = copy.deepcopy(mlp)
+    mlp.forward = TiledTokenwise(mlp, tile)
+    x = torch.randn(rows, length, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, out_ref = mlp(x) + 0, ref(x_ref) + 0
+    tiled_out = mlp(x)
+    tiled_out += 1.0  # an output the caller may modify in place
+    tokens = rows * length
+    assert max(mlp.calls) <= tile and sum(mlp.calls) == 2 * tokens
+    mlp.calls.clear()
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    (out_ref * g).sum().backward()
+    assert mlp.calls and max(mlp.calls) <= tile  # the backward's recompute, tile by tile
+    # fp32: the same per-token ops; weight gradients summed over tiles in another order only.
+    torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tiled_out, out_ref + 1.0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    for p, q in zip(mlp.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        mlp.calls.clear()
+        torch.testing.assert_close(mlp(x), out_ref, rtol=1e-6, atol=1e-6)
+        assert max(mlp.calls) <= tile
+
+
 def test_tiled_backward_recomputes_under_the_forward_autocast():
     """On CUDA the backward runs on the autograd engine's device thread, where the forward's
     autocast is not active; the recompute must restore it (bf16 weights, fp32 activations)."""

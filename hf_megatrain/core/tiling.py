@@ -26,12 +26,37 @@ def _run(module: nn.Module, forward, names: list[str], params, x: torch.Tensor) 
         return forward(module, x)
 
 
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s tokens as one row, ``[1, tokens, features]``: tiles count a micro-batch's tokens
+    (as the memory plan does), not each row's, so rows no longer than the tile are tiled too. A
+    view where ``x`` is contiguous (a layer's hidden states are)."""
+    return x.reshape(1, -1, x.shape[-1])
+
+
 def _tiles(x: torch.Tensor, tile: int):
-    """``x`` in tiles of ``tile`` tokens (dim -2), each contiguous: a tile of several rows is a
-    strided view, and an MLP may ``view`` its input (GPT-2's Conv1D). One row's tiles (long
-    context) are contiguous already: no copy. Made one at a time (a generator): several rows'
-    copies never all exist at once."""
-    return (xs.contiguous() for xs in x.split(tile, dim=-2))
+    """``x``'s tokens in tiles of ``tile`` (``_tokens``), each contiguous (an MLP may ``view``
+    its input: GPT-2's Conv1D), made one at a time (a generator)."""
+    return (xs.contiguous() for xs in _tokens(x).split(tile, dim=-2))
+
+
+def _tiled_outputs(x: torch.Tensor, tile: int, run) -> torch.Tensor:
+    """``run`` over ``x``'s tiles, written into one fresh tensor of ``x``'s leading shape: no
+    list of tile outputs plus their concatenation, and no view a caller could not modify in
+    place (Falcon's layer adds the attention output into the MLP's)."""
+    out = flat = None
+    offset = 0
+    for xs in _tiles(x, tile):
+        ys = run(xs)
+        if out is None:
+            out = ys.new_empty(*x.shape[:-1], ys.shape[-1])
+            flat = _tokens(out)
+        flat.narrow(-2, offset, ys.shape[-2]).copy_(ys)
+        offset += ys.shape[-2]
+    return out
+
+
+def _token_count(x: torch.Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
 
 
 class _TiledFunction(torch.autograd.Function):
@@ -50,18 +75,18 @@ class _TiledFunction(torch.autograd.Function):
             # ran all the tiles.)
             return torch.empty_like(x)
         with torch.no_grad():
-            outs = [_run(module, forward, names, params, xs) for xs in _tiles(x, tile)]
-        return torch.cat(outs, dim=-2)
+            return _tiled_outputs(x, tile, lambda xs: _run(module, forward, names, params, xs))
 
     @staticmethod
     def backward(ctx, grad_out):
         x, *params = ctx.saved_tensors
         leaves = [p.detach().requires_grad_(p.requires_grad) for p in params]
         trainable = [p for p in leaves if p.requires_grad]
-        grad_x = torch.empty_like(x) if x.requires_grad else None
+        grad_x = x.new_empty(x.shape) if x.requires_grad else None
         grad_params: list[torch.Tensor | None] = [None] * len(trainable)
         offset = 0
-        for xs, gs in zip(_tiles(x, ctx.tile), grad_out.split(ctx.tile, dim=-2)):
+        grad_tiles = _tokens(grad_out).split(ctx.tile, dim=-2)
+        for xs, gs in zip(_tiles(x, ctx.tile), grad_tiles):
             xs = xs.detach().requires_grad_(x.requires_grad)
             dev, enabled, dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
@@ -75,7 +100,7 @@ class _TiledFunction(torch.autograd.Function):
             grads = torch.autograd.grad(out, wrt, gs, allow_unused=True)
             if x.requires_grad:
                 n = xs.shape[-2]
-                grad_x.narrow(-2, offset, n).copy_(grads[0])
+                _tokens(grad_x).narrow(-2, offset, n).copy_(grads[0])
                 offset += n
                 grads = grads[1:]
             for i, g in enumerate(grads):
@@ -96,7 +121,8 @@ class _TiledFunction(torch.autograd.Function):
 class TiledTokenwise:
     """Callable installed as a token-wise module's ``forward``: tiles long sequences.
 
-    Sequences up to ``tile_tokens`` long (dim -2) run the module's own forward unchanged.
+    Inputs of up to ``tile_tokens`` tokens (all rows together) run the module's own forward
+    unchanged; longer ones run in tiles of that many tokens, rows flattened into one.
     """
 
     def __init__(self, module: nn.Module, tile_tokens: int, forward_impl=None) -> None:
@@ -112,15 +138,16 @@ class TiledTokenwise:
         self.forward_impl = forward_impl
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[-2] <= self.tile_tokens:
+        if x.dim() < 2 or _token_count(x) <= self.tile_tokens:
             return self.forward_impl(self.module, x)
         # Inside a streamed layer these are the bound streamed tensors, not meta placeholders.
         named = list(self.module.named_parameters())
         names = [n for n, _ in named]
         params = [p for _, p in named]
         if not torch.is_grad_enabled():
-            outs = [self.forward_impl(self.module, xs) for xs in _tiles(x, self.tile_tokens)]
-            return torch.cat(outs, dim=-2)
+            return _tiled_outputs(
+                x, self.tile_tokens, lambda xs: self.forward_impl(self.module, xs)
+            )
         return _TiledFunction.apply(
             self.module, self.forward_impl, names, self.tile_tokens, x, *params
         )

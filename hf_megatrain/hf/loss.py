@@ -26,27 +26,18 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ..core.chunked_loss import IGNORE_INDEX, LogitMap, chunked_linear_cross_entropy
-from .families import model_family
+from .families import SUPPORTED_MODEL_TYPES, model_family
 
 logger = logging.getLogger(__name__)
 
-#: Families whose causal-LM loss is plain cross-entropy over ``lm_head(hidden)`` (its bias
-#: included: Phi's, GPT-J's), then the maps below and Gemma's final soft-capping: the chunked
-#: loss computes the same. The MoE ones among them add their router aux loss, when it is on,
+#: Every supported family: each one's causal-LM loss is plain cross-entropy over
+#: ``lm_head(hidden)`` (its bias included: Phi's, GPT-J's), then the maps below and Gemma's final
+#: soft-capping, which the chunked loss computes too; a family whose loss is something else
+#: (BioGPT's, Llama 4's) is not supported. The MoE ones add their router aux loss, when it is on,
 #: exactly as their forward does (see ``load_balancing_loss_function``); the aux-free
 #: DeepSeek-style ones have none. tests/test_chunked_loss.py checks each against the model's own
 #: loss, aux loss on and off.
-FUSED_LOSS_MODEL_TYPES = {
-    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "gemma2", "olmo2", "olmo3",
-    "smollm3", "starcoder2", "glm4", "ernie4_5", "helium", "exaone4", "seed_oss", "gemma",
-    "olmo", "stablelm", "gpt_neox", "nemotron", "arcee", "apertus", "hunyuan_v1_dense", "lfm2",
-    "glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "falcon", "bloom", "mpt", "gpt_bigcode",
-    "qwen3_next", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "phi", "gptj",
-    "cohere", "granite", "granitemoe", "gpt2", "gpt_neo", "codegen", "opt", "xglm",
-    "persimmon", "glm", "ministral", "ministral3", "cohere2", "vaultgemma", "cwm", "bitnet",
-    "diffllama", "nanochat", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "lfm2_moe",
-    "flex_olmo", "glm4_moe_lite", "solar_open",
-}  # fmt: skip
+FUSED_LOSS_MODEL_TYPES = frozenset(SUPPORTED_MODEL_TYPES)
 #: Families whose forward multiplies the head's logits by ``model.logit_scale`` (Cohere) ...
 LOGIT_SCALE_MODEL_TYPES = {"cohere", "cohere2"}
 #: ... or divides them by ``config.logits_scaling`` (Granite, Granite-MoE).
