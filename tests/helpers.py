@@ -599,7 +599,7 @@ class LiveStorages(TorchDispatchMode):
         self.forget(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = _fast_bf16_gemm(func, args, kwargs or {})
+        out = fast_bf16_gemm(func, args, kwargs or {})
         if self.ignore:
             return out
         for key, t in new_cpu_storages(args, kwargs, out, self.live):
@@ -621,7 +621,7 @@ _GEMMS = (
 )
 
 
-def _fast_bf16_gemm(func, args, kwargs):
+def fast_bf16_gemm(func, args, kwargs):
     """``func(*args, **kwargs)``; a bf16 matrix product on the CPU as an fp32 one rounded to bf16.
 
     A live-tensor tracker measures bytes: the output (bf16, contiguous, its shape) is the op's
@@ -641,7 +641,7 @@ def _fast_bf16_gemm(func, args, kwargs):
 
 
 class FastBf16Gemms(TorchDispatchMode):
-    """bf16 matrix products on the CPU run as fp32 ones rounded to bf16 (``_fast_bf16_gemm``),
+    """bf16 matrix products on the CPU run as fp32 ones rounded to bf16 (``fast_bf16_gemm``),
     each inside a profiler scope named as the op, so an ``AllocationTimeline`` counts its output
     and drops its fp32 operands as a GEMM's own scratch. Not under torch.compile (a dispatch
     mode makes it fall back to eager)."""
@@ -650,7 +650,7 @@ class FastBf16Gemms(TorchDispatchMode):
         if func not in _GEMMS:
             return func(*args, **(kwargs or {}))
         with torch.profiler.record_function(f"aten::{func._opname}"):
-            return _fast_bf16_gemm(func, args, kwargs or {})
+            return fast_bf16_gemm(func, args, kwargs or {})
 
 
 def offload_uncounted(tracker) -> contextlib.AbstractContextManager:

@@ -30,6 +30,8 @@ from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import GIB, plan_memory
 from hf_megatrain.hf.model import model_shape, model_shape_from_config, prepare_streamed_model
 
+from .helpers import fast_bf16_gemm
+
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 BF16 = torch.bfloat16
 #: Widths of the measured layers: none of them equal to a sequence length below, so a tensor
@@ -54,7 +56,7 @@ class LiveTensors(TorchDispatchMode):
             self.square_cur -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = fast_bf16_gemm(func, args, kwargs or {})  # (the same allocations, faster)
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 continue

@@ -279,9 +279,10 @@ class EngineOptions:
     mlp_tile_tokens: int = field(
         default=0,
         metadata=_help(
-            """Run each decoder layer's dense MLP in tiles of this many tokens along the sequence
-            (forward and backward recompute), so its (tokens x intermediate) intermediates exist
-            for one tile at a time: for very long sequences. 0 = off.""",
+            """Run each decoder layer's dense MLP in tiles of this many tokens of the
+            micro-batch (its rows' tokens in order; forward and backward recompute), so its
+            (tokens x intermediate) intermediates exist for one tile at a time: for long
+            sequences or large micro-batches. 0 = off.""",
             planned=True,
         ),
     )
