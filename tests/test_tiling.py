@@ -86,6 +86,28 @@ def test_tiles_count_the_micro_batchs_tokens_not_each_rows(rows, length, tile):
         assert max(mlp.calls) <= tile
 
 
+@pytest.mark.parametrize(("rows", "length"), [(4, 8), (1, 32)])
+def test_tiled_backward_replays_the_forwards_dropout_masks(rows, length):
+    """A tiled MLP that drops (GPT-2's resid_pdrop, LoRA's dropout): backward re-runs the tiles
+    from the random state the forward's started from, so each gradient has the forward's mask
+    (it drew new ones: gradients of dropped outputs, none for kept ones), and the random state
+    after backward is what it would be without the replay."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    mlp.forward = TiledTokenwise(mlp, 8)
+    x = torch.randn(rows, length, 8, requires_grad=True)
+    out = mlp(x)
+    after_forward = torch.get_rng_state()
+    out.sum().backward()
+    assert torch.equal(torch.get_rng_state(), after_forward)
+    # d out / d fc's output is 2 where the token's output was kept, 0 where dropped.
+    kept = out != 0
+    (expected,) = torch.autograd.grad(
+        torch.nn.functional.linear(x, mlp[0].weight, mlp[0].bias), mlp[0].bias, kept.float() * 2
+    )
+    torch.testing.assert_close(mlp[0].bias.grad, expected.detach(), rtol=1e-6, atol=1e-6)
+
+
 def test_tiled_backward_recomputes_under_the_forward_autocast():
     """On CUDA the backward runs on the autograd engine's device thread, where the forward's
     autocast is not active; the recompute must restore it (bf16 weights, fp32 activations)."""

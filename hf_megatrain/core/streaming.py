@@ -34,6 +34,7 @@ from .engine.weights import WeightStreamer
 from .host_store import LayerStore
 from .layer_timing import LayerTimeline
 from .options import BOUNDARY_DTYPES, EngineOptions, parse_boundary_dtype
+from .rng import RngState, replayed_rng, rng_state
 from .segments import SegmentTracker
 
 __all__ = [
@@ -427,23 +428,12 @@ class StreamingEngine:
         self.grads.reset()
 
     # ---- rng and compute context ---------------------------------------------------------------
-    def rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        if not self.preserve_rng:
-            return None
-        cuda_state = torch.cuda.get_rng_state(self.device) if self.is_cuda else None
-        return torch.get_rng_state(), cuda_state
+    def rng_state(self) -> RngState | None:
+        """The random state a layer's recompute replays (None: nothing in a layer draws)."""
+        return rng_state(self.device) if self.preserve_rng else None
 
-    @contextlib.contextmanager
-    def restored_rng(self, state) -> Iterator[None]:
-        if state is None:
-            yield
-            return
-        devices = [self.device] if self.is_cuda else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(state[0])
-            if state[1] is not None:
-                torch.cuda.set_rng_state(state[1], self.device)
-            yield
+    def restored_rng(self, state: RngState | None) -> contextlib.AbstractContextManager:
+        return replayed_rng(state, self.device)
 
     @contextlib.contextmanager
     def compute_context(self) -> Iterator[None]:

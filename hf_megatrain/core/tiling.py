@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .recompute import refill_remaining
+from .rng import replayed_rng, rng_state
 
 
 def _run(module: nn.Module, forward, names: list[str], params, x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +68,10 @@ class _TiledFunction(torch.autograd.Function):
         # record the forward's state so the recompute casts exactly as the forward did.
         dev = x.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        # The random state the tiles start from: backward re-runs them in the same order from
+        # it, so a module that draws (dropout, an adapter's) makes the forward's masks again.
+        # (An early-stop recompute's is the forward's: its layer replays the forward's state.)
+        ctx.rng = rng_state(x.device) if module.training else None
         ctx.save_for_backward(x, *params)
         if refill_remaining() == 1 + len(params):
             # An early-stop recompute whose last saves are these: it stops as soon as they are
@@ -86,33 +91,36 @@ class _TiledFunction(torch.autograd.Function):
         grad_params: list[torch.Tensor | None] = [None] * len(trainable)
         offset = 0
         grad_tiles = _tokens(grad_out).split(ctx.tile, dim=-2)
-        for xs, gs in zip(_tiles(x, ctx.tile), grad_tiles):
-            xs = xs.detach().requires_grad_(x.requires_grad)
-            dev, enabled, dtype = ctx.autocast
-            with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
-                # On an alias: autocast caches its casts of a leaf that requires grad, and the
-                # gate and up projections would then sum their input gradients in bf16 (untiled,
-                # the input is no leaf: each cast's gradient is widened and summed in fp32).
-                out = _run(ctx.module, ctx.forward_fn, ctx.names, leaves, xs.view_as(xs))
-            wrt = ([xs] if x.requires_grad else []) + trainable
-            if not wrt:
-                break
-            grads = torch.autograd.grad(out, wrt, gs, allow_unused=True)
-            if x.requires_grad:
-                n = xs.shape[-2]
-                _tokens(grad_x).narrow(-2, offset, n).copy_(grads[0])
-                offset += n
-                grads = grads[1:]
-            for i, g in enumerate(grads):
-                if g is None:
-                    continue
-                if grad_params[i] is None:
-                    # Summed over the tiles in fp32 and rounded to the parameter's dtype once
-                    # (autograd casts what backward returns), as one GEMM over every token
-                    # accumulates and rounds once; a bf16 sum rounded at every tile.
-                    grad_params[i] = g.float() if g.dtype in (torch.bfloat16, torch.float16) else g
-                else:
-                    grad_params[i].add_(g)
+        with replayed_rng(ctx.rng, x.device):
+            for xs, gs in zip(_tiles(x, ctx.tile), grad_tiles):
+                xs = xs.detach().requires_grad_(x.requires_grad)
+                dev, enabled, dtype = ctx.autocast
+                with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
+                    # On an alias: autocast caches its casts of a leaf that requires grad, and the
+                    # gate and up projections would then sum their input gradients in bf16 (untiled,
+                    # the input is no leaf: each cast's gradient is widened and summed in fp32).
+                    out = _run(ctx.module, ctx.forward_fn, ctx.names, leaves, xs.view_as(xs))
+                wrt = ([xs] if x.requires_grad else []) + trainable
+                if not wrt:
+                    break
+                grads = torch.autograd.grad(out, wrt, gs, allow_unused=True)
+                if x.requires_grad:
+                    n = xs.shape[-2]
+                    _tokens(grad_x).narrow(-2, offset, n).copy_(grads[0])
+                    offset += n
+                    grads = grads[1:]
+                for i, g in enumerate(grads):
+                    if g is None:
+                        continue
+                    if grad_params[i] is None:
+                        # Summed over the tiles in fp32 and rounded to the parameter's dtype once
+                        # (autograd casts what backward returns), as one GEMM over every token
+                        # accumulates and rounds once; a bf16 sum rounded at every tile.
+                        grad_params[i] = (
+                            g.float() if g.dtype in (torch.bfloat16, torch.float16) else g
+                        )
+                    else:
+                        grad_params[i].add_(g)
         it = iter(grad_params)
         param_grads = [next(it) if p.requires_grad else None for p in leaves]
         return (None, None, None, None, grad_x, *param_grads)

@@ -33,6 +33,7 @@ from ..core.oom_recovery import (
 from ..core.plan_arithmetic import GIB
 from ..core.plan_search import ATTENTION_FIRST_TOKENS
 from ..core.plan_types import MemoryPlanError
+from ..core.rng import rng_state, set_rng_state
 from .model import find_decoder_layers, keep_activations, keep_attention_outputs, streamed_state
 
 logger = logging.getLogger(__name__)
@@ -44,18 +45,6 @@ class _MicroBatch:
     num_items_in_batch: Any
     cpu_rng: torch.Tensor
     cuda_rng: torch.Tensor | None
-
-
-def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The CPU and (on a CUDA ``device``) the device's random state, to run work again."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 class StepReplay:

@@ -41,6 +41,7 @@ from ..core.options import (
 )
 from ..core.plan_types import MemoryPlanError
 from ..core.publish import publish, recover, verify_folder, write_manifest
+from ..core.rng import rng_state, set_rng_state
 from .arguments import MegaTrainArguments, argument_name, engine_options, in_argument_names
 from .attention import apply_attention
 from .checkpoint import (
@@ -79,8 +80,6 @@ from .oom_watchdog import (
     StepReplay,
     make_room,
     make_room_for_weights,
-    rng_state,
-    set_rng_state,
 )
 from .sequence_parallel import setup_sequence_parallel
 from .step_layout import (
