@@ -261,3 +261,30 @@ def test_a_second_trainer_starts_a_new_adamw(tmp_path):
     # Carried-over moments move the layers' weights by ~1e-2 at lr 1e-2; the same arithmetic
     # leaves ~1e-7 (assert_close_weights).
     assert_close_weights(weights["stock"], weights["mega"])
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"do_layer_norm_before": False},
+        {"word_embed_proj_dim": 16},
+        {"do_layer_norm_before": False, "word_embed_proj_dim": 16},
+    ],
+    ids=["post-ln", "projected-embeddings", "opt-350m-shape"],
+)
+def test_opt_variants_match_stock(variant, tmp_path):
+    """OPT's other layouts: post-LN layers (OPT-350m's, no final norm) and embeddings narrower
+    than the layers with project_in / project_out around them (OPT-350m: 512 into 1,024). Both
+    train as stock does."""
+    config = tiny_config("opt")
+    for key, value in variant.items():  # (over the tiny config's own word_embed_proj_dim)
+        setattr(config, key, value)
+    model = tiny_model(config)
+    if "word_embed_proj_dim" in variant:
+        assert model.model.decoder.project_in is not None
+    (stock, st), (mega, mt) = train_both(model, tmp_path, steps=5)
+    assert_logs_match(stock, mega)
+    final = mega_params(mt)
+    for name, p in st.model.state_dict().items():
+        # As test_trainer_matches_stock's OPT (its k_proj bias's gradient is rounding only).
+        torch.testing.assert_close(final[name], p, rtol=0, atol=5e-4, msg=name)
