@@ -14,6 +14,7 @@ from hf_megatrain.hf.model import streamed_gradients, streamed_state
 
 from .helpers import (
     ARCHS,
+    AUX_FREE_MOE_ARCHS,
     MOE_ARCHS,
     alias_config,
     assert_close_weights,
@@ -288,3 +289,26 @@ def test_opt_variants_match_stock(variant, tmp_path):
     for name, p in st.model.state_dict().items():
         # As test_trainer_matches_stock's OPT (its k_proj bias's gradient is rounding only).
         torch.testing.assert_close(final[name], p, rtol=0, atol=5e-4, msg=name)
+
+
+#: Aux-free MoE families whose tiny configs turn ``output_router_logits`` on (the family's own
+#: forward then trains): test_trainer_matches_stock does not reach their fused loss.
+_ROUTER_LOGITS_ON = [a for a in AUX_FREE_MOE_ARCHS if tiny_config(a).output_router_logits]
+
+
+@pytest.mark.parametrize("arch", _ROUTER_LOGITS_ON)
+def test_aux_free_moe_trains_with_the_fused_loss_as_stock(arch, tmp_path):
+    """These families as their checkpoints come (``output_router_logits`` off): the trainer
+    takes the fused chunked loss, and training equals stock's."""
+    from hf_megatrain.hf.loss import supports_fused_loss  # noqa: PLC0415
+
+    config = tiny_config(arch)
+    config.output_router_logits = False
+    model = tiny_model(config)
+    assert supports_fused_loss(model)
+    (stock, st), (mega, mt) = train_both(model, tmp_path, steps=5)
+    assert_logs_match(stock, mega)
+    final = mega_params(mt)
+    for name, p in st.model.state_dict().items():
+        # As test_trainer_matches_stock (fp32, 5 steps at lr 1e-2: ulp differences only).
+        torch.testing.assert_close(final[name], p, rtol=0, atol=1e-5, msg=name)
