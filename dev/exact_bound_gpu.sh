@@ -122,7 +122,7 @@
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
-#   tilegpu    tests/test_tiling.py (CUDA cases) and tests/test_gpu.py's tile cases. ~2 min.
+#   tilegpu    tests/test_gpu.py's and test_tiling.py's CUDA tile cases (7, ~1 min on an H100).
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
 #              twice): stock, streamed, streamed without the overlapped host update and without
 #              Liger-Kernel; then streamed with the SDPA backend pinned to math and with
@@ -382,9 +382,12 @@ item() {  # item <name>: one queue item
         --seq-len 4096 --streamed-init --timeout-s 300 --results-dir "$work/results" --steps 3 \
         --warmup 1)
       ;;
-    tilegpu)
-      timeout 300 python3 -m pytest tests/test_tiling.py tests/test_gpu.py -o addopts="" \
-        -p no:cacheprovider -rA -q -k "tile or tiled" 2>&1 | grep -v '^DEBUG' | tail -30
+    tilegpu)  # the CUDA tile cases only (-k "tile or tiled" also runs test_tiling.py's CPU ones)
+      timeout 280 python3 -m pytest tests/test_gpu.py tests/test_tiling.py -o addopts="" \
+        -p no:cacheprovider -v -k "offload-tiles or (liger_kernels_on_gpu and mlp-tiles) or \
+        (compiled_kernels_on_gpu and mlp-tiles) or recompute_skips_the_tiles_on_gpu or \
+        attention-outputs-tiles or (in_bf16 and cuda) or (mlp_tile_term_on_gpu and liger)" 2>&1 |
+        grep -E "PASS|FAIL|SKIP|ERROR|passed|failed|Error"
       ;;
     gemma2bisect)
       timeout 400 python3 benchmarks/loss_curves.py --family gemma2 --size small --seq-len 512 \
