@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .process_status import status_field
+
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
@@ -64,14 +66,8 @@ class InsufficientHostMemoryError(MemoryError):
 def process_memory_bytes(field: str) -> int | None:
     """A memory field of /proc/self/status (``VmSize``, ``VmRSS``, ``VmHWM``) in bytes; None
     where /proc does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    value = status_field(field)  # (in kB)
+    return int(value) * 1024 if value is not None and value.isdigit() else None
 
 
 def available_host_bytes() -> int:

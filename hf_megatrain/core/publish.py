@@ -47,6 +47,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from .process_status import status_field
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "megatrain_manifest.json"
@@ -133,13 +135,12 @@ def _sync_tree(folder: str) -> None:
 
 # ---- manifest ---------------------------------------------------------------------------------
 def _umask() -> int:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    value = status_field("Umask")
+    if value is not None:
+        try:
+            return int(value, 8)
+        except ValueError:
+            pass
     mask = os.umask(0o022)  # (no /proc: read it by setting it, and put it back)
     os.umask(mask)
     return mask

@@ -33,7 +33,7 @@ from ..core.oom_recovery import (
 from ..core.plan_arithmetic import GIB
 from ..core.plan_search import ATTENTION_FIRST_TOKENS
 from ..core.plan_types import MemoryPlanError
-from ..core.rng import rng_state, set_rng_state
+from ..core.rng import RngState, rng_state, set_rng_state
 from .model import find_decoder_layers, keep_activations, keep_attention_outputs, streamed_state
 
 logger = logging.getLogger(__name__)
@@ -43,8 +43,7 @@ logger = logging.getLogger(__name__)
 class _MicroBatch:
     inputs: Any
     num_items_in_batch: Any
-    cpu_rng: torch.Tensor
-    cuda_rng: torch.Tensor | None
+    rng: RngState
 
 
 class StepReplay:
@@ -60,8 +59,7 @@ class StepReplay:
         """Called at the start of each micro-batch of optimizer step ``step``."""
         if step != self._step:
             self._step, self._batches = step, []
-        cpu, cuda = rng_state(self._device)
-        self._batches.append(_MicroBatch(inputs, num_items_in_batch, cpu, cuda))
+        self._batches.append(_MicroBatch(inputs, num_items_in_batch, rng_state(self._device)))
 
     @property
     def earlier(self) -> list[_MicroBatch]:
@@ -77,7 +75,7 @@ class StepReplay:
         return self._batches[-1]
 
     def restore_rng(self, batch: _MicroBatch) -> None:
-        set_rng_state((batch.cpu_rng, batch.cuda_rng), self._device)
+        set_rng_state(batch.rng, self._device)
 
 
 def _holdings(model: nn.Module) -> StepHoldings:
@@ -206,6 +204,4 @@ __all__ = [
     "StepReplay",
     "make_room",
     "make_room_for_weights",
-    "rng_state",
-    "set_rng_state",
 ]
