@@ -307,6 +307,12 @@ ADDED_FAMILY_OVERRIDES: dict[str, Callable[[int], dict]] = {
     "flex_olmo": lambda n: dict(),
     "glm4_moe_lite": lambda n: dict(**_MLA),
     "solar_open": lambda n: dict(),
+    # A dense first layer, then MoE layers with a shared expert; the router's frozen
+    # e_score_correction_bias streams with its layer, never updated.
+    "ernie4_5_moe": lambda n: dict(moe_layer_start_index=1, moe_num_shared_experts=1),
+    # Multi-head latent attention whose indexer picks 4 positions per query (fewer than SEQ):
+    # its projections get no gradient, and AdamW skips them.
+    "deepseek_v32": lambda n: dict(**_MLA, index_topk=4, index_head_dim=8, index_n_heads=2),
 }  # fmt: skip
 #: Their default layer count where the family's pattern needs three.
 _ADDED_FAMILY_LAYERS = {

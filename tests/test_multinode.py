@@ -48,6 +48,7 @@ from hf_megatrain.hf.checkpoint import save_optimizer_state
 from .helpers import assert_close_weights as _assert_close_weights
 from .helpers import assert_same_training_logs as _assert_same_logs
 from .helpers import saved_weights as _weights
+from .helpers import tiny_config, tiny_model
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 ROOT = WORKER.parent.parent
@@ -175,7 +176,10 @@ def test_reduce_bytes_per_step(runs):
     """What each rank puts into the gradient collectives per optimizer step (payload bytes)."""
     _, single, multi, _, _ = runs
     steps = len(multi[0]["logs"])
-    layer_grad = single[0]["moment_bytes"] // 2 // 4  # one layer's fp32 gradient, 4 layers
+    # One layer's fp32 gradient (4 layers), and the flags of its parameters that got one (a
+    # float each, after the gradient: a parameter no rank gave one is skipped, as under DDP).
+    layer_grad = single[0]["moment_bytes"] // 2 // 4
+    layer_grad += 4 * len(list(tiny_model(tiny_config("llama")).model.layers[0].parameters()))
     for r in multi:
         b = {k: v // steps for k, v in r["bytes_reduced"].items()}
         # Within the node: every layer's gradient, once per step (reduce to its owner).

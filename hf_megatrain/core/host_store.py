@@ -33,7 +33,7 @@ import mmap
 import os
 import resource
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,12 +137,17 @@ class TensorSlot:
     offset: int  # in elements
     numel: int
     decay: bool
+    #: False: a frozen parameter (``requires_grad=False``) in a layer that trains: it streams
+    #: with the layer, never gets a gradient and is never updated.
+    trainable: bool = True
 
 
 def layout_slots(
     named_shapes: Iterable[tuple[str, tuple[int, ...], bool]],
+    frozen: Collection[str] = (),
 ) -> tuple[list[TensorSlot], int, int]:
-    """Lay out ``(name, shape, decay)`` entries: decay parameters first, then no-decay ones.
+    """Lay out ``(name, shape, decay)`` entries: decay parameters first, then no-decay ones;
+    those named in ``frozen`` get slots that do not train (``TensorSlot.trainable``).
 
     Returns ``(slots, total_numel, decay_numel)``. Offsets are aligned to 16 elements (64 bytes
     in fp32) so every parameter view starts on a cache line and vectorized kernels stay aligned.
@@ -156,7 +161,7 @@ def layout_slots(
         numel = 1
         for d in shape:
             numel *= d
-        slots.append(TensorSlot(name, tuple(shape), offset, numel, decay))
+        slots.append(TensorSlot(name, tuple(shape), offset, numel, decay, name not in frozen))
         offset = _round_up(offset + numel, 16)
         if decay:
             decay_numel = offset

@@ -10,6 +10,12 @@ Clipping: ``clip_grad_norm_`` computes the global norm once; the coefficient rea
 as the fused kernel's ``grad_scale`` (grad / (1/coef)), which saves a full pass over the host
 gradients. It differs from an in-place ``grad *= coef`` by at most one rounding of the scale.
 
+Parameters without a gradient: as torch's AdamW skips a parameter whose ``grad`` is None (no
+decay, no moment update, its own step count unchanged), this one skips a streamed layer's slot
+that no micro-batch gave a gradient (``StreamingEngine.gradless_slots``: a frozen slot, an
+indexer that only picks positions). Its slice is split off into a segment of its own, with its
+own step count from then on (saved with the moments where it differs from the layer's).
+
 Non-finite values: a step marked non-finite (:meth:`HostAdamW.mark_nonfinite`, e.g. by the trainer
 for a NaN loss, or by :meth:`HostAdamW.grad_norm` for a NaN/inf norm) is skipped by ``step()``:
 nothing is updated, its gradients are dropped and ``step_was_skipped`` is set (the Trainer then
@@ -30,7 +36,7 @@ import functools
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +167,25 @@ class _Segment:
     start: int
     end: int
     step: torch.Tensor  # fp32 scalar, what the fused kernel increments
+
+    def split(self, cuts: Iterable[int]) -> list[_Segment]:
+        """This segment cut at ``cuts`` (inside it), each part with a copy of its step count."""
+        bounds = [self.start, *sorted({c for c in cuts if self.start < c < self.end}), self.end]
+        if len(bounds) == 2:
+            return [self]
+        return [
+            _Segment(self.layer, self.store, a, b, self.step.clone())
+            for a, b in zip(bounds, bounds[1:])
+        ]
+
+
+def _slot_segment_bounds(store: LayerStore, positions: Iterable[int]) -> set[tuple[int, int]]:
+    """The ``(start, end)`` element ranges of ``store``'s slots at ``positions``."""
+    return {
+        (slot.offset, slot.offset + slot.numel)
+        for slot in (store.slots[i] for i in positions)
+        if slot.numel
+    }
 
 
 #: ``HostAdamW.state_dict()``'s entry for the streamed layers' AdamW state.
@@ -520,15 +545,37 @@ class HostAdamW(torch.optim.Optimizer):
     def _layer_jobs(
         self, only: int | None = None, skip: set[int] = frozenset()
     ) -> dict[int, list[tuple[_Segment, dict]]]:
-        """Per streamed layer with a gradient: its slices and the hyper-parameters to use."""
+        """Per streamed layer with a gradient: its slices and the hyper-parameters to use (the
+        slices of parameters without a gradient left out)."""
+        layers = {
+            seg.layer
+            for segments in self._segments
+            for seg in segments
+            if (only is None or seg.layer == only) and seg.layer not in skip
+        }
+        layers = {idx for idx in layers if self.engine.layer_has_grad(idx)}
+        gradless: dict[int, set[tuple[int, int]]] = {}
+        for idx in sorted(layers):
+            positions = self.engine.gradless_slots(idx)
+            if positions:
+                gradless[idx] = _slot_segment_bounds(self.engine.stores[idx], positions)
+                self._split_layer(idx, gradless[idx])
         jobs: dict[int, list[tuple[_Segment, dict]]] = {}
         for group, segments in zip(self.param_groups, self._segments):
             kw = self._hyper(group)
             for seg in segments:
-                if (only is None or seg.layer == only) and seg.layer not in skip:
-                    if self.engine.layer_has_grad(seg.layer):
-                        jobs.setdefault(seg.layer, []).append((seg, kw))
+                if seg.layer in layers and (seg.start, seg.end) not in gradless.get(seg.layer, ()):
+                    jobs.setdefault(seg.layer, []).append((seg, kw))
         return jobs
+
+    def _split_layer(self, idx: int, bounds: Iterable[tuple[int, int]]) -> None:
+        """Give the element ranges ``bounds`` of layer ``idx`` segments of their own."""
+        cuts = {c for bound in bounds for c in bound}
+        for g, segments in enumerate(self._segments):
+            parts = [seg.split(cuts) if seg.layer == idx else [seg] for seg in segments]
+            if any(len(p) > 1 for p in parts):
+                # (A new list, not edited in place: an eager update's thread may read it.)
+                self._segments[g] = [part for p in parts for part in p]
 
     @staticmethod
     def _update_layer(
@@ -730,10 +777,14 @@ class HostAdamW(torch.optim.Optimizer):
                 view = store.master[seg.start : seg.end]
                 params = group["params"]
                 # (The group holds its own view of the same slice: found by address.)
-                pos = next(i for i, p in enumerate(params) if p.data_ptr() == old.data_ptr())
-                self._streamed_ids.discard(id(params[pos]))
-                params[pos] = view
-                self._streamed_ids.add(id(view))
+                # (A segment split off a group's slice has no view of its own there.)
+                pos = next(
+                    (i for i, p in enumerate(params) if p.data_ptr() == old.data_ptr()), None
+                )
+                if pos is not None:
+                    self._streamed_ids.discard(id(params[pos]))
+                    params[pos] = view
+                    self._streamed_ids.add(id(view))
                 seg.store = store
                 seg.step = seg.step.to(store.master.device)
         self._owned_layers = sorted(
@@ -752,11 +803,14 @@ class HostAdamW(torch.optim.Optimizer):
         same layout)."""
         out = super().state_dict()
         steps, _ = self.streamed_state()  # (after any pending update)
+        slot_steps = self.slot_steps()
         layers = {
             i: {"exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq, "step": steps.get(i, 0.0)}
             for i, store in enumerate(self.engine.stores)
             if store.exp_avg is not None
         }
+        for i, per_slot in slot_steps.items():
+            layers[i]["slot_steps"] = per_slot
         out[STREAMED_STATE_KEY] = {"num_layers": len(self.engine.stores), "layers": layers}
         return out
 
@@ -789,16 +843,23 @@ class HostAdamW(torch.optim.Optimizer):
             for i in expected:
                 stores[i].exp_avg.copy_(layers[i]["exp_avg"])
                 stores[i].exp_avg_sq.copy_(layers[i]["exp_avg_sq"])
-        self.load_streamed_state({i: float(layers[i]["step"]) for i in expected}, {})
+        self.load_streamed_state(
+            {i: float(layers[i]["step"]) for i in expected},
+            {},
+            {i: layers[i]["slot_steps"] for i in expected if "slot_steps" in layers[i]},
+        )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != STREAMED_STATE_KEY})
 
     def streamed_state(self) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-        """Step counts per layer and resident moments by name (streamed moments live in the store)."""
+        """Step counts per layer and resident moments by name (streamed moments live in the store).
+
+        A layer's step count is its most updated slot's; :meth:`slot_steps` has those that
+        differ."""
         self.wait()
-        steps = {}
+        steps: dict[int, float] = {}
         for segments in self._segments:
             for seg in segments:
-                steps[seg.layer] = float(seg.step.item())
+                steps[seg.layer] = max(steps.get(seg.layer, 0.0), float(seg.step.item()))
         tensors = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -811,12 +872,46 @@ class HostAdamW(torch.optim.Optimizer):
                 tensors[f"{name}.step"] = st["step"].reshape(1)
         return steps, tensors
 
+    def slot_steps(self) -> dict[int, list[float]]:
+        """Per layer whose slots' step counts differ (some went without a gradient in some
+        step): each slot's step count, in ``store.slots`` order."""
+        self.wait()
+        out: dict[int, list[float]] = {}
+        for idx in {seg.layer for segments in self._segments for seg in segments}:
+            segs = [seg for segments in self._segments for seg in segments if seg.layer == idx]
+            if len({float(seg.step.item()) for seg in segs}) < 2:
+                continue
+            store = self.engine.stores[idx]
+            out[idx] = [
+                next(
+                    (float(seg.step.item()) for seg in segs if seg.start <= slot.offset < seg.end),
+                    0.0,
+                )
+                for slot in store.slots
+            ]
+        return out
+
     def load_streamed_state(
-        self, steps: dict[int, float], tensors: dict[str, torch.Tensor]
+        self,
+        steps: dict[int, float],
+        tensors: dict[str, torch.Tensor],
+        slot_steps: dict[int, Sequence[float]] | None = None,
     ) -> None:
+        """Restore :meth:`streamed_state`'s step counts and resident moments, and
+        :meth:`slot_steps`' (where some slots' differ from their layer's)."""
         for segments in self._segments:
             for seg in segments:
                 seg.step.fill_(steps.get(seg.layer, 0.0))
+        for idx, per_slot in (slot_steps or {}).items():
+            store = self.engine.stores[idx]
+            apart = {i: float(n) for i, n in enumerate(per_slot) if float(n) != steps.get(idx, 0.0)}
+            bounds = _slot_segment_bounds(store, apart)
+            self._split_layer(idx, bounds)
+            by_bounds = {(s.offset, s.offset + s.numel): n for s, n in zip(store.slots, per_slot)}
+            for segments in self._segments:
+                for seg in segments:
+                    if seg.layer == idx and (seg.start, seg.end) in bounds:
+                        seg.step.fill_(float(by_bounds[(seg.start, seg.end)]))
         for group in self.param_groups:
             for p in group["params"]:
                 if id(p) in self._streamed_ids:

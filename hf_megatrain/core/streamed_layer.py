@@ -114,7 +114,10 @@ class StreamedLayer:
             params.update(exact)  # fp32 master values: their leaves get fp32 gradients
         weight_leaves: list[torch.Tensor] = []
         if leaves:
-            params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+            # A frozen slot's leaf needs no gradient: autograd computes none for it, as for the
+            # stock model's frozen parameter.
+            trains = {slot.name: slot.trainable for slot in store.slots}
+            params = {k: v.detach().requires_grad_(trains[k]) for k, v in params.items()}
             weight_leaves = list(params.values())
         for name in self.fp32_params:
             # Without exact values (a frozen layer's compute-dtype copy): an fp32 copy of them,
@@ -471,17 +474,22 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 grads.append(g)
         if not (layer.trainable and asks_weight_grads(ctx.anchor_nodes)):
             weight_leaves = []  # (neither computed nor accumulated)
-        wrt = weight_leaves + inputs + res_trainable
+        trained = [t for t in weight_leaves if t.requires_grad]
+        wrt = trained + inputs + res_trainable
         if outs and wrt:
             computed = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
         else:
             computed = [None] * len(wrt)
         engine.release(layer.index)
         if weight_leaves:
-            engine.add_grads(layer.index, list(computed[: len(weight_leaves)]))
+            weight_grads = iter(computed[: len(trained)])
+            engine.add_grads(
+                layer.index,
+                [next(weight_grads) if t.requires_grad else None for t in weight_leaves],
+            )
         if tick is not None:
             engine.timeline.end(tick)
-        rest = iter(computed[len(weight_leaves) :])
+        rest = iter(computed[len(trained) :])
         result = [next(rest) if req else None for req in needs_grad]
         res_grads = [next(rest) if t.requires_grad else None for t in res_leaves]
         return (None, None, None, None, None, *result, *([None] * ctx.n_anchor), *res_grads)

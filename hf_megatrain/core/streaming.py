@@ -411,6 +411,10 @@ class StreamingEngine:
         """Whether layer ``idx`` received a gradient this step (else the optimizer skips it)."""
         return self.grads.layer_has_grad(idx)
 
+    def gradless_slots(self, idx: int) -> frozenset[int]:
+        """Slots (positions) of layer ``idx`` that got no gradient this step: AdamW skips them."""
+        return self.grads.gradless_slots(idx)
+
     def grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of all layer gradients (after ``finish_grads``; a DP collective)."""
         return self.grads.sq_sum()

@@ -382,6 +382,7 @@ def save_optimizer_state(optimizer, output_dir: str) -> None:
     folder = os.path.join(output_dir, OPTIMIZER_STATE_DIR)
     os.makedirs(folder, exist_ok=True)
     steps, resident = optimizer.streamed_state()
+    slot_steps = optimizer.slot_steps()
     for i, store in enumerate(state.stores):
         if store.exp_avg is None:
             continue  # frozen layer, or (data parallel) a layer another rank owns
@@ -390,6 +391,8 @@ def save_optimizer_state(optimizer, output_dir: str) -> None:
             # The step count travels with the moments: under data parallel only the owner
             # knows it (meta.json comes from rank 0).
             tensors["step"] = torch.tensor([steps[i]], dtype=torch.float32)
+        if i in slot_steps:  # (slots that went without a gradient in some step)
+            tensors["slot_steps"] = torch.tensor(slot_steps[i], dtype=torch.float32)
         save_file(tensors, os.path.join(folder, f"layer_{i:05d}.safetensors"))
     if state.dp is not None and state.dp.rank != 0:
         return
@@ -480,6 +483,7 @@ def load_optimizer_state(optimizer, checkpoint: str) -> None:
             f"the model has {len(stores)}"
         )
     steps = {int(k): v for k, v in meta["steps"].items()}
+    slot_steps: dict[int, list[float]] = {}
     for i, store in enumerate(stores):
         if store.exp_avg is None:
             continue
@@ -488,11 +492,13 @@ def load_optimizer_state(optimizer, checkpoint: str) -> None:
             store.exp_avg_sq.copy_(f.get_tensor("exp_avg_sq"))
             if "step" in f.keys():
                 steps[i] = float(f.get_tensor("step")[0])
+            if "slot_steps" in f.keys():
+                slot_steps[i] = f.get_tensor("slot_steps").tolist()
     resident = {}
     with _open_state_file(checkpoint, "resident.safetensors") as f:
         for k in f.keys():
             resident[k] = f.get_tensor(k)
-    optimizer.load_streamed_state(steps, resident)
+    optimizer.load_streamed_state(steps, resident, slot_steps)
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(v, list) else v

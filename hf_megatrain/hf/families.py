@@ -71,6 +71,8 @@ SUPPORTED_MODEL_TYPES = {
     "flex_olmo": "FlexOlmo (MoE; router aux loss keeps its gradient)",
     "glm4_moe_lite": "GLM-4.7-Flash shape (multi-head latent attention, MoE)",
     "solar_open": "Solar Open (MoE, shared expert)",
+    "ernie4_5_moe": "ERNIE 4.5 MoE (shared expert; frozen router statistics)",
+    "deepseek_v32": "DeepSeek-V3.2 (sparse attention picked by an indexer AdamW skips, MoE)",
 }
 
 

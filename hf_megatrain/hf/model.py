@@ -109,10 +109,11 @@ class StreamedModelState:
                 return f"{name} was replaced (e.g. by resize_token_embeddings)"
         _, layers = find_decoder_layers(model)
         for i, (layer, store) in enumerate(zip(layers, self.store.layers)):
-            streamed = [p for p in layer.parameters() if p.device.type == "meta"]
-            if any(p.requires_grad != store.trainable for p in streamed):
-                way = "frozen" if store.trainable else "unfrozen"
-                return f"decoder layer {i}'s streamed parameters were {way}"
+            trains = {slot.name: store.trainable and slot.trainable for slot in store.slots}
+            for name, p in layer.named_parameters():
+                if p.device.type == "meta" and p.requires_grad != trains[name]:
+                    way = "unfrozen" if p.requires_grad else "frozen"
+                    return f"decoder layer {i}'s streamed parameters were {way} ({name})"
         return None
 
     def decay_names(self) -> set[str]:
@@ -683,14 +684,19 @@ def _has_adapter_layers(layers: nn.ModuleList) -> bool:
 def streamed_names(layer: nn.Module) -> set[str]:
     """The parameters of ``layer`` that go to the host store.
 
-    A layer whose parameters are all trainable or all frozen streams them all. A layer that mixes
-    both (LoRA adapters over a frozen base) streams the frozen ones from a frozen store, and its
-    trainable ones stay resident on the device with their own optimizer state.
+    A layer whose parameters are all trainable or all frozen streams them all; so does one whose
+    frozen parameters are no more than its trainable ones (a router's statistics, a projection
+    frozen by hand): they stream in the layer's trainable store, get no gradient and never
+    update (``TensorSlot.trainable``). A layer that is mostly frozen (LoRA adapters over a
+    frozen base) streams the frozen ones from a frozen store, and its trainable ones stay
+    resident on the device with their own optimizer state.
     """
-    flags = {n: p.requires_grad for n, p in layer.named_parameters()}
-    if all(flags.values()) or not any(flags.values()):
-        return set(flags)
-    return {n for n, f in flags.items() if not f}
+    params = dict(layer.named_parameters())
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    frozen = sum(p.numel() for p in params.values() if not p.requires_grad)
+    if trainable == 0 or frozen <= trainable:
+        return set(params)
+    return {n for n, p in params.items() if not p.requires_grad}
 
 
 def default_decay_names(model: nn.Module) -> set[str]:
@@ -718,8 +724,9 @@ def layer_layouts(layers: nn.ModuleList, decay_names: set[str], prefix: str) -> 
                 )
             seen[id(p)] = full
             entries.append((rel, tuple(p.shape), full in decay_names))
-        slots, numel, decay_numel = layout_slots(entries)
-        trainable = all(p.requires_grad for n, p in layer.named_parameters() if n in streamed)
+        frozen = {n for n, p in layer.named_parameters() if n in streamed and not p.requires_grad}
+        slots, numel, decay_numel = layout_slots(entries, frozen)
+        trainable = len(frozen) < len(streamed)
         out.append(LayerLayout(slots, numel, decay_numel, trainable))
     return out
 
@@ -802,7 +809,8 @@ def streamed_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient from the backward passes since the last optimizer step, by
     its name in the model, as fp32 host tensors: the decoder layers' from their host stores
     (compact bf16 slots widened with their fp32 parts), the resident parameters' from
-    ``.grad``. Layers that got no gradient are left out. For checks and probes: read it after
+    ``.grad``. Layers and parameters that got no gradient are left out (as a stock model's
+    ``.grad`` is None there: frozen, or not reached by the loss). For checks and probes: read it after
     the step's last backward (it finishes the device-to-host copies, as the optimizer step
     does first) and before the optimizer step consumes the gradients."""
     state = streamed_state(model)
@@ -819,8 +827,10 @@ def streamed_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
             store.widen_grad(0, store.numel, flat, grad)
         else:  # fp32 (a host slot, or an HBM-tier layer's on the device)
             flat.copy_(grad)
+        gradless = {store.slots[k].name for k in state.engine.gradless_slots(i)}
         for rel, g in store.param_views(flat).items():
-            grads[state.full_name(i, rel)] = g
+            if rel not in gradless:
+                grads[state.full_name(i, rel)] = g
     for name, p, _ in state.resident:
         if p.grad is not None:
             grads[name] = p.grad.detach().float().cpu().clone()

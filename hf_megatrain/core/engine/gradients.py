@@ -6,6 +6,13 @@ gradient slot. Under data parallel, streamed layers' gradients are reduced to th
 the node; with several nodes the owners of a layer then all-reduce it across nodes) and
 replicated (HBM-tier) ones all-reduced. A running sum of squares follows the drains, so the
 global norm needs no second pass over the host gradients.
+
+Which parameters got no gradient in a step (``gradless_slots``: frozen slots, and parameters
+that take no part in the loss, such as an indexer whose scores only pick top-k positions) is
+recorded too: torch's AdamW skips those, and so does the engine's. Under data parallel a
+parameter is gradless only where no rank gave it a gradient (as DDP leaves a globally unused
+parameter's gradient None): the flags travel with the gradient's reduction, one per slot after
+its elements.
 """
 
 from __future__ import annotations
@@ -89,11 +96,18 @@ class GradientSink:
         self._sq_exact = True
         self._d2h_events: list[torch.cuda.Event] = []
         self._pending_reduces: list[tuple[Any, torch.Tensor]] = []
+        # Per layer, per slot: whether a micro-batch of this step gave it a gradient here, and
+        # (data parallel, where some slot got none here) the flags summed over the ranks.
+        self._got: dict[int, list[bool]] = {}
+        self._got_any_rank: dict[int, torch.Tensor] = {}
 
     # ---- backward's side ------------------------------------------------------------------------
     def add(self, idx: int, grads: list[torch.Tensor | None]) -> None:
         """Accumulate layer ``idx``'s parameter gradients (one per slot, any float dtype)."""
         store = self._stores[idx]
+        got = [g is not None for g in grads]
+        before = self._got.get(idx)
+        self._got[idx] = got if before is None else [a or b for a, b in zip(before, got)]
         if self._dp is not None:
             self._add_dp(idx, store, grads)
             return
@@ -128,7 +142,9 @@ class GradientSink:
         """Add a micro-batch's gradient to the layer's fp32 device accumulator.
 
         Returns the accumulator once the step's last micro-batch is in (``sync``), for the
-        caller to drain or reduce; before that it stays in ``_acc`` and None is returned.
+        caller to drain or reduce; before that it stays in ``_acc`` and None is returned. Under
+        data parallel it holds one more element per slot, past the gradient: its flag
+        (``_reduce_to_owner``).
         """
         if not self.sync:
             self._check_accumulates(idx, store)
@@ -136,7 +152,8 @@ class GradientSink:
         first = acc is None
         if first:
             # The first write covers every slot: only the alignment gaps need zeros.
-            acc = torch.empty(store.numel, dtype=torch.float32, device=self._device)
+            flags = len(store.slots) if self._dp is not None else 0
+            acc = torch.empty(store.numel + flags, dtype=torch.float32, device=self._device)
             zero_gaps(store, acc)
         scatter_add(store, acc, grads, first)
         if self.sync:
@@ -233,7 +250,7 @@ class GradientSink:
             scatter_add(store, store.grad, grads, first)
             if self.sync:
                 del self._acc[idx]
-                self._dp.all_reduce_mean_([store.grad])
+                self._all_reduce_replicated(idx, store)
                 self._on_host[idx] = True
                 if self.on_final is not None:
                     self._final(idx, None)
@@ -249,22 +266,33 @@ class GradientSink:
         of every node (they all get the same sum). On CUDA both run on the collective library's
         streams (issued after this layer's backward, they overlap the backward of the layers
         below); only the owner's D2H stream waits for them, and only the owner copies the
-        gradient to the host.
+        gradient to the host. ``acc`` ends with the slots' gradient flags (1: this rank gave
+        the slot a gradient), summed with the gradient; the owner keeps them where it got no
+        gradient for some slot itself.
         """
         store = self._stores[idx]
         dp = self._dp
         mine = dp.owns(idx)
         inv = 1.0 / dp.world_size
         self._on_host[idx] = True
+        grad, flags = acc[: store.numel], acc[store.numel :]
+        got = self._got.get(idx, [])
+        if all(got):
+            flags.fill_(1.0)
+        else:
+            flags.copy_(torch.tensor(got, dtype=torch.float32))
+        keep_flags = mine and not all(got)
         if not self._cuda:
             dp.reduce_to_owner(acc, idx, async_op=False)
             if mine:
                 dp.all_reduce_across_nodes(acc)
+                if keep_flags:
+                    self._got_any_rank[idx] = flags.clone()
                 if store.grad is None:
-                    acc.mul_(inv)
-                    self._stage_cpu(idx, acc)
+                    grad.mul_(inv)
+                    self._stage_cpu(idx, grad)
                     return
-                torch.mul(acc, inv, out=store.grad)
+                torch.mul(grad, inv, out=store.grad)
                 if self.on_final is not None:
                     self._final(idx, None)
             return
@@ -289,18 +317,29 @@ class GradientSink:
             across = dp.all_reduce_across_nodes(acc, async_op=True)
             if across is not None:
                 across.wait()
-            acc.mul_(inv)
+            grad.mul_(inv)
             # The running norm is summed on this stream too: on the compute stream it would
             # read ``sq`` before this stream has written it.
-            self._add_sq(torch.linalg.vector_norm(acc).square())
-            dest.copy_(acc, non_blocking=True)
+            self._add_sq(torch.linalg.vector_norm(grad).square())
+            dest.copy_(grad, non_blocking=True)
+            if keep_flags:  # (read once this layer's D2H event has passed)
+                host_flags = torch.empty(flags.numel(), pin_memory=True)
+                self._got_any_rank[idx] = host_flags.copy_(flags, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._d2h)
         acc.record_stream(self._d2h)
         self._d2h_events.append(ev)
-        self.d2h_bytes += acc.numel() * 4
+        self.d2h_bytes += grad.numel() * 4
         if self.on_final is not None:
             self._final(idx, ev)
+
+    def _all_reduce_replicated(self, idx: int, store) -> None:
+        """Average a replicated layer's gradient over the ranks, with its slots' flags."""
+        got = self._got.get(idx, [])
+        flags = torch.tensor([float(g) for g in got], device=self._device)
+        self._dp.all_reduce_mean_([store.grad, flags])
+        if not all(got):
+            self._got_any_rank[idx] = flags
 
     # ---- staging (host stores without a grad slot) ----------------------------------------------
     def _no_slot_check(self, idx: int) -> None:
@@ -364,7 +403,7 @@ class GradientSink:
             if self._dp is None:
                 self._drain(idx, acc)
             elif self._stores[idx].resident:
-                self._dp.all_reduce_mean_([acc])
+                self._all_reduce_replicated(idx, self._stores[idx])
                 self._on_host[idx] = True
             else:
                 self._reduce_to_owner(idx, acc)
@@ -378,6 +417,16 @@ class GradientSink:
     def layer_has_grad(self, idx: int) -> bool:
         """Whether layer ``idx`` received a gradient this step (else the optimizer skips it)."""
         return self._on_host[idx]
+
+    def gradless_slots(self, idx: int) -> frozenset[int]:
+        """Positions (in ``store.slots``) of layer ``idx``'s parameters no micro-batch of this
+        step gave a gradient (under data parallel: on no rank), once its gradient is final."""
+        got = self._got.get(idx)
+        if got is None or all(got):
+            return frozenset()
+        if idx in self._got_any_rank:  # (a rank's gradient: the slot got one)
+            got = [bool(f > 0) for f in self._got_any_rank[idx].tolist()]
+        return frozenset(i for i, g in enumerate(got) if not g)
 
     def has_grads(self) -> bool:
         return any(self._on_host) or bool(self._acc)
@@ -425,6 +474,8 @@ class GradientSink:
         self.staging.release_all()  # e.g. after a failed update: its buffer is free again
         self._acc.clear()
         self._on_host = [False] * len(self._stores)
+        self._got.clear()
+        self._got_any_rank.clear()
         self._sq = None
         self._sq_exact = True
         self._pending_reduces.clear()
