@@ -250,3 +250,81 @@ def test_a_sliding_mask_made_for_no_layer_is_planned_per_attention():
     assert sum(ln.nbytes for ln in eager if ln.kind == MASK_KIND) == 2 * s * s * 4
     dense = model_shape_from_config(tiny_config("qwen2"))
     assert dense.unused_window_mask_from == -1 and not attention_mask_lines(dense, step, BF16)
+
+
+class _Storages(TorchDispatchMode):
+    """Bytes of the live storages ops make, and their peak (real kernels: the indexer's bf16
+    products are small here, and ``fast_bf16_gemm``'s fp32 operands would count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.cur = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.cur -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                st = t.untyped_storage()
+                if id(st) not in self.live:
+                    self.live[id(st)] = st.nbytes()
+                    self.cur += st.nbytes()
+                    weakref.finalize(st, self._free, id(st))
+                    self.peak = max(self.peak, self.cur)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_sparse_attention_indexer_line_covers_what_it_makes(dtype):
+    """DeepSeek-V3.2's indexer scores every query against every key per indexer head (under
+    no_grad, in the compute dtype: autocast runs its fp32 products in bf16) in each layer's
+    forward. Its peak: the key broadcast to every query (head_dim elements per s x s element)
+    beside the heads' scores, or two copies of those. Fitted over two lengths (the queries' and
+    keys' own per-token bytes apart), its s x s part is the plan's count exactly on the CPU; the
+    line, which adds the layer's bool masks made after it, covers the whole peak."""
+    from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
+        INDEXER_KIND,
+        indexer_elements_per_score,
+    )
+
+    from .helpers import tiny_config  # noqa: PLC0415
+
+    seqs = 2
+    cfg = tiny_config("deepseek_v32")
+    cfg.max_position_embeddings = 4096
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    shape = model_shape(model)
+    assert (shape.indexer_heads, shape.indexer_head_dim) == (cfg.index_n_heads, cfg.index_head_dim)
+    assert shape.sdpa_explicit_mask
+    live, peaks, starts = _Storages(), [], []
+
+    def enter(module, args):
+        live.peak = live.cur
+        starts.append(live.cur)
+
+    def leave(module, args, out):
+        peaks.append(live.peak - starts.pop())
+
+    for layer in model.model.layers:
+        layer.self_attn.indexer.register_forward_pre_hook(enter)
+        layer.self_attn.indexer.register_forward_hook(leave)
+    measured = {}
+    for seq in (256, 512):
+        step = StepShape(seq_len=seq, micro_batch_tokens=seqs * seq)
+        lines = attention_mask_lines(shape, step, dtype)
+        (planned,) = (ln.nbytes for ln in lines if ln.kind == INDEXER_KIND)
+        peaks.clear()
+        ids = torch.randint(0, cfg.vocab_size, (seqs, seq))
+        with live, torch.no_grad(), torch.autocast("cpu", dtype=BF16, enabled=dtype == BF16):
+            model.model(input_ids=ids)
+        assert len(peaks) == cfg.num_hidden_layers
+        measured[seq] = max(peaks)
+        assert measured[seq] <= planned
+    # peak = a s^2 + b s per sequence: a from the two lengths.
+    per_score = (measured[512] / 512 - measured[256] / 256) / (512 - 256) / seqs
+    expected = indexer_elements_per_score(shape) * dtype.itemsize
+    assert per_score == pytest.approx(expected, rel=ESTIMATE_ERRORS[INDEXER_KIND])

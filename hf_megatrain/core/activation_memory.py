@@ -44,6 +44,7 @@ KEPT_ACTIVATIONS_KIND = "kept activations"
 KEPT_APART_KIND = "kept activations, recompute apart"
 MASK_KIND = "attention masks"
 EAGER_SCORES_KIND = "eager attention scores"
+INDEXER_KIND = "sparse-attention indexer"
 ROUTER_AUX_KIND = "router aux loss"
 ADAPTER_KIND = "LoRA adapters' activations"
 
@@ -132,6 +133,9 @@ ESTIMATE_ERRORS: dict[str, float] = {
     ADAPTER_KIND: UNMEASURED_ERROR,
     MASK_KIND: 0.03,
     EAGER_SCORES_KIND: 0.02,
+    # Counted from the tensors transformers makes and measured on the CPU (exact there:
+    # tests/test_plan_attention.py); no H200 row. The masks' 3% for what the CPU does not show.
+    INDEXER_KIND: 0.03,
 }
 
 
@@ -919,6 +923,23 @@ def _unused_window_mask(shape: ModelShape, step: StepShape, impl: str = "sdpa") 
 UNUSED_WINDOW_MASK_BYTES = 3
 
 
+#: DeepSeek-V3.2's sparse-attention indexer (``ModelShape.indexer_heads``), in every layer's
+#: forward and recompute (under no_grad, nothing saved), per sequence and element of s x s, in
+#: the compute dtype (autocast runs its fp32 products in it): its peak is
+#: ``indexer_elements_per_score`` elements (the key broadcast to every query by ``matmul``, its
+#: head_dim, beside the heads' scores; then the scores and their scaled ReLU, two per head).
+#: Then the layer's bool top-k mask, its negation and the attention mask combined with it
+#: (``INDEXER_MASK_BYTES``). Its additive copy for SDPA is the explicit mask's line. Measured on
+#: the CPU (tests/test_plan_attention.py).
+INDEXER_MASK_BYTES = 3
+
+
+def indexer_elements_per_score(shape: ModelShape) -> int:
+    """Elements per sequence and s x s element at the sparse-attention indexer's peak."""
+    heads = shape.indexer_heads
+    return max(shape.indexer_head_dim + heads, 2 * heads) if heads else 0
+
+
 #: FlexAttention's ``BlockMask`` (``attn_implementation="flex_attention"``): which
 #: ``FLEX_BLOCK`` x ``FLEX_BLOCK`` tiles of s x s attend, as four int32 index tensors of
 #: sequences x (s / FLEX_BLOCK)^2 (kv and q order, partial and full tiles): 16 B per tile, no
@@ -1077,6 +1098,18 @@ def attention_mask_lines(
                 f"{FLEX_BLOCK}^2 x {FLEX_BLOCK_MASK_BYTES} B each, made once per forward)",
                 masks * seqs * tiles * tiles * FLEX_BLOCK_MASK_BYTES,
                 MASK_KIND,
+            )
+        )
+    if shape.indexer_heads:
+        elements = indexer_elements_per_score(shape)
+        per = elements * itemsize(dtype) + INDEXER_MASK_BYTES
+        lines.append(
+            estimate_line(
+                f"sparse-attention indexer of one layer ({shape.indexer_heads} heads of "
+                f"{shape.indexer_head_dim}: {seqs} x {s}^2 x ({elements} x {itemsize(dtype)} + "
+                f"{INDEXER_MASK_BYTES}) B while it picks the keys)",
+                seqs * s * s * per,
+                INDEXER_KIND,
             )
         )
     if _unused_window_mask(shape, step):

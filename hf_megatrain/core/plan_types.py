@@ -103,6 +103,11 @@ class ModelShape:
     # Whether the family's forward always gives SDPA an explicit s x s mask, with or without a
     # window (Falcon: ``allow_is_causal_skip=False``), so every layer is masked as sliding ones.
     sdpa_explicit_mask: bool = False
+    # DeepSeek-V3.2's sparse-attention indexer: its heads (0: none). Every layer scores each
+    # query against every key per indexer head (fp32, s x s per head) to pick the keys its
+    # attention reads, through an explicit mask (``sdpa_explicit_mask``).
+    indexer_heads: int = 0
+    indexer_head_dim: int = 0
     # Whether eager attention keeps one more compute-dtype copy of its scores beside the fp32
     # softmax (BLOOM's and MPT's ALiBi product, gpt-oss's sinks: hf/family_memory.py).
     eager_score_copy: bool = False

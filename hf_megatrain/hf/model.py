@@ -208,6 +208,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     # Always an explicit mask for SDPA (Falcon); with ALiBi added onto it, heads x s x s in
     # fp32: its masks planned as eager attention's, an upper bound (it still runs SDPA).
     explicit_mask = "allow_is_causal_skip=False" in source
+    # A sparse-attention indexer (DeepSeek-V3.2) picks each query's keys: an explicit mask.
+    indexer_heads = int(getattr(text_cfg, "index_n_heads", 0) or 0)
+    explicit_mask = explicit_mask or indexer_heads > 0
     if explicit_mask and getattr(text_cfg, "alibi", False) and attn == "sdpa":
         attn, explicit_mask = "eager", False
     # A sliding-window mask built for every forward although no layer slides (Qwen2-MoE's mask
@@ -289,6 +292,8 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         sliding_layers=sliding,
         attn_softcapping=bool(getattr(text_cfg, "attn_logit_softcapping", None)),
         sdpa_explicit_mask=explicit_mask,
+        indexer_heads=indexer_heads,
+        indexer_head_dim=int(getattr(text_cfg, "index_head_dim", 0) or 0) if indexer_heads else 0,
         eager_score_copy=family in EAGER_SCORE_COPY_MODEL_TYPES,
         unused_window_mask_from=unused_window,
         extra_working_set_bytes_per_token=extra,
