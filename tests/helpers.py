@@ -392,11 +392,11 @@ ARCHS = [
 ARCHS += ADDED_ARCHS
 #: The MoE families whose router aux loss is part of the training loss.
 MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe",
-             "granitemoeshared", "flex_olmo"]  # fmt: skip
+             "granitemoeshared", "flex_olmo", "ernie4_5_moe"]  # fmt: skip
 #: MoE families balanced without an aux loss (DeepSeek-V3's bias-corrected routing).
 AUX_FREE_MOE_ARCHS = ["glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "qwen3_next",
                       "hunyuan_v1_moe", "exaone_moe", "lfm2_moe", "glm4_moe_lite",
-                      "solar_open"]  # fmt: skip
+                      "solar_open", "deepseek_v32"]  # fmt: skip
 
 
 class LogRecorder(TrainerCallback):
