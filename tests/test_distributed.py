@@ -165,6 +165,27 @@ def test_dp_eager_updates_and_hbm_tier(tmp_path):
     assert dp[0]["shared_bytes"] == 3 * per_layer // 3
 
 
+@pytest.mark.parametrize("clip", ["0", "0.5"], ids=["eager", "clipped"])
+def test_dp_skips_parameters_without_a_gradient(tmp_path, clip):
+    """DeepSeek-V3.2's indexer gets no gradient on any rank: under data parallel (an HBM-tier
+    layer replicated, the others owned; eager updates or clipping) AdamW skips it as the single
+    process does, which stock's does too (tests/test_gradless_params.py)."""
+    from .helpers import tiny_model  # noqa: PLC0415
+
+    extra = ("--arch", "deepseek_v32", "--grad-accum", "2", "--steps", "3",
+             "--max-grad-norm", clip, "--resident-layers", "1")  # fmt: skip
+    single = _run(tmp_path / "single", 1, *extra)
+    dp = _run(tmp_path / "dp", 2, *extra)
+    _assert_same_training(single[0]["logs"], dp[0]["logs"])
+    final = _weights(tmp_path / "dp" / "final")
+    _assert_close_weights(_weights(tmp_path / "single" / "final"), final)
+    initial = tiny_model(tiny_config("deepseek_v32", num_hidden_layers=4)).state_dict()
+    indexer = [n for n in final if ".indexer." in n]
+    assert indexer and all(torch.equal(final[n], initial[n]) for n in indexer)
+    assert not torch.equal(final["model.layers.0.mlp.gate_proj.weight"],
+                           initial["model.layers.0.mlp.gate_proj.weight"])  # fmt: skip
+
+
 def test_dp_bf16_fp32_master_streaming_no_clip(tmp_path):
     """12 B/param stores under data parallel: shared fp32 masters (no bf16 copy), owned moments.
 

@@ -142,3 +142,58 @@ def test_parameters_without_a_gradient_are_skipped_on_gpu(case, overrides, tmp_p
     for name in final:
         if unchanged and name.endswith(unchanged):
             assert torch.equal(final[name], initial[name]), name
+
+
+def test_resume_from_a_checkpoint_of_the_earlier_mixed_layer_layout(tmp_path, monkeypatch):
+    """Before 2026-12-06 a layer mixing frozen and trainable parameters streamed only its frozen
+    ones and kept the trainable ones resident, their moments in resident.safetensors and no
+    file of the layer's. Such a checkpoint resumes into the layer's store (moments and step
+    counts), and the run goes on as that layout's uninterrupted run."""
+    import hf_megatrain.hf.model as hf_model  # noqa: PLC0415
+
+    model = tiny_model(tiny_config("llama"))
+    model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+
+    def earlier_layout(layer):  # the rule of that time: frozen ones stream, the rest resident
+        flags = {n: p.requires_grad for n, p in layer.named_parameters()}
+        if all(flags.values()) or not any(flags.values()):
+            return set(flags)
+        return {n for n, f in flags.items() if not f}
+
+    with monkeypatch.context() as m:
+        m.setattr(hf_model, "streamed_names", earlier_layout)
+        earlier, full = run_trainer(copy.deepcopy(model), tmp_path, "full", True, **kw)
+    ckpt = tmp_path / "full" / "checkpoint-2"
+    assert not (ckpt / "megatrain_optimizer" / "layer_00001.safetensors").exists()
+    resumed, trainer = run_trainer(
+        copy.deepcopy(model), tmp_path, "resumed", True, resume=str(ckpt), **kw
+    )
+    assert_logs_match(earlier[2:], resumed)
+    expected, got = mega_params(full), mega_params(trainer)
+    for name, p in expected.items():
+        # fp32 on the CPU: the two layouts sum the global norm in other orders (1e-7 relative).
+        torch.testing.assert_close(got[name], p, rtol=0, atol=1e-6, msg=name)
+
+
+def test_optimizer_state_dict_carries_each_parameters_own_step_count(tmp_path):
+    """``HostAdamW.state_dict()`` holds the per-slot step counts where they differ from their
+    layer's; a new optimizer loading it has the same counts (torch's keeps one per
+    parameter)."""
+    from hf_megatrain.core.optimizer import STREAMED_STATE_KEY  # noqa: PLC0415
+    from hf_megatrain.hf.model import streamed_optimizer  # noqa: PLC0415
+
+    model = _model(frozen=False, extra=True)
+    callbacks = [_Schedule(_USES["some steps"])]
+    _, trainer = run_trainer(model, tmp_path, "mega", True, max_steps=3, callbacks=callbacks)
+    counts = trainer.optimizer.slot_steps()
+    # Every layer: its MLP's extra missed step 2 of 3, the rest trained in all three.
+    assert sorted(counts) == list(range(len(model.model.layers)))
+    for per_slot in counts.values():
+        assert sorted(per_slot)[0] == 2.0 and max(per_slot) == 3.0
+    state = copy.deepcopy(trainer.optimizer.state_dict())
+    assert all("slot_steps" in layer for layer in state[STREAMED_STATE_KEY]["layers"].values())
+    fresh = streamed_optimizer(trainer.model, lr=1e-2)
+    assert fresh.slot_steps() == {}
+    fresh.load_state_dict(state)
+    assert fresh.slot_steps() == counts

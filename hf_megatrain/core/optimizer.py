@@ -271,12 +271,17 @@ class HostAdamW(torch.optim.Optimizer):
                 store.exp_avg.zero_()
                 store.exp_avg_sq.zero_()
             _STORES_WITH_AN_OPTIMIZER.add(store)
+            # Frozen slots (``TensorSlot.trainable``) get segments of their own from the start:
+            # never updated, they are split off here rather than at the first step.
+            frozen = [i for i, slot in enumerate(store.slots) if not slot.trainable]
+            cuts = {c for bound in _slot_segment_bounds(store, frozen) for c in bound}
             for decay, start, end in store.segments():
-                view = store.master[start:end]
-                (decay_params if decay else no_decay_params).append(view)
-                self._streamed_ids.add(id(view))
                 step = torch.zeros((), dtype=torch.float32, device=store.master.device)
-                segments[0 if decay else 1].append(_Segment(idx, store, start, end, step))
+                for seg in _Segment(idx, store, start, end, step).split(cuts):
+                    view = store.master[seg.start : seg.end]
+                    (decay_params if decay else no_decay_params).append(view)
+                    self._streamed_ids.add(id(view))
+                    segments[0 if decay else 1].append(seg)
         pairs = [
             ({"params": decay_params, "weight_decay": weight_decay}, segments[0]),
             ({"params": no_decay_params, "weight_decay": 0.0}, segments[1]),
@@ -289,6 +294,9 @@ class HostAdamW(torch.optim.Optimizer):
             dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
         )
         self._clip_coef: torch.Tensor | None = None
+        # Splitting segments (``_layer_jobs``) runs on the eager update's thread and, for the
+        # HBM tier, on the backward's: one at a time.
+        self._segments_lock = threading.Lock()
         # Data parallel: the streamed layers this rank updates (it publishes each one's new
         # version), and whether the replicated parameters' gradients are averaged this step.
         self._owned_layers = [
@@ -547,29 +555,33 @@ class HostAdamW(torch.optim.Optimizer):
     ) -> dict[int, list[tuple[_Segment, dict]]]:
         """Per streamed layer with a gradient: its slices and the hyper-parameters to use (the
         slices of parameters without a gradient left out)."""
-        layers = {
-            seg.layer
-            for segments in self._segments
-            for seg in segments
-            if (only is None or seg.layer == only) and seg.layer not in skip
-        }
-        layers = {idx for idx in layers if self.engine.layer_has_grad(idx)}
-        gradless: dict[int, set[tuple[int, int]]] = {}
-        for idx in sorted(layers):
-            positions = self.engine.gradless_slots(idx)
-            if positions:
-                gradless[idx] = _slot_segment_bounds(self.engine.stores[idx], positions)
-                self._split_layer(idx, gradless[idx])
-        jobs: dict[int, list[tuple[_Segment, dict]]] = {}
-        for group, segments in zip(self.param_groups, self._segments):
-            kw = self._hyper(group)
-            for seg in segments:
-                if seg.layer in layers and (seg.start, seg.end) not in gradless.get(seg.layer, ()):
-                    jobs.setdefault(seg.layer, []).append((seg, kw))
-        return jobs
+        with self._segments_lock:
+            layers = {
+                seg.layer
+                for segments in self._segments
+                for seg in segments
+                if (only is None or seg.layer == only) and seg.layer not in skip
+            }
+            layers = {idx for idx in layers if self.engine.layer_has_grad(idx)}
+            gradless: dict[int, set[tuple[int, int]]] = {}
+            for idx in sorted(layers):
+                positions = self.engine.gradless_slots(idx)
+                if positions:
+                    gradless[idx] = _slot_segment_bounds(self.engine.stores[idx], positions)
+                    self._split_layer(idx, gradless[idx])
+            jobs: dict[int, list[tuple[_Segment, dict]]] = {}
+            for group, segments in zip(self.param_groups, self._segments):
+                kw = self._hyper(group)
+                for seg in segments:
+                    skipped = (seg.start, seg.end) in gradless.get(seg.layer, ())
+                    if seg.layer in layers and not skipped:
+                        jobs.setdefault(seg.layer, []).append((seg, kw))
+            return jobs
 
     def _split_layer(self, idx: int, bounds: Iterable[tuple[int, int]]) -> None:
-        """Give the element ranges ``bounds`` of layer ``idx`` segments of their own."""
+        """Give the element ranges ``bounds`` of layer ``idx`` segments of their own (under
+        ``_segments_lock``, or before any update runs). The param groups keep their views of
+        the ranges as they were (torch's optimizer reads only their hyper-parameters)."""
         cuts = {c for bound in bounds for c in bound}
         for g, segments in enumerate(self._segments):
             parts = [seg.split(cuts) if seg.layer == idx else [seg] for seg in segments]
@@ -768,25 +780,29 @@ class HostAdamW(torch.optim.Optimizer):
         between steps): their slices now update the new store's master and moments, on its
         device, with the step counts carried over."""
         layers = set(layers)
-        for group, segments in zip(self.param_groups, self._segments):
-            for seg in segments:
-                if seg.layer not in layers:
+        old = {
+            seg.layer: seg.store for segs in self._segments for seg in segs if seg.layer in layers
+        }
+        for group in self.param_groups:
+            params = group["params"]
+            for pos, p in enumerate(params):
+                if id(p) not in self._streamed_ids:
                     continue
-                store = self.engine.stores[seg.layer]
-                old = seg.store.master[seg.start : seg.end]
-                view = store.master[seg.start : seg.end]
-                params = group["params"]
-                # (The group holds its own view of the same slice: found by address.)
-                # (A segment split off a group's slice has no view of its own there.)
-                pos = next(
-                    (i for i, p in enumerate(params) if p.data_ptr() == old.data_ptr()), None
-                )
-                if pos is not None:
-                    self._streamed_ids.discard(id(params[pos]))
-                    params[pos] = view
-                    self._streamed_ids.add(id(view))
-                seg.store = store
-                seg.step = seg.step.to(store.master.device)
+                for idx, store in old.items():
+                    # (A group's view of a layer's range, found by address: the same range of
+                    # the new store's master.)
+                    start = (p.data_ptr() - store.master.data_ptr()) // store.master.element_size()
+                    if 0 <= start < store.master.numel():
+                        view = self.engine.stores[idx].master[start : start + p.numel()]
+                        self._streamed_ids.discard(id(p))
+                        params[pos] = view
+                        self._streamed_ids.add(id(view))
+                        break
+        for segments in self._segments:
+            for seg in segments:
+                if seg.layer in layers:
+                    seg.store = self.engine.stores[seg.layer]
+                    seg.step = seg.step.to(seg.store.master.device)
         self._owned_layers = sorted(
             set(self._owned_layers) | {i for i in layers if not self.engine.stores[i].resident}
         )

@@ -13,11 +13,12 @@ conversion transformers applies to the supported MoE models (per-expert ``gate/u
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -423,6 +424,31 @@ def stock_optimizer_note(checkpoint: str) -> str:
     )
 
 
+def _resident_layer_moments(
+    store, resident: dict[str, torch.Tensor], full_name: Callable[[str], str]
+) -> list[float] | None:
+    """A layer's moments kept as resident parameters' (an older checkpoint of a layer mixing
+    frozen and trainable parameters) copied into its store, zeros elsewhere: each slot's step
+    count (0 for slots without moments), or None where the resident state holds none of it."""
+    found = [f"{full_name(slot.name)}.exp_avg" in resident for slot in store.slots]
+    if not any(found):
+        return None
+    store.exp_avg.zero_()
+    store.exp_avg_sq.zero_()
+    per_slot = []
+    for slot, has in zip(store.slots, found):
+        if not has:
+            per_slot.append(0.0)
+            continue
+        name = full_name(slot.name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            getattr(store, key)[slot.offset : slot.offset + slot.numel].copy_(
+                resident[f"{name}.{key}"].reshape(-1)
+            )
+        per_slot.append(float(resident[f"{name}.step"].reshape(-1)[0]))
+    return per_slot
+
+
 def has_optimizer_state(checkpoint: str) -> bool:
     return os.path.isfile(os.path.join(checkpoint, OPTIMIZER_STATE_DIR, "meta.json"))
 
@@ -473,7 +499,15 @@ def optimizer_state_problem(checkpoint: str) -> str | None:
     return None
 
 
-def load_optimizer_state(optimizer, checkpoint: str) -> None:
+def load_optimizer_state(
+    optimizer, checkpoint: str, layer_name: Callable[[int, str], str] | None = None
+) -> None:
+    """Restore :func:`save_optimizer_state`'s files into ``optimizer`` (a ``HostAdamW``).
+
+    ``layer_name(layer, slot name)``: a layer parameter's name in the model. With it, a
+    checkpoint written when a layer's trainable parameters stayed resident beside a frozen
+    store (a layer that mixes both, before 2026-12-06: their moments in resident.safetensors,
+    no file of the layer's) is read into the layer's store, where they now live."""
     optimizer.wait()
     meta = _read_optimizer_meta(checkpoint)
     stores = optimizer.engine.stores
@@ -484,20 +518,28 @@ def load_optimizer_state(optimizer, checkpoint: str) -> None:
         )
     steps = {int(k): v for k, v in meta["steps"].items()}
     slot_steps: dict[int, list[float]] = {}
+    resident = {}
+    with _open_state_file(checkpoint, "resident.safetensors") as f:
+        for k in f.keys():
+            resident[k] = f.get_tensor(k)
     for i, store in enumerate(stores):
         if store.exp_avg is None:
             continue
-        with _open_state_file(checkpoint, f"layer_{i:05d}.safetensors") as f:
+        name = f"layer_{i:05d}.safetensors"
+        if layer_name is not None and not os.path.isfile(
+            os.path.join(checkpoint, OPTIMIZER_STATE_DIR, name)
+        ):
+            per_slot = _resident_layer_moments(store, resident, functools.partial(layer_name, i))
+            if per_slot is not None:
+                steps[i], slot_steps[i] = max(per_slot), per_slot
+                continue
+        with _open_state_file(checkpoint, name) as f:
             store.exp_avg.copy_(f.get_tensor("exp_avg"))
             store.exp_avg_sq.copy_(f.get_tensor("exp_avg_sq"))
             if "step" in f.keys():
                 steps[i] = float(f.get_tensor("step")[0])
             if "slot_steps" in f.keys():
                 slot_steps[i] = f.get_tensor("slot_steps").tolist()
-    resident = {}
-    with _open_state_file(checkpoint, "resident.safetensors") as f:
-        for k in f.keys():
-            resident[k] = f.get_tensor(k)
     optimizer.load_streamed_state(steps, resident, slot_steps)
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for k, v in saved.items():

@@ -1745,7 +1745,7 @@ class MegaTrainerMixin:
                 " and ".join(missing),
             )
         if has_opt:
-            load_optimizer_state(self.optimizer, checkpoint)
+            load_optimizer_state(self.optimizer, checkpoint, self.megatrain.full_name)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
 

@@ -64,6 +64,15 @@ def scatter_add(
             add_widened(dst, g, out=dst)
 
 
+def _write_flags(flags: torch.Tensor, got: list[bool]) -> None:
+    """Write 1 for each slot that got a gradient, 0 for the others, on ``flags``' device (no
+    copy from host memory: on a GPU that would wait for the compute stream)."""
+    flags.fill_(1.0)
+    for i, g in enumerate(got):
+        if not g:
+            flags[i].fill_(0.0)
+
+
 class GradientSink:
     """Accumulates, drains (or reduces) and accounts for the layers' fp32 gradients.
 
@@ -277,10 +286,7 @@ class GradientSink:
         self._on_host[idx] = True
         grad, flags = acc[: store.numel], acc[store.numel :]
         got = self._got.get(idx, [])
-        if all(got):
-            flags.fill_(1.0)
-        else:
-            flags.copy_(torch.tensor(got, dtype=torch.float32))
+        _write_flags(flags, got)
         keep_flags = mine and not all(got)
         if not self._cuda:
             dp.reduce_to_owner(acc, idx, async_op=False)
@@ -336,9 +342,11 @@ class GradientSink:
     def _all_reduce_replicated(self, idx: int, store) -> None:
         """Average a replicated layer's gradient over the ranks, with its slots' flags."""
         got = self._got.get(idx, [])
-        flags = torch.tensor([float(g) for g in got], device=self._device)
+        flags = torch.empty(len(got), device=self._device)
+        _write_flags(flags, got)
         self._dp.all_reduce_mean_([store.grad, flags])
         if not all(got):
+            # (Read by gradless_slots: a sync, only where this rank gave a slot no gradient.)
             self._got_any_rank[idx] = flags
 
     # ---- staging (host stores without a grad slot) ----------------------------------------------
