@@ -57,9 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(a.model_path)
     rows = documents(tokenizer, read_texts(a.data), a.max_doc_tokens)
     if a.model_path:
-        model = load_streamed_model(
-            a.model_path, engine, bf16=a.bf16, attn_implementation=a.attn
-        )
+        model = load_streamed_model(a.model_path, engine, bf16=a.bf16, attn_implementation=a.attn)
     else:
         cfg = AutoConfig.from_pretrained(DEFAULT_CONFIG)
         torch.manual_seed(0)
