@@ -178,25 +178,30 @@ def test_mlp_tiles_round_only_the_mlp_weight_gradients_per_tile():
 def test_vector_parameters_outside_matmuls_are_bound_in_fp32():
     """Not only norms: every vector or scalar parameter that no autocast op casts (xIELU's
     alphas, gpt-oss's attention sinks and router bias) computes at its fp32 value in a bf16
-    streamed forward, while matmul weights run as the bf16 copy."""
+    streamed forward, and so does every parameter of a module that turns autocast off (ERNIE
+    4.5 MoE's router: its weight and its frozen score correction), while matmul weights run as
+    the bf16 copy."""
     from hf_megatrain import prepare_streamed_model
 
     from .helpers import make_data
 
     ids = torch.stack([r["input_ids"] for r in make_data(2)])
-    for arch, module_of, names in [
-        ("apertus", lambda layer: layer.mlp.act_fn, ("alpha_p", "alpha_n")),
-        ("gpt_oss", lambda layer: layer.self_attn, ("sinks",)),
-        ("gpt_oss", lambda layer: layer.mlp.router, ("bias",)),
+    for arch, layer_index, module_of, names in [
+        ("apertus", 0, lambda layer: layer.mlp.act_fn, ("alpha_p", "alpha_n")),
+        ("gpt_oss", 0, lambda layer: layer.self_attn, ("sinks",)),
+        ("gpt_oss", 0, lambda layer: layer.mlp.router, ("bias",)),
+        ("ernie4_5_moe", 1, lambda layer: layer.mlp.gate, ("weight",)),
+        ("ernie4_5_moe", 1, lambda layer: layer.mlp.gate.moe_statics, ("e_score_correction_bias",)),
     ]:
         model = prepare_streamed_model(tiny_model(tiny_config(arch)), "cpu", torch.bfloat16)
         seen: dict[str, torch.dtype] = {}
+        layer = model.model.layers[layer_index]
 
-        def record(module, args, names=names, seen=seen, layer=model.model.layers[0]):
+        def record(module, args, names=names, seen=seen, layer=layer):
             seen.update({n: getattr(module, n).dtype for n in names})
             seen["q_proj"] = layer.self_attn.q_proj.weight.dtype
 
-        module_of(model.model.layers[0]).register_forward_pre_hook(record)
+        module_of(layer).register_forward_pre_hook(record)
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
             model(input_ids=ids, use_cache=False)
         assert all(seen[n] == torch.float32 for n in names), (arch, seen)

@@ -615,19 +615,39 @@ def _exact_params(layer: nn.Module, streamed: set[str]) -> list[str]:
     spread over 150 steps; Apertus's xIELU ran in bf16 where stock's runs in fp32.) Where a norm
     of bf16 activations returns ``weight * x`` (Llama-style per-head q/k norms: Qwen3), its
     output is then fp32 as in stock; the planner counts those bytes (``activation_memory``,
-    exact q/k norms)."""
+    exact q/k norms). So are the parameters of a module whose forward turns autocast off
+    (ERNIE 4.5 MoE's router: its weight and score correction in fp32), and of its submodules:
+    stock computes with their fp32 values there."""
     names = []
+    fp32_modules = [n for n, m in layer.named_modules() if _turns_autocast_off(type(m))]
     for mod_name, module in layer.named_modules():
         cls = type(module).__name__
         norm = "RMSNorm" in cls or "LayerNorm" in cls  # (Nemotron's LayerNorm1P too)
         cast = isinstance(module, _AUTOCAST_CAST_MODULES)
+        fp32 = any(mod_name == m or mod_name.startswith(f"{m}.") for m in fp32_modules)
         for attr, p in module.named_parameters(recurse=False):
             name = f"{mod_name}.{attr}" if mod_name else attr
             if not (p.dtype.is_floating_point and name in streamed):
                 continue
-            if (norm and attr in ("weight", "bias")) or (not cast and p.dim() <= 1):
+            if fp32 or (norm and attr in ("weight", "bias")) or (not cast and p.dim() <= 1):
                 names.append(name)
     return names
+
+
+#: ``autocast(..., enabled=False)`` in a module's forward (torch's or transformers'
+#: ``maybe_autocast``).
+_AUTOCAST_OFF = re.compile(r"autocast\([^)]*enabled\s*=\s*False")
+
+
+@functools.cache
+def _turns_autocast_off(cls: type) -> bool:
+    """Whether ``cls.forward`` runs (part of) itself with autocast off."""
+    if cls.__module__.startswith("torch."):
+        return False
+    try:
+        return bool(_AUTOCAST_OFF.search(inspect.getsource(cls.forward)))
+    except (OSError, TypeError):
+        return False
 
 
 def _widens_to_fp32(attention: nn.Module | None) -> bool:
