@@ -313,6 +313,11 @@ ADDED_FAMILY_OVERRIDES: dict[str, Callable[[int], dict]] = {
     # Multi-head latent attention whose indexer picks 4 positions per query (fewer than SEQ):
     # its projections get no gradient, and AdamW skips them.
     "deepseek_v32": lambda n: dict(**_MLA, index_topk=4, index_head_dim=8, index_n_heads=2),
+    # Multi-head latent attention; embeddings scaled by 12, residual branches by 1.4 / sqrt(n),
+    # the head's input divided by hidden / 8.
+    "minicpm3": lambda n: dict(**_MLA, scale_emb=12, scale_depth=1.4, dim_model_base=8),
+    "biogpt": lambda n: dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                             scale_embedding=True),
 }  # fmt: skip
 #: Their default layer count where the family's pattern needs three.
 _ADDED_FAMILY_LAYERS = {

@@ -247,9 +247,9 @@ def test_bad_input_errors_are_clean(tmp_path):
     )
     bad_recipe.write_text("max_steps: many\n")
     assert "max_steps: invalid value" in _error(["train", "--recipe", str(bad_recipe)])
-    biogpt = tmp_path / "biogpt.json"
-    biogpt.write_text(json.dumps({"model_type": "biogpt", "vocab_size": 4096}))
-    assert "not supported" in _error(["train", "--config", str(biogpt), "--data", str(txt)])
+    doge = tmp_path / "doge.json"
+    doge.write_text(json.dumps({"model_type": "doge", "vocab_size": 4096}))
+    assert "not supported" in _error(["train", "--config", str(doge), "--data", str(txt)])
     short = tmp_path / "short.txt"
     short.write_text("too short")
     assert "not enough text" in _error(["train", "--data", str(short), "--seq-len", "512"])

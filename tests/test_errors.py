@@ -7,8 +7,8 @@ import torch
 from transformers import (
     BertConfig,
     BertForMaskedLM,
-    BioGptConfig,
-    BioGptForCausalLM,
+    DogeConfig,
+    DogeForCausalLM,
     LlamaForSequenceClassification,
 )
 
@@ -40,13 +40,14 @@ def _assert_untouched(model, tmp_path) -> None:
     "model_type,build",
     [
         (
-            "biogpt",
-            lambda: BioGptForCausalLM(
-                BioGptConfig(
+            "doge",
+            lambda: DogeForCausalLM(
+                DogeConfig(
                     vocab_size=128,
                     hidden_size=32,
                     num_hidden_layers=2,
                     num_attention_heads=4,
+                    num_key_value_heads=4,
                     intermediate_size=64,
                 )
             ),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, BioGptConfig
+from transformers import AutoModelForCausalLM, DogeConfig
 
 from hf_megatrain import UnsupportedModelError, load_streamed_model
 from hf_megatrain.hf import loading
@@ -300,16 +300,16 @@ def test_quantization_config_not_a_mapping_refused_in_one_line(tmp_path, monkeyp
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("case", ["unknown type", "custom code", "biogpt"])
+@pytest.mark.parametrize("case", ["unknown type", "custom code", "doge"])
 def test_unsupported_model_types_are_refused_in_one_line(tmp_path, monkeypatch, case):
     """An architecture transformers does not know, custom code (``auto_map``, which
     transformers would prompt to run), and one it knows that is not streamed: all an
     ``UnsupportedModelError`` listing the supported families, before transformers builds a
     config (its errors span lines)."""
-    if case == "biogpt":
-        cfg = BioGptConfig(
+    if case == "doge":
+        cfg = DogeConfig(
             vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=64, max_position_embeddings=64,
+            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
         )  # fmt: skip
         tiny_model(cfg).save_pretrained(str(tmp_path))
     else:

@@ -73,6 +73,8 @@ SUPPORTED_MODEL_TYPES = {
     "solar_open": "Solar Open (MoE, shared expert)",
     "ernie4_5_moe": "ERNIE 4.5 MoE (shared expert; frozen router statistics)",
     "deepseek_v32": "DeepSeek-V3.2 (sparse attention picked by an indexer AdamW skips, MoE)",
+    "minicpm3": "MiniCPM3 (multi-head latent attention, scaled embeddings, residuals and head)",
+    "biogpt": "BioGPT (learned positions, scaled embeddings, its head named output_projection)",
 }
 
 

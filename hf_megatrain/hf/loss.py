@@ -31,9 +31,10 @@ from .families import SUPPORTED_MODEL_TYPES, model_family
 logger = logging.getLogger(__name__)
 
 #: Every supported family: each one's causal-LM loss is plain cross-entropy over
-#: ``lm_head(hidden)`` (its bias included: Phi's, GPT-J's), then the maps below and Gemma's final
-#: soft-capping, which the chunked loss computes too; a family whose loss is something else
-#: (BioGPT's, Llama 4's) is not supported. The MoE ones add their router aux loss, when it is on,
+#: the head's output on the hidden states (``get_output_embeddings()``: ``lm_head``, BioGPT's
+#: ``output_projection``; its bias included: Phi's, GPT-J's), then the maps below and Gemma's
+#: final soft-capping, which the chunked loss computes too; a family whose loss is something
+#: else (Llama 4's, Doge's) is not supported. The MoE ones add their router aux loss, when it is on,
 #: exactly as their forward does (see ``load_balancing_loss_function``); the aux-free
 #: DeepSeek-style ones have none. tests/test_chunked_loss.py checks each against the model's own
 #: loss, aux loss on and off.
@@ -42,6 +43,9 @@ FUSED_LOSS_MODEL_TYPES = frozenset(SUPPORTED_MODEL_TYPES)
 LOGIT_SCALE_MODEL_TYPES = {"cohere", "cohere2"}
 #: ... or divides them by ``config.logits_scaling`` (Granite, Granite-MoE).
 LOGITS_SCALING_MODEL_TYPES = {"granite", "granitemoe", "granitemoeshared"}
+#: Families whose forward divides the hidden states by ``config.logits_scaling`` before the head
+#: (MiniCPM3): the fused loss divides them the same way, the same op on the same tensor.
+HIDDEN_SCALING_MODEL_TYPES = {"minicpm3"}
 
 #: The ``*ForCausalLM`` attributes an MoE family's forward passes to its router aux loss.
 _ROUTER_AUX_ATTRS = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
@@ -98,7 +102,7 @@ def supports_fused_loss(model) -> bool:
     config = model.config
     return (
         model_family(config.model_type) in FUSED_LOSS_MODEL_TYPES
-        and _linear_head(getattr(model, "lm_head", None))
+        and _linear_head(model.get_output_embeddings())
         and getattr(model, model.base_model_prefix, None) is not None
         # A model-specific loss (set by the user) is theirs to keep.
         and getattr(config, "loss_type", None) in (None, "ForCausalLM", "ForCausalLMLoss")
@@ -157,29 +161,32 @@ def fused_causal_lm_forward(
     base = getattr(model, model.base_model_prefix)
     outputs = base(**kwargs)
     hidden = outputs.last_hidden_state
+    model_type = model_family(model.config.model_type)
+    if model_type in HIDDEN_SCALING_MODEL_TYPES:
+        hidden = hidden / model.config.logits_scaling
     if shift_labels is None:
         # Same shift as transformers' ForCausalLMLoss: position t predicts label t+1.
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     targets = shift_labels.reshape(-1).to(hidden.device)
     if num_items is not None and torch.is_tensor(num_items):
         num_items = num_items.to(hidden.device)
-    model_type = model_family(model.config.model_type)
     # The family's maps of the head's output, for the loss and for logits read later alike.
     logit_map = LogitMap(
         scale=model.logit_scale if model_type in LOGIT_SCALE_MODEL_TYPES else None,
         divide_by=model.config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None,
         softcap=getattr(model.config, "final_logit_softcapping", None),
     )
+    head = model.get_output_embeddings()  # (``lm_head``; BioGPT's ``output_projection``)
     loss = chunked_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),
-        model.lm_head.weight,
+        head.weight,
         targets,
         divisor=num_items,
         softcap=logit_map.softcap,
         chunk_tokens=chunk_tokens,
         compute_dtype=compute_dtype,
         kernel=loss_kernel,
-        bias=model.lm_head.bias,
+        bias=head.bias,
         logit_scale=logit_map.scale,
         logits_scaling=logit_map.divide_by,
     )
@@ -230,7 +237,7 @@ def _logits_maker(
         h = hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
         autocast = compute_dtype is not None and compute_dtype != torch.float32
         with torch.autocast(device_type, dtype=compute_dtype, enabled=autocast):
-            logits = logit_map.forward(model.lm_head(h))
+            logits = logit_map.forward(model.get_output_embeddings()(h))
             if softcap is not None:
                 logits = torch.tanh(logits / softcap) * softcap
         return logits
