@@ -123,8 +123,8 @@
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
 #   tilegpu    tests/test_gpu.py's and test_tiling.py's CUDA tile cases (7, ~1 min on an H100).
-#   newfam     ERNIE 4.5 MoE's and DeepSeek-V3.2's CUDA family cases and the gradless-parameter
-#              skip on CUDA (test_gradless_params.py's GPU cases).
+#   newfam     ERNIE 4.5 MoE's, DeepSeek-V3.2's, MiniCPM3's and BioGPT's CUDA family cases and
+#              the gradless-parameter skip on CUDA (test_gradless_params.py's GPU cases).
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
 #              twice): stock, streamed, streamed without the overlapped host update and without
 #              Liger-Kernel; then streamed with the SDPA backend pinned to math and with
@@ -391,9 +391,9 @@ item() {  # item <name>: one queue item
         attention-outputs-tiles or (in_bf16 and cuda) or (mlp_tile_term_on_gpu and liger)" 2>&1 |
         grep -E "PASS|FAIL|SKIP|ERROR|passed|failed|Error"
       ;;
-    newfam)  # ERNIE 4.5 MoE and DeepSeek-V3.2 on CUDA, and the skip of gradless parameters
+    newfam)  # the families added 2026-12-06 (afternoon) on CUDA, and the skip of gradless parameters
       timeout 280 python3 -m pytest tests/test_gpu.py tests/test_gradless_params.py -o addopts="" \
-        -p no:cacheprovider -v -k "ernie4_5_moe or deepseek_v32 or skipped_on_gpu" 2>&1 |
+        -p no:cacheprovider -v -k "ernie4_5_moe or deepseek_v32 or minicpm3 or biogpt or skipped_on_gpu" 2>&1 |
         grep -E "PASS|FAIL|SKIP|ERROR|passed|failed|Error"
       ;;
     gemma2bisect)
