@@ -144,7 +144,8 @@ def test_parameters_without_a_gradient_are_skipped_on_gpu(case, overrides, tmp_p
             assert torch.equal(final[name], initial[name]), name
 
 
-def test_resume_from_a_checkpoint_of_the_earlier_mixed_layer_layout(tmp_path, monkeypatch):
+@pytest.mark.parametrize("damage", [None, "exp_avg_sq"], ids=["complete", "incomplete"])
+def test_resume_from_a_checkpoint_of_the_earlier_mixed_layer_layout(tmp_path, monkeypatch, damage):
     """Before 2026-12-06 a layer mixing frozen and trainable parameters streamed only its frozen
     ones and kept the trainable ones resident, their moments in resident.safetensors and no
     file of the layer's. Such a checkpoint resumes into the layer's store (moments and step
@@ -166,6 +167,20 @@ def test_resume_from_a_checkpoint_of_the_earlier_mixed_layer_layout(tmp_path, mo
         earlier, full = run_trainer(copy.deepcopy(model), tmp_path, "full", True, **kw)
     ckpt = tmp_path / "full" / "checkpoint-2"
     assert not (ckpt / "megatrain_optimizer" / "layer_00001.safetensors").exists()
+    if (
+        damage is not None
+    ):  # a resident file without one of the layer's moments: named, no traceback from torch
+        from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+        path = ckpt / "megatrain_optimizer" / "resident.safetensors"
+        tensors = load_file(str(path))
+        del tensors[f"model.layers.1.mlp.down_proj.weight.{damage}"]
+        save_file(tensors, str(path))
+        # (Written by hand: no manifest, whose sizes would name the file as altered first.)
+        (ckpt / "megatrain_manifest.json").unlink()
+        with pytest.raises(ValueError, match="resident.safetensors holds .* without .*incomplete"):
+            run_trainer(copy.deepcopy(model), tmp_path, "resumed", True, resume=str(ckpt), **kw)
+        return
     resumed, trainer = run_trainer(
         copy.deepcopy(model), tmp_path, "resumed", True, resume=str(ckpt), **kw
     )

@@ -852,6 +852,15 @@ class HostAdamW(torch.optim.Optimizer):
         else:
             bad = [i for i in expected if layers[i]["exp_avg"].shape != stores[i].exp_avg.shape]
             problem = f"layer {bad[0]}'s moments of another size" if bad else None
+        if problem is None:
+            # (torch's own check, made before anything is loaded: raised after the streamed
+            # state was copied in, it would leave this optimizer half loaded)
+            sizes = [len(g["params"]) for g in state_dict.get("param_groups", [])]
+            if sizes != [len(g["params"]) for g in self.param_groups]:
+                problem = (
+                    f"param groups of {sizes} parameters, this optimizer's have "
+                    f"{[len(g['params']) for g in self.param_groups]} (another model or layout)"
+                )
         if problem is not None:
             raise ValueError(f"hf_megatrain: the optimizer state dict holds {problem}")
         self.wait()

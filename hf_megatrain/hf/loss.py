@@ -164,6 +164,9 @@ def fused_causal_lm_forward(
     model_type = model_family(model.config.model_type)
     if model_type in HIDDEN_SCALING_MODEL_TYPES:
         hidden = hidden / model.config.logits_scaling
+        # The unscaled states are no longer needed (the division saves nothing): one hidden-sized
+        # tensor alive through the loss, as the plan counts, not two.
+        outputs["last_hidden_state"] = None
     if shift_labels is None:
         # Same shift as transformers' ForCausalLMLoss: position t predicts label t+1.
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
