@@ -236,11 +236,11 @@ def test_recipes_refuse_bad_config_arguments(name, tmp_path, capsys):
         recipe.main(["--config", str(tmp_path / "empty"), *out])
     assert e.value.code == 2 and "has no config.json" in capsys.readouterr().err
 
-    (tmp_path / "biogpt").mkdir()
-    (tmp_path / "biogpt" / "config.json").write_text(json.dumps({"model_type": "biogpt"}))
+    (tmp_path / "doge").mkdir()
+    (tmp_path / "doge" / "config.json").write_text(json.dumps({"model_type": "doge"}))
     with pytest.raises(SystemExit) as e:
-        recipe.main(["--config", str(tmp_path / "biogpt"), *out])
-    assert e.value.code == 2 and "'biogpt' is not supported" in capsys.readouterr().err
+        recipe.main(["--config", str(tmp_path / "doge"), *out])
+    assert e.value.code == 2 and "'doge' is not supported" in capsys.readouterr().err
 
     # tiny-qwen2's vocab (128) cannot index the bundled tokenizer's 4096 ids.
     with pytest.raises(SystemExit, match="vocab_size is 128"):
