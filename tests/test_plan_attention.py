@@ -43,9 +43,11 @@ WIDTHS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
 class LiveTensors(TorchDispatchMode):
     """Bytes of the live storages ops have made (all, and those shaped (..., s, s)) and peaks."""
 
-    def __init__(self, seq: int) -> None:
+    def __init__(self, seq: int, fast_gemm: bool = True) -> None:
         super().__init__()
         self.seq, self.live, self.square = seq, {}, set()
+        # False: real kernels (``fast_bf16_gemm``'s fp32 operands would count as scratch).
+        self.fast_gemm = fast_gemm
         self.cur = self.peak = self.square_cur = self.square_peak = 0
 
     def _free(self, key: int) -> None:
@@ -56,7 +58,9 @@ class LiveTensors(TorchDispatchMode):
             self.square_cur -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = fast_bf16_gemm(func, args, kwargs or {})  # (the same allocations, faster)
+        kwargs = kwargs or {}
+        # (The same allocations, faster.)
+        out = fast_bf16_gemm(func, args, kwargs) if self.fast_gemm else func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 continue
@@ -252,31 +256,6 @@ def test_a_sliding_mask_made_for_no_layer_is_planned_per_attention():
     assert dense.unused_window_mask_from == -1 and not attention_mask_lines(dense, step, BF16)
 
 
-class _Storages(TorchDispatchMode):
-    """Bytes of the live storages ops make, and their peak (real kernels: the indexer's bf16
-    products are small here, and ``fast_bf16_gemm``'s fp32 operands would count)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.cur = self.peak = 0
-
-    def _free(self, key: int) -> None:
-        self.cur -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                st = t.untyped_storage()
-                if id(st) not in self.live:
-                    self.live[id(st)] = st.nbytes()
-                    self.cur += st.nbytes()
-                    weakref.finalize(st, self._free, id(st))
-                    self.peak = max(self.peak, self.cur)
-        return out
-
-
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
 def test_sparse_attention_indexer_line_covers_what_it_makes(dtype):
     """DeepSeek-V3.2's indexer scores every query against every key per indexer head (under
@@ -300,10 +279,10 @@ def test_sparse_attention_indexer_line_covers_what_it_makes(dtype):
     shape = model_shape(model)
     assert (shape.indexer_heads, shape.indexer_head_dim) == (cfg.index_n_heads, cfg.index_head_dim)
     assert shape.sdpa_explicit_mask
-    live, peaks, starts = _Storages(), [], []
+    live, peaks, starts = None, [], []
 
     def enter(module, args):
-        live.peak = live.cur
+        live.reset_peaks()
         starts.append(live.cur)
 
     def leave(module, args, out):
@@ -318,6 +297,7 @@ def test_sparse_attention_indexer_line_covers_what_it_makes(dtype):
         lines = attention_mask_lines(shape, step, dtype)
         (planned,) = (ln.nbytes for ln in lines if ln.kind == INDEXER_KIND)
         peaks.clear()
+        live = LiveTensors(seq, fast_gemm=False)
         ids = torch.randint(0, cfg.vocab_size, (seqs, seq))
         with live, torch.no_grad(), torch.autocast("cpu", dtype=BF16, enabled=dtype == BF16):
             model.model(input_ids=ids)

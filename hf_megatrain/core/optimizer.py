@@ -881,10 +881,10 @@ class HostAdamW(torch.optim.Optimizer):
         A layer's step count is its most updated slot's; :meth:`slot_steps` has those that
         differ."""
         self.wait()
-        steps: dict[int, float] = {}
-        for segments in self._segments:
-            for seg in segments:
-                steps[seg.layer] = max(steps.get(seg.layer, 0.0), float(seg.step.item()))
+        steps = {
+            idx: max(float(seg.step.item()) for seg in segs)
+            for idx, segs in self._segments_by_layer().items()
+        }
         tensors = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -902,19 +902,22 @@ class HostAdamW(torch.optim.Optimizer):
         step): each slot's step count, in ``store.slots`` order."""
         self.wait()
         out: dict[int, list[float]] = {}
-        for idx in {seg.layer for segments in self._segments for seg in segments}:
-            segs = [seg for segments in self._segments for seg in segments if seg.layer == idx]
-            if len({float(seg.step.item()) for seg in segs}) < 2:
+        for idx, segs in self._segments_by_layer().items():
+            steps = [(seg.start, seg.end, float(seg.step.item())) for seg in segs]
+            if len({n for _, _, n in steps}) < 2:
                 continue
-            store = self.engine.stores[idx]
             out[idx] = [
-                next(
-                    (float(seg.step.item()) for seg in segs if seg.start <= slot.offset < seg.end),
-                    0.0,
-                )
-                for slot in store.slots
+                next((n for a, b, n in steps if a <= slot.offset < b), 0.0)
+                for slot in self.engine.stores[idx].slots
             ]
         return out
+
+    def _segments_by_layer(self) -> dict[int, list[_Segment]]:
+        by_layer: dict[int, list[_Segment]] = {}
+        for segments in self._segments:
+            for seg in segments:
+                by_layer.setdefault(seg.layer, []).append(seg)
+        return by_layer
 
     def load_streamed_state(
         self,

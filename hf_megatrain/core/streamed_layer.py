@@ -116,7 +116,9 @@ class StreamedLayer:
         if leaves:
             # A frozen slot's leaf needs no gradient: autograd computes none for it, as for the
             # stock model's frozen parameter.
-            trains = {slot.name: slot.trainable for slot in store.slots}
+            trains = getattr(self, "_slot_trains", None)
+            if trains is None:  # (the slots are fixed once streamed: read once, not per run)
+                trains = self._slot_trains = {s.name: s.trainable for s in store.slots}
             params = {k: v.detach().requires_grad_(trains[k]) for k, v in params.items()}
             weight_leaves = list(params.values())
         for name in self.fp32_params:
