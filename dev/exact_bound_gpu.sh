@@ -122,7 +122,7 @@
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
-#   tilegpu    tests/test_gpu.py's and test_tiling.py's CUDA tile cases (7, ~1 min on an H100).
+#   tilegpu    tests/test_gpu.py's and test_tiling.py's CUDA tile cases (9, ~1 min on an H100).
 #   newfam     ERNIE 4.5 MoE's, DeepSeek-V3.2's, MiniCPM3's and BioGPT's CUDA family cases and
 #              the gradless-parameter skip on CUDA (test_gradless_params.py's GPU cases).
 #   repeatprobe dev/repeat_probe.py on the Llama of the parity test (150 bf16 steps, each run
@@ -388,7 +388,8 @@ item() {  # item <name>: one queue item
       timeout 280 python3 -m pytest tests/test_gpu.py tests/test_tiling.py -o addopts="" \
         -p no:cacheprovider -v -k "offload-tiles or (liger_kernels_on_gpu and mlp-tiles) or \
         (compiled_kernels_on_gpu and mlp-tiles) or recompute_skips_the_tiles_on_gpu or \
-        attention-outputs-tiles or (in_bf16 and cuda) or (mlp_tile_term_on_gpu and liger)" 2>&1 |
+        attention-outputs-tiles or (in_bf16 and cuda) or (dropout_masks and cuda) or \
+        (mlp_tile_term_on_gpu and liger)" 2>&1 |
         grep -E "PASS|FAIL|SKIP|ERROR|passed|failed|Error"
       ;;
     newfam)  # the families added 2026-12-06 (afternoon) on CUDA, and the skip of gradless parameters

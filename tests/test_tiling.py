@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from hf_megatrain.core.rng import rng_state
 from hf_megatrain.core.tiling import TiledTokenwise
 from hf_megatrain.hf.long_context import install_mlp_tiling
 from hf_megatrain.hf.model import find_decoder_layers
@@ -86,20 +87,35 @@ def test_tiles_count_the_micro_batchs_tokens_not_each_rows(rows, length, tile):
         assert max(mlp.calls) <= tile
 
 
+_CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
 @pytest.mark.parametrize(("rows", "length"), [(4, 8), (1, 32)])
-def test_tiled_backward_replays_the_forwards_dropout_masks(rows, length):
+def test_tiled_backward_replays_the_forwards_dropout_masks(rows, length, device):
     """A tiled MLP that drops (GPT-2's resid_pdrop, LoRA's dropout): backward re-runs the tiles
     from the random state the forward's started from, so each gradient has the forward's mask
     (it drew new ones: gradients of dropped outputs, none for kept ones), and the random state
     after backward is what it would be without the replay."""
+    # On CUDA the masks come from the device's generator and backward runs on autograd's device
+    # thread: the replay must set and restore that generator, not the CPU's.
     torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).to(device)
     mlp.forward = TiledTokenwise(mlp, 8)
-    x = torch.randn(rows, length, 8, requires_grad=True)
+    x = torch.randn(rows, length, 8, device=device, requires_grad=True)
     out = mlp(x)
-    after_forward = torch.get_rng_state()
+    after_forward = rng_state(x.device)
     out.sum().backward()
-    assert torch.equal(torch.get_rng_state(), after_forward)
+    after_backward = rng_state(x.device)
+    assert torch.equal(after_backward[0], after_forward[0])
+    if device == "cuda":
+        assert torch.equal(after_backward[1], after_forward[1])
     # d out / d fc's output is 2 where the token's output was kept, 0 where dropped.
     kept = out != 0
     (expected,) = torch.autograd.grad(
@@ -129,15 +145,6 @@ def test_tiled_backward_recomputes_under_the_forward_autocast():
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-2, atol=1e-2)
     for p, q in zip(mlp.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
-
-
-_CUDA = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    ],
-)
 
 
 @pytest.mark.parametrize("device", ["cpu", _CUDA])
