@@ -208,6 +208,39 @@ def test_vector_parameters_outside_matmuls_are_bound_in_fp32():
         assert seen["q_proj"] == torch.bfloat16, (arch, seen)
 
 
+class _MentionsAutocastOffMLP(torch.nn.Module):
+    """A Llama MLP whose forward only mentions turning autocast off (a comment, a string)."""
+
+    def forward(self, x):
+        # Unlike ERNIE's router, this does not run under autocast(device_type, enabled=False).
+        note = "torch.autocast(x.device.type, enabled=False)"  # noqa: F841
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_a_forward_that_only_mentions_autocast_off_keeps_bf16_matmul_weights():
+    """The autocast-off check reads the forward's code, not its text: an MLP whose comment and
+    string mention ``autocast(..., enabled=False)`` still runs its matmul weights as the bf16
+    copy (a text match would bind them in fp32: the wrong rounding, and fp32 bytes on the GPU
+    the plan does not count)."""
+    from hf_megatrain import prepare_streamed_model
+
+    from .helpers import make_data
+
+    model = tiny_model(tiny_config("llama"))
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        mlp.__class__ = type("MentionsAutocastOffMLP", (_MentionsAutocastOffMLP, type(mlp)), {})
+    model = prepare_streamed_model(model, "cpu", torch.bfloat16)
+    seen = []
+    model.model.layers[0].mlp.register_forward_pre_hook(
+        lambda m, a: seen.append(m.down_proj.weight.dtype)
+    )
+    ids = torch.stack([r["input_ids"] for r in make_data(2)])
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert seen == [torch.bfloat16]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
 def test_bf16_training_is_stock_bit_for_bit_while_clipping_does_not_bind(tmp_path, arch):
     """Six bf16 steps on the CPU (autocast, AdamW, weight decay, warm-up, clipping on with a

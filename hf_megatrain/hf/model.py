@@ -9,10 +9,12 @@ LM head, buffers) stays resident on the compute device as fp32 masters.
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import logging
 import re
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -634,20 +636,33 @@ def _exact_params(layer: nn.Module, streamed: set[str]) -> list[str]:
     return names
 
 
-#: ``autocast(..., enabled=False)`` in a module's forward (torch's or transformers'
-#: ``maybe_autocast``).
-_AUTOCAST_OFF = re.compile(r"autocast\([^)]*enabled\s*=\s*False")
-
-
 @functools.cache
 def _turns_autocast_off(cls: type) -> bool:
-    """Whether ``cls.forward`` runs (part of) itself with autocast off."""
+    """Whether ``cls.forward`` runs (part of) itself with autocast off: calls
+    ``autocast(..., enabled=False)`` (torch's or transformers' ``maybe_autocast``). Read from the
+    forward's syntax tree, so a comment or string that mentions it does not count."""
     if cls.__module__.startswith("torch."):
         return False
     try:
-        return bool(_AUTOCAST_OFF.search(inspect.getsource(cls.forward)))
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
         return False
+    return any(
+        isinstance(node, ast.Call)
+        and _called_name(node.func).endswith("autocast")
+        and any(
+            k.arg == "enabled" and isinstance(k.value, ast.Constant) and k.value.value is False
+            for k in node.keywords
+        )
+        for node in ast.walk(tree)
+    )
+
+
+def _called_name(func: ast.expr) -> str:
+    """``f`` of ``f(...)`` or ``a.b.f(...)``; empty for other callees."""
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else ""
 
 
 def _widens_to_fp32(attention: nn.Module | None) -> bool:
