@@ -256,24 +256,29 @@ def test_a_sliding_mask_made_for_no_layer_is_planned_per_attention():
     assert dense.unused_window_mask_from == -1 and not attention_mask_lines(dense, step, BF16)
 
 
+@pytest.mark.parametrize("seqs", [1, 2])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
-def test_sparse_attention_indexer_line_covers_what_it_makes(dtype):
+def test_sparse_attention_indexer_line_covers_what_it_makes(dtype, seqs):
     """DeepSeek-V3.2's indexer scores every query against every key per indexer head (under
     no_grad, in the compute dtype: autocast runs its fp32 products in bf16) in each layer's
-    forward. Its peak: the key broadcast to every query (head_dim elements per s x s element)
-    beside the heads' scores, or two copies of those. Fitted over two lengths (the queries' and
-    keys' own per-token bytes apart), its s x s part is the plan's count exactly on the CPU; the
-    line, which adds the layer's bool masks made after it, covers the whole peak."""
+    forward. Its peak: for more than one sequence, the key broadcast to every query (head_dim
+    elements per s x s element) beside the heads' scores, or two copies of those (one
+    sequence's ``matmul`` folds its batch dimension: no broadcast copy; planned with it, the
+    DeepSeek-V3.2 of dev/family_plan_sweep.py at hidden 256 was 0.35x its plan). Fitted over
+    two lengths (the queries' and keys' own per-token bytes apart), its s x s part is the
+    plan's count on the CPU; the line, which adds the layer's bool masks made after it, covers
+    the whole peak."""
     from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
         INDEXER_KIND,
+        INDEXER_MASK_BYTES,
         indexer_elements_per_score,
     )
 
     from .helpers import tiny_config  # noqa: PLC0415
 
-    seqs = 2
     cfg = tiny_config("deepseek_v32")
     cfg.max_position_embeddings = 4096
+    cfg.index_head_dim = 16  # (its broadcast key, 16 per s x s element, apart from 2 x 2 heads)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     shape = model_shape(model)
@@ -306,5 +311,8 @@ def test_sparse_attention_indexer_line_covers_what_it_makes(dtype):
         assert measured[seq] <= planned
     # peak = a s^2 + b s per sequence: a from the two lengths.
     per_score = (measured[512] / 512 - measured[256] / 256) / (512 - 256) / seqs
-    expected = indexer_elements_per_score(shape) * dtype.itemsize
-    assert per_score == pytest.approx(expected, rel=ESTIMATE_ERRORS[INDEXER_KIND])
+    # The scores' elements, and at most the line's bool bytes more (one sequence, two heads:
+    # the negated bool mask beside the scores while ``masked_fill`` runs, 1 B).
+    expected = indexer_elements_per_score(shape, seqs) * dtype.itemsize
+    assert expected * (1 - ESTIMATE_ERRORS[INDEXER_KIND]) <= per_score
+    assert per_score <= expected + INDEXER_MASK_BYTES

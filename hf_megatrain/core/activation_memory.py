@@ -926,18 +926,23 @@ UNUSED_WINDOW_MASK_BYTES = 3
 #: DeepSeek-V3.2's sparse-attention indexer (``ModelShape.indexer_heads``), in every layer's
 #: forward and recompute (under no_grad, nothing saved), per sequence and element of s x s, in
 #: the compute dtype (autocast runs its fp32 products in it): its peak is
-#: ``indexer_elements_per_score`` elements (the key broadcast to every query by ``matmul``, its
-#: head_dim, beside the heads' scores; then the scores and their scaled ReLU, two per head).
+#: ``indexer_elements_per_score`` elements (for more than one sequence, the key broadcast to
+#: every query by ``matmul``, its head_dim, beside the heads' scores; then the scores and their
+#: scaled ReLU, two per head).
 #: Then the layer's bool top-k mask, its negation and the attention mask combined with it
 #: (``INDEXER_MASK_BYTES``). Its additive copy for SDPA is the explicit mask's line. Measured on
 #: the CPU (tests/test_plan_attention.py).
 INDEXER_MASK_BYTES = 3
 
 
-def indexer_elements_per_score(shape: ModelShape) -> int:
-    """Elements per sequence and s x s element at the sparse-attention indexer's peak."""
+def indexer_elements_per_score(shape: ModelShape, sequences: int) -> int:
+    """Elements per sequence and s x s element at the sparse-attention indexer's peak, for
+    ``sequences`` per micro-batch: ``matmul`` copies the key broadcast to every query only for
+    more than one (one sequence's batch dimension folds away)."""
     heads = shape.indexer_heads
-    return max(shape.indexer_head_dim + heads, 2 * heads) if heads else 0
+    if not heads:
+        return 0
+    return max(shape.indexer_head_dim + heads, 2 * heads) if sequences > 1 else 2 * heads
 
 
 #: FlexAttention's ``BlockMask`` (``attn_implementation="flex_attention"``): which
@@ -1101,7 +1106,7 @@ def attention_mask_lines(
             )
         )
     if shape.indexer_heads:
-        elements = indexer_elements_per_score(shape)
+        elements = indexer_elements_per_score(shape, seqs)
         per = elements * itemsize(dtype) + INDEXER_MASK_BYTES
         lines.append(
             estimate_line(

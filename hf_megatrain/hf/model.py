@@ -274,7 +274,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         router_aux_one_hot=one_hot,
         moe_working_set_audited=family in MOE_WORKING_SET_AUDITED_MODEL_TYPES,
         fp32_routing_weights=family in MOE_FP32_ROUTING_MODEL_TYPES,
-        shared_expert_size=_shared_expert_size(text_cfg) if experts else 0,
+        shared_expert_size=_shared_expert_size(layers, routes, text_cfg) if experts else 0,
         dense_mlp_size=_dense_mlp_size(layers, routes, text_cfg) if experts else 0,
         kept_bytes_audited=kept_bytes_audited(family, fused or compiled_norms),
         extra_kept_bytes_per_token=fitted_bytes(
@@ -587,15 +587,40 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _shared_expert_size(config) -> int:
+def _shared_expert_size(layers: list[nn.Module], routes: list[bool], config) -> int:
     """The MLP width of an MoE layer's shared expert(s), run on every token beside the routed
-    ones (Qwen2-MoE, Qwen3-Next; DeepSeek, GLM-4-MoE, dots1: n shared experts of the routed
-    width); 0 without."""
-    width = getattr(config, "shared_expert_intermediate_size", None)
+    ones; 0 without. Read from the first routed layer's shared module (``shared_expert``,
+    ``shared_experts``, ``shared_mlp``: Qwen2-MoE's and Qwen3-Next's own width; DeepSeek's,
+    GLM-4-MoE's, ERNIE 4.5's, EXAONE-MoE's n experts of the routed width; Hunyuan's and
+    GraniteMoE-Shared's own), as each config names its width otherwise; from the config's
+    names where no such module is found."""
+    routed = [layer for layer, r in zip(layers, routes) if r] or layers[:1]
+    for layer in routed:
+        for name, module in layer.named_modules():
+            if "shared" in name.rsplit(".", 1)[-1] and (width := _gated_width(module)):
+                return width
+    width = getattr(config, "shared_expert_intermediate_size", None) or getattr(
+        config, "shared_intermediate_size", None
+    )
     if width:
         return int(width)
-    n = getattr(config, "n_shared_experts", None) or 0
+    n = next((getattr(config, a) for a in _SHARED_EXPERT_COUNTS if getattr(config, a, None)), 0)
     return int(n) * int(getattr(config, "moe_intermediate_size", 0) or 0)
+
+
+#: Config names of the shared experts' count (each of the routed experts' width).
+_SHARED_EXPERT_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+
+
+def _gated_width(mlp: nn.Module) -> int:
+    """An MLP module's width from its gate/up projection (a fused gate-up projection holds two
+    of it); 0 when it has none."""
+    for name in ("gate_proj", "up_proj", "w1", "input_linear"):
+        proj = getattr(mlp, name, None)
+        if isinstance(proj, nn.Linear):
+            return proj.out_features // (2 if name == "input_linear" else 1)
+    proj = getattr(mlp, "gate_up_proj", None)
+    return proj.out_features // 2 if isinstance(proj, nn.Linear) else 0
 
 
 #: Modules whose parameters autocast casts to the compute dtype (matmul and convolution weights
