@@ -107,6 +107,10 @@
 #              MLP 4,096), 16,384 tokens: the families given a fitted working-set term or RoPE
 #              copies on the CPU tracker (2026-12-05) and Llama for reference, the CUDA
 #              allocator's step peak against the plan. ~2 min.
+#   familynew  dev/family_plan_sweep.py --device cuda as familygpu for the families added
+#              2026-12-06 (ERNIE 4.5 MoE, DeepSeek-V3.2, MiniCPM3, BioGPT), the MoE families whose
+#              shared experts the plan now reads from the module (Hunyuan, EXAONE-MoE), DeepSeek-V3
+#              and Llama for reference. ~4 min.
 #   compiledgpu tests/test_gpu.py's compiled-kernel cases: Llama's features and Qwen3, and the
 #              families 'auto' compiles for since 2026-12-05 (Granite, EXAONE 4, Hunyuan). ~2 min.
 #   lossexp    the fused loss kernel with CUDA's expf (was tl.exp's ex2.approx): its logit gradient
@@ -335,6 +339,12 @@ item() {  # item <name>: one queue item
         --widths 1024,8,2,128,4096 --markdown "$work/results/family_plan_sweep_cuda_h1024.md" \
         llama olmo2 olmo3 hunyuan_v1_dense exaone4 apertus gptj phi stablelm olmo arcee nemotron \
         ernie4_5 helium 2>&1 | grep -aE "ratio|error"
+      ;;
+    familynew)  # the families added 2026-12-06 and the MoE ones with shared experts under other names
+      timeout 400 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
+        --widths 1024,8,2,128,4096 --markdown "$work/results/family_plan_sweep_cuda_new.md" \
+        llama ernie4_5_moe hunyuan_v1_moe exaone_moe deepseek_v32 deepseek_v3 minicpm3 biogpt \
+        2>&1 | grep -aE "ratio|error"
       ;;
     familygpu2)  # familygpu at a second width: the CUDA activation terms off their fitted point
       timeout 300 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
