@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import re
 import sys
 from dataclasses import replace
@@ -100,19 +101,27 @@ AUTOCAST_KERNELS_SINCE = "2026-12-04T07:48"
 MOE_FUSED_LOSS_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"})
 
 
+@functools.cache
+def _config_and_shape(model: str):
+    """A model's config and shape, built once: the rows share a handful of models (the meta
+    model and its shape were most of the time ``compare`` took)."""
+    from benchmarks import bench
+    from hf_megatrain.hf.model import model_shape_from_config
+
+    cfg = bench.load_model_config(model)
+    return cfg, model_shape_from_config(cfg, model)
+
+
 def plan_row(row: dict):
     """The current planner's plan for the run a CSV row describes."""
     import torch
 
-    from benchmarks import bench
     from hf_megatrain.cli_plan import compiled_kernels_of
     from hf_megatrain.core.options import EngineOptions, StepShape
     from hf_megatrain.core.planner import GIB, plan_memory
     from hf_megatrain.hf.attention import planned_attention
-    from hf_megatrain.hf.model import model_shape_from_config
 
-    cfg = bench.load_model_config(row["model"])
-    shape = model_shape_from_config(cfg, row["model"])
+    cfg, shape = _config_and_shape(row["model"])
     if shape.attn_implementation != ROW_ATTENTION:
         shape = replace(shape, attn_implementation=ROW_ATTENTION, sdpa_attention=True)
     command = row.get("command", "")
