@@ -313,12 +313,13 @@ def test_wide_experts_peak_in_their_mlp_backward_is_planned(model_type):
     """Experts 8x the hidden size (top-2 of 8): the step peaks in the grouped expert MLP's
     backward, 12 B per token, chosen expert and expert-width element, where the routed line
     counts 8. Planned with only that line the step was 1.08x (Mixtral) and 1.14x (OLMoE) its
-    plan plus margin; the larger of the two candidates holds it (narrow experts keep the old
-    line: plan_vs_measured.md's MoE rows unchanged)."""
+    plan plus margin at 4,096 tokens, 1.13x and 1.19x at the 2,048 run here (0.98x and 0.97x
+    with it); the larger of the two candidates holds it (narrow experts keep the old line:
+    plan_vs_measured.md's MoE rows unchanged)."""
     cfg = family_config(model_type, 128, 4, 2, 32, 1024, keep_window=True, positions=8192)
     setattr(cfg, "num_local_experts" if model_type == "mixtral" else "num_experts", 8)
     cfg.num_experts_per_tok = 2
-    r = step_vs_plan(cfg, 4096, "sdpa")
+    r = step_vs_plan(cfg, 2048, "sdpa")
     assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
     assert r["measured"] > 0.9 * r["planned"]  # and not by planning far too much
 
@@ -1156,7 +1157,7 @@ def _offloaded_segment_step(keep: str, every: int, chain: int = 0) -> tuple[int,
     return live.peak, planned, sum(int(ln.nbytes * ln.error) for ln in lines)
 
 
-JOINT_TOKENS = 2048
+JOINT_TOKENS = 1024
 
 
 def test_offloaded_segment_steps_stay_inside_the_joint_plan():
