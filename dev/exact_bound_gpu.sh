@@ -109,8 +109,9 @@
 #              allocator's step peak against the plan. ~2 min.
 #   familynew  dev/family_plan_sweep.py --device cuda as familygpu for the families added
 #              2026-12-06 (ERNIE 4.5 MoE, DeepSeek-V3.2, MiniCPM3, BioGPT), the MoE families whose
-#              shared experts the plan now reads from the module (Hunyuan, EXAONE-MoE), DeepSeek-V3
-#              and Llama for reference. ~4 min.
+#              shared experts the plan now reads from the module (Hunyuan, EXAONE-MoE), the dense
+#              ones given the peak line or a fitted term (Ministral, Cohere 2, GLM, BitNet,
+#              DiffLlama, nanochat), DeepSeek-V3 and Llama for reference. ~5 min.
 #   compiledgpu tests/test_gpu.py's compiled-kernel cases: Llama's features and Qwen3, and the
 #              families 'auto' compiles for since 2026-12-05 (Granite, EXAONE 4, Hunyuan). ~2 min.
 #   lossexp    the fused loss kernel with CUDA's expf (was tl.exp's ex2.approx): its logit gradient
@@ -344,6 +345,7 @@ item() {  # item <name>: one queue item
       timeout 400 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
         --widths 1024,8,2,128,4096 --markdown "$work/results/family_plan_sweep_cuda_new.md" \
         llama ernie4_5_moe hunyuan_v1_moe exaone_moe deepseek_v32 deepseek_v3 minicpm3 biogpt \
+        ministral cohere2 glm bitnet diffllama nanochat \
         2>&1 | grep -aE "ratio|error"
       ;;
     familygpu2)  # familygpu at a second width: the CUDA activation terms off their fitted point

@@ -365,7 +365,9 @@ def test_fitted_families_working_set_holds_at_other_widths(model_type):
         _working_set_line,
     )
 
-    cfg = family_config(model_type, 320, 5, 1, 64, 1280)
+    # (DiffLlama splits its values along an even number of kv heads, dividing the heads.)
+    heads, kv_heads = (4, 2) if model_type == "diffllama" else (5, 1)
+    cfg = family_config(model_type, 320, heads, kv_heads, 64, 1280)
     grown = {t: recomputed_layer_growth(cfg, "torch", t, keep_outputs=False) for t in (512, 1024)}
     shape = grown[1024][1]
     line = {t: _working_set_line(shape, t, 0, keeps_attention_output=False, shared_casts=True)
@@ -740,6 +742,8 @@ def test_audited_families_working_set_is_the_measured_peak(model_type):
             cfg = _config(model_type.removesuffix("_text"))
         else:
             cfg = tiny_config(model_type, num_hidden_layers=3, max_position_embeddings=4096)
+            if getattr(cfg, "sliding_window", None):  # (as Mistral's: the window past the rows)
+                cfg.sliding_window = 4096
         model, shape = _streamed(cfg)
         live = Live()
         _step(model, tokens, live)

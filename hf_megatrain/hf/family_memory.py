@@ -64,9 +64,12 @@ MOE_FP32_ROUTING_MODEL_TYPES = frozenset({"mixtral", "granitemoe"})
 #: the H200 too). Others measured off it (GLM-4 +44%, Hunyuan +24%, OLMo2 +17%; non-gated MLPs
 #: and sliding-window families below or with s x s terms of their own) keep the earlier line.
 #: LFM2's attention layers are within 1% of it (its MLP width is the module's, not the config's).
+#: Ministral, Ministral 3, CWM and Cohere 2 hold what Llama's and Cohere's layers do (measured
+#: 2026-12-06: on the earlier line their whole step was 1.31-1.33x its plan plus margin).
 PEAK_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "cohere", "ernie4_5",
-     "helium", "seed_oss", "gemma", "gemma3_text", "lfm2"}
+     "helium", "seed_oss", "gemma", "gemma3_text", "lfm2", "ministral", "ministral3", "cwm",
+     "cohere2"}
 )  # fmt: skip
 
 #: Families whose eager attention keeps one more compute-dtype copy of its scores beside the fp32
@@ -101,6 +104,13 @@ EAGER_SCORE_COPY_MODEL_TYPES = frozenset({"bloom", "mpt", "gpt_oss", "gptj"})
 #: covers. (h, q, kv, i, per token) B; never below 0.
 FITTED_WORKING_SET_RESIDUALS: dict[str, tuple[float, float, float, float, int]] = {
     "apertus": (-4, -4, 2, 12, 40),
+    # Fitted 2026-12-06 (their whole step 1.12-2.54x its plan plus margin before): GLM's fused
+    # gate/up split; BitNet's sub-norms and its weights' and activations' quantize-dequantize
+    # copies; DiffLlama's two softmax maps per head and their difference; nanochat's ReLU^2 MLP.
+    "bitnet": (1, 1, 4, 24, 44),
+    "diffllama": (-4, 12.25, 8, 6, -16),
+    "glm": (-6, 2, 4, 6, 40),
+    "nanochat": (-8, -8, 2, 4, 40),
     "arcee": (-6, 0, 4, 4, 40),
     "exaone4": (5, 5, 2, 2, 36),
     "gptj": (-4.75, -4.75, -4.75, 8, 232),
