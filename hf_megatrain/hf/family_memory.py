@@ -149,9 +149,11 @@ def fitted_bytes(row: tuple | None, h: int, q: int, kv: int, i: int) -> int:
 #: 1.64x (Phi) the plan; the excess per token over the MLP width, rounded up. CUDA autocast runs
 #: pow, tanh, exp, expm1 and softplus in fp32 where the CPU's does not: Apertus's xIELU so ran in
 #: fp32 on the GPU, and since its alphas are bound in fp32 (as stock's) on the CPU too, which
-#: then holds 12 of its 13 (traced for Apertus only).
+#: then holds 12 of its 13 (traced for Apertus only). nanochat's ReLU^2 (a pow): 1.34-1.37x its
+#: plan on the H100 (2026-12-06, hidden 768 and 1,024, 8,192 and 16,384 tokens), 13.8 B per token
+#: and MLP element more at both widths.
 CUDA_ACTIVATION_EXTRA_PER_INTER: dict[str, int] = {"apertus": 13, "arcee": 11, "nemotron": 10,
-                                                   "phi": 15}  # fmt: skip
+                                                   "phi": 15, "nanochat": 14}  # fmt: skip
 
 
 def _fitted_residual(model_type: str) -> tuple[str, Callable[[Any, int, int, int, int], int]]:
@@ -166,6 +168,17 @@ def _fitted_residual(model_type: str) -> tuple[str, Callable[[Any, int, int, int
 FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int], int]]] = {
     **{t: _fitted_residual(t) for t in FITTED_WORKING_SET_RESIDUALS},
     "glm4": ("GLM-4's extra norms", lambda cfg, h, q, kv, i: 28 * h + 4 * q + 4 * kv + 4 * i),
+    # MiniCPM3's latent attention (its q/k heads 1.5x its value heads, the low-rank q and kv
+    # projections and their norms, the per-head k built from the shared RoPE part) and scaled
+    # residuals: measured on the H100 (2026-12-06, dev/family_plan_sweep.py --device cuda, hidden
+    # 768 and 1,024 with 6 and 8 heads of value width 128, 8,192 and 16,384 tokens) 34.1 and
+    # 44.3 kB per token over the line (its step 1.11-1.18x the plan); rounded up.
+    "minicpm3": (
+        "MiniCPM3's latent attention",
+        lambda cfg, h, q, kv, i: (
+            40 * cfg.num_attention_heads * cfg.v_head_dim + 8 * cfg.kv_lora_rank
+        ),
+    ),
     "lfm2": (
         "LFM2's short-convolution layers",
         lambda cfg, h, q, kv, i: (
