@@ -345,7 +345,7 @@ item() {  # item <name>: one queue item
       timeout 400 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
         --widths 1024,8,2,128,4096 --markdown "$work/results/family_plan_sweep_cuda_new.md" \
         llama ernie4_5_moe hunyuan_v1_moe exaone_moe deepseek_v32 deepseek_v3 minicpm3 biogpt \
-        ministral cohere2 glm bitnet diffllama nanochat \
+        ministral cohere2 glm bitnet diffllama nanochat gpt2 codegen persimmon \
         2>&1 | grep -aE "ratio|error"
       ;;
     familygpu2)  # familygpu at a second width: the CUDA activation terms off their fitted point

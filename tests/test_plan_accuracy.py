@@ -378,7 +378,10 @@ def test_fitted_families_working_set_holds_at_other_widths(model_type):
     assert measured <= planned * (1 + ESTIMATE_ERRORS[line[1024].kind]), (measured, planned)
     # (less what their activations hold on the GPU only, measured on the H200)
     cuda_only = CUDA_ACTIVATION_EXTRA_PER_INTER.get(model_type, 0) * shape.intermediate_size
-    assert planned - cuda_only <= 1.05 * measured, (measured, planned)
+    # CodeGen's own per-token growth varies 7% between runs at one width (13,928-14,936 B at
+    # hidden 256, MLP 768): its row bounds the largest, up to that much above a single run.
+    below = 1.08 if model_type == "codegen" else 1.05
+    assert planned - cuda_only <= below * measured, (measured, planned)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "compiled"])

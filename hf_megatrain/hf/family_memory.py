@@ -106,10 +106,13 @@ FITTED_WORKING_SET_RESIDUALS: dict[str, tuple[float, float, float, float, int]] 
     "apertus": (-4, -4, 2, 12, 40),
     # Fitted 2026-12-06 (their whole step 1.12-2.54x its plan plus margin before): GLM's fused
     # gate/up split; BitNet's sub-norms and its weights' and activations' quantize-dequantize
-    # copies; DiffLlama's two softmax maps per head and their difference; nanochat's ReLU^2 MLP.
+    # copies; DiffLlama's two softmax maps per head and their difference; nanochat's ReLU^2 MLP;
+    # GPT-2's and CodeGen's tanh-GELU MLPs (1.17x and 1.33x).
     "bitnet": (1, 1, 4, 24, 44),
+    "codegen": (-6.75, -6.75, -6.75, 9.25, 1752),
     "diffllama": (-4, 12.25, 8, 6, -16),
     "glm": (-6, 2, 4, 6, 40),
+    "gpt2": (-3.25, -3.25, -3.25, 8, -16),
     "nanochat": (-8, -8, 2, 4, 40),
     "arcee": (-6, 0, 4, 4, 40),
     "exaone4": (5, 5, 2, 2, 36),
@@ -151,9 +154,11 @@ def fitted_bytes(row: tuple | None, h: int, q: int, kv: int, i: int) -> int:
 #: fp32 on the GPU, and since its alphas are bound in fp32 (as stock's) on the CPU too, which
 #: then holds 12 of its 13 (traced for Apertus only). nanochat's ReLU^2 (a pow): 1.34-1.37x its
 #: plan on the H100 (2026-12-06, hidden 768 and 1,024, 8,192 and 16,384 tokens), 13.8 B per token
-#: and MLP element more at both widths.
+#: and MLP element more at both widths. GPT-2 and CodeGen run Phi's activation (``gelu_new``,
+#: its pow in fp32): Phi's 15, not yet measured for them on a GPU.
 CUDA_ACTIVATION_EXTRA_PER_INTER: dict[str, int] = {"apertus": 13, "arcee": 11, "nemotron": 10,
-                                                   "phi": 15, "nanochat": 14}  # fmt: skip
+                                                   "phi": 15, "nanochat": 14, "gpt2": 15,
+                                                   "codegen": 15}  # fmt: skip
 
 
 def _fitted_residual(model_type: str) -> tuple[str, Callable[[Any, int, int, int, int], int]]:
