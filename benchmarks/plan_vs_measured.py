@@ -104,7 +104,8 @@ MOE_FUSED_LOSS_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", 
 @functools.cache
 def _config_and_shape(model: str):
     """A model's config and shape, built once: the rows share a handful of models (the meta
-    model and its shape were most of the time ``compare`` took)."""
+    model and its shape were most of the time ``compare`` took). Shared: read them, never
+    change them (``_config_and_shape.cache_clear()`` after changing the family tables)."""
     from benchmarks import bench
     from hf_megatrain.hf.model import model_shape_from_config
 

@@ -111,7 +111,8 @@
 #              2026-12-06 (ERNIE 4.5 MoE, DeepSeek-V3.2, MiniCPM3, BioGPT), the MoE families whose
 #              shared experts the plan now reads from the module (Hunyuan, EXAONE-MoE), the dense
 #              ones given the peak line or a fitted term (Ministral, Cohere 2, GLM, BitNet,
-#              DiffLlama, nanochat), DeepSeek-V3 and Llama for reference. ~5 min.
+#              DiffLlama, nanochat, GPT-2, CodeGen), Persimmon (its ReLU^2 as nanochat's),
+#              DeepSeek-V3 and Llama for reference. ~5 min; "familynew done" when complete.
 #   compiledgpu tests/test_gpu.py's compiled-kernel cases: Llama's features and Qwen3, and the
 #              families 'auto' compiles for since 2026-12-05 (Granite, EXAONE 4, Hunyuan). ~2 min.
 #   lossexp    the fused loss kernel with CUDA's expf (was tl.exp's ex2.approx): its logit gradient
@@ -342,11 +343,12 @@ item() {  # item <name>: one queue item
         ernie4_5 helium 2>&1 | grep -aE "ratio|error"
       ;;
     familynew)  # the families added 2026-12-06 and the MoE ones with shared experts under other names
-      timeout 400 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
+      timeout 540 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
         --widths 1024,8,2,128,4096 --markdown "$work/results/family_plan_sweep_cuda_new.md" \
         llama ernie4_5_moe hunyuan_v1_moe exaone_moe deepseek_v32 deepseek_v3 minicpm3 biogpt \
         ministral cohere2 glm bitnet diffllama nanochat gpt2 codegen persimmon \
         2>&1 | grep -aE "ratio|error"
+      echo "familynew done"
       ;;
     familygpu2)  # familygpu at a second width: the CUDA activation terms off their fitted point
       timeout 300 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \

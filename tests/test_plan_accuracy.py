@@ -340,15 +340,23 @@ def test_an_moe_models_dense_layers_are_planned(model_type):
     assert r["measured"] > 0.85 * r["planned"]
 
 
-@pytest.mark.parametrize("model_type", ["ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe"])
-def test_shared_experts_each_config_names_otherwise_are_planned(model_type):
+@pytest.mark.parametrize(
+    ("model_type", "width"),
+    [("ernie4_5_moe", 512), ("hunyuan_v1_moe", 512), ("exaone_moe", 512),
+     ("granitemoeshared", 384)],
+)  # fmt: skip
+def test_shared_experts_each_config_names_otherwise_are_planned(model_type, width):
     """Shared experts whose width the config gives under its own name (ERNIE 4.5's
-    ``moe_num_shared_experts``, EXAONE-MoE's ``num_shared_experts``, Hunyuan's MLP of the dense
-    width) are read from the layer's shared module: planned without them, ERNIE's and Hunyuan's
-    steps were 1.14x and 1.15x their plan plus margin (EXAONE 0.98x), on the CPU at hidden 128."""
+    ``moe_num_shared_experts`` and EXAONE-MoE's ``num_shared_experts`` of the experts' width,
+    Hunyuan's MLP of the dense width, GraniteMoE-Shared's fused gate/up of
+    ``shared_intermediate_size``) are read from the layer's shared module: planned without
+    them, ERNIE's and Hunyuan's steps were 1.14x and 1.15x their plan plus margin (EXAONE
+    0.98x), on the CPU at hidden 128."""
     cfg = family_config(model_type, 128, 4, 2, 32, 512, keep_window=True, positions=4096)
+    if model_type == "granitemoeshared":
+        cfg.shared_intermediate_size = 384
     r = step_vs_plan(cfg, 2048, "sdpa")
-    assert r["shape"].shared_expert_size > 0
+    assert r["shape"].shared_expert_size == width  # (the tiny configs' one shared expert)
     assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
     assert r["measured"] > 0.8 * r["planned"]  # (measured: 0.87-0.97x)
 

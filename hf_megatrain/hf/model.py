@@ -615,12 +615,13 @@ _SHARED_EXPERT_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shar
 def _gated_width(mlp: nn.Module) -> int:
     """An MLP module's width from its gate/up projection (a fused gate-up projection holds two
     of it); 0 when it has none."""
-    for name in ("gate_proj", "up_proj", "w1", "input_linear"):
+    for name, share in (("gate_proj", 1), ("up_proj", 1), ("w1", 1), ("input_linear", 2),
+                        ("gate_up_proj", 2)):  # fmt: skip
         proj = getattr(mlp, name, None)
+        proj = getattr(proj, "base_layer", proj)  # (under a PEFT adapter)
         if isinstance(proj, nn.Linear):
-            return proj.out_features // (2 if name == "input_linear" else 1)
-    proj = getattr(mlp, "gate_up_proj", None)
-    return proj.out_features // 2 if isinstance(proj, nn.Linear) else 0
+            return proj.out_features // share
+    return 0
 
 
 #: Modules whose parameters autocast casts to the compute dtype (matmul and convolution weights
@@ -669,9 +670,13 @@ def _turns_autocast_off(cls: type) -> bool:
     if cls.__module__.startswith("torch."):
         return False
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
         return False
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:  # (a forward dedent cannot free: its text, as before)
+        return bool(re.search(r"autocast\([^)]*enabled\s*=\s*False", source))
     return any(
         isinstance(node, ast.Call)
         and _called_name(node.func).endswith("autocast")
