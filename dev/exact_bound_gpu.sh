@@ -16,7 +16,8 @@
 #              ~4 min if the host runs out as planned, ~9 if it trains).
 #   14b64k     Qwen2.5-14B at 65,536 tokens/step (16 rows of 4,096), the defaults: clipping on,
 #              auto_fit's cast HBM tier, fp32-master streaming, tiles, segments of 4. ~3 min.
-#   familystep tests/test_gpu.py's family-step cases (the plan's lines per family on CUDA) and
+#   familystep tests/test_gpu.py's family-step and family-at-width cases (the plan's lines per
+#              family on CUDA, the latter at hidden 1,024: the terms of 2026-12-06) and
 #              the cast HBM tier's (with the long-context options auto_fit pairs it with).
 #   compacttests  tests/test_gpu.py's cases for the bf16 gradient slots and what they touch (the
 #              slim stores, the watchdog's move to the host tier, auto_fit, autocast parity).
@@ -530,7 +531,7 @@ PY
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6
       ;;
     familystep)
-      timeout 500 python3 -m pytest tests/test_gpu.py -k "family_step or hbm_cast" -o addopts="" \
+      timeout 540 python3 -m pytest tests/test_gpu.py -k "family_step or family_at_width or hbm_cast" -o addopts="" \
         -p no:cacheprovider -rA -q -s --durations=12 2>&1 | grep -v '^DEBUG'
       ;;
     probe28)

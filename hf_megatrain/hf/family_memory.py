@@ -104,16 +104,6 @@ EAGER_SCORE_COPY_MODEL_TYPES = frozenset({"bloom", "mpt", "gpt_oss", "gptj"})
 #: covers. (h, q, kv, i, per token) B; never below 0.
 FITTED_WORKING_SET_RESIDUALS: dict[str, tuple[float, float, float, float, int]] = {
     "apertus": (-4, -4, 2, 12, 40),
-    # Fitted 2026-12-06 (their whole step 1.12-2.54x its plan plus margin before): GLM's fused
-    # gate/up split; BitNet's sub-norms and its weights' and activations' quantize-dequantize
-    # copies; DiffLlama's two softmax maps per head and their difference; nanochat's ReLU^2 MLP;
-    # GPT-2's and CodeGen's tanh-GELU MLPs (1.17x and 1.33x).
-    "bitnet": (1, 1, 4, 24, 44),
-    "codegen": (-6.75, -6.75, -6.75, 9.25, 1752),
-    "diffllama": (-4, 12.25, 8, 6, -16),
-    "glm": (-6, 2, 4, 6, 40),
-    "gpt2": (-3.25, -3.25, -3.25, 8, -16),
-    "nanochat": (-8, -8, 2, 4, 40),
     "arcee": (-6, 0, 4, 4, 40),
     "exaone4": (5, 5, 2, 2, 36),
     "gptj": (-4.75, -4.75, -4.75, 8, 232),
@@ -124,6 +114,16 @@ FITTED_WORKING_SET_RESIDUALS: dict[str, tuple[float, float, float, float, int]] 
     "olmo3": (8, 8, 6, 2, 4),
     "phi": (-8, -8, 4, 8, 40),
     "stablelm": (-6, -6, 4, 6, 48),
+    # Fitted 2026-12-06 (their whole step 1.12-2.54x its plan plus margin before): GLM's fused
+    # gate/up split; BitNet's sub-norms and its weights' and activations' quantize-dequantize
+    # copies; DiffLlama's two softmax maps per head and their difference; nanochat's ReLU^2 MLP;
+    # GPT-2's and CodeGen's tanh-GELU MLPs (1.17x and 1.33x).
+    "bitnet": (1, 1, 4, 24, 44),
+    "codegen": (-6.75, -6.75, -6.75, 9.25, 1752),
+    "diffllama": (-4, 12.25, 8, 6, -16),
+    "glm": (-6, 2, 4, 6, 40),
+    "gpt2": (-3.25, -3.25, -3.25, 8, -16),
+    "nanochat": (-8, -8, 2, 4, 40),
 }
 
 
