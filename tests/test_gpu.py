@@ -1775,15 +1775,20 @@ def test_family_step_stays_inside_the_plan_on_gpu(model_type, attn):
     Qwen3-Next 1.02x within its margin; eager attention at CUDA's 16 B per element: Llama,
     Gemma-2 and BLOOM 1.00x, MPT 0.96x). The allocator's peak must stay within the plan's lines
     plus their error margin."""
-    from hf_megatrain.hf.attention import AttentionFacts
     from tests.helpers import tiny_config
+
+    cfg = tiny_config(model_type, num_hidden_layers=3, max_position_embeddings=2 * 16384)
+    _assert_step_inside_the_plan_on_gpu(model_type, cfg, attn)
+
+
+def _assert_step_inside_the_plan_on_gpu(model_type: str, cfg, attn: str = "") -> None:
+    """One streamed 16,384-token step of ``cfg`` (attention: ``attn``, else the loaders' choice:
+    SDPA where the class has it) on the CUDA allocator within the plan's lines plus margin."""
+    from hf_megatrain.hf.attention import AttentionFacts
     from tests.test_plan_accuracy import step_vs_plan
 
-    tokens = 16384
-    cfg = tiny_config(model_type, num_hidden_layers=3, max_position_embeddings=2 * tokens)
-    if not attn:  # the loaders' choice: SDPA where the class has it
-        attn = "sdpa" if AttentionFacts.of_config(cfg).supports_sdpa else "eager"
-    r = step_vs_plan(cfg, tokens, attn, device="cuda")
+    attn = attn or ("sdpa" if AttentionFacts.of_config(cfg).supports_sdpa else "eager")
+    r = step_vs_plan(cfg, 16384, attn, device="cuda")
     print(f"{model_type} {attn}: measured {r['measured'] / 1e6:.1f} MB, planned "
           f"{r['planned'] / 1e6:.1f} (+{r['margin'] / 1e6:.1f})")  # fmt: skip
     assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
@@ -1803,16 +1808,10 @@ def test_family_at_width_stays_inside_the_plan_on_gpu(model_type):
     1.11x; with them Ministral 0.87x, Cohere 2 0.88x, GLM 0.78x, BitNet 1.00x, DiffLlama 0.80x,
     ERNIE 4.5 MoE 0.60x, Hunyuan MoE 0.62x. GPT-2's and CodeGen's CUDA terms are Phi's (the same
     activation), not measured for them before this test."""
-    from hf_megatrain.hf.attention import AttentionFacts
-    from tests.test_plan_accuracy import family_config, step_vs_plan
+    from tests.test_plan_accuracy import family_config
 
-    tokens = 16384
-    cfg = family_config(model_type, 1024, 8, 2, 128, 4096, keep_window=True, positions=2 * tokens)
-    attn = "sdpa" if AttentionFacts.of_config(cfg).supports_sdpa else "eager"
-    r = step_vs_plan(cfg, tokens, attn, device="cuda")
-    print(f"{model_type}: measured {r['measured'] / 1e6:.1f} MB, planned "
-          f"{r['planned'] / 1e6:.1f} (+{r['margin'] / 1e6:.1f})")  # fmt: skip
-    assert r["measured"] <= r["planned"] + r["margin"], (r["measured"], r["planned"])
+    cfg = family_config(model_type, 1024, 8, 2, 128, 4096, keep_window=True, positions=2 * 16384)
+    _assert_step_inside_the_plan_on_gpu(model_type, cfg)
 
 
 @pytest.mark.parametrize("hidden,vocab", [(1024, 128256), (2048, 32000)], ids=["vocab", "wide"])

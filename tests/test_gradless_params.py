@@ -167,9 +167,8 @@ def test_resume_from_a_checkpoint_of_the_earlier_mixed_layer_layout(tmp_path, mo
         earlier, full = run_trainer(copy.deepcopy(model), tmp_path, "full", True, **kw)
     ckpt = tmp_path / "full" / "checkpoint-2"
     assert not (ckpt / "megatrain_optimizer" / "layer_00001.safetensors").exists()
-    if (
-        damage is not None
-    ):  # a resident file without one of the layer's moments: named, no traceback from torch
+    if damage is not None:
+        # A resident file without one of the layer's moments: named, no traceback from torch.
         from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
         path = ckpt / "megatrain_optimizer" / "resident.safetensors"

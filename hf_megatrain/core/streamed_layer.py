@@ -93,6 +93,8 @@ class StreamedLayer:
         # output, log-sum-exp) from forward to backward: the recompute does not run that kernel
         # again (recompute.attention_output_cache; planned per layer and token).
         self.keep_attention = False
+        # Which of the store's slots train (read at the first run: name -> trainable).
+        self._slot_trains: dict[str, bool] | None = None
 
     def run(
         self,
@@ -116,9 +118,9 @@ class StreamedLayer:
         if leaves:
             # A frozen slot's leaf needs no gradient: autograd computes none for it, as for the
             # stock model's frozen parameter.
-            trains = getattr(self, "_slot_trains", None)
-            if trains is None:  # (the slots are fixed once streamed: read once, not per run)
-                trains = self._slot_trains = {s.name: s.trainable for s in store.slots}
+            if self._slot_trains is None:  # (the slots are fixed once streamed: read once)
+                self._slot_trains = {s.name: s.trainable for s in store.slots}
+            trains = self._slot_trains
             params = {k: v.detach().requires_grad_(trains[k]) for k, v in params.items()}
             weight_leaves = list(params.values())
         for name in self.fp32_params:

@@ -434,15 +434,17 @@ def _resident_layer_moments(
     if not any(found):
         return None
     for slot, has in zip(store.slots, found):
+        if not has:
+            continue
         keys = [f"{full_name(slot.name)}.{k}" for k in ("exp_avg", "exp_avg_sq", "step")]
-        if has and not all(k in resident for k in keys):
+        if not all(k in resident for k in keys):
             raise ValueError(
                 f"hf_megatrain: resident.safetensors holds {keys[0]} without "
                 f"{' and '.join(k for k in keys[1:] if k not in resident)}: an incomplete "
                 "optimizer state (resume from another checkpoint, or with "
                 "megatrain_resume_without_optimizer_state=True)"
             )
-        if has and resident[keys[0]].numel() != slot.numel:
+        if resident[keys[0]].numel() != slot.numel:
             raise ValueError(
                 f"hf_megatrain: resident.safetensors holds {keys[0]} of "
                 f"{resident[keys[0]].numel()} elements, the model's parameter has {slot.numel}"

@@ -365,12 +365,7 @@ def _normed_input_linears(layer: nn.Module, hidden: int) -> int:
 def _mlp_width(layer: nn.Module) -> int:
     """A dense layer's MLP width from its gate/up projection (the config's can be adjusted, as
     LFM2's ``block_auto_adjust_ff_dim``); 0 when not found."""
-    mlp = getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
-    for name in ("gate_proj", "up_proj", "w1"):
-        proj = getattr(mlp, name, None)
-        if isinstance(proj, nn.Linear):
-            return proj.out_features
-    return 0
+    return _gated_width(getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None))
 
 
 def _q_norm(attention: nn.Module | None) -> nn.Module | None:
