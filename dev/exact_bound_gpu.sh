@@ -114,6 +114,10 @@
 #              ones given the peak line or a fitted term (Ministral, Cohere 2, GLM, BitNet,
 #              DiffLlama, nanochat, GPT-2, CodeGen), Persimmon (its ReLU^2 as nanochat's),
 #              DeepSeek-V3 and Llama for reference. ~5 min; "familynew done" when complete.
+#   familyall  dev/family_plan_sweep.py --device cuda as familygpu over every supported family,
+#              then at hidden 768 the ones with a pow in their activation (fp32 under CUDA
+#              autocast) or GPT-J's eager attention (Persimmon, GPT-Neo, CodeGen, GPT-2,
+#              nanochat, BitNet). ~6 min; "familyall done" when complete.
 #   compiledgpu tests/test_gpu.py's compiled-kernel cases: Llama's features and Qwen3, and the
 #              families 'auto' compiles for since 2026-12-05 (Granite, EXAONE 4, Hunyuan). ~2 min.
 #   lossexp    the fused loss kernel with CUDA's expf (was tl.exp's ex2.approx): its logit gradient
@@ -350,6 +354,16 @@ item() {  # item <name>: one queue item
         ministral cohere2 glm bitnet diffllama nanochat gpt2 codegen persimmon \
         2>&1 | grep -aE "ratio|error"
       echo "familynew done"
+      ;;
+    familyall)  # every supported family at hidden 1,024 on the CUDA allocator, then the ones with
+      # fp32 activations under autocast (pow: gelu_new, ReLU^2) or their own eager attention at 768
+      timeout 420 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
+        --widths 1024,8,2,128,4096 --markdown "$work/results/family_plan_sweep_cuda_all.md" \
+        2>&1 | grep -aE "ratio|error"
+      timeout 150 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
+        --widths 768,6,2,128,3072 --markdown "$work/results/family_plan_sweep_cuda_act768.md" \
+        persimmon gpt_neo codegen gpt2 nanochat bitnet 2>&1 | grep -aE "ratio|error"
+      echo "familyall done"
       ;;
     familygpu2)  # familygpu at a second width: the CUDA activation terms off their fitted point
       timeout 300 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \

@@ -79,8 +79,10 @@ PEAK_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
 #: GPT-J's eager attention as transformers 5.17 has it (no SDPA there) holds 1.5-1.6 B per
 #: element more than the line: 1.09x the plan without it on the H200 at hidden 768 and 1,024
 #: (16,384 tokens, CUDA allocator); newer transformers give GPT-J SDPA, where no eager line is
-#: planned.
-EAGER_SCORE_COPY_MODEL_TYPES = frozenset({"bloom", "mpt", "gpt_oss", "gptj"})
+#: planned. CodeGen's attention is GPT-J's there too (no SDPA in 5.17): 1.05x the plan without the
+#: copy on the H100 at hidden 1,024 (2026-12-06, 16,384 tokens: 0.89 B per element and head over
+#: it); where its class has SDPA (5.25) and a user still asks for eager, the copy plans high.
+EAGER_SCORE_COPY_MODEL_TYPES = frozenset({"bloom", "mpt", "gpt_oss", "gptj", "codegen"})
 
 #: Per token, what a family's own decoder layer holds in its recomputed backward beyond the
 #: working-set line's terms, from its widths (h hidden, q query, kv key/value, i MLP). Measured on
@@ -155,10 +157,14 @@ def fitted_bytes(row: tuple | None, h: int, q: int, kv: int, i: int) -> int:
 #: then holds 12 of its 13 (traced for Apertus only). nanochat's ReLU^2 (a pow): 1.34-1.37x its
 #: plan on the H100 (2026-12-06, hidden 768 and 1,024, 8,192 and 16,384 tokens), 13.8 B per token
 #: and MLP element more at both widths. GPT-2 and CodeGen run Phi's activation (``gelu_new``,
-#: its pow in fp32): Phi's 15, not yet measured for them on a GPU.
+#: its pow in fp32): Phi's 15; with it GPT-2 was 0.79x its plan on the H100 (hidden 1,024).
+#: Persimmon runs nanochat's ReLU^2 (``torch.square``, a pow) in the same non-gated MLP: 1.29x its
+#: plan there without a term (7.6 B per token and MLP element over it, where the CPU tracker
+#: finds its plan 1.06-1.28x above its layer); nanochat's measured 14 bounds it from above.
+#: Families without a fitted residual take the term alone (``FAMILY_WORKING_SET_EXTRA``).
 CUDA_ACTIVATION_EXTRA_PER_INTER: dict[str, int] = {"apertus": 13, "arcee": 11, "nemotron": 10,
                                                    "phi": 15, "nanochat": 14, "gpt2": 15,
-                                                   "codegen": 15}  # fmt: skip
+                                                   "codegen": 15, "persimmon": 14}  # fmt: skip
 
 
 def _fitted_residual(model_type: str) -> tuple[str, Callable[[Any, int, int, int, int], int]]:
@@ -170,8 +176,21 @@ def _fitted_residual(model_type: str) -> tuple[str, Callable[[Any, int, int, int
     )
 
 
+def _cuda_activation(model_type: str) -> tuple[str, Callable[[Any, int, int, int, int], int]]:
+    per_inter = CUDA_ACTIVATION_EXTRA_PER_INTER[model_type]
+    return (
+        f"{model_type}'s MLP activation (fp32 under CUDA autocast)",
+        lambda cfg, h, q, kv, i: per_inter * i,
+    )
+
+
 FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int], int]]] = {
     **{t: _fitted_residual(t) for t in FITTED_WORKING_SET_RESIDUALS},
+    **{
+        t: _cuda_activation(t)
+        for t in CUDA_ACTIVATION_EXTRA_PER_INTER
+        if t not in FITTED_WORKING_SET_RESIDUALS
+    },
     "glm4": ("GLM-4's extra norms", lambda cfg, h, q, kv, i: 28 * h + 4 * q + 4 * kv + 4 * i),
     # MiniCPM3's latent attention (its q/k heads 1.5x its value heads, the low-rank q and kv
     # projections and their norms, the per-head k built from the shared RoPE part) and scaled
