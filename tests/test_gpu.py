@@ -1797,7 +1797,7 @@ def _assert_step_inside_the_plan_on_gpu(model_type: str, cfg, attn: str = "") ->
 @pytest.mark.parametrize(
     "model_type",
     ["nanochat", "minicpm3", "gpt2", "codegen", "ernie4_5_moe", "hunyuan_v1_moe", "ministral",
-     "cohere2", "glm", "bitnet", "diffllama", "persimmon"],
+     "cohere2", "glm", "bitnet", "diffllama", "persimmon", "gpt_neo", "xglm"],
 )  # fmt: skip
 def test_family_at_width_stays_inside_the_plan_on_gpu(model_type):
     """The families whose plan got a term of their own on 2026-12-06, at hidden 1,024 (8 heads

@@ -578,12 +578,25 @@ def _lfm2_with_convolutions():
 
 @pytest.mark.parametrize(
     "model_type",
-    ["bloom", "mpt", "gpt_oss", "falcon", "qwen2_moe", "glm4", "lfm2-conv", "qwen3_next", "dots1"],
+    [
+        "bloom",
+        "mpt",
+        "gpt_oss",
+        "gpt_neo",
+        "xglm",
+        "falcon",
+        "qwen2_moe",
+        "glm4",
+        "lfm2-conv",
+        "qwen3_next",
+        "dots1",
+    ],
 )
 def test_families_with_their_own_attention_or_layers_stay_inside_the_plan(model_type):
     """Families whose memory the shared lines missed, found by ``dev/family_plan_sweep.py`` on
     this tracker and on the H200 (16,384 tokens, CUDA allocator): BLOOM's and MPT's ALiBi scores
-    and gpt-oss's sinks (eager, 1.09-1.14x), Falcon's always-explicit SDPA mask (17x on the
+    and gpt-oss's sinks (eager, 1.09-1.14x), GPT-Neo's fp32 q/k scores (GPT-J's, 1.09x on the
+    H100) and XGLM's clamp of its masked fp32 scores (1.05x here, 1.21x there), Falcon's always-explicit SDPA mask (17x on the
     GPU), Qwen2-MoE's sliding-window mask made for no layer (12x), GLM-4's extra norms (1.16x,
     1.7x at GLM-4-9B's widths by the fit), LFM2's adjusted MLP width, q/k layer norms and
     convolutions (1.9x) and Qwen3-Next's Gated DeltaNet (116x). Each whole step now stays within
@@ -605,8 +618,10 @@ def test_families_with_their_own_attention_or_layers_stay_inside_the_plan(model_
         assert shape.sdpa_explicit_mask
     if model_type == "qwen2_moe":
         assert shape.unused_window_mask_from == 0
-    if model_type in ("bloom", "mpt", "gpt_oss"):
-        assert shape.eager_score_copy and shape.attn_implementation == "eager"
+    if model_type in ("bloom", "mpt", "gpt_oss", "gpt_neo"):
+        assert shape.eager_score_copies == (1, 0) and shape.attn_implementation == "eager"
+    if model_type == "xglm":
+        assert shape.eager_score_copies == (0, 1) and shape.attn_implementation == "eager"
     if model_type == "dots1":  # its mask dict makes the sliding mask only for sliding layers
         assert shape.unused_window_mask_from == -1
     if model_type in ("glm4", "lfm2-conv", "qwen3_next"):

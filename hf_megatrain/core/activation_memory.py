@@ -1061,9 +1061,11 @@ def attention_mask_lines(
         )
         heads = _query_width(shape)[0] or 1
         per = EAGER_SCORE_BYTES + (itemsize(dtype) if shape.attn_softcapping else 0)
-        per += itemsize(dtype) if shape.eager_score_copy else 0
+        in_dtype, in_fp32 = shape.eager_score_copies
+        per += in_dtype * itemsize(dtype) + in_fp32 * 4
         capped = ", soft-capped" if shape.attn_softcapping else ""
-        capped += ", a compute-dtype copy of the scores" if shape.eager_score_copy else ""
+        capped += f", {in_dtype} compute-dtype copies of the scores" if in_dtype else ""
+        capped += f", {in_fp32} fp32 copies of the scores" if in_fp32 else ""
         lines.append(
             estimate_line(
                 f"eager attention of one layer (scores, fp32 softmax and its gradient{capped}: "

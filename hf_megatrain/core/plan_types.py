@@ -108,9 +108,11 @@ class ModelShape:
     # attention reads, through an explicit mask (``sdpa_explicit_mask``).
     indexer_heads: int = 0
     indexer_head_dim: int = 0
-    # Whether eager attention keeps one more compute-dtype copy of its scores beside the fp32
-    # softmax (BLOOM's and MPT's ALiBi product, gpt-oss's sinks: hf/family_memory.py).
-    eager_score_copy: bool = False
+    # The copies of its scores a family's eager attention keeps beyond the line's (scores, fp32
+    # softmax and its gradient): (in the compute dtype, in fp32) per element and head. BLOOM's and
+    # MPT's ALiBi product, gpt-oss's sinks, GPT-J's fp32 q/k: one compute-dtype copy; XGLM's
+    # clamp of the masked scores: one fp32 copy (hf/family_memory.py).
+    eager_score_copies: tuple[int, int] = (0, 0)
     # The family's forward builds a sliding-window mask although no layer uses it (Qwen2-MoE's
     # mask dict; transformers' ``create_sliding_window_causal_mask``): from sequences of this
     # many tokens on (its config's window; 0: always); -1: it builds none.

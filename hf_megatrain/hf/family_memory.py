@@ -79,10 +79,17 @@ PEAK_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
 #: GPT-J's eager attention as transformers 5.17 has it (no SDPA there) holds 1.5-1.6 B per
 #: element more than the line: 1.09x the plan without it on the H200 at hidden 768 and 1,024
 #: (16,384 tokens, CUDA allocator); newer transformers give GPT-J SDPA, where no eager line is
-#: planned. CodeGen's attention is GPT-J's there too (no SDPA in 5.17): 1.05x the plan without the
-#: copy on the H100 at hidden 1,024 (2026-12-06, 16,384 tokens: 0.89 B per element and head over
-#: it); where its class has SDPA (5.25) and a user still asks for eager, the copy plans high.
-EAGER_SCORE_COPY_MODEL_TYPES = frozenset({"bloom", "mpt", "gpt_oss", "gptj", "codegen"})
+#: planned. CodeGen's and GPT-Neo's attention is GPT-J's there too (CodeGen has no SDPA in 5.17,
+#: GPT-Neo none in 5.25): on the H100 at hidden 1,024 (2026-12-06, 16,384 tokens) CodeGen 1.05x
+#: and GPT-Neo 1.09x the plan without the copy (0.89 and 1.47 B per element and head over it;
+#: GPT-Neo 1.50 at hidden 768); where CodeGen's class has SDPA (5.25) and a user still asks for
+#: eager, the copy plans high. XGLM's eager attention clamps its masked fp32 scores with
+#: ``torch.max``, which saves them: one fp32 copy (1.21x the plan without it there, 3.63 B per
+#: element and head over; 1.05x on the CPU tracker). (compute-dtype copies, fp32 copies).
+EAGER_SCORE_COPIES: dict[str, tuple[int, int]] = {
+    **{t: (1, 0) for t in ("bloom", "mpt", "gpt_oss", "gptj", "codegen", "gpt_neo")},
+    "xglm": (0, 1),
+}
 
 #: Per token, what a family's own decoder layer holds in its recomputed backward beyond the
 #: working-set line's terms, from its widths (h hidden, q query, kv key/value, i MLP). Measured on

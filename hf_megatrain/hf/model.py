@@ -43,7 +43,7 @@ from .capture import RecorderCapture, recorder_capture_available
 from .compiled_kernels import is_compiled_forward, runs_compiled_norms, stand_in
 from .families import family_key, model_family, unsupported_model_type
 from .family_memory import (
-    EAGER_SCORE_COPY_MODEL_TYPES,
+    EAGER_SCORE_COPIES,
     FAMILY_WORKING_SET_EXTRA,
     FITTED_KEPT_RESIDUALS,
     MOE_FP32_ROUTING_MODEL_TYPES,
@@ -296,7 +296,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         sdpa_explicit_mask=explicit_mask,
         indexer_heads=indexer_heads,
         indexer_head_dim=int(getattr(text_cfg, "index_head_dim", 0) or 0) if indexer_heads else 0,
-        eager_score_copy=family in EAGER_SCORE_COPY_MODEL_TYPES,
+        eager_score_copies=EAGER_SCORE_COPIES.get(family, (0, 0)),
         unused_window_mask_from=unused_window,
         extra_working_set_bytes_per_token=extra,
         extra_working_set_what=extra_what,
