@@ -1808,7 +1808,9 @@ def test_family_at_width_stays_inside_the_plan_on_gpu(model_type):
     1.11x; with them Ministral 0.87x, Cohere 2 0.88x, GLM 0.78x, BitNet 1.00x, DiffLlama 0.80x,
     ERNIE 4.5 MoE 0.60x, Hunyuan MoE 0.62x. GPT-2's and CodeGen's CUDA terms are Phi's (the same
     activation): GPT-2 0.79x; CodeGen 1.05x, over its margin, until its eager scores' copy (no SDPA
-    in transformers 5.17) was planned; Persimmon (ReLU^2, no term) 1.29x, then nanochat's term."""
+    in transformers 5.17) was planned; Persimmon (ReLU^2, no term) 1.29x, then nanochat's term.
+    GPT-Neo (GPT-J's attention) 1.09x and XGLM (a clamp that saves its fp32 scores) 1.21x before
+    their score copies."""
     from tests.test_plan_accuracy import family_config
 
     cfg = family_config(model_type, 1024, 8, 2, 128, 4096, keep_window=True, positions=2 * 16384)
