@@ -118,6 +118,8 @@
 #              then at hidden 768 the ones with a pow in their activation (fp32 under CUDA
 #              autocast) or GPT-J's eager attention (Persimmon, GPT-Neo, CodeGen, GPT-2,
 #              nanochat, BitNet). ~6 min; "familyall done" when complete.
+#   familyeager dev/family_plan_sweep.py --device cuda for GPT-Neo, XGLM, CodeGen and GPT-J (their
+#              own eager attention's score copies) at hidden 1,024 and 768. ~1 min.
 #   compiledgpu tests/test_gpu.py's compiled-kernel cases: Llama's features and Qwen3, and the
 #              families 'auto' compiles for since 2026-12-05 (Granite, EXAONE 4, Hunyuan). ~2 min.
 #   lossexp    the fused loss kernel with CUDA's expf (was tl.exp's ex2.approx): its logit gradient
@@ -364,6 +366,13 @@ item() {  # item <name>: one queue item
         --widths 768,6,2,128,3072 --markdown "$work/results/family_plan_sweep_cuda_act768.md" \
         persimmon gpt_neo codegen gpt2 nanochat bitnet 2>&1 | grep -aE "ratio|error"
       echo "familyall done"
+      ;;
+    familyeager)  # the eager families given their scores' copies (2026-12-06), at two widths
+      for w in 1024,8,2,128,4096 768,6,2,128,3072; do
+        timeout 120 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 --widths "$w" \
+          gpt_neo xglm codegen gptj 2>&1 | grep -aE "ratio|error"
+      done
+      echo "familyeager done"
       ;;
     familygpu2)  # familygpu at a second width: the CUDA activation terms off their fitted point
       timeout 300 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
