@@ -584,11 +584,12 @@ def _lfm2_with_convolutions():
 def test_families_with_their_own_attention_or_layers_stay_inside_the_plan(model_type):
     """Families whose memory the shared lines missed, found by ``dev/family_plan_sweep.py`` on
     this tracker and on the H200 (16,384 tokens, CUDA allocator): BLOOM's and MPT's ALiBi scores
-    and gpt-oss's sinks (eager, 1.09-1.14x), GPT-Neo's fp32 q/k scores (GPT-J's, 1.09x on the
-    H100) and XGLM's clamp of its masked fp32 scores (1.05x here, 1.21x there), Falcon's
-    always-explicit SDPA mask (17x on the GPU), Qwen2-MoE's sliding-window mask made for no layer (12x), GLM-4's extra norms (1.16x,
-    1.7x at GLM-4-9B's widths by the fit), LFM2's adjusted MLP width, q/k layer norms and
-    convolutions (1.9x) and Qwen3-Next's Gated DeltaNet (116x). Each whole step now stays within
+    and gpt-oss's sinks (eager, 1.09-1.14x), GPT-Neo's attention (GPT-J's: a compute-dtype copy
+    of the scores in CUDA's backward, 1.09x on the H100) and XGLM's clamp of its masked fp32
+    scores (1.05x here, 1.21x there), Falcon's always-explicit SDPA mask (17x on the GPU),
+    Qwen2-MoE's sliding-window mask made for no layer (12x), GLM-4's extra norms (1.16x, 1.7x at
+    GLM-4-9B's widths by the fit), LFM2's adjusted MLP width, q/k layer norms and convolutions
+    (1.9x) and Qwen3-Next's Gated DeltaNet (116x). Each whole step now stays within
     its plan plus the lines' error margin (the plan may be higher: the lines are summed)."""
     from hf_megatrain.hf.attention import AttentionFacts  # noqa: PLC0415
     from tests.helpers import tiny_config  # noqa: PLC0415
@@ -1006,8 +1007,8 @@ def _square_bytes(live: Live) -> int:
 
 @pytest.mark.parametrize(
     "family, attn, kept",
-    [("gemma3", "sdpa", 3), ("mistral", "eager", 2), ("gemma2", "eager", 2)],
-    ids=["gemma3-sdpa-mixed", "mistral-eager", "gemma2-eager-softcap"],
+    [("gemma3", "sdpa", 3), ("mistral", "eager", 2), ("gemma2", "eager", 2), ("xglm", "eager", 2)],
+    ids=["gemma3-sdpa-mixed", "mistral-eager", "gemma2-eager-softcap", "xglm-eager-clamp"],
 )
 def test_kept_layers_attention_lines_are_what_they_hold(family, attn, kept):
     """What the layers keeping their activations hold of attention's s x s tensors at the end
@@ -1018,9 +1019,13 @@ def test_kept_layers_attention_lines_are_what_they_hold(family, attn, kept):
       the sliding layer's additive bf16 copy of the mask (full layers run ``is_causal``); with
       the layer pattern unknown every kept layer counts as sliding (an upper bound);
     * eager: each kept layer's fp32 softmax output and its bf16 copy (6 B per element and head),
-      soft-capped (Gemma-2) the tanh output besides (8 B); the fp32 masks are shared."""
+      soft-capped (Gemma-2) the tanh output besides (8 B), XGLM the masked fp32 scores its
+      ``torch.max`` clamp saves (10 B; planned 6 before); the fp32 masks are shared."""
     s, seqs, n = 256, 2, 4
-    cfg = _config(family, num_hidden_layers=n, sliding_window=128)
+    if family == "xglm":
+        cfg = family_config("xglm", 64, 4, 4, 16, 128, layers=n)
+    else:
+        cfg = _config(family, num_hidden_layers=n, sliding_window=128)
     if family == "gemma3":
         cfg.layer_types = ["sliding_attention", "full_attention"] * 2
     held = []
@@ -1046,7 +1051,7 @@ def test_kept_layers_attention_lines_are_what_they_hold(family, attn, kept):
     kind = MASK_KIND if attn == "sdpa" else EAGER_SCORES_KIND
     assert [ln.kind for ln in lines] == [kind]
     assert lines[0].nbytes == held[1] - held[0]
-    per = {"gemma3": 2 * 1, "mistral": 6 * 4, "gemma2": 8 * 4}[family]  # B x heads
+    per = {"gemma3": 2 * 1, "mistral": 6 * 4, "gemma2": 8 * 4, "xglm": 10 * 4}[family]  # B x heads
     sliding = 1 if family == "gemma3" else kept
     assert held[1] - held[0] == sliding * seqs * s * s * per
 

@@ -963,11 +963,15 @@ EAGER_KEPT_SOFTMAX_BYTES = 4
 
 
 def eager_kept_bytes_per_element(shape: ModelShape, dtype: torch.dtype) -> int:
-    """``EAGER_KEPT_SOFTMAX_BYTES`` plus the compute-dtype probabilities (bf16 runs) and the
-    soft-capping's tanh output."""
+    """``EAGER_KEPT_SOFTMAX_BYTES`` plus the compute-dtype probabilities (bf16 runs), the
+    soft-capping's tanh output and the family's saved fp32 copies of its scores (XGLM's clamp:
+    10 B in bf16, measured). Its compute-dtype copies (GPT-J's, BLOOM's) are temporaries of the
+    backward, not saved: a kept layer does not hold them (BLOOM 6.5 B measured, where its
+    per-sequence bf16 s x s adds 2 B per element over the heads)."""
     isz = itemsize(dtype)
     cast = isz if dtype != torch.float32 else 0
-    return EAGER_KEPT_SOFTMAX_BYTES + cast + (isz if shape.attn_softcapping else 0)
+    saved_fp32 = 4 * shape.eager_score_copies[1]
+    return EAGER_KEPT_SOFTMAX_BYTES + cast + (isz if shape.attn_softcapping else 0) + saved_fp32
 
 
 def kept_attention_lines(
@@ -1007,6 +1011,7 @@ def kept_attention_lines(
         n, heads = len(kept_layers), _query_width(shape)[0] or 1
         per = eager_kept_bytes_per_element(shape, dtype)
         capped = " and the soft-capping's tanh" if shape.attn_softcapping else ""
+        capped += " and the saved fp32 scores" if shape.eager_score_copies[1] else ""
         return [
             estimate_line(
                 f"eager attention probabilities saved by each of the {n} layers keeping "
@@ -1064,8 +1069,8 @@ def attention_mask_lines(
         in_dtype, in_fp32 = shape.eager_score_copies
         per += in_dtype * itemsize(dtype) + in_fp32 * 4
         capped = ", soft-capped" if shape.attn_softcapping else ""
-        capped += f", {in_dtype} compute-dtype copies of the scores" if in_dtype else ""
-        capped += f", {in_fp32} fp32 copies of the scores" if in_fp32 else ""
+        capped += f", compute-dtype copies of the scores: {in_dtype}" if in_dtype else ""
+        capped += f", fp32 copies of the scores: {in_fp32}" if in_fp32 else ""
         lines.append(
             estimate_line(
                 f"eager attention of one layer (scores, fp32 softmax and its gradient{capped}: "

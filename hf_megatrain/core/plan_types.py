@@ -110,8 +110,9 @@ class ModelShape:
     indexer_head_dim: int = 0
     # The copies of its scores a family's eager attention keeps beyond the line's (scores, fp32
     # softmax and its gradient): (in the compute dtype, in fp32) per element and head. BLOOM's and
-    # MPT's ALiBi product, gpt-oss's sinks, GPT-J's fp32 q/k: one compute-dtype copy; XGLM's
-    # clamp of the masked scores: one fp32 copy (hf/family_memory.py).
+    # MPT's ALiBi product, gpt-oss's sinks, GPT-J's attention (CUDA's backward): one compute-dtype
+    # copy, a temporary of the backward; XGLM's clamp of the masked scores: one fp32 copy, saved
+    # (so kept layers hold it too; hf/family_memory.py).
     eager_score_copies: tuple[int, int] = (0, 0)
     # The family's forward builds a sliding-window mask although no layer uses it (Qwen2-MoE's
     # mask dict; transformers' ``create_sliding_window_causal_mask``): from sequences of this

@@ -166,8 +166,9 @@ def fitted_bytes(row: tuple | None, h: int, q: int, kv: int, i: int) -> int:
 #: and MLP element more at both widths. GPT-2 and CodeGen run Phi's activation (``gelu_new``,
 #: its pow in fp32): Phi's 15; with it GPT-2 was 0.79x its plan on the H100 (hidden 1,024).
 #: Persimmon runs nanochat's ReLU^2 (``torch.square``, a pow) in the same non-gated MLP: 1.29x its
-#: plan there without a term (7.6 B per token and MLP element over it, where the CPU tracker
-#: finds its plan 1.06-1.28x above its layer); nanochat's measured 14 bounds it from above.
+#: plan there without a term (7.6 B per token and MLP element over it, tree 421c99e; 0.78x with
+#: it on another start, whose step measured 7% less), where the CPU tracker finds its plan
+#: 1.06-1.28x above its layer; nanochat's measured 14 bounds it from above.
 #: Families without a fitted residual take the term alone (``FAMILY_WORKING_SET_EXTRA``).
 CUDA_ACTIVATION_EXTRA_PER_INTER: dict[str, int] = {"apertus": 13, "arcee": 11, "nemotron": 10,
                                                    "phi": 15, "nanochat": 14, "gpt2": 15,
