@@ -318,11 +318,19 @@ ADDED_FAMILY_OVERRIDES: dict[str, Callable[[int], dict]] = {
     "minicpm3": lambda n: dict(**_MLA, scale_emb=12, scale_depth=1.4, dim_model_base=8),
     "biogpt": lambda n: dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                              scale_embedding=True),
+    # Chunked attention (chunks of 6) on its RoPE layers with L2 q/k norms; a NoPE full-attention
+    # layer in the middle whose queries are scaled by position (floor 4); a MoE layer (shared
+    # expert, sigmoid top-k router) between dense ones.
+    "llama4_text": lambda n: dict(
+        intermediate_size_mlp=64, attention_chunk_size=6, no_rope_layers=[int(i != 1) for i in range(n)],
+        interleave_moe_layer_step=2, floor_scale=4, attn_scale=0.1,
+    ),
 }  # fmt: skip
 #: Their default layer count where the family's pattern needs three.
 _ADDED_FAMILY_LAYERS = {
     a: 3 for a in ("gpt_neo", "ministral", "ministral3", "cohere2", "vaultgemma", "cwm",
-                   "hunyuan_v1_moe", "exaone_moe", "lfm2_moe", "glm4_moe_lite", "solar_open")
+                   "hunyuan_v1_moe", "exaone_moe", "lfm2_moe", "glm4_moe_lite", "solar_open",
+                   "llama4_text")
 }  # fmt: skip
 ADDED_ARCHS = list(ADDED_FAMILY_OVERRIDES)
 
@@ -401,7 +409,7 @@ MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemo
 #: MoE families balanced without an aux loss (DeepSeek-V3's bias-corrected routing).
 AUX_FREE_MOE_ARCHS = ["glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "qwen3_next",
                       "hunyuan_v1_moe", "exaone_moe", "lfm2_moe", "glm4_moe_lite",
-                      "solar_open", "deepseek_v32"]  # fmt: skip
+                      "solar_open", "deepseek_v32", "llama4_text"]  # fmt: skip
 
 
 class LogRecorder(TrainerCallback):
@@ -446,7 +454,12 @@ def alias_config(alias: str, shape):
     values = shape.to_dict()
     for key in ("model_type", "architectures", "transformers_version", "_name_or_path"):
         values.pop(key, None)
-    return CONFIG_MAPPING[alias](**values)
+    cls = CONFIG_MAPPING[alias]
+    if "text_config" in (getattr(cls, "sub_configs", None) or {}):
+        # A composite config (Llama 4's, as its Hub checkpoints have): the causal-LM class builds
+        # its text model from the text config.
+        return cls(text_config=values)
+    return cls(**values)
 
 
 def llama_alias() -> str:

@@ -136,6 +136,37 @@ def test_legacy_expert_and_head_names_load_as_from_pretrained(tmp_path):
     _assert_same_as_from_pretrained(neox)
 
 
+def test_a_multimodal_llama4_checkpoint_loads_its_text_model(tmp_path, caplog):
+    """Llama 4's Hub checkpoints are ``Llama4ForConditionalGeneration``'s: the text model under
+    ``language_model.``, a vision tower and a projector beside it. ``from_pretrained`` builds
+    ``Llama4ForCausalLM`` and skips the other towers; so do the loaders (the check before
+    allocating and the store's read), logging what they skip. A stray tensor of the text model's
+    own is still refused."""
+    import logging  # noqa: PLC0415
+
+    from transformers import Llama4Config, Llama4ForConditionalGeneration  # noqa: PLC0415
+
+    text = {k: v for k, v in tiny_config("llama4_text").to_dict().items()
+            if k not in ("model_type", "architectures", "transformers_version")}  # fmt: skip
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32, vision_output_dim=32, projector_input_dim=32,
+                  projector_output_dim=32, image_size=28, patch_size=14)  # fmt: skip
+    torch.manual_seed(0)
+    Llama4ForConditionalGeneration(
+        Llama4Config(text_config=text, vision_config=vision)
+    ).save_pretrained(str(tmp_path / "mm"))
+    keys = load_file(str(tmp_path / "mm" / "model.safetensors"))
+    assert any(k.startswith("vision_model.") for k in keys)
+    assert any(k.startswith("language_model.model.layers.") for k in keys)
+    with caplog.at_level(logging.INFO, logger="hf_megatrain"):
+        _assert_same_as_from_pretrained(tmp_path / "mm")
+    assert "other towers (multi_modal_projector, vision_model)" in caplog.text
+    _edit_tensors(tmp_path / "mm" / "model.safetensors",
+                  lambda sd: sd.update({"language_model.model.extra.weight": torch.zeros(2)}))  # fmt: skip
+    with pytest.raises(ValueError, match="language_model.model.extra.weight"):
+        load_streamed_model(str(tmp_path / "mm"), device="cpu", bf16=False)
+
+
 @pytest.mark.parametrize(
     "arch,dtype,tie", [("llama", torch.bfloat16, True), ("qwen3_moe", torch.float16, False)]
 )

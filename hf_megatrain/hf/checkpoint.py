@@ -255,6 +255,35 @@ _EXPERT_TARGET = {
 }
 
 
+def other_towers(keys, model, prefix: str) -> list[str]:
+    """The keys of a multimodal checkpoint (its config.json has a ``text_config``: Llama 4's)
+    that belong to towers the causal LM does not have (``vision_model.*``,
+    ``multi_modal_projector.*``): their first name is neither a module of the model nor its base
+    prefix (``language_model``, whose tensors are the model's). ``from_pretrained`` skips them
+    too; the training loads skip them, logging how many."""
+    children = {name for name, _ in model.named_children()} | {prefix}
+    return [k for k in keys if k.split(".", 1)[0] not in children]
+
+
+def log_other_towers(skipped: list[str], path: str) -> None:
+    if skipped:
+        towers = sorted({k.split(".", 1)[0] for k in skipped})
+        logger.info(
+            "hf_megatrain: %d tensors of %s belong to the checkpoint's other towers (%s), which "
+            "the causal LM does not have: skipped, as from_pretrained does",
+            len(skipped), path, ", ".join(towers),
+        )  # fmt: skip
+
+
+def is_multimodal_checkpoint(path: str) -> bool:
+    """Whether the checkpoint folder's config.json is a composite one (a ``text_config``)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return isinstance(json.load(f).get("text_config"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def resolve_checkpoint_key(key: str, names, prefix: str = "model"):
     """Map a checkpoint key to ``(target name in names, index expression)`` or None.
 
@@ -350,6 +379,10 @@ def load_weights_into_store(model, path: str) -> None:
                 dst.copy_(tensor.to(torch.float32))
             filled.add(id(dest))
     missing = [n for n, t in targets.items() if id(t) not in filled and id(t) not in optional]
+    if unknown and os.path.isdir(path) and is_multimodal_checkpoint(path):
+        skipped = other_towers(unknown, model, prefix)
+        log_other_towers(skipped, path)
+        unknown = [k for k in unknown if k not in set(skipped)]
     if unknown:
         raise ValueError(
             f"hf_megatrain: {len(unknown)} checkpoint tensors do not match the model, e.g. "

@@ -75,6 +75,7 @@ SUPPORTED_MODEL_TYPES = {
     "deepseek_v32": "DeepSeek-V3.2 (sparse attention picked by an indexer AdamW skips, MoE)",
     "minicpm3": "MiniCPM3 (multi-head latent attention, scaled embeddings, residuals and head)",
     "biogpt": "BioGPT (learned positions, scaled embeddings, its head named output_projection)",
+    "llama4_text": "Llama 4 (text: chunked attention, NoPE layers, MoE)",
 }
 
 

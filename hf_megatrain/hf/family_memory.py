@@ -59,6 +59,10 @@ MOE_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
     {"olmoe", "qwen3_moe", "mixtral", "granitemoe", "qwen2_moe"}
 )
 MOE_FP32_ROUTING_MODEL_TYPES = frozenset({"mixtral", "granitemoe"})
+#: MoE families whose layers run every expert on every token, the router's scores zeroing the
+#: unpicked ones' input (Llama 4 as transformers has it: the tokens repeated once per expert,
+#: one batched matmul): their working set counts all experts, not the routed ones.
+EVERY_EXPERT_MODEL_TYPES = frozenset({"llama4_text"})
 #: Dense families whose recomputed layer's backward the working set's measured-peak line
 #: (``activation_memory.GATED_MLP_PEAK_*``) is within 4% of (the CPU tracker; Phi-3 exactly on
 #: the H200 too). Others measured off it (GLM-4 +44%, Hunyuan +24%, OLMo2 +17%; non-gated MLPs
@@ -200,6 +204,16 @@ FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int
         if t not in FITTED_WORKING_SET_RESIDUALS
     },
     "glm4": ("GLM-4's extra norms", lambda cfg, h, q, kv, i: 28 * h + 4 * q + 4 * kv + 4 * i),
+    # Llama 4's MoE layers repeat each token once per expert and scale the copies by the router's
+    # scores before the experts' batched matmul (their outputs summed back): per token, two
+    # compute-dtype copies of the hidden state per expert beyond the experts' MLP width (counted
+    # as ``EVERY_EXPERT_MODEL_TYPES``). The CPU tracker (2,048 tokens, hidden 256-384, 4-16
+    # experts, MLP 2-4x hidden) measured the step 0.90-1.06x the plan without it, 1.6-2.0 B per
+    # expert and hidden element over it at 16 experts; 4 B bounds both copies in bf16.
+    "llama4_text": (
+        "Llama 4's per-expert copies of the tokens",
+        lambda cfg, h, q, kv, i: 4 * h * int(getattr(cfg, "num_local_experts", 0) or 0),
+    ),
     # MiniCPM3's latent attention (its q/k heads 1.5x its value heads, the low-rank q and kv
     # projections and their norms, the per-head k built from the shared RoPE part) and scaled
     # residuals: measured on the H100 (2026-12-06, dev/family_plan_sweep.py --device cuda, hidden

@@ -57,6 +57,16 @@ def unwrap_peft(model):
     return get_base() if callable(get_base) else model
 
 
+def decoder_of(causal_lm) -> torch.nn.Module | None:
+    """The decoder stack a ``*ForCausalLM`` calls: the attribute its ``base_model_prefix``
+    names (``model``, GPT-2's ``transformer``), else ``model`` (Llama 4's class names
+    ``language_model``, its multimodal checkpoints' prefix, but holds ``model``)."""
+    base = getattr(causal_lm, getattr(causal_lm, "base_model_prefix", "") or "", None)
+    if not isinstance(base, torch.nn.Module) or base is causal_lm:
+        base = getattr(causal_lm, "model", None)
+    return base if isinstance(base, torch.nn.Module) else None
+
+
 def load_balancing_loss_function(model) -> Callable | None:
     """The router load-balancing loss an MoE family's forward adds when ``output_router_logits``
     is on: its modeling module's ``load_balancing_loss_func``, where the model has the attributes
@@ -103,7 +113,7 @@ def supports_fused_loss(model) -> bool:
     return (
         model_family(config.model_type) in FUSED_LOSS_MODEL_TYPES
         and _linear_head(model.get_output_embeddings())
-        and getattr(model, model.base_model_prefix, None) is not None
+        and decoder_of(model) is not None
         # A model-specific loss (set by the user) is theirs to keep.
         and getattr(config, "loss_type", None) in (None, "ForCausalLM", "ForCausalLMLoss")
         # A router aux loss turned on is added here only where the family's own is found.
@@ -158,8 +168,7 @@ def fused_causal_lm_forward(
             router = getattr(model.config, "output_router_logits", False)
         if router:
             kwargs["output_router_logits"] = True
-    base = getattr(model, model.base_model_prefix)
-    outputs = base(**kwargs)
+    outputs = decoder_of(model)(**kwargs)
     hidden = outputs.last_hidden_state
     model_type = model_family(model.config.model_type)
     if model_type in HIDDEN_SCALING_MODEL_TYPES:

@@ -44,6 +44,7 @@ from .compiled_kernels import is_compiled_forward, runs_compiled_norms, stand_in
 from .families import family_key, model_family, unsupported_model_type
 from .family_memory import (
     EAGER_SCORE_COPIES,
+    EVERY_EXPERT_MODEL_TYPES,
     FAMILY_WORKING_SET_EXTRA,
     FITTED_KEPT_RESIDUALS,
     MOE_FP32_ROUTING_MODEL_TYPES,
@@ -55,6 +56,7 @@ from .family_memory import (
 from .layers import UnsupportedModelError, find_decoder_layers, forward_function
 from .long_context import install_mlp_tiling, tileable_mlp
 from .loss import (
+    decoder_of,
     load_balancing_loss_function,
     router_aux_loss_on,
     supports_fused_loss,
@@ -175,6 +177,8 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         or 4 * text_cfg.hidden_size
     )
     experts = getattr(text_cfg, "num_experts_per_tok", None)
+    if experts and family in EVERY_EXPERT_MODEL_TYPES:
+        experts = getattr(text_cfg, "num_local_experts", None) or experts
     moe_inter = getattr(text_cfg, "moe_intermediate_size", None)
     if experts and moe_inter:  # MoE: the active experts' width drives the working set
         inter = experts * moe_inter
@@ -200,7 +204,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     window, full = attention_windows(text_cfg)
     types = getattr(text_cfg, "layer_types", None) or ()
     # Which layers attend through the window (their kept copies of its mask are planned).
-    sliding = tuple(t == "sliding_attention" for t in types) if window else ()
+    sliding = tuple(t in _WINDOWED_LAYER_TYPES for t in types) if window else ()
     if len(sliding) != len(layers):
         sliding = ()  # every layer, where the window is set (Mistral, Phi-3): the plan's default
     attn = runs = getattr(cfg, "_attn_implementation", None) or "sdpa"
@@ -325,7 +329,7 @@ def _layer_numels(layers: nn.ModuleList) -> tuple[tuple[int, ...], ...]:
 def _decoder_forward_source(model: nn.Module) -> str:
     """The source of the decoder stack's forward (where masks are made), "" when unknown."""
     causal_lm = unwrap_peft(model)
-    base = getattr(causal_lm, getattr(causal_lm, "base_model_prefix", ""), None)
+    base = decoder_of(causal_lm)
     return _forward_source(type(base if base is not None else causal_lm))
 
 
@@ -392,15 +396,25 @@ def _dense_mlp_size(layers: list[nn.Module], routes: list[bool], config) -> int:
     return max(widths) or int(getattr(config, "intermediate_size", 0) or 0)
 
 
+#: Layer types whose attention a mask narrower than causal limits: a sliding window, or Llama 4's
+#: chunks (each query sees its own chunk's earlier keys): under SDPA both make one bool s x s
+#: mask per forward and an additive copy per layer, planned alike (the chunk as the window).
+_WINDOWED_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+
+
 def attention_windows(text_cfg) -> tuple[int, bool]:
     """``(sliding window, whether some layer attends fully)`` of a config: its ``layer_types``
-    where it has them (sliding layers use ``sliding_window``); without them a set
-    ``sliding_window`` is every layer's (Mistral, Mixtral, Phi-3, Starcoder2: their models then
-    make only the sliding-window mask)."""
+    where it has them (sliding layers use ``sliding_window``, chunked ones
+    ``attention_chunk_size``); without them a set ``sliding_window`` is every layer's (Mistral,
+    Mixtral, Phi-3, Starcoder2: their models then make only the sliding-window mask)."""
     window = getattr(text_cfg, "sliding_window", None) or 0
     types = getattr(text_cfg, "layer_types", None)
     if types:
-        sliding = window and "sliding_attention" in types
+        if "chunked_attention" in types:
+            window = getattr(text_cfg, "attention_chunk_size", None) or 0
+            sliding = window > 0
+        else:
+            sliding = window and "sliding_attention" in types
         return (window if sliding else 0), any(t == "full_attention" for t in types)
     return window, not window
 
@@ -501,7 +515,7 @@ def _returns_router_logits(model: nn.Module) -> bool:
     """Whether ``model``'s decoder returns the layers' router logits when asked: transformers'
     output recorder collects them, or its forward takes ``output_router_logits`` (GraniteMoE
     before transformers 5.24 does neither, and its ``ForCausalLM`` then fails adding an int)."""
-    decoder = type(getattr(model, model.base_model_prefix, model))
+    decoder = type(decoder_of(model) or model)
     recorded = getattr(decoder, "_can_record_outputs", None) or {}
     return "router_logits" in recorded or (
         "output_router_logits" in inspect.signature(decoder.forward).parameters
