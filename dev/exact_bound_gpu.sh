@@ -119,7 +119,9 @@
 #              autocast) or GPT-J's eager attention (Persimmon, GPT-Neo, CodeGen, GPT-2,
 #              nanochat, BitNet). ~6 min; "familyall done" when complete.
 #   familyeager dev/family_plan_sweep.py --device cuda for GPT-Neo, XGLM, CodeGen and GPT-J (their
-#              own eager attention's score copies) at hidden 1,024 and 768. ~1 min.
+#              own eager attention's score copies) and Llama 4 (every expert on every token) at
+#              hidden 1,024 and 768. ~1 min.
+#   llama4gpu  tests/test_gpu.py's Llama 4 cases (streamed against stock on the GPU).
 #   compiledgpu tests/test_gpu.py's compiled-kernel cases: Llama's features and Qwen3, and the
 #              families 'auto' compiles for since 2026-12-05 (Granite, EXAONE 4, Hunyuan). ~2 min.
 #   lossexp    the fused loss kernel with CUDA's expf (was tl.exp's ex2.approx): its logit gradient
@@ -370,9 +372,13 @@ item() {  # item <name>: one queue item
     familyeager)  # the eager families given their scores' copies (2026-12-06), at two widths
       for w in 1024,8,2,128,4096 768,6,2,128,3072; do
         timeout 120 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 --widths "$w" \
-          gpt_neo xglm codegen gptj 2>&1 | grep -aE "ratio|error"
+          gpt_neo xglm codegen gptj llama4_text 2>&1 | grep -aE "ratio|error"
       done
       echo "familyeager done"
+      ;;
+    llama4gpu)  # Llama 4 (text) on the GPU: its family cases against stock
+      timeout 300 python3 -m pytest tests/test_gpu.py -k "llama4" -o addopts="" -p no:cacheprovider \
+        -rA -q 2>&1 | grep -aE "PASSED|FAILED|ERROR|passed|failed|Error" | tail -12
       ;;
     familygpu2)  # familygpu at a second width: the CUDA activation terms off their fitted point
       timeout 300 python3 dev/family_plan_sweep.py --device cuda --tokens 16384 \
