@@ -281,6 +281,11 @@ def test_check_attention():
     mistral._attn_implementation = "sdpa"
     with pytest.raises(SequenceParallelError, match="sliding-window"):
         check_sequence_parallel(mistral, 2, world_size=2, local_world_size=2)
+    # Llama 4's chunks too.
+    llama4 = tiny_config("llama4_text")
+    llama4._attn_implementation = "sdpa"
+    with pytest.raises(SequenceParallelError, match="chunked attention"):
+        check_sequence_parallel(llama4, 2, world_size=2, local_world_size=2)
     qwen3 = tiny_config("qwen3")  # a sliding_window value, but no layer uses it
     qwen3._attn_implementation = "sdpa"
     check_sequence_parallel(qwen3, 2, world_size=2, local_world_size=2)

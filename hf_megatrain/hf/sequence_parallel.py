@@ -140,6 +140,13 @@ def check_sequence_parallel(
             "it over its shard of the sequence only: another loss than one process's. Train "
             "with output_router_logits=False (no aux loss), or without sequence parallelism."
         )
+    if "chunked_attention" in (types or ()):
+        raise SequenceParallelError(
+            f"hf_megatrain: megatrain_sequence_parallel={size}: the model attends in chunks "
+            "(Llama 4's chunked attention layers), which attention applies through the mask, and "
+            "Ulysses drops the mask (every token would attend to the whole prefix). Train it "
+            "without sequence parallelism."
+        )
     mixing = sorted({str(t) for t in types or ()} - {"full_attention", "sliding_attention"})
     if mixing:
         # Linear attention, convolutions, state-space layers: they mix tokens along the
