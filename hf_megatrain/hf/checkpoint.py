@@ -265,7 +265,7 @@ def other_towers(keys, model, prefix: str) -> list[str]:
     return [k for k in keys if k.split(".", 1)[0] not in children]
 
 
-def log_other_towers(skipped: list[str], path: str) -> None:
+def log_other_towers(skipped, path: str) -> None:
     if skipped:
         towers = sorted({k.split(".", 1)[0] for k in skipped})
         logger.info(
@@ -380,9 +380,9 @@ def load_weights_into_store(model, path: str) -> None:
             filled.add(id(dest))
     missing = [n for n, t in targets.items() if id(t) not in filled and id(t) not in optional]
     if unknown and os.path.isdir(path) and is_multimodal_checkpoint(path):
-        skipped = other_towers(unknown, model, prefix)
+        skipped = set(other_towers(unknown, model, prefix))
         log_other_towers(skipped, path)
-        unknown = [k for k in unknown if k not in set(skipped)]
+        unknown = [k for k in unknown if k not in skipped]
     if unknown:
         raise ValueError(
             f"hf_megatrain: {len(unknown)} checkpoint tensors do not match the model, e.g. "

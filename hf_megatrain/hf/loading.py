@@ -334,9 +334,9 @@ def check_checkpoint_tensors(config, path: str) -> None:
         found.setdefault(name, (key, file))
         filled.add(id(dest))
     if unknown and config.get_text_config() is not config:  # a multimodal config (Llama 4's)
-        skipped = other_towers(unknown, meta, prefix)
+        skipped = set(other_towers(unknown, meta, prefix))
         log_other_towers(skipped, path)
-        unknown = [k for k in unknown if k not in set(skipped)]
+        unknown = [k for k in unknown if k not in skipped]
     if unknown:
         raise ValueError(
             f"hf_megatrain: {len(unknown)} checkpoint tensors in {path} do not match the "
