@@ -161,6 +161,16 @@ def test_a_multimodal_llama4_checkpoint_loads_its_text_model(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="hf_megatrain"):
         _assert_same_as_from_pretrained(tmp_path / "mm")
     assert "other towers (multi_modal_projector, vision_model)" in caplog.text
+    # Its text config tying the head while the file holds a different one: untied, as
+    # from_pretrained leaves them (the text model reads the text config's flag).
+    cfg = json.loads((tmp_path / "mm" / "config.json").read_text())
+    cfg["text_config"]["tie_word_embeddings"] = True
+    (tmp_path / "mm" / "config.json").write_text(json.dumps(cfg))
+    streamed = load_streamed_model(str(tmp_path / "mm"), device="cpu", bf16=False)
+    assert streamed.lm_head.weight is not streamed.get_input_embeddings().weight
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "mm"), dtype=torch.float32)
+    ids = _ids(ref.config.vocab_size)
+    torch.testing.assert_close(_logits(streamed, ids), _logits(ref, ids), rtol=0, atol=0)
     _edit_tensors(tmp_path / "mm" / "model.safetensors",
                   lambda sd: sd.update({"language_model.model.extra.weight": torch.zeros(2)}))  # fmt: skip
     with pytest.raises(ValueError, match="language_model.model.extra.weight"):

@@ -358,6 +358,8 @@ def check_checkpoint_tensors(config, path: str) -> None:
                 source,
             )
             config.tie_word_embeddings = False
+            # (A multimodal config's text model reads its own flag: Llama 4's.)
+            config.get_text_config().tie_word_embeddings = False
 
 
 def frozen_streamed_copy(
