@@ -255,17 +255,14 @@ _EXPERT_TARGET = {
 }
 
 
-def other_towers(keys, model, prefix: str) -> list[str]:
-    """The keys of a multimodal checkpoint (its config.json has a ``text_config``: Llama 4's)
-    that belong to towers the causal LM does not have (``vision_model.*``,
+def drop_other_towers(unknown: list[str], model, prefix: str, path: str) -> list[str]:
+    """``unknown`` (a multimodal checkpoint's keys that match no tensor of the model: Llama 4's)
+    less those of towers the causal LM does not have (``vision_model.*``,
     ``multi_modal_projector.*``): their first name is neither a module of the model nor its base
     prefix (``language_model``, whose tensors are the model's). ``from_pretrained`` skips them
     too; the training loads skip them, logging how many."""
     children = {name for name, _ in model.named_children()} | {prefix}
-    return [k for k in keys if k.split(".", 1)[0] not in children]
-
-
-def log_other_towers(skipped, path: str) -> None:
+    skipped = [k for k in unknown if k.split(".", 1)[0] not in children]
     if skipped:
         towers = sorted({k.split(".", 1)[0] for k in skipped})
         logger.info(
@@ -273,6 +270,7 @@ def log_other_towers(skipped, path: str) -> None:
             "the causal LM does not have: skipped, as from_pretrained does",
             len(skipped), path, ", ".join(towers),
         )  # fmt: skip
+    return [k for k in unknown if k.split(".", 1)[0] in children]
 
 
 def is_multimodal_checkpoint(path: str) -> bool:
@@ -380,9 +378,7 @@ def load_weights_into_store(model, path: str) -> None:
             filled.add(id(dest))
     missing = [n for n, t in targets.items() if id(t) not in filled and id(t) not in optional]
     if unknown and os.path.isdir(path) and is_multimodal_checkpoint(path):
-        skipped = set(other_towers(unknown, model, prefix))
-        log_other_towers(skipped, path)
-        unknown = [k for k in unknown if k not in skipped]
+        unknown = drop_other_towers(unknown, model, prefix, path)
     if unknown:
         raise ValueError(
             f"hf_megatrain: {len(unknown)} checkpoint tensors do not match the model, e.g. "

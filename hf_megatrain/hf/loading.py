@@ -26,9 +26,8 @@ from .checkpoint import (
     _checkpoint_renamings,
     _rename,
     check_checkpoint_files,
+    drop_other_towers,
     load_weights_into_store,
-    log_other_towers,
-    other_towers,
     resolve_checkpoint_key,
 )
 from .families import model_family, unsupported_model_type
@@ -334,9 +333,7 @@ def check_checkpoint_tensors(config, path: str) -> None:
         found.setdefault(name, (key, file))
         filled.add(id(dest))
     if unknown and config.get_text_config() is not config:  # a multimodal config (Llama 4's)
-        skipped = set(other_towers(unknown, meta, prefix))
-        log_other_towers(skipped, path)
-        unknown = [k for k in unknown if k not in skipped]
+        unknown = drop_other_towers(unknown, meta, prefix, path)
     if unknown:
         raise ValueError(
             f"hf_megatrain: {len(unknown)} checkpoint tensors in {path} do not match the "

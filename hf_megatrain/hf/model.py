@@ -412,10 +412,9 @@ def attention_windows(text_cfg) -> tuple[int, bool]:
     if types:
         if "chunked_attention" in types:
             window = getattr(text_cfg, "attention_chunk_size", None) or 0
-            sliding = window > 0
-        else:
-            sliding = window and "sliding_attention" in types
-        return (window if sliding else 0), any(t == "full_attention" for t in types)
+        elif "sliding_attention" not in types:
+            window = 0
+        return window, any(t == "full_attention" for t in types)
     return window, not window
 
 
