@@ -5,7 +5,8 @@
 one ``torchrun --nnodes 2 --node_rank K --nproc_per_node 2 ...`` per node (multi-node, see
 tests/test_multinode.py). Each rank writes ``DIR/rank{r}.json`` (its logs, host-store bytes,
 reduced bytes, a digest of the weights it sees, the rows each step trained);
-``trainer.save_model`` writes ``DIR/final``.
+``trainer.save_model`` writes ``DIR/final``. ``--jobs FILE`` runs several trainings (each its own
+argument list, a JSON list of them) in one launch, one after another.
 ``--per-device-batch`` is per rank: pass world x it to the single run for the same global batch.
 ``--rows`` / ``--epochs`` / ``--eval-rows`` / ``--also-iterable`` make the partial last global
 batch (rows not a multiple of the global batch) for tests/test_distributed.py.
@@ -31,10 +32,10 @@ from hf_megatrain.hf.checkpoint import host_state_dict  # noqa: E402
 from hf_megatrain.hf.preemption import SaveOnSigterm  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LogRecorder,
-    add_then_resume_argument,
+    add_job_arguments,
     common_args,
     make_data,
-    run_then_resume,
+    run_jobs,
     tiny_config,
     tiny_model,
 )
@@ -52,7 +53,7 @@ def weights_digest(model) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the report's folder (required)")
     p.add_argument("--arch", default="llama")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--per-device-batch", type=int, default=2)
@@ -80,9 +81,9 @@ def main() -> None:
         "--sigterm-rank", type=int, default=-1, help="this rank sends itself SIGTERM at step 2"
     )
     p.add_argument("--rank1-lr", type=float, default=None, help="rank 1's learning rate")
-    add_then_resume_argument(p)
+    add_job_arguments(p)
     a = p.parse_args()
-    run_then_resume(run_all, a, a.resume)
+    run_jobs(run_all, p, a)
 
 
 def run_all(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) -> None:

@@ -809,8 +809,9 @@ def assert_close_weights(a: dict, b: dict, atol: float = 1e-6) -> None:
 
 
 # ---- the multi-process workers (tests/dp_worker.py, tests/sp_worker.py) ------------------------
-def add_then_resume_argument(parser) -> None:
-    """``--then-resume CHECKPOINT OUT``: a second training in the same processes."""
+def add_job_arguments(parser) -> None:
+    """``--then-resume CHECKPOINT OUT`` and ``--jobs FILE``: more trainings in the same
+    processes (a process costs ~9 s of imports on these 2 cores, a launch its rendezvous)."""
     parser.add_argument(
         "--then-resume",
         nargs=2,
@@ -818,24 +819,37 @@ def add_then_resume_argument(parser) -> None:
         help="afterwards, in the same processes (imports paid once): wait for CHECKPOINT (e.g. "
         "another run's, published whole) and resume from it into OUT, without saving",
     )
+    parser.add_argument(
+        "--jobs",
+        metavar="FILE",
+        help="a JSON list of argument lists of this worker, each one training (with its own "
+        "--out), run in order in the same processes instead of the other arguments",
+    )
 
 
-def run_then_resume(run, a, resume: str | None = None) -> None:
-    """``run(a, out, resume, save_steps)`` into ``a.out``; then, with ``--then-resume``, once the
-    checkpoint exists, again from it; then the process group torn down."""
+def run_jobs(run, parser, a) -> None:
+    """``run(job, out, resume, save_steps)`` for ``a`` or each of its ``--jobs``, each followed
+    by its ``--then-resume`` once that checkpoint exists; then the process group torn down."""
+    import json  # noqa: PLC0415
     import os  # noqa: PLC0415
     import sys  # noqa: PLC0415
     import time  # noqa: PLC0415
 
-    run(a, a.out, resume, a.save_steps)
-    if a.then_resume:
-        checkpoint, out = a.then_resume
-        deadline = time.monotonic() + 600
-        while not os.path.isdir(checkpoint):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no checkpoint {checkpoint} after 600 s")
-            time.sleep(0.2)
-        run(a, out, checkpoint, 0)
+    jobs = [a]
+    if a.jobs:
+        jobs = [parser.parse_args(argv) for argv in json.loads(Path(a.jobs).read_text())]
+    for job in jobs:
+        if not job.out:
+            parser.error("--out is required (in each of --jobs)")
+        run(job, job.out, job.resume, job.save_steps)
+        if job.then_resume:
+            checkpoint, out = job.then_resume
+            deadline = time.monotonic() + 600
+            while not os.path.isdir(checkpoint):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no checkpoint {checkpoint} after 600 s")
+                time.sleep(0.2)
+            run(job, out, checkpoint, 0)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     # Interpreter shutdown after a gloo launch aborts a finished rank now and then, also after

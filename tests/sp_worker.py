@@ -25,10 +25,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LogRecorder,
-    add_then_resume_argument,
+    add_job_arguments,
     common_args,
     make_data,
-    run_then_resume,
+    run_jobs,
     tiny_config,
     tiny_model,
 )
@@ -36,7 +36,7 @@ from tests.helpers import (  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the report's folder (required)")
     p.add_argument("--arch", default="llama")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
@@ -61,9 +61,9 @@ def main() -> None:
     )
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: none)")
     p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
-    add_then_resume_argument(p)
+    add_job_arguments(p)
     a = p.parse_args()
-    run_then_resume(run, a, a.resume)
+    run_jobs(run, p, a)
 
 
 def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) -> None:

@@ -32,44 +32,100 @@ WORKER = Path(__file__).with_name("dp_worker.py")
 ROOT = WORKER.parent.parent
 
 
-def _run(out: Path, world: int, *extra: str, batch: int = 2) -> list[dict]:
-    """Train with ``world`` processes (per-rank batch ``batch``); return each rank's report."""
-    args = [str(WORKER), "--out", str(out), "--per-device-batch", str(batch * (2 // world))]
-    args += list(extra)
+def _job(out: Path, world: int, *extra: str, batch: int = 2) -> list[str]:
+    """One training's worker arguments (per-rank batch ``batch`` with ``world`` processes)."""
+    return ["--out", str(out), "--per-device-batch", str(batch * (2 // world)), *extra]
+
+
+def _launch(root: Path, world: int, jobs: list[list[str]]) -> None:
+    """Run ``jobs`` in order in one launch of ``world`` processes (imports and rendezvous once)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"jobs{world}.json").write_text(json.dumps(jobs))
+    args = [str(WORKER), "--jobs", str(root / f"jobs{world}.json")]
     if world == 1:
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += ["--nproc_per_node", str(world), *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _reports(out: Path) -> list[dict]:
+    """Each rank's report of the training into ``out``."""
+    files = sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))
+    return [json.loads(f.read_text()) for f in files]
+
+
+COMMON = ("--grad-accum", "2", "--steps", "4", "--save-steps", "2")
+STEPS = ("--grad-accum", "2", "--steps", "4")
+#: No clipping (layers update during backward) and one replicated HBM-tier layer.
+EAGER = ("--grad-accum", "2", "--steps", "3", "--max-grad-norm", "0", "--resident-layers", "1")
+#: DeepSeek-V3.2, whose indexer gets no gradient; the same HBM tier, eager or clipped.
+GRADLESS = ("--arch", "deepseek_v32", "--grad-accum", "2", "--steps", "3", "--resident-layers", "1")
+CLIPS = (("eager", "0"), ("clipped", "0.5"))
+BF16 = ("--grad-accum", "2", "--steps", "3", "--max-grad-norm", "0", "--bf16")
+#: 29 rows at a global batch of 4: each epoch's last global batch holds 1 row.
+PARTIAL = ("--rows", "29", "--epochs", "2", "--grad-accum", "2", "--eval-rows", "5")
+PARTIAL += ("--steps", "8", "--save-steps", "6")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One single-process and one 2-rank run (GA 2, clipping, checkpoint at step 2)."""
+def runs(tmp_path_factory) -> Path:
+    """Every training of this module: the single-process ones in one process, then the 2-rank
+    ones in one launch (some resume from the former's checkpoints), each into ``root / name``:
+    two launches, not ~20 (each ~10 s of imports and a rendezvous on these 2 cores)."""
     root = tmp_path_factory.mktemp("dp")
-    common = ("--grad-accum", "2", "--steps", "4", "--save-steps", "2")
-    single = _run(root / "single", 1, *common)
-    dp = _run(root / "dp", 2, *common)
-    return root, single, dp
+    single_ckpt = str(root / "single" / "run" / "checkpoint-2")
+    single = [
+        _job(root / "single", 1, *COMMON),  # GA 2, clipping, checkpoint at step 2
+        _job(root / "sixteen", 1, *STEPS, batch=4),
+        _job(root / "eager_single", 1, *EAGER),
+        *(_job(root / f"{k}_single", 1, *GRADLESS, "--max-grad-norm", c) for k, c in CLIPS),
+        _job(root / "partial_single", 1, *PARTIAL, "--also-iterable", str(root / "single_it")),
+    ]
+    ranks = [
+        _job(root / "dp", 2, *COMMON),
+        _job(root / "resumed", 2, *STEPS, "--resume", str(root / "dp" / "run" / "checkpoint-2")),
+        _job(root / "same", 2, *STEPS, "--resume", single_ckpt),
+        _job(root / "bigger", 2, *STEPS, "--resume", single_ckpt, batch=4),
+        _job(root / "kept", 2, *COMMON, "--keep-attention-outputs"),
+        _job(root / "eager_dp", 2, *EAGER),
+        *(_job(root / f"{k}_dp", 2, *GRADLESS, "--max-grad-norm", c) for k, c in CLIPS),
+        _job(root / "bf16_base", 2, *BF16),
+        _job(root / "bf16_master", 2, *BF16, "--stream-fp32-master"),
+        _job(
+            root / "partial_dp",
+            2,
+            *PARTIAL,
+            "--also-iterable",
+            str(root / "dp_it"),
+            "--then-resume",
+            str(root / "partial_dp" / "run" / "checkpoint-6"),
+            str(root / "partial_resumed"),
+        ),  # fmt: skip
+        # Last: rank 1 sends itself SIGTERM at step 2 (the launch's other trainings are done).
+        _job(root / "term", 2, "--steps", "6", "--save-steps", "0", "--sigterm-rank", "1"),
+    ]
+    _launch(root, 1, single)
+    _launch(root, 2, ranks)
+    return root
 
 
 def test_dp_equals_single_process(runs):
-    root, single, dp = runs
+    single, dp = _reports(runs / "single"), _reports(runs / "dp")
     assert dp[0]["world_size"] == 2
     assert len(single[0]["logs"]) == 4
     _assert_same_training(single[0]["logs"], dp[0]["logs"])
     # Rank 1 logs the same (all-reduced) values as rank 0.
     _assert_same_training(dp[0]["logs"], dp[1]["logs"], rel=0)
     # The saved model (written by rank 0 from the shared masters) is the single-process one.
-    _assert_close_weights(_weights(root / "single" / "final"), _weights(root / "dp" / "final"))
+    _assert_close_weights(_weights(runs / "single" / "final"), _weights(runs / "dp" / "final"))
 
 
 def test_dp_shards_optimizer_state(runs):
-    _, single, dp = runs
+    single, dp = _reports(runs / "single"), _reports(runs / "dp")
     assert dp[0]["owners"] == [0, 1, 0, 1]  # 4 equal layers, round-robin
     # AdamW moments: each rank holds exactly half of the single-process moments, none twice.
     assert all(r["moment_bytes"] == single[0]["moment_bytes"] // 2 for r in dp)
@@ -83,9 +139,8 @@ def test_dp_shards_optimizer_state(runs):
 
 
 def test_dp_checkpoint_matches_single_and_resumes(runs):
-    root, _, dp = runs
-    ckpt_dp = root / "dp" / "run" / "checkpoint-2"
-    ckpt_single = root / "single" / "run" / "checkpoint-2"
+    ckpt_dp = runs / "dp" / "run" / "checkpoint-2"
+    ckpt_single = runs / "single" / "run" / "checkpoint-2"
     _assert_close_weights(_weights(ckpt_single), _weights(ckpt_dp))
     opt_dp, opt_single = ckpt_dp / "megatrain_optimizer", ckpt_single / "megatrain_optimizer"
     names = sorted(p.name for p in opt_single.glob("*.safetensors"))
@@ -98,11 +153,9 @@ def test_dp_checkpoint_matches_single_and_resumes(runs):
             torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-6, msg=f"{name}:{key}")
     # Resume under data parallel from step 2: bit-equal to the uninterrupted run (same masters,
     # moments, steps, RNG and data order).
-    resumed = _run(
-        root / "resumed", 2, "--grad-accum", "2", "--steps", "4", "--resume", str(ckpt_dp)
-    )
+    dp, resumed = _reports(runs / "dp"), _reports(runs / "resumed")
     assert [x["loss"] for x in resumed[0]["logs"]] == [x["loss"] for x in dp[0]["logs"][2:]]
-    a, b = _weights(root / "dp" / "final"), _weights(root / "resumed" / "final")
+    a, b = _weights(runs / "dp" / "final"), _weights(runs / "resumed" / "final")
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
@@ -116,7 +169,7 @@ def _rows_by_step(reports: list[dict]) -> dict[int, list[int]]:
     return {step: sorted(rows) for step, rows in sorted(steps.items())}
 
 
-def test_dp_resume_at_another_world_size_as_the_trainer(runs, tmp_path):
+def test_dp_resume_at_another_world_size_as_the_trainer(runs):
     """A checkpoint resumed under another process count, as the stock Trainer resumes it: its
     data position is counted in steps of the new layout (global_step x accumulation of the new
     per-rank batches skipped). Where a step still trains the same rows (1 process x 4 rows, now
@@ -124,33 +177,27 @@ def test_dp_resume_at_another_world_size_as_the_trainer(runs, tmp_path):
     step, not 8), steps 3-4 train what a run at 16 rows a step trains in its steps 3-4, and the
     rows between are never trained in that epoch. Checked by hand against the stock Trainer
     (DDP over gloo, 2 processes): it trains the same rows at each step, both ways."""
-    root, single, dp = runs
-    ckpt = str(root / "single" / "run" / "checkpoint-2")
-    steps = ("--grad-accum", "2", "--steps", "4")
-    same = _run(tmp_path / "same", 2, *steps, "--resume", ckpt)
+    dp, same = _reports(runs / "dp"), _reports(runs / "same")
     assert _rows_by_step(same) == {k: v for k, v in _rows_by_step(dp).items() if k > 2}
     assert [x["loss"] for x in same[0]["logs"]] == pytest.approx(
         [x["loss"] for x in dp[0]["logs"][2:]], rel=1e-6
     )
-    _assert_close_weights(_weights(root / "dp" / "final"), _weights(tmp_path / "same" / "final"))
+    _assert_close_weights(_weights(runs / "dp" / "final"), _weights(runs / "same" / "final"))
 
-    bigger = _run(tmp_path / "bigger", 2, *steps, "--resume", ckpt, batch=4)
-    uninterrupted = _rows_by_step(_run(tmp_path / "sixteen", 1, *steps, batch=4))
-    resumed = _rows_by_step(bigger)
+    uninterrupted = _rows_by_step(_reports(runs / "sixteen"))
+    resumed = _rows_by_step(_reports(runs / "bigger"))
     assert resumed == {3: uninterrupted[3], 4: uninterrupted[4]}
-    before = _rows_by_step(single)  # steps 1-2: the first 16 rows of the order
+    before = _rows_by_step(_reports(runs / "single"))  # steps 1-2: the first 16 rows of the order
     trained = before[1] + before[2] + resumed[3] + resumed[4]
     assert len(set(trained)) == len(trained) == 48  # of the 64 rows: 16 never trained
 
 
-def test_dp_eager_updates_and_hbm_tier(tmp_path):
+def test_dp_eager_updates_and_hbm_tier(runs):
     """No clipping (layers update during backward) and one replicated HBM-tier layer."""
-    extra = ("--grad-accum", "2", "--steps", "3", "--max-grad-norm", "0", "--resident-layers", "1")
-    single = _run(tmp_path / "single", 1, *extra)
-    dp = _run(tmp_path / "dp", 2, *extra)
+    single, dp = _reports(runs / "eager_single"), _reports(runs / "eager_dp")
     _assert_same_training(single[0]["logs"], dp[0]["logs"])
     _assert_close_weights(
-        _weights(tmp_path / "single" / "final"), _weights(tmp_path / "dp" / "final")
+        _weights(runs / "eager_single" / "final"), _weights(runs / "eager_dp" / "final")
     )
     # The HBM-tier layer 0 is replicated (on every rank's device); the 3 streamed layers'
     # host moments are split 2 + 1 over the ranks, none held twice.
@@ -165,20 +212,17 @@ def test_dp_eager_updates_and_hbm_tier(tmp_path):
     assert dp[0]["shared_bytes"] == 3 * per_layer // 3
 
 
-@pytest.mark.parametrize("clip", ["0", "0.5"], ids=["eager", "clipped"])
-def test_dp_skips_parameters_without_a_gradient(tmp_path, clip):
+@pytest.mark.parametrize("clip", [k for k, _ in CLIPS])
+def test_dp_skips_parameters_without_a_gradient(runs, clip):
     """DeepSeek-V3.2's indexer gets no gradient on any rank: under data parallel (an HBM-tier
     layer replicated, the others owned; eager updates or clipping) AdamW skips it as the single
     process does, which stock's does too (tests/test_gradless_params.py)."""
     from .helpers import tiny_model  # noqa: PLC0415
 
-    extra = ("--arch", "deepseek_v32", "--grad-accum", "2", "--steps", "3",
-             "--max-grad-norm", clip, "--resident-layers", "1")  # fmt: skip
-    single = _run(tmp_path / "single", 1, *extra)
-    dp = _run(tmp_path / "dp", 2, *extra)
+    single, dp = _reports(runs / f"{clip}_single"), _reports(runs / f"{clip}_dp")
     _assert_same_training(single[0]["logs"], dp[0]["logs"])
-    final = _weights(tmp_path / "dp" / "final")
-    _assert_close_weights(_weights(tmp_path / "single" / "final"), final)
+    final = _weights(runs / f"{clip}_dp" / "final")
+    _assert_close_weights(_weights(runs / f"{clip}_single" / "final"), final)
     initial = tiny_model(tiny_config("deepseek_v32", num_hidden_layers=4)).state_dict()
     indexer = [n for n in final if ".indexer." in n]
     assert indexer and all(torch.equal(final[n], initial[n]) for n in indexer)
@@ -186,19 +230,17 @@ def test_dp_skips_parameters_without_a_gradient(tmp_path, clip):
                            initial["model.layers.0.mlp.gate_proj.weight"])  # fmt: skip
 
 
-def test_dp_bf16_fp32_master_streaming_no_clip(tmp_path):
+def test_dp_bf16_fp32_master_streaming_no_clip(runs):
     """12 B/param stores under data parallel: shared fp32 masters (no bf16 copy), owned moments.
 
     Compared with the same 2-rank bf16 run on the default store (shared bf16 copies): the ranks
     cast the shared fp32 master at acquire exactly as the owner's refresh rounds it into the
     copy, so losses and weights are bitwise equal (a stale or unpublished master would not be).
     """
-    extra = ("--grad-accum", "2", "--steps", "3", "--max-grad-norm", "0", "--bf16")
-    base = _run(tmp_path / "base", 2, *extra)
-    dp = _run(tmp_path / "dp", 2, *extra, "--stream-fp32-master")
+    base, dp = _reports(runs / "bf16_base"), _reports(runs / "bf16_master")
     assert all(r["streams_fp32_master"] for r in dp) and not base[0]["streams_fp32_master"]
     assert [x["loss"] for x in dp[0]["logs"]] == [x["loss"] for x in base[0]["logs"]]
-    a, b = _weights(tmp_path / "base" / "final"), _weights(tmp_path / "dp" / "final")
+    a, b = _weights(runs / "bf16_base" / "final"), _weights(runs / "bf16_master" / "final")
     for name in a:
         assert torch.equal(a[name], b[name]), name
     # Shared region: the 4 fp32 masters and nothing else (the default run adds 4 bf16 copies);
@@ -208,20 +250,17 @@ def test_dp_bf16_fp32_master_streaming_no_clip(tmp_path):
     assert dp[0]["shared_bytes"] == 4 * f32 < base[0]["shared_bytes"]
 
 
-def test_dp_keep_attention_outputs_trains_identically(runs, tmp_path):
+def test_dp_keep_attention_outputs_trains_identically(runs):
     """Kept attention outputs under data parallel: each rank's recompute gets its own forward's
-    kernel outputs, so 2-rank training is bitwise the default 2-rank training (fp32). The
-    default run is the module's (same arguments): one 2-rank launch less."""
-    root, _, base = runs
-    extra = ("--grad-accum", "2", "--steps", "4", "--save-steps", "2")
-    kept = _run(tmp_path / "kept", 2, *extra, "--keep-attention-outputs")
+    kernel outputs, so 2-rank training is bitwise the default 2-rank training (fp32)."""
+    kept, base = _reports(runs / "kept"), _reports(runs / "dp")
     assert [x["loss"] for x in kept[0]["logs"]] == [x["loss"] for x in base[0]["logs"]]
-    a, b = _weights(root / "dp" / "final"), _weights(tmp_path / "kept" / "final")
+    a, b = _weights(runs / "dp" / "final"), _weights(runs / "kept" / "final")
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
 
-def test_dp_partial_last_batch_equals_single_process(tmp_path):
+def test_dp_partial_last_batch_equals_single_process(runs):
     """29 rows at a global batch of 4: each epoch's last global batch holds 1 row. accelerate's
     even_batches gives rank 0 that row plus a repeated one and rank 1 two repeated rows; they are
     masked (labels -100), so 2 ranks train and evaluate as 1 process. Covered: 2 epochs with
@@ -231,19 +270,11 @@ def test_dp_partial_last_batch_equals_single_process(tmp_path):
     epoch's partial batch, and the rows as an IterableDataset (accelerate dispatches its batches
     from rank 0 and pads the last one differently). Unmasked, step 4 (the first partial batch)
     differs from one process by ~1% in loss."""
-    common = ("--rows", "29", "--epochs", "2", "--grad-accum", "2", "--eval-rows", "5")
-    common += ("--steps", "8", "--save-steps", "6")
-    single = _run(tmp_path / "single", 1, *common, "--also-iterable", str(tmp_path / "single_it"))
-    ckpt = tmp_path / "dp" / "run" / "checkpoint-6"
-    resumed = tmp_path / "resumed"
-    dp = _run(
-        tmp_path / "dp", 2, *common, "--also-iterable", str(tmp_path / "dp_it"),
-        "--then-resume", str(ckpt), str(resumed),
-    )  # fmt: skip
+    single, dp = _reports(runs / "partial_single"), _reports(runs / "partial_dp")
     assert len(single[0]["logs"]) == 8 and dp[0]["optimizer_steps"] == 8
     _assert_same_training(single[0]["logs"], dp[0]["logs"])
     _assert_close_weights(
-        _weights(tmp_path / "single" / "final"), _weights(tmp_path / "dp" / "final")
+        _weights(runs / "partial_single" / "final"), _weights(runs / "partial_dp" / "final")
     )
     # Evaluation: per-batch mean losses, repeated per row and gathered (the duplicates dropped by
     # gather_for_metrics): the same numbers as one process's up to fp32 summation order
@@ -251,20 +282,18 @@ def test_dp_partial_last_batch_equals_single_process(tmp_path):
     assert dp[0]["eval_loss"] == pytest.approx(single[0]["eval_loss"], rel=1e-6)
     # The resume skips the first 4 micro-batches of epoch 2 and masks its partial batch as the
     # uninterrupted run did: bitwise the same steps 7 and 8 and final weights.
-    after = [json.loads((resumed / f"rank{r}.json").read_text()) for r in range(2)]
+    after = _reports(runs / "partial_resumed")
     assert [x["loss"] for x in after[0]["logs"]] == [x["loss"] for x in dp[0]["logs"][6:]]
-    a, b = _weights(tmp_path / "dp" / "final"), _weights(resumed / "final")
+    a, b = _weights(runs / "partial_dp" / "final"), _weights(runs / "partial_resumed" / "final")
     for name in a:
         assert torch.equal(a[name], b[name]), name
     # The streamed rows (8 steps: 2 passes of 8 micro-batches, the last of 1 row).
-    it_single, it_dp = (
-        [json.loads((tmp_path / d / f"rank{r}.json").read_text()) for r in range(w)]
-        for d, w in (("single_it", 1), ("dp_it", 2))
-    )
+    it_single, it_dp = _reports(runs / "single_it"), _reports(runs / "dp_it")
+    assert len(it_single) == 1 and len(it_dp) == 2
     assert len(it_single[0]["logs"]) == 8
     _assert_same_training(it_single[0]["logs"], it_dp[0]["logs"])
     _assert_close_weights(
-        _weights(tmp_path / "single_it" / "final"), _weights(tmp_path / "dp_it" / "final")
+        _weights(runs / "single_it" / "final"), _weights(runs / "dp_it" / "final")
     )
 
 
@@ -371,15 +400,15 @@ def test_uneven_batches_are_refused_before_training(tmp_path, drop_last):
         HFMegaTrainer(model=model, args=args, train_dataset=[])
 
 
-def test_a_sigterm_to_one_rank_stops_every_rank_naming_it(tmp_path):
+def test_a_sigterm_to_one_rank_stops_every_rank_naming_it(runs):
     """Found by an audit: one rank preempted (SIGTERM to it alone): every rank stopped at the
     same step and the checkpoint was saved, but the ranks that got no signal had ``received``
     None (the CLI then failed on it, exit 1 and a traceback, not 143)."""
-    reports = _run(tmp_path / "term", 2, "--steps", "6", "--save-steps", "0", "--sigterm-rank", "1")
+    reports = _reports(runs / "term")
     assert [r["received"] for r in reports] == ["SIGTERM", "SIGTERM"]
     stopped = {r["stopped_at"] for r in reports}
     assert len(stopped) == 1 and stopped.pop() in (2, 3)
-    assert (tmp_path / "term" / "run" / f"checkpoint-{reports[0]['stopped_at']}").is_dir()
+    assert (runs / "term" / "run" / f"checkpoint-{reports[0]['stopped_at']}").is_dir()
 
 
 def test_ranks_launched_with_other_arguments_are_refused(tmp_path):
