@@ -70,6 +70,8 @@ CASES = [
      CUDA, WINDOW - 1, {}, "sdpa", "the model's"),
     ("mistral-length-unknown", lambda: _facts(MistralConfig(**WIDE, sliding_window=WINDOW)),
      CUDA, None, {}, "sdpa", "row length unknown"),
+    ("llama4-chunks-reached", lambda: _facts(tiny_config("llama4_text"), "sdpa"), CUDA, 32, {},
+     "sdpa", "attention chunk 6 <= sequence 32: sdpa would make an s x s mask"),
     ("llama-full-attention", lambda: _facts(LlamaConfig(**WIDE)), CUDA, 4096, {}, "sdpa",
      "the model's"),
     ("cpu", lambda: _facts(_gemma2(), "eager"), "cpu", 32, {}, "eager", "no CUDA device (cpu)"),

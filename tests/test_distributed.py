@@ -58,6 +58,12 @@ def _reports(out: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
+def _run(out: Path, world: int, *extra: str, batch: int = 2) -> list[dict]:
+    """One training in its own launch (tests/test_gpu_dp.py); each rank's report."""
+    _launch(out, world, [_job(out, world, *extra, batch=batch)])
+    return _reports(out)
+
+
 COMMON = ("--grad-accum", "2", "--steps", "4", "--save-steps", "2")
 STEPS = ("--grad-accum", "2", "--steps", "4")
 #: No clipping (layers update during backward) and one replicated HBM-tier layer.

@@ -47,12 +47,14 @@ class AttentionFacts:
     supports_sdpa: bool
     #: ``attn_logit_softcapping`` is set.
     softcapping: bool
-    #: Window of the sliding-window layers (0: no layer slides).
+    #: Window of the sliding-window layers, or Llama 4's attention chunk (0: neither).
     sliding_window: int
     #: Narrowest attention head (query/key or value); 0 when unknown.
     head_dim: int
     #: Attention dropout probability (FlexAttention refuses dropout in training).
     dropout: float = 0.0
+    #: What ``sliding_window`` is, in the reasons: "sliding window" or "attention chunk".
+    window_kind: str = "sliding window"
 
     @classmethod
     def of_model(cls, model: nn.Module) -> AttentionFacts:
@@ -93,6 +95,11 @@ class AttentionFacts:
             sliding_window=int(window or 0),
             head_dim=int(min(widths)),
             dropout=dropout,
+            window_kind=(
+                "attention chunk"
+                if "chunked_attention" in (getattr(text, "layer_types", None) or ())
+                else "sliding window"
+            ),
         )
 
 
@@ -135,11 +142,15 @@ def choose_attention(
             "SDPA drops the cap" if impl == "sdpa" else "eager makes s x s scores"
         )
     elif window and seq_len is not None and seq_len >= window:
-        reason = f"sliding window {window} <= sequence {seq_len}: {impl} would make an s x s mask"
+        reason = (
+            f"{facts.window_kind} {window} <= sequence {seq_len}: {impl} would make an s x s mask"
+        )
     elif impl == "eager" and not facts.supports_sdpa:
         reason = f"{facts.model_class} has no SDPA: eager makes s x s scores"
     elif window and seq_len is None:
-        return AttentionChoice(impl, f"the model's; sliding window {window}, row length unknown")
+        return AttentionChoice(
+            impl, f"the model's; {facts.window_kind} {window}, row length unknown"
+        )
     else:
         return AttentionChoice(impl, "the model's")
     kind = torch.device(device).type
