@@ -6,6 +6,7 @@ from .core.planner import MemoryPlanError
 from .hf.arguments import MegaTrainArguments
 from .hf.checkpoint import save_streamed_pretrained
 from .hf.families import SUPPORTED_MODEL_TYPES
+from .hf.heartbeat import StepHeartbeat
 from .hf.loading import frozen_streamed_copy, init_streamed_model, load_streamed_model
 from .hf.model import UnsupportedModelError, prepare_streamed_model, streamed_optimizer
 from .hf.preemption import SaveOnSigterm
@@ -24,6 +25,7 @@ __all__ = [
     "MemoryPlanError",
     "SUPPORTED_MODEL_TYPES",
     "SaveOnSigterm",
+    "StepHeartbeat",
     "UnsupportedModelError",
     "StepShape",
     "frozen_streamed_copy",

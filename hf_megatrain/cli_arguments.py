@@ -381,6 +381,11 @@ def parse_train_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> T
         if f.init and f.name in values
     }
     _check(model_args, data_args, training_values)
+    from .hf.trainer import SHARDING_UNSUPPORTED  # noqa: PLC0415
+
+    if training_values.get("deepspeed") or training_values.get("fsdp"):
+        # (before TrainingArguments, which imports deepspeed and reads its JSON first)
+        raise CLIError(flag_message(SHARDING_UNSUPPORTED))
     try:
         training = MegaTrainArguments(**training_values, **as_arguments(engine))
     except (ValueError, OptionError) as e:
@@ -464,6 +469,11 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         training.get("max_steps", -1) < 0 and training.get("num_train_epochs", 1) <= 0
     ):
         raise CLIError("nothing to train: pass --max_steps N or --num_train_epochs > 0")
+    if training.get("max_steps", -1) < -1:
+        raise CLIError(
+            f"max_steps must be a positive number of steps (or -1: train --num_train_epochs), "
+            f"not {training['max_steps']}"
+        )
     if training.get("max_steps", -1) <= 0 and data.streaming:
         raise CLIError("--streaming needs --max_steps: a stream has no length to count epochs by")
     if model.max_new_tokens < 0:
@@ -519,6 +529,15 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
         raise CLIError(f"output_dir cannot be created: {out} ({e.strerror})") from None
     if not os.access(out if out.exists() else parent, os.W_OK | os.X_OK):
         raise CLIError(f"output_dir is not writable: {out}")
+    if (
+        model.model_path is not None
+        and Path(model.model_path).is_dir()  # (not a Hub repo id)
+        and os.path.realpath(out) == os.path.realpath(model.model_path)
+    ):
+        raise CLIError(
+            f"output_dir is the folder the model is loaded from ({model.model_path}): the "
+            "trained model would overwrite the weights it starts from; pass another --output_dir"
+        )
 
 
 def _check_name_length(out: Path) -> None:

@@ -413,6 +413,15 @@ def _say_header(settings: TrainSettings, data, model, n_params: int) -> None:
     n_rows = data.num_train_rows
     if n_rows and args.max_steps > 0 and args.max_steps * rows > 20 * n_rows:
         _say("  note: more than 20 epochs over this data; expect the model to memorize it")
+    if (
+        args.save_only_model
+        and str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
+    ):
+        _say(
+            "  note: --save_only_model: checkpoints hold the weights only (no optimizer, "
+            "scheduler or data position); a rerun resumes them only with "
+            "--resume-without-optimizer-state, not as the uninterrupted run"
+        )
 
 
 def step_rows(batch: int, accum: int, world: int, sequence_parallel: int) -> tuple[int, str]:
@@ -439,6 +448,7 @@ def _make_trainer(settings: TrainSettings, model, data, tokenizer, stop):
     from transformers import default_data_collator  # noqa: PLC0415
 
     from . import HFMegaTrainer  # noqa: PLC0415
+    from .hf.heartbeat import StepHeartbeat  # noqa: PLC0415
 
     try:
         return HFMegaTrainer(
@@ -450,7 +460,11 @@ def _make_trainer(settings: TrainSettings, model, data, tokenizer, stop):
             # Rows are equal-length tensors: stack them. (With a tokenizer the Trainer would pick
             # a padding collator that returns a BatchEncoding instead of a dict.)
             data_collator=default_data_collator,
-            callbacks=[record_callback(run_record(settings) | {ROWS_KEY: data.rows_digest}), stop],
+            callbacks=[
+                record_callback(run_record(settings) | {ROWS_KEY: data.rows_digest}),
+                stop,
+                StepHeartbeat(),  # (a line a minute while a step runs longer)
+            ],
         )
     except ImportError as e:  # e.g. --report_to tensorboard without tensorboard installed
         raise CLIError(f"invalid training setting: {e}") from None
@@ -548,10 +562,14 @@ def _run_train(settings: TrainSettings) -> dict[str, Any]:
         return {"output_dir": out, "resumed_from": resume, "already_done": True}
 
     tokenizer = load_tokenizer(settings)
-    if args.disable_tqdm:
+    if args.disable_tqdm:  # every library's bars: loading, tokenizing and writing shards too
         import datasets  # noqa: PLC0415
+        import huggingface_hub.utils  # noqa: PLC0415
+        import transformers.utils.logging  # noqa: PLC0415
 
         datasets.disable_progress_bars()
+        huggingface_hub.utils.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
     # Data parallel: rank 0 tokenizes into the datasets cache, the other ranks read it.
     with args.main_process_first(desc="dataset"):
         data = load_training_data(data_args, tokenizer, seed=args.seed)

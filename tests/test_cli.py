@@ -277,6 +277,10 @@ def test_more_bad_input_errors_are_clean(tmp_path):
     assert "nothing to train" in _error(["train", "--max_steps", "0"])
     assert "nothing to train" in _error(["train", "--max_steps", "-1", "--num_train_epochs", "0"])
     assert "output_dir is empty" in _error(["train", "--output_dir", ""])
+    # (transformers trains --num_train_epochs for any max_steps <= 0: 3 epochs, rc 0, before)
+    assert "max_steps must be a positive number of steps (or -1" in _error(
+        ["train", "--max_steps", "-5"]
+    )
     no_layers = tmp_path / "none.json"
     no_layers.write_text(json.dumps({**cfg, "num_hidden_layers": 0}))
     assert "num_hidden_layers is 0" in _error(["train", "--config", str(no_layers)])
@@ -600,6 +604,8 @@ def test_bad_settings_are_refused_before_the_model_loads(tmp_path):
         (["--lr_scheduler_type", "cosine_with_min_lr"], "One of min_lr or min_lr_rate"),
         (["--save_strategy", "best"], "save_strategy='best' needs metric_for_best_model"),
         (["--fsdp", "full_shard"], "fsdp and deepspeed are not supported"),
+        # (a traceback from transformers' deepspeed import before, found by an audit)
+        (["--deepspeed", "ds.json"], "fsdp and deepspeed are not supported"),
         (["--label_names", "foo"], "--label_names foo: this command's rows carry their labels"),
     ],
 )
@@ -685,6 +691,40 @@ def test_a_damaged_model_path_is_refused_by_its_manifest(tiny_run, tmp_path):
     (edited / "config.json").write_text(json.dumps({**config, "use_cache": False}))
     flags = _fast_flags(tmp_path / "out2")
     assert main(["train", "--model_path", str(edited), "--data", str(data), *flags]) == 0
+
+
+def test_training_into_the_model_folder_is_refused(tiny_run, tmp_path):
+    """Found by an audit: --output_dir the --model_path folder (a saved model, no checkpoints)
+    trained and saved over the weights it started from, rc 0. Refused before anything is read
+    (by the folders' real paths: a link to it too), the weights untouched."""
+    out, data = tiny_run
+    model = tmp_path / "model"
+    shutil.copytree(out, model, ignore=shutil.ignore_patterns("checkpoint-*"))
+    before = {p.name: p.read_bytes() for p in model.glob("*.safetensors")}
+    (tmp_path / "link").symlink_to(model)
+    for target in (model, tmp_path / "link"):
+        msg = _error(["train", "--model_path", str(model), "--data", str(data),
+                      *_fast_flags(target)])  # fmt: skip
+        assert "output_dir is the folder the model is loaded from" in msg, msg
+    assert {p.name: p.read_bytes() for p in model.glob("*.safetensors")} == before
+
+
+def test_no_progress_bar_silences_every_librarys_bars(tmp_path, capsys):
+    """Found by an audit: --no-progress-bar left transformers' bars on (writing the shards of
+    every save, loading the model for the final check) in log files; and --save_only_model's
+    checkpoints, which a rerun cannot resume as the uninterrupted run, went unmentioned until
+    that rerun."""
+    import transformers.utils.logging
+
+    flags = ["--max-shard-size", "100KB", "--save_steps", "1", "--save_only_model"]
+    try:
+        assert main(["train", *flags, *_fast_flags(tmp_path)]) == 0
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+    printed = capsys.readouterr()
+    err = printed.err
+    assert "Writing model shards" not in err and "Loading weights" not in err, err[-2000:]
+    assert "note: --save_only_model: checkpoints hold the weights only" in printed.out
 
 
 def test_plan_keeps_to_a_learned_position_table(tmp_path, capsys):

@@ -63,6 +63,7 @@ from .guards import (
     check_weights_finite,
     learned_position_limit,
 )
+from .heartbeat import StepHeartbeat
 from .long_context import apply_layer_kernels, apply_liger_kernels, install_mlp_tiling
 from .loss import fused_causal_lm_forward, supports_fused_loss, unwrap_peft
 from .model import (
@@ -258,6 +259,14 @@ def _check_scheduler(args: TrainingArguments) -> None:
         ) from None
 
 
+#: Why a run with fsdp or deepspeed is refused (the trainer's and the CLI's words).
+SHARDING_UNSUPPORTED = (
+    "fsdp and deepspeed are not supported: the engine streams the layers and runs the optimizer "
+    "itself (data parallel: accelerate launch --num_processes N; sequence parallel: "
+    "megatrain_sequence_parallel)"
+)
+
+
 def check_training_arguments(args: TrainingArguments) -> None:
     """Refuse (``ValueError``, "hf_megatrain: ...") the arguments this trainer cannot run,
     before any model is streamed: the command line calls it when it parses them."""
@@ -301,11 +310,7 @@ def check_training_arguments(args: TrainingArguments) -> None:
             + " (torch.optim.AdamW refuses it; the run would not train)"
         )
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
-        raise ValueError(
-            "hf_megatrain: fsdp and deepspeed are not supported: the engine streams the layers "
-            "and runs the optimizer itself (data parallel: accelerate launch --num_processes N; "
-            "sequence parallel: megatrain_sequence_parallel)"
-        )
+        raise ValueError(f"hf_megatrain: {SHARDING_UNSUPPORTED}")
     _check_scheduler(args)
     if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best" and (
         args.metric_for_best_model is None
@@ -896,6 +901,9 @@ class MegaTrainerMixin:
             # The last optimizer step may still be updating the host store on its thread:
             # finish it so weights are final (and no thread outlives the run).
             self.megatrain.engine.wait_updates()
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, StepHeartbeat):
+                    callback.stop()
 
     def hyperparameter_search(self, *args: Any, **kwargs: Any):
         # The Trainer's search builds a new model from model_init for every trial (refused in
