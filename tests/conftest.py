@@ -53,5 +53,5 @@ def pytest_collection_finish(session) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
-    if nextitem is None or nextitem.module is not item.module:
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
         _freeze_survivors()
