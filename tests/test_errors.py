@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     BertConfig,
     BertForMaskedLM,
     DogeConfig,
@@ -81,6 +82,31 @@ def test_supported_family_but_not_causal_lm(tmp_path):
     with pytest.raises(UnsupportedModelError, match="ForCausalLM"):
         HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4))
     _assert_untouched(model, tmp_path)
+
+
+def test_a_module_without_a_config_is_refused_as_unsupported(tmp_path):
+    """Found by an audit: a plain ``nn.Module`` failed with an AttributeError from the attention
+    choice, which read its config before the support check ran."""
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(UnsupportedModelError, match="Linear has no config: not a transformers"):
+        HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4))
+
+
+@pytest.mark.parametrize("how", ["init_empty_weights", "to-meta"])
+def test_a_model_without_values_is_refused(tmp_path, how):
+    """Found by an audit: a model built under accelerate's ``init_empty_weights`` (parameters on
+    meta, buffers real) was streamed with its layers unfilled and its embeddings and head as
+    uninitialized memory: step 1's loss NaN, reported as a divergence ("lower the learning
+    rate"). ``model.to("meta")`` failed in train(), deep in the rotary embedding."""
+    from accelerate import init_empty_weights
+
+    if how == "init_empty_weights":
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    else:
+        model = tiny_model(tiny_config("llama")).to("meta")
+    with pytest.raises(ValueError, match=r"tensors on the meta device, without values \(model\."):
+        HFMegaTrainer(model=model, args=_args(tmp_path), train_dataset=make_data(4))
 
 
 def test_router_aux_loss_without_router_logits_refused(tmp_path, monkeypatch):

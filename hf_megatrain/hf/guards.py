@@ -39,6 +39,20 @@ def check_model_dtype(model: nn.Module) -> None:
         )
 
 
+def check_model_has_values(model: nn.Module) -> None:
+    """Refuse a model whose parameters or buffers are on ``meta`` (built under
+    ``init_empty_weights``, ``device_map="meta"``, ``model.to("meta")``): nothing would fill
+    them, and it would train on uninitialized memory (its NaN steps reported as a divergence)."""
+    empty = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if empty:
+        raise ValueError(
+            f"hf_megatrain: the model has tensors on the meta device, without values ({empty[0]}"
+            + (f" and {len(empty) - 1} more" if len(empty) > 1 else "")
+            + "): load its weights (from_pretrained), or stream it without allocating it with "
+            "hf_megatrain.load_streamed_model (a checkpoint) or init_streamed_model (random init)."
+        )
+
+
 def _shape(t: Any) -> tuple[int, ...] | None:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else None
 

@@ -60,6 +60,7 @@ from .guards import (
     NonFiniteError,
     check_batch,
     check_model_dtype,
+    check_model_has_values,
     check_weights_finite,
     learned_position_limit,
 )
@@ -68,6 +69,7 @@ from .long_context import apply_layer_kernels, apply_liger_kernels, install_mlp_
 from .loss import fused_causal_lm_forward, supports_fused_loss, unwrap_peft
 from .model import (
     _is_peft,
+    check_supported,
     disable_gradient_checkpointing,
     find_decoder_layers,
     host_adamw,
@@ -688,7 +690,9 @@ class MegaTrainerMixin:
         check_same_on_every_rank(args, getattr(self, "_megatrain_dataset", None))
         state = streamed_state(model)
         if state is None:
+            check_supported(model)  # (before anything reads its config)
             check_model_dtype(model)  # before streaming rounds it to fp32 masters
+            check_model_has_values(model)
             options = engine_options(args)
             run = _run_options(args, options)  # refuses what cannot run, in argument names
             step = _plan_step(args, options, getattr(self, "_megatrain_dataset", None))
