@@ -26,31 +26,34 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 
 
+def _refuse_named(names: list[str], what: str, fix: str) -> None:
+    """A ValueError naming the first of ``names`` (and how many more) unless it is empty."""
+    if names:
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        raise ValueError(f"hf_megatrain: the model has {what} ({names[0]}{more}); {fix}")
+
+
 def check_model_dtype(model: nn.Module) -> None:
     """Refuse a float64 model: training keeps fp32 master weights, and streaming it would
     silently round every weight to fp32."""
-    f64 = [n for n, p in model.named_parameters() if p.dtype == torch.float64]
-    if f64:
-        raise ValueError(
-            f"hf_megatrain: the model has float64 parameters ({f64[0]}"
-            + (f" and {len(f64) - 1} more" if len(f64) > 1 else "")
-            + "); hf_megatrain trains fp32 master weights (bf16=True computes in bf16 over "
-            "them). Convert the model with model.float() first."
-        )
+    _refuse_named(
+        [n for n, p in model.named_parameters() if p.dtype == torch.float64],
+        "float64 parameters",
+        "hf_megatrain trains fp32 master weights (bf16=True computes in bf16 over them). "
+        "Convert the model with model.float() first.",
+    )
 
 
 def check_model_has_values(model: nn.Module) -> None:
     """Refuse a model whose parameters or buffers are on ``meta`` (built under
     ``init_empty_weights``, ``device_map="meta"``, ``model.to("meta")``): nothing would fill
     them, and it would train on uninitialized memory (its NaN steps reported as a divergence)."""
-    empty = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if empty:
-        raise ValueError(
-            f"hf_megatrain: the model has tensors on the meta device, without values ({empty[0]}"
-            + (f" and {len(empty) - 1} more" if len(empty) > 1 else "")
-            + "): load its weights (from_pretrained), or stream it without allocating it with "
-            "hf_megatrain.load_streamed_model (a checkpoint) or init_streamed_model (random init)."
-        )
+    _refuse_named(
+        [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta],
+        "tensors on the meta device, without values",
+        "load its weights (from_pretrained), or stream it without allocating it with "
+        "hf_megatrain.load_streamed_model (a checkpoint) or init_streamed_model (random init).",
+    )
 
 
 def _shape(t: Any) -> tuple[int, ...] | None:
