@@ -1023,8 +1023,22 @@ def _square_bytes(live: Live) -> int:
 
 @pytest.mark.parametrize(
     "family, attn, kept",
-    [("gemma3", "sdpa", 3), ("mistral", "eager", 2), ("gemma2", "eager", 2), ("xglm", "eager", 2)],
-    ids=["gemma3-sdpa-mixed", "mistral-eager", "gemma2-eager-softcap", "xglm-eager-clamp"],
+    [
+        ("gemma3", "sdpa", 3),
+        ("mistral", "eager", 2),
+        ("gemma2", "eager", 2),
+        ("xglm", "eager", 2),
+        ("bloom", "eager", 2),
+        ("mpt", "eager", 2),
+    ],
+    ids=[
+        "gemma3-sdpa-mixed",
+        "mistral-eager",
+        "gemma2-eager-softcap",
+        "xglm-eager-clamp",
+        "bloom-eager-alibi",
+        "mpt-eager-alibi",
+    ],
 )
 def test_kept_layers_attention_lines_are_what_they_hold(family, attn, kept):
     """What the layers keeping their activations hold of attention's s x s tensors at the end
@@ -1036,10 +1050,15 @@ def test_kept_layers_attention_lines_are_what_they_hold(family, attn, kept):
       the layer pattern unknown every kept layer counts as sliding (an upper bound);
     * eager: each kept layer's fp32 softmax output and its bf16 copy (6 B per element and head),
       soft-capped (Gemma-2) the tanh output besides (8 B), XGLM the masked fp32 scores its
-      ``torch.max`` clamp saves (10 B; planned 6 before); the fp32 masks are shared."""
+      ``torch.max`` clamp saves (10 B; planned 6 before); the fp32 masks are shared. BLOOM's
+      and MPT's ALiBi attention: 6 B, its compute-dtype copy of the scores a temporary of the
+      backward (at hidden 64 their 4h-wide MLP outputs, s x s at s = 256, read as 0.5 B more
+      per element and head: not attention's)."""
     s, seqs, n = 256, 2, 4
     if family == "xglm":
         cfg = family_config("xglm", 64, 4, 4, 16, 128, layers=n)
+    elif family in ("bloom", "mpt"):  # (their MLPs are 4h wide: 128, no s x s at s = 256)
+        cfg = family_config(family, 32, 4, 4, 8, 128, layers=n)
     else:
         cfg = _config(family, num_hidden_layers=n, sliding_window=128)
     if family == "gemma3":
@@ -1067,7 +1086,8 @@ def test_kept_layers_attention_lines_are_what_they_hold(family, attn, kept):
     kind = MASK_KIND if attn == "sdpa" else EAGER_SCORES_KIND
     assert [ln.kind for ln in lines] == [kind]
     assert lines[0].nbytes == held[1] - held[0]
-    per = {"gemma3": 2 * 1, "mistral": 6 * 4, "gemma2": 8 * 4, "xglm": 10 * 4}[family]  # B x heads
+    per = {"gemma3": 2 * 1, "mistral": 6 * 4, "gemma2": 8 * 4, "xglm": 10 * 4, "bloom": 6 * 4,
+           "mpt": 6 * 4}[family]  # B x heads  # fmt: skip
     sliding = 1 if family == "gemma3" else kept
     assert held[1] - held[0] == sliding * seqs * s * s * per
 

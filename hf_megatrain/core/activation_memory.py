@@ -965,9 +965,8 @@ EAGER_KEPT_SOFTMAX_BYTES = 4
 def eager_kept_bytes_per_element(shape: ModelShape, dtype: torch.dtype) -> int:
     """``EAGER_KEPT_SOFTMAX_BYTES`` plus the compute-dtype probabilities (bf16 runs), the
     soft-capping's tanh output and the family's saved fp32 copies of its scores (XGLM's clamp:
-    10 B in bf16, measured). Its compute-dtype copies (GPT-J's, BLOOM's) are temporaries of the
-    backward, not saved: a kept layer does not hold them (BLOOM 6.5 B measured, where its
-    per-sequence bf16 s x s adds 2 B per element over the heads)."""
+    10 B in bf16, measured). Its compute-dtype copies (GPT-J's, BLOOM's, MPT's) are temporaries
+    of the backward, not saved: a kept layer does not hold them (BLOOM and MPT 6 B, measured)."""
     isz = itemsize(dtype)
     cast = isz if dtype != torch.float32 else 0
     saved_fp32 = 4 * shape.eager_score_copies[1]
