@@ -2,6 +2,7 @@
 
 import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -40,8 +41,11 @@ def _freeze_survivors() -> None:
     ``gc.collect``: over the ~470k objects torch, transformers and peft import it took 0.25 s,
     half of a tiny equivalence test (two trainings of ~0.9 s). Frozen objects are still freed
     by reference counting; only cycles among them are never collected, so this runs where what
-    is alive stays alive: after collection and between test modules (the finished module's
-    fixtures torn down and collected first)."""
+    is alive stays alive: after collection, and after a module's last test (its fixtures torn
+    down and released, a failure's traceback dropped, then collected)."""
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)  # (a failed test's frames: its models and trainers)
     gc.collect()
     gc.freeze()
 
@@ -51,7 +55,9 @@ def pytest_collection_finish(session) -> None:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
+def pytest_runtest_protocol(item, nextitem):
+    # After the protocol, not in its teardown: pytest drops the test's fixture values
+    # (``item.funcargs``) only once the teardown hooks have returned.
     yield
     if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
         _freeze_survivors()

@@ -39,6 +39,8 @@ def _job(out: Path, world: int, *extra: str, batch: int = 2) -> list[str]:
 
 def _launch(root: Path, world: int, jobs: list[list[str]]) -> None:
     """Run ``jobs`` in order in one launch of ``world`` processes (imports and rendezvous once)."""
+    outs = [job[job.index("--out") + 1] for job in jobs]
+    assert len(set(outs)) == len(outs), f"two trainings into one folder: {outs}"
     root.mkdir(parents=True, exist_ok=True)
     (root / f"jobs{world}.json").write_text(json.dumps(jobs))
     args = [str(WORKER), "--jobs", str(root / f"jobs{world}.json")]
@@ -88,7 +90,10 @@ def runs(tmp_path_factory) -> Path:
         _job(root / "single", 1, *COMMON),  # GA 2, clipping, checkpoint at step 2
         _job(root / "sixteen", 1, *STEPS, batch=4),
         _job(root / "eager_single", 1, *EAGER),
-        *(_job(root / f"{k}_single", 1, *GRADLESS, "--max-grad-norm", c) for k, c in CLIPS),
+        *(
+            _job(root / f"gradless_{k}_single", 1, *GRADLESS, "--max-grad-norm", c)
+            for k, c in CLIPS
+        ),
         _job(root / "partial_single", 1, *PARTIAL, "--also-iterable", str(root / "single_it")),
     ]
     ranks = [
@@ -98,7 +103,7 @@ def runs(tmp_path_factory) -> Path:
         _job(root / "bigger", 2, *STEPS, "--resume", single_ckpt, batch=4),
         _job(root / "kept", 2, *COMMON, "--keep-attention-outputs"),
         _job(root / "eager_dp", 2, *EAGER),
-        *(_job(root / f"{k}_dp", 2, *GRADLESS, "--max-grad-norm", c) for k, c in CLIPS),
+        *(_job(root / f"gradless_{k}_dp", 2, *GRADLESS, "--max-grad-norm", c) for k, c in CLIPS),
         _job(root / "bf16_base", 2, *BF16),
         _job(root / "bf16_master", 2, *BF16, "--stream-fp32-master"),
         _job(
@@ -225,10 +230,10 @@ def test_dp_skips_parameters_without_a_gradient(runs, clip):
     process does, which stock's does too (tests/test_gradless_params.py)."""
     from .helpers import tiny_model  # noqa: PLC0415
 
-    single, dp = _reports(runs / f"{clip}_single"), _reports(runs / f"{clip}_dp")
+    single, dp = _reports(runs / f"gradless_{clip}_single"), _reports(runs / f"gradless_{clip}_dp")
     _assert_same_training(single[0]["logs"], dp[0]["logs"])
-    final = _weights(runs / f"{clip}_dp" / "final")
-    _assert_close_weights(_weights(runs / f"{clip}_single" / "final"), final)
+    final = _weights(runs / f"gradless_{clip}_dp" / "final")
+    _assert_close_weights(_weights(runs / f"gradless_{clip}_single" / "final"), final)
     initial = tiny_model(tiny_config("deepseek_v32", num_hidden_layers=4)).state_dict()
     indexer = [n for n in final if ".indexer." in n]
     assert indexer and all(torch.equal(final[n], initial[n]) for n in indexer)

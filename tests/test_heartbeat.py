@@ -39,14 +39,20 @@ def _train(tmp_path, *callbacks, steps: int = 2) -> None:
 
 def test_a_long_step_gets_lines_naming_its_micro_batch_and_the_last_step(tmp_path):
     lines: list[str] = []
+    beat, slow = StepHeartbeat(every_s=0.1, write=lines.append), _SlowMicroBatches(0.5)
     # (the heartbeat first: its micro-batch count moves before the slow callback sleeps)
-    _train(tmp_path, StepHeartbeat(every_s=0.1, write=lines.append), _SlowMicroBatches(0.5))
+    _train(tmp_path, beat, slow)
     assert any(ln.startswith("hf-megatrain: step 1 of 2 running 0m 00s (micro-batch 2 of 2)")
                for ln in lines), lines  # fmt: skip
     assert any(ln.startswith("hf-megatrain: step 2 of 2 running") and "step 1 took 0m 0" in ln
                for ln in lines), lines  # fmt: skip
     # One line per ``every_s`` at most: each step ran ~0.5 s, the lines ~0.1 s apart.
     assert len(lines) <= 2 * 11
+    # Trained again: its first step has no step before it (not the last training's step 2).
+    lines.clear()
+    _train(tmp_path / "again", beat, slow)
+    first = [ln for ln in lines if ln.startswith("hf-megatrain: step 1 of 2 running")]
+    assert first and not any("took" in ln for ln in first), lines
 
 
 class _Fails(TrainerCallback):

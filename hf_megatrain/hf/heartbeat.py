@@ -57,6 +57,7 @@ class StepHeartbeat(TrainerCallback):
         if not state.is_world_process_zero or self._thread is not None:
             return
         self._micro_batches = max(1, int(args.gradient_accumulation_steps))
+        self._last = None  # (a second train(): not the last one's final step)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="step-heartbeat", daemon=True)
         self._thread.start()

@@ -902,12 +902,13 @@ class MegaTrainerMixin:
         finally:
             if liger:
                 self.args.use_liger_kernel = True
-            # The last optimizer step may still be updating the host store on its thread:
-            # finish it so weights are final (and no thread outlives the run).
-            self.megatrain.engine.wait_updates()
+            # (First: a failed host update re-raised below must not leave it reporting.)
             for callback in self.callback_handler.callbacks:
                 if isinstance(callback, StepHeartbeat):
                     callback.stop()
+            # The last optimizer step may still be updating the host store on its thread:
+            # finish it so weights are final (and no thread outlives the run).
+            self.megatrain.engine.wait_updates()
 
     def hyperparameter_search(self, *args: Any, **kwargs: Any):
         # The Trainer's search builds a new model from model_init for every trial (refused in
