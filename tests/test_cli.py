@@ -46,6 +46,13 @@ def _fast_flags(out: Path) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _in_a_tmp_folder(tmp_path, monkeypatch):
+    """Each test in its own working folder: a run without --output_dir that stops after taking
+    its folder (bad data found once the data is read) leaves outputs/ where it ran."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
     """One tiny random-init run (sharded save) shared by the tests that inspect its output."""
