@@ -22,7 +22,7 @@ from torch import nn
 
 from . import flex_offsets
 from .loss import unwrap_peft
-from .model import attention_windows
+from .model import attends_in_chunks, attention_windows
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +95,7 @@ class AttentionFacts:
             sliding_window=int(window or 0),
             head_dim=int(min(widths)),
             dropout=dropout,
-            window_kind=(
-                "attention chunk"
-                if "chunked_attention" in (getattr(text, "layer_types", None) or ())
-                else "sliding window"
-            ),
+            window_kind="attention chunk" if attends_in_chunks(text) else "sliding window",
         )
 
 

@@ -119,8 +119,6 @@ class StepHeartbeat(TrainerCallback):
                 elapsed = time.monotonic() - self._started
                 if elapsed < self._next_line:
                     continue
-                self._next_line += self.every_s * (
-                    1 + int((elapsed - self._next_line) // self.every_s)
-                )
+                self._next_line = (elapsed // self.every_s + 1) * self.every_s
                 text = self.line(elapsed)
             self.write(text)

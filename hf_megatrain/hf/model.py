@@ -402,6 +402,11 @@ def _dense_mlp_size(layers: list[nn.Module], routes: list[bool], config) -> int:
 _WINDOWED_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
 
+def attends_in_chunks(text_cfg) -> bool:
+    """Whether some layer attends in chunks (Llama 4's ``chunked_attention``)."""
+    return "chunked_attention" in (getattr(text_cfg, "layer_types", None) or ())
+
+
 def attention_windows(text_cfg) -> tuple[int, bool]:
     """``(sliding window, whether some layer attends fully)`` of a config: its ``layer_types``
     where it has them (sliding layers use ``sliding_window``, chunked ones
@@ -410,7 +415,7 @@ def attention_windows(text_cfg) -> tuple[int, bool]:
     window = getattr(text_cfg, "sliding_window", None) or 0
     types = getattr(text_cfg, "layer_types", None)
     if types:
-        if "chunked_attention" in types:
+        if attends_in_chunks(text_cfg):
             window = getattr(text_cfg, "attention_chunk_size", None) or 0
         elif "sliding_attention" not in types:
             window = 0

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .loss import router_aux_loss_on, unwrap_peft
+from .model import attends_in_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ def check_sequence_parallel(
             "it over its shard of the sequence only: another loss than one process's. Train "
             "with output_router_logits=False (no aux loss), or without sequence parallelism."
         )
-    if "chunked_attention" in (types or ()):
+    if attends_in_chunks(cfg):
         raise SequenceParallelError(
             f"hf_megatrain: megatrain_sequence_parallel={size}: the model attends in chunks "
             "(Llama 4's chunked attention layers), which attention applies through the mask, and "
