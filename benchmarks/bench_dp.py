@@ -45,7 +45,7 @@ sys.path.insert(0, str(BENCH_DIR))
 import bench  # noqa: E402  (bench.py beside this file)
 
 
-def _run_config(a: argparse.Namespace) -> bench.RunConfig:
+def to_run_config(a: argparse.Namespace) -> bench.RunConfig:
     """The per-rank run (what bench.py would run on one GPU)."""
     return bench.RunConfig(
         system=a.system,
@@ -131,7 +131,7 @@ def run_worker(a: argparse.Namespace) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not a.cpu:
         torch.cuda.set_device(local_rank)  # before anything touches a GPU
-    cfg = _run_config(a)
+    cfg = to_run_config(a)
     made = _capture_data_parallel()
     pss = PssPeak()
     try:
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.worker:
         return run_worker(a)
-    cfg = _run_config(a)  # validates the split before anything starts
+    cfg = to_run_config(a)  # validates the split before anything starts
     a.results_dir.mkdir(parents=True, exist_ok=True)
     log_path = bench.unique_path(a.results_dir, f"{dt.date.today()}-{a.tag}", ".log")
     with log_path.open("w") as log_file:

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.device == "cpu":
-        chunked_loss._add_product_fp32 = _cuda_fp32_gemm
+        chunked_loss.add_product_fp32 = _cuda_fp32_gemm
     rows = [
         "| family | measured MB | planned MB | margin MB | ratio | |",
         "|---|---|---|---|---|---|",

@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_megatrain.core.activation_memory import (  # noqa: E402
-    _working_set_line,
     kept_activation_bytes_per_token,
+    working_set_line,
 )
 from tests.test_keep_activations import kept_layer_saved_bytes  # noqa: E402
 from tests.test_plan_accuracy import family_config, recomputed_layer_growth  # noqa: E402
@@ -69,7 +69,7 @@ def measure(model_type: str, widths, kernels: str = "torch") -> dict:
     grown = {t: recomputed_layer_growth(cfg, kernels, t, keep_outputs=False) for t in (512, 1024)}
     shape = grown[1024][1]
     lines = {
-        t: _working_set_line(shape, t, 0, keeps_attention_output=False, shared_casts=True)
+        t: working_set_line(shape, t, 0, keeps_attention_output=False, shared_casts=True)
         for t in (512, 1024)
     }
     return {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_megatrain.core.chunked_loss import _add_product_fp32
+from hf_megatrain.core.chunked_loss import add_product_fp32
 
 
 def stock_weight_grad(h: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -28,7 +28,7 @@ def main() -> None:
         h = torch.randn(tokens, hidden, device="cuda").bfloat16()
         g = (torch.randn(tokens, vocab, device="cuda") * 1e-4).bfloat16()
         stock = stock_weight_grad(h, g, vocab)
-        fused = _add_product_fp32(None, g.t(), h).to(torch.bfloat16)
+        fused = add_product_fp32(None, g.t(), h).to(torch.bfloat16)
         plain = g.t() @ h
         for name, got in (("fused (fp32 out, one rounding)", fused), ("plain g.T @ h", plain)):
             share = (got != stock).float().mean().item()

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--detail", action="store_true", help="the lines and the peak's tensors")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    chunked_loss._add_product_fp32 = _cuda_fp32_gemm  # the loss's fp32 product as on CUDA
+    chunked_loss.add_product_fp32 = _cuda_fp32_gemm  # the loss's fp32 product as on CUDA
     fams = args.families.split(",")
     rng = random.Random(args.seed)
     cases = [sample_case(rng, fams[i % len(fams)], i) for i in range(args.cases)]

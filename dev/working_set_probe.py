@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_megatrain.hf.compiled_kernels as compiled_kernels  # noqa: E402
-from hf_megatrain.core.activation_memory import _working_set_line  # noqa: E402
+from hf_megatrain.core.activation_memory import working_set_line  # noqa: E402
 from tests.test_plan_accuracy import recomputed_layer_growth  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def main() -> None:
         shape = grown[large][1]
         measured = (grown[large][0] - grown[small][0]) / (large - small)
         lines = [
-            _working_set_line(shape, t, 0, keeps_attention_output=keep, shared_casts=shared)
+            working_set_line(shape, t, 0, keeps_attention_output=keep, shared_casts=shared)
             for t in (small, large)
         ]
         planned = (lines[1].nbytes - lines[0].nbytes) / (large - small)

@@ -643,7 +643,7 @@ def _check_hub_access(hub_token: str | None) -> None:
 
     if constants.HF_HUB_OFFLINE:
         raise CLIError("--push_to_hub needs the Hub, but HF_HUB_OFFLINE is set")
-    unreachable = training_data._hub_unreachable()
+    unreachable = training_data.hub_unreachable()
     if unreachable:
         raise CLIError(
             f"--push_to_hub needs the Hub, and {unreachable} (connect, or drop --push_to_hub "

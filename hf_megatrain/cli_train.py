@@ -81,7 +81,7 @@ def load_tokenizer(settings: TrainSettings):
     return _load_tokenizer_file(None)
 
 
-def _loader_arguments(settings: TrainSettings) -> dict:
+def loader_arguments(settings: TrainSettings) -> dict:
     """What both streamed loaders take: the run's engine options and, for the memory plan, its
     step (the micro-batch split) and clipping, as the trainer would pass them."""
     from .core.options import StepShape  # noqa: PLC0415
@@ -125,11 +125,11 @@ def build_model(settings: TrainSettings, tokenizer):
             raise CLIError(unsupported_model_type(model.model_path, cfg.model_type))
         _check_vocab(cfg, tokenizer)
         _check_against_manifest(folder)
-        return load_streamed_model(folder, **_loader_arguments(settings))
+        return load_streamed_model(folder, **loader_arguments(settings))
     cfg = _config_from_json(model.config or str(DEFAULT_CONFIG))
     _check_vocab(cfg, tokenizer)
     seed = settings.training.seed
-    if not _init_in_store():
+    if not init_in_store():
         from .hf.loading import attention_for  # noqa: PLC0415
 
         torch.manual_seed(seed)
@@ -142,7 +142,7 @@ def build_model(settings: TrainSettings, tokenizer):
     # starts, and fast; with resident_layers "auto" the plan sizes the HBM tier for this run.
     from .hf.loading import init_streamed_model  # noqa: PLC0415
 
-    return init_streamed_model(cfg, seed=seed, **_loader_arguments(settings))
+    return init_streamed_model(cfg, seed=seed, **loader_arguments(settings))
 
 
 def _check_against_manifest(folder: str) -> None:
@@ -171,7 +171,7 @@ def _check_against_manifest(folder: str) -> None:
         ) from None
 
 
-def _init_in_store() -> bool:
+def init_in_store() -> bool:
     """Random init straight into the host store (``init_streamed_model``): on a GPU, where
     the layers are initialized on the device, fast, and the model never exists as a whole."""
     import torch  # noqa: PLC0415
@@ -404,7 +404,7 @@ def _say_header(settings: TrainSettings, data, model, n_params: int) -> None:
         f"{args.max_steps} steps" if args.max_steps > 0 else f"{args.num_train_epochs:g} epochs"
     )
     _say(
-        f"hf-megatrain: {cfg.model_type} {_count(n_params)} params, "
+        f"hf-megatrain: {cfg.model_type} {human_count(n_params)} params, "
         f"{cfg.num_hidden_layers} layers ({what})\n"
         f"  data: {data.description}\n"
         f"  {length} x {data_args.seq_len * rows} tokens ({split}), lr {args.learning_rate:g}, "
@@ -439,7 +439,7 @@ def step_rows(batch: int, accum: int, world: int, sequence_parallel: int) -> tup
     return layout.rows_per_step, split
 
 
-def _count(n: int) -> str:
+def human_count(n: int) -> str:
     """A parameter count for a message: 3.1M, 7.6B."""
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
@@ -674,8 +674,8 @@ def _run_train(settings: TrainSettings) -> dict[str, Any]:
         _verify_saved(settings, out, data.eval, tokenizer, device, eval_loss, result)
     else:
         _say(
-            f"\n(Skipped reloading a {_count(n_params)}-parameter model for the final check: "
-            f"above {_count(_AUTO_VERIFY_MAX_PARAMS)} a second copy may not fit in host RAM; "
+            f"\n(Skipped reloading a {human_count(n_params)}-parameter model for the final check: "
+            f"above {human_count(_AUTO_VERIFY_MAX_PARAMS)} a second copy may not fit in host RAM; "
             "pass --verify to force it.)"
         )
     _say(f"hf-megatrain: done in {time.perf_counter() - t_start:.1f} s")
@@ -760,4 +760,12 @@ def _verify_saved(settings, out, eval_rows, tokenizer, device, eval_loss, result
         _say(f"Greedy sample ({n_new} new tokens, no repeated trigrams):\n---\n{sample}\n---")
 
 
-__all__ = ["build_model", "end_process_group", "load_tokenizer", "run_train"]
+__all__ = [
+    "build_model",
+    "end_process_group",
+    "human_count",
+    "init_in_store",
+    "load_tokenizer",
+    "loader_arguments",
+    "run_train",
+]

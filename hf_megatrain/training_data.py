@@ -135,7 +135,7 @@ class TrainingData:
 def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> TrainingData:
     """Load, tokenize and pack the data that ``args`` names; see :class:`DataArguments`."""
     _check_args(args)
-    splits = _load_splits(args)
+    splits = load_splits(args)
     source = args.dataset_name or "bundled corpus"
     if args.dataset_config:
         source += f" [{args.dataset_config}]"
@@ -358,7 +358,7 @@ def _more_rows(args: DataArguments) -> str:
     return f"add documents, drop --no_packing to pack the text into {args.seq_len}-token rows"
 
 
-def _load_splits(args: DataArguments) -> dict[str, Any]:
+def load_splits(args: DataArguments) -> dict[str, Any]:
     """Every split of the named data (a DatasetDict, or an IterableDatasetDict when streaming)."""
     from datasets import load_dataset  # noqa: PLC0415
 
@@ -384,7 +384,7 @@ def _load_splits(args: DataArguments) -> dict[str, Any]:
     else:
         if _looks_local(name):
             raise DataError(f"data not found: {name} (--dataset_name)")
-        unreachable = _hub_unreachable()
+        unreachable = hub_unreachable()
         try:
             with _offline_datasets(unreachable is not None):
                 splits = load_dataset(name, args.dataset_config, streaming=args.streaming)
@@ -421,7 +421,7 @@ HUB_CONNECT_TIMEOUT = 3.0
 _PROXY_VARIABLES = ("https_proxy", "http_proxy", "all_proxy")  # either case
 
 
-def _hub_unreachable() -> str | None:
+def hub_unreachable() -> str | None:
     """Why the Hub cannot be reached (one TCP connection, a few seconds at most), else None.
 
     Without a network, datasets retries each request with backoff (~30 s) before it reads its
@@ -868,4 +868,10 @@ def _first_bad_json_line(what: str) -> str | None:
     return None
 
 
-__all__ = ["DataArguments", "TrainingData", "load_training_data"]
+__all__ = [
+    "DataArguments",
+    "TrainingData",
+    "hub_unreachable",
+    "load_splits",
+    "load_training_data",
+]

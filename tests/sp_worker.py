@@ -123,7 +123,8 @@ def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) ->
         "eval_loss": eval_loss,
         "optimizer_steps": trainer.state.global_step,
         # The row length the rank's layers ran on (seq / N under sequence parallelism).
-        "seq_len_seen": trainer._last_seq_len,
+        "seq_len_seen": trainer.last_seq_len,
+        "attention_row_len": trainer.attention_row_len,  # what MFU counts attention over
         "planned_step": None if step is None else [step.seq_len, step.micro_batch_tokens],
         # The function transformers calls for the model's attention (DeepSpeed's wrapper).
         "attention_function": ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation].__name__,

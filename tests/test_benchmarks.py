@@ -388,7 +388,7 @@ def test_bench_dp_command_parses_under_torchrun(tmp_path):
     assert set(engine.changed()) == set(EngineOptions.field_names())
     argv += bench.RunConfig(system="megatrain-hbm", model=TINY, engine=engine).engine_args()
     a = bench_dp.build_parser().parse_args(argv)
-    assert bench_dp._run_config(a).engine == engine
+    assert bench_dp.to_run_config(a).engine == engine
     cmd = bench_dp.torchrun_command(a, argv, tmp_path / "r.json")
     ns = get_args_parser().parse_args(cmd[3:])  # after `python -m torch.distributed.run`
     assert ns.nproc_per_node == "2"
@@ -699,7 +699,7 @@ def test_every_bench_command_of_the_device_phases_parses():
         words = [re.sub(r"\$\{?\w+\}?", "x", w) for w in shlex.split(line.split(">>")[0])]
         a = bench_dp.build_parser().parse_args(words[2:])  # after `python3 .../bench_dp.py`
         bench.model_config_path(a.model)
-        assert bench_dp._run_config(a).system.startswith("megatrain"), line
+        assert bench_dp.to_run_config(a).system.startswith("megatrain"), line
 
 
 def test_defaults_targets_count_only_runs_on_the_default_command_line():

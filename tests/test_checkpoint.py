@@ -141,7 +141,7 @@ def test_quantized_checkpoint_is_refused_before_loading(tmp_path, monkeypatch):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    monkeypatch.setattr(loading, "_streamed_skeleton", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(loading, "streamed_skeleton", lambda *a, **k: pytest.fail("built"))
     with pytest.raises(UnsupportedModelError, match=r"quantized checkpoint \(mxfp4\)"):
         load_streamed_model(str(tmp_path), device="cpu", bf16=False)
 

@@ -216,7 +216,7 @@ def test_interrupted_swap_leaves_old_or_new(tmp_path, monkeypatch, exchange, fai
     target = tmp_path / "out"
     _save(target, OLD)
     if not exchange:
-        monkeypatch.setattr(pub, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(pub, "exchange_paths", lambda a, b: False)
     calls = {"n": 0}
 
     class Killed(BaseException):
@@ -234,7 +234,7 @@ def test_interrupted_swap_leaves_old_or_new(tmp_path, monkeypatch, exchange, fai
     for name in ("rename", "replace"):
         monkeypatch.setattr(pub.os, name, hook(getattr(os, name)))
     monkeypatch.setattr(pub.shutil, "rmtree", hook(shutil.rmtree))
-    monkeypatch.setattr(pub, "_exchange", hook(pub._exchange))
+    monkeypatch.setattr(pub, "exchange_paths", hook(pub.exchange_paths))
     # A kill skips the cleanup of the except clause: run the steps without it.
     monkeypatch.setattr(pub, "recover", lambda t: [])
     temp = pub.new_temp_path(str(target))

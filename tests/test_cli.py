@@ -397,7 +397,7 @@ def test_random_init_straight_into_the_store(tmp_path, monkeypatch, capsys):
     import hf_megatrain.cli_train as cli_train
     from hf_megatrain.hf.model import streamed_state
 
-    monkeypatch.setattr(cli_train, "_init_in_store", lambda: True)
+    monkeypatch.setattr(cli_train, "init_in_store", lambda: True)
     built = []
     real = cli_train.build_model
 
@@ -477,7 +477,7 @@ def test_end_of_run_report(tmp_path, capsys):
     """The summary's train loss is the mean over the steps trained (the Trainer's train_loss,
     said so), whatever --logging_steps logged; --no-verify is named as the reason the reload
     check is skipped; a tiny model's size reads in M."""
-    from hf_megatrain.cli_train import _count, run_train
+    from hf_megatrain.cli_train import human_count, run_train
 
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
@@ -490,7 +490,7 @@ def test_end_of_run_report(tmp_path, capsys):
     assert f"(mean train loss {result['train_loss']:.4f} over these steps" in said
     assert "Skipped reloading the saved model for the final check: --no-verify was given" in said
     assert f"llama {result['n_params'] / 1e6:.1f}M params" in said
-    assert (_count(3_100_000), _count(7_615_000_000)) == ("3.1M", "7.6B")
+    assert (human_count(3_100_000), human_count(7_615_000_000)) == ("3.1M", "7.6B")
 
 
 def test_model_path_that_is_a_file(tmp_path):
@@ -637,12 +637,12 @@ def test_push_to_hub_is_checked_before_training(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(
         training_data,
-        "_hub_unreachable",
+        "hub_unreachable",
         lambda: "the Hub at https://huggingface.co cannot be reached: Name or service not known",
     )
     msg = _error(["train", *push])
     assert "--push_to_hub needs the Hub, and the Hub at https://huggingface.co cannot be" in msg
-    monkeypatch.setattr(training_data, "_hub_unreachable", lambda: None)
+    monkeypatch.setattr(training_data, "hub_unreachable", lambda: None)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     assert "--push_to_hub needs a Hub token" in _error(["train", *push])
     assert parse_train([*push, "--hub_token", "hf_x"]).training.push_to_hub

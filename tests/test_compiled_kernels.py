@@ -130,7 +130,7 @@ def test_compiled_swiglu_saves_what_the_plan_counts():
 
     eager = saved_bytes(mlp)
     fused = copy.deepcopy(mlp)
-    fused.forward = compiled_kernels.types.MethodType(compiled_kernels._swiglu_forward, fused)
+    fused.forward = compiled_kernels.types.MethodType(compiled_kernels.swiglu_forward, fused)
     saved = saved_bytes(fused)
     assert eager - saved == tokens * cfg.intermediate_size * FUSED_SWIGLU_BYTES_PER_TOKEN_INTER
 

@@ -336,7 +336,7 @@ def test_last_batch_layout_marks_exactly_the_repeated_rows(kind):
     )
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from hf_megatrain.hf.trainer import _last_batch_rows
+    from hf_megatrain.hf.trainer import last_batch_rows
 
     for n, b, world, drop_last, skip in (
         (rows, b, world, drop, skip)
@@ -366,7 +366,7 @@ def test_last_batch_layout_marks_exactly_the_repeated_rows(kind):
             batches = len(mine)
             if not mine:
                 continue
-            layout = _last_batch_rows(loader, world)
+            layout = last_batch_rows(loader, world)
             real, per_rank = layout if layout != (0, 0) else (world * b, b)
             assert len(mine[-1]) == per_rank
             first_real = max(0, min(per_rank, real - rank * per_rank))

@@ -50,7 +50,7 @@ engine = streamed_state(model).engine
 opt = HostAdamW(engine, [])
 opt.enable_eager_updates()
 engine.is_cuda = True  # the worker thread is a CUDA-only path; only its lifetime is tested
-opt._on_grad_final(0, None)
+opt.on_layer_grad_final(0, None)
 raise SystemExit(3)  # training fails before step() joins the worker
 """
 

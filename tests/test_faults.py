@@ -62,13 +62,13 @@ def _job(spec: dict) -> None:
         if kill and kill["kind"] == kind and events[kind] == kill["at"]:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    real_update = opt_mod.HostAdamW._update_layer
+    real_update = opt_mod.HostAdamW.apply_layer_update
 
     def update(*a, **k):
         event("step")
         return real_update(*a, **k)
 
-    opt_mod.HostAdamW._update_layer = staticmethod(update)
+    opt_mod.HostAdamW.apply_layer_update = staticmethod(update)
     real_save_file = ckpt_mod.save_file
 
     def save_file(*a, **k):

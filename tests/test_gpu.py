@@ -293,7 +293,7 @@ def test_save_resume_on_gpu(tmp_path, resident):
     ids = data[0]["input_ids"][None].cuda()
     full.model.eval()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        ref = full._wrapper(input_ids=ids).logits.float()
+        ref = full.streamed_model(input_ids=ids).logits.float()
         got = loaded(input_ids=ids).logits.float()
     # The saved fp32 masters are the trained weights exactly; the two forwards differ only in
     # bf16 rounding of norm weights (streamed copy is bf16, autocast keeps norms fp32).
@@ -1407,7 +1407,7 @@ def test_recompute_skips_the_tiles_on_gpu(tmp_path, monkeypatch):
     from .helpers import mega_params
 
     calls = {"n": 0}
-    run = tiling._run
+    run = tiling.run_tile
 
     def counted(*a):
         calls["n"] += 1
@@ -1417,7 +1417,7 @@ def test_recompute_skips_the_tiles_on_gpu(tmp_path, monkeypatch):
     data = _data(32, 128)
     runs = {}
     for name in ("all-tiles", "skip"):
-        monkeypatch.setattr(tiling, "_run", counted)
+        monkeypatch.setattr(tiling, "run_tile", counted)
         if name == "all-tiles":
             monkeypatch.setattr(tiling, "refill_remaining", lambda: None)
         calls["n"] = 0
@@ -1654,14 +1654,14 @@ def _per_token_growth(make_cfg, kernels: str, tile: int, tokens=(16384, 32768)):
     of their difference (what does not scale with tokens, the weights' gradients among it,
     cancels), and the same difference of the plan's working-set line (with the engine's default
     shared casts, as the layers ran)."""
-    from hf_megatrain.core.activation_memory import _working_set_line
+    from hf_megatrain.core.activation_memory import working_set_line
 
     small, large = tokens
     grown = {t: _layer_backward_growth(make_cfg(large), kernels, t, tile) for t in tokens}
     shape = grown[large][1]
     measured = (grown[large][0] - grown[small][0]) / (large - small)
-    big = _working_set_line(shape, large, tile, shared_casts=True)
-    line = big.nbytes - _working_set_line(shape, small, tile, shared_casts=True).nbytes
+    big = working_set_line(shape, large, tile, shared_casts=True)
+    line = big.nbytes - working_set_line(shape, small, tile, shared_casts=True).nbytes
     return measured, line / (large - small), shape, big.error
 
 
@@ -1693,7 +1693,7 @@ def test_mlp_tile_term_on_gpu(kernels):
     fused kernels: dev/long_peak_probe.py saw six tile x 2i blocks live under Liger's)."""
     if kernels == "liger":
         pytest.importorskip("liger_kernel")
-    from hf_megatrain.core.activation_memory import _working_set_line
+    from hf_megatrain.core.activation_memory import working_set_line
 
     tokens, small, large = 16384, 4096, 8192
     grown = {
@@ -1702,8 +1702,8 @@ def test_mlp_tile_term_on_gpu(kernels):
     }
     shape = grown[large][1]
     measured = (grown[large][0] - grown[small][0]) / (large - small)
-    big = _working_set_line(shape, tokens, large)
-    planned = (big.nbytes - _working_set_line(shape, tokens, small).nbytes) / (large - small)
+    big = working_set_line(shape, tokens, large)
+    planned = (big.nbytes - working_set_line(shape, tokens, small).nbytes) / (large - small)
     print(
         f"MLP tile term per tile token ({kernels}): measured {measured:.0f}, planned {planned:.0f}"
     )

@@ -166,9 +166,9 @@ def test_micro_batch_larger_than_planned_recomputes(tmp_path):
     trainer.megatrain.plan = SimpleNamespace(
         step=SimpleNamespace(micro_batch_tokens=32), kept_layers=2
     )
-    trainer._megatrain_fit_kept_activations(33)
+    trainer.fit_kept_activations(33)
     assert [s.keep_graph for s in layers] == [False, False, False]
-    trainer._megatrain_fit_kept_activations(32)
+    trainer.fit_kept_activations(32)
     assert [s.keep_graph for s in layers] == [True, True, False]
 
 

@@ -260,7 +260,7 @@ def test_broken_checkpoints_are_refused_before_allocating(tmp_path, monkeypatch,
     alter, message = BROKEN[case]
     path = _save(tmp_path / "ckpt", shard="20KB")
     alter(path)
-    monkeypatch.setattr(loading, "_streamed_skeleton", lambda *a, **k: pytest.fail("allocated"))
+    monkeypatch.setattr(loading, "streamed_skeleton", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(ValueError, match=message) as err:
         load_streamed_model(str(path), device="cpu", bf16=False)
     assert "\n" not in str(err.value)
@@ -287,7 +287,7 @@ def test_pickled_weights_are_refused_unread(tmp_path, monkeypatch, sharded):
         torch.save(sd, tmp_path / "pytorch_model.bin")
     AutoModelForCausalLM.from_pretrained(str(tmp_path))  # a folder transformers loads
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("unpickled"))
-    monkeypatch.setattr(loading, "_streamed_skeleton", lambda *a, **k: pytest.fail("allocated"))
+    monkeypatch.setattr(loading, "streamed_skeleton", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(ValueError, match=r"holds PyTorch pickle weights \(pytorch_model") as err:
         load_streamed_model(str(tmp_path), device="cpu", bf16=False)
     assert "save_pretrained" in str(err.value) and "\n" not in str(err.value)
@@ -314,7 +314,7 @@ def test_quantization_config_refused_as_from_pretrained_refuses(tmp_path, monkey
     if error is ValueError:
         with pytest.raises(ValueError, match="quant_method"):
             AutoModelForCausalLM.from_pretrained(str(path))
-    monkeypatch.setattr(loading, "_streamed_skeleton", lambda *a, **k: pytest.fail("allocated"))
+    monkeypatch.setattr(loading, "streamed_skeleton", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(error, match=message) as err:
         load_streamed_model(str(path), device="cpu", bf16=False)
     assert str(err.value).startswith("hf_megatrain: ") and "\n" not in str(err.value)

@@ -151,7 +151,7 @@ def _builder_plan(monkeypatch, shape, options, step):
     ]
     resolved = options.resolve(clipping=True, cuda=True)
     cuda = torch.device("cuda")
-    return builder._resident_layer_count(layers, resolved, cuda, BF16, shape, step, 0, None)
+    return builder.resident_layer_count(layers, resolved, cuda, BF16, shape, step, 0, None)
 
 
 def test_refusal_names_exact_options_that_fit_by_the_expected_peak():

@@ -1,7 +1,7 @@
 """Multi-node data parallel on CPU (gloo): 2 nodes x 2 processes equal 1 process.
 
 One machine plays two nodes. Node membership comes from the launcher, not from host names
-(``core/distributed.py: _launch_layout``), so two torchrun launches on one machine, each
+(``core/distributed.py: launch_layout``), so two torchrun launches on one machine, each
 ``--nnodes 2 --node_rank K --nproc_per_node 2`` against one rendezvous, are two nodes: each
 gets ``GROUP_RANK=K``, its ranks ``LOCAL_RANK`` 0..1, and each node's local rank 0 creates its
 own shared host store. By hand::
@@ -242,13 +242,13 @@ def test_launch_layout_errors_and_owners():
 
 
 def _layout(monkeypatch, views: list[tuple]) -> list[list[int]]:
-    """``_launch_layout`` as every rank would compute it from these gathered views."""
+    """``launch_layout`` as every rank would compute it from these gathered views."""
 
     def gather(out, _obj, group=None):
         out[:] = views
 
     monkeypatch.setattr(distributed.dist, "all_gather_object", gather)
-    return distributed._launch_layout(len(views))
+    return distributed.launch_layout(len(views))
 
 
 def test_launch_layout_from_the_launcher(monkeypatch):

@@ -27,9 +27,11 @@ def _snapshot(trainer) -> dict[str, torch.Tensor]:
     for i, store in enumerate(trainer.megatrain.store.layers):
         for part in ("master", "exp_avg", "exp_avg_sq"):
             out[f"layer{i}.{part}"] = getattr(store, part).detach().cpu().clone()
-    for g, segments in enumerate(opt._segments):
-        for j, seg in enumerate(segments):
-            out[f"step.{g}.{j}"] = seg.step.detach().cpu().clone()
+    steps, _ = opt.streamed_state()  # per layer; slot_steps: the slots whose counts differ
+    for i, step in steps.items():
+        out[f"layer{i}.step"] = torch.tensor(step)
+    for i, per_slot in opt.slot_steps().items():
+        out[f"layer{i}.slot_steps"] = torch.tensor(per_slot)
     for name, p, _ in trainer.megatrain.resident:
         out[name] = p.detach().cpu().clone()
         for k, v in opt.state.get(p, {}).items():

@@ -71,7 +71,7 @@ def test_packed_equals_unpacked(tmp_path, impl):
     model = tiny_model(_config(impl))
     args = MegaTrainArguments(output_dir=str(tmp_path), **common_args(use_cpu=not _CUDA))
     trainer = HFMegaTrainer(model=model, args=args, train_dataset=_docs(4))
-    wrapper = trainer._wrap_model(trainer.model)
+    wrapper = trainer.streamed_model
     wrapper.train()
     engine = trainer.megatrain.engine
     docs = _docs(3, seed=7)

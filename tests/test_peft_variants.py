@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, UnsupportedModelError
+from hf_megatrain.hf.model import streamed_state
 
 from .helpers import common_args, make_data, one_gpu, run_trainer, tiny_config, tiny_model
 
@@ -197,7 +198,7 @@ def test_other_peft_methods_are_refused_before_streaming(tmp_path, config):
     ):
         HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
     # Refused before the layers moved into a host store: the model is as it was.
-    assert getattr(model, "_megatrain", None) is None
+    assert streamed_state(model) is None
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 

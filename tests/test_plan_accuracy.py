@@ -94,7 +94,7 @@ class Live(LiveStorages):
 
 
 def _cuda_fp32_gemm(acc, a, b):
-    """``_add_product_fp32`` as on CUDA (one fp32 product written by the GEMM, no compute-dtype
+    """``add_product_fp32`` as on CUDA (one fp32 product written by the GEMM, no compute-dtype
     product and fp32 copy as the CPU path makes), in row slices."""
     out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32)
     for s in range(0, a.shape[0], 16):
@@ -386,7 +386,7 @@ def test_fitted_families_working_set_holds_at_other_widths(model_type):
     token is within the line's error above it and at most 5% below it."""
     from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
         ESTIMATE_ERRORS,
-        _working_set_line,
+        working_set_line,
     )
 
     # (DiffLlama splits its values along an even number of kv heads, dividing the heads.)
@@ -394,7 +394,7 @@ def test_fitted_families_working_set_holds_at_other_widths(model_type):
     cfg = family_config(model_type, 320, heads, kv_heads, 64, 1280)
     grown = {t: recomputed_layer_growth(cfg, "torch", t, keep_outputs=False) for t in (512, 1024)}
     shape = grown[1024][1]
-    line = {t: _working_set_line(shape, t, 0, keeps_attention_output=False, shared_casts=True)
+    line = {t: working_set_line(shape, t, 0, keeps_attention_output=False, shared_casts=True)
             for t in (512, 1024)}  # fmt: skip
     planned = (line[1024].nbytes - line[512].nbytes) / 512
     measured = (grown[1024][0] - grown[512][0]) / 512
@@ -422,7 +422,7 @@ def test_recomputed_peak_holds_what_its_saves_spare(family, kernels, monkeypatch
     import shutil  # noqa: PLC0415
 
     import hf_megatrain.hf.compiled_kernels as compiled_kernels  # noqa: PLC0415
-    from hf_megatrain.core.activation_memory import _working_set_line  # noqa: PLC0415
+    from hf_megatrain.core.activation_memory import working_set_line  # noqa: PLC0415
 
     if kernels == "compiled":
         if not (shutil.which("g++") or shutil.which("c++")):
@@ -447,10 +447,10 @@ def test_recomputed_peak_holds_what_its_saves_spare(family, kernels, monkeypatch
     if family == "qwen3":
         expected += (2 if compiled else 6) * (q + kv) + 4 * (heads + kvh)
     assert measured == expected
-    line = _working_set_line(shape, large, 0, keeps_attention_output=True, shared_casts=True)
+    line = working_set_line(shape, large, 0, keeps_attention_output=True, shared_casts=True)
     planned = (
         line.nbytes
-        - _working_set_line(shape, small, 0, keeps_attention_output=True, shared_casts=True).nbytes
+        - working_set_line(shape, small, 0, keeps_attention_output=True, shared_casts=True).nbytes
     ) / (large - small)
     fp32_out = 2 * (q + kv) if shape.qk_norm_fp32_output else 0
     assert planned == expected + fp32_out
@@ -461,14 +461,14 @@ def test_recomputed_peak_holds_what_its_saves_spare(family, kernels, monkeypatch
 )
 def test_kept_layers_backward_ends_before_the_recomputed_ones(family):
     """Every layer in HBM, the last two keeping their activations (families the plan holds
-    apart, ``_kept_phases_apart``): their backward (and the loss's before it) holds their saves
+    apart, ``kept_phases_apart``): their backward (and the loss's before it) holds their saves
     and, per token, only 4 x intermediate more (the MLP's gradients:
     ``KEPT_BACKWARD_BYTES_PER_TOKEN_INTER``); it frees them before the first recomputed layer's
     backward starts, whose growth is the gated-MLP peak line."""
     from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
         KEPT_BACKWARD_BYTES_PER_TOKEN_INTER,
-        _kept_phases_apart,
         kept_activation_bytes_per_token,
+        kept_phases_apart,
     )
     from tests.helpers import tiny_config  # noqa: PLC0415
 
@@ -498,8 +498,8 @@ def test_kept_layers_backward_ends_before_the_recomputed_ones(family):
     assert freed >= 2 * kept_activation_bytes_per_token(shape, shared_casts=True)
     step = StepShape(seq_len=1024, micro_batch_tokens=1024)
     options = EngineOptions().resolve(clipping=True, cuda=True)
-    assert _kept_phases_apart(shape, step, options, [2, 3])
-    assert not _kept_phases_apart(shape, step, options, [1, 2])  # a recomputed layer after them
+    assert kept_phases_apart(shape, step, options, [2, 3])
+    assert not kept_phases_apart(shape, step, options, [1, 2])  # a recomputed layer after them
 
 
 #: Plan kinds the tracker cannot see (exact state, CUDA-only buffers, the slack); on CUDA the
@@ -763,7 +763,7 @@ def test_audited_families_working_set_is_the_measured_peak(model_type):
     from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
         ESTIMATE_ERRORS,
         PEAK_WORKING_SET_KIND,
-        _working_set_line,
+        working_set_line,
     )
     from tests.helpers import tiny_config  # noqa: PLC0415
 
@@ -781,9 +781,9 @@ def test_audited_families_working_set_is_the_measured_peak(model_type):
         live = Live()
         _step(model, tokens, live)
         grown.append(live.phase_peak["backward 1"] - live.phase_start["backward 1"])
-    line = _working_set_line(shape, 512, 0)
+    line = working_set_line(shape, 512, 0)
     assert shape.peak_working_set_audited and line.kind == PEAK_WORKING_SET_KIND
-    planned = (line.nbytes - _working_set_line(shape, 256, 0).nbytes) / 256
+    planned = (line.nbytes - working_set_line(shape, 256, 0).nbytes) / 256
     measured = (grown[1] - grown[0]) / 256
     assert 0.95 * planned <= measured <= (1 + ESTIMATE_ERRORS[PEAK_WORKING_SET_KIND]) * planned, (
         measured,
@@ -799,7 +799,7 @@ def test_the_ropes_own_cos_sin_copies_are_planned(model_type):
     (``rope_saved_bytes_per_token``). With them, a recomputed layer's backward per token is
     exactly the working-set line, with the attention output kept and without (before: 2h over
     at head_dim h / 4, 4.8% with compiled norms, over the line's error)."""
-    from hf_megatrain.core.activation_memory import _working_set_line  # noqa: PLC0415
+    from hf_megatrain.core.activation_memory import working_set_line  # noqa: PLC0415
     from tests.helpers import tiny_config  # noqa: PLC0415
 
     cfg = tiny_config(model_type, num_hidden_layers=3, hidden_size=256, intermediate_size=768,
@@ -812,7 +812,7 @@ def test_the_ropes_own_cos_sin_copies_are_planned(model_type):
         shape = grown[1024][1]
         assert shape.rope_saved_bytes_per_token == 8 * cfg.head_dim
         measured = (grown[1024][0] - grown[512][0]) / 512
-        line = {t: _working_set_line(shape, t, 0, keeps_attention_output=keep, shared_casts=True)
+        line = {t: working_set_line(shape, t, 0, keeps_attention_output=keep, shared_casts=True)
                 for t in (512, 1024)}  # fmt: skip
         assert measured == (line[1024].nbytes - line[512].nbytes) / 512
 
@@ -828,7 +828,7 @@ def test_fp32_qk_norm_outputs_stay_inside_the_working_set(heads, kv_heads):
     (``QK_NORM_FP32_OUTPUT_BYTES_PER_TOKEN``). (Where the MLP is the backward's peak, q <= 2h,
     the fp32 outputs do not add to it; that phase's line is 1.3-1.5x low, covered by the sum:
     ``test_recomputed_layer_backward_holds_the_whole_mlp``.)"""
-    from hf_megatrain.core.activation_memory import _working_set_line  # noqa: PLC0415
+    from hf_megatrain.core.activation_memory import working_set_line  # noqa: PLC0415
 
     grown = []
     for tokens in (256, 512):
@@ -841,7 +841,7 @@ def test_fp32_qk_norm_outputs_stay_inside_the_working_set(heads, kv_heads):
         )
     assert shape.qk_norm_fp32_output
     planned = (
-        _working_set_line(shape, 512, 0).nbytes - _working_set_line(shape, 256, 0).nbytes
+        working_set_line(shape, 512, 0).nbytes - working_set_line(shape, 256, 0).nbytes
     ) / 256
     forward = (grown[1]["forward"] - grown[0]["forward"]) / 256
     backward = (grown[1]["backward 1"] - grown[0]["backward 1"]) / 256
@@ -864,7 +864,7 @@ def test_routed_experts_working_set_is_what_backward_holds(family, h, k):
     a shared expert's 8 B per element of its width and 20h (Qwen2-MoE). For the families the
     plan takes as audited (5% error) the line is within 5% of the measured backward (1.5-2.5x
     below it before); GLM-4-MoE's shared expert, without a gate, holds less: planned high."""
-    from hf_megatrain.core.activation_memory import _working_set_line  # noqa: PLC0415
+    from hf_megatrain.core.activation_memory import working_set_line  # noqa: PLC0415
     from tests.helpers import tiny_config  # noqa: PLC0415
 
     grown = []
@@ -878,7 +878,7 @@ def test_routed_experts_working_set_is_what_backward_holds(family, h, k):
     assert shape.experts_per_token == k
     measured = (grown[1] - grown[0]) / 256
     planned = (
-        _working_set_line(shape, 512, 0).nbytes - _working_set_line(shape, 256, 0).nbytes
+        working_set_line(shape, 512, 0).nbytes - working_set_line(shape, 256, 0).nbytes
     ) / 256
     assert measured <= 1.05 * planned, (measured, planned)
     if shape.moe_working_set_audited:
@@ -892,13 +892,13 @@ def test_routed_experts_error_is_the_audited_families_only():
     from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
         MOE_WORKING_SET_KIND,
         WORKING_SET_KIND,
-        _working_set_line,
+        working_set_line,
     )
     from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
     from tests.helpers import tiny_config, tiny_model  # noqa: PLC0415
 
     kinds = {
-        arch: _working_set_line(model_shape(tiny_model(tiny_config(arch))), 4096, 0).kind
+        arch: working_set_line(model_shape(tiny_model(tiny_config(arch))), 4096, 0).kind
         for arch in ("olmoe", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
     }
     assert kinds == {"olmoe": MOE_WORKING_SET_KIND, "qwen3_moe": MOE_WORKING_SET_KIND,
@@ -921,15 +921,15 @@ def test_fused_loss_chunk_holds_ten_bytes_per_logit():
         hidden = torch.randn(chunk * chunks, h, requires_grad=True)
         targets = torch.randint(0, v, (chunk * chunks,))
         live = Live()
-        saved = chunked_loss._add_product_fp32
-        chunked_loss._add_product_fp32 = _cuda_fp32_gemm
+        saved = chunked_loss.add_product_fp32
+        chunked_loss.add_product_fp32 = _cuda_fp32_gemm
         try:
             with live, torch.autocast("cpu", dtype=BF16):
                 chunked_loss.chunked_linear_cross_entropy(
                     hidden, w, targets, softcap=softcap, chunk_tokens=chunk, compute_dtype=BF16
                 )
         finally:
-            chunked_loss._add_product_fp32 = saved
+            chunked_loss.add_product_fp32 = saved
         # Beside the chunk: the bf16 head copy, the fp32 weight gradient (from the second chunk
         # on), the hidden-state gradient, a chunk's hidden rows in bf16 (and a keep mask).
         besides = v * h * 2 + (v * h * 4 if chunks > 1 else 0) + chunk * chunks * h * 4

@@ -28,7 +28,7 @@ def _builder_plan(monkeypatch, shape, options, step, *, trainable=True, hbm=H200
     ]
     resolved = options.resolve(clipping=True, cuda=True, single_backward=step.grad_accum == 1)
     cuda = torch.device("cuda")
-    return builder._resident_layer_count(layers, resolved, cuda, BF16, shape, step, 0, None)
+    return builder.resident_layer_count(layers, resolved, cuda, BF16, shape, step, 0, None)
 
 
 @pytest.fixture(scope="module")

@@ -191,7 +191,7 @@ def test_qk_norm_working_set_term_is_measured(tiles):
     (tests/test_plan_accuracy.py measures that)."""
     from hf_megatrain.core.activation_memory import (  # noqa: PLC0415
         QK_NORM_FP32_OUTPUT_BYTES_PER_TOKEN,
-        _working_set_line,
+        working_set_line,
     )
 
     widths = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1)
@@ -203,8 +203,8 @@ def test_qk_norm_working_set_term_is_measured(tiles):
             peaks.append(_run(model, tokens, 1)["backward"])
         measured[family] = (peaks[1] - peaks[0]) / 1024
         planned[family] = (
-            _working_set_line(shape, 2048, tiles).nbytes
-            - _working_set_line(shape, 1024, tiles).nbytes
+            working_set_line(shape, 2048, tiles).nbytes
+            - working_set_line(shape, 1024, tiles).nbytes
         ) / 1024
     q, kv = 256, 128
     fp32_outputs = QK_NORM_FP32_OUTPUT_BYTES_PER_TOKEN * (q + kv)

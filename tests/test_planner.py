@@ -11,7 +11,7 @@ import torch
 
 from hf_megatrain.cli import DEFAULT_CONFIG, main
 from hf_megatrain.cli_plan import CLI_NAMER, plan_config
-from hf_megatrain.core.builder import LayerLayout, _resident_layer_count
+from hf_megatrain.core.builder import LayerLayout, resident_layer_count
 from hf_megatrain.core.host_store import device_layer_bytes, layer_store_bytes
 from hf_megatrain.core.options import EngineOptions, StepShape
 from hf_megatrain.core.planner import (
@@ -234,7 +234,7 @@ def _count(asked, layers, device, reserve_gib: float = 0.0, clipping: bool = Tru
     """The builder's HBM-tier count (and plan) for ``resident_layers=asked``."""
     engine = EngineOptions(resident_layers=str(asked), hbm_reserve_gb=reserve_gib, **options)
     resolved = engine.resolve(clipping=clipping, cuda=device.type == "cuda")
-    return _resident_layer_count(layers, resolved, device, BF16, None, None, 0, None)
+    return resident_layer_count(layers, resolved, device, BF16, None, None, 0, None)
 
 
 def test_resident_layer_count_auto_is_zero_on_cpu():
@@ -460,7 +460,7 @@ def test_plan_cli_hbm_cast_weights(capsys):
     out = capsys.readouterr().out
     assert "layers: 28 in HBM" in out and "cast to bf16 on use" in out
     # Five: the kept layers' backward, their saves and the loss's lines, apart from a recomputed
-    # layer's (``activation_memory._kept_phases_apart``).
+    # layer's (``activation_memory.kept_phases_apart``).
     assert "activations kept, no recompute: layers 23-27" in out
 
 

@@ -25,13 +25,12 @@ import torch
 from safetensors.torch import load_file
 
 import hf_megatrain.cli_resume as cli_resume
-import hf_megatrain.hf.trainer as trainer_module
-from hf_megatrain import HFMegaTrainer
 from hf_megatrain.cli import parse_train
 from hf_megatrain.cli_common import CLIError
 from hf_megatrain.cli_resume import RECORD_NAME, check_same_run, run_record
-from hf_megatrain.cli_train import _loader_arguments
+from hf_megatrain.cli_train import loader_arguments
 from hf_megatrain.core.options import EngineOptions, OptionError
+from hf_megatrain.hf.flops import model_flops_utilization
 from hf_megatrain.hf.sequence_parallel import (
     SequenceParallelError,
     batch_problem,
@@ -91,6 +90,9 @@ def test_sequence_parallel_equals_single_process(runs):
     # The layers ran on half rows, through DeepSpeed's attention wrapper.
     assert single[0]["seq_len_seen"] == 64
     assert all(r["seq_len_seen"] == 32 for r in sp)
+    # MFU's attention term counts the whole row a token attends over, not the local shard.
+    assert single[0]["attention_row_len"] == 64
+    assert all(r["attention_row_len"] == 64 for r in sp)
     assert all(r["attention_function"] == "uattn_wrapper" for r in sp)
     assert single[0]["attention_function"] != "uattn_wrapper"
     a, b = single[0]["logs"], sp[0]["logs"]
@@ -299,43 +301,26 @@ def test_option_validated():
 
 def test_cli_plans_the_shard():
     """The CLI streams the model before the trainer: its plan's step is per rank too."""
-    whole = _loader_arguments(parse_train(["--seq_len", "64"]))["step"]
-    shard = _loader_arguments(parse_train(["--seq_len", "64", "--sequence-parallel", "2"]))["step"]
+    whole = loader_arguments(parse_train(["--seq_len", "64"]))["step"]
+    shard = loader_arguments(parse_train(["--seq_len", "64", "--sequence-parallel", "2"]))["step"]
     assert whole.seq_len == 64
     assert (shard.seq_len, shard.micro_batch_tokens) == (32, whole.micro_batch_tokens // 2)
     assert shard.grad_accum == whole.grad_accum
 
 
-def test_mfu_attention_over_the_whole_row(monkeypatch):
-    """MFU's attention term is per token over the row it attends to: under sequence parallelism
-    the global row (N x the local shard the layers ran on), not the shard."""
-    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: 11.0))
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 0)
+def test_mfu_attention_over_the_whole_row():
+    """MFU counts 6 FLOPs per active parameter and token plus causal attention over the row
+    the token attends to (the trainer passes ``attention_row_len``: the global row under
+    sequence parallelism, checked in test_sequence_parallel_equals_single_process)."""
+    cfg = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2)
 
-    def mfu(sp):
-        fake = SimpleNamespace(  # the attributes _throughput_logs reads
-            _time_of_log=10.0,  # 1 s ago
-            _tokens_since_log=1000,  # this rank's (shard) tokens
-            _last_seq_len=32,  # the shard's length
-            _megatrain_sp=sp,
-            _active_params=lambda: 100,
-            args=SimpleNamespace(world_size=2, device="cpu"),
-            megatrain_options=SimpleNamespace(peak_tflops=1e-6),  # 1e6 FLOP/s
-            megatrain=SimpleNamespace(
-                engine=SimpleNamespace(is_cuda=True, host_wait_s=0.0, device_updates=0)
-            ),
-            _host_wait_at_log=0.0,
-            _hint_device_updates=lambda waited_s, elapsed_s: None,
-            _gpu_updates_at_log=0,
-            model=SimpleNamespace(
-                config=SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2)
-            ),
-        )
-        return HFMegaTrainer._throughput_logs(fake)["mfu"]
+    def mfu(row_len):  # 2000 tokens/s over 2 GPUs of 1e6 FLOP/s, 100 active parameters
+        return model_flops_utilization(cfg, 100, 2000.0, 2, 1e-6, row_len)
 
-    # 2000 tokens/s over 2 GPUs; per token 6 x 100 params + 6 x 2 layers x 8 hidden x row.
-    assert mfu(None) == pytest.approx((600 + 96 * 32) * 2000 / 2e6)
-    assert mfu(SimpleNamespace(size=2)) == pytest.approx((600 + 96 * 64) * 2000 / 2e6)
+    # Per token 6 x 100 params + attention: 6 x 2 heads x (4 + 4) head dims = 96 FLOPs per key
+    # and layer, row / 2 keys per query (causal), 2 layers: 96 x row.
+    assert mfu(32) == pytest.approx((600 + 96 * 32) * 2000 / 2e6)
+    assert mfu(64) == pytest.approx((600 + 96 * 64) * 2000 / 2e6)
 
 
 # ---- batches Ulysses cannot take as they are (no processes, no deepspeed) ------------------------

@@ -17,7 +17,7 @@ def test_llama_matches_stock_trainer(tmp_path, overlap):
     )
     assert trainer.optimizer.overlap_update is overlap
     # The dense path trains through the fused chunked LM-head loss (logits never built).
-    assert trainer._wrapper.fused_loss
+    assert trainer.streamed_model.fused_loss
     # Throughput and memory reach the Trainer's logs (so TensorBoard / W&B callbacks see them).
     last = mega[-1]
     assert last["tokens_per_s"] > 0 and last["model_tflops"] > 0

@@ -96,7 +96,7 @@ def test_store_bytes_per_param(tmp_path):
         store = LayerStore(
             slots, numel, decay, dtype, pin=False, hold_grad=hold, stream_master=master
         )
-        assert len(store._mmap) == store.nbytes == nbytes, (dtype, hold, master)
+        assert store.mapped_bytes == store.nbytes == nbytes, (dtype, hold, master)
         assert layer_store_bytes(numel, dtype, True, hold, master) == nbytes
         assert (store.grad is not None) == hold
         # fp32-master streaming (or an fp32 run): the stream *is* the master.
@@ -117,7 +117,7 @@ def test_store_bytes_per_param(tmp_path):
         train_dataset=make_data(4),
     )
     for s in _host_layers(trainer):
-        assert len(s._mmap) == _round(s.numel * 2) + 3 * _round(s.numel * 4)
+        assert s.mapped_bytes == _round(s.numel * 2) + 3 * _round(s.numel * 4)
 
 
 def test_fp32_master_streaming_matches_default_bf16(tmp_path):
@@ -132,7 +132,7 @@ def test_fp32_master_streaming_matches_default_bf16(tmp_path):
     assert trainer.megatrain.engine.streams_fp32_master
     assert all(s.stream is s.master and s.stream.dtype == torch.float32 for s in layers)
     # Clipping on (the helpers' default): the grad slot stays, the bf16 copy goes: 16 B/param.
-    assert all(len(s._mmap) == 4 * _round(s.numel * 4) for s in layers)
+    assert all(s.mapped_bytes == 4 * _round(s.numel * 4) for s in layers)
     # Exact: both round the same fp32 master to bf16 once (round-to-nearest-even, copy_ on the
     # host vs .to() at acquire), so every bf16 weight, loss and update is bitwise the same.
     assert [r["loss"] for r in got] == [r["loss"] for r in base]
@@ -148,7 +148,7 @@ def test_both_options_together_match_stock(tmp_path):
     got, trainer = run_trainer(
         model, tmp_path, "slim", mega=True, megatrain_stream_fp32_master=True, **kw
     )
-    assert all(len(s._mmap) == 3 * _round(s.numel * 4) for s in _host_layers(trainer))
+    assert all(s.mapped_bytes == 3 * _round(s.numel * 4) for s in _host_layers(trainer))
     # Bitwise: the same bf16 weights (see above) and the same eager fp32 updates.
     assert [r["loss"] for r in got] == [r["loss"] for r in base]
 

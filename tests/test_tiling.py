@@ -225,13 +225,13 @@ def test_recompute_skips_the_tiles_whose_output_it_never_reads(tmp_path, monkeyp
     import hf_megatrain.core.tiling as tiling
 
     calls = {"n": 0}
-    run = tiling._run
+    run = tiling.run_tile
 
     def counted(*a):
         calls["n"] += 1
         return run(*a)
 
-    monkeypatch.setattr(tiling, "_run", counted)
+    monkeypatch.setattr(tiling, "run_tile", counted)
     model = tiny_model(tiny_config(arch, num_hidden_layers=2))
     results = {}
     for name in ("all-tiles", "skip"):
@@ -239,7 +239,7 @@ def test_recompute_skips_the_tiles_whose_output_it_never_reads(tmp_path, monkeyp
             monkeypatch.setattr(tiling, "refill_remaining", lambda: None)
         else:
             monkeypatch.undo()
-            monkeypatch.setattr(tiling, "_run", counted)
+            monkeypatch.setattr(tiling, "run_tile", counted)
         calls["n"] = 0
         logs, trainer = run_trainer(
             copy.deepcopy(model), tmp_path, name, mega=True, max_steps=2,

@@ -235,7 +235,7 @@ def test_eval_split_is_used_when_there(monkeypatch, tok):
         splits = {"train": train, "validation": valid}
         if streaming:
             splits = {k: v.to_iterable_dataset() for k, v in splits.items()}
-        monkeypatch.setattr(training_data, "_load_splits", lambda args: splits)
+        monkeypatch.setattr(training_data, "load_splits", lambda args: splits)
         args = DataArguments(dataset_name="org/name", seq_len=16, streaming=streaming, **kwargs)
         return load_training_data(args, tok)
 
@@ -388,7 +388,7 @@ def test_hub_id_without_network_fails_fast(monkeypatch, tok):
     assert datasets.config.HF_HUB_OFFLINE is False  # offline for that load only
     # Behind a proxy a direct connection proves nothing: not checked.
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    assert training_data._hub_unreachable() is None
+    assert training_data.hub_unreachable() is None
 
 
 def test_folder_splits_follow_datasets_file_names(tmp_path, monkeypatch, tok):
@@ -441,7 +441,7 @@ def test_missing_local_paths_are_not_hub_ids(monkeypatch, tok, name):
     def no_hub(*a, **k):
         raise AssertionError("the Hub was asked")
 
-    monkeypatch.setattr(training_data, "_hub_unreachable", no_hub)
+    monkeypatch.setattr(training_data, "hub_unreachable", no_hub)
     with pytest.raises(DataError, match=f"data not found: {name} \\(--dataset_name\\)"):
         load_training_data(DataArguments(dataset_name=name), tok)
 

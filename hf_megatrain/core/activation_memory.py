@@ -90,7 +90,7 @@ UNMEASURED_ERROR = 0.20
 #: * kept activations, 5%: matrixds-1656 (Qwen2.5-3B at 64k tokens, 15 layers keeping theirs:
 #:   +4.3% of 65.2 GiB once the working set has its error), where the sum of the kept and the
 #:   recomputed layers' lines covered it; 13% where the kept layers are the model's last and the
-#:   plan holds their backward apart from the recomputed layers' (``_kept_phases_apart``): 45
+#:   plan holds their backward apart from the recomputed layers' (``kept_phases_apart``): 45
 #:   such rows, the worst the matrix's Qwen3-1.7B at 131,072 tokens (d53f3e3, a first-step row
 #:   with only its reserved peak: +13.0% of 45.8 GiB); the rows with an allocated peak are
 #:   planned -0.9% to +5.8% of it (4ae9c4f: Qwen3-1.7B and H2O-Danube-1.8B at 4k-128k).
@@ -345,7 +345,7 @@ def _kv_heads(shape: ModelShape) -> int:
     return kv // shape.head_dim if shape.head_dim else 0
 
 
-def _working_set_line(
+def working_set_line(
     shape: ModelShape,
     t: int,
     tile: int,
@@ -502,7 +502,7 @@ def _working_set_line(
             shape, experts_per_token=0, intermediate_size=shape.dense_mlp_size,
             shared_expert_size=0, dense_mlp_size=0, peak_working_set_audited=True,
         )  # fmt: skip
-        dense_line = _working_set_line(
+        dense_line = working_set_line(
             dense, t, tile, every_layer_recomputed, keeps_attention_output, shared_casts
         )
         if dense_line.nbytes > line.nbytes:
@@ -1295,14 +1295,14 @@ def _kept_output_working_set(
     and the bytes per token it holds less than ``work``, the line of one that does not (made
     here when not given)."""
     if work is None:
-        work = _working_set_line(shape, t, tile, shared_casts=shared_casts)
-    work_kept = _working_set_line(
+        work = working_set_line(shape, t, tile, shared_casts=shared_casts)
+    work_kept = working_set_line(
         shape, t, tile, keeps_attention_output=True, shared_casts=shared_casts
     )
     return work_kept, (work.nbytes - work_kept.nbytes) // max(t, 1)
 
 
-def _kept_phases_apart(
+def kept_phases_apart(
     shape: ModelShape, step: StepShape, options: ResolvedOptions, kept_layers: Sequence[int]
 ) -> bool:
     """Whether the layers keeping activations are the model's last (every layer in HBM), so
@@ -1432,12 +1432,12 @@ def activation_lines(
     # A layer's backward working set (layers keeping activations: the earlier, summed
     # calibration, see the loss's lines), and where the layer keeps its attention output.
     shared = shares_input_casts(options, dtype)
-    apart = _kept_phases_apart(shape, step, options, kept_layers)
+    apart = kept_phases_apart(shape, step, options, kept_layers)
     kept = None
     if kept_layers:
         kind = KEPT_APART_KIND if apart else KEPT_ACTIVATIONS_KIND
         kept = kept_activations_line(shape, step, options, dtype, len(kept_layers), kind)
-    work = _working_set_line(shape, t, tile, not len(kept_layers), shared_casts=shared)
+    work = working_set_line(shape, t, tile, not len(kept_layers), shared_casts=shared)
     joint = None
     if _joint_segment_peak(options, len(kept_layers)):
         work_kept, saving = _kept_output_working_set(shape, t, tile, work, shared_casts=shared)
@@ -1642,7 +1642,7 @@ def activation_lines(
                     )
                 )
             first = kept.nbytes + max(loss_part, kept_backward)
-            peak = _working_set_line(shape, t, tile, shared_casts=shared)
+            peak = working_set_line(shape, t, tile, shared_casts=shared)
             if len(kept_layers) == shape.num_layers:
                 lines[work_at] = MemoryLine(
                     "one layer's backward working set: none, every layer keeps its activations",

@@ -106,14 +106,14 @@ def build_streamed_state(
     if device.type == "cuda":
         prefer_expandable_segments()  # before the HBM tier and the stream buffers are allocated
     trainable = [layer.trainable for layer in layers]
-    n_resident, plan = _resident_layer_count(
+    n_resident, plan = resident_layer_count(
         layers, options, device, compute_dtype, shape, step, input_model_bytes, dp, namer
     )
     # Checked only where the plan stages device updates (no start-up work for other runs); where
     # the GPU's AdamW may not take them (logged), planned again: no staging, no stores pinned.
     if plan is not None and plan.device_updates and not exact_adamw.matches_cpu_adamw(device):
         options = options.without_device_updates()
-        n_resident, plan = _resident_layer_count(
+        n_resident, plan = resident_layer_count(
             layers, options, device, compute_dtype, shape, step, input_model_bytes, dp, namer
         )
     if plan is not None and plan.options is not None:
@@ -254,7 +254,7 @@ def device_free_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def _resident_layer_count(
+def resident_layer_count(
     layers: Sequence[LayerLayout],
     options: ResolvedOptions,
     device: torch.device,
@@ -409,4 +409,5 @@ __all__ = [
     "build_frozen_state",
     "build_streamed_state",
     "move_to_host_tier",
+    "resident_layer_count",
 ]

@@ -62,7 +62,7 @@ def _fp32_gemm(op: str, *args: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def _add_product_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def add_product_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc + a @ b`` in fp32 (``a @ b`` alone when ``acc`` is None).
 
     On CUDA with compute-dtype operands the GEMM writes fp32 itself (``out_dtype``), and
@@ -306,7 +306,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if need_h:
                 grad_hidden[start:end] = ((g @ w) * keep).to(hidden.dtype)
             if need_w:
-                grad_weight = _add_product_fp32(grad_weight, g.t(), h * keep)
+                grad_weight = add_product_fp32(grad_weight, g.t(), h * keep)
             del g  # before the next chunk's logits: one chunk's gradient alive at a time
         if need_w and grad_weight is None:  # no tokens
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)

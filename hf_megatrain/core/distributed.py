@@ -145,7 +145,7 @@ class DataParallel:
         launcher started several processes (``WORLD_SIZE > 1``) but nobody initialized the group
         yet (a model streamed before its ``TrainingArguments`` exist), it is initialized here the
         way accelerate would: NCCL for CUDA devices, gloo for CPU; accelerate then adopts it.
-        Nodes are the launcher's (see :func:`_launch_layout`); with several, the groups of each
+        Nodes are the launcher's (see :func:`launch_layout`); with several, the groups of each
         node's ranks and of each local rank across nodes are created here (collective).
         """
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -160,7 +160,7 @@ class DataParallel:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend=backend)
         rank, world = dist.get_rank(), dist.get_world_size()
-        nodes = _launch_layout(world)  # node -> its global ranks, by local rank
+        nodes = launch_layout(world)  # node -> its global ranks, by local rank
         mine = next(n for n, ranks in enumerate(nodes) if rank in ranks)
         node_group = cross_group = None
         if len(nodes) > 1:
@@ -401,7 +401,7 @@ def _int_env(name: str) -> int | None:
     return int(value) if value.strip().lstrip("-").isdigit() else None
 
 
-def _launch_layout(world: int) -> list[list[int]]:
+def launch_layout(world: int) -> list[list[int]]:
     """The launch's nodes, each as its global ranks by local rank (collective).
 
     Membership comes from the launcher: ``GROUP_RANK`` (torchrun's node rank; ``accelerate
@@ -499,4 +499,10 @@ def _open_shared_region(nbytes: int, dp: DataParallel) -> mmap.mmap:
         os.close(fd)
 
 
-__all__ = ["DataParallel", "DataParallelError", "PUBLISH_TIMEOUT_S", "launch_layout_error"]
+__all__ = [
+    "DataParallel",
+    "DataParallelError",
+    "PUBLISH_TIMEOUT_S",
+    "launch_layout",
+    "launch_layout_error",
+]

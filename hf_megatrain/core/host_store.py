@@ -467,6 +467,13 @@ class LayerStore(_FlatLayerState):
     update_state_pinned: bool = False
 
     @property
+    def mapped_bytes(self) -> int:
+        """Host bytes this store mapped for itself (what it costs the host beyond a shared
+        buffer; a frozen or owned store maps at least a page)."""
+        mapping = getattr(self, "_mmap", None)
+        return 0 if mapping is None else len(mapping)
+
+    @property
     def compact_grad(self) -> bool:
         """Whether the gradient slot holds the compute dtype (one backward's gradient, exactly)."""
         return self.grad is not None and self.grad.dtype != torch.float32

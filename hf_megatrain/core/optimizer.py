@@ -485,7 +485,7 @@ class HostAdamW(torch.optim.Optimizer):
             self._step_resident(group, self._hyper(group))
 
         def update_layer(idx: int) -> None:
-            self._update_layer(jobs[idx], scale_by_device, self.engine.final_grad(idx))
+            self.apply_layer_update(jobs[idx], scale_by_device, self.engine.final_grad(idx))
             self.engine.publish_update(idx, version)
 
         for idx in self._owned_layers:
@@ -525,7 +525,7 @@ class HostAdamW(torch.optim.Optimizer):
 
         def run(state: dict | None) -> None:
             if state is None:
-                self._update_layer(jobs[idx], scale_by_device, self.engine.final_grad(idx))
+                self.apply_layer_update(jobs[idx], scale_by_device, self.engine.final_grad(idx))
                 return
             dev = state["master"].device
             for seg, kw in jobs[idx]:
@@ -590,7 +590,7 @@ class HostAdamW(torch.optim.Optimizer):
                 self._segments[g] = [part for p in parts for part in p]
 
     @staticmethod
-    def _update_layer(
+    def apply_layer_update(
         jobs: list[tuple[_Segment, dict]],
         scale_by_device: dict | None,
         grad: torch.Tensor,
@@ -629,9 +629,9 @@ class HostAdamW(torch.optim.Optimizer):
         backward of the layers below it continues; HBM-tier layers update on the GPU in place.
         """
         self.eager = True
-        self.engine.on_grad_final = self._on_grad_final
+        self.engine.on_grad_final = self.on_layer_grad_final
 
-    def _on_grad_final(self, idx: int, event) -> None:
+    def on_layer_grad_final(self, idx: int, event) -> None:
         if self._clip_coef is not None:
             raise RuntimeError("hf_megatrain: eager updates cannot be combined with clipping")
         if idx in self._eager_done:
@@ -678,7 +678,7 @@ class HostAdamW(torch.optim.Optimizer):
                     # its step count) itself when the flag is set; pending_nonfinite reads it.
                     found_inf = (~torch.isfinite(grad.sum())).to(torch.float32)
                     self._eager_flags.append((idx, found_inf))
-                self._update_layer(jobs[idx], None, grad, found_inf)
+                self.apply_layer_update(jobs[idx], None, grad, found_inf)
                 self.engine.publish_update(idx, self.engine.weights_version + 1)
                 self.eager_updates += 1
         finally:

@@ -410,7 +410,7 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def _exchange(a: str, b: str) -> bool:
+def exchange_paths(a: str, b: str) -> bool:
     """Swap two paths in one atomic step (Linux ``renameat2``); False where unavailable."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2
@@ -464,7 +464,7 @@ def publish(temp: str, target: str, keep: Callable[[str], bool] | None = None) -
     if keep is not None:
         recover_children(target)
         _carry(target, temp, keep)
-    if _exchange(temp, target):
+    if exchange_paths(temp, target):
         fsync_dir(parent)
         fsync_dir(os.path.dirname(os.path.abspath(temp)))
         shutil.rmtree(temp, ignore_errors=True)  # now the old set

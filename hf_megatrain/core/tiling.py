@@ -22,7 +22,7 @@ from .recompute import refill_remaining
 from .rng import replayed_rng, rng_state
 
 
-def _run(module: nn.Module, forward, names: list[str], params, x: torch.Tensor) -> torch.Tensor:
+def run_tile(module: nn.Module, forward, names: list[str], params, x: torch.Tensor) -> torch.Tensor:
     with _reparametrize_module(module, dict(zip(names, params))):
         return forward(module, x)
 
@@ -80,7 +80,7 @@ class _TiledFunction(torch.autograd.Function):
             # ran all the tiles.)
             return torch.empty_like(x)
         with torch.no_grad():
-            return _tiled_outputs(x, tile, lambda xs: _run(module, forward, names, params, xs))
+            return _tiled_outputs(x, tile, lambda xs: run_tile(module, forward, names, params, xs))
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -99,7 +99,7 @@ class _TiledFunction(torch.autograd.Function):
                     # On an alias: autocast caches its casts of a leaf that requires grad, and the
                     # gate and up projections would then sum their input gradients in bf16 (untiled,
                     # the input is no leaf: each cast's gradient is widened and summed in fp32).
-                    out = _run(ctx.module, ctx.forward_fn, ctx.names, leaves, xs.view_as(xs))
+                    out = run_tile(ctx.module, ctx.forward_fn, ctx.names, leaves, xs.view_as(xs))
                 wrt = ([xs] if x.requires_grad else []) + trainable
                 if not wrt:
                     break

@@ -99,7 +99,7 @@ def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return compiled(rms_norm)(flat, self.weight, self.variance_epsilon).reshape(shape)
 
 
-def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     shape = gate.shape
     flat = [_dynamic(t.reshape(-1, shape[-1]), 0) for t in (gate, up)]
@@ -311,7 +311,7 @@ def apply_compiled_kernels(model: nn.Module) -> int:
     check_compiled_kernels_apply(model)
     modules, rope = _compiled_targets(model)
     for module in modules:
-        forward = _norm_forward if _norm_like(module) else _swiglu_forward
+        forward = _norm_forward if _norm_like(module) else swiglu_forward
         module.forward = types.MethodType(forward, module)
     count = len(modules)
     if rope is not None:

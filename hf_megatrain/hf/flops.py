@@ -54,6 +54,17 @@ def attention_flops_per_token(config: Any, seq_len: int) -> float:
     return per_key * sum(_keys_per_query(cfg, kind, seq_len) for kind in _layer_kinds(cfg))
 
 
+def model_flops_utilization(
+    config: Any, n_params: int, tokens_per_s: float, world: int, peak_tflops: float, row_len: int
+) -> float:
+    """MFU per GPU: the whole job's ``tokens_per_s`` over ``world`` GPUs of ``peak_tflops``, each
+    token through ``n_params`` active parameters (6 FLOPs each) and causal attention over its row
+    of ``row_len`` tokens (the whole row: under sequence parallelism N times the local shard).
+    Recompute is not counted: it is overhead."""
+    flops = 6 * n_params + attention_flops_per_token(config, row_len)
+    return round(flops * tokens_per_s / (world * peak_tflops * 1e12), 4)
+
+
 def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Dense plus attention FLOPs per trained token (MFU's numerator per token)."""
     return 6 * active_params(model) + attention_flops_per_token(model.config, seq_len)

@@ -69,7 +69,7 @@ def _split_options(
     return (base.with_(**fields) if fields else base), kwargs
 
 
-def _streamed_skeleton(
+def streamed_skeleton(
     config,
     options: EngineOptions,
     *,
@@ -171,7 +171,7 @@ def load_streamed_model(
     # tensors that do not fit the model (missing, unexpected, another shape), from the headers.
     check_checkpoint_files(path)
     check_checkpoint_tensors(config, path)
-    model = _streamed_skeleton(
+    model = streamed_skeleton(
         config, options, device=device, bf16=bf16, attn_implementation=attn, step=step,
         clipping=clipping, use_liger_kernel=use_liger_kernel,
         liger_kernel_config=liger_kernel_config, trainable=trainable,
@@ -473,7 +473,7 @@ def init_streamed_model(
     options, unknown = _split_options(options, option_fields)
     if unknown:
         raise TypeError(f"init_streamed_model: unknown argument(s) {', '.join(sorted(unknown))}")
-    model = _streamed_skeleton(
+    model = streamed_skeleton(
         config, options, device=device, bf16=bf16, attn_implementation=attn_implementation,
         step=step, clipping=clipping, use_liger_kernel=use_liger_kernel,
         liger_kernel_config=liger_kernel_config,

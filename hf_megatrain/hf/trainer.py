@@ -54,7 +54,7 @@ from .checkpoint import (
     stock_optimizer_note,
     write_streamed_pretrained,
 )
-from .flops import active_params, attention_flops_per_token
+from .flops import active_params, model_flops_utilization
 from .guards import (
     IGNORE_INDEX,
     NonFiniteError,
@@ -548,7 +548,7 @@ def _rows_of(dataset: Any) -> int | None:
         return None
 
 
-def _last_batch_rows(loader: Any, world: int) -> tuple[int, int] | None:
+def last_batch_rows(loader: Any, world: int) -> tuple[int, int] | None:
     """How accelerate's ``even_batches`` filled the last global batch of an epoch of ``loader``
     (a prepared data-parallel dataloader, read when it yields that batch): ``(real, per_rank)``,
     the data's rows in the global batch and each rank's share of it. The global batch is the
@@ -778,6 +778,9 @@ class MegaTrainerMixin:
         )
         self._tokens_since_log = 0
         self._time_of_log = time.perf_counter()
+        #: The row length (tokens) of the last micro-batch this process's layers ran on: the
+        #: local shard's under sequence parallelism.
+        self.last_seq_len = 0
         self._host_wait_at_log = 0.0
         self._gpu_updates_at_log = 0
         # The slow-host hint: said once, after two log intervals in a row have it.
@@ -973,7 +976,7 @@ class MegaTrainerMixin:
         loader = super().get_train_dataloader()
         sp = getattr(self, "_megatrain_sp", None)
         if sp is not None and self.args.world_size > 1:
-            layout = _last_batch_rows(loader, self.args.world_size)
+            layout = last_batch_rows(loader, self.args.world_size)
             if layout is None or layout[0] < layout[1] * self.args.world_size:
                 self._megatrain_warn_repeats(
                     "sequence_parallel",
@@ -1008,7 +1011,7 @@ class MegaTrainerMixin:
         if loader is None or not loader.end_of_dataloader:
             return batch, False
         world = self.accelerator.num_processes
-        layout = _last_batch_rows(loader, world)
+        layout = last_batch_rows(loader, world)
         if layout is None:
             self._megatrain_warn_repeats(
                 "layout", "the loader's padding is unknown here (a stream without a length?)"
@@ -1069,6 +1072,12 @@ class MegaTrainerMixin:
         return None
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        return self._wrapper
+
+    @property
+    def streamed_model(self) -> nn.Module:
+        """The module each training and evaluation step calls: the model with its layers
+        streamed and, where on, the fused chunked loss (``fused_loss``) in place of logits."""
         return self._wrapper
 
     # ---- optimizer ---------------------------------------------------------------------------
@@ -1228,7 +1237,7 @@ class MegaTrainerMixin:
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if ids is not None:
             self._tokens_since_log += ids.numel()
-            self._last_seq_len = ids.shape[-1]
+            self.last_seq_len = ids.shape[-1]
         self._megatrain_in_step = True
         try:
             # Each recovery gives up at least one item (a layer's kept activations, its
@@ -1497,10 +1506,10 @@ class MegaTrainerMixin:
     def _megatrain_training_step(self, model, inputs, num_items_in_batch=None):
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if ids is not None:
-            self._megatrain_fit_kept_activations(ids.numel())
+            self.fit_kept_activations(ids.numel())
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def _megatrain_fit_kept_activations(self, tokens: int) -> None:
+    def fit_kept_activations(self, tokens: int) -> None:
         """Recompute every layer for a micro-batch larger than the plan sized kept activations for.
 
         "auto" keeps activations of as many HBM-tier layers as the planned micro-batch leaves room
@@ -1536,6 +1545,14 @@ class MegaTrainerMixin:
             logs["nonfinite_skipped"] = skipped  # steps skipped so far in this run
         super().log(logs, *args, **kwargs)
 
+    @property
+    def attention_row_len(self) -> int:
+        """The row length each token of the last micro-batch attended over: the whole row, N
+        times the local shard under sequence parallelism (each rank attends for its tokens over
+        the whole row with 1/N of the heads: the same FLOPs per local token as whole rows)."""
+        sp = getattr(self, "_megatrain_sp", None)
+        return self.last_seq_len * (1 if sp is None else sp.size)
+
     def _throughput_logs(self) -> dict[str, float]:
         """tokens/s, model TFLOP/s, MFU, waits for the host update and memory since the last
         log, for the Trainer's logs."""
@@ -1554,13 +1571,9 @@ class MegaTrainerMixin:
             out["model_tflops"] = float(f"{6 * n_params * tps / 1e12:.4g}")
             peak = self.megatrain_options.peak_tflops
             if self.megatrain.engine.is_cuda and peak:
-                # A token attends over its whole row: under sequence parallelism the row is N
-                # times the local shard (each rank attends for all tokens with 1/N of the heads,
-                # the same FLOPs per local token as one GPU on whole rows).
-                sp = getattr(self, "_megatrain_sp", None)
-                seq_len = getattr(self, "_last_seq_len", 0) * (1 if sp is None else sp.size)
-                attn = attention_flops_per_token(self.model.config, seq_len)
-                out["mfu"] = round((6 * n_params + attn) * tps / (world * peak * 1e12), 4)
+                out["mfu"] = model_flops_utilization(
+                    self.model.config, n_params, tps, world, peak, self.attention_row_len
+                )
         self._tokens_since_log = 0
         self._time_of_log = now
         # Seconds the training thread waited for the host AdamW since the last log: > 0 where
