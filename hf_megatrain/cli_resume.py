@@ -271,8 +271,13 @@ def listed_files_problem(
             if allow_missing_state and is_optimizer_state(rel):
                 continue
             return Incomplete(f"{rel} is missing", is_optimizer_state(rel))
-        if os.path.getsize(path) != int(entry["size"]):
-            return Incomplete(f"{rel} is truncated", is_optimizer_state(rel))
+        have, want = os.path.getsize(path), int(entry["size"])
+        if have != want:
+            # Shorter: cut off by a kill or a full disk; otherwise altered after the save.
+            what = "truncated" if have < want else "altered"
+            return Incomplete(
+                f"{rel} is {what}: {have} bytes, the manifest says {want}", is_optimizer_state(rel)
+            )
     return None
 
 

@@ -410,3 +410,24 @@ def test_unverified_truncated_optimizer_file_is_named(trained, rel):
             (ValueError, FileNotFoundError), match=f"hf_megatrain: .*{rel} is {how}"
         ):
             run_trainer(copy.deepcopy(model), tmp, "refused3", True, resume=str(ckpt), **kw)
+
+
+def test_completeness_check_says_truncated_or_altered(trained):
+    """The CLI's completeness check (a size against the manifest) says "truncated" only for a
+    file shorter than the manifest lists (a kill or a full disk cut it off) and "altered" for
+    one edited after the save, with both sizes."""
+    from hf_megatrain.cli_resume import checkpoint_problem
+
+    _, tmp, _, _ = trained
+    rel = "trainer_state.json"
+    for how, change in (
+        ("truncated", lambda p: p.write_bytes(p.read_bytes()[:-5])),
+        ("altered", lambda p: p.write_bytes(p.read_bytes() + b"\n\n\n")),
+    ):
+        ckpt = _copy_ckpt(tmp, f"size-{how}")
+        want = (ckpt / rel).stat().st_size
+        change(ckpt / rel)
+        have = (ckpt / rel).stat().st_size
+        problem = checkpoint_problem(str(ckpt))
+        assert problem is not None and not problem.state_only
+        assert problem.reason == f"{rel} is {how}: {have} bytes, the manifest says {want}"
