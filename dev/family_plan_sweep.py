@@ -13,8 +13,9 @@ do not; so does multi-head latent attention's, whose value width differs from th
 DeepSeek 2.3x here at hidden 256, 0.86x on the H200), so it is a lead to check on the GPU, not
 a GPU measurement. Small steps read a little high besides: the layer's weight gradients, made
 one weight at a time (a down projection's in bf16 at the MLP backward's peak), are in the GPU's
-gradient-buffer line, not counted here (Llama-like families 1.04-1.06x at hidden 256, 2,048
-tokens; 0.93-0.96x on the H200 with every line).
+gradient-buffer line, not counted here (Llama-like families 0.99-1.00x at hidden 256, 2,048
+tokens, since the plan counts the fp32 hidden-state gradient the last layer's backward takes
+in: 1.04-1.06x before, 4h B per token of it; 0.93-0.96x on the H200 with every line).
 
     python3 dev/family_plan_sweep.py --tokens 4096 [--widths 256,4,2,64,1024] [--markdown FILE] \
         [model_type ...]

@@ -1537,6 +1537,25 @@ def activation_lines(
         weight_grads = tiled_weight_grad_line(shape, dtype)
         lines.append(weight_grads)
         work = MemoryLine(work.name, work.nbytes + weight_grads.nbytes, work.kind, work.error)
+    # The hidden-state gradient a layer's backward takes in (fp32, from the layer above or the
+    # loss) is alive when that backward starts, so the working set (a layer's growth above its
+    # start) leaves it out. A middle layer's has the freed boundary of the layer above; the last
+    # layer's backward starts with every boundary alive (the CPU tracker: 4h B per token over
+    # the plan for Llama-like families without this line, tests/test_plan_accuracy.py). The
+    # joint segment peak (offloaded fp32 boundaries) is checked on the whole step instead: on
+    # the CPU scale model of the H200's long rows its lines are 12% above the live activations,
+    # this gradient among them (dev/long_plan_probe.py; the H200 524,288-token row peaked 7%
+    # under its expected peak).
+    incoming_grad = t * h * 4 if joint is None else 0
+    if incoming_grad:
+        lines.append(
+            MemoryLine(
+                f"hidden-state gradient a layer's backward takes in (fp32): {t} tokens x hidden "
+                "x 4 B",
+                incoming_grad,
+                BOUNDARY_KIND,
+            )
+        )
     if shape.adapter_activations:
         lines.append(adapter_activation_line(shape, step, dtype))
     lines += attention_mask_lines(shape, step, dtype, kept_layers)
@@ -1545,7 +1564,7 @@ def activation_lines(
         # logits, their fp32 copy (log_softmax(dtype=float32) makes it from bf16 on CUDA too)
         # and the fp32 log-probabilities, 10 B per logit (12 soft-capped: Gemma's), measured on
         # the CPU (tests/test_plan_accuracy.py), and the fp32 hidden-state gradient it fills,
-        # which the last layer's backward then takes in (its working set counts it there). The
+        # which the last layer's backward then takes in (its own line counts it there). The
         # GPU holds the larger of this phase and a layer's backward (its working set and the
         # segment's recomputed inputs), not both: where the working set is the measured peak
         # (untiled gated MLPs) or a tiled dense layer's with fused kernels, every layer
@@ -1567,7 +1586,7 @@ def activation_lines(
         head_copy = 0 if dtype == torch.float32 else v * h * isz
         hidden_grad = t * h * 4
         head_grad = 0 if shape.frozen_head else v * h * 4  # (a frozen head gets none)
-        backward_phase = work.nbytes + cached + chain_attention
+        backward_phase = work.nbytes + cached + chain_attention + incoming_grad
         if loss_phase_apart(shape, step, options, len(kept_layers)):
             # The head's compute copy and the loss's fp32 weight gradient are gone by then too
             # (its live blocks at the first layer backward held neither; the parameter's own
@@ -1619,9 +1638,11 @@ def activation_lines(
                 chunk * v * (4 + isz),
                 LOSS_KIND,
             )
+            # (The hidden-state gradient: its own line above where there is one.)
             head = MemoryLine(
-                "LM head compute copy + fp32 weight grad + hidden-state grad",
-                head_copy + head_grad + hidden_grad,
+                "LM head compute copy + fp32 weight grad"
+                + ("" if incoming_grad else " + hidden-state grad"),
+                head_copy + head_grad + (0 if incoming_grad else hidden_grad),
                 LOSS_KIND,
             )
         lines += [loss, head]
