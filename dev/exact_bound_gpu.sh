@@ -16,6 +16,8 @@
 #              ~4 min if the host runs out as planned, ~9 if it trains).
 #   14b64k     Qwen2.5-14B at 65,536 tokens/step (16 rows of 4,096), the defaults: clipping on,
 #              auto_fit's cast HBM tier, fp32-master streaming, tiles, segments of 4. ~3 min.
+#   seamtests  tests/test_gpu.py's cases that call what 2026-12-07 made public, and its working
+#              set cases (the plan's hidden-state gradient line).
 #   familystep tests/test_gpu.py's family-step and family-at-width cases (the plan's lines per
 #              family on CUDA, the latter at hidden 1,024: the terms of 2026-12-06) and
 #              the cast HBM tier's (with the long-context options auto_fit pairs it with).
@@ -558,6 +560,13 @@ PY
     over508k)
       run over508k qwen2.5-7b:507904 900 --streamed-init --auto-fit off --resident-layers 0 \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6
+      ;;
+    seamtests)  # the GPU tests that call what 2026-12-07 made public (streamed_model, run_tile,
+      # working_set_line) and the plan's whole-step lines on CUDA (the hidden-state gradient line)
+      timeout 540 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "save_resume_on_gpu or recompute_skips_the_tiles_on_gpu or evaluation_out_of_memory \
+        or mlp_tile_term_on_gpu or kept_attention_output_memory or working_set" 2>&1 \
+        | grep -v '^DEBUG'
       ;;
     familystep)
       timeout 540 python3 -m pytest tests/test_gpu.py -k "family_step or family_at_width or hbm_cast" -o addopts="" \
