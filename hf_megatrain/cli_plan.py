@@ -375,6 +375,14 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             f"--seq-len {row_len} is longer than the {positions} positions of this model's "
             f"learned position embeddings: plan rows of at most {positions} tokens"
         )
+    trained_positions = getattr(cfg, "max_position_embeddings", None) if positions is None else None
+    if trained_positions and row_len > trained_positions:
+        # (Training warns the same: rotary positions extend, but past these none was trained.)
+        said.append(
+            f"note: --seq-len {row_len} is longer than the model's max_position_embeddings="
+            f"{trained_positions}: positions past it were never trained; extend the context "
+            "deliberately (e.g. rope_scaling) or plan shorter rows"
+        )
     said.append(kernels.log_line().replace("hf_megatrain: ", "", 1))
     # The attention the trainer would switch the model to before its plan (on CUDA, as above);
     # the search's longer rows take the choice for rows of any length.
@@ -441,6 +449,11 @@ def run_plan(ns: argparse.Namespace) -> dict[str, Any]:
             + (f"{seqs * row_len * ga} ({seqs} sequence(s) per micro-batch)" if seqs else "none")
             + f"\n  longest sequence (one per micro-batch, grad-accum {ga}): "
             + (f"{longest} tokens" if longest else "none (below 1024)")
+            + (
+                f" (past max_position_embeddings={trained_positions}: memory only)"
+                if trained_positions and longest > trained_positions
+                else ""
+            )
             + f"\n  most layers of this shape at this step: {n_layers} "
             f"({big.total_numel / 1e9:.2f}B params; the config has {shape.num_layers})"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -750,6 +751,27 @@ def test_plan_keeps_to_a_learned_position_table(tmp_path, capsys):
 
     plan = ["plan", str(cfg), "--seq-len", "16", "--tokens-per-step", "64", *memory]
     assert run_plan(build_parser().parse_args(plan))["max_seq_len"] == 32
+
+
+def test_plan_notes_rows_past_the_trained_rotary_positions(tmp_path, capsys):
+    """Found by an audit: a rotary model planned at rows past its max_position_embeddings got no
+    word (training warns: positions past it were never trained), and the search's longest
+    sequence, far past it, none either. Rotary positions extend, so both stay plans, with a
+    note; rows within the positions get none."""
+    cfg = json.loads(DEFAULT_CONFIG.read_text())
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({**cfg, "max_position_embeddings": 64}))
+    memory = ["--hbm-gib", "1.5", "--host-gib", "4.5"]  # (a short search: ~175 layers fit)
+    assert main(["plan", str(short), "--seq-len", "128", "--tokens-per-step", "128", *memory]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "note: --seq-len 128 is longer than the model's max_position_embeddings=64: positions "
+        "past it were never trained"
+    ) in out
+    assert re.search(r"longest sequence .*: \d+ tokens \(past max_position_embeddings=64", out)
+    within = ["--seq-len", "64", "--tokens-per-step", "128", "--no-search"]
+    assert main(["plan", str(short), *within, *memory]) == 0
+    assert "max_position_embeddings" not in capsys.readouterr().out
 
 
 def test_config_that_cannot_be_built_is_refused_at_parse_time(tmp_path, monkeypatch):

@@ -816,3 +816,49 @@ def test_plan_cli_plans_a_lora_run_as_the_trainer_streams_it(capsys):
         main(argv + ["--lora-r", "0"])
     with pytest.raises(SystemExit, match="LoRA: Target modules"):
         main(argv + ["--lora-r", "8", "--lora-target-modules", "nonexistent"])
+
+
+def test_non_layer_parameters_over_the_gpu_are_named_as_the_cause():
+    """A 4M-token vocabulary's embedding and head (their fp32 state stays in HBM: 16 B/param,
+    488 GiB at hidden 4,096) outgrow the GPU whatever the step: the refusal says so, not "fewer
+    tokens per micro-batch", which cannot help; a step too large for an ordinary model still
+    gets that advice."""
+    cfg = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
+    big_vocab = model_shape_from_config(plan_config_from(cfg, vocab_size=4_000_000), "big")
+    step = StepShape.from_step(4096, 4096)
+    plan = plan_memory(big_vocab, step, OFF, BF16, 139 * GIB, 124 * GIB, hbm_layers=0)
+    msg = str(plan.problems[0])
+    assert "The non-layer parameters (embedding, LM head, final norm)" in msg
+    assert "alone need 488.28 GiB, whatever the step" in msg and "fewer tokens" not in msg
+    llama = _shape("llama-3.1-8b")
+    long = StepShape.from_step(1 << 21, 1 << 21)
+    plan = plan_memory(llama, long, OFF, BF16, 139 * GIB, 124 * GIB, hbm_layers=0)
+    assert "Use fewer tokens per micro-batch" in str(plan.problems[0])
+
+
+def plan_config_from(cfg: dict, **changes):
+    """A transformers config from a config.json's fields with ``changes``."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    fields = {**cfg, **changes}
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+@pytest.mark.parametrize("name,tokens", [("llama-3.1-8b", 65536), ("qwen2.5-14b", 32768)])
+def test_tier_of_alike_layers_is_the_largest_that_fits(name, tokens):
+    """The planner bisects the HBM tier where every layer is alike (the GPU part grows with
+    each tier layer below the all-HBM count): the tier it picks is the largest count whose GPU
+    lines fit, as summing them for every count finds, across memory sizes and options."""
+    from hf_megatrain.core.plan_arithmetic import gpu_lines, total
+
+    shape = _shape(name)
+    step = StepShape.from_step(tokens, tokens)
+    for changes in ({}, {"hbm_cast_weights": True}, {"mlp_tile_tokens": 8192},
+                    {"offload_activations": True, "checkpoint_every": 4}):  # fmt: skip
+        o = opts(**changes)  # (nothing kept: the tier alone decides the GPU lines)
+        gpu = [total(gpu_lines(shape, step, o, BF16, k, 0)) for k in range(shape.num_layers + 1)]
+        for hbm_gib in (24, 60, 100, 139, 400):
+            hbm = hbm_gib * GIB
+            picked = plan_memory(shape, step, o, BF16, hbm, 1 << 50).n_hbm
+            fitting = [k for k, need in enumerate(gpu) if need <= hbm]
+            assert picked == max(fitting, default=0), (changes, hbm_gib, picked, fitting)

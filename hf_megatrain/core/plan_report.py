@@ -33,6 +33,7 @@ from .plan_arithmetic import (
     ALLOCATOR_FRAGMENTATION,
     DEVICE_UPDATE_LINE,
     GIB,
+    PARAMS_KIND,
     PCIE_BYTES_PER_S,
     SAFETY_MARGIN_LINE,
     SLACK_KIND,
@@ -281,16 +282,23 @@ def add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
             else f"with {plan.n_hbm} layers in HBM, the GPU part"
         )
         big = max(fixed_gpu_lines, key=lambda line: line.nbytes)
-        advice = (
-            Message.of(
+        # What no step size or option changes: the non-layer parameters' state (HBM-resident).
+        params = sum(ln.nbytes for ln in fixed_gpu_lines if ln.kind == PARAMS_KIND)
+        if params > plan.hbm_available:
+            advice = Message.of(
+                "The non-layer parameters (embedding, LM head, final norm), whose fp32 state "
+                f"stays in HBM, alone need {format_bytes(params)}, whatever the step: this model "
+                "needs a GPU with more memory."
+            )
+        elif plan.step is not None:
+            advice = Message.of(
                 "Use fewer tokens per micro-batch (more gradient accumulation) or a shorter "
                 "sequence."
             )
-            if plan.step is not None
-            else Message.of(
+        else:
+            advice = Message.of(
                 "Lower the HBM reserve (", option("hbm_reserve_gb"), ") or stream every layer."
             )
-        )
         plan.problems.append(
             MemoryPlanError(
                 Message.of(

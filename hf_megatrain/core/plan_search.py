@@ -160,12 +160,31 @@ def _plan(
     # too (a frozen LoRA base: none; the builder makes the same cut).
     most = shape.tier_layers
 
+    # Layers all alike and all training: below the all-HBM count each tier layer adds its
+    # state to the GPU and the streamed layers' buffers stay the size of one such layer, so the
+    # GPU part grows with the tier and a bisection finds the largest that fits (the scan of
+    # every count made the "what fits" search of a small model's layer count take minutes).
+    alike = len(set(shape.layer_numels)) == 1 and not shape.frozen_layer_numels
+
     def tier(attn: int) -> int:
         if hbm_layers is not None:
             return min(hbm_layers, most)
-        # Largest prefix that fits. Not monotone in k (an all-HBM plan drops the stream buffers),
-        # so try every count instead of stopping at the first miss.
-        return next((k for k in range(most, -1, -1) if total(gpu(k, 0, attn)) <= hbm_bytes), 0)
+
+        def fits(k: int) -> bool:
+            return total(gpu(k, 0, attn)) <= hbm_bytes
+
+        # Largest prefix that fits. Not monotone in k at the top (an all-HBM plan drops the
+        # stream buffers), nor below it where layers differ (moving the largest layer into the
+        # tier shrinks the buffers sized by the largest streamed one): try every count there.
+        if not alike or most < n:
+            return next((k for k in range(most, -1, -1) if fits(k)), 0)
+        if fits(most):
+            return most
+        lo, hi = -1, most  # fits(lo) (lo >= 0), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return max(lo, 0)
 
     if attention_first:
 

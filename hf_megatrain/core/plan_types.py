@@ -202,6 +202,8 @@ class ModelShape:
     def trained_numels(self, first: int) -> list[int]:
         """``layer_trained_numel`` of layers ``first`` onwards (the host layers after a tier of
         ``first``): what their gradients hold."""
+        if not self.frozen_layer_numels:  # (every layer trains: the searches plan it often)
+            return list(self.layer_numels[first:])
         return [self.layer_trained_numel(i) for i in range(first, self.num_layers)]
 
     @property
