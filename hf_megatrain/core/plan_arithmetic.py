@@ -80,6 +80,8 @@ SLACK_LINE = "allocator slack"
 #: ``activation_memory``'s). All exact but NCCL's (a measured amount outside PyTorch's
 #: allocator, so outside the measured peaks) and the slack itself.
 PARAMS_KIND = "parameters"
+#: The start of the GPU line of the non-layer parameters' state (embedding, norm, head).
+NON_LAYER_PARAMS_LINE = "non-layer params (embed/norm/head)"
 STREAM_BUFFERS_KIND = "stream buffers"
 GRADS_KIND = "gradient buffers"
 NCCL_KIND = "NCCL buffers"
@@ -152,7 +154,7 @@ def gpu_lines(
     frozen = shape.frozen_non_layer_numel
     lines = [
         MemoryLine(
-            "non-layer params (embed/norm/head): fp32 param+grad+2 moments, 16 B/param"
+            f"{NON_LAYER_PARAMS_LINE}: fp32 param+grad+2 moments, 16 B/param"
             + (f"; {frozen / 1e6:.1f}M frozen: fp32 only, 4 B/param" if frozen else "")
             + (" (the embedding's gradient below)" if embed_grad else ""),
             16 * (shape.non_layer_numel - frozen) + 4 * frozen - embed_grad,

@@ -33,7 +33,7 @@ from .plan_arithmetic import (
     ALLOCATOR_FRAGMENTATION,
     DEVICE_UPDATE_LINE,
     GIB,
-    PARAMS_KIND,
+    NON_LAYER_PARAMS_LINE,
     PCIE_BYTES_PER_S,
     SAFETY_MARGIN_LINE,
     SLACK_KIND,
@@ -283,7 +283,9 @@ def add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
         )
         big = max(fixed_gpu_lines, key=lambda line: line.nbytes)
         # What no step size or option changes: the non-layer parameters' state (HBM-resident).
-        params = sum(ln.nbytes for ln in fixed_gpu_lines if ln.kind == PARAMS_KIND)
+        params = sum(
+            ln.nbytes for ln in fixed_gpu_lines if ln.name.startswith(NON_LAYER_PARAMS_LINE)
+        )
         if params > plan.hbm_available:
             advice = Message.of(
                 "The non-layer parameters (embedding, LM head, final norm), whose fp32 state "

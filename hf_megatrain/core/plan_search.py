@@ -8,7 +8,9 @@ splits and option sets. ``plan_report`` words the result.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 
@@ -16,6 +18,7 @@ from .memory_options import BF16_BOUNDARIES, MemoryOptions, candidates, lightest
 from .options import ALL_LAYERS, ResolvedOptions, StepShape, planned_options
 from .plan_arithmetic import (
     DEFAULT_HOST_MARGIN,
+    PARAMS_KIND,
     gpu_lines,
     host_lines,
     layer_placements,
@@ -160,31 +163,23 @@ def _plan(
     # too (a frozen LoRA base: none; the builder makes the same cut).
     most = shape.tier_layers
 
-    # Layers all alike and all training: below the all-HBM count each tier layer adds its
-    # state to the GPU and the streamed layers' buffers stay the size of one such layer, so the
-    # GPU part grows with the tier and a bisection finds the largest that fits (the scan of
-    # every count made the "what fits" search of a small model's layer count take minutes).
-    alike = len(set(shape.layer_numels)) == 1 and not shape.frozen_layer_numels
+    # No line is negative, the non-layer parameters' line does not change with the tier and a
+    # tier layer's own state is at least 16 B/param: a count whose tier state and non-layer
+    # parameters alone are over the GPU cannot fit, so the scan below starts under those (the
+    # "what fits" search plans shapes of thousands of small layers: minutes otherwise).
+    tier_params = list(accumulate(shape.layer_numels[:most], initial=0))
 
     def tier(attn: int) -> int:
         if hbm_layers is not None:
             return min(hbm_layers, most)
-
-        def fits(k: int) -> bool:
-            return total(gpu(k, 0, attn)) <= hbm_bytes
-
-        # Largest prefix that fits. Not monotone in k at the top (an all-HBM plan drops the
-        # stream buffers), nor below it where layers differ (moving the largest layer into the
-        # tier shrinks the buffers sized by the largest streamed one): try every count there.
-        if not alike or most < n:
-            return next((k for k in range(most, -1, -1) if fits(k)), 0)
-        if fits(most):
-            return most
-        lo, hi = -1, most  # fits(lo) (lo >= 0), not fits(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return max(lo, 0)
+        # (Under LoRA the resident adapters too: parameters, the same for every count.)
+        non_layer = sum(ln.nbytes for ln in gpu(0, 0, attn) if ln.kind == PARAMS_KIND)
+        top = bisect_right(tier_params, max(hbm_bytes - non_layer, -1) // 16) - 1
+        # Largest prefix that fits. Not monotone in k, even where layers are alike: an all-HBM
+        # plan drops the stream buffers, the device-update staging goes once the host's share
+        # is small enough (``device_updates_pay``) and the host accumulators shrink with it; so
+        # try every count instead of stopping at the first miss.
+        return next((k for k in range(top, -1, -1) if total(gpu(k, 0, attn)) <= hbm_bytes), 0)
 
     if attention_first:
 
