@@ -61,3 +61,10 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
         _freeze_survivors()
+
+
+@pytest.fixture
+def in_a_tmp_folder(tmp_path, monkeypatch):
+    """The test in its own working folder: a CLI run or argument parse without --output_dir
+    makes the default folder (or its parent, outputs/) where it runs."""
+    monkeypatch.chdir(tmp_path)

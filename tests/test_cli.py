@@ -47,11 +47,8 @@ def _fast_flags(out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _in_a_tmp_folder(tmp_path, monkeypatch):
-    """Each test in its own working folder: a run without --output_dir that stops after taking
-    its folder (bad data found once the data is read) leaves outputs/ where it ran."""
-    monkeypatch.chdir(tmp_path)
+# (parsing train's arguments without --output_dir makes outputs/ where it runs)
+pytestmark = pytest.mark.usefixtures("in_a_tmp_folder")
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,10 @@ from .helpers import tiny_config, tiny_model
 DEFAULTS = EngineOptions()
 
 
+# (parsing train's arguments without --output_dir makes outputs/ where it runs)
+pytestmark = pytest.mark.usefixtures("in_a_tmp_folder")
+
+
 def _train_args(cls=MegaTrainArguments, **kw):
     return cls(output_dir="/tmp/hf-megatrain-options", use_cpu=True, report_to="none", **kw)
 

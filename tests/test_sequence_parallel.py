@@ -45,6 +45,10 @@ WORKER = Path(__file__).with_name("sp_worker.py")
 ROOT = WORKER.parent.parent
 
 
+# (parsing train's arguments without --output_dir makes outputs/ where it runs)
+pytestmark = pytest.mark.usefixtures("in_a_tmp_folder")
+
+
 def _run(out: Path, world: int, *extra: str, check: bool = True, sp: int = 0) -> list[dict]:
     """Train with ``world`` processes, ``sp`` (default: all) sharing each sequence; return each
     rank's report."""
