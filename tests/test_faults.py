@@ -335,7 +335,7 @@ def test_enospc_in_final_save_keeps_previous_model(tmp_path, monkeypatch, at):
      (errno.EROFS, "read-only"), (errno.EIO, "input/output error"),
      (errno.EACCES, "permission denied"), (errno.EPERM, "operation not permitted")],
 )  # fmt: skip
-def test_os_errors_end_in_one_line(monkeypatch, code, words):
+def test_os_errors_end_in_one_line(monkeypatch, code, words, in_a_tmp_folder):
     """The OS errors a failing disk gives (as OSError, or as safetensors' writer words them):
     one line saying what happened, what to do and that earlier checkpoints are intact."""
     from hf_megatrain import cli
