@@ -466,12 +466,14 @@ class LayerStore(_FlatLayerState):
     #: master and moments in and out. Shared (data parallel) stores: never.
     update_state_pinned: bool = False
 
+    #: The host mapping this store made for itself (None: a shared store's non-owner view).
+    _mmap: mmap.mmap | None = None
+
     @property
     def mapped_bytes(self) -> int:
         """Host bytes this store mapped for itself (what it costs the host beyond a shared
         buffer; a frozen or owned store maps at least a page)."""
-        mapping = getattr(self, "_mmap", None)
-        return 0 if mapping is None else len(mapping)
+        return 0 if self._mmap is None else len(self._mmap)
 
     @property
     def compact_grad(self) -> bool:

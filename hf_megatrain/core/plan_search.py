@@ -163,18 +163,20 @@ def _plan(
     # too (a frozen LoRA base: none; the builder makes the same cut).
     most = shape.tier_layers
 
-    # No line is negative, the non-layer parameters' line does not change with the tier and a
-    # tier layer's own state is at least 16 B/param: a count whose tier state and non-layer
-    # parameters alone are over the GPU cannot fit, so the scan below starts under those (the
-    # "what fits" search plans shapes of thousands of small layers: minutes otherwise).
-    tier_params = list(accumulate(shape.layer_numels[:most], initial=0))
+    # No line is negative, the non-layer parameters' line (under LoRA the resident adapters'
+    # too) changes with neither the tier nor the attention outputs, and a tier layer's own
+    # state is at least 16 B/param: a count whose tier state and non-layer parameters alone are
+    # over the GPU cannot fit, so the scan below starts under those (the "what fits" search
+    # plans shapes of thousands of small layers: minutes otherwise). Once per plan.
+    top = most
+    if hbm_layers is None:
+        non_layer = sum(ln.nbytes for ln in gpu(0, 0, 0) if ln.kind == PARAMS_KIND)
+        tier_params = list(accumulate(shape.layer_numels[:most], initial=0))
+        top = bisect_right(tier_params, max(hbm_bytes - non_layer, -1) // 16) - 1
 
     def tier(attn: int) -> int:
         if hbm_layers is not None:
             return min(hbm_layers, most)
-        # (Under LoRA the resident adapters too: parameters, the same for every count.)
-        non_layer = sum(ln.nbytes for ln in gpu(0, 0, attn) if ln.kind == PARAMS_KIND)
-        top = bisect_right(tier_params, max(hbm_bytes - non_layer, -1) // 16) - 1
         # Largest prefix that fits. Not monotone in k, even where layers are alike: an all-HBM
         # plan drops the stream buffers, the device-update staging goes once the host's share
         # is small enough (``device_updates_pay``) and the host accumulators shrink with it; so
