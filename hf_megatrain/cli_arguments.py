@@ -30,7 +30,7 @@ from .core.options import EngineOptions, OptionError
 from .option_flags import (
     DefaultOnceHelpFormatter,
     add_option_arguments,
-    flag_name,
+    flag_message,
     options_from_mapping,
 )
 
@@ -397,7 +397,10 @@ def parse_train_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> T
         # What the trainer would refuse after the data and the model are loaded: now.
         check_training_arguments(training)
     except (ValueError, DataParallelError) as e:
-        raise CLIError(flag_message(str(e).removeprefix("hf_megatrain: "))) from None
+        # (the Trainer's own arguments are this command's flags too: --max_grad_norm)
+        trainer_flags = [f.name for f in dataclasses.fields(type(training))]
+        message = str(e).removeprefix("hf_megatrain: ")
+        raise CLIError(flag_message(message, argument_flags=trainer_flags)) from None
     return TrainSettings(model_args, data_args, training, engine, source)
 
 
@@ -407,13 +410,6 @@ def _build(cls: type, values: dict[str, Any]):
         return cls(**kw)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
-
-
-def flag_message(message: str) -> str:
-    """An options message with field names spelled as this command's flags."""
-    for name in sorted(EngineOptions.field_names(), key=len, reverse=True):
-        message = message.replace(f"{name}=", f"{flag_name(name)} ")
-    return message
 
 
 def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:

@@ -18,7 +18,13 @@ from .cli_common import (
 )
 from .core.options import OptionError, StepShape
 from .core.planner import PLANNED_OPTIONS, OptionNamer
-from .option_flags import add_option_arguments, flag_name, flag_text, options_from_namespace
+from .option_flags import (
+    add_option_arguments,
+    flag_message,
+    flag_name,
+    flag_text,
+    options_from_namespace,
+)
 
 #: How ``plan``'s advice spells engine options: as this command's flags.
 CLI_NAMER = OptionNamer(setting=flag_text, option=flag_name, clipping_off="--no-clip")
@@ -119,13 +125,8 @@ def lora_config(ns: argparse.Namespace):
 
 
 def _flag_message(message: str) -> str:
-    """An options message with field names spelled as this command's flags."""
-    for name in sorted(PLANNED_OPTIONS, key=len, reverse=True):
-        # (a switch as it is typed: --no-host-grads, not "--host-grads False")
-        for value in (False, True):
-            message = message.replace(f"{name}={value}", flag_text(name, value))
-        message = message.replace(f"{name}=", f"{flag_name(name)} ")
-    return message
+    """An options message with the planned options' names spelled as this command's flags."""
+    return flag_message(message, PLANNED_OPTIONS)
 
 
 def plan_config(path: str):

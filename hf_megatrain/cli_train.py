@@ -542,6 +542,13 @@ def _run_train(settings: TrainSettings) -> dict[str, Any]:
     args, data_args = settings.training, settings.data
     device = args.device
     resume, resume_step = _resume_point(settings)
+    if resume_step is not None and 0 < args.max_steps < resume_step:
+        # (its schedule ran to a later end: a shorter run cannot be made from it)
+        raise CLIError(
+            f"{resume} is at step {resume_step}, past --max_steps {args.max_steps}: it is a "
+            "longer run's. Pass another --output_dir for a new run, or --max_steps "
+            f"{resume_step} or more to finish or continue that one."
+        )
     # The Trainer would train one step past --max_steps from such a checkpoint: the run is
     # finished from it instead, as its last step would have finished it.
     finish_only = resume_step is not None and 0 < args.max_steps <= resume_step

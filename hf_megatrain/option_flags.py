@@ -16,7 +16,7 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-from .core.options import EngineOptions, OptionError, field_types
+from .core.options import ARGUMENT_PREFIX, EngineOptions, OptionError, field_types
 
 
 def flag_name(field: str) -> str:
@@ -29,6 +29,27 @@ def flag_text(field: str, value: Any) -> str:
     if isinstance(value, bool):
         return flag_name(field) if value else "--no-" + field.replace("_", "-")
     return f"{flag_name(field)} {value}"
+
+
+def flag_message(
+    message: str, names: Iterable[str] | None = None, argument_flags: Iterable[str] = ()
+) -> str:
+    """An options message with option field names (``names``, default every engine option;
+    bare or as training arguments, ``megatrain_x``) spelled as the command's flags: a switch as
+    it is typed (``host_grads=False`` -> ``--no-host-grads``), ``x=v`` as ``--x v``, a bare
+    mention as ``--x``; ``argument_flags`` (the Trainer's own, ``--max_grad_norm``): ``x=v`` as
+    ``--x v``."""
+    names = EngineOptions.field_names() if names is None else names
+    for name in sorted(names, key=len, reverse=True):
+        spelled = rf"\b(?:{ARGUMENT_PREFIX})?{name}"
+        for value in (False, True):
+            message = re.sub(rf"{spelled}={value}\b", flag_text(name, value), message)
+        message = re.sub(rf"{spelled}=", f"{flag_name(name)} ", message)
+        if "_" in name:  # (a one-word name is also an ordinary word)
+            message = re.sub(rf"(?<!-){spelled}\b", flag_name(name), message)
+    for name in sorted(argument_flags, key=len, reverse=True):
+        message = re.sub(rf"\b{name}=", f"--{name} ", message)
+    return message
 
 
 def _base_type(hint: Any) -> type:

@@ -903,3 +903,14 @@ def test_an_output_dir_name_too_long_for_its_staging_is_refused_at_parse_time(tm
     msg = _error(["train", "--output_dir", str(tmp_path / "link"), "--max_steps", "1"])
     assert "pass a shorter --output_dir name" in msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d" * 230, "link"]
+
+
+def test_option_refusals_name_the_flags_as_typed(tmp_path):
+    """Found by an audit: the trainer's message spells options as training arguments
+    (megatrain_host_grads=False), which the command line turned into "megatrain_--host-grads
+    False". Engine options and the Trainer's own arguments are named as they are typed."""
+    out = ["--output_dir", str(tmp_path / "out")]
+    msg = _error(["train", "--no-host-grads", *out])
+    assert msg.startswith("hf-megatrain: error: --no-host-grads needs eager layer updates"), msg
+    assert "--max_grad_norm 1.0 clips gradients" in msg and "leave --host-grads unset" in msg
+    assert "megatrain_" not in msg and "False" not in msg and "=" not in msg

@@ -168,6 +168,23 @@ def test_a_finished_run_run_again_trains_nothing(finished, tmp_path, capsys):
     assert _files(out) == before
 
 
+def test_a_shorter_run_into_a_longer_runs_folder_is_refused(finished, tmp_path):
+    """Found by an audit: --max_steps below the folder's newest checkpoint (a longer run's:
+    its schedule ran to a later end) exited 0 saying the folder held "this run's final model
+    (saved at step 6 of --max_steps 4)". Refused in one line, nothing written."""
+    root, out, flags = _copy(finished, tmp_path)
+    before = _files(out)
+    argv = _argv(root, out, flags)
+    argv[argv.index("--max_steps") + 1] = str(STEPS - 2)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    said = str(e.value)
+    assert said.startswith("hf-megatrain: error: ") and "\n" not in said
+    assert f"checkpoint-{STEPS} is at step {STEPS}, past --max_steps {STEPS - 2}" in said
+    assert f"--max_steps {STEPS} or more" in said and "another --output_dir" in said
+    assert _files(out) == before
+
+
 def _flip_bytes(path: Path, text: bool = False) -> None:
     """Alter ``path`` in place, its size unchanged: a JSON file made invalid, else 16 bytes."""
     data = bytearray(path.read_bytes())

@@ -33,6 +33,10 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
     return {"help": " ".join(text.split()), **extra}
 
 
+#: The prefix of every option's name as a training argument (``megatrain_checkpoint_every``; the
+#: HF layer's ``MegaTrainArguments``); messages written for the Trainer use it.
+ARGUMENT_PREFIX = "megatrain_"
+
 #: ``boundary_dtype`` spellings: the saved layer input kept as is, or rounded to bf16.
 BOUNDARY_DTYPES: dict[str, torch.dtype | None] = {
     "input": None,

@@ -13,11 +13,11 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..core.options import EngineOptions, OptionError, field_types
+from ..core.options import ARGUMENT_PREFIX, EngineOptions, OptionError, field_types
 from ..core.plan_types import OptionNamer
 
 #: Prefix of the engine options among the training arguments.
-PREFIX = "megatrain_"
+PREFIX = ARGUMENT_PREFIX
 
 
 def argument_name(field: str) -> str:
