@@ -107,6 +107,30 @@ def test_a_process_that_does_not_fit_the_host_is_told_only_more_ram_helps(qwen1_
     assert "fewer tokens" not in text and "fp32-master streaming (no" not in text
 
 
+def test_a_host_no_option_fits_is_named_before_a_gpu_options_fit(qwen1_5b):
+    """Found by an audit: both tiers short, the refusal named the GPU ("no combination of the
+    memory options makes it fit") where activation offload fits the GPU part; the host RAM,
+    which no option fixes, was the second problem. Now it is the first (the one raised), and
+    the GPU's says which options fit it."""
+    from hf_megatrain.core.planner import plan_memory  # noqa: PLC0415
+
+    step = StepShape(seq_len=131072, micro_batch_tokens=131072)
+    options = EngineOptions(auto_fit="off").resolve(clipping=True, cuda=True, single_backward=True)
+    plan = plan_memory(qwen1_5b, step, options, BF16, 40 * GIB, 8 * GIB)
+    assert [p.tier for p in plan.problems] == ["host", "gpu"]
+    host, gpu = (p.message() for p in plan.problems)
+    assert "No combination of the memory options" in host
+    assert "No combination" not in gpu
+    assert gpu.endswith(
+        "With offload_activations=True the GPU part fits; the host RAM is what no option makes fit."
+    )
+    # Where options fit both tiers, the GPU's problem stays first with that advice.
+    step = StepShape(seq_len=262144, micro_batch_tokens=262144)
+    plan = plan_memory(qwen1_5b, step, options, BF16, 60 * GIB, 8 * GIB)
+    assert [p.tier for p in plan.problems] == ["gpu", "host"]
+    assert all("this plan fits" in p.message() for p in plan.problems)
+
+
 def test_contradictory_switches_are_named_as_typed():
     """Contradictory pins are one-line refusals naming the switches as they are typed
     (--no-host-grads), not as "--host-grads False", which plan's parser would not take."""

@@ -434,9 +434,25 @@ def advise_segments(plan: MemoryPlan, k: int) -> None:
     advise(plan, OptionChanges({"checkpoint_every": k}), segment_advice(k))
 
 
-def advise_nothing_fits(plan: MemoryPlan) -> None:
+def advise_nothing_fits(plan: MemoryPlan, gpu_fit: OptionChanges | None = None) -> None:
+    """No option set fits both tiers. ``gpu_fit``: the lightest that fits the GPU part alone
+    (then the host is the tier no option fixes: its problem goes first, the one raised)."""
+    if gpu_fit is None:
+        for problem in plan.problems:
+            problem.extend(NOTHING_FITS_ADVICE)
+        return
+    plan.problems.sort(key=lambda p: p.tier != "host")
     for problem in plan.problems:
-        problem.extend(NOTHING_FITS_ADVICE)
+        if problem.tier == "gpu":
+            problem.extend(
+                Message.of(
+                    "With ",
+                    gpu_fit.render,
+                    " the GPU part fits; the host RAM is what no option makes fit.",
+                )
+            )
+        else:
+            problem.extend(NOTHING_FITS_ADVICE)
 
 
 # ==== notes =========================================================================================

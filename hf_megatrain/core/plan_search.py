@@ -303,7 +303,15 @@ def _plan(
         if found is not None:
             advise_options(plan, found, base)
         else:
-            advise_nothing_fits(plan)
+            # Both tiers short: where options fit the GPU alone, the host is what nothing
+            # fixes, and the refusal names it first.
+            def gpu_fits(o: MemoryOptions) -> bool:
+                return all(p.tier != "gpu" for p in replan(o.applied(options), 0).problems)
+
+            gpu_only = None
+            if any(p.tier == "host" for p in plan.problems):
+                gpu_only = lightest_fit(gpu_fits, base, step.micro_batch_tokens)
+            advise_nothing_fits(plan, gpu_only.changes(base) if gpu_only is not None else None)
     add_notes(plan)
     return plan
 
