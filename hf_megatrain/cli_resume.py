@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .cli_common import CLIError, world_size
+from .cli_common import CONFIG_ERRORS, CLIError, world_size
 from .hf.step_layout import RUN_DEFINING_ARGUMENTS
 
 #: The stateful callback's name in trainer_state.json (the name it has had since it recorded
@@ -181,6 +181,42 @@ def check_same_run(checkpoint: str, settings, explicit: bool) -> None:
         f"cannot resume from {checkpoint}: it was trained with {listed}{why}. Pass the "
         f"checkpoint's value{'s' if len(diffs) > 1 else ''} to continue that run{other}, or "
         f"{elsewhere} to start another (--model_path {checkpoint} starts it from those weights)"
+    )
+
+
+#: Config keys a save writes or a load sets that do not define the model.
+_CONFIG_RUNTIME_KEYS = frozenset(
+    {"_name_or_path", "dtype", "torch_dtype", "transformers_version", "architectures",
+     "use_cache", "_commit_hash", "attn_implementation", "_attn_implementation_autoset"}
+)  # fmt: skip
+
+
+def check_same_config(checkpoint: str, config, explicit: bool) -> None:
+    """Refuse a resume whose model config (``config``, a ``PretrainedConfig``) differs from
+    ``checkpoint``'s: a config file edited since the run started. Without this the weights
+    fail to load, after the model is built (minutes for a large one), naming a tensor."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        return
+    try:
+        saved = AutoConfig.from_pretrained(checkpoint, local_files_only=True).to_dict()
+    except CONFIG_ERRORS:
+        return  # (a damaged checkpoint is the trainer's checks' to name)
+    now = config.to_dict()
+    diffs = [
+        k
+        for k in sorted(set(saved) | set(now))
+        if k not in _CONFIG_RUNTIME_KEYS and saved.get(k) != now.get(k)
+    ]
+    if not diffs:
+        return
+    shown = ", ".join(f"{k} {saved.get(k)!r} (this run: {now.get(k)!r})" for k in diffs[:6])
+    more = f" and {len(diffs) - 6} more" if len(diffs) > 6 else ""
+    raise CLIError(
+        f"cannot resume from {checkpoint}: its model config differs from this run's: "
+        f"{shown}{more}. Restore the config to continue that run, or {_elsewhere(explicit)} to "
+        "start another"
     )
 
 

@@ -26,6 +26,7 @@ from .cli_common import say as _say
 from .cli_common import setup_logging as _setup_logging
 from .cli_resume import (
     ROWS_KEY,
+    check_same_config,
     check_same_rows,
     check_same_run,
     checkpoints_after,
@@ -106,28 +107,39 @@ def loader_arguments(settings: TrainSettings) -> dict:
     )
 
 
-def build_model(settings: TrainSettings, tokenizer):
-    """The model in streamed form: loaded into the host store, or random init then streamed."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+def run_config(settings: TrainSettings):
+    """The model config this run builds: --model_path's, or --config's (random init)."""
+    from transformers import AutoConfig  # noqa: PLC0415
 
-    from . import load_streamed_model  # noqa: PLC0415
     from .hf.families import model_family, unsupported_model_type  # noqa: PLC0415
 
     model = settings.model
+    if model.model_path is None:
+        return _config_from_json(model.config or str(DEFAULT_CONFIG))
+    folder = _model_folder(settings)
+    try:
+        cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except CONFIG_ERRORS as e:
+        raise CLIError(f"{folder}/config.json: invalid config: {error_summary(e)}") from None
+    if model_family(cfg.model_type) is None:
+        raise CLIError(unsupported_model_type(model.model_path, cfg.model_type))
+    return cfg
+
+
+def build_model(settings: TrainSettings, tokenizer):
+    """The model in streamed form: loaded into the host store, or random init then streamed."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from . import load_streamed_model  # noqa: PLC0415
+
+    model = settings.model
+    cfg = run_config(settings)
+    _check_vocab(cfg, tokenizer)
     if model.model_path is not None:
         folder = _model_folder(settings)
-        try:
-            cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
-        except CONFIG_ERRORS as e:
-            raise CLIError(f"{folder}/config.json: invalid config: {error_summary(e)}") from None
-        if model_family(cfg.model_type) is None:
-            raise CLIError(unsupported_model_type(model.model_path, cfg.model_type))
-        _check_vocab(cfg, tokenizer)
         _check_against_manifest(folder)
         return load_streamed_model(folder, **loader_arguments(settings))
-    cfg = _config_from_json(model.config or str(DEFAULT_CONFIG))
-    _check_vocab(cfg, tokenizer)
     seed = settings.training.seed
     if not init_in_store():
         from .hf.loading import attention_for  # noqa: PLC0415
@@ -388,7 +400,10 @@ def _resume_point(settings: TrainSettings) -> tuple[str | None, int | None]:
         return None, None
     with _damage_names_an_earlier(resume, settings):
         state = _checkpoint_state(resume)  # (checked against its manifest before it is read)
-    check_same_run(resume, settings, explicit=args.resume_from_checkpoint is not None)
+    explicit = args.resume_from_checkpoint is not None
+    check_same_run(resume, settings, explicit=explicit)
+    # (an edited config file would fail only on loading the weights, after the model is built)
+    check_same_config(resume, run_config(settings), explicit=explicit)
     return resume, (state.global_step if state is not None else None)
 
 

@@ -602,12 +602,15 @@ def test_bad_settings_are_refused_before_the_model_loads(tmp_path):
 @pytest.mark.parametrize(
     "flags,said",
     [
-        (["--adam_epsilon", "-1"], "adam_epsilon=-1.0 must be >= 0"),
-        (["--adam_beta2", "1.5"], "adam_beta2=1.5 must be in [0, 1)"),
-        (["--adam_beta1", "-0.5", "--weight_decay", "-0.1"], "adam_beta1=-0.5 must be in [0, 1); "),
-        (["--optim", "sgd"], "optim='sgd' is not supported"),
+        (["--adam_epsilon", "-1"], "--adam_epsilon -1.0 must be >= 0"),
+        (["--adam_beta2", "1.5"], "--adam_beta2 1.5 must be in [0, 1)"),
+        (
+            ["--adam_beta1", "-0.5", "--weight_decay", "-0.1"],
+            "--adam_beta1 -0.5 must be in [0, 1); ",
+        ),
+        (["--optim", "sgd"], "--optim 'sgd' is not supported"),
         (["--lr_scheduler_type", "cosine_with_min_lr"], "One of min_lr or min_lr_rate"),
-        (["--save_strategy", "best"], "save_strategy='best' needs metric_for_best_model"),
+        (["--save_strategy", "best"], "--save_strategy 'best' needs metric_for_best_model"),
         (["--fsdp", "full_shard"], "fsdp and deepspeed are not supported"),
         # (a traceback from transformers' deepspeed import before, found by an audit)
         (["--deepspeed", "ds.json"], "fsdp and deepspeed are not supported"),
@@ -618,7 +621,7 @@ def test_settings_the_trainer_refuses_are_refused_when_parsed(tmp_path, flags, s
     """Found by an audit: out-of-range AdamW settings trained without learning (eps -1: rc 0);
     the others were refused only after the data and the model were loaded, most as a traceback
     (--label_names: after training, before the final model was saved). Now one line each,
-    from parsing."""
+    from parsing, naming the settings as this command's flags."""
     msg = _error(["train", *flags, "--output_dir", str(tmp_path / "out")])
     assert said in msg, msg
     assert "Traceback" not in msg

@@ -185,6 +185,26 @@ def test_a_shorter_run_into_a_longer_runs_folder_is_refused(finished, tmp_path):
     assert _files(out) == before
 
 
+def test_a_config_edited_since_the_checkpoint_is_refused_before_the_model_is_built(
+    finished, tmp_path
+):
+    """Found by an audit: --config's file edited between the run and its resume failed only
+    when the weights were loaded into the new model (built first: minutes for a large one),
+    naming a tensor's shape. Refused from the checkpoint's config, naming the fields."""
+    root, out, flags = _copy(finished, tmp_path)
+    (out / "model.safetensors").unlink()  # (not finished: the run resumes)
+    argv = _argv(root, out, flags)
+    cfg = json.loads((root / "config.json").read_text())
+    cfg.update(hidden_size=48, rope_theta=cfg.get("rope_theta", 10000.0) * 2)
+    (root / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    said = str(e.value)
+    assert said.startswith("hf-megatrain: error: cannot resume from ") and "\n" not in said
+    assert "its model config differs from this run's: hidden_size 32 (this run: 48)" in said
+    assert "rope_theta" in said and "Restore the config" in said
+
+
 def _flip_bytes(path: Path, text: bool = False) -> None:
     """Alter ``path`` in place, its size unchanged: a JSON file made invalid, else 16 bytes."""
     data = bytearray(path.read_bytes())
