@@ -67,10 +67,11 @@ class ModelArguments:
     attn: str = field(
         default="sdpa",
         metadata={
-            "help": "attention: sdpa (PyTorch's cuDNN / flash kernels), flex_attention, "
-            "flash_attention_2 (needs flash-attn), eager; on CUDA, --attention auto (the "
-            "default) runs sdpa or eager as flex_attention where the model soft-caps its "
-            "attention or slides a window shorter than the rows (--attention model keeps this)",
+            "help": "the model's attention implementation: sdpa (PyTorch's cuDNN / flash "
+            "kernels), flex_attention, flash_attention_2 (needs flash-attn), eager. (A separate "
+            "engine option, --attention, is 'auto' by default: on CUDA it runs sdpa or eager as "
+            "flex_attention where the model soft-caps its attention or slides a window shorter "
+            "than the rows; --attention model always keeps --attn's choice.)",
             "choices": list(ATTENTION_BACKENDS),
         },
     )

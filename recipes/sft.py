@@ -47,6 +47,12 @@ from hf_megatrain.option_flags import add_option_arguments, options_from_namespa
 from hf_megatrain.recipe_helpers import add_model_args, check_vocab, model_config
 from hf_megatrain.text import DATA_DIR, DEFAULT_CONFIG, load_tokenizer, use_bf16
 
+_CHECKPOINTING = (
+    "activation_checkpointing"
+    if hasattr(MegaSFTConfig, "activation_checkpointing")
+    else "gradient_checkpointing"
+)
+
 DEFAULT_CHAT = DATA_DIR / "chat.jsonl"
 
 # Plain-text role headers (the bundled tokenizer has no chat tokens, and adding some would resize
@@ -158,8 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
         warmup_steps=min(10, a.max_steps // 5),
         logging_steps=max(1, a.max_steps // 10),
         bf16=bf16,  # SFTConfig defaults bf16 on; CPU runs need fp32
-        # Streamed layers always recompute in backward; HF checkpointing would only add work.
-        gradient_checkpointing=False,
+        # Streamed layers always recompute in backward; HF checkpointing would only add work
+        # (SFTConfig turns it on; newer transformers 5.x name it activation_checkpointing).
+        **{_CHECKPOINTING: False},
         use_cpu=not torch.cuda.is_available(),
         seed=a.seed,
         save_strategy="no",

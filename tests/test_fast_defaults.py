@@ -24,7 +24,15 @@ from hf_megatrain.hf.long_context import (
     liger_installed,
 )
 
-from .helpers import patch_mlps_as_liger, run_trainer, simulate_liger, tiny_config, tiny_model
+from .helpers import (
+    common_args,
+    make_data,
+    patch_mlps_as_liger,
+    run_trainer,
+    simulate_liger,
+    tiny_config,
+    tiny_model,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 H200 = int(139.3 * GIB)
@@ -332,3 +340,26 @@ def test_whole_layer_probe_of_a_model_without_decoder_layers_is_false():
     cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64)  # fmt: skip
     assert compiles_whole_layers(BertForMaskedLM(cfg)) is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without an accelerator")
+def test_a_cpu_run_does_not_pin_its_batches(tmp_path):
+    """Found by an audit: the README's example warned from torch's DataLoader ("'pin_memory'
+    argument is set as true but no accelerator is found") on a CPU, where pinned batches serve
+    no copy to a GPU."""
+    import warnings  # noqa: PLC0415
+
+    from hf_megatrain import HFMegaTrainer, MegaTrainArguments  # noqa: PLC0415
+
+    # (as the README's example: no use_cpu, which turns pinning off itself)
+    kw = common_args(max_steps=1, use_cpu=False)
+    args = MegaTrainArguments(output_dir=str(tmp_path / "out"), **kw)
+    assert args.dataloader_pin_memory  # (the Trainer's default)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = HFMegaTrainer(
+            model=tiny_model(tiny_config("llama")), args=args, train_dataset=make_data(4)
+        )
+        trainer.train()
+    assert not [w for w in caught if "pin_memory" in str(w.message)]
+    assert not args.dataloader_pin_memory

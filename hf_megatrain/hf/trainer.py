@@ -227,6 +227,9 @@ def _setup_args(args: TrainingArguments) -> None:
             args.n_gpu,
         )
     args._n_gpu = 1
+    if args.dataloader_pin_memory and args.device.type == "cpu":
+        # Pinned batches serve only a copy to a GPU (torch warns where there is none).
+        args.dataloader_pin_memory = False
 
 
 #: The TrainingArguments behind each AdamW setting.
