@@ -87,7 +87,34 @@ def test_rows_longer_than_positions_warn_once(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_megatrain.hf.guards"):
         run_trainer(model, tmp_path, "long", mega=True, data=make_data(8, seq=80), max_steps=3)
     hits = [r for r in caplog.records if "max_position_embeddings=64" in r.getMessage()]
-    assert len(hits) == 1 and "80 tokens" in hits[0].getMessage()
+    assert len(hits) == 1 and "80 positions" in hits[0].getMessage()
+
+
+@pytest.mark.parametrize("arch", ["gpt_bigcode", "llama"])
+def test_padding_free_rows_are_judged_by_their_positions(tmp_path, caplog, arch):
+    """Found by an audit: a padding-free batch (DataCollatorWithFlattening: the documents in one
+    row, position_ids restarting at each) was judged by its row's length: refused for learned
+    positions (GPT-2, OPT), warned about for rotary ones, where the stock Trainer trains it.
+    Now judged by its largest position; the same losses as stock."""
+    from transformers import DataCollatorWithFlattening  # noqa: PLC0415
+
+    cfg = tiny_config(arch)
+    limit = getattr(cfg, "n_positions", None) or cfg.max_position_embeddings
+    g = torch.Generator().manual_seed(1)
+    docs = [{"input_ids": torch.randint(0, VOCAB, (limit - 8,), generator=g).tolist()}]
+    docs *= 8  # two per batch: rows of 2 x (limit - 8) tokens, positions up to limit - 9
+    logs = {}
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+        for mega in (False, True):
+            logs[mega], _ = run_trainer(
+                tiny_model(tiny_config(arch)), tmp_path, f"m{mega}", mega, data=docs,
+                data_collator=DataCollatorWithFlattening(), max_steps=2,
+            )  # fmt: skip
+    assert not [r for r in caplog.records if "positions" in r.getMessage()]
+    stock, streamed = ([r["loss"] for r in logs[m]] for m in (False, True))
+    # fp32 on both sides: the same ops, only the host AdamW's and the streamed layers' sums
+    # ordered otherwise (a few ulps of the loss after 2 steps).
+    assert streamed == pytest.approx(stock, rel=1e-5)
 
 
 def test_negative_host_memory_limit_is_refused(tmp_path):

@@ -71,6 +71,15 @@ def learned_position_limit(model: nn.Module) -> int | None:
     return None
 
 
+def _positions_used(inputs: Mapping, row_tokens: int) -> int:
+    """How many positions a batch's rows use: its ``position_ids``' largest + 1 where it has
+    them (a device sync), else the row's length."""
+    pos = inputs.get("position_ids")
+    if not isinstance(pos, torch.Tensor) or pos.numel() == 0:
+        return row_tokens
+    return int(pos.max()) + 1
+
+
 def check_batch(
     inputs: Any,
     config: Any = None,
@@ -109,16 +118,21 @@ def check_batch(
     warned = warned if warned is not None else set()
     max_pos = getattr(config, "max_position_embeddings", None)
     seq = ids_shape[-1]
+    limits = [n for n in (position_limit, max_pos) if n]
+    if limits and seq > min(limits):
+        # A padding-free batch (documents flattened into one row, position_ids restarting at
+        # each) uses fewer positions than its row has tokens: what matters is the largest.
+        seq = _positions_used(inputs, seq)
     if position_limit is not None and seq > position_limit:
         raise ValueError(
-            f"hf_megatrain: training rows of {seq} tokens are longer than the {position_limit} "
-            "positions of the model's learned position embeddings (it has no position past "
-            f"them): use rows of at most {position_limit} tokens (--seq_len)"
+            f"hf_megatrain: training rows of {seq} positions are longer than the "
+            f"{position_limit} positions of the model's learned position embeddings (it has no "
+            f"position past them): use rows of at most {position_limit} tokens (--seq_len)"
         )
     if max_pos and seq > max_pos and "positions" not in warned:
         warned.add("positions")
         logger.warning(
-            "hf_megatrain: training rows of %d tokens are longer than the model's "
+            "hf_megatrain: training rows of %d positions are longer than the model's "
             "max_position_embeddings=%d: positions beyond it were never trained (and some "
             "position encodings do not extend past it); shorten the rows or extend the model's "
             "context (e.g. rope_scaling) deliberately.",
