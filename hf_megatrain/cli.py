@@ -133,6 +133,34 @@ def _os_error_message(e: BaseException) -> str | None:
     )
 
 
+#: How a collective reports a peer process gone (gloo's transport, NCCL's watchdog, torch's
+#: store): the words of those errors, which are plain RuntimeErrors under gloo.
+_PEER_LOST = (
+    "Connection reset by peer", "Connection closed by peer", "Broken pipe",
+    "remote process exited", "communicator was aborted", "DistNetworkError",
+)  # fmt: skip
+
+
+def _peer_lost_message(e: BaseException) -> str | None:
+    """The one-line message for a data-parallel run whose peer process stopped (killed, out
+    of memory, a node gone): None for any other error."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not any(w in text for w in _PEER_LOST):
+        return None
+    # (gloo's words: "[.../pair.cc:537] Read error [addr]:port: Connection reset by peer. This
+    # is typically caused by ...": the source path and the boilerplate after it dropped)
+    first = re.sub(r"^\[[^\]]*\.\w+:\d+\]\s*", "", " ".join(text.split())).split(". ")[0][:200]
+    return (
+        f"a data-parallel peer process stopped ({first}): this rank stops too; the launcher's "
+        "log names the rank that failed first. Checkpoints published before are intact (saves "
+        "are swapped in only when complete); rerunning the command resumes from the newest one"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hf-megatrain`` and ``python3 -m hf_megatrain``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -155,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         check_launch()
         settings = parse_train(argv[1:])
         from . import InsufficientHostMemoryError, UnsupportedModelError  # noqa: PLC0415
+        from .core.distributed import DataParallelError  # noqa: PLC0415
         from .core.optimizer import NonFiniteError  # noqa: PLC0415
 
         try:
@@ -166,16 +195,23 @@ def main(argv: list[str] | None = None) -> int:
         except NonFiniteError as e:
             # Training stopped on NaN/inf (megatrain_nonfinite), or a save refused such weights.
             raise CLIError(str(e).removeprefix("hf_megatrain: ")) from None
-        except (InsufficientHostMemoryError, ValueError, FileNotFoundError) as e:
+        except (
+            InsufficientHostMemoryError, ValueError, FileNotFoundError, DataParallelError
+        ) as e:  # fmt: skip
             # The library's refusals (unsupported model, host RAM, a setting checked against
-            # the model such as resident layers beyond its count, a checkpoint missing files)
-            # say "hf_megatrain: ..."; any other ValueError is a bug to show.
-            ours = isinstance(e, (InsufficientHostMemoryError, UnsupportedModelError))
+            # the model such as resident layers beyond its count or more ranks than layers, a
+            # checkpoint missing files) say "hf_megatrain: ..."; any other ValueError is a bug
+            # to show.
+            ours = isinstance(
+                e, (InsufficientHostMemoryError, UnsupportedModelError, DataParallelError)
+            )
             if not ours and not str(e).startswith("hf_megatrain: "):
                 raise
             raise CLIError(_as_flags(str(e).removeprefix("hf_megatrain: "))) from None
         except Exception as e:
-            message = None if isinstance(e, CLIError) else _os_error_message(e)
+            message = None
+            if not isinstance(e, CLIError):
+                message = _os_error_message(e) or _peer_lost_message(e)
             if message is None:
                 raise
             raise CLIError(message) from None

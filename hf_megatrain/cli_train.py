@@ -221,6 +221,19 @@ def check_launch() -> None:
     problem = launch_layout_error(world, local)
     if problem:
         raise CLIError(problem.removeprefix("hf_megatrain: "))
+    # accelerate's launcher for a CPU starts more than one process only through mpirun; without
+    # it, asked for several, it starts one with a rendezvous address set and no world size
+    # (found by an audit: that one trained alone, the global batch a fraction of the one asked).
+    asked_several = "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ
+    mpi = any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"))
+    if asked_several and "ACCELERATE_USE_CPU" in os.environ and not mpi:
+        raise CLIError(
+            "accelerate launch started one process where several were asked: on a CPU its "
+            "launcher runs several only through mpirun (--mpirun_hostfile). Launch them with "
+            "`torchrun --nproc_per_node N -m hf_megatrain train ...`, or `accelerate launch "
+            "--config_file recipes/accelerate/multi_gpu.yaml --num_processes N -m hf_megatrain "
+            "train ...` (torchrun's workers: gloo on a CPU)"
+        )
 
 
 def _mean_loss(model, rows, batch_size: int, device) -> float:
@@ -367,6 +380,27 @@ def _finishes_run(record: dict, resume: str, resume_step: int, args) -> bool:
 def _size(nbytes: float) -> str:
     """Bytes for a message: GB with one decimal, MB below 1 GB."""
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
+
+
+def check_output_dir_on_every_rank(output_dir: str) -> None:
+    """Refuse, on every rank, a data-parallel run whose --output_dir some rank cannot see: rank
+    0 made it and writes every checkpoint once, into a folder every node reads on resume (found
+    by an audit: node-local folders failed in a traceback on one node, a gloo error on the
+    other). A collective."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    dist.barrier()  # (rank 0 has made it)
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (output_dir, os.path.isdir(output_dir)))
+    missing = [f"rank {rank}'s {path}" for rank, (path, there) in enumerate(seen) if not there]
+    if missing:
+        raise CLIError(
+            f"--output_dir does not exist where rank 0 made it ({seen[0][0]}) for "
+            f"{', '.join(missing)}: rank 0 writes the checkpoints once, into a folder every "
+            "node reads on resume; pass one on a file system every node shares"
+        )
 
 
 def _warn_checkpoint_disk(settings: TrainSettings, n_params: int) -> None:
@@ -556,6 +590,7 @@ def _run_train(settings: TrainSettings) -> dict[str, Any]:
     _setup_logging()
     args, data_args = settings.training, settings.data
     device = args.device
+    check_output_dir_on_every_rank(args.output_dir)
     resume, resume_step = _resume_point(settings)
     if resume_step is not None and 0 < args.max_steps < resume_step:
         # (its schedule ran to a later end: a shorter run cannot be made from it)

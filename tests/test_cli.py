@@ -327,6 +327,10 @@ def test_uneven_multi_node_launch_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert "same number of processes on every node" in _error(["train", "--max-steps", "1"])
+    # The node of 1 process (3 % 1 == 0) knows from torchrun's node count (found by an audit).
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert "launched on 2 nodes with 1 on this node" in _error(["train", "--max-steps", "1"])
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
@@ -917,3 +921,91 @@ def test_option_refusals_name_the_flags_as_typed(tmp_path):
     assert msg.startswith("hf-megatrain: error: --no-host-grads needs eager layer updates"), msg
     assert "--max_grad_norm 1.0 clips gradients" in msg and "leave --host-grads unset" in msg
     assert "megatrain_" not in msg and "False" not in msg and "=" not in msg
+
+
+# ---- data-parallel launches gone wrong (found by an audit; the real launches: torchrun on 2
+# CPU processes and 2 emulated nodes, recorded in docs/benchmarks.md's forty-fifth session) ---
+def test_accelerates_cpu_launcher_starting_one_of_several_is_refused(monkeypatch):
+    """`accelerate launch --cpu --num_processes 2` without mpirun starts one process (a
+    rendezvous address, no world size): it trained alone at half the global batch."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    msg = _error(["train", "--max-steps", "1"])
+    assert "accelerate launch started one process where several were asked" in msg
+    assert "torchrun --nproc_per_node N" in msg
+    from hf_megatrain.cli_train import check_launch  # noqa: PLC0415
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # mpirun's launch: not this case
+    check_launch()
+
+
+def _two_ranks(monkeypatch, gathered: list) -> None:
+    """torch.distributed as a rank of 2 sees it, the other rank's gathered object given."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+
+    def gather(out, mine, *a, **k):
+        out[:] = [mine, *gathered]
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+
+
+def test_a_peer_gone_mid_run_is_one_line(tmp_path, monkeypatch):
+    """A rank killed mid-run left the others a gloo traceback through the gradient reduction:
+    now one line saying a peer stopped and that a rerun resumes."""
+    import hf_megatrain.cli as cli  # noqa: PLC0415
+
+    gloo = (
+        "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:34229: Connection reset by peer. This is typically caused by a remote "
+        "worker hanging or bugs in the application."
+    )
+
+    def peer_gone(settings):
+        raise RuntimeError(gloo)
+
+    monkeypatch.setattr(cli, "run_train", peer_gone)
+    monkeypatch.setattr(cli, "end_process_group", lambda: None)
+    out = ["--output_dir", str(tmp_path / "out")]
+    _two_ranks(monkeypatch, [])
+    msg = _error(["train", *out])
+    assert msg.startswith(
+        "hf-megatrain: error: a data-parallel peer process stopped (Read error "
+        "[127.0.0.1]:34229: Connection reset by peer): this rank stops too"
+    )
+    assert "rerunning the command resumes from the newest one" in msg
+    monkeypatch.setattr(cli, "run_train", lambda s: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="other"):  # any other error keeps its traceback
+        main(["train", *out])
+
+
+def test_more_ranks_than_layers_is_one_line(tmp_path, monkeypatch):
+    """The refusal came as each rank's traceback ending in DataParallelError."""
+    import hf_megatrain.cli as cli  # noqa: PLC0415
+    from hf_megatrain.core.distributed import DataParallel  # noqa: PLC0415
+
+    def too_many(settings):
+        DataParallel(rank=0, world_size=2, local_world_size=2).assign_owners([10])
+
+    monkeypatch.setattr(cli, "run_train", too_many)
+    msg = _error(["train", "--output_dir", str(tmp_path / "out")])
+    assert "2 data-parallel ranks per node but the model has 1 decoder layer;" in msg
+
+
+def test_an_output_dir_some_rank_cannot_see_is_refused(tmp_path, monkeypatch):
+    """Node-local folders: one node failed in a traceback from the disk-space check, the other
+    in a gloo error. Every rank checks the folder rank 0 made, and all refuse."""
+    from hf_megatrain.cli_common import CLIError  # noqa: PLC0415
+    from hf_megatrain.cli_train import check_output_dir_on_every_rank  # noqa: PLC0415
+
+    mine = tmp_path / "out"
+    mine.mkdir()
+    _two_ranks(monkeypatch, [("/node1/out", False)])
+    with pytest.raises(CLIError, match=r"where rank 0 made it \(.*out\) for rank 1's /node1/out"):
+        check_output_dir_on_every_rank(str(mine))
+    _two_ranks(monkeypatch, [("/shared/out", True)])
+    check_output_dir_on_every_rank(str(mine))

@@ -132,3 +132,23 @@ def test_torch_compile_is_said_to_be_not_applied(tmp_path, caplog):
     hits = [r for r in caplog.records if "torch_compile=True is not applied" in r.getMessage()]
     assert len(hits) == 1
     trainer.train()
+
+
+def test_per_process_token_averaging_is_said_to_differ_from_one_process(caplog, monkeypatch):
+    """Found by an audit: with average_tokens_across_devices off, every step whose processes
+    hold unequal token counts differs from one process (as with the stock Trainer), but only
+    the partial last batch was warned about. Said once per arguments, before training."""
+    from hf_megatrain.hf.trainer import check_training_arguments  # noqa: PLC0415
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(MegaTrainArguments, "world_size", property(lambda self: 2))
+    said = "average_tokens_across_devices=False: each process divides its loss"
+    for average, times in ((False, 1), (True, 0)):
+        args = MegaTrainArguments(
+            output_dir="unused", use_cpu=True, average_tokens_across_devices=average
+        )
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+            check_training_arguments(args)
+            check_training_arguments(args)
+        assert sum(said in r.getMessage() for r in caplog.records) == times

@@ -228,9 +228,19 @@ def test_resume_across_process_counts(runs):
 
 
 # ---- no processes: layout rules ----------------------------------------------------------------
-def test_launch_layout_errors_and_owners():
+def test_launch_layout_errors_and_owners(monkeypatch):
     assert launch_layout_error(4, 2) is None and launch_layout_error(4, 4) is None
     assert launch_layout_error(1, 1) is None
+    # Found by an audit: 1 + 2 processes on 2 nodes; the node of 1 passed (3 % 1 == 0) and
+    # waited in the process group's set-up for the refused one (30 minutes). With the node
+    # count torchrun gives every node, each refuses on its own.
+    for local in (1, 2):
+        assert "3 processes were launched on 2 nodes" in launch_layout_error(3, local, nodes=2)
+    assert launch_layout_error(4, 2, nodes=2) is None
+    assert launch_layout_error(2, 2, nodes=1) is None
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert launch_layout_error(3, 1) is not None and launch_layout_error(4, 2) is None
+    monkeypatch.delenv("GROUP_WORLD_SIZE")
     with pytest.raises(DataParallelError, match="same number of processes on every node"):
         DataParallel(rank=0, world_size=3, local_world_size=2)
     dp = DataParallel(rank=3, world_size=4, local_world_size=2)

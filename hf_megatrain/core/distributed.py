@@ -66,16 +66,27 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def launch_layout_error(world_size: int, local_world_size: int) -> str | None:
+def launch_layout_error(
+    world_size: int, local_world_size: int, nodes: int | None = None
+) -> str | None:
     """Why a launch of ``world_size`` processes, ``local_world_size`` of them on this node,
-    cannot run data parallel (``None``: it can). For launchers' early checks (trainer, CLI)."""
-    if world_size <= 1 or local_world_size == world_size:
+    cannot run data parallel (``None``: it can). For launchers' early checks (trainer, CLI).
+    ``nodes``: how many nodes the launcher started (default: torchrun's ``GROUP_WORLD_SIZE``
+    where set): every node then judges the layout alone, so none waits for a refused one."""
+    if nodes is None:
+        nodes = _int_env("GROUP_WORLD_SIZE")
+    if world_size <= 1 or (local_world_size == world_size and nodes in (None, 1)):
         return None
-    if local_world_size < 1 or world_size % local_world_size:
+    if (
+        local_world_size < 1
+        or world_size % local_world_size
+        or (nodes is not None and nodes * local_world_size != world_size)
+    ):
+        on = f" on {nodes} nodes" if nodes else ""
         return (
             f"hf_megatrain: data parallel needs the same number of processes on every node, but "
-            f"{world_size} processes were launched with {local_world_size} on this node; launch "
-            "as many on each node (--nproc_per_node / --num_processes divisible by "
+            f"{world_size} processes were launched{on} with {local_world_size} on this node; "
+            "launch as many on each node (--nproc_per_node / --num_processes divisible by "
             "--num_machines)."
         )
     return None
@@ -227,8 +238,8 @@ class DataParallel:
         if n < ranks:
             raise DataParallelError(
                 f"hf_megatrain: {ranks} data-parallel ranks per node but the model has {n} "
-                "decoder layers; every rank must be able to own a layer. Use fewer processes "
-                "per node."
+                f"decoder layer{'s' if n != 1 else ''}; every rank must be able to own a layer. "
+                "Use fewer processes per node."
             )
         load = [0] * ranks
         owners = []

@@ -272,6 +272,10 @@ SHARDING_UNSUPPORTED = (
 )
 
 
+#: The arguments (ids) already warned about per-process token averaging.
+_SAID_TOKENS: set[int] = set()
+
+
 def check_training_arguments(args: TrainingArguments) -> None:
     """Refuse (``ValueError``, "hf_megatrain: ...") the arguments this trainer cannot run,
     before any model is streamed: the command line calls it when it parses them."""
@@ -281,6 +285,15 @@ def check_training_arguments(args: TrainingArguments) -> None:
     problem = launch_layout_error(world, local_world)
     if problem:
         raise DataParallelError(problem)
+    if world > 1 and not args.average_tokens_across_devices and id(args) not in _SAID_TOKENS:
+        _SAID_TOKENS.add(id(args))  # (once per arguments: the trainer checks them again)
+        # (found by an audit: only the partial last batch's warning said a step differs)
+        logger.warning(
+            "hf_megatrain: average_tokens_across_devices=False: each process divides its loss "
+            "by its own token count, so every step whose processes hold unequal token counts "
+            "(rows of unequal length, labels -100) trains otherwise than one process would, as "
+            "with the stock Trainer. Leave it on for one process's training."
+        )
     if world > local_world and getattr(args, "save_on_each_node", False):
         raise DataParallelError(
             "hf_megatrain: save_on_each_node=True is not supported across nodes: checkpoints are "
@@ -1064,8 +1077,9 @@ class MegaTrainerMixin:
             "hf_megatrain: the last global batch of an epoch is (or may be) partial, and "
             "accelerate's even_batches fills the processes' shares with rows repeated from the "
             "epoch's start; %s, so they are trained and evaluated on as by the stock Trainer "
-            "and that step differs from one process. dataloader_drop_last=True drops the "
-            "partial batch instead (docs/design.md, 'What is exact').",
+            "and that batch's step or evaluation differs from one process. "
+            "dataloader_drop_last=True drops the partial batch instead (docs/design.md, 'What "
+            "is exact').",
             why,
         )
 
