@@ -45,8 +45,8 @@ def flag_message(
         for value in (False, True):
             message = re.sub(rf"{spelled}={value}\b", flag_text(name, value), message)
         message = re.sub(rf"{spelled}=", f"{flag_name(name)} ", message)
-        if "_" in name:  # (a one-word name is also an ordinary word)
-            message = re.sub(rf"(?<!-){spelled}\b", flag_name(name), message)
+        if "_" in name:  # (a one-word name is also an ordinary word; none inside a path)
+            message = re.sub(rf"(?<![-/.]){spelled}\b(?![/.]\w)", flag_name(name), message)
     for name in sorted(argument_flags, key=len, reverse=True):
         message = re.sub(rf"\b{name}=", f"--{name} ", message)
     return message

@@ -921,6 +921,11 @@ def test_option_refusals_name_the_flags_as_typed(tmp_path):
     assert msg.startswith("hf-megatrain: error: --no-host-grads needs eager layer updates"), msg
     assert "--max_grad_norm 1.0 clips gradients" in msg and "leave --host-grads unset" in msg
     assert "megatrain_" not in msg and "False" not in msg and "=" not in msg
+    from hf_megatrain.option_flags import flag_message  # noqa: PLC0415
+
+    # (a name inside a path stays as it is)
+    path = "under /tmp/host_grads/run and host_grads.json"
+    assert flag_message(f"leave host_grads unset, {path}") == f"leave --host-grads unset, {path}"
 
 
 # ---- data-parallel launches gone wrong (found by an audit; the real launches: torchrun on 2
