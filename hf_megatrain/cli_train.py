@@ -107,8 +107,9 @@ def loader_arguments(settings: TrainSettings) -> dict:
     )
 
 
-def run_config(settings: TrainSettings):
-    """The model config this run builds: --model_path's, or --config's (random init)."""
+def run_config(settings: TrainSettings, folder: str | None = None):
+    """The model config this run builds: --model_path's (its local ``folder``, resolved here
+    when not given), or --config's (random init)."""
     from transformers import AutoConfig  # noqa: PLC0415
 
     from .hf.families import model_family, unsupported_model_type  # noqa: PLC0415
@@ -116,7 +117,7 @@ def run_config(settings: TrainSettings):
     model = settings.model
     if model.model_path is None:
         return _config_from_json(model.config or str(DEFAULT_CONFIG))
-    folder = _model_folder(settings)
+    folder = folder or _model_folder(settings)
     try:
         cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
     except CONFIG_ERRORS as e:
@@ -134,10 +135,10 @@ def build_model(settings: TrainSettings, tokenizer):
     from . import load_streamed_model  # noqa: PLC0415
 
     model = settings.model
-    cfg = run_config(settings)
+    folder = _model_folder(settings) if model.model_path is not None else None
+    cfg = run_config(settings, folder)
     _check_vocab(cfg, tokenizer)
-    if model.model_path is not None:
-        folder = _model_folder(settings)
+    if folder is not None:
         _check_against_manifest(folder)
         return load_streamed_model(folder, **loader_arguments(settings))
     seed = settings.training.seed

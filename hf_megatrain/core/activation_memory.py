@@ -1540,8 +1540,9 @@ def activation_lines(
     # The hidden-state gradient a layer's backward takes in (fp32, from the layer above or the
     # loss) is alive when that backward starts, so the working set (a layer's growth above its
     # start) leaves it out. A middle layer's backward has the freed boundary of the layer above
-    # to make up for it; the last layer's backward starts with every boundary alive (the CPU tracker: 4h B per token over
-    # the plan for Llama-like families without this line, tests/test_plan_accuracy.py). The
+    # to make up for it; the last layer's backward starts with every boundary alive (the CPU
+    # tracker: 4h B per token over the plan for Llama-like families without this line,
+    # tests/test_plan_accuracy.py). The
     # joint segment peak (offloaded fp32 boundaries) is checked on the whole step instead: on
     # the CPU scale model of the H200's long rows its lines are 12% above the live activations,
     # this gradient among them (dev/long_plan_probe.py; the H200 524,288-token row peaked 7%

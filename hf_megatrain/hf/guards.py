@@ -118,10 +118,11 @@ def check_batch(
     warned = warned if warned is not None else set()
     max_pos = getattr(config, "max_position_embeddings", None)
     seq = ids_shape[-1]
-    limits = [n for n in (position_limit, max_pos) if n]
-    if limits and seq > min(limits):
+    refusable = position_limit is not None and seq > position_limit
+    if refusable or (max_pos and seq > max_pos and "positions" not in warned):
         # A padding-free batch (documents flattened into one row, position_ids restarting at
-        # each) uses fewer positions than its row has tokens: what matters is the largest.
+        # each) uses fewer positions than its row has tokens: what matters is the largest (a
+        # device sync, only where the row's length alone would refuse or warn).
         seq = _positions_used(inputs, seq)
     if position_limit is not None and seq > position_limit:
         raise ValueError(
