@@ -1,7 +1,7 @@
 """DPO of the Qwen2.5-7B config on the GPU machine, the reference streaming frozen (issue 22).
 
 Builds the policy from ``benchmarks/configs/qwen2.5-7b`` (random init straight into the host
-store, bf16 compute, fp32 masters and AdamW moments, ``resident_layers="auto"`` with the 48 GiB
+store, bf16 compute, fp32 masters and AdamW moments, ``resident_layers="auto"`` with a 64 GiB
 activation reserve), lets ``MegaDPOTrainer`` build the reference as a frozen streamed copy of the
 initial weights (weights-only bf16 host store, 2 bytes/param), and trains on synthetic preference
 pairs of random token ids (prompt 512 + chosen / rejected completions of 1536 tokens each). Prints
@@ -36,6 +36,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from hf_megatrain.option_flags import add_option_arguments  # noqa: E402
+
 #: bench.py's bf16 peak (H200 / H100 SXM datasheet), the MFU denominator.
 PEAK_BF16_FLOPS = 989e12
 
@@ -56,14 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--beta", type=float, default=0.1)
-    p.add_argument("--resident-layers", default="auto", help="megatrain_resident_layers")
-    p.add_argument(
-        "--hbm-reserve-gb",
-        type=float,
-        default=64.0,
-        help="HBM the plan keeps free for activations, TRL's log-prob head and the resident "
-        "embeddings / LM heads of policy and reference (megatrain_hbm_reserve_gb)",
-    )
+    # The engine's own flags (generated: defaults and help from EngineOptions).
+    add_option_arguments(p.add_argument_group("engine options"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="dpo7b")
     args = p.parse_args(argv)
@@ -153,8 +149,11 @@ def run(args: argparse.Namespace, launched: float, tokens_per_step: int) -> dict
     from transformers import AutoConfig, TrainerCallback
 
     from hf_megatrain import init_streamed_model
+    from hf_megatrain.core.options import EngineOptions
+    from hf_megatrain.hf.arguments import as_arguments
     from hf_megatrain.hf.model import streamed_state
     from hf_megatrain.integrations.trl import MegaDPOConfig, MegaDPOTrainer
+    from hf_megatrain.option_flags import options_from_namespace
     from hf_megatrain.text import load_tokenizer
 
     cuda = torch.cuda.is_available()
@@ -164,12 +163,13 @@ def run(args: argparse.Namespace, launched: float, tokens_per_step: int) -> dict
     config.use_cache = False
     say(f"{Path(args.config).name} on {device} ({dtype} compute)")
 
-    say(f"policy: random init into the host store (resident_layers={args.resident_layers})")
     # No step shape: the plan keeps hbm_reserve_gb free instead of sizing the activations, for
     # what it does not model here: TRL's fused log-prob head (policy and reference) and the
-    # reference's resident embeddings and LM head (an fp32 copy, 4.4 GB at 7B).
-    options = {"resident_layers": args.resident_layers, "hbm_reserve_gb": args.hbm_reserve_gb}
-    policy = init_streamed_model(config, device=device, bf16=cuda, seed=args.seed, **options)
+    # reference's resident embeddings and LM head (an fp32 copy, 4.4 GB at 7B). This workload
+    # keeps 64 GiB (the options' 48 is for one model), unless --hbm-reserve-gb says otherwise.
+    options = options_from_namespace(args, base=EngineOptions(hbm_reserve_gb=64.0))
+    say(f"policy: random init into the host store (resident_layers={options.resident_layers})")
+    policy = init_streamed_model(config, options, device=device, bf16=cuda, seed=args.seed)
     n_params = sum(p.numel() for p in policy.parameters())
     hbm_layers = sum(1 for s in streamed_state(policy).store.layers if s.resident)
     say(f"policy: {n_params / 1e9:.3f} B parameters, {hbm_layers} layers in HBM")
@@ -226,8 +226,7 @@ def run(args: argparse.Namespace, launched: float, tokens_per_step: int) -> dict
         report_to="none",
         disable_tqdm=True,
         seed=args.seed,
-        megatrain_resident_layers=args.resident_layers,
-        megatrain_hbm_reserve_gb=args.hbm_reserve_gb,
+        **as_arguments(options),
     )
     say(f"trainer: streaming the frozen reference (an {dtype} weights-only copy of the policy)")
     trainer = PreTokenizedDPO(

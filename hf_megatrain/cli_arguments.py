@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_common import CLIError, check_config_builds, config_from_json, world_size
-from .core.options import EngineOptions, OptionError
+from .core.options import EngineOptions, OptionError, option_value
 from .option_flags import (
     DefaultOnceHelpFormatter,
     add_option_arguments,
@@ -308,6 +308,12 @@ def _coerce(parser: argparse.ArgumentParser, values: dict[str, Any]) -> dict[str
     by_dest = {a.dest: a for a in parser._actions if a.option_strings}
     out = {}
     for k, v in values.items():
+        if k in EngineOptions.field_names():
+            try:  # (the options' own reading: `auto_fit: off` is a YAML boolean)
+                out[k] = option_value(k, v)
+            except OptionError as e:
+                raise CLIError(str(e)) from None
+            continue
         action = by_dest.get(k)
         kind = getattr(action, "type", None)
         if kind in (int, float) and v is not None and not isinstance(v, str):
@@ -382,6 +388,13 @@ def parse_train_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> T
         if f.init and f.name in values
     }
     _check(model_args, data_args, training_values)
+    if engine.plan_seq_len is not None and engine.plan_seq_len < data_args.seq_len:
+        raise CLIError(
+            f"--plan-seq-len {engine.plan_seq_len} is shorter than --seq_len "
+            f"{data_args.seq_len}, the length of every row this command trains on: a plan for "
+            "shorter rows does not hold for them (leave --plan-seq-len unset to plan for "
+            "--seq_len, or give a longer length to plan for)"
+        )
     from .hf.trainer import SHARDING_UNSUPPORTED  # noqa: PLC0415
 
     if training_values.get("deepspeed") or training_values.get("fsdp"):

@@ -88,10 +88,12 @@ def loader_arguments(settings: TrainSettings) -> dict:
     from .core.options import StepShape  # noqa: PLC0415
     from .hf.long_context import liger_layer_kernel_arguments  # noqa: PLC0415
 
-    args, seq_len = settings.training, settings.data.seq_len
     # Every run, as the trainer plans one (resident_layers="0" included: auto_fit, the
-    # attention choice for sliding windows). Per rank: under sequence parallelism each rank
-    # holds seq_len / N of every row.
+    # attention choice for sliding windows), for --plan-seq-len where given (never below
+    # --seq_len: parsing refuses that). Per rank: under sequence parallelism each rank holds
+    # seq_len / N of every row.
+    args = settings.training
+    seq_len = settings.engine.plan_seq_len or settings.data.seq_len
     seq_len = -(-seq_len // settings.engine.sequence_parallel)
     step = StepShape(
         seq_len, args.per_device_train_batch_size * seq_len, args.gradient_accumulation_steps
@@ -463,6 +465,14 @@ def _say_header(settings: TrainSettings, data, model, n_params: int) -> None:
     n_rows = data.num_train_rows
     if n_rows and args.max_steps > 0 and args.max_steps * rows > 20 * n_rows:
         _say("  note: more than 20 epochs over this data; expect the model to memorize it")
+    from .core.options import default_of  # noqa: PLC0415
+
+    if settings.engine.hbm_reserve_gb != default_of("hbm_reserve_gb"):
+        _say(
+            "  note: --hbm-reserve-gb is not used: it stands in for activations when the row "
+            "length is unknown, and this command's rows are --seq_len tokens (the plan sizes "
+            "them; --plan-seq-len plans for longer ones)"
+        )
     if (
         args.save_only_model
         and str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"

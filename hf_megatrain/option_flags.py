@@ -16,7 +16,13 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-from .core.options import ARGUMENT_PREFIX, EngineOptions, OptionError, field_types
+from .core.options import (
+    ARGUMENT_PREFIX,
+    EngineOptions,
+    OptionError,
+    field_types,
+    option_value,
+)
 
 
 def flag_name(field: str) -> str:
@@ -122,21 +128,10 @@ def options_from_namespace(
 def options_from_mapping(
     values: dict[str, Any], base: EngineOptions | None = None
 ) -> EngineOptions:
-    """``base`` with the option fields of ``values`` (e.g. recipe YAML keys) applied; other keys
+    """``base`` with the option fields of ``values`` (e.g. recipe YAML keys) applied, each read
+    as :func:`~hf_megatrain.core.options.option_value` reads a config file's value; other keys
     are ignored (the caller decides whether they are errors)."""
-    types = field_types()
-    changes = {}
-    for k, v in values.items():
-        if k not in EngineOptions.field_names():
-            continue
-        kind = _base_type(types[k])
-        if isinstance(v, str) and kind in (int, float):
-            # YAML reads "1e2" or "64" quoted as a string.
-            try:
-                v = kind(float(v)) if kind is int and float(v).is_integer() else kind(v)
-            except ValueError:
-                raise OptionError(f"{k}={v!r} must be {kind.__name__}") from None
-        changes[k] = v
+    changes = {k: option_value(k, v) for k, v in values.items() if k in EngineOptions.field_names()}
     try:
         return dataclasses.replace(base or EngineOptions(), **changes)
     except OptionError:

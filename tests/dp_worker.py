@@ -28,8 +28,10 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments  # noqa: E402
+from hf_megatrain.hf.arguments import as_arguments  # noqa: E402
 from hf_megatrain.hf.checkpoint import host_state_dict  # noqa: E402
 from hf_megatrain.hf.preemption import SaveOnSigterm  # noqa: E402
+from hf_megatrain.option_flags import add_option_arguments, options_from_namespace  # noqa: E402
 from tests.helpers import (  # noqa: E402
     LogRecorder,
     add_job_arguments,
@@ -62,11 +64,12 @@ def main() -> None:
     p.add_argument("--max-grad-norm", type=float, default=0.5)
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: none)")
     p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
-    p.add_argument("--resident-layers", default="0")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--cuda", action="store_true")
-    p.add_argument("--stream-fp32-master", action="store_true")
-    p.add_argument("--keep-attention-outputs", action="store_true")
+    # The engine's own flags (generated; the library's defaults where not given).
+    add_option_arguments(
+        p, only=("resident_layers", "stream_fp32_master", "keep_attention_outputs")
+    )
     p.add_argument("--rows", type=int, default=64, help="training rows")
     p.add_argument("--epochs", type=float, default=0, help="train epochs (not --steps) if > 0")
     p.add_argument("--eval-rows", type=int, default=0, help="evaluate on N rows after training")
@@ -148,9 +151,7 @@ def run(a: argparse.Namespace, out: str, resume: str | None, save_steps: int) ->
             max_grad_norm=a.max_grad_norm,
             use_cpu=not a.cuda,
             bf16=a.bf16,
-            megatrain_resident_layers=a.resident_layers,
-            megatrain_stream_fp32_master=a.stream_fp32_master,
-            megatrain_keep_attention_outputs=a.keep_attention_outputs,
+            **as_arguments(options_from_namespace(a)),
             per_device_eval_batch_size=a.per_device_batch,
             **(
                 {"learning_rate": a.rank1_lr}

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_megatrain import HFMegaTrainer
 from hf_megatrain.cli import DEFAULT_CONFIG, build_train_parser, main, parse_train
 from hf_megatrain.cli_arguments import load_recipe
+from hf_megatrain.option_flags import options_from_mapping
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = (
@@ -666,6 +667,42 @@ def test_recipe_numbers_for_string_settings(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "line, changed",
+    [("auto_fit: off", {"auto_fit": "off"}),  # YAML 1.1 reads `off` as False
+     ("auto_fit: on", {}),  # (on: the default, exact)
+     ("keep_activations: no", {"keep_activations": "off"}),
+     ("keep_attention_outputs: true", {"keep_attention_outputs": "all"}),
+     ("resident_layers: false", {"resident_layers": "0"}),  # ("off" was refused)
+     ("checkpoint_every: 2.0", {"checkpoint_every": 2}),
+     ("plan_seq_len: '4096'", {"plan_seq_len": 4096}),
+     ("offload_activations: 'yes'", {"offload_activations": True})],
+)  # fmt: skip
+def test_recipe_engine_values_read_as_every_front_door_reads_them(tmp_path, line, changed):
+    """A recipe's engine keys go through the options' one reading (``option_value``), as
+    ``options_from_mapping`` and the Python API do: `auto_fit: off` was refused as 'False', a
+    YAML boolean for resident_layers as 'off'."""
+    import yaml  # noqa: PLC0415
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(line + "\n")
+    s = parse_train(["--recipe", str(recipe), "--output_dir", str(tmp_path / "out")])
+    assert s.engine.changed() == changed
+    assert options_from_mapping(yaml.safe_load(line)).changed() == changed
+
+
+@pytest.mark.parametrize(
+    "line, said",
+    [("checkpoint_every: 2.5", "checkpoint_every=2.5 must be an integer"),
+     ("export_dtype: true", "give one of float32, bfloat16"),
+     ("mlp_tile_tokens: true", "mlp-tile-tokens must be int")],
+)  # fmt: skip
+def test_recipe_engine_values_of_the_wrong_kind_are_refused(tmp_path, line, said):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(line + "\n")
+    assert said in _error(["train", "--recipe", str(recipe)])
+
+
+@pytest.mark.parametrize(
     "field, value",
     [("hidden_size", 0), ("num_attention_heads", -3), ("intermediate_size", -5),
      ("vocab_size", 0), ("num_key_value_heads", 0)],
@@ -729,6 +766,7 @@ def test_no_progress_bar_silences_every_librarys_bars(tmp_path, capsys):
     import transformers.utils.logging
 
     flags = ["--max-shard-size", "100KB", "--save_steps", "1", "--save_only_model"]
+    flags += ["--hbm-reserve-gb", "20"]  # (a knob train's known row length leaves unused)
     try:
         assert main(["train", *flags, *_fast_flags(tmp_path)]) == 0
     finally:
@@ -737,6 +775,21 @@ def test_no_progress_bar_silences_every_librarys_bars(tmp_path, capsys):
     err = printed.err
     assert "Writing model shards" not in err and "Loading weights" not in err, err[-2000:]
     assert "note: --save_only_model: checkpoints hold the weights only" in printed.out
+    assert "note: --hbm-reserve-gb is not used" in printed.out
+
+
+def test_plan_seq_len_is_what_train_plans_for(tmp_path):
+    """Found by an audit: train planned for --seq_len whatever --plan-seq-len said (the Python
+    API's trainer honours it), so the flag did nothing; now it plans for the longer length,
+    and a shorter one than the rows, which would not hold for them, is refused."""
+    from hf_megatrain.cli_train import loader_arguments  # noqa: PLC0415
+
+    out = ["--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "2"]
+    step = loader_arguments(parse_train(["--seq_len", "64", "--plan-seq-len", "256", *out]))
+    assert (step["step"].seq_len, step["step"].micro_batch_tokens) == (256, 512)
+    assert loader_arguments(parse_train(["--seq_len", "64", *out]))["step"].seq_len == 64
+    msg = _error(["train", "--seq_len", "64", "--plan-seq-len", "32", *out])
+    assert "--plan-seq-len 32 is shorter than --seq_len 64" in msg
 
 
 def test_plan_keeps_to_a_learned_position_table(tmp_path, capsys):

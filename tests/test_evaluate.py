@@ -103,3 +103,42 @@ def test_metric_keys_match_stock(tmp_path):
     # What the comparison is about: stock has the key in the first three, not in the last two.
     has = ["model_preparation_time" in " ".join(k) for k in keys["stock"]]
     assert has == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3_moe"])
+def test_loss_only_evaluation_never_builds_the_logits(arch, tmp_path):
+    """Found by an audit: evaluation ran the model's own forward, tokens x vocab logits and
+    all, even where only the loss was kept (no compute_metrics): at a 150k vocabulary they were
+    a CPU run's peak, past training's, and a long row's would be far past the GPU's. Such an
+    evaluation now takes the fused loss (the head in chunks), with stock's loss; with
+    compute_metrics the logits reach it as stock's."""
+    import numpy as np  # noqa: PLC0415
+
+    model = tiny_model(tiny_config(arch))
+
+    def mean_logit(p):  # (an MoE's predictions: the logits, then its router logits)
+        logits = p.predictions[0] if isinstance(p.predictions, tuple) else p.predictions
+        return {"mean_logit": float(np.mean(logits))}
+
+    for metrics in (None, mean_logit):
+        seen = {}
+        for name, mega in (("stock", False), ("mega", True)):
+            m = copy.deepcopy(model)
+            head_calls = []
+            m.get_output_embeddings().register_forward_hook(lambda *a, c=head_calls: c.append(1))
+            cls, argcls = (
+                (HFMegaTrainer, MegaTrainArguments) if mega else (Trainer, TrainingArguments)
+            )
+            args = argcls(
+                output_dir=str(tmp_path / name), per_device_eval_batch_size=4, **common_args()
+            )
+            trainer = cls(model=m, args=args, eval_dataset=EVAL, compute_metrics=metrics)
+            seen[name] = (trainer.evaluate(), len(head_calls))
+        (stock, stock_calls), (mega, mega_calls) = seen["stock"], seen["mega"]
+        assert stock_calls == 2  # (6 rows in batches of 4)
+        assert mega_calls == (0 if metrics is None else 2)
+        # The chunked loss sums the same fp32 terms in this tiny case: equal (1e-6 relative in
+        # general, the chunks' order of summation).
+        assert mega["eval_loss"] == pytest.approx(stock["eval_loss"], rel=1e-6)
+        if metrics is not None:
+            assert mega["eval_mean_logit"] == pytest.approx(stock["eval_mean_logit"], rel=1e-6)

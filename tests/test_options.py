@@ -5,6 +5,7 @@ projects it without re-declaring anything."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -191,13 +192,17 @@ def test_step_shape_is_only_the_step():
         StepShape(0, 16)
 
 
-def test_a_model_streamed_earlier_keeps_its_options_and_refuses_contradicting_arguments():
+def test_a_model_streamed_earlier_keeps_its_options_and_refuses_contradicting_arguments(caplog):
     model = prepare_streamed_model(
         tiny_model(tiny_config("llama")), "cpu", torch.float32, checkpoint_every=2
     )
-    # Defaults in the arguments: the model's options apply.
-    trainer = HFMegaTrainer(model=model, args=_train_args(megatrain_log_throughput=False))
+    # Defaults in the arguments: the model's options apply, and a line says so (found by an
+    # audit: an argument set to its default was overruled without a word).
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+        trainer = HFMegaTrainer(model=model, args=_train_args(megatrain_log_throughput=False))
     assert trainer.megatrain.engine.checkpoint_every == 2
+    said = "streamed with checkpoint_every=2: those are used (the trainer's "
+    assert said + "megatrain_checkpoint_every at the default)" in caplog.text
     # Run-time options come from the arguments.
     assert trainer.megatrain_options.log_throughput is False
     other = prepare_streamed_model(

@@ -29,7 +29,7 @@ from .host_store import (
     layer_store_bytes,
     planned_host_bytes,
 )
-from .options import ResolvedOptions, StepShape
+from .options import EngineOptions, ResolvedOptions, StepShape
 from .plan_types import ModelShape, OptionNamer
 from .planner import (
     MemoryPlan,
@@ -66,6 +66,8 @@ class StreamedState:
     #: The options the state was built with: the caller's, plus the memory options ``auto_fit``
     #: turned on for a planned step that did not fit as asked.
     options: ResolvedOptions | None = None
+    #: The options the caller asked for (before ``auto_fit`` and the builder's own changes).
+    asked: EngineOptions | None = None
 
 
 def build_streamed_state(
@@ -94,6 +96,7 @@ def build_streamed_state(
             f"hf_megatrain: compute dtype {compute_dtype} is not supported; use bf16 or fp32."
         )
     device = torch.device(device)
+    asked = options.options
     # Data parallel (several processes launched): layer weights in host memory shared by the
     # ranks, each layer's gradient and moments only on its owner (distributed.py). Set up first,
     # so that "cuda" means this rank's GPU before anything (the planner) touches one.
@@ -205,7 +208,12 @@ def build_streamed_state(
         chain_attention_by_segment=None if plan is None else plan.chain_output_counts,
     )
     return StreamedState(
-        stores=stores, engine=engine, n_resident=n_resident, plan=plan, options=options
+        stores=stores,
+        engine=engine,
+        n_resident=n_resident,
+        plan=plan,
+        options=options,
+        asked=asked,
     )
 
 

@@ -167,6 +167,7 @@ class EngineOptions:
             for the micro-batch (batch size x plan_seq_len tokens), or, when that length is
             unknown, reserves hbm_reserve_gb for them. An integer for that many; 0 streams
             every layer.""",
+            bool_values=("0", "auto"),
             planned=True,
         ),
     )
@@ -205,6 +206,7 @@ class EngineOptions:
             row length and a GPU; the last layers of the tier are chosen), else none. An integer:
             that many (at most the HBM-tier layer count). 'off' or 0: recompute every layer.
             Streamed layers always recompute: their GPU buffer is reused by the next layer.""",
+            bool_values=("off", "auto"),
             planned=True,
         ),
     )
@@ -223,6 +225,7 @@ class EngineOptions:
             PyTorch SDPA's fused kernels is recomputed as before.""",
             # Given without a value (a bare command-line switch), the option means every layer.
             bare_value="all",
+            bool_values=("off", "all"),
             planned=True,
         ),
     )
@@ -314,6 +317,7 @@ class EngineOptions:
             nothing allowed fits, the run is refused before anything is allocated, with what
             would fit.""",
             choices=AUTO_FIT_MODES,
+            bool_values=("off", "exact"),
             planned=True,
         ),
     )
@@ -540,14 +544,8 @@ class EngineOptions:
         for name in ("layer_kernels", "attention"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, getattr(self, name).strip().lower())
-        for name in ("resident_layers", "keep_activations", "keep_attention_outputs"):
-            value = getattr(self, name)
-            if isinstance(value, bool):
-                value = {"keep_attention_outputs": "all" if value else "off"}.get(
-                    name, "auto" if value else "off"
-                )
-            if not isinstance(value, str):
-                value = str(value)
+        for name in ("resident_layers", "keep_activations", "keep_attention_outputs", "auto_fit"):
+            value = option_value(name, getattr(self, name))
             object.__setattr__(self, name, value.strip().lower())
         _check_types(self)
         _check_values(self)
@@ -842,6 +840,55 @@ def field_types() -> dict[str, Any]:
     return typing.get_type_hints(EngineOptions)
 
 
+#: How config files (YAML 1.1 reads on/off/yes/no as booleans) and JSON write a switch.
+_BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
+
+
+def _value_type(hint: Any) -> type:
+    """``int | None`` -> ``int``."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def option_value(name: str, value: Any) -> Any:
+    """``value`` for option ``name`` as a config file (YAML, JSON) or a caller writes it, in the
+    option's type: numbers written as text (YAML reads ``3e-4`` as a string), an integral float
+    for an int, a word for a switch, a number for a text option (``resident_layers: 4``) and a
+    boolean for a text option that has a value meaning off and one meaning on
+    (``auto_fit: off``, which YAML reads as False). One conversion for every front door (recipe
+    files, ``options_from_mapping``, the Python API); the checks that follow say what is wrong."""
+    if value is None:
+        return None
+    field_ = next(f for f in fields(EngineOptions) if f.name == name)
+    kind = _value_type(field_types()[name])
+    if kind is bool:
+        if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[value.strip().lower()]
+        return value
+    if kind in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            return value  # (refused by the type check, naming the option)
+        try:
+            number = float(value)
+        except ValueError:
+            raise OptionError(f"{name}={value!r} must be {kind.__name__}") from None
+        if kind is int:
+            if not number.is_integer():
+                raise OptionError(f"{name}={value!r} must be an integer")
+            return int(number)
+        return number if isinstance(value, str) else value
+    if isinstance(value, bool):
+        words = field_.metadata.get("bool_values")
+        if words is None:
+            choices = field_.metadata.get("choices")
+            said = f"one of {', '.join(choices)}" if choices else "its value as text"
+            raise OptionError(f"{name}={value!r} is a switch's value: give {said}")
+        return words[value]
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
 def _check_types(opts: EngineOptions) -> None:
     for name, hint in field_types().items():
         value = getattr(opts, name)
@@ -1031,6 +1078,7 @@ __all__ = [
     "StepShape",
     "device_update_hint",
     "field_types",
+    "option_value",
     "parse_attention_layers",
     "parse_boundary_dtype",
     "parse_keep_activations",

@@ -90,6 +90,8 @@ class StreamedModelState:
     # planned for: the trainer takes them from here for a model streamed before it.
     options: ResolvedOptions | None = None
     step: StepShape | None = None
+    #: The options its caller asked for (before auto_fit's and the builder's own changes).
+    asked: EngineOptions | None = None
     #: Streamed frozen (``prepare_frozen_streamed_model``): weights only, never trained.
     frozen: bool = False
     #: Streamed with PEFT adapters in it (a ``PeftModel``): adapters added later are refused.
@@ -1034,6 +1036,7 @@ def prepare_streamed_model(
         plan=built.plan,
         options=resolved,
         step=step,
+        asked=built.asked,
         adapters=_is_peft(model),
         use_cache=use_cache,
     )

@@ -13,6 +13,7 @@ the optimizer step that run out of GPU memory go through the out-of-memory watch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -124,6 +125,18 @@ class StreamedModelWrapper(nn.Module):
         self.fused_loss = fused_loss and supports_fused_loss(model)
         self.loss_chunk_tokens = loss_chunk_tokens
         self.fused_loss_kernel = fused_loss_kernel
+        #: An evaluation that keeps the loss only (no logits for metrics): set by the trainer.
+        self.loss_only = False
+
+    @contextlib.contextmanager
+    def loss_only_evaluation(self, loss_only: bool):
+        """Within: an evaluation batch whose logits nobody reads gets the fused loss too (a
+        long row's tokens x vocab logits were the evaluation's peak, past training's)."""
+        before, self.loss_only = self.loss_only, bool(loss_only)
+        try:
+            yield
+        finally:
+            self.loss_only = before
 
     def _call(self, *args, **kwargs):
         if (
@@ -132,11 +145,11 @@ class StreamedModelWrapper(nn.Module):
             # TRL's SFTTrainer asks the model for its own fused LM head (per-token log-probs,
             # no full logits either): its forward must receive that call unchanged.
             and "fused_lm_head" not in kwargs
-            and self.module.training
-            and torch.is_grad_enabled()
+            and ((self.module.training and torch.is_grad_enabled()) or self.loss_only)
             and kwargs.get("labels") is not None
         ):
-            # Training with labels: full logits never exist (see hf/loss.py).
+            # Training (or a loss-only evaluation) with labels: full logits never exist (see
+            # hf/loss.py; read anyway, they are computed then).
             return fused_causal_lm_forward(
                 self.module,
                 self.compute_dtype,
@@ -400,6 +413,23 @@ def _options_of_streamed(state, args: TrainingArguments) -> EngineOptions:
             "hf_megatrain: the model was streamed (load_streamed_model / init_streamed_model) "
             f"with other engine options than the trainer's arguments: {'; '.join(clash)}. Pass "
             "the same options when streaming it, or leave these arguments at their defaults."
+        )
+    # An argument left at (or set to) its default cannot be told apart: say which of the
+    # options the model was streamed with rule over such arguments (what auto_fit turned on
+    # was logged when it was streamed).
+    asked = state.asked or model_opts
+    overruled = [
+        n
+        for n in EngineOptions.field_names()
+        if n not in EngineOptions.run_time_fields()
+        and getattr(mine, n) == getattr(default, n) != getattr(asked, n)
+    ]
+    if overruled:
+        logger.warning(
+            "hf_megatrain: the model was streamed with %s: those are used (the trainer's %s "
+            "at the default)",
+            ", ".join(f"{n}={getattr(asked, n)!r}" for n in overruled),
+            ", ".join(argument_name(n) for n in overruled),
         )
     run_time = {n: getattr(mine, n) for n in EngineOptions.run_time_fields()}
     # The store's layout is fixed: whether it can hold gradients is checked against the engine.
@@ -1477,12 +1507,18 @@ class MegaTrainerMixin:
     def _megatrain_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys):
         state = self.megatrain
         rng = rng_state(state.engine.device)
+        wrapper = model if isinstance(model, StreamedModelWrapper) else None
         for _ in range(len(state.engine.stores) + 1):
             failure = None
             try:
-                return super().prediction_step(
-                    model, inputs, prediction_loss_only, ignore_keys=ignore_keys
-                )
+                with (
+                    wrapper.loss_only_evaluation(prediction_loss_only)
+                    if wrapper is not None
+                    else contextlib.nullcontext()
+                ):
+                    return super().prediction_step(
+                        model, inputs, prediction_loss_only, ignore_keys=ignore_keys
+                    )
             except torch.OutOfMemoryError as err:
                 if not self.megatrain_options.oom_recovery or state.engine.dp:
                     raise
