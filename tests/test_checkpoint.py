@@ -209,3 +209,52 @@ def test_save_total_limit_and_load_best_model_at_end(tmp_path):
     best = min(m_rec.eval_logs, key=lambda x: x["eval_loss"])["eval_loss"]
     assert m_eval == pytest.approx(best, rel=1e-6)
     assert m_eval == pytest.approx(s_eval, rel=1e-5)
+
+
+def _peak_rss_reset() -> bool:
+    """Reset this process's peak RSS (VmHWM); False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_mib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
+def test_a_save_holds_no_second_copy_of_the_streamed_weights(tmp_path):
+    """Found by an audit: the saved state dict's streamed weights were views of each layer's one
+    buffer, and ``save_pretrained`` clones tensors that share a storage without being tied, so
+    every save (each checkpoint and the final model) held one more fp32 copy of every streamed
+    weight in host RAM: +587 MiB on a 589 MiB model, +56 GiB at 14B. Each view now has a
+    storage of its own over the same memory."""
+    from transformers import LlamaConfig  # noqa: PLC0415
+    from transformers.pytorch_utils import id_tensor_storage  # noqa: PLC0415
+
+    from hf_megatrain import init_streamed_model  # noqa: PLC0415
+    from hf_megatrain.hf.checkpoint import host_state_dict, save_streamed_pretrained  # noqa: PLC0415
+
+    # Four layers of 19M parameters (77 MB each in fp32): the weights are most of the model.
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=24576,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = init_streamed_model(cfg, device="cpu", bf16=False)
+    layers = {k: v for k, v in host_state_dict(model).items() if ".layers." in k}
+    assert len({id_tensor_storage(v) for v in layers.values()}) == len(layers)
+    weights_mib = sum(v.numel() * v.element_size() for v in layers.values()) / 2**20
+    if not _peak_rss_reset():
+        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
+    before = _status_mib("VmRSS")
+    save_streamed_pretrained(model, str(tmp_path / "out"), max_shard_size="50MB")
+    grew = _status_mib("VmHWM") - before
+    # A copy would add the weights' 300 MiB; the writer's own buffers are a few MiB.
+    assert grew < 0.2 * weights_mib, (grew, weights_mib)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    name = next(iter(layers))
+    assert torch.equal(loaded.state_dict()[name], layers[name])

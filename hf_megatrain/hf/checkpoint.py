@@ -56,9 +56,10 @@ def host_state_dict(model, dtype: torch.dtype | None = None) -> dict[str, torch.
     out: dict[str, torch.Tensor] = {}
     layer_keys = {}
     for i, store in enumerate(state.store.layers):
-        # HBM-tier layers are copied to the CPU; host-store layers are views (no copy).
+        # HBM-tier layers are copied to the CPU; host-store layers are views (no copy), each
+        # over a storage of its own.
         for rel, view in store.param_views(store.master.cpu()).items():
-            layer_keys[state.full_name(i, rel)] = view
+            layer_keys[state.full_name(i, rel)] = _own_storage(view)
     for key, value in model.state_dict(keep_vars=False).items():
         if key in layer_keys:
             out[key] = layer_keys[key]
@@ -89,6 +90,17 @@ def host_state_dict(model, dtype: torch.dtype | None = None) -> dict[str, torch.
                 cast[alias] = value.to(dtype)
             out[key] = cast[alias]
     return out
+
+
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (of a layer's one flat buffer) as a tensor over the same memory with a storage
+    of its own. ``save_pretrained`` clones tensors that share a storage without being tied
+    (safetensors refuses aliasing): views of one buffer made it copy every streamed weight,
+    one more whole model in host RAM during each save."""
+    if not view.is_contiguous():
+        return view
+    flat = view.reshape(-1).view(torch.uint8).numpy()  # (numpy has no bf16: the bytes)
+    return torch.from_numpy(flat).view(view.dtype).view(view.shape)
 
 
 def _fp32_module_re(model) -> re.Pattern | None:
