@@ -97,10 +97,7 @@ def _own_storage(view: torch.Tensor) -> torch.Tensor:
     of its own. ``save_pretrained`` clones tensors that share a storage without being tied
     (safetensors refuses aliasing): views of one buffer made it copy every streamed weight,
     one more whole model in host RAM during each save."""
-    if not view.is_contiguous():
-        return view
-    flat = view.reshape(-1).view(torch.uint8).numpy()  # (numpy has no bf16: the bytes)
-    return torch.from_numpy(flat).view(view.dtype).view(view.shape)
+    return torch.from_dlpack(view) if view.is_contiguous() else view
 
 
 def _fp32_module_re(model) -> re.Pattern | None:
