@@ -97,6 +97,12 @@ _OS_ERRORS = {
         "disk quota exceeded on the file system of --output_dir while saving",
         "free space within the quota, or pass an --output_dir elsewhere",
     ),
+    errno.EFBIG: (
+        "a file under --output_dir grew past the largest file allowed (a file-size limit, "
+        "ulimit -f, or the file system's own)",
+        "raise the limit, pass a smaller --max-shard-size, or an --output_dir on another file "
+        "system",
+    ),
     errno.EROFS: (
         "the file system of --output_dir is read-only",
         "pass an --output_dir on a writable file system",

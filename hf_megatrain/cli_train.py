@@ -258,6 +258,17 @@ def _mean_loss(model, rows, batch_size: int, device) -> float:
     return total / max(count, 1)
 
 
+def _resumed_state(checkpoint: str) -> str:
+    """What a resume from ``checkpoint`` takes from it (with --resume-without-optimizer-state
+    the optimizer state or the scheduler may be missing: they start afresh, as said)."""
+    from .hf.checkpoint import has_optimizer_state  # noqa: PLC0415
+
+    taken = ["its weights"]
+    taken += ["optimizer"] if has_optimizer_state(checkpoint) else []
+    taken += ["scheduler"] if os.path.isfile(os.path.join(checkpoint, "scheduler.pt")) else []
+    return ", ".join(taken + ["data position, RNG"])
+
+
 def _dir_size_mb(path: str, suffix: str) -> tuple[int, float]:
     files = [f for f in Path(path).iterdir() if f.name.endswith(suffix)]
     return len(files), sum(f.stat().st_size for f in files) / 1e6
@@ -660,7 +671,7 @@ def _run_train(settings: TrainSettings) -> dict[str, Any]:
             )
         )
     elif resume is not None:
-        _say(f"  resuming from {resume} (its weights, optimizer, scheduler, data position, RNG)")
+        _say(f"  resuming from {resume} ({_resumed_state(resume)})")
         if note := seq_len_note(resume, data_args.seq_len):
             _say(f"  {note}")
     if not finish_only:

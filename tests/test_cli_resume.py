@@ -205,6 +205,25 @@ def test_a_config_edited_since_the_checkpoint_is_refused_before_the_model_is_bui
     assert "rope_theta" in said and "Restore the config" in said
 
 
+def test_a_config_whose_token_ids_the_trainer_aligned_resumes(finished, tmp_path, capsys):
+    """Found by an audit: a --config whose special-token ids differ from the tokenizer's (the
+    Trainer sets them to the tokenizer's before the first save, so every checkpoint records
+    those) was refused on the rerun the CLI itself advises ("eos_token_id 0 (this run: 2)"),
+    after any kill. Token ids shape no weight: the run resumes."""
+    root, out, flags = _copy(finished, tmp_path)
+    (out / "model.safetensors").unlink()  # (killed after checkpoint-4: the run resumes)
+    shutil.rmtree(out / "checkpoint-6")
+    argv = _argv(root, out, flags)  # (it writes the config file: the ids are edited after)
+    cfg = json.loads((root / "config.json").read_text())
+    saved = json.loads((out / "checkpoint-4" / "config.json").read_text())
+    cfg.update(eos_token_id=saved["eos_token_id"] + 5, pad_token_id=None, bos_token_id=7)
+    (root / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert f"resuming from {out / 'checkpoint-4'}" in said and "trained 2 steps" in said
+
+
 def _flip_bytes(path: Path, text: bool = False) -> None:
     """Alter ``path`` in place, its size unchanged: a JSON file made invalid, else 16 bytes."""
     data = bytearray(path.read_bytes())
@@ -584,13 +603,21 @@ def test_incomplete_checkpoints_are_skipped_or_refused(finished, tmp_path, capsy
     assert (out / f"checkpoint-{STEPS}" / lost).is_file()  # written again, complete
 
 
-def test_only_incomplete_checkpoints_are_refused(finished, tmp_path):
+def test_only_incomplete_checkpoints_are_refused(finished, tmp_path, capsys):
     root, out, flags = _copy(finished, tmp_path)
     for ckpt in out.glob("checkpoint-*"):
         (ckpt / "scheduler.pt").unlink()
     msg = _error(_argv(root, out, flags))
     assert f"{out} holds no complete checkpoint: checkpoint-6 (scheduler.pt is missing)" in msg
     assert "pass --resume-without-optimizer-state to resume from checkpoint-6 anyway" in msg
+    # With the flag: the resume line names what it takes (found by an audit: it said
+    # "optimizer, scheduler" whatever was missing).
+    shutil.rmtree(out / "checkpoint-6")
+    (out / "model.safetensors").unlink()
+    capsys.readouterr()
+    assert main(_argv(root, out, flags) + ["--resume-without-optimizer-state"]) == 0
+    said = capsys.readouterr().out
+    assert f"{out / 'checkpoint-4'} (its weights, optimizer, data position, RNG)" in said
 
 
 _TERMINATED_CHILD = _KILLED_CHILD.replace("signal.SIGKILL", "signal.SIGTERM").replace(

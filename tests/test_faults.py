@@ -333,6 +333,7 @@ def test_enospc_in_final_save_keeps_previous_model(tmp_path, monkeypatch, at):
     "code, words",
     [(errno.ENOSPC, "no space left"), (errno.EDQUOT, "disk quota exceeded"),
      (errno.EROFS, "read-only"), (errno.EIO, "input/output error"),
+     (errno.EFBIG, "largest file allowed"),  # (found by an audit: ulimit -f, a traceback)
      (errno.EACCES, "permission denied"), (errno.EPERM, "operation not permitted")],
 )  # fmt: skip
 def test_os_errors_end_in_one_line(monkeypatch, code, words, in_a_tmp_folder):

@@ -230,5 +230,9 @@ def test_options_this_run_cannot_use_are_named():
         in notes(checkpoint_every=3, chain_attention_outputs=5)[0]
     )
     assert "keeps 0: no checkpoint segment chain" in notes(chain_attention_outputs=1)[0]
+    # One segment of all 4 layers: its chain recomputes 3 (found by an audit: not said).
+    said = notes(checkpoint_every=9, chain_attention_outputs=5)
+    assert "keeps 3: at most the model's 4 layers - 1 = 3 layers in its one segment" in said[1]
+    assert notes(checkpoint_every=9, chain_attention_outputs=3)[1:] == []
     assert "device updates need CUDA" in notes(cuda=False, device_update_lead=3)[0]
     assert "device updates need CUDA" in notes(clipping=False, device_update_lead=3)[0]

@@ -260,3 +260,13 @@ def test_kept_attention_outputs_warn_where_they_do_nothing(tmp_path, caplog):
             from hf_megatrain.hf.model import keep_attention_outputs  # noqa: PLC0415
 
             assert keep_attention_outputs(model, "all") == 0
+    # The segment chains' kept outputs, likewise (found by an audit: nothing was said).
+    model = tiny_model(tiny_config("llama", num_hidden_layers=2, attn_implementation="eager"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain.hf.trainer"):
+        run_trainer(
+            model, tmp_path, "warn-chain", mega=True, max_steps=1,
+            megatrain_checkpoint_every=2, megatrain_chain_attention_outputs=1,
+        )  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert len(said) == 1 and "chain_attention_outputs has no effect here" in said[0], said

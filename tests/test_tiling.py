@@ -207,6 +207,22 @@ def test_install_skips_nothing_dense_and_is_idempotent():
     assert install_mlp_tiling(model, 0) == 0
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_tiles_on_a_model_without_a_dense_mlp_are_said_to_do_nothing(arch, caplog):
+    """Found by an audit: an MoE model took mlp_tile_tokens without a word (its experts run
+    each on its own tokens: nothing is tiled). Said once per install; a model with a dense
+    first layer (some layers tiled) says nothing."""
+    import logging  # noqa: PLC0415
+
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain.hf.long_context"):
+        assert install_mlp_tiling(tiny_model(tiny_config(arch)), 8) == 0
+    assert "mlp_tile_tokens=8 has no effect" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain.hf.long_context"):
+        assert install_mlp_tiling(tiny_model(tiny_config("llama")), 8) == 2
+    assert "has no effect" not in caplog.text
+
+
 def test_install_skips_mlps_with_a_second_input():
     """BLOOM's MLP adds the residual inside (forward(hidden_states, residual)): a tile of one
     input cannot stand in for it, so tiling leaves it alone and training still runs."""

@@ -1020,17 +1020,20 @@ def unused_option_notes(run: ResolvedOptions, n_layers: int) -> list[str]:
             f"checkpoint_every={o.checkpoint_every} is more than the model's {n_layers} layers: "
             "one segment of them all"
         )
-    if o.chain_attention_outputs > run.chain_attention_layers:
-        why = (
-            f"at most checkpoint_every - 1 = {o.checkpoint_every - 1} layers"
-            if run.chain_attention_layers
-            else "no checkpoint segment chain recomputes with the early stop from inputs saved "
-            "as they are (checkpoint_every > 1, recompute_early_stop, boundary_dtype input)"
-        )
-        notes.append(
-            f"chain_attention_outputs={o.chain_attention_outputs} keeps "
-            f"{run.chain_attention_layers}: {why}"
-        )
+    # A chain recomputes the layers of its segment after the first: checkpoint_every - 1, or
+    # the model's layers - 1 where one segment holds them all.
+    chain = min(run.chain_attention_layers, max(n_layers - 1, 0))
+    if o.chain_attention_outputs > chain:
+        if not run.chain_attention_layers:
+            why = (
+                "no checkpoint segment chain recomputes with the early stop from inputs saved "
+                "as they are (checkpoint_every > 1, recompute_early_stop, boundary_dtype input)"
+            )
+        elif chain < run.chain_attention_layers:
+            why = f"at most the model's {n_layers} layers - 1 = {chain} layers in its one segment"
+        else:
+            why = f"at most checkpoint_every - 1 = {o.checkpoint_every - 1} layers"
+        notes.append(f"chain_attention_outputs={o.chain_attention_outputs} keeps {chain}: {why}")
     # (Not for the default, which applies wherever device updates are possible.)
     default_lead = EngineOptions.__dataclass_fields__["device_update_lead"].default
     if o.device_update_lead not in (0, default_lead) and not run.device_updates_possible:

@@ -231,12 +231,21 @@ def install_mlp_tiling(model: nn.Module, tile_tokens: int) -> int:
     if tile_tokens <= 0:
         return 0
     _, layers = find_decoder_layers(model)
-    count = 0
+    count = tileable = 0
     for layer in layers:
         mlp = tileable_mlp(layer)
+        tileable += mlp is not None
         if mlp is not None and not isinstance(mlp.forward, TiledTokenwise):
             mlp.forward = TiledTokenwise(mlp, tile_tokens)
             count += 1
+    if not tileable and layers:
+        # (found by an audit: an MoE model's layers took the option without a word)
+        logger.warning(
+            "hf_megatrain: mlp_tile_tokens=%d has no effect: no decoder layer of %s has a dense "
+            "MLP to tile (mixture-of-experts layers run each expert on its own tokens)",
+            tile_tokens,
+            type(model).__name__,
+        )
     if count:
         logger.info("hf_megatrain: MLPs of %d layers tiled by %d tokens", count, tile_tokens)
     return count

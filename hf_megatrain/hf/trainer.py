@@ -469,13 +469,21 @@ def _plan_step(args: TrainingArguments, options: EngineOptions, dataset: Any) ->
 def _warn_attention_outputs_unused(model: nn.Module, options: ResolvedOptions) -> None:
     """keep_attention_outputs keeps PyTorch SDPA's fused kernel outputs only: say so when the
     model's attention does not run through them or no layer uses the early stop."""
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    if options.chain_attention_outputs and attn != "sdpa":
+        # (found by an audit: said for keep_attention_outputs only)
+        logger.warning(
+            "hf_megatrain: megatrain_chain_attention_outputs has no effect here: "
+            "attn_implementation=%r does not run PyTorch SDPA's fused kernels (the chains' "
+            "recompute runs attention again)",
+            attn,
+        )
     if options.attention_output_layers == 0 and options.keep_attention_outputs == "off":
         return
     if options.keep_attention_outputs == "auto":
         # The default: the plan keeps none where they cannot be used (no SDPA, layers that
         # re-run whole): nothing was asked for, nothing to warn about.
         return
-    attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     why = None
     if attn != "sdpa":
         why = f"attn_implementation={attn!r} does not run PyTorch SDPA's fused kernels"
