@@ -261,7 +261,8 @@ def _logits_maker(
 def _warn_logits_read() -> None:
     """Once per process: logits read from a training forward cost memory the plan left out."""
     logger.warning(
-        "hf_megatrain: the training forward's logits were read (a compute_loss that uses "
+        "hf_megatrain: the logits of a fused-loss forward (training, or an evaluation that "
+        "keeps the loss only) were read (a compute_loss that uses "
         "outputs.logits): computed from the final hidden states, tokens x vocab of them, which "
         "the memory plan does not count (the fused loss never makes them)"
     )
