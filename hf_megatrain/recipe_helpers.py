@@ -8,6 +8,7 @@ same way as ``hf-megatrain train``.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -23,6 +24,35 @@ def add_model_args(parser: argparse.ArgumentParser, config_help: str) -> None:
     prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
                       help="fp32 compute (default on the CPU)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+
+
+def run_recipe(main: Callable[[], object], prog: str) -> None:
+    """Run a recipe's ``main``: the library's refusals (host RAM, the memory plan, the data, the
+    model path, a setting) end in one line, as ``hf-megatrain``'s do, not in a traceback."""
+    from . import InsufficientHostMemoryError, UnsupportedModelError  # noqa: PLC0415
+    from .core.distributed import DataParallelError  # noqa: PLC0415
+    from .core.options import OptionError  # noqa: PLC0415
+    from .core.plan_types import MemoryPlanError  # noqa: PLC0415
+    from .text import DataError  # noqa: PLC0415
+
+    ours = (InsufficientHostMemoryError, UnsupportedModelError, DataParallelError,
+            MemoryPlanError, OptionError, DataError)  # fmt: skip
+    try:
+        main()
+    except (*ours, ValueError, FileNotFoundError) as e:
+        # (any other ValueError or FileNotFoundError is a bug to show)
+        if not isinstance(e, ours) and not str(e).startswith("hf_megatrain: "):
+            raise
+        raise SystemExit(f"{prog}: error: {str(e).removeprefix('hf_megatrain: ')}") from None
+
+
+def check_model_path(path: str | None) -> None:
+    """``--model-path`` found (a local folder, or a Hub repo id in the cache or downloaded)
+    before the tokenizer is read from it: a missing folder said "tokenizer not found"."""
+    from .hf.hub import resolve_model_folder  # noqa: PLC0415
+
+    if path is not None:
+        resolve_model_folder(path)
 
 
 def model_config(path: str, parser: argparse.ArgumentParser):

@@ -55,7 +55,13 @@ from hf_megatrain import (
 )
 from hf_megatrain.hf.arguments import as_arguments
 from hf_megatrain.option_flags import add_option_arguments, options_from_namespace
-from hf_megatrain.recipe_helpers import add_model_args, check_vocab, model_config
+from hf_megatrain.recipe_helpers import (
+    add_model_args,
+    check_model_path,
+    check_vocab,
+    model_config,
+    run_recipe,
+)
 from hf_megatrain.text import DEFAULT_CONFIG, build_chunks, load_tokenizer, read_texts, use_bf16
 
 # Above this many parameters a --config base (random init, never on disk) is not written out and
@@ -209,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     add_option_arguments(p.add_argument_group("engine options"))
     a = p.parse_args(argv)
+    check_model_path(a.model_path)
     engine = options_from_namespace(a)
     cfg = model_config(a.config, p) if a.config else None
     bf16 = use_bf16(a.precision)
@@ -337,4 +344,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main, "lora.py")

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorWithFlatt
 from hf_megatrain import HFMegaTrainer, MegaTrainArguments, load_streamed_model
 from hf_megatrain.hf.arguments import as_arguments
 from hf_megatrain.option_flags import add_option_arguments, options_from_namespace
+from hf_megatrain.recipe_helpers import check_model_path, run_recipe
 from hf_megatrain.text import DEFAULT_CONFIG, load_tokenizer, read_texts
 
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--bf16", action="store_true")
     add_option_arguments(p.add_argument_group("engine options"))
     a = p.parse_args(argv)
+    check_model_path(a.model_path)
     engine = options_from_namespace(a)
 
     tokenizer = load_tokenizer(a.model_path)
@@ -95,4 +97,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main, "packed_documents.py")

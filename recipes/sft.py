@@ -44,7 +44,13 @@ from hf_megatrain import StepShape, init_streamed_model, load_streamed_model
 from hf_megatrain.hf.arguments import as_arguments
 from hf_megatrain.integrations.trl import MegaSFTConfig, MegaSFTTrainer
 from hf_megatrain.option_flags import add_option_arguments, options_from_namespace
-from hf_megatrain.recipe_helpers import add_model_args, check_vocab, model_config
+from hf_megatrain.recipe_helpers import (
+    add_model_args,
+    check_model_path,
+    check_vocab,
+    model_config,
+    run_recipe,
+)
 from hf_megatrain.text import DATA_DIR, DEFAULT_CONFIG, load_tokenizer, use_bf16
 
 _CHECKPOINTING = (
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     add_option_arguments(p.add_argument_group("engine options"))
     a = p.parse_args(argv)
+    check_model_path(a.model_path)
     cfg = model_config(a.config, p) if a.config else None
     bf16 = use_bf16(a.precision)
 
@@ -220,4 +227,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main, "sft.py")

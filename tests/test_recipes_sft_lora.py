@@ -247,6 +247,23 @@ def test_recipes_refuse_bad_config_arguments(name, tmp_path, capsys):
         recipe.main(["--config", str(TINY_QWEN2), *out])
     assert not (tmp_path / "out").exists()
 
+    # Found by an audit: a missing --model-path said "tokenizer not found", and the library's
+    # refusals (here the host RAM) ended in a traceback. One line each, as hf-megatrain's.
+    from hf_megatrain.recipe_helpers import run_recipe  # noqa: PLC0415
+
+    def said(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as e:
+            run_recipe(lambda: recipe.main([*argv, *out]), f"{name}.py")
+        assert isinstance(e.value.code, str) and "\n" not in e.value.code
+        return e.value.code
+
+    assert said(["--model-path", str(tmp_path / "missing")]).startswith(
+        f"{name}.py: error: model path not found"
+    )
+    config = _tiny_qwen2_config(tmp_path / "cfg")
+    limited = said(["--config", str(config), "--host-memory-limit-gb", "0.000001"])
+    assert limited.startswith(f"{name}.py: error: the host store needs")
+
 
 def test_bundled_chat_is_what_build_chat_writes():
     # chat.jsonl is committed; it must stay the deterministic function of corpus.txt that its

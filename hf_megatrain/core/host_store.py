@@ -619,8 +619,9 @@ class HostStore:
         if needed_bytes > avail:
             raise InsufficientHostMemoryError(
                 f"hf_megatrain: the host store needs {format_bytes(needed_bytes)} of host RAM "
-                f"(fp32 master + 2 AdamW moments, fp32 grad and stream copy unless "
-                f"eager updates / fp32-master streaming leave them out), but only "
+                "(a trained parameter's fp32 master, 2 AdamW moments, gradient and stream "
+                "copy, unless eager updates / fp32-master streaming leave some out; a frozen "
+                f"one's weights only), but only "
                 f"{format_bytes(avail)} is available. Use a machine with more RAM, a smaller "
                 f"model, or freeze part of the model."
             )
