@@ -196,3 +196,35 @@ def test_bf16_gradients_follow_autocast_rounding(with_divisor, softcap, head):
     assert (gw == rw).float().mean() > 0.99
     if bias is not None:  # summed over the tokens in fp32, rounded once
         assert (gb == rb).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_without_grad_mode_no_chunk_writes_a_gradient(monkeypatch, bias):
+    """An evaluation calls the loss under no_grad with the head's weight still a parameter that
+    requires grad: the chunks wrote its gradient anyway (a vocab x hidden fp32 product per
+    chunk, then kept). Without grad mode only the loss is computed: the same value."""
+    import hf_megatrain.core.chunked_loss as chunked_loss  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(24, 16, generator=g)
+    weight = torch.nn.Parameter(torch.randn(40, 16, generator=g))
+    head_bias = torch.nn.Parameter(torch.randn(40, generator=g)) if bias else None
+    targets = torch.randint(0, 40, (24,), generator=g)
+    targets[::5] = -100
+    products = []
+    real = chunked_loss.add_product_fp32
+
+    def counted(*a, **kw):
+        products.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(chunked_loss, "add_product_fp32", counted)
+    with_grad = chunked_linear_cross_entropy(hidden, weight, targets, chunk_tokens=7,
+                                             bias=head_bias)  # fmt: skip
+    assert products  # (what the count sees: the weight's gradient, chunk by chunk)
+    products.clear()
+    with torch.no_grad():
+        loss = chunked_linear_cross_entropy(hidden, weight, targets, chunk_tokens=7,
+                                            bias=head_bias)  # fmt: skip
+    assert not products and loss.grad_fn is None
+    assert torch.equal(loss, with_grad.detach())

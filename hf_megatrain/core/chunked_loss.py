@@ -377,6 +377,11 @@ def chunked_linear_cross_entropy(
         raise ValueError(f"bias {tuple(bias.shape)} does not match weight {tuple(weight.shape)}")
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     logit_map = LogitMap(scale=logit_scale, divide_by=logits_scaling, softcap=softcap)
+    if not torch.is_grad_enabled():
+        # (an evaluation: the head's weight still requires grad, but no backward will come,
+        # so no chunk writes a gradient; the forward runs without grad mode either way)
+        hidden, weight = hidden.detach(), weight.detach()
+        bias = bias.detach() if bias is not None else None
     return _ChunkedLinearCrossEntropy.apply(
         hidden, weight, bias, targets, divisor, logit_map, chunk, compute_dtype, kernel
     )
