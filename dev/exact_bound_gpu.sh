@@ -181,6 +181,8 @@
 #              one more HBM-tier layer fits in it.
 #   tier8b     llama8b with --resident-layers 16 and 17, every attention output kept, --auto-fit off
 #              (auto picks 15 where ~9 GiB stay free; the plan says 16 and 17 do not fit).
+#   evalsave   tests/test_gpu.py's loss-only evaluation (the fused loss in evaluation), its
+#              out-of-memory recovery, save/resume and loss-kernel cases (2026-12-07's changes).
 #   gpuaudit   tests/test_gpu.py's and test_peft_variants.py's cases for the 2026-12-05 CPU fixes
 #              (a second trainer's new AdamW, LoRA variants with dropout), the loss kernel's
 #              cases with their output, and GraniteMoE's row of familymoe (aux off where the
@@ -595,6 +597,11 @@ PY
     apitests)  # the trainer, CLI and module-call paths on CUDA (stock parity, save/resume)
       timeout 400 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q -m gpu \
         -k "like_stock or save_resume or second_trainer or module_calls" 2>&1 | grep -v '^DEBUG'
+      ;;
+    evalsave)  # 2026-12-07 (46th): loss-only evaluation's fused loss and saves over store views
+      timeout 400 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q -m gpu \
+        -k "loss_only_evaluation or evaluation_out_of_memory or save_resume or fused_loss_kernel" \
+        2>&1 | grep -v '^DEBUG'
       ;;
     gpuaudit)  # the thirtieth session's CPU fixes on CUDA, and the loss kernel's cases in full
       timeout 300 python3 -m pytest tests/test_gpu.py tests/test_peft_variants.py -o addopts="" \

@@ -1585,6 +1585,32 @@ def test_evaluation_out_of_memory_recovery_on_gpu(tmp_path, caplog):
     assert math.isclose(got, clean, rel_tol=1e-6), (got, clean)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_loss_only_evaluation_on_gpu(tmp_path, bf16):
+    """An evaluation without compute_metrics takes the fused loss on CUDA (its Triton kernel in
+    bf16, writing no gradient without grad mode): the LM head never runs whole, and the loss is
+    stock's (fp32: the chunks sum the same terms, 1e-6; bf16: both round the logits to bf16
+    from the same GEMM, then log-softmax in fp32, 1e-3 for the summation order)."""
+    from transformers import Trainer, TrainingArguments  # noqa: PLC0415
+
+    model = tiny_model(tiny_config("llama", vocab_size=VOCAB, hidden_size=256,
+                                   intermediate_size=512, num_attention_heads=4,
+                                   num_key_value_heads=2))  # fmt: skip
+    data = _data(12, 256)
+    seen = {}
+    for name, (cls, argcls) in {
+        "stock": (Trainer, TrainingArguments), "mega": (HFMegaTrainer, MegaTrainArguments)
+    }.items():  # fmt: skip
+        m = copy.deepcopy(model)
+        calls = []
+        m.get_output_embeddings().register_forward_hook(lambda *a, c=calls: c.append(1))
+        args = _args(argcls, tmp_path / name, bf16=bf16, per_device_eval_batch_size=4)
+        trainer = cls(model=m, args=args, eval_dataset=data)
+        seen[name] = (trainer.evaluate()["eval_loss"], len(calls))
+    assert seen["stock"][1] == 3 and seen["mega"][1] == 0
+    assert math.isclose(seen["mega"][0], seen["stock"][0], rel_tol=1e-3 if bf16 else 1e-6), seen
+
+
 def _qwen25_7b_layers(tokens: int) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=VOCAB, hidden_size=3584, intermediate_size=18944, num_hidden_layers=3,
