@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import typing
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,6 +21,7 @@ from .core.options import (
     OptionError,
     field_types,
     option_value,
+    value_type,
 )
 
 
@@ -58,11 +58,6 @@ def flag_message(
     return message
 
 
-def _base_type(hint: Any) -> type:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
-
-
 def add_option_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     only: Iterable[str] | None = None,
@@ -75,7 +70,7 @@ def add_option_arguments(
     for f in dataclasses.fields(EngineOptions):
         if (wanted is not None and f.name not in wanted) or f.name in exclude:
             continue
-        kind = _base_type(types[f.name])
+        kind = value_type(types[f.name])
         text = f.metadata.get("help", "")
         kwargs: dict[str, Any] = {"dest": f.name, "default": None}
         # The help says the default unless its text already explains it.

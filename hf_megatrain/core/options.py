@@ -546,7 +546,7 @@ class EngineOptions:
                 object.__setattr__(self, name, getattr(self, name).strip().lower())
         for name in ("resident_layers", "keep_activations", "keep_attention_outputs", "auto_fit"):
             value = option_value(name, getattr(self, name))
-            object.__setattr__(self, name, value.strip().lower())
+            object.__setattr__(self, name, str(value).strip().lower())
         _check_types(self)
         _check_values(self)
 
@@ -844,8 +844,8 @@ def field_types() -> dict[str, Any]:
 _BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
 
 
-def _value_type(hint: Any) -> type:
-    """``int | None`` -> ``int``."""
+def value_type(hint: Any) -> type:
+    """An option's type without its None: ``int | None`` -> ``int``."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
@@ -860,7 +860,7 @@ def option_value(name: str, value: Any) -> Any:
     if value is None:
         return None
     field_ = next(f for f in fields(EngineOptions) if f.name == name)
-    kind = _value_type(field_types()[name])
+    kind = value_type(field_types()[name])
     if kind is bool:
         if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
             return _BOOL_WORDS[value.strip().lower()]
@@ -1082,6 +1082,7 @@ __all__ = [
     "device_update_hint",
     "field_types",
     "option_value",
+    "value_type",
     "parse_attention_layers",
     "parse_boundary_dtype",
     "parse_keep_activations",
