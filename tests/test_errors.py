@@ -195,6 +195,28 @@ def test_insufficient_host_memory(tmp_path):
     _assert_untouched(model, tmp_path)
 
 
+def test_a_cpu_run_counts_the_embeddings_training_state(tmp_path):
+    """Found by an audit: on a CPU the host check counted the layers' store alone, while the
+    embeddings and head (a large vocabulary's) also get a gradient and two AdamW moments in
+    host RAM: such a run was killed mid-way instead of refused. Refused now where the store
+    fits but that state does not; trained where both fit."""
+    from hf_megatrain.core.host_store import layer_store_bytes  # noqa: PLC0415
+
+    model = tiny_model(tiny_config("llama", vocab_size=4096))  # embeddings 14x the layers
+    params = dict(model.named_parameters())
+    layers = [p.numel() for n, p in params.items() if ".layers." in n]
+    non_layer = sum(p.numel() for n, p in params.items() if ".layers." not in n)
+    store = layer_store_bytes(sum(layers), torch.float32)
+    between = (store + 6 * non_layer) / 2**30  # the store fits, its 12 B/param do not
+    args = _args(tmp_path, megatrain_host_memory_limit_gb=between)
+    with pytest.raises(InsufficientHostMemoryError, match="needs"):
+        HFMegaTrainer(model=model, args=args, train_dataset=make_data(4))
+    enough = (store + 12 * non_layer + 2**20) / 2**30
+    args = _args(tmp_path, megatrain_host_memory_limit_gb=enough)
+    HFMegaTrainer(model=tiny_model(tiny_config("llama", vocab_size=4096)), args=args,
+                  train_dataset=make_data(4))  # fmt: skip
+
+
 def test_insufficient_host_memory_when_loading(tmp_path):
     model = tiny_model(tiny_config("llama"))
     model.save_pretrained(str(tmp_path / "ckpt"))

@@ -142,6 +142,11 @@ def build_streamed_state(
         # The engine's pinned gradient staging ring (per process).
         staged = [lay.numel for lay in layers[n_resident:] if lay.trainable]
         needed += GRAD_STAGING_SLOTS * 4 * max(staged, default=0)
+    if device.type != "cuda" and shape is not None:
+        # On a CPU the embeddings, head and norms train in host RAM too: their gradient and
+        # AdamW moments (12 B per trained parameter) are still to come (found by an audit: a
+        # 150k vocabulary's were left out, and such a run was killed instead of refused).
+        needed += 12 * (shape.non_layer_numel - shape.frozen_non_layer_numel)
     # Refuse before allocating anything if host RAM cannot hold the store.
     HostStore.check_fits(needed, options.host_memory_limit_bytes)
     if dp is not None:
