@@ -98,3 +98,46 @@ def test_line_without_micro_batches_or_a_step_count():
     assert beat.line(3725) == "hf-megatrain: step 7 running 1h 02m 05s"
     with pytest.raises(ValueError, match="every_s must be positive"):
         StepHeartbeat(every_s=0)
+
+
+class _Twin(TrainerCallback):
+    """Rank 1 of a data-parallel run, simulated: it moves with this rank (``moves``), or stops
+    where it is."""
+
+    def __init__(self, peers, moves: bool) -> None:
+        self.peers, self.moves, self.micro = peers, moves, 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.micro = 0
+        if self.moves or state.global_step == 0:
+            self.peers.post(state.global_step + 1, 0)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.micro += 1
+        if self.moves:
+            self.peers.post(state.global_step + 1, self.micro)
+
+
+@pytest.mark.parametrize("moves", [False, True])
+def test_rank_zeros_line_names_a_rank_that_has_not_moved(tmp_path, moves):
+    """Found by an audit: a stuck (not dead) data-parallel rank left the others waiting in a
+    collective for its 30 minutes, the heartbeat saying only that the step ran long. Every rank
+    posts its progress to the launch's store; rank 0's line names those behind it that have not
+    moved for ``every_s`` (here a real TCPStore, rank 1 simulated in this process)."""
+    import datetime  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from hf_megatrain.hf.heartbeat import PeerProgress  # noqa: PLC0415
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))  # fmt: skip
+    lines: list[str] = []
+    beat = StepHeartbeat(every_s=0.2, write=lines.append, peers=PeerProgress(server, 0, 2))
+    twin = _Twin(PeerProgress(server, 1, 2), moves)
+    _train(tmp_path, twin, beat, _SlowMicroBatches(0.5))
+    named = [ln for ln in lines if "; rank 1 has not moved for" in ln]
+    if moves:
+        assert lines and not named, lines
+    else:
+        assert named and all(ln.endswith("(at micro-batch 1 of step 1)") for ln in named), lines
