@@ -150,9 +150,9 @@ _PEER_LOST = (
 def _peer_lost_message(e: BaseException) -> str | None:
     """The one-line message for a data-parallel run whose peer process stopped (killed, out
     of memory, a node gone): None for any other error."""
-    import torch.distributed as dist  # noqa: PLC0415
+    from .core.distributed import process_group_size  # noqa: PLC0415
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if process_group_size() < 2:
         return None
     text = str(e)
     if not isinstance(e, RuntimeError) or not any(w in text for w in _PEER_LOST):

@@ -403,7 +403,9 @@ def check_output_dir_on_every_rank(output_dir: str) -> None:
     other). A collective."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    from .core.distributed import process_group_size  # noqa: PLC0415
+
+    if process_group_size() < 2:
         return
     dist.barrier()  # (rank 0 has made it)
     seen: list = [None] * dist.get_world_size()

@@ -1542,11 +1542,10 @@ def activation_lines(
     # start) leaves it out. A middle layer's backward has the freed boundary of the layer above
     # to make up for it; the last layer's backward starts with every boundary alive (the CPU
     # tracker: 4h B per token over the plan for Llama-like families without this line,
-    # tests/test_plan_accuracy.py). The
-    # joint segment peak (offloaded fp32 boundaries) is checked on the whole step instead: on
-    # the CPU scale model of the H200's long rows its lines are 12% above the live activations,
-    # this gradient among them (dev/long_plan_probe.py; the H200 524,288-token row peaked 7%
-    # under its expected peak).
+    # tests/test_plan_accuracy.py). The joint segment peak (offloaded fp32 boundaries) is
+    # checked on the whole step instead: on the CPU scale model of the H200's long rows its
+    # lines are 12% above the live activations, this gradient among them
+    # (dev/long_plan_probe.py; the H200 524,288-token row peaked 7% under its expected peak).
     incoming_grad = t * h * 4 if joint is None else 0
     if incoming_grad:
         lines.append(

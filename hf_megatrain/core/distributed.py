@@ -407,6 +407,13 @@ class DataParallel:
         return box[0]
 
 
+def process_group_size() -> int:
+    """Processes in the initialized default process group (1 where there is none)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _int_env(name: str) -> int | None:
     value = os.environ.get(name, "")
     return int(value) if value.strip().lstrip("-").isdigit() else None
@@ -511,6 +518,7 @@ def _open_shared_region(nbytes: int, dp: DataParallel) -> mmap.mmap:
 
 
 __all__ = [
+    "process_group_size",
     "DataParallel",
     "DataParallelError",
     "PUBLISH_TIMEOUT_S",

@@ -33,6 +33,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ..core.distributed import process_group_size
+
 
 def _duration(seconds: float) -> str:
     minutes, s = divmod(int(seconds), 60)
@@ -62,7 +64,7 @@ class PeerProgress:
         None for one process, or where the store cannot be reached (no names, no failure)."""
         import torch.distributed as dist  # noqa: PLC0415
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if process_group_size() < 2:
             return None
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not host or not port:

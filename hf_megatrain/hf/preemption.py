@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from ..core.distributed import process_group_size
+
 logger = logging.getLogger(__name__)
 
 #: The signals handled by default: termination, and the early warning schedulers can send.
@@ -94,7 +96,7 @@ class SaveOnSigterm(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         requested = self.requested
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if process_group_size() > 1:
             # The signal's number (0: none), so that every rank says which one stopped the
             # run (found by an audit: the ranks that got none failed on ``received`` None).
             gpu = dist.get_backend() == "nccl"

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import BatchSampler
 from transformers import Trainer, TrainingArguments
 
-from ..core.distributed import DataParallelError, launch_layout_error
+from ..core.distributed import DataParallelError, launch_layout_error, process_group_size
 from ..core.host_store import InsufficientHostMemoryError, process_memory_bytes
 from ..core.optimizer import adamw_setting_errors
 from ..core.options import (
@@ -574,7 +574,7 @@ def check_same_on_every_rank(args: TrainingArguments, train_dataset: Any) -> Non
 
     from .data_identity import rows_identity  # noqa: PLC0415
 
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if process_group_size() < 2:
         return
     mine = {k: repr(getattr(args, k, None)) for k in SAME_ON_EVERY_RANK}
     mine["train rows"] = rows_identity(train_dataset)
