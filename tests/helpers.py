@@ -1010,3 +1010,21 @@ def one_step_gradients(
         loss = loss + out.loss.detach().float()
     named = model.named_parameters()
     return loss, {n: p.grad.detach().float().clone() for n, p in named if p.grad is not None}
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM); False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def status_mib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(key)

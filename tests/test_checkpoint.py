@@ -18,7 +18,9 @@ from .helpers import (
     assert_logs_match,
     make_data,
     mega_params,
+    reset_peak_rss,
     run_trainer,
+    status_mib,
     tiny_config,
     tiny_model,
 )
@@ -211,24 +213,6 @@ def test_save_total_limit_and_load_best_model_at_end(tmp_path):
     assert m_eval == pytest.approx(s_eval, rel=1e-5)
 
 
-def _peak_rss_reset() -> bool:
-    """Reset this process's peak RSS (VmHWM); False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
-
-
 def test_a_save_holds_no_second_copy_of_the_streamed_weights(tmp_path):
     """Found by an audit: the saved state dict's streamed weights were views of each layer's one
     buffer, and ``save_pretrained`` clones tensors that share a storage without being tied, so
@@ -248,13 +232,58 @@ def test_a_save_holds_no_second_copy_of_the_streamed_weights(tmp_path):
     layers = {k: v for k, v in host_state_dict(model).items() if ".layers." in k}
     assert len({id_tensor_storage(v) for v in layers.values()}) == len(layers)
     weights_mib = sum(v.numel() * v.element_size() for v in layers.values()) / 2**20
-    if not _peak_rss_reset():
+    if not reset_peak_rss():
         pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
-    before = _status_mib("VmRSS")
+    before = status_mib("VmRSS")
     save_streamed_pretrained(model, str(tmp_path / "out"), max_shard_size="50MB")
-    grew = _status_mib("VmHWM") - before
+    grew = status_mib("VmHWM") - before
     # A copy would add the weights' 300 MiB; the writer's own buffers are a few MiB.
     assert grew < 0.2 * weights_mib, (grew, weights_mib)
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     name = next(iter(layers))
     assert torch.equal(loaded.state_dict()[name], layers[name])
+
+
+@pytest.mark.parametrize("size", ["20KiB", "20000", "0.02mb"])
+def test_every_shard_size_the_option_accepts_saves(tmp_path, size):
+    """``max_shard_size`` accepted '20KiB' and '20000', which transformers' writer refuses
+    ('Unit ... not supported'), so a run failed at its first checkpoint, hours in. The size is
+    now handed over in bytes, and a size the option refuses is refused before training."""
+    from hf_megatrain import EngineOptions, init_streamed_model
+    from hf_megatrain.core.options import OptionError, size_bytes
+    from hf_megatrain.hf.checkpoint import save_streamed_pretrained
+
+    model = init_streamed_model(tiny_config("llama"), device="cpu", bf16=False)
+    save_streamed_pretrained(model, str(tmp_path / "out"), max_shard_size=size)
+    shards = list((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) > 1 and all(p.stat().st_size <= size_bytes(size) + 4096 for p in shards)
+    with pytest.raises(OptionError, match="max_shard_size='20 kilobytes'"):
+        EngineOptions(max_shard_size="20 kilobytes")
+
+
+def test_the_copies_a_save_of_fused_moe_experts_makes_are_planned(tmp_path):
+    """transformers reverts fused MoE experts to the checkpoint's layout on save, making each
+    ``gate_up_proj``'s halves contiguous: a copy of 2/3 of the experts, all alive at once. The
+    plan had no line for it (nor for anything a save copies); its host side now has one, and
+    it is what a save holds."""
+    from transformers import MixtralConfig  # noqa: PLC0415
+
+    from hf_megatrain import EngineOptions, init_streamed_model  # noqa: PLC0415
+    from hf_megatrain.core.plan_arithmetic import save_line  # noqa: PLC0415
+    from hf_megatrain.hf.checkpoint import save_streamed_pretrained  # noqa: PLC0415
+    from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
+
+    # 8 experts of width 4096 over hidden 256, 4 layers: 256 MiB of gate/up in fp32.
+    cfg = MixtralConfig(vocab_size=128, hidden_size=256, intermediate_size=4096,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=8)  # fmt: skip
+    model = init_streamed_model(cfg, device="cpu", bf16=False)
+    line = save_line(model_shape(model), EngineOptions().resolve(clipping=True, cuda=False), 0)
+    assert line is not None and "MoE" in line.name
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
+    before = status_mib("VmRSS")
+    save_streamed_pretrained(model, str(tmp_path / "out"), max_shard_size="50MB")
+    grew = status_mib("VmHWM") - before
+    # The copies are the save's whole growth; the writer adds a few MiB of its own.
+    assert 0.98 * line.nbytes / 2**20 <= grew < line.nbytes / 2**20 + 16, (grew, line.nbytes)

@@ -34,7 +34,9 @@ from .helpers import (
     assert_close_weights,
     mega_params,
     one_gpu,
+    reset_peak_rss,
     run_trainer,
+    status_mib,
     stock_aux_loss_trains,
     stock_params,
     tiny_config,
@@ -254,6 +256,45 @@ def _tiny_gpu_config():
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
+
+
+def test_a_checkpoint_copies_the_gpu_state_to_the_host_a_shard_at_a_time(tmp_path):
+    """A save copied what lives on the GPU to the host whole: the resident embeddings and head
+    (4.4 GB at 7B) and the HBM tier's masters for the model's files, the resident moments
+    (8.7 GB at 7B) for the optimizer's, in runs whose plan may leave the host no room for them.
+    They stay on the GPU until the writer copies a shard of them (at most ``max_shard_size``,
+    or one tensor larger than it)."""
+    from hf_megatrain.hf.checkpoint import save_optimizer_state
+
+    # vocab 32768 x hidden 512: the embedding and the (untied) head are 64 MiB each in fp32,
+    # their moments 256 MiB; the two HBM-tier layers' masters 2 x 16 MiB.
+    cfg = LlamaConfig(vocab_size=32768, hidden_size=512, intermediate_size=2048,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                      tie_word_embeddings=False)  # fmt: skip
+    trainer = HFMegaTrainer(
+        model=tiny_model(cfg),
+        args=_args(
+            MegaTrainArguments,
+            tmp_path / "run",
+            max_steps=1,
+            megatrain_resident_layers="2",
+            megatrain_max_shard_size="16MB",
+        ),  # fmt: skip
+        train_dataset=_data(4, 64, vocab=32768),
+    )
+    trainer.train()
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
+    before = status_mib("VmRSS")
+    trainer.save_model(str(tmp_path / "model"))
+    model_mib = status_mib("VmHWM") - before
+    reset_peak_rss()
+    before = status_mib("VmRSS")
+    save_optimizer_state(trainer.optimizer, str(tmp_path / "model"), "16MB")
+    optimizer_mib = status_mib("VmHWM") - before
+    # Copied whole they were 160 MiB (weights) and 256 MiB (moments); a shard at a time, the
+    # largest single tensor (64 MiB) plus the writer's buffers.
+    assert model_mib < 100 and optimizer_mib < 100, (model_mib, optimizer_mib)
 
 
 @pytest.mark.parametrize("resident", ["0", "2"], ids=["streamed", "hbm-tier-2"])

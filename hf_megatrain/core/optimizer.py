@@ -36,7 +36,7 @@ import functools
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -922,7 +922,7 @@ class HostAdamW(torch.optim.Optimizer):
     def load_streamed_state(
         self,
         steps: dict[int, float],
-        tensors: dict[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor],
         slot_steps: dict[int, Sequence[float]] | None = None,
     ) -> None:
         """Restore :meth:`streamed_state`'s step counts and resident moments, and

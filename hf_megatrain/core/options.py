@@ -985,17 +985,27 @@ def _check_values(opts: EngineOptions) -> None:
 _SIZE_UNITS = ("KIB", "MIB", "GIB", "TIB", "KB", "MB", "GB", "TB", "B")
 
 
-def _is_size(text: str) -> bool:
+def size_bytes(text: str | int) -> int:
+    """Bytes of a size such as '2GB' or '500MiB' (as ``max_shard_size`` takes it: KB, MB, GB
+    are powers of 1000, KiB, MiB, GiB of 1024), or of an int."""
+    if isinstance(text, int):
+        return text
     t = text.strip().upper()
     if t.isdigit():
-        return int(t) > 0
+        return int(t)
     for unit in _SIZE_UNITS:
         if t.endswith(unit):
-            try:
-                return float(t[: -len(unit)]) > 0
-            except ValueError:
-                return False
-    return False
+            power = "BKMGT".index(unit[0]) if unit != "B" else 0
+            base = 1024 if unit.endswith("IB") else 1000
+            return int(float(t[: -len(unit)]) * base**power)
+    raise ValueError(f"{text!r} is not a size such as '2GB' or '500MB'")
+
+
+def _is_size(text: str) -> bool:
+    try:
+        return size_bytes(text) > 0
+    except ValueError:
+        return False
 
 
 def planned_options() -> tuple[str, ...]:

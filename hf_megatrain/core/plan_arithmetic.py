@@ -41,7 +41,7 @@ from .activation_memory import (
 )
 from .engine.staging import GRAD_STAGING_SLOTS
 from .host_store import device_layer_bytes, device_tier_bytes, layer_store_bytes
-from .options import ResolvedOptions, StepShape
+from .options import ResolvedOptions, StepShape, size_bytes
 from .plan_types import HBM, HOST, LayerPlacement, MemoryLine, ModelShape, itemsize
 
 GIB = 2**30
@@ -60,6 +60,8 @@ DEFAULT_HOST_MARGIN = 4 * GIB
 PROCESS_BASELINE = 1874 * 2**20
 #: Name prefix of the host line that is headroom rather than expected use.
 SAFETY_MARGIN_LINE = "safety margin"
+#: Name prefix of the host line for a save's copies (a cost of every run that saves).
+SAVE_LINE = "a save's copies beyond the store"
 #: The caching allocator's fragmentation with expandable segments (core/allocator.py): memory
 #: reserved but not allocated at the peak. Measured in the two out-of-memory reports of
 #: hf_megatrain runs with expandable segments: 96 MiB (h200-i, c8a4bff) and 363 MiB (dp-0950,
@@ -406,6 +408,14 @@ def host_lines(
                 ranks * max(non_layer, input_model_bytes - store),
             )
         )
+    save = save_line(shape, options, n_hbm)
+    if save is not None and input_model_bytes:
+        # The input model is moved into the store before the first step, a save comes after:
+        # never alive together, so only the part of a save beyond that line adds.
+        beyond = max(0, save.nbytes - lines[-1].nbytes)
+        save = MemoryLine(f"{save.name}, beyond the line above (not at the same time)", beyond)
+    if save is not None and save.nbytes:
+        lines.append(save)
     baseline = min(PROCESS_BASELINE, margin)
     return lines + [
         MemoryLine(
@@ -414,6 +424,31 @@ def host_lines(
         ),
         MemoryLine(f"{SAFETY_MARGIN_LINE} (headroom, not expected use)", margin - baseline),
     ]
+
+
+def save_line(shape: ModelShape, options: ResolvedOptions, n_hbm: int) -> MemoryLine | None:
+    """The most host RAM a save (a checkpoint, the final model) copies beyond the store, at
+    once: the GPU's tensors a shard at a time (or one larger tensor: the embedding's), an
+    HBM-tier layer's moments, the MoE experts transformers' revert copies (with the HBM tier's
+    masters, which that save takes to the host whole), a bf16 export's rounded copy."""
+    shard = size_bytes(options.options.max_shard_size)
+    parts: list[tuple[int, str]] = []
+    if options.cuda:
+        largest = max(shard, 4 * shape.vocab_size * shape.hidden_size)
+        parts.append((largest, "GPU tensors, a shard at a time"))
+        if n_hbm:
+            moments = 8 * max(shape.layer_trained_numel(i) for i in range(n_hbm))
+            parts.append((moments, "an HBM-tier layer's moments"))
+    if shape.save_copy_numel:
+        tier = 4 * sum(shape.layer_numels[:n_hbm]) if options.cuda else 0
+        parts.append((4 * shape.save_copy_numel + tier, "fused MoE experts split back (copies)"))
+    if options.options.export_dtype == "bfloat16":
+        rounded = 2 * (shape.total_numel + shape.save_copy_numel)
+        parts.append((rounded, "the final model rounded to bf16"))
+    if not parts:
+        return None
+    nbytes, what = max(parts)
+    return MemoryLine(f"{SAVE_LINE} (largest: {what})", nbytes)
 
 
 def host_layer_bytes(shape: ModelShape, i: int, dtype: torch.dtype, store: dict) -> int:

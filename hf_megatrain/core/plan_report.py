@@ -36,6 +36,7 @@ from .plan_arithmetic import (
     NON_LAYER_PARAMS_LINE,
     PCIE_BYTES_PER_S,
     SAFETY_MARGIN_LINE,
+    SAVE_LINE,
     SLACK_KIND,
     grad_dtype_label,
     host_bytes_per_param,
@@ -318,7 +319,10 @@ def add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
             )
         )
     host_needed = plan.host_total
-    process_only = not any(line.nbytes for line in plan.host_lines[:-2])  # (baseline, margin)
+    # Nothing but the process: its baseline, the margin and a save's copies.
+    process_only = not any(
+        line.nbytes for line in plan.host_lines[:-2] if not line.name.startswith(SAVE_LINE)
+    )
     if host_needed > plan.host_available and process_only:
         # Every layer in HBM, nothing offloaded: the process alone does not fit, which no
         # option changes.
@@ -326,8 +330,8 @@ def add_problems(plan: MemoryPlan, fixed_gpu_lines: list[MemoryLine]) -> None:
             MemoryPlanError(
                 Message.of(
                     f"hf_megatrain: the process needs {format_bytes(host_needed)} of host RAM "
-                    f"(every layer in HBM, none streamed: the process baseline and the "
-                    f"{format_bytes(plan.host_lines[-1].nbytes)} margin) but only "
+                    f"(every layer in HBM, none streamed: the process baseline, a save's "
+                    f"copies and the {format_bytes(plan.host_lines[-1].nbytes)} margin) but only "
                     f"{format_bytes(plan.host_available)} is available. Use a machine with more "
                     "RAM."
                 ),

@@ -189,6 +189,10 @@ class ModelShape:
     frozen_non_layer_numel: int = 0
     frozen_embedding: bool = False
     frozen_head: bool = False
+    # Elements a save copies, all at once, while transformers reverts the model's fused
+    # weights to the checkpoint's layout (MoE experts' ``gate_up_proj`` split into contiguous
+    # halves: 2/3 of the experts); 0 where nothing is copied (hf/conversions.py).
+    save_copy_numel: int = 0
 
     def layer_frozen_numel(self, i: int) -> int:
         """Frozen parameters of layer ``i`` (``frozen_layer_numels``; 0 when none are)."""

@@ -18,15 +18,17 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..core.options import EXPORT_DTYPES, EngineOptions
+from ..core.options import EXPORT_DTYPES, EngineOptions, size_bytes
 from ..core.publish import MANIFEST_NAME, staged_folder
+from .conversions import conversions, reverts_fused_weights
 from .model import StreamedModelState, streamed_state
 
 logger = logging.getLogger(__name__)
@@ -45,20 +47,29 @@ def _require_state(model) -> StreamedModelState:
 
 
 # ---- saving ---------------------------------------------------------------------------------
-def host_state_dict(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's full state dict on the CPU, streamed weights as views of the fp32 masters.
+def host_state_dict(
+    model, dtype: torch.dtype | None = None, keep_on_device: bool = False
+) -> dict[str, torch.Tensor]:
+    """The model's full state dict, streamed weights as views of the fp32 masters.
 
-    ``dtype``: floating-point tensors cast to it (a copy, except where they already have it);
-    modules the model keeps in fp32 whatever its dtype (``_keep_in_fp32_modules_strict``) stay
-    fp32. Default: as stored.
+    ``dtype``: floating-point tensors cast to it, on the CPU (a copy, except where they already
+    have it); modules the model keeps in fp32 whatever its dtype
+    (``_keep_in_fp32_modules_strict``) stay fp32. Default: as stored.
+
+    ``keep_on_device``: tensors on the GPU (the resident embeddings, norm and head, the HBM
+    tier's masters) stay there, as views, instead of being copied to the CPU whole; a writer
+    that copies them shard by shard (safetensors, ``save_pretrained``) then holds one shard of
+    them in host RAM, not all (at 7B the resident weights alone are 4.4 GB). Ignored where a
+    ``dtype`` cast applies to them.
     """
     state = _require_state(model)
     out: dict[str, torch.Tensor] = {}
     layer_keys = {}
     for i, store in enumerate(state.store.layers):
-        # HBM-tier layers are copied to the CPU; host-store layers are views (no copy), each
-        # over a storage of its own.
-        for rel, view in store.param_views(store.master.cpu()).items():
+        # Host-store layers are views (no copy); HBM-tier layers' masters are copied to the
+        # CPU unless kept on the device. Each view has a storage of its own.
+        master = store.master if keep_on_device else store.master.cpu()
+        for rel, view in store.param_views(master).items():
             layer_keys[state.full_name(i, rel)] = _own_storage(view)
     for key, value in model.state_dict(keep_vars=False).items():
         if key in layer_keys:
@@ -66,7 +77,7 @@ def host_state_dict(model, dtype: torch.dtype | None = None) -> dict[str, torch.
         elif value.device.type == "meta":
             raise RuntimeError(f"hf_megatrain: {key} has no data (meta) and is not streamed")
         else:
-            out[key] = value.detach().to("cpu")
+            out[key] = value.detach() if keep_on_device else value.detach().to("cpu")
     if dtype is not None:
         keep = _fp32_module_re(model) if dtype in (torch.float16, torch.bfloat16) else None
         # One cast per aliased tensor: tied weights (lm_head.weight and embed_tokens.weight)
@@ -75,8 +86,10 @@ def host_state_dict(model, dtype: torch.dtype | None = None) -> dict[str, torch.
         for key, value in out.items():
             if not value.is_floating_point() or (keep is not None and keep.search(key)):
                 continue
+            if value.dtype == dtype:
+                continue
             if value.numel() == 0:  # (no storage to share: data_ptr 0 for all)
-                out[key] = value.to(dtype)
+                out[key] = value.to("cpu", dtype)
                 continue
             storage = value.untyped_storage().data_ptr()
             alias = (
@@ -87,7 +100,9 @@ def host_state_dict(model, dtype: torch.dtype | None = None) -> dict[str, torch.
                 value.dtype,
             )
             if alias not in cast:
-                cast[alias] = value.to(dtype)
+                # Cast into host memory: a cast on the GPU would need the rounded copy of the
+                # whole HBM tier and resident weights there at once.
+                cast[alias] = value.to("cpu", dtype)
             out[key] = cast[alias]
     return out
 
@@ -124,7 +139,10 @@ def write_streamed_pretrained(
         state = streamed_state(model)
         options = state.options.options if state is not None and state.options else EngineOptions()
         max_shard_size = options.max_shard_size
-    tensors = host_state_dict(model, dtype)
+    # The GPU's tensors stay there, copied to the host a shard at a time by the writer, unless
+    # the save reverts fused weights (MoE experts), whose revert copies them whole on their
+    # device: the host has the room the plan gave that, the GPU may not.
+    tensors = host_state_dict(model, dtype, keep_on_device=not reverts_fused_weights(model))
     # The config as the model came (streaming turned use_cache off for training), and the dtype
     # of the files written (save_pretrained records the in-memory fp32 masters'), as
     # from_pretrained(dtype="auto") reads it.
@@ -134,7 +152,9 @@ def write_streamed_pretrained(
     if state is not None and state.use_cache is not None:
         config.use_cache = state.use_cache
     try:
-        model.save_pretrained(folder, state_dict=tensors, max_shard_size=max_shard_size)
+        # In bytes: transformers reads only 'KB' to 'TB' names (not '1GiB' or '500000').
+        shard = size_bytes(max_shard_size)
+        model.save_pretrained(folder, state_dict=tensors, max_shard_size=shard)
         written = str(dtype).removeprefix("torch.")
         if str(config.dtype).removeprefix("torch.") != written:
             config.dtype = written
@@ -319,13 +339,9 @@ def _resolve_target(key: str, targets: dict[str, torch.Tensor], prefix: str = "m
 
 def _checkpoint_renamings(model) -> list:
     """transformers' own key renamings for ``model`` (e.g. Mixtral's ``block_sparse_moe`` ->
-    ``mlp``), as used by ``from_pretrained``. Empty on versions without the conversion mapping."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
-        from transformers.core_model_loading import WeightRenaming  # noqa: PLC0415
-    except ImportError:
-        return []
-    return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    ``mlp``), as used by ``from_pretrained``."""
+    found, renaming = conversions(model)
+    return [t for t in found if isinstance(t, renaming)]
 
 
 def _rename(key: str, renamings: list) -> str:
@@ -406,8 +422,10 @@ def load_weights_into_store(model, path: str) -> None:
 
 
 # ---- optimizer state ------------------------------------------------------------------------
-def save_optimizer_state(optimizer, output_dir: str) -> None:
-    """AdamW moments of every streamed layer (one safetensors file per layer) and residents.
+def save_optimizer_state(optimizer, output_dir: str, max_shard_size: str | int = "2GB") -> None:
+    """AdamW moments of every streamed layer (one safetensors file per layer) and residents
+    (``resident.safetensors``, or shards of it no larger than ``max_shard_size``: the writer
+    copies a file's GPU tensors to the host together; meta.json lists the files).
 
     Under data parallel every rank calls it: each writes the layers it owns, rank 0 the
     replicated (resident) state and the metadata. The files are those of a single-process run.
@@ -435,11 +453,16 @@ def save_optimizer_state(optimizer, output_dir: str) -> None:
         save_file(tensors, os.path.join(folder, f"layer_{i:05d}.safetensors"))
     if state.dp is not None and state.dp.rank != 0:
         return
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in resident.items()},
-        os.path.join(folder, "resident.safetensors"),
+    # Each shard's tensors stay where they are (the GPU, mostly) until safetensors copies that
+    # shard's to the host: at 7B the resident moments are 8.7 GB, which a plan that fills the
+    # host has no room for.
+    split = split_torch_state_dict_into_shards(
+        resident, filename_pattern=RESIDENT_STATE_PATTERN, max_shard_size=size_bytes(max_shard_size)
     )
+    for name, keys in split.filename_to_tensors.items():
+        save_file({k: resident[k].detach().contiguous() for k in keys}, os.path.join(folder, name))
     meta = {
+        "resident_files": sorted(split.filename_to_tensors),
         "steps": {str(k): v for k, v in steps.items()},
         "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
@@ -463,7 +486,7 @@ def stock_optimizer_note(checkpoint: str) -> str:
 
 
 def _resident_layer_moments(
-    store, resident: dict[str, torch.Tensor], full_name: Callable[[str], str]
+    store, resident: Mapping[str, torch.Tensor], full_name: Callable[[str], str]
 ) -> list[float] | None:
     """A layer's moments kept as resident parameters' (an older checkpoint of a layer mixing
     frozen and trainable parameters) copied into its store, zeros elsewhere: each slot's step
@@ -521,6 +544,41 @@ def _open_state_file(checkpoint: str, name: str):
         ) from None
 
 
+#: Names of the resident optimizer state's files: ``resident.safetensors``, or its shards.
+RESIDENT_STATE_PATTERN = "resident{suffix}.safetensors"
+
+
+def _resident_files(meta: dict) -> list[str]:
+    """The resident state's files a checkpoint's meta.json lists (one file before 2026-12-07)."""
+    return list(meta.get("resident_files", ["resident.safetensors"]))
+
+
+class _ResidentState(Mapping):
+    """The resident optimizer state of a checkpoint by name, each tensor read from its file when
+    asked for: the caller moves each to its parameter's device before the next is read, so the
+    host holds one tensor of it at a time, not all (8.7 GB at 7B)."""
+
+    def __init__(self, checkpoint: str, files: list[str]) -> None:
+        self._checkpoint = checkpoint
+        self._file_of: dict[str, str] = {}
+        for name in files:
+            with _open_state_file(checkpoint, name) as f:
+                self._file_of.update(dict.fromkeys(f.keys(), name))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        with _open_state_file(self._checkpoint, self._file_of[key]) as f:
+            return f.get_tensor(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._file_of
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+
 def _read_optimizer_meta(checkpoint: str) -> dict:
     path = os.path.join(checkpoint, OPTIMIZER_STATE_DIR, "meta.json")
     try:
@@ -541,8 +599,7 @@ def optimizer_state_problem(checkpoint: str) -> str | None:
     under data parallel written by their owners) are not required."""
     folder = os.path.join(checkpoint, OPTIMIZER_STATE_DIR)
     try:
-        _read_optimizer_meta(checkpoint)
-        names = ["resident.safetensors"] + sorted(
+        names = _resident_files(_read_optimizer_meta(checkpoint)) + sorted(
             n for n in os.listdir(folder) if n.startswith("layer_") and n.endswith(".safetensors")
         )
         for name in names:
@@ -572,10 +629,7 @@ def load_optimizer_state(
         )
     steps = {int(k): v for k, v in meta["steps"].items()}
     slot_steps: dict[int, list[float]] = {}
-    resident = {}
-    with _open_state_file(checkpoint, "resident.safetensors") as f:
-        for k in f.keys():
-            resident[k] = f.get_tensor(k)
+    resident = _ResidentState(checkpoint, _resident_files(meta))
     for i, store in enumerate(stores):
         if store.exp_avg is None:
             continue

@@ -41,6 +41,7 @@ from .adapter_memory import adapter_shape_fields
 from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
 from .compiled_kernels import is_compiled_forward, runs_compiled_norms, stand_in
+from .conversions import save_revert_copy_numel
 from .families import family_key, model_family, unsupported_model_type
 from .family_memory import (
     EAGER_SCORE_COPIES,
@@ -262,6 +263,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
             experts or 0,
         ),
         frozen_non_layer_numel=frozen_non_layer,
+        save_copy_numel=save_revert_copy_numel(causal_lm),
         frozen_embedding=embed is not None and not embed.weight.requires_grad,
         frozen_head=head is not None and not head.weight.requires_grad,
         hidden_size=text_cfg.hidden_size,

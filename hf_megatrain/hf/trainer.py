@@ -1766,11 +1766,11 @@ class MegaTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.megatrain.engine.dp is not None:
             # Each rank writes the optimizer state of the layers it owns.
-            save_optimizer_state(self.optimizer, output_dir)
+            save_optimizer_state(self.optimizer, output_dir, self.megatrain_options.max_shard_size)
         if not self.args.should_save:
             return
         if self.megatrain.engine.dp is None:
-            save_optimizer_state(self.optimizer, output_dir)
+            save_optimizer_state(self.optimizer, output_dir, self.megatrain_options.max_shard_size)
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 
     # ---- loading -------------------------------------------------------------------------------
