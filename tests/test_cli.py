@@ -611,7 +611,7 @@ def test_bad_settings_are_refused_before_the_model_loads(tmp_path):
         (["--adam_beta2", "1.5"], "--adam_beta2 1.5 must be in [0, 1)"),
         (
             ["--adam_beta1", "-0.5", "--weight_decay", "-0.1"],
-            "--adam_beta1 -0.5 must be in [0, 1); ",
+            "--adam_beta1 -0.5 must be in [0, 1) (torch.optim.AdamW refuses others); ",
         ),
         (["--optim", "sgd"], "--optim 'sgd' is not supported"),
         (["--lr_scheduler_type", "cosine_with_min_lr"], "One of min_lr or min_lr_rate"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -161,6 +163,11 @@ def test_optimizer_given_to_the_trainer_refused(tmp_path):
         (dict(adam_epsilon=-1.0), r"adam_epsilon=-1.0 must be >= 0"),
         (dict(learning_rate=float("nan")), r"learning_rate=nan must be >= 0"),
         (dict(adam_beta2=1.0), r"adam_beta2=1.0 must be in \[0, 1\)"),
+        # Found by an audit: AdamW takes eps=0, and the first step wrote NaN into every weight
+        # whose gradient was 0; the next steps were skipped as a "non-finite loss".
+        (dict(adam_epsilon=0.0), r"adam_epsilon=0.0 must be > 0 \(0 makes NaN weights"),
+        # The refusal said torch.optim.AdamW refuses it, which the Trainer's groups get past.
+        (dict(weight_decay=-0.1), r"weight_decay=-0.1 must be >= 0 \(a negative decay grows"),
         (dict(lr_scheduler_type="cosine_with_min_lr"), r"cosine_with_min_lr.*min_lr"),
     ],
 )
@@ -406,3 +413,38 @@ def test_an_address_space_limit_is_host_memory_too(monkeypatch):
     monkeypatch.setattr(mmap, "mmap", refused)
     with pytest.raises(InsufficientHostMemoryError, match="the OS refused .* host memory"):
         prepare_streamed_model(tiny_model(tiny_config("llama")), "cpu", torch.float32)
+
+
+def test_two_forwards_in_one_micro_batch_without_clipping_say_which_option_trains(tmp_path):
+    """Found by an audit: a compute_loss that runs the model twice (R-Drop, a consistency loss)
+    with clipping off failed inside autograd with "eager updates need the trainer's
+    gradient-accumulation flags", which names nothing the user can change. It now names the
+    argument; with it the run trains as the stock Trainer does."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_megatrain.core.engine.gradients import SecondGradientError
+
+    def two_forwards(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        flipped = inputs["input_ids"].flip(-1)
+        loss = model(**inputs).loss + 0.5 * model(input_ids=flipped, labels=flipped).loss
+        return (loss, None) if return_outputs else loss
+
+    model = tiny_model(tiny_config("llama"))
+    mega = type("TwoForwards", (HFMegaTrainer,), {"compute_loss": two_forwards})
+    stock = type("TwoForwards", (Trainer,), {"compute_loss": two_forwards})
+    kw = dict(max_grad_norm=0.0, max_steps=3)
+    with pytest.raises(SecondGradientError, match=r"set megatrain_eager_update=False \("):
+        mega(
+            model=copy.deepcopy(model), args=_args(tmp_path, **kw), train_dataset=make_data(8)
+        ).train()
+    losses = {}
+    for name, cls, args in (
+        ("mega", mega, _args(tmp_path / "held", megatrain_eager_update=False, **kw)),
+        ("stock", stock, TrainingArguments(output_dir=str(tmp_path / "s"), **common_args(**kw))),
+    ):
+        trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=make_data(8))
+        trainer.train()
+        losses[name] = [x["loss"] for x in trainer.state.log_history if "loss" in x]
+    # fp32 on the CPU: the streamed run equals stock to rounding (test_equivalence's 1e-5).
+    assert len(losses["mega"]) == 3
+    assert losses["mega"] == pytest.approx(losses["stock"], rel=1e-5)

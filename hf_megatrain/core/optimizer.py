@@ -195,14 +195,24 @@ STREAMED_STATE_KEY = "megatrain_streamed_layers"
 def adamw_setting_errors(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float
 ) -> list[tuple[str, float, str]]:
-    """``(setting, value, valid range)`` of each AdamW setting ``torch.optim.AdamW`` would refuse
-    (NaN included): out of range, the update runs but does not train (a negative eps)."""
+    """``(setting, value, valid range and why)`` of each AdamW setting that cannot train: those
+    ``torch.optim.AdamW`` refuses (NaN included), a zero eps and a negative weight decay."""
+    refused = "torch.optim.AdamW refuses others"
     checks = (
-        ("lr", lr, ">= 0", lr >= 0),
-        ("beta1", betas[0], "in [0, 1)", 0 <= betas[0] < 1),
-        ("beta2", betas[1], "in [0, 1)", 0 <= betas[1] < 1),
-        ("eps", eps, ">= 0", eps >= 0),
-        ("weight_decay", weight_decay, ">= 0", weight_decay >= 0),
+        ("lr", lr, f">= 0 ({refused})", lr >= 0),
+        ("beta1", betas[0], f"in [0, 1) ({refused})", 0 <= betas[0] < 1),
+        ("beta2", betas[1], f"in [0, 1) ({refused})", 0 <= betas[1] < 1),
+        ("eps", eps, f">= 0 ({refused})", eps >= 0),
+        # AdamW takes eps=0, but every weight whose gradient is 0 (an embedding row of a token
+        # the step did not see) then updates by 0/0: NaN weights after the first step.
+        ("eps", eps, "> 0 (0 makes NaN weights: 0/0 where a gradient is 0)", eps != 0),
+        # (The Trainer's parameter groups pass it where AdamW's own check does not look.)
+        (
+            "weight_decay",
+            weight_decay,
+            ">= 0 (a negative decay grows the weights)",
+            weight_decay >= 0,
+        ),
     )
     return [(name, value, valid) for name, value, valid, ok in checks if not ok]
 

@@ -29,6 +29,7 @@ from torch.utils.data import BatchSampler
 from transformers import Trainer, TrainingArguments
 
 from ..core.distributed import DataParallelError, launch_layout_error, process_group_size
+from ..core.engine.gradients import SecondGradientError
 from ..core.host_store import InsufficientHostMemoryError, process_memory_bytes
 from ..core.optimizer import adamw_setting_errors
 from ..core.options import (
@@ -43,7 +44,13 @@ from ..core.options import (
 from ..core.plan_types import MemoryPlanError
 from ..core.publish import publish, recover, verify_folder, write_manifest
 from ..core.rng import rng_state, set_rng_state
-from .arguments import MegaTrainArguments, argument_name, engine_options, in_argument_names
+from .arguments import (
+    ARGUMENT_NAMER,
+    MegaTrainArguments,
+    argument_name,
+    engine_options,
+    in_argument_names,
+)
 from .attention import apply_attention
 from .checkpoint import (
     OPTIMIZER_STATE_DIR,
@@ -338,7 +345,6 @@ def check_training_arguments(args: TrainingArguments) -> None:
             + "; ".join(
                 f"{_ADAMW_ARGUMENTS[name]}={value} must be {valid}" for name, value, valid in errors
             )
-            + " (torch.optim.AdamW refuses it; the run would not train)"
         )
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
         raise ValueError(f"hf_megatrain: {SHARDING_UNSUPPORTED}")
@@ -1304,6 +1310,9 @@ class MegaTrainerMixin:
                         self._megatrain_run_again(model)
                     self.megatrain.engine.sync_grads = sync
                     return self._megatrain_training_step(model, inputs, num_items_in_batch)
+                except SecondGradientError as err:
+                    eager_off = ARGUMENT_NAMER.setting("eager_update", False)
+                    raise SecondGradientError(err.layer, eager_off) from None
                 except torch.OutOfMemoryError as err:
                     # (Data parallel: the other ranks wait in this step's collectives.)
                     if not self.megatrain_options.oom_recovery or self.megatrain.engine.dp:

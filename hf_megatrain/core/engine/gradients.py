@@ -73,6 +73,22 @@ def _write_flags(flags: torch.Tensor, got: list[bool]) -> None:
             flags[i].fill_(0.0)
 
 
+class SecondGradientError(RuntimeError):
+    """A layer's gradient arrived again after it was final, with no gradient slot to add it to
+    (eager updates): the model ran forward and backward twice in one micro-batch."""
+
+    def __init__(self, layer: int, eager_off: str = "eager_update=False") -> None:
+        self.layer = layer
+        super().__init__(
+            f"hf_megatrain: layer {layer} got a second gradient in one micro-batch: the model "
+            "ran forward and backward twice (two forwards in compute_loss, two backward calls "
+            "in training_step). Without gradient clipping each layer updates as soon as its "
+            "gradient is final (eager updates) and keeps no gradient to add a second one to: "
+            f"set {eager_off} (gradients held until the step, one more gradient slot per "
+            "parameter in host RAM) or clip gradients."
+        )
+
+
 class GradientSink:
     """Accumulates, drains (or reduces) and accounts for the layers' fp32 gradients.
 
@@ -361,11 +377,7 @@ class GradientSink:
                 "host_grads=True to hold gradients until step()."
             )
         if self._dp is None and self._on_host[idx]:
-            raise RuntimeError(
-                f"hf_megatrain: layer {idx} got a second gradient in one step, but its host "
-                "store has no gradient slot to add it to (eager updates need the trainer's "
-                "gradient-accumulation flags)"
-            )
+            raise SecondGradientError(idx)
 
     def _stage_cpu(self, idx: int, grad: torch.Tensor) -> None:
         """CPU: the final gradient already is in host memory; the update reads it in place."""
