@@ -100,9 +100,11 @@ class EngineOptions:
     max_shard_size: str = field(
         default="2GB",
         metadata=_help(
-            """Largest safetensors shard written by save_model and checkpoints (e.g. 2GB, 500MB).
-            Shards are serialized one at a time, so this also bounds the extra host RAM a save
-            needs.""",
+            """Largest safetensors shard written by save_model and checkpoints (e.g. 2GB, 500MB,
+            1GiB); also of the resident optimizer state's files. Shards are serialized one at a
+            time, each copying its GPU tensors to the host, so this (or the largest tensor, the
+            embedding's, where larger) bounds the extra host RAM a save needs; the plan's host
+            side counts it.""",
             run_time=True,
         ),
     )
