@@ -781,7 +781,7 @@ def _megatrain_plan(trainer, asked: EngineOptions) -> dict:
     if state.plan is not None:
         out["plan_hbm_gib"] = state.plan.gpu_total / GIB
         out["plan_hbm_est_gib"] = state.plan.gpu_peak_estimate / GIB
-        out["plan_host_gib"] = state.plan.host_peak_estimate / GIB
+        out["plan_host_gib"] = state.plan.host_step_peak_estimate / GIB  # (saves nothing)
     return out
 
 

@@ -476,7 +476,8 @@ def compare(csv_path: Path) -> list[dict]:
         reserved, host = float(row["peak_hbm_gib"]), float(row["peak_host_gib"])
         hbm = measured_need_gib(row)
         outside = sum(ln.nbytes for ln in plan.gpu_lines if ln.name == NCCL_LINE)
-        p_hbm, p_host = (plan.gpu_total - outside) / GIB, plan.host_peak_estimate / GIB
+        # Benchmark runs save nothing (save_strategy "no"): the plan's peak without a save's.
+        p_hbm, p_host = (plan.gpu_total - outside) / GIB, plan.host_step_peak_estimate / GIB
         e_hbm = (plan.gpu_peak_estimate - outside) / GIB
         first = first_step_only(row)
         absent = first_step_absent(row, plan)

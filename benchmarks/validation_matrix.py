@@ -222,7 +222,7 @@ def plan_cell(
     cell.fits = plan.fits
     cell.plan_hbm_gib = plan.gpu_total / planner.GIB
     cell.plan_hbm_est_gib = plan.gpu_peak_estimate / planner.GIB
-    cell.plan_host_gib = plan.host_peak_estimate / planner.GIB
+    cell.plan_host_gib = plan.host_step_peak_estimate / planner.GIB  # (saves nothing)
     if plan.fits:
         cell.verdict = (
             f"fits: {plan.n_hbm}/{shape.num_layers} layers in HBM, HBM {cell.plan_hbm_est_gib:.1f} "

@@ -281,4 +281,4 @@ def test_a_cells_verdict_is_the_plan_training_makes(model, seq_len, hbm_gib, hos
     assert cell.fits and plan.fits
     assert cell.verdict.startswith(f"fits: {plan.n_hbm}/")
     assert cell.plan_hbm_est_gib == pytest.approx(plan.gpu_peak_estimate / GIB, abs=1e-9)
-    assert cell.plan_host_gib == pytest.approx(plan.host_peak_estimate / GIB, abs=1e-9)
+    assert cell.plan_host_gib == pytest.approx(plan.host_step_peak_estimate / GIB, abs=1e-9)

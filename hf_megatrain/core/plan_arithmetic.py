@@ -434,7 +434,9 @@ def save_line(shape: ModelShape, options: ResolvedOptions, n_hbm: int) -> Memory
     shard = size_bytes(options.options.max_shard_size)
     parts: list[tuple[int, str]] = []
     if options.cuda:
-        largest = max(shard, 4 * shape.vocab_size * shape.hidden_size)
+        # A shard (or one larger tensor, the embedding's), of no more than the GPU holds.
+        on_gpu = 4 * (shape.non_layer_numel + sum(shape.layer_numels[:n_hbm]))
+        largest = min(max(shard, 4 * shape.vocab_size * shape.hidden_size), on_gpu)
         parts.append((largest, "GPU tensors, a shard at a time"))
         if n_hbm:
             moments = 8 * max(shape.layer_trained_numel(i) for i in range(n_hbm))

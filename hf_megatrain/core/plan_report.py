@@ -171,6 +171,13 @@ class MemoryPlan:
         )
 
     @property
+    def host_step_peak_estimate(self) -> int:
+        """``host_peak_estimate`` of a run that saves nothing (a benchmark's): without the line
+        for a save's copies."""
+        save = sum(ln.nbytes for ln in self.host_lines if ln.name.startswith(SAVE_LINE))
+        return self.host_peak_estimate - save
+
+    @property
     def fits(self) -> bool:
         return not self.problems
 
