@@ -997,7 +997,7 @@ def size_bytes(text: str | int) -> int:
         return int(t)
     for unit in _SIZE_UNITS:
         if t.endswith(unit):
-            power = "BKMGT".index(unit[0]) if unit != "B" else 0
+            power = "BKMGT".index(unit[0])  # (B: 0)
             base = 1024 if unit.endswith("IB") else 1000
             return int(float(t[: -len(unit)]) * base**power)
     raise ValueError(f"{text!r} is not a size such as '2GB' or '500MB'")
