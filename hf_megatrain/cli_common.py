@@ -75,7 +75,7 @@ def say(msg: str) -> None:
 def config_from_json(path: str):
     from transformers import AutoConfig  # noqa: PLC0415
 
-    from .hf.families import model_family, unsupported_model_type  # noqa: PLC0415
+    from .hf.families import model_family, text_model_type, unsupported_model_type  # noqa: PLC0415
 
     try:
         d = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -83,7 +83,8 @@ def config_from_json(path: str):
         raise CLIError(f"{path} is not valid JSON: {e}") from None
     model_type = d.pop("model_type", None) if isinstance(d, dict) else None
     if model_family(model_type) is None:
-        raise CLIError(unsupported_model_type(path, model_type))
+        text = text_model_type({**d, "model_type": model_type}) if isinstance(d, dict) else None
+        raise CLIError(unsupported_model_type(path, model_type, "", text))
     layers = d.get("num_hidden_layers", d.get("n_layer"))
     if isinstance(layers, int) and layers < 1:
         raise CLIError(f"{path}: num_hidden_layers is {layers}; a model needs at least 1 layer")

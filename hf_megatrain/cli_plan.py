@@ -133,7 +133,7 @@ def plan_config(path: str):
     """The model config of ``hf-megatrain plan``'s argument: a config.json or a folder with one."""
     from transformers import AutoConfig  # noqa: PLC0415
 
-    from .hf.families import model_family, unsupported_model_type  # noqa: PLC0415
+    from .hf.families import model_family, text_model_type, unsupported_model_type  # noqa: PLC0415
 
     p = Path(path)
     if p.is_dir():
@@ -144,7 +144,8 @@ def plan_config(path: str):
         except (OSError, ValueError, KeyError) as e:
             raise CLIError(f"{p}: could not read config.json: {e}") from None
         if model_family(cfg.model_type) is None:
-            raise CLIError(unsupported_model_type(str(p), cfg.model_type))
+            text = text_model_type(cfg)
+            raise CLIError(unsupported_model_type(str(p), cfg.model_type, "", text))
         check_config_sizes(cfg, str(p / "config.json"))
         return cfg
     if not p.is_file():

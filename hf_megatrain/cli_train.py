@@ -114,7 +114,7 @@ def run_config(settings: TrainSettings, folder: str | None = None):
     when not given), or --config's (random init)."""
     from transformers import AutoConfig  # noqa: PLC0415
 
-    from .hf.families import model_family, unsupported_model_type  # noqa: PLC0415
+    from .hf.families import model_family, text_model_type, unsupported_model_type  # noqa: PLC0415
 
     model = settings.model
     if model.model_path is None:
@@ -125,7 +125,8 @@ def run_config(settings: TrainSettings, folder: str | None = None):
     except CONFIG_ERRORS as e:
         raise CLIError(f"{folder}/config.json: invalid config: {error_summary(e)}") from None
     if model_family(cfg.model_type) is None:
-        raise CLIError(unsupported_model_type(model.model_path, cfg.model_type))
+        text = text_model_type(cfg)
+        raise CLIError(unsupported_model_type(model.model_path, cfg.model_type, "", text))
     return cfg
 
 

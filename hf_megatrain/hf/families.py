@@ -100,11 +100,124 @@ def family_key(model_type: str | None) -> str | None:
     return model_family(model_type) or model_type
 
 
-def unsupported_model_type(what: str, model_type: object, note: str = "") -> str:
-    """The one-line refusal of a config whose ``model_type`` no supported family trains."""
-    return (
-        f"{what}: model_type {model_type!r}{note} is not supported. Supported decoder "
-        "architectures: "
-        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (and the types transformers builds with "
-        "their model classes)."
+#: The ``key_mapping`` that loads a multimodal checkpoint's text model alone, with the text model's
+#: own ``*ForCausalLM`` class: ``Gemma3ForCausalLM.from_pretrained(path, key_mapping=...)`` (the
+#: other towers' tensors are skipped). Without it that class finds none of the checkpoint's text
+#: weights (prefixed ``language_model.model.``, ``model.language_model.`` or ``model.text_model.``)
+#: and initializes them at random. ``save_pretrained`` writes the keys back as the multimodal
+#: checkpoint names them unless given ``save_original_format=False``.
+TEXT_MODEL_KEY_MAPPING = {
+    "^language_model.model.": "model.",
+    "^model.language_model.": "model.",
+    "^model.text_model.": "model.",
+    "^language_model.lm_head.": "lm_head.",
+}
+
+#: Multimodal model types whose text model (a supported family) loads, every weight as the
+#: multimodal model holds it, with ``TEXT_MODEL_KEY_MAPPING`` (checked on tiny checkpoints with
+#: transformers 5.25; tests/test_family_refusals.py repeats it for a few).
+TEXT_MODEL_KEY_MAPPING_TYPES = frozenset(
+    """audioflamingo3 aya_vision blip-2 cohere2_vision deepseek_vl deepseek_vl_hybrid fuyu gemma3
+    glmasr got_ocr2 granite_speech granite_speech_plus idefics2 idefics3 instructblip
+    instructblipvideo internvl janus lfm2_vl lighton_ocr llava llava_next llava_next_video
+    llava_onevision llava_onevision1_5 mistral3 moss_transcribe_diarize musicflamingo omniasr
+    paligemma pp_chart2table qwen2_audio qwen3_asr shieldgemma2 smolvlm vibevoice vibevoice_asr
+    video_llama_3 video_llava vipllava voxtral""".split()
+)
+
+#: Where the refusal points for the whole list of supported types.
+_FULL_LIST = (
+    "all {n}: hf_megatrain.SUPPORTED_MODEL_TYPES (README.md, Supported families), and the types "
+    "transformers builds with one of their classes (e.g. internlm3, exaone)"
+)
+
+
+def text_model_type(config: object) -> str | None:
+    """The model_type of ``config``'s text model where it is another config's (a multimodal
+    model's ``text_config``), else None. ``config``: a transformers config or a config.json
+    mapping (its ``text_config``, or the default text config class of its model_type)."""
+    if isinstance(config, dict):
+        text = config.get("text_config")
+        if isinstance(text, dict) and isinstance(text.get("model_type"), str):
+            return text["model_type"]
+        return _default_text_type(config.get("model_type"))
+    get = getattr(config, "get_text_config", None)
+    try:
+        text = get(decoder=True) if get is not None else config
+    except Exception:  # noqa: BLE001 - a config this version cannot split: no text model named
+        return None
+    return getattr(text, "model_type", None) if text is not config else None
+
+
+def _default_text_type(model_type: object) -> str | None:
+    """The model_type of ``model_type``'s default text config class (None: it has none)."""
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+
+    try:
+        sub = getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or {}
+    except (KeyError, TypeError, ValueError):
+        return None
+    return getattr(sub.get("text_config"), "model_type", None) or None
+
+
+def outer_model_type(class_name: str, model_type: str | None) -> str | None:
+    """The model_type a user loaded where transformers built ``class_name`` with that type's text
+    config (AutoModelForCausalLM builds ``emu3`` as ``Emu3ForCausalLM`` on its
+    ``emu3_text_model`` config); None where there is none."""
+    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal_lm,
     )
+
+    return next(
+        (
+            t
+            for t, cls in causal_lm.items()
+            if cls == class_name and t != model_type and _default_text_type(t) == model_type
+        ),
+        None,
+    )
+
+
+def unsupported_model_type(
+    what: str, model_type: object, note: str = "", text_type: str | None = None
+) -> str:
+    """The one-line refusal of a config whose ``model_type`` no supported family trains.
+
+    ``model_type``: the type the user loaded (a multimodal model's own, not its text model's);
+    ``text_type``: its text model's type, where that is another (``text_model_type``). A text
+    model of a supported family is named with how to load it alone; otherwise the closest
+    supported types by name, and where the full list is."""
+    head = f"{what}: model_type {model_type!r}{note}"
+    family = model_family(text_type) if text_type and text_type != model_type else None
+    if family is not None:
+        from transformers.models.auto.modeling_auto import (  # noqa: PLC0415
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal_lm,
+        )
+
+        cls = causal_lm.get(text_type) or causal_lm.get(family) or "its *ForCausalLM class"
+        if model_type in TEXT_MODEL_KEY_MAPPING_TYPES:
+            how = (
+                f"load it alone with {cls}.from_pretrained(<checkpoint>, key_mapping=hf_megatrain."
+                "hf.families.TEXT_MODEL_KEY_MAPPING) and train that (for --model_path, save it "
+                "with save_pretrained(folder, save_original_format=False))"
+            )
+        else:
+            how = f"train it alone, as a {cls}"
+        return (
+            f"{head} (multimodal) is not supported, but its text model ({text_type!r}) is: {how}."
+        )
+    if text_type and text_type != model_type:
+        head += f" (its text model's config: {text_type!r})"
+    full = _FULL_LIST.format(n=len(SUPPORTED_MODEL_TYPES))
+    return f"{head} is not supported. {_closest(model_type)}; {full}."
+
+
+def _closest(model_type: object) -> str:
+    """The supported types closest to ``model_type`` by name (else the first few listed)."""
+    import difflib  # noqa: PLC0415
+
+    name = str(model_type).lower() if isinstance(model_type, str) else ""
+    close = difflib.get_close_matches(name, SUPPORTED_MODEL_TYPES, n=5, cutoff=0.6)
+    if close:
+        return f"Closest supported types: {', '.join(close)}"
+    return f"Supported types include {', '.join(list(SUPPORTED_MODEL_TYPES)[:6])}, ..."

@@ -30,7 +30,7 @@ from .checkpoint import (
     load_weights_into_store,
     resolve_checkpoint_key,
 )
-from .families import model_family, unsupported_model_type
+from .families import model_family, text_model_type, unsupported_model_type
 from .hub import resolve_model_folder
 from .long_context import apply_layer_kernels
 from .model import (
@@ -258,7 +258,9 @@ def check_model_type(path: str) -> None:
     if model_type is None or model_family(model_type) is not None:
         return  # (no model_type: transformers decides; the model is checked when streamed)
     custom = " (custom code: config.json's auto_map)" if raw.get("auto_map") else ""
-    raise UnsupportedModelError(unsupported_model_type(f"hf_megatrain: {path}", model_type, custom))
+    raise UnsupportedModelError(
+        unsupported_model_type(f"hf_megatrain: {path}", model_type, custom, text_model_type(raw))
+    )
 
 
 def _headers(path: str) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -42,7 +42,13 @@ from .arguments import ARGUMENT_NAMER
 from .capture import RecorderCapture, recorder_capture_available
 from .compiled_kernels import is_compiled_forward, runs_compiled_norms, stand_in
 from .conversions import save_revert_copy_numel
-from .families import family_key, model_family, unsupported_model_type
+from .families import (
+    family_key,
+    model_family,
+    outer_model_type,
+    text_model_type,
+    unsupported_model_type,
+)
 from .family_memory import (
     EAGER_SCORE_COPIES,
     EVERY_EXPERT_MODEL_TYPES,
@@ -485,10 +491,18 @@ def check_supported(model: nn.Module) -> str:
     if model_type != named and not _from_transformers(model):
         model_type = None  # a type taken as a family's: only as transformers' own class builds it
     if model_type is None:
+        if config is None:
+            raise UnsupportedModelError(
+                f"hf_megatrain: {type(model).__name__} has no config: not a transformers model"
+            )
+        # Name the type the user loaded: a multimodal one's own (its text model the detail), and
+        # for a class transformers builds on another type's text config (Emu3ForCausalLM), that.
+        outer = outer_model_type(type(model).__name__, named)
+        text = named if outer else text_model_type(config)
         raise UnsupportedModelError(
-            unsupported_model_type(f"hf_megatrain: {type(model).__name__}", named)
-            if config is not None
-            else f"hf_megatrain: {type(model).__name__} has no config: not a transformers model"
+            unsupported_model_type(
+                f"hf_megatrain: {type(model).__name__}", outer or named, "", text
+            )
         )
     if not _causal_lm_class(model, named):
         raise UnsupportedModelError(
