@@ -297,6 +297,54 @@ def test_a_checkpoint_copies_the_gpu_state_to_the_host_a_shard_at_a_time(tmp_pat
     assert model_mib < 100 and optimizer_mib < 100, (model_mib, optimizer_mib)
 
 
+def test_a_save_of_fused_moe_experts_on_the_gpu_copies_a_shard_at_a_time(tmp_path):
+    """A save of a model with fused MoE experts copied the HBM tier's masters to the host
+    whole and transformers' revert then copied 2/3 of every layer's experts (each half of a
+    ``gate_up_proj`` made contiguous), all alive at once. The revert now makes views: the tier
+    stays on the GPU until the writer copies a shard of it, and the files hold exactly what
+    transformers' own revert makes."""
+    import glob
+
+    from safetensors.torch import load_file
+    from transformers import MixtralConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from hf_megatrain.hf.checkpoint import host_state_dict
+
+    # 8 experts of width 4096 over hidden 256: 96 MiB of experts per layer in fp32 (gate/up
+    # 64 MiB in one tensor); 2 of 4 layers in the HBM tier.
+    cfg = MixtralConfig(vocab_size=1024, hidden_size=256, intermediate_size=4096,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=8)  # fmt: skip
+    trainer = HFMegaTrainer(
+        model=tiny_model(cfg),
+        args=_args(
+            MegaTrainArguments,
+            tmp_path / "run",
+            max_steps=1,
+            megatrain_resident_layers="2",
+            megatrain_max_shard_size="16MB",
+        ),  # fmt: skip
+        train_dataset=_data(4, 64, vocab=1024),
+    )
+    trainer.train()
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
+    before = status_mib("VmRSS")
+    trainer.save_model(str(tmp_path / "model"))
+    grew = status_mib("VmHWM") - before
+    # Before: the tier's 2 x 96 MiB and the halves of all 4 layers' gate/up (256 MiB). Now one
+    # shard, or the one larger tensor (a tier layer's gate/up, 64 MiB), and the writer's buffers.
+    assert grew < 100, grew
+    model = trainer.model
+    stock = revert_weight_conversion(model, host_state_dict(model))
+    saved = {}
+    for f in glob.glob(str(tmp_path / "model" / "*.safetensors")):
+        saved.update(load_file(f))
+    assert sorted(saved) == sorted(stock)
+    assert all(torch.equal(saved[k], stock[k]) for k in stock)
+
+
 @pytest.mark.parametrize("resident", ["0", "2"], ids=["streamed", "hbm-tier-2"])
 def test_save_resume_on_gpu(tmp_path, resident):
     """Checkpoints from the CUDA path (pinned host store, HBM tier, threaded AdamW) load with

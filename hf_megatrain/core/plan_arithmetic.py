@@ -428,24 +428,27 @@ def host_lines(
 
 def save_line(shape: ModelShape, options: ResolvedOptions, n_hbm: int) -> MemoryLine | None:
     """The most host RAM a save (a checkpoint, the final model) copies beyond the store, at
-    once: the GPU's tensors a shard at a time (or one larger tensor: the embedding's), an
-    HBM-tier layer's moments, the MoE experts transformers' revert copies (with the HBM tier's
-    masters, which that save takes to the host whole), a bf16 export's rounded copy."""
+    once: the GPU's tensors a shard at a time (or one larger tensor: the embedding's, an
+    HBM-tier layer's largest), an HBM-tier layer's moments, the reverted pieces of fused
+    weights that are not contiguous (a shard at a time), a bf16 export's rounded copy."""
     shard = size_bytes(options.options.max_shard_size)
     parts: list[tuple[int, str]] = []
     if options.cuda:
-        # A shard (or one larger tensor, the embedding's), of no more than the GPU holds.
+        # A shard (or one larger tensor), of no more than the GPU holds.
         on_gpu = 4 * (shape.non_layer_numel + sum(shape.layer_numels[:n_hbm]))
-        largest = min(max(shard, 4 * shape.vocab_size * shape.hidden_size), on_gpu)
+        tensor = shape.vocab_size * shape.hidden_size
+        if n_hbm:
+            tensor = max(tensor, shape.largest_layer_param_numel)
+        largest = min(max(shard, 4 * tensor), on_gpu)
         parts.append((largest, "GPU tensors, a shard at a time"))
         if n_hbm:
             moments = 8 * max(shape.layer_trained_numel(i) for i in range(n_hbm))
             parts.append((moments, "an HBM-tier layer's moments"))
     if shape.save_copy_numel:
-        tier = 4 * sum(shape.layer_numels[:n_hbm]) if options.cuda else 0
-        parts.append((4 * shape.save_copy_numel + tier, "fused MoE experts split back (copies)"))
+        tensor = max(shard, 4 * shape.largest_layer_param_numel)
+        parts.append((min(4 * shape.save_copy_numel, tensor), "fused weights' pieces made whole"))
     if options.options.export_dtype == "bfloat16":
-        rounded = 2 * (shape.total_numel + shape.save_copy_numel)
+        rounded = 2 * shape.total_numel
         parts.append((rounded, "the final model rounded to bf16"))
     if not parts:
         return None

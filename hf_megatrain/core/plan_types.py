@@ -189,10 +189,13 @@ class ModelShape:
     frozen_non_layer_numel: int = 0
     frozen_embedding: bool = False
     frozen_head: bool = False
-    # Elements a save copies, all at once, while transformers reverts the model's fused
-    # weights to the checkpoint's layout (MoE experts' ``gate_up_proj`` split into contiguous
-    # halves: 2/3 of the experts); 0 where nothing is copied (hf/conversions.py).
+    # Elements a save copies, a shard at a time, while transformers reverts the model's fused
+    # weights to the checkpoint's layout: the reverted pieces that are not contiguous (0 for
+    # the MoE experts transformers fuses today; hf/conversions.py).
     save_copy_numel: int = 0
+    # The largest single parameter of a decoder layer: a save writes each tensor whole, so an
+    # HBM-tier layer's (a fused MoE expert tensor) may be copied to the host beyond a shard.
+    largest_layer_param_numel: int = 0
 
     def layer_frozen_numel(self, i: int) -> int:
         """Frozen parameters of layer ``i`` (``frozen_layer_numels``; 0 when none are)."""

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from ..core.options import EXPORT_DTYPES, EngineOptions, size_bytes
 from ..core.publish import MANIFEST_NAME, staged_folder
-from .conversions import conversions, reverts_fused_weights
+from .conversions import conversions, reverts_as_views
 from .model import StreamedModelState, streamed_state
 
 logger = logging.getLogger(__name__)
@@ -139,10 +139,10 @@ def write_streamed_pretrained(
         state = streamed_state(model)
         options = state.options.options if state is not None and state.options else EngineOptions()
         max_shard_size = options.max_shard_size
-    # The GPU's tensors stay there, copied to the host a shard at a time by the writer, unless
-    # the save reverts fused weights (MoE experts), whose revert copies them whole on their
-    # device: the host has the room the plan gave that, the GPU may not.
-    tensors = host_state_dict(model, dtype, keep_on_device=not reverts_fused_weights(model))
+    # The GPU's tensors stay there, copied to the host a shard at a time by the writer; fused
+    # weights (MoE experts) are reverted to the checkpoint's layout as views of them
+    # (``reverts_as_views``), not as copies.
+    tensors = host_state_dict(model, dtype, keep_on_device=True)
     # The config as the model came (streaming turned use_cache off for training), and the dtype
     # of the files written (save_pretrained records the in-memory fp32 masters'), as
     # from_pretrained(dtype="auto") reads it.
@@ -154,7 +154,8 @@ def write_streamed_pretrained(
     try:
         # In bytes: transformers reads only 'KB' to 'TB' names (not '1GiB' or '500000').
         shard = size_bytes(max_shard_size)
-        model.save_pretrained(folder, state_dict=tensors, max_shard_size=shard)
+        with reverts_as_views():
+            model.save_pretrained(folder, state_dict=tensors, max_shard_size=shard)
         written = str(dtype).removeprefix("torch.")
         if str(config.dtype).removeprefix("torch.") != written:
             config.dtype = written

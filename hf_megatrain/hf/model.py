@@ -168,7 +168,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     parameters are ``meta`` placeholders of the right shapes).
     """
     _, layers = find_decoder_layers(model)
-    layer_numels, adapter_numels, frozen_numels = _layer_numels(layers)
+    layer_numels, adapter_numels, frozen_numels, largest_param = _layer_numels(layers)
     # parameters() yields a shared (tied) tensor once, so a tied head is counted once.
     total = sum(p.numel() for p in model.parameters())
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
@@ -270,6 +270,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         ),
         frozen_non_layer_numel=frozen_non_layer,
         save_copy_numel=save_revert_copy_numel(causal_lm),
+        largest_layer_param_numel=largest_param,
         frozen_embedding=embed is not None and not embed.weight.requires_grad,
         frozen_head=head is not None and not head.weight.requires_grad,
         hidden_size=text_cfg.hidden_size,
@@ -321,11 +322,13 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     )
 
 
-def _layer_numels(layers: nn.ModuleList) -> tuple[tuple[int, ...], ...]:
+def _layer_numels(
+    layers: nn.ModuleList,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
     """Per layer: the parameters it streams (``streamed_names``), its resident trainable ones
     (LoRA adapters, in a layer that mixes both) and its streamed frozen ones (0 where they
-    train)."""
-    streamed, adapters, frozen = [], [], []
+    train); and the largest streamed parameter of any layer."""
+    streamed, adapters, frozen, largest = [], [], [], 0
     for layer in layers:
         names = streamed_names(layer)
         params = dict(layer.named_parameters())
@@ -333,7 +336,8 @@ def _layer_numels(layers: nn.ModuleList) -> tuple[tuple[int, ...], ...]:
         streamed.append(n)
         adapters.append(sum(p.numel() for name, p in params.items() if name not in names))
         frozen.append(0 if any(params[name].requires_grad for name in names) else n)
-    return tuple(streamed), tuple(adapters), tuple(frozen)
+        largest = max([largest] + [p.numel() for name, p in params.items() if name in names])
+    return tuple(streamed), tuple(adapters), tuple(frozen), largest
 
 
 def _decoder_forward_source(model: nn.Module) -> str:
