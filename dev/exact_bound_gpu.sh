@@ -139,6 +139,8 @@
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
+#   savetests  tests/test_gpu.py's save cases: a shard at a time, fused MoE experts reverted as
+#              views (2026-12-07), save/resume on the CUDA path.
 #   tilegpu    tests/test_gpu.py's and test_tiling.py's CUDA tile cases (9, ~1 min on an H100).
 #   newfam     ERNIE 4.5 MoE's, DeepSeek-V3.2's, MiniCPM3's and BioGPT's CUDA family cases and
 #              the gradless-parameter skip on CUDA (test_gradless_params.py's GPU cases).
@@ -562,6 +564,10 @@ PY
     over508k)
       run over508k qwen2.5-7b:507904 900 --streamed-init --auto-fit off --resident-layers 0 \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6
+      ;;
+    savetests)
+      timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "shard_at_a_time or save_resume_on_gpu" 2>&1 | grep -v '^DEBUG'
       ;;
     seamtests)  # the GPU tests that call what 2026-12-07 made public (streamed_model, run_tile,
       # working_set_line) and the plan's whole-step lines on CUDA (the hidden-state gradient line)
