@@ -258,6 +258,26 @@ def _tiny_gpu_config():
     )
 
 
+def _trained_with_hbm_tier(tmp_path, cfg) -> HFMegaTrainer:
+    """A trainer after one step of ``cfg`` with 2 HBM-tier layers and 16 MB shards, the peak RSS
+    reset (for a save's growth; skips where it cannot be)."""
+    trainer = HFMegaTrainer(
+        model=tiny_model(cfg),
+        args=_args(
+            MegaTrainArguments,
+            tmp_path / "run",
+            max_steps=1,
+            megatrain_resident_layers="2",
+            megatrain_max_shard_size="16MB",
+        ),  # fmt: skip
+        train_dataset=_data(4, 64, vocab=cfg.vocab_size),
+    )
+    trainer.train()
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
+    return trainer
+
+
 def test_a_checkpoint_copies_the_gpu_state_to_the_host_a_shard_at_a_time(tmp_path):
     """A save copied what lives on the GPU to the host whole: the resident embeddings and head
     (4.4 GB at 7B) and the HBM tier's masters for the model's files, the resident moments
@@ -271,20 +291,7 @@ def test_a_checkpoint_copies_the_gpu_state_to_the_host_a_shard_at_a_time(tmp_pat
     cfg = LlamaConfig(vocab_size=32768, hidden_size=512, intermediate_size=2048,
                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                       tie_word_embeddings=False)  # fmt: skip
-    trainer = HFMegaTrainer(
-        model=tiny_model(cfg),
-        args=_args(
-            MegaTrainArguments,
-            tmp_path / "run",
-            max_steps=1,
-            megatrain_resident_layers="2",
-            megatrain_max_shard_size="16MB",
-        ),  # fmt: skip
-        train_dataset=_data(4, 64, vocab=32768),
-    )
-    trainer.train()
-    if not reset_peak_rss():
-        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
+    trainer = _trained_with_hbm_tier(tmp_path, cfg)
     before = status_mib("VmRSS")
     trainer.save_model(str(tmp_path / "model"))
     model_mib = status_mib("VmHWM") - before
@@ -316,20 +323,7 @@ def test_a_save_of_fused_moe_experts_on_the_gpu_copies_a_shard_at_a_time(tmp_pat
     cfg = MixtralConfig(vocab_size=1024, hidden_size=256, intermediate_size=4096,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                         num_local_experts=8)  # fmt: skip
-    trainer = HFMegaTrainer(
-        model=tiny_model(cfg),
-        args=_args(
-            MegaTrainArguments,
-            tmp_path / "run",
-            max_steps=1,
-            megatrain_resident_layers="2",
-            megatrain_max_shard_size="16MB",
-        ),  # fmt: skip
-        train_dataset=_data(4, 64, vocab=1024),
-    )
-    trainer.train()
-    if not reset_peak_rss():
-        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
+    trainer = _trained_with_hbm_tier(tmp_path, cfg)
     before = status_mib("VmRSS")
     trainer.save_model(str(tmp_path / "model"))
     grew = status_mib("VmHWM") - before
