@@ -10,7 +10,6 @@ the saved data position would be applied to other rows. So it is refused, naming
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import os
 import re
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_common import CONFIG_ERRORS, CLIError, world_size
-from .hf.step_layout import RUN_DEFINING_ARGUMENTS
+from .hf.step_layout import RUN_DEFINING_ARGUMENTS, plain_value
 
 #: The stateful callback's name in trainer_state.json (the name it has had since it recorded
 #: only ``seq_len``: older checkpoints are read the same way).
@@ -59,8 +58,8 @@ _DEFAULT_WORDS = {
 def run_record(settings) -> dict[str, Any]:
     """The arguments that define ``settings``' run, as JSON values."""
     t, data, model = settings.training, settings.data, settings.model
-    record = {k: _plain(getattr(t, k, None)) for k in _TRAINING_KEYS}
-    record |= {f.name: _plain(getattr(data, f.name)) for f in dataclasses.fields(data)}
+    record = {k: plain_value(getattr(t, k, None)) for k in _TRAINING_KEYS}
+    record |= {f.name: plain_value(getattr(data, f.name)) for f in dataclasses.fields(data)}
     record |= {k: getattr(model, k) for k in _MODEL_KEYS}
     for key in _PATH_KEYS:
         if record.get(key) is not None and os.path.exists(record[key]):
@@ -69,13 +68,6 @@ def run_record(settings) -> dict[str, Any]:
     # Ranks sharing each sequence: with WORLD_SIZE, the rows of a step and the data position.
     record["sequence_parallel"] = settings.engine.sequence_parallel
     return record
-
-
-def _plain(value: Any) -> Any:
-    """A JSON value that compares equal after a round trip through trainer_state.json."""
-    if isinstance(value, enum.Enum):
-        value = value.value
-    return json.loads(json.dumps(value, default=str))
 
 
 def record_callback(record: dict[str, Any]):

@@ -95,6 +95,50 @@ def test_resume_from_checkpoint(arch, tmp_path):
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
 
 
+def test_a_resume_with_other_run_arguments_says_what_it_does(tmp_path, caplog):
+    """The Python API resumed under a changed learning rate (dropped: the saved scheduler keeps
+    the old one) or max_grad_norm (applied) without a word, as the stock Trainer does (found by
+    an audit); the CLI refuses such a resume. The trainer now warns, naming each argument and
+    what the resume does with it; an unchanged resume says nothing."""
+    model = tiny_model(tiny_config("llama"))
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    run_trainer(copy.deepcopy(model), tmp_path, "full", True, **kw)
+    ckpt = str(tmp_path / "full" / "checkpoint-2")
+    with caplog.at_level("WARNING", logger="hf_megatrain.hf.trainer"):
+        run_trainer(copy.deepcopy(model), tmp_path, "same", True, resume=ckpt, **kw)
+    assert "No uninterrupted run" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_megatrain.hf.trainer"):
+        run_trainer(
+            copy.deepcopy(model), tmp_path, "other", True, resume=ckpt,
+            learning_rate=5e-3, max_grad_norm=0.0, **kw,
+        )  # fmt: skip
+    assert "learning_rate=0.01 (this run: 0.005), max_grad_norm=0.5 (this run: 0.0)" in caplog.text
+    assert "keep learning_rate as saved; max_grad_norm takes this run's value" in caplog.text
+
+
+def test_a_moe_resume_at_another_batch_layout_warns_of_the_aux_loss(tmp_path, caplog):
+    """The router aux loss is computed per micro-batch: 4 rows x 1 and 2 x 2 train the same
+    rows but another objective (stock alike), so a resume at another layout is not the run an
+    uninterrupted one would be, and says so; a dense model's resume at it says nothing."""
+    for arch in ("mixtral", "llama"):
+        model = tiny_model(tiny_config(arch))  # (the tiny MoE configs have the aux loss on)
+        kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+        run_trainer(copy.deepcopy(model), tmp_path, f"{arch}-4x1", True,
+                    per_device_train_batch_size=4, **kw)  # fmt: skip
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hf_megatrain.hf.trainer"):
+            run_trainer(
+                copy.deepcopy(model), tmp_path, f"{arch}-2x2", True,
+                resume=str(tmp_path / f"{arch}-4x1" / "checkpoint-2"),
+                per_device_train_batch_size=2, gradient_accumulation_steps=2, **kw,
+            )  # fmt: skip
+        warned = "router aux loss is computed per micro-batch" in caplog.text
+        assert warned == (arch == "mixtral"), (arch, caplog.text)
+        if arch == "mixtral":
+            assert "batch 4 x accumulation 1 on 1 process" in caplog.text
+
+
 @pytest.mark.parametrize(
     "arch,shard",
     [

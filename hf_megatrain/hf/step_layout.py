@@ -27,12 +27,15 @@ data-parallel ranks (8 rows a step instead of 4) step 3 trains rows 16-23 of the
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 from typing import Any
 
 #: Where a checkpoint's manifest records its layout (``saved_from``, see core/publish.py).
 MANIFEST_KEY = "step_layout"
+#: Where it records the run-defining arguments other than the layout's (``run_arguments``).
+RUN_ARGUMENTS_KEY = "run_arguments"
 
 #: TrainingArguments that define a run: the update, the objective, the steps' rows and their
 #: order. A resume with others is another run (``cli_resume.check_same_run``, where the layout's
@@ -61,6 +64,48 @@ RUN_DEFINING_ARGUMENTS = (
     "train_sampling_strategy",
     "dataloader_drop_last",
 )
+
+
+#: Of ``RUN_DEFINING_ARGUMENTS``, those the layout holds (``StepLayout``; checked apart).
+LAYOUT_ARGUMENTS = ("per_device_train_batch_size", "gradient_accumulation_steps",
+                    "dataloader_drop_last")  # fmt: skip
+#: Those a resume takes from the saved optimizer and scheduler state, whatever the arguments
+#: say (the scheduler's base learning rates, AdamW's parameter groups).
+RESTORED_ARGUMENTS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+
+
+def plain_value(value: Any) -> Any:
+    """``value`` as JSON gives it back (an enum as its value, anything else JSON lacks as text):
+    what a record compares equal to after a round trip through a file."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return json.loads(json.dumps(value, default=str))
+
+
+def run_arguments(args: Any) -> dict[str, Any]:
+    """``args``' run-defining arguments other than the layout's, as JSON values."""
+    return {
+        k: plain_value(getattr(args, k, None))
+        for k in RUN_DEFINING_ARGUMENTS
+        if k not in LAYOUT_ARGUMENTS
+    }
+
+
+def run_argument_changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """What a resume under ``now`` does with the arguments that differ from ``saved`` (a
+    checkpoint's ``run_arguments``), in words; None where none differs."""
+    diffs = [k for k in now if k in saved and saved[k] != now[k]]
+    if not diffs:
+        return None
+    listed = ", ".join(f"{k}={saved[k]!r} (this run: {now[k]!r})" for k in diffs)
+    kept = [k for k in diffs if k in RESTORED_ARGUMENTS]
+    applied = [k for k in diffs if k not in RESTORED_ARGUMENTS]
+    what = []
+    if kept:
+        what.append(f"the saved optimizer and scheduler state keep {', '.join(kept)} as saved")
+    if applied:
+        what.append(f"{', '.join(applied)} take{'s' if len(applied) == 1 else ''} this run's value")
+    return f"it was saved by a run with {listed}: {'; '.join(what)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,11 +262,33 @@ def saved_layout(checkpoint: str) -> StepLayout | None:
     return StepLayout.from_record(saved_from.get(MANIFEST_KEY))
 
 
+def saved_run_arguments(checkpoint: str) -> dict[str, Any] | None:
+    """The run-defining arguments ``checkpoint`` was saved with (``run_arguments``), from its
+    manifest (None: not recorded, or no manifest)."""
+    from ..core.publish import MANIFEST_NAME  # noqa: PLC0415
+
+    try:
+        with open(os.path.join(checkpoint, MANIFEST_NAME), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    saved_from = manifest.get("saved_from") if isinstance(manifest, dict) else None
+    record = saved_from.get(RUN_ARGUMENTS_KEY) if isinstance(saved_from, dict) else None
+    return record if isinstance(record, dict) else None
+
+
 __all__ = [
+    "LAYOUT_ARGUMENTS",
     "MANIFEST_KEY",
+    "RESTORED_ARGUMENTS",
+    "RUN_ARGUMENTS_KEY",
     "StepLayout",
     "layout_change",
+    "plain_value",
     "processes",
     "processes_keeping_steps",
+    "run_argument_changes",
+    "run_arguments",
     "saved_layout",
+    "saved_run_arguments",
 ]

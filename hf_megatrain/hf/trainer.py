@@ -74,7 +74,7 @@ from .guards import (
 )
 from .heartbeat import StepHeartbeat
 from .long_context import apply_layer_kernels, apply_liger_kernels, install_mlp_tiling
-from .loss import fused_causal_lm_forward, supports_fused_loss, unwrap_peft
+from .loss import fused_causal_lm_forward, router_aux_loss_on, supports_fused_loss, unwrap_peft
 from .model import (
     _is_peft,
     check_supported,
@@ -95,12 +95,16 @@ from .oom_watchdog import (
 from .sequence_parallel import setup_sequence_parallel
 from .step_layout import (
     MANIFEST_KEY,
+    RUN_ARGUMENTS_KEY,
     RUN_DEFINING_ARGUMENTS,
     StepLayout,
     layout_change,
     processes,
     processes_keeping_steps,
+    run_argument_changes,
+    run_arguments,
     saved_layout,
+    saved_run_arguments,
 )
 
 logger = logging.getLogger(__name__)
@@ -950,6 +954,7 @@ class MegaTrainerMixin:
             resume = get_last_checkpoint(self.args.output_dir)  # (None: the Trainer says so)
         if isinstance(resume, (str, os.PathLike)) and resume:
             self._megatrain_check_layout(os.fspath(resume))
+            self._megatrain_check_resumed_run(os.fspath(resume))
         # Liger kernels went in when the model was streamed (before the MLP tiling); the
         # Trainer's own application at the start of train() would undo the tiling.
         liger = getattr(self.args, "use_liger_kernel", False)
@@ -986,6 +991,42 @@ class MegaTrainerMixin:
     def _megatrain_layout(self) -> StepLayout:
         """How this run's steps take their rows (recorded in each checkpoint's manifest)."""
         return StepLayout.of(self.args, self.megatrain_options.options.sequence_parallel)
+
+    def _megatrain_check_resumed_run(self, checkpoint: str) -> None:
+        """Warn of a resume whose run-defining arguments differ from ``checkpoint``'s (found by an
+        audit: a changed learning rate was dropped, a changed max_grad_norm or bf16 applied,
+        both silently, as the stock Trainer resumes). Such a run is one no uninterrupted run
+        trains; ``hf-megatrain train`` refuses it. Also where the router aux loss of an MoE
+        model (computed per micro-batch) meets another batch x accumulation layout."""
+        problems = []
+        saved = saved_run_arguments(checkpoint)
+        if saved is not None:
+            change = run_argument_changes(saved, run_arguments(self.args))
+            if change is not None:
+                problems.append(change)
+        before, now = saved_layout(checkpoint), self._megatrain_layout()
+        if before is not None and router_aux_loss_on(self.model):
+            shape = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size")
+            if any(getattr(before, k) != getattr(now, k) for k in shape):
+
+                def shown(layout: StepLayout) -> str:
+                    return (
+                        f"batch {layout.per_device_train_batch_size} x accumulation "
+                        f"{layout.gradient_accumulation_steps} on {layout.describe()}"
+                    )
+
+                problems.append(
+                    f"it was saved at {shown(before)} and resumes at {shown(now)}: the router "
+                    "aux loss is computed per micro-batch, so another layout trains another "
+                    "objective from here"
+                )
+        if problems:
+            logger.warning(
+                "hf_megatrain: resuming %s: %s. No uninterrupted run trains like this (the stock "
+                "Trainer resumes the same way; `hf-megatrain train` refuses it)",
+                checkpoint,
+                "; ".join(problems),
+            )
 
     def _megatrain_check_layout(self, checkpoint: str) -> None:
         """Refuse to resume ``checkpoint`` at another sequence-parallel degree unless the run
@@ -1759,9 +1800,14 @@ class MegaTrainerMixin:
                 if self.args.should_save:
                     # trainer_state.json as published: final paths, before the manifest.
                     self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
-                # The layout its steps took their rows at: a resume at another one is
-                # checked against it (_megatrain_check_layout).
-                write_manifest(staged, {MANIFEST_KEY: self._megatrain_layout().record()})
+                # The layout its steps took their rows at and the other run-defining
+                # arguments: a resume with others is checked against them
+                # (_megatrain_check_layout, _megatrain_check_resumed_run).
+                record = {
+                    MANIFEST_KEY: self._megatrain_layout().record(),
+                    RUN_ARGUMENTS_KEY: run_arguments(self.args),
+                }
+                write_manifest(staged, record)
                 publish(staged, final)
             finally:
                 shutil.rmtree(staging_root, ignore_errors=True)
