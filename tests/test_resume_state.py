@@ -26,7 +26,9 @@ def test_resume_with_missing_state(tmp_path, missing):
         run_trainer(copy.deepcopy(model), tmp_path, "refused", True, resume=str(ckpt), **kw)
     if missing == "megatrain_optimizer":
         # The folder named once, not each of its files (a line of ~900 characters before).
-        assert "megatrain_optimizer (the whole folder: 4 files its manifest lists)" in str(e.value), str(e.value)
+        assert "megatrain_optimizer (the whole folder: 4 files its manifest lists)" in str(
+            e.value
+        ), str(e.value)
         assert str(e.value).count("layer") < 2, str(e.value)
     # Allowed explicitly: the run goes on to its last step.
     logs, trainer = run_trainer(
