@@ -179,6 +179,13 @@ class StepLayout:
         sp = f", sequence_parallel={self.sequence_parallel}" if self.sequence_parallel > 1 else ""
         return self.processes() + sp
 
+    def describe_batches(self) -> str:
+        """``describe`` with each rank's batch and accumulation."""
+        return (
+            f"batch {self.per_device_train_batch_size} x accumulation "
+            f"{self.gradient_accumulation_steps} on {self.describe()}"
+        )
+
 
 def processes(count: int) -> str:
     """``count`` processes, in words."""

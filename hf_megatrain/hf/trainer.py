@@ -1008,17 +1008,10 @@ class MegaTrainerMixin:
         if before is not None and router_aux_loss_on(self.model):
             shape = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size")
             if any(getattr(before, k) != getattr(now, k) for k in shape):
-
-                def shown(layout: StepLayout) -> str:
-                    return (
-                        f"batch {layout.per_device_train_batch_size} x accumulation "
-                        f"{layout.gradient_accumulation_steps} on {layout.describe()}"
-                    )
-
                 problems.append(
-                    f"it was saved at {shown(before)} and resumes at {shown(now)}: the router "
-                    "aux loss is computed per micro-batch, so another layout trains another "
-                    "objective from here"
+                    f"it was saved at {before.describe_batches()} and resumes at "
+                    f"{now.describe_batches()}: the router aux loss is computed per "
+                    "micro-batch, so another layout trains another objective from here"
                 )
         if problems:
             logger.warning(
