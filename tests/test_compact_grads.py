@@ -160,13 +160,16 @@ def test_chunked_update_matches_one_call_per_slice(tmp_path, monkeypatch, compac
 
     model = tiny_model(tiny_config("qwen3", num_hidden_layers=2))
     kw = dict(max_steps=2, bf16=True, learning_rate=1e-3, megatrain_compact_host_grads=compact)
-    monkeypatch.setattr(optimizer, "WIDEN_CHUNK", 1 << 40)
+    # Larger than any slice here (checked below): one fused call per slice. (Not 2^40: the
+    # widening buffer is allocated at this size where a thread has none yet, 4 TiB, which a
+    # fresh test worker then failed to allocate.)
+    monkeypatch.setattr(optimizer, "WIDEN_CHUNK", 1 << 22)
     whole_logs, whole = run_trainer(copy.deepcopy(model), tmp_path, "whole", mega=True, **kw)
     monkeypatch.setattr(optimizer, "WIDEN_CHUNK", 64)
     logs, chunked = run_trainer(model, tmp_path, "chunked", mega=True, **kw)
     layers = _host_layers(chunked)
     assert layers and all(s.compact_grad == compact for s in layers)
-    assert max(s.numel for s in layers) > 64 * 100  # many chunks per layer
+    assert 64 * 100 < max(s.numel for s in layers) < 1 << 22  # many chunks a layer; or one
     assert _losses_norms(logs) == _losses_norms(whole_logs)
     got, same = mega_params(chunked), mega_params(whole)
     for name, value in same.items():

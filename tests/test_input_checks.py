@@ -65,6 +65,24 @@ def test_float64_model_is_refused(tmp_path):
         _trainer(tmp_path, make_data(), model=model)
 
 
+def test_a_half_precision_model_is_said_to_train_as_fp32_masters(tmp_path, caplog):
+    """A model handed over in bf16 trains as fp32 masters (exact upcast), where the stock Trainer
+    updates the bf16 weights themselves; with bf16=False it also computes in fp32. That went
+    unsaid (found by an audit, through TRL's model_init_kwargs dtype); now a warning names it
+    (an info line with bf16=True, where only the update's precision differs)."""
+    cases = [(torch.bfloat16, False, logging.WARNING), (torch.bfloat16, True, logging.INFO),
+             (torch.float32, False, None)]  # fmt: skip
+    for dtype, bf16, level in cases:
+        caplog.clear()
+        model = tiny_model(tiny_config("llama")).to(dtype)
+        with caplog.at_level(logging.INFO, logger="hf_megatrain.hf.guards"):
+            _trainer(tmp_path, make_data(), model=model, bf16=bf16, use_cpu=True)
+        said = [r for r in caplog.records if "train as fp32 master weights" in r.getMessage()]
+        assert [r.levelno for r in said] == ([level] if level else []), (dtype, bf16)
+        if said:
+            assert "the stock Trainer would update the bfloat16 weights" in said[0].getMessage()
+
+
 def test_rows_longer_than_learned_positions_are_refused(tmp_path):
     """A model with a learned position table (GPTBigCode's wpe) has no position past it: a
     longer row is refused before any work, naming the limit (it failed inside the embedding

@@ -44,6 +44,31 @@ def check_model_dtype(model: nn.Module) -> None:
     )
 
 
+def warn_half_precision_model(model: nn.Module, bf16: bool) -> None:
+    """Say that a model handed over in bf16 or fp16 trains as fp32 masters (found by an audit:
+    TRL's ``model_init_kwargs={"dtype": "bfloat16"}`` trained as fp32, silently, where the stock
+    Trainer updates the half-precision weights themselves)."""
+    half = [
+        (n, p.dtype)
+        for n, p in model.named_parameters()
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
+    ]
+    if half:
+        compute = "bf16 under autocast (bf16=True)" if bf16 else "fp32 (bf16=False)"
+        # A warning where the compute differs too (fp32 where the weights asked for bf16).
+        logger.log(
+            logging.INFO if bf16 else logging.WARNING,
+            "hf_megatrain: the model's trainable parameters are %s (%s and %d more): they train "
+            "as fp32 master weights with fp32 AdamW moments (the values upcast exactly), "
+            "computing in %s; the stock Trainer would update the %s weights themselves",
+            str(half[0][1]).removeprefix("torch."),
+            half[0][0],
+            len(half) - 1,
+            compute,
+            str(half[0][1]).removeprefix("torch."),
+        )
+
+
 def check_model_has_values(model: nn.Module) -> None:
     """Refuse a model whose parameters or buffers are on ``meta`` (built under
     ``init_empty_weights``, ``device_map="meta"``, ``model.to("meta")``): nothing would fill
@@ -199,6 +224,7 @@ __all__ = [
     "NonFiniteError",
     "check_batch",
     "check_model_dtype",
+    "warn_half_precision_model",
     "check_weights_finite",
     "nonfinite_weights",
     "weights_are_finite",

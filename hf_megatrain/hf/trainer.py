@@ -71,6 +71,7 @@ from .guards import (
     check_model_has_values,
     check_weights_finite,
     learned_position_limit,
+    warn_half_precision_model,
 )
 from .heartbeat import StepHeartbeat
 from .long_context import apply_layer_kernels, apply_liger_kernels, install_mlp_tiling
@@ -756,6 +757,7 @@ class MegaTrainerMixin:
         if state is None:
             check_supported(model)  # (before anything reads its config)
             check_model_dtype(model)  # before streaming rounds it to fp32 masters
+            warn_half_precision_model(model, bool(args.bf16))
             check_model_has_values(model)
             options = engine_options(args)
             run = _run_options(args, options)  # refuses what cannot run, in argument names
