@@ -537,6 +537,35 @@ def test_an_override_reading_attributes_set_after_init_is_named(model, tmp_path)
         Late(model=copy.deepcopy(model), args=args, train_dataset=make_data())
 
 
+@pytest.mark.parametrize("how", ["layer frozen", "layer unfrozen", "adapter switched"])
+def test_a_trainable_set_changed_after_construction_is_refused(model, tmp_path, how):
+    """The stock Trainer builds its optimizer in train() and follows what was frozen, unfrozen
+    or switched (``set_adapter``) after it was built; the streamed stores were laid out when
+    the trainer was built. A decoder layer frozen or unfrozen in between trained as before,
+    silently, and a switched adapter failed inside autograd (found by an audit): each is now
+    refused before any work, naming the change."""
+    model = copy.deepcopy(model)
+    if how == "layer unfrozen":
+        model.model.layers[0].requires_grad_(False)
+    if how == "adapter switched":
+        import peft  # noqa: PLC0415
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+        model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["v_proj"]))
+        model.set_adapter("default")
+    args = MegaTrainArguments(output_dir=str(tmp_path / "out"), **common_args(max_steps=1))
+    trainer = HFMegaTrainer(model=model, args=args, train_dataset=make_data())
+    if how == "adapter switched":
+        trainer.model.set_adapter("other")
+    else:
+        trainer.model.model.layers[0].requires_grad_(how == "layer unfrozen")
+    word = {"layer frozen": "were frozen", "layer unfrozen": "were unfrozen"}
+    match = word.get(how, r"active adapter was changed to \['other'\]")
+    with pytest.raises(ValueError, match=f"{match}.*before building the HFMegaTrainer"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
 class _OwnOptimizer(HFMegaTrainer):
     def create_optimizer(self, model=None):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)

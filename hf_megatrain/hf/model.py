@@ -103,6 +103,8 @@ class StreamedModelState:
     frozen: bool = False
     #: Streamed with PEFT adapters in it (a ``PeftModel``): adapters added later are refused.
     adapters: bool = False
+    #: The PEFT model's active adapter(s) when streamed: the ones its resident stores train.
+    active_adapters: tuple[str, ...] = ()
     #: ``config.use_cache`` before streaming turned it off (saved models record this one).
     use_cache: bool | None = None
 
@@ -116,6 +118,13 @@ class StreamedModelState:
         built), adapters added to the streamed model."""
         if _is_peft(model) and not self.adapters:
             return "PEFT adapters were added to an already streamed model (get_peft_model)"
+        if self.adapters and _active_adapters(model) != self.active_adapters:
+            # (Found by an audit: set_adapter between the trainer and train() ended in autograd's
+            # "element 0 of tensors does not require grad".)
+            return (
+                f"the active adapter was changed to {list(_active_adapters(model))} (it was "
+                f"{list(self.active_adapters)}: set_adapter)"
+            )
         resident = {id(p) for _, p, _ in self.resident}
         for name, p in model.named_parameters():
             if p.device.type != "meta" and id(p) not in resident:
@@ -577,14 +586,17 @@ def _refuse_merging(model: nn.Module) -> None:
             object.__setattr__(tuner, method, functools.partial(_refuse_merge, method))
 
 
-def refuse_changes_since_streaming(model: nn.Module, state: StreamedModelState) -> None:
+def refuse_changes_since_streaming(
+    model: nn.Module,
+    state: StreamedModelState,
+    advice: str = "make such changes before streaming (pass the materialized model to the trainer)",
+) -> None:
     """Refuse ``model`` (streamed, ``state``) where it was changed after streaming in a way
     training would not follow (:meth:`StreamedModelState.changed_since_streaming`)."""
     if (change := state.changed_since_streaming(model)) is not None:
         raise ValueError(
             f"hf_megatrain: {change} after the model was streamed, which training would not "
-            "follow: make such changes before streaming (pass the materialized model to the "
-            "trainer)"
+            f"follow: {advice}"
         )
 
 
@@ -604,6 +616,16 @@ def disable_gradient_checkpointing(model: nn.Module) -> None:
             "hf_megatrain: the model's gradient checkpointing is turned off: streamed layers "
             "recompute in the engine (checkpoint segments)"
         )
+
+
+def _active_adapters(model: nn.Module) -> tuple[str, ...]:
+    """A PEFT model's active adapter names (``()`` for other models)."""
+    if not _is_peft(model):
+        return ()
+    active = getattr(model, "active_adapters", None)
+    if active is None:
+        active = getattr(model, "active_adapter", ())
+    return (active,) if isinstance(active, str) else tuple(active)
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -1058,6 +1080,7 @@ def prepare_streamed_model(
         step=step,
         asked=built.asked,
         adapters=_is_peft(model),
+        active_adapters=_active_adapters(model),
         use_cache=use_cache,
     )
     install_module_calls(model, layers, engine.device, streamed_state)

@@ -954,6 +954,15 @@ class MegaTrainerMixin:
             from transformers.trainer_utils import get_last_checkpoint  # noqa: PLC0415
 
             resume = get_last_checkpoint(self.args.output_dir)  # (None: the Trainer says so)
+        # The stock Trainer builds its optimizer here and follows what changed since it was
+        # built; the streamed stores were laid out then (found by an audit: a decoder layer
+        # frozen in between trained on, silently).
+        refuse_changes_since_streaming(
+            self.model,
+            self.megatrain,
+            f"make such changes before building the {type(self).__name__} (it streams the "
+            "model), or build a new one",
+        )
         if isinstance(resume, (str, os.PathLike)) and resume:
             self._megatrain_check_layout(os.fspath(resume))
             self._megatrain_check_resumed_run(os.fspath(resume))
