@@ -224,8 +224,8 @@ __all__ = [
     "NonFiniteError",
     "check_batch",
     "check_model_dtype",
-    "warn_half_precision_model",
     "check_weights_finite",
     "nonfinite_weights",
+    "warn_half_precision_model",
     "weights_are_finite",
 ]

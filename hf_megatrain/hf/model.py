@@ -115,7 +115,7 @@ class StreamedModelState:
         """What was changed in ``model`` after it was streamed that training would not follow
         (None: nothing): a parameter replaced (``resize_token_embeddings``: the new head would
         never update), a streamed layer frozen or unfrozen (its store trains or not as it was
-        built), adapters added to the streamed model."""
+        built), adapters added to the streamed model or another of its adapters made active."""
         if _is_peft(model) and not self.adapters:
             return "PEFT adapters were added to an already streamed model (get_peft_model)"
         if self.adapters and _active_adapters(model) != self.active_adapters:
