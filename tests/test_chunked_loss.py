@@ -60,6 +60,23 @@ def test_chunked_equals_reference(softcap, divisor, chunk, head):
         torch.testing.assert_close(gb, rb, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1, 64])
+def test_no_trainable_token_with_a_zero_divisor_gives_zero_gradients(chunk):
+    """A step with no trainable token (every target ignored, the Trainer's num_items_in_batch
+    0): the stock loss is 0/0 and its gradients exactly 0 (ignored rows get none); 1/0 made
+    ours NaN, and the step was skipped as non-finite (found by an audit)."""
+    torch.manual_seed(0)
+    h = torch.randn(20, 16, requires_grad=True)
+    w = torch.randn(37, 16, requires_grad=True)
+    t = torch.full((20,), -100)
+    loss = chunked_linear_cross_entropy(h, w, t, divisor=torch.tensor(0.0), chunk_tokens=chunk)
+    gh, gw = torch.autograd.grad(loss, [h, w])
+    ref = F.cross_entropy(h @ w.t(), t, ignore_index=-100, reduction="sum") / torch.tensor(0.0)
+    rh, rw = torch.autograd.grad(ref, [h, w])
+    assert torch.isnan(loss) and torch.isnan(ref)  # 0/0, as stock's
+    assert torch.equal(gh, rh) and torch.equal(gw, rw) and not gh.any() and not gw.any()
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="shape mismatch"):
         chunked_linear_cross_entropy(

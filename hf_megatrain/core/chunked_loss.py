@@ -280,7 +280,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             divisor = (targets != IGNORE_INDEX).sum().clamp(min=1)
         divisor = torch.as_tensor(divisor, device=hidden.device).to(torch.float32)
         # d loss / d (summed token losses): the stock loss's division, applied before rounding.
-        inv_divisor = 1.0 / divisor
+        # A divisor of 0 (a step with no trainable token) divides nothing: zero gradients, as
+        # the stock loss's (its ignored rows get none), where 1/0 made them NaN.
+        inv_divisor = torch.where(divisor > 0, 1.0 / divisor, torch.zeros_like(divisor))
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             h = hidden[start:end].to(cd)
