@@ -171,6 +171,10 @@ def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> Trai
     if not args.streaming:
         count = _empty_conversations if encode["chat"] else _empty_texts
         n_empty = count(raw, encode["column"])
+        if n_empty == len(raw):
+            # (Found by an audit: packed, this said "not enough text for one sequence of N
+            # tokens: lower --seq_len", where there was no text at all.)
+            raise DataError(f"{where}: no text to train on: all {n_empty:,} rows are empty")
         if n_empty:
             what = "conversation" if encode["chat"] else "row"
             label += f", {n_empty:,} empty {what}{'s' if n_empty != 1 else ''} skipped"
@@ -332,7 +336,8 @@ def _too_little(args: DataArguments) -> DataError:
     if not args.packing:  # every non-empty document makes a row: there were none
         return DataError("no text to train on: every document is empty")
     return DataError(
-        f"not enough text for one sequence of {args.seq_len} tokens: lower --seq_len or add data"
+        f"not enough text for one sequence of {args.seq_len} tokens (the documents hold fewer "
+        "in all): lower --seq_len or add data"
     )
 
 

@@ -257,6 +257,8 @@ def errors(tmp_path: Path, tok) -> list[tuple[dict, str]]:
     (tmp_path / "data.xml").write_text("<a/>")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "empty.jsonl").write_text("")
+    # Rows, every one without text (packed, this blamed --seq_len).
+    jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"text": "  "}, {"text": None}])
     (tmp_path / "tiny.txt").write_text("Too short.")
     jsonl(tmp_path / "cols.jsonl", [{"title": "t", "body": doc(1)}])
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
@@ -269,6 +271,7 @@ def errors(tmp_path: Path, tok) -> list[tuple[dict, str]]:
         (dict(dataset_name=str(tmp_path / "nope.jsonl")), "data not found: .*--dataset_name"),
         (dict(dataset_name=str(tmp_path / "empty.txt")), "is empty"),
         (dict(dataset_name=str(tmp_path / "empty.jsonl")), "is empty"),
+        (dict(dataset_name=str(tmp_path / "blank.jsonl")), "no text to train on: all 3 rows"),
         (dict(dataset_name=str(tmp_path / "mixed")), "mixes csv and text files"),
         (
             dict(dataset_name=str(tmp_path / "cols.jsonl")),
