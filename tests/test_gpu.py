@@ -1352,6 +1352,15 @@ def test_fused_loss_kernel_is_the_torch_path_on_gpu(vocab, dtype):
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, rtol=4e-3, atol=1e-6)
     assert not grads[0][0][::7].any()  # ignored rows: no hidden-state gradient
+    # A step with no trainable token (divisor 0): zero gradients through the kernel too, as
+    # the stock loss's (1/0 made them NaN).
+    none = torch.full_like(t, -100)
+    for on in (True, False):
+        loss = chunked_linear_cross_entropy(
+            h, w, none, divisor=torch.tensor(0.0, device="cuda"), compute_dtype=dtype, kernel=on
+        )
+        gh, gw = torch.autograd.grad(loss, [h, w])
+        assert loss.isnan() and not gh.any() and not gw.any(), on
 
 
 def test_fused_loss_kernel_trains_on_gpu(tmp_path):
