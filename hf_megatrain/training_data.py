@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -835,7 +836,12 @@ def _one_line(e: BaseException) -> str:
 
 @contextmanager
 def _reading(what: str) -> Iterator[None]:
-    """Files that fail to parse or decode, a stream that fails to open: one DataError line."""
+    """Files that fail to parse or decode, a stream that fails to open: one DataError line.
+    (datasets' JSON loader logs its own line for a bad row first, numbered within a read
+    block: silenced here, the error names the file's line.)"""
+    json_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_log.level
+    json_log.setLevel(logging.CRITICAL)
     try:
         yield
     except DataError:
@@ -845,6 +851,8 @@ def _reading(what: str) -> Iterator[None]:
         if "JSON parse error" in message:  # (pyarrow's row is counted within a read block)
             message = _first_bad_json_line(what) or message
         raise DataError(f"could not read {what}: {message}") from None
+    finally:
+        json_log.setLevel(level)
 
 
 def _first_bad_json_line(what: str) -> str | None:

@@ -4,6 +4,7 @@ seeded splits, and one-line errors for the user's mistakes."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import datasets
@@ -309,6 +310,32 @@ def test_errors_are_one_line_data_errors(tmp_path, tok):
         with pytest.raises(DataError, match=pattern) as e:
             load_training_data(DataArguments(**kwargs), tok)
         assert "\n" not in str(e.value), kwargs
+
+
+def test_a_bad_json_line_is_reported_once(tmp_path, tok):
+    """datasets' JSON loader logged its own line first (its row counted from 0 within a read
+    block, 'row 5' for the file's line 6), beside ours (found by an audit): only ours now."""
+    path = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"text": f"row {i}"}) for i in range(10)]
+    lines[5] = "{not json"
+    path.write_text("\n".join(lines) + "\n")
+    seen: list[str] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    loader_log = logging.getLogger("datasets.packaged_modules.json.json")
+    handler = Seen()
+    loader_log.addHandler(handler)
+    try:
+        for streaming in (False, True):
+            with pytest.raises(DataError, match="line 6 is not JSON"):
+                args = DataArguments(dataset_name=str(path), streaming=streaming)
+                load_training_data(args, tok)
+    finally:
+        loader_log.removeHandler(handler)
+    assert not [m for m in seen if "Failed to load JSON" in m], seen
 
 
 def test_wrong_column_kind_and_streamed_small_data(tmp_path, tok):
