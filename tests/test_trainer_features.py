@@ -566,6 +566,45 @@ def test_a_trainable_set_changed_after_construction_is_refused(model, tmp_path, 
     assert trainer.state.global_step == 0
 
 
+def test_a_learning_rate_changed_after_the_eager_updates_is_reported(model, tmp_path, caplog):
+    """Without clipping the streamed layers update during backward (eager updates), before a
+    callback's on_pre_optimizer_step runs: a learning rate it sets reached the other parameters
+    only, silently (found by an audit; the stock optimizer applies it to all). Now warned, once;
+    one set in on_step_begin (before the backward) says nothing."""
+
+    class SetLr(TrainerCallback):
+        def __init__(self, hook: str) -> None:
+            self.hook = hook
+
+        def _set(self, state, optimizer) -> None:
+            if state.global_step == 1 and optimizer is not None:
+                for group in optimizer.param_groups:
+                    group["lr"] = 0.0
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+            if self.hook == "pre_optimizer_step":
+                self._set(state, optimizer)
+
+        def on_step_begin(self, args, state, control, optimizer=None, **kw):
+            if self.hook == "step_begin":
+                self._set(state, optimizer)
+
+    for hook in ("pre_optimizer_step", "step_begin"):
+        caplog.clear()
+        kw = dict(max_steps=3, max_grad_norm=0.0, lr_scheduler_type="constant", warmup_steps=0)
+        args = MegaTrainArguments(output_dir=str(tmp_path / hook), **common_args(**kw))
+        trainer = HFMegaTrainer(
+            model=copy.deepcopy(model), args=args, train_dataset=make_data(),
+            callbacks=[SetLr(hook)],
+        )  # fmt: skip
+        with caplog.at_level("WARNING", logger="hf_megatrain.core.optimizer"):
+            trainer.train()
+        said = [r for r in caplog.records if "changed after this step's backward" in r.message]
+        assert len(said) == (hook == "pre_optimizer_step"), (hook, caplog.text)
+        if said:
+            assert "they used lr=0.01, the other parameters use lr=0" in said[0].message
+
+
 class _OwnOptimizer(HFMegaTrainer):
     def create_optimizer(self, model=None):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)

@@ -33,6 +33,7 @@ micro-batch (``hf/trainer.py``'s out-of-memory watchdog).
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import threading
 import weakref
@@ -50,6 +51,8 @@ from .host_store import LayerStore
 from .plan_arithmetic import DEVICE_WIDEN_NUMEL
 from .prefault import Prefault, default_threads
 from .streaming import StreamingEngine
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
@@ -320,6 +323,10 @@ class HostAdamW(torch.optim.Optimizer):
         self.eager = False
         self.eager_updates = 0
         self._eager_done: set[int] = set()
+        # The hyper-parameters this step's eager updates read (at its first one), and whether a
+        # change of them before step() was reported.
+        self._eager_hyper: list[dict] | None = None
+        self._eager_hyper_warned = False
         self._eager_thread: threading.Thread | None = None
         self._eager_queue: queue.Queue | None = None
         self._eager_error: BaseException | None = None
@@ -443,6 +450,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._clip_coef = None
         self._resident_synced = False
         self._eager_done = set()
+        self._eager_hyper = None
         self._eager_updated, self._eager_bad, self._eager_flags = [], [], []
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -473,6 +481,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.engine.finish_grads()
         self._sync_resident_grads()
         self._finish_eager()
+        self._check_eager_hyper()
         self.engine.wait_updates()
         self.engine.wait_weight_copies()
         if self.pending_nonfinite() is not None:
@@ -650,6 +659,8 @@ class HostAdamW(torch.optim.Optimizer):
                 "eager updates need the trainer's gradient-accumulation flags"
             )
         self._eager_done.add(idx)
+        if self._eager_hyper is None:
+            self._eager_hyper = [self._hyper(group) for group in self.param_groups]
         store = self.engine.stores[idx]
         if not self.engine.is_cuda or store.resident:
             self._eager_update(idx)
@@ -719,6 +730,32 @@ class HostAdamW(torch.optim.Optimizer):
         if self._eager_error is not None:
             err, self._eager_error = self._eager_error, None
             raise RuntimeError("hf_megatrain: an eager layer update failed") from err
+
+    def _check_eager_hyper(self) -> None:
+        """Warn (once a run) where the learning rate or another AdamW setting changed between
+        this step's first eager update and step(): the layers updated during backward used the
+        old values, the rest use the new ones (found by an audit: a callback's
+        on_pre_optimizer_step setting the lr, followed by the stock optimizer, silently not by
+        the streamed layers)."""
+        before = self._eager_hyper
+        if before is None or self._eager_hyper_warned:
+            return
+        now = [self._hyper(group) for group in self.param_groups]
+        changed = sorted({k for a, b in zip(before, now) for k in a if a[k] != b[k]})
+        if not changed:
+            return
+        self._eager_hyper_warned = True
+        was = ", ".join(f"{k}={before[0][k]:g}" for k in changed)
+        new = ", ".join(f"{k}={now[0][k]:g}" for k in changed)
+        logger.warning(
+            "hf_megatrain: %s changed after this step's backward began updating the streamed "
+            "layers (eager updates, without clipping): they used %s, the other parameters use "
+            "%s (e.g. set in a callback's on_pre_optimizer_step). Change it before the step "
+            "(on_step_begin), or train with the option eager_update=False (or with clipping)",
+            " and ".join(changed),
+            was,
+            new,
+        )
 
     def wait(self) -> None:
         """Block until background updates have finished (before reading or saving weights)."""
