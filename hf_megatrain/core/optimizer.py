@@ -741,12 +741,15 @@ class HostAdamW(torch.optim.Optimizer):
         if before is None or self._eager_hyper_warned:
             return
         now = [self._hyper(group) for group in self.param_groups]
-        changed = sorted({k for a, b in zip(before, now) for k in a if a[k] != b[k]})
+        # (float(): a scheduler may hold the rate as a 0-d tensor.)
+        changed = sorted({k for a, b in zip(before, now) for k in a if float(a[k]) != float(b[k])})
         if not changed:
             return
         self._eager_hyper_warned = True
-        was = ", ".join(f"{k}={before[0][k]:g}" for k in changed)
-        new = ", ".join(f"{k}={now[0][k]:g}" for k in changed)
+        # (The first group where they differ: groups may hold other rates.)
+        a, b = next((a, b) for a, b in zip(before, now) if any(a[k] != b[k] for k in changed))
+        was = ", ".join(f"{k}={float(a[k]):g}" for k in changed)
+        new = ", ".join(f"{k}={float(b[k]):g}" for k in changed)
         logger.warning(
             "hf_megatrain: %s changed after this step's backward began updating the streamed "
             "layers (eager updates, without clipping): they used %s, the other parameters use "
