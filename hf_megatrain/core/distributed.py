@@ -518,10 +518,10 @@ def _open_shared_region(nbytes: int, dp: DataParallel) -> mmap.mmap:
 
 
 __all__ = [
-    "process_group_size",
     "DataParallel",
     "DataParallelError",
     "PUBLISH_TIMEOUT_S",
     "launch_layout",
     "launch_layout_error",
+    "process_group_size",
 ]

@@ -45,6 +45,7 @@ import torch
 from torch.optim.adam import adam as _adam_functional
 
 from . import exact_adamw
+from .engine.gradients import SecondGradientError
 from .engine.updates import background_threads
 from .grad_norm import squared_norm
 from .host_store import LayerStore
@@ -654,10 +655,7 @@ class HostAdamW(torch.optim.Optimizer):
         if self._clip_coef is not None:
             raise RuntimeError("hf_megatrain: eager updates cannot be combined with clipping")
         if idx in self._eager_done:
-            raise RuntimeError(
-                f"hf_megatrain: layer {idx} got a second gradient after its eager update; "
-                "eager updates need the trainer's gradient-accumulation flags"
-            )
+            raise SecondGradientError(idx)  # (on CUDA the second gradient arrives here)
         self._eager_done.add(idx)
         if self._eager_hyper is None:
             self._eager_hyper = [self._hyper(group) for group in self.param_groups]

@@ -253,9 +253,9 @@ def processes_keeping_steps(
     return size
 
 
-def saved_layout(checkpoint: str) -> StepLayout | None:
-    """The layout ``checkpoint`` was saved at, from its manifest (None: not recorded, e.g. saved
-    by an older version, or no manifest)."""
+def _saved_from(checkpoint: str) -> dict | None:
+    """What ``checkpoint``'s manifest records it was saved from (``saved_from``, see
+    core/publish.py); None where there is none (an older version's, or no manifest)."""
     from ..core.publish import MANIFEST_NAME  # noqa: PLC0415
 
     try:
@@ -264,23 +264,20 @@ def saved_layout(checkpoint: str) -> StepLayout | None:
     except (OSError, ValueError):
         return None  # (an unreadable manifest is reported when the checkpoint is verified)
     saved_from = manifest.get("saved_from") if isinstance(manifest, dict) else None
-    if not isinstance(saved_from, dict):
-        return None
-    return StepLayout.from_record(saved_from.get(MANIFEST_KEY))
+    return saved_from if isinstance(saved_from, dict) else None
+
+
+def saved_layout(checkpoint: str) -> StepLayout | None:
+    """The layout ``checkpoint`` was saved at, from its manifest (None: not recorded, e.g. saved
+    by an older version, or no manifest)."""
+    saved_from = _saved_from(checkpoint)
+    return None if saved_from is None else StepLayout.from_record(saved_from.get(MANIFEST_KEY))
 
 
 def saved_run_arguments(checkpoint: str) -> dict[str, Any] | None:
     """The run-defining arguments ``checkpoint`` was saved with (``run_arguments``), from its
     manifest (None: not recorded, or no manifest)."""
-    from ..core.publish import MANIFEST_NAME  # noqa: PLC0415
-
-    try:
-        with open(os.path.join(checkpoint, MANIFEST_NAME), encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return None
-    saved_from = manifest.get("saved_from") if isinstance(manifest, dict) else None
-    record = saved_from.get(RUN_ARGUMENTS_KEY) if isinstance(saved_from, dict) else None
+    record = (_saved_from(checkpoint) or {}).get(RUN_ARGUMENTS_KEY)
     return record if isinstance(record, dict) else None
 
 

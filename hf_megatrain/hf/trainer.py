@@ -1290,12 +1290,13 @@ class MegaTrainerMixin:
             return out  # evaluation
         loss = out[0] if return_outputs else out
         finite = torch.isfinite(loss.detach()).all()
-        if torch.is_tensor(num_items_in_batch) or isinstance(num_items_in_batch, int):
-            # A step with no trainable token: the loss is 0/0 (NaN) and every gradient 0, and
-            # the stock Trainer applies the step (found by an audit: it was skipped as
-            # non-finite, and every step after it differed).
-            empty = torch.as_tensor(num_items_in_batch, device=finite.device) == 0
-            finite = finite | empty
+        # A step with no trainable token: the loss is 0/0 (NaN) and every gradient 0, and the
+        # stock Trainer applies the step (found by an audit: it was skipped as non-finite, and
+        # every step after it differed). (Compared where the count is: no copy, no sync.)
+        if isinstance(num_items_in_batch, int) and num_items_in_batch == 0:
+            finite = torch.ones_like(finite)
+        elif torch.is_tensor(num_items_in_batch):
+            finite = finite | (num_items_in_batch == 0).to(finite.device, non_blocking=True)
         if not self.megatrain_options.eager_update:
             # Nothing updates before the step's end: keep the check on the device and read it
             # there (``_megatrain_read_loss_check``), not with a host sync per micro-batch.

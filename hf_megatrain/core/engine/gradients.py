@@ -216,10 +216,7 @@ class GradientSink:
             # add on the host, after the first drain's copy has landed. Correct, not fast; the
             # trainer never takes this path. The running norm no longer matches: recompute it.
             if self.on_final is not None:
-                raise RuntimeError(
-                    f"hf_megatrain: layer {idx} got a second gradient in one step with eager "
-                    "updates on; they need the trainer's gradient-accumulation flags"
-                )
+                raise SecondGradientError(idx)
             self._sq_exact = False
             for ev in self._d2h_events:
                 ev.synchronize()
