@@ -423,10 +423,13 @@ def load_weights_into_store(model, path: str) -> None:
 
 
 # ---- optimizer state ------------------------------------------------------------------------
-def save_optimizer_state(optimizer, output_dir: str, max_shard_size: str | int = "2GB") -> None:
+def save_optimizer_state(
+    optimizer, output_dir: str, max_shard_size: str | int | None = None
+) -> None:
     """AdamW moments of every streamed layer (one safetensors file per layer) and residents
-    (``resident.safetensors``, or shards of it no larger than ``max_shard_size``: the writer
-    copies a file's GPU tensors to the host together; meta.json lists the files).
+    (``resident.safetensors``, or shards of it no larger than ``max_shard_size``, default the
+    option's: the writer copies a file's GPU tensors to the host together; meta.json lists the
+    files).
 
     Under data parallel every rank calls it: each writes the layers it owns, rank 0 the
     replicated (resident) state and the metadata. The files are those of a single-process run.
@@ -458,7 +461,9 @@ def save_optimizer_state(optimizer, output_dir: str, max_shard_size: str | int =
     # shard's to the host: at 7B the resident moments are 8.7 GB, which a plan that fills the
     # host has no room for.
     split = split_torch_state_dict_into_shards(
-        resident, filename_pattern=RESIDENT_STATE_PATTERN, max_shard_size=size_bytes(max_shard_size)
+        resident,
+        filename_pattern=RESIDENT_STATE_PATTERN,
+        max_shard_size=size_bytes(max_shard_size or EngineOptions().max_shard_size),
     )
     for name, keys in split.filename_to_tensors.items():
         save_file({k: resident[k].detach().contiguous() for k in keys}, os.path.join(folder, name))
