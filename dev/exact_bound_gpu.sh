@@ -140,7 +140,8 @@
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
 #   savetests  tests/test_gpu.py's save cases: a shard at a time, fused MoE experts reverted as
-#              views (2026-12-07), save/resume on the CUDA path.
+#              views (2026-12-07), save/resume on the CUDA path, a second gradient in one
+#              micro-batch under eager updates (SecondGradientError from the CUDA drain).
 #   tilegpu    tests/test_gpu.py's and test_tiling.py's CUDA tile cases (9, ~1 min on an H100).
 #   newfam     ERNIE 4.5 MoE's, DeepSeek-V3.2's, MiniCPM3's and BioGPT's CUDA family cases and
 #              the gradless-parameter skip on CUDA (test_gradless_params.py's GPU cases).
@@ -567,7 +568,7 @@ PY
       ;;
     savetests)
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
-        -k "shard_at_a_time or save_resume_on_gpu" 2>&1 | grep -v '^DEBUG'
+        -k "shard_at_a_time or save_resume_on_gpu or two_forwards" 2>&1 | grep -v '^DEBUG'
       ;;
     seamtests)  # the GPU tests that call what 2026-12-07 made public (streamed_model, run_tile,
       # working_set_line) and the plan's whole-step lines on CUDA (the hidden-state gradient line)

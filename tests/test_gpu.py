@@ -32,6 +32,8 @@ from .helpers import (
     MOE_ARCHS,
     LogRecorder,
     assert_close_weights,
+    common_args,
+    make_data,
     mega_params,
     one_gpu,
     reset_peak_rss,
@@ -1032,6 +1034,41 @@ def test_eager_updates_on_gpu(tmp_path):
     # Same fp32 update arithmetic on the same host gradients; bf16 GPU kernels are not bitwise
     # deterministic run to run (SDPA backward atomics): 1e-3 relative.
     assert eager == pytest.approx(deferred, rel=1e-3)
+
+
+def test_two_forwards_in_one_micro_batch_on_gpu(tmp_path):
+    """As test_errors' CPU case, on CUDA: the second gradient of a layer arrives at the
+    optimizer's drain (the CPU case meets it in the gradient store), and the error still names
+    megatrain_eager_update=False; with it the run trains as stock does."""
+    from hf_megatrain.core.engine.gradients import SecondGradientError
+
+    def two_forwards(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        flipped = inputs["input_ids"].flip(-1)
+        loss = model(**inputs).loss + 0.5 * model(input_ids=flipped, labels=flipped).loss
+        return (loss, None) if return_outputs else loss
+
+    model = tiny_model(tiny_config("llama"))
+    mega = type("TwoForwards", (HFMegaTrainer,), {"compute_loss": two_forwards})
+    stock = type("TwoForwards", (Trainer,), {"compute_loss": two_forwards})
+    kw = dict(use_cpu=False, max_grad_norm=0.0, max_steps=3)
+    with pytest.raises(SecondGradientError, match=r"set megatrain_eager_update=False \("):
+        mega(
+            model=copy.deepcopy(model),
+            args=one_gpu(MegaTrainArguments(output_dir=str(tmp_path / "m"), **common_args(**kw))),
+            train_dataset=make_data(8),
+        ).train()
+    losses = {}
+    for name, cls, argcls, extra in (
+        ("mega", mega, MegaTrainArguments, dict(megatrain_eager_update=False)),
+        ("stock", stock, TrainingArguments, {}),
+    ):
+        args = one_gpu(argcls(output_dir=str(tmp_path / name), **common_args(**kw, **extra)))
+        trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=make_data(8))
+        trainer.train()
+        losses[name] = [x["loss"] for x in trainer.state.log_history if "loss" in x]
+    # fp32, TF32 off: the GPU's summation orders leave ~1e-6 relative after 3 steps at lr 1e-2.
+    assert len(losses["mega"]) == 3
+    assert losses["mega"] == pytest.approx(losses["stock"], rel=1e-4)
 
 
 def _wide_llama_config() -> LlamaConfig:
