@@ -274,6 +274,27 @@ def _mixed(n: int, kinds=("sliding_attention", "full_attention")) -> list[str]:
     return [kinds[i % 2] for i in range(n)]
 
 
+def _cycle(n: int, kinds: tuple) -> list:
+    return [kinds[i % len(kinds)] for i in range(n)]
+
+
+def _linear_full(n: int) -> list[str]:
+    return _mixed(n, ("linear_attention", "full_attention"))
+
+
+def _dense_first(n: int) -> list[str]:
+    return ["dense"] + ["sparse"] * (n - 1)
+
+
+#: Gated DeltaNet widths (2 key heads, 4 value heads of 8).
+_LINEAR = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+               linear_num_value_heads=4)  # fmt: skip
+#: An indexer picking 4 positions per query (fewer than SEQ: some projections get no gradient).
+_INDEXER = dict(index_topk=4, index_head_dim=8, index_n_heads=2)
+_GRANITE = dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.5,
+                attention_multiplier=0.125)  # fmt: skip
+
+
 #: Families added 2026-12-06 (each checked exact against stock first by a probe of every
 #: decoder type transformers has): their own settings, as functions of the layer count, that
 #: turn on the family's special paths in a tiny model (three layers by default where a pattern
@@ -325,14 +346,89 @@ ADDED_FAMILY_OVERRIDES: dict[str, Callable[[int], dict]] = {
         intermediate_size_mlp=64, attention_chunk_size=6, no_rope_layers=[int(i != 1) for i in range(n)],
         interleave_moe_layer_step=2, floor_scale=4, attn_scale=0.1,
     ),
+    # --- Added 2026-12-07 after a probe of every refused decoder type of transformers 5.25
+    # (each exact against stock, fp32, 5 steps). Gated DeltaNet linear attention layers between
+    # gated full-attention ones (Qwen3-Next's), dense and MoE.
+    "qwen3_5_text": lambda n: dict(layer_types=_linear_full(n), **_LINEAR),
+    "qwen3_5_moe_text": lambda n: dict(layer_types=_linear_full(n), **_LINEAR),
+    "olmo_hybrid": lambda n: dict(layer_types=_linear_full(n)),
+    # Kimi delta attention and latent attention; a dense first layer, then MoE.
+    "kimi_linear": lambda n: dict(**_MLA, layer_types=_linear_full(n), mlp_layer_types=_dense_first(n),
+                                  linear_head_dim=8, linear_num_heads=4),
+    # Lightning (block linear) attention between full-attention layers, blocks of 4.
+    "minimax": lambda n: dict(layer_types=_mixed(n, ("full_attention", "linear_attention")),
+                              block_size=4),
+    "minimax_m2": lambda n: dict(),
+    "jetmoe": lambda n: dict(),
+    # Jitter off: two forwards would draw other noise (test_equivalence trains it with jitter).
+    "phimoe": lambda n: dict(router_jitter_noise=0.0, input_jitter_noise=0.0),
+    "jais2": lambda n: dict(),
+    "mellum": lambda n: dict(layer_types=_mixed(n), mlp_layer_types=_dense_first(n)),
+    # Per-layer head counts and a soft-capped router.
+    "laguna": lambda n: dict(layer_types=_mixed(n), mlp_layer_types=_dense_first(n),
+                             num_attention_heads_per_layer=[4] * n,
+                             moe_router_logit_softcapping=5.0),
+    "hy_v3": lambda n: dict(mlp_layer_types=_dense_first(n)),
+    # Latent attention with an indexer (the second layer shares the first's picks).
+    "glm_moe_dsa": lambda n: dict(**_MLA, **_INDEXER, mlp_layer_types=_dense_first(n),
+                                  indexer_types=_cycle(n, ("full", "shared", "full"))),
+    "axk1": lambda n: dict(**_MLA, mlp_layer_types=_dense_first(n)),
+    "axk2": lambda n: dict(**_MLA, **_INDEXER, mlp_layer_types=_dense_first(n),
+                           gated_norm_rank=4),
+    "youtu": lambda n: dict(**_MLA),
+    "mimo_v2_flash": lambda n: dict(v_head_dim=8, layer_types=["full_attention"] + ["sliding_attention"] * (n - 1),
+                                    mlp_layer_types=_dense_first(n)),
+    "zaya": lambda n: dict(num_experts_per_tok=1, router_hidden_size=16),
+    "ctrl": lambda n: dict(dff=64),
+    "openai-gpt": lambda n: dict(),
+    "gpt_neox_japanese": lambda n: dict(),
+    # Granite's multipliers (the head's logits divided by logits_scaling) with sliding layers.
+    "granite_swa": lambda n: dict(layer_types=_mixed(n), **_GRANITE),
+    "granitemoe_swa": lambda n: dict(layer_types=_mixed(n), **_GRANITE,
+                                     shared_intermediate_size=16),
+    # Cohere's logit_scale; a dense first layer, then MoE with a shared expert.
+    "cohere2_moe": lambda n: dict(layer_types=_mixed(n), mlp_layer_types=_dense_first(n),
+                                  num_shared_experts=1, prefix_dense_intermediate_size=64),
+    # Not in transformers 5.17 (skipped there).
+    "bailing_hybrid": lambda n: dict(**_MLA, layer_types=_linear_full(n), mlp_layer_types=_dense_first(n),
+                                     num_mtp_layers=0, layer_group_size=2),
+    "lara_mini": lambda n: dict(layer_types=_cycle(n, ("linear_attention", "sliding_attention", "full_attention")),
+                                **_LINEAR),
+    "apertus1p5_text": lambda n: dict(max_position_embeddings=131072),
+    "flint": lambda n: dict(layer_types=_mixed(n), mlp_only_layers=[0]),
+    "kolibri1": lambda n: dict(layer_types=_mixed(n)),
+    "minicpm5_moe": lambda n: dict(mlp_layer_types=_dense_first(n)),
+    "beam": lambda n: dict(layer_types=_mixed(n), mlp_layer_types=_dense_first(n)),
+    "lfm3": lambda n: dict(layer_types=_cycle(n, ("conv", "sliding_attention", "full_attention")),
+                           conv_L_cache=3),
 }  # fmt: skip
 #: Their default layer count where the family's pattern needs three.
 _ADDED_FAMILY_LAYERS = {
     a: 3 for a in ("gpt_neo", "ministral", "ministral3", "cohere2", "vaultgemma", "cwm",
                    "hunyuan_v1_moe", "exaone_moe", "lfm2_moe", "glm4_moe_lite", "solar_open",
-                   "llama4_text")
+                   "llama4_text", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid",
+                   "kimi_linear", "minimax", "mellum", "laguna", "hy_v3", "glm_moe_dsa", "axk1",
+                   "axk2", "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe",
+                   "bailing_hybrid", "lara_mini", "flint", "kolibri1", "minicpm5_moe", "beam",
+                   "lfm3")
 }  # fmt: skip
-ADDED_ARCHS = list(ADDED_FAMILY_OVERRIDES)
+
+
+def _installed(model_type: str) -> bool:
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+
+    return model_type in CONFIG_MAPPING
+
+
+#: The added families the installed transformers has (the GPU machine's 5.17 lacks some).
+ADDED_ARCHS = [a for a in ADDED_FAMILY_OVERRIDES if _installed(a)]
+
+
+def installed_supported_types() -> list[str]:
+    """The supported model types the installed transformers has, sorted."""
+    from hf_megatrain import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
+
+    return sorted(a for a in SUPPORTED_MODEL_TYPES if _installed(a))
 
 
 def _added_family_config(arch: str, base: dict):
@@ -405,11 +501,17 @@ ARCHS = [
 ARCHS += ADDED_ARCHS
 #: The MoE families whose router aux loss is part of the training loss.
 MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe",
-             "granitemoeshared", "flex_olmo", "ernie4_5_moe"]  # fmt: skip
+             "granitemoeshared", "flex_olmo", "ernie4_5_moe", "qwen3_5_moe_text", "minimax",
+             "minimax_m2", "phimoe", "mellum", "laguna", "granitemoe_swa", "lara_mini",
+             "flint"]  # fmt: skip
 #: MoE families balanced without an aux loss (DeepSeek-V3's bias-corrected routing).
 AUX_FREE_MOE_ARCHS = ["glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "qwen3_next",
                       "hunyuan_v1_moe", "exaone_moe", "lfm2_moe", "glm4_moe_lite",
-                      "solar_open", "deepseek_v32", "llama4_text"]  # fmt: skip
+                      "solar_open", "deepseek_v32", "llama4_text", "kimi_linear", "jetmoe",
+                      "hy_v3", "glm_moe_dsa", "axk1", "axk2", "mimo_v2_flash", "zaya",
+                      "cohere2_moe", "bailing_hybrid", "kolibri1", "minicpm5_moe", "beam"]  # fmt: skip
+MOE_ARCHS = [a for a in MOE_ARCHS if a in ARCHS]
+AUX_FREE_MOE_ARCHS = [a for a in AUX_FREE_MOE_ARCHS if a in ARCHS]
 
 
 class LogRecorder(TrainerCallback):

@@ -122,10 +122,11 @@ def test_chunked_bf16_compute_equals_reference(chunk, softcap):
 
 
 def _families():
-    """Every supported family: each trains with the fused loss (``FUSED_LOSS_MODEL_TYPES``)."""
-    from hf_megatrain import SUPPORTED_MODEL_TYPES
+    """Every supported family (that the installed transformers has): each trains with the
+    fused loss (``FUSED_LOSS_MODEL_TYPES``)."""
+    from .helpers import installed_supported_types
 
-    return sorted(SUPPORTED_MODEL_TYPES)
+    return installed_supported_types()
 
 
 @pytest.mark.parametrize("arch", _families())

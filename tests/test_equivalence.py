@@ -81,7 +81,9 @@ def test_router_aux_loss_reaches_router_gradients(arch):
     if not stock_aux_loss_trains(arch):
         pytest.skip(f"transformers {transformers.__version__}'s own {arch} fails with its aux loss")
     out_s, out_m, gs, gm = _stock_and_streamed_grads(arch)
-    _, _, gs0, gm0 = _stock_and_streamed_grads(arch, router_aux_loss_coef=0.0)
+    # Without router logits there is no aux term (a zero coefficient is not one setting in
+    # every family: DBRX reads its own from ffn_config).
+    _, _, gs0, gm0 = _stock_and_streamed_grads(arch, output_router_logits=False)
     assert out_m.aux_loss is not None and out_m.aux_loss.requires_grad
     torch.testing.assert_close(out_m.aux_loss, out_s.aux_loss, rtol=0, atol=0)
     routers = [
@@ -89,10 +91,11 @@ def test_router_aux_loss_reaches_router_gradients(arch):
     ]
     assert routers, "no router weights found"
     for name in routers:
-        # The aux term must change the router gradient by far more than the tolerance below,
-        # otherwise this test could not tell a dropped aux gradient from a kept one.
+        # The aux term must change the router gradient by far more (100x) than the tolerance
+        # below, otherwise this test could not tell a dropped aux gradient from a kept one.
         effect = (gs[name] - gs0[name]).abs().max().item()
-        assert effect > 1e-3, f"{name}: aux loss barely changes the gradient ({effect})"
+        tolerance = 1e-7 + 1e-5 * gs[name].abs().max().item()
+        assert effect > 100 * tolerance, f"{name}: aux loss barely changes the gradient ({effect})"
         # Streamed equals stock with and without the aux term (same tolerance as above).
         torch.testing.assert_close(gm[name], gs[name], rtol=1e-5, atol=1e-7, msg=name)
         torch.testing.assert_close(gm0[name], gs0[name], rtol=1e-5, atol=1e-7, msg=name)
@@ -214,7 +217,11 @@ def test_bf16_every_family_close_to_stock(arch, tmp_path):
         # bf16 grad norm drifts 9% from its own fp32 run by step 4). Observed here: loss within
         # 8e-5, grad norm within 5.1e-3 (GLM-4); 1e-3 / 2e-2 leave margin, and a dropped term
         # (aux loss, a multiplier, soft-capping) moves them far more.
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+        # MoE families: stock's autocast runs transformers' grouped experts in fp32 where the
+        # streamed layers run them in bf16 (docs/design.md): A.X K1's loss 1.1e-3 apart by step
+        # 3, bit-equal with its MoE layers made dense; 2e-3 for them.
+        moe = arch in (*MOE_ARCHS, *AUX_FREE_MOE_ARCHS)
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3 if moe else 1e-3)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-2)
 
 
@@ -293,7 +300,9 @@ def test_opt_variants_match_stock(variant, tmp_path):
 
 #: Aux-free MoE families whose tiny configs turn ``output_router_logits`` on (the family's own
 #: forward then trains): test_trainer_matches_stock does not reach their fused loss.
-_ROUTER_LOGITS_ON = [a for a in AUX_FREE_MOE_ARCHS if tiny_config(a).output_router_logits]
+_ROUTER_LOGITS_ON = [
+    a for a in AUX_FREE_MOE_ARCHS if getattr(tiny_config(a), "output_router_logits", False)
+]
 
 
 @pytest.mark.parametrize("arch", _ROUTER_LOGITS_ON)
@@ -307,6 +316,21 @@ def test_aux_free_moe_trains_with_the_fused_loss_as_stock(arch, tmp_path):
     model = tiny_model(config)
     assert supports_fused_loss(model)
     (stock, st), (mega, mt) = train_both(model, tmp_path, steps=5)
+    assert_logs_match(stock, mega)
+    final = mega_params(mt)
+    for name, p in st.model.state_dict().items():
+        # As test_trainer_matches_stock (fp32, 5 steps at lr 1e-2: ulp differences only).
+        torch.testing.assert_close(final[name], p, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif("phimoe" not in ARCHS, reason="transformers without PhiMoE")
+def test_phimoe_router_jitter_trains_as_stock(tmp_path):
+    """PhiMoE's sparse mixer draws jitter noise in training (its tiny config turns it off for the
+    tests that run two forwards): the streamed layers' recompute replays the RNG, so training
+    with the jitter of its checkpoints (0.01) equals stock's."""
+    config = tiny_config("phimoe")
+    config.router_jitter_noise = config.input_jitter_noise = 0.01
+    (stock, st), (mega, mt) = train_both(tiny_model(config), tmp_path, steps=5)
     assert_logs_match(stock, mega)
     final = mega_params(mt)
     for name, p in st.model.state_dict().items():

@@ -40,9 +40,15 @@ logger = logging.getLogger(__name__)
 #: loss, aux loss on and off.
 FUSED_LOSS_MODEL_TYPES = frozenset(SUPPORTED_MODEL_TYPES)
 #: Families whose forward multiplies the head's logits by ``model.logit_scale`` (Cohere) ...
-LOGIT_SCALE_MODEL_TYPES = {"cohere", "cohere2"}
+LOGIT_SCALE_MODEL_TYPES = {"cohere", "cohere2", "cohere2_moe"}
 #: ... or divides them by ``config.logits_scaling`` (Granite, Granite-MoE).
-LOGITS_SCALING_MODEL_TYPES = {"granite", "granitemoe", "granitemoeshared"}
+LOGITS_SCALING_MODEL_TYPES = {
+    "granite",
+    "granitemoe",
+    "granitemoeshared",
+    "granite_swa",
+    "granitemoe_swa",
+}
 #: Families whose forward divides the hidden states by ``config.logits_scaling`` before the head
 #: (MiniCPM3): the fused loss divides them the same way, the same op on the same tensor.
 HIDDEN_SCALING_MODEL_TYPES = {"minicpm3"}
