@@ -231,13 +231,18 @@ FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int
             12 * h if "conv" in (getattr(cfg, "layer_types", None) or ()) else 0
         ),
     ),
-    "qwen3_next": (
-        "the Gated DeltaNet layers (PyTorch fallback)",
-        lambda cfg, h, q, kv, i: (
-            13 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-            + 113 * cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            if "linear_attention" in (getattr(cfg, "layer_types", None) or ())
-            else 0
-        ),
-    ),
+    # Qwen3.5's, OLMo Hybrid's and Lara mini's Gated DeltaNet are Qwen3-Next's (the same
+    # recurrence and convolution; their q/k/v/z projections split, not fused).
+    **{
+        t: (
+            "the Gated DeltaNet layers (PyTorch fallback)",
+            lambda cfg, h, q, kv, i: (
+                13 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                + 113 * cfg.linear_num_value_heads * cfg.linear_value_head_dim
+                if "linear_attention" in (getattr(cfg, "layer_types", None) or ())
+                else 0
+            ),
+        )
+        for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini")
+    },
 }
