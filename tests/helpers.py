@@ -378,7 +378,6 @@ ADDED_FAMILY_OVERRIDES: dict[str, Callable[[int], dict]] = {
     "youtu": lambda n: dict(**_MLA),
     "mimo_v2_flash": lambda n: dict(v_head_dim=8, layer_types=["full_attention"] + ["sliding_attention"] * (n - 1),
                                     mlp_layer_types=_dense_first(n)),
-    "zaya": lambda n: dict(num_experts_per_tok=1, router_hidden_size=16),
     "ctrl": lambda n: dict(dff=64),
     "openai-gpt": lambda n: dict(),
     "gpt_neox_japanese": lambda n: dict(),
@@ -508,7 +507,7 @@ MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemo
 AUX_FREE_MOE_ARCHS = ["glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "qwen3_next",
                       "hunyuan_v1_moe", "exaone_moe", "lfm2_moe", "glm4_moe_lite",
                       "solar_open", "deepseek_v32", "llama4_text", "kimi_linear", "jetmoe",
-                      "hy_v3", "glm_moe_dsa", "axk1", "axk2", "mimo_v2_flash", "zaya",
+                      "hy_v3", "glm_moe_dsa", "axk1", "axk2", "mimo_v2_flash",
                       "cohere2_moe", "bailing_hybrid", "kolibri1", "minicpm5_moe", "beam"]  # fmt: skip
 MOE_ARCHS = [a for a in MOE_ARCHS if a in ARCHS]
 AUX_FREE_MOE_ARCHS = [a for a in AUX_FREE_MOE_ARCHS if a in ARCHS]

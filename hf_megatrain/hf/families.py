@@ -93,7 +93,6 @@ SUPPORTED_MODEL_TYPES = {
     "axk2": "A.X K2 (latent attention with an indexer, MoE)",
     "youtu": "Youtu (latent attention)",
     "mimo_v2_flash": "MiMo-V2-Flash (sliding + full attention, MoE)",
-    "zaya": "ZAYA (MoE with an MLP router)",
     "ctrl": "CTRL (sinusoidal positions)",
     "openai-gpt": "OpenAI GPT (learned positions, post-norm)",
     "gpt_neox_japanese": "GPT-NeoX Japanese",
