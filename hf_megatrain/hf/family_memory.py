@@ -257,12 +257,18 @@ FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int
     # residuals: measured on the H100 (2026-12-06, dev/family_plan_sweep.py --device cuda, hidden
     # 768 and 1,024 with 6 and 8 heads of value width 128, 8,192 and 16,384 tokens) 34.1 and
     # 44.3 kB per token over the line (its step 1.11-1.18x the plan); rounded up.
-    "minicpm3": (
-        "MiniCPM3's latent attention",
-        lambda cfg, h, q, kv, i: (
-            40 * cfg.num_attention_heads * cfg.v_head_dim + 8 * cfg.kv_lora_rank
-        ),
-    ),
+    # Youtu's dense latent-attention layers are MiniCPM3's: the CPU tracker measured the same
+    # bytes for both at hidden 256 (234.14 MB, 2,048 tokens; the other latent-attention families,
+    # DeepSeek-V3's MoE layers, read 2.4x their plan there and 0.86x on the H200).
+    **{
+        t: (
+            "MiniCPM3's latent attention",
+            lambda cfg, h, q, kv, i: (
+                40 * cfg.num_attention_heads * cfg.v_head_dim + 8 * cfg.kv_lora_rank
+            ),
+        )
+        for t in ("minicpm3", "youtu")
+    },
     "lfm2": (
         "LFM2's short-convolution layers",
         lambda cfg, h, q, kv, i: (
