@@ -385,6 +385,9 @@ ADDED_FAMILY_OVERRIDES: dict[str, Callable[[int], dict]] = {
     "granite_swa": lambda n: dict(layer_types=_mixed(n), **_GRANITE),
     "granitemoe_swa": lambda n: dict(layer_types=_mixed(n), **_GRANITE,
                                      shared_intermediate_size=16),
+    # Granite's multipliers, but the logits multiplied by logits_scaling; norms after attention
+    # and MLP too.
+    "hyperclovax": lambda n: dict(**_GRANITE, use_post_norm=True),
     # Cohere's logit_scale; a dense first layer, then MoE with a shared expert.
     "cohere2_moe": lambda n: dict(layer_types=_mixed(n), mlp_layer_types=_dense_first(n),
                                   num_shared_experts=1, prefix_dense_intermediate_size=64),

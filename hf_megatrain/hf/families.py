@@ -107,6 +107,7 @@ SUPPORTED_MODEL_TYPES = {
     "minicpm5_moe": "MiniCPM5-MoE",
     "beam": "Beam (sliding + full attention, soft-capped logits, MoE)",
     "lfm3": "LFM3 (short gated convolutions + sliding and full attention)",
+    "hyperclovax": "HyperCLOVA X (muP multipliers, logits multiplied by logits_scaling)",
 }
 
 

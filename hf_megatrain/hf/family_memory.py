@@ -150,6 +150,9 @@ FITTED_WORKING_SET_RESIDUALS: dict[str, tuple[float, float, float, float, int]] 
     "minimax": (29, 53.25, -12, -6, 7124),
     "olmo_hybrid": (8, 8, 6, 2, 4),
     "qwen3_5_text": (-6, 8, 6, 6, 40),
+    # HyperCLOVA X's norms after attention and MLP (its step 1.57x its plan at hidden 256 and
+    # 384 before).
+    "hyperclovax": (24, 0, 4, 2, 44),
 }
 
 

@@ -49,6 +49,8 @@ LOGITS_SCALING_MODEL_TYPES = {
     "granite_swa",
     "granitemoe_swa",
 }
+#: ... or multiplies them by ``config.logits_scaling`` (HyperCLOVA X's muP).
+LOGITS_MULTIPLY_MODEL_TYPES = {"hyperclovax"}
 #: Families whose forward divides the hidden states by ``config.logits_scaling`` before the head
 #: (MiniCPM3): the fused loss divides them the same way, the same op on the same tensor.
 HIDDEN_SCALING_MODEL_TYPES = {"minicpm3"}
@@ -190,7 +192,13 @@ def fused_causal_lm_forward(
         num_items = num_items.to(hidden.device)
     # The family's maps of the head's output, for the loss and for logits read later alike.
     logit_map = LogitMap(
-        scale=model.logit_scale if model_type in LOGIT_SCALE_MODEL_TYPES else None,
+        scale=(
+            model.logit_scale
+            if model_type in LOGIT_SCALE_MODEL_TYPES
+            else model.config.logits_scaling
+            if model_type in LOGITS_MULTIPLY_MODEL_TYPES
+            else None
+        ),
         divide_by=model.config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None,
         softcap=getattr(model.config, "final_logit_softcapping", None),
     )
