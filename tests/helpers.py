@@ -1132,3 +1132,15 @@ def status_mib(key: str) -> float:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     raise KeyError(key)
+
+
+def two_forward_trainers(*trainer_classes: type) -> list[type]:
+    """Each trainer class with a compute_loss that runs the model twice in one micro-batch (as
+    R-Drop or a consistency loss does): the flipped sequence's loss added at half weight."""
+
+    def two_forwards(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        flipped = inputs["input_ids"].flip(-1)
+        loss = model(**inputs).loss + 0.5 * model(input_ids=flipped, labels=flipped).loss
+        return (loss, None) if return_outputs else loss
+
+    return [type("TwoForwards", (cls,), {"compute_loss": two_forwards}) for cls in trainer_classes]

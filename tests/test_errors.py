@@ -25,7 +25,7 @@ from hf_megatrain import (
 from hf_megatrain.core.distributed import DataParallelError
 from hf_megatrain.hf.model import streamed_state
 
-from .helpers import common_args, make_data, tiny_config, tiny_model
+from .helpers import common_args, make_data, tiny_config, tiny_model, two_forward_trainers
 
 
 def _args(tmp_path, **kw) -> MegaTrainArguments:
@@ -424,14 +424,8 @@ def test_two_forwards_in_one_micro_batch_without_clipping_say_which_option_train
 
     from hf_megatrain.core.engine.gradients import SecondGradientError
 
-    def two_forwards(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        flipped = inputs["input_ids"].flip(-1)
-        loss = model(**inputs).loss + 0.5 * model(input_ids=flipped, labels=flipped).loss
-        return (loss, None) if return_outputs else loss
-
     model = tiny_model(tiny_config("llama"))
-    mega = type("TwoForwards", (HFMegaTrainer,), {"compute_loss": two_forwards})
-    stock = type("TwoForwards", (Trainer,), {"compute_loss": two_forwards})
+    mega, stock = two_forward_trainers(HFMegaTrainer, Trainer)
     kw = dict(max_grad_norm=0.0, max_steps=3)
     with pytest.raises(SecondGradientError, match=r"set megatrain_eager_update=False \("):
         mega(

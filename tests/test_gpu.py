@@ -44,6 +44,7 @@ from .helpers import (
     tiny_config,
     tiny_model,
     train_both,
+    two_forward_trainers,
 )
 
 pytestmark = [
@@ -1042,14 +1043,8 @@ def test_two_forwards_in_one_micro_batch_on_gpu(tmp_path):
     megatrain_eager_update=False; with it the run trains as stock does."""
     from hf_megatrain.core.engine.gradients import SecondGradientError
 
-    def two_forwards(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        flipped = inputs["input_ids"].flip(-1)
-        loss = model(**inputs).loss + 0.5 * model(input_ids=flipped, labels=flipped).loss
-        return (loss, None) if return_outputs else loss
-
     model = tiny_model(tiny_config("llama"))
-    mega = type("TwoForwards", (HFMegaTrainer,), {"compute_loss": two_forwards})
-    stock = type("TwoForwards", (Trainer,), {"compute_loss": two_forwards})
+    mega, stock = two_forward_trainers(HFMegaTrainer, Trainer)
     kw = dict(use_cpu=False, max_grad_norm=0.0, max_steps=3)
     with pytest.raises(SecondGradientError, match=r"set megatrain_eager_update=False \("):
         mega(
