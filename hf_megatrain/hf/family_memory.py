@@ -93,6 +93,10 @@ PEAK_WORKING_SET_AUDITED_MODEL_TYPES = frozenset(
 EAGER_SCORE_COPIES: dict[str, tuple[int, int]] = {
     **{t: (1, 0) for t in ("bloom", "mpt", "gpt_oss", "gptj", "codegen", "gpt_neo")},
     "xglm": (0, 1),
+    # Granite SWA's attention (eager only) holds 3.2 B per element and head more than the line
+    # on the CPU tracker (its step 1.16x the plan at hidden 256 and 384, 2,048 tokens); an fp32
+    # copy bounds it.
+    "granite_swa": (0, 1),
 }
 
 #: Per token, what a family's own decoder layer holds in its recomputed backward beyond the
