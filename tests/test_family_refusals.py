@@ -141,12 +141,29 @@ def test_the_refusal_names_the_type_loaded_not_its_text_config():
     ],
 )
 def test_the_refusal_lists_the_closest_types_and_where_all_are(tmp_path, model_type, closest):
-    """Not all 71 types in one line: the closest by name, and where the full list is."""
+    """Not all the types in one line: the closest by name, and where the full list is."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     msg = _refusal(loading.check_model_type, str(tmp_path))
     assert f"model_type '{model_type}' is not supported. {closest}" in msg
     assert f"all {len(SUPPORTED_MODEL_TYPES)}: hf_megatrain.SUPPORTED_MODEL_TYPES" in msg
     assert len(msg.split(": model_type")[1]) < 300 and "biogpt" not in msg
+
+
+@pytest.mark.parametrize(
+    "model_type,why",
+    [
+        ("dbrx", "fail under bf16 autocast"),
+        ("gemma4_text", "configured per layer"),
+        ("jamba", "Mamba layers"),
+    ],
+)
+def test_a_refusal_found_by_a_probe_says_why(tmp_path, model_type, why):
+    """Decoder types a probe forced past the check and found wrong or unplanned: the refusal
+    says why, not only that they are missing from the list."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    msg = _refusal(loading.check_model_type, str(tmp_path))
+    assert f"model_type '{model_type}' is not supported: its " in msg and why in msg
+    assert f"all {len(SUPPORTED_MODEL_TYPES)}: hf_megatrain.SUPPORTED_MODEL_TYPES" in msg
 
 
 def test_cli_plan_names_the_text_model_of_a_multimodal_config(tmp_path):

@@ -157,6 +157,42 @@ TEXT_MODEL_KEY_MAPPING_TYPES = frozenset(
     video_llama_3 video_llava vipllava voxtral""".split()
 )
 
+#: Why decoder types that transformers has are refused, where a probe of them found out
+#: (docs/design.md, Supported architectures): the refusal says it.
+REFUSAL_REASONS = {
+    "dbrx": "its experts fail under bf16 autocast in transformers' own code (stock's too)",
+    "doge": "its loss is not the fused loss's, and its router aux loss takes other arguments",
+    "ergo": "its head computes fp32 logits (not one linear layer the fused loss can take)",
+    "zaya": "its MoE layers' memory is not planned within the margin yet",
+    **dict.fromkeys(
+        ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "gemma3n",
+         "gemma3n_text"),
+        "its attention is configured per layer, and some layers read an earlier layer's keys "
+        "and values (not streamed across layers)",
+    ),
+    **dict.fromkeys(
+        ("hy_v4", "deepseek_v4", "qwen4_exp", "qwen4_exp_text"),
+        "its hyper-connections carry several residual streams between layers (not planned yet)",
+    ),
+    **dict.fromkeys(
+        ("inkling", "inkling_text"), "its logits are cut to a smaller vocabulary after the head"
+    ),
+    **dict.fromkeys(
+        ("modernbert-decoder", "cpmant"), "its head is not one linear layer the fused loss takes"
+    ),
+    **dict.fromkeys(
+        ("dory", "inkling2_loop", "inkling2_loop_text", "hrm_text"),
+        "it runs some of its layers more than once per forward",
+    ),
+    "longcat_flash": "each of its layers holds two attention and MLP sub-layers",
+    **dict.fromkeys(("zamba", "zamba2"), "one block of its weights serves several layers"),
+    **dict.fromkeys(
+        ("jamba", "bamba", "falcon_h1", "nemotron_h", "granitemoehybrid", "mamba", "mamba2",
+         "falcon_mamba"),
+        "its Mamba layers' memory is not planned",
+    ),
+}  # fmt: skip
+
 #: Where the refusal points for the whole list of supported types.
 _FULL_LIST = (
     "all {n}: hf_megatrain.SUPPORTED_MODEL_TYPES (README.md, Supported families), and the types "
@@ -241,7 +277,9 @@ def unsupported_model_type(
     if text_type and text_type != model_type:
         head += f" (its text model's config: {text_type!r})"
     full = _FULL_LIST.format(n=len(SUPPORTED_MODEL_TYPES))
-    return f"{head} is not supported. {_closest(model_type)}; {full}."
+    why = REFUSAL_REASONS.get(model_type) or REFUSAL_REASONS.get(text_type)
+    why = f": {why}" if isinstance(why, str) else ""
+    return f"{head} is not supported{why}. {_closest(model_type)}; {full}."
 
 
 def _closest(model_type: object) -> str:
