@@ -167,8 +167,8 @@ REFUSAL_REASONS = {
     **dict.fromkeys(
         ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "gemma3n",
          "gemma3n_text"),
-        "its attention is configured per layer, and some layers read an earlier layer's keys "
-        "and values (not streamed across layers)",
+        "its attention is configured per layer, and with num_kv_shared_layers its later layers "
+        "read an earlier layer's keys and values (not streamed across layers)",
     ),
     **dict.fromkeys(
         ("hy_v4", "deepseek_v4", "qwen4_exp", "qwen4_exp_text"),
