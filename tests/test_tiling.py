@@ -193,9 +193,9 @@ def test_tiled_gated_mlp_input_gradient_is_the_untiled_ones_in_bf16(device):
     ],
 )
 def test_streamed_training_with_tiled_mlp_matches_stock(tmp_path, arch):
-    """Every dense family's MLP is token-wise (MoE blocks are left untiled; LFM2 and MPT call
-    theirs feed_forward / ffn (LFM3 and CTRL too), which are not tiled; OPT, XGLM and BioGPT have no MLP module, their
-    layers call fc1 and fc2 themselves; BLOOM's takes the residual too: see
+    """Every dense family's MLP is token-wise (MoE blocks are left untiled; LFM2, LFM3, MPT and
+    CTRL call theirs feed_forward / ffn, which are not tiled; OPT, XGLM and BioGPT have no MLP
+    module, their layers call fc1 and fc2 themselves; BLOOM's takes the residual too: see
     test_install_skips_mlps_with_a_second_input). GPT-2's MLP views its input: a tile of
     several rows is made contiguous for it."""
     model = tiny_model(tiny_config(arch))
