@@ -739,13 +739,14 @@ class HostAdamW(torch.optim.Optimizer):
         if before is None or self._eager_hyper_warned:
             return
         now = [self._hyper(group) for group in self.param_groups]
-        # (float(): a scheduler may hold the rate as a 0-d tensor.)
-        changed = sorted({k for a, b in zip(before, now) for k in a if float(a[k]) != float(b[k])})
+        # Per group, the settings that changed (float(): a scheduler may hold a 0-d tensor).
+        diffs = [[k for k in a if float(a[k]) != float(b[k])] for a, b in zip(before, now)]
+        changed = sorted({k for keys in diffs for k in keys})
         if not changed:
             return
         self._eager_hyper_warned = True
         # (The first group where they differ: groups may hold other rates.)
-        a, b = next((a, b) for a, b in zip(before, now) if any(a[k] != b[k] for k in changed))
+        a, b = next((a, b) for a, b, keys in zip(before, now, diffs) if keys)
         was = ", ".join(f"{k}={float(a[k]):g}" for k in changed)
         new = ", ".join(f"{k}={float(b[k]):g}" for k in changed)
         logger.warning(

@@ -191,17 +191,7 @@ def fused_causal_lm_forward(
     if num_items is not None and torch.is_tensor(num_items):
         num_items = num_items.to(hidden.device)
     # The family's maps of the head's output, for the loss and for logits read later alike.
-    logit_map = LogitMap(
-        scale=(
-            model.logit_scale
-            if model_type in LOGIT_SCALE_MODEL_TYPES
-            else model.config.logits_scaling
-            if model_type in LOGITS_MULTIPLY_MODEL_TYPES
-            else None
-        ),
-        divide_by=model.config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None,
-        softcap=getattr(model.config, "final_logit_softcapping", None),
-    )
+    logit_map = _family_logit_map(model, model_type)
     head = model.get_output_embeddings()  # (``lm_head``; BioGPT's ``output_projection``)
     loss = chunked_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),
@@ -240,6 +230,21 @@ def fused_causal_lm_forward(
         loss=loss,
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
+    )
+
+
+def _family_logit_map(model, model_type: str | None) -> LogitMap:
+    """What ``model``'s forward does to its head's output (``model_type``: its family)."""
+    config = model.config
+    scale = None
+    if model_type in LOGIT_SCALE_MODEL_TYPES:
+        scale = model.logit_scale
+    elif model_type in LOGITS_MULTIPLY_MODEL_TYPES:
+        scale = config.logits_scaling
+    return LogitMap(
+        scale=scale,
+        divide_by=config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None,
+        softcap=getattr(config, "final_logit_softcapping", None),
     )
 
 
