@@ -403,6 +403,14 @@ ADDED_FAMILY_OVERRIDES: dict[str, Callable[[int], dict]] = {
     "beam": lambda n: dict(layer_types=_mixed(n), mlp_layer_types=_dense_first(n)),
     "lfm3": lambda n: dict(layer_types=_cycle(n, ("conv", "sliding_attention", "full_attention")),
                            conv_L_cache=3),
+    # A full-attention layer of its own width (2 x head_dim, one kv head, keys as values: the
+    # per-layer config); no per-layer inputs or KV sharing (refused). Its MoE variant:
+    # tests/test_gemma4.py.
+    "gemma4_text": lambda n: dict(layer_types=["sliding_attention"] * (n - 1) + ["full_attention"],
+                                  final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+                                  attention_k_eq_v=True,
+                                  config_kwargs=dict(global_head_dim=16,
+                                                     num_global_key_value_heads=1)),
 }  # fmt: skip
 #: Their default layer count where the family's pattern needs three.
 _ADDED_FAMILY_LAYERS = {
@@ -412,8 +420,23 @@ _ADDED_FAMILY_LAYERS = {
                    "kimi_linear", "minimax", "mellum", "laguna", "hy_v3", "glm_moe_dsa", "axk1",
                    "axk2", "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe",
                    "bailing_hybrid", "lara_mini", "flint", "kolibri1", "minicpm5_moe", "beam",
-                   "lfm3")
+                   "lfm3", "gemma4_text")
 }  # fmt: skip
+
+
+def gemma4_config(**overrides):
+    """A tiny Gemma 4 text config: layers sliding, full, sliding, full (hidden 32, 4 heads; the
+    sliding layers 2 kv heads of 8, the full ones 2 of 16, keys as values: the per-layer
+    config), no per-layer inputs; ``overrides`` on top (its MoE: ``enable_moe_block=True``...)."""
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+                 num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=6,
+                 layer_types=["sliding_attention", "full_attention"] * 2,
+                 final_logit_softcapping=30.0, hidden_size_per_layer_input=0, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return CONFIG_MAPPING["gemma4_text"](**{**shape, **overrides})
 
 
 def _installed(model_type: str) -> bool:
@@ -451,6 +474,7 @@ def _added_family_config(arch: str, base: dict):
             kwargs[aliases[key]] = value
     overrides = ADDED_FAMILY_OVERRIDES[arch](base["num_hidden_layers"])
     kwargs.update({k: v for k, v in overrides.items() if k in params or k in aliases})
+    kwargs.update(overrides.get("config_kwargs", {}))  # (taken by **kwargs, not named)
     return cls(**kwargs)
 
 

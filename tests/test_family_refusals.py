@@ -21,7 +21,7 @@ from hf_megatrain.hf.families import (
 )
 from hf_megatrain.hf.model import check_supported
 
-from .helpers import tiny_config
+from .helpers import gemma4_config, tiny_config, tiny_model
 
 _SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
               num_key_value_heads=2, image_size=28, patch_size=14)  # fmt: skip
@@ -37,7 +37,7 @@ def _tiny_multimodal(model_type: str):
         text.pop(k, None)
     kw = {"text_config": text, "tie_word_embeddings": text.get("tie_word_embeddings", False)}
     for key in default.sub_configs:
-        if key != "text_config":
+        if key != "text_config" and getattr(default, key) is not None:  # (Gemma 4: optional)
             sub = getattr(default, key).to_dict()
             kw[key] = {**sub, **{k: v for k, v in _SMALL.items() if isinstance(sub.get(k), int)}}
     config = CONFIG_MAPPING[model_type](**kw)
@@ -59,7 +59,7 @@ def _refusal(fn, *args) -> str:
     return msg
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "llava", "idefics3"])
+@pytest.mark.parametrize("model_type", ["gemma3", "llava", "idefics3", "gemma4"])
 def test_a_multimodal_model_refusal_says_how_to_load_its_text_model(tmp_path, model_type):
     """Gemma 3, LLaVA, Idefics3 (the text weights under ``language_model.model.`` or
     ``model.text_model.``): the model object and its checkpoint folder are refused, naming the
@@ -153,7 +153,7 @@ def test_the_refusal_lists_the_closest_types_and_where_all_are(tmp_path, model_t
     "model_type,why",
     [
         ("dbrx", "fail under bf16 autocast"),
-        ("gemma4_text", "configured per layer"),
+        ("gemma3n_text", "keys and values"),
         ("jamba", "Mamba layers"),
     ],
 )
@@ -164,6 +164,37 @@ def test_a_refusal_found_by_a_probe_says_why(tmp_path, model_type, why):
     msg = _refusal(loading.check_model_type, str(tmp_path))
     assert f"model_type '{model_type}' is not supported: its " in msg and why in msg
     assert f"all {len(SUPPORTED_MODEL_TYPES)}: hf_megatrain.SUPPORTED_MODEL_TYPES" in msg
+
+
+@pytest.mark.skipif("gemma4_text" not in CONFIG_MAPPING, reason="transformers without Gemma 4")
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(num_kv_shared_layers=2),
+        dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
+        dict(),
+    ],
+)
+def test_gemma4_features_not_streamed_are_refused_by_name(tmp_path, setting):
+    """Gemma 4 trains (31B, 26B-A4B) but not with KV sharing or per-layer input embeddings
+    (E2B, E4B): the model and its folder are refused naming the setting, before any
+    allocation. A config.json that leaves the per-layer inputs out has them (the class's
+    default, 256): refused too."""
+    model = tiny_model(gemma4_config(**setting))
+    config = model.config
+    raw = json.loads(config.to_json_string())
+    if setting:
+        key, value = next(iter(setting.items()))
+        assert f": {key}={value}: its " in _refusal(check_supported, model)
+    else:  # the tiny config's: neither, so it trains; its config.json without the key has PLE
+        assert check_supported(model) == "gemma4_text"
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        loading.check_model_type(str(tmp_path))
+        del raw["hidden_size_per_layer_input"]
+        key, value = "hidden_size_per_layer_input", 256
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    msg = _refusal(loading.check_model_type, str(tmp_path))
+    assert f": {key}={value}: its " in msg and "31B, 26B-A4B" in msg
 
 
 def test_cli_plan_names_the_text_model_of_a_multimodal_config(tmp_path):

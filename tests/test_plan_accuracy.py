@@ -50,6 +50,7 @@ from hf_megatrain.hf.family_memory import (
     FITTED_WORKING_SET_RESIDUALS,
     PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
 )
+from hf_megatrain.hf.layer_configs import per_layer_attributes
 from hf_megatrain.hf.model import (
     find_decoder_layers,
     model_shape,
@@ -282,6 +283,8 @@ def family_config(
     from tests.helpers import tiny_config  # noqa: PLC0415
 
     cfg = tiny_config(model_type, num_hidden_layers=layers, max_position_embeddings=positions)
+    if per_layer_attributes(cfg):  # set per layer: a new config (Gemma 4's proportions)
+        cfg = _per_layer_family_config(cfg, h, heads, kv_heads, head_dim, inter)
     cfg.hidden_size, cfg.num_attention_heads = h, heads
     fields = cfg.to_dict()
     if "qk_rope_head_dim" in fields:  # multi-head latent attention (DeepSeek's proportions)
@@ -293,7 +296,7 @@ def family_config(
             cfg.q_lora_rank = 3 * h // 4
         if "index_head_dim" in fields:  # DeepSeek-V3.2's indexer: RoPE part and the rest
             cfg.index_head_dim = head_dim
-    else:
+    elif not per_layer_attributes(cfg):
         if hasattr(cfg, "num_key_value_heads"):
             cfg.num_key_value_heads = kv_heads
         if "head_dim" in fields:
@@ -308,6 +311,21 @@ def family_config(
     if getattr(cfg, "attention_chunk_size", None) and not keep_window:  # Llama 4's chunks
         cfg.attention_chunk_size = positions
     return cfg
+
+
+def _per_layer_family_config(cfg, h: int, heads: int, kv_heads: int, head_dim: int, inter: int):
+    """``cfg`` (its attention widths set per layer) rebuilt at these widths, its full-attention
+    layers at Gemma 4's proportions: twice the head width, half the kv heads."""
+    full = {"head_dim": 2 * head_dim, "num_key_value_heads": max(1, kv_heads // 2)}
+    fields = {k: v for k, v in cfg.to_dict().items()
+              if k not in ("per_layer_config", "model_type", "transformers_version")}  # fmt: skip
+    fields.update(hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  head_dim=head_dim, intermediate_size=inter,
+                  per_layer_config={i: full for i, t in enumerate(cfg.layer_types)
+                                    if t == "full_attention"})  # fmt: skip
+    if fields.get("moe_intermediate_size"):
+        fields["moe_intermediate_size"] = inter
+    return type(cfg)(**fields)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "olmoe"])

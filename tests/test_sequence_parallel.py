@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import CONFIG_MAPPING
 
 import hf_megatrain.cli_resume as cli_resume
 from hf_megatrain.cli import parse_train
@@ -39,7 +40,7 @@ from hf_megatrain.hf.sequence_parallel import (
     pad_to_shards,
 )
 from hf_megatrain.hf.step_layout import StepLayout, layout_change, processes_keeping_steps
-from tests.helpers import tiny_config, tiny_model
+from tests.helpers import gemma4_config, tiny_config, tiny_model
 
 WORKER = Path(__file__).with_name("sp_worker.py")
 ROOT = WORKER.parent.parent
@@ -266,6 +267,14 @@ def test_check_heads_divisible():
     check_sequence_parallel(config, 4, world_size=4, local_world_size=4)  # kv heads replicated
     with pytest.raises(SequenceParallelError, match="num_attention_heads=4"):
         check_sequence_parallel(config, 3, world_size=3, local_world_size=3)
+
+
+@pytest.mark.skipif("gemma4_text" not in CONFIG_MAPPING, reason="transformers without Gemma 4")
+def test_check_refuses_per_layer_attention_widths():
+    """Gemma 4's full-attention layers have their own head width and kv heads: Ulysses reads one
+    of each, so it is refused in words (the global attribute raised from inside the check)."""
+    with pytest.raises(SequenceParallelError, match=r"sets \[.*'head_dim'.*\] per layer"):
+        check_sequence_parallel(gemma4_config(), 2, world_size=2, local_world_size=2)
 
 
 def test_check_launch():

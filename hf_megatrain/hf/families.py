@@ -108,6 +108,8 @@ SUPPORTED_MODEL_TYPES = {
     "beam": "Beam (sliding + full attention, soft-capped logits, MoE)",
     "lfm3": "LFM3 (short gated convolutions + sliding and full attention)",
     "hyperclovax": "HyperCLOVA X (muP multipliers, logits multiplied by logits_scaling)",
+    "gemma4_text": "Gemma 4 (text: sliding + full attention layers of their own head widths, "
+    "keys as values, soft-capped logits, MoE beside the MLP)",
 }
 
 
@@ -150,7 +152,7 @@ TEXT_MODEL_KEY_MAPPING = {
 #: transformers 5.25; tests/test_family_refusals.py repeats it for a few).
 TEXT_MODEL_KEY_MAPPING_TYPES = frozenset(
     """audioflamingo3 aya_vision blip-2 cohere2_vision deepseek_vl deepseek_vl_hybrid fuyu gemma3
-    glmasr got_ocr2 granite_speech granite_speech_plus idefics2 idefics3 instructblip
+    gemma4 glmasr got_ocr2 granite_speech granite_speech_plus idefics2 idefics3 instructblip
     instructblipvideo internvl janus lfm2_vl lighton_ocr llava llava_next llava_next_video
     llava_onevision llava_onevision1_5 mistral3 moss_transcribe_diarize musicflamingo omniasr
     paligemma pp_chart2table qwen2_audio qwen3_asr shieldgemma2 smolvlm vibevoice vibevoice_asr
@@ -165,10 +167,9 @@ REFUSAL_REASONS = {
     "ergo": "its head computes fp32 logits (not one linear layer the fused loss can take)",
     "zaya": "its MoE layers' memory is not planned within the margin yet",
     **dict.fromkeys(
-        ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "gemma3n",
-         "gemma3n_text"),
-        "its attention is configured per layer, and with num_kv_shared_layers its later layers "
-        "read an earlier layer's keys and values (not streamed across layers)",
+        ("gemma4_unified", "gemma4_unified_text", "gemma3n", "gemma3n_text"),
+        "its later layers read an earlier layer's keys and values (num_kv_shared_layers: not "
+        "carried across streamed layers), and its per-layer input embeddings are not planned",
     ),
     **dict.fromkeys(
         ("hy_v4", "deepseek_v4", "qwen4_exp", "qwen4_exp_text"),
@@ -192,6 +193,31 @@ REFUSAL_REASONS = {
         "its Mamba layers' memory is not planned",
     ),
 }  # fmt: skip
+
+#: Features of a supported family's config that are not streamed: (family, config attribute)
+#: -> why. A config that sets the attribute (non-zero) is refused, naming it.
+UNSTREAMED_FEATURES = {
+    ("gemma4_text", "num_kv_shared_layers"): (
+        "its last layers read an earlier layer's keys and values, which are not carried across "
+        "streamed layers; Gemma 4 checkpoints without it (31B, 26B-A4B) train"
+    ),
+    ("gemma4_text", "hidden_size_per_layer_input"): (
+        "its per-layer input embeddings (one table feeding every layer a slice) are not planned; "
+        "Gemma 4 checkpoints without them (31B, 26B-A4B) train"
+    ),
+}
+
+
+def unstreamed_feature(model_type: str | None, config: object) -> str | None:
+    """Why ``config`` (of ``model_type``, a supported family) is refused for a feature it
+    turns on (``UNSTREAMED_FEATURES``); None where it turns on none."""
+    family = model_family(model_type)
+    for (owner, attr), why in UNSTREAMED_FEATURES.items():
+        value = getattr(config, attr, None) if owner == family else None
+        if value:
+            return f"{attr}={value}: {why}"
+    return None
+
 
 #: Where the refusal points for the whole list of supported types.
 _FULL_LIST = (

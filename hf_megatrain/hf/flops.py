@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from .layer_configs import layer_values
+
 # layer_types entries without a softmax over past keys (their cost is in the parameters).
 _NO_QUADRATIC_TERM = ("linear_attention", "conv", "mamba", "ssm", "recurrent")
 
@@ -30,7 +32,7 @@ def active_params(model: nn.Module) -> int:
     total = sum(p.numel() for p in model.parameters())
     cfg = _text_config(getattr(model, "config", None))
     experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts")
-    top_k = _first(cfg, "num_experts_per_tok", "moe_topk", "top_k")
+    top_k = _first(cfg, "num_experts_per_tok", "moe_topk", "top_k", "top_k_experts")
     if not experts or not top_k or top_k >= experts:
         return total
     routed = sum(
@@ -47,11 +49,14 @@ def attention_flops_per_token(config: Any, seq_len: int) -> float:
     ``seq_len`` tokens, from the config's heads, head dims and layer types / sliding window."""
     cfg = _text_config(config)
     heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    qk_dim = getattr(cfg, "qk_head_dim", None) or head_dim
-    v_dim = getattr(cfg, "v_head_dim", None) or head_dim
-    per_key = 6 * heads * (qk_dim + v_dim)
-    return per_key * sum(_keys_per_query(cfg, kind, seq_len) for kind in _layer_kinds(cfg))
+    total = 0.0
+    # Per layer: its own head width where layers differ (Gemma 4's full-attention layers).
+    for kind, head_dim in zip(_layer_kinds(cfg), layer_values(cfg, "head_dim")):
+        head_dim = head_dim or cfg.hidden_size // heads
+        qk_dim = getattr(cfg, "qk_head_dim", None) or head_dim
+        v_dim = getattr(cfg, "v_head_dim", None) or head_dim
+        total += 6 * heads * (qk_dim + v_dim) * _keys_per_query(cfg, kind, seq_len)
+    return total
 
 
 def model_flops_utilization(

@@ -47,6 +47,7 @@ from .families import (
     model_family,
     outer_model_type,
     text_model_type,
+    unstreamed_feature,
     unsupported_model_type,
 )
 from .family_memory import (
@@ -60,6 +61,7 @@ from .family_memory import (
     fitted_bytes,
     kept_bytes_audited,
 )
+from .layer_configs import attention_widths
 from .layers import UnsupportedModelError, find_decoder_layers, forward_function
 from .long_context import install_mlp_tiling, tileable_mlp
 from .loss import (
@@ -194,7 +196,10 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         or getattr(text_cfg, "ffn_hidden_size", None)
         or 4 * text_cfg.hidden_size
     )
-    experts = getattr(text_cfg, "num_experts_per_tok", None)
+    # (Gemma 4 names its routed experts per token top_k_experts, set where MoE is on.)
+    experts = getattr(text_cfg, "num_experts_per_tok", None) or (
+        getattr(text_cfg, "top_k_experts", None) if getattr(text_cfg, "enable_moe_block", 0) else 0
+    )
     if experts and family in EVERY_EXPERT_MODEL_TYPES:
         experts = getattr(text_cfg, "num_local_experts", None) or experts
     moe_inter = getattr(text_cfg, "moe_intermediate_size", None)
@@ -208,10 +213,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     embed = model.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
     heads = getattr(text_cfg, "num_attention_heads", 0) or 0
-    head_dim = getattr(text_cfg, "head_dim", None) or (
-        text_cfg.hidden_size // heads if heads else 0
-    )
-    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
+    # At the widest layer where layers differ (Gemma 4's full-attention layers): an upper bound.
+    head_dim, kv_width = attention_widths(text_cfg)
+    kv_heads = -(-kv_width // head_dim) if head_dim else heads
     # Liger's or compiled SwiGLU: both save the gate and up projections only (compiled: in
     # every layer; a model mixing dense and MoE layers has its experts unfused).
     mlp = getattr(layers[0], "mlp", None) if layers else None
@@ -247,7 +251,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     extra_what, extra = "", 0
     if family in FAMILY_WORKING_SET_EXTRA:
         extra_what, per_token = FAMILY_WORKING_SET_EXTRA[family]
-        extra = per_token(text_cfg, text_cfg.hidden_size, q_width, kv_heads * head_dim, inter)
+        extra = per_token(text_cfg, text_cfg.hidden_size, q_width, kv_width, inter)
     # The router aux loss's temporaries: which of transformers' two load-balancing losses the
     # family has (before 5.16 one-hot over every layer's top-k at once, then layer by layer).
     aux = router_aux_loss_on(model)
@@ -258,7 +262,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     one_hot = "one_hot" in getattr(getattr(balance, "__code__", None), "co_names", ())
     causal_lm = unwrap_peft(model)  # (the attributes its forward passes the aux loss)
     return ModelShape(
-        kv_size=kv_heads * head_dim,
+        kv_size=kv_width,
         head_dim=head_dim,
         num_heads=heads,
         # Every attention layer of these families is alike: the first one says.
@@ -305,11 +309,11 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
             FITTED_KEPT_RESIDUALS.get(family),
             text_cfg.hidden_size,
             q_width,
-            kv_heads * head_dim,
+            kv_width,
             inter,
         ),
         # Gemma-2/3's four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
-        gemma_norms=family in ("gemma2", "gemma3_text"),
+        gemma_norms=family in ("gemma2", "gemma3_text", "gemma4_text"),
         peak_working_set_audited=family in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
         sdpa_attention=runs == "sdpa",
         attn_implementation=attn,
@@ -329,6 +333,18 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         ),
         name=name,
     )
+
+
+def _drop_unread_kv_stores(layers: nn.ModuleList) -> None:
+    """Gemma 4's last layer of each attention type stores its keys and values in a dict the
+    model's forward passes every layer, for layers that reuse them (refused) or for a drafter
+    model to read after the forward. Nothing reads them in training, yet they would live as long
+    as the dict: in the streamed model, whose layers keep their call's arguments for the
+    recompute, the recomputed ones through the whole backward (unplanned HBM)."""
+    for layer in layers:
+        attention = getattr(layer, "self_attn", None)
+        if getattr(attention, "store_full_length_kv", False):
+            attention.store_full_length_kv = False
 
 
 def _layer_numels(
@@ -517,6 +533,8 @@ def check_supported(model: nn.Module) -> str:
                 f"hf_megatrain: {type(model).__name__}", outer or named, "", text
             )
         )
+    if (why := unstreamed_feature(model_type, config)) is not None:
+        raise UnsupportedModelError(f"hf_megatrain: {type(model).__name__}: {why}.")
     if not _causal_lm_class(model, named):
         raise UnsupportedModelError(
             f"hf_megatrain: {type(model).__name__} is not a *ForCausalLM model; "
@@ -656,6 +674,11 @@ def _shared_expert_size(layers: list[nn.Module], routes: list[bool], config) -> 
         for name, module in layer.named_modules():
             if "shared" in name.rsplit(".", 1)[-1] and (width := _gated_width(module)):
                 return width
+        # A dense MLP beside the experts, not holding them (Gemma 4's mlp runs every token).
+        mlp = getattr(layer, "mlp", None)
+        beside = mlp is not None and not any(n.endswith("experts") for n, _ in mlp.named_modules())
+        if beside and _has_experts(layer) and (width := _gated_width(mlp)):
+            return width
     width = getattr(config, "shared_expert_intermediate_size", None) or getattr(
         config, "shared_intermediate_size", None
     )
@@ -1084,6 +1107,7 @@ def prepare_streamed_model(
         use_cache=use_cache,
     )
     install_module_calls(model, layers, engine.device, streamed_state)
+    _drop_unread_kv_stores(layers)
     if _is_peft(model):
         _refuse_merging(model)
     # The layer-level options: MLP tiles, kept activations, kept attention outputs.
@@ -1195,6 +1219,7 @@ def prepare_frozen_streamed_model(
         frozen=True,
     )
     install_module_calls(model, layers, engine.device, streamed_state)
+    _drop_unread_kv_stores(layers)
     install_mlp_tiling(model, options.mlp_tile_tokens)
     logger.info(
         "hf_megatrain: frozen streamed model, %d layers (%.2f GiB host store, %s weights only)",

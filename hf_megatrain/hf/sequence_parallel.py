@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .layer_configs import per_layer_attributes
 from .loss import router_aux_loss_on, unwrap_peft
 from .model import attends_in_chunks
 
@@ -108,6 +109,12 @@ def check_sequence_parallel(
             f"node runs {local_world_size} processes; run a multiple of {size} per node."
         )
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if varying := sorted(per_layer_attributes(cfg) & {"head_dim", "num_key_value_heads"}):
+        raise SequenceParallelError(
+            f"hf_megatrain: megatrain_sequence_parallel={size}: the model sets {varying} per "
+            "layer (Gemma 4's full-attention layers), and DeepSpeed's Ulysses attention reads "
+            "one value for every layer; train it without sequence parallelism."
+        )
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     if heads % size or (kv % size and size % kv):

@@ -1,0 +1,51 @@
+"""Config values that may differ per decoder layer.
+
+transformers' heterogeneous configs (``per_layer_config``: Gemma 4's full-attention layers have
+their own head width and key/value heads) raise ``AmbiguousGlobalPerLayerAttributeError`` on
+the global attribute. The planner and the FLOP count read them here: per layer, or the widest
+of them (a layer's working set is planned at the widest layer's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def per_layer_attributes(config: Any) -> frozenset[str]:
+    """The attributes ``config`` sets per layer (empty for a homogeneous config, and with a
+    transformers that has no heterogeneous configs)."""
+    try:
+        names = getattr(config, "per_layer_attributes", None)
+    except Exception:  # noqa: BLE001 - a config class of its own: homogeneous
+        return frozenset()
+    return frozenset(names or ())
+
+
+def layer_values(config: Any, name: str, default: Any = None) -> list[Any]:
+    """``config.<name>`` of each decoder layer: its per-layer config's where the config sets
+    ``name`` per layer, else the global value (or ``default``) for every layer."""
+    if name in per_layer_attributes(config):
+        return [getattr(layer, name, default) for layer in config.per_layer_config]
+    value = getattr(config, name, default)
+    return [value] * int(getattr(config, "num_hidden_layers", 1) or 1)
+
+
+def widest(config: Any, name: str, default: Any = None) -> Any:
+    """``config.<name>``, or the largest of its per-layer values where it is set per layer
+    (``default`` where no layer sets it)."""
+    if name not in per_layer_attributes(config):
+        return getattr(config, name, default)
+    values = [v for v in layer_values(config, name) if v is not None]
+    return max(values) if values else default
+
+
+def attention_widths(config: Any) -> tuple[int, int]:
+    """Per layer at the widest: (head_dim, key/value width = kv heads x head_dim). The query
+    heads are one count for every layer (``num_attention_heads``); a config without
+    ``head_dim`` has ``hidden_size / heads``, one without kv heads has as many as queries."""
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    fallback = config.hidden_size // heads if heads else 0
+    dims = [d or fallback for d in layer_values(config, "head_dim")]
+    kv_heads = [k or heads for k in layer_values(config, "num_key_value_heads")]
+    head_dim = max(dims, default=fallback)
+    return head_dim, max((d * k for d, k in zip(dims, kv_heads)), default=heads * head_dim)
