@@ -138,10 +138,16 @@ SIZE_FIELDS = (
 
 def check_config_sizes(config: Any, where: str) -> None:
     """Refuse a size field of ``config`` (a config or its JSON dict) below 1, naming it."""
+    from .hf.layer_configs import layer_values  # noqa: PLC0415
+
     for name in SIZE_FIELDS:
-        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise CLIError(f"{where}: {name} is {value}; it must be at least 1")
+        if isinstance(config, dict):
+            values = [config.get(name)]
+        else:  # (every layer's where set per layer: Gemma 4's head widths)
+            values = layer_values(config, name)
+        for value in values:
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                raise CLIError(f"{where}: {name} is {value}; it must be at least 1")
 
 
 def check_config_builds(config: Any, where: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    CONFIG_MAPPING,
     AutoConfig,
     Gemma2Config,
     GptOssConfig,
@@ -34,7 +35,7 @@ from hf_megatrain.hf.attention import (
 )
 from hf_megatrain.hf.model import model_shape, model_shape_from_config
 
-from .helpers import common_args, make_data, tiny_config, tiny_model
+from .helpers import common_args, gemma4_config, make_data, tiny_config, tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 WINDOW = 64
@@ -92,7 +93,18 @@ CASES = [
      "heads of 8 < 16"),
     ("attention-dropout", lambda: _facts(_gemma2(attention_dropout=0.1), "sdpa"), CUDA, 32, {},
      "sdpa", "attention dropout"),
+    # Gemma 4's full-attention heads (512 in its checkpoints) beside sliding ones of 256.
+    ("heads-too-wide", lambda: _facts(_gemma4(512)), CUDA, 32, {}, "sdpa", "heads of 512 > 256"),
+    ("every-head-narrow-enough", lambda: _facts(_gemma4(256)), CUDA, 32, {}, FLEX,
+     "sliding window 6 <= sequence 32"),
 ]  # fmt: skip
+
+
+def _gemma4(full_head_dim: int):
+    """Gemma 4's per-layer widths: sliding layers' heads of 128, the full layers' own."""
+    if "gemma4_text" not in CONFIG_MAPPING:
+        pytest.skip("transformers without Gemma 4")
+    return gemma4_config(head_dim=128, global_head_dim=full_head_dim)
 
 
 @pytest.mark.parametrize(

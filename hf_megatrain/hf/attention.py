@@ -35,6 +35,10 @@ SWITCHABLE = ("sdpa", "eager")
 
 #: FlexAttention's Triton kernels need query/key and value heads at least this wide.
 FLEX_MIN_HEAD_DIM = 16
+#: ... and at most this wide: its backward's default blocks for a 256-wide head already fill
+#: most of a Hopper SM's shared memory (and fail to compile on 100 KB parts: pytorch#198224),
+#: and no supported family needed wider before Gemma 4's 512-wide full-attention heads.
+FLEX_MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class AttentionFacts:
     dropout: float = 0.0
     #: What ``sliding_window`` is, in the reasons: "sliding window" or "attention chunk".
     window_kind: str = "sliding window"
+    #: Widest attention head of any layer (0: as ``head_dim``).
+    widest_head_dim: int = 0
 
     @classmethod
     def of_model(cls, model: nn.Module) -> AttentionFacts:
@@ -97,6 +103,7 @@ class AttentionFacts:
             softcapping=bool(getattr(text, "attn_logit_softcapping", None)),
             sliding_window=int(window or 0),
             head_dim=int(min(widths)),
+            widest_head_dim=int(max(widths)),
             dropout=dropout,
             window_kind="attention chunk" if attends_in_chunks(text) else "sliding window",
         )
@@ -162,6 +169,11 @@ def choose_attention(
         why_not = f"{facts.model_class} has no FlexAttention"
     elif facts.head_dim and facts.head_dim < FLEX_MIN_HEAD_DIM:
         why_not = f"heads of {facts.head_dim} < {FLEX_MIN_HEAD_DIM}: too narrow for its kernels"
+    elif facts.widest_head_dim > FLEX_MAX_HEAD_DIM:
+        why_not = (
+            f"heads of {facts.widest_head_dim} > {FLEX_MAX_HEAD_DIM}: wider than its kernels' "
+            "blocks fit in shared memory"
+        )
     elif facts.dropout > 0:
         why_not = f"attention dropout {facts.dropout:g}: FlexAttention has none"
     if why_not:
@@ -220,6 +232,7 @@ def planned_attention(
 
 __all__ = [
     "FLEX",
+    "FLEX_MAX_HEAD_DIM",
     "FLEX_MIN_HEAD_DIM",
     "SWITCHABLE",
     "AttentionChoice",
