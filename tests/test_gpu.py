@@ -33,6 +33,7 @@ from .helpers import (
     LogRecorder,
     assert_close_weights,
     common_args,
+    gemma4_config,
     make_data,
     mega_params,
     one_gpu,
@@ -180,6 +181,27 @@ def test_every_family_trains_like_stock_on_gpu(tmp_path, arch):
         # places (one bf16 copy per weight against autocast's per-op casts; norm weights), so
         # loss within 1% and gradient norm within 5%; a dropped term (aux loss, soft-capping,
         # a multiplier) or a stale weight moves them by far more.
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-2)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
+
+
+@pytest.mark.skipif(not (ARCHS and "gemma4_text" in ARCHS), reason="transformers without Gemma 4")
+def test_gemma4_wide_heads_train_like_stock_on_gpu(tmp_path):
+    """Gemma 4's widths: sliding layers with heads of 256, full-attention layers with heads of
+    512 (no flash kernel: SDPA picks another; FlexAttention is not chosen, heads over 256), rows
+    past the window, bf16, every layer streamed, attention outputs kept by the plan's auto; as
+    the family test's bounds."""
+    config = gemma4_config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                           global_head_dim=512, num_global_key_value_heads=1,
+                           sliding_window=256, max_position_embeddings=2048)  # fmt: skip
+    (stock, _), (mega, mt) = train_both(
+        tiny_model(config), tmp_path, steps=3, bf16=True, learning_rate=1e-3, use_cpu=False,
+        data=_data(8, 1024), per_device_train_batch_size=2,
+    )  # fmt: skip
+    assert mt.model.config._attn_implementation == "sdpa"
+    assert len(stock) == len(mega) == 3
+    for a, b in zip(stock, mega):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-2)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
 

@@ -95,8 +95,13 @@ EAGER_SCORE_COPIES: dict[str, tuple[int, int]] = {
     "xglm": (0, 1),
     # Granite SWA's attention (eager only) holds 3.2 B per element and head more than the line
     # on the CPU tracker (its step 1.16x the plan at hidden 256 and 384, 2,048 tokens); an fp32
-    # copy bounds it.
+    # copy bounds it. Granite-MoE SWA runs the same attention: on the H100 (2026-12-07, hidden
+    # 1,024, 16,384 tokens) 1.12x its plan without the copy, Granite SWA 0.98x with it.
     "granite_swa": (0, 1),
+    "granitemoe_swa": (0, 1),
+    # GPT-NeoX Japanese's eager attention: BLOOM's baddbmm into a compute-dtype buffer (the H100
+    # as above: 1.09x its plan without the copy, 0.79 of one over the line).
+    "gpt_neox_japanese": (1, 0),
 }
 
 #: Per token, what a family's own decoder layer holds in its recomputed backward beyond the
@@ -193,10 +198,14 @@ def fitted_bytes(row: tuple | None, h: int, q: int, kv: int, i: int) -> int:
 #: plan there without a term (7.6 B per token and MLP element over it, tree 421c99e; 0.78x with
 #: it on another start, whose step measured 7% less), where the CPU tracker finds its plan
 #: 1.06-1.28x above its layer; nanochat's measured 14 bounds it from above.
+#: Jais 2's ReLU^2 (``relu2``, a pow) in its non-gated MLP: 1.31x its plan on the H100
+#: (2026-12-07, hidden 1,024, 16,384 tokens) with its CPU-fitted row alone, 7.7 B per token and
+#: MLP element over it; nanochat's 14 bounds it from above, as Persimmon's.
 #: Families without a fitted residual take the term alone (``FAMILY_WORKING_SET_EXTRA``).
 CUDA_ACTIVATION_EXTRA_PER_INTER: dict[str, int] = {"apertus": 13, "arcee": 11, "nemotron": 10,
                                                    "phi": 15, "nanochat": 14, "gpt2": 15,
-                                                   "codegen": 15, "persimmon": 14}  # fmt: skip
+                                                   "codegen": 15, "persimmon": 14,
+                                                   "jais2": 14}  # fmt: skip
 
 
 def _fitted_residual(model_type: str) -> tuple[str, Callable[[Any, int, int, int, int], int]]:
