@@ -30,15 +30,6 @@ def layer_values(config: Any, name: str, default: Any = None) -> list[Any]:
     return [value] * int(getattr(config, "num_hidden_layers", 1) or 1)
 
 
-def widest(config: Any, name: str, default: Any = None) -> Any:
-    """``config.<name>``, or the largest of its per-layer values where it is set per layer
-    (``default`` where no layer sets it)."""
-    if name not in per_layer_attributes(config):
-        return getattr(config, name, default)
-    values = [v for v in layer_values(config, name) if v is not None]
-    return max(values) if values else default
-
-
 def attention_widths(config: Any) -> tuple[int, int]:
     """Per layer at the widest: (head_dim, key/value width = kv heads x head_dim). The query
     heads are one count for every layer (``num_attention_heads``); a config without

@@ -312,7 +312,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
             kv_width,
             inter,
         ),
-        # Gemma-2/3's four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
+        # Gemma 2-4: four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
         gemma_norms=family in ("gemma2", "gemma3_text", "gemma4_text"),
         peak_working_set_audited=family in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
         sdpa_attention=runs == "sdpa",
