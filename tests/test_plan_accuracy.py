@@ -33,13 +33,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
+from transformers import (
+    CONFIG_MAPPING,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen3Config,
+)
 
 import hf_megatrain.core.chunked_loss as chunked_loss
 from hf_megatrain.core.activation_memory import (
     ADAPTER_KIND,
     EAGER_SCORES_KIND,
     MASK_KIND,
+    ROPE_KIND,
     attention_mask_lines,
     kept_attention_lines,
 )
@@ -57,7 +65,7 @@ from hf_megatrain.hf.model import (
     prepare_streamed_model,
 )
 
-from .helpers import LiveStorages
+from .helpers import LiveStorages, gemma4_config, tiny_config, tiny_model
 
 BF16 = torch.bfloat16
 #: Widths none of which equals a token count below, so every tensor's role shows in its shape.
@@ -1294,3 +1302,35 @@ def test_the_whole_step_grows_per_token_within_the_plan(model_type, monkeypatch)
     assert grown["measured"] <= grown["planned"] + grown["margin"], grown
     # The plan's lines stay close from above: within the working set's own 4% error.
     assert grown["measured"] >= 0.96 * grown["planned"], grown
+
+
+@pytest.mark.parametrize(
+    "model_type", ["llama", "gemma3_text", "olmo3", "mellum", "laguna", "mimo_v2_flash", "gemma4"]
+)
+def test_rope_tables_planned_are_the_ones_the_forward_makes(model_type):
+    """The plan's RoPE line: one cos/sin pair of head_dim, or, where the model's rotary
+    embedding makes one per attention layer type (Gemma 3 and 4, OLMo 3, ...), the sum of
+    their widths (Gemma 4's full-attention table twice its sliding one's). Checked against
+    the tables one forward of the model makes."""
+    if model_type == "gemma4":
+        if "gemma4_text" not in CONFIG_MAPPING:
+            pytest.skip("transformers without Gemma 4")
+        model = tiny_model(gemma4_config())
+    else:
+        if model_type not in CONFIG_MAPPING:
+            pytest.skip(f"transformers without {model_type}")
+        model = tiny_model(tiny_config(model_type))
+    widths = []
+    rotary = model.model.rotary_emb
+    hook = rotary.register_forward_hook(lambda m, args, out: widths.append(out[0].shape[-1]))
+    with torch.no_grad():
+        model(input_ids=torch.arange(8).unsqueeze(0), use_cache=False)
+    hook.remove()
+    shape = model_shape(model)
+    planned = shape.rope_table_elements or shape.head_dim
+    assert planned == sum(widths), widths
+    step = StepShape(micro_batch_tokens=8, seq_len=8)
+    options = EngineOptions().resolve(clipping=True, cuda=True)
+    plan = plan_memory(shape, step, options, BF16, 1 << 50, 1 << 50)
+    rope = [ln.nbytes for ln in plan.gpu_lines if ln.kind == ROPE_KIND]
+    assert rope == [8 * planned * 2 * 4]  # fp32 cos and sin

@@ -1489,12 +1489,19 @@ def activation_lines(
         )
     if shape.head_dim:
         # The rotary embedding's cos and sin for the micro-batch, in the dtype of the embedding
-        # output (fp32: the non-layer parameters are fp32): one tensor pair that every layer
-        # saves by reference (never offloaded), alive from the embedding to the last backward.
+        # output (fp32: the non-layer parameters are fp32): one tensor pair (one per attention
+        # layer type where the model makes several) that every layer saves by reference (never
+        # offloaded), alive from the embedding to the last backward.
+        width = shape.rope_table_elements or shape.head_dim
+        what = (
+            f"{width} channels of the layer types' tables"
+            if shape.rope_table_elements
+            else f"head_dim {shape.head_dim}"
+        )
         lines.append(
             MemoryLine(
-                f"RoPE cos/sin tables (fp32): {t} tokens x head_dim {shape.head_dim} x 2 x 4 B",
-                t * shape.head_dim * 2 * 4,
+                f"RoPE cos/sin tables (fp32): {t} tokens x {what} x 2 x 4 B",
+                t * width * 2 * 4,
                 ROPE_KIND,
             )
         )

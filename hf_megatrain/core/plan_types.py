@@ -127,6 +127,10 @@ class ModelShape:
     # tables (its own re-laid-out copies of them: ERNIE 4.5, Helium, GLM), measured by calling
     # it (hf/rope_saves.py); held by every recomputed and kept layer.
     rope_saved_bytes_per_token: int = 0
+    # Channels per token of the model's cos tables (as many for sin), where it makes one per
+    # attention layer type (Gemma 3 and 4: one each, of the type's own width); 0: one table of
+    # head_dim.
+    rope_table_elements: int = 0
     # Bytes per token a kept layer of the family saves beyond the count of
     # ``kept_activation_bytes_per_token`` (fitted per family on saved tensors,
     # hf/family_memory.py; negative where it saves less).

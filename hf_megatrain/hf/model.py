@@ -72,7 +72,7 @@ from .loss import (
     unwrap_peft,
 )
 from .module_calls import install_module_calls
-from .rope_saves import rope_saved_bytes_per_token
+from .rope_saves import rope_saved_bytes_per_token, rope_table_elements
 
 logger = logging.getLogger(__name__)
 
@@ -331,6 +331,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         rope_saved_bytes_per_token=rope_saved_bytes_per_token(
             model, heads, kv_heads, head_dim, torch.bfloat16
         ),
+        rope_table_elements=rope_table_elements(model),
         name=name,
     )
 

@@ -38,6 +38,23 @@ def _rotary_width(model: nn.Module) -> int:
     return 0
 
 
+def rope_table_elements(model: nn.Module) -> int:
+    """Channels per token of every cos table the model's forward makes for a micro-batch (as
+    many again for sin), where its rotary embedding makes one per attention layer type (Gemma 3
+    and 4, OLMo 3, Mellum, ...: a ``<type>_inv_freq`` buffer each, Gemma 4's full-attention
+    table twice as wide as its sliding one): their sum. 0 where it makes one table (the plan
+    takes head_dim)."""
+    for module in model.modules():
+        widths = [
+            2 * buf.shape[0]
+            for name, buf in module.named_buffers(recurse=False)
+            if name.endswith("_inv_freq") and "original" not in name and buf.dim() == 1
+        ]
+        if widths:
+            return sum(widths)
+    return 0
+
+
 def rope_saved_bytes_per_token(
     model: nn.Module, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
