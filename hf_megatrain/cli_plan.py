@@ -133,7 +133,12 @@ def plan_config(path: str):
     """The model config of ``hf-megatrain plan``'s argument: a config.json or a folder with one."""
     from transformers import AutoConfig  # noqa: PLC0415
 
-    from .hf.families import model_family, text_model_type, unsupported_model_type  # noqa: PLC0415
+    from .hf.families import (  # noqa: PLC0415
+        model_family,
+        text_model_type,
+        unstreamed_feature,
+        unsupported_model_type,
+    )
 
     p = Path(path)
     if p.is_dir():
@@ -147,10 +152,13 @@ def plan_config(path: str):
             text = text_model_type(cfg)
             raise CLIError(unsupported_model_type(str(p), cfg.model_type, "", text))
         check_config_sizes(cfg, str(p / "config.json"))
-        return cfg
-    if not p.is_file():
+    elif p.is_file():
+        cfg = config_from_json(str(p))
+    else:
         raise CLIError(f"config not found: {path} (give a config.json or a folder with one)")
-    return config_from_json(str(p))
+    if (why := unstreamed_feature(cfg.model_type, cfg)) is not None:
+        raise CLIError(f"{p}: {why}")  # (the trainer would refuse it: no plan for it either)
+    return cfg
 
 
 def plan_label(path: str) -> str:

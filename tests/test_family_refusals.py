@@ -195,6 +195,11 @@ def test_gemma4_features_not_streamed_are_refused_by_name(tmp_path, setting):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     msg = _refusal(loading.check_model_type, str(tmp_path))
     assert f": {key}={value}: its " in msg and "31B, 26B-A4B" in msg
+    from hf_megatrain.cli import main  # noqa: PLC0415
+
+    # ``plan`` refuses it too, rather than plan a model the trainer refuses.
+    with pytest.raises(SystemExit, match=f"{key}={value}: its "):
+        main(["plan", str(tmp_path), "--seq-len", "8", "--tokens-per-step", "8"])
 
 
 def test_cli_plan_names_the_text_model_of_a_multimodal_config(tmp_path):
