@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(
     "gemma4_text" not in CONFIG_MAPPING, reason="transformers without Gemma 4"
 )
 
-#: 26B-A4B's layer: the dense MLP and top-2 of 4 routed experts, each expert's output
-#: RMS-normed before the two are added.
+#: The kind of layer 26B-A4B has (there top-8 of 128): the dense MLP and top-2 of 4 routed
+#: experts, the experts' output RMS-normed before the two are added.
 MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
 
 
