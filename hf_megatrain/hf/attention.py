@@ -35,9 +35,9 @@ SWITCHABLE = ("sdpa", "eager")
 
 #: FlexAttention's Triton kernels need query/key and value heads at least this wide.
 FLEX_MIN_HEAD_DIM = 16
-#: ... and at most this wide: its backward's default blocks for a 256-wide head already fill
-#: most of a Hopper SM's shared memory (and fail to compile on 100 KB parts: pytorch#198224),
-#: and no supported family needed wider before Gemma 4's 512-wide full-attention heads.
+#: ... and at most this wide: on an H100 (torch 2.11, ``dev/flex_head_probe.py``) a compiled
+#: training step ran at 128 and 256, and at 512 (Gemma 4's full-attention heads) failed to
+#: compile (its forward's blocks asked 256 KiB of shared memory, 227 KiB there).
 FLEX_MAX_HEAD_DIM = 256
 
 

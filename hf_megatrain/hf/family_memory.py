@@ -96,11 +96,11 @@ EAGER_SCORE_COPIES: dict[str, tuple[int, int]] = {
     # Granite SWA's attention (eager only) holds 3.2 B per element and head more than the line
     # on the CPU tracker (its step 1.16x the plan at hidden 256 and 384, 2,048 tokens); an fp32
     # copy bounds it. Granite-MoE SWA runs the same attention: on the H100 (2026-12-07, hidden
-    # 1,024, 16,384 tokens) 1.12x its plan without the copy, Granite SWA 0.98x with it.
+    # 1,024, 16,384 tokens) 1.12x its plan without the copy, 0.93x with it (at hidden 768 too).
     "granite_swa": (0, 1),
     "granitemoe_swa": (0, 1),
     # GPT-NeoX Japanese's eager attention: BLOOM's baddbmm into a compute-dtype buffer (the H100
-    # as above: 1.09x its plan without the copy, 0.79 of one over the line).
+    # as above: 1.09x its plan without the copy, 0.79 of one over the line; 0.97-0.98x with it).
     "gpt_neox_japanese": (1, 0),
 }
 
@@ -200,7 +200,8 @@ def fitted_bytes(row: tuple | None, h: int, q: int, kv: int, i: int) -> int:
 #: 1.06-1.28x above its layer; nanochat's measured 14 bounds it from above.
 #: Jais 2's ReLU^2 (``relu2``, a pow) in its non-gated MLP: 1.31x its plan on the H100
 #: (2026-12-07, hidden 1,024, 16,384 tokens) with its CPU-fitted row alone, 7.7 B per token and
-#: MLP element over it; nanochat's 14 bounds it from above, as Persimmon's.
+#: MLP element over it; nanochat's 14 bounds it from above, as Persimmon's (0.82-0.84x with it,
+#: hidden 768 and 1,024).
 #: Families without a fitted residual take the term alone (``FAMILY_WORKING_SET_EXTRA``).
 CUDA_ACTIVATION_EXTRA_PER_INTER: dict[str, int] = {"apertus": 13, "arcee": 11, "nemotron": 10,
                                                    "phi": 15, "nanochat": 14, "gpt2": 15,
