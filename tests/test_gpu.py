@@ -189,32 +189,29 @@ def test_every_family_trains_like_stock_on_gpu(tmp_path, arch):
 def test_gemma4_wide_heads_train_like_stock_on_gpu(tmp_path):
     """Gemma 4's widths: sliding layers with heads of 256, full-attention layers with heads of
     512 (no flash kernel: SDPA picks another; FlexAttention is not chosen, heads over 256), rows
-    past the window, bf16, every layer streamed, attention outputs kept by the plan's auto.
+    past the window, every layer streamed, attention outputs kept by the plan's auto.
 
-    This config is chaotic by step 3 (the first after an update: warmup 1 gives step 1 lr 0):
-    on the CPU stock against itself as 1 x 2 accumulation differs 22% on the grad norm there
-    (streamed 8%); on the H100 streamed was 17% from stock. So each step within the family
-    test's bounds or 1.5x stock's own spread so far, whichever is wider."""
+    In fp32, 3 steps: as stock's (H100: the first two equal to print precision, the third's
+    grad norm 1.7e-4 apart). In bf16, the two steps before the first update (warmup 1: step 1
+    at lr 0) within the family test's bounds (measured 2e-4 and 4e-4 on the grad norm): the
+    config is chaotic from its first updated step on (stock against its own 1 x 2
+    accumulation 22% apart on the CPU, and 1.8% apart between two stock runs on the H100)."""
     config = gemma4_config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=256,
                            global_head_dim=512, num_global_key_value_heads=1,
                            sliding_window=256, max_position_embeddings=2048)  # fmt: skip
     model = tiny_model(config)
-    kw = dict(steps=3, bf16=True, learning_rate=1e-3, use_cpu=False, data=_data(8, 1024))
-    (stock, _), (mega, mt) = train_both(model, tmp_path, per_device_train_batch_size=2, **kw)
-    twin, _ = run_trainer(
-        copy.deepcopy(model), tmp_path, "twin", False, max_steps=3, bf16=True,
-        learning_rate=1e-3, use_cpu=False, data=_data(8, 1024), per_device_train_batch_size=1,
-        gradient_accumulation_steps=2,
-    )  # fmt: skip
+    kw = dict(learning_rate=1e-3, use_cpu=False, data=_data(8, 1024), per_device_train_batch_size=2)
+    (stock, _), (mega, mt) = train_both(model, tmp_path, steps=3, **kw)
     assert mt.model.config._attn_implementation == "sdpa"
-    assert len(stock) == len(mega) == len(twin) == 3
-    loss_spread = norm_spread = 0.0
-    for a, b, t in zip(stock, mega, twin):
-        loss_spread = max(loss_spread, abs(t["loss"] / a["loss"] - 1))
-        norm_spread = max(norm_spread, abs(t["grad_norm"] / a["grad_norm"] - 1))
-        assert b["loss"] == pytest.approx(a["loss"], rel=max(1e-2, 1.5 * loss_spread))
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=max(5e-2, 1.5 * norm_spread))
+    assert len(stock) == len(mega) == 3
+    for a, b in zip(stock, mega):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+    (stock, _), (mega, _) = train_both(model, tmp_path, steps=2, bf16=True, **kw)
+    for a, b in zip(stock, mega):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-2)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
 
 
 def test_h2d_copies_overlap_compute(tmp_path):
