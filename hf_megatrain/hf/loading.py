@@ -32,6 +32,7 @@ from .checkpoint import (
     resolve_checkpoint_key,
 )
 from .families import (
+    UNSTREAMED_FEATURES,
     model_family,
     text_model_type,
     unstreamed_feature,
@@ -263,7 +264,9 @@ def check_model_type(path: str) -> None:
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type is None:
         return  # (transformers decides; the model is checked when streamed)
-    if model_family(model_type) is not None:
+    if (family := model_family(model_type)) is not None:
+        if family not in {owner for owner, _ in UNSTREAMED_FEATURES}:
+            return  # (no config of it to build: nothing it could turn on is refused)
         if (why := unstreamed_feature(model_type, _config_of(model_type, raw))) is not None:
             raise UnsupportedModelError(f"hf_megatrain: {path}: {why}.")
         return
