@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import flex_offsets
-from .layer_configs import layer_values
+from .layer_configs import head_dims
 from .loss import unwrap_peft
 from .model import attends_in_chunks, attention_windows
 
@@ -87,9 +87,8 @@ class AttentionFacts:
         supports_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
         window, _ = attention_windows(text)
         heads = getattr(text, "num_attention_heads", None) or 0
-        fallback = text.hidden_size // heads if heads else 0
         # Every layer's (Gemma 4's full-attention layers have their own): the narrowest says.
-        dims = [d or fallback for d in layer_values(text, "head_dim")] or [fallback]
+        dims = head_dims(text) or [text.hidden_size // heads if heads else 0]
         widths = [*dims, getattr(text, "v_head_dim", None) or min(dims)]
         dropout = max(
             float(getattr(text, name, 0.0) or 0.0) for name in ("attention_dropout", "attn_pdrop")

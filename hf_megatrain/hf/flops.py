@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from .layer_configs import layer_values
+from .layer_configs import head_dims
 
 # layer_types entries without a softmax over past keys (their cost is in the parameters).
 _NO_QUADRATIC_TERM = ("linear_attention", "conv", "mamba", "ssm", "recurrent")
@@ -49,13 +49,13 @@ def attention_flops_per_token(config: Any, seq_len: int) -> float:
     ``seq_len`` tokens, from the config's heads, head dims and layer types / sliding window."""
     cfg = _text_config(config)
     heads = cfg.num_attention_heads
+    qk_dim = getattr(cfg, "qk_head_dim", None)
+    v_dim = getattr(cfg, "v_head_dim", None)
     total = 0.0
     # Per layer: its own head width where layers differ (Gemma 4's full-attention layers).
-    for kind, head_dim in zip(_layer_kinds(cfg), layer_values(cfg, "head_dim")):
-        head_dim = head_dim or cfg.hidden_size // heads
-        qk_dim = getattr(cfg, "qk_head_dim", None) or head_dim
-        v_dim = getattr(cfg, "v_head_dim", None) or head_dim
-        total += 6 * heads * (qk_dim + v_dim) * _keys_per_query(cfg, kind, seq_len)
+    for kind, head_dim in zip(_layer_kinds(cfg), head_dims(cfg)):
+        per_key = 6 * heads * ((qk_dim or head_dim) + (v_dim or head_dim))
+        total += per_key * _keys_per_query(cfg, kind, seq_len)
     return total
 
 

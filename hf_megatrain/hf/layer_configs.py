@@ -30,13 +30,20 @@ def layer_values(config: Any, name: str, default: Any = None) -> list[Any]:
     return [value] * int(getattr(config, "num_hidden_layers", 1) or 1)
 
 
-def attention_widths(config: Any) -> tuple[int, int]:
-    """Per layer at the widest: (head_dim, key/value width = kv heads x head_dim). The query
-    heads are one count for every layer (``num_attention_heads``); a config without
-    ``head_dim`` has ``hidden_size / heads``, one without kv heads has as many as queries."""
+def head_dims(config: Any) -> list[int]:
+    """Each decoder layer's attention head width: its ``head_dim``, else ``hidden_size /
+    num_attention_heads`` (0 without heads)."""
     heads = getattr(config, "num_attention_heads", 0) or 0
     fallback = config.hidden_size // heads if heads else 0
-    dims = [d or fallback for d in layer_values(config, "head_dim")]
+    return [d or fallback for d in layer_values(config, "head_dim")]
+
+
+def attention_widths(config: Any) -> tuple[int, int]:
+    """Per layer at the widest: (head_dim, key/value width = kv heads x head_dim). The query
+    heads are one count for every layer (``num_attention_heads``); a config without kv heads
+    has as many as queries."""
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    dims = head_dims(config)
     kv_heads = [k or heads for k in layer_values(config, "num_key_value_heads")]
-    head_dim = max(dims, default=fallback)
+    head_dim = max(dims, default=0)
     return head_dim, max((d * k for d, k in zip(dims, kv_heads)), default=heads * head_dim)
