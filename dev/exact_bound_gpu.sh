@@ -139,6 +139,7 @@
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
+#   gemma4wide tests/test_gpu.py's Gemma 4 case at its own widths (heads of 256 and 512).
 #   savetests  tests/test_gpu.py's save cases: a shard at a time, fused MoE experts reverted as
 #              views (2026-12-07), save/resume on the CUDA path, a second gradient in one
 #              micro-batch under eager updates (SecondGradientError from the CUDA drain).
@@ -565,6 +566,10 @@ PY
     over508k)
       run over508k qwen2.5-7b:507904 900 --streamed-init --auto-fit off --resident-layers 0 \
         --mlp-tile-tokens 16384 --offload-activations --stream-fp32-master --checkpoint-every 6
+      ;;
+    gemma4wide)  # Gemma 4 at its own head widths (256 sliding, 512 full) against stock on CUDA
+      timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "gemma4_wide" 2>&1 | grep -v '^DEBUG'
       ;;
     savetests)
       timeout 300 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
