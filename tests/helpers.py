@@ -291,6 +291,12 @@ _LINEAR = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_he
                linear_num_value_heads=4)  # fmt: skip
 #: An indexer picking 4 positions per query (fewer than SEQ: some projections get no gradient).
 _INDEXER = dict(index_topk=4, index_head_dim=8, index_n_heads=2)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head="auto", mamba_n_groups=2, mamba_d_state=8,
+               mamba_chunk_size=4)  # fmt: skip
+#: Mamba-2 head counts that must make the inner width (2 x hidden) with their head width:
+#: family -> (heads, head width) names; set from the hidden size a test asks for.
+_SSM_HEAD_NAMES = {"mamba2": ("num_heads", "head_dim"),
+                   "nemotron_h": ("mamba_num_heads", "mamba_head_dim")}  # fmt: skip
 _GRANITE = dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.5,
                 attention_multiplier=0.125)  # fmt: skip
 
@@ -411,6 +417,29 @@ ADDED_FAMILY_OVERRIDES: dict[str, Callable[[int], dict]] = {
                                   attention_k_eq_v=True,
                                   config_kwargs=dict(global_head_dim=16,
                                                      num_global_key_value_heads=1)),
+    # --- Added 2026-12-07 (51st session): state-space families. Mamba-2 mixers of 4 heads of 16,
+    # state 8 in 2 groups, chunks of 4 (the 16-token rows span four: the inter-chunk recurrence
+    # runs); attention layers between them.
+    "mamba2": lambda n: dict(head_dim=16, n_groups=2, state_size=8, chunk_size=4),
+    "bamba": lambda n: dict(attn_layer_indices=[1], **_MAMBA2),
+    "granitemoehybrid": lambda n: dict(layer_types=_cycle(n, ("mamba", "attention")), **_MAMBA2,
+                                       **_GRANITE, shared_intermediate_size=16),
+    # Mamba-2, attention and MoE layers (Nemotron 3's pattern; "mlp" layers are dense ones).
+    "nemotron_h": lambda n: dict(layers_block_type=_cycle(n, ("linear_attention", "full_attention", "moe")),
+                                 mamba_head_dim=16, n_groups=2, ssm_state_size=8,
+                                 chunk_size=4, moe_shared_expert_intermediate_size=16),
+    # Mamba-2 beside attention in every layer, with every muP multiplier off 1.
+    "falcon_h1": lambda n: dict(mamba_d_ssm=None, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8,
+                                mamba_chunk_size=4, mamba_rms_norm=True, lm_head_multiplier=0.5,
+                                embedding_multiplier=2.0, mlp_multipliers=[0.5, 2.0],
+                                key_multiplier=0.7, attention_out_multiplier=0.8,
+                                attention_in_multiplier=1.2, ssm_multipliers=[0.5, 0.6, 0.7, 0.8, 0.9],
+                                ssm_in_multiplier=1.3, ssm_out_multiplier=0.9),
+    # Mamba-1's selective scan (state 8); Jamba's attention and MoE layers between its own.
+    "mamba": lambda n: dict(state_size=8, expand=2, conv_kernel=4),
+    "falcon_mamba": lambda n: dict(state_size=8, expand=2, conv_kernel=4),
+    "jamba": lambda n: dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                            expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2),
 }  # fmt: skip
 #: Their default layer count where the family's pattern needs three.
 _ADDED_FAMILY_LAYERS = {
@@ -420,7 +449,7 @@ _ADDED_FAMILY_LAYERS = {
                    "kimi_linear", "minimax", "mellum", "laguna", "hy_v3", "glm_moe_dsa", "axk1",
                    "axk2", "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe",
                    "bailing_hybrid", "lara_mini", "flint", "kolibri1", "minicpm5_moe", "beam",
-                   "lfm3", "gemma4_text")
+                   "lfm3", "gemma4_text", "bamba", "granitemoehybrid", "nemotron_h", "jamba")
 }  # fmt: skip
 
 
@@ -475,6 +504,9 @@ def _added_family_config(arch: str, base: dict):
     overrides = ADDED_FAMILY_OVERRIDES[arch](base["num_hidden_layers"])
     kwargs.update({k: v for k, v in overrides.items() if k in params or k in aliases})
     kwargs.update(overrides.get("config_kwargs", {}))  # (taken by **kwargs, not named)
+    if arch in _SSM_HEAD_NAMES:
+        heads, width = _SSM_HEAD_NAMES[arch]
+        kwargs[heads] = 2 * base["hidden_size"] // kwargs[width]
     return cls(**kwargs)
 
 

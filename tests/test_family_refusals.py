@@ -154,7 +154,7 @@ def test_the_refusal_lists_the_closest_types_and_where_all_are(tmp_path, model_t
     [
         ("dbrx", "fail under bf16 autocast"),
         ("gemma3n_text", "keys and values"),
-        ("jamba", "Mamba layers"),
+        ("zaya", "MoE layers' memory"),
     ],
 )
 def test_a_refusal_found_by_a_probe_says_why(tmp_path, model_type, why):

@@ -135,3 +135,17 @@ def test_no_recorded_run_claims_more_than_the_gpu_can_do():
         assert float(row["mfu"]) == pytest.approx(bench.mfu(per_token, tps), rel=2e-3), where
         checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "bamba", "jamba", "mamba2", "mamba"])
+def test_state_space_mlp_and_moe_layers_have_no_quadratic_term(arch):
+    """Only attention layers count keys: Nemotron-H's Mamba-2, MLP and MoE layers, Bamba's and
+    Jamba's Mamba layers do not, and Mamba's configs (no attention heads at all) count none."""
+    seq_len = 8192
+    cfg = tiny_config(arch)
+    attention = [t == "full_attention" for t in cfg.layer_types]
+    heads = getattr(cfg, "num_attention_heads", 0)
+    head_dim = getattr(cfg, "head_dim", 0) or (heads and cfg.hidden_size // heads)
+    counted = 6 * heads * 2 * head_dim * sum(attention) * _mean_keys(seq_len, None)
+    assert attention_flops_per_token(cfg, seq_len) == pytest.approx(counted, rel=1e-3)
+    assert (counted > 0) == any(attention)

@@ -318,7 +318,40 @@ def family_config(
         cfg.sliding_window = positions
     if getattr(cfg, "attention_chunk_size", None) and not keep_window:  # Llama 4's chunks
         cfg.attention_chunk_size = positions
+    ssm_widths(cfg, h)
     return cfg
+
+
+#: A state-space mixer's widths under each family's names: (heads, head width, state, groups,
+#: chunk, expansion); Mamba-1's inner width is the MLP width ``family_config`` sets.
+_SSM_NAMES = (
+    ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_chunk_size",
+     "mamba_expand"),  # Bamba, Granite 4.0 hybrid, Falcon-H1
+    ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size", "expand"),
+    ("num_heads", "head_dim", "state_size", "n_groups", "chunk_size", "expand"),  # Mamba-2
+)  # fmt: skip
+
+
+def ssm_widths(
+    cfg, h: int, head_dim: int = 64, state: int = 128, groups: int = 1, chunk: int = 256
+) -> None:
+    """Set ``cfg``'s Mamba-2 mixer (if it has one) to real models' proportions at hidden ``h``:
+    an inner width of 2h in heads of ``head_dim``, ``state`` per group, ``chunk``-token chunks
+    (Granite 4.0's, Bamba's: 64, 128, 1, 256); Mamba-1's state to ``state // 8`` (its 16)."""
+    fields = cfg.to_dict()
+    if cfg.model_type in ("mamba", "falcon_mamba"):
+        cfg.state_size = state // 8
+        return
+    if cfg.model_type == "jamba":
+        cfg.mamba_d_state = state // 8
+        return
+    for names in _SSM_NAMES:
+        if names[0] in fields and names[2] in fields:
+            for name, value in zip(names, (2 * h // head_dim, head_dim, state, groups, chunk, 2)):
+                setattr(cfg, name, value)
+            if "mamba_d_ssm" in fields:  # Falcon-H1's inner width, set apart
+                cfg.mamba_d_ssm = 2 * h
+            return
 
 
 def _per_layer_family_config(cfg, h: int, heads: int, kv_heads: int, head_dim: int, inter: int):

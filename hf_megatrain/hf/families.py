@@ -110,6 +110,14 @@ SUPPORTED_MODEL_TYPES = {
     "hyperclovax": "HyperCLOVA X (muP multipliers, logits multiplied by logits_scaling)",
     "gemma4_text": "Gemma 4 (text: sliding + full attention layers of their own head widths, "
     "keys as values, soft-capped logits, MoE beside the MLP)",
+    "mamba2": "Mamba-2 (chunked state-space scan)",
+    "bamba": "Bamba (Mamba-2 + attention layers)",
+    "granitemoehybrid": "Granite 4.0 hybrid (Mamba-2 + attention layers, MoE, Granite's multipliers)",
+    "nemotron_h": "Nemotron-H / Nemotron 3 (Mamba-2, attention, MLP and MoE layers)",
+    "falcon_h1": "Falcon-H1 (Mamba-2 beside attention in each layer, muP multipliers)",
+    "mamba": "Mamba (selective scan)",
+    "falcon_mamba": "Falcon Mamba (selective scan, normed B, C and time steps)",
+    "jamba": "Jamba (Mamba + attention layers, MoE)",
 }
 
 
@@ -187,11 +195,6 @@ REFUSAL_REASONS = {
     ),
     "longcat_flash": "each of its layers holds two attention and MLP sub-layers",
     **dict.fromkeys(("zamba", "zamba2"), "one block of its weights serves several layers"),
-    **dict.fromkeys(
-        ("jamba", "bamba", "falcon_h1", "nemotron_h", "granitemoehybrid", "mamba", "mamba2",
-         "falcon_mamba"),
-        "its Mamba layers' memory is not planned",
-    ),
 }  # fmt: skip
 
 #: Features of a supported family's config that are not streamed: (family, config attribute)

@@ -251,6 +251,68 @@ def _gated_deltanet(model_type: str) -> Callable[[Any, int, int, int, int], int]
     return term
 
 
+#: A Mamba-2 mixer's widths under each family's config names: (heads, head width, state,
+#: groups, chunk).
+_MAMBA2_NAMES = (
+    ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_chunk_size"),
+    ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size"),
+    ("num_heads", "head_dim", "state_size", "n_groups", "chunk_size"),
+)
+#: Families whose every layer holds a Mamba-2 mixer (Falcon-H1's beside its attention); the
+#: others have one where ``layer_types`` says "linear_attention" or "mamba".
+_EVERY_LAYER_SSM_MODEL_TYPES = frozenset({"mamba2", "falcon_h1", "mamba", "falcon_mamba"})
+
+
+#: B per token, chunk position, head and state-or-head-width element that transformers < 5.25's
+#: broadcast Mamba-2 chunk scan holds beyond the einsum one's (fitted on that version).
+MAMBA2_BROADCAST_BYTES = 0
+
+
+def _has_ssm_layers(model_type: str, cfg) -> bool:
+    if model_type in _EVERY_LAYER_SSM_MODEL_TYPES:
+        return True
+    kinds = list(getattr(cfg, "layer_types", None) or ())
+    kinds += list(getattr(cfg, "layers_block_type", None) or ())
+    return any(k in ("linear_attention", "mamba") for k in kinds)
+
+
+def _mamba2_mixer(model_type: str) -> Callable[[Any, int, int, int, int], int]:
+    """Per token, what a Mamba-2 mixer's chunked scan holds in its recomputed backward beyond
+    the working-set line, under transformers' PyTorch implementation (no mamba-ssm kernels:
+    planned high with them). ``dev/ssm_plan_fit.py`` (the CPU tracker, Bamba at eight mixer
+    widths: hidden 256-512, heads of 16-64, state 32-128, 1-2 groups, chunks of 32-128) fitted
+    12.1 B per chunk position and head (the scores, decay and masked products of each chunk),
+    20.5 per head and state element (B and C repeated to every head), 28.6 per inner element,
+    8.4 per group and state element and 5.5 per chunk-state element per token; rounded up,
+    the term bounds every point (2-7% above). transformers before 5.25 multiplied and summed
+    over the state and head width in broadcast products instead of einsums: their
+    (chunk x chunk x heads x state) and (x head width) intermediates, per token
+    ``MAMBA2_BROADCAST_BYTES`` per chunk position, head and state-or-head-width element."""
+
+    def term(cfg, h: int, q: int, kv: int, i: int) -> int:
+        if not _has_ssm_layers(model_type, cfg):
+            return 0
+        fields = cfg.to_dict()
+        names = next(n for n in _MAMBA2_NAMES if n[0] in fields and n[2] in fields)
+        heads, width, state, groups, chunk = (int(getattr(cfg, n)) for n in names)
+        inner = heads * width
+        einsum = (13 * chunk * heads + 21 * heads * state + 29 * inner + 9 * groups * state
+                  + math.ceil(6 * inner * state / chunk))  # fmt: skip
+        if _einsum_chunk_scan():
+            return einsum
+        return einsum + MAMBA2_BROADCAST_BYTES * chunk * heads * (state + width)
+
+    return term
+
+
+def _einsum_chunk_scan() -> bool:
+    """Whether the installed transformers' Mamba-2 chunk scan contracts with einsums (5.25 on)."""
+    import transformers  # noqa: PLC0415
+    from packaging.version import Version  # noqa: PLC0415
+
+    return Version(transformers.__version__) >= Version("5.25")
+
+
 FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int], int]]] = {
     **{t: _fitted_residual(t) for t in FITTED_WORKING_SET_RESIDUALS},
     **{
@@ -297,5 +359,9 @@ FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int
     **{
         t: ("the Gated DeltaNet layers (PyTorch fallback)", _gated_deltanet(t))
         for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini")
+    },
+    **{
+        t: ("the Mamba-2 layers (PyTorch fallback)", _mamba2_mixer(t))
+        for t in ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1")
     },
 }

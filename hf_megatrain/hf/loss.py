@@ -41,16 +41,21 @@ logger = logging.getLogger(__name__)
 FUSED_LOSS_MODEL_TYPES = frozenset(SUPPORTED_MODEL_TYPES)
 #: Families whose forward multiplies the head's logits by ``model.logit_scale`` (Cohere) ...
 LOGIT_SCALE_MODEL_TYPES = {"cohere", "cohere2", "cohere2_moe"}
-#: ... or divides them by ``config.logits_scaling`` (Granite, Granite-MoE).
+#: ... or divides them by ``config.logits_scaling`` (Granite, Granite-MoE, Granite 4.0 hybrid).
 LOGITS_SCALING_MODEL_TYPES = {
     "granite",
     "granitemoe",
     "granitemoeshared",
     "granite_swa",
     "granitemoe_swa",
+    "granitemoehybrid",
 }
-#: ... or multiplies them by ``config.logits_scaling`` (HyperCLOVA X's muP).
-LOGITS_MULTIPLY_MODEL_TYPES = {"hyperclovax"}
+#: ... or multiplies them by a config value: HyperCLOVA X's muP ``logits_scaling``, Falcon-H1's
+#: ``lm_head_multiplier`` (family -> the config attribute).
+LOGITS_MULTIPLY_CONFIG_ATTRIBUTE = {
+    "hyperclovax": "logits_scaling",
+    "falcon_h1": "lm_head_multiplier",
+}
 #: Families whose forward divides the hidden states by ``config.logits_scaling`` before the head
 #: (MiniCPM3): the fused loss divides them the same way, the same op on the same tensor.
 HIDDEN_SCALING_MODEL_TYPES = {"minicpm3"}
@@ -239,8 +244,8 @@ def _family_logit_map(model, model_type: str | None) -> LogitMap:
     scale = None
     if model_type in LOGIT_SCALE_MODEL_TYPES:
         scale = model.logit_scale
-    elif model_type in LOGITS_MULTIPLY_MODEL_TYPES:
-        scale = config.logits_scaling
+    elif model_type in LOGITS_MULTIPLY_CONFIG_ATTRIBUTE:
+        scale = getattr(config, LOGITS_MULTIPLY_CONFIG_ATTRIBUTE[model_type])
     return LogitMap(
         scale=scale,
         divide_by=config.logits_scaling if model_type in LOGITS_SCALING_MODEL_TYPES else None,
