@@ -561,13 +561,18 @@ ARCHS += ADDED_ARCHS
 MOE_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe",
              "granitemoeshared", "flex_olmo", "ernie4_5_moe", "qwen3_5_moe_text", "minimax",
              "minimax_m2", "phimoe", "mellum", "laguna", "granitemoe_swa", "lara_mini",
-             "flint"]  # fmt: skip
+             "flint", "granitemoehybrid", "jamba"]  # fmt: skip
 #: MoE families balanced without an aux loss (DeepSeek-V3's bias-corrected routing).
 AUX_FREE_MOE_ARCHS = ["glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "qwen3_next",
                       "hunyuan_v1_moe", "exaone_moe", "lfm2_moe", "glm4_moe_lite",
                       "solar_open", "deepseek_v32", "llama4_text", "kimi_linear", "jetmoe",
                       "hy_v3", "glm_moe_dsa", "axk1", "axk2", "mimo_v2_flash",
-                      "cohere2_moe", "bailing_hybrid", "kolibri1", "minicpm5_moe", "beam"]  # fmt: skip
+                      "cohere2_moe", "bailing_hybrid", "kolibri1", "minicpm5_moe", "beam",
+                      "nemotron_h"]  # fmt: skip
+#: State-space families (Mamba-1 and -2 mixers; their MLPs, where they have one, are not named
+#: ``mlp``: the planner takes them untiled, ``ModelShape.mlp_tileable``).
+SSM_ARCHS = ["mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "mamba",
+             "falcon_mamba", "jamba"]  # fmt: skip
 MOE_ARCHS = [a for a in MOE_ARCHS if a in ARCHS]
 AUX_FREE_MOE_ARCHS = [a for a in AUX_FREE_MOE_ARCHS if a in ARCHS]
 

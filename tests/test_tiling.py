@@ -14,6 +14,7 @@ from .helpers import (
     ARCHS,
     AUX_FREE_MOE_ARCHS,
     MOE_ARCHS,
+    SSM_ARCHS,
     mega_params,
     run_trainer,
     tiny_config,
@@ -189,15 +190,17 @@ def test_tiled_gated_mlp_input_gradient_is_the_untiled_ones_in_bf16(device):
             "xglm",
             "biogpt",
             "ctrl",
+            *SSM_ARCHS,
         )
     ],
 )
 def test_streamed_training_with_tiled_mlp_matches_stock(tmp_path, arch):
     """Every dense family's MLP is token-wise (MoE blocks are left untiled; LFM2, LFM3, MPT and
-    CTRL call theirs feed_forward / ffn, which are not tiled; OPT, XGLM and BioGPT have no MLP
-    module, their layers call fc1 and fc2 themselves; BLOOM's takes the residual too: see
-    test_install_skips_mlps_with_a_second_input). GPT-2's MLP views its input: a tile of
-    several rows is made contiguous for it."""
+        CTRL call theirs feed_forward / ffn, which are not tiled, as do Bamba, Falcon-H1 and the other
+    state-space families, or have none (Mamba); OPT, XGLM and BioGPT have no MLP
+        module, their layers call fc1 and fc2 themselves; BLOOM's takes the residual too: see
+        test_install_skips_mlps_with_a_second_input). GPT-2's MLP views its input: a tile of
+        several rows is made contiguous for it."""
     model = tiny_model(tiny_config(arch))
     stock, _ = run_trainer(copy.deepcopy(model), tmp_path, "stock", mega=False, max_steps=4)
     mega, trainer = run_trainer(
@@ -344,3 +347,12 @@ def test_the_plan_counts_tiles_only_where_they_apply(arch, tiles_apply):
     # (Where tiles apply they change the plan: a smaller MLP working set, their weight
     # gradients' sums; on this tiny model the latter weigh more.)
     assert (peaks[1] != peaks[0]) == tiles_apply
+
+
+@pytest.mark.parametrize("arch", ["bamba", "mamba", "falcon_h1"])
+def test_state_space_families_are_planned_untiled(arch):
+    """Their MLPs are not named ``mlp`` (or absent): tiles would not run, so the plan must not
+    count tiled MLP working sets for them."""
+    from hf_megatrain.hf.model import model_shape  # noqa: PLC0415
+
+    assert model_shape(tiny_model(tiny_config(arch))).mlp_tileable is False

@@ -261,11 +261,10 @@ _MAMBA2_NAMES = (
 #: Families whose every layer holds a Mamba-2 mixer (Falcon-H1's beside its attention); the
 #: others have one where ``layer_types`` says "linear_attention" or "mamba".
 _EVERY_LAYER_SSM_MODEL_TYPES = frozenset({"mamba2", "falcon_h1", "mamba", "falcon_mamba"})
-
-
-#: B per token, chunk position, head and state-or-head-width element that transformers < 5.25's
-#: broadcast Mamba-2 chunk scan holds beyond the einsum one's (fitted on that version).
-MAMBA2_BROADCAST_BYTES = 0
+#: Mamba-1 mixers' (inner width, state) config names: Mamba's and Falcon Mamba's; Jamba's inner
+#: width is ``mamba_expand`` x hidden.
+_MAMBA1_NAMES = {"mamba": ("intermediate_size", "state_size"),
+                 "falcon_mamba": ("intermediate_size", "state_size")}  # fmt: skip
 
 
 def _has_ssm_layers(model_type: str, cfg) -> bool:
@@ -284,10 +283,13 @@ def _mamba2_mixer(model_type: str) -> Callable[[Any, int, int, int, int], int]:
     12.1 B per chunk position and head (the scores, decay and masked products of each chunk),
     20.5 per head and state element (B and C repeated to every head), 28.6 per inner element,
     8.4 per group and state element and 5.5 per chunk-state element per token; rounded up,
-    the term bounds every point (2-7% above). transformers before 5.25 multiplied and summed
-    over the state and head width in broadcast products instead of einsums: their
-    (chunk x chunk x heads x state) and (x head width) intermediates, per token
-    ``MAMBA2_BROADCAST_BYTES`` per chunk position, head and state-or-head-width element."""
+    the term bounds every point (2-7% above). transformers before 5.25 (the GPU machine's 5.17)
+    multiplied and summed in broadcast products instead of einsums, whose intermediates hold a
+    chunk position x head x state (the scores' product) or a head x width x state (the states'
+    output product) per token: the same fit there measured 7.7-7.9 B per element of the larger
+    (15.7 per chunk position, head and state where the states' product is twice the size): 8
+    per element of the larger, on top of the einsum term (the step 1.05-1.15x over the points;
+    12.3x the plan without it on the H100 at hidden 1,024, 1,024 tokens)."""
 
     def term(cfg, h: int, q: int, kv: int, i: int) -> int:
         if not _has_ssm_layers(model_type, cfg):
@@ -300,7 +302,28 @@ def _mamba2_mixer(model_type: str) -> Callable[[Any, int, int, int, int], int]:
                   + math.ceil(6 * inner * state / chunk))  # fmt: skip
         if _einsum_chunk_scan():
             return einsum
-        return einsum + MAMBA2_BROADCAST_BYTES * chunk * heads * (state + width)
+        return einsum + 8 * max(chunk * heads * state, inner * state)
+
+    return term
+
+
+def _mamba1_mixer(model_type: str) -> Callable[[Any, int, int, int, int], int]:
+    """Per token, Mamba-1's selective scan under transformers' PyTorch implementation (no
+    mamba-ssm kernels): its discretized A and B and their products, inner width x state fp32
+    each. ``dev/ssm_plan_fit.py`` (the CPU tracker, Mamba at eight widths: hidden 256-512, inner
+    width 3x, state 4-16) fitted 30.0 B per inner and state element on top of the line (the same
+    on transformers 5.17 and 5.25); the inner width's and hidden's terms came out negative (the
+    line's MLP and attention, which a Mamba layer does not have), left out: an upper bound."""
+
+    def term(cfg, h: int, q: int, kv: int, i: int) -> int:
+        if not _has_ssm_layers(model_type, cfg):
+            return 0
+        if model_type in _MAMBA1_NAMES:
+            inner_name, state_name = _MAMBA1_NAMES[model_type]
+            inner, state = getattr(cfg, inner_name), getattr(cfg, state_name)
+        else:  # Jamba
+            inner, state = cfg.mamba_expand * cfg.hidden_size, cfg.mamba_d_state
+        return 30 * int(inner) * int(state)
 
     return term
 
@@ -363,5 +386,9 @@ FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int
     **{
         t: ("the Mamba-2 layers (PyTorch fallback)", _mamba2_mixer(t))
         for t in ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1")
+    },
+    **{
+        t: ("the Mamba layers' selective scan (PyTorch fallback)", _mamba1_mixer(t))
+        for t in ("mamba", "falcon_mamba", "jamba")
     },
 }

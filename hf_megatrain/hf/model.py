@@ -740,7 +740,16 @@ def _exact_params(layer: nn.Module, streamed: set[str]) -> list[str]:
                 continue
             if fp32 or (norm and attr in ("weight", "bias")) or (not cast and p.dim() <= 1):
                 names.append(name)
+            elif name.endswith(_SCAN_FP32_PARAMS):
+                names.append(name)
     return names
+
+
+#: Parameters that Mamba's selective scan reads at fp32 outside any autocast op although the rule
+#: above would bind them as the bf16 copy: its 2-D ``A_log`` (inner x state, ``A_log.float()``)
+#: and the time-step projection's bias, added after the projection (``dt_proj.bias.float()``).
+#: As the bf16 copy, one bf16 step's gradients of Mamba were 1e-3-5e-3 from stock's (CPU).
+_SCAN_FP32_PARAMS = ("A_log", "dt_proj.bias")
 
 
 @functools.cache
