@@ -9,6 +9,7 @@ into the ``ModelShape`` it builds.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -328,6 +329,7 @@ def _mamba1_mixer(model_type: str) -> Callable[[Any, int, int, int, int], int]:
     return term
 
 
+@functools.cache
 def _einsum_chunk_scan() -> bool:
     """Whether the installed transformers' Mamba-2 chunk scan contracts with einsums (5.25 on)."""
     import transformers  # noqa: PLC0415

@@ -49,17 +49,17 @@ def attention_flops_per_token(config: Any, seq_len: int) -> float:
     """Attention's FLOPs per token over all layers (forward + backward, causal) for rows of
     ``seq_len`` tokens, from the config's heads, head dims and layer types / sliding window."""
     cfg = _text_config(config)
-    kinds = _layer_kinds(cfg)
-    if all(_keys_per_query(cfg, kind, seq_len) == 0 for kind in kinds):
+    keys = [_keys_per_query(cfg, kind, seq_len) for kind in _layer_kinds(cfg)]
+    if not any(keys):
         return 0.0  # (Mamba's config has no attention heads to read)
     heads = cfg.num_attention_heads
     qk_dim = getattr(cfg, "qk_head_dim", None)
     v_dim = getattr(cfg, "v_head_dim", None)
     total = 0.0
     # Per layer: its own head width where layers differ (Gemma 4's full-attention layers).
-    for kind, head_dim in zip(kinds, head_dims(cfg)):
+    for layer_keys, head_dim in zip(keys, head_dims(cfg)):
         per_key = 6 * heads * ((qk_dim or head_dim) + (v_dim or head_dim))
-        total += per_key * _keys_per_query(cfg, kind, seq_len)
+        total += per_key * layer_keys
     return total
 
 
