@@ -134,6 +134,9 @@ EXTRA_COLUMNS = [
     # hf_megatrain: host-layer updates per step (median of the timed steps) the GPU took over
     # from a CPU AdamW that fell behind the forward (StreamingEngine.device_updates).
     "gpu_updates",
+    # hf_megatrain: the CPU AdamW's rate in G parameters/s (median of the timed steps): what the
+    # machine start's host gives, so that a slower step is told apart from a slower host.
+    "host_update_gparams_s",
 ]
 CSV_COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
 
@@ -397,15 +400,20 @@ def _make_step_timer(use_cuda: bool):
         def _gpu_updates(self) -> int:
             return self.engine.device_updates if self.engine is not None else 0
 
+        def _cpu_update(self) -> tuple[float, int]:
+            return self.engine.host_update_seconds if self.engine is not None else (0.0, 0)
+
         def on_train_begin(self, args, state, control, **kwargs):
             self.marks = [self._now()]
             self.waits = [self._wait()]
             self.gpu_updates = [self._gpu_updates()]
+            self.cpu_updates = [self._cpu_update()]
 
         def on_step_end(self, args, state, control, **kwargs):
             self.marks.append(self._now())
             self.waits.append(self._wait())
             self.gpu_updates.append(self._gpu_updates())
+            self.cpu_updates.append(self._cpu_update())
 
         def durations(self) -> list[float]:
             return [b - a for a, b in zip(self.marks, self.marks[1:])]
@@ -413,6 +421,14 @@ def _make_step_timer(use_cuda: bool):
         def host_waits(self) -> list[float]:
             """Per step: seconds the training thread waited for host optimizer updates."""
             return [b - a for a, b in zip(self.waits, self.waits[1:])]
+
+        def host_update_rates(self) -> list[float | None]:
+            """Per step: the CPU AdamW's rate in G parameters/s over the layer updates that
+            finished in it (None where none did): the host's speed, apart from the code's."""
+            return [
+                (b[1] - a[1]) / (b[0] - a[0]) / 1e9 if b[0] > a[0] else None
+                for a, b in zip(self.cpu_updates, self.cpu_updates[1:])
+            ]
 
         def step_gpu_updates(self) -> list[int]:
             """Per step: host-layer updates the GPU took over (of the update the step's
@@ -738,6 +754,9 @@ def train_once(cfg: RunConfig) -> dict:
         result["host_wait_s"] = statistics.median(result["host_waits"][cfg.warmup :])
         result["gpu_updates_per_step"] = timer.step_gpu_updates()
         result["gpu_updates"] = statistics.median(result["gpu_updates_per_step"][cfg.warmup :])
+        result["host_update_rates"] = timer.host_update_rates()
+        rates = [r for r in result["host_update_rates"][cfg.warmup :] if r is not None]
+        result["host_update_gparams_s"] = statistics.median(rates) if rates else None
     if layer_timer is not None and layer_timer.steps:
         # Per timed step: layer compute and inter-layer gaps as fractions of that step's time.
         pairs = list(zip(layer_timer.steps, timed))
@@ -1043,6 +1062,7 @@ def make_row(cfg: RunConfig, result: dict, sweep: dict) -> dict:
         "peak_hbm_alloc_gib": _fmt(result.get("peak_hbm_alloc_gib"), 2),
         "host_wait_s": _fmt(result.get("host_wait_s"), 3),
         "gpu_updates": _fmt(result.get("gpu_updates"), 1),
+        "host_update_gparams_s": _fmt(result.get("host_update_gparams_s"), 3),
         # The fused kernels chosen by layer_kernels "auto" (no --liger in the command to say so),
         # and the attention outputs the plan kept.
         "note": "; ".join(
@@ -1179,6 +1199,9 @@ def write_markdown(path: Path, sweep: dict, runs: list[tuple[RunConfig, dict, di
         if result.get("host_waits"):
             waits = ", ".join(f"{t:.3f}" for t in result["host_waits"])
             lines.append(f"  - waits for the host optimizer update (s, per step): {waits}")
+        if any(r is not None for r in result.get("host_update_rates") or []):
+            rates = ", ".join("-" if r is None else f"{r:.2f}" for r in result["host_update_rates"])
+            lines.append(f"  - the CPU AdamW's rate (G parameters/s, per step): {rates}")
         if result.get("gpu_updates_per_step"):
             counts = ", ".join(str(n) for n in result["gpu_updates_per_step"])
             lines.append(f"  - host-layer updates the GPU took over (per step): {counts}")

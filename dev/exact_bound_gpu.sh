@@ -139,6 +139,8 @@
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
+#   tree8b:<hash> llama8b (3 steps) on the tree of <hash>, unpacked into .abold/<hash> (without
+#              benchmarks/results): several trees on one machine start, to bisect a change of speed.
 #   gemma4wide tests/test_gpu.py's Gemma 4 case at its own widths (heads of 256 and 512).
 #   savetests  tests/test_gpu.py's save cases: a shard at a time, fused MoE experts reverted as
 #              views (2026-12-07), save/resume on the CUDA path, a second gradient in one
@@ -423,6 +425,13 @@ item() {  # item <name>: one queue item
       timeout 420 python3 benchmarks/loss_curves.py --family llama --size small --seq-len 512 \
         --steps 150 --bf16 --band-accums 2,4,8 --optim-twin --seed 1 --sdpa-backend math \
         --no-plot --out "$work/results/seed1optim" 2>&1 | grep -v '^DEBUG' | tail -8
+      ;;
+    tree8b:*)  # llama8b on the tree of the hash after the colon, unpacked into .abold/<hash>
+      local tree=${1#tree8b:}
+      (cd ".abold/$tree" && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${tree/head/${BENCH_COMMIT:-head}} python3 \
+        benchmarks/bench.py --tag "tree8b64k" --run "llama-3.1-8b:65536:megatrain-hbm:16" \
+        --seq-len 4096 --streamed-init --timeout-s 240 --results-dir "$work/results" --steps 3 \
+        --warmup 1)
       ;;
     old8b)  # long8b on the tree of $OLD_COMMIT, unpacked (git archive) into the carried .abold
       (cd .abold && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \

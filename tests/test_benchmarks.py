@@ -89,6 +89,8 @@ def test_cpu_sweep_writes_rows(tmp_path):
         "--steps", "1", "--warmup", "1", "--device", "cpu",
         "--results-dir", str(tmp_path), "--tag", "cpu-test",
         "--mirror-dir", str(tmp_path / "mirror"),
+        # (as on CUDA: the update of a step on a CPU thread, whose rate the row records)
+        "--overlap-optimizer",
     ]  # fmt: skip
     # One thread per worker: tiny matmuls gain nothing from more, and a shared CI box loses.
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -111,6 +113,8 @@ def test_cpu_sweep_writes_rows(tmp_path):
     assert float(rows[0]["host_wait_s"]) >= 0 and rows[1]["host_wait_s"] == ""
     # No device updates on the CPU (the GPU's staging is CUDA only).
     assert float(rows[0]["gpu_updates"]) == 0 and rows[1]["gpu_updates"] == ""
+    # The CPU AdamW's rate over the layer updates of the timed step (stock: no engine).
+    assert float(rows[0]["host_update_gparams_s"]) > 0 and rows[1]["host_update_gparams_s"] == ""
     md = list(tmp_path.glob("*-cpu-test.md"))
     assert len(md) == 1 and "| megatrain | tiny-qwen2 |" in md[0].read_text()
     assert md[0].read_text().count("waits for the host optimizer update") == 1

@@ -8,6 +8,7 @@ import gc
 import mmap
 import sys
 import threading
+import time
 import weakref
 
 import pytest
@@ -121,3 +122,18 @@ def test_waits_for_the_host_update_are_counted():
     after = sched.blocked_s
     sched.wait_layer(1)  # nothing pending: not a wait
     assert sched.blocked_s == after
+
+
+def test_update_thread_counts_its_seconds_and_parameters():
+    """The CPU thread's time and parameters per layer it updated (their ratio: the host's rate,
+    which bench rows record apart from the step time)."""
+    stores = [_store(16), _store(1024), _store(64)]
+    sched = UpdateScheduler(stores, None)
+    sched.start(lambda i: time.sleep(0.02), [0, 1], 1)  # (layer 2 has nothing to update)
+    sched.wait()
+    assert sched.cpu_updated_params == stores[0].numel + stores[1].numel
+    assert sched.cpu_update_s >= 0.04
+    sched.start(lambda i: time.sleep(0.02), [2], 1)
+    sched.wait()
+    assert sched.cpu_updated_params == sum(s.numel for s in stores)
+    assert sched.cpu_update_s >= 0.06

@@ -351,6 +351,12 @@ class StreamingEngine:
         (``UpdateScheduler.blocked_s``)."""
         return self.updates.blocked_s
 
+    @property
+    def host_update_seconds(self) -> tuple[float, int]:
+        """Seconds the CPU AdamW thread has spent updating host layers, and the parameters it
+        updated, in all (``UpdateScheduler.cpu_update_s``): their ratio is this host's rate."""
+        return self.updates.cpu_update_s, self.updates.cpu_updated_params
+
     def wait_updates(self) -> None:
         """Block until the background update (if any) is done and every layer the device took
         over is updated and back in its host store; re-raise the update's error."""
