@@ -29,6 +29,9 @@ def test_llama_matches_stock_trainer(tmp_path, overlap):
     # Waits for the host update: the overlapped one's forward may wait, the synchronous never.
     assert last["host_update_wait_s"] >= 0 if overlap else last["host_update_wait_s"] == 0
     assert last["host_updates_on_gpu"] == 0  # CUDA only
+    # The threaded update's rate (parameters per second over its layer updates since the last
+    # log); the synchronous update runs on the training thread and reports none.
+    assert last["host_update_gparams_s"] > 0 if overlap else "host_update_gparams_s" not in last
     assert len(stock) == len(mega) == 5
     for a, b in zip(stock, mega):
         # fp32 on CPU, same kernels: the only differences are summation order in the global

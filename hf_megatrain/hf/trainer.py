@@ -849,6 +849,7 @@ class MegaTrainerMixin:
         self.last_seq_len = 0
         self._host_wait_at_log = 0.0
         self._gpu_updates_at_log = 0
+        self._cpu_update_at_log: tuple[float, int] = (0.0, 0)
         # The slow-host hint: said once, after two log intervals in a row have it.
         self._device_update_hinted = False
         self._device_update_hint_seen = False
@@ -1708,6 +1709,15 @@ class MegaTrainerMixin:
         on_gpu = self.megatrain.engine.device_updates
         out["host_updates_on_gpu"] = on_gpu - self._gpu_updates_at_log
         self._gpu_updates_at_log = on_gpu
+        # The host AdamW's rate over the layer updates its thread ran since the last log (the
+        # machine's memory bandwidth: what host_update_wait_s follows).
+        seconds, params = self.megatrain.engine.host_update_seconds
+        then_s, then_params = self._cpu_update_at_log
+        if seconds > then_s:
+            out["host_update_gparams_s"] = round(
+                (params - then_params) / (seconds - then_s) / 1e9, 3
+            )
+        self._cpu_update_at_log = (seconds, params)
         rss, hwm = _host_memory_gib()
         if rss is not None:
             out["host_rss_gib"] = rss
