@@ -139,6 +139,7 @@
 #   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
 #              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
+#   fp32m8b    llama8b with --stream-fp32-master (host-bound starts: less for the CPU AdamW to write).
 #   tree8b:<hash> llama8b (3 steps) on the tree of <hash>, unpacked into .abold/<hash> (without
 #              benchmarks/results): several trees on one machine start, to bisect a change of speed.
 #   gemma4wide tests/test_gpu.py's Gemma 4 case at its own widths (heads of 256 and 512).
@@ -604,6 +605,10 @@ PY
     loratest)  # tests/test_gpu.py's LoRA / PEFT cases (a frozen base is planned streamed)
       timeout 200 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
         -k "lora or peft or adapter" 2>&1 | grep -aE "passed|failed|Error" | tail -8
+      ;;
+    fp32m8b)  # llama8b with --stream-fp32-master: the host AdamW writes no bf16 copy (2 of its
+      # ~30 B per parameter) and the streamed layers' weights cross PCIe in fp32
+      run64k fp32m8b64k llama-3.1-8b 240 --steps 3 --warmup 1 --stream-fp32-master
       ;;
     tier8b)  # llama8b with 16 and 17 HBM-tier layers (auto picks 15), every attention output
       for n in ${TIER8B_LAYERS:-16 17}; do  # kept as auto keeps them (the plan's over-estimate)
