@@ -141,7 +141,8 @@
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
 #   fp32m8b    llama8b with --stream-fp32-master (host-bound starts: less for the CPU AdamW to write).
 #   tree8b:<hash> llama8b (3 steps) on the tree of <hash>, unpacked into .abold/<hash> (without
-#              benchmarks/results): several trees on one machine start, to bisect a change of speed.
+#              benchmarks/results): several trees on one machine start, to bisect a change of speed;
+#              TREE8B_ARGS: more bench flags (e.g. --device-update-lead 0: the host path alone).
 #   gemma4wide tests/test_gpu.py's Gemma 4 case at its own widths (heads of 256 and 512).
 #   savetests  tests/test_gpu.py's save cases: a shard at a time, fused MoE experts reverted as
 #              views (2026-12-07), save/resume on the CUDA path, a second gradient in one
@@ -432,7 +433,7 @@ item() {  # item <name>: one queue item
       (cd ".abold/$tree" && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${tree/head/${BENCH_COMMIT:-head}} python3 \
         benchmarks/bench.py --tag "tree8b64k" --run "llama-3.1-8b:65536:megatrain-hbm:16" \
         --seq-len 4096 --streamed-init --timeout-s 240 --results-dir "$work/results" --steps 3 \
-        --warmup 1)
+        --warmup 1 ${TREE8B_ARGS:-})
       ;;
     old8b)  # long8b on the tree of $OLD_COMMIT, unpacked (git archive) into the carried .abold
       (cd .abold && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
