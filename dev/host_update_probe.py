@@ -5,7 +5,10 @@ does not, the GPU waits (the 8B's and 14B's forward gaps at 64k tokens/step). Th
 update's memory-bound loop on one layer-sized store (fp32 master and moments, a bf16 gradient
 slot, a bf16 stream copy), the way ``core/optimizer.py`` runs it, over:
 
-* the store's pages: 4 KiB, or transparent huge pages asked for with ``madvise``;
+* the store's pages: 4 KiB in a shared anonymous mapping (``mmap.mmap(-1, n)``'s default, the
+  library's until 2026-12-07: shmem, which gets no transparent huge pages where
+  ``shmem_enabled`` is ``never``, as on the GPU machine), or a private anonymous mapping with
+  transparent huge pages asked for (``MADV_HUGEPAGE``; ``thp``);
 * the chunk the bf16 gradient is widened in (elements per fused AdamW call);
 * the stream copy re-derived after the whole layer, or per chunk while the chunk is in cache;
 * intra-op threads;
@@ -53,9 +56,12 @@ class Store:
     def __init__(self, numel: int, huge: bool) -> None:
         self.numel = numel
         nbytes = numel * (2 + 2 + 4 + 4 + 4)  # stream copy, bf16 grad, master, 2 moments
-        self.region = mmap.mmap(-1, nbytes)
-        if huge:
+        if huge:  # (a shared mapping is shmem: its huge pages follow shmem_enabled instead)
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self.region = mmap.mmap(-1, nbytes, flags=flags)
             self.region.madvise(mmap.MADV_HUGEPAGE)
+        else:
+            self.region = mmap.mmap(-1, nbytes)
         raw = torch.frombuffer(self.region, dtype=torch.uint8, count=nbytes)
         off = 0
 
@@ -137,6 +143,7 @@ def main() -> None:
         "cpu": platform.processor() or read("/proc/cpuinfo").split("model name")[-1][:60],
         "thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
         "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"),
+        "thp_shmem": read("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
         "numel": args.numel,
     }
     print(json.dumps(info), flush=True)
@@ -148,7 +155,10 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     for huge in (False, True):
-        store = Store(args.numel, huge)
+        t = time.perf_counter()
+        store = Store(args.numel, huge)  # (the master, stream copy and gradient written)
+        record(pages="thp" if huge else "4k", what="allocate and write 3 of 5 buffers",
+               median_s=time.perf_counter() - t)  # fmt: skip
         buf = torch.empty(1 << 23)
         t = time.perf_counter()
         store.update(1 << 21, True, buf)  # the first update: the moments' pages fault in
