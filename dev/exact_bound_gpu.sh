@@ -430,7 +430,7 @@ item() {  # item <name>: one queue item
       ;;
     tree8b:*)  # llama8b on the tree of the hash after the colon, unpacked into .abold/<hash>
       local tree=${1#tree8b:}
-      (cd ".abold/$tree" && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${tree/head/${BENCH_COMMIT:-head}} python3 \
+      (cd ".abold/$tree" && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=$tree python3 \
         benchmarks/bench.py --tag "tree8b64k" --run "llama-3.1-8b:65536:megatrain-hbm:16" \
         --seq-len 4096 --streamed-init --timeout-s 240 --results-dir "$work/results" --steps 3 \
         --warmup 1 ${TREE8B_ARGS:-})
