@@ -5,10 +5,13 @@ does not, the GPU waits (the 8B's and 14B's forward gaps at 64k tokens/step). Th
 update's memory-bound loop on one layer-sized store (fp32 master and moments, a bf16 gradient
 slot, a bf16 stream copy), the way ``core/optimizer.py`` runs it, over:
 
-* the store's pages: 4 KiB in a shared anonymous mapping (``mmap.mmap(-1, n)``'s default, the
-  library's until 2026-12-07: shmem, which gets no transparent huge pages where
-  ``shmem_enabled`` is ``never``, as on the GPU machine), or a private anonymous mapping with
-  transparent huge pages asked for (``MADV_HUGEPAGE``; ``thp``);
+* the store's pages: 4 KiB in a shared anonymous mapping (``mmap.mmap(-1, n)``'s default, as the
+  library maps its stores: shmem, which gets no transparent huge pages where ``shmem_enabled``
+  is ``never``, as on the GPU machine), or a private anonymous mapping with transparent huge
+  pages asked for (``MADV_HUGEPAGE``; ``thp``). On the 2-core CPU machine (2026-12-07, 134M
+  parameters): the same update rate (0.42 against 0.45 G/s) and a slower first touch (3.4 s
+  against 2.0 s to write three buffers, 2.0 against 0.7 s for the first update): not adopted
+  without a GPU machine's measurement;
 * the chunk the bf16 gradient is widened in (elements per fused AdamW call);
 * the stream copy re-derived after the whole layer, or per chunk while the chunk is in cache;
 * intra-op threads;

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import mmap
-import os
 import sys
 import threading
 import time
@@ -138,39 +137,3 @@ def test_update_thread_counts_its_seconds_and_parameters():
     sched.wait()
     assert sched.cpu_updated_params == sum(s.numel for s in stores)
     assert sched.cpu_update_s >= 0.06
-
-
-def _mapping_flags(addr: int) -> set[str] | None:
-    """The ``VmFlags`` of the mapping holding ``addr`` (/proc/self/smaps; None off Linux)."""
-    try:
-        with open("/proc/self/smaps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and line.startswith("VmFlags:"):
-            return set(line.split()[1:])
-    return None
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps: Linux")
-def test_store_memory_is_private_huge_page_advised_and_not_forked():
-    """The store's mapping: private with huge pages asked for (the AdamW's TLB misses), and
-    left out of forked children (a DataLoader worker's copy-on-write would copy every page the
-    update writes). A shared mapping, ``mmap``'s default, is shmem: no huge pages where
-    ``shmem_enabled`` is never."""
-    store = _store(1 << 20)
-    flags = _mapping_flags(store.master.data_ptr())
-    assert flags is not None
-    assert "sh" not in flags  # private
-    assert "dc" in flags  # MADV_DONTFORK
-    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
-        assert "hg" in flags  # MADV_HUGEPAGE
-    # The update and the content are as before: the moments start at zero, the master holds.
-    store.master.fill_(2.0)
-    assert float(store.exp_avg.abs().sum()) == 0.0 and float(store.master[-1]) == 2.0

@@ -27,7 +27,6 @@ This module is deliberately free of ``transformers`` imports.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import mmap
@@ -109,17 +108,9 @@ def available_host_bytes() -> int:
 
 def anonymous_map(nbytes: int) -> mmap.mmap:
     """``nbytes`` of anonymous host memory; the OS refusing them (out of memory, or a process
-    limit such as ulimit -v) is an :class:`InsufficientHostMemoryError`, not mmap's traceback.
-
-    Private, with transparent huge pages asked for (``MADV_HUGEPAGE``): the host AdamW streams
-    through every byte of it each step, and 2 MiB pages spare it most TLB misses. (``mmap``'s
-    default, a shared mapping, is shmem, whose huge pages follow ``shmem_enabled``: ``never``
-    on common kernels.) Not inherited by forked children (``MADV_DONTFORK``): a DataLoader
-    worker never reads it, and a private mapping shared copy-on-write would copy each page the
-    update writes while the worker lives."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    limit such as ulimit -v) is an :class:`InsufficientHostMemoryError`, not mmap's traceback."""
     try:
-        region = mmap.mmap(-1, nbytes, flags=flags)
+        return mmap.mmap(-1, nbytes)
     except OSError as e:
         if e.errno != errno.ENOMEM:
             raise
@@ -128,11 +119,6 @@ def anonymous_map(nbytes: int) -> mmap.mmap:
             "store (out of memory, or a process limit such as ulimit -v): free host RAM, raise "
             "the limit, or plan the run with host_memory_limit_gb (--host-memory-limit-gb)"
         ) from None
-    for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
-        if hasattr(mmap, advice):  # (Linux)
-            with contextlib.suppress(OSError):  # (a kernel without THP refuses the first)
-                region.madvise(getattr(mmap, advice))
-    return region
 
 
 def planned_host_bytes(available: int, limit_bytes: int | None) -> int:
