@@ -756,6 +756,9 @@ def train_once(cfg: RunConfig) -> dict:
         result["gpu_updates"] = statistics.median(result["gpu_updates_per_step"][cfg.warmup :])
         result["host_update_rates"] = timer.host_update_rates()
         rates = [r for r in result["host_update_rates"][cfg.warmup :] if r is not None]
+        if not rates:  # (tiny steps: each update finished outside the timed steps' marks)
+            seconds, params = timer.engine.host_update_seconds
+            rates = [params / seconds / 1e9] if seconds > 0 else []
         result["host_update_gparams_s"] = statistics.median(rates) if rates else None
     if layer_timer is not None and layer_timer.steps:
         # Per timed step: layer compute and inter-layer gaps as fractions of that step's time.

@@ -30,8 +30,10 @@ def test_llama_matches_stock_trainer(tmp_path, overlap):
     assert last["host_update_wait_s"] >= 0 if overlap else last["host_update_wait_s"] == 0
     assert last["host_updates_on_gpu"] == 0  # CUDA only
     # The threaded update's rate (parameters per second over its layer updates since the last
-    # log); the synchronous update runs on the training thread and reports none.
-    assert last["host_update_gparams_s"] > 0 if overlap else "host_update_gparams_s" not in last
+    # log; a log interval in which none finished has none); the synchronous update runs on the
+    # training thread and reports none.
+    rates = [log["host_update_gparams_s"] for log in mega if "host_update_gparams_s" in log]
+    assert (len(rates) > 0 and min(rates) > 0) if overlap else not rates
     assert len(stock) == len(mega) == 5
     for a, b in zip(stock, mega):
         # fp32 on CPU, same kernels: the only differences are summation order in the global

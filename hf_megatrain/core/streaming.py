@@ -354,8 +354,9 @@ class StreamingEngine:
     @property
     def host_update_seconds(self) -> tuple[float, int]:
         """Seconds the CPU AdamW thread has spent updating host layers, and the parameters it
-        updated, in all (``UpdateScheduler.cpu_update_s``): their ratio is this host's rate."""
-        return self.updates.cpu_update_s, self.updates.cpu_updated_params
+        updated, in all (``UpdateScheduler.cpu_update_totals``): their ratio is this host's
+        rate."""
+        return self.updates.cpu_update_totals
 
     def wait_updates(self) -> None:
         """Block until the background update (if any) is done and every layer the device took

@@ -55,10 +55,10 @@ class UpdateScheduler:
         self._cpu_current: tuple[int, float] | None = None
         #: Host-layer updates the device took over, in all.
         self.device_updates = 0
-        #: Seconds the CPU thread spent in layer updates, and the parameters it updated, in all:
-        #: the host AdamW's rate on this machine (it differs by machine start, not by code).
-        self.cpu_update_s = 0.0
-        self.cpu_updated_params = 0
+        #: Seconds the CPU thread spent in layer updates and the parameters it updated, in all
+        #: (one tuple, replaced whole: a reader on another thread sees both of one moment).
+        #: Their ratio is the host AdamW's rate, which the host's memory bandwidth sets.
+        self.cpu_update_totals: tuple[float, int] = (0.0, 0)
 
     def start(
         self,
@@ -110,8 +110,8 @@ class UpdateScheduler:
                     update_layer(i)
                     seconds = time.perf_counter() - start
                     self._cpu_pace(i, seconds)
-                    self.cpu_update_s += seconds
-                    self.cpu_updated_params += self._numel(i)
+                    spent, updated = self.cpu_update_totals
+                    self.cpu_update_totals = (spent + seconds, updated + self._numel(i))
                     ready[i].set()
             except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
                 self._error = exc
