@@ -173,7 +173,8 @@ REFUSAL_REASONS = {
     "dbrx": "its experts fail under bf16 autocast in transformers' own code (stock's too)",
     "doge": "its loss is not the fused loss's, and its router aux loss takes other arguments",
     "ergo": "its head computes fp32 logits (not one linear layer the fused loss can take)",
-    "zaya": "its MoE layers' memory is not planned within the margin yet",
+    "zaya": "its MoE layers' memory is not planned within the margin yet (the step 1.3x its plan: "
+    "the convolutional attention, and the router state each layer hands the next)",
     **dict.fromkeys(
         ("gemma4_unified", "gemma4_unified_text", "gemma3n", "gemma3n_text"),
         "its later layers read an earlier layer's keys and values (num_kv_shared_layers: not "
