@@ -61,6 +61,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from hf_megatrain.core.engine.updates import host_update_rate  # noqa: E402
 from hf_megatrain.core.options import EngineOptions, StepShape  # noqa: E402
 from hf_megatrain.option_flags import (  # noqa: E402
     add_option_arguments,
@@ -425,10 +426,7 @@ def _make_step_timer(use_cuda: bool):
         def host_update_rates(self) -> list[float | None]:
             """Per step: the CPU AdamW's rate in G parameters/s over the layer updates that
             finished in it (None where none did): the host's speed, apart from the code's."""
-            return [
-                (b[1] - a[1]) / (b[0] - a[0]) / 1e9 if b[0] > a[0] else None
-                for a, b in zip(self.cpu_updates, self.cpu_updates[1:])
-            ]
+            return [host_update_rate(a, b) for a, b in zip(self.cpu_updates, self.cpu_updates[1:])]
 
         def step_gpu_updates(self) -> list[int]:
             """Per step: host-layer updates the GPU took over (of the update the step's
@@ -757,8 +755,8 @@ def train_once(cfg: RunConfig) -> dict:
         result["host_update_rates"] = timer.host_update_rates()
         rates = [r for r in result["host_update_rates"][cfg.warmup :] if r is not None]
         if not rates:  # (tiny steps: each update finished outside the timed steps' marks)
-            seconds, params = timer.engine.host_update_seconds
-            rates = [params / seconds / 1e9] if seconds > 0 else []
+            whole_run = host_update_rate((0.0, 0), timer.engine.host_update_seconds)
+            rates = [whole_run] if whole_run is not None else []
         result["host_update_gparams_s"] = statistics.median(rates) if rates else None
     if layer_timer is not None and layer_timer.steps:
         # Per timed step: layer compute and inter-layer gaps as fractions of that step's time.

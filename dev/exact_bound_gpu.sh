@@ -136,8 +136,8 @@
 #              torch's other AdamW kernel (loss_curves.py --optim-twin) in the band: whether
 #              stock's own fp32-ulp change moves it as far as streamed's host AdamW moved the
 #              streamed curve (seed1bisect: every-layer-in-HBM 2e-3 from streamed). ~3 min.
-#   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked with
-#              `git archive <hash> | tar -x -C .abold` and .abold carried (the same-start A/B).
+#   old8b      long8b on an older tree: OLD_COMMIT=<hash>, the tree unpacked (as tree8b) with
+#              `git archive <hash> | tar -x -C .abold/<hash>` and .abold carried (same-start A/B).
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
 #   fp32m8b    llama8b with --stream-fp32-master (host-bound starts: less for the CPU AdamW to write).
 #   tree8b:<hash> llama8b (3 steps) on the tree of <hash>, unpacked into .abold/<hash> (without
@@ -435,14 +435,14 @@ item() {  # item <name>: one queue item
         --seq-len 4096 --streamed-init --timeout-s 240 --results-dir "$work/results" --steps 3 \
         --warmup 1 ${TREE8B_ARGS:-})
       ;;
-    old8b)  # long8b on the tree of $OLD_COMMIT, unpacked (git archive) into the carried .abold
-      (cd .abold && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
+    old8b)  # long8b on the tree of $OLD_COMMIT, unpacked (git archive) into .abold/$OLD_COMMIT
+      (cd ".abold/${OLD_COMMIT:?}" && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
         benchmarks/bench.py --tag old8b64k --run "llama-3.1-8b:65536:megatrain-hbm:16" \
         --seq-len 4096 --streamed-init --timeout-s 300 --results-dir "$work/results" --steps 8 \
         --warmup 1)
       ;;
     old14b)  # compact14b on the tree of $OLD_COMMIT, as old8b
-      (cd .abold && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
+      (cd ".abold/${OLD_COMMIT:?}" && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
         benchmarks/bench.py --tag old14b64k --run "qwen2.5-14b:65536:megatrain-hbm:16" \
         --seq-len 4096 --streamed-init --timeout-s 300 --results-dir "$work/results" --steps 3 \
         --warmup 1)

@@ -30,6 +30,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..core.distributed import DataParallelError, launch_layout_error, process_group_size
 from ..core.engine.gradients import SecondGradientError
+from ..core.engine.updates import host_update_rate
 from ..core.host_store import InsufficientHostMemoryError, process_memory_bytes
 from ..core.optimizer import adamw_setting_errors
 from ..core.options import (
@@ -1711,13 +1712,10 @@ class MegaTrainerMixin:
         self._gpu_updates_at_log = on_gpu
         # The host AdamW's rate over the layer updates its thread ran since the last log (the
         # machine's memory bandwidth: what host_update_wait_s follows).
-        seconds, params = self.megatrain.engine.host_update_seconds
-        then_s, then_params = self._cpu_update_at_log
-        if seconds > then_s:
-            out["host_update_gparams_s"] = round(
-                (params - then_params) / (seconds - then_s) / 1e9, 3
-            )
-        self._cpu_update_at_log = (seconds, params)
+        totals = self.megatrain.engine.host_update_seconds
+        if (rate := host_update_rate(self._cpu_update_at_log, totals)) is not None:
+            out["host_update_gparams_s"] = round(rate, 3)
+        self._cpu_update_at_log = totals
         rss, hwm = _host_memory_gib()
         if rss is not None:
             out["host_rss_gib"] = rss

@@ -13,6 +13,13 @@ from ..distributed import DataParallel
 from ..host_store import LayerStore
 
 
+def host_update_rate(before: tuple[float, int], after: tuple[float, int]) -> float | None:
+    """The CPU AdamW's rate in G parameters/s between two readings of
+    ``UpdateScheduler.cpu_update_totals``; None where no layer update finished between them."""
+    seconds = after[0] - before[0]
+    return (after[1] - before[1]) / seconds / 1e9 if seconds > 0 else None
+
+
 def background_threads(requested: int = 0) -> int:
     """Intra-op threads for a host update that runs beside the training thread: ``requested``,
     or (0) torch's intra-op count, the synchronous update's. (Leaving the training thread a core
