@@ -136,7 +136,6 @@ def plan_config(path: str):
     from .hf.families import (  # noqa: PLC0415
         model_family,
         text_model_type,
-        unstreamed_feature,
         unsupported_model_type,
     )
 
@@ -156,8 +155,6 @@ def plan_config(path: str):
         cfg = config_from_json(str(p))
     else:
         raise CLIError(f"config not found: {path} (give a config.json or a folder with one)")
-    if (why := unstreamed_feature(cfg.model_type, cfg)) is not None:
-        raise CLIError(f"{p}: {why}")  # (the trainer would refuse it: no plan for it either)
     return cfg
 
 

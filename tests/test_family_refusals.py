@@ -172,34 +172,22 @@ def test_a_refusal_found_by_a_probe_says_why(tmp_path, model_type, why):
     [
         dict(num_kv_shared_layers=2),
         dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
-        dict(),
     ],
 )
-def test_gemma4_features_not_streamed_are_refused_by_name(tmp_path, setting):
-    """Gemma 4 trains (31B, 26B-A4B) but not with KV sharing or per-layer input embeddings
-    (E2B, E4B): the model and its folder are refused naming the setting, before any
-    allocation. A config.json that leaves the per-layer inputs out has them (the class's
-    default, 256): refused too."""
-    model = tiny_model(gemma4_config(**setting))
-    config = model.config
-    raw = json.loads(config.to_json_string())
-    if setting:
-        key, value = next(iter(setting.items()))
-        assert f": {key}={value}: its " in _refusal(check_supported, model)
-    else:  # the tiny config's: neither, so it trains; its config.json without the key has PLE
-        assert check_supported(model) == "gemma4_text"
-        (tmp_path / "config.json").write_text(json.dumps(raw))
-        loading.check_model_type(str(tmp_path))
-        del raw["hidden_size_per_layer_input"]
-        key, value = "hidden_size_per_layer_input", 256
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    msg = _refusal(loading.check_model_type, str(tmp_path))
-    assert f": {key}={value}: its " in msg and "31B, 26B-A4B" in msg
+def test_gemma4_kv_sharing_and_per_layer_inputs_are_accepted_and_planned(tmp_path, capsys, setting):
+    """Gemma 4's KV sharing and per-layer input embeddings (E2B, E4B) were refused by name until
+    2026-12-07 (54th session); they stream now (tests/test_gemma4.py). The model, its folder
+    and ``plan`` take them, and the plan shows what they carry past the layers."""
     from hf_megatrain.cli import main  # noqa: PLC0415
 
-    # ``plan`` refuses it too, rather than plan a model the trainer refuses.
-    with pytest.raises(SystemExit, match=f"{key}={value}: its "):
-        main(["plan", str(tmp_path), "--seq-len", "8", "--tokens-per-step", "8"])
+    model = tiny_model(gemma4_config(**setting))
+    assert check_supported(model) == "gemma4_text"
+    model.config.save_pretrained(str(tmp_path))
+    loading.check_model_type(str(tmp_path))
+    main(["plan", str(tmp_path), "--seq-len", "16", "--tokens-per-step", "16"])
+    out = capsys.readouterr().out
+    what = "shared keys and values" if "num_kv_shared_layers" in setting else "per-layer inputs"
+    assert f"{what}" in out and "saved through the step" in out
 
 
 def test_cli_plan_names_the_text_model_of_a_multimodal_config(tmp_path):

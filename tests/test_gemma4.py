@@ -107,3 +107,131 @@ def test_streamed_model_holds_no_stored_keys_and_values():
     got = streamed.model(input_ids=ids, return_shared_kv_states=True, use_cache=False)
     assert len(got.shared_kv_states) == 0
     torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=0, atol=0)
+
+
+#: E2B's and E4B's kind of model: per-layer inputs (a table gives every layer its own slice of
+#: each token's embedding, gated into the layer's output) and KV sharing (the last layers read
+#: the keys and values the last earlier layer of their attention type stores, and run a
+#: double-wide MLP). Six layers: 2 and 3 store, 4 and 5 reuse.
+E2B = dict(
+    num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+    num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+    use_double_wide_mlp=True,
+)  # fmt: skip
+
+#: Layouts of the streamed step (each changes what a layer saves and how it is re-run):
+#: segments (followers re-made by a chain from their leader; the storing layers lead and follow),
+#: offloaded boundaries, whole-layer recompute, the HBM tier keeping layers' graphs.
+LAYOUTS = {
+    "default": {},
+    "segments of 2": dict(checkpoint_every=2),
+    "segments of 3, offloaded": dict(checkpoint_every=3, offload_activations=True),
+    "whole-layer recompute": dict(recompute_early_stop=False),
+    "tier keeps graphs": dict(resident_layers="3", keep_activations="3"),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_shared_kv_and_per_layer_inputs_match_stock(layout):
+    """Forward and every gradient against stock (fp32, the same kernels: the recompute's
+    rounding only, the family suite's 1e-5/1e-7). Without the storing layers' keys and values
+    carried as outputs of their streamed call (core/carried.py), the reusing layers failed
+    (the mapping empty) or their gradients never reached the storing layers' projections."""
+    model = tiny_model(gemma4_config(**E2B))
+    modes = model.config.kv_sharing_modes if hasattr(model.config, "kv_sharing_modes") else None
+    if modes is not None:
+        assert modes == [None, None, "store", "store", "reuse", "reuse"]
+    stock = copy.deepcopy(model)
+    streamed = prepare_streamed_model(
+        copy.deepcopy(model), "cpu", torch.float32, **LAYOUTS[layout]
+    )
+    ids = _ids(4)
+    want = stock(input_ids=ids, labels=ids, use_cache=False)
+    got = streamed(input_ids=ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
+    grads = streamed_gradients(streamed)
+    stored = [n for n in grads if ".layers.2.self_attn.k_proj" in n or "per_layer" in n]
+    assert stored  # (the checked names include what the reusing layers' gradients reach)
+    for name, p in stock.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_shared_kv_and_per_layer_inputs_evaluate_like_stock():
+    """Under no_grad (evaluation) a streamed layer gets the model's mapping itself: the
+    storing layers fill it as stock's do, and the reusing layers read it."""
+    model = tiny_model(gemma4_config(**E2B))
+    streamed = prepare_streamed_model(copy.deepcopy(model), "cpu", torch.float32)
+    ids = _ids(2)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids, use_cache=False)
+        got = streamed(input_ids=ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_shared_kv_and_per_layer_inputs_train_like_stock(tmp_path, accumulation):
+    """5 Trainer steps (and 2 x 2 accumulation) to the family suite's 1e-5. The first backward's
+    gradients are stock's bit for bit; the optimizers then round differently (the clip
+    coefficient as a grad scale, the host AdamW), and this tiny model amplifies that: at lr 1e-3
+    its grad norm drifted 1.4e-4 from stock's by step 5 (mostly AdamW's steps on embedding rows
+    whose gradients are rounding noise). At lr 3e-4: 4.6e-6, and stock against itself as
+    1 x 2 accumulation (fp32 sums in another order) 5.1e-6."""
+    model = tiny_model(gemma4_config(**E2B))
+    (stock, _), (mega, _) = train_both(
+        model, tmp_path, steps=5, learning_rate=3e-4, gradient_accumulation_steps=accumulation
+    )
+    assert_logs_match(stock, mega)
+
+
+def test_shared_kv_and_per_layer_inputs_bf16_loss_close_to_stock(tmp_path):
+    (stock, _), (mega, _) = train_both(
+        tiny_model(gemma4_config(**E2B)), tmp_path, steps=4, bf16=True, learning_rate=1e-3
+    )
+    for a, b in zip(stock, mega):
+        # bf16 autocast on both sides; the streamed layers' bf16 copies of the weights against
+        # autocast's casts of the fp32 ones, which round alike (the dense family suite's 2e-3 on
+        # the loss, 5e-2 on the norm).
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
+
+
+def test_plan_counts_per_layer_inputs_shared_kv_and_the_widest_mlp():
+    """The per-layer inputs (6 layers x 8, fp32) and the two storing layers' keys and values
+    (2 x (2 x 8) sliding + 2 x (2 x 16) full = 96 channels) are planned as tensors carried past
+    the layers, saved through the step and with gradients in backward; the MLP at the
+    double-wide layers' width (2 x 64)."""
+    from hf_megatrain.core.options import EngineOptions, StepShape  # noqa: PLC0415
+    from hf_megatrain.core.plan_search import plan_memory  # noqa: PLC0415
+    from hf_megatrain.hf.family_memory import (  # noqa: PLC0415
+        PER_LAYER_INPUT_GRAD_BYTES,
+        PER_LAYER_INPUT_SAVED_BYTES,
+        SHARED_KV_GRAD_BYTES,
+        SHARED_KV_SAVED_BYTES,
+    )
+
+    shape = model_shape(tiny_model(gemma4_config(**E2B)))
+    saved = PER_LAYER_INPUT_SAVED_BYTES * 6 * 8 + SHARED_KV_SAVED_BYTES * 96
+    grad = PER_LAYER_INPUT_GRAD_BYTES * 6 * 8 + SHARED_KV_GRAD_BYTES * 96
+    assert (shape.carried_bytes_per_token, shape.carried_grad_bytes_per_token) == (saved, grad)
+    assert shape.intermediate_size == 128
+    plain = model_shape(tiny_model(gemma4_config()))
+    assert plain.carried_bytes_per_token == plain.carried_grad_bytes_per_token == 0
+    options = EngineOptions().resolve(clipping=True, cuda=True)
+    plan = plan_memory(shape, StepShape(seq_len=64, micro_batch_tokens=64), options,
+                       torch.bfloat16, 1 << 40, 1 << 40, hbm_layers=0)  # fmt: skip
+    carried = {ln.name: ln.nbytes for ln in plan.gpu_lines if "per-layer inputs" in ln.name}
+    assert sorted(carried.values()) == sorted([64 * saved, 64 * grad]), carried
+
+
+def test_flops_leave_out_the_per_layer_input_table():
+    """The per-layer input table is a lookup (E2B's, 262,144 x 35 x 256, is larger than its
+    layers): 6 FLOPs per parameter and token count everything else, the input embedding (the
+    tied head's matmul) included, and nothing of the table."""
+    from hf_megatrain.hf.flops import active_params  # noqa: PLC0415
+
+    model = tiny_model(gemma4_config(**E2B))
+    table = model.model.embed_tokens_per_layer.weight
+    assert table.numel() == 128 * 6 * 8
+    assert active_params(model) == sum(p.numel() for p in model.parameters()) - table.numel()

@@ -47,6 +47,7 @@ EAGER_SCORES_KIND = "eager attention scores"
 INDEXER_KIND = "sparse-attention indexer"
 ROUTER_AUX_KIND = "router aux loss"
 ADAPTER_KIND = "LoRA adapters' activations"
+CARRIED_KIND = "tensors carried past the layers"
 
 #: For estimate kinds nothing measured on the H200 (the full logits of models without the fused
 #: loss, an MoE router aux loss's temporaries): the largest error measured on any kind (the tiled
@@ -136,6 +137,8 @@ ESTIMATE_ERRORS: dict[str, float] = {
     # Counted from the tensors transformers makes and measured on the CPU (exact there:
     # tests/test_plan_attention.py); no H200 row. The masks' 3% for what the CPU does not show.
     INDEXER_KIND: 0.03,
+    # Measured on the CPU tracker (dev/carried_plan_fit.py); no GPU row yet.
+    CARRIED_KIND: 0.05,
 }
 
 
@@ -1505,6 +1508,17 @@ def activation_lines(
                 ROPE_KIND,
             )
         )
+    if shape.carried_bytes_per_token:
+        # Handed to the layers besides the residual stream (``ModelShape.carried_what``) and
+        # saved by those that read them: never offloaded or chained, alive through the step.
+        lines.append(
+            estimate_line(
+                f"{shape.carried_what}: {t} tokens x {shape.carried_bytes_per_token} B, saved "
+                "through the step",
+                t * shape.carried_bytes_per_token,
+                CARRIED_KIND,
+            )
+        )
     if joint is None:
         cached_layers = segment_cache_layers(shape, options)
         what = f"up to {cached_layers} recomputed layer inputs"
@@ -1563,6 +1577,17 @@ def activation_lines(
                 BOUNDARY_KIND,
             )
         )
+    # Their gradients, summed over the layers that read them while the layers' backward runs.
+    carried_grad = t * shape.carried_grad_bytes_per_token
+    if carried_grad:
+        lines.append(
+            estimate_line(
+                f"gradients of the {shape.carried_what}: {t} tokens x "
+                f"{shape.carried_grad_bytes_per_token} B, in the layers' backward",
+                carried_grad,
+                CARRIED_KIND,
+            )
+        )
     if shape.adapter_activations:
         lines.append(adapter_activation_line(shape, step, dtype))
     lines += attention_mask_lines(shape, step, dtype, kept_layers)
@@ -1593,7 +1618,7 @@ def activation_lines(
         head_copy = 0 if dtype == torch.float32 else v * h * isz
         hidden_grad = t * h * 4
         head_grad = 0 if shape.frozen_head else v * h * 4  # (a frozen head gets none)
-        backward_phase = work.nbytes + cached + chain_attention + incoming_grad
+        backward_phase = work.nbytes + cached + chain_attention + incoming_grad + carried_grad
         if loss_phase_apart(shape, step, options, len(kept_layers)):
             # The head's compute copy and the loss's fp32 weight gradient are gone by then too
             # (its live blocks at the first layer backward held neither; the parameter's own

@@ -131,6 +131,14 @@ class ModelShape:
     # attention layer type (Gemma 3 and 4: one each, of the type's own width); 0: one table of
     # head_dim.
     rope_table_elements: int = 0
+    # Bytes per token of tensors the model's forward hands its layers besides the residual
+    # stream that live through the whole step (saved by the layers that read them: Gemma 4's
+    # per-layer inputs, the keys and values its later layers reuse; core/carried.py), and of
+    # their gradients while the layers' backward runs (summed over the layers that read them);
+    # ``carried_what`` names them.
+    carried_bytes_per_token: int = 0
+    carried_grad_bytes_per_token: int = 0
+    carried_what: str = ""
     # Bytes per token a kept layer of the family saves beyond the count of
     # ``kept_activation_bytes_per_token`` (fitted per family on saved tensors,
     # hf/family_memory.py; negative where it saves less).

@@ -27,6 +27,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from .carried import CarriedKey, bind_mappings, carry_mappings, collect_writes, write_back
 from .recompute import PlaceholderSaves, attention_output_cache, release_storage
 from .segments import SegmentEntry, segment_input, tensor_sig
 
@@ -137,12 +138,15 @@ class StreamedLayer:
             t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
             for t in flat_args
         ]
+        # Tensors of carried mappings follow the call's own arguments (``__call__``): the
+        # layer runs on mappings filled with them, and what it writes there is an output too.
+        flat_args, bound = bind_mappings(flat_args, spec.num_leaves)
         args, kwargs = tree_unflatten(flat_args, spec)
         capture_ctx = self.capture.capturing(keys) if keys else contextlib.nullcontext([])
         with _reparametrize_module(self.module, params), capture_ctx as captured:
             with self.engine.compute_context():
                 out = self.forward_impl(self.module, *args, **kwargs)
-        return out, list(captured), weight_leaves
+        return out, list(captured) + collect_writes(bound), weight_leaves
 
     def next_index(self, backward: bool) -> int:
         return self.index - 1 if backward else self.index + 1
@@ -165,7 +169,6 @@ class StreamedLayer:
 
     def __call__(self, *args, **kwargs):
         flat_args, spec = tree_flatten((args, kwargs))
-        tensor_pos = [i for i, x in enumerate(flat_args) if isinstance(x, torch.Tensor)]
         keys = self.capture.active_keys() if self.capture is not None else ()
         if not torch.is_grad_enabled():
             weights = self.engine.acquire(self.index, self.next_index(False))
@@ -174,6 +177,10 @@ class StreamedLayer:
             if captured:
                 self.capture.publish([k for k, _ in captured], [t for _, t in captured])
             return out
+        # Mappings the layer may read and write for later layers: their tensors become inputs
+        # and outputs of the Function (core/carried.py).
+        flat_args, carried = carry_mappings(flat_args)
+        tensor_pos = [i for i, x in enumerate(flat_args) if isinstance(x, torch.Tensor)]
         tensors = [flat_args[i] for i in tensor_pos]
         box: dict[str, Any] = {"keys": keys}
         if self.trainable:
@@ -189,8 +196,15 @@ class StreamedLayer:
         out_flat = box["out_flat"]
         for pos, t in zip(box["out_tensor_pos"], results[:n_out]):
             out_flat[pos] = t
-        if len(results) > n_out:
-            self.capture.publish(box["captured_keys"], list(results[n_out:]))
+        pairs = list(zip(box["captured_keys"], results[n_out:]))
+        recorded = [(k, t) for k, t in pairs if not isinstance(k, CarriedKey)]
+        if recorded:
+            self.capture.publish([k for k, _ in recorded], [t for _, t in recorded])
+        if carried:
+            writes = [(k, t) for k, t in pairs if isinstance(k, CarriedKey)]
+            write_back(carried, [k for k, _ in writes], [t for _, t in writes])
+        for c in carried:
+            c.original = None  # (held by the Function's ctx: no path from it to its outputs)
         return tree_unflatten(out_flat, box["out_spec"])
 
 

@@ -198,31 +198,6 @@ REFUSAL_REASONS = {
     **dict.fromkeys(("zamba", "zamba2"), "one block of its weights serves several layers"),
 }  # fmt: skip
 
-#: Features of a supported family's config that are not streamed: (family, config attribute)
-#: -> why. A config that sets the attribute (non-zero) is refused, naming it.
-UNSTREAMED_FEATURES = {
-    ("gemma4_text", "num_kv_shared_layers"): (
-        "its last layers read an earlier layer's keys and values, which are not carried across "
-        "streamed layers; Gemma 4 checkpoints without it (31B, 26B-A4B) train"
-    ),
-    ("gemma4_text", "hidden_size_per_layer_input"): (
-        "its per-layer input embeddings (one table feeding every layer a slice) are not planned; "
-        "Gemma 4 checkpoints without them (31B, 26B-A4B) train"
-    ),
-}
-
-
-def unstreamed_feature(model_type: str | None, config: object) -> str | None:
-    """Why ``config`` (of ``model_type``, a supported family) is refused for a feature it
-    turns on (``UNSTREAMED_FEATURES``); None where it turns on none."""
-    family = model_family(model_type)
-    for (owner, attr), why in UNSTREAMED_FEATURES.items():
-        value = getattr(config, attr, None) if owner == family else None
-        if value:
-            return f"{attr}={value}: {why}"
-    return None
-
-
 #: Where the refusal points for the whole list of supported types.
 _FULL_LIST = (
     "all {n}: hf_megatrain.SUPPORTED_MODEL_TYPES (README.md, Supported families), and the types "

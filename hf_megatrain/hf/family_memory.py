@@ -394,3 +394,45 @@ FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int
         for t in ("mamba", "falcon_mamba", "jamba")
     },
 }
+
+
+#: Per element of Gemma 4's per-layer inputs (tokens x layers x ``hidden_size_per_layer_input``,
+#: fp32: the resident embedding's output promotes their sum), bytes alive through the step: the
+#: inputs themselves (each layer saves its slice, a view that holds them all) and the fp32 input
+#: and normed output its prelude's RMSNorm saves; and bytes in the layers' backward: the
+#: gradient summing the layers' slices and the one a layer's slice gradient is copied into
+#: before it is added. Measured on the CPU tracker (dev/carried_plan_fit.py).
+PER_LAYER_INPUT_SAVED_BYTES = 12
+PER_LAYER_INPUT_GRAD_BYTES = 10
+#: Per element of the keys and values layers store for later layers to reuse: up to fp32 (a key
+#: after RoPE is, in bf16 training), held from the storing layer's forward to its backward, and
+#: their gradient summed over the layers that read them plus the one a reading layer adds.
+SHARED_KV_SAVED_BYTES = 8
+SHARED_KV_GRAD_BYTES = 8
+
+
+def carried_tensor_bytes(text_cfg: Any, layers: Any) -> tuple[int, int, str]:
+    """Bytes per token the model's forward hands its layers besides the residual stream, alive
+    through the step and in the layers' backward (``ModelShape.carried_bytes_per_token``,
+    ``carried_grad_bytes_per_token``), and what they are: Gemma 4's per-layer inputs, and the
+    keys and values the storing layers of a model whose later layers reuse them hand on
+    (their widths read from the storing layers' key projections)."""
+    saved = grad = 0
+    what = []
+    per_layer = int(getattr(text_cfg, "hidden_size_per_layer_input", 0) or 0)
+    if per_layer:
+        elements = per_layer * len(layers)
+        saved += PER_LAYER_INPUT_SAVED_BYTES * elements
+        grad += PER_LAYER_INPUT_GRAD_BYTES * elements
+        what.append(f"per-layer inputs ({len(layers)} x {per_layer})")
+    attentions = [getattr(layer, "self_attn", None) for layer in layers]
+    if any(getattr(a, "is_kv_shared_layer", False) for a in attentions):
+        width = sum(
+            2 * a.k_proj.out_features
+            for a in attentions
+            if getattr(a, "store_full_length_kv", False) and hasattr(a, "k_proj")
+        )
+        saved += SHARED_KV_SAVED_BYTES * width
+        grad += SHARED_KV_GRAD_BYTES * width
+        what.append(f"shared keys and values ({width} channels)")
+    return saved, grad, " and ".join(what)

@@ -29,8 +29,20 @@ def active_params(model: nn.Module) -> int:
 
     Expert weights are the parameters under modules named ``experts`` (transformers' naming for
     routed experts, fused or as module lists; shared experts are named otherwise); a token uses
-    ``num_experts_per_tok`` of ``num_experts`` of them. Meta placeholders count too."""
+    ``num_experts_per_tok`` of ``num_experts`` of them. Lookup tables besides the input
+    embedding (Gemma 4's per-layer input table, larger than its layers in E2B; learned position
+    embeddings) do no matmul: not counted. Meta placeholders count too."""
     total = sum(p.numel() for p in model.parameters())
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    total -= sum(
+        module.weight.numel()
+        for module in model.modules()
+        if isinstance(module, nn.Embedding)
+        and module is not inputs
+        and module.weight is not head_weight
+    )
     cfg = _text_config(getattr(model, "config", None))
     experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts")
     top_k = _first(cfg, "num_experts_per_tok", "moe_topk", "top_k", "top_k_experts")

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -32,10 +31,8 @@ from .checkpoint import (
     resolve_checkpoint_key,
 )
 from .families import (
-    UNSTREAMED_FEATURES,
     model_family,
     text_model_type,
-    unstreamed_feature,
     unsupported_model_type,
 )
 from .hub import resolve_model_folder
@@ -264,27 +261,12 @@ def check_model_type(path: str) -> None:
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type is None:
         return  # (transformers decides; the model is checked when streamed)
-    if (family := model_family(model_type)) is not None:
-        if family not in {owner for owner, _ in UNSTREAMED_FEATURES}:
-            return  # (no config of it to build: nothing it could turn on is refused)
-        if (why := unstreamed_feature(model_type, _config_of(model_type, raw))) is not None:
-            raise UnsupportedModelError(f"hf_megatrain: {path}: {why}.")
+    if model_family(model_type) is not None:
         return
     custom = " (custom code: config.json's auto_map)" if raw.get("auto_map") else ""
     raise UnsupportedModelError(
         unsupported_model_type(f"hf_megatrain: {path}", model_type, custom, text_model_type(raw))
     )
-
-
-def _config_of(model_type: str, raw: dict) -> object:
-    """The config ``raw`` (a config.json of a supported family) builds, with its class's
-    defaults for what it leaves out (Gemma 4's per-layer inputs are on unless set to 0); the
-    mapping itself where this transformers cannot build it (the load then says why)."""
-    try:
-        kwargs = {k: v for k, v in raw.items() if k != "model_type"}
-        return AutoConfig.for_model(model_type, **kwargs)
-    except Exception:  # noqa: BLE001 - transformers' own error comes with the load
-        return SimpleNamespace(**raw)
 
 
 def _headers(path: str) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -47,7 +47,6 @@ from .families import (
     model_family,
     outer_model_type,
     text_model_type,
-    unstreamed_feature,
     unsupported_model_type,
 )
 from .family_memory import (
@@ -58,6 +57,7 @@ from .family_memory import (
     MOE_FP32_ROUTING_MODEL_TYPES,
     MOE_WORKING_SET_AUDITED_MODEL_TYPES,
     PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
+    carried_tensor_bytes,
     fitted_bytes,
     kept_bytes_audited,
 )
@@ -207,8 +207,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         inter = experts * moe_inter
     elif experts:
         inter = experts * inter
-    if not experts and layers:  # the MLP's own width where the config's is adjusted (LFM2)
-        inter = _mlp_width(layers[0]) or inter
+    if not experts and layers:  # the MLP's own width where the config's is adjusted (LFM2),
+        # at the widest layer where widths differ (Gemma 4's double-wide KV-sharing layers)
+        inter = max(_mlp_width(layer) for layer in layers) or inter
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
@@ -261,6 +262,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
     balance = load_balancing_loss_function(model) if aux else None
     one_hot = "one_hot" in getattr(getattr(balance, "__code__", None), "co_names", ())
     causal_lm = unwrap_peft(model)  # (the attributes its forward passes the aux loss)
+    carried = carried_tensor_bytes(text_cfg, layers)
     return ModelShape(
         kv_size=kv_width,
         head_dim=head_dim,
@@ -332,18 +334,23 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
             model, heads, kv_heads, head_dim, torch.bfloat16
         ),
         rope_table_elements=rope_table_elements(model),
+        carried_bytes_per_token=carried[0],
+        carried_grad_bytes_per_token=carried[1],
+        carried_what=carried[2],
         name=name,
     )
 
 
 def _drop_unread_kv_stores(layers: nn.ModuleList) -> None:
-    """Gemma 4's last layer of each attention type stores its keys and values in a dict the
-    model's forward passes every layer, for layers that reuse them (refused) or for a drafter
-    model to read after the forward. Nothing reads them in training, yet they would live as long
-    as the dict: in the streamed model, whose layers keep their call's arguments for the
-    recompute, the recomputed ones through the whole backward (unplanned HBM)."""
-    for layer in layers:
-        attention = getattr(layer, "self_attn", None)
+    """Gemma 4's last layer of each attention type stores its keys and values in a mapping the
+    model's forward passes every layer, for layers that reuse them or for a drafter model to
+    read after the forward. Where no layer reuses them (31B, 26B-A4B), nothing reads them in
+    training, yet a streamed layer would hand them out as outputs (core/carried.py) alive
+    through the whole backward (unplanned HBM): such models store none."""
+    attentions = [getattr(layer, "self_attn", None) for layer in layers]
+    if any(getattr(a, "is_kv_shared_layer", False) for a in attentions):
+        return
+    for attention in attentions:
         if getattr(attention, "store_full_length_kv", False):
             attention.store_full_length_kv = False
 
@@ -534,8 +541,6 @@ def check_supported(model: nn.Module) -> str:
                 f"hf_megatrain: {type(model).__name__}", outer or named, "", text
             )
         )
-    if (why := unstreamed_feature(model_type, config)) is not None:
-        raise UnsupportedModelError(f"hf_megatrain: {type(model).__name__}: {why}.")
     if not _causal_lm_class(model, named):
         raise UnsupportedModelError(
             f"hf_megatrain: {type(model).__name__} is not a *ForCausalLM model; "
