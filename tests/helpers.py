@@ -410,13 +410,18 @@ ADDED_FAMILY_OVERRIDES: dict[str, Callable[[int], dict]] = {
     "lfm3": lambda n: dict(layer_types=_cycle(n, ("conv", "sliding_attention", "full_attention")),
                            conv_L_cache=3),
     # A full-attention layer of its own width (2 x head_dim, one kv head, keys as values: the
-    # per-layer config); no per-layer inputs or KV sharing (refused). Its MoE variant:
-    # tests/test_gemma4.py.
+    # per-layer config). Its per-layer inputs and KV sharing (E2B, E4B) and its MoE variant:
+    # tests/test_gemma4.py (at 4 layers, at the suite's lr 1e-2 this tiny model is chaotic).
     "gemma4_text": lambda n: dict(layer_types=["sliding_attention"] * (n - 1) + ["full_attention"],
                                   final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
                                   attention_k_eq_v=True,
                                   config_kwargs=dict(global_head_dim=16,
                                                      num_global_key_value_heads=1)),
+    # Gemma 4's text model of the unified multimodal checkpoints: Gemma 4's layers, no per-layer
+    # inputs; KV sharing: the last layer (sliding) reuses the first one's keys and values, and
+    # runs a double-wide MLP.
+    "gemma4_unified_text": lambda n: dict(layer_types=_mixed(n), num_kv_shared_layers=1,
+                                          use_double_wide_mlp=True),
     # --- Added 2026-12-07 (51st session): state-space families. Mamba-2 mixers of 4 heads of 16,
     # state 8 in 2 groups, chunks of 4 (the 16-token rows span four: the inter-chunk recurrence
     # runs); attention layers between them.
@@ -449,7 +454,7 @@ _ADDED_FAMILY_LAYERS = {
                    "kimi_linear", "minimax", "mellum", "laguna", "hy_v3", "glm_moe_dsa", "axk1",
                    "axk2", "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe",
                    "bailing_hybrid", "lara_mini", "flint", "kolibri1", "minicpm5_moe", "beam",
-                   "lfm3", "gemma4_text", "bamba", "granitemoehybrid", "nemotron_h", "jamba")
+                   "lfm3", "gemma4_text", "gemma4_unified_text", "bamba", "granitemoehybrid", "nemotron_h", "jamba")
 }  # fmt: skip
 
 
@@ -475,7 +480,14 @@ def _installed(model_type: str) -> bool:
 
 
 #: The added families the installed transformers has (the GPU machine's 5.17 lacks some).
-ADDED_ARCHS = [a for a in ADDED_FAMILY_OVERRIDES if _installed(a)]
+#: Families whose tiny model stock itself cannot train reproducibly to the suites' 1e-5: Gemma 4
+#: unified's, against itself as 1 x 2 accumulation (fp32 sums in another order), drifted
+#: 1.2e-2 to 1.2 on the grad norm by step 5 at lr 1e-2 over every variant tried (head widths,
+#: soft-capping, windows, with and without KV sharing; some of its q-projection elements get
+#: gradients of rounding size, which AdamW turns into whole steps). Their suites are in
+#: tests/test_gemma4.py: exact gradients, and training measured against stock's own spread.
+TWIN_NOISE_ARCHS = frozenset({"gemma4_unified_text"})
+ADDED_ARCHS = [a for a in ADDED_FAMILY_OVERRIDES if _installed(a) and a not in TWIN_NOISE_ARCHS]
 
 
 def installed_supported_types() -> list[str]:

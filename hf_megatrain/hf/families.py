@@ -109,7 +109,8 @@ SUPPORTED_MODEL_TYPES = {
     "lfm3": "LFM3 (short gated convolutions + sliding and full attention)",
     "hyperclovax": "HyperCLOVA X (muP multipliers, logits multiplied by logits_scaling)",
     "gemma4_text": "Gemma 4 (text: sliding + full attention layers of their own head widths, "
-    "keys as values, soft-capped logits, MoE beside the MLP)",
+    "keys as values, soft-capped logits, MoE beside the MLP, per-layer inputs, KV sharing)",
+    "gemma4_unified_text": "Gemma 4 unified (text: Gemma 4's layers, KV sharing)",
     "mamba2": "Mamba-2 (chunked state-space scan)",
     "bamba": "Bamba (Mamba-2 + attention layers)",
     "granitemoehybrid": "Granite 4.0 hybrid (Mamba-2 + attention layers, MoE, Granite's multipliers)",
@@ -176,9 +177,8 @@ REFUSAL_REASONS = {
     "zaya": "its MoE layers' memory is not planned within the margin yet (the step 1.3x its plan: "
     "the convolutional attention, and the router state each layer hands the next)",
     **dict.fromkeys(
-        ("gemma4_unified", "gemma4_unified_text", "gemma3n", "gemma3n_text"),
-        "its later layers read an earlier layer's keys and values (num_kv_shared_layers: not "
-        "carried across streamed layers), and its per-layer input embeddings are not planned",
+        ("gemma3n", "gemma3n_text"),
+        "its AltUp layers carry several residual streams between layers (not planned yet)",
     ),
     **dict.fromkeys(
         ("hy_v4", "deepseek_v4", "qwen4_exp", "qwen4_exp_text"),

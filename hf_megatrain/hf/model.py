@@ -315,7 +315,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
             inter,
         ),
         # Gemma 2-4: four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
-        gemma_norms=family in ("gemma2", "gemma3_text", "gemma4_text"),
+        gemma_norms=family in ("gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text"),
         peak_working_set_audited=family in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
         sdpa_attention=runs == "sdpa",
         attn_implementation=attn,
