@@ -59,7 +59,9 @@ def _refusal(fn, *args) -> str:
     return msg
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "llava", "idefics3", "gemma4"])
+@pytest.mark.parametrize(
+    "model_type", ["gemma3", "llava", "idefics3", "gemma4", "gemma4_unified"]
+)
 def test_a_multimodal_model_refusal_says_how_to_load_its_text_model(tmp_path, model_type):
     """Gemma 3, LLaVA, Idefics3 (the text weights under ``language_model.model.`` or
     ``model.text_model.``): the model object and its checkpoint folder are refused, naming the
@@ -79,7 +81,7 @@ def test_a_multimodal_model_refusal_says_how_to_load_its_text_model(tmp_path, mo
     ):
         assert f"model_type '{model_type}' (multimodal) is not supported" in msg
         assert f"but its text model ('{text_type}') is: load it alone with {advice}" in msg
-        assert advice in msg and len(msg.split(": model_type")[1]) < 330  # past the path
+        assert advice in msg and len(msg.split(": model_type")[1]) < 360  # past the path
 
     _, plain = text_cls.from_pretrained(str(tmp_path / "mm"), output_loading_info=True)
     assert plain["missing_keys"]  # why the mapping: without it the text weights are not found
