@@ -418,10 +418,16 @@ ADDED_FAMILY_OVERRIDES: dict[str, Callable[[int], dict]] = {
                                   config_kwargs=dict(global_head_dim=16,
                                                      num_global_key_value_heads=1)),
     # Gemma 4's text model of the unified multimodal checkpoints: Gemma 4's layers, no per-layer
-    # inputs; KV sharing: the last layer (sliding) reuses the first one's keys and values, and
-    # runs a double-wide MLP.
-    "gemma4_unified_text": lambda n: dict(layer_types=_mixed(n), num_kv_shared_layers=1,
+    # inputs; KV sharing: the last layer reuses the keys and values of the last earlier one of its
+    # type, and runs a double-wide MLP (at 3 layers or more).
+    "gemma4_unified_text": lambda n: dict(layer_types=_mixed(n), num_kv_shared_layers=int(n > 2),
                                           use_double_wide_mlp=True),
+    # AltUp's 4 streams, LAuReL, per-layer inputs, KV sharing (at 3 layers or more, the last
+    # layer reuses the first's keys and values) and the first layer's activation sparsity.
+    "gemma3n_text": lambda n: dict(layer_types=_mixed(n), num_kv_shared_layers=int(n > 2),
+                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                                   laurel_rank=4, altup_num_inputs=4,
+                                   activation_sparsity_pattern=[0.95] + [0.0] * (n - 1)),
     # --- Added 2026-12-07 (51st session): state-space families. Mamba-2 mixers of 4 heads of 16,
     # state 8 in 2 groups, chunks of 4 (the 16-token rows span four: the inter-chunk recurrence
     # runs); attention layers between them.
@@ -454,7 +460,7 @@ _ADDED_FAMILY_LAYERS = {
                    "kimi_linear", "minimax", "mellum", "laguna", "hy_v3", "glm_moe_dsa", "axk1",
                    "axk2", "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe",
                    "bailing_hybrid", "lara_mini", "flint", "kolibri1", "minicpm5_moe", "beam",
-                   "lfm3", "gemma4_text", "gemma4_unified_text", "bamba", "granitemoehybrid", "nemotron_h", "jamba")
+                   "lfm3", "gemma4_text", "gemma4_unified_text", "gemma3n_text", "bamba", "granitemoehybrid", "nemotron_h", "jamba")
 }  # fmt: skip
 
 

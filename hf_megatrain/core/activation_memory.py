@@ -775,7 +775,7 @@ def _segment_term(
     kept = max(0, last - kept_from + 1)
     chain_span = range(max(first, last - min(chain_count, last - first)), last)
     chain = sum(1 for i in chain_span if i < kept_from)
-    per_token = inputs * 4 * shape.hidden_size + (kept + chain) * output_bytes_per_token
+    per_token = inputs * 4 * shape.residual_width + (kept + chain) * output_bytes_per_token
     per_token -= kept_output_saving if last >= kept_from else 0
     return SegmentPeak(first, last, last >= kept_from, inputs - 2, kept, chain), per_token
 
@@ -849,7 +849,7 @@ def boundary_activation_bytes(shape: ModelShape, step: StepShape, options: Resol
     """Every saved layer input (the residual stream: fp32, or its bf16-rounded copy) for one
     micro-batch: one per layer, or one per checkpoint segment."""
     b = options.boundary_bytes_per_element
-    return step.micro_batch_tokens * shape.hidden_size * b * saved_boundary_layers(shape, options)
+    return step.micro_batch_tokens * shape.residual_width * b * saved_boundary_layers(shape, options)
 
 
 def saved_layers_label(shape: ModelShape, options: ResolvedOptions) -> str:
@@ -1336,7 +1336,7 @@ def kept_activations_line(
     shared = shares_input_casts(options, dtype)
     per_token = (
         kept_activation_bytes_per_token(shape, shared)
-        + (4 - options.boundary_bytes_per_element) * shape.hidden_size
+        + (4 - options.boundary_bytes_per_element) * shape.residual_width
     )
     casts = ", one bf16 cast per normed input" if shared else ""
     return estimate_line(
@@ -1424,6 +1424,8 @@ def activation_lines(
     the attention outputs the last ``attention_layers`` recomputed layers keep."""
     isz = itemsize(dtype)
     t, h, v = step.micro_batch_tokens, shape.hidden_size, shape.vocab_size
+    r = shape.residual_width  # (what a layer hands the next: h but for Gemma 3n's AltUp)
+    hid = "hidden" if r == h else f"{shape.residual_streams} x hidden"
     tile = mlp_tile(shape, options)  # (0 where the MLPs run untiled)
     lines = []
     b = options.boundary_bytes_per_element
@@ -1457,11 +1459,11 @@ def activation_lines(
         # Every layer keeps its attention output: whichever layer's backward peaks keeps its own.
         work, _ = _kept_output_working_set(shape, t, tile, work, shared_casts=shared)
     if joint is not None:
-        lines += joint_peak_lines(joint, t, h, per_token)
+        lines += joint_peak_lines(joint, t, r, per_token)
     elif not options.offload_activations:
         lines.append(
             MemoryLine(
-                f"boundary activations ({boundary_dtype_label(options)}): {t} tokens x hidden x "
+                f"boundary activations ({boundary_dtype_label(options)}): {t} tokens x {hid} x "
                 f"{b} B x {saved_layers_label(shape, options)}",
                 boundary_activation_bytes(shape, step, options),
                 BOUNDARY_KIND,
@@ -1471,7 +1473,7 @@ def activation_lines(
             lines.append(
                 MemoryLine(
                     "boundary activation of the recomputing layer cast back to fp32",
-                    t * h * cast_back,
+                    t * r * cast_back,
                     BOUNDARY_KIND,
                 )
             )
@@ -1486,7 +1488,7 @@ def activation_lines(
         lines.append(
             MemoryLine(
                 f"boundary activations offloaded to host; in HBM: {what}",
-                2 * t * h * b + t * h * cast_back,
+                2 * t * r * b + t * r * cast_back,
                 BOUNDARY_KIND,
             )
         )
@@ -1525,11 +1527,11 @@ def activation_lines(
     else:
         cached_layers = joint.cache_beyond_buffers
         what = f"{cached_layers} recomputed layer inputs beyond the two offload buffers"
-    cached = cached_layers * t * h * 4
+    cached = cached_layers * t * r * 4
     if cached:
         lines.append(
             estimate_line(
-                f"checkpoint segment backward: {what} (fp32, {t} tokens x hidden x 4 B) cached",
+                f"checkpoint segment backward: {what} (fp32, {t} tokens x {hid} x 4 B) cached",
                 cached,
                 SEGMENT_CACHE_KIND,
             )
@@ -1567,11 +1569,11 @@ def activation_lines(
     # checked on the whole step instead: on the CPU scale model of the H200's long rows its
     # lines are 12% above the live activations, this gradient among them
     # (dev/long_plan_probe.py; the H200 524,288-token row peaked 7% under its expected peak).
-    incoming_grad = t * h * 4 if joint is None else 0
+    incoming_grad = t * r * 4 if joint is None else 0
     if incoming_grad:
         lines.append(
             MemoryLine(
-                f"hidden-state gradient a layer's backward takes in (fp32): {t} tokens x hidden "
+                f"hidden-state gradient a layer's backward takes in (fp32): {t} tokens x {hid} "
                 "x 4 B",
                 incoming_grad,
                 BOUNDARY_KIND,

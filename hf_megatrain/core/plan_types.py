@@ -137,6 +137,10 @@ class ModelShape:
     # their gradients while the layers' backward runs (summed over the layers that read them);
     # ``carried_what`` names them.
     carried_bytes_per_token: int = 0
+    # Hidden states per token a layer takes in and hands on (Gemma 3n's AltUp: its 4
+    # predictions of the hidden state; 1 for every other family): the boundary activations,
+    # their gradients and the segment caches are ``residual_width`` per token.
+    residual_streams: int = 1
     carried_grad_bytes_per_token: int = 0
     carried_what: str = ""
     # Bytes per token a kept layer of the family saves beyond the count of
@@ -251,6 +255,11 @@ class ModelShape:
             or self.adapter_weight_elements or self.adapter_weight_fp32
             or any(self.adapter_weight_peak)
         )  # fmt: skip
+
+    @property
+    def residual_width(self) -> int:
+        """Elements per token of what one layer hands the next (``residual_streams``)."""
+        return self.hidden_size * self.residual_streams
 
     @property
     def num_layers(self) -> int:

@@ -111,6 +111,8 @@ SUPPORTED_MODEL_TYPES = {
     "gemma4_text": "Gemma 4 (text: sliding + full attention layers of their own head widths, "
     "keys as values, soft-capped logits, MoE beside the MLP, per-layer inputs, KV sharing)",
     "gemma4_unified_text": "Gemma 4 unified (text: Gemma 4's layers, KV sharing)",
+    "gemma3n_text": "Gemma 3n (text: AltUp's 4 residual streams, LAuReL, per-layer inputs, "
+    "KV sharing, activation sparsity)",
     "mamba2": "Mamba-2 (chunked state-space scan)",
     "bamba": "Bamba (Mamba-2 + attention layers)",
     "granitemoehybrid": "Granite 4.0 hybrid (Mamba-2 + attention layers, MoE, Granite's multipliers)",
@@ -176,10 +178,6 @@ REFUSAL_REASONS = {
     "ergo": "its head computes fp32 logits (not one linear layer the fused loss can take)",
     "zaya": "its MoE layers' memory is not planned within the margin yet (the step 1.3x its plan: "
     "the convolutional attention, and the router state each layer hands the next)",
-    **dict.fromkeys(
-        ("gemma3n", "gemma3n_text"),
-        "its AltUp layers carry several residual streams between layers (not planned yet)",
-    ),
     **dict.fromkeys(
         ("hy_v4", "deepseek_v4", "qwen4_exp", "qwen4_exp_text"),
         "its hyper-connections carry several residual streams between layers (not planned yet)",

@@ -210,6 +210,10 @@ CUDA_ACTIVATION_EXTRA_PER_INTER: dict[str, int] = {"apertus": 13, "arcee": 11, "
                                                    "jais2": 14}  # fmt: skip
 
 
+#: Gemma 3n's AltUp term (``FAMILY_WORKING_SET_EXTRA``) per stream element and token.
+ALTUP_BYTES_PER_STREAM_ELEMENT = 34
+
+
 def _fitted_residual(model_type: str) -> tuple[str, Callable[[Any, int, int, int, int], int]]:
     row = FITTED_WORKING_SET_RESIDUALS[model_type]
     cuda = CUDA_ACTIVATION_EXTRA_PER_INTER.get(model_type, 0)
@@ -373,6 +377,13 @@ FAMILY_WORKING_SET_EXTRA: dict[str, tuple[str, Callable[[Any, int, int, int, int
         )
         for t in ("minicpm3", "youtu")
     },
+    # AltUp's predictions and corrections of its 4 hidden-state streams (and the model's
+    # projections into and out of them), fitted on the CPU tracker (dev/carried_plan_fit.py
+    # --gemma3n): bytes per stream element.
+    "gemma3n_text": (
+        "Gemma 3n's AltUp streams",
+        lambda cfg, h, q, kv, i: ALTUP_BYTES_PER_STREAM_ELEMENT * cfg.altup_num_inputs * h,
+    ),
     "lfm2": (
         "LFM2's short-convolution layers",
         lambda cfg, h, q, kv, i: (

@@ -315,7 +315,8 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
             inter,
         ),
         # Gemma 2-4: four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
-        gemma_norms=family in ("gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text"),
+        gemma_norms=family
+        in ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text"),
         peak_working_set_audited=family in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
         sdpa_attention=runs == "sdpa",
         attn_implementation=attn,
@@ -335,6 +336,8 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         ),
         rope_table_elements=rope_table_elements(model),
         carried_bytes_per_token=carried[0],
+        # Gemma 3n's AltUp hands each layer its predictions of the hidden state, 4 per token.
+        residual_streams=int(getattr(text_cfg, "altup_num_inputs", 0) or 1),
         carried_grad_bytes_per_token=carried[1],
         carried_what=carried[2],
         name=name,
