@@ -155,7 +155,7 @@ def test_the_refusal_lists_the_closest_types_and_where_all_are(tmp_path, model_t
     "model_type,why",
     [
         ("dbrx", "fail under bf16 autocast"),
-        ("deepseek_v4", "several residual streams"),
+        ("hy_v4", "top-k indices"),
         ("zaya", "MoE layers' memory"),
     ],
 )

@@ -336,8 +336,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         ),
         rope_table_elements=rope_table_elements(model),
         carried_bytes_per_token=carried[0],
-        # Gemma 3n's AltUp hands each layer its predictions of the hidden state, 4 per token.
-        residual_streams=int(getattr(text_cfg, "altup_num_inputs", 0) or 1),
+        residual_streams=residual_streams(text_cfg),
         carried_grad_bytes_per_token=carried[1],
         carried_what=carried[2],
         name=name,
@@ -664,6 +663,17 @@ def _is_peft(model: nn.Module) -> bool:
 
 
 _RANDOM_CONFIG_KEYS = ("dropout", "pdrop", "jitter")  # e.g. attention_dropout, router_jitter_noise
+
+
+#: Config names of how many hidden states per token a layer takes in and hands on: Gemma 3n's
+#: AltUp predictions, the hyper-connection streams of Hunyuan V4 and DeepSeek-V4 (``hc_mult``)
+#: and Qwen4-exp (``hc_count``).
+_RESIDUAL_STREAM_NAMES = ("altup_num_inputs", "hc_mult", "hc_count")
+
+
+def residual_streams(text_cfg) -> int:
+    """Hidden states per token between layers (``ModelShape.residual_streams``; 1 for most)."""
+    return next((int(v) for n in _RESIDUAL_STREAM_NAMES if (v := getattr(text_cfg, n, 0))), 1)
 
 
 def _text_config(config):
