@@ -186,6 +186,42 @@ def test_every_family_trains_like_stock_on_gpu(tmp_path, arch):
 
 
 @pytest.mark.skipif(not (ARCHS and "gemma4_text" in ARCHS), reason="transformers without Gemma 4")
+@pytest.mark.parametrize("variant", ["e2b", "unified"])
+def test_gemma4_kv_sharing_and_per_layer_inputs_on_gpu(variant):
+    """Gemma 4's KV sharing (the reusing layers' keys and values carried as outputs of the
+    storing layers' streamed calls, core/carried.py) and per-layer inputs (E2B's kind of model;
+    and the unified text model's KV sharing) through the GPU path: fp32 forward and every
+    gradient against stock on the same GPU, every layer streamed, segments of 2 (the storing
+    layers re-made by a chain). The CPU's bound (tests/test_gemma4.py, 1e-5 relative): the
+    same kernels, so the recompute's rounding only."""
+    from hf_megatrain import prepare_streamed_model  # noqa: PLC0415
+    from hf_megatrain.hf.model import streamed_gradients  # noqa: PLC0415
+
+    from .test_gemma4 import E2B  # noqa: PLC0415
+
+    if variant == "e2b":
+        config = gemma4_config(**E2B)
+    else:
+        pytest.importorskip("transformers.models.gemma4_unified")
+        config = tiny_config("gemma4_unified_text", num_hidden_layers=3)
+    torch.manual_seed(0)
+    model = tiny_model(config)
+    stock = copy.deepcopy(model).cuda()
+    streamed = prepare_streamed_model(
+        copy.deepcopy(model), "cuda", torch.float32, checkpoint_every=2
+    )
+    ids = torch.stack([r["input_ids"] for r in make_data(4)]).cuda()
+    want = stock(input_ids=ids, labels=ids, use_cache=False)
+    got = streamed(input_ids=ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
+    grads = streamed_gradients(streamed)
+    for name, p in stock.named_parameters():
+        torch.testing.assert_close(grads[name].cuda(), p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.skipif(not (ARCHS and "gemma4_text" in ARCHS), reason="transformers without Gemma 4")
 def test_gemma4_wide_heads_train_like_stock_on_gpu(tmp_path):
     """Gemma 4's widths: sliding layers with heads of 256, full-attention layers with heads of
     512 (no flash kernel: SDPA picks another; FlexAttention is not chosen, heads over 256), rows
