@@ -297,3 +297,35 @@ def test_unified_trains_inside_stocks_own_spread(tmp_path, accumulation):
         spread, drift = _drift(stock, twin, key), _drift(stock, mega, key)
         print(f"{key}: streamed {drift:.1e}, stock against itself {spread:.1e}")
         assert drift <= 3 * spread + 1e-6, key
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "gemma3n_text"])
+def test_checkpoint_with_projections_the_sharing_layers_lack_loads(tmp_path, arch):
+    """A checkpoint may hold key projections for the layers that reuse an earlier layer's keys
+    and values, which have none (the model class lists them in
+    ``_keys_to_ignore_on_load_unexpected`` and ``from_pretrained`` skips them): the streaming
+    load skips them too, instead of refusing the checkpoint, and computes as stock."""
+    import os  # noqa: PLC0415
+
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    from hf_megatrain import load_streamed_model  # noqa: PLC0415
+
+    if arch not in CONFIG_MAPPING:
+        pytest.skip(f"transformers without {arch}")
+    config = gemma4_config(**E2B) if arch == "gemma4_text" else tiny_config(arch)
+    model = tiny_model(config)
+    model.save_pretrained(str(tmp_path))
+    file = os.path.join(str(tmp_path), "model.safetensors")
+    tensors = load_file(file)
+    shared = [i for i, x in enumerate(model.model.layers) if x.self_attn.is_kv_shared_layer]
+    assert shared
+    for i in shared:
+        tensors[f"model.layers.{i}.self_attn.k_proj.weight"] = torch.randn(16, config.hidden_size)
+    save_file(tensors, file, metadata={"format": "pt"})
+    streamed = load_streamed_model(str(tmp_path), device="cpu", bf16=False)
+    ids = _ids(2)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids, use_cache=False).loss
+        got = streamed(input_ids=ids, labels=ids, use_cache=False).loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)

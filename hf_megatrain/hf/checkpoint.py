@@ -303,6 +303,18 @@ def drop_other_towers(unknown: list[str], model, prefix: str, path: str) -> list
     return [k for k in unknown if k.split(".", 1)[0] in children]
 
 
+def drop_ignored_keys(unknown: list[str], model) -> list[str]:
+    """``unknown`` (checkpoint keys that match no tensor of ``model``) less those its class
+    skips on load (``_keys_to_ignore_on_load_unexpected``, regular expressions, as
+    ``from_pretrained`` applies them): the key/value projections a checkpoint holds for
+    KV-sharing layers that have none (Gemma 3n, Gemma 4 E2B/E4B)."""
+    ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+    if not unknown or not ignored:
+        return unknown
+    pattern = re.compile("|".join(f"({p})" for p in ignored))
+    return [key for key in unknown if pattern.search(key) is None]
+
+
 def is_multimodal_checkpoint(path: str) -> bool:
     """Whether the checkpoint folder's config.json is a composite one (a ``text_config``)."""
     try:
@@ -405,6 +417,7 @@ def load_weights_into_store(model, path: str) -> None:
     missing = [n for n, t in targets.items() if id(t) not in filled and id(t) not in optional]
     if unknown and os.path.isdir(path) and is_multimodal_checkpoint(path):
         unknown = drop_other_towers(unknown, model, prefix, path)
+    unknown = drop_ignored_keys(unknown, model)
     if unknown:
         raise ValueError(
             f"hf_megatrain: {len(unknown)} checkpoint tensors do not match the model, e.g. "

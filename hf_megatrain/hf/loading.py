@@ -26,6 +26,7 @@ from .checkpoint import (
     _checkpoint_renamings,
     _rename,
     check_checkpoint_files,
+    drop_ignored_keys,
     drop_other_towers,
     load_weights_into_store,
     resolve_checkpoint_key,
@@ -342,6 +343,7 @@ def check_checkpoint_tensors(config, path: str) -> None:
         filled.add(id(dest))
     if unknown and config.get_text_config() is not config:  # a multimodal config (Llama 4's)
         unknown = drop_other_towers(unknown, meta, prefix, path)
+    unknown = drop_ignored_keys(unknown, meta)
     if unknown:
         raise ValueError(
             f"hf_megatrain: {len(unknown)} checkpoint tensors in {path} do not match the "
