@@ -194,31 +194,14 @@ def test_gemma4_kv_sharing_and_per_layer_inputs_on_gpu(variant):
     gradient against stock on the same GPU, every layer streamed, segments of 2 (the storing
     layers re-made by a chain). The CPU's bound (tests/test_gemma4.py, 1e-5 relative): the
     same kernels, so the recompute's rounding only."""
-    from hf_megatrain import prepare_streamed_model  # noqa: PLC0415
-    from hf_megatrain.hf.model import streamed_gradients  # noqa: PLC0415
-
-    from .test_gemma4 import E2B  # noqa: PLC0415
+    from .test_gemma4 import E2B, assert_streamed_matches_stock  # noqa: PLC0415
 
     if variant == "e2b":
         config = gemma4_config(**E2B)
     else:
         pytest.importorskip("transformers.models.gemma4_unified")
         config = tiny_config("gemma4_unified_text", num_hidden_layers=3)
-    torch.manual_seed(0)
-    model = tiny_model(config)
-    stock = copy.deepcopy(model).cuda()
-    streamed = prepare_streamed_model(
-        copy.deepcopy(model), "cuda", torch.float32, checkpoint_every=2
-    )
-    ids = torch.stack([r["input_ids"] for r in make_data(4)]).cuda()
-    want = stock(input_ids=ids, labels=ids, use_cache=False)
-    got = streamed(input_ids=ids, labels=ids, use_cache=False)
-    want.loss.backward()
-    got.loss.backward()
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
-    grads = streamed_gradients(streamed)
-    for name, p in stock.named_parameters():
-        torch.testing.assert_close(grads[name].cuda(), p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert_streamed_matches_stock(tiny_model(config), "cuda", checkpoint_every=2)
 
 
 @pytest.mark.skipif(not (ARCHS and "gemma4_text" in ARCHS), reason="transformers without Gemma 4")
