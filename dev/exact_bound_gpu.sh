@@ -18,7 +18,7 @@
 #              auto_fit's cast HBM tier, fp32-master streaming, tiles, segments of 4. ~3 min.
 #   seamtests  tests/test_gpu.py's cases that call what 2026-12-07 made public, and its working
 #              set cases (the plan's hidden-state gradient line).
-#   gemmatests tests/test_gpu.py's cases for the families of 2026-12-07 (54th session): Gemma 4's
+#   gemmatests tests/test_gpu.py's cases for the families of 2026-12-07 (53rd session): Gemma 4's
 #              KV sharing and per-layer inputs, Gemma 4 unified, Gemma 3n (the family test).
 #   familystep tests/test_gpu.py's family-step and family-at-width cases (the plan's lines per
 #              family on CUDA, the latter at hidden 1,024: the terms of 2026-12-06) and

@@ -178,7 +178,7 @@ def test_a_refusal_found_by_a_probe_says_why(tmp_path, model_type, why):
 )
 def test_gemma4_kv_sharing_and_per_layer_inputs_are_accepted_and_planned(tmp_path, capsys, setting):
     """Gemma 4's KV sharing and per-layer input embeddings (E2B, E4B) were refused by name until
-    2026-12-07 (54th session); they stream now (tests/test_gemma4.py). The model, its folder
+    2026-12-07 (53rd session); they stream now (tests/test_gemma4.py). The model, its folder
     and ``plan`` take them, and the plan shows what they carry past the layers."""
     from hf_megatrain.cli import main  # noqa: PLC0415
 
