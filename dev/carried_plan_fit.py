@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.helpers import gemma4_config  # noqa: E402
+from tests.test_gemma4 import gemma3n_tracker_config, gemma4_tracker_config  # noqa: E402
 from tests.test_plan_accuracy import step_vs_plan  # noqa: E402
 
 GEMMA3N = [
@@ -37,38 +37,6 @@ DEFAULT = [
 ]  # fmt: skip
 
 
-def config(layers: int, per_layer: int, tokens: int, hidden: int, shared: int, wide: bool):
-    """Gemma 4 text at these widths: 3 sliding layers (one kv head of 64) per full one (one of
-    128), MLP 4 x hidden (doubled in the KV-sharing layers with ``wide``)."""
-    types = (["sliding_attention"] * 3 + ["full_attention"]) * (layers // 4)
-    return gemma4_config(
-        hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=64, global_head_dim=128,
-        num_global_key_value_heads=1, sliding_window=512, attention_k_eq_v=False,
-        layer_types=types, max_position_embeddings=2 * tokens, num_kv_shared_layers=shared,
-        hidden_size_per_layer_input=per_layer, vocab_size_per_layer_input=4096,
-        use_double_wide_mlp=wide,
-    )  # fmt: skip
-
-
-def gemma3n_config(layers: int, per_layer: int, tokens: int, hidden: int, shared: int, sparse: int):
-    """Gemma 3n text at these widths: 3 sliding layers per full one (one kv head of 64), MLP 4 x
-    hidden, AltUp's 4 streams, LAuReL of rank 64, activation sparsity 0.95 in the first
-    ``sparse`` layers."""
-    from transformers import CONFIG_MAPPING  # noqa: PLC0415
-
-    types = (["sliding_attention"] * 3 + ["full_attention"]) * (layers // 4)
-    sparsity = [0.95 if i < sparse else 0.0 for i in range(layers)]
-    return CONFIG_MAPPING["gemma3n_text"](
-        vocab_size=4096, vocab_size_per_layer_input=4096, hidden_size=hidden,
-        intermediate_size=4 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=64, hidden_size_per_layer_input=per_layer,
-        num_kv_shared_layers=shared, layer_types=types, sliding_window=512, laurel_rank=64,
-        altup_num_inputs=4, max_position_embeddings=2 * tokens,
-        activation_sparsity_pattern=sparsity, pad_token_id=0,
-    )  # fmt: skip
-
-
 def main(argv: list[str]) -> int:
     gemma3n = "--gemma3n" in argv
     argv = [a for a in argv if a != "--gemma3n"]
@@ -77,9 +45,9 @@ def main(argv: list[str]) -> int:
         layers, per_layer, tokens, hidden, shared = v[:5]
         extra = v[5] if len(v) > 5 else 0
         if gemma3n:
-            cfg = gemma3n_config(layers, per_layer, tokens, hidden, shared, extra)
+            cfg = gemma3n_tracker_config(layers, per_layer, tokens, hidden, shared, extra)
         else:
-            cfg = config(layers, per_layer, tokens, hidden, shared, bool(extra))
+            cfg = gemma4_tracker_config(layers, per_layer, tokens, hidden, shared, bool(extra))
         r = step_vs_plan(cfg, tokens, "sdpa")
         m, p, e = r["measured"], r["planned"], r["margin"]
         print(
