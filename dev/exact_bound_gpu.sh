@@ -142,7 +142,8 @@
 #              `git archive <hash> | tar -x -C .abold/<hash>` and .abold carried (same-start A/B).
 #   old14b     compact14b on the tree of $OLD_COMMIT, as old8b.
 #   fp32m8b    llama8b with --stream-fp32-master (host-bound starts: less for the CPU AdamW to write).
-#   tree8b:<hash> llama8b (3 steps) on the tree of <hash>, unpacked into .abold/<hash> (without
+#   tree8b:<hash>[+--flag+value...] llama8b (3 steps) on the tree of <hash> (flags of this item
+#              alone after "+"), unpacked into .abold/<hash> (without
 #              benchmarks/results): several trees on one machine start, to bisect a change of speed;
 #              TREE8B_ARGS: more bench flags (e.g. --device-update-lead 0: the host path alone).
 #   gemma4wide tests/test_gpu.py's Gemma 4 case at its own widths (heads of 256 and 512).
@@ -430,12 +431,15 @@ item() {  # item <name>: one queue item
         --steps 150 --bf16 --band-accums 2,4,8 --optim-twin --seed 1 --sdpa-backend math \
         --no-plot --out "$work/results/seed1optim" 2>&1 | grep -v '^DEBUG' | tail -8
       ;;
-    tree8b:*)  # llama8b on the tree of the hash after the colon, unpacked into .abold/<hash>
-      local tree=${1#tree8b:}
+    tree8b:*)  # llama8b on the tree of the hash after the colon, unpacked into .abold/<hash>;
+      # bench flags of this item alone after it, joined by "+" (tree8b:<hash>+--flag+value)
+      local item=${1#tree8b:}
+      local tree=${item%%+*} extra=""
+      [ "$item" != "$tree" ] && extra=${item#*+} && extra=${extra//+/ }
       (cd ".abold/$tree" && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=$tree python3 \
         benchmarks/bench.py --tag "tree8b64k" --run "llama-3.1-8b:65536:megatrain-hbm:16" \
         --seq-len 4096 --streamed-init --timeout-s 240 --results-dir "$work/results" --steps 3 \
-        --warmup 1 ${TREE8B_ARGS:-})
+        --warmup 1 ${TREE8B_ARGS:-} $extra)
       ;;
     old8b)  # long8b on the tree of $OLD_COMMIT, unpacked (git archive) into .abold/$OLD_COMMIT
       (cd ".abold/${OLD_COMMIT:?}" && PYTHONPATH=/tmp/site:$PWD BENCH_COMMIT=${OLD_COMMIT:?} python3 \
