@@ -849,7 +849,9 @@ def boundary_activation_bytes(shape: ModelShape, step: StepShape, options: Resol
     """Every saved layer input (the residual stream: fp32, or its bf16-rounded copy) for one
     micro-batch: one per layer, or one per checkpoint segment."""
     b = options.boundary_bytes_per_element
-    return step.micro_batch_tokens * shape.residual_width * b * saved_boundary_layers(shape, options)
+    return (
+        step.micro_batch_tokens * shape.residual_width * b * saved_boundary_layers(shape, options)
+    )
 
 
 def saved_layers_label(shape: ModelShape, options: ResolvedOptions) -> str:
@@ -1424,7 +1426,7 @@ def activation_lines(
     the attention outputs the last ``attention_layers`` recomputed layers keep."""
     isz = itemsize(dtype)
     t, h, v = step.micro_batch_tokens, shape.hidden_size, shape.vocab_size
-    r = shape.residual_width  # (what a layer hands the next: h but for Gemma 3n's AltUp)
+    r = shape.residual_width  # (what a layer hands the next: h, or several streams of it)
     hid = "hidden" if r == h else f"{shape.residual_streams} x hidden"
     tile = mlp_tile(shape, options)  # (0 where the MLPs run untiled)
     lines = []

@@ -137,12 +137,13 @@ class ModelShape:
     # their gradients while the layers' backward runs (summed over the layers that read them);
     # ``carried_what`` names them.
     carried_bytes_per_token: int = 0
-    # Hidden states per token a layer takes in and hands on (Gemma 3n's AltUp: its 4
-    # predictions of the hidden state; 1 for every other family): the boundary activations,
-    # their gradients and the segment caches are ``residual_width`` per token.
-    residual_streams: int = 1
     carried_grad_bytes_per_token: int = 0
     carried_what: str = ""
+    # Hidden states per token a layer takes in and hands on (Gemma 3n's AltUp: its 4
+    # predictions of the hidden state; a hyper-connection family's streams; 1 for most): the
+    # boundary activations, their gradients and the segment caches are ``residual_width`` per
+    # token.
+    residual_streams: int = 1
     # Bytes per token a kept layer of the family saves beyond the count of
     # ``kept_activation_bytes_per_token`` (fitted per family on saved tensors,
     # hf/family_memory.py; negative where it saves less).

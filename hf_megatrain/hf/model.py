@@ -314,7 +314,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
             kv_width,
             inter,
         ),
-        # Gemma 2-4: four fp32 norms per layer (and GELU-tanh MLP): their own working-set terms.
+        # Gemma 2-4 (3n): four fp32 norms per layer (and GELU-tanh MLP): their own terms.
         gemma_norms=family
         in ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text"),
         peak_working_set_audited=family in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
@@ -336,9 +336,9 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
         ),
         rope_table_elements=rope_table_elements(model),
         carried_bytes_per_token=carried[0],
-        residual_streams=residual_streams(text_cfg),
         carried_grad_bytes_per_token=carried[1],
         carried_what=carried[2],
+        residual_streams=residual_streams(text_cfg),
         name=name,
     )
 
