@@ -40,6 +40,14 @@ class _Entry(NamedTuple):
     n_tensors: int
 
 
+def _entry(key: Any, value: Any) -> tuple[_Entry, list[torch.Tensor]]:
+    """``value``'s layout (its pytree leaves, None where a tensor goes) and its tensors."""
+    leaves, spec = tree_flatten(value)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    holes = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    return _Entry(key, holes, spec, len(tensors)), tensors
+
+
 class CarriedMapping:
     """Stands in a streamed layer's flattened arguments for one mapping the layer may read and
     write; its tensors follow the arguments the call flattened (from ``start`` on).
@@ -48,29 +56,30 @@ class CarriedMapping:
     layer put into it; ``write_back`` puts the Function's outputs for those into the caller's.
     """
 
-    def __init__(self, original: MutableMapping, start: int) -> None:
+    def __init__(self, original: MutableMapping, entries: list[_Entry], start: int) -> None:
         self.original = original
         # An empty copy of the caller's mapping type (its class and any attributes), filled anew
         # for each run of the layer.
-        template = copy.copy(original)
-        template.clear()
-        self._template = template
-        self._entries: list[_Entry] = []
-        self.tensors: list[torch.Tensor] = []
-        for key, value in original.items():
-            leaves, spec = tree_flatten(value)
-            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            self._entries.append(
-                _Entry(key, [None if isinstance(x, torch.Tensor) else x for x in leaves], spec,
-                       len(tensors))
-            )  # fmt: skip
-            self.tensors += tensors
+        self._template = copy.copy(original)
+        self._template.clear()
+        self._entries = entries
         self.start = start
-        self.n_tensors = len(self.tensors)
-        # What the last run wrote: (key, value leaves with None for tensors, spec), and the
-        # keys it removed; set by ``written`` (the forward's run; reruns write the same).
+        self.n_tensors = sum(e.n_tensors for e in entries)
+        # What the last run wrote (value leaves with None for tensors) and the keys it removed;
+        # set by ``written`` (the forward's run; reruns write the same).
         self.writes: list[_Entry] = []
         self.removed: list[Any] = []
+
+    @classmethod
+    def of(cls, original: MutableMapping, start: int) -> tuple[CarriedMapping, list[torch.Tensor]]:
+        """The stand-in for ``original``, whose tensors will sit from ``start`` on, and those
+        tensors (in order)."""
+        entries, tensors = [], []
+        for key, value in original.items():
+            entry, found = _entry(key, value)
+            entries.append(entry)
+            tensors += found
+        return cls(original, entries, start), tensors
 
     def bind(self, tensors: list) -> MutableMapping:
         """The mapping the layer runs on: the caller's entries, their tensors ``tensors`` (the
@@ -91,8 +100,7 @@ class CarriedMapping:
             before[e.key] = [next(it) for _ in range(e.n_tensors)]
         out, writes = [], []
         for key, value in fresh.items():
-            leaves, spec = tree_flatten(value)
-            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            entry, tensors = _entry(key, value)
             old = before.get(key)
             if (
                 old is not None
@@ -100,10 +108,7 @@ class CarriedMapping:
                 and all(a is b for a, b in zip(old, tensors))
             ):
                 continue  # read, not written
-            writes.append(
-                _Entry(key, [None if isinstance(x, torch.Tensor) else x for x in leaves], spec,
-                       len(tensors))
-            )  # fmt: skip
+            writes.append(entry)
             out += [(CarriedKey(index, key, k), t) for k, t in enumerate(tensors)]
         self.writes = writes
         self.removed = [k for k in before if k not in fresh]
@@ -129,9 +134,8 @@ def carry_mappings(flat_args: list) -> tuple[list, list[CarriedMapping]]:
     n = len(flat_args)
     for pos, x in enumerate(flat_args[:n]):
         if isinstance(x, MutableMapping) and not isinstance(x, dict):
-            c = CarriedMapping(x, n + len(extra))
-            extra += c.tensors
-            c.tensors = []  # (the Function holds them as inputs; no second reference)
+            c, tensors = CarriedMapping.of(x, n + len(extra))
+            extra += tensors
             flat_args[pos] = c
             carried.append(c)
     return flat_args + extra, carried
