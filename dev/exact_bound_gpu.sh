@@ -19,7 +19,8 @@
 #   seamtests  tests/test_gpu.py's cases that call what 2026-12-07 made public, and its working
 #              set cases (the plan's hidden-state gradient line).
 #   gemmatests tests/test_gpu.py's cases for the families of 2026-12-07 (53rd session): Gemma 4's
-#              KV sharing and per-layer inputs, Gemma 4 unified, Gemma 3n (the family test).
+#              KV sharing and per-layer inputs, Gemma 4 unified, Gemma 3n (the family test, and
+#              under FlexAttention, which "auto" picks for it past its window on CUDA).
 #   familystep tests/test_gpu.py's family-step and family-at-width cases (the plan's lines per
 #              family on CUDA, the latter at hidden 1,024: the terms of 2026-12-06) and
 #              the cast HBM tier's (with the long-context options auto_fit pairs it with).
@@ -600,9 +601,10 @@ PY
         | grep -v '^DEBUG'
       ;;
     gemmatests)  # the carried keys/values and per-layer inputs, Gemma 4 unified, Gemma 3n
-      timeout 540 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
-        -k "kv_sharing_and_per_layer_inputs_on_gpu or (every_family_trains_like_stock_on_gpu \
-        and (gemma3n or gemma4))" 2>&1 | grep -v '^DEBUG'
+      timeout 540 python3 -m pytest tests/test_gpu.py tests/test_gpu_attention.py -o addopts="" \
+        -p no:cacheprovider -rA -q -k "kv_sharing_and_per_layer_inputs_on_gpu or \
+        (every_family_trains_like_stock_on_gpu and (gemma3n or gemma4)) or \
+        (auto_flex_attention_trains_like_eager and gemma3n)" 2>&1 | grep -v '^DEBUG'
       ;;
     familystep)
       timeout 540 python3 -m pytest tests/test_gpu.py -k "family_step or family_at_width or hbm_cast" -o addopts="" \

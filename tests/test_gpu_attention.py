@@ -3,7 +3,8 @@ which trains like exact eager attention (skipped without CUDA; the choice itself
 the CPU in tests/test_attention_choice.py).
 
 Gemma-2 with soft-capped attention logits and a sliding window shorter than the rows, Mistral
-with such a window, and gpt-oss (no SDPA: eager otherwise; attention sinks and a window): the
+with such a window, gpt-oss (no SDPA: eager otherwise; attention sinks and a window) and Gemma 3n
+(a window, its keys and values shared, AltUp's streams; not yet run on a GPU): the
 streamed run, attention left at "auto", against the stock Trainer with the model forced to
 eager attention, the exact reference for the cap, the window and the sinks. fp32, 4 steps.
 """
@@ -39,6 +40,15 @@ def _config(family: str, **changes):
         return Gemma2Config(**SHAPE, **{**kw, **changes})
     if family == "mistral":
         return MistralConfig(**SHAPE, **{"sliding_window": WINDOW, **changes})
+    if family == "gemma3n_text":  # (3 layers: the last reuses the first's keys and values)
+        from transformers import CONFIG_MAPPING  # noqa: PLC0415
+
+        kw = dict(SHAPE, num_hidden_layers=3, sliding_window=WINDOW,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  num_kv_shared_layers=1, hidden_size_per_layer_input=8,
+                  vocab_size_per_layer_input=128, laurel_rank=4, altup_num_inputs=4,
+                  activation_sparsity_pattern=[0.0] * 3)  # fmt: skip
+        return CONFIG_MAPPING["gemma3n_text"](**{**kw, **changes})
     kw = dict(sliding_window=WINDOW, layer_types=ALTERNATING, num_local_experts=4,
               num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)  # fmt: skip
     return GptOssConfig(**SHAPE, **{**kw, **changes})
@@ -60,7 +70,7 @@ def _eager_loss(config, batch) -> float:
 TOL = 1e-4
 
 
-@pytest.mark.parametrize("family", ["gemma2", "mistral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma2", "mistral", "gpt_oss", "gemma3n_text"])
 @pytest.mark.parametrize(
     "options",
     [{}, {"megatrain_resident_layers": 0}],
