@@ -460,7 +460,8 @@ _ADDED_FAMILY_LAYERS = {
                    "kimi_linear", "minimax", "mellum", "laguna", "hy_v3", "glm_moe_dsa", "axk1",
                    "axk2", "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe",
                    "bailing_hybrid", "lara_mini", "flint", "kolibri1", "minicpm5_moe", "beam",
-                   "lfm3", "gemma4_text", "gemma4_unified_text", "gemma3n_text", "bamba", "granitemoehybrid", "nemotron_h", "jamba")
+                   "lfm3", "gemma4_text", "gemma4_unified_text", "gemma3n_text", "bamba",
+                   "granitemoehybrid", "nemotron_h", "jamba")
 }  # fmt: skip
 
 
@@ -485,7 +486,6 @@ def _installed(model_type: str) -> bool:
     return model_type in CONFIG_MAPPING
 
 
-#: The added families the installed transformers has (the GPU machine's 5.17 lacks some).
 #: Families whose tiny model stock itself cannot train reproducibly to the suites' 1e-5: Gemma 4
 #: unified's, against itself as 1 x 2 accumulation (fp32 sums in another order), drifted
 #: 1.2e-2 to 1.2 on the grad norm by step 5 at lr 1e-2 over every variant tried (head widths,
@@ -493,6 +493,8 @@ def _installed(model_type: str) -> bool:
 #: gradients of rounding size, which AdamW turns into whole steps). Their suites are in
 #: tests/test_gemma4.py: exact gradients, and training measured against stock's own spread.
 TWIN_NOISE_ARCHS = frozenset({"gemma4_unified_text"})
+#: The added families the installed transformers has (the GPU machine's 5.17 lacks some), but
+#: those.
 ADDED_ARCHS = [a for a in ADDED_FAMILY_OVERRIDES if _installed(a) and a not in TWIN_NOISE_ARCHS]
 
 
