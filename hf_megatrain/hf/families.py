@@ -163,8 +163,8 @@ TEXT_MODEL_KEY_MAPPING = {
 #: transformers 5.25; tests/test_family_refusals.py repeats it for a few).
 TEXT_MODEL_KEY_MAPPING_TYPES = frozenset(
     """audioflamingo3 aya_vision blip-2 cohere2_vision deepseek_vl deepseek_vl_hybrid fuyu gemma3
-    gemma4 gemma4_unified glmasr got_ocr2 granite_speech granite_speech_plus idefics2 idefics3 instructblip
-    instructblipvideo internvl janus lfm2_vl lighton_ocr llava llava_next llava_next_video
+    gemma4 gemma4_unified glmasr got_ocr2 granite_speech granite_speech_plus idefics2 idefics3
+    instructblip instructblipvideo internvl janus lfm2_vl lighton_ocr llava llava_next llava_next_video
     llava_onevision llava_onevision1_5 mistral3 moss_transcribe_diarize musicflamingo omniasr
     paligemma pp_chart2table qwen2_audio qwen3_asr shieldgemma2 smolvlm vibevoice vibevoice_asr
     video_llama_3 video_llava vipllava voxtral""".split()

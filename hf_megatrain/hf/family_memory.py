@@ -50,6 +50,12 @@ FITTED_KEPT_RESIDUALS: dict[str, tuple[float, float, float, float, int]] = {
     "starcoder2": (-5, -5, 0, -4, 8),
 }
 
+#: Gemma 2-4 (3n, 4 unified): four fp32 norms per layer (and a GELU-tanh MLP), with working-set
+#: terms of their own (``ModelShape.gemma_norms``).
+GEMMA_NORM_MODEL_TYPES = frozenset(
+    {"gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text"}
+)
+
 #: MoE families whose routed-experts working set the planner counts within 5% (the CPU
 #: live-tensor tracker, tests/test_plan_accuracy.py; OLMoE's H200 cells 0.94-0.99x); the others
 #: plan it with the dense line's larger error. Mixtral and GraniteMoE keep their routing weights

@@ -54,6 +54,7 @@ from .family_memory import (
     EVERY_EXPERT_MODEL_TYPES,
     FAMILY_WORKING_SET_EXTRA,
     FITTED_KEPT_RESIDUALS,
+    GEMMA_NORM_MODEL_TYPES,
     MOE_FP32_ROUTING_MODEL_TYPES,
     MOE_WORKING_SET_AUDITED_MODEL_TYPES,
     PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
@@ -314,9 +315,7 @@ def model_shape(model: nn.Module, name: str = "model") -> ModelShape:
             kv_width,
             inter,
         ),
-        # Gemma 2-4 (3n): four fp32 norms per layer (and GELU-tanh MLP): their own terms.
-        gemma_norms=family
-        in ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text"),
+        gemma_norms=family in GEMMA_NORM_MODEL_TYPES,
         peak_working_set_audited=family in PEAK_WORKING_SET_AUDITED_MODEL_TYPES,
         sdpa_attention=runs == "sdpa",
         attn_implementation=attn,
