@@ -1666,6 +1666,35 @@ def test_out_of_memory_recovery_on_gpu(tmp_path, caplog):
         assert math.isclose(got, want, rel_tol=1e-5), (losses, clean)
 
 
+def test_out_of_memory_with_nothing_in_hbm_switches_on_memory_options_on_gpu(tmp_path, caplog):
+    """Issue 20's watchdog past the HBM tier, on CUDA with the step's plan: every layer streamed,
+    nothing kept, and step 2 runs out of memory (a hook raises CUDA's error, 2 MiB asked). With
+    nothing in HBM to give up, the watchdog turns on the exact memory options the step's plan
+    says free the most (no set frees the 1 GiB headroom at these 512-token micro-batches) and
+    runs the step again. fp32: offloaded inputs come back bit-equal and segments recompute with
+    the same kernels; 1e-5 relative over 4 steps, as the tier's recovery above."""
+    import logging
+
+    from .test_oom_recovery import _OutOfMemoryOnce
+
+    model = tiny_model(_watchdog_config())
+    data = _data(16, 256)
+    kw = dict(bf16=False, megatrain_resident_layers="0", megatrain_keep_attention_outputs="off")
+    _, clean = _mega_losses(tmp_path, "clean", copy.deepcopy(model), data, **kw)
+    # One forward call per micro-batch: call 2 is step 2's (one micro-batch per step).
+    fault = _OutOfMemoryOnce(model, layer=1, at=2)
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+        trainer, losses = _mega_losses(tmp_path, "fault", model, data, **kw)
+    assert fault.fired == 1
+    assert "with nothing left in HBM to give up; turned on" in caplog.text
+    assert "the plan expects a peak of" in caplog.text
+    engine = trainer.megatrain.engine
+    assert engine.offload_activations or engine.checkpoint_every > 1
+    assert len(losses) == len(clean) == 4
+    for got, want in zip(losses, clean):
+        assert math.isclose(got, want, rel_tol=1e-5), (losses, clean)
+
+
 def test_auto_fit_on_gpu(tmp_path, caplog):
     """Issue 20's fit promise on a real allocator: with the GPU's free memory cut (a hog tensor)
     to 1 GiB less than the step needs with every layer streamed and no memory option, the

@@ -14,10 +14,25 @@ import logging
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
-from hf_megatrain.core.oom_recovery import StepHoldings, choose_relief, oom_request_bytes
-from hf_megatrain.core.planner import MemoryPlanError
-from hf_megatrain.hf.model import find_decoder_layers, streamed_state
+from hf_megatrain.core.memory_options import (
+    ADVICE_TILE_TOKENS,
+    SEGMENT_LENGTHS,
+    MemoryOptions,
+    candidates,
+)
+from hf_megatrain.core.oom_recovery import (
+    LIVE_MEMORY_OPTIONS,
+    StepHoldings,
+    choose_memory_options,
+    choose_relief,
+    oom_request_bytes,
+)
+from hf_megatrain.core.options import StepShape
+from hf_megatrain.core.plan_search import plan_every_layer_streamed
+from hf_megatrain.core.planner import GIB, MemoryPlanError, plan_memory
+from hf_megatrain.hf.model import find_decoder_layers, model_shape, streamed_state
 
 from .helpers import mega_params, run_accumulating_trainer, tiny_config, tiny_model
 
@@ -77,10 +92,12 @@ def test_kept_layers_leave_the_tier_only_after_their_activations():
 
 class _OutOfMemoryOnce:
     """Makes decoder layer ``layer`` raise CUDA's out-of-memory error at its ``at``-th forward
-    call, or in the backward of that call's output (``where="backward"``)."""
+    call (or at each call in ``at``, a set), or in the backward of that call's output
+    (``where="backward"``)."""
 
-    def __init__(self, model, layer: int, at: int, where: str = "forward") -> None:
-        self.calls, self.at, self.where, self.fired = 0, at, where, 0
+    def __init__(self, model, layer: int, at: int | set[int], where: str = "forward") -> None:
+        self.calls, self.where, self.fired = 0, where, 0
+        self.at = at if isinstance(at, set) else {at}
         find_decoder_layers(model)[1][layer].register_forward_hook(self._hook)
 
     def _raise(self, *_):
@@ -91,7 +108,7 @@ class _OutOfMemoryOnce:
         if not torch.is_grad_enabled():
             return None
         self.calls += 1
-        if self.calls != self.at:
+        if self.calls not in self.at:
             return None
         if self.where == "forward":
             self._raise()
@@ -150,12 +167,176 @@ def test_without_recovery_the_error_propagates(tmp_path):
         run_accumulating_trainer(model, tmp_path, "off", megatrain_oom_recovery=False)
 
 
-def test_nothing_left_to_give_up_is_a_clear_error(tmp_path):
-    """All layers streamed, nothing kept: the step is refused with what to change."""
+class _EveryInputLarge(TrainerCallback):
+    """Tiny shapes: every floating layer input counts as a large activation (offloaded)."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        streamed_state(model).engine.offload_min_numel = 1
+
+
+def test_with_nothing_in_hbm_memory_options_are_switched_on(tmp_path, caplog):
+    """All layers streamed, nothing kept: each out-of-memory switches on the next exact memory
+    option (no plan on the CPU: one rung at a time, activation offload, then segments of 2) and
+    the step runs again. Losses, gradient norms and final weights are bit-equal to the run that
+    never failed (the offloaded inputs come back as they left; a segment's follower recomputes
+    from its leader's input with the same kernels)."""
+    model = tiny_model(_config())
+    clean_logs, clean = run_accumulating_trainer(
+        copy.deepcopy(model), tmp_path, "clean", megatrain_resident_layers=0
+    )
+    faulty = copy.deepcopy(model)
+    # Calls 3 and 4: step 2's first micro-batch, and its first run again.
+    fault = _OutOfMemoryOnce(faulty, layer=1, at={3, 4})
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+        logs, trainer = run_accumulating_trainer(
+            faulty, tmp_path, "faulty", [_EveryInputLarge()], megatrain_resident_layers=0
+        )
+    assert fault.fired == 2
+    # (The tiny rows' hidden states counted as large: they were offloaded.)
+    assert streamed_state(trainer.model).engine.activations.host_buffers()
+    assert "turned on megatrain_offload_activations=True" in caplog.text
+    assert "turned on megatrain_checkpoint_every=2" in caplog.text
+    assert caplog.text.count("running the step again from its first micro-batch") == 2
+    engine = streamed_state(trainer.model).engine
+    assert engine.offload_activations and engine.checkpoint_every == 2
+    assert [r.get("loss") for r in logs] == [r.get("loss") for r in clean_logs]
+    assert [r.get("grad_norm") for r in logs] == [r.get("grad_norm") for r in clean_logs]
+    want, got = mega_params(clean), mega_params(trainer)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+class _PlannedStep(TrainerCallback):
+    """Gives the CPU run the plan a CUDA run has for its step (the planner is arithmetic): the
+    watchdog then chooses from the plan's lines."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        streamed = streamed_state(model)
+        step = StepShape(micro_batch_tokens=2 * 16, seq_len=16, grad_accum=2)
+        self.options = streamed.options
+        self.plan = streamed.plan = plan_memory(
+            model_shape(model), step, streamed.options, torch.float32, 64 * GIB, 64 * GIB
+        )
+
+
+def test_with_a_plan_the_options_switched_on_are_the_plans(tmp_path, caplog):
+    """Where the run has a plan for its step, the watchdog turns on the set the plan says frees
+    the most (none frees the 1 GiB headroom of a tiny model) in one go, logs the plan's new
+    peak, and the plan and options become those of the options now on; results as before."""
+    model = tiny_model(_config())
+    clean_logs, clean = run_accumulating_trainer(
+        copy.deepcopy(model), tmp_path, "clean", megatrain_resident_layers=0
+    )
+    faulty = copy.deepcopy(model)
+    fault = _OutOfMemoryOnce(faulty, layer=1, at=3)
+    planned = _PlannedStep()
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+        logs, trainer = run_accumulating_trainer(
+            faulty, tmp_path, "faulty", [planned], megatrain_resident_layers=0
+        )
+    assert fault.fired == 1
+    state, before = streamed_state(trainer.model), planned.options
+    now = MemoryOptions.of(state.options)
+    assert now != MemoryOptions.of(before)
+    assert set(now.changes(MemoryOptions.of(before)).options) <= LIVE_MEMORY_OPTIONS
+    assert state.engine.offload_activations == now.offload_activations
+    assert state.engine.checkpoint_every == now.checkpoint_every
+    bare = plan_every_layer_streamed(planned.plan, before, MemoryOptions.of(before))
+    assert state.plan.gpu_peak_estimate < bare.gpu_peak_estimate
+    assert f"the plan expects a peak of {state.plan.gpu_peak_estimate / GIB:.2f} GiB" in caplog.text
+    assert caplog.text.count("with nothing left in HBM to give up") == 1  # (all at once)
+    assert [r.get("loss") for r in logs] == [r.get("loss") for r in clean_logs]
+    want, got = mega_params(clean), mega_params(trainer)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_nothing_left_to_give_up_or_switch_on_is_a_clear_error(tmp_path):
+    """All layers streamed, nothing kept, offload on and the longest segments: the step is
+    refused with what to change."""
     model = tiny_model(_config())
     _OutOfMemoryOnce(model, layer=0, at=3)
     with pytest.raises(MemoryPlanError, match="nothing left to give up"):
-        run_accumulating_trainer(model, tmp_path, "bare", megatrain_resident_layers=0)
+        run_accumulating_trainer(
+            model,
+            tmp_path,
+            "bare",
+            megatrain_resident_layers=0,
+            megatrain_offload_activations=True,
+            megatrain_checkpoint_every=max(SEGMENT_LENGTHS),
+        )
+
+
+def _fake_peaks(freed: dict[tuple[str, object], int], now: int = 100):
+    """A plan's expected peak per option set: ``now`` less what each option turned on frees."""
+
+    def peak(o: MemoryOptions) -> int:
+        return now - sum(f for (name, value), f in freed.items() if getattr(o, name) == value)
+
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("need", "expected"),
+    [
+        # The lightest set that frees the need: tiles (cost 2) before offload (4).
+        (10, {"mlp_tile_tokens": ADVICE_TILE_TOKENS}),
+        (25, {"offload_activations": True}),
+        (35, {"mlp_tile_tokens": ADVICE_TILE_TOKENS, "offload_activations": True}),
+        # No set frees that much: the one that frees the most.
+        (10_000, {"mlp_tile_tokens": ADVICE_TILE_TOKENS, "offload_activations": True,
+                  "checkpoint_every": 8}),
+    ],
+)  # fmt: skip
+def test_memory_options_chosen_from_the_plan(need, expected):
+    freed = {("mlp_tile_tokens", ADVICE_TILE_TOKENS): 10, ("offload_activations", True): 25}
+    freed |= {("checkpoint_every", k): 5 * k for k in SEGMENT_LENGTHS}
+    chosen = choose_memory_options(MemoryOptions(), 1 << 20, need, _fake_peaks(freed))
+    assert chosen.changes(MemoryOptions()).options == expected
+
+
+def test_memory_options_never_approximate_or_fixed_at_build():
+    """Only how activations are held changes in a live run: not bf16 boundaries or clipping
+    (results), nor fp32-master streaming or the HBM tier's casts (the host store's layout), even
+    where the plan says only those would free memory; a set freeing nothing is not chosen."""
+    freed = {("boundary_dtype", "bfloat16"): 50, ("no_clip", True): 50}
+    freed |= {("stream_fp32_master", True): 50, ("hbm_cast_weights", True): 50}
+    assert choose_memory_options(MemoryOptions(), 1 << 20, 1, _fake_peaks(freed)) is None
+    # Without a plan: the lightest live set (tiles only past a tile's length of tokens).
+    assert choose_memory_options(MemoryOptions(), 1 << 20, None).mlp_tile_tokens
+    small = choose_memory_options(MemoryOptions(), 4096, None)
+    assert small.changes(MemoryOptions()).options == {"offload_activations": True}
+
+    # A set the host cannot hold (the plan's peak None) is not chosen.
+    def host_short(o: MemoryOptions) -> int | None:
+        return None if o.offload_activations else 100
+
+    assert choose_memory_options(MemoryOptions(), 4096, 1, host_short) is None
+
+
+def test_memory_options_from_a_real_plan():
+    """Qwen2.5-7B at one 131,072-token sequence on an H200's plan, every layer streamed: the
+    chosen set is planned to free the need, and no lighter live set is."""
+    from .test_memory_options import HBM, HOST, _shape, opts  # noqa: PLC0415
+
+    shape = _shape("qwen2.5-7b")
+    step = StepShape(micro_batch_tokens=131_072, seq_len=131_072, grad_accum=1)
+    options = opts()
+    plan = plan_memory(shape, step, options, torch.bfloat16, HBM, HOST)
+
+    def peak(o: MemoryOptions) -> int | None:
+        trial = plan_every_layer_streamed(plan, options, o)
+        return trial.gpu_peak_estimate if trial.host_total <= trial.host_available else None
+
+    base = MemoryOptions.of(options)
+    need = 4 * GIB
+    chosen = choose_memory_options(base, step.micro_batch_tokens, need, peak)
+    assert peak(base) - peak(chosen) >= need
+    lighter = [
+        o for o in candidates(base, step.micro_batch_tokens) if o.cost(base) < chosen.cost(base)
+    ]
+    live = [o for o in lighter if set(o.changes(base).options) <= LIVE_MEMORY_OPTIONS]
+    assert all(peak(o) is None or peak(base) - peak(o) < need for o in live)
 
 
 def test_a_step_with_eager_updates_already_applied_is_not_run_again(tmp_path):

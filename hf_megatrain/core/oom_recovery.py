@@ -9,6 +9,13 @@ the last filled is the first given back. HBM-tier layers leave through
 ``builder.move_to_host_tier``. Every choice is exact: the step's results do not change, only
 its speed.
 
+Once nothing is left in HBM to give up (every layer streamed, none keeping activations or
+attention outputs), :func:`choose_memory_options` picks the next exact memory options to switch
+on in the live run, from the plan's lines where the run has a plan: MLP sequence tiles,
+activation offload, longer checkpoint segments (``LIVE_MEMORY_OPTIONS``: how a step holds its
+activations; the host store's layout is fixed once built, and bf16 boundaries or clipping off
+would change the results).
+
 Evaluation and the optimizer step hold no activations (an evaluation forward runs under
 ``no_grad``; the optimizer step runs after backward has freed them): there only the HBM tier's
 layers free room, so ``weights_only`` gives up tier layers alone, in the same order (its last
@@ -21,7 +28,10 @@ No ``transformers`` import here.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .memory_options import MemoryOptions, candidates
 
 #: Room made beyond the allocation that failed: the rest of the step allocates more after it.
 RELIEF_HEADROOM_BYTES = 2**30
@@ -135,10 +145,51 @@ def choose_relief(
     return Relief(kept=kept, attention=attention, to_host=to_host, freed_bytes=freed)
 
 
+#: The memory options the watchdog switches on in a live run, between steps: they change how a
+#: step holds its activations, exactly.
+LIVE_MEMORY_OPTIONS = frozenset({"mlp_tile_tokens", "offload_activations", "checkpoint_every"})
+
+
+def choose_memory_options(
+    base: MemoryOptions,
+    micro_batch_tokens: int,
+    need_bytes: int | None,
+    peak_bytes: Callable[[MemoryOptions], int | None] | None = None,
+) -> MemoryOptions | None:
+    """The memory options to run with once a step ran out of GPU memory with nothing left in
+    HBM to give up: ``base`` (the run's) with more of ``LIVE_MEMORY_OPTIONS`` on, or None when
+    none is left that would help.
+
+    ``peak_bytes(o)``: the plan's expected GPU peak with options ``o`` (None where ``o`` does
+    not fit the host: offloaded activations live there). With it, the lightest set planned to
+    free ``need_bytes`` (unknown: any), else the set planned to free the most; a set the plan
+    says frees nothing is never chosen. Without a plan, the lightest set: one more rung at each
+    out-of-memory, as :func:`choose_relief` gives up one item at a time."""
+    live = []
+    for o in candidates(base, micro_batch_tokens):
+        changes = o.changes(base)
+        if set(changes.options) <= LIVE_MEMORY_OPTIONS and not changes.clipping_off:
+            live.append(o)
+    if peak_bytes is None:
+        return live[0] if live else None
+    now = peak_bytes(base)
+    if now is None:
+        return live[0] if live else None
+    freed = [(o, now - peak) for o in live if (peak := peak_bytes(o)) is not None]
+    freed = [(o, f) for o, f in freed if f > 0]
+    if not freed:
+        return None
+    enough = next((o for o, f in freed if f >= (need_bytes or 1)), None)
+    # (max keeps the first, lightest, of equals)
+    return enough if enough is not None else max(freed, key=lambda of: of[1])[0]
+
+
 __all__ = [
+    "LIVE_MEMORY_OPTIONS",
     "RELIEF_HEADROOM_BYTES",
     "Relief",
     "StepHoldings",
+    "choose_memory_options",
     "choose_relief",
     "oom_request_bytes",
 ]

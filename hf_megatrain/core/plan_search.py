@@ -430,6 +430,23 @@ def margin_only_options(
     return None if found is None else planned(found)
 
 
+def plan_every_layer_streamed(
+    plan: MemoryPlan, options: ResolvedOptions, memory: MemoryOptions
+) -> MemoryPlan:
+    """``plan``'s step on its machine with the memory options ``memory`` over ``options``, every
+    layer streamed and nothing else held in HBM for speed (no kept activations, attention
+    outputs or chain outputs): the run as the out-of-memory watchdog leaves it once it has
+    given all those up (``oom_recovery.choose_memory_options`` compares such plans)."""
+    bare = options.options.with_(
+        keep_activations="off", keep_attention_outputs="off", chain_attention_outputs=0
+    )
+    return _plan(
+        plan.shape, plan.step, memory.applied(options.resolved_again(bare)), plan.compute_dtype,
+        plan.hbm_available, plan.host_available, hbm_layers=0, reserve_bytes=0,
+        input_model_bytes=0, ranks=1, host_margin_bytes=DEFAULT_HOST_MARGIN, keep=0, advise=False,
+    )  # fmt: skip
+
+
 def add_margin_only_advice(plan: MemoryPlan, options: ResolvedOptions, **where: int | None) -> None:
     """A plan refused although auto_fit is on: its first problem names the exact options that
     fit by its expected peak (:func:`margin_only_options`), when there are some."""
@@ -867,6 +884,7 @@ __all__ = [
     "max_micro_batch_sequences",
     "max_num_layers",
     "max_seq_len",
+    "plan_every_layer_streamed",
     "plan_memory",
     "plan_with_auto_fit",
     "recompute_flops",

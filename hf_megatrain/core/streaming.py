@@ -266,6 +266,22 @@ class StreamingEngine:
         self.activations.reset()
         self.reset_grads()
 
+    def change_activation_options(
+        self, *, offload_activations: bool | None = None, checkpoint_every: int | None = None
+    ) -> None:
+        """Hold the layers' saved inputs another way from the next step on (between steps: the
+        out-of-memory watchdog, after ``abort_step``). Both ways are exact: offloaded inputs come
+        back as they left, and a segment's followers are recomputed from its leader's input. New
+        segments keep no chain attention outputs (those were planned for the old length)."""
+        if offload_activations is not None:
+            self.activations.set_offload(bool(offload_activations))
+        if checkpoint_every is not None and checkpoint_every != self.segments.every:
+            if isinstance(checkpoint_every, bool) or checkpoint_every < 1:
+                raise ValueError(f"hf_megatrain: checkpoint_every={checkpoint_every!r} is not >= 1")
+            self.segments = SegmentTracker(
+                len(self.stores), checkpoint_every, self.activations.is_large
+            )
+
     def replace_stores(
         self,
         replacements: dict[int, LayerStore],

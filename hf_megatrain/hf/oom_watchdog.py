@@ -12,7 +12,7 @@ steps' measured GPU peaks beside the plan's.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,16 +24,20 @@ from ..core.activation_memory import (
     shares_input_casts,
 )
 from ..core.builder import move_to_host_tier
+from ..core.memory_options import ADVICE_TILE_TOKENS, MemoryOptions
 from ..core.oom_recovery import (
     RELIEF_HEADROOM_BYTES,
     StepHoldings,
+    choose_memory_options,
     choose_relief,
     oom_request_bytes,
 )
 from ..core.plan_arithmetic import GIB
-from ..core.plan_search import ATTENTION_FIRST_TOKENS
+from ..core.plan_search import ATTENTION_FIRST_TOKENS, plan_every_layer_streamed
 from ..core.plan_types import MemoryPlanError
 from ..core.rng import RngState, rng_state, set_rng_state
+from .arguments import ARGUMENT_NAMER
+from .long_context import install_mlp_tiling, tileable_mlp
 from .model import find_decoder_layers, keep_activations, keep_attention_outputs, streamed_state
 
 logger = logging.getLogger(__name__)
@@ -99,22 +103,75 @@ def _holdings(model: nn.Module) -> StepHoldings:
     return StepHoldings(tier, kept, kept_bytes, attention, attention_bytes, first)
 
 
-def make_room(model: nn.Module, optimizer: Any, message: str, step: int) -> str:
+def make_room(
+    model: nn.Module, optimizer: Any, message: str, step: int, micro_batch_tokens: int = 0
+) -> str:
     """Free the failed step of ``model`` and give up enough HBM holdings for the allocation
-    ``message`` (the out-of-memory error's text) reports, plus headroom. Returns what was done,
-    in words; raises ``MemoryPlanError`` when nothing is left to give up."""
+    ``message`` (the out-of-memory error's text) reports, plus headroom; once none is left,
+    switch on the next exact memory options (:func:`switch_on_memory_options`, for micro-batches
+    of ``micro_batch_tokens`` where the run has no plan). Returns what was done, in words;
+    raises ``MemoryPlanError`` when nothing is left to give up or switch on."""
     optimizer.zero_grad(set_to_none=True)  # resident gradients of the failed micro-batches
     streamed_state(model).engine.abort_step()
-    return _give_up(
-        model,
-        optimizer,
-        message,
-        f"step {step}",
-        weights_only=False,
-        nothing="no HBM-tier layer, kept activations or attention outputs. Make the step "
-        "smaller (fewer tokens per micro-batch: per_device_train_batch_size, the row length) or "
-        "turn on more memory options (`hf-megatrain plan` shows what fits).",
+    nothing = (
+        "no HBM-tier layer, kept activations or attention outputs, and no exact memory option "
+        "(MLP tiles, activation offload, longer checkpoint segments) the plan says would free "
+        "GPU memory. Make the step smaller (fewer tokens per micro-batch: "
+        "per_device_train_batch_size, the row length) or allow approximate options "
+        "(`hf-megatrain plan` shows what fits)."
     )
+    try:
+        return _give_up(model, optimizer, message, f"step {step}", False, nothing)
+    except MemoryPlanError:
+        switched = switch_on_memory_options(model, message, micro_batch_tokens)
+        if switched is None:
+            raise
+        return f"step {step} {switched}"
+
+
+def switch_on_memory_options(model: nn.Module, message: str, micro_batch_tokens: int) -> str | None:
+    """Switch on the exact memory options ``core.oom_recovery.choose_memory_options`` picks for
+    the streamed ``model`` (between steps, after the failed one was freed), for the allocation
+    ``message`` reports plus headroom: from the plan's lines for its step where the run has a
+    plan (which is then replaced by the plan of the new options), else the next rung. Returns
+    what was done, in words, or None when nothing is left to switch on."""
+    state = streamed_state(model)
+    options, plan = state.options, state.plan
+    if options is None:
+        return None
+    asked = oom_request_bytes(message)
+    need = None if asked is None else asked + RELIEF_HEADROOM_BYTES
+    base = MemoryOptions.of(options)
+    if not any(tileable_mlp(layer) is not None for layer in find_decoder_layers(model)[1]):
+        base = replace(base, mlp_tile_tokens=ADVICE_TILE_TOKENS)  # (no candidate adds tiles)
+    planned = plan is not None and plan.step is not None
+    tokens = plan.step.micro_batch_tokens if planned else micro_batch_tokens
+
+    def peak_bytes(o: MemoryOptions) -> int | None:
+        trial = plan_every_layer_streamed(plan, options, o)
+        return trial.gpu_peak_estimate if trial.host_total <= trial.host_available else None
+
+    chosen = choose_memory_options(base, tokens, need, peak_bytes if planned else None)
+    if chosen is None:
+        return None
+    changes = chosen.changes(base).options
+    if "mlp_tile_tokens" in changes:
+        install_mlp_tiling(model, changes["mlp_tile_tokens"])
+    state.engine.change_activation_options(
+        offload_activations=changes.get("offload_activations"),
+        checkpoint_every=changes.get("checkpoint_every"),
+    )
+    if planned:
+        state.plan = plan_every_layer_streamed(plan, options, chosen)
+    state.options = chosen.applied(options)
+    what = "out of GPU memory" + ("" if asked is None else f" (asked {asked / GIB:.2f} GiB)")
+    turned = chosen.describe(base, ARGUMENT_NAMER)
+    how = (
+        f"the plan expects a peak of {state.plan.gpu_peak_estimate / GIB:.2f} GiB with them"
+        if planned
+        else "no plan for this step: one option at a time"
+    )
+    return f"ran {what} with nothing left in HBM to give up; turned on {turned} ({how})"
 
 
 def make_room_for_weights(
@@ -204,4 +261,5 @@ __all__ = [
     "StepReplay",
     "make_room",
     "make_room_for_weights",
+    "switch_on_memory_options",
 ]

@@ -32,6 +32,7 @@ from ..core.distributed import DataParallelError, launch_layout_error, process_g
 from ..core.engine.gradients import SecondGradientError
 from ..core.engine.updates import host_update_rate
 from ..core.host_store import InsufficientHostMemoryError, process_memory_bytes
+from ..core.memory_options import SEGMENT_LENGTHS
 from ..core.optimizer import adamw_setting_errors
 from ..core.options import (
     EXPORT_DTYPES,
@@ -1356,8 +1357,10 @@ class MegaTrainerMixin:
         self._megatrain_in_step = True
         try:
             # Each recovery gives up at least one item (a layer's kept activations, its
-            # attention outputs, or the layer's place in the HBM tier): bounded by 3 per layer.
-            for attempt in range(3 * len(self.megatrain.engine.stores) + 2):
+            # attention outputs, or the layer's place in the HBM tier): bounded by 3 per layer;
+            # then each switches on more memory options (at most one rung per option length).
+            rungs = len(SEGMENT_LENGTHS) + 2
+            for attempt in range(3 * len(self.megatrain.engine.stores) + rungs + 2):
                 failure = None
                 try:
                     if attempt:
@@ -1374,12 +1377,12 @@ class MegaTrainerMixin:
                     failure = str(err)
                 # Outside the except clause: the failed step's graph (held by the traceback's
                 # frames) is gone before room is made.
-                self._megatrain_recover(failure, step)
+                self._megatrain_recover(failure, step, ids.numel() if ids is not None else 0)
             raise RuntimeError("hf_megatrain: the step kept running out of GPU memory")
         finally:
             self._megatrain_in_step = False
 
-    def _megatrain_recover(self, message: str, step: int) -> None:
+    def _megatrain_recover(self, message: str, step: int, micro_batch_tokens: int) -> None:
         """Free the failed step and make room (``oom_watchdog.make_room``); one log line."""
         self.optimizer.wait()  # eager updates of the failed backward, if any, are done
         if getattr(self.optimizer, "eager_updates", 0) != self._megatrain_eager_before:
@@ -1392,7 +1395,7 @@ class MegaTrainerMixin:
                 needed=0,
                 available=0,
             )
-        done = make_room(self.model, self.optimizer, message, step)
+        done = make_room(self.model, self.optimizer, message, step, micro_batch_tokens)
         self._megatrain_kept = None  # the layers keeping activations changed
         self._megatrain_peaks.plan_changed()
         logger.warning(

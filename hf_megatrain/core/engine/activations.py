@@ -62,6 +62,12 @@ class ActivationStash:
     def offload_enabled(self) -> bool:
         return self._offload
 
+    def set_offload(self, offload: bool) -> None:
+        """Offload from the next step on, or not (between steps: nothing saved is held)."""
+        if self._handles:
+            raise RuntimeError("hf_megatrain: activation offload changed while inputs are saved")
+        self._offload = offload
+
     @property
     def boundary_dtype(self) -> torch.dtype | None:
         return self._boundary_dtype
