@@ -21,6 +21,8 @@
 #   gemmatests tests/test_gpu.py's cases for the families of 2026-12-07 (53rd session): Gemma 4's
 #              KV sharing and per-layer inputs, Gemma 4 unified, Gemma 3n (the family test, and
 #              under FlexAttention, which "auto" picks for it past its window on CUDA).
+#   oomtests   tests/test_gpu.py's out-of-memory watchdog and auto_fit cases (with the memory
+#              options it switches on once nothing is left in HBM to give up).
 #   familystep tests/test_gpu.py's family-step and family-at-width cases (the plan's lines per
 #              family on CUDA, the latter at hidden 1,024: the terms of 2026-12-06) and
 #              the cast HBM tier's (with the long-context options auto_fit pairs it with).
@@ -605,6 +607,11 @@ PY
         -p no:cacheprovider -rA -q -k "kv_sharing_and_per_layer_inputs_on_gpu or \
         (every_family_trains_like_stock_on_gpu and (gemma3n or gemma4)) or \
         (auto_flex_attention_trains_like_eager and gemma3n)" 2>&1 | grep -v '^DEBUG'
+      ;;
+    oomtests)  # the out-of-memory watchdog's GPU cases (the HBM tier, evaluation, the memory
+      # options switched on once nothing is left in HBM: 2026-12-07, 54th session)
+      timeout 400 python3 -m pytest tests/test_gpu.py -o addopts="" -p no:cacheprovider -rA -q \
+        -k "out_of_memory or auto_fit_on_gpu" 2>&1 | grep -v '^DEBUG'
       ;;
     familystep)
       timeout 540 python3 -m pytest tests/test_gpu.py -k "family_step or family_at_width or hbm_cast" -o addopts="" \
