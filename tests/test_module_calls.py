@@ -21,14 +21,18 @@ import pickle
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
-from hf_megatrain.hf.model import streamed_state
+from hf_megatrain import HFMegaTrainer, MegaTrainArguments
+from hf_megatrain.hf.model import find_decoder_layers, streamed_state
+from hf_megatrain.hf.module_calls import written_placeholders
 
 from .helpers import (
     assert_close_weights,
+    common_args,
     make_data,
     mega_params,
+    one_gpu,
     run_trainer,
     stock_params,
     tiny_config,
@@ -445,3 +449,57 @@ def test_a_loop_of_ones_own_trains_with_streamed_optimizer(tmp_path):
     # kernels' ulp differences into update differences (1.3e-6 measured with transformers
     # 5.25's initial weights, 1e-7 elsewhere); a missed or doubled update leaves ~1e-2.
     assert_close_weights(stock_params(stock), got, atol=1e-5)
+
+
+class _ShrinkThroughParameters(TrainerCallback):
+    """A weight constraint applied after each step the stock way: in place, over
+    ``model.named_parameters()`` (found by an audit: the streamed layers' writes vanished)."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "down_proj" in name:
+                    p.mul_(0.9)
+
+
+def test_writes_into_placeholders_stop_the_run(tmp_path):
+    """In-place writes into a streamed layer's placeholders change no weight: the next step is
+    refused, naming the parameter and the way that writes (state_dict()'s views)."""
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight .*state_dict"):
+        run_trainer(
+            tiny_model(tiny_config("llama")), tmp_path, "shrink", True, max_steps=STEPS,
+            callbacks=[_ShrinkThroughParameters()],
+        )  # fmt: skip
+
+
+def test_writes_after_the_last_step_are_said_and_the_model_kept(tmp_path, caplog):
+    """A write after the last step is said (a warning, not an error: the trained run can still
+    be saved). load_state_dict's own copy into the placeholders is no such write."""
+    import logging  # noqa: PLC0415
+
+    model = tiny_model(tiny_config("llama"))
+    with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+        _, trainer = run_trainer(
+            copy.deepcopy(model), tmp_path, "last", True, max_steps=1,
+            callbacks=[_ShrinkThroughParameters()],
+        )  # fmt: skip
+    assert "was written in place through the model's parameters" in caplog.text
+    assert written_placeholders(find_decoder_layers(trainer.model)[1])
+    _, clean = run_trainer(copy.deepcopy(model), tmp_path, "clean", True, max_steps=1)
+    clean.model.load_state_dict(stock_params(model))
+    assert not written_placeholders(find_decoder_layers(clean.model)[1])
+
+
+def test_a_loss_over_the_placeholders_is_a_clear_error(tmp_path):
+    """An L2 penalty over ``model.parameters()`` in ``compute_loss`` (which trains on stock)
+    reads the placeholders: refused with what to use instead, not autograd's meta error."""
+
+    class L2(HFMegaTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss + 1e-3 * sum((p**2).sum() for p in model.parameters() if p.requires_grad)
+
+    args = one_gpu(MegaTrainArguments(output_dir=str(tmp_path), **common_args(max_steps=1)))
+    trainer = L2(model=tiny_model(tiny_config("llama")), args=args, train_dataset=make_data())
+    with pytest.raises(ValueError, match="placeholders on the meta device.*weight_decay"):
+        trainer.train()

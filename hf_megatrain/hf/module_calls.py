@@ -13,7 +13,9 @@ layer's or a block's own ``state_dict()``):
 - ``load_state_dict()`` writes the given values into the master and re-derives the compute copy
   the layer streams; the optimizer's moments are left as they are, as stock's load leaves them;
 - in-place writes into the ``state_dict()`` views reach the compute copy before the layer next
-  runs (``StreamingEngine.watch_master``).
+  runs (``StreamingEngine.watch_master``);
+- in-place writes into the placeholders themselves (``p.mul_()`` over ``model.parameters()``)
+  change nothing: :func:`written_placeholders` finds them (the trainer refuses the next step).
 
 On the model: ``apply(fn)`` (an init function) sees the streamed layers' parameters as their fp32
 masters, and what it writes streams; ``zero_grad()`` also clears the streamed layers' gradients
@@ -55,6 +57,9 @@ def install_module_calls(
     for i, layer in enumerate(layers):
         layer.register_state_dict_post_hook(functools.partial(_read_layer, ref, state_of, i))
         layer.register_load_state_dict_pre_hook(functools.partial(_write_layer, ref, state_of, i))
+        # (The load's own copy into the placeholders, meta to meta, counts as no write.)
+        layer.register_load_state_dict_post_hook(_record_placeholder_versions)
+        _record_placeholder_versions(layer)
         layer.apply = functools.partial(_apply_bound, layer.apply, ref, state_of, {i: layer})
     model.apply = functools.partial(
         _apply_bound, model.apply, ref, state_of, dict(enumerate(layers))
@@ -74,6 +79,27 @@ def install_module_calls(
         module.__deepcopy__ = _refuse_copy
         module.__reduce_ex__ = _refuse_copy
     _watch_foreign_optimizers(layers)
+
+
+def _record_placeholder_versions(layer: nn.Module, *_: Any) -> None:
+    layer._megatrain_placeholder_versions = {
+        name: p._version for name, p in layer.named_parameters() if p.is_meta
+    }
+
+
+def written_placeholders(layers: Sequence[nn.Module]) -> list[tuple[int, str]]:
+    """``(layer index, parameter name)`` of each streamed layer placeholder written in place
+    since it was streamed (``p.mul_(0.9)`` over ``model.parameters()``, a foreign optimizer's
+    step): a meta tensor holds no data, so such a write changed no weight. (Writes through
+    ``model.state_dict()``'s views or ``load_state_dict`` reach the store and are not listed;
+    nor is a write through ``p.data``, which has a version counter of its own.)"""
+    written = []
+    for i, layer in enumerate(layers):
+        versions = getattr(layer, "_megatrain_placeholder_versions", {})
+        for name, p in layer.named_parameters():
+            if p.is_meta and p._version != versions.get(name, p._version):
+                written.append((i, name))
+    return written
 
 
 #: id -> weak reference of each streamed layer's placeholder parameters that train.
@@ -298,4 +324,4 @@ def _write_layer(
     state.engine.invalidate_weights()
 
 
-__all__ = ["install_module_calls"]
+__all__ = ["install_module_calls", "written_placeholders"]

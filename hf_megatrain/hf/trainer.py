@@ -89,6 +89,7 @@ from .model import (
     runs_liger,
     streamed_state,
 )
+from .module_calls import written_placeholders
 from .oom_watchdog import (
     PeakLog,
     StepReplay,
@@ -980,7 +981,12 @@ class MegaTrainerMixin:
         self._megatrain_model_prepared = True
         self._megatrain_check_run()  # (an optimizer given before train(); clipping)
         try:
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
+            try:  # (after the last step: said, not raised, so that the run can still be saved)
+                self._megatrain_refuse_placeholder_writes()
+            except ValueError as err:
+                logger.warning("%s", err)
+            return result
         finally:
             if liger:
                 self.args.use_liger_kernel = True
@@ -1347,6 +1353,7 @@ class MegaTrainerMixin:
         self._megatrain_peaks.step_done(step - 1)
         if step != self._megatrain_replay_step:
             self._megatrain_eager_before = getattr(self.optimizer, "eager_updates", 0)
+            self._megatrain_refuse_placeholder_writes()
         self._megatrain_replay_step = step
         self._megatrain_replay.record(step, inputs, num_items_in_batch)
         # A Mapping, not just a dict: collators return BatchEncoding.
@@ -1381,6 +1388,26 @@ class MegaTrainerMixin:
             raise RuntimeError("hf_megatrain: the step kept running out of GPU memory")
         finally:
             self._megatrain_in_step = False
+
+    def _megatrain_refuse_placeholder_writes(self) -> None:
+        """Stop where something wrote into a streamed layer's placeholder parameters in place
+        since the last step (a callback's ``p.mul_()`` over ``model.parameters()``): the write
+        changed no weight, and the run would go on as if it had (found by an audit)."""
+        layers = find_decoder_layers(self.model)[1]
+        written = written_placeholders(layers)
+        if not written:
+            return
+        prefix = self.megatrain.layers_prefix
+        names = [f"{prefix}.{i}.{name}" for i, name in written]
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        raise ValueError(
+            f"hf_megatrain: {names[0]}{more} was written in place through the model's "
+            "parameters (e.g. p.mul_() over model.parameters() in a callback), which changed "
+            "no weight: a streamed decoder layer's parameters are placeholders on the meta "
+            "device, and its weights live in the host store. Write them through "
+            "model.state_dict() (its tensors are views of the store: "
+            "model.state_dict()[name].mul_(0.9)) or model.load_state_dict()."
+        )
 
     def _megatrain_recover(self, message: str, step: int, micro_batch_tokens: int) -> None:
         """Free the failed step and make room (``oom_watchdog.make_room``); one log line."""
@@ -1634,7 +1661,21 @@ class MegaTrainerMixin:
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if ids is not None:
             self.fit_kept_activations(ids.numel())
-        return super().training_step(model, inputs, num_items_in_batch)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        except (NotImplementedError, RuntimeError) as err:
+            if "meta tensor" not in str(err):
+                raise
+            # (Found by an audit: an L2 penalty over model.parameters() in compute_loss failed
+            # inside autograd. Raised before the optimizer step: no weight has changed.)
+            raise ValueError(
+                "hf_megatrain: the step read a meta tensor's data: a streamed decoder layer's "
+                "parameters (model.parameters(), named_parameters()) are placeholders on the "
+                "meta device, and only the layer's own forward sees its weights. Losses or "
+                "penalties computed from them (e.g. an L2 term over model.parameters() in "
+                "compute_loss) cannot run here; for a decay of the weights use weight_decay "
+                f"(AdamW's, applied to the host masters). ({err})"
+            ) from err
 
     def fit_kept_activations(self, tokens: int) -> None:
         """Recompute every layer for a micro-batch larger than the plan sized kept activations for.
