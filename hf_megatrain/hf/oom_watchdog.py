@@ -141,8 +141,9 @@ def switch_on_memory_options(model: nn.Module, message: str, micro_batch_tokens:
         return None
     asked = oom_request_bytes(message)
     need = None if asked is None else asked + RELIEF_HEADROOM_BYTES
-    base = MemoryOptions.of(options)
-    if not any(tileable_mlp(layer) is not None for layer in find_decoder_layers(model)[1]):
+    running = base = MemoryOptions.of(options)
+    tileable = any(tileable_mlp(layer) is not None for layer in find_decoder_layers(model)[1])
+    if not tileable:
         base = replace(base, mlp_tile_tokens=ADVICE_TILE_TOKENS)  # (no candidate adds tiles)
     planned = plan is not None and plan.step is not None
     tokens = plan.step.micro_batch_tokens if planned else micro_batch_tokens
@@ -155,6 +156,8 @@ def switch_on_memory_options(model: nn.Module, message: str, micro_batch_tokens:
     if chosen is None:
         return None
     changes = chosen.changes(base).options
+    if not tileable:
+        chosen = replace(chosen, mlp_tile_tokens=running.mlp_tile_tokens)
     if "mlp_tile_tokens" in changes:
         install_mlp_tiling(model, changes["mlp_tile_tokens"])
     state.engine.change_activation_options(
@@ -165,7 +168,7 @@ def switch_on_memory_options(model: nn.Module, message: str, micro_batch_tokens:
         state.plan = plan_every_layer_streamed(plan, options, chosen)
     state.options = chosen.applied(options)
     what = "out of GPU memory" + ("" if asked is None else f" (asked {asked / GIB:.2f} GiB)")
-    turned = chosen.describe(base, ARGUMENT_NAMER)
+    turned = chosen.describe(running, ARGUMENT_NAMER)
     how = (
         f"the plan expects a peak of {state.plan.gpu_peak_estimate / GIB:.2f} GiB with them"
         if planned
