@@ -263,12 +263,33 @@ def test_recover_restores_aside_copy(tmp_path):
 
 
 def test_failed_write_keeps_old_set(tmp_path):
+    """A full disk: the old set stays, the partial copy goes, and the error says so in the
+    library's words (ENOSPC kept for callers that read errno)."""
     target = tmp_path / "out"
     _save(target, OLD)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(pub.DiskFullError, match="ran out of space.*partial copy was removed") as e:
         with pub.staged_folder(str(target)) as tmp:
             _write(tmp, {"a.bin": b"partial"})
             raise OSError(28, "No space left on device")
+    assert e.value.errno == 28 and str(target) in str(e.value)
+    assert _sets(target) == OLD and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.parametrize("free_mib, full", [(1, True), (10_000, False)])
+def test_a_writer_that_does_not_say_why_is_judged_by_the_free_space(
+    tmp_path, monkeypatch, free_mib, full
+):
+    """torch.save's writer says only "file write failed": with the disk (nearly) full that is
+    a full disk; with room left the writer's own error is raised as it is."""
+    target = tmp_path / "out"
+    _save(target, OLD)
+    monkeypatch.setattr(pub, "free_disk_bytes", lambda path: free_mib << 20)
+    error = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    with pytest.raises(pub.DiskFullError if full else RuntimeError) as e:
+        with pub.staged_folder(str(target)) as tmp:
+            _write(tmp, {"a.bin": b"partial"})
+            raise error
+    assert (e.value is error) != full
     assert _sets(target) == OLD and sorted(os.listdir(tmp_path)) == ["out"]
 
 

@@ -259,11 +259,17 @@ def _enospc(*_a, **_k):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.mark.parametrize("at", [1, 3])
-def test_enospc_in_checkpoint_keeps_previous(tmp_path, monkeypatch, at):
-    """The disk fills during the second checkpoint (a partial optimizer file, then ENOSPC): the
-    save fails with the OS error, checkpoint-2 stays intact, and resuming from it finishes the
-    run bit-equal to an uninterrupted one."""
+def _safetensors_enospc(*_a, **_k):
+    # (safetensors' writer, as it words an OS error: not an OSError)
+    raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize("at, fail", [(1, _enospc), (3, _enospc), (1, _safetensors_enospc)])
+def test_enospc_in_checkpoint_keeps_previous(tmp_path, monkeypatch, at, fail):
+    """The disk fills during the second checkpoint (a partial optimizer file, then ENOSPC, as an
+    OSError or in safetensors' words): the save fails with the library's DiskFullError (errno
+    ENOSPC, naming the checkpoint), checkpoint-2 stays intact, and resuming from it finishes
+    the run bit-equal to an uninterrupted one."""
     from hf_megatrain.hf import checkpoint as ckpt_mod  # noqa: PLC0415
 
     model = tiny_model(tiny_config("llama"))
@@ -277,12 +283,12 @@ def test_enospc_in_checkpoint_keeps_previous(tmp_path, monkeypatch, at):
         if calls["n"] == 3 + at:  # 3 files per checkpoint: the second one's file number `at`
             with open(path, "wb") as f:
                 f.write(b"\0" * 100)
-            _enospc()
+            fail()
         return real(tensors, path, *a, **k)
 
     monkeypatch.setattr(ckpt_mod, "save_file", save_file)
     TALLY["trials"] += 1
-    with pytest.raises(OSError) as e:
+    with pytest.raises(pub.DiskFullError, match="checkpoint-4 could not be written") as e:
         run_trainer(copy.deepcopy(model), tmp_path, "full", True, **kw)
     assert e.value.errno == errno.ENOSPC
     monkeypatch.undo()

@@ -79,6 +79,67 @@ class MissingFileError(IntegrityError, FileNotFoundError):
     """A file listed in the manifest is missing."""
 
 
+class DiskFullError(OSError):
+    """A save its file system had no room for: nothing was published (the target is as it
+    was, the partial copy removed)."""
+
+
+#: Free bytes under which a failed write counts as a full disk where its error does not say so
+#: (torch.save's writer reports only "file write failed").
+NEARLY_FULL_BYTES = 64 << 20
+
+
+def free_disk_bytes(path: str) -> int | None:
+    """Free bytes (for this user) on the file system that holds ``path`` or would hold it (its
+    nearest existing ancestor); None where that cannot be read."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def out_of_disk_space(exc: BaseException, path: str) -> int | None:
+    """The errno (ENOSPC, EDQUOT) where the write that raised ``exc`` under ``path`` ran out of
+    disk space or quota, else None: the error (or one it came from) says so (as an OSError, or
+    in safetensors' words), or the file system has less than ``NEARLY_FULL_BYTES`` free now
+    (ENOSPC; call before the partial files are removed)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return seen.errno
+        text = str(seen)
+        for code in (errno.ENOSPC, errno.EDQUOT):
+            if os.strerror(code) in text or f"(os error {code})" in text:
+                return code
+        seen = seen.__cause__ or seen.__context__
+    free = free_disk_bytes(path)
+    return errno.ENOSPC if free is not None and free < NEARLY_FULL_BYTES else None
+
+
+def disk_full_message(target: str, code: int = errno.ENOSPC, then: str = "save again") -> str:
+    """What a save that ran out of disk space (``code`` ENOSPC) or quota (EDQUOT) did and left,
+    for ``target``; ``then``: what to do once there is room."""
+    out_of = (
+        "the disk quota was exceeded"
+        if code == errno.EDQUOT
+        else "its file system ran out of space"
+    )
+    free = free_disk_bytes(target)
+    room = ""
+    if free is not None:
+        size = f"{free / 2**30:.2f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
+        room = f" ({size} free once the partial copy went)"
+    return (
+        f"hf_megatrain: {target} could not be written: {out_of}{room}. "
+        "Nothing was published there (an earlier copy, if any, is untouched), and the partial "
+        "copy was removed. Free space (save_total_limit keeps fewer checkpoints) or write "
+        f"elsewhere, and {then}."
+    )
+
+
 # ---- fsync ------------------------------------------------------------------------------------
 def fsync_dir(path: str) -> None:
     """Make ``path``'s entries (names created, renamed or removed in it) durable."""
@@ -561,7 +622,11 @@ def staged_folder(
         yield temp
         write_manifest(temp, saved_from)
         publish(temp, target, keep)
-    except BaseException:
+    except BaseException as exc:
+        code = out_of_disk_space(exc, temp) if isinstance(exc, Exception) else None
         shutil.rmtree(temp, ignore_errors=True)
         recover(target)  # a swap that failed half way: the old set goes back
+        if code is not None:
+            # (Found by an audit: a full disk surfaced as safetensors' or torch's own error.)
+            raise DiskFullError(code, disk_full_message(target, code)) from exc
         raise

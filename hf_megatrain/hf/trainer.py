@@ -44,7 +44,15 @@ from ..core.options import (
     unused_option_notes,
 )
 from ..core.plan_types import MemoryPlanError
-from ..core.publish import publish, recover, verify_folder, write_manifest
+from ..core.publish import (
+    DiskFullError,
+    disk_full_message,
+    out_of_disk_space,
+    publish,
+    recover,
+    verify_folder,
+    write_manifest,
+)
 from ..core.rng import rng_state, set_rng_state
 from .arguments import (
     ARGUMENT_NAMER,
@@ -1843,9 +1851,16 @@ class MegaTrainerMixin:
         self._megatrain_in_checkpoint = True
         try:
             super()._save_checkpoint(model, trial)
-        except BaseException:
+        except BaseException as err:
+            code = None
+            if dp is None and isinstance(err, Exception):
+                code = out_of_disk_space(err, staged)
             if dp is None or dp.rank == 0:
                 shutil.rmtree(staging_root, ignore_errors=True)
+            if code is not None:
+                # (Found by an audit: the run stopped inside safetensors' writer.)
+                then = "resume from the newest complete checkpoint"
+                raise DiskFullError(code, disk_full_message(final, code, then)) from err
             raise
         finally:
             del self._get_output_dir
