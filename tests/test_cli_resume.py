@@ -711,3 +711,43 @@ def test_save_on_sigterm_in_a_script(tmp_path, signame):
     assert (tmp_path / "run" / "checkpoint-2" / "trainer_state.json").is_file()
     for name, handler in before.items():
         assert signal.getsignal(getattr(signal, name)) is handler, name
+
+
+def test_sigterm_during_evaluation_saves_the_finished_step_at_once(tmp_path):
+    """A SIGTERM during the evaluation after step 2 (a scheduler's grace period is often ~30 s)
+    stops the evaluation at its next batch and saves checkpoint-2 at once: no more evaluation
+    batches and no step 3 (found by an audit: the whole evaluation ran, then another step)."""
+    import signal
+
+    from transformers import TrainerCallback
+
+    from hf_megatrain import HFMegaTrainer, MegaTrainArguments, SaveOnSigterm
+
+    from .helpers import common_args, make_data, tiny_config, tiny_model
+
+    class TermInEvaluation(TrainerCallback):
+        batches = 0
+
+        def on_prediction_step(self, args, state, control, **kw):
+            self.batches += 1
+            if self.batches == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    stop, term = SaveOnSigterm(), TermInEvaluation()
+    args = MegaTrainArguments(
+        output_dir=str(tmp_path / "run"),
+        **common_args(
+            max_steps=6, save_strategy="no", eval_strategy="steps", eval_steps=2,
+            per_device_eval_batch_size=1,
+        ),
+    )  # fmt: skip
+    trainer = HFMegaTrainer(
+        model=tiny_model(tiny_config("llama")), args=args, train_dataset=make_data(),
+        eval_dataset=make_data(8, seed=3), callbacks=[stop, term],
+    )  # fmt: skip
+    trainer.train()
+    assert term.batches == 1  # of the 8 the evaluation has
+    assert stop.stopped_at == trainer.state.global_step == 2
+    saved = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert saved["global_step"] == 2
+    assert not list((tmp_path / "run").glob("checkpoint-3"))

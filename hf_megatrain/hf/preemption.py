@@ -37,6 +37,13 @@ DEFAULT_SIGNALS = tuple(
 )
 
 
+class EvaluationStopped(Exception):  # noqa: N818 - a stop, not an error
+    """Raised out of an evaluation batch during training after a SIGTERM (one process): the
+    step before the evaluation is complete, so ``HFMegaTrainer`` saves its checkpoint at once
+    instead of finishing the evaluation and one more step (a scheduler's grace period before
+    SIGKILL is often ~30 s; found by an audit)."""
+
+
 class SaveOnSigterm(TrainerCallback):
     """Save a checkpoint at the end of the running step on SIGTERM (or SIGUSR1), then stop
     training."""
@@ -89,6 +96,13 @@ class SaveOnSigterm(TrainerCallback):
         finally:
             if installed:
                 self._uninstall()
+
+    @property
+    def stops_evaluation(self) -> bool:
+        """Whether an evaluation during training should stop now: a signal arrived, training
+        is not done, and this is one process (data-parallel ranks evaluate in collectives, and
+        stop together at a step's end)."""
+        return self.requested and not self.training_done and process_group_size() < 2
 
     # ---- the Trainer's side -----------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):

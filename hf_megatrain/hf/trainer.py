@@ -14,6 +14,7 @@ the optimizer step that run out of GPU memory go through the out-of-memory watch
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -104,6 +105,7 @@ from .oom_watchdog import (
     make_room,
     make_room_for_weights,
 )
+from .preemption import EvaluationStopped, SaveOnSigterm
 from .sequence_parallel import setup_sequence_parallel
 from .step_layout import (
     MANIFEST_KEY,
@@ -1587,6 +1589,27 @@ class MegaTrainerMixin:
         finally:
             self._megatrain_in_eval_loop = False
 
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log / evaluate / save after a step; a SIGTERM during its evaluation
+        (``EvaluationStopped``) saves the finished step's checkpoint at once and stops."""
+        try:
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+        except EvaluationStopped:
+            pass
+        bound = inspect.signature(super()._maybe_log_save_evaluate).bind(*args, **kwargs)
+        stop = next(c for c in self.callback_handler.callbacks if isinstance(c, SaveOnSigterm))
+        logger.warning(
+            "hf_megatrain: %s during evaluation: the evaluation is stopped; saving checkpoint-%d "
+            "(its step is complete), then stopping",
+            stop.received.name,
+            self.state.global_step,
+        )
+        self._save_checkpoint(bound.arguments["model"], bound.arguments["trial"])
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        self.control.should_training_stop = True
+        stop.stopped_at = self.state.global_step
+        return None
+
     # ---- out of memory in evaluation ----------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The Trainer's evaluation batch with the watchdog: out of GPU memory, HBM-tier layers
@@ -1594,6 +1617,11 @@ class MegaTrainerMixin:
         batch runs again, once per relief, with the same inputs and random state: the same
         outputs, which the evaluation loop had not taken yet. Data parallel: the rows
         ``even_batches`` repeated into a partial last batch are masked (``_megatrain_unrepeat``)."""
+        if any(
+            isinstance(c, SaveOnSigterm) and c.stops_evaluation
+            for c in self.callback_handler.callbacks
+        ):
+            raise EvaluationStopped
         state = getattr(self, "megatrain", None)
         if state is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
