@@ -270,8 +270,9 @@ def _stream_rows(
     held = None
     exclude: frozenset[str] = frozenset()
     cut: tuple = ()
+    read = 0
     if n_held:
-        rows, exclude, cut = _stream_head(raw, encode, n_held, args)
+        rows, exclude, cut, read = _stream_head(raw, encode, n_held, args)
         if not rows:
             raise _too_little(args)
         held = _rows_dataset(rows)
@@ -279,6 +280,14 @@ def _stream_rows(
     n_left = len(list(packed.take(1)))
     if n_left == 0 and not n_held:
         raise _too_little(args)
+    if n_left == 0 and len(held) == n_held and next(iter(raw.skip(read)), None) is not None:
+        # (Found by an audit: a stream of repeated lines was said to hold only the eval rows.)
+        raise DataError(
+            f"{source}: after the {n_held} eval sequence(s) at the head of the stream, every "
+            "document is empty or a copy of an eval document, and streaming never trains on "
+            "a copy of an eval document: deduplicate the data, set --eval_fraction 0, or drop "
+            "--streaming"
+        )
     if n_left == 0 or (held is not None and len(held) < n_held):
         n = len(held) if held is not None else 0
         raise DataError(
@@ -295,16 +304,18 @@ def _stream_rows(
 
 def _stream_head(
     raw: datasets.IterableDataset, encode: dict[str, Any], n_held: int, args: DataArguments
-) -> tuple[list[dict], frozenset[str], tuple]:
+) -> tuple[list[dict], frozenset[str], tuple, int]:
     """The first ``n_held`` rows of the stream (fewer if it is that short), the digests of the
-    documents wholly in them, and (digest, tokens in the head) of the packed document the head
-    ends inside of, else (): read document by document, only as many as needed."""
+    documents wholly in them, (digest, tokens in the head) of the packed document the head
+    ends inside of, else (), and how many documents were read: document by document, only as
+    many as needed."""
     column = encode["column"]
     kwargs = {k: encode[k] for k in ("tokenizer", "column", "chat", "bos", "where")}
     docs: list[list[int]] = []
     digests: set[str] = set()
     cut: tuple = ()
     need, have = (n_held * args.seq_len if args.packing else n_held), 0
+    i = -1
     for i, row in enumerate(raw):
         digest = _digest(row[column])
         new = _documents([row[column]], [i], **kwargs)
@@ -319,7 +330,7 @@ def _stream_head(
             break
     rows = _rows(docs, tokenizer=encode["tokenizer"], seq_len=args.seq_len, packing=args.packing)
     head = [dict(zip(rows, values)) for values in zip(*rows.values())][:n_held]
-    return head, frozenset(digests), cut
+    return head, frozenset(digests), cut, i + 1
 
 
 def _check_args(args: DataArguments) -> None:

@@ -348,6 +348,17 @@ def test_wrong_column_kind_and_streamed_small_data(tmp_path, tok):
         load_training_data(args, tok)
 
 
+def test_a_stream_of_copies_of_its_eval_documents_says_so(tmp_path, tok):
+    """Streaming never trains on a copy of an eval document: a stream whose every later
+    document repeats one in the eval head is refused for that, not for holding only the eval
+    rows (found by an audit: 2,000 short repeated lines were said to stream 4 sequences)."""
+    rows = [{"text": ["hi", "a", "ok", "yes no"][i % 4]} for i in range(2000)]
+    path = jsonl(tmp_path / "copies.jsonl", rows)
+    args = DataArguments(dataset_name=str(path), streaming=True, seq_len=16, max_eval_sequences=4)
+    with pytest.raises(DataError, match="every document is empty or a copy of an eval document"):
+        load_training_data(args, tok)
+
+
 def test_hub_id_offline_without_cache(monkeypatch, tok):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
