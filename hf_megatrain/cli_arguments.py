@@ -196,25 +196,70 @@ def _type_of(parser: argparse.ArgumentParser, dest: str):
     raise KeyError(dest)
 
 
-def _known_keys(parser: argparse.ArgumentParser) -> set[str]:
-    return {a.dest for a in parser._actions if a.option_strings} | set(ALIASES)
+def _as_typed(parser: argparse.ArgumentParser, dest: str, value: Any) -> Any:
+    """A recipe value as its flag's type reads it (YAML reads 1e-3 as text, 0.001 as a float:
+    both are the same learning rate)."""
+    kind = _type_of(parser, dest)
+    try:
+        return kind(str(value)) if callable(kind) and not isinstance(value, bool) else value
+    except (TypeError, ValueError, argparse.ArgumentTypeError):
+        return value
+
+
+def _switch_names(parser: argparse.ArgumentParser) -> dict[str, tuple[str, Any]]:
+    """Switches named other than their setting (``--no_packing`` sets ``packing`` False), as
+    ``ALIASES`` entries: a recipe key ``no_packing: true`` is the flag typed."""
+    names = {}
+    for action in parser._actions:
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            for option in action.option_strings:
+                name = option.lstrip("-").replace("-", "_")
+                if name != action.dest:
+                    names[name] = (action.dest, action.const)
+    return names
+
+
+def _unique_keys_loader():
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it keeps the last)."""
+    import yaml  # noqa: PLC0415 - PyYAML comes with transformers
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key '{key}' is given twice", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return Loader
 
 
 def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """A recipe's keys as argument destinations (aliases resolved), unknown keys refused."""
+    """A recipe's keys as argument destinations (aliases resolved), unknown keys refused, and
+    two keys for one setting with different values refused (as two such flags are)."""
     import yaml  # noqa: PLC0415 - PyYAML comes with transformers
 
     p = Path(path)
     if not p.is_file():
         raise CLIError(f"recipe file not found: {path}")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        loader = _unique_keys_loader()  # (a SafeLoader)
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=loader) or {}
     except yaml.YAMLError as e:
         raise CLIError(f"recipe {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise CLIError(f"recipe {path} must be a mapping of argument: value")
-    known = _known_keys(parser) - {"recipe", "help"}
+    aliases = {**_switch_names(parser), **ALIASES}
+    known = ({a.dest for a in parser._actions if a.option_strings} | set(aliases)) - {
+        "recipe",
+        "help",
+    }
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # setting -> the key that set it
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name == "precision":  # the first CLI's key: auto | bf16 | fp32
@@ -224,11 +269,17 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
                 f"recipe {path}: unknown key '{key}' (keys are the argument names of "
                 "'hf-megatrain train --help', with underscores)"
             )
-        if name in ALIASES:
-            dest, const = ALIASES[name]
+        if name in aliases:
+            dest, const = aliases[name]
             name, value = dest, (value if const is None else (const if value else None))
             if value is None:
                 continue
+        if name in given and _as_typed(parser, name, out[name]) != _as_typed(parser, name, value):
+            raise CLIError(
+                f"recipe {path}: '{given[name]}: {out[name]}' and '{key}: {value}' set the same "
+                "setting: give only one of them"
+            )
+        given[name] = str(key)
         out[name] = value
     return out
 

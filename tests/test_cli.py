@@ -147,6 +147,26 @@ def test_recipe_then_flags_precedence(tmp_path):
     assert not parse_train(["--recipe", str(recipe), "--fp32"]).training.bf16
 
 
+def test_recipe_keys_for_one_setting(tmp_path):
+    """A recipe is read as its flags would be (found by an audit: the last key won silently):
+    two keys for one setting with different values, or one key twice, are refused; equal
+    values in two spellings (YAML reads 1e-3 as text, 0.001 as a number) pass; a switch named
+    other than its setting (--no_packing) is a key too."""
+    recipe = tmp_path / "r.yaml"
+    for text, said in (
+        ("learning_rate: 1e-3\nlr: 2e-3\n", "'learning_rate: 1e-3' and 'lr: 2e-3' set the same"),
+        ("learning-rate: 1e-3\nlearning_rate: 2e-3\n", "set the same setting"),
+        ("max_steps: 2\nmax_steps: 3\n", "key 'max_steps' is given twice"),
+    ):
+        recipe.write_text(text)
+        assert said in _error(["train", "--recipe", str(recipe)]), text
+    recipe.write_text("lr: 1e-3\nlearning_rate: 0.001\nno_packing: true\n")
+    s = parse_train(["--recipe", str(recipe)])
+    assert s.training.learning_rate == 1e-3 and not s.data.packing
+    recipe.write_text("no_packing: false\n")
+    assert parse_train(["--recipe", str(recipe)]).data.packing  # (the flag not typed)
+
+
 def test_training_arguments_defaults_and_epochs():
     """The embedded default's settings, and the Trainer's own flags in both spellings."""
     s = parse_train([])
