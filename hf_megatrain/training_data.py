@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
@@ -68,7 +68,13 @@ class DataArguments:
     dataset_config: str | None = field(
         default=None, metadata={"help": "the Hub dataset's config (subset) name"}
     )
-    dataset_train_split: str = field(default="train", metadata={"help": "the split to train on"})
+    dataset_train_split: str = field(
+        default="train",
+        metadata={
+            "help": "the split to train on, or a slice of splits as datasets reads one "
+            "(train[:90%%], train[-1000:]; not with --streaming)"
+        },
+    )
     dataset_eval_split: str | None = field(
         default=None,
         metadata={
@@ -140,10 +146,15 @@ def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> Trai
     source = args.dataset_name or "bundled corpus"
     if args.dataset_config:
         source += f" [{args.dataset_config}]"
+    names = list(splits)
     for flag, split in (("train", args.dataset_train_split), ("eval", args.dataset_eval_split)):
+        if split is not None and split not in splits and "[" in split:
+            sliced = _split_slice(splits, split, f"--dataset_{flag}_split")
+            if sliced is not None:
+                splits[split] = sliced
         if split is not None and split not in splits:
             raise DataError(
-                f"{source} has no split {split!r} (its splits: {', '.join(splits)}); choose one "
+                f"{source} has no split {split!r} (its splits: {', '.join(names)}); choose one "
                 f"with --dataset_{flag}_split"
             )
     # An eval split that is the train split would evaluate on training rows: rows of it are held
@@ -331,6 +342,31 @@ def _stream_head(
     rows = _rows(docs, tokenizer=encode["tokenizer"], seq_len=args.seq_len, packing=args.packing)
     head = [dict(zip(rows, values)) for values in zip(*rows.values())][:n_held]
     return head, frozenset(digests), cut, i + 1
+
+
+def _split_slice(splits: Mapping[str, Any], spec: str, flag: str) -> datasets.Dataset | None:
+    """The rows of a split slice as ``datasets.load_dataset`` reads one (``train[:90%]``,
+    ``train[-1000:]``, ``train[:10%]+validation``); None where it names no split of ``splits``
+    (the caller says which there are)."""
+    import datasets  # noqa: PLC0415 - as the loaders: imported when data is read
+
+    try:
+        instruction = datasets.ReadInstruction.from_spec(spec)
+    except ValueError as e:
+        raise DataError(f"{flag} {spec!r} is not a split or a split slice: {e}") from None
+    names = {part.split("[", 1)[0].strip() for part in spec.split("+")}
+    if not names <= set(splits):
+        return None
+    if any(isinstance(splits[n], datasets.IterableDataset) for n in names):
+        raise DataError(
+            f"{flag} {spec!r}: a split slice needs the rows counted, which --streaming does not "
+            "do; name a whole split, or drop --streaming"
+        )
+    parts = [
+        splits[part.splitname].select(range(part.from_, part.to))
+        for part in instruction.to_absolute({n: len(splits[n]) for n in names})
+    ]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def _check_args(args: DataArguments) -> None:

@@ -359,6 +359,33 @@ def test_a_stream_of_copies_of_its_eval_documents_says_so(tmp_path, tok):
         load_training_data(args, tok)
 
 
+def test_split_slices_as_datasets_reads_them(tmp_path, tok):
+    """``--dataset_train_split train[:50%]`` and ``--dataset_eval_split train[50%:]`` as in
+    ``datasets.load_dataset`` (found by an audit: refused as an unknown split): the halves'
+    documents, none in both; a malformed slice and a slice of a stream are refused in one line."""
+    path = jsonl(tmp_path / "d.jsonl", [{"text": doc(i)} for i in range(40)])
+    args = DataArguments(
+        dataset_name=str(path), seq_len=16, dataset_train_split="train[:50%]",
+        dataset_eval_split="train[50%:]", packing=False,
+    )  # fmt: skip
+    data = load_training_data(args, tok)
+    whole = load_training_data(
+        DataArguments(dataset_name=str(path), seq_len=16, packing=False, eval_fraction=0), tok
+    )
+    assert data.num_train_rows == 20 and len(data.eval) == 20 == whole.num_train_rows // 2
+    train_rows = {tuple(r["input_ids"].tolist()) for r in data.train}
+    assert not train_rows & {tuple(r["input_ids"].tolist()) for r in data.eval}
+    with pytest.raises(DataError, match="'train\\[:50' is not a split or a split slice"):
+        load_training_data(
+            DataArguments(dataset_name=str(path), dataset_train_split="train[:50"), tok
+        )
+    with pytest.raises(DataError, match="a split slice needs the rows counted.*--streaming"):
+        stream = DataArguments(
+            dataset_name=str(path), streaming=True, dataset_train_split="train[:5]"
+        )
+        load_training_data(stream, tok)
+
+
 def test_hub_id_offline_without_cache(monkeypatch, tok):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
