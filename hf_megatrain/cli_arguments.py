@@ -584,6 +584,10 @@ def _check(model: ModelArguments, data, training: dict[str, Any]) -> None:
     # save. The folder itself is made once the run holds it (``cli_train.run_train``): a final
     # model's publish killed half way may have left it renamed aside, to be restored first.
     parent = out.absolute().parent
+    # (Found by an audit: a file on the path read as "File exists".)
+    blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise CLIError(f"output_dir cannot be created: {out} ({blocking} is a file, not a folder)")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

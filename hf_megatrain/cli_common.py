@@ -81,9 +81,16 @@ def config_from_json(path: str):
         d = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise CLIError(f"{path} is not valid JSON: {e}") from None
-    model_type = d.pop("model_type", None) if isinstance(d, dict) else None
+    if not isinstance(d, dict) or "model_type" not in d:
+        # (Found by an audit: a list read as "model_type None is not supported".)
+        what = "has no model_type" if isinstance(d, dict) else f"holds a {type(d).__name__}"
+        raise CLIError(
+            f"{path} is not a model config: it {what} (a config.json is a JSON object with a "
+            '"model_type", as save_pretrained writes it)'
+        )
+    model_type = d.pop("model_type")
     if model_family(model_type) is None:
-        text = text_model_type({**d, "model_type": model_type}) if isinstance(d, dict) else None
+        text = text_model_type({**d, "model_type": model_type})
         raise CLIError(unsupported_model_type(path, model_type, "", text))
     layers = d.get("num_hidden_layers", d.get("n_layer"))
     if isinstance(layers, int) and layers < 1:

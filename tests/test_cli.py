@@ -1087,3 +1087,23 @@ def test_an_output_dir_some_rank_cannot_see_is_refused(tmp_path, monkeypatch):
         check_output_dir_on_every_rank(str(mine))
     _two_ranks(monkeypatch, [("/shared/out", True)])
     check_output_dir_on_every_rank(str(mine))
+
+
+def test_messages_for_what_an_audit_tried(tmp_path):
+    """Each in one line saying what is wrong (found by an audit): a file on the output_dir's
+    path, a JSON file that is not a config, a one-token sequence on plan as on train, and a
+    sequence longer than the step."""
+    (tmp_path / "afile").write_text("x")
+    said = _error(["train", "--output_dir", str(tmp_path / "afile" / "sub" / "out")])
+    assert f"({tmp_path / 'afile'} is a file, not a folder)" in said
+    for text, what in (("[]", "it holds a list"), ('{"hidden_size": 8}', "it has no model_type")):
+        (tmp_path / "c.json").write_text(text)
+        said = _error(
+            ["plan", str(tmp_path / "c.json"), "--seq-len", "8", "--tokens-per-step", "8"]
+        )
+        assert f"is not a model config: {what}" in said
+    cfg = str(Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "qwen2.5-7b")
+    said = _error(["plan", cfg, "--seq-len", "1", "--tokens-per-step", "1024"])
+    assert "seq_len must be at least 2" in said
+    said = _error(["plan", cfg, "--seq-len", "131072", "--tokens-per-step", "65536"])
+    assert "shorter than one sequence of seq_len 131072" in said

@@ -751,8 +751,10 @@ class StepShape:
         grad_accum: int | None = None,
     ) -> StepShape:
         """Resolve the split of a step; by default the whole step is one micro-batch."""
-        if seq_len < 1 or tokens_per_step < 1:
-            raise OptionError("seq_len and tokens_per_step must be at least 1")
+        if seq_len < 2 or tokens_per_step < 1:
+            # (A sequence of one token has no next token to predict: no loss; found by an
+            # audit, where train refused it and plan did not.)
+            raise OptionError("seq_len must be at least 2 and tokens_per_step at least 1")
         if micro_batch_tokens is not None and micro_batch_tokens < 1:
             raise OptionError("micro_batch_tokens must be at least 1")
         if grad_accum is not None and grad_accum < 1:
@@ -774,6 +776,12 @@ class StepShape:
             raise OptionError(
                 f"grad_accum {grad_accum} x micro_batch_tokens {micro_batch_tokens} != "
                 f"tokens_per_step {tokens_per_step}"
+            )
+        if micro_batch_tokens < seq_len:
+            raise OptionError(
+                f"a micro-batch of {micro_batch_tokens} tokens (tokens_per_step / grad_accum) is "
+                f"shorter than one sequence of seq_len {seq_len}: raise tokens_per_step to at "
+                "least seq_len"
             )
         if micro_batch_tokens % seq_len:
             raise OptionError(
