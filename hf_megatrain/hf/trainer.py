@@ -1592,10 +1592,13 @@ class MegaTrainerMixin:
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         """The Trainer's log / evaluate / save after a step; a SIGTERM during its evaluation
         (``EvaluationStopped``) saves the finished step's checkpoint at once and stops."""
+        self._megatrain_after_step = True  # (an evaluation here may stop: prediction_step)
         try:
             return super()._maybe_log_save_evaluate(*args, **kwargs)
         except EvaluationStopped:
             pass
+        finally:
+            self._megatrain_after_step = False
         bound = inspect.signature(super()._maybe_log_save_evaluate).bind(*args, **kwargs)
         stop = next(c for c in self.callback_handler.callbacks if isinstance(c, SaveOnSigterm))
         logger.warning(
@@ -1617,11 +1620,11 @@ class MegaTrainerMixin:
         batch runs again, once per relief, with the same inputs and random state: the same
         outputs, which the evaluation loop had not taken yet. Data parallel: the rows
         ``even_batches`` repeated into a partial last batch are masked (``_megatrain_unrepeat``)."""
-        if any(
+        if getattr(self, "_megatrain_after_step", False) and any(
             isinstance(c, SaveOnSigterm) and c.stops_evaluation
             for c in self.callback_handler.callbacks
         ):
-            raise EvaluationStopped
+            raise EvaluationStopped  # (not in eval_on_start's evaluation: no step to save)
         state = getattr(self, "megatrain", None)
         if state is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
@@ -1703,7 +1706,7 @@ class MegaTrainerMixin:
             if "meta tensor" not in str(err):
                 raise
             # (Found by an audit: an L2 penalty over model.parameters() in compute_loss failed
-            # inside autograd. Raised before the optimizer step: no weight has changed.)
+            # inside autograd.)
             raise ValueError(
                 "hf_megatrain: the step read a meta tensor's data: a streamed decoder layer's "
                 "parameters (model.parameters(), named_parameters()) are placeholders on the "
