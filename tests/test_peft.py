@@ -116,3 +116,27 @@ def test_an_adapted_lm_head_trains_as_stock(tmp_path, lora):
     for n, p in stock_trainer.model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(trained[n].detach().cpu(), p.detach(), rtol=1e-4, atol=1e-6)
+
+
+def test_adapters_added_to_a_streamed_model_are_a_clear_error(tmp_path):
+    """Adapters put on an already streamed model (``load_streamed_model``'s, then
+    ``PeftModel.from_pretrained`` or ``get_peft_model``) wrap linear layers whose weights the
+    store binds by name: its forward and generate() are refused in one line naming the layer
+    and what to do (found by an audit: the forward failed inside torch's reparametrize)."""
+    from hf_megatrain import load_streamed_model  # noqa: PLC0415
+    from hf_megatrain.core.streamed_layer import LayerChangedError  # noqa: PLC0415
+
+    base = tiny_model(tiny_config("llama"))
+    base.save_pretrained(tmp_path / "base")
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    adapted.save_pretrained(tmp_path / "adapters")
+    ids = torch.randint(3, 100, (1, 8))
+    for attach in (
+        lambda m: peft.PeftModel.from_pretrained(m, tmp_path / "adapters"),
+        lambda m: peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["q_proj"])),
+    ):
+        model = attach(load_streamed_model(tmp_path / "base", bf16=False)).eval()
+        with torch.no_grad(), pytest.raises(LayerChangedError, match="decoder layer 0's modules"):
+            model(input_ids=ids)
+        with torch.no_grad(), pytest.raises(LayerChangedError, match="merge_and_unload"):
+            model.generate(input_ids=ids, max_new_tokens=2)

@@ -54,6 +54,23 @@ class OutputCapture(Protocol):
     def publish(self, keys: list[str], tensors: list[torch.Tensor]) -> None: ...
 
 
+class LayerChangedError(ValueError):
+    """A streamed layer's modules were changed after it was streamed (its linear layers wrapped
+    by adapters, a module replaced): the store's weights no longer bind to it (found by an
+    audit: PEFT's adapters added to a streamed model failed inside torch's reparametrize)."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        super().__init__(
+            f"hf_megatrain: decoder layer {layer}'s modules were changed after the model was "
+            "streamed (e.g. adapters wrapped its linear layers: get_peft_model or "
+            "PeftModel.from_pretrained on a streamed model), so its streamed weights no longer "
+            "bind to it. Add adapters to the model before it is streamed (to the materialized "
+            "model handed to the trainer), or, for inference, merge them into a materialized "
+            "model first (merge_and_unload)."
+        )
+
+
 class StreamedLayer:
     """Callable installed as a decoder layer's ``forward``: streams its weights in, runs it."""
 
@@ -143,7 +160,12 @@ class StreamedLayer:
         flat_args, bound = bind_mappings(flat_args, spec.num_leaves)
         args, kwargs = tree_unflatten(flat_args, spec)
         capture_ctx = self.capture.capturing(keys) if keys else contextlib.nullcontext([])
-        with _reparametrize_module(self.module, params), capture_ctx as captured:
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(_reparametrize_module(self.module, params))
+            except (AttributeError, KeyError) as err:
+                raise LayerChangedError(self.index) from err
+            captured = stack.enter_context(capture_ctx)
             with self.engine.compute_context():
                 out = self.forward_impl(self.module, *args, **kwargs)
         return out, list(captured) + collect_writes(bound), weight_leaves
