@@ -423,6 +423,10 @@ def test_a_loop_of_ones_own_trains_with_streamed_optimizer(tmp_path):
     mega(input_ids=ids, labels=ids).loss.backward()
     with pytest.raises(ValueError, match="streamed_optimizer"):
         foreign.step()
+    # So is torch's clipping over its parameters (it clipped by the norm of the resident
+    # parameters alone, silently; found by an audit); a stock model's stays torch's.
+    with pytest.raises(ValueError, match=r"optimizer\.clip_grad_norm_\(max_norm\)"):
+        torch.nn.utils.clip_grad_norm_(mega.parameters(), 1.0)
     mega.zero_grad()
     optimizers = {
         "stock": torch.optim.AdamW(stock.parameters(), lr=1e-2, weight_decay=0.0),

@@ -121,6 +121,13 @@ def _watch_foreign_optimizers(layers: Sequence[nn.Module]) -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: PLC0415
 
         _STEP_HOOK.append(register_optimizer_step_pre_hook(_foreign_step))
+        # torch's clipping over a streamed model's parameters sees no gradient for the
+        # placeholders: it clipped by the norm of the other parameters, silently (found by an
+        # audit). Wrapped where callers look it up (accelerate's clip_grad_norm_ included).
+        clip = torch.nn.utils.clip_grad_norm_
+        checked = functools.wraps(clip)(functools.partial(_placeholder_checked_clip, clip))
+        torch.nn.utils.clip_grad_norm_ = checked
+        torch.nn.utils.clip_grad.clip_grad_norm_ = checked
 
 
 def _foreign_step(optimizer, args, kwargs) -> None:
@@ -139,6 +146,25 @@ def _foreign_step(optimizer, args, kwargs) -> None:
                     "hf_megatrain.streamed_optimizer(model, lr=...) (the engine's AdamW), or "
                     "HFMegaTrainer"
                 )
+
+
+def _placeholder_checked_clip(clip, parameters, *args, **kwargs):
+    """``torch.nn.utils.clip_grad_norm_``, refusing a streamed model's trainable placeholders
+    (their gradients live in the engine: the norm would leave the decoder layers out)."""
+    if _PLACEHOLDERS:
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for p in parameters:
+            ref = _PLACEHOLDERS.get(id(p))
+            if ref is not None and ref() is p and p.requires_grad:
+                raise ValueError(
+                    "hf_megatrain: torch.nn.utils.clip_grad_norm_ was given a streamed model's "
+                    "parameters: its decoder layers' are placeholders whose gradients live in "
+                    "the engine, so the norm (and the clipping) would leave those layers out. "
+                    "Use the engine's AdamW's optimizer.clip_grad_norm_(max_norm) "
+                    "(hf_megatrain.streamed_optimizer; the whole model's norm), or HFMegaTrainer "
+                    "with max_grad_norm"
+                )
+    return clip(parameters, *args, **kwargs)
 
 
 def _checkpointing_ignored(*args, **kwargs) -> None:
