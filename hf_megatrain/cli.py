@@ -118,17 +118,14 @@ _OS_ERRORS = {
     errno.EACCES: ("permission denied", _WRITE_ELSEWHERE),
     errno.EPERM: ("operation not permitted", _WRITE_ELSEWHERE),
 }
-# safetensors' writer reports an OS error in its own exception class, as Rust words it.
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def _os_error_message(e: BaseException) -> str | None:
     """The one-line message for ``e`` where it is one of the OS errors of ``_OS_ERRORS``
     (None: another error, shown with its traceback)."""
-    code, filename = getattr(e, "errno", None), getattr(e, "filename", None)
-    if not isinstance(e, OSError) or code is None:
-        match = _RUST_OS_ERROR.search(str(e))
-        code = int(match.group(1)) if match else None
+    from .core.publish import os_error_code  # noqa: PLC0415
+
+    code, filename = os_error_code(e), getattr(e, "filename", None)
     if code not in _OS_ERRORS:
         return None
     what, todo = _OS_ERRORS[code]

@@ -189,21 +189,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(**TRAIN_DEFAULTS)
 
 
-def _type_of(parser: argparse.ArgumentParser, dest: str):
+def _action_of(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
     for action in parser._actions:
         if action.dest == dest and action.option_strings:
-            return action.type
+            return action
     raise KeyError(dest)
 
 
+def _type_of(parser: argparse.ArgumentParser, dest: str):
+    return _action_of(parser, dest).type
+
+
 def _as_typed(parser: argparse.ArgumentParser, dest: str, value: Any) -> Any:
-    """A recipe value as its flag's type reads it (YAML reads 1e-3 as text, 0.001 as a float:
-    both are the same learning rate)."""
-    kind = _type_of(parser, dest)
-    try:
-        return kind(str(value)) if callable(kind) and not isinstance(value, bool) else value
-    except (TypeError, ValueError, argparse.ArgumentTypeError):
-        return value
+    """A recipe value as its flag's type reads it (``_parsed``: YAML reads 1e-3 as text, 0.001
+    as a float, both the same learning rate); booleans as they are."""
+    return value if isinstance(value, bool) else _parsed(_action_of(parser, dest), str(value))
 
 
 def _switch_names(parser: argparse.ArgumentParser) -> dict[str, tuple[str, Any]]:

@@ -101,18 +101,33 @@ def free_disk_bytes(path: str) -> int | None:
         return None
 
 
+#: safetensors' writer reports an OS error in its own exception class, as Rust words it.
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_code(exc: BaseException) -> int | None:
+    """The OS error number ``exc`` carries: an ``OSError``'s errno, or the one safetensors'
+    writer puts in its text; None for other errors."""
+    code = getattr(exc, "errno", None) if isinstance(exc, OSError) else None
+    if code is None:
+        match = _RUST_OS_ERROR.search(str(exc))
+        code = int(match.group(1)) if match else None
+    return code
+
+
 def out_of_disk_space(exc: BaseException, path: str) -> int | None:
     """The errno (ENOSPC, EDQUOT) where the write that raised ``exc`` under ``path`` ran out of
     disk space or quota, else None: the error (or one it came from) says so (as an OSError, or
     in safetensors' words), or the file system has less than ``NEARLY_FULL_BYTES`` free now
     (ENOSPC; call before the partial files are removed)."""
+    full = (errno.ENOSPC, errno.EDQUOT)
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return seen.errno
+        if (code := os_error_code(seen)) in full:
+            return code
         text = str(seen)
-        for code in (errno.ENOSPC, errno.EDQUOT):
-            if os.strerror(code) in text or f"(os error {code})" in text:
+        for code in full:
+            if os.strerror(code) in text:
                 return code
         seen = seen.__cause__ or seen.__context__
     free = free_disk_bytes(path)

@@ -50,6 +50,13 @@ __all__ = [
 _DEFAULT = EngineOptions().resolve(clipping=True, cuda=False)
 
 
+def _check_segment_length(checkpoint_every: object) -> None:
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
+        raise ValueError(f"hf_megatrain: checkpoint_every={checkpoint_every!r} is not an int")
+    if checkpoint_every < 1:
+        raise ValueError(f"hf_megatrain: checkpoint_every={checkpoint_every} must be >= 1")
+
+
 class StreamingEngine:
     """Double-buffered layer weights on the compute device, gradients back to the host store.
 
@@ -92,10 +99,7 @@ class StreamingEngine:
         self.preserve_rng = preserve_rng
         self.is_cuda = self.device.type == "cuda"
         self.autocast = compute_dtype != torch.float32
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
-            raise ValueError(f"hf_megatrain: checkpoint_every={checkpoint_every!r} is not an int")
-        if checkpoint_every < 1:
-            raise ValueError(f"hf_megatrain: checkpoint_every={checkpoint_every} must be >= 1")
+        _check_segment_length(checkpoint_every)
         self._recompute_early_stop = bool(recompute_early_stop)
         self._autocast_kernels = bool(autocast_kernels)
         # The copy streams, shared: weights and activation fetches go H2D, gradient drains and
@@ -276,8 +280,7 @@ class StreamingEngine:
         if offload_activations is not None:
             self.activations.set_offload(bool(offload_activations))
         if checkpoint_every is not None and checkpoint_every != self.segments.every:
-            if isinstance(checkpoint_every, bool) or checkpoint_every < 1:
-                raise ValueError(f"hf_megatrain: checkpoint_every={checkpoint_every!r} is not >= 1")
+            _check_segment_length(checkpoint_every)
             self.segments = SegmentTracker(
                 len(self.stores), checkpoint_every, self.activations.is_large
             )

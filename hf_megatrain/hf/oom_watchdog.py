@@ -120,13 +120,13 @@ def make_room(
         "per_device_train_batch_size, the row length) or allow approximate options "
         "(`hf-megatrain plan` shows what fits)."
     )
-    try:
-        return _give_up(model, optimizer, message, f"step {step}", False, nothing)
-    except MemoryPlanError:
+    done = _give_up(model, optimizer, message, f"step {step}", weights_only=False)
+    if done is None:
         switched = switch_on_memory_options(model, message, micro_batch_tokens)
         if switched is None:
-            raise
-        return f"step {step} {switched}"
+            raise _nothing_left(f"step {step}", message, nothing)
+        done = f"step {step} {switched}"
+    return done
 
 
 def switch_on_memory_options(model: nn.Module, message: str, micro_batch_tokens: int) -> str | None:
@@ -139,8 +139,7 @@ def switch_on_memory_options(model: nn.Module, message: str, micro_batch_tokens:
     options, plan = state.options, state.plan
     if options is None:
         return None
-    asked = oom_request_bytes(message)
-    need = None if asked is None else asked + RELIEF_HEADROOM_BYTES
+    need, what = _asked(message)
     running = base = MemoryOptions.of(options)
     tileable = any(tileable_mlp(layer) is not None for layer in find_decoder_layers(model)[1])
     if not tileable:
@@ -167,7 +166,6 @@ def switch_on_memory_options(model: nn.Module, message: str, micro_batch_tokens:
     if planned:
         state.plan = plan_every_layer_streamed(plan, options, chosen)
     state.options = chosen.applied(options)
-    what = "out of GPU memory" + ("" if asked is None else f" (asked {asked / GIB:.2f} GiB)")
     turned = chosen.describe(running, ARGUMENT_NAMER)
     how = (
         f"the plan expects a peak of {state.plan.gpu_peak_estimate / GIB:.2f} GiB with them"
@@ -185,33 +183,45 @@ def make_room_for_weights(
     has freed the failed work (and kept what it runs again with). ``where`` names the work in
     the messages (e.g. "evaluation", "step 3's optimizer step"); ``nothing`` is what to do when
     no tier layer is left (``MemoryPlanError``). ``optimizer`` None: none exists yet."""
-    return _give_up(model, optimizer, message, where, weights_only=True, nothing=nothing)
+    done = _give_up(model, optimizer, message, where, weights_only=True)
+    if done is None:
+        raise _nothing_left(where, message, nothing)
+    return done
+
+
+def _asked(message: str) -> tuple[int | None, str]:
+    """The room to make for the allocation the out-of-memory ``message`` reports (with
+    headroom; None where it does not say), and the failure in words."""
+    asked = oom_request_bytes(message)
+    need = None if asked is None else asked + RELIEF_HEADROOM_BYTES
+    what = "out of GPU memory" + ("" if asked is None else f" (asked {asked / GIB:.2f} GiB)")
+    return need, what
+
+
+def _nothing_left(where: str, message: str, nothing: str) -> MemoryPlanError:
+    need, what = _asked(message)
+    return MemoryPlanError(
+        f"hf_megatrain: {where} ran {what} with nothing left to give up: {nothing}",
+        tier="gpu",
+        needed=need or 0,
+        available=0,
+    )
 
 
 def _give_up(
-    model: nn.Module,
-    optimizer: Any | None,
-    message: str,
-    where: str,
-    weights_only: bool,
-    nothing: str,
-) -> str:
+    model: nn.Module, optimizer: Any | None, message: str, where: str, weights_only: bool
+) -> str | None:
+    """Give up the HBM holdings ``choose_relief`` picks; what was done, in words, or None
+    where nothing is left to give up."""
     state = streamed_state(model)
     engine = state.engine
     if engine.is_cuda:
         torch.cuda.empty_cache()
-    asked = oom_request_bytes(message)
-    need = None if asked is None else asked + RELIEF_HEADROOM_BYTES
+    need, what = _asked(message)
     before = _holdings(model)
     relief = choose_relief(before, need, weights_only=weights_only)
-    what = "out of GPU memory" + ("" if asked is None else f" (asked {asked / GIB:.2f} GiB)")
     if relief is None:
-        raise MemoryPlanError(
-            f"hf_megatrain: {where} ran {what} with nothing left to give up: {nothing}",
-            tier="gpu",
-            needed=need or 0,
-            available=0,
-        )
+        return None
     if relief.to_host:
         release = None if optimizer is None else optimizer.rebind_layers
         move_to_host_tier(engine, relief.to_host, state.options, release)
