@@ -620,6 +620,46 @@ def test_only_incomplete_checkpoints_are_refused(finished, tmp_path, capsys):
     assert f"{out / 'checkpoint-4'} (its weights, optimizer, data position, RNG)" in said
 
 
+def test_a_resume_from_an_older_checkpoint_moves_the_later_saves_aside(finished, tmp_path, capsys):
+    """Resumed by hand from checkpoint-4 of a finished run (checkpoints 4 and 6, the final model
+    of step 6) and killed in step 5: the command run again without --resume_from_checkpoint (as
+    a requeued job runs it) must go on from checkpoint-4. It took the earlier run's checkpoint-6
+    and called the run finished (found by an audit), as the stock Trainer's newest-checkpoint
+    resume does. The later saves are moved, not deleted, into a folder that is itself an
+    output_dir."""
+    root, out, flags = _copy(finished, tmp_path)
+    earlier = _weights(out)
+    argv = _argv(root, out, flags)
+    env = dict(os.environ, KILL_AT=str(KILL_AT), PYTHONPATH=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-c", _KILLED_CHILD, *argv, "--resume_from_checkpoint",
+         str(out / "checkpoint-4")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == -9, r.stderr[-2000:]
+    said = r.stdout + r.stderr
+    assert "saves past that step (checkpoint-6, the final model of step 6)" in said
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert not (out / "model.safetensors").exists()
+    aside = out / "superseded-after-step-4"
+    assert sorted(p.name for p in aside.glob("checkpoint-*")) == ["checkpoint-6"]
+    moved = _weights(aside)
+    assert moved.keys() == earlier.keys()
+    assert all(torch.equal(moved[k], earlier[k]) for k in moved)
+
+    capsys.readouterr()
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert f"resuming from {out / 'checkpoint-4'}" in said
+    assert "trained 2 steps (from step 4)" in said
+    # The moved folder goes on as an output_dir of its own (its checkpoint-6, 2 steps more).
+    longer = _argv(root, aside, flags)
+    longer[longer.index("--max_steps") + 1] = str(STEPS + 2)
+    capsys.readouterr()
+    assert main(longer) == 0
+    assert f"trained 2 steps (from step {STEPS})" in capsys.readouterr().out
+
+
 _TERMINATED_CHILD = _KILLED_CHILD.replace("signal.SIGKILL", "signal.SIGTERM").replace(
     "\nmain(sys.argv[1:])", "\nsys.exit(main(sys.argv[1:]))"
 )

@@ -120,6 +120,7 @@ from .step_layout import (
     saved_layout,
     saved_run_arguments,
 )
+from .superseded import set_aside_later_saves
 
 logger = logging.getLogger(__name__)
 
@@ -980,6 +981,9 @@ class MegaTrainerMixin:
         if isinstance(resume, (str, os.PathLike)) and resume:
             self._megatrain_check_layout(os.fspath(resume))
             self._megatrain_check_resumed_run(os.fspath(resume))
+            if self.args.should_save:
+                set_aside_later_saves(self.args.output_dir, os.fspath(resume))
+            self.accelerator.wait_for_everyone()  # (before any rank reads the output_dir)
         # Liger kernels went in when the model was streamed (before the MLP tiling); the
         # Trainer's own application at the start of train() would undo the tiling.
         liger = getattr(self.args, "use_liger_kernel", False)
