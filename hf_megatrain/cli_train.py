@@ -595,10 +595,12 @@ def run_train(settings: TrainSettings) -> dict[str, Any]:
         _setup_logging()
         if _is_main_process():
             from .core.publish import recover  # noqa: PLC0415
+            from .hf.superseded import finish_pending_moves  # noqa: PLC0415
 
             # Before anything reads or makes the folder: a publish of the final model killed
             # half way may have left it renamed aside (restored here) or leftovers (removed).
             recover(args.output_dir)
+            finish_pending_moves(args.output_dir)  # (saves a kill left half set aside)
             try:
                 os.makedirs(args.output_dir, exist_ok=True)
             except OSError as e:
@@ -768,7 +770,12 @@ def _load_final_weights(trainer, resume: str, resume_step: int, args) -> None:
     """Load what the end of training from ``resume`` would leave in the model: the best
     checkpoint's weights under --load_best_model_at_end, else ``resume``'s; the trainer is put
     at ``resume``'s step, which the final model's manifest records."""
-    state = _checkpoint_state(resume)
+    from .hf.preemption import evaluation_owed  # noqa: PLC0415
+
+    if evaluation_owed(resume):  # (a signal stopped its step's evaluation: it decides the best)
+        state = trainer.evaluate_stopped_step(resume)
+    else:
+        state = _checkpoint_state(resume)
     trainer.state.global_step = resume_step
     best = _best_checkpoint(resume, state, args)
     if best is None:

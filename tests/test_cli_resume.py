@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 
 from hf_megatrain.cli import DEFAULT_CONFIG, main
 from hf_megatrain.text import DATA_DIR, load_tokenizer
@@ -641,7 +642,7 @@ def test_a_resume_from_an_older_checkpoint_moves_the_later_saves_aside(finished,
     assert "saves past that step (checkpoint-6, the final model of step 6)" in said
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
     assert not (out / "model.safetensors").exists()
-    aside = out / "superseded-after-step-4"
+    aside = out / "_superseded-after-step-4"
     assert sorted(p.name for p in aside.glob("checkpoint-*")) == ["checkpoint-6"]
     moved = _weights(aside)
     assert moved.keys() == earlier.keys()
@@ -791,3 +792,106 @@ def test_sigterm_during_evaluation_saves_the_finished_step_at_once(tmp_path):
     saved = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
     assert saved["global_step"] == 2
     assert not list((tmp_path / "run").glob("checkpoint-3"))
+
+
+_TERM_IN_EVALUATION_CHILD = (
+    _KILLED_CHILD.replace(
+        "def on_step_end(self, args, state, control, **kw):",
+        "def on_prediction_step(self, args, state, control, **kw):",
+    )
+    .replace(
+        "os.kill(os.getpid(), signal.SIGKILL)",
+        "self.__class__.on_prediction_step = lambda *a, **k: None; os.kill(os.getpid(), signal.SIGTERM)",
+    )
+    .replace("\nmain(sys.argv[1:])", "\nsys.exit(main(sys.argv[1:]))")
+)
+assert (
+    "on_prediction_step" in _TERM_IN_EVALUATION_CHILD and "SIGKILL" not in _TERM_IN_EVALUATION_CHILD
+)
+
+
+def test_a_sigterm_in_the_last_evaluation_is_finished_by_the_rerun(tmp_path, capsys):
+    """SIGTERM in the evaluation after the last step, under --load_best_model_at_end (the worst
+    loss counts as best): checkpoint-6 is saved with that evaluation owed, and the re-run, which
+    has nothing left to train, runs it before it picks the best checkpoint: the final model is
+    the uninterrupted run's (found by an audit: it took checkpoint-2's weights, another best)."""
+    flags = [*_BEST_FLAGS, "--per_device_eval_batch_size", "1"]
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert main(_argv(tmp_path, whole, flags)) == 0
+    env = dict(os.environ, KILL_AT=str(STEPS), PYTHONPATH=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-c", _TERM_IN_EVALUATION_CHILD, *_argv(tmp_path, out, flags)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 143, r.stderr[-2000:]
+    assert "the evaluation is stopped; saving checkpoint-6" in r.stderr
+    assert not (out / "model.safetensors").exists()
+    capsys.readouterr()
+    assert main(_argv(tmp_path, out, flags)) == 0
+    said = capsys.readouterr()
+    assert "nothing is left to train" in said.out
+    assert "running that evaluation now" in said.err
+    assert _same_weights(whole, out)
+
+
+class _Saves(TrainerCallback):
+    """Checkpoint saves, by step."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_save(self, args, state, control, **kw):
+        self.steps.append(state.global_step)
+
+
+def test_an_evaluation_a_sigterm_stopped_is_run_on_resume(tmp_path):
+    """SIGTERM in step 2's evaluation: checkpoint-2 is saved once (found by an audit: twice, the
+    Trainer's end-of-epoch call evaluated and saved again), and the resume runs that evaluation
+    first, so that the logged evaluations, the best checkpoint (the worst loss counts as best:
+    every evaluation decides) and the final weights are the uninterrupted run's (found by an
+    audit: the evaluation was never run, and another checkpoint was called best)."""
+    import signal
+
+    from transformers import TrainerCallback
+
+    from hf_megatrain import HFMegaTrainer, MegaTrainArguments, SaveOnSigterm
+
+    from .helpers import common_args, make_data, mega_params, tiny_config, tiny_model
+
+    class TermInEvaluation(TrainerCallback):
+        def on_prediction_step(self, args, state, control, **kw):
+            if state.global_step == 2 and not getattr(self, "sent", False):
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def trainer(name: str, *callbacks):
+        args = MegaTrainArguments(
+            output_dir=str(tmp_path / name),
+            **common_args(
+                max_steps=6, save_strategy="steps", save_steps=2, eval_strategy="steps",
+                eval_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                greater_is_better=True, per_device_eval_batch_size=4,
+            ),
+        )  # fmt: skip
+        return HFMegaTrainer(
+            model=tiny_model(tiny_config("llama")), args=args, train_dataset=make_data(),
+            eval_dataset=make_data(8, seed=3), callbacks=[SaveOnSigterm(), *callbacks],
+        )  # fmt: skip
+
+    def evaluations(t) -> list[tuple[int, float]]:
+        return [(h["step"], h["eval_loss"]) for h in t.state.log_history if "eval_loss" in h]
+
+    whole = trainer("whole")
+    whole.train()
+    saves = _Saves()
+    stopped = trainer("run", TermInEvaluation(), saves)
+    stopped.train()
+    assert saves.steps == [2]
+    resumed = trainer("run")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert evaluations(resumed) == evaluations(whole)
+    assert [s for s, _ in evaluations(whole)] == [2, 4, 6]
+    best = os.path.basename(resumed.state.best_model_checkpoint)
+    assert best == os.path.basename(whole.state.best_model_checkpoint)
+    a, b = mega_params(whole), mega_params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same best weights loaded at the end

@@ -427,6 +427,14 @@ def test_a_loop_of_ones_own_trains_with_streamed_optimizer(tmp_path):
     # parameters alone, silently; found by an audit); a stock model's stays torch's.
     with pytest.raises(ValueError, match=r"optimizer\.clip_grad_norm_\(max_norm\)"):
         torch.nn.utils.clip_grad_norm_(mega.parameters(), 1.0)
+    # And torch's other clipping functions, accelerate's way to them included (its
+    # clip_grad_norm_ goes through clip_grads_with_norm_: found by a later audit).
+    from accelerate import Accelerator
+
+    with pytest.raises(ValueError, match="clip_grad_value_ was given a streamed model's"):
+        torch.nn.utils.clip_grad_value_(mega.parameters(), 1.0)
+    with pytest.raises(ValueError, match="accelerate's clip_grad_norm_ was given a streamed model's"):
+        Accelerator(cpu=True).clip_grad_norm_(mega.parameters(), 1.0)
     mega.zero_grad()
     optimizers = {
         "stock": torch.optim.AdamW(stock.parameters(), lr=1e-2, weight_decay=0.0),

@@ -123,11 +123,20 @@ def _watch_foreign_optimizers(layers: Sequence[nn.Module]) -> None:
         _STEP_HOOK.append(register_optimizer_step_pre_hook(_foreign_step))
         # torch's clipping over a streamed model's parameters sees no gradient for the
         # placeholders: it clipped by the norm of the other parameters, silently (found by an
-        # audit). Wrapped where callers look it up (accelerate's clip_grad_norm_ included).
-        clip = torch.nn.utils.clip_grad_norm_
-        checked = functools.wraps(clip)(functools.partial(_placeholder_checked_clip, clip))
-        torch.nn.utils.clip_grad_norm_ = checked
-        torch.nn.utils.clip_grad.clip_grad_norm_ = checked
+        # audit). Wrapped where callers look them up at call time, accelerate's too (its
+        # clip_grad_norm_ leaves out parameters without a gradient before torch sees them;
+        # found by a later audit). A name imported before this module was is not reached.
+        for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_"):
+            clip = getattr(torch.nn.utils.clip_grad, name, None)
+            if clip is not None:
+                checked = _checked_clip(clip, f"torch.nn.utils.{name}")
+                setattr(torch.nn.utils, name, checked)
+                setattr(torch.nn.utils.clip_grad, name, checked)
+        from accelerate import Accelerator  # noqa: PLC0415
+
+        for name in ("clip_grad_norm_", "clip_grad_value_"):
+            method = getattr(Accelerator, name)
+            setattr(Accelerator, name, _checked_clip(method, f"accelerate's {name}", method=True))
 
 
 def _foreign_step(optimizer, args, kwargs) -> None:
@@ -148,23 +157,31 @@ def _foreign_step(optimizer, args, kwargs) -> None:
                 )
 
 
-def _placeholder_checked_clip(clip, parameters, *args, **kwargs):
-    """``torch.nn.utils.clip_grad_norm_``, refusing a streamed model's trainable placeholders
-    (their gradients live in the engine: the norm would leave the decoder layers out)."""
-    if _PLACEHOLDERS:
-        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        for p in parameters:
-            ref = _PLACEHOLDERS.get(id(p))
-            if ref is not None and ref() is p and p.requires_grad:
-                raise ValueError(
-                    "hf_megatrain: torch.nn.utils.clip_grad_norm_ was given a streamed model's "
-                    "parameters: its decoder layers' are placeholders whose gradients live in "
-                    "the engine, so the norm (and the clipping) would leave those layers out. "
-                    "Use the engine's AdamW's optimizer.clip_grad_norm_(max_norm) "
-                    "(hf_megatrain.streamed_optimizer; the whole model's norm), or HFMegaTrainer "
-                    "with max_grad_norm"
-                )
-    return clip(parameters, *args, **kwargs)
+def _checked_clip(clip, what: str, method: bool = False):
+    """``clip`` (a clipping function, or a method with ``method``), refusing a streamed model's
+    trainable placeholders: their gradients live in the engine, so the norm would leave the
+    decoder layers out."""
+
+    @functools.wraps(clip)
+    def checked(*args, **kwargs):
+        head, rest = (args[:1], list(args[1:])) if method else ((), list(args))
+        parameters = rest.pop(0) if rest else kwargs.pop("parameters")
+        if _PLACEHOLDERS:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            for p in parameters:
+                ref = _PLACEHOLDERS.get(id(p))
+                if ref is not None and ref() is p and p.requires_grad:
+                    raise ValueError(
+                        f"hf_megatrain: {what} was given a streamed model's parameters: its "
+                        "decoder layers' are placeholders whose gradients live in the engine, so "
+                        "the norm (and the clipping) would leave those layers out. Use the "
+                        "engine's AdamW's optimizer.clip_grad_norm_(max_norm) "
+                        "(hf_megatrain.streamed_optimizer; the whole model's norm), or "
+                        "HFMegaTrainer with max_grad_norm"
+                    )
+        return clip(*head, parameters, *rest, **kwargs)
+
+    return checked
 
 
 def _checkpointing_ignored(*args, **kwargs) -> None:

@@ -17,6 +17,7 @@ rank. ``hf-megatrain train`` uses it; in a script::
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -42,6 +43,22 @@ class EvaluationStopped(Exception):  # noqa: N818 - a stop, not an error
     step before the evaluation is complete, so ``HFMegaTrainer`` saves its checkpoint at once
     instead of finishing the evaluation and one more step (a scheduler's grace period before
     SIGKILL is often ~30 s; found by an audit)."""
+
+
+def evaluation_owed(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` was saved when a signal stopped its step's evaluation
+    (``EvaluationStopped``): its Trainer control state, saved with it, still asks for that
+    evaluation. A checkpoint saved on the Trainer's own path is written after its step's
+    evaluation, which clears the request. The evaluation is owed to the run: its metrics, the
+    best checkpoint and a ReduceLROnPlateau schedule depend on it (found by an audit: a resumed
+    run under load_best_model_at_end picked another best checkpoint than the uninterrupted run)."""
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
+            control = json.load(f)["stateful_callbacks"]["TrainerControl"]
+        control = control[-1] if isinstance(control, list) else control
+        return control["args"]["should_evaluate"] is True
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
 
 
 class SaveOnSigterm(TrainerCallback):

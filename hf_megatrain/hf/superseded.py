@@ -7,8 +7,13 @@ rotation (which orders checkpoints by step number) take them for this run's. Fou
 resumed by hand from checkpoint-20 beside a finished run's checkpoint-30 and -40, killed after
 writing its own checkpoint-30, the rerun resumed from the other run's checkpoint-40, silently;
 the stock Trainer does the same. They are moved, never deleted, into a folder of their own
-(``superseded-after-step-N``), laid out as an output_dir: its checkpoints can still be resumed
-from by hand.
+(``_superseded-after-step-N``: a leading underscore, which the Trainer's Hub uploads skip),
+laid out as an output_dir: its checkpoints can still be resumed from by hand.
+
+The moves are journaled: the list goes into the new folder first (``MOVING.json``), and a kill
+half way is finished by the next run's ``finish_pending_moves`` before it picks a checkpoint (a
+half-done move left the earlier run's older later checkpoints to be resumed from; found by an
+audit).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ logger = logging.getLogger("hf_megatrain")
 
 #: The Trainer's checkpoint folders (transformers.trainer_utils.PREFIX_CHECKPOINT_DIR).
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-SUPERSEDED_PREFIX = "superseded-after-step-"
+SUPERSEDED_PREFIX = "_superseded-after-step-"
+_JOURNAL = "MOVING.json"
 
 
 def checkpoint_step(checkpoint: str) -> int | None:
@@ -82,25 +88,67 @@ def _free_name(output_dir: str, step: int) -> str:
     return path
 
 
+def _move(output_dir: str, aside: str, names: list[str]) -> None:
+    for name in names:
+        if os.path.lexists(os.path.join(output_dir, name)):
+            os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+    fsync_dir(aside)
+    fsync_dir(output_dir)
+    os.remove(os.path.join(aside, _JOURNAL))
+    fsync_dir(aside)
+
+
+def finish_pending_moves(output_dir: str) -> list[str]:
+    """Finish the moves a kill interrupted in ``output_dir`` (their journals); returns the
+    folders moved into. To call before choosing a checkpoint to resume from."""
+    if not os.path.isdir(output_dir):
+        return []
+    done = []
+    for entry in sorted(os.scandir(output_dir), key=lambda e: e.name):
+        journal = os.path.join(entry.path, _JOURNAL)
+        if not entry.name.startswith(SUPERSEDED_PREFIX) or not os.path.isfile(journal):
+            continue
+        try:
+            with open(journal, encoding="utf-8") as f:
+                names = [n for n in json.load(f)["names"] if os.path.basename(n) == n]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # (written before its renames began: nothing of it was moved)
+        _move(output_dir, entry.path, names)
+        logger.warning(
+            "hf_megatrain: finished moving %s's saves past step %s into %s (a kill had "
+            "interrupted it)",
+            output_dir,
+            entry.name[len(SUPERSEDED_PREFIX) :],
+            entry.path,
+        )
+        done.append(entry.path)
+    return done
+
+
 def set_aside_later_saves(output_dir: str, checkpoint: str) -> str | None:
     """Move the saves of ``output_dir`` past ``checkpoint``'s step (see the module docstring)
-    into a new ``superseded-after-step-N`` folder in it, with one log line; returns that folder,
-    None where there was nothing to move. The manifest goes first: a kill half way leaves no
-    final model whose manifest still lists the files moved."""
+    into a new ``_superseded-after-step-N`` folder in it, with one log line; returns that
+    folder, None where there was nothing to move. The journal first, then the checkpoints, then
+    the final model's manifest before its files (a final model whose manifest lists files gone
+    is never left)."""
     step = checkpoint_step(checkpoint)
     if step is None:
         return None
+    finish_pending_moves(output_dir)
     checkpoints, model, model_step = later_saves(output_dir, step)
     if not checkpoints and not model:
         return None
     aside = _free_name(output_dir, step)
     os.makedirs(aside)
-    for name in [MANIFEST_NAME] * bool(model) + [n for n in model if n != MANIFEST_NAME]:
-        os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
-    for name in checkpoints:
-        os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+    names = checkpoints + [MANIFEST_NAME] * bool(model) + [n for n in model if n != MANIFEST_NAME]
+    journal = os.path.join(aside, _JOURNAL)
+    with open(journal + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"step": step, "names": names}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(journal + ".tmp", journal)
     fsync_dir(aside)
-    fsync_dir(output_dir)
+    _move(output_dir, aside, names)
     moved = checkpoints + [f"the final model of step {model_step}"] * bool(model)
     logger.warning(
         "hf_megatrain: resuming from %s (step %d) while %s holds saves past that step (%s), which "
@@ -119,6 +167,7 @@ __all__ = [
     "SUPERSEDED_PREFIX",
     "LaterSaves",
     "checkpoint_step",
+    "finish_pending_moves",
     "later_saves",
     "set_aside_later_saves",
 ]

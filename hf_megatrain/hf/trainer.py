@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import BatchSampler
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerState, TrainingArguments
 
 from ..core.distributed import DataParallelError, launch_layout_error, process_group_size
 from ..core.engine.gradients import SecondGradientError
@@ -105,7 +105,7 @@ from .oom_watchdog import (
     make_room,
     make_room_for_weights,
 )
-from .preemption import EvaluationStopped, SaveOnSigterm
+from .preemption import EvaluationStopped, SaveOnSigterm, evaluation_owed
 from .sequence_parallel import setup_sequence_parallel
 from .step_layout import (
     MANIFEST_KEY,
@@ -120,7 +120,7 @@ from .step_layout import (
     saved_layout,
     saved_run_arguments,
 )
-from .superseded import set_aside_later_saves
+from .superseded import finish_pending_moves, set_aside_later_saves
 
 logger = logging.getLogger(__name__)
 
@@ -968,6 +968,9 @@ class MegaTrainerMixin:
         if resume is True:
             from transformers.trainer_utils import get_last_checkpoint  # noqa: PLC0415
 
+            if self.args.should_save:
+                finish_pending_moves(self.args.output_dir)  # (a kill during a set-aside)
+            self.accelerator.wait_for_everyone()
             resume = get_last_checkpoint(self.args.output_dir)  # (None: the Trainer says so)
         # The stock Trainer builds its optimizer here and follows what changed since it was
         # built; the streamed stores were laid out then (found by an audit: a decoder layer
@@ -978,12 +981,16 @@ class MegaTrainerMixin:
             f"make such changes before building the {type(self).__name__} (it streams the "
             "model), or build a new one",
         )
+        owed = self._megatrain_stopped_at = None
         if isinstance(resume, (str, os.PathLike)) and resume:
             self._megatrain_check_layout(os.fspath(resume))
             self._megatrain_check_resumed_run(os.fspath(resume))
-            if self.args.should_save:
-                set_aside_later_saves(self.args.output_dir, os.fspath(resume))
-            self.accelerator.wait_for_everyone()  # (before any rank reads the output_dir)
+            owed = os.fspath(resume) if evaluation_owed(os.fspath(resume)) else None
+        # A signal stopped the resumed step's evaluation: it runs first, where the Trainer runs
+        # eval_on_start's (the checkpoint's weights, state and optimizer loaded; see _evaluate).
+        self._megatrain_owed_evaluation = owed
+        eval_on_start = self.args.eval_on_start
+        self.args.eval_on_start = eval_on_start or owed is not None
         # Liger kernels went in when the model was streamed (before the MLP tiling); the
         # Trainer's own application at the start of train() would undo the tiling.
         liger = getattr(self.args, "use_liger_kernel", False)
@@ -1002,6 +1009,7 @@ class MegaTrainerMixin:
                 logger.warning("%s", err)
             return result
         finally:
+            self.args.eval_on_start = eval_on_start
             if liger:
                 self.args.use_liger_kernel = True
             # (First: a failed host update re-raised below must not leave it reporting.)
@@ -1595,7 +1603,15 @@ class MegaTrainerMixin:
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         """The Trainer's log / evaluate / save after a step; a SIGTERM during its evaluation
-        (``EvaluationStopped``) saves the finished step's checkpoint at once and stops."""
+        (``EvaluationStopped``) saves the finished step's checkpoint at once and stops. The
+        checkpoint records the evaluation as still asked for (``evaluation_owed``): a resume
+        from it runs the evaluation first."""
+        if getattr(self, "_megatrain_stopped_at", None) == self.state.global_step:
+            # Saved at this step already: the Trainer's call at the epoch's end must neither
+            # evaluate nor save again (found by an audit: the checkpoint was written twice).
+            self.control.should_evaluate = self.control.should_save = False
+            self.control.should_log = False
+            return None
         self._megatrain_after_step = True  # (an evaluation here may stop: prediction_step)
         try:
             return super()._maybe_log_save_evaluate(*args, **kwargs)
@@ -1613,9 +1629,52 @@ class MegaTrainerMixin:
         )
         self._save_checkpoint(bound.arguments["model"], bound.arguments["trial"])
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        self.control.should_evaluate = self.control.should_log = False
         self.control.should_training_stop = True
-        stop.stopped_at = self.state.global_step
+        stop.stopped_at = self._megatrain_stopped_at = self.state.global_step
         return None
+
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False):
+        checkpoint = getattr(self, "_megatrain_owed_evaluation", None)
+        if checkpoint is None:
+            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)
+        # The evaluation a signal stopped (``train``): run as the uninterrupted run ran it at
+        # this step (its metrics logged, the best metric, a ReduceLROnPlateau step), then the
+        # checkpoint saved again as that run saved it (the RNG state it records: the
+        # checkpoint's, which the Trainer loads again before the next step).
+        self._megatrain_owed_evaluation = None
+        logger.warning(
+            "hf_megatrain: %s was saved when a signal stopped its step's evaluation: running that "
+            "evaluation first",
+            checkpoint,
+        )
+        self._load_rng_state(checkpoint)
+        metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=False)
+        self._determine_best_metric(metrics=metrics, trial=trial)
+        self._save_checkpoint(self.model_wrapped, trial)
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        return metrics
+
+    def evaluate_stopped_step(self, checkpoint: str) -> TrainerState:
+        """Run the evaluation a signal stopped before ``checkpoint`` was saved
+        (``evaluation_owed``) on its weights, for a run that ends there (its step is
+        ``max_steps``): its state with that evaluation logged and the best metric and best
+        checkpoint (where it exists) decided, as the uninterrupted run decided them. The
+        checkpoint itself is not written again."""
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        self._load_from_checkpoint(checkpoint)
+        logger.warning(
+            "hf_megatrain: %s was saved when a signal stopped its step's evaluation: running "
+            "that evaluation now",
+            checkpoint,
+        )
+        metrics = self.evaluate()
+        self._determine_best_metric(metrics=metrics, trial=None)
+        best = self.state.best_global_step
+        path = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), f"checkpoint-{best}")
+        if best and os.path.isdir(path):
+            self.state.best_model_checkpoint = path
+        return self.state
 
     # ---- out of memory in evaluation ----------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -1964,6 +2023,11 @@ class MegaTrainerMixin:
         # Missing optimizer / scheduler files are judged (error or allowed) in
         # _load_optimizer_and_scheduler, with or without a manifest.
         self._megatrain_missing_state = self._megatrain_verify(resume_from_checkpoint, True)
+        # Verified: the saves past it in the output_dir are set aside (never before a refusal;
+        # found by an audit). hf_megatrain/hf/superseded.py.
+        if self.args.should_save:
+            set_aside_later_saves(self.args.output_dir, resume_from_checkpoint)
+        self.accelerator.wait_for_everyone()  # (before any rank reads the output_dir)
         if _is_peft(self.model):
             # Adapter checkpoints: the adapters are ordinary resident parameters, loaded by
             # the Trainer's own PEFT path; the frozen base in the store is unchanged.
