@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_common import CLIError, check_config_builds, config_from_json, world_size
-from .core.options import EngineOptions, OptionError, option_value
+from .core.options import EngineOptions, OptionError, option_value, switch_value
 from .option_flags import (
     DefaultOnceHelpFormatter,
     add_option_arguments,
@@ -259,8 +259,9 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
         "help",
     }
     out: dict[str, Any] = {}
-    given: dict[str, str] = {}  # setting -> the key that set it
+    given: dict[str, str] = {}  # setting -> the key and value that set it, as written
     for key, value in data.items():
+        written = f"{key}: {value}"
         name = str(key).replace("-", "_")
         if name == "precision":  # the first CLI's key: auto | bf16 | fp32
             name, value = _PRECISION_KEYS.get(str(value).lower(), ("bf16", value))
@@ -271,15 +272,20 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
             )
         if name in aliases:
             dest, const = aliases[name]
-            name, value = dest, (value if const is None else (const if value else None))
+            if const is not None:  # a switch (no_packing: true): on sets the constant
+                on = switch_value(value)
+                if on is None:  # (found by an audit: any non-empty text, 'false' too, was on)
+                    raise CLIError(f"recipe {path}: '{written}' is a switch: give true or false")
+                value = const if on else None
+            name = dest
             if value is None:
                 continue
         if name in given and _as_typed(parser, name, out[name]) != _as_typed(parser, name, value):
             raise CLIError(
-                f"recipe {path}: '{given[name]}: {out[name]}' and '{key}: {value}' set the same "
-                "setting: give only one of them"
+                f"recipe {path}: '{given[name]}' and '{written}' set the same setting: give only "
+                "one of them"
             )
-        given[name] = str(key)
+        given[name] = written
         out[name] = value
     return out
 

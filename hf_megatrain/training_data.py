@@ -157,6 +157,7 @@ def load_training_data(args: DataArguments, tokenizer, *, seed: int = 0) -> Trai
                 f"{source} has no split {split!r} (its splits: {', '.join(names)}); choose one "
                 f"with --dataset_{flag}_split"
             )
+    _refuse_overlapping_slices(splits, args.dataset_train_split, args.dataset_eval_split)
     # An eval split that is the train split would evaluate on training rows: rows of it are held
     # out instead (TrainingData.eval is never also in train).
     held_from_train = args.dataset_eval_split == args.dataset_train_split
@@ -362,11 +363,58 @@ def _split_slice(splits: Mapping[str, Any], spec: str, flag: str) -> datasets.Da
             f"{flag} {spec!r}: a split slice needs the rows counted, which --streaming does not "
             "do; name a whole split, or drop --streaming"
         )
+    sizes = {n: len(splits[n]) for n in names}
     parts = [
         splits[part.splitname].select(range(part.from_, part.to))
-        for part in instruction.to_absolute({n: len(splits[n]) for n in names})
+        for part in instruction.to_absolute(sizes)
+        if part.to > part.from_  # (datasets' select of an empty range past the end raises)
     ]
+    if not parts:  # (found by an audit: a traceback from datasets' select)
+        held = ", ".join(f"{n!r} has {k} rows" for n, k in sorted(sizes.items()))
+        raise DataError(f"{flag} {spec!r} selects no rows ({held})")
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _refuse_overlapping_slices(splits: Mapping[str, Any], train: str, evaluate: str | None) -> None:
+    """Refuse a train and an eval split of which one is a slice and both take rows of one split
+    (``train`` and ``train[-10%:]``, ``train[:50%]`` and ``train[40%:]``): the evaluation would
+    score rows trained on (found by an audit: accepted silently). Equal names are held out
+    instead (``load_training_data``)."""
+    import datasets  # noqa: PLC0415
+
+    if evaluate is None or evaluate == train or "[" not in train + evaluate:
+        return
+
+    def rows(spec: str) -> dict[str, set[range]] | None:
+        names = {part.split("[", 1)[0].strip() for part in spec.split("+")}
+        if not names <= set(splits) or any(
+            isinstance(splits[n], datasets.IterableDataset) for n in names
+        ):
+            return None
+        out: dict[str, list[range]] = {}
+        absolute = datasets.ReadInstruction.from_spec(spec).to_absolute(
+            {n: len(splits[n]) for n in names}
+        )
+        for part in absolute:
+            out.setdefault(part.splitname, []).append(range(part.from_, part.to))
+        return out
+
+    a, b = rows(train), rows(evaluate)
+    for name in set(a or {}) & set(b or {}):
+        both = sorted(
+            (max(x.start, y.start), min(x.stop, y.stop))
+            for x in a[name]
+            for y in b[name]
+            if min(x.stop, y.stop) > max(x.start, y.start)
+        )
+        if both:
+            n = sum(hi - lo for lo, hi in both)
+            raise DataError(
+                f"--dataset_train_split {train!r} and --dataset_eval_split {evaluate!r} share {n} "
+                f"rows of {name!r} (rows {both[0][0]}-{both[0][1] - 1}{' ...' if len(both) > 1 else ''}): "
+                f"the evaluation would score rows trained on. Give slices that do not overlap, "
+                f"e.g. {name}[:90%] and {name}[90%:]"
+            )
 
 
 def _check_args(args: DataArguments) -> None:

@@ -165,6 +165,19 @@ def test_recipe_keys_for_one_setting(tmp_path):
     assert s.training.learning_rate == 1e-3 and not s.data.packing
     recipe.write_text("no_packing: false\n")
     assert parse_train(["--recipe", str(recipe)]).data.packing  # (the flag not typed)
+    # Found by a later audit: quoted 'false' or 'no' turned the switch on (any non-empty text
+    # did), and a conflict named the switch's setting, not what was written.
+    for text, packing in (("no_packing: 'false'\n", True), ("no_packing: 'YES'\n", False)):
+        recipe.write_text(text)
+        assert parse_train(["--recipe", str(recipe)]).data.packing is packing, text
+    recipe.write_text("no_packing: maybe\n")
+    assert "'no_packing: maybe' is a switch: give true or false" in _error(
+        ["train", "--recipe", str(recipe)]
+    )
+    recipe.write_text("no_packing: true\npacking: true\n")
+    assert "'no_packing: True' and 'packing: True' set the same" in _error(
+        ["train", "--recipe", str(recipe)]
+    )
 
 
 def test_training_arguments_defaults_and_epochs():

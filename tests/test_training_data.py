@@ -384,6 +384,23 @@ def test_split_slices_as_datasets_reads_them(tmp_path, tok):
             dataset_name=str(path), streaming=True, dataset_train_split="train[:5]"
         )
         load_training_data(stream, tok)
+    # Found by a later audit: a slice past the split's end was a traceback from datasets'
+    # select, and a train and an eval split sharing rows were accepted silently.
+    with pytest.raises(DataError, match=r"'train\[50:60\]' selects no rows \('train' has 40"):
+        load_training_data(
+            DataArguments(dataset_name=str(path), dataset_train_split="train[50:60]"), tok
+        )
+    for train, evaluate, shared in (
+        ("train", "train[-10%:]", 4),
+        ("train[:50%]", "train[40%:]", 4),
+    ):
+        with pytest.raises(DataError, match=f"share {shared} rows of 'train'"):
+            load_training_data(
+                DataArguments(
+                    dataset_name=str(path), dataset_train_split=train, dataset_eval_split=evaluate
+                ),
+                tok,
+            )
 
 
 def test_hub_id_offline_without_cache(monkeypatch, tok):

@@ -854,6 +854,16 @@ def field_types() -> dict[str, Any]:
 _BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
 
 
+def switch_value(value: Any) -> bool | None:
+    """A switch as a config file writes it (a boolean, or true/false, on/off, yes/no in any
+    case); None where ``value`` is none of those."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return _BOOL_WORDS.get(value.strip().lower())
+    return None
+
+
 def value_type(hint: Any) -> type:
     """An option's type without its None: ``int | None`` -> ``int``."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -872,9 +882,8 @@ def option_value(name: str, value: Any) -> Any:
     field_ = next(f for f in fields(EngineOptions) if f.name == name)
     kind = value_type(field_types()[name])
     if kind is bool:
-        if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
-            return _BOOL_WORDS[value.strip().lower()]
-        return value
+        on = switch_value(value)
+        return value if on is None else on
     if kind in (int, float):
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             return value  # (refused by the type check, naming the option)

@@ -172,7 +172,10 @@ def switch_on_memory_options(model: nn.Module, message: str, micro_batch_tokens:
         if planned
         else "no plan for this step: one option at a time"
     )
-    return f"ran {what} with nothing left in HBM to give up; turned on {turned} ({how})"
+    return (
+        f"ran {what} with nothing left in HBM to give up; turned on {turned} ({how}; a resume "
+        "starts from the run's arguments again: set them there to skip this)"
+    )
 
 
 def make_room_for_weights(
