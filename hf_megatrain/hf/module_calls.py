@@ -139,22 +139,29 @@ def _watch_foreign_optimizers(layers: Sequence[nn.Module]) -> None:
             setattr(Accelerator, name, _checked_clip(method, f"accelerate's {name}", method=True))
 
 
+def _any_placeholder(parameters) -> bool:
+    """Whether ``parameters`` hold a streamed layer's trainable placeholder."""
+    for p in parameters:
+        ref = _PLACEHOLDERS.get(id(p))
+        if ref is not None and ref() is p and p.requires_grad:
+            return True
+    return False
+
+
 def _foreign_step(optimizer, args, kwargs) -> None:
     from ..core.optimizer import HostAdamW  # noqa: PLC0415
 
     if isinstance(optimizer, HostAdamW) or not _PLACEHOLDERS:
         return
     for group in optimizer.param_groups:
-        for p in group["params"]:
-            ref = _PLACEHOLDERS.get(id(p))
-            if ref is not None and ref() is p and p.requires_grad:
-                raise ValueError(
-                    f"hf_megatrain: {type(optimizer).__name__} was given a streamed model's "
-                    "parameters: its decoder layers' are placeholders (their weights live in "
-                    "the host store), so its step would leave the layers untrained. Use "
-                    "hf_megatrain.streamed_optimizer(model, lr=...) (the engine's AdamW), or "
-                    "HFMegaTrainer"
-                )
+        if _any_placeholder(group["params"]):
+            raise ValueError(
+                f"hf_megatrain: {type(optimizer).__name__} was given a streamed model's "
+                "parameters: its decoder layers' are placeholders (their weights live in "
+                "the host store), so its step would leave the layers untrained. Use "
+                "hf_megatrain.streamed_optimizer(model, lr=...) (the engine's AdamW), or "
+                "HFMegaTrainer"
+            )
 
 
 def _checked_clip(clip, what: str, method: bool = False):
@@ -168,17 +175,14 @@ def _checked_clip(clip, what: str, method: bool = False):
         parameters = rest.pop(0) if rest else kwargs.pop("parameters")
         if _PLACEHOLDERS:
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            for p in parameters:
-                ref = _PLACEHOLDERS.get(id(p))
-                if ref is not None and ref() is p and p.requires_grad:
-                    raise ValueError(
-                        f"hf_megatrain: {what} was given a streamed model's parameters: its "
-                        "decoder layers' are placeholders whose gradients live in the engine, so "
-                        "the norm (and the clipping) would leave those layers out. Use the "
-                        "engine's AdamW's optimizer.clip_grad_norm_(max_norm) "
-                        "(hf_megatrain.streamed_optimizer; the whole model's norm), or "
-                        "HFMegaTrainer with max_grad_norm"
-                    )
+            if _any_placeholder(parameters):
+                raise ValueError(
+                    f"hf_megatrain: {what} was given a streamed model's parameters: its decoder "
+                    "layers' are placeholders whose gradients live in the engine, so the norm "
+                    "(and the clipping) would leave those layers out. Use the engine's AdamW's "
+                    "optimizer.clip_grad_norm_(max_norm) (hf_megatrain.streamed_optimizer; the "
+                    "whole model's norm), or HFMegaTrainer with max_grad_norm"
+                )
         return clip(*head, parameters, *rest, **kwargs)
 
     return checked
