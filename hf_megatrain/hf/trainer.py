@@ -989,6 +989,12 @@ class MegaTrainerMixin:
         # A signal stopped the resumed step's evaluation: it runs first, where the Trainer runs
         # eval_on_start's (the checkpoint's weights, state and optimizer loaded; see _evaluate).
         self._megatrain_owed_evaluation = owed
+        self._megatrain_best_loaded = None  # the weights train from here on
+        # (Where the stock Trainer prepares the model: an evaluation after this reports no
+        # model_preparation_time unless one before it did, as stock.)
+        self._megatrain_model_prepared = True
+        self._megatrain_check_run()  # (an optimizer given before train(); clipping)
+        # (The arguments changed for this call, restored whatever it ends with.)
         eval_on_start = self.args.eval_on_start
         self.args.eval_on_start = eval_on_start or owed is not None
         # Liger kernels went in when the model was streamed (before the MLP tiling); the
@@ -996,11 +1002,6 @@ class MegaTrainerMixin:
         liger = getattr(self.args, "use_liger_kernel", False)
         if liger:
             self.args.use_liger_kernel = False
-        self._megatrain_best_loaded = None  # the weights train from here on
-        # (Where the stock Trainer prepares the model: an evaluation after this reports no
-        # model_preparation_time unless one before it did, as stock.)
-        self._megatrain_model_prepared = True
-        self._megatrain_check_run()  # (an optimizer given before train(); clipping)
         try:
             result = super().train(*args, **kwargs)
             try:  # (after the last step: said, not raised, so that the run can still be saved)
