@@ -174,6 +174,8 @@ def test_recipe_keys_for_one_setting(tmp_path):
     assert "'no_packing: maybe' is a switch: give true or false" in _error(
         ["train", "--recipe", str(recipe)]
     )
+    recipe.write_text("<<: {lr: 0.001}\nmax_steps: 3\n")  # (a YAML merge key: was refused)
+    assert parse_train(["--recipe", str(recipe)]).training.learning_rate == 1e-3
     recipe.write_text("no_packing: true\npacking: true\n")
     assert "'no_packing: True' and 'packing: True' set the same" in _error(
         ["train", "--recipe", str(recipe)]
