@@ -345,10 +345,10 @@ def _stream_head(
     return head, frozenset(digests), cut, i + 1
 
 
-def _split_slice(splits: Mapping[str, Any], spec: str, flag: str) -> datasets.Dataset | None:
-    """The rows of a split slice as ``datasets.load_dataset`` reads one (``train[:90%]``,
-    ``train[-1000:]``, ``train[:10%]+validation``); None where it names no split of ``splits``
-    (the caller says which there are)."""
+def _split_parts(splits: Mapping[str, Any], spec: str, flag: str) -> list | None:
+    """A split or split slice's parts as datasets reads them (``to_absolute``: a split name and
+    a row range each); None where it names no split of ``splits``. Refused in one line: a
+    malformed slice, and a slice of a stream (its rows are not counted)."""
     import datasets  # noqa: PLC0415 - as the loaders: imported when data is read
 
     try:
@@ -359,20 +359,31 @@ def _split_slice(splits: Mapping[str, Any], spec: str, flag: str) -> datasets.Da
     if not names <= set(splits):
         return None
     if any(isinstance(splits[n], datasets.IterableDataset) for n in names):
+        if "[" not in spec:
+            return None  # (a whole streamed split: nothing to count)
         raise DataError(
             f"{flag} {spec!r}: a split slice needs the rows counted, which --streaming does not "
             "do; name a whole split, or drop --streaming"
         )
-    sizes = {n: len(splits[n]) for n in names}
-    parts = [
-        splits[part.splitname].select(range(part.from_, part.to))
-        for part in instruction.to_absolute(sizes)
-        if part.to > part.from_  # (datasets' select of an empty range past the end raises)
-    ]
-    if not parts:  # (found by an audit: a traceback from datasets' select)
-        held = ", ".join(f"{n!r} has {k} rows" for n, k in sorted(sizes.items()))
-        raise DataError(f"{flag} {spec!r} selects no rows ({held})")
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    return instruction.to_absolute({n: len(splits[n]) for n in names})
+
+
+def _split_slice(splits: Mapping[str, Any], spec: str, flag: str) -> datasets.Dataset | None:
+    """The rows of a split slice as ``datasets.load_dataset`` reads one (``train[:90%]``,
+    ``train[-1000:]``, ``train[:10%]+validation``); None where it names no split of ``splits``
+    (the caller says which there are)."""
+    import datasets  # noqa: PLC0415
+
+    parts = _split_parts(splits, spec, flag)
+    if parts is None:
+        return None
+    # (An empty range: datasets' select of one past the end raises.)
+    rows = [splits[p.splitname].select(range(p.from_, p.to)) for p in parts if p.to > p.from_]
+    if not rows:  # (found by an audit: a traceback from datasets' select)
+        held = sorted({(p.splitname, len(splits[p.splitname])) for p in parts})
+        said = ", ".join(f"{n!r} has {k} rows" for n, k in held)
+        raise DataError(f"{flag} {spec!r} selects no rows ({said})")
+    return rows[0] if len(rows) == 1 else datasets.concatenate_datasets(rows)
 
 
 def _refuse_overlapping_slices(splits: Mapping[str, Any], train: str, evaluate: str | None) -> None:
@@ -380,41 +391,25 @@ def _refuse_overlapping_slices(splits: Mapping[str, Any], train: str, evaluate: 
     (``train`` and ``train[-10%:]``, ``train[:50%]`` and ``train[40%:]``): the evaluation would
     score rows trained on (found by an audit: accepted silently). Equal names are held out
     instead (``load_training_data``)."""
-    import datasets  # noqa: PLC0415
-
     if evaluate is None or evaluate == train or "[" not in train + evaluate:
         return
-
-    def rows(spec: str) -> dict[str, set[range]] | None:
-        names = {part.split("[", 1)[0].strip() for part in spec.split("+")}
-        if not names <= set(splits) or any(
-            isinstance(splits[n], datasets.IterableDataset) for n in names
-        ):
-            return None
-        out: dict[str, list[range]] = {}
-        absolute = datasets.ReadInstruction.from_spec(spec).to_absolute(
-            {n: len(splits[n]) for n in names}
+    a = _split_parts(splits, train, "--dataset_train_split") or []
+    b = _split_parts(splits, evaluate, "--dataset_eval_split") or []
+    shared = sorted(
+        (x.splitname, max(x.from_, y.from_), min(x.to, y.to))
+        for x in a
+        for y in b
+        if x.splitname == y.splitname and min(x.to, y.to) > max(x.from_, y.from_)
+    )
+    if shared:
+        name, first, last = shared[0]
+        n = sum(hi - lo for _, lo, hi in shared)
+        more = " ..." if len(shared) > 1 else ""
+        raise DataError(
+            f"--dataset_train_split {train!r} and --dataset_eval_split {evaluate!r} share {n} "
+            f"rows of {name!r} (rows {first}-{last - 1}{more}): the evaluation would score rows "
+            f"trained on. Give slices that do not overlap, e.g. {name}[:90%] and {name}[90%:]"
         )
-        for part in absolute:
-            out.setdefault(part.splitname, []).append(range(part.from_, part.to))
-        return out
-
-    a, b = rows(train), rows(evaluate)
-    for name in set(a or {}) & set(b or {}):
-        both = sorted(
-            (max(x.start, y.start), min(x.stop, y.stop))
-            for x in a[name]
-            for y in b[name]
-            if min(x.stop, y.stop) > max(x.start, y.start)
-        )
-        if both:
-            n = sum(hi - lo for lo, hi in both)
-            raise DataError(
-                f"--dataset_train_split {train!r} and --dataset_eval_split {evaluate!r} share {n} "
-                f"rows of {name!r} (rows {both[0][0]}-{both[0][1] - 1}{' ...' if len(both) > 1 else ''}): "
-                f"the evaluation would score rows trained on. Give slices that do not overlap, "
-                f"e.g. {name}[:90%] and {name}[90%:]"
-            )
 
 
 def _check_args(args: DataArguments) -> None:

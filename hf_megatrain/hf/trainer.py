@@ -124,6 +124,12 @@ from .superseded import finish_pending_moves, set_aside_later_saves
 
 logger = logging.getLogger(__name__)
 
+#: The line said before an evaluation a signal stopped is run (``evaluation_owed``).
+_OWED_EVALUATION = (
+    "hf_megatrain: %s was saved when a signal stopped its step's evaluation: running that "
+    "evaluation now"
+)
+
 _SUPPORTED_OPTIMS = {"adamw_torch", "adamw_torch_fused"}
 _SCHEDULER_NAME = "scheduler.pt"
 
@@ -1644,11 +1650,7 @@ class MegaTrainerMixin:
         # checkpoint saved again as that run saved it (the RNG state it records: the
         # checkpoint's, which the Trainer loads again before the next step).
         self._megatrain_owed_evaluation = None
-        logger.warning(
-            "hf_megatrain: %s was saved when a signal stopped its step's evaluation: running that "
-            "evaluation first",
-            checkpoint,
-        )
+        logger.warning(_OWED_EVALUATION, checkpoint)
         self._load_rng_state(checkpoint)
         metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=False)
         self._determine_best_metric(metrics=metrics, trial=trial)
@@ -1664,11 +1666,7 @@ class MegaTrainerMixin:
         checkpoint itself is not written again."""
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         self._load_from_checkpoint(checkpoint)
-        logger.warning(
-            "hf_megatrain: %s was saved when a signal stopped its step's evaluation: running "
-            "that evaluation now",
-            checkpoint,
-        )
+        logger.warning(_OWED_EVALUATION, checkpoint)
         metrics = self.evaluate()
         self._determine_best_metric(metrics=metrics, trial=None)
         best = self.state.best_global_step
