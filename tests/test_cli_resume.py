@@ -847,8 +847,9 @@ def test_an_evaluation_a_sigterm_stopped_is_run_on_resume(tmp_path):
     """SIGTERM in step 2's evaluation: checkpoint-2 is saved once (found by an audit: twice, the
     Trainer's end-of-epoch call evaluated and saved again), and the resume runs that evaluation
     first, so that the logged evaluations, the best checkpoint (the worst loss counts as best:
-    every evaluation decides) and the final weights are the uninterrupted run's (found by an
-    audit: the evaluation was never run, and another checkpoint was called best)."""
+    every evaluation decides), a reduce_lr_on_plateau schedule and the final weights are the
+    uninterrupted run's (found by an audit: the evaluation was never run, and another
+    checkpoint was called best)."""
     import signal
 
     from transformers import TrainerCallback
@@ -869,7 +870,9 @@ def test_an_evaluation_a_sigterm_stopped_is_run_on_resume(tmp_path):
             **common_args(
                 max_steps=6, save_strategy="steps", save_steps=2, eval_strategy="steps",
                 eval_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss",
-                greater_is_better=True, per_device_eval_batch_size=4,
+                greater_is_better=True, per_device_eval_batch_size=4, warmup_steps=0,
+                lr_scheduler_type="reduce_lr_on_plateau",
+                lr_scheduler_kwargs={"patience": 0, "factor": 0.5},
             ),
         )  # fmt: skip
         return HFMegaTrainer(
@@ -890,6 +893,11 @@ def test_an_evaluation_a_sigterm_stopped_is_run_on_resume(tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert evaluations(resumed) == evaluations(whole)
     assert [s for s, _ in evaluations(whole)] == [2, 4, 6]
+    # The evaluation's loss steps the plateau schedule (measured: without the owed evaluation
+    # the resumed run kept 1e-2 where the uninterrupted run halved it after step 4).
+    rates = [h["learning_rate"] for h in resumed.state.log_history if "learning_rate" in h]
+    assert rates == [h["learning_rate"] for h in whole.state.log_history if "learning_rate" in h]
+    assert min(rates) < max(rates)
     best = os.path.basename(resumed.state.best_model_checkpoint)
     assert best == os.path.basename(whole.state.best_model_checkpoint)
     a, b = mega_params(whole), mega_params(resumed)
