@@ -902,3 +902,57 @@ def test_an_evaluation_a_sigterm_stopped_is_run_on_resume(tmp_path):
     assert best == os.path.basename(whole.state.best_model_checkpoint)
     a, b = mega_params(whole), mega_params(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same best weights loaded at the end
+
+
+@pytest.mark.parametrize("at", [2, 8], ids=["mid-epoch", "epoch-end"])
+def test_a_sigterm_in_a_step_under_epoch_evaluation(tmp_path, at):
+    """eval_strategy="epoch", a SIGTERM during step 2 (mid-epoch) or step 8 (the epoch's last):
+    one save (found by an audit: the Trainer's call after the epoch loop breaks evaluated,
+    which stopped at once, and saved again, recording an evaluation the uninterrupted run never
+    runs). At the epoch's end that evaluation is the uninterrupted run's and stays owed. Either
+    way the resumed run's evaluations, learning rates and weights equal the uninterrupted run's
+    (16 rows at batch 2: 8 steps an epoch, 2 epochs)."""
+    import signal
+
+    from hf_megatrain import HFMegaTrainer, MegaTrainArguments, SaveOnSigterm
+    from hf_megatrain.hf.preemption import evaluation_owed
+
+    from .helpers import common_args, make_data, mega_params, tiny_config, tiny_model
+
+    class TermInStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == at - 1 and not hasattr(self, "sent"):
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def trainer(name: str, *callbacks):
+        args = MegaTrainArguments(
+            output_dir=str(tmp_path / name),
+            **common_args(
+                max_steps=16, save_strategy="epoch", eval_strategy="epoch", warmup_steps=0,
+                load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                per_device_eval_batch_size=4, lr_scheduler_type="reduce_lr_on_plateau",
+                lr_scheduler_kwargs={"patience": 0, "factor": 0.5},
+            ),
+        )  # fmt: skip
+        return HFMegaTrainer(
+            model=tiny_model(tiny_config("llama")), args=args, train_dataset=make_data(16),
+            eval_dataset=make_data(8, seed=3), callbacks=[SaveOnSigterm(), *callbacks],
+        )  # fmt: skip
+
+    def logged(t, key: str) -> list:
+        return [(h["step"], h[key]) for h in t.state.log_history if key in h]
+
+    whole = trainer("whole")
+    whole.train()
+    saves = _Saves()
+    trainer("run", TermInStep(), saves).train()
+    assert saves.steps == [at]
+    checkpoint = str(tmp_path / "run" / f"checkpoint-{at}")
+    assert evaluation_owed(checkpoint) == (at == 8)
+    resumed = trainer("run")
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert logged(resumed, "eval_loss") == logged(whole, "eval_loss")
+    assert logged(resumed, "learning_rate") == logged(whole, "learning_rate")
+    a, b = mega_params(whole), mega_params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -104,9 +104,13 @@ def test_a_move_killed_half_way_is_finished_before_a_checkpoint_is_picked(tmp_pa
     left = {"checkpoint-6", "model.safetensors"} & set(_names(out))
     assert left  # killed with later saves still in place
     aside = out / f"{SUPERSEDED_PREFIX}2"
+    # A run since (a script's train() that did not finish the move) wrote its own checkpoint-4:
+    # the replay leaves it (found by an audit: it crashed on the name, or would have taken it).
+    (out / "checkpoint-4").mkdir()
+    (out / "checkpoint-4" / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
     assert finish_pending_moves(str(out)) == [str(aside)]
-    assert _names(out) == ["_superseded-after-step-2", "checkpoint-2", "notes.txt"]
-    assert "MOVING.json" not in _names(aside) and "checkpoint-4" in _names(aside)
+    assert _names(out) == ["_superseded-after-step-2", "checkpoint-2", "checkpoint-4", "notes.txt"]
+    assert "MOVING.json" not in _names(aside) and "checkpoint-6" in _names(aside)
     assert finish_pending_moves(str(out)) == []
 
 

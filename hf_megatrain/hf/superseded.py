@@ -10,10 +10,11 @@ the stock Trainer does the same. They are moved, never deleted, into a folder of
 (``_superseded-after-step-N``: a leading underscore, which the Trainer's Hub uploads skip),
 laid out as an output_dir: its checkpoints can still be resumed from by hand.
 
-The moves are journaled: the list goes into the new folder first (``MOVING.json``), and a kill
-half way is finished by the next run's ``finish_pending_moves`` before it picks a checkpoint (a
-half-done move left the earlier run's older later checkpoints to be resumed from; found by an
-audit).
+The moves are journaled: the list goes into the new folder first (``MOVING.json``, each entry
+with its device and inode), and a kill half way is finished by the next run's
+``finish_pending_moves`` before it picks a checkpoint (a half-done move left the earlier run's
+older later checkpoints to be resumed from; found by an audit), moving only the entries that
+are still the ones listed.
 """
 
 from __future__ import annotations
@@ -88,10 +89,24 @@ def _free_name(output_dir: str, step: int) -> str:
     return path
 
 
-def _move(output_dir: str, aside: str, names: list[str]) -> None:
-    for name in names:
-        if os.path.lexists(os.path.join(output_dir, name)):
-            os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+def _identity(path: str) -> list[int] | None:
+    """What tells ``path``'s entry from one written under its name later (device and inode: a
+    publish makes a new folder or file); None where nothing is there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return [st.st_dev, st.st_ino]
+
+
+def _move(output_dir: str, aside: str, names: dict[str, list[int] | None]) -> None:
+    """Move each named entry that is still the one the journal names (a run since may have
+    written a new one under the name: found by an audit, a replay crashed on it or would have
+    taken it) and not moved yet; then drop the journal."""
+    for name, identity in names.items():
+        source, target = os.path.join(output_dir, name), os.path.join(aside, name)
+        if identity is not None and _identity(source) == identity and not os.path.lexists(target):
+            os.rename(source, target)
     fsync_dir(aside)
     fsync_dir(output_dir)
     os.remove(os.path.join(aside, _JOURNAL))
@@ -110,8 +125,12 @@ def finish_pending_moves(output_dir: str) -> list[str]:
             continue
         try:
             with open(journal, encoding="utf-8") as f:
-                names = [n for n in json.load(f)["names"] if os.path.basename(n) == n]
-        except (OSError, ValueError, KeyError, TypeError):
+                names = {
+                    n: identity
+                    for n, identity in json.load(f)["names"].items()
+                    if os.path.basename(n) == n
+                }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # (written before its renames began: nothing of it was moved)
         _move(output_dir, entry.path, names)
         logger.warning(
@@ -140,7 +159,8 @@ def set_aside_later_saves(output_dir: str, checkpoint: str) -> str | None:
         return None
     aside = _free_name(output_dir, step)
     os.makedirs(aside)
-    names = checkpoints + [MANIFEST_NAME] * bool(model) + [n for n in model if n != MANIFEST_NAME]
+    order = checkpoints + [MANIFEST_NAME] * bool(model) + [n for n in model if n != MANIFEST_NAME]
+    names = {n: _identity(os.path.join(output_dir, n)) for n in order}  # (in order: dicts keep it)
     journal = os.path.join(aside, _JOURNAL)
     with open(journal + ".tmp", "w", encoding="utf-8") as f:
         json.dump({"step": step, "names": names}, f)

@@ -971,12 +971,12 @@ class MegaTrainerMixin:
 
     def train(self, *args: Any, **kwargs: Any):
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if self.args.should_save:  # (a kill during a set-aside: before any save or resume)
+            finish_pending_moves(self.args.output_dir)
+        self.accelerator.wait_for_everyone()
         if resume is True:
             from transformers.trainer_utils import get_last_checkpoint  # noqa: PLC0415
 
-            if self.args.should_save:
-                finish_pending_moves(self.args.output_dir)  # (a kill during a set-aside)
-            self.accelerator.wait_for_everyone()
             resume = get_last_checkpoint(self.args.output_dir)  # (None: the Trainer says so)
         # The stock Trainer builds its optimizer here and follows what changed since it was
         # built; the streamed stores were laid out then (found by an audit: a decoder layer
@@ -1613,21 +1613,35 @@ class MegaTrainerMixin:
         (``EvaluationStopped``) saves the finished step's checkpoint at once and stops. The
         checkpoint records the evaluation as still asked for (``evaluation_owed``): a resume
         from it runs the evaluation first."""
-        if getattr(self, "_megatrain_stopped_at", None) == self.state.global_step:
-            # Saved at this step already: the Trainer's call at the epoch's end must neither
-            # evaluate nor save again (found by an audit: the checkpoint was written twice).
+        stop = next(
+            (c for c in self.callback_handler.callbacks if isinstance(c, SaveOnSigterm)), None
+        )
+        step, state = self.state.global_step, self.state
+        if getattr(self, "_megatrain_stopped_at", None) == step:
+            # Saved at this step already (a signal stopped the run): the Trainer's call after
+            # the epoch loop breaks must neither save again (found by audits: written twice)
+            # nor evaluate (the epoch's evaluation ran, or was stopped, with that save).
             self.control.should_evaluate = self.control.should_save = False
             self.control.should_log = False
             return None
+        if stop is not None and stop.requested and stop.stopped_at == step:
+            # The run stops after this step. Where the uninterrupted run evaluates right after
+            # it (eval_strategy "epoch" at the epoch's end or the last step), that evaluation
+            # comes before the stop's save, as there (or stops at once, recorded as owed).
+            epoch_end = state.epoch is not None and float(state.epoch).is_integer()
+            if self.args.eval_strategy == "epoch" and (epoch_end or step >= state.max_steps):
+                self.control.should_evaluate = True
         self._megatrain_after_step = True  # (an evaluation here may stop: prediction_step)
         try:
-            return super()._maybe_log_save_evaluate(*args, **kwargs)
+            result = super()._maybe_log_save_evaluate(*args, **kwargs)
+            if stop is not None and stop.stopped_at == step:  # (saved: on_step_end asked it)
+                self._megatrain_stopped_at = step
+            return result
         except EvaluationStopped:
             pass
         finally:
             self._megatrain_after_step = False
         bound = inspect.signature(super()._maybe_log_save_evaluate).bind(*args, **kwargs)
-        stop = next(c for c in self.callback_handler.callbacks if isinstance(c, SaveOnSigterm))
         logger.warning(
             "hf_megatrain: %s during evaluation: the evaluation is stopped; saving checkpoint-%d "
             "(its step is complete), then stopping",
