@@ -135,3 +135,37 @@ def test_a_refused_resume_moves_nothing(tmp_path):
             save_strategy="steps", save_steps=2, resume=str(out / "checkpoint-2"),
         )  # fmt: skip
     assert _names(out) == before
+
+
+def test_hub_pushes_take_the_published_checkpoint(tmp_path, monkeypatch):
+    """push_to_hub with hub_strategy="checkpoint": every upload lists the published folders,
+    never the checkpoint's staging folder (found by an audit: the fp32 optimizer state went up
+    with the model at every save, and last-checkpoint pointed at a folder renamed away)."""
+    import concurrent.futures
+
+    import transformers.trainer
+
+    uploads = []
+
+    class Api:
+        def create_repo(self, *args, **kwargs):
+            return type("Repo", (), {"repo_id": "me/tiny"})()
+
+        def upload_folder(self, repo_id, folder_path, path_in_repo=None, **kwargs):
+            root = Path(folder_path)
+            uploads.append(
+                (path_in_repo, sorted(str(p.relative_to(root)) for p in root.rglob("*")))
+            )
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: Api(), raising=False)
+    run_trainer(
+        tiny_model(tiny_config("llama")), tmp_path, "run", mega=True, data=make_data(8),
+        max_steps=4, save_strategy="steps", save_steps=2, push_to_hub=True,
+        hub_model_id="me/tiny", hub_strategy="checkpoint",
+    )  # fmt: skip
+    last = [files for where, files in uploads if where == "last-checkpoint"]
+    assert last and all("megatrain_manifest.json" in files for files in last)
+    assert not any(".megatrain-staging" in f for _, files in uploads for f in files)

@@ -2002,6 +2002,19 @@ class MegaTrainerMixin:
             # The Trainer rotated checkpoints inside the staging root, where there are none:
             # apply save_total_limit to the real run directory now that the new one is there.
             _rotate_checkpoints(self, run_dir)
+        if getattr(self, "_megatrain_push_pending", False):
+            self._megatrain_push_pending = False
+            super()._push_from_checkpoint(final)  # (the published folder, manifest included)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The Trainer pushes from inside _save_checkpoint, where the checkpoint is still in
+        # its staging folder: that push uploaded the staging folder (optimizer state
+        # included) with the model, and pointed last-checkpoint at a folder renamed away
+        # (found by an audit). It waits for the publish (_save_checkpoint).
+        if getattr(self, "_megatrain_in_checkpoint", False):
+            self._megatrain_push_pending = True
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.megatrain.engine.dp is not None:
